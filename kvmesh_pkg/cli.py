@@ -1,0 +1,139 @@
+"""The `kvmesh` command: run the whole mesh on one machine, or one service against a NATS URL.
+
+    kvmesh up                   embedded NATS + controller + disk store + remote store; Ctrl-C/SIGTERM stops all
+    kvmesh controller ...       the controller (also `lmcache_controller --host --port --monitor-port`)
+    kvmesh disk-store ...       the disk store of this host
+    kvmesh remote-store ...     one remote-store partition
+    kvmesh health --nats-url U  every service's health over NATS
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+
+from kvmesh.shared import bus
+from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
+from kvmesh.shared.service import configure_logging, ping_all
+
+log = logging.getLogger("kvmesh")
+
+SERVICE_MODULES = {
+    "controller": "kvmesh.services.controller",
+    "disk-store": "kvmesh.services.disk_store",
+    "remote-store": "kvmesh.services.remote_store",
+}
+
+
+def disk_store_id(host: str | None = None) -> str:
+    """The disk store's id: one per host."""
+    return f"disk-{host or socket.gethostname()}"
+
+
+def remote_store_id(partition: int) -> str:
+    return f"remote-{partition}"
+
+
+def mesh_services(args: argparse.Namespace) -> list[ServiceSpec]:
+    services = [ServiceSpec("kvmesh.services.controller",
+                            ["--host", args.host, "--port", str(args.port)], "controller")]
+    if not args.no_disk:
+        services.append(ServiceSpec("kvmesh.services.disk_store",
+                                    ["--dir", str(args.disk_dir), "--max-size-gb", str(args.disk_size),
+                                     "--store-id", disk_store_id()], disk_store_id()))
+    if not args.no_remote:
+        for partition in range(args.remote_partitions):
+            services.append(ServiceSpec(
+                "kvmesh.services.remote_store",
+                ["--max-size-gb", str(args.remote_size), "--partition", str(partition),
+                 "--partitions", str(args.remote_partitions), "--store-id", remote_store_id(partition)],
+                remote_store_id(partition)))
+    return services
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    mesh = LocalMesh(mesh_services(args), nats_url=args.nats_url, nats_port=args.nats_port,
+                     log_dir=Path(args.log_dir) if args.log_dir else None)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    mesh.start()
+    print(json.dumps({"nats_url": mesh.nats_url, "controller": f"http://{args.host}:{args.port}",
+                      "services": [s.service_id for s in mesh.services]}), flush=True)
+    log.info("mesh up: NATS %s, controller http://%s:%d; Ctrl-C stops it", mesh.nats_url, args.host, args.port)
+    try:
+        while not stop.wait(0.5):
+            for spec, process in zip(mesh.services, mesh._processes):
+                if process.poll() is not None:
+                    log.error("%s exited with code %s; stopping the mesh", spec.service_id, process.returncode)
+                    stop.set()
+    finally:
+        mesh.stop()
+    log.info("mesh stopped")
+    return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    async def collect() -> list[dict]:
+        nc = await bus.connect(bus.normalize_url(args.nats_url), name="kvmesh-health", allow_reconnect=False)
+        try:
+            return [r.__dict__ for r in await ping_all(nc, wait=args.wait)]
+        finally:
+            await nc.close()
+
+    replies = asyncio.run(collect())
+    print(json.dumps(replies, indent=2, default=str))
+    return 0 if len(replies) >= args.expect else 1
+
+
+def run_service(name: str, argv: list[str]) -> int:
+    """Run one service's own main in this process (the same module `kvmesh up` spawns)."""
+    import importlib
+    module = importlib.import_module(SERVICE_MODULES[name] + ".__main__")
+    module.main(argv)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvmesh", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="run NATS, the controller and the stores on this machine")
+    up.add_argument("--nats-url", help="use this NATS instead of embedding one")
+    up.add_argument("--nats-port", type=int, default=4222, help="port of the embedded NATS (default 4222)")
+    up.add_argument("--host", default="localhost", help="controller REST host")
+    up.add_argument("--port", type=int, default=9000, help="controller REST port")
+    up.add_argument("--disk-dir", default="local/kvmesh_disk", help="disk store directory")
+    up.add_argument("--disk-size", type=float, default=5.0, help="disk store size cap, GB")
+    up.add_argument("--remote-size", type=float, default=4.0, help="remote store memory cap per partition, GB")
+    up.add_argument("--remote-partitions", type=int, default=1, help="remote store replicas (key partitions)")
+    up.add_argument("--no-disk", action="store_true", help="do not run a disk store")
+    up.add_argument("--no-remote", action="store_true", help="do not run a remote store")
+    up.add_argument("--log-dir", help="write each service's output to <dir>/<service>.log")
+    health = sub.add_parser("health", help="ask every service on a NATS for its health")
+    health.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    health.add_argument("--wait", type=float, default=0.5)
+    health.add_argument("--expect", type=int, default=1, help="exit 1 unless at least this many answer")
+    for name in SERVICE_MODULES:
+        sub.add_parser(name, help=f"run the {name} (flags: kvmesh {name} --help)", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    configure_logging()
+    if argv and argv[0] in SERVICE_MODULES:
+        sys.exit(run_service(argv[0], argv[1:]))
+    args = build_parser().parse_args(argv)
+    sys.exit({"up": cmd_up, "health": cmd_health}[args.command](args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""The self-describing chunk file: one file per chunk, used by the disk store and the remote store.
+
+Layout: `MAGIC` (8 bytes) | header length (u32 little-endian) | msgpack header (ChunkMeta fields, checksum
+included) | zero padding to `DATA_ALIGN` | the chunk bytes. The data starts aligned so it can be read
+straight into aligned buffers. Files are written to a temporary name and renamed into place, so a file
+with the final name is complete; its checksum is still verified on every read. File names derive from the
+chunk key only (`<hex key>.kvc`, fanned out by the first byte), never from caller text.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import msgpack
+import xxhash
+
+from kvmesh.shared import protocol
+from kvmesh.shared.errors import StoreError
+from kvmesh.shared.keys import KEY_BYTES, ChunkKey
+
+MAGIC = b"KVMESH\x01\x00"
+DATA_ALIGN = 4096
+SUFFIX = ".kvc"
+TMP_SUFFIX = ".tmp"
+_LEN = struct.Struct("<I")
+
+
+class CorruptChunkFile(StoreError):
+    """A chunk file is truncated, has a bad header or fails its checksum."""
+
+
+def checksum(data: memoryview | bytes) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def chunk_path(root: Path, key: ChunkKey) -> Path:
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"chunk key must be {KEY_BYTES} bytes, got {len(key)}")
+    name = key.hex()
+    return root / name[:2] / f"{name}{SUFFIX}"
+
+
+def key_of_path(path: Path) -> ChunkKey | None:
+    """The key a chunk file name encodes, or None for a name that is not one of ours."""
+    stem = path.name[: -len(SUFFIX)] if path.name.endswith(SUFFIX) else ""
+    try:
+        key = bytes.fromhex(stem)
+    except ValueError:
+        return None
+    return key if len(key) == KEY_BYTES else None
+
+
+def encode_header(meta: protocol.ChunkMeta) -> bytes:
+    """MAGIC, length and msgpack header, zero-padded so the data that follows starts at DATA_ALIGN."""
+    body = msgpack.packb({f: getattr(meta, f) for f in meta.__dataclass_fields__}, use_bin_type=True)
+    head = MAGIC + _LEN.pack(len(body)) + body
+    return head + b"\0" * (-len(head) % DATA_ALIGN)
+
+
+def write_chunk_file(root: Path, meta: protocol.ChunkMeta, data: memoryview | bytes, fsync: bool = True) -> Path:
+    """Write a chunk crash-safely (temporary file, fsync, rename); returns the final path.
+
+    On any error the temporary file is removed and the error propagates; no partial file stays.
+    """
+    path = chunk_path(root, meta.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".{os.getpid()}{TMP_SUFFIX}")
+    try:
+        with open(tmp, "wb", buffering=0) as f:
+            f.write(encode_header(meta))
+            view = memoryview(data).cast("B")
+            written = 0
+            while written < len(view):
+                written += f.write(view[written:])
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_header(f) -> tuple[protocol.ChunkMeta, int]:
+    """Parse the header of an open chunk file; returns the meta and the data offset."""
+    prefix = f.read(len(MAGIC) + _LEN.size)
+    if len(prefix) < len(MAGIC) + _LEN.size or prefix[: len(MAGIC)] != MAGIC:
+        raise CorruptChunkFile(f"{getattr(f, 'name', '?')}: not a KVMesh chunk file (bad magic)")
+    (length,) = _LEN.unpack(prefix[len(MAGIC):])
+    body = f.read(length)
+    try:
+        fields = msgpack.unpackb(body, raw=False)
+        meta = protocol.ChunkMeta(**fields)
+    except Exception as exc:
+        raise CorruptChunkFile(f"{getattr(f, 'name', '?')}: bad header ({exc})") from None
+    head = len(prefix) + length
+    return meta, head + (-head % DATA_ALIGN)
+
+
+def read_chunk_meta(path: Path) -> tuple[protocol.ChunkMeta, int]:
+    """Header of a chunk file, checking that the file is as long as the header says."""
+    with open(path, "rb") as f:
+        meta, offset = read_header(f)
+        size = os.fstat(f.fileno()).st_size
+    if size != offset + meta.nbytes:
+        raise CorruptChunkFile(f"{path}: {size} bytes, expected {offset + meta.nbytes} (truncated or padded)")
+    return meta, offset
+
+
+def read_chunk_into(path: Path, out: memoryview) -> protocol.ChunkMeta:
+    """Read a chunk's bytes into `out` (at least meta.nbytes long) and verify the checksum."""
+    with open(path, "rb", buffering=0) as f:
+        meta, offset = read_header(f)
+        if len(out) < meta.nbytes:
+            raise StoreError(f"{path}: buffer of {len(out)} bytes is too small for {meta.nbytes}")
+        f.seek(offset)
+        target = out[: meta.nbytes]
+        done = 0
+        while done < meta.nbytes:
+            n = f.readinto(target[done:])
+            if not n:
+                raise CorruptChunkFile(f"{path}: truncated at {offset + done} bytes")
+            done += n
+        if f.read(1):
+            raise CorruptChunkFile(f"{path}: trailing bytes after the data")
+    if meta.checksum and checksum(target) != meta.checksum:
+        raise CorruptChunkFile(f"{path}: checksum mismatch")
+    return meta

@@ -1,0 +1,321 @@
+"""The engine configuration of KVMesh: LMCache's keys plus our own, from YAML, env vars and vLLM's extra config.
+
+Sources, in the order the engine applies them (each later one overrides the earlier):
+  1. the defaults below;
+  2. the YAML file named by ``LMCACHE_CONFIG_FILE`` (the seeds' ``example.yaml``);
+  3. ``LMCACHE_<KEY>`` environment variables, e.g. ``LMCACHE_CHUNK_SIZE=256``;
+  4. ``kv_connector_extra_config`` of vLLM's ``--kv-transfer-config`` (keys with or without ``lmcache.``).
+
+Unlike LMCache, an unknown key or a bad value is never ignored: it raises ``ConfigError`` naming the key and where
+it came from (file path, variable name or source label). Sizes are in GB of 1024**3 bytes, as in LMCache.
+"""
+
+import difflib
+import json
+import math
+import os
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvmesh.shared.errors import ConfigError
+
+GB = 1024**3
+ENV_PREFIX = "LMCACHE_"
+CONFIG_FILE_VAR = "LMCACHE_CONFIG_FILE"
+# LMCACHE_ variables that users set for other things than the config; anything else unknown is a typo.
+IGNORED_ENV_VARS = frozenset({CONFIG_FILE_VAR, "LMCACHE_LOG_LEVEL", "LMCACHE_TRACK_USAGE"})
+REMOTE_SERDES = frozenset({"naive", "kivi", "cachegen"})
+CACHE_POLICIES = frozenset({"LRU"})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One flat, immutable engine configuration.
+
+    Invariant: every field holds a value of its declared type that passed its check; ``__post_init__`` enforces
+    it, so direct construction, ``replace()`` and every ``from_*`` path give the same guarantees.
+    """
+
+    # LMCache keys (YAML keys, LMCACHE_<KEY> env vars); sizes in GB
+    chunk_size: int = 256
+    local_cpu: bool = True
+    max_local_cpu_size: float = 5.0
+    local_disk: str | None = None  # "file://local/disk_test/local_disk/" or a plain path
+    max_local_disk_size: float = 0.0
+    remote_url: str | None = None  # any URL, kept as-is ("nats://host:4222", "kvmesh://...")
+    remote_serde: str = "naive"  # we store naive bytes; kivi/cachegen are accepted for compatibility
+    save_unfull_chunk: bool = True  # True here: seed 000 pins a 12-token prompt and expects 12 tokens
+    save_decode_cache: bool = False
+    blocking_timeout_secs: float = 10.0
+    use_experimental: bool = True
+    enable_controller: bool = False
+    lmcache_instance_id: str = "lmcache_default_instance"
+    controller_url: str | None = None  # "localhost:9001": where NATS is (the controller's --monitor-port)
+    lmcache_worker_port: int | None = None
+    distributed_url: str | None = None
+    cache_policy: str = "LRU"
+    error_handling: bool = False
+    enable_p2p: bool = False
+    lookup_url: str | None = None
+    extra_config: dict[str, Any] | None = None
+    enable_blending: bool = False
+    blend_recompute_ratio: float = 0.15
+    blend_min_tokens: int = 256
+    enable_async_loading: bool = False
+    internal_api_server_enabled: bool = False
+    min_retrieve_tokens: int = 0
+    priority_limit: int | None = None
+    # KVMesh keys
+    nats_url: str | None = None  # join an existing mesh; None -> use controller_url, else embed one
+    nats_user: str | None = None
+    nats_password: str | None = field(default=None, repr=False)  # secrets stay out of logged reprs
+    nats_token: str | None = field(default=None, repr=False)
+    nats_nkey_seed: str | None = None  # path to an nkey seed file
+    remote_size: float = 4.0  # GB, memory cap of the remote store when the engine embeds one
+    remote_partitions: int = 1  # remote-store replicas that keys are partitioned over
+    store_queue_size: int = 64  # write-behind queue depth (chunks) to the disk/remote stores
+    request_timeout_secs: float = 2.0  # NATS request timeout for control messages
+    heartbeat_interval_secs: float = 2.0
+
+    def __post_init__(self) -> None:
+        for key, (kind, optional) in _KINDS.items():
+            where = f"EngineConfig: {key}"
+            value = _check(key, _coerce(getattr(self, key), kind, optional, where), where)
+            object.__setattr__(self, key, value)  # frozen: normalised values ("lru" -> "LRU") set once here
+
+    # ---- constructors ----------------------------------------------------------------------------------------
+    @classmethod
+    def from_defaults(cls, **overrides: object) -> "EngineConfig":
+        return cls().with_overrides(overrides, "from_defaults")
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> "EngineConfig":
+        return cls()._with_file(path)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "EngineConfig":
+        """``LMCACHE_CONFIG_FILE`` (if set) first, then every ``LMCACHE_<KEY>`` variable on top of it."""
+        env = os.environ if environ is None else environ
+        config = cls()
+        file_name = _unquote(env.get(CONFIG_FILE_VAR, ""))
+        if file_name:
+            config = config._with_file(file_name)
+        items: list[tuple[str, object, str]] = []
+        for var in sorted(env):
+            if not var.startswith(ENV_PREFIX) or var in IGNORED_ENV_VARS:
+                continue
+            key = var[len(ENV_PREFIX) :].lower()
+            if key not in _KINDS:
+                close = _closest(key)
+                hint = f" (did you mean {ENV_PREFIX}{close.upper()}?)" if close else ""
+                raise ConfigError(f"{var}: unknown LMCache/KVMesh setting {key!r}{hint}")
+            items.append((key, _unquote(env[var]), var))
+        return config._merged(items)
+
+    def with_overrides(self, overrides: Mapping[str, object], source: str) -> "EngineConfig":
+        """A copy with ``overrides`` applied; keys may carry vLLM's ``lmcache.`` prefix."""
+        items: list[tuple[str, object, str]] = []
+        for name, value in overrides.items():
+            key = name.removeprefix("lmcache.") if isinstance(name, str) else name
+            items.append((_known_key(key, name, source), value, f"{source}: {name}"))
+        return self._merged(items)
+
+    # ---- derived values ---------------------------------------------------------------------------------------
+    @property
+    def local_disk_path(self) -> Path | None:
+        """``local_disk`` without ``file://``; a relative path stays relative to the working directory."""
+        if self.local_disk is None:
+            return None
+        return Path(self.local_disk.removeprefix("file://"))
+
+    @property
+    def max_local_cpu_bytes(self) -> int:
+        return int(self.max_local_cpu_size * GB)
+
+    @property
+    def max_local_disk_bytes(self) -> int:
+        return int(self.max_local_disk_size * GB)
+
+    @property
+    def remote_size_bytes(self) -> int:
+        return int(self.remote_size * GB)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    # ---- internals --------------------------------------------------------------------------------------------
+    def _with_file(self, path: str | os.PathLike[str]) -> "EngineConfig":
+        label = f"config file {path}"
+        try:
+            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{label}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{label}: not valid YAML: {exc}") from exc
+        if data is None:  # an empty file means all defaults
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{label}: the top level must be a mapping of keys to values, got {type(data).__name__}")
+        return self._merged((_known_key(key, key, label), value, f"{label}: {key}") for key, value in data.items())
+
+    def _merged(self, items: Iterable[tuple[str, object, str]]) -> "EngineConfig":
+        """Apply (key, raw value, label) triples; errors are labelled here, before __post_init__ sees the values."""
+        changes: dict[str, object] = {}
+        for key, raw, where in items:
+            kind, optional = _KINDS[key]
+            changes[key] = _check(key, _coerce(raw, kind, optional, where), where)
+        return replace(self, **changes)
+
+
+def load_engine_config(
+    extra: Mapping[str, object] | None = None, *, environ: Mapping[str, str] | None = None
+) -> EngineConfig:
+    """What the connector uses: file and env (``from_env``), then vLLM's ``kv_connector_extra_config``."""
+    config = EngineConfig.from_env(environ)
+    if extra:
+        config = config.with_overrides(extra, "kv_connector_extra_config")
+    return config
+
+
+# ---- parsing and checks ---------------------------------------------------------------------------------------
+_TRUE = frozenset({"true", "1", "yes", "on"})
+_FALSE = frozenset({"false", "0", "no", "off"})
+_NONE_TEXT = frozenset({"none", "null", ""})  # LMCache's docs write "None if disabled"
+_EXPECTED = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", dict: "a JSON/YAML mapping"}
+
+_POSITIVE = (lambda v: v > 0, "must be > 0")
+_NON_NEGATIVE = (lambda v: v >= 0, "must be >= 0")
+_AT_LEAST_ONE = (lambda v: v >= 1, "must be >= 1")
+_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "chunk_size": _POSITIVE,
+    "max_local_cpu_size": _NON_NEGATIVE,
+    "max_local_disk_size": _NON_NEGATIVE,
+    "remote_size": _NON_NEGATIVE,
+    "blocking_timeout_secs": _POSITIVE,
+    "request_timeout_secs": _POSITIVE,
+    "heartbeat_interval_secs": _POSITIVE,
+    "remote_partitions": _AT_LEAST_ONE,
+    "store_queue_size": _AT_LEAST_ONE,
+    "blend_min_tokens": _NON_NEGATIVE,
+    "min_retrieve_tokens": _NON_NEGATIVE,
+    "blend_recompute_ratio": (lambda v: 0 <= v <= 1, "must be between 0 and 1"),
+    "lmcache_worker_port": (lambda v: 0 < v < 65536, "must be a TCP port (1-65535)"),
+    "lmcache_instance_id": (lambda v: v != "", "must not be empty"),
+    # another scheme ("s3://...") here is a mistake, not a local path
+    "local_disk": (lambda v: "://" not in v or v.startswith("file://"), "must be a path or a file:// URL"),
+}
+# key -> (allowed values, normalisation); matching is case-insensitive
+_CHOICES: dict[str, tuple[frozenset[str], Callable[[str], str]]] = {
+    "remote_serde": (REMOTE_SERDES, str.lower),
+    "cache_policy": (CACHE_POLICIES, str.upper),
+}
+
+
+def _field_kinds() -> dict[str, tuple[type, bool]]:
+    """Field name -> (base type, whether None is allowed), read from the dataclass annotations."""
+    kinds: dict[str, tuple[type, bool]] = {}
+    for f in fields(EngineConfig):
+        tp, optional = f.type, False
+        if typing.get_origin(tp) in (typing.Union, types.UnionType):
+            tp, optional = next(a for a in typing.get_args(tp) if a is not type(None)), True
+        kinds[f.name] = (typing.get_origin(tp) or tp, optional)
+    return kinds
+
+
+_KINDS = _field_kinds()
+
+
+def _coerce(value: object, kind: type, optional: bool, where: str) -> object:
+    """Convert ``value`` to ``kind``: lenient on text ("5" -> 5.0, "yes" -> True), strict on anything else."""
+    text = value.strip() if isinstance(value, str) else None
+    if value is None or (optional and text is not None and text.lower() in _NONE_TEXT):
+        if optional:
+            return None  # a required key given None/null falls through to the error below
+    elif kind is str:
+        if text is not None:
+            return value
+    elif kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if text is not None and text.lower() in _TRUE | _FALSE:
+            return text.lower() in _TRUE
+    elif kind is int and not isinstance(value, bool):
+        if isinstance(value, int):
+            return value
+        if text is not None:
+            try:
+                return int(text)
+            except ValueError:
+                pass
+        number = _to_float(value)
+        if number is not None and number.is_integer():  # "5.0" and 5.0 are fine; 5.5 is not an integer
+            return int(number)
+    elif kind is float and not isinstance(value, bool):
+        number = _to_float(value)
+        if number is not None:
+            return number
+    elif kind is dict:
+        if text is not None:  # env vars carry a JSON object
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{where}: expected a JSON object, got {value!r} ({exc.msg})") from exc
+        if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+            return dict(value)
+    shown = repr(value) if isinstance(value, str) else f"{value!r} ({type(value).__name__})"
+    raise ConfigError(f"{where}: expected {_EXPECTED[kind]}, got {shown}")
+
+
+def _to_float(value: object) -> float | None:
+    """A finite float from a number or numeric text, else None (inf/nan would slip past range checks)."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return None
+    try:
+        number = float(value.strip() if isinstance(value, str) else value)
+    except (ValueError, OverflowError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _check(key: str, value: Any, where: str) -> Any:
+    """Range and choice checks of one already-typed value; returns it normalised."""
+    if value is None:
+        return None
+    if key in _CHOICES:
+        allowed, normalise = _CHOICES[key]
+        if normalise(value) not in allowed:
+            raise ConfigError(f"{where}: must be one of {', '.join(sorted(allowed))}, got {value!r}")
+        return normalise(value)
+    rule = _RULES.get(key)
+    if rule is not None and not rule[0](value):
+        raise ConfigError(f"{where}: {rule[1]}, got {value!r}")
+    return value
+
+
+def _closest(name: str) -> str | None:
+    matches = difflib.get_close_matches(name.lower(), list(_KINDS), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def _known_key(key: object, shown: object, where: str) -> str:
+    if isinstance(key, str) and key in _KINDS:
+        return key
+    close = _closest(key) if isinstance(key, str) else None
+    hint = f" (did you mean {close!r}?)" if close else ""
+    raise ConfigError(f"{where}: unknown key {shown!r}{hint}")
+
+
+def _unquote(text: str) -> str:
+    """Env values: surrounding whitespace and one pair of matching quotes go (shells and .env files leave them)."""
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text

@@ -1,0 +1,121 @@
+"""The mesh on one machine: an embedded NATS server plus service processes, started and stopped together.
+
+Used by `kvmesh up` (controller + disk store + remote store) and by the engine when a config names no NATS
+(seed 002: only `vllm serve` is started, and the engine brings up NATS and a disk store in its own process
+tree). Each service is the same `python -m kvmesh.services.<name>` that runs standalone: embedding is wiring.
+Children get a parent-death signal, so nothing outlives the process that started the mesh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvmesh.shared import bus, protocol
+from kvmesh.shared.embedded_nats import EmbeddedNats, _die_with_parent
+from kvmesh.shared.errors import MeshUnavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServiceSpec:
+    """One service process: module name, its command-line flags, and the id it answers health for."""
+
+    module: str  # e.g. "kvmesh.services.disk_store"
+    args: list[str]
+    service_id: str
+
+
+@dataclass
+class LocalMesh:
+    """Start NATS (unless `nats_url` is given) and the services; `stop()` ends them all."""
+
+    services: list[ServiceSpec]
+    nats_url: str | None = None
+    nats_port: int | None = None
+    log_dir: Path | None = None
+    _nats: EmbeddedNats | None = None
+    _processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start(self, ready_timeout: float = 30.0) -> "LocalMesh":
+        if self.nats_url is None:
+            self._nats = EmbeddedNats(port=self.nats_port).start()
+            self.nats_url = self._nats.url
+        try:
+            for spec in self.services:
+                self._processes.append(self._spawn(spec))
+            self._wait_healthy(ready_timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, spec: ServiceSpec) -> subprocess.Popen[bytes]:
+        command = [sys.executable, "-m", spec.module, "--nats-url", str(self.nats_url), *spec.args]
+        output = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            output = open(self.log_dir / f"{spec.service_id}.log", "ab")
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        log.info("starting %s: %s", spec.service_id, " ".join(command))
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=output, stderr=output, env=env,
+                                preexec_fn=_die_with_parent)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        """Block until every service answers health over NATS (or one exits, or time runs out)."""
+        pending = {spec.service_id for spec in self.services}
+        deadline = time.monotonic() + timeout
+
+        async def poll() -> None:
+            nc = await bus.connect(str(self.nats_url), name="kvmesh-up", allow_reconnect=False)
+            try:
+                while pending and time.monotonic() < deadline:
+                    for spec, process in zip(self.services, self._processes):
+                        if process.poll() is not None:
+                            raise MeshUnavailable(f"{spec.service_id} exited with code {process.returncode} "
+                                                  f"during start-up (module {spec.module})")
+                    for service_id in list(pending):
+                        try:
+                            await bus.request(nc, protocol.Subjects.health(service_id), protocol.HealthRequest(),
+                                              protocol.HealthReply, timeout=0.5)
+                            pending.discard(service_id)
+                        except MeshUnavailable:
+                            await asyncio.sleep(0.05)
+            finally:
+                await nc.close()
+
+        asyncio.run(poll())
+        if pending:
+            raise MeshUnavailable(f"services not healthy within {timeout:.0f}s: {', '.join(sorted(pending))}")
+
+    def stop(self, timeout: float = 4.0) -> None:
+        """SIGTERM every service, wait up to `timeout`, SIGKILL stragglers, then stop NATS."""
+        processes, self._processes = self._processes, []
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for process in processes:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("pid %d did not stop on SIGTERM; killing it", process.pid)
+                process.kill()
+                process.wait()
+        if self._nats is not None:
+            self._nats.stop()
+            self._nats = None
+
+    def __enter__(self) -> "LocalMesh":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,413 @@
+"""Every message that crosses NATS, and every subject name: the one schema module of KVMesh.
+
+A message is a frozen dataclass registered with `@message("tag")`. On the wire it is a msgpack map
+`{"v": PROTOCOL_VERSION, "t": tag, <fields>}`; only headers travel this way, bulk chunk bytes take the
+shared-memory or stream paths (see DESIGN.md §4) except where a message says `data`.
+
+`decode(payload, Expected)` returns an `Expected` or raises `ProtocolError` (garbage, wrong version, wrong
+tag, missing or mistyped field). Services log that and drop the message; they never crash on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgpack
+
+from kvmesh.shared.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+# Location names of the seeds' REST API.
+LOCAL_CPU = "LocalCPUBackend"
+LOCAL_DISK = "LocalDiskBackend"
+REMOTE = "RemoteBackend"
+LOCATIONS = (LOCAL_CPU, LOCAL_DISK, REMOTE)
+
+
+class Subjects:
+    """All NATS subject names, in one place. `<id>` parts are sanitised by `token()`."""
+
+    PREFIX = "kvmesh"
+    REGISTER = f"{PREFIX}.ctrl.register"  # Register, published by every engine worker and store
+    HEARTBEAT = f"{PREFIX}.ctrl.heartbeat"  # Heartbeat, published periodically
+    CONTROLLER_HELLO = f"{PREFIX}.ctrl.hello"  # ControllerHello: a (re)started controller asks all to resync
+    EVENTS_WILDCARD = f"{PREFIX}.events.>"
+    PING_ALL = f"{PREFIX}.ping"  # HealthRequest that every service answers (collect replies for a moment)
+
+    @staticmethod
+    def token(name: str) -> str:
+        """A NATS subject token from an id: no dots, spaces or wildcards."""
+        cleaned = "".join(c if (c.isalnum() or c in "-_") else "_" for c in name)
+        if not cleaned:
+            raise ValueError(f"empty subject token from {name!r}")
+        return cleaned
+
+    @classmethod
+    def health(cls, service_id: str) -> str:
+        return f"{cls.PREFIX}.health.{cls.token(service_id)}"
+
+    @classmethod
+    def events(cls, producer_id: str) -> str:
+        """AdmissionBatch and SyncChunk messages of one producer."""
+        return f"{cls.PREFIX}.events.{cls.token(producer_id)}"
+
+    @classmethod
+    def sync(cls, producer_id: str) -> str:
+        """SyncRequest to one producer; it answers Ack, then publishes SyncChunks on its events subject."""
+        return f"{cls.PREFIX}.sync.{cls.token(producer_id)}"
+
+    @classmethod
+    def worker(cls, worker_id: str, op: str) -> str:
+        """WorkerCommand to one engine worker (op: pin, unpin, clear, lookup)."""
+        return f"{cls.PREFIX}.worker.{cls.token(worker_id)}.{op}"
+
+    @classmethod
+    def store(cls, store_id: str, op: str) -> str:
+        """A chunk-store operation (op: put, get, contains, remove, clear, pin, unpin, prefetch, stats)."""
+        return f"{cls.PREFIX}.store.{cls.token(store_id)}.{op}"
+
+
+M = TypeVar("M")
+_REGISTRY: dict[str, type] = {}
+_TAGS: dict[type, str] = {}
+
+
+def message(tag: str):
+    """Class decorator: register a dataclass as a wire message under `tag`."""
+
+    def register(cls: type[M]) -> type[M]:
+        if tag in _REGISTRY:
+            raise RuntimeError(f"duplicate message tag {tag!r}")
+        _REGISTRY[tag] = cls
+        _TAGS[cls] = tag
+        return cls
+
+    return register
+
+
+def encode(msg: Any) -> bytes:
+    """A registered message as msgpack bytes."""
+    tag = _TAGS.get(type(msg))
+    if tag is None:
+        raise TypeError(f"{type(msg).__name__} is not a registered protocol message")
+    body = _fields_of(msg)
+    body["v"] = PROTOCOL_VERSION
+    body["t"] = tag
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode(payload: bytes, expected: type[M]) -> M:
+    """Decode `payload` as an `expected` message, or raise ProtocolError saying what is wrong."""
+    try:
+        body = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"{expected.__name__}: undecodable payload ({type(exc).__name__}: {exc})") from None
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{expected.__name__}: payload is a {type(body).__name__}, not a map")
+    if body.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"{expected.__name__}: protocol version {body.get('v')!r}, expected {PROTOCOL_VERSION}")
+    tag = _TAGS[expected]
+    if body.get("t") != tag:
+        raise ProtocolError(f"{expected.__name__}: message type {body.get('t')!r}, expected {tag!r}")
+    return _from_fields(expected, body)
+
+
+def _fields_of(msg: Any) -> dict[str, Any]:
+    """A dataclass as a plain dict; nested dataclasses (e.g. ChunkMeta) become dicts too."""
+    return {
+        f.name: _fields_of(value) if dataclasses.is_dataclass(value := getattr(msg, f.name)) else value
+        for f in dataclasses.fields(msg)
+    }
+
+
+def _from_fields(cls: type[M], body: dict[str, Any]) -> M:
+    hints = _hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in body:
+            value, hint = body[f.name], hints[f.name]
+            nested = _nested_dataclass(hint)
+            if nested is not None and isinstance(value, dict):
+                value = _from_fields(nested, value)
+            elif not _conforms(value, hint):
+                raise ProtocolError(f"{cls.__name__}.{f.name}: bad value of type {type(value).__name__}")
+            kwargs[f.name] = value
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ProtocolError(f"{cls.__name__}: missing field {f.name!r}")
+    return cls(**kwargs)
+
+
+def _nested_dataclass(hint: Any) -> type | None:
+    """The dataclass type inside `hint` (`X` or `X | None`), if any."""
+    candidates = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    for candidate in candidates:
+        if isinstance(candidate, type) and dataclasses.is_dataclass(candidate):
+            return candidate
+    return None
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    """A shallow-but-useful type check of a decoded msgpack value against a field annotation."""
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(value, arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        (item,) = typing.get_args(hint) or (Any,)
+        return isinstance(value, list) and all(_conforms(v, item) for v in value)
+    if origin is dict:
+        key_t, val_t = typing.get_args(hint) or (Any, Any)
+        return isinstance(value, dict) and all(_conforms(k, key_t) and _conforms(v, val_t) for k, v in value.items())
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Generic replies and health
+
+
+@message("ack")
+@dataclass(frozen=True)
+class Ack:
+    """Reply to a request that only succeeds or fails."""
+
+    ok: bool = True
+    error: str | None = None
+
+
+@message("health_request")
+@dataclass(frozen=True)
+class HealthRequest:
+    pass
+
+
+@message("health_reply")
+@dataclass(frozen=True)
+class HealthReply:
+    service: str  # "controller", "disk_store", "remote_store", "engine"
+    service_id: str
+    status: str = "ok"
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Registration, liveness and the admission index (producers -> controller)
+
+
+@message("register_engine")
+@dataclass(frozen=True)
+class RegisterEngine:
+    """An engine worker (one per vLLM rank) announces itself and how it names chunks."""
+
+    worker_id: str  # unique per rank: "<instance_id>" for rank 0 of a single-GPU instance, else "<instance_id>.r<rank>"
+    instance_id: str
+    model: str
+    kv_format: str
+    world_size: int
+    rank: int
+    chunk_size: int
+    save_unfull_chunk: bool
+    disk_store: str | None = None  # store_id of the host's disk store, if local_disk is configured
+    remote_stores: list[str] = field(default_factory=list)  # store_ids of the remote partitions, in partition order
+    started_at: float = 0.0
+
+
+@message("register_store")
+@dataclass(frozen=True)
+class RegisterStore:
+    store_id: str
+    location: str  # LOCAL_DISK or REMOTE
+    partition: int = 0
+    num_partitions: int = 1
+    capacity_bytes: int = 0
+    started_at: float = 0.0
+
+
+@message("heartbeat")
+@dataclass(frozen=True)
+class Heartbeat:
+    producer_id: str  # worker_id or store_id
+    last_seq: int  # sequence number of the last AdmissionBatch published (0 before any)
+    time: float = 0.0
+
+
+@message("controller_hello")
+@dataclass(frozen=True)
+class ControllerHello:
+    """Broadcast by a starting controller: every producer registers again and sends a full sync."""
+
+    controller_id: str
+    started_at: float
+
+
+@message("admission_batch")
+@dataclass(frozen=True)
+class AdmissionBatch:
+    """Keys that entered or left one location of one producer since the previous batch.
+
+    `seq` increases by one per batch per producer; a gap tells the controller to ask for a full sync.
+    """
+
+    producer_id: str
+    location: str
+    seq: int
+    admitted: list[bytes] = field(default_factory=list)
+    evicted: list[bytes] = field(default_factory=list)
+
+
+@message("sync_request")
+@dataclass(frozen=True)
+class SyncRequest:
+    reason: str = ""
+
+
+@message("sync_chunk")
+@dataclass(frozen=True)
+class SyncChunk:
+    """One part of a full sync: together, the parts of `sync_id` are every key the producer holds.
+
+    `seq` is the producer's batch sequence at the time of the sync; batches after it apply on top.
+    """
+
+    producer_id: str
+    location: str
+    sync_id: str
+    seq: int
+    part: int
+    final: bool
+    keys: list[bytes] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Commands (controller -> engine worker, engine worker / controller -> store)
+
+
+@message("worker_command")
+@dataclass(frozen=True)
+class WorkerCommand:
+    """pin / unpin / clear / lookup at one location of one engine worker."""
+
+    op: str
+    location: str
+    tokens: list[int] = field(default_factory=list)
+    ttl_secs: float | None = None  # pins: None = until unpinned
+
+
+@message("command_reply")
+@dataclass(frozen=True)
+class CommandReply:
+    ok: bool
+    num_tokens: int = 0
+    error: str | None = None
+
+
+@message("chunk_keys")
+@dataclass(frozen=True)
+class ChunkKeys:
+    """Store request naming chunks in prefix order (contains, remove, pin, unpin, prefetch).
+
+    `num_tokens[i]` is the token count of `keys[i]` (a partial last chunk has fewer than chunk_size).
+    """
+
+    keys: list[bytes]
+    num_tokens: list[int] = field(default_factory=list)
+    ttl_secs: float | None = None
+    target: str | None = None  # prefetch: the engine worker_id whose CPU tier receives the chunks
+
+
+@message("contains_reply")
+@dataclass(frozen=True)
+class ContainsReply:
+    prefix: int  # how many leading keys of the request are held (complete and readable)
+
+
+@message("clear_request")
+@dataclass(frozen=True)
+class ClearRequest:
+    pass
+
+
+@message("stats_request")
+@dataclass(frozen=True)
+class StatsRequest:
+    pass
+
+
+@message("stats_reply")
+@dataclass(frozen=True)
+class StatsReply:
+    store_id: str
+    num_chunks: int
+    used_bytes: int
+    capacity_bytes: int
+    pinned_chunks: int = 0
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Chunk data (engine <-> stores). Bytes travel by shared memory (same host) or by a stream/frames; the
+# messages carry where the bytes are, never a 32 MiB payload through msgpack.
+
+
+@message("chunk_meta")
+@dataclass(frozen=True)
+class ChunkMeta:
+    """What a chunk's bytes are: enough to rebuild the tensor."""
+
+    key: bytes
+    num_tokens: int
+    shape: list[int]
+    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
+    fmt: str  # KV layout tag, e.g. "LBHNC-128" or "L2TD"
+    nbytes: int
+    checksum: int = 0  # xxh64/crc of the bytes; 0 = not computed
+
+
+@message("put_request")
+@dataclass(frozen=True)
+class PutRequest:
+    meta: ChunkMeta
+    shm_name: str | None = None  # shared-memory segment holding the bytes at shm_offset
+    shm_offset: int = 0
+    data: bytes | None = None  # inline bytes (small chunks, or one frame of a framed transfer)
+    producer: str = ""
+
+
+@message("get_request")
+@dataclass(frozen=True)
+class GetRequest:
+    key: bytes
+    shm_name: str | None = None  # where the store should write the bytes (same host)
+    shm_offset: int = 0
+    capacity: int = 0  # bytes available at shm_offset
+
+
+@message("get_reply")
+@dataclass(frozen=True)
+class GetReply:
+    found: bool
+    meta: ChunkMeta | None = None
+    data: bytes | None = None
+    error: str | None = None
