@@ -1,0 +1,73 @@
+"""Wire messages: round trips, and one exception type for every kind of bad input."""
+
+import msgpack
+import pytest
+
+from kvmesh.shared import protocol
+from kvmesh.shared.errors import ProtocolError
+from kvmesh.shared.protocol import Subjects
+
+KEY = bytes(range(16))
+
+
+def every_message() -> list[object]:
+    meta = protocol.ChunkMeta(key=KEY, num_tokens=256, shape=[32, 2, 256, 1024], dtype="bfloat16", fmt="LBHNC-128",
+                              nbytes=1 << 25, checksum=123)
+    return [
+        protocol.Ack(), protocol.Ack(ok=False, error="full"), protocol.HealthRequest(),
+        protocol.HealthReply(service="disk_store", service_id="disk-a", details={"pid": 1}),
+        protocol.RegisterEngine(worker_id="w", instance_id="i", model="m", kv_format="f", world_size=1, rank=0,
+                                chunk_size=256, save_unfull_chunk=True, disk_store="disk-a", remote_stores=["r0"]),
+        protocol.RegisterStore(store_id="disk-a", location=protocol.LOCAL_DISK),
+        protocol.Heartbeat(producer_id="w", last_seq=3, time=1.5),
+        protocol.ControllerHello(controller_id="c", started_at=1.0),
+        protocol.AdmissionBatch(producer_id="w", location=protocol.LOCAL_CPU, seq=1, admitted=[KEY], evicted=[]),
+        protocol.SyncRequest(reason="gap"),
+        protocol.SyncChunk(producer_id="w", location=protocol.LOCAL_CPU, sync_id="s", seq=2, part=0, final=True,
+                           keys=[KEY]),
+        protocol.WorkerCommand(op="pin", location=protocol.LOCAL_CPU, tokens=[1, 2, 3]),
+        protocol.CommandReply(ok=True, num_tokens=12),
+        protocol.ChunkKeys(keys=[KEY], num_tokens=[12]), protocol.ContainsReply(prefix=1),
+        protocol.ClearRequest(), protocol.StatsRequest(),
+        protocol.StatsReply(store_id="s", num_chunks=1, used_bytes=2, capacity_bytes=3),
+        meta, protocol.PutRequest(meta=meta, shm_name="seg", shm_offset=4096),
+        protocol.GetRequest(key=KEY, shm_name="seg", capacity=1 << 25),
+        protocol.GetReply(found=True, meta=meta, data=b"x"),
+    ]
+
+
+@pytest.mark.parametrize("message", every_message(), ids=lambda m: type(m).__name__)
+def test_round_trip(message: object) -> None:
+    assert protocol.decode(protocol.encode(message), type(message)) == message
+
+
+@pytest.mark.parametrize("payload", [
+    b"", b"\xff\xfe garbage", msgpack.packb([1, 2, 3]), msgpack.packb("text"),
+    msgpack.packb({"t": "ack"}),  # no version
+    msgpack.packb({"v": 99, "t": "ack"}),  # future version
+    msgpack.packb({"v": 1, "t": "heartbeat", "producer_id": "w", "last_seq": 1}),  # wrong type
+    msgpack.packb({"v": 1, "t": "command_reply"}),  # missing field
+    msgpack.packb({"v": 1, "t": "command_reply", "ok": "yes"}),  # mistyped field
+    msgpack.packb({"v": 1, "t": "command_reply", "ok": True, "num_tokens": True}),  # bool is not an int
+])
+def test_bad_payloads_raise_protocol_error(payload: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        protocol.decode(payload, protocol.CommandReply)
+
+
+def test_nested_meta_is_checked() -> None:
+    body = msgpack.packb({"v": 1, "t": "put_request", "meta": {"key": KEY}})
+    with pytest.raises(ProtocolError, match="missing field"):
+        protocol.decode(body, protocol.PutRequest)
+
+
+def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:
+    body = msgpack.packb({"v": 1, "t": "command_reply", "ok": True, "num_tokens": 3, "new_field": 1})
+    assert protocol.decode(body, protocol.CommandReply) == protocol.CommandReply(ok=True, num_tokens=3)
+
+
+def test_subjects_are_sanitised() -> None:
+    assert Subjects.worker("my.instance *>", "pin") == "kvmesh.worker.my_instance___.pin"
+    assert Subjects.store("disk-host", "put") == "kvmesh.store.disk-host.put"
+    with pytest.raises(ValueError):
+        Subjects.health("")
