@@ -83,11 +83,13 @@ def normalize_url(address: str) -> str:
 
 
 async def serve(nc: NatsClient, subject: str, request_type: type[Req],
-                handler: Callable[[Req], Awaitable[Any]], queue: str = "") -> Subscription:
+                handler: Callable[[Req], Awaitable[Any]], queue: str = "", max_concurrent: int = 1) -> Subscription:
     """Answer requests on `subject`: decode as `request_type`, await `handler`, reply with what it returns.
 
     A handler returning None sends no reply (for fire-and-forget publishes). Undecodable messages are
     logged and dropped; handler exceptions are logged and answered with `Ack(ok=False, error=...)`.
+    `max_concurrent` > 1 runs up to that many handlers at once (each in a task; further messages wait in the
+    subscription's queue); 1 handles the subject's messages one at a time, in order.
     """
 
     async def on_message(msg: Msg) -> None:
@@ -106,7 +108,23 @@ async def serve(nc: NatsClient, subject: str, request_type: type[Req],
         if reply is not None and msg.reply:
             await _respond(msg, reply)
 
-    return await nc.subscribe(subject, queue=queue, cb=on_message,
+    callback = on_message
+    if max_concurrent > 1:
+        slots = asyncio.Semaphore(max_concurrent)
+        running: set[asyncio.Task[None]] = set()
+
+        def finished(task: asyncio.Task[None]) -> None:
+            running.discard(task)
+            slots.release()
+
+        async def on_message_concurrently(msg: Msg) -> None:
+            await slots.acquire()  # back pressure: delivery pauses while max_concurrent handlers run
+            task = asyncio.ensure_future(on_message(msg))
+            running.add(task)  # keep a reference until done
+            task.add_done_callback(finished)
+
+        callback = on_message_concurrently
+    return await nc.subscribe(subject, queue=queue, cb=callback,
                               pending_msgs_limit=PENDING_MSGS_LIMIT, pending_bytes_limit=PENDING_BYTES_LIMIT)
 
 

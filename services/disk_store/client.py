@@ -1,0 +1,158 @@
+"""The engine's client of its host's disk store: `DiskStoreClient`, a `ChunkStoreClient` over NATS.
+
+Runs on the engine's NATS event loop (all methods are coroutines). Bulk bytes: when the ChunkBuffer lies in a
+shared-memory segment (`shm_name`), only (name, offset) travel on NATS and the store copies the bytes out
+(put) or reads the file straight into it (get); otherwise the bytes go inline in the message (small chunks,
+or a client without shared memory; limited by NATS max_payload).
+
+A put returns True once the store holds the bytes: the buffer may be reused immediately, and the chunk
+becomes visible to contains/get when its file is complete, shortly after. Nothing here raises on a dead or
+slow store: it logs once per change of reachability and answers miss / False / 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from nats.aio.client import Client as NatsClient
+
+from kvmesh.shared import bus, chunk_file, protocol
+from kvmesh.shared.errors import MeshUnavailable, ProtocolError
+from kvmesh.shared.keys import ChunkKey
+from kvmesh.shared.store_client import ChunkBuffer
+
+log = logging.getLogger(__name__)
+
+INLINE_HEADROOM = 64 * 1024  # msgpack envelope around inline bytes
+
+
+class DiskStoreClient:
+    """ChunkStoreClient of one disk store. `data_timeout` bounds put/get (they may wait for disk or staging)."""
+
+    location = protocol.LOCAL_DISK
+
+    def __init__(self, nc: NatsClient, store_id: str, request_timeout: float = 2.0,
+                 data_timeout: float | None = None) -> None:
+        self.nc = nc
+        self.store_id = store_id
+        self.store_ids = [store_id]
+        self.request_timeout = request_timeout
+        self.data_timeout = data_timeout if data_timeout is not None else max(request_timeout, 10.0)
+        self._reachable = True
+        self._refusing = False  # the last put was refused: log the next refusal only after a success
+
+    # ---- ChunkStoreClient ------------------------------------------------------------------------------
+    async def put(self, meta: protocol.ChunkMeta, buffer: ChunkBuffer) -> bool:
+        if buffer.shm_name:
+            request = protocol.PutRequest(meta=meta, shm_name=buffer.shm_name, shm_offset=buffer.shm_offset)
+        else:
+            if meta.nbytes + INLINE_HEADROOM > self.nc.max_payload:
+                self._refused(f"chunk of {meta.nbytes} bytes is too big to send inline (NATS max_payload "
+                              f"{self.nc.max_payload}) and the buffer is not in shared memory")
+                return False
+            request = protocol.PutRequest(meta=meta, data=bytes(buffer.view[:meta.nbytes]))
+        reply = await self._request("put", request, protocol.Ack, self.data_timeout)
+        if reply is None:
+            return False
+        if not reply.ok:
+            self._refused(reply.error or "put refused")
+        elif self._refusing:
+            self._refusing = False
+            log.info("disk store %s accepts puts again", self.store_id)
+        return reply.ok
+
+    async def get_into(self, key: ChunkKey, buffer: ChunkBuffer) -> protocol.ChunkMeta | None:
+        if buffer.shm_name:
+            request = protocol.GetRequest(key=key, shm_name=buffer.shm_name, shm_offset=buffer.shm_offset,
+                                          capacity=len(buffer.view))
+        else:
+            request = protocol.GetRequest(key=key, capacity=len(buffer.view))
+        reply = await self._request("get", request, protocol.GetReply, self.data_timeout)
+        if reply is None or not reply.found or reply.meta is None:
+            if reply is not None and reply.error:
+                log.debug("disk store %s: get %s: %s", self.store_id, key.hex(), reply.error)
+            return None
+        meta = reply.meta
+        if meta.key != key or meta.nbytes > len(buffer.view):
+            log.warning("disk store %s: get %s answered a mismatching chunk (%s, %d bytes)", self.store_id,
+                        key.hex(), meta.key.hex(), meta.nbytes)
+            return None
+        if not buffer.shm_name:
+            data = reply.data or b""
+            if len(data) != meta.nbytes or (meta.checksum and chunk_file.checksum(data) != meta.checksum):
+                log.warning("disk store %s: inline data of %s is damaged; treating it as a miss", self.store_id,
+                            key.hex())
+                return None
+            buffer.view[:meta.nbytes] = data
+        return meta
+
+    async def contains(self, keys: list[ChunkKey]) -> int:
+        reply = await self._request("contains", protocol.ChunkKeys(keys=keys), protocol.ContainsReply)
+        return reply.prefix if reply is not None else 0
+
+    async def pin(self, keys: list[ChunkKey], num_tokens: list[int], ttl_secs: float | None = None) -> int:
+        # A pin may wait for chunks still being written: allow for that on top of the control timeout.
+        reply = await self._request("pin", protocol.ChunkKeys(keys=keys, num_tokens=num_tokens, ttl_secs=ttl_secs),
+                                    protocol.CommandReply, self.request_timeout + 5.0)
+        return reply.num_tokens if reply is not None else 0
+
+    async def unpin(self, keys: list[ChunkKey], num_tokens: list[int]) -> int:
+        reply = await self._request("unpin", protocol.ChunkKeys(keys=keys, num_tokens=num_tokens),
+                                    protocol.CommandReply)
+        return reply.num_tokens if reply is not None else 0
+
+    async def remove(self, keys: list[ChunkKey]) -> int:
+        reply = await self._request("remove", protocol.ChunkKeys(keys=keys), protocol.CommandReply)
+        return reply.num_chunks if reply is not None else 0
+
+    async def clear(self) -> int:
+        reply = await self._request("clear", protocol.ClearRequest(), protocol.CommandReply)
+        return reply.num_tokens if reply is not None else 0
+
+    async def stats(self) -> list[protocol.StatsReply]:
+        reply = await self._request("stats", protocol.StatsRequest(), protocol.StatsReply)
+        return [reply] if reply is not None else []
+
+    # ---- extras ----------------------------------------------------------------------------------------
+    async def prefetch(self, keys: list[ChunkKey], target: str | None = None) -> int:
+        """Ask the store to warm the held prefix of `keys`; how many leading keys it holds."""
+        reply = await self._request("prefetch", protocol.ChunkKeys(keys=keys, target=target), protocol.ContainsReply)
+        return reply.prefix if reply is not None else 0
+
+    async def wait_written(self, timeout: float = 30.0, poll: float = 0.005) -> bool:
+        """Wait until the store has no write in flight (every accepted put is on disk or failed)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            stats = await self.stats()
+            if stats and stats[0].details.get("pending_writes", 1) == 0:
+                return True
+            await asyncio.sleep(poll)
+        return False
+
+    # ---- plumbing --------------------------------------------------------------------------------------
+    async def _request(self, op: str, message: object, reply_type: type, timeout: float | None = None):
+        try:
+            reply = await bus.request(self.nc, protocol.Subjects.store(self.store_id, op), message, reply_type,
+                                      timeout or self.request_timeout)
+        except (MeshUnavailable, ProtocolError) as exc:
+            if self._reachable:
+                self._reachable = False
+                log.warning("disk store %s unreachable (%s); answering misses until it is back", self.store_id, exc)
+            return None
+        except Exception as exc:  # never let a store problem reach vLLM
+            log.exception("disk store %s: unexpected error on %s: %s", self.store_id, op, exc)
+            return None
+        if not self._reachable:
+            self._reachable = True
+            log.info("disk store %s reachable again", self.store_id)
+        return reply
+
+    def _refused(self, reason: str) -> None:
+        if not self._refusing:  # once per change, not per put
+            self._refusing = True
+            log.warning("disk store %s: %s (further refusals are not logged until a put succeeds)",
+                        self.store_id, reason)
+        else:
+            log.debug("disk store %s: %s", self.store_id, reason)

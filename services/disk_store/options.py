@@ -1,0 +1,84 @@
+"""The disk store's settings: command-line flags, falling back to the LMCache config (`--config` or
+LMCACHE_CONFIG_FILE / LMCACHE_* variables) for `local_disk` and `max_local_disk_size` when flags are absent.
+
+    python -m kvmesh.services.disk_store --nats-url URL --dir PATH --max-size-gb F --store-id ID
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvmesh.shared.bus import normalize_url
+from kvmesh.shared.config import CONFIG_FILE_VAR, GB, EngineConfig
+from kvmesh.shared.errors import ConfigError
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
+
+@dataclass(frozen=True)
+class DiskStoreOptions:
+    root: Path
+    capacity_bytes: int
+    store_id: str
+    nats_url: str = DEFAULT_NATS_URL
+    fsync: bool = True  # fsync each chunk file before it becomes visible (survives power loss, not only crashes)
+    writer_threads: int = 1  # one sequential writer matches a single disk best (measured: see benchmarks/)
+    reader_threads: int = 4
+    staging_bytes: int = 512 * 1024 * 1024  # 0 = write-through: a put is answered once its file is written
+    staging_wait_secs: float = 5.0  # how long a put waits for staging room before it is refused
+    min_free_bytes: int = 0  # refuse puts that would leave less free space on the filesystem
+
+
+def _default_store_id() -> str:
+    from kvmesh.cli import disk_store_id  # the same id `kvmesh up` gives the store of this host
+    return disk_store_id()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m kvmesh.services.disk_store",
+                                     description="KVMesh disk store (LocalDiskBackend) of this host")
+    parser.add_argument("--nats-url", help=f"NATS to join (default: the config's nats_url/controller_url, "
+                                           f"else {DEFAULT_NATS_URL})")
+    parser.add_argument("--dir", help="chunk directory, a path or file:// URL (default: the config's local_disk)")
+    parser.add_argument("--max-size-gb", type=float, help="size cap in GB (default: max_local_disk_size)")
+    parser.add_argument("--store-id", help="store id (default: disk-<hostname>)")
+    parser.add_argument("--config", help=f"LMCache YAML config (default: ${CONFIG_FILE_VAR})")
+    parser.add_argument("--writer-threads", type=int, default=1)
+    parser.add_argument("--reader-threads", type=int, default=4)
+    parser.add_argument("--staging-mb", type=float, default=512.0,
+                        help="memory for accepted puts not yet on disk; 0 = answer puts after the write")
+    parser.add_argument("--no-fsync", action="store_true", help="do not fsync chunk files (faster, not durable)")
+    parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def options_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> DiskStoreOptions:
+    env = dict(os.environ if environ is None else environ)
+    if args.config:
+        env[CONFIG_FILE_VAR] = args.config
+    config: EngineConfig | None = None
+    if args.dir is None or args.max_size_gb is None or args.nats_url is None:
+        config = EngineConfig.from_env(env)
+    if args.dir is not None:
+        root = Path(args.dir.removeprefix("file://"))
+    elif config is not None and config.local_disk_path is not None:
+        root = config.local_disk_path
+    else:
+        raise ConfigError("disk store: no directory: pass --dir or set local_disk in the config")
+    if args.max_size_gb is not None:
+        if args.max_size_gb < 0:
+            raise ConfigError(f"--max-size-gb: must be >= 0, got {args.max_size_gb}")
+        capacity = int(args.max_size_gb * GB)
+    else:
+        assert config is not None
+        capacity = config.max_local_disk_bytes
+    nats_url = args.nats_url or (config and (config.nats_url or config.controller_url)) or DEFAULT_NATS_URL
+    if args.writer_threads < 1 or args.reader_threads < 1 or args.staging_mb < 0:
+        raise ConfigError("disk store: --writer-threads/--reader-threads must be >= 1, --staging-mb >= 0")
+    return DiskStoreOptions(
+        root=root, capacity_bytes=capacity, store_id=args.store_id or _default_store_id(),
+        nats_url=normalize_url(nats_url), fsync=not args.no_fsync, writer_threads=args.writer_threads,
+        reader_threads=args.reader_threads, staging_bytes=int(args.staging_mb * 1024 * 1024))

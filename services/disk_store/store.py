@@ -1,0 +1,462 @@
+"""The disk store's operations: put, get, contains, remove, clear, pin, unpin, prefetch, stats.
+
+Who runs what: every method runs on the store's asyncio event loop thread, which alone touches the index
+(`DiskIndex`) and the segment cache. Blocking work goes to threads: copies and file writes to `ChunkWriter`
+(one staging-copy thread, `writer_threads` writer threads), reads, deletions, readahead hints and the pins
+file to the I/O pool (`reader_threads`). The NATS wiring is in service.py; this class never sees a subject.
+
+The data path of a put: the engine's shared-memory slice -> (memcpy) staging buffer -> answer "accepted" ->
+writer thread: chunk file `<tmp>` + fsync + rename -> the key becomes held (visible) -> admission event.
+A get: index hit -> I/O thread `readinto` straight into the engine's shared-memory slice, checksum verified ->
+answer with the chunk's meta. Inline `data` replaces shared memory for small chunks or clients without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+from kvmesh.shared import chunk_file, protocol
+from kvmesh.shared.errors import StoreError
+from kvmesh.shared.keys import KEY_BYTES, ChunkKey
+from kvmesh.services.disk_store import files
+from kvmesh.services.disk_store.index import DiskIndex, Entry, SpaceRefused
+from kvmesh.services.disk_store.options import DiskStoreOptions
+from kvmesh.services.disk_store.shm import SegmentCache
+from kvmesh.services.disk_store.writer import ChunkWriter, StagingBuffer, StagingPool, WriteFaults
+
+log = logging.getLogger(__name__)
+
+PIN_WAIT_SECS = 5.0  # a pin waits this long for chunks of the request that are still being written
+INLINE_HEADROOM = 64 * 1024  # room for the msgpack envelope around inline data
+
+
+class DiskStore:
+    """One directory of chunk files with its index. `open()` first (blocking, before serving), `close()` last.
+
+    `on_admit(key)` / `on_evict(key)` are called as keys become visible or stop being visible (the service
+    points them at its AdmissionReporter). `max_inline_bytes` caps inline GetReply data (NATS max_payload).
+    """
+
+    def __init__(self, options: DiskStoreOptions, faults: WriteFaults | None = None) -> None:
+        self.options = options
+        self.root = options.root
+        self.index = DiskIndex(options.capacity_bytes)
+        self.faults = faults or WriteFaults.from_env()
+        self.on_admit: Callable[[ChunkKey], None] = lambda key: None
+        self.on_evict: Callable[[ChunkKey], None] = lambda key: None
+        self.max_inline_bytes = 1024 * 1024 - INLINE_HEADROOM
+        self.started_at = time.time()
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("puts_accepted", "puts_duplicate", "puts_refused", "writes_done", "write_errors", "gets", "hits",
+             "corrupt_dropped", "evicted"), 0)
+        self.last_write_error: str | None = None
+        self.scan_report: files.ScanReport | None = None
+        self._lock_fd: int | None = None
+        self._writer: ChunkWriter | None = None
+        self._io: ThreadPoolExecutor | None = None
+        self._staging = StagingPool(0)
+        self._segments = SegmentCache()
+        self._writes: dict[ChunkKey, asyncio.Future[None]] = {}  # pending key -> resolves when it lands
+        self._deleting: dict[ChunkKey, asyncio.Future[Any]] = {}  # key -> its file deletion in flight
+        self._background: set[asyncio.Future[Any]] = set()
+        self._pins_saved_version = 0
+        self._pins_saver: asyncio.Task[None] | None = None
+
+    # ---- life cycle ------------------------------------------------------------------------------------
+    def open(self) -> files.ScanReport:
+        """Lock the directory, rebuild the index from the files' headers, restore pins. Blocking."""
+        self._lock_fd = files.lock_directory(self.root)
+        report = files.scan(self.root)
+        for found in report.chunks:
+            self.index.load(found.key, found.entry)
+        restored = self.index.restore_pins(files.load_pins(self.root))
+        for key in self.index.over_capacity_victims():  # the cap shrank since the last run
+            files.unlink_chunk(self.root, key)
+            self.counters["evicted"] += 1
+        self.scan_report = report
+        self._writer = ChunkWriter(self.root, self.options.writer_threads, self.options.fsync, self.faults)
+        self._io = ThreadPoolExecutor(max_workers=self.options.reader_threads, thread_name_prefix="disk-io")
+        self._staging = StagingPool(self.options.staging_bytes)
+        log.info("disk store %s: %s holds %d chunks, %d bytes of %d (scan %.3fs; deleted %d tmp, %d bad files; "
+                 "%d pins restored)", self.options.store_id, self.root, len(self.index), self.index.used_bytes,
+                 self.options.capacity_bytes, report.seconds, report.removed_tmp, report.removed_corrupt, restored)
+        return report
+
+    async def close(self, drain_timeout: float = 30.0) -> None:
+        """Finish accepted writes (up to `drain_timeout`), save pins, stop threads, release the directory."""
+        if not await self.flush(drain_timeout):
+            log.warning("disk store: %d writes still pending at close", len(self._writes))
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=drain_timeout)
+        if self._pins_saver is not None:
+            await asyncio.wait([self._pins_saver], timeout=drain_timeout)
+        files.save_pins(self.root, self.index.pin_records())
+        if self._writer is not None:
+            self._writer.shutdown()
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+        self._staging.close()
+        self._segments.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    async def flush(self, timeout: float) -> bool:
+        """Wait until every accepted write has landed or failed; False if some are still running."""
+        deadline = time.monotonic() + timeout
+        while self._writes:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            await asyncio.wait(list(self._writes.values()), timeout=left)
+        return True
+
+    # ---- put -------------------------------------------------------------------------------------------
+    async def put(self, request: protocol.PutRequest) -> protocol.Ack:
+        meta = request.meta
+        try:
+            _check_key(meta.key)
+            if meta.nbytes < 0 or meta.num_tokens < 0:
+                raise StoreError(f"bad sizes: nbytes={meta.nbytes}, num_tokens={meta.num_tokens}")
+            source = self._put_source(request)
+        except (StoreError, ValueError) as exc:
+            return self._refuse(meta.key, str(exc))
+        key = meta.key
+        if self.index.held(key) is not None:  # the same key is the same bytes: one file
+            self.index.touch(key)
+            self.counters["puts_duplicate"] += 1
+            return protocol.Ack()
+        if self.index.is_pending(key):
+            self.index.undiscard(key)
+            self.counters["puts_duplicate"] += 1
+            return protocol.Ack()
+
+        staging: StagingBuffer | None = None
+        # Inline data is staged too (one memory bound, one behaviour); a chunk bigger than all of the staging
+        # memory is written through instead.
+        if self._staging.enabled and meta.nbytes <= self._staging.capacity_bytes:
+            # Stage before reserving, so that waiting for staging room evicts nothing.
+            staging = await self._staging.acquire(meta.nbytes, self.options.staging_wait_secs)
+            if staging is None:
+                return self._refuse(key, f"write queue full ({self._staging.in_use} bytes staged)")
+            if self.index.held(key) is not None or self.index.is_pending(key):  # another put won meanwhile
+                await self._staging.release(staging)
+                return protocol.Ack()
+
+        entry = Entry(nbytes=meta.nbytes, file_bytes=len(chunk_file.encode_header(meta)) + meta.nbytes,
+                      num_tokens=meta.num_tokens)
+        try:
+            self._check_free_space(entry.file_bytes)
+            victims = self.index.reserve(key, entry)
+        except (SpaceRefused, StoreError, OSError) as exc:
+            if staging is not None:
+                await self._staging.release(staging)
+            return self._refuse(key, str(exc))
+        self._evicted(victims)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._writes[key] = done
+        self.counters["puts_accepted"] += 1
+
+        if staging is not None:
+            try:
+                assert self._writer is not None
+                await self._writer.copy(staging.view, source)
+            except Exception as exc:
+                self.index.abort(key)
+                self._writes.pop(key, None)
+                done.set_result(None)
+                await self._staging.release(staging)
+                return self._refuse(key, f"copy from shared memory failed: {exc}")
+            self._spawn(self._write(meta, staging.view, staging, done))
+            return protocol.Ack()
+        error = await self._write(meta, source, None, done)  # write-through: answer once the file is complete
+        return protocol.Ack(ok=error is None, error=error)
+
+    def _put_source(self, request: protocol.PutRequest) -> memoryview:
+        nbytes = request.meta.nbytes
+        if request.data is not None:
+            if len(request.data) != nbytes:
+                raise StoreError(f"inline data is {len(request.data)} bytes, meta says {nbytes}")
+            return memoryview(request.data)
+        if request.shm_name:
+            return self._segments.view(request.shm_name, request.shm_offset, nbytes)
+        raise StoreError("put without data: neither shm_name nor data given")
+
+    def _check_free_space(self, nbytes: int) -> None:
+        if self.faults.no_space_check:
+            return
+        stat = os.statvfs(self.root)
+        free = stat.f_bavail * stat.f_frsize - self.index.reserved_bytes  # in-flight writes still to land
+        if free - nbytes < self.options.min_free_bytes:
+            raise StoreError(f"disk full: {max(free, 0)} bytes free on {self.root}, chunk needs {nbytes}")
+
+    async def _write(self, meta: protocol.ChunkMeta, data: memoryview, staging: StagingBuffer | None,
+                     done: asyncio.Future[None]) -> str | None:
+        """Write one accepted chunk and make it visible; returns an error text, or None on success."""
+        key = meta.key
+        assert self._writer is not None
+        try:
+            deleting = self._deleting.get(key)
+            if deleting is not None:  # an older file of this key is being deleted: let that finish first
+                await asyncio.wait([deleting])
+            if not meta.checksum:
+                meta = dataclasses.replace(meta, checksum=await self._in_io(chunk_file.checksum, data))
+            await self._writer.write(meta, data)
+        except Exception as exc:
+            self.index.abort(key)
+            self.counters["write_errors"] += 1
+            if self.last_write_error is None:
+                log.error("disk store: writing chunk %s failed: %s (no file kept; the store goes on)",
+                          key.hex(), exc)
+            self.last_write_error = f"{type(exc).__name__}: {exc}"
+            return f"write of chunk {key.hex()} failed: {self.last_write_error}"
+        else:
+            self.counters["writes_done"] += 1
+            if self.last_write_error is not None:
+                log.info("disk store: writes succeed again")
+                self.last_write_error = None
+            if self.index.commit(key):
+                self.on_admit(key)
+            else:  # removed or cleared while it was being written
+                self._delete_files([key])
+            return None
+        finally:
+            if staging is not None:
+                await self._staging.release(staging)
+            if self._writes.get(key) is done:
+                del self._writes[key]
+            if not done.done():
+                done.set_result(None)
+
+    def _refuse(self, key: bytes, reason: str) -> protocol.Ack:
+        self.counters["puts_refused"] += 1
+        log.debug("put of %s refused: %s", key.hex() if isinstance(key, bytes) else key, reason)
+        return protocol.Ack(ok=False, error=f"disk store {self.options.store_id}: put refused: {reason}")
+
+    # ---- get -------------------------------------------------------------------------------------------
+    async def get(self, request: protocol.GetRequest) -> protocol.GetReply:
+        self.counters["gets"] += 1
+        key = request.key
+        try:
+            _check_key(key)
+        except StoreError as exc:
+            return protocol.GetReply(found=False, error=str(exc))
+        entry = self.index.held(key)
+        if entry is None:
+            return protocol.GetReply(found=False)
+        inline: bytearray | None = None
+        try:
+            if request.shm_name:
+                if request.capacity < entry.nbytes:
+                    raise StoreError(f"buffer of {request.capacity} bytes is too small for {entry.nbytes}")
+                out = self._segments.view(request.shm_name, request.shm_offset, entry.nbytes)
+            else:
+                if entry.nbytes > self.max_inline_bytes:
+                    raise StoreError(f"chunk of {entry.nbytes} bytes is over the inline limit "
+                                     f"({self.max_inline_bytes}): use shared memory")
+                inline = bytearray(entry.nbytes)
+                out = memoryview(inline)
+        except StoreError as exc:
+            return protocol.GetReply(found=False, error=str(exc))
+        self.index.touch(key)
+        try:
+            meta = await self._in_io(_read_chunk, self.root, key, out)
+        except chunk_file.CorruptChunkFile as exc:
+            self.counters["corrupt_dropped"] += 1
+            log.warning("disk store: dropping corrupt chunk %s: %s", key.hex(), exc)
+            self._drop(key, entry, delete=False)  # _read_chunk deleted the file (if no newer one replaced it)
+            return protocol.GetReply(found=False, error=f"corrupt chunk file dropped: {exc}")
+        except FileNotFoundError:
+            log.warning("disk store: the file of chunk %s vanished; forgetting it", key.hex())
+            self._drop(key, entry, delete=False)
+            return protocol.GetReply(found=False, error="chunk file vanished")
+        except (OSError, StoreError) as exc:
+            return protocol.GetReply(found=False, error=f"read of {key.hex()} failed: {exc}")
+        self.counters["hits"] += 1
+        return protocol.GetReply(found=True, meta=meta, data=bytes(inline) if inline is not None else None)
+
+    def _drop(self, key: ChunkKey, entry: Entry, delete: bool) -> None:
+        """Forget a key whose file turned out bad or gone, unless a newer write replaced it meanwhile."""
+        if self.index.drop_if_same(key, entry):
+            self.on_evict(key)
+            if delete:
+                self._delete_files([key])
+
+    # ---- keys ------------------------------------------------------------------------------------------
+    async def contains(self, request: protocol.ChunkKeys) -> protocol.ContainsReply:
+        return protocol.ContainsReply(prefix=self.index.contains_prefix(request.keys))
+
+    async def prefetch(self, request: protocol.ChunkKeys) -> protocol.ContainsReply:
+        """Warm the page cache for the held prefix of the keys (readahead); answers how many are held.
+
+        `target` (an engine worker) is accepted but nothing is pushed to it yet: the engine pulls with get.
+        """
+        count = self.index.contains_prefix(request.keys)
+        held = request.keys[:count]
+        for key in held:
+            self.index.touch(key)
+        if held:
+            self._spawn(self._in_io(_readahead, self.root, held))
+        return protocol.ContainsReply(prefix=count)
+
+    async def remove(self, request: protocol.ChunkKeys) -> protocol.CommandReply:
+        removed: list[ChunkKey] = []
+        chunks = tokens = 0
+        for key in request.keys:
+            entry, discarded = self.index.remove(key)
+            if entry is not None:
+                removed.append(key)
+                self.on_evict(key)
+            for gone in (entry, discarded):
+                if gone is not None:
+                    chunks, tokens = chunks + 1, tokens + gone.num_tokens
+        self._delete_files(removed)
+        self._save_pins_soon()
+        return protocol.CommandReply(ok=True, num_tokens=tokens, num_chunks=chunks)
+
+    async def clear(self, request: protocol.ClearRequest) -> protocol.CommandReply:
+        removed, tokens = self.index.clear()
+        for key in removed:
+            self.on_evict(key)
+        self._delete_files(removed)
+        log.info("disk store: cleared %d chunks (%d tokens); %d pinned kept", len(removed), tokens,
+                 self.index.pinned_count)
+        return protocol.CommandReply(ok=True, num_tokens=tokens, num_chunks=len(removed))
+
+    async def pin(self, request: protocol.ChunkKeys) -> protocol.CommandReply:
+        if request.ttl_secs is not None and not request.ttl_secs > 0:
+            return protocol.CommandReply(ok=False, error=f"ttl_secs must be > 0 (or absent), got {request.ttl_secs}")
+        # Chunks still being written are about to be held: wait for them rather than pin a short prefix.
+        waits = [self._writes[k] for k in request.keys if k in self._writes]
+        if waits:
+            await asyncio.wait(waits, timeout=PIN_WAIT_SECS)
+        pinned = self.index.pin(request.keys, request.ttl_secs)
+        self._save_pins_soon()
+        return protocol.CommandReply(ok=True, num_tokens=self._tokens(request, len(pinned)), num_chunks=len(pinned))
+
+    async def unpin(self, request: protocol.ChunkKeys) -> protocol.CommandReply:
+        unpinned = self.index.unpin(request.keys)
+        self._save_pins_soon()
+        return protocol.CommandReply(ok=True, num_tokens=self._tokens(request, len(unpinned)),
+                                     num_chunks=len(unpinned))
+
+    def _tokens(self, request: protocol.ChunkKeys, count: int) -> int:
+        """Tokens of the first `count` keys: the request's counts if it gives them, else the stored ones."""
+        if len(request.num_tokens) >= count:
+            return sum(request.num_tokens[:count])
+        return sum(entry.num_tokens for key in request.keys[:count] if (entry := self.index.held(key)))
+
+    # ---- stats -----------------------------------------------------------------------------------------
+    async def stats(self, request: protocol.StatsRequest | None = None) -> protocol.StatsReply:
+        return protocol.StatsReply(
+            store_id=self.options.store_id, num_chunks=len(self.index), used_bytes=self.index.used_bytes,
+            capacity_bytes=self.options.capacity_bytes, pinned_chunks=self.index.pinned_count,
+            details=self.details())
+
+    def details(self) -> dict[str, Any]:
+        return {
+            "dir": str(self.root), "location": protocol.LOCAL_DISK, "pending_writes": len(self._writes),
+            "reserved_bytes": self.index.reserved_bytes, "staged_bytes": self._staging.in_use,
+            "staging_capacity": self._staging.capacity_bytes, "fsync": self.options.fsync,
+            "last_write_error": self.last_write_error, **self.counters,
+        }
+
+    # ---- background file work --------------------------------------------------------------------------
+    def _evicted(self, keys: list[ChunkKey]) -> None:
+        for key in keys:
+            self.on_evict(key)
+        self.counters["evicted"] += len(keys)
+        self._delete_files(keys)
+        if keys:
+            self._save_pins_soon()
+
+    def _delete_files(self, keys: list[ChunkKey]) -> None:
+        """Delete files on the I/O pool; a later write of one of these keys waits for its deletion."""
+        if not keys:
+            return
+        future = asyncio.ensure_future(self._in_io(_unlink_all, self.root, list(keys)))
+        for key in keys:
+            self._deleting[key] = future
+
+        def forget(done: asyncio.Future[Any]) -> None:
+            for key in keys:
+                if self._deleting.get(key) is done:
+                    del self._deleting[key]
+            if not done.cancelled() and done.exception() is not None:
+                log.warning("disk store: deleting %d chunk files failed: %s", len(keys), done.exception())
+
+        future.add_done_callback(forget)
+        self._background.add(future)
+        future.add_done_callback(self._background.discard)
+
+    def _save_pins_soon(self) -> None:
+        """Rewrite the pins file in the background if the pins changed; bursts coalesce into few writes."""
+        if self.index.pins_version != self._pins_saved_version and (
+                self._pins_saver is None or self._pins_saver.done()):
+            self._pins_saver = asyncio.ensure_future(self._save_pins_loop())
+
+    async def _save_pins_loop(self) -> None:
+        while self.index.pins_version != self._pins_saved_version:
+            version = self.index.pins_version
+            try:
+                await self._in_io(files.save_pins, self.root, self.index.pin_records())
+            except OSError as exc:
+                log.warning("disk store: could not save pins: %s", exc)
+                return
+            self._pins_saved_version = version
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _in_io(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+
+
+def _check_key(key: object) -> None:
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise StoreError(f"chunk key must be {KEY_BYTES} bytes, got {key!r:.60}")
+
+
+def _read_chunk(root: Path, key: ChunkKey, out: memoryview) -> protocol.ChunkMeta:
+    """I/O thread: read a chunk file into `out`, verify it, and mark it recently used for the next start."""
+    path = chunk_file.chunk_path(root, key)
+    stat = path.stat()
+    try:
+        meta = chunk_file.read_chunk_into(path, out)
+        if meta.key != key:
+            raise chunk_file.CorruptChunkFile(f"{path}: header names key {meta.key.hex()}")
+    except chunk_file.CorruptChunkFile:
+        files.unlink_chunk(root, key, only_inode=stat.st_ino)  # not a newer file written meanwhile
+        raise
+    try:
+        # mtime = last use: the LRU order across restarts (atime is not reliable under noatime/relatime,
+        # and the start-up scan's own reads would bump it).
+        os.utime(path)
+    except OSError:
+        pass
+    return meta
+
+
+def _unlink_all(root: Path, keys: list[ChunkKey]) -> int:
+    return sum(files.unlink_chunk(root, key) for key in keys)
+
+
+def _readahead(root: Path, keys: list[ChunkKey]) -> None:
+    for key in keys:
+        try:
+            fd = os.open(chunk_file.chunk_path(root, key), os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)

@@ -1,0 +1,406 @@
+"""The disk store on a real nats-server with real files, the service running in the test's event loop.
+
+Behaviour that needs the store in its own process (restart, SIGKILL, the CLI) is in test_disk_store_process.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import AsyncIterator, Iterator
+
+import pytest
+
+from kvmesh.shared import bus, chunk_file, protocol
+from kvmesh.shared.embedded_nats import EmbeddedNats
+from kvmesh.shared.shm import SharedSegment
+from kvmesh.shared.store_client import ChunkBuffer
+from kvmesh.services.disk_store.client import DiskStoreClient
+from kvmesh.services.disk_store.index import DiskIndex, Entry, SpaceRefused
+from kvmesh.services.disk_store.options import DiskStoreOptions, build_parser, options_from_args
+from kvmesh.services.disk_store.service import DiskStoreService
+from kvmesh.services.disk_store.writer import WriteFaults
+
+CHUNK = 64 * 1024
+FILE_BYTES = chunk_file.DATA_ALIGN + CHUNK  # header page + data, what a chunk costs against the cap
+
+
+def key_of(i: int) -> bytes:
+    return hashlib.blake2b(f"chunk-{i}".encode(), digest_size=16).digest()
+
+
+def chunk(i: int, nbytes: int = CHUNK, checksum: bool = True) -> tuple[protocol.ChunkMeta, bytes]:
+    data = hashlib.shake_256(f"data-{i}".encode()).digest(nbytes)
+    meta = protocol.ChunkMeta(key=key_of(i), num_tokens=100 + i, shape=[nbytes], dtype="uint8",
+                              fmt="test", nbytes=nbytes, checksum=chunk_file.checksum(data) if checksum else 0)
+    return meta, data
+
+
+def chunk_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.parent != root)
+
+
+@pytest.fixture
+def nats_server() -> Iterator[EmbeddedNats]:
+    with EmbeddedNats() as server:
+        yield server
+
+
+@pytest.fixture
+async def nc(nats_server: EmbeddedNats) -> AsyncIterator:
+    client = await bus.connect(nats_server.url, name="test")
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+def segment() -> Iterator[SharedSegment]:
+    with SharedSegment.create(8 * CHUNK) as seg:
+        yield seg
+
+
+class Harness:
+    """Starts/stops in-process disk stores on one directory and gives a client to the running one."""
+
+    def __init__(self, nc, root: Path) -> None:
+        self.nc, self.root = nc, root
+        self.store_id = f"disk-{uuid.uuid4().hex[:8]}"
+        self.service: DiskStoreService | None = None
+        self.client = DiskStoreClient(nc, self.store_id, request_timeout=2.0)
+
+    async def start(self, capacity: int = 64 * FILE_BYTES, staging_bytes: int = 4 * CHUNK,
+                    faults: WriteFaults | None = None) -> DiskStoreService:
+        options = DiskStoreOptions(root=self.root, capacity_bytes=capacity, store_id=self.store_id,
+                                   staging_bytes=staging_bytes, fsync=False)
+        self.service = DiskStoreService(options, faults=faults or WriteFaults())
+        await self.service.start(self.nc)
+        return self.service
+
+    async def stop(self) -> None:
+        if self.service is not None:
+            await self.service.stop()
+            self.service = None
+
+    async def put(self, i: int, nbytes: int = CHUNK, wait: bool = True) -> bool:
+        meta, data = chunk(i, nbytes)
+        ok = await self.client.put(meta, ChunkBuffer(view=memoryview(bytearray(data))))
+        if wait:
+            assert await self.client.wait_written(timeout=5)
+        return ok
+
+    async def get(self, i: int, nbytes: int = CHUNK) -> bytes | None:
+        out = bytearray(nbytes)
+        meta = await self.client.get_into(key_of(i), ChunkBuffer(view=memoryview(out)))
+        return None if meta is None else bytes(out[:meta.nbytes])
+
+    async def held(self, *indices: int) -> list[bool]:
+        return [await self.client.contains([key_of(i)]) == 1 for i in indices]
+
+    def request(self, op: str, message: object, reply_type: type, timeout: float = 2.0):
+        return bus.request(self.nc, protocol.Subjects.store(self.store_id, op), message, reply_type, timeout)
+
+
+@pytest.fixture
+async def harness(nc, tmp_path: Path) -> AsyncIterator[Harness]:
+    h = Harness(nc, tmp_path / "disk")
+    yield h
+    await h.stop()
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+async def test_round_trip_bit_exact_over_shared_memory_and_inline(harness: Harness, segment: SharedSegment) -> None:
+    await harness.start()
+    client = harness.client
+    # Shared memory: the bytes stay in the segment; only (name, offset) cross NATS.
+    meta, data = chunk(1)
+    segment.buf[CHUNK:2 * CHUNK] = data
+    put_buffer = ChunkBuffer(view=segment.buf[CHUNK:2 * CHUNK], shm_name=segment.name, shm_offset=CHUNK)
+    assert await client.put(meta, put_buffer)
+    segment.buf[CHUNK:2 * CHUNK] = b"\0" * CHUNK  # the engine reuses its buffer right after the reply
+    assert await client.wait_written(5)
+    get_buffer = ChunkBuffer(view=segment.buf[5 * CHUNK:7 * CHUNK], shm_name=segment.name, shm_offset=5 * CHUNK)
+    got = await client.get_into(meta.key, get_buffer)
+    assert got is not None and got.nbytes == CHUNK and got.num_tokens == meta.num_tokens
+    assert bytes(segment.buf[5 * CHUNK:6 * CHUNK]) == data
+    # Inline both ways, with the checksum left to the store.
+    meta2, data2 = chunk(2, checksum=False)
+    assert await client.put(meta2, ChunkBuffer(view=memoryview(data2)))
+    assert await client.wait_written(5)
+    assert await harness.get(2) == data2
+    assert await harness.get(1) == data  # a shm-put chunk can be read inline, and vice versa
+    assert await client.get_into(meta2.key, get_buffer) is not None
+    assert bytes(segment.buf[5 * CHUNK:6 * CHUNK]) == data2
+    # The same key twice makes one file; a miss is None; odd sizes work.
+    assert await harness.put(1) and await harness.put(3, nbytes=1000)
+    assert await harness.get(3, 1000) == chunk(3, 1000)[1]
+    assert len(chunk_files(harness.root)) == 3
+    assert await harness.get(99) is None
+    assert await client.contains([key_of(1), key_of(2), key_of(99), key_of(3)]) == 2
+    stats = (await client.stats())[0]
+    assert stats.num_chunks == 3 and stats.details["puts_duplicate"] == 1
+    assert await client.get_into(meta.key, ChunkBuffer(view=segment.buf[:10], shm_name=segment.name)) is None
+
+
+async def test_lru_eviction_keeps_the_size_cap_and_gets_refresh_recency(harness: Harness) -> None:
+    await harness.start(capacity=3 * FILE_BYTES + 100)
+    for i in (1, 2, 3):
+        assert await harness.put(i)
+    assert await harness.get(1) is not None  # 1 is now more recent than 2
+    assert await harness.put(4)
+    assert await harness.held(1, 2, 3, 4) == [True, False, True, True]
+    assert await harness.put(5)
+    assert await harness.held(1, 3, 4, 5) == [True, False, True, True]
+    stats = (await harness.client.stats())[0]
+    assert stats.num_chunks == 3 and stats.used_bytes <= stats.capacity_bytes
+    await asyncio.sleep(0.05)  # deletions run in the background
+    assert len(chunk_files(harness.root)) == 3
+    # A chunk bigger than the whole cap is refused, and nothing is evicted for it.
+    assert not await harness.put(6, nbytes=4 * FILE_BYTES, wait=False)
+    assert await harness.held(1, 4, 5) == [True, True, True]
+
+
+async def test_pins_survive_pressure_and_clear_and_a_full_pinned_store_refuses_puts(harness: Harness) -> None:
+    await harness.start(capacity=2 * FILE_BYTES + 100)
+    client = harness.client
+    assert await harness.put(1) and await harness.put(2)
+    keys = [key_of(1), key_of(2)]
+    assert await client.pin(keys, [101, 102]) == 203
+    files_before = chunk_files(harness.root)
+    reply = await harness.request("put", protocol.PutRequest(meta=chunk(3)[0], data=chunk(3)[1]), protocol.Ack)
+    assert not reply.ok and "no room" in reply.error  # refused with a reason ...
+    assert await harness.held(1, 2, 3) == [True, True, False]  # ... and nothing else changed
+    assert chunk_files(harness.root) == files_before
+    assert await client.clear() == 0  # everything is pinned
+    assert await harness.get(1) == chunk(1)[1] and await harness.get(2) == chunk(2)[1]
+    # Pins are a contiguous prefix at chunk granularity; unpin releases one pin.
+    assert await client.pin([key_of(2), key_of(9), key_of(1)], [102, 109, 101]) == 102
+    assert await client.unpin([key_of(2)], [102]) == 102
+    assert await client.unpin([key_of(1), key_of(2)], [101, 102]) == 203  # 1's only pin, 2's first pin
+    assert await client.unpin([key_of(2)], [102]) == 0  # no pin left on 2
+    assert await harness.put(3)  # 1 and 2 are unpinned now: 1 (least recent) goes
+    assert await harness.held(1, 2, 3) == [False, True, True]
+    assert await client.pin([key_of(3)], []) == 103  # no counts given: the stored ones
+    assert await client.clear() == 102  # 2 cleared, 3 pinned and kept
+    assert await harness.held(2, 3) == [False, True]
+    stats = (await client.stats())[0]
+    assert stats.pinned_chunks == 1 and stats.num_chunks == 1
+
+
+async def test_pins_with_ttl_expire_and_pins_survive_a_restart(harness: Harness) -> None:
+    await harness.start(capacity=2 * FILE_BYTES + 100)
+    assert await harness.put(1) and await harness.put(2)
+    assert await harness.client.pin([key_of(1)], [101]) == 101
+    expires = time.monotonic() + 1.0
+    assert await harness.client.pin([key_of(2)], [102], ttl_secs=1.0) == 102
+    await harness.stop()
+    await harness.start(capacity=2 * FILE_BYTES + 100)
+    assert (await harness.client.stats())[0].pinned_chunks == 2
+    await asyncio.sleep(expires - time.monotonic() + 0.05)
+    assert await harness.put(3)  # 2's pin expired: it is the victim; 1 stays pinned
+    assert await harness.held(1, 2, 3) == [True, False, True]
+
+
+async def test_a_corrupted_or_truncated_file_is_a_miss_and_is_dropped(harness: Harness) -> None:
+    await harness.start()
+    for i in (1, 2, 3):
+        assert await harness.put(i)
+    flipped = chunk_file.chunk_path(harness.root, key_of(1))
+    raw = bytearray(flipped.read_bytes())
+    raw[-100] ^= 0xFF
+    flipped.write_bytes(raw)
+    truncated = chunk_file.chunk_path(harness.root, key_of(2))
+    os.truncate(truncated, truncated.stat().st_size - 10)
+    assert await harness.get(1) is None and await harness.get(2) is None
+    assert not flipped.exists() and not truncated.exists()
+    assert await harness.held(1, 2, 3) == [False, False, True]
+    assert await harness.get(3) == chunk(3)[1]
+    assert (await harness.client.stats())[0].details["corrupt_dropped"] == 2
+
+
+async def test_write_failure_leaves_no_file_and_the_store_serving(harness: Harness) -> None:
+    # Staged puts: accepted, then the background write hits ENOSPC half way through the file.
+    await harness.start(faults=WriteFaults(enospc=1))
+    assert await harness.put(1)
+    assert await harness.held(1) == [False]
+    assert chunk_files(harness.root) == []  # neither the chunk file nor its temporary
+    details = (await harness.client.stats())[0].details
+    assert details["write_errors"] == 1 and "No space left" in details["last_write_error"]
+    assert await harness.put(1) and await harness.get(1) == chunk(1)[1]  # the store goes on
+    await harness.stop()
+    # Write-through puts: the failure is the put's own answer.
+    await harness.start(staging_bytes=0, faults=WriteFaults(enospc=1))
+    meta, data = chunk(2)
+    reply = await harness.request("put", protocol.PutRequest(meta=meta, data=data), protocol.Ack)
+    assert not reply.ok and "No space left" in reply.error
+    assert await harness.held(1, 2) == [True, False]
+    assert len(chunk_files(harness.root)) == 1
+    assert await harness.put(2) and await harness.get(2) == data
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True)
+    if os.geteuid() != 0:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True, timeout=10).returncode == 0
+
+
+async def test_a_really_full_disk_refuses_or_fails_the_put_cleanly(nc, tmp_path: Path) -> None:
+    mount = tmp_path / "tiny"
+    if not _mount_tmpfs(mount, "1m"):
+        pytest.skip("cannot mount a tmpfs here (needs root); the ENOSPC hook test covers the write path")
+    harness = Harness(nc, mount / "disk")
+    try:
+        # Checked at accept time: the put is refused with a reason.
+        await harness.start(capacity=64 * FILE_BYTES)
+        assert await harness.put(1, nbytes=600 * 1024)
+        reply = await harness.request("put", protocol.PutRequest(meta=chunk(2, 600 * 1024)[0],
+                                                                 data=chunk(2, 600 * 1024)[1]), protocol.Ack)
+        assert not reply.ok and "disk full" in reply.error
+        await harness.stop()
+        # Unchecked: the real ENOSPC comes from inside the write; no partial file stays.
+        await harness.start(capacity=64 * FILE_BYTES, staging_bytes=0, faults=WriteFaults(no_space_check=True))
+        reply = await harness.request("put", protocol.PutRequest(meta=chunk(2, 600 * 1024)[0],
+                                                                 data=chunk(2, 600 * 1024)[1]), protocol.Ack)
+        assert not reply.ok and "No space left" in reply.error
+        assert [p.name for p in chunk_files(harness.root)] == [chunk_file.chunk_path(harness.root, key_of(1)).name]
+        assert await harness.get(1, 600 * 1024) == chunk(1, 600 * 1024)[1]
+        await harness.stop()
+    finally:
+        await harness.stop()  # closes the store's files, so the unmount is not busy
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=10)
+
+
+async def test_garbage_on_every_subject_leaves_it_serving(harness: Harness) -> None:
+    await harness.start()
+    assert await harness.put(1)
+    ops = ["put", "get", "contains", "remove", "clear", "pin", "unpin", "prefetch", "stats"]
+    garbage = [b"", b"\x00\xff\xfe", b"not msgpack", protocol.encode(protocol.Ack()),
+               protocol.encode(protocol.HealthRequest()), b"\x81\xa1v\x01"]
+    for op in ops:
+        for payload in garbage:
+            reply = await harness.nc.request(protocol.Subjects.store(harness.store_id, op), payload, timeout=2)
+            assert reply.data  # an error answer, never silence or a crash
+    bad_meta = protocol.ChunkMeta(key=b"short", num_tokens=1, shape=[4], dtype="uint8", fmt="x", nbytes=4)
+    good_meta = chunk(7)[0]
+    bad_requests = [
+        ("put", protocol.PutRequest(meta=bad_meta, data=b"1234")),
+        ("put", protocol.PutRequest(meta=good_meta, data=b"too short")),
+        ("put", protocol.PutRequest(meta=good_meta)),
+        ("put", protocol.PutRequest(meta=good_meta, shm_name="../../etc/passwd")),
+        ("put", protocol.PutRequest(meta=good_meta, shm_name="kvmesh-no-such-segment")),
+        ("put", protocol.PutRequest(meta=protocol.ChunkMeta(key=key_of(8), num_tokens=-1, shape=[], dtype="",
+                                                            fmt="", nbytes=-5), data=b"")),
+        ("get", protocol.GetRequest(key=b"x" * 40)),
+        ("get", protocol.GetRequest(key=key_of(1), shm_name="kvmesh-no-such-segment", capacity=CHUNK)),
+        ("contains", protocol.ChunkKeys(keys=[b"", b"x" * 100])),
+        ("pin", protocol.ChunkKeys(keys=[b"bad"], num_tokens=[1, 2, 3], ttl_secs=-1.0)),
+        ("remove", protocol.ChunkKeys(keys=[b"bad"])),
+    ]
+    for op, message in bad_requests:
+        reply = await harness.nc.request(protocol.Subjects.store(harness.store_id, op), protocol.encode(message),
+                                         timeout=2)
+        assert reply.data
+    assert await harness.held(7, 8) == [False, False]
+    assert await harness.get(1) == chunk(1)[1]
+    assert await harness.put(2) and await harness.get(2) == chunk(2)[1]
+    health = await bus.request(harness.nc, protocol.Subjects.health(harness.store_id), protocol.HealthRequest(),
+                               protocol.HealthReply, 2)
+    assert health.service == "disk_store" and health.details["puts_refused"] >= 5
+
+
+async def test_admission_events_with_increasing_seq_reach_a_subscriber(harness: Harness) -> None:
+    received: list[object] = []
+
+    async def on_event(msg) -> None:
+        for kind in (protocol.AdmissionBatch, protocol.SyncChunk):
+            try:
+                received.append(protocol.decode(msg.data, kind))
+                return
+            except Exception:
+                continue
+
+    await harness.nc.subscribe(protocol.Subjects.events(harness.store_id), cb=on_event)
+    await harness.start(capacity=2 * FILE_BYTES + 100)
+    for i in (1, 2):
+        assert await harness.put(i)
+        await asyncio.sleep(0.1)  # one flush interval: a batch per put
+    assert await harness.put(3)  # evicts 1
+    assert await harness.client.remove([key_of(2)]) == 1
+    await asyncio.sleep(0.2)
+    batches = [m for m in received if isinstance(m, protocol.AdmissionBatch)]
+    seqs = [b.seq for b in batches]
+    assert seqs == list(range(1, len(seqs) + 1)) and len(seqs) >= 2
+    assert all(b.location == protocol.LOCAL_DISK and b.producer_id == harness.store_id for b in batches)
+    admitted = [k for b in batches for k in b.admitted]
+    evicted = [k for b in batches for k in b.evicted]
+    assert set(admitted) >= {key_of(1), key_of(2), key_of(3)} and set(evicted) >= {key_of(1), key_of(2)}
+    syncs = [m for m in received if isinstance(m, protocol.SyncChunk)]
+    assert syncs and syncs[0].final and syncs[0].keys == []  # the full sync at start (empty directory)
+
+
+async def test_prefetch_remove_and_stats(harness: Harness) -> None:
+    await harness.start()
+    for i in (1, 2, 3):
+        assert await harness.put(i)
+    assert await harness.client.prefetch([key_of(1), key_of(2), key_of(9), key_of(3)], target="w0") == 2
+    assert await harness.client.remove([key_of(2), key_of(9)]) == 1
+    assert await harness.held(1, 2, 3) == [True, False, True]
+    stats = await harness.client.stats()
+    assert stats[0].store_id == harness.store_id and stats[0].num_chunks == 2
+    assert stats[0].used_bytes == 2 * FILE_BYTES
+
+
+async def test_client_of_a_dead_store_answers_misses_and_logs_once(nc, caplog) -> None:
+    client = DiskStoreClient(nc, "disk-nobody", request_timeout=0.2)
+    meta, data = chunk(1)
+    caplog.set_level(logging.WARNING, logger="kvmesh.services.disk_store.client")
+    for _ in range(3):
+        assert await client.put(meta, ChunkBuffer(view=memoryview(data))) is False
+        assert await client.get_into(meta.key, ChunkBuffer(view=memoryview(bytearray(CHUNK)))) is None
+        assert await client.contains([meta.key]) == 0
+        assert await client.pin([meta.key], [256]) == 0 and await client.unpin([meta.key], [256]) == 0
+        assert await client.remove([meta.key]) == 0 and await client.clear() == 0
+        assert await client.stats() == []
+    assert len([r for r in caplog.records if "unreachable" in r.getMessage()]) == 1
+    assert client.location == protocol.LOCAL_DISK and client.store_ids == ["disk-nobody"]
+
+
+def test_options_from_flags_and_from_the_lmcache_config(tmp_path: Path) -> None:
+    config = tmp_path / "disk-offload.yaml"
+    config.write_text('chunk_size: 256\nlocal_disk: "file://local/disk_test/local_disk/"\nmax_local_disk_size: 5.0\n')
+    options = options_from_args(build_parser().parse_args(["--config", str(config), "--store-id", "d1"]), {})
+    assert options.root == Path("local/disk_test/local_disk") and options.capacity_bytes == 5 * 1024**3
+    env = {"LMCACHE_LOCAL_DISK": str(tmp_path / "x"), "LMCACHE_MAX_LOCAL_DISK_SIZE": "0.5"}
+    options = options_from_args(build_parser().parse_args(["--store-id", "d1"]), env)
+    assert options.root == tmp_path / "x" and options.capacity_bytes == 1024**3 // 2
+    options = options_from_args(build_parser().parse_args(
+        ["--dir", "file:///data/kv", "--max-size-gb", "2", "--store-id", "d1", "--nats-url", "h:4222"]), {})
+    assert options.root == Path("/data/kv") and options.nats_url == "nats://h:4222"
+
+
+def test_index_reserves_commits_and_discards() -> None:
+    index = DiskIndex(capacity_bytes=300)
+    entry = Entry(nbytes=90, file_bytes=100, num_tokens=10)
+    assert index.reserve(b"a", entry) == [] and index.reserve(b"b", entry) == []
+    assert index.contains_prefix([b"a"]) == 0  # not visible until written
+    assert index.commit(b"a") and index.contains_prefix([b"a", b"b"]) == 1
+    assert index.reserve(b"c", entry) == []
+    assert index.pin([b"a"]) == [b"a"]
+    with pytest.raises(SpaceRefused):  # pinned a and the in-flight b, c fill the cap: nothing to evict
+        index.reserve(b"d", entry)
+    index.unpin([b"a"])
+    assert index.reserve(b"d", entry) == [b"a"]  # held a evicted; in-flight b, c never are
+    index.abort(b"d")
+    assert index.remove(b"b") == (None, entry)  # a pending write is discarded ...
+    assert not index.commit(b"b")  # ... and not admitted when it lands
+    assert index.commit(b"c") and index.clear() == ([b"c"], 10)
+    assert index.used_bytes == 0 and index.reserved_bytes == 0

@@ -1,0 +1,236 @@
+"""The disk store as its own process (`python -m kvmesh.services.disk_store`): restarts, SIGKILL, the CLI.
+
+The test process is the engine side: a client over a real nats-server, its buffers in a shared-memory segment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import AsyncIterator, Iterator
+
+import pytest
+
+from kvmesh.shared import bus, chunk_file, protocol
+from kvmesh.shared.embedded_nats import EmbeddedNats, _die_with_parent
+from kvmesh.shared.errors import MeshUnavailable
+from kvmesh.shared.shm import SharedSegment
+from kvmesh.shared.store_client import ChunkBuffer
+from kvmesh.services.disk_store.client import DiskStoreClient
+
+CHUNK = 256 * 1024
+SLOTS = 8
+
+
+def key_of(i: int) -> bytes:
+    return hashlib.blake2b(f"chunk-{i}".encode(), digest_size=16).digest()
+
+
+def data_of(i: int, nbytes: int = CHUNK) -> bytes:
+    return hashlib.shake_256(f"data-{i}".encode()).digest(nbytes)
+
+
+def meta_of(i: int, nbytes: int = CHUNK) -> protocol.ChunkMeta:
+    return protocol.ChunkMeta(key=key_of(i), num_tokens=256, shape=[nbytes], dtype="uint8", fmt="test",
+                              nbytes=nbytes, checksum=chunk_file.checksum(data_of(i, nbytes)))
+
+
+class StoreProcess:
+    """One disk store process on `root`; restartable; never outlives the test (parent-death signal + stop)."""
+
+    def __init__(self, nats_url: str, root: Path, log_dir: Path, max_size_gb: float = 1.0) -> None:
+        self.nats_url, self.root, self.log_dir, self.max_size_gb = nats_url, root, log_dir, max_size_gb
+        self.store_id = f"disk-{uuid.uuid4().hex[:8]}"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def start(self, *extra: str) -> None:
+        self.starts += 1
+        log = open(self.log_dir / f"store-{self.starts}.log", "wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kvmesh.services.disk_store", "--nats-url", self.nats_url, "--dir", str(self.root),
+             "--max-size-gb", str(self.max_size_gb), "--store-id", self.store_id, *extra],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, preexec_fn=_die_with_parent,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
+        log.close()
+
+    async def wait_healthy(self, nc, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process is not None and self.process.poll() is None, self.log()
+            try:
+                await bus.request(nc, protocol.Subjects.health(self.store_id), protocol.HealthRequest(),
+                                  protocol.HealthReply, 0.3)
+                return
+            except MeshUnavailable:
+                await asyncio.sleep(0.05)
+        raise AssertionError(f"store not healthy within {timeout}s:\n{self.log()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int | None:
+        process, self.process = self.process, None
+        if process is None:
+            return None
+        if process.poll() is None:
+            process.send_signal(sig)
+        try:
+            return process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise AssertionError(f"store did not stop on signal {sig}:\n{self.log()}")
+
+    def log(self) -> str:
+        return "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(self.log_dir.glob("store-*.log")))
+
+
+@pytest.fixture
+def nats_server() -> Iterator[EmbeddedNats]:
+    with EmbeddedNats() as server:
+        yield server
+
+
+@pytest.fixture
+async def nc(nats_server: EmbeddedNats) -> AsyncIterator:
+    client = await bus.connect(nats_server.url, name="test-engine")
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+def store(nats_server: EmbeddedNats, tmp_path: Path) -> Iterator[StoreProcess]:
+    process = StoreProcess(nats_server.url, tmp_path / "disk", tmp_path, max_size_gb=1.0)
+    yield process
+    process.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def segment() -> Iterator[SharedSegment]:
+    with SharedSegment.create(SLOTS * CHUNK) as seg:
+        yield seg
+
+
+def slot(segment: SharedSegment, i: int) -> ChunkBuffer:
+    offset = (i % SLOTS) * CHUNK
+    return ChunkBuffer(view=segment.buf[offset:offset + CHUNK], shm_name=segment.name, shm_offset=offset)
+
+
+async def put_shm(client: DiskStoreClient, segment: SharedSegment, i: int) -> bool:
+    buffer = slot(segment, i)
+    buffer.view[:] = data_of(i)
+    return await client.put(meta_of(i), buffer)
+
+
+async def get_shm(client: DiskStoreClient, segment: SharedSegment, i: int) -> bytes | None:
+    buffer = slot(segment, i)
+    buffer.view[:] = b"\0" * CHUNK
+    meta = await client.get_into(key_of(i), buffer)
+    return None if meta is None else bytes(buffer.view[:meta.nbytes])
+
+
+async def test_chunks_persist_across_a_restart_with_their_lru_order(nc, store: StoreProcess,
+                                                                    segment: SharedSegment) -> None:
+    store.max_size_gb = 3.5 * (chunk_file.DATA_ALIGN + CHUNK) / 1024**3  # room for 3 chunks
+    store.start()
+    await store.wait_healthy(nc)
+    client = DiskStoreClient(nc, store.store_id)
+    for i in (1, 2, 3):
+        assert await put_shm(client, segment, i)
+    assert await client.wait_written(10)
+    assert await get_shm(client, segment, 1) == data_of(1)  # 1 becomes more recent than 2
+    assert await client.pin([key_of(3)], [256]) == 256
+    assert store.stop() == 0  # SIGTERM: a clean stop
+
+    store.start()
+    await store.wait_healthy(nc)
+    assert await client.contains([key_of(1), key_of(2), key_of(3)]) == 3
+    stats = (await client.stats())[0]
+    assert stats.num_chunks == 3 and stats.pinned_chunks == 1
+    # The LRU order survived (2 is the oldest: 1 was read after it was written), and so did 3's pin.
+    assert await put_shm(client, segment, 4) and await client.wait_written(10)
+    assert [await client.contains([key_of(i)]) for i in (1, 2, 3, 4)] == [1, 0, 1, 1]
+    for i in (1, 3, 4):
+        assert await get_shm(client, segment, i) == data_of(i)
+
+
+async def test_sigkill_during_puts_then_restart_returns_only_intact_chunks(nc, store: StoreProcess,
+                                                                          segment: SharedSegment) -> None:
+    store.start()
+    await store.wait_healthy(nc)
+    client = DiskStoreClient(nc, store.store_id, request_timeout=1.0, data_timeout=2.0)
+    accepted: list[int] = []
+    seen_pending = False
+
+    async def stream(first: int) -> None:  # 4 streams, one put in flight each: faster than fsync'd writes
+        for i in range(first, 10_000, 4):
+            if await put_shm(client, segment, i):
+                accepted.append(i)
+
+    streams = [asyncio.create_task(stream(first)) for first in range(4)]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not (len(accepted) >= 40 and seen_pending):
+        stats = await client.stats()
+        seen_pending = seen_pending or bool(stats and stats[0].details["pending_writes"])
+        await asyncio.sleep(0.002)
+    store.stop(signal.SIGKILL)  # in the middle of the stream, with writes in flight
+    await asyncio.sleep(0.3)
+    for task in streams:
+        task.cancel()
+    await asyncio.gather(*streams, return_exceptions=True)
+    assert len(accepted) >= 40
+    # Plant what a crash (or a bad disk) can leave: a partial temporary, a truncated and a garbage chunk file.
+    victim = chunk_file.chunk_path(store.root, key_of(10_001))
+    victim.parent.mkdir(parents=True, exist_ok=True)
+    Path(str(victim) + ".12345.tmp").write_bytes(b"partial")
+    good = next(store.root.rglob("*.kvc"))
+    victim.write_bytes(good.read_bytes()[:-1000])
+    chunk_file.chunk_path(store.root, key_of(10_002)).parent.mkdir(parents=True, exist_ok=True)
+    chunk_file.chunk_path(store.root, key_of(10_002)).write_bytes(b"KVMESH\x01\x00garbage")
+
+    store.start()
+    await store.wait_healthy(nc)
+    client = DiskStoreClient(nc, store.store_id)
+    assert list(store.root.rglob("*.tmp")) == []
+    assert not victim.exists() and not chunk_file.chunk_path(store.root, key_of(10_002)).exists()
+    held = [i for i in range(max(accepted) + 8) if await client.contains([key_of(i)])]
+    assert len(held) >= 1
+    for i in range(max(accepted) + 8):
+        got = await get_shm(client, segment, i)
+        assert got is None or got == data_of(i), f"chunk {i} came back corrupt"
+        assert (got is not None) == (i in held)
+    assert (await client.stats())[0].num_chunks == len(held)
+
+
+async def test_a_second_store_on_the_same_directory_is_refused(nc, store: StoreProcess, tmp_path: Path) -> None:
+    store.start()
+    await store.wait_healthy(nc)
+    second = subprocess.run(
+        [sys.executable, "-m", "kvmesh.services.disk_store", "--nats-url", store.nats_url, "--dir", str(store.root),
+         "--max-size-gb", "1", "--store-id", "other"], capture_output=True, timeout=30)
+    assert second.returncode == 2 and b"another disk store" in second.stderr
+
+
+async def test_started_from_the_lmcache_config_file(nc, nats_server: EmbeddedNats, tmp_path: Path) -> None:
+    config = tmp_path / "disk-offload.yaml"
+    disk = tmp_path / "not" / "yet" / "there"
+    config.write_text(f'chunk_size: 256\nlocal_disk: "file://{disk}/"\nmax_local_disk_size: 0.5\n')
+    process = StoreProcess(nats_server.url, disk, tmp_path)
+    process.start = lambda *extra: None  # type: ignore[method-assign]  # started by hand below
+    log = open(tmp_path / "store-1.log", "wb")
+    process.process = subprocess.Popen(
+        [sys.executable, "-m", "kvmesh.services.disk_store", "--nats-url", nats_server.url, "--store-id",
+         process.store_id], stdout=log, stderr=log, preexec_fn=_die_with_parent,
+        env={**os.environ, "LMCACHE_CONFIG_FILE": str(config)})
+    log.close()
+    try:
+        await process.wait_healthy(nc)
+        stats = (await DiskStoreClient(nc, process.store_id).stats())[0]
+        assert stats.capacity_bytes == 1024**3 // 2 and Path(stats.details["dir"]) == disk and disk.is_dir()
+    finally:
+        assert process.stop() == 0
