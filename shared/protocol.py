@@ -321,6 +321,7 @@ class CommandReply:
     ok: bool
     num_tokens: int = 0
     error: str | None = None
+    num_chunks: int = 0  # stores: chunks affected (remove, clear, pin, unpin)
 
 
 @message("chunk_keys")
@@ -411,3 +412,42 @@ class GetReply:
     meta: ChunkMeta | None = None
     data: bytes | None = None
     error: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Direct streams (remote store): negotiated on NATS, then chunk bytes on a TCP connection kept by the client.
+# On the stream every request is one op byte, a u32 length, one of these messages (or PutRequest/GetRequest)
+# and, for puts and found gets, the chunk's raw bytes; see services/remote_store/transfer.py.
+
+
+@message("stream_request")
+@dataclass(frozen=True)
+class StreamRequest:
+    """Ask a store for a direct stream, on `Subjects.store(store_id, "stream")`; it answers StreamOffer."""
+
+    client: str = ""  # who asks, for the store's logs
+
+
+@message("stream_offer")
+@dataclass(frozen=True)
+class StreamOffer:
+    """Where the store's stream listens, and a single-use ticket that the new connection presents first.
+
+    Tickets are handed out only over NATS, so the stream is open to exactly the clients NATS authorises.
+    """
+
+    host: str
+    port: int
+    ticket: bytes
+    store_id: str = ""
+    partition: int = 0
+    num_partitions: int = 1
+
+
+@message("stream_hello")
+@dataclass(frozen=True)
+class StreamHello:
+    """The first request on a new stream connection; answered with Ack."""
+
+    ticket: bytes
+    client: str = ""
