@@ -10,6 +10,7 @@ start it from a thread that lives as long as the mesh does (the main thread or t
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import shutil
@@ -62,11 +63,16 @@ class EmbeddedNats:
     """A nats-server child process on loopback. Use as a context manager or call start()/stop()."""
 
     def __init__(self, port: int | None = None, host: str = "127.0.0.1",
-                 max_payload: int = DEFAULT_MAX_PAYLOAD, binary: str | None = None) -> None:
+                 max_payload: int = DEFAULT_MAX_PAYLOAD, binary: str | None = None,
+                 token: str | None = None, extra_config: str = "") -> None:
+        """`token` makes the server require that token; `extra_config` is appended to the config file verbatim
+        (e.g. an `authorization { users: [...] }` block)."""
         self.host = host
         self.port = port or free_port(host)
         self.max_payload = max_payload
         self.binary = binary
+        self.token = token
+        self.extra_config = extra_config
         self.process: subprocess.Popen[bytes] | None = None
         self._workdir: tempfile.TemporaryDirectory[str] | None = None
 
@@ -83,6 +89,8 @@ class EmbeddedNats:
             f"max_payload: {self.max_payload}\n"
             f"max_pending: {max(self.max_payload, 64 * 1024 * 1024)}\n"
             "write_deadline: \"10s\"\n"
+            + (f"authorization {{ token: {json.dumps(self.token)} }}\n" if self.token else "")
+            + (self.extra_config + "\n" if self.extra_config else "")
         )
         log_file = Path(self._workdir.name) / "nats.log"
         self.process = subprocess.Popen(

@@ -1,0 +1,13 @@
+"""The remote store (LMCache's `RemoteBackend`): one chunk store shared by many engines on many hosts.
+
+One process per key partition (`python -m kvmesh.services.remote_store`); engines reach all of them through
+`client.RemoteStoreClient`. Modules, from the wire inwards:
+    __main__.py     flags, logging, NATS connect, run until SIGTERM
+    service.py      NATS handlers (control ops, stream negotiation, health, admission events)
+    transfer.py     the bulk data path: TCP streams with single-use tickets, both ends
+    store.py        chunks in memory: ChunkIndex (LRU under the cap, pins) over recycled buffers
+    buffers.py      page-faulted buffers, recycled by size class
+    persistence.py  optional write-behind mirror of the memory in chunk files (shared/chunk_file.py)
+    partition.py    which replica owns a key
+    client.py       the engine's ChunkStoreClient over every partition
+"""

@@ -1,0 +1,272 @@
+"""The engine's client of the remote store: `RemoteStoreClient`, a ChunkStoreClient over every partition.
+
+Runs on the engine's NATS event loop thread (all methods are coroutines). Each key goes to the replica that
+owns its partition (partition.py; `store_ids` in partition order). Control ops (contains, pin, unpin, remove,
+clear, stats) are NATS requests, sent to the partitions concerned in parallel and combined. Chunk bytes
+go on direct TCP streams (transfer.py): per replica a few connections, negotiated over NATS once and kept.
+
+Nothing here raises on a store problem: a dead, unreachable or refusing replica answers miss / False / 0 for its own keys, is
+logged once per change of state, and is not asked again for `retry_interval` seconds (so a vanished host
+costs one timeout, not one per call). Every wait is bounded: `request_timeout` for control ops and stream
+set-up, plus `nbytes / min_transfer_rate` for a chunk's bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, TypeVar
+
+from nats.aio.client import Client as NatsClient
+
+from kvmesh.shared import bus, protocol
+from kvmesh.shared.errors import KVMeshError
+from kvmesh.shared.keys import ChunkKey
+from kvmesh.shared.store_client import ChunkBuffer
+from kvmesh.services.remote_store.partition import partition_of
+from kvmesh.services.remote_store.transfer import StreamConnection, StreamPool
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Replica:
+    """One partition's store as this client sees it."""
+
+    store_id: str
+    pool: StreamPool
+    reachable: bool = True
+    down_until: float = 0.0  # monotonic: skip the replica until then (it just failed)
+    refusing: bool = False  # its last put was refused (logged once until a put succeeds)
+
+
+class RemoteStoreClient:
+    """ChunkStoreClient of the remote store's partitions (`store_ids[i]` serves partition i)."""
+
+    location = protocol.REMOTE
+
+    def __init__(self, nc: NatsClient, store_ids: list[str], request_timeout: float = 2.0, *,
+                 min_transfer_rate: float = 100e6, retry_interval: float = 1.0, max_connections: int = 4) -> None:
+        if not store_ids:
+            raise ValueError("RemoteStoreClient needs at least one store id")
+        self.nc = nc
+        self.store_ids = list(store_ids)
+        self.request_timeout = request_timeout
+        self.min_transfer_rate = min_transfer_rate  # bytes/s a chunk transfer may not fall below
+        self.retry_interval = retry_interval
+        self._name = f"{socket.gethostname()}:{os.getpid()}"
+        self._replicas = [_Replica(store_id, StreamPool(self._negotiator(store_id), self._name, max_connections))
+                          for store_id in self.store_ids]
+
+    # ---- routing -----------------------------------------------------------------------------------------
+    def partition(self, key: ChunkKey) -> int:
+        return partition_of(key, len(self._replicas))
+
+    def _group(self, keys: list[ChunkKey]) -> dict[int, list[int]]:
+        """Positions of `keys` per partition, each list in prefix order."""
+        groups: dict[int, list[int]] = {}
+        for position, key in enumerate(keys):
+            groups.setdefault(self.partition(key), []).append(position)
+        return groups
+
+    # ---- ChunkStoreClient: bytes -------------------------------------------------------------------------
+    async def put(self, meta: protocol.ChunkMeta, buffer: ChunkBuffer) -> bool:
+        replica = self._replicas[self.partition(meta.key)]
+        data = _bytes_view(buffer.view)[: meta.nbytes]
+        if len(data) != meta.nbytes:
+            log.error("remote put of %s: buffer holds %d bytes, the meta says %d", meta.key.hex(), len(data),
+                      meta.nbytes)
+            return False
+        ack = await self._on_stream(replica, meta.nbytes, lambda conn: conn.put(meta, data))
+        if ack is None:
+            return False
+        if not ack.ok:
+            if not replica.refusing:
+                replica.refusing = True
+                log.warning("remote store %s refused chunk %s: %s (further refusals are logged at debug level "
+                            "until a put succeeds)", replica.store_id, meta.key.hex(), ack.error)
+            else:
+                log.debug("remote store %s refused chunk %s: %s", replica.store_id, meta.key.hex(), ack.error)
+            return False
+        if replica.refusing:
+            replica.refusing = False
+            log.info("remote store %s accepts puts again", replica.store_id)
+        return True
+
+    async def get_into(self, key: ChunkKey, buffer: ChunkBuffer) -> protocol.ChunkMeta | None:
+        replica = self._replicas[self.partition(key)]
+        view = _bytes_view(buffer.view)
+        reply = await self._on_stream(replica, len(view), lambda conn: conn.get_into(key, view))
+        if reply is None or not reply.found:
+            if reply is not None and reply.error:
+                log.warning("remote store %s: get %s: %s", replica.store_id, key.hex(), reply.error)
+            return None
+        return reply.meta
+
+    # ---- ChunkStoreClient: control -----------------------------------------------------------------------
+    async def contains(self, keys: list[ChunkKey]) -> int:
+        """The held prefix of `keys`: each partition reports the prefix of its own keys; the first key any
+        partition lacks (or any unreachable partition owns) ends the combined prefix."""
+        if not keys:
+            return 0
+        groups = self._group(keys)
+        replies = await self._each(groups, lambda i, positions: self._request(
+            i, "contains", protocol.ChunkKeys(keys=[keys[p] for p in positions]), protocol.ContainsReply))
+        return min(_first_missing(positions, reply.prefix if reply else 0, len(keys))
+                   for positions, reply in zip(groups.values(), replies))
+
+    async def pin(self, keys: list[ChunkKey], num_tokens: list[int], ttl_secs: float | None = None) -> int:
+        """Pin the contiguous held prefix of `keys` across partitions; the number of tokens pinned.
+
+        Each partition pins its own held prefix; pins past the combined prefix are then taken back, so only
+        the chunks a reader can actually use stay pinned.
+        """
+        if not keys:
+            return 0
+        groups = self._group(keys)
+        tokens_of = _tokens_by_position(keys, num_tokens)
+        replies = await self._each(groups, lambda i, positions: self._request(
+            i, "pin", protocol.ChunkKeys(keys=[keys[p] for p in positions], num_tokens=[tokens_of[p] for p in positions],
+                                         ttl_secs=ttl_secs), protocol.CommandReply))
+        pinned = {i: positions[: reply.num_chunks if reply and reply.ok else 0]
+                  for (i, positions), reply in zip(groups.items(), replies)}
+        prefix = min(_first_missing(positions, len(pinned[i]), len(keys)) for i, positions in groups.items())
+        extras = {i: [p for p in positions if p >= prefix] for i, positions in pinned.items()}
+        extras = {i: positions for i, positions in extras.items() if positions}
+        if extras:
+            await self._each(extras, lambda i, positions: self._request(
+                i, "unpin", protocol.ChunkKeys(keys=[keys[p] for p in positions],
+                                               num_tokens=[tokens_of[p] for p in positions]), protocol.CommandReply))
+        return sum(tokens_of[p] for p in range(prefix))
+
+    async def unpin(self, keys: list[ChunkKey], num_tokens: list[int]) -> int:
+        if not keys:
+            return 0
+        groups = self._group(keys)
+        tokens_of = _tokens_by_position(keys, num_tokens)
+        replies = await self._each(groups, lambda i, positions: self._request(
+            i, "unpin", protocol.ChunkKeys(keys=[keys[p] for p in positions],
+                                           num_tokens=[tokens_of[p] for p in positions]), protocol.CommandReply))
+        return sum(reply.num_tokens for reply in replies if reply and reply.ok)
+
+    async def remove(self, keys: list[ChunkKey]) -> int:
+        if not keys:
+            return 0
+        groups = self._group(keys)
+        replies = await self._each(groups, lambda i, positions: self._request(
+            i, "remove", protocol.ChunkKeys(keys=[keys[p] for p in positions]), protocol.CommandReply))
+        return sum(reply.num_chunks for reply in replies if reply and reply.ok)
+
+    async def clear(self) -> int:
+        replies = await asyncio.gather(*(self._request(i, "clear", protocol.ClearRequest(), protocol.CommandReply)
+                                         for i in range(len(self._replicas))))
+        return sum(reply.num_tokens for reply in replies if reply and reply.ok)
+
+    async def stats(self) -> list[protocol.StatsReply]:
+        replies = await asyncio.gather(*(self._request(i, "stats", protocol.StatsRequest(), protocol.StatsReply)
+                                         for i in range(len(self._replicas))))
+        return [reply for reply in replies if reply is not None]
+
+    async def close(self) -> None:
+        """Close the kept stream connections (the NATS connection is the caller's)."""
+        for replica in self._replicas:
+            replica.pool.close()
+
+    # ---- plumbing ----------------------------------------------------------------------------------------
+    def _negotiator(self, store_id: str) -> Callable[[], Awaitable[protocol.StreamOffer]]:
+        async def negotiate() -> protocol.StreamOffer:
+            return await bus.request(self.nc, protocol.Subjects.store(store_id, "stream"),
+                                     protocol.StreamRequest(client=self._name), protocol.StreamOffer,
+                                     self.request_timeout)
+        return negotiate
+
+    async def _each(self, groups: dict[int, list[int]],
+                    call: Callable[[int, list[int]], Awaitable[T | None]]) -> list[T | None]:
+        """`call(partition, positions)` for every group at once; results in the groups' order."""
+        return list(await asyncio.gather(*(call(i, positions) for i, positions in groups.items())))
+
+    async def _request(self, partition: int, op: str, message: object, reply_type: type[T]) -> T | None:
+        replica = self._replicas[partition]
+        if replica.down_until > time.monotonic():
+            return None
+        try:
+            reply = await bus.request(self.nc, protocol.Subjects.store(replica.store_id, op), message, reply_type,
+                                      self.request_timeout)
+        except KVMeshError as exc:  # MeshUnavailable (no responder, timeout), ProtocolError (bad reply)
+            self._mark_down(replica, exc)
+            return None
+        except Exception as exc:  # never let a store problem reach vLLM
+            log.exception("remote store %s: unexpected error on %s", replica.store_id, op)
+            self._mark_down(replica, exc)
+            return None
+        self._mark_up(replica)
+        return reply
+
+    async def _on_stream(self, replica: _Replica, nbytes: int,
+                         op: Callable[[StreamConnection], Awaitable[T]]) -> T | None:
+        """Run `op` on a kept connection to `replica`, bounded in time; None on any failure.
+
+        A kept connection may point at a store that restarted since: a failure on one is retried once on a
+        fresh connection before the replica counts as down.
+        """
+        if replica.down_until > time.monotonic():
+            return None
+        timeout = self.request_timeout + nbytes / self.min_transfer_rate
+        for attempt in (1, 2):
+            reused = False
+            try:
+                async with asyncio.timeout(timeout):
+                    async with replica.pool.connection() as connection:
+                        reused = connection.uses > 0
+                        result = await op(connection)
+            except TimeoutError:
+                self._mark_down(replica, f"no answer on the stream within {timeout:.1f}s")
+                return None
+            except (KVMeshError, OSError) as exc:  # StreamError, MeshUnavailable (negotiation), socket errors
+                if attempt == 1 and reused:
+                    log.debug("remote store %s: kept connection failed (%s); retrying on a new one",
+                              replica.store_id, exc)
+                    continue
+                self._mark_down(replica, exc)
+                return None
+            except Exception as exc:  # never let a store problem reach vLLM
+                log.exception("remote store %s: unexpected stream error", replica.store_id)
+                self._mark_down(replica, exc)
+                return None
+            self._mark_up(replica)
+            return result
+        return None
+
+    def _mark_down(self, replica: _Replica, reason: Any) -> None:
+        replica.down_until = time.monotonic() + self.retry_interval
+        if replica.reachable:
+            replica.reachable = False
+            log.warning("remote store %s unreachable (%s); its keys are misses until it is back", replica.store_id,
+                        reason)
+
+    def _mark_up(self, replica: _Replica) -> None:
+        if not replica.reachable:
+            replica.reachable = True
+            log.info("remote store %s reachable again", replica.store_id)
+
+
+def _bytes_view(view: memoryview) -> memoryview:
+    view = memoryview(view)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _first_missing(positions: list[int], held: int, total: int) -> int:
+    """The position of the first key of a partition that is not held (`total` when all of them are)."""
+    return positions[held] if held < len(positions) else total
+
+
+def _tokens_by_position(keys: list[ChunkKey], num_tokens: list[int]) -> list[int]:
+    if len(num_tokens) != len(keys):
+        raise ValueError(f"num_tokens has {len(num_tokens)} entries for {len(keys)} keys")
+    return list(num_tokens)

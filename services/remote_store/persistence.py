@@ -1,0 +1,132 @@
+"""Optional persistence of the remote store: a directory of chunk files mirroring what the memory holds.
+
+Runs in the store process. `Persister` keeps one FIFO of writes and deletes, consumed by one asyncio task on
+the store's loop that runs each file operation in a worker thread: a delete queued after a write of the same
+key therefore lands after it, so a removed chunk never comes back at the next start. Files use the shared
+self-describing format (shared/chunk_file.py: crash-safe rename, checksum), the same as the disk store's.
+Writes are behind the put's reply: a crash loses at most the chunks still queued, never a file's integrity.
+`scan()` lists the files at start (newest first) for the store to load, removing leftovers of a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+from kvmesh.shared import chunk_file, protocol
+from kvmesh.shared.keys import ChunkKey
+
+log = logging.getLogger(__name__)
+
+
+class PersistableChunk(Protocol):
+    meta: protocol.ChunkMeta
+    dropped: bool
+
+    def data(self) -> memoryview: ...
+
+
+@dataclass(frozen=True)
+class FoundChunk:
+    """A chunk file found at start: its header, path and modification time."""
+
+    meta: protocol.ChunkMeta
+    path: Path
+    mtime: float
+
+
+class Persister:
+    """Write-behind mirror of the memory store in `root`. `done(chunk)` is called after each write attempt."""
+
+    def __init__(self, root: Path, done: Callable[[PersistableChunk], None], fsync: bool = True) -> None:
+        self.root = root
+        self.fsync = fsync
+        self._done = done
+        self._queue: asyncio.Queue[tuple[str, ChunkKey, PersistableChunk | None]] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+        self.failures = 0
+
+    @property
+    def pending(self) -> int:
+        return self._queue.qsize()
+
+    def start(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def write(self, chunk: PersistableChunk) -> None:
+        """Queue a chunk's file; the caller keeps the chunk's bytes alive until `done(chunk)`."""
+        self._queue.put_nowait(("write", chunk.meta.key, chunk))
+
+    def delete(self, key: ChunkKey) -> None:
+        self._queue.put_nowait(("delete", key, None))
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        """Finish the queued work (up to `timeout` seconds), then stop."""
+        if self._task is None:
+            return
+        try:
+            await asyncio.wait_for(self._queue.join(), timeout)
+        except asyncio.TimeoutError:
+            log.warning("persistence of %s: %d file operations left undone at stop", self.root, self.pending)
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+        self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            op, key, chunk = await self._queue.get()
+            try:
+                if op == "write":
+                    assert chunk is not None
+                    try:
+                        if not chunk.dropped:  # removed meanwhile: a delete follows in the queue anyway
+                            await asyncio.to_thread(chunk_file.write_chunk_file, self.root, chunk.meta,
+                                                    chunk.data(), self.fsync)
+                    finally:
+                        self._done(chunk)
+                else:
+                    await asyncio.to_thread(_unlink, chunk_file.chunk_path(self.root, key))
+            except Exception as exc:  # a full or failing disk costs persistence, never the memory store
+                self.failures += 1
+                log.warning("persistence of %s: %s of chunk %s failed: %s", self.root, op, key.hex(), exc)
+            finally:
+                self._queue.task_done()
+
+
+def _unlink(path: Path) -> None:
+    path.unlink(missing_ok=True)
+
+
+def scan(root: Path) -> list[FoundChunk]:
+    """Every readable chunk file header under `root`, newest first; removes temporary and unreadable files.
+
+    The data's checksum is checked later, when the store reads the bytes in (`chunk_file.read_chunk_into`).
+    """
+    found: list[FoundChunk] = []
+    if not root.is_dir():
+        return found
+    for path in root.glob("*/*"):
+        if path.name.endswith(chunk_file.TMP_SUFFIX):  # a write interrupted by a crash
+            _unlink(path)
+            continue
+        key = chunk_file.key_of_path(path)
+        if key is None:
+            continue
+        try:
+            meta, _ = chunk_file.read_chunk_meta(path)
+            if meta.key != key:
+                raise chunk_file.CorruptChunkFile(f"{path}: header names chunk {meta.key.hex()}")
+            found.append(FoundChunk(meta, path, os.stat(path).st_mtime))
+        except Exception as exc:
+            log.warning("removing unreadable chunk file %s: %s", path, exc)
+            _unlink(path)
+    found.sort(key=lambda f: f.mtime, reverse=True)
+    return found

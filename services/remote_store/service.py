@@ -1,0 +1,229 @@
+"""The remote store as a mesh service: one process per key partition, one asyncio event loop on its main thread.
+
+NATS subjects (`Subjects.store(store_id, op)`), request -> reply, each handled on the loop in arrival order:
+    stream    StreamRequest -> StreamOffer     where the TCP stream listens + a single-use ticket (transfer.py)
+    put       PutRequest    -> Ack             inline `data` only (small chunks, tools); bulk puts use the stream
+    get       GetRequest    -> GetReply        inline `data` when it fits NATS max_payload; else use the stream
+    contains  ChunkKeys     -> ContainsReply   how many leading keys are held
+    pin/unpin ChunkKeys     -> CommandReply    contiguous prefix; num_chunks, num_tokens (ttl_secs optional)
+    remove    ChunkKeys     -> CommandReply    num_chunks, num_tokens removed (pinned ones too)
+    clear     ClearRequest  -> CommandReply    every unpinned chunk; num_chunks, num_tokens
+    stats     StatsRequest  -> StatsReply
+Also health (`serve_health(service="remote_store")`), and AdmissionBatch / SyncChunk on `Subjects.events(store_id)`
+(location RemoteBackend, producer_id = store_id) through AdmissionReporter. The stream server's connection tasks
+run on the same loop; worker threads only fault buffers and do file I/O (store.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nats.aio.client import Client as NatsClient
+from nats.aio.subscription import Subscription
+
+from kvmesh.shared import bus, protocol
+from kvmesh.shared.admissions import AdmissionReporter
+from kvmesh.shared.bus import NatsAuth
+from kvmesh.shared.nats_auth import connect_checked
+from kvmesh.shared.service import serve_health
+from kvmesh.services.remote_store.store import MemoryStore, PutRefused
+from kvmesh.services.remote_store.transfer import StreamServer
+
+log = logging.getLogger(__name__)
+
+INLINE_HEADROOM = 64 * 1024  # msgpack envelope around inline bytes in one NATS message
+
+
+@dataclass(frozen=True)
+class RemoteStoreOptions:
+    store_id: str
+    capacity_bytes: int
+    nats_url: str = "nats://127.0.0.1:4222"
+    auth: NatsAuth = field(default_factory=NatsAuth)
+    partition: int = 0
+    num_partitions: int = 1
+    persist_dir: Path | None = None
+    fsync: bool = True
+    stream_host: str | None = None  # where the stream listens; None = the address this host reaches NATS from
+    stream_port: int = 0  # 0 = any free port (it is advertised in the StreamOffer)
+    advertise_host: str | None = None  # the address clients connect to; None = the listening one (or the route)
+    transfer_timeout: float = 30.0  # seconds one chunk's transfer may take before its connection is closed
+    heartbeat_interval: float = 2.0
+
+
+def route_address(nats_url: str) -> str | None:
+    """The local address this host uses to reach the (first) NATS server: clients of NATS can reach it too.
+
+    A UDP `connect` only asks the kernel for a route; no packet is sent.
+    """
+    parsed = urllib.parse.urlsplit(bus.normalize_url(nats_url.split(",")[0]))
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(parsed.hostname or "127.0.0.1", parsed.port or 4222,
+                                                             type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(address)
+            return probe.getsockname()[0]
+    except OSError as exc:
+        log.warning("could not find the route to NATS %s (%s)", nats_url, exc)
+        return None
+
+
+def stream_addresses(options: RemoteStoreOptions) -> tuple[str, str]:
+    """(listen host, advertised host) of the stream."""
+    route = route_address(options.nats_url)
+    listen = options.stream_host or route or "0.0.0.0"
+    wildcard = listen in ("0.0.0.0", "::", "")
+    advertise = options.advertise_host or (route or socket.gethostname() if wildcard else listen)
+    return listen, advertise
+
+
+class RemoteStoreService:
+    """A MemoryStore served over NATS and a TCP stream. `start()` loads and subscribes; `stop()` undoes both."""
+
+    def __init__(self, options: RemoteStoreOptions) -> None:
+        self.options = options
+        self.reporter = AdmissionReporter(options.store_id, protocol.REMOTE, held_keys=self._held_keys,
+                                          register=self._registration,
+                                          heartbeat_interval=options.heartbeat_interval)
+        self.store = MemoryStore(options.capacity_bytes, options.partition, options.num_partitions,
+                                 options.persist_dir, options.fsync,
+                                 on_admit=self.reporter.admit, on_evict=self.reporter.evict)
+        listen, self.advertise_host = stream_addresses(options)
+        self.stream = StreamServer(self.store, listen, options.stream_port, options.transfer_timeout)
+        self.nc: NatsClient | None = None
+        self._own_nc = False
+        self._subscriptions: list[Subscription] = []
+        self._started_at = time.time()
+
+    async def start(self, nc: NatsClient | None = None) -> None:
+        options = self.options
+        await self.store.open()
+        await self.stream.start()
+        if nc is None:
+            nc = await connect_checked(options.nats_url, f"remote_store:{options.store_id}", options.auth)
+            self._own_nc = True
+        self.nc = nc
+        handlers: list[tuple[str, type, Any]] = [
+            ("stream", protocol.StreamRequest, self._on_stream), ("put", protocol.PutRequest, self._on_put),
+            ("get", protocol.GetRequest, self._on_get), ("contains", protocol.ChunkKeys, self._on_contains),
+            ("pin", protocol.ChunkKeys, self._on_pin), ("unpin", protocol.ChunkKeys, self._on_unpin),
+            ("remove", protocol.ChunkKeys, self._on_remove), ("clear", protocol.ClearRequest, self._on_clear),
+            ("stats", protocol.StatsRequest, self._on_stats),
+        ]
+        for op, request_type, handler in handlers:
+            self._subscriptions.append(
+                await bus.serve(nc, protocol.Subjects.store(options.store_id, op), request_type, handler))
+        await self.reporter.start(nc)
+        await serve_health(nc, "remote_store", options.store_id, details=self._health_details)
+        await nc.flush()
+        log.info("remote store %s (partition %d of %d, %.2f GB) serving on NATS %s, stream %s:%d%s",
+                 options.store_id, options.partition, options.num_partitions, options.capacity_bytes / 1024**3,
+                 options.nats_url, self.advertise_host, self.stream.port,
+                 f", persisting in {options.persist_dir}" if options.persist_dir else "")
+
+    async def stop(self) -> None:
+        for subscription in self._subscriptions:
+            try:
+                await subscription.unsubscribe()
+            except Exception as exc:
+                log.debug("unsubscribe failed: %s", exc)
+        self._subscriptions = []
+        await self.stream.stop()
+        await self.reporter.stop()
+        await self.store.close()
+        if self.nc is not None and self._own_nc:
+            try:
+                await self.nc.drain()
+            except Exception as exc:
+                log.debug("NATS drain failed: %s", exc)
+        log.info("remote store %s stopped", self.options.store_id)
+
+    # ---- what the controller sees ------------------------------------------------------------------------
+    def _held_keys(self) -> list[bytes]:
+        return self.store.index.keys()
+
+    def _registration(self) -> protocol.RegisterStore:
+        o = self.options
+        return protocol.RegisterStore(store_id=o.store_id, location=protocol.REMOTE, partition=o.partition,
+                                      num_partitions=o.num_partitions, capacity_bytes=o.capacity_bytes,
+                                      started_at=self._started_at)
+
+    def _health_details(self) -> dict[str, Any]:
+        index = self.store.index
+        return {"partition": self.options.partition, "num_partitions": self.options.num_partitions,
+                "num_chunks": len(index), "used_bytes": index.used_bytes,
+                "capacity_bytes": self.options.capacity_bytes,
+                "stream": f"{self.advertise_host}:{self.stream.port}"}
+
+    # ---- handlers ----------------------------------------------------------------------------------------
+    async def _on_stream(self, request: protocol.StreamRequest) -> protocol.StreamOffer:
+        o = self.options
+        return protocol.StreamOffer(host=self.advertise_host, port=self.stream.port, ticket=self.stream.issue_ticket(),
+                                    store_id=o.store_id, partition=o.partition, num_partitions=o.num_partitions)
+
+    async def _on_put(self, request: protocol.PutRequest) -> protocol.Ack:
+        if request.data is None:
+            return protocol.Ack(ok=False, error="the remote store takes bytes inline or on its stream (ask on "
+                                                "the `stream` subject); shared memory is for same-host stores")
+        try:
+            await self.store.put_bytes(request.meta, request.data)
+        except PutRefused as exc:
+            return protocol.Ack(ok=False, error=str(exc))
+        return protocol.Ack()
+
+    async def _on_get(self, request: protocol.GetRequest) -> protocol.GetReply:
+        chunk = self.store.acquire(request.key)
+        if chunk is None:
+            return protocol.GetReply(found=False)
+        try:
+            assert self.nc is not None
+            if chunk.meta.nbytes + INLINE_HEADROOM > self.nc.max_payload:
+                return protocol.GetReply(found=False, meta=chunk.meta, error=(
+                    f"chunk of {chunk.meta.nbytes} bytes does not fit NATS max_payload {self.nc.max_payload}: "
+                    "get it on the stream"))
+            return protocol.GetReply(found=True, meta=chunk.meta, data=bytes(chunk.data()))
+        finally:
+            self.store.release(chunk)
+
+    async def _on_contains(self, request: protocol.ChunkKeys) -> protocol.ContainsReply:
+        return protocol.ContainsReply(prefix=self.store.contains(request.keys))
+
+    async def _on_pin(self, request: protocol.ChunkKeys) -> protocol.CommandReply:
+        chunks, tokens = self.store.pin(request.keys, request.ttl_secs)
+        return protocol.CommandReply(ok=True, num_tokens=tokens, num_chunks=chunks)
+
+    async def _on_unpin(self, request: protocol.ChunkKeys) -> protocol.CommandReply:
+        chunks, tokens = self.store.unpin(request.keys)
+        return protocol.CommandReply(ok=True, num_tokens=tokens, num_chunks=chunks)
+
+    async def _on_remove(self, request: protocol.ChunkKeys) -> protocol.CommandReply:
+        chunks, tokens = self.store.remove(request.keys)
+        return protocol.CommandReply(ok=True, num_tokens=tokens, num_chunks=chunks)
+
+    async def _on_clear(self, _: protocol.ClearRequest) -> protocol.CommandReply:
+        chunks, tokens = self.store.clear()
+        return protocol.CommandReply(ok=True, num_tokens=tokens, num_chunks=chunks)
+
+    async def _on_stats(self, _: protocol.StatsRequest) -> protocol.StatsReply:
+        index = self.store.index
+        return protocol.StatsReply(store_id=self.options.store_id, num_chunks=len(index), used_bytes=index.used_bytes,
+                                   capacity_bytes=self.options.capacity_bytes, pinned_chunks=index.pinned_count,
+                                   details={**self.store.details(), "stream": f"{self.advertise_host}:{self.stream.port}",
+                                            "stream_connections": self.stream.connection_count})
+
+
+async def run_remote_store(options: RemoteStoreOptions, stop: asyncio.Event) -> None:
+    """Serve until `stop` is set (the body given to shared.service.run_until_signalled)."""
+    service = RemoteStoreService(options)
+    try:
+        await service.start()
+        await stop.wait()
+    finally:
+        await service.stop()

@@ -1,0 +1,311 @@
+"""The remote store's memory: chunk bytes in recycled buffers, indexed by ChunkIndex (LRU under a cap, pins).
+
+Runs in the store process, on its one asyncio event loop: the stream connections (transfer.py) and the NATS
+handlers (service.py) all call in from that loop, so nothing here takes a lock. Worker threads only fault in
+new buffers (buffers.py), read files at start and write/delete files (persistence.py); they touch a chunk's
+bytes only while the chunk's `users` count says so.
+
+A put is two steps around the bytes' arrival: `begin_put` checks the chunk, reserves room (evicting LRU
+victims) and hands out a faulted buffer; `commit_put` verifies the checksum and makes the chunk visible
+(`abort_put` if the bytes never came). A get `acquire`s a chunk, sends its bytes, and `release`s it: an
+eviction meanwhile only marks the chunk dropped, and its buffer is recycled when the last user lets go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from kvmesh.shared import chunk_file, protocol
+from kvmesh.shared.chunk_index import ChunkIndex, SpaceRefused
+from kvmesh.shared.errors import StoreError
+from kvmesh.shared.keys import KEY_BYTES, ChunkKey
+from kvmesh.services.remote_store import persistence
+from kvmesh.services.remote_store.buffers import BufferPool, size_class
+from kvmesh.services.remote_store.partition import partition_of
+
+log = logging.getLogger(__name__)
+
+MAX_SPARE_BYTES = 256 * 1024 * 1024  # faulted buffers kept for the next puts (at most 1/8 of the capacity)
+
+
+class PutRefused(StoreError):
+    """A put the store cannot take: wrong partition, bad meta, no room, or bytes that fail their checksum."""
+
+
+@dataclass(eq=False)
+class StoredChunk:
+    """One chunk: its meta and its bytes (the first `meta.nbytes` of `buffer`).
+
+    `users` counts the sends and file writes reading `buffer`; `dropped` is set when the chunk leaves the
+    index, and the buffer goes back to the pool once both say nobody needs it.
+    """
+
+    meta: protocol.ChunkMeta
+    charge: int  # the buffer's size: what the chunk counts against the capacity
+    buffer: np.ndarray | None = None
+    users: int = 0
+    dropped: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return self.meta.num_tokens
+
+    def data(self) -> memoryview:
+        assert self.buffer is not None, f"chunk {self.meta.key.hex()} has no buffer"
+        return memoryview(self.buffer)[: self.meta.nbytes]
+
+
+@dataclass
+class StoreCounters:
+    puts: int = 0
+    put_bytes: int = 0
+    duplicate_puts: int = 0
+    refused_puts: int = 0
+    gets: int = 0
+    get_hits: int = 0
+    get_bytes: int = 0
+    checksum_failures: int = 0
+    started_at: float = field(default_factory=time.time)
+
+
+class MemoryStore:
+    """Chunks of one key partition in memory, under `capacity_bytes`, optionally mirrored in `persist_dir`."""
+
+    def __init__(self, capacity_bytes: int, partition: int = 0, num_partitions: int = 1,
+                 persist_dir: Path | None = None, fsync: bool = True,
+                 on_admit: Callable[[ChunkKey], None] | None = None,
+                 on_evict: Callable[[ChunkKey], None] | None = None) -> None:
+        if not 0 <= partition < num_partitions:
+            raise ValueError(f"partition {partition} is not in 0..{num_partitions - 1}")
+        self.capacity_bytes = capacity_bytes
+        self.partition = partition
+        self.num_partitions = num_partitions
+        self.index: ChunkIndex[StoredChunk] = ChunkIndex(capacity_bytes)
+        if on_admit is not None:
+            self.index.on_admit = on_admit
+        if on_evict is not None:
+            self.index.on_evict = on_evict
+        self.pool = BufferPool(max_spare_bytes=min(capacity_bytes // 8, MAX_SPARE_BYTES))
+        self.persister = persistence.Persister(persist_dir, self.release, fsync) if persist_dir else None
+        self.counters = StoreCounters()
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+    async def open(self) -> int:
+        """Load the persisted chunks (if any) and start persisting; the number of chunks loaded."""
+        loaded = 0
+        if self.persister is not None:
+            loaded = await self._load(self.persister.root)
+            self.persister.start()
+        return loaded
+
+    async def close(self) -> None:
+        if self.persister is not None:
+            await self.persister.stop()
+        await self.pool.close()
+
+    async def _load(self, root: Path) -> int:
+        """Read back the newest chunk files that fit the capacity, oldest first (so LRU order survives)."""
+        found = await asyncio.to_thread(persistence.scan, root)
+        keep: list[persistence.FoundChunk] = []
+        total, dropped = 0, 0
+        for item in found:  # newest first
+            charge = size_class(item.meta.nbytes)
+            if partition_of(item.meta.key, self.num_partitions) != self.partition or total + charge > self.capacity_bytes:
+                dropped += 1  # not ours any more (partitions changed) or past the capacity: a cache may forget
+                self._delete_file(item.meta.key)
+                continue
+            keep.append(item)
+            total += charge
+        for item in reversed(keep):
+            buffer = await self.pool.get(item.meta.nbytes)
+            try:
+                meta = await asyncio.to_thread(chunk_file.read_chunk_into, item.path, memoryview(buffer))
+            except Exception as exc:
+                log.warning("dropping persisted chunk %s: %s", item.path, exc)
+                self.pool.give(buffer)
+                self._delete_file(item.meta.key)
+                dropped += 1
+                continue
+            self.index.load(meta.key, StoredChunk(meta, len(buffer), buffer))
+        if found:
+            log.info("loaded %d persisted chunks (%d bytes) from %s; dropped %d", len(self.index),
+                     self.index.used_bytes, root, dropped)
+        return len(self.index)
+
+    # ---- puts --------------------------------------------------------------------------------------------
+    def check_put(self, meta: protocol.ChunkMeta) -> None:
+        """Raise PutRefused naming the problem if this store must not hold `meta`'s chunk."""
+        if len(meta.key) != KEY_BYTES:
+            raise PutRefused(f"chunk key must be {KEY_BYTES} bytes, got {len(meta.key)}")
+        owner = partition_of(meta.key, self.num_partitions)
+        if owner != self.partition:
+            raise PutRefused(f"chunk {meta.key.hex()} belongs to partition {owner} of {self.num_partitions}, "
+                             f"this store is partition {self.partition} (clients disagree on the partitions?)")
+        if meta.nbytes <= 0 or size_class(meta.nbytes) > self.capacity_bytes:
+            raise PutRefused(f"chunk {meta.key.hex()}: {meta.nbytes} bytes does not fit a store of "
+                             f"{self.capacity_bytes} bytes")
+
+    async def begin_put(self, meta: protocol.ChunkMeta) -> StoredChunk | None:
+        """Reserve room and a buffer for `meta`'s bytes; None if the chunk is already held (drop the bytes).
+
+        Raises PutRefused. On success the caller fills `chunk.data()` and calls commit_put or abort_put.
+        """
+        self.check_put(meta)
+        if self.index.is_known(meta.key):
+            self.index.touch(meta.key)
+            self.counters.duplicate_puts += 1
+            return None
+        chunk = StoredChunk(meta, size_class(meta.nbytes))
+        try:
+            evicted = self.index.reserve(meta.key, chunk)
+        except SpaceRefused as exc:
+            self.counters.refused_puts += 1
+            raise PutRefused(str(exc)) from None
+        for _, victim in evicted:
+            self._drop(victim)  # a victim's buffer becomes a spare, usually of this very size class
+        buffer = self.pool.take(meta.nbytes)
+        self.pool.trim(self._free_room())  # the other spares never push memory past the capacity
+        if buffer is None:
+            try:
+                buffer = await self.pool.get(meta.nbytes)
+            except BaseException as exc:  # out of memory, or the store stopping: give the room back
+                self.index.abort(meta.key, chunk)
+                if isinstance(exc, MemoryError):
+                    raise PutRefused(f"chunk {meta.key.hex()}: out of memory for {meta.nbytes} bytes") from None
+                raise
+        self.pool.fill_ahead(meta.nbytes, self._free_room())  # the next chunk of a stream finds one ready
+        chunk.buffer = buffer
+        return chunk
+
+    def commit_put(self, chunk: StoredChunk, claimed: int = 0, digest: int | None = None) -> None:
+        """The bytes are in: verify them and make the chunk visible. Raises PutRefused on a checksum mismatch.
+
+        `claimed` is the checksum the sender vouches for (else the meta's); `digest` the one computed over the
+        bytes as they arrived (computed here when not given). With neither claimed, ours goes into the meta.
+        """
+        meta = chunk.meta
+        claimed = claimed or meta.checksum
+        if digest is None:
+            digest = chunk_file.checksum(chunk.data())
+        if (claimed and digest != claimed) or (meta.checksum and meta.checksum != digest):
+            self.counters.checksum_failures += 1
+            self.abort_put(chunk)
+            raise PutRefused(f"chunk {meta.key.hex()}: bytes received do not match the checksum")
+        if meta.checksum != digest:  # the meta (and the file) always carry the checksum of the bytes
+            chunk.meta = meta = dataclasses.replace(meta, checksum=digest)
+        if not self.index.commit(meta.key, chunk):
+            self._drop(chunk, had_file=False)  # removed or cleared while the bytes were arriving: never held
+            return
+        self.counters.puts += 1
+        self.counters.put_bytes += meta.nbytes
+        if self.persister is not None:
+            chunk.users += 1  # the file write reads the buffer; Persister calls release() after it
+            self.persister.write(chunk)
+
+    def abort_put(self, chunk: StoredChunk) -> None:
+        self.index.abort(chunk.meta.key, chunk)
+        self._drop(chunk, had_file=False)
+
+    async def put_bytes(self, meta: protocol.ChunkMeta, data: bytes | memoryview) -> None:
+        """A whole put from bytes at hand (the inline NATS path). Raises PutRefused."""
+        if len(data) != meta.nbytes:
+            raise PutRefused(f"chunk {meta.key.hex()}: {len(data)} bytes sent, the meta says {meta.nbytes}")
+        chunk = await self.begin_put(meta)
+        if chunk is not None:
+            chunk.data()[:] = data
+            self.commit_put(chunk)
+
+    # ---- gets --------------------------------------------------------------------------------------------
+    def acquire(self, key: ChunkKey) -> StoredChunk | None:
+        """A held chunk, marked in use (call `release` when its bytes are sent); None on a miss."""
+        self.counters.gets += 1
+        chunk = self.index.touch(key)
+        if chunk is None:
+            return None
+        chunk.users += 1
+        self.counters.get_hits += 1
+        self.counters.get_bytes += chunk.meta.nbytes
+        return chunk
+
+    def release(self, chunk: StoredChunk) -> None:
+        chunk.users -= 1
+        if chunk.dropped and chunk.users == 0:
+            self._recycle(chunk)
+
+    # ---- control -----------------------------------------------------------------------------------------
+    def contains(self, keys: list[ChunkKey]) -> int:
+        return self.index.contains_prefix(keys)
+
+    def pin(self, keys: list[ChunkKey], ttl_secs: float | None) -> tuple[int, int]:
+        """Pin the held prefix of `keys`: (chunks, tokens) pinned."""
+        pinned = self.index.pin(keys, ttl_secs)
+        return len(pinned), self.index.tokens_of(pinned)
+
+    def unpin(self, keys: list[ChunkKey]) -> tuple[int, int]:
+        unpinned = self.index.unpin(keys)
+        return len(unpinned), self.index.tokens_of(unpinned)
+
+    def remove(self, keys: list[ChunkKey]) -> tuple[int, int]:
+        """Remove held chunks, pinned or not: (chunks, tokens) removed."""
+        count = tokens = 0
+        for key in keys:
+            chunk = self.index.remove(key)
+            if chunk is not None:
+                count += 1
+                tokens += chunk.num_tokens
+                self._drop(chunk)
+        return count, tokens
+
+    def clear(self) -> tuple[int, int]:
+        """Remove every unpinned chunk: (chunks, tokens) removed."""
+        removed = self.index.clear()
+        for _, chunk in removed:
+            self._drop(chunk)
+        return len(removed), sum(chunk.num_tokens for _, chunk in removed)
+
+    def details(self) -> dict[str, Any]:
+        c = self.counters
+        return {
+            "partition": self.partition, "num_partitions": self.num_partitions,
+            "reserved_bytes": self.index.reserved_bytes, "puts_in_flight": self.index.in_flight_count,
+            "spare_bytes": self.pool.spare_bytes, "buffers_allocated": self.pool.allocated,
+            "persist_dir": str(self.persister.root) if self.persister else None,
+            "pending_writes": self.persister.pending if self.persister else 0,
+            "persist_failures": self.persister.failures if self.persister else 0,
+            "puts": c.puts, "put_bytes": c.put_bytes, "duplicate_puts": c.duplicate_puts,
+            "refused_puts": c.refused_puts, "gets": c.gets, "get_hits": c.get_hits, "get_bytes": c.get_bytes,
+            "checksum_failures": c.checksum_failures, "started_at": c.started_at,
+        }
+
+    # ---- internals ---------------------------------------------------------------------------------------
+    def _free_room(self) -> int:
+        return self.capacity_bytes - self.index.used_bytes - self.index.reserved_bytes
+
+    def _drop(self, chunk: StoredChunk, had_file: bool = True) -> None:
+        """`chunk` left the index (evicted, removed, discarded): delete its file, recycle its buffer when free.
+
+        Only a chunk that was held can have a file; a put that never became visible must not queue a delete,
+        which could land after (and destroy) the file of a later put of the same key.
+        """
+        chunk.dropped = True
+        if had_file:
+            self._delete_file(chunk.meta.key)
+        if chunk.users == 0:
+            self._recycle(chunk)
+
+    def _delete_file(self, key: ChunkKey) -> None:
+        if self.persister is not None:
+            self.persister.delete(key)
+
+    def _recycle(self, chunk: StoredChunk) -> None:
+        buffer, chunk.buffer = chunk.buffer, None
+        if buffer is not None:
+            self.pool.give(buffer)

@@ -1,0 +1,217 @@
+"""A chunk store's index: held chunks, puts in flight, LRU order, pins and token counts.
+
+Bookkeeping only, no I/O and no locks: a store calls it from its own event loop thread and does the work the
+index asks for (free these victims' bytes, this put may now be seen). Written for the remote store and meant
+for every store (the disk store's index has the same shape), so that contains / pin / unpin / remove / clear
+mean the same thing everywhere:
+
+  * contains(keys)  -> how many leading keys are held (a put still in flight is not held);
+  * pin(keys)       -> the contiguous held prefix gets one more pin (pins nest, optional TTL);
+  * unpin(keys)     -> the contiguous pinned prefix loses one pin;
+  * remove(key)     -> forgets a held key (pinned or not) and discards a put of it in flight;
+  * clear()         -> forgets every unpinned key and discards every put in flight.
+
+Every change of what is held is reported through `on_admit` / `on_evict` (an AdmissionReporter's methods).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Generic, Iterable, Protocol, TypeVar
+
+from kvmesh.shared.errors import StoreError
+from kvmesh.shared.eviction import LRUPolicy
+from kvmesh.shared.keys import ChunkKey
+
+
+class IndexEntry(Protocol):
+    """What the index needs to know of a store's per-chunk record."""
+
+    @property
+    def charge(self) -> int:  # bytes counted against the capacity
+        ...
+
+    @property
+    def num_tokens(self) -> int:
+        ...
+
+
+E = TypeVar("E", bound=IndexEntry)
+
+
+class SpaceRefused(StoreError):
+    """No room for a chunk even after evicting every unpinned one; nothing was changed."""
+
+
+@dataclass
+class _InFlight(Generic[E]):
+    entry: E
+    discard: bool = False  # removed or cleared while in flight: do not hold it when it lands
+
+
+def _ignore(_: ChunkKey) -> None:
+    pass
+
+
+class ChunkIndex(Generic[E]):
+    """Held chunks under a byte budget, with LRU eviction and pins.
+
+    Invariant: a key is held (in `_held` and in the LRU policy: visible to contains/get, its charge in
+    `used_bytes`), in flight (in `_in_flight`, its charge in `reserved_bytes`, invisible and never a victim), or
+    unknown; never two of these. `used_bytes + reserved_bytes <= capacity_bytes` holds after every `reserve`.
+    """
+
+    def __init__(self, capacity_bytes: int, on_admit: Callable[[ChunkKey], None] = _ignore,
+                 on_evict: Callable[[ChunkKey], None] = _ignore) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._policy = LRUPolicy(capacity_bytes)
+        self._held: dict[ChunkKey, E] = {}
+        self._in_flight: dict[ChunkKey, _InFlight[E]] = {}
+        self.reserved_bytes = 0
+        self.on_admit = on_admit
+        self.on_evict = on_evict
+
+    # ---- queries -----------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, key: ChunkKey) -> bool:
+        return key in self._held
+
+    @property
+    def used_bytes(self) -> int:
+        return self._policy.used_bytes
+
+    @property
+    def pinned_count(self) -> int:
+        return self._policy.pinned_count
+
+    @property
+    def in_flight_count(self) -> int:
+        return len(self._in_flight)
+
+    def held(self, key: ChunkKey) -> E | None:
+        """The entry of a held key, without changing its recency."""
+        return self._held.get(key)
+
+    def is_known(self, key: ChunkKey) -> bool:
+        """Held, or in flight and still wanted."""
+        flight = self._in_flight.get(key)
+        return key in self._held or (flight is not None and not flight.discard)
+
+    def is_pinned(self, key: ChunkKey) -> bool:
+        return self._policy.is_pinned(key)
+
+    def keys(self) -> list[ChunkKey]:
+        return list(self._held)
+
+    def lru_order(self) -> list[ChunkKey]:
+        """Held keys: pinned ones first, then the unpinned ones least recently used first."""
+        return list(self._policy.keys())
+
+    def contains_prefix(self, keys: Iterable[ChunkKey]) -> int:
+        count = 0
+        for key in keys:
+            if key not in self._held:
+                break
+            count += 1
+        return count
+
+    # ---- reads -------------------------------------------------------------------------------------------
+    def touch(self, key: ChunkKey) -> E | None:
+        """The entry of a held key, now the most recently used; None if not held."""
+        entry = self._held.get(key)
+        if entry is not None:
+            self._policy.touch(key)
+        return entry
+
+    # ---- puts --------------------------------------------------------------------------------------------
+    def reserve(self, key: ChunkKey, entry: E) -> list[tuple[ChunkKey, E]]:
+        """Accept a put: evict LRU victims to make room and count the entry's charge as reserved.
+
+        Returns the evicted (key, entry) pairs, whose bytes the store frees. Raises SpaceRefused, changing
+        nothing, when pinned chunks and puts in flight leave no room. The key must not be known.
+        """
+        if self.is_known(key):
+            raise ValueError(f"chunk {key.hex()} is already held or in flight")
+        victims = self._policy.victims_for(entry.charge + self.reserved_bytes)
+        if victims is None:
+            pinned = sum(self._held[k].charge for k in self._held if self._policy.is_pinned(k))
+            raise SpaceRefused(f"no room for chunk {key.hex()} of {entry.charge} bytes: capacity "
+                               f"{self.capacity_bytes}, pinned {pinned}, in flight {self.reserved_bytes}")
+        evicted = [(victim, self._forget(victim)) for victim in victims]
+        stale = self._in_flight.pop(key, None)  # a discarded put of the same key still landing: superseded
+        if stale is not None:
+            self.reserved_bytes -= stale.entry.charge
+        self._in_flight[key] = _InFlight(entry)
+        self.reserved_bytes += entry.charge
+        return evicted
+
+    def commit(self, key: ChunkKey, entry: E) -> bool:
+        """The put of `entry` landed: True if it is now held, False if it was discarded (or superseded)."""
+        flight = self._in_flight.get(key)
+        if flight is None or flight.entry is not entry:
+            return False
+        del self._in_flight[key]
+        self.reserved_bytes -= entry.charge
+        if flight.discard:
+            return False
+        self._held[key] = entry
+        self._policy.add(key, entry.charge)
+        self.on_admit(key)
+        return True
+
+    def abort(self, key: ChunkKey, entry: E) -> None:
+        """The put of `entry` failed: release its reservation."""
+        flight = self._in_flight.get(key)
+        if flight is not None and flight.entry is entry:
+            del self._in_flight[key]
+            self.reserved_bytes -= entry.charge
+
+    def load(self, key: ChunkKey, entry: E) -> None:
+        """Hold a chunk found at start (persisted); call in LRU order, least recently used first."""
+        self._held[key] = entry
+        self._policy.add(key, entry.charge)
+        self.on_admit(key)
+
+    # ---- removals ----------------------------------------------------------------------------------------
+    def remove(self, key: ChunkKey) -> E | None:
+        """Forget a held key, pinned or not, and discard a put of it in flight; the held entry or None."""
+        flight = self._in_flight.get(key)
+        if flight is not None:
+            flight.discard = True
+        return self._forget(key) if key in self._held else None
+
+    def clear(self) -> list[tuple[ChunkKey, E]]:
+        """Forget every unpinned held key and discard every put in flight; the removed (key, entry) pairs."""
+        for flight in self._in_flight.values():
+            flight.discard = True
+        return [(key, self._forget(key)) for key in list(self._held) if not self._policy.is_pinned(key)]
+
+    def _forget(self, key: ChunkKey) -> E:
+        self._policy.remove(key)
+        entry = self._held.pop(key)
+        self.on_evict(key)
+        return entry
+
+    # ---- pins --------------------------------------------------------------------------------------------
+    def pin(self, keys: Iterable[ChunkKey], ttl_secs: float | None = None) -> list[ChunkKey]:
+        """Pin the contiguous held prefix of `keys` (pins nest); the keys pinned."""
+        pinned: list[ChunkKey] = []
+        for key in keys:
+            if key not in self._held or not self._policy.pin(key, ttl_secs):
+                break
+            pinned.append(key)
+        return pinned
+
+    def unpin(self, keys: Iterable[ChunkKey]) -> list[ChunkKey]:
+        """Drop one pin from each key of the contiguous pinned prefix of `keys`; the keys unpinned."""
+        unpinned: list[ChunkKey] = []
+        for key in keys:
+            if not self._policy.unpin(key):
+                break
+            unpinned.append(key)
+        return unpinned
+
+    def tokens_of(self, keys: Iterable[ChunkKey]) -> int:
+        return sum(entry.num_tokens for key in keys if (entry := self._held.get(key)) is not None)

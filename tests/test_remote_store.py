@@ -1,0 +1,277 @@
+"""Remote store behaviour, store in this test's own event loop on a real nats-server: round trips over the stream
+and inline NATS, LRU under the cap, pins, partitions combined by the client, admission events, the shared index.
+
+Process-level behaviour (separate engine processes, replicas killed, restarts, slow receivers, garbage,
+credentials) is in test_remote_store_process.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import AsyncIterator
+
+import numpy as np
+import pytest
+
+from kvmesh.shared import bus, chunk_file, protocol
+from kvmesh.shared.chunk_index import ChunkIndex, SpaceRefused
+from kvmesh.shared.embedded_nats import EmbeddedNats
+from kvmesh.shared.store_client import ChunkBuffer
+from kvmesh.services.remote_store.client import RemoteStoreClient
+from kvmesh.services.remote_store.partition import partition_of
+from kvmesh.services.remote_store.service import RemoteStoreOptions, RemoteStoreService
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def nats_url() -> str:
+    with EmbeddedNats() as server:
+        yield server.url
+
+
+def chunk(nbytes: int, seed: int, num_tokens: int = 256, key: bytes | None = None) -> tuple[protocol.ChunkMeta, np.ndarray]:
+    data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    meta = protocol.ChunkMeta(key=key or os.urandom(16), num_tokens=num_tokens, shape=[nbytes], dtype="uint8",
+                              fmt="test", nbytes=nbytes)
+    return meta, data
+
+
+def key_in(partition: int, partitions: int) -> bytes:
+    while True:
+        key = os.urandom(16)
+        if partition_of(key, partitions) == partition:
+            return key
+
+
+async def start_stores(nats_url: str, prefix: str, partitions: int = 1, capacity: int = 64 * MiB,
+                       **options: object) -> tuple[list[RemoteStoreService], object]:
+    services = []
+    for partition in range(partitions):
+        service = RemoteStoreService(RemoteStoreOptions(
+            store_id=f"{prefix}-{partition}", capacity_bytes=capacity, nats_url=nats_url, partition=partition,
+            num_partitions=partitions, stream_host="127.0.0.1", heartbeat_interval=60.0, **options))
+        await service.start()
+        services.append(service)
+    nc = await bus.connect(nats_url, f"test-{prefix}")
+    return services, nc
+
+
+@pytest.fixture
+async def one_store(nats_url: str) -> AsyncIterator[tuple[RemoteStoreService, RemoteStoreClient]]:
+    prefix = f"rs{os.urandom(3).hex()}"
+    services, nc = await start_stores(nats_url, prefix, capacity=8 * MiB)
+    client = RemoteStoreClient(nc, [s.options.store_id for s in services], request_timeout=2.0)
+    yield services[0], client
+    await client.close()
+    await nc.close()
+    for service in services:
+        await service.stop()
+
+
+async def test_round_trip_is_bit_exact_and_control_ops_answer(one_store) -> None:
+    service, client = one_store
+    chunks = [chunk(n, seed) for seed, n in enumerate([1, 4096, 1 * MiB + 13, 3 * MiB])]
+    for meta, data in chunks:
+        assert await client.put(meta, ChunkBuffer(memoryview(data)))
+    for meta, data in chunks:
+        out = np.zeros(meta.nbytes + 100, dtype=np.uint8)  # a bigger buffer than the chunk is fine
+        got = await client.get_into(meta.key, ChunkBuffer(memoryview(out)))
+        assert got is not None and got.key == meta.key and got.nbytes == meta.nbytes
+        assert got.checksum == chunk_file.checksum(memoryview(data))
+        assert np.array_equal(out[: meta.nbytes], data) and not out[meta.nbytes:].any()
+    keys = [meta.key for meta, _ in chunks]
+    assert await client.contains(keys) == 4
+    assert await client.contains(keys[:2] + [os.urandom(16)] + keys[2:]) == 2
+    assert await client.get_into(os.urandom(16), ChunkBuffer(memoryview(bytearray(16)))) is None
+    small = bytearray(10)  # a buffer too small: a miss, and the buffer is untouched
+    assert await client.get_into(keys[2], ChunkBuffer(memoryview(small))) is None and not any(small)
+    assert await client.remove([keys[0], os.urandom(16)]) == 1
+    assert await client.contains(keys) == 0 and await client.contains(keys[1:]) == 3
+    (stats,) = await client.stats()
+    assert stats.num_chunks == 3 and stats.used_bytes <= stats.capacity_bytes
+    assert stats.details["checksum_failures"] == 0 and stats.details["stream"].startswith("127.0.0.1:")
+    assert await client.clear() == 3 * 256 and await client.contains(keys[1:]) == 0
+
+
+async def test_inline_nats_put_and_get(one_store) -> None:
+    service, client = one_store
+    meta, data = chunk(100_000, 3)
+    subject = protocol.Subjects.store(service.options.store_id, "put")
+    ack = await bus.request(client.nc, subject, protocol.PutRequest(meta=meta, data=data.tobytes()), protocol.Ack, 2)
+    assert ack.ok
+    reply = await bus.request(client.nc, protocol.Subjects.store(service.options.store_id, "get"),
+                              protocol.GetRequest(key=meta.key), protocol.GetReply, 2)
+    assert reply.found and reply.data == data.tobytes() and reply.meta.checksum == chunk_file.checksum(reply.data)
+    # bytes elsewhere (shared memory of another host) are refused with a reason, not a crash
+    ack = await bus.request(client.nc, subject, protocol.PutRequest(meta=meta, shm_name="x"), protocol.Ack, 2)
+    assert not ack.ok and "stream" in ack.error
+    # the bytes and the checksum must agree
+    bad = protocol.ChunkMeta(**{**meta.__dict__, "key": os.urandom(16), "checksum": 12345})
+    ack = await bus.request(client.nc, subject, protocol.PutRequest(meta=bad, data=data.tobytes()), protocol.Ack, 2)
+    assert not ack.ok and "checksum" in ack.error
+    assert await client.contains([bad.key]) == 0
+
+
+async def test_lru_under_the_cap_and_admission_events(nats_url: str) -> None:
+    services, nc = await start_stores(nats_url, "lru", capacity=4 * MiB)
+    events: list[protocol.AdmissionBatch] = []
+
+    async def on_event(msg) -> None:
+        try:
+            events.append(protocol.decode(msg.data, protocol.AdmissionBatch))
+        except Exception:
+            pass  # SyncChunk messages
+
+    await nc.subscribe(protocol.Subjects.events("lru-0"), cb=on_event)
+    client = RemoteStoreClient(nc, ["lru-0"])
+    try:
+        chunks = [chunk(MiB, seed) for seed in range(6)]
+        for meta, data in chunks[:4]:
+            assert await client.put(meta, ChunkBuffer(memoryview(data)))
+        out = memoryview(bytearray(MiB))
+        assert await client.get_into(chunks[0][0].key, ChunkBuffer(out))  # chunk 0 becomes most recent
+        for meta, data in chunks[4:]:
+            assert await client.put(meta, ChunkBuffer(memoryview(data)))
+        held = [await client.contains([meta.key]) for meta, _ in chunks]
+        assert held == [1, 0, 0, 1, 1, 1]  # 1 and 2 were least recently used
+        (stats,) = await client.stats()
+        assert stats.num_chunks == 4 and stats.used_bytes <= 4 * MiB
+        too_big, data = chunk(5 * MiB, 9)
+        assert not await client.put(too_big, ChunkBuffer(memoryview(data)))
+        await services[0].reporter.flush()
+        await nc.flush()
+        await asyncio.sleep(0.1)
+        seqs = [batch.seq for batch in events]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+        admitted = {k for batch in events for k in batch.admitted}
+        evicted = {k for batch in events for k in batch.evicted}
+        # a batch carries each key's last state: a key admitted and evicted within one batch shows as evicted
+        assert {chunks[i][0].key for i in (0, 3, 4, 5)} <= admitted - evicted
+        assert evicted == {chunks[1][0].key, chunks[2][0].key}
+        assert all(batch.location == protocol.REMOTE and batch.producer_id == "lru-0" for batch in events)
+    finally:
+        await client.close()
+        await nc.close()
+        await services[0].stop()
+
+
+async def test_pins_survive_eviction_and_clear_until_unpinned(nats_url: str) -> None:
+    services, nc = await start_stores(nats_url, "pins", capacity=4 * MiB)
+    client = RemoteStoreClient(nc, ["pins-0"])
+    try:
+        chunks = [chunk(MiB, seed, num_tokens=100 + seed) for seed in range(4)]
+        for meta, data in chunks:
+            assert await client.put(meta, ChunkBuffer(memoryview(data)))
+        keys = [meta.key for meta, _ in chunks]
+        tokens = [meta.num_tokens for meta, _ in chunks]
+        missing = os.urandom(16)
+        # the contiguous held prefix only
+        assert await client.pin(keys[:2] + [missing] + keys[2:], tokens[:2] + [7] + tokens[2:]) == 100 + 101
+        assert await client.pin(keys[:1], tokens[:1], ttl_secs=60) == 100  # pins nest
+        for seed in range(10, 14):  # churn: only the 2 unpinned slots are reused
+            meta, data = chunk(MiB, seed)
+            assert await client.put(meta, ChunkBuffer(memoryview(data)))
+        assert await client.contains(keys[:2]) == 2 and await client.contains(keys[2:3]) == 0
+        (stats,) = await client.stats()
+        assert stats.pinned_chunks == 2 and stats.num_chunks == 4
+        # a store full of pins refuses what does not fit, and says so
+        churn = [k for k in services[0].store.index.keys() if k not in keys]
+        assert len(services[0].store.index.pin(churn)) == 2
+        meta, data = chunk(MiB, 20)
+        assert not await client.put(meta, ChunkBuffer(memoryview(data)))
+        assert len(services[0].store.index.unpin(churn)) == 2
+        assert await client.clear() == 2 * 256  # the two unpinned churn chunks
+        assert await client.contains(keys[:2]) == 2
+        assert await client.unpin(keys[:2], tokens[:2]) == 201  # chunk 0 still holds its second pin
+        assert await client.clear() == 101 and await client.contains(keys[:1]) == 1
+        assert await client.unpin(keys[:1], tokens[:1]) == 100
+        assert await client.unpin(keys[:1], tokens[:1]) == 0  # nothing left to unpin
+        assert await client.clear() == 100 and await client.contains(keys) == 0
+    finally:
+        await client.close()
+        await nc.close()
+        await services[0].stop()
+
+
+async def test_client_combines_partitions(nats_url: str) -> None:
+    services, nc = await start_stores(nats_url, "parts", partitions=3, capacity=16 * MiB)
+    client = RemoteStoreClient(nc, [s.options.store_id for s in services])
+    try:
+        # a prefix whose keys alternate between partitions, then a gap in partition 1
+        keys = [key_in(p, 3) for p in (0, 1, 2, 0, 1, 2, 1, 0)]
+        present = [True] * 6 + [False, True]
+        for key, keep in zip(keys, present):
+            if keep:
+                meta, data = chunk(4096, 1, num_tokens=10, key=key)
+                assert await client.put(meta, ChunkBuffer(memoryview(data)))
+        for service in services:  # each key went to its own partition only
+            assert all(partition_of(k, 3) == service.options.partition for k in service.store.index.keys())
+        assert await client.contains(keys) == 6
+        assert await client.contains(keys[3:]) == 3
+        # pins stop at the combined prefix: key 7 (held, partition 0) must not stay pinned
+        assert await client.pin(keys, [10] * len(keys)) == 60
+        assert not services[0].store.index.is_pinned(keys[7])
+        assert all(services[partition_of(k, 3)].store.index.is_pinned(k) for k in keys[:6])
+        assert await client.unpin(keys[:6], [10] * 6) == 60
+        assert sum(s.num_chunks for s in await client.stats()) == 7
+        # a partition going away turns its keys into misses; the others keep answering
+        await services[1].stop()
+        assert await client.contains(keys) == 1  # keys[1] is partition 1's
+        assert await client.contains([keys[0], keys[2], keys[3]]) == 3
+        out = memoryview(bytearray(4096))
+        assert await client.get_into(keys[1], ChunkBuffer(out)) is None
+        assert await client.get_into(keys[2], ChunkBuffer(out)) is not None
+        assert len(await client.stats()) == 2
+        meta, data = chunk(4096, 2, key=key_in(1, 3))
+        assert not await client.put(meta, ChunkBuffer(memoryview(data)))
+    finally:
+        await client.close()
+        await nc.close()
+        for service in services:
+            await service.stop()
+
+
+async def test_store_refuses_keys_of_other_partitions(nats_url: str) -> None:
+    services, nc = await start_stores(nats_url, "wrongpart", partitions=2)
+    client = RemoteStoreClient(nc, [services[1].options.store_id, services[0].options.store_id])  # swapped
+    try:
+        meta, data = chunk(4096, 1, key=key_in(0, 2))
+        assert not await client.put(meta, ChunkBuffer(memoryview(data)))  # refused by partition 1, with a reason
+        assert await client.contains([meta.key]) == 0
+    finally:
+        await client.close()
+        await nc.close()
+        for service in services:
+            await service.stop()
+
+
+class _Entry:
+    def __init__(self, charge: int, num_tokens: int = 1) -> None:
+        self.charge, self.num_tokens = charge, num_tokens
+
+
+def test_chunk_index_puts_in_flight_removals_and_supersession() -> None:
+    admitted: list[bytes] = []
+    evicted: list[bytes] = []
+    index: ChunkIndex[_Entry] = ChunkIndex(100, admitted.append, evicted.append)
+    a, b, c = (bytes([i]) * 16 for i in range(3))
+    ea = _Entry(60)
+    assert index.reserve(a, ea) == [] and index.reserved_bytes == 60
+    assert index.contains_prefix([a]) == 0 and index.is_known(a)
+    with pytest.raises(SpaceRefused):
+        index.reserve(b, _Entry(50))  # in flight bytes count: 60 + 50 > 100
+    assert index.commit(a, ea) and admitted == [a] and index.used_bytes == 60
+    eb = _Entry(50)
+    assert [k for k, _ in index.reserve(b, eb)] == [a] and evicted == [a]  # LRU victim
+    index.remove(b)  # removed while in flight: discarded when it lands
+    eb2 = _Entry(50)
+    index.reserve(b, eb2)  # a new put of the same key supersedes the discarded one
+    assert not index.commit(b, eb) and index.commit(b, eb2) and b in index
+    assert index.reserved_bytes == 0 and index.used_bytes == 50
+    index.pin([b])
+    with pytest.raises(SpaceRefused):
+        index.reserve(c, _Entry(60))
+    assert index.clear() == [] and b in index  # pinned survives clear
+    assert index.unpin([b]) == [b] and [k for k, _ in index.clear()] == [b]
