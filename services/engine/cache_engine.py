@@ -1,0 +1,383 @@
+"""The cache engine: seed 003's `LMCacheEngine` (store / retrieve / lookup / prefetch) built for the mesh.
+
+Who runs what:
+  * vLLM's worker thread (through the connector) calls every public method synchronously. Store and
+    retrieve hash tokens into chunk keys (`ChunkHasher`), move bytes between vLLM's paged cache and pool slots
+    with the paged copier (`PagedCopier.gather` / `scatter`), and use the CPU tier directly: a CPU hit never
+    touches NATS.
+  * The mesh loop thread (`MeshLoop`) does all NATS work: write-behind to the disk / remote stores, fetches
+    from them, the worker agent (registration, admission events, controller commands). vLLM's calls wait for
+    it only with bounded timeouts and fall back to a miss, so a dead NATS never blocks vLLM.
+  * Where NATS is comes from `embedded_mesh` (join a configured one, or embed one for seed 002).
+
+A chunk's way: vLLM paged cache --gather--> pool slot --> CPU tier --write-behind--> disk store / remote store;
+back: store --get_into--> pool slot --> CPU tier --scatter--> vLLM paged cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from nats.aio.client import Client as NatsClient
+
+from kvmesh.services.disk_store.client import DiskStoreClient
+from kvmesh.services.engine.cpu_tier import LocalCPUBackend
+from kvmesh.services.engine.embedded_mesh import MeshConnection, MeshPlan, plan_mesh
+from kvmesh.services.engine.kv_layout import KVLayout, detect_layout
+from kvmesh.services.engine.memory_pool import MemoryPool, Slot
+from kvmesh.services.engine.mesh_loop import MeshLoop
+from kvmesh.services.engine.paged_copy import PagedCopier
+from kvmesh.services.engine.storage_manager import RateLimitedLog, StorageManager
+from kvmesh.services.engine.worker_agent import WorkerAgent, worker_id_for
+from kvmesh.services.remote_store.client import RemoteStoreClient
+from kvmesh.shared import bus, protocol
+from kvmesh.shared.config import EngineConfig
+from kvmesh.shared.keys import ChunkHasher, ChunkSpan, KeyParams
+from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE, ChunkMeta
+from kvmesh.shared.store_client import ChunkStoreClient
+
+log = logging.getLogger(__name__)
+
+KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
+
+
+class CacheEngine:
+    """Store, retrieve, look up and prefetch KV chunks across the CPU tier, the disk store and the remote store.
+
+    `layout=None` defers everything that depends on the KV cache (pool, chunk format, registration) to
+    `register_kv_caches`. `use_mesh=False` runs without NATS at all (CPU tier only: tests, benchmarks).
+    """
+
+    def __init__(self, config: EngineConfig, key_params: KeyParams, layout: KVLayout | None = None,
+                 worker_id: str | None = None, *, use_mesh: bool = True, device: torch.device | str | None = None,
+                 use_shm: bool = True) -> None:
+        self.config = config
+        self.key_params = key_params
+        self.worker_id = worker_id or worker_id_for(config.lmcache_instance_id, key_params.world_size,
+                                                    key_params.rank)
+        self.use_mesh = use_mesh
+        self.plan: MeshPlan | None = plan_mesh(config) if use_mesh else None
+        self._device = device
+        self._use_shm = use_shm
+        self._rlog = RateLimitedLog(log)
+        self._closed = False
+        self._started_at = time.time()
+        self.layout: KVLayout | None = None
+        self.hasher: ChunkHasher | None = None
+        self.pool: MemoryPool | None = None
+        self.cpu: LocalCPUBackend | None = None
+        self.storage: StorageManager | None = None
+        self.copier: PagedCopier | None = None
+        self.mesh: MeshLoop | None = None
+        self.agent: WorkerAgent | None = None
+        self._connection: MeshConnection | None = None
+        if layout is not None:
+            self._setup(layout)
+
+    # ---- set-up ----------------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: KVCaches, block_size: int, backend_name: str | None = None, *,
+                           cpu_isa: str | None = None) -> KVLayout:
+        """Describe vLLM's caches (connector's `register_kv_caches`) and set up the engine for them.
+
+        `cpu_isa` overrides the CPU attention ISA that would otherwise be asked from vLLM (CPU layout only).
+        """
+        caches = dict(kv_caches) if isinstance(kv_caches, Mapping) else {str(i): c for i, c in enumerate(kv_caches)}
+        layout = detect_layout(caches, block_size, backend_name, cpu_isa=cpu_isa)
+        if self.layout is None:
+            self._setup(layout, next(iter(caches.values())).device)
+        elif layout != self.layout:
+            raise ValueError(f"KV caches changed layout: {self.layout} -> {layout}")
+        return layout
+
+    def _setup(self, layout: KVLayout, device: torch.device | None = None) -> None:
+        config = self.config
+        layout.check_chunk_size(config.chunk_size)
+        fmt = layout.chunk_format()
+        if self.key_params.kv_format != fmt:
+            if self.key_params.kv_format:
+                log.warning("key_params.kv_format %r differs from the layout's chunk format %r; using the "
+                            "layout's (chunks of different formats must never mix)", self.key_params.kv_format, fmt)
+            self.key_params = dataclasses.replace(self.key_params, kv_format=fmt)
+        self.layout = layout
+        self._fmt = fmt
+        self._dtype_name = str(layout.dtype).removeprefix("torch.")
+        self.hasher = ChunkHasher(self.key_params, config.chunk_size, config.save_unfull_chunk)
+        self.pool = MemoryPool(config.max_local_cpu_bytes, layout.chunk_nbytes(config.chunk_size),
+                               use_shm=self._use_shm)
+        self.cpu = LocalCPUBackend(self.pool, keep=config.local_cpu, policy=config.cache_policy)
+        self.copier = PagedCopier(layout, self._device if self._device is not None else device)
+        if self.use_mesh:
+            try:  # joining needs nothing; embedding starts a NATS server (the one thing that can fail here)
+                self._connection = MeshConnection(config)
+                self.plan = self._connection.plan
+            except Exception as exc:
+                log.error("cache engine %s: no mesh (%s: %s); serving from the CPU tier only", self.worker_id,
+                          type(exc).__name__, exc)
+                self.plan = None
+        lower: list[str] = []
+        if self._connection is not None and self.plan is not None:
+            lower = ([LOCAL_DISK] if self.plan.disk_store else []) + ([REMOTE] if self.plan.remote_stores else [])
+            self.mesh = MeshLoop(self.worker_id)
+        self.storage = StorageManager(self.cpu, self.mesh, config.store_queue_size, config.request_timeout_secs,
+                                      config.blocking_timeout_secs, lower)
+        if not config.local_cpu and not lower:
+            log.warning("local_cpu is false and no lower tier (local_disk / remote_url) is configured: the "
+                        "engine stores nothing")
+        if self.mesh is not None and self._connection is not None:
+            self.agent = WorkerAgent(self.worker_id, self.hasher, self.cpu, self.storage, self._registration,
+                                     heartbeat_interval=config.heartbeat_interval_secs)
+            self.mesh.submit(self.storage.start()).result(5.0)
+            self.mesh.on_connected(self._on_connected)
+            self.mesh.on_close(self.agent.stop)
+            self.mesh.on_close(self.storage.stop)
+            self.mesh.connect(self._connection.url, bus.NatsAuth(config.nats_user, config.nats_password,
+                                                                 config.nats_token, config.nats_nkey_seed))
+        log.info("cache engine %s: chunk %d tokens = %.1f MiB (%s), CPU pool %d chunks%s%s", self.worker_id,
+                 config.chunk_size, layout.chunk_nbytes(config.chunk_size) / 2**20, fmt, self.pool.num_slots,
+                 " (shared memory)" if self.pool.shm_name else "",
+                 f", mesh {self._connection.url} ({self.plan.mode})" if self._connection and self.plan else "")
+
+    def _registration(self) -> protocol.RegisterEngine:
+        assert self.plan is not None
+        return protocol.RegisterEngine(
+            worker_id=self.worker_id, instance_id=self.config.lmcache_instance_id, model=self.key_params.model,
+            kv_format=self.key_params.kv_format, world_size=self.key_params.world_size, rank=self.key_params.rank,
+            chunk_size=self.config.chunk_size, save_unfull_chunk=self.config.save_unfull_chunk,
+            disk_store=self.plan.disk_store, remote_stores=list(self.plan.remote_stores), started_at=self._started_at)
+
+    async def _on_connected(self, nc: NatsClient) -> None:
+        """Loop thread, once NATS is first reached: store clients, then the worker agent."""
+        assert self.plan is not None and self.storage is not None and self.agent is not None
+        clients: dict[str, ChunkStoreClient] = {}
+        timeout = self.config.request_timeout_secs
+        if self.plan.disk_store:
+            clients[LOCAL_DISK] = DiskStoreClient(nc, self.plan.disk_store, request_timeout=timeout)
+        if self.plan.remote_stores:
+            clients[REMOTE] = RemoteStoreClient(nc, list(self.plan.remote_stores), request_timeout=timeout)
+        self.storage.set_clients(clients)
+        await self.agent.start(nc)
+
+    def _ready(self) -> tuple[KVLayout, ChunkHasher, LocalCPUBackend, StorageManager, PagedCopier]:
+        if self._closed:
+            raise RuntimeError(f"cache engine {self.worker_id} is closed")
+        if self.layout is None:
+            raise RuntimeError("the KV layout is unknown: pass layout= or call register_kv_caches() first")
+        assert self.hasher is not None and self.cpu is not None and self.storage is not None
+        assert self.copier is not None
+        return self.layout, self.hasher, self.cpu, self.storage, self.copier
+
+    # ---- seed 003 API ----------------------------------------------------------------------------------------
+    def store(self, tokens: torch.Tensor | Sequence[int], mask: torch.Tensor | None = None, **kv: Any) -> None:
+        """Copy the KV of `tokens` (the chunks a seed-003 mask selects) out of vLLM's paged cache.
+
+        kwargs: `kv_caches` (list or dict of per-layer tensors) and `slot_mapping` (one slot per token).
+        Chunks already held (CPU tier, or known to be in every lower tier) are not copied again; when the pool
+        is exhausted the remaining chunks are skipped (logged). Raises ValueError for a bad mask.
+        """
+        layout, hasher, cpu, storage, copier = self._ready()
+        kv_caches, slot_mapping, _ = _kv_args(kv, "store")
+        spans = hasher.spans(tokens, mask)
+        if not spans or (not cpu.keep and not storage.has_lower):
+            return
+        _check_slot_count(slot_mapping, spans[-1].end)
+        first_bad = _first_negative(slot_mapping, spans[-1].end)
+        filled: list[tuple[ChunkSpan, Slot]] = []
+        try:
+            for span in spans:
+                if span.key in cpu or storage.known_held(span.key):
+                    continue
+                if span.end > first_bad:  # tokens without a cache slot: nothing valid to copy from here on
+                    break
+                slot = cpu.allocate()
+                if slot is None:
+                    self._rlog.warning("store_pool_full", "CPU pool full (%d chunks, all pinned or in use): "
+                                       "skipped storing %d tokens from token %d", cpu.pool.num_slots,
+                                       spans[-1].end - span.start, span.start)
+                    break
+                filled.append((span, slot))
+                out = slot.view(layout.dtype, layout.chunk_shape(span.num_tokens))
+                copier.gather(kv_caches, slot_mapping[span.start:span.end], out)
+            _synchronize(kv_caches)  # GPU copies into pinned memory are asynchronous
+        except BaseException:
+            for _, slot in filled:
+                slot.release()
+            raise
+        for span, slot in filled:
+            meta = ChunkMeta(key=span.key, num_tokens=span.num_tokens, shape=list(layout.chunk_shape(span.num_tokens)),
+                             dtype=self._dtype_name, fmt=self._fmt, nbytes=layout.chunk_nbytes(span.num_tokens))
+            behind = slot.ref() if storage.has_lower else None
+            if not cpu.put(meta, slot):  # resident already (a concurrent store) or no room
+                if behind is not None:
+                    behind.release()
+                continue
+            if behind is not None:
+                storage.enqueue_write_behind(meta, behind)
+
+    def retrieve(self, tokens: torch.Tensor | Sequence[int], mask: torch.Tensor | None = None,
+                 **kv: Any) -> torch.Tensor:
+        """Load the cached prefix of `tokens` (after the mask's False prefix) into vLLM's paged cache.
+
+        kwargs: `kv_caches`, `slot_mapping` and optional `skip_prefix` (leading tokens of the sequence that
+        vLLM already holds: retrieved but not written). Returns a CPU bool mask, True for retrieved tokens.
+        """
+        layout, hasher, cpu, storage, copier = self._ready()
+        kv_caches, slot_mapping, skip_prefix = _kv_args(kv, "retrieve")
+        spans = hasher.spans(tokens, mask)
+        num_tokens = len(tokens)
+        retrieved = torch.zeros(num_tokens, dtype=torch.bool)
+        if not spans:
+            return retrieved
+        _check_slot_count(slot_mapping, spans[-1].end)
+        refs = storage.acquire_prefix(spans, self._valid_meta)
+        try:
+            for span, ref in zip(spans, refs):
+                chunk = ref.slot.view(layout.dtype, layout.chunk_shape(span.num_tokens))
+                skip = min(max(skip_prefix - span.start, 0), span.num_tokens)
+                copier.scatter(chunk, kv_caches, slot_mapping[span.start:span.end], skip)
+            _synchronize(kv_caches)  # the slots must not be reused before the copies have read them
+        finally:
+            for ref in refs:
+                ref.release()
+        if refs:
+            retrieved[spans[0].start:spans[len(refs) - 1].end] = True
+        return retrieved
+
+    def lookup(self, tokens: torch.Tensor | Sequence[int], search_range: list[str] | None = None) -> int:
+        """How many prefix tokens are cached, across the tiers in `search_range` (all by default).
+
+        Tier names: "LocalCPUBackend" (seed 003's "Hot"), "LocalDiskBackend", "RemoteBackend". Chunks may sit
+        in different tiers; the answer is the contiguous prefix over all of them.
+        """
+        _, hasher, _, storage, _ = self._ready()
+        spans = hasher.spans(tokens)
+        held = storage.lookup(spans, search_range)
+        return spans[held - 1].end if held else 0
+
+    def prefetch(self, tokens: torch.Tensor | Sequence[int], mask: torch.Tensor | None = None) -> None:
+        """Start loading the lower tiers' prefix of `tokens` into the CPU tier; returns at once."""
+        _, hasher, _, storage, _ = self._ready()
+        storage.prefetch(hasher.spans(tokens, mask), self._valid_meta)
+
+    # ---- controller-style operations (also used by the worker agent's commands) ------------------------------
+    def pin(self, tokens: torch.Tensor | Sequence[int], location: str = LOCAL_CPU,
+            ttl_secs: float | None = None) -> int:
+        """Pin the held prefix of `tokens` at `location` (until unpinned, or `ttl_secs`); tokens pinned."""
+        return self._command("pin", location, tokens, ttl_secs)
+
+    def unpin(self, tokens: torch.Tensor | Sequence[int], location: str = LOCAL_CPU) -> int:
+        return self._command("unpin", location, tokens)
+
+    def clear(self, location: str = LOCAL_CPU) -> int:
+        """Remove every unpinned chunk at `location` (a lower store is cleared for every engine using it)."""
+        return self._command("clear", location, [])
+
+    def _command(self, op: str, location: str, tokens: torch.Tensor | Sequence[int],
+                 ttl_secs: float | None = None) -> int:
+        _, hasher, cpu, storage, _ = self._ready()
+        if location not in LOCATIONS:
+            raise ValueError(f"unknown location {location!r} (known: {', '.join(LOCATIONS)})")
+        token_list = [int(t) for t in (tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens)]
+        if location == LOCAL_CPU:
+            if op == "clear":
+                return cpu.clear()
+            keys = [s.key for s in hasher.spans(token_list)]
+            return cpu.pin(keys, ttl_secs) if op == "pin" else cpu.unpin(keys)
+        if self.agent is None or self.mesh is None or not self.mesh.connected:
+            return 0  # no mesh (or it is down): the lower tiers cannot be reached now
+        command = protocol.WorkerCommand(op=op, location=location, tokens=token_list, ttl_secs=ttl_secs)
+        reply = self.mesh.call(self.agent.execute(command), self.config.request_timeout_secs + 6.0, default=None)
+        return reply.num_tokens if reply is not None and reply.ok else 0
+
+    # ---- helpers for tests and the connector ----------------------------------------------------------------
+    def _valid_meta(self, span: ChunkSpan, meta: ChunkMeta) -> bool:
+        layout = self.layout
+        assert layout is not None
+        return (meta.num_tokens == span.num_tokens and meta.fmt == self._fmt and meta.dtype == self._dtype_name
+                and meta.nbytes == layout.chunk_nbytes(span.num_tokens)
+                and list(meta.shape) == list(layout.chunk_shape(span.num_tokens)))
+
+    @property
+    def connected(self) -> bool:
+        return self.mesh is not None and self.mesh.connected
+
+    def wait_connected(self, timeout: float) -> bool:
+        """Block until NATS is connected and the worker agent registered (False on timeout or without mesh)."""
+        if self.mesh is None:
+            return False
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.mesh.connected and self.agent is not None and self.agent.started:
+                return True
+            time.sleep(0.01)
+        return False
+
+    def wait_write_behind(self, timeout: float = 10.0) -> bool:
+        """Block until every queued write-behind finished (tests, benchmarks)."""
+        if self.mesh is None or self.storage is None:
+            return True
+        return self.mesh.call(self.storage.wait_idle(timeout), timeout + 1.0, default=False)
+
+    def close(self) -> None:
+        """Stop the worker agent and write-behind, close NATS, join the loop thread, free the pool."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.mesh is not None:
+            self.mesh.close()
+        if self._connection is not None:
+            self._connection.close()
+        if self.cpu is not None:
+            self.cpu.close()
+        if self.pool is not None:
+            self.pool.close()
+        log.info("cache engine %s closed", self.worker_id)
+
+    def __enter__(self) -> "CacheEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _kv_args(kv: dict[str, Any], op: str) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+    unknown = set(kv) - {"kv_caches", "slot_mapping", "skip_prefix"}
+    if unknown:
+        raise TypeError(f"{op}: unexpected keyword arguments {sorted(unknown)}")
+    if "kv_caches" not in kv or "slot_mapping" not in kv:
+        raise ValueError(f"{op}: kv_caches= and slot_mapping= are required")
+    caches = kv["kv_caches"]
+    caches = list(caches.values()) if isinstance(caches, Mapping) else list(caches)
+    slot_mapping = kv["slot_mapping"]
+    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1:
+        raise ValueError(f"{op}: slot_mapping must be a 1-D tensor")
+    if slot_mapping.dtype != torch.int64:
+        slot_mapping = slot_mapping.to(torch.int64)
+    skip_prefix = int(kv.get("skip_prefix") or 0)
+    if skip_prefix < 0:
+        raise ValueError(f"{op}: skip_prefix must be >= 0, got {skip_prefix}")
+    return caches, slot_mapping, skip_prefix
+
+
+def _check_slot_count(slot_mapping: torch.Tensor, needed: int) -> None:
+    if slot_mapping.numel() < needed:
+        raise ValueError(f"slot_mapping has {slot_mapping.numel()} slots, the chunks need {needed} "
+                         f"(one slot per token)")
+
+
+def _first_negative(slot_mapping: torch.Tensor, limit: int) -> int:
+    """Index of the first token without a cache slot (negative), or `limit` if there is none before it."""
+    negative = (slot_mapping[:limit] < 0).nonzero()
+    return int(negative[0, 0]) if negative.numel() else limit
+
+
+def _synchronize(kv_caches: list[torch.Tensor]) -> None:
+    if kv_caches and kv_caches[0].is_cuda:
+        torch.cuda.current_stream(kv_caches[0].device).synchronize()
+
+
+__all__ = ["CacheEngine"]

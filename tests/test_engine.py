@@ -1,0 +1,289 @@
+"""The cache engine without NATS: store/retrieve bit-exactness, masks, lookup prefixes, LRU, pins, a tiny pool."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvmesh.services.engine.cache_engine import CacheEngine
+from kvmesh.shared.keys import KeyParams
+from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
+
+from test_engine_support import CHUNK, PagedKV, engine_config, random_tokens
+
+PARAMS = KeyParams(model="test-model", kv_format="")
+
+
+def make_engine(kv: PagedKV, **overrides: object) -> CacheEngine:
+    return CacheEngine(engine_config(**overrides), PARAMS, kv.layout, use_mesh=False)
+
+
+@pytest.fixture
+def kv() -> PagedKV:
+    return PagedKV()
+
+
+@pytest.mark.parametrize("num_tokens", [32, 100, 127, 160, 5])
+def test_store_then_retrieve_is_bit_exact(kv: PagedKV, num_tokens: int) -> None:
+    with make_engine(kv) as engine:
+        tokens = random_tokens(num_tokens, seed=num_tokens)
+        src = kv.slots(num_tokens)
+        expected = kv.token_kv(src)
+        engine.store(tokens, **kv.kv(src))
+        assert engine.lookup(tokens) == num_tokens  # the partial last chunk counts (save_unfull_chunk)
+        dst = kv.slots(num_tokens, exclude=src)
+        before_other = kv.buffer.clone()
+        got = engine.retrieve(tokens, **kv.kv(dst))
+        assert got.dtype == torch.bool and got.shape == (num_tokens,) and bool(got.all())
+        assert torch.equal(kv.token_kv(dst), expected)
+        # nothing outside the destination blocks changed
+        touched = set((dst // kv.block_size).tolist())
+        for block in range(kv.num_blocks):
+            if block not in touched:
+                assert torch.equal(kv.buffer[:, block], before_other[:, block])
+
+
+def test_retrieve_unknown_tokens_is_a_miss(kv: PagedKV) -> None:
+    with make_engine(kv) as engine:
+        tokens = random_tokens(64, seed=1)
+        got = engine.retrieve(tokens, **kv.kv(kv.slots(64)))
+        assert not bool(got.any())
+        assert engine.lookup(tokens) == 0
+
+
+def test_masks_follow_seed_003(kv: PagedKV) -> None:
+    with make_engine(kv) as engine:
+        tokens = random_tokens(128, seed=2)
+        src = kv.slots(128)
+        expected = kv.token_kv(src)
+        mask = torch.ones(128, dtype=torch.bool)
+        mask[:CHUNK] = False
+        engine.store(tokens, mask, **kv.kv(src))
+        assert engine.lookup(tokens) == 0  # chunk 0 was masked out, so there is no cached prefix
+        engine.store(tokens, **kv.kv(src))  # now the whole sequence (chunks 1.. are not copied again)
+        assert engine.lookup(tokens) == 128
+
+        dst = kv.slots(128, exclude=src)
+        mask2 = torch.ones(128, dtype=torch.bool)
+        mask2[:2 * CHUNK] = False
+        got = engine.retrieve(tokens, mask2, **kv.kv(dst))
+        assert not bool(got[:2 * CHUNK].any()) and bool(got[2 * CHUNK:].all())
+        assert torch.equal(kv.token_kv(dst[2 * CHUNK:]), expected[:, :, 2 * CHUNK:])
+
+        bad = torch.ones(128, dtype=torch.bool)
+        bad[:10] = False  # not a multiple of chunk_size
+        with pytest.raises(ValueError, match="multiple of chunk_size"):
+            engine.store(tokens, bad, **kv.kv(src))
+        with pytest.raises(ValueError, match="prefix"):
+            engine.retrieve(tokens, torch.tensor([True, False] * 64), **kv.kv(dst))
+
+
+def test_skip_prefix_leaves_tokens_vllm_holds(kv: PagedKV) -> None:
+    with make_engine(kv) as engine:
+        tokens = random_tokens(96, seed=3)
+        src = kv.slots(96)
+        expected = kv.token_kv(src)
+        engine.store(tokens, **kv.kv(src))
+        dst = kv.slots(96, exclude=src)
+        kv.buffer.view(-1)[:] = 0  # wipe everything; the skipped tokens must stay zero
+        got = engine.retrieve(tokens, **kv.kv(dst), skip_prefix=40)  # inside a block and inside chunk 1
+        assert bool(got.all())
+        loaded = kv.token_kv(dst)
+        assert torch.equal(loaded[:, :, 40:], expected[:, :, 40:])
+        assert not bool(loaded[:, :, :40].any())
+
+
+def test_lookup_is_the_contiguous_prefix(kv: PagedKV) -> None:
+    with make_engine(kv) as engine:
+        tokens = random_tokens(160, seed=4)
+        src = kv.slots(160)
+        engine.store(tokens, **kv.kv(src))
+        assert engine.lookup(tokens) == 160
+        assert engine.lookup(tokens[:70]) == 64  # only whole stored chunks of this shorter prefix
+        assert engine.lookup(tokens, search_range=["Hot"]) == 160
+        assert engine.lookup(tokens, search_range=[LOCAL_DISK]) == 0
+        keys = engine.hasher.keys(tokens)
+        assert engine.cpu.remove(keys[2])
+        assert engine.lookup(tokens) == 2 * CHUNK  # chunks 3 and 4 are held but not part of the prefix
+        got = engine.retrieve(tokens, **kv.kv(kv.slots(160, exclude=src)))
+        assert int(got.sum()) == 2 * CHUNK and bool(got[:2 * CHUNK].all())
+        with pytest.raises(ValueError, match="unknown location"):
+            engine.lookup(tokens, search_range=["Nowhere"])
+
+
+def test_a_chunk_already_held_is_not_copied_again(kv: PagedKV, monkeypatch: pytest.MonkeyPatch) -> None:
+    with make_engine(kv) as engine:
+        gathers = []
+        original = engine.copier.gather
+        monkeypatch.setattr(engine.copier, "gather", lambda *a, **k: (gathers.append(1), original(*a, **k)))
+        tokens = random_tokens(128, seed=5)
+        src = kv.slots(128)
+        engine.store(tokens, **kv.kv(src))
+        assert len(gathers) == 4
+        engine.store(tokens, **kv.kv(src))
+        engine.store(tokens[:64], **kv.kv(src[:64]))
+        assert len(gathers) == 4
+
+
+def test_save_unfull_chunk_false_drops_the_tail(kv: PagedKV) -> None:
+    with make_engine(kv, save_unfull_chunk=False) as engine:
+        tokens = random_tokens(100, seed=6)
+        engine.store(tokens, **kv.kv(kv.slots(100)))
+        assert engine.lookup(tokens) == 96
+        got = engine.retrieve(tokens, **kv.kv(kv.slots(100)))
+        assert int(got.sum()) == 96
+
+
+def test_negative_slots_are_not_stored(kv: PagedKV) -> None:
+    with make_engine(kv) as engine:
+        tokens = random_tokens(128, seed=7)
+        src = kv.slots(128)
+        src[70:] = -1  # vLLM has no slot for these tokens
+        engine.store(tokens, **kv.kv(src))
+        assert engine.lookup(tokens) == 64
+
+
+def test_lru_evicts_oldest_and_spares_pins(kv: PagedKV) -> None:
+    with make_engine(kv, cpu_chunks=4) as engine:
+        a, b, c = (random_tokens(64, seed=s) for s in (10, 11, 12))
+        engine.store(a, **kv.kv(kv.slots(64)))
+        engine.store(b, **kv.kv(kv.slots(64)))
+        assert engine.pin(a) == 64
+        engine.store(c, **kv.kv(kv.slots(64)))  # pool full: b (oldest unpinned) goes, pinned a stays
+        assert engine.lookup(a) == 64 and engine.lookup(c) == 64 and engine.lookup(b) == 0
+
+        # recency: reading c makes ... c most recent; storing b again evicts nothing pinned
+        assert engine.unpin(a) == 64
+        engine.retrieve(a, **kv.kv(kv.slots(64)))  # a is now the most recently used
+        engine.store(b, **kv.kv(kv.slots(64)))  # evicts c, the least recently used
+        assert engine.lookup(a) == 64 and engine.lookup(b) == 64 and engine.lookup(c) == 0
+
+        assert engine.pin(b) == 64
+        assert engine.clear(LOCAL_CPU) == 64  # a goes, pinned b stays
+        assert engine.lookup(a) == 0 and engine.lookup(b) == 64
+        assert engine.pin(random_tokens(64, seed=99)) == 0  # nothing held: nothing pinned
+
+
+def test_pin_ttl_expires(kv: PagedKV) -> None:
+    with make_engine(kv, cpu_chunks=2) as engine:
+        a, b = random_tokens(64, seed=20), random_tokens(64, seed=21)
+        engine.store(a, **kv.kv(kv.slots(64)))
+        assert engine.pin(a, ttl_secs=0.2) == 64
+        engine.store(b, **kv.kv(kv.slots(64)))
+        assert engine.lookup(b) == 0 and engine.lookup(a) == 64  # pinned: b could not get in
+        time.sleep(0.3)
+        engine.store(b, **kv.kv(kv.slots(64)))
+        assert engine.lookup(b) == 64 and engine.lookup(a) == 0
+
+
+def test_a_tiny_pool_never_deadlocks(kv: PagedKV) -> None:
+    with make_engine(kv, cpu_chunks=2) as engine:
+        a = random_tokens(64, seed=30)
+        src = kv.slots(64)
+        engine.store(a, **kv.kv(src))
+        assert engine.pin(a) == 64
+        long = random_tokens(160, seed=31)
+        start = time.monotonic()
+        engine.store(long, **kv.kv(kv.slots(160)))  # no free slot and nothing evictable: skipped at once
+        assert time.monotonic() - start < 1.0
+        assert engine.lookup(long) == 0
+        engine.unpin(a)
+        engine.store(long, **kv.kv(kv.slots(160)))  # only two chunks fit: the rest is skipped
+        assert engine.lookup(long) == 2 * CHUNK
+
+        # a retrieve holding chunks while the tier is full still finishes, with a shorter hit
+        got = engine.retrieve(long, **kv.kv(kv.slots(160)))
+        assert int(got.sum()) == 2 * CHUNK
+
+    with make_engine(kv, cpu_chunks=0) as engine:  # not even one chunk fits
+        engine.store(a, **kv.kv(src))
+        assert engine.lookup(a) == 0
+        assert not bool(engine.retrieve(a, **kv.kv(src)).any())
+
+
+def test_refcounts_keep_bytes_being_read(kv: PagedKV) -> None:
+    with make_engine(kv, cpu_chunks=2) as engine:
+        a, b = random_tokens(32, seed=40), random_tokens(64, seed=41)
+        src = kv.slots(32)
+        expected = kv.token_kv(src)
+        engine.store(a, **kv.kv(src))
+        ref = engine.cpu.acquire(engine.hasher.keys(a)[0])  # a reader holds chunk a
+        assert ref is not None
+        assert engine.clear() == 32  # a leaves the tier ...
+        engine.store(b, **kv.kv(kv.slots(64)))  # needs both slots: a's is still read, so only one chunk fits
+        assert engine.lookup(b) == CHUNK and engine.lookup(a) == 0
+        chunk = ref.slot.view(kv.layout.dtype, kv.layout.chunk_shape(32))
+        from kvmesh.services.engine.paged_copy import scatter
+        dst = kv.slots(32, exclude=src)
+        scatter(chunk, kv.caches, kv.layout, dst)
+        assert torch.equal(kv.token_kv(dst), expected)  # ... but its bytes survived until released
+        ref.release()
+        assert engine.pool.num_free == 1
+
+
+def test_local_cpu_false_without_lower_tiers_stores_nothing(kv: PagedKV) -> None:
+    with make_engine(kv, local_cpu=False) as engine:
+        tokens = random_tokens(64, seed=50)
+        engine.store(tokens, **kv.kv(kv.slots(64)))
+        assert engine.lookup(tokens) == 0
+
+
+def test_closed_engine_refuses_calls(kv: PagedKV) -> None:
+    engine = make_engine(kv)
+    engine.close()
+    engine.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.lookup(random_tokens(32, seed=0))
+
+
+def test_register_kv_caches_sets_up_a_deferred_engine(kv: PagedKV) -> None:
+    engine = CacheEngine(engine_config(), PARAMS, None, use_mesh=False)
+    try:
+        with pytest.raises(RuntimeError, match="layout"):
+            engine.lookup(random_tokens(32, seed=0))
+        layout = engine.register_kv_caches(kv.caches, kv.block_size, "CPU_ATTN", cpu_isa="vec")
+        assert layout.per_block and engine.key_params.kv_format == layout.chunk_format()
+        tokens = random_tokens(64, seed=60)
+        engine.store(tokens, **kv.kv(kv.slots(64)))
+        assert engine.lookup(tokens) == 64
+    finally:
+        engine.close()
+
+
+def test_pool_segment_lifecycle_and_stale_segments_are_swept() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvmesh.services.engine.memory_pool import MemoryPool
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = Path("/dev/shm") / f"kvmesh-{int(dead.stdout)}-00c0ffee"
+    stale.write_bytes(b"left by a SIGKILLed engine")
+    pool = MemoryPool(4 * 8192, 8192)
+    try:
+        assert not stale.exists()
+        assert pool.shm_name is not None and (Path("/dev/shm") / pool.shm_name).exists()
+        slot = pool.allocate()
+        assert slot is not None and pool.num_free == 3
+        buffer = slot.chunk_buffer(100)
+        assert buffer.shm_name == pool.shm_name and buffer.shm_offset == slot.offset and len(buffer.view) == 100
+        del buffer
+        slot.ref()
+        slot.release()
+        slot.release()
+        assert pool.num_free == 4
+        with pytest.raises(RuntimeError, match="released more often"):
+            slot.release()
+    finally:
+        pool.close()
+    assert not (Path("/dev/shm") / pool.shm_name).exists()
+
+    plain = MemoryPool(2 * 8192, 8192, use_shm=False)
+    try:
+        assert plain.shm_name is None and plain.num_slots == 2
+        assert plain.allocate().chunk_buffer().shm_name is None
+    finally:
+        plain.close()

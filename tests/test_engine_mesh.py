@@ -1,0 +1,346 @@
+"""The cache engine on a real NATS: worker agent, write-behind to a real disk store process, NATS outages.
+
+Every wait has a timeout; every engine is closed (which joins its loop thread) and every process stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from typing import AsyncIterator, Callable, Iterator
+
+import pytest
+import torch
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+
+from kvmesh.cli import disk_store_id
+from kvmesh.services.engine.cache_engine import CacheEngine
+from kvmesh.shared import bus, protocol
+from kvmesh.shared.embedded_nats import EmbeddedNats
+from kvmesh.shared.keys import KeyParams
+from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
+from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, CommandReply, Subjects, WorkerCommand
+
+from test_engine_support import CHUNK, PagedKV, engine_config, random_tokens
+
+PARAMS = KeyParams(model="test-model", kv_format="")
+
+
+@pytest.fixture
+def kv() -> PagedKV:
+    return PagedKV(num_blocks=128)
+
+
+@pytest.fixture
+def nats_server() -> Iterator[EmbeddedNats]:
+    server = EmbeddedNats().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def disk_mesh(tmp_path: Path) -> Iterator[LocalMesh]:
+    """NATS plus a real disk store process (the same module `kvmesh up` runs)."""
+    store_id = disk_store_id()
+    spec = ServiceSpec("kvmesh.services.disk_store", ["--dir", str(tmp_path / "disk"), "--max-size-gb", "0.05",
+                                                      "--store-id", store_id], store_id)
+    mesh = LocalMesh([spec]).start(ready_timeout=20)
+    yield mesh
+    mesh.stop()
+
+
+@pytest.fixture
+async def nc(nats_server: EmbeddedNats) -> AsyncIterator[NatsClient]:
+    client = await bus.connect(nats_server.url, name="test-observer", allow_reconnect=False)
+    yield client
+    await client.close()
+
+
+def engine_on(url: str, kv: PagedKV, **overrides: object) -> CacheEngine:
+    engine = CacheEngine(engine_config(nats_url=url, **overrides), PARAMS, kv.layout)
+    assert engine.wait_connected(10), "engine did not reach NATS"
+    return engine
+
+
+async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+def wait_sync(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+async def test_worker_agent_registers_reports_and_answers_commands(nats_server: EmbeddedNats, nc: NatsClient,
+                                                                 kv: PagedKV) -> None:
+    registrations: list[protocol.RegisterEngine] = []
+    batches: list[protocol.AdmissionBatch] = []
+
+    async def on_register(msg: Msg) -> None:
+        registrations.append(protocol.decode(msg.data, protocol.RegisterEngine))
+
+    async def on_event(msg: Msg) -> None:
+        try:
+            batches.append(protocol.decode(msg.data, protocol.AdmissionBatch))
+        except protocol.ProtocolError:
+            pass  # a SyncChunk
+
+    await nc.subscribe(Subjects.REGISTER, cb=on_register)
+    await nc.subscribe(Subjects.events("inst-a"), cb=on_event)
+    await nc.flush()
+    engine = await asyncio.to_thread(engine_on, nats_server.url, kv, lmcache_instance_id="inst-a")
+    try:
+        await wait_for(lambda: any(r.worker_id == "inst-a" for r in registrations))
+        reg = registrations[-1]
+        assert (reg.instance_id, reg.model, reg.chunk_size, reg.world_size, reg.rank) == ("inst-a", "test-model",
+                                                                                          CHUNK, 1, 0)
+        assert reg.kv_format == kv.layout.chunk_format() and reg.save_unfull_chunk and reg.disk_store is None
+
+        prompt = random_tokens(12, seed=1)  # seed 000: a 12-token prompt, one partial chunk
+        await asyncio.to_thread(engine.store, prompt, **kv.kv(kv.slots(12)))
+        key = engine.hasher.keys(prompt)[0]
+        await wait_for(lambda: any(key in b.admitted for b in batches))
+        assert [b.seq for b in batches] == list(range(1, len(batches) + 1))
+
+        async def command(op: str, location: str = LOCAL_CPU, tokens: list[int] | None = None) -> CommandReply:
+            return await bus.request(nc, Subjects.worker("inst-a", op),
+                                     WorkerCommand(op=op, location=location, tokens=tokens or []), CommandReply, 5.0)
+
+        tokens = prompt.tolist()
+        assert (await command("lookup", tokens=tokens)).num_tokens == 12
+        assert (await command("pin", tokens=tokens)).num_tokens == 12
+        assert (await command("clear")).num_tokens == 0  # pinned chunks stay
+        assert (await command("unpin", tokens=tokens)).num_tokens == 12
+        assert (await command("clear")).num_tokens == 12
+        await wait_for(lambda: any(key in b.evicted for b in batches))
+        assert engine.lookup(prompt) == 0
+        reply = await command("pin", location=LOCAL_DISK, tokens=tokens)
+        assert not reply.ok and "LocalDiskBackend" in (reply.error or "")
+
+        health = await bus.request(nc, Subjects.health("inst-a"), protocol.HealthRequest(), protocol.HealthReply, 5.0)
+        assert health.service == "engine" and health.service_id == "inst-a"
+    finally:
+        await asyncio.to_thread(engine.close)
+
+
+def test_tensor_parallel_worker_ids(nats_server: EmbeddedNats, kv: PagedKV) -> None:
+    params = KeyParams(model="m", kv_format="", world_size=2, rank=1)
+    engine = CacheEngine(engine_config(nats_url=nats_server.url, lmcache_instance_id="tp"), params, kv.layout)
+    try:
+        assert engine.worker_id == "tp.r1"
+    finally:
+        engine.close()
+
+
+def _store_and_settle(engine: CacheEngine, tokens: torch.Tensor, kv: PagedKV, slots: torch.Tensor) -> None:
+    engine.store(tokens, **kv.kv(slots))
+    assert engine.wait_write_behind(10)
+    client = engine.storage.client(LOCAL_DISK)
+    assert client is not None
+    assert engine.mesh.call(client.wait_written(10), 12, default=False)
+
+
+@pytest.mark.parametrize("local_cpu", [True, False])
+def test_chunks_evicted_from_cpu_come_back_from_the_disk_store(disk_mesh: LocalMesh, kv: PagedKV, tmp_path: Path,
+                                                               local_cpu: bool) -> None:
+    engine = engine_on(str(disk_mesh.nats_url), kv, local_disk=str(tmp_path / "disk"), cpu_chunks=4,
+                       local_cpu=local_cpu)
+    try:
+        a, b = random_tokens(128, seed=10), random_tokens(128, seed=11)  # 4 chunks each: one pool each
+        src_a, src_b = kv.slots(128), kv.slots(128)
+        expected_a = kv.token_kv(src_a)
+        assert wait_sync(lambda: engine.storage.client(LOCAL_DISK) is not None)
+        _store_and_settle(engine, a, kv, src_a)
+        _store_and_settle(engine, b, kv, src_b)  # evicts a from the CPU tier (when it keeps chunks)
+        assert engine.lookup(a, search_range=[LOCAL_CPU]) == 0
+        assert engine.lookup(a) == 128 and engine.lookup(b) == 128
+        assert engine.lookup(a, search_range=[LOCAL_DISK]) == 128
+
+        dst = kv.slots(128, exclude=torch.cat([src_a, src_b]))
+        got = engine.retrieve(a, **kv.kv(dst))
+        assert bool(got.all())
+        assert torch.equal(kv.token_kv(dst), expected_a)
+        held_on_cpu = engine.lookup(a, search_range=[LOCAL_CPU])
+        assert held_on_cpu == (128 if local_cpu else 0)  # fetched chunks are kept only with local_cpu
+        assert engine.storage.stats["fetched_LocalDiskBackend"] == 4
+
+        # chunks already on disk are not sent again
+        done = engine.storage.stats["write_behind_done"]
+        engine.store(a, **kv.kv(src_a))
+        assert engine.wait_write_behind(10)
+        assert engine.storage.stats["write_behind_done"] == done
+
+        # controller commands at the disk location go through the disk store's client
+        assert engine.pin(a, LOCAL_DISK) == 128
+        assert engine.unpin(a, LOCAL_DISK) == 128
+        assert engine.clear(LOCAL_DISK) == 256
+        assert engine.lookup(b, search_range=[LOCAL_DISK]) == 0
+    finally:
+        engine.close()
+
+
+def test_prefetch_warms_the_cpu_tier(disk_mesh: LocalMesh, kv: PagedKV, tmp_path: Path) -> None:
+    engine = engine_on(str(disk_mesh.nats_url), kv, local_disk=str(tmp_path / "disk"), cpu_chunks=4)
+    try:
+        a = random_tokens(96, seed=20)
+        assert wait_sync(lambda: engine.storage.client(LOCAL_DISK) is not None)
+        _store_and_settle(engine, a, kv, kv.slots(96))
+        assert engine.clear(LOCAL_CPU) == 96
+        engine.prefetch(a)
+        assert wait_sync(lambda: engine.lookup(a, search_range=[LOCAL_CPU]) == 96, 10)
+        assert engine.storage.stats["fetched_LocalDiskBackend"] == 3
+
+        # a retrieve right behind a prefetch waits for the chunks in flight instead of reading them twice
+        assert engine.clear(LOCAL_CPU) == 96
+        engine.prefetch(a)
+        dst = kv.slots(96)
+        assert bool(engine.retrieve(a, **kv.kv(dst)).all())
+        assert engine.storage.stats["fetched_LocalDiskBackend"] == 6
+    finally:
+        engine.close()
+
+
+def test_nats_outage_gives_misses_in_time_and_the_engine_reconnects(kv: PagedKV, tmp_path: Path) -> None:
+    server = EmbeddedNats().start()
+    port = server.port
+    engine = engine_on(server.url, kv, local_disk=str(tmp_path / "disk"), lmcache_instance_id="outage",
+                       blocking_timeout_secs=2.0, request_timeout_secs=0.5)
+    restarted: EmbeddedNats | None = None
+    try:
+        a = random_tokens(64, seed=30)
+        engine.store(a, **kv.kv(kv.slots(64)))  # no disk store is running: write-behind fails, CPU keeps it
+        server.stop()
+        assert wait_sync(lambda: not engine.connected, 5)
+
+        start = time.monotonic()
+        b = random_tokens(96, seed=31)
+        engine.store(b, **kv.kv(kv.slots(96)))
+        assert engine.lookup(b) == 96 and engine.lookup(a) == 64  # the CPU tier still serves
+        assert bool(engine.retrieve(a, **kv.kv(kv.slots(64))).all())
+        unknown = random_tokens(64, seed=32)
+        assert engine.lookup(unknown) == 0
+        assert not bool(engine.retrieve(unknown, **kv.kv(kv.slots(64))).any())
+        assert engine.pin(a, LOCAL_DISK) == 0
+        assert time.monotonic() - start < 2.0  # no call waited for the dead NATS
+
+        restarted = EmbeddedNats(port=port).start()
+        assert wait_sync(lambda: engine.connected, 10), "engine did not reconnect"
+
+        async def ask() -> CommandReply:
+            nc = await bus.connect(restarted.url, name="test", allow_reconnect=False)
+            try:
+                deadline = time.monotonic() + 10
+                while True:  # the subscriptions come back with the reconnect
+                    try:
+                        return await bus.request(nc, Subjects.worker("outage", "lookup"),
+                                                 WorkerCommand(op="lookup", location=LOCAL_CPU,
+                                                               tokens=b.tolist()), CommandReply, 1.0)
+                    except Exception:
+                        if time.monotonic() > deadline:
+                            raise
+                        await asyncio.sleep(0.1)
+            finally:
+                await nc.close()
+
+        assert asyncio.run(ask()).num_tokens == 96
+        # a store that does not answer (no disk store on the mesh) costs at most the request timeout
+        start = time.monotonic()
+        assert not bool(engine.retrieve(unknown, **kv.kv(kv.slots(64))).any())
+        assert time.monotonic() - start < 2.0
+    finally:
+        engine.close()
+        if restarted is not None:
+            restarted.stop()
+        server.stop()
+
+
+def test_first_connect_may_fail_and_is_retried(kv: PagedKV) -> None:
+    from kvmesh.shared.embedded_nats import free_port
+
+    port = free_port()
+    engine = CacheEngine(engine_config(nats_url=f"nats://127.0.0.1:{port}", lmcache_instance_id="late"),
+                         PARAMS, kv.layout)
+    server: EmbeddedNats | None = None
+    try:
+        a = random_tokens(64, seed=40)
+        engine.store(a, **kv.kv(kv.slots(64)))  # works without NATS
+        assert engine.lookup(a) == 64 and not engine.connected
+        server = EmbeddedNats(port=port).start()
+        assert engine.wait_connected(10)
+    finally:
+        engine.close()
+        if server is not None:
+            server.stop()
+
+
+def test_close_joins_the_loop_thread(nats_server: EmbeddedNats, kv: PagedKV) -> None:
+    before = {t.name for t in threading.enumerate()}
+    engine = engine_on(nats_server.url, kv, lmcache_instance_id="threads")
+    engine.close()
+    leftover = {t.name for t in threading.enumerate() if t.is_alive()} - before
+    assert not [name for name in leftover if name.startswith("kvmesh")], leftover
+
+
+@pytest.fixture
+def full_mesh(tmp_path: Path) -> Iterator[LocalMesh]:
+    """NATS, a real disk store and two remote-store partitions (the processes `kvmesh up` runs)."""
+    disk_id = disk_store_id()
+    services = [ServiceSpec("kvmesh.services.disk_store", ["--dir", str(tmp_path / "disk"), "--max-size-gb", "0.05",
+                                                           "--store-id", disk_id], disk_id)]
+    for partition in range(2):
+        services.append(ServiceSpec("kvmesh.services.remote_store",
+                                    ["--max-size-gb", "0.05", "--partition", str(partition), "--partitions", "2",
+                                     "--store-id", f"remote-{partition}"], f"remote-{partition}"))
+    mesh = LocalMesh(services).start(ready_timeout=20)
+    yield mesh
+    mesh.stop()
+
+
+def test_retrieval_goes_cpu_then_disk_then_remote(full_mesh: LocalMesh, kv: PagedKV, tmp_path: Path) -> None:
+    from kvmesh.shared.protocol import REMOTE
+
+    engine = engine_on(str(full_mesh.nats_url), kv, local_disk=str(tmp_path / "disk"), cpu_chunks=4,
+                       remote_url="lm://localhost:65432", remote_partitions=2)
+    try:
+        assert wait_sync(lambda: engine.storage.client(REMOTE) is not None)
+        disk, remote = engine.storage.client(LOCAL_DISK), engine.storage.client(REMOTE)
+        a, b = random_tokens(128, seed=50), random_tokens(128, seed=51)
+        src_a, src_b = kv.slots(128), kv.slots(128)
+        expected_a, expected_b = kv.token_kv(src_a), kv.token_kv(src_b)
+        _store_and_settle(engine, a, kv, src_a)
+        _store_and_settle(engine, b, kv, src_b)
+        assert engine.lookup(a, search_range=[REMOTE]) == 128 and engine.lookup(a, search_range=[LOCAL_DISK]) == 128
+
+        # a: chunks 0-1 only on disk, chunks 2-3 only in the remote store, nothing in the CPU tier
+        keys_a = engine.hasher.keys(a)
+        assert engine.mesh.call(disk.remove(keys_a[2:]), 5, default=0) == 2
+        assert engine.mesh.call(remote.remove(keys_a[:2]), 5, default=0) == 2
+        assert engine.lookup(a, search_range=[LOCAL_DISK]) == 64 and engine.lookup(a, search_range=[REMOTE]) == 0
+        assert engine.lookup(a) == 128  # the prefix spans both tiers
+        exclude = torch.cat([src_a, src_b])
+        dst = kv.slots(128, exclude=exclude)
+        assert bool(engine.retrieve(a, **kv.kv(dst)).all())
+        assert torch.equal(kv.token_kv(dst), expected_a)
+        assert engine.storage.stats["fetched_LocalDiskBackend"] == 2
+        assert engine.storage.stats["fetched_RemoteBackend"] == 2
+
+        # b: only in the remote store (disk cleared, CPU cleared)
+        assert engine.clear(LOCAL_DISK) > 0
+        engine.clear(LOCAL_CPU)
+        dst_b = kv.slots(128, exclude=torch.cat([exclude, dst]))
+        assert bool(engine.retrieve(b, **kv.kv(dst_b)).all())
+        assert torch.equal(kv.token_kv(dst_b), expected_b)
+        assert engine.pin(b, REMOTE) == 128 and engine.unpin(b, REMOTE) == 128
+    finally:
+        engine.close()
