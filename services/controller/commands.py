@@ -1,0 +1,116 @@
+"""pin / unpin / clear: forwarded from the REST API to an instance's engine workers over NATS request/reply.
+
+Runs on the controller's event loop, inside the REST request (the reply carries `num_tokens`). One
+`WorkerCommand` goes to `Subjects.worker(worker_id, op)` for every rank of the instance, concurrently, each
+with the command timeout; the engine worker handles LocalCPUBackend itself and passes disk/remote commands
+on to its stores. The answer is the minimum `num_tokens` over ranks: what is pinned/cleared on every shard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from nats.aio.client import Client as NatsClient
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+
+from kvmesh.shared import protocol
+from kvmesh.shared.errors import ProtocolError
+from kvmesh.shared.protocol import LOCAL_CPU, LOCATIONS, Subjects
+from kvmesh.services.controller.errors import CommandFailed, CommandTimeout, MeshDown, NotFound
+from kvmesh.services.controller.producers import Producer, ProducerTable
+
+log = logging.getLogger(__name__)
+
+COMMAND_OPS = ("pin", "unpin", "clear")
+
+
+@dataclass(frozen=True)
+class CommandTarget:
+    """The workers a command goes to, and the producers whose keys it concerns (for clear)."""
+
+    instance_id: str
+    location: str
+    workers: list[Producer]
+    holders: list[str]  # producer_ids holding keys "at location" for this instance
+
+
+class CommandRouter:
+    """Resolves an (instance, location) to workers and runs a command on all of them."""
+
+    def __init__(self, table: ProducerTable, timeout_s: float) -> None:
+        self.table = table
+        self.timeout_s = timeout_s
+        self.nc: NatsClient | None = None
+
+    def resolve(self, instance_id: str, location: str) -> CommandTarget:
+        """The workers of `instance_id`, checking that it has `location`; NotFound naming what is missing."""
+        if location not in LOCATIONS:
+            raise NotFound(f"unknown location {location!r}; expected one of {', '.join(LOCATIONS)}")
+        workers = self.table.workers_of(instance_id)
+        if not workers:
+            raise NotFound(f"unknown instance {instance_id!r}: no engine worker of it has registered")
+        holders: list[str] = []
+        for worker in workers:
+            if location == LOCAL_CPU:
+                holders.append(worker.producer_id)
+                continue
+            stores = self.table.stores_of(worker, location)
+            if not stores:
+                raise NotFound(f"instance {instance_id} has no {location}"
+                               + (f" (rank {worker.engine.rank})" if worker.engine and len(workers) > 1 else ""))
+            holders.extend(s for s in stores if s not in holders)
+        return CommandTarget(instance_id, location, workers, holders)
+
+    async def run(self, op: str, target: CommandTarget, tokens: list[int]) -> int:
+        """Send `op` to every worker of the target; the minimum num_tokens over ranks.
+
+        Raises CommandTimeout (no answer / no responder: the worker is down), CommandFailed (an error
+        reply) or MeshDown (the controller is not connected to NATS).
+        """
+        if op not in COMMAND_OPS:
+            raise ValueError(f"unknown command {op!r}")
+        nc = self.nc
+        if nc is None or not nc.is_connected:
+            raise MeshDown(f"controller is not connected to NATS; cannot {op} on instance {target.instance_id}")
+        command = protocol.WorkerCommand(op=op, location=target.location, tokens=tokens)
+        payload = protocol.encode(command)
+        replies = await asyncio.gather(*(self._one(nc, op, target.instance_id, worker.producer_id, payload)
+                                         for worker in target.workers), return_exceptions=True)
+        errors = [r for r in replies if isinstance(r, BaseException)]
+        if errors:
+            # A timeout anywhere is the answer (the instance as a whole did not complete); else the first error.
+            timeouts = [e for e in errors if isinstance(e, CommandTimeout)]
+            first = timeouts[0] if timeouts else errors[0]
+            if isinstance(first, (CommandTimeout, CommandFailed, MeshDown)):
+                raise first
+            raise CommandFailed(f"{op} on instance {target.instance_id} failed: {type(first).__name__}: {first}")
+        return min(r for r in replies if isinstance(r, int))
+
+    async def _one(self, nc: NatsClient, op: str, instance_id: str, worker_id: str, payload: bytes) -> int:
+        subject = Subjects.worker(worker_id, op)
+        try:
+            msg = await nc.request(subject, payload, timeout=self.timeout_s)
+        except (NatsTimeoutError, asyncio.TimeoutError):
+            raise CommandTimeout(f"instance {instance_id}: worker {worker_id} did not answer {op} within "
+                                 f"{self.timeout_s:g}s") from None
+        except NoRespondersError:
+            raise CommandTimeout(f"instance {instance_id}: worker {worker_id} is not listening for {op} "
+                                 f"(no responder on {subject}); is it down?") from None
+        except Exception as exc:  # connection closed or reconnecting
+            raise MeshDown(f"instance {instance_id}: {op} request to worker {worker_id} failed: "
+                           f"{type(exc).__name__}: {exc}") from None
+        try:
+            reply = protocol.decode(msg.data, protocol.CommandReply)
+        except ProtocolError as exc:
+            try:
+                ack = protocol.decode(msg.data, protocol.Ack)
+            except ProtocolError:
+                raise CommandFailed(f"instance {instance_id}: worker {worker_id} sent a bad {op} reply: {exc}") from None
+            raise CommandFailed(f"instance {instance_id}: worker {worker_id} refused {op}: "
+                                f"{ack.error or 'no reason given'}") from None
+        if not reply.ok:
+            raise CommandFailed(f"instance {instance_id}: worker {worker_id} failed {op}: "
+                                f"{reply.error or 'no reason given'}")
+        return reply.num_tokens

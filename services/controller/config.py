@@ -1,0 +1,88 @@
+"""Controller settings and the command line that sets them (`lmcache_controller` / `kvmesh controller`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from dataclasses import dataclass
+from typing import Callable
+
+TOKEN_ENV = "KVMESH_CONTROLLER_TOKEN"
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    host: str = "localhost"  # REST bind address (and the embedded NATS server's)
+    port: int = 9000  # REST port; 0 picks a free one
+    monitor_port: int = 9001  # port of the embedded NATS server (LMCache's "monitor" port), when no nats_url
+    nats_url: str | None = None  # join an existing NATS instead of embedding one
+    controller_id: str = ""  # "" -> controller-<host>-<pid>
+    liveness_timeout_s: float = 6.0  # a producer silent this long is down (3 x the 2 s heartbeat)
+    command_timeout_s: float = 5.0  # pin / unpin / clear: per-worker NATS request timeout
+    max_tokens: int = 1_000_000  # longer token lists are refused with 413
+    auth_token: str | None = None  # bearer token required on the API when set
+    event_window_size: int = 100_000  # /check_finish remembers at most this many event ids...
+    event_window_s: float = 3600.0  # ...for at most this long
+    sync_retry_s: float = 3.0  # re-ask a producer for a full sync after this long without one
+    heartbeat_grace_s: float = 1.0  # a heartbeat's seq claim must be met by batches within this
+    tick_interval_s: float = 0.25  # maintenance pass period
+    log_level: str = "info"
+
+    def resolved_controller_id(self) -> str:
+        return self.controller_id or f"controller-{socket.gethostname()}-{os.getpid()}"
+
+    def max_body_bytes(self) -> int:
+        """Largest request body accepted before parsing: max_tokens ids of up to 20 characters, plus slack."""
+        return self.max_tokens * 21 + 65536
+
+
+def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    parse.__name__ = getattr(kind, "__name__", "value")  # argparse names the type in its errors
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lmcache_controller",
+        description="KVMesh controller: the LMCache controller REST API (lookup, pin, unpin, clear, "
+                    "check_finish, health, query_worker_info) backed by a chunk index built from NATS events.")
+    parser.add_argument("--host", default="localhost", help="REST bind address (default: localhost)")
+    parser.add_argument("--port", type=int, default=9000, help="REST port (default: 9000)")
+    parser.add_argument("--monitor-port", type=int, default=9001,
+                        help="port of the NATS server the controller embeds when --nats-url is not given; "
+                             "engines reach it as controller_url (default: 9001)")
+    parser.add_argument("--nats-url", default=None,
+                        help="join this NATS (e.g. nats://host:4222) instead of embedding a server")
+    parser.add_argument("--controller-id", default="", help="name on NATS (default: controller-<host>-<pid>)")
+    parser.add_argument("--liveness-timeout", type=_positive(float), default=6.0,
+                        help="seconds without a heartbeat before a producer is down (default: 6)")
+    parser.add_argument("--command-timeout", type=_positive(float), default=5.0,
+                        help="seconds to wait for a worker's answer to pin/unpin/clear (default: 5)")
+    parser.add_argument("--max-tokens", type=_positive(int), default=1_000_000,
+                        help="longest token list accepted; longer gets 413 (default: 1000000)")
+    parser.add_argument("--auth-token", default=None,
+                        help=f"require 'Authorization: Bearer <token>' on the API (or set ${TOKEN_ENV})")
+    parser.add_argument("--event-window-size", type=_positive(int), default=100_000,
+                        help="how many recent event ids /check_finish remembers (default: 100000)")
+    parser.add_argument("--event-window-secs", type=_positive(float), default=3600.0,
+                        help="how long /check_finish remembers an event id (default: 3600)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> ControllerConfig:
+    args = build_parser().parse_args(argv)
+    return ControllerConfig(
+        host=args.host, port=args.port, monitor_port=args.monitor_port, nats_url=args.nats_url,
+        controller_id=args.controller_id, liveness_timeout_s=args.liveness_timeout,
+        command_timeout_s=args.command_timeout, max_tokens=args.max_tokens,
+        auth_token=args.auth_token or os.environ.get(TOKEN_ENV) or None,
+        event_window_size=args.event_window_size, event_window_s=args.event_window_secs,
+        log_level=args.log_level,
+    )

@@ -1,0 +1,181 @@
+"""The controller's operations, independent of HTTP: what each REST endpoint does, as plain methods.
+
+Everything here runs on the controller's event loop; `api.py` maps these methods (and their
+ControllerError exceptions) to HTTP, `service.py` wires the NATS side (`Mesh`) in.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvmesh.shared.protocol import LOCAL_CPU
+from kvmesh.services.controller.commands import CommandRouter
+from kvmesh.services.controller.config import ControllerConfig
+from kvmesh.services.controller.errors import ControllerError, NotFound
+from kvmesh.services.controller.index import ChunkIndex
+from kvmesh.services.controller.lookup import LookupEngine
+from kvmesh.services.controller.metrics import Metrics
+from kvmesh.services.controller.ops import EventLog, EventRecord
+from kvmesh.services.controller.producers import Producer, ProducerTable
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    event_id: str
+    num_tokens: int
+
+
+class CommandError(ControllerError):
+    """A ControllerError raised by a command, carrying the command's event_id (its status: failed)."""
+
+    def __init__(self, cause: ControllerError, event_id: str) -> None:
+        super().__init__(cause.message)
+        self.status_code = cause.status_code
+        self.event_id = event_id
+
+
+class ControllerCore:
+    """Index, registrations, event ids and command routing of one controller."""
+
+    def __init__(self, config: ControllerConfig, clock: Any = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.controller_id = config.resolved_controller_id()
+        self.table = ProducerTable(ChunkIndex(), liveness_timeout_s=config.liveness_timeout_s,
+                                   sync_retry_s=config.sync_retry_s, heartbeat_grace_s=config.heartbeat_grace_s)
+        self.lookups = LookupEngine(self.table)
+        self.events = EventLog(config.event_window_size, config.event_window_s)
+        self.router = CommandRouter(self.table, config.command_timeout_s)
+        self.metrics = Metrics()
+        self.mesh: Any = None  # the Mesh, once connected (service.py sets it)
+        self.started_at = time.time()
+
+    # -- glue to the NATS side ---------------------------------------------------------------------------
+
+    def nats_connected(self) -> bool:
+        nc = self.router.nc
+        return bool(nc is not None and nc.is_connected)
+
+    def sync_requests_sent(self) -> int:
+        return self.mesh.sync_requests_sent if self.mesh is not None else 0
+
+    def bad_messages(self) -> int:
+        return self.mesh.bad_messages if self.mesh is not None else 0
+
+    # -- operations --------------------------------------------------------------------------------------
+
+    def lookup(self, tokens: Sequence[int] | np.ndarray) -> tuple[str, dict[str, tuple[str, int]]]:
+        started = time.perf_counter()
+        layout = self.lookups.lookup(tokens)
+        event_id = self.events.new("lookup", status="finished")
+        self.metrics.lookups += 1
+        self.metrics.lookup_hits += bool(layout)
+        self.metrics.lookup_seconds.observe(time.perf_counter() - started)
+        return event_id, layout
+
+    async def command(self, op: str, instance_id: str, location: str, tokens: list[int]) -> CommandResult:
+        """pin / unpin / clear, synchronously: the result carries num_tokens; the event id records the outcome.
+
+        Raises CommandError (with the event id) for unknown instances/locations, timeouts and worker errors.
+        """
+        event_id = self.events.new(op)
+        started = time.perf_counter()
+        try:
+            target = self.router.resolve(instance_id, location)
+            num_tokens = await self.router.run(op, target, tokens)
+        except ControllerError as exc:
+            self.events.fail(event_id, exc.message)
+            self.metrics.commands[(op, type(exc).__name__)] += 1
+            raise CommandError(exc, event_id) from None
+        except Exception as exc:  # a bug: still recorded, still an answer
+            self.events.fail(event_id, f"{type(exc).__name__}: {exc}")
+            self.metrics.commands[(op, "error")] += 1
+            raise
+        self.events.finish(event_id, num_tokens)
+        self.metrics.commands[(op, "ok")] += 1
+        self.metrics.command_seconds.observe(time.perf_counter() - started)
+        if op == "clear":
+            # The lookup right after this reply must not show what was just cleared.
+            for producer_id in self.table.mark_cleared(target.holders, self.clock()):
+                if self.mesh is not None:
+                    self.mesh.request_sync(producer_id, "confirm after clear")
+        return CommandResult(event_id, num_tokens)
+
+    def check_finish(self, event_id: str) -> EventRecord:
+        record = self.events.get(event_id)
+        if record is None:
+            raise NotFound(f"unknown event_id {event_id!r} (never issued, or older than the window of "
+                           f"{self.events.max_events} events / {self.events.max_age_s:g}s)")
+        return record
+
+    # -- introspection -----------------------------------------------------------------------------------
+
+    def _workers(self, instance_id: str) -> list[Producer]:
+        workers = self.table.workers_of(instance_id)
+        if not workers:
+            raise NotFound(f"unknown instance {instance_id!r}: no engine worker of it has registered")
+        return workers
+
+    def _age(self, producer: Producer) -> float:
+        return round(max(0.0, self.clock() - producer.last_seen), 3)
+
+    def worker_info(self, producer: Producer) -> dict[str, Any]:
+        reg = producer.engine
+        assert reg is not None
+        return {
+            "instance_id": reg.instance_id, "worker_id": reg.rank, "worker_name": producer.producer_id,
+            "host": None,  # RegisterEngine does not carry the worker's address
+            "model": reg.model, "kv_format": reg.kv_format, "world_size": reg.world_size, "rank": reg.rank,
+            "chunk_size": reg.chunk_size, "save_unfull_chunk": reg.save_unfull_chunk,
+            "disk_store": reg.disk_store, "remote_stores": list(reg.remote_stores),
+            "started_at": reg.started_at, "last_heartbeat_age_s": self._age(producer),
+            "alive": producer.alive, "num_keys": self.table.index.count(producer.slot),
+            "last_seq": producer.last_seq, "in_sync": not producer.needs_sync,
+        }
+
+    def query_worker_info(self, instance_id: str, worker_ids: list[int] | None) -> list[dict[str, Any]]:
+        workers = {w.engine.rank: w for w in self._workers(instance_id) if w.engine is not None}
+        ranks = sorted(workers) if worker_ids is None else worker_ids
+        missing = [rank for rank in ranks if rank not in workers]
+        if missing:
+            raise NotFound(f"instance {instance_id} has no worker(s) {missing}; registered ranks: {sorted(workers)}")
+        return [self.worker_info(workers[rank]) for rank in ranks]
+
+    def health(self, instance_id: str) -> dict[str, Any]:
+        workers = self._workers(instance_id)
+        world_size = workers[0].engine.world_size if workers[0].engine else len(workers)
+        infos = {w.producer_id: {"rank": w.engine.rank if w.engine else None, "alive": w.alive,
+                                 "last_heartbeat_age_s": self._age(w)} for w in workers}
+        stores: dict[str, dict[str, Any]] = {}
+        for worker in workers:
+            for location in ("LocalDiskBackend", "RemoteBackend"):
+                for store_id in self.table.stores_of(worker, location):
+                    store = self.table.producer(store_id)
+                    stores[store_id] = {"location": location, "registered": store is not None and store.store is not None,
+                                        "alive": bool(store is not None and store.alive)}
+        healthy = len(workers) == world_size and all(w.alive for w in workers)
+        return {"instance_id": instance_id, "healthy": healthy, "world_size": world_size,
+                "error_codes": {w.engine.rank if w.engine else i: 0 if w.alive else 1 for i, w in enumerate(workers)},
+                "workers": infos, "stores": stores}
+
+    def instances(self) -> dict[str, Any]:
+        table = self.table
+        instances = []
+        for instance_id in sorted(table.instances):
+            workers = table.workers_of(instance_id)
+            locations = [LOCAL_CPU] + [loc for loc in ("LocalDiskBackend", "RemoteBackend")
+                                       if all(table.stores_of(w, loc) for w in workers)]
+            instances.append({"instance_id": instance_id,
+                              "alive": all(w.alive for w in workers),
+                              "locations": locations,
+                              "workers": [self.worker_info(w) for w in workers]})
+        stores = [{"store_id": p.producer_id, "location": p.location, "alive": p.alive,
+                   "registered": p.store is not None, "num_keys": table.index.count(p.slot),
+                   "last_heartbeat_age_s": self._age(p), "in_sync": not p.needs_sync}
+                  for p in table.producers.values() if p.engine is None]
+        return {"controller_id": self.controller_id, "num_keys": len(table.index),
+                "instances": instances, "stores": stores}

@@ -1,0 +1,105 @@
+"""Controller metrics, rendered by hand in the Prometheus text exposition format for `GET /metrics`.
+
+Updated on the controller's event loop by the REST handlers; the index and ingest figures are read from the
+ProducerTable at scrape time, so nothing is counted twice.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvmesh.services.controller.core import ControllerCore
+
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...] = LATENCY_BUCKETS_S
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
+    total: float = 0.0
+    count: int = 0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, seconds)] += 1
+        self.total += seconds
+        self.count += 1
+
+    def render(self, name: str, labels: str = "") -> list[str]:
+        lines, running = [], 0
+        sep = "," if labels else ""
+        for bound, count in zip(self.buckets, self.counts):
+            running += count
+            lines.append(f'{name}_bucket{{{labels}{sep}le="{bound}"}} {running}')
+        lines.append(f'{name}_bucket{{{labels}{sep}le="+Inf"}} {self.count}')
+        suffix = f"{{{labels}}}" if labels else ""
+        lines.append(f"{name}_sum{suffix} {self.total:.6f}")
+        lines.append(f"{name}_count{suffix} {self.count}")
+        return lines
+
+
+@dataclass
+class Metrics:
+    lookup_seconds: Histogram = field(default_factory=Histogram)
+    lookups: int = 0
+    lookup_hits: int = 0
+    commands: Counter[tuple[str, str]] = field(default_factory=Counter)  # (op, outcome) -> count
+    command_seconds: Histogram = field(default_factory=Histogram)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def render(core: "ControllerCore") -> str:
+    """The whole /metrics page."""
+    m, table = core.metrics, core.table
+    stats = table.stats
+    producers = list(table.producers.values())
+    out: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float | int]]) -> None:
+        out.append(f"# HELP {name} {help_text}")
+        out.append(f"# TYPE {name} {kind}")
+        for labels, value in samples:
+            out.append(f"{name}{{{labels}}} {value}" if labels else f"{name} {value}")
+
+    metric("kvmesh_controller_index_keys", "gauge", "Distinct chunk keys in the index.", [("", len(table.index))])
+    metric("kvmesh_controller_producer_keys", "gauge", "Keys held per producer (alive or not).",
+           [(f'producer="{_escape(p.producer_id)}",kind="{p.kind}",location="{p.location or ""}"',
+             table.index.count(p.slot)) for p in producers])
+    metric("kvmesh_controller_producers", "gauge", "Known producers by liveness.",
+           [('state="up"', sum(p.alive for p in producers)), ('state="down"', sum(not p.alive for p in producers))])
+    metric("kvmesh_controller_instances", "gauge", "Registered engine instances.", [("", len(table.instances))])
+    metric("kvmesh_controller_events_total", "counter", "NATS messages ingested by type.",
+           [('type="admission_batch"', stats.batches), ('type="sync_chunk"', stats.sync_parts),
+            ('type="heartbeat"', stats.heartbeats), ('type="register"', stats.registrations)])
+    metric("kvmesh_controller_seq_gaps_total", "counter", "Sequence gaps detected (each triggers a full sync).",
+           [("", stats.seq_gaps)])
+    metric("kvmesh_controller_syncs_total", "counter", "Full syncs by outcome.",
+           [('outcome="completed"', stats.syncs_completed), ('outcome="broken"', stats.syncs_broken),
+            ('outcome="requested"', core.sync_requests_sent())])
+    metric("kvmesh_controller_stale_keys_dropped_total", "counter", "Keys removed by full syncs.",
+           [("", stats.stale_keys_dropped)])
+    metric("kvmesh_controller_bad_messages_total", "counter", "Undecodable NATS messages dropped.",
+           [("", core.bad_messages())])
+    metric("kvmesh_controller_lookups_total", "counter", "Lookups answered.", [("", m.lookups)])
+    metric("kvmesh_controller_lookup_hits_total", "counter", "Lookups matching at least one instance.",
+           [("", m.lookup_hits)])
+    out.append("# HELP kvmesh_controller_lookup_seconds Lookup time in the controller (hashing and index probes).")
+    out.append("# TYPE kvmesh_controller_lookup_seconds histogram")
+    out.extend(m.lookup_seconds.render("kvmesh_controller_lookup_seconds"))
+    metric("kvmesh_controller_commands_total", "counter", "pin/unpin/clear commands by outcome.",
+           [(f'op="{op}",outcome="{outcome}"', n) for (op, outcome), n in sorted(m.commands.items())])
+    out.append("# HELP kvmesh_controller_command_seconds Command round trip to the workers.")
+    out.append("# TYPE kvmesh_controller_command_seconds histogram")
+    out.extend(m.command_seconds.render("kvmesh_controller_command_seconds"))
+    metric("kvmesh_controller_tracked_events", "gauge", "Event ids /check_finish currently remembers.",
+           [("", len(core.events))])
+    metric("kvmesh_controller_nats_connected", "gauge", "1 when connected to NATS.",
+           [("", int(core.nats_connected()))])
+    return "\n".join(out) + "\n"

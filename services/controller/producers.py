@@ -1,0 +1,362 @@
+"""Producers and instances as the controller knows them: registrations, sequence/sync state, liveness.
+
+Pure logic on the controller's event loop: every method takes `now` and returns what the NATS side must do
+(which producers to ask for a full sync); `mesh.py` feeds it decoded messages and sends the requests.
+
+A *producer* is an engine worker (one per vLLM rank; its CPU tier, location LocalCPUBackend) or a store
+(LocalDiskBackend / RemoteBackend), named by `producer_id` (worker_id or store_id). Each owns one slot of the
+ChunkIndex. An *instance* is the set of engine workers sharing an `instance_id`, one per rank.
+
+Consistency, per producer: batches are numbered 1, 2, 3, ...; the controller applies batch `last_seq + 1`.
+A gap (a higher seq, a heartbeat still claiming a higher seq after a grace period, a seq that went back to 1
+or below ours: a restarted producer) sets `needs_sync`, and a SyncRequest goes out. A full sync is the
+SyncChunk parts of one sync_id, snapshot at seq S; batches with seq > S that arrive while the parts stream
+are folded into it, and when the final part arrives the producer's bits become exactly that set.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from kvmesh.shared import protocol
+from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, REMOTE
+from kvmesh.services.controller.index import ChunkIndex, ChunkKey
+
+log = logging.getLogger(__name__)
+
+MAX_CONCURRENT_SYNCS = 4  # per producer; more means parts are being lost, and older ones are dropped
+
+
+@dataclass
+class SyncProgress:
+    """One full sync being received: keys so far (plus folded later batches), and where it stands."""
+
+    sync_id: str
+    seq: int  # the producer's batch seq the snapshot reflects
+    started_at: float
+    keys: set[ChunkKey] = field(default_factory=set)
+    next_part: int = 0
+    folded_seq: int = 0  # highest batch seq folded in (starts at `seq`)
+    broken: bool = False  # a part or a later batch went missing: the result cannot be trusted
+    last_part_at: float = 0.0
+
+
+@dataclass
+class Producer:
+    """What the controller knows of one producer. `engine`/`store` hold its latest registration."""
+
+    producer_id: str
+    slot: int
+    location: str | None = None
+    engine: protocol.RegisterEngine | None = None
+    store: protocol.RegisterStore | None = None
+    registered_at: float | None = None
+    last_seen: float = 0.0
+    alive: bool = True
+    last_seq: int | None = None  # None: nothing trustworthy yet, a sync is needed
+    needs_sync: bool = True
+    sync_requested_at: float | None = None
+    syncs: dict[str, SyncProgress] = field(default_factory=dict)
+    claimed_seq: int = 0  # highest last_seq a heartbeat claimed that we had not seen yet
+    claimed_at: float = 0.0
+    syncs_completed: int = 0
+
+    @property
+    def kind(self) -> str:
+        if self.engine is not None:
+            return "engine"
+        if self.store is not None:
+            return "store"
+        return "unregistered"
+
+
+@dataclass
+class IngestStats:
+    batches: int = 0
+    sync_parts: int = 0
+    heartbeats: int = 0
+    registrations: int = 0
+    seq_gaps: int = 0
+    syncs_completed: int = 0
+    syncs_broken: int = 0
+    stale_keys_dropped: int = 0
+
+
+class ProducerTable:
+    """All producers, the instances they form, and the ChunkIndex they feed.
+
+    `version` increases whenever something a lookup plan depends on changes (a registration, a producer
+    going up or down), so the lookup side can cache its plan and rebuild it only then.
+    """
+
+    def __init__(self, index: ChunkIndex | None = None, liveness_timeout_s: float = 6.0,
+                 sync_retry_s: float = 3.0, heartbeat_grace_s: float = 1.0) -> None:
+        self.index = index or ChunkIndex()
+        self.liveness_timeout_s = liveness_timeout_s
+        self.sync_retry_s = sync_retry_s
+        self.heartbeat_grace_s = heartbeat_grace_s
+        self.producers: dict[str, Producer] = {}
+        self.instances: dict[str, dict[int, str]] = {}  # instance_id -> rank -> worker_id
+        self.version = 0
+        self.stats = IngestStats()
+        self._alive_mask = 0
+
+    # ---------------------------------------------------------------------------------------------------
+    # Queries
+
+    @property
+    def alive_mask(self) -> int:
+        return self._alive_mask
+
+    def producer(self, producer_id: str) -> Producer | None:
+        return self.producers.get(producer_id)
+
+    def workers_of(self, instance_id: str) -> list[Producer]:
+        """The registered engine workers of an instance, by rank."""
+        ranks = self.instances.get(instance_id, {})
+        return [self.producers[ranks[rank]] for rank in sorted(ranks)]
+
+    def stores_of(self, worker: Producer, location: str) -> list[str]:
+        """store_ids behind `location` for one engine worker (empty when the location is not configured)."""
+        reg = worker.engine
+        if reg is None:
+            return []
+        if location == LOCAL_DISK:
+            return [reg.disk_store] if reg.disk_store else []
+        if location == REMOTE:
+            return list(reg.remote_stores)
+        return []
+
+    def location_mask(self, worker: Producer, location: str) -> int:
+        """Bits of the producers that hold keys 'at `location`' for this worker, alive or not."""
+        if location == LOCAL_CPU:
+            return 1 << worker.slot
+        mask = 0
+        for store_id in self.stores_of(worker, location):
+            store = self.producers.get(store_id)
+            if store is not None:
+                mask |= 1 << store.slot
+        return mask
+
+    # ---------------------------------------------------------------------------------------------------
+    # Registrations
+
+    def _get_or_create(self, producer_id: str, now: float, location: str | None = None) -> Producer:
+        producer = self.producers.get(producer_id)
+        if producer is None:
+            producer = Producer(producer_id=producer_id, slot=self.index.new_slot(), location=location,
+                                last_seen=now)
+            self.producers[producer_id] = producer
+            self._alive_mask |= 1 << producer.slot
+            self.version += 1
+        elif producer.location is None and location is not None:
+            producer.location = location
+        return producer
+
+    def _touch(self, producer: Producer, now: float) -> None:
+        producer.last_seen = now
+        if not producer.alive:
+            producer.alive = True
+            self._alive_mask |= 1 << producer.slot
+            self.version += 1
+            log.info("producer %s is back", producer.producer_id)
+
+    def _registered(self, producer: Producer, started_at: float, previous_started_at: float | None,
+                    now: float) -> None:
+        self.stats.registrations += 1
+        if previous_started_at is not None and started_at != previous_started_at:
+            # A restarted producer numbers its batches from 1 again and may have lost its keys.
+            log.info("producer %s restarted; its keys will be rebuilt from its full sync", producer.producer_id)
+            producer.last_seq = None
+            producer.needs_sync = True
+        producer.registered_at = now
+        # A registration is always followed by a full sync (AdmissionReporter announces both): count it as
+        # a request in flight so the maintenance pass does not ask a second time.
+        producer.sync_requested_at = now
+        self._touch(producer, now)
+        self.version += 1
+
+    def on_register_engine(self, reg: protocol.RegisterEngine, now: float) -> None:
+        producer = self._get_or_create(reg.worker_id, now, LOCAL_CPU)
+        previous = producer.engine.started_at if producer.engine is not None else None
+        if producer.engine is not None and producer.engine.instance_id != reg.instance_id:
+            self._forget_rank(producer.engine.instance_id, producer.engine.rank, reg.worker_id)
+        if producer.engine is not None and producer.engine.rank != reg.rank:
+            self._forget_rank(reg.instance_id, producer.engine.rank, reg.worker_id)
+        producer.engine, producer.store, producer.location = reg, None, LOCAL_CPU
+        self.instances.setdefault(reg.instance_id, {})[reg.rank] = reg.worker_id
+        self._registered(producer, reg.started_at, previous, now)
+
+    def on_register_store(self, reg: protocol.RegisterStore, now: float) -> None:
+        producer = self._get_or_create(reg.store_id, now, reg.location)
+        previous = producer.store.started_at if producer.store is not None else None
+        producer.store, producer.location = reg, reg.location
+        self._registered(producer, reg.started_at, previous, now)
+
+    def _forget_rank(self, instance_id: str, rank: int, worker_id: str) -> None:
+        ranks = self.instances.get(instance_id)
+        if ranks is not None and ranks.get(rank) == worker_id:
+            del ranks[rank]
+            if not ranks:
+                del self.instances[instance_id]
+
+    # ---------------------------------------------------------------------------------------------------
+    # Events
+
+    def on_batch(self, batch: protocol.AdmissionBatch, now: float) -> bool:
+        """Apply one AdmissionBatch; True when the producer should be asked for a full sync now."""
+        self.stats.batches += 1
+        producer = self._get_or_create(batch.producer_id, now, batch.location)
+        self._touch(producer, now)
+        seq = batch.seq
+        for sync in producer.syncs.values():
+            if seq > sync.seq:
+                if seq != sync.folded_seq + 1:
+                    sync.broken = True
+                sync.folded_seq = max(sync.folded_seq, seq)
+                sync.keys.update(batch.admitted)
+                sync.keys.difference_update(batch.evicted)
+        last = producer.last_seq
+        gap = False
+        if last is not None and seq <= last:
+            if seq > 1:
+                return False  # a duplicate or an old batch: already reflected
+            gap = True  # seq 1 again: the producer restarted without us seeing its registration
+        elif last is not None and seq != last + 1:
+            gap = True
+        self._apply(producer, batch)
+        producer.last_seq = seq
+        if gap:
+            self.stats.seq_gaps += 1
+            log.info("producer %s: batch seq %d after %s; asking for a full sync", producer.producer_id, seq, last)
+            producer.needs_sync = True
+            producer.sync_requested_at = None
+        return self._should_request(producer, now)
+
+    def _apply(self, producer: Producer, batch: protocol.AdmissionBatch) -> None:
+        if batch.admitted:
+            self.index.admit(producer.slot, batch.admitted)
+        if batch.evicted:
+            self.index.evict(producer.slot, batch.evicted)
+
+    def on_sync_chunk(self, chunk: protocol.SyncChunk, now: float) -> bool:
+        """Take one part of a full sync; True when the producer should be asked for a (new) full sync now."""
+        self.stats.sync_parts += 1
+        producer = self._get_or_create(chunk.producer_id, now, chunk.location)
+        self._touch(producer, now)
+        sync = producer.syncs.get(chunk.sync_id)
+        if sync is None:
+            if chunk.part != 0:
+                log.info("producer %s: sync %s joined at part %d; asking again", producer.producer_id,
+                         chunk.sync_id, chunk.part)
+                return self._sync_failed(producer, now)
+            sync = SyncProgress(sync_id=chunk.sync_id, seq=chunk.seq, started_at=now, folded_seq=chunk.seq)
+            producer.syncs[chunk.sync_id] = sync
+            while len(producer.syncs) > MAX_CONCURRENT_SYNCS:
+                del producer.syncs[next(iter(producer.syncs))]
+        elif chunk.part != sync.next_part:
+            del producer.syncs[chunk.sync_id]
+            log.info("producer %s: sync %s part %d after %d; asking again", producer.producer_id,
+                     chunk.sync_id, chunk.part, sync.next_part - 1)
+            return self._sync_failed(producer, now)
+        sync.keys.update(chunk.keys)
+        sync.next_part += 1
+        sync.last_part_at = now
+        if not chunk.final:
+            return False
+        del producer.syncs[chunk.sync_id]
+        if sync.broken:
+            return self._sync_failed(producer, now)
+        dropped = self.index.replace(producer.slot, sync.keys)
+        self.stats.stale_keys_dropped += dropped
+        self.stats.syncs_completed += 1
+        producer.syncs_completed += 1
+        producer.last_seq = sync.folded_seq
+        producer.needs_sync = False
+        producer.sync_requested_at = None
+        log.info("producer %s: full sync at seq %d: %d keys (%d stale dropped)", producer.producer_id,
+                 sync.seq, len(sync.keys), dropped)
+        return False
+
+    def _sync_failed(self, producer: Producer, now: float) -> bool:
+        self.stats.syncs_broken += 1
+        producer.needs_sync = True
+        producer.sync_requested_at = None
+        return self._should_request(producer, now)
+
+    def on_heartbeat(self, heartbeat: protocol.Heartbeat, now: float) -> bool:
+        """Note a heartbeat; True when the producer should be asked for a full sync now."""
+        self.stats.heartbeats += 1
+        producer = self._get_or_create(heartbeat.producer_id, now)
+        self._touch(producer, now)
+        last = producer.last_seq
+        if last is not None and not producer.needs_sync:
+            if heartbeat.last_seq < last:
+                log.info("producer %s: heartbeat seq %d below %d (restarted); asking for a full sync",
+                         producer.producer_id, heartbeat.last_seq, last)
+                producer.needs_sync = True
+                producer.sync_requested_at = None
+            elif heartbeat.last_seq > last and heartbeat.last_seq > producer.claimed_seq:
+                # Heartbeats and batches arrive on different subscriptions (no order between them), and a
+                # heartbeat may name a batch still in flight: judge the claim after a grace period.
+                producer.claimed_seq, producer.claimed_at = heartbeat.last_seq, now
+        return self._should_request(producer, now)
+
+    # ---------------------------------------------------------------------------------------------------
+    # Time
+
+    def _should_request(self, producer: Producer, now: float) -> bool:
+        """Whether to send a SyncRequest now (and if so, note it as sent)."""
+        if not producer.needs_sync or not producer.alive:
+            return False
+        if producer.sync_requested_at is not None and now - producer.sync_requested_at < self.sync_retry_s:
+            return False
+        if any(now - s.last_part_at < self.sync_retry_s for s in producer.syncs.values()):
+            return False  # one is streaming in
+        producer.sync_requested_at = now
+        return True
+
+    def tick(self, now: float) -> list[str]:
+        """Periodic pass: liveness, heartbeat claims, sync retries. Returns producer_ids to ask for a sync."""
+        to_sync: list[str] = []
+        for producer in self.producers.values():
+            if producer.alive and now - producer.last_seen > self.liveness_timeout_s:
+                producer.alive = False
+                self._alive_mask &= ~(1 << producer.slot)
+                self.version += 1
+                log.warning("producer %s silent for %.1fs: marked down; its keys leave lookups until it returns",
+                            producer.producer_id, now - producer.last_seen)
+            if producer.claimed_seq:
+                if producer.last_seq is not None and producer.last_seq >= producer.claimed_seq:
+                    producer.claimed_seq = 0
+                elif now - producer.claimed_at >= self.heartbeat_grace_s:
+                    log.info("producer %s: heartbeat claimed seq %d, we have %s; asking for a full sync",
+                             producer.producer_id, producer.claimed_seq, producer.last_seq)
+                    self.stats.seq_gaps += 1
+                    producer.claimed_seq = 0
+                    producer.needs_sync = True
+                    producer.sync_requested_at = None
+            for sync_id in [s.sync_id for s in producer.syncs.values()
+                            if now - max(s.last_part_at, s.started_at) > self.sync_retry_s]:
+                del producer.syncs[sync_id]  # its remaining parts were lost
+                producer.needs_sync = True
+            if self._should_request(producer, now):
+                to_sync.append(producer.producer_id)
+        return to_sync
+
+    def mark_cleared(self, producer_ids: list[str], now: float) -> list[str]:
+        """After a successful clear: drop these producers' keys now, so a lookup right after the reply is
+        already empty, and return those to ask for a confirming full sync (a store may keep some keys, e.g.
+        pinned ones; the sync restores exactly what it still holds)."""
+        to_sync: list[str] = []
+        for producer_id in producer_ids:
+            producer = self.producers.get(producer_id)
+            if producer is None:
+                continue
+            self.index.clear_slot(producer.slot)
+            producer.needs_sync = True
+            producer.sync_requested_at = None
+            if self._should_request(producer, now):
+                to_sync.append(producer_id)
+        return to_sync

@@ -1,0 +1,166 @@
+"""The controller process: one asyncio event loop running the NATS client, the maintenance task and uvicorn.
+
+`ControllerService.start()` (in this order): start the embedded nats-server when no NATS URL is given (a
+child process on `monitor_port`, started from the calling thread, which must outlive it), connect to NATS,
+subscribe (`Mesh.start()`, which also says hello so producers re-register and full-sync), then serve the
+REST API with `uvicorn.Server.serve()` as a task on the same loop. `stop()` undoes it in reverse. Signals
+are the caller's business (`__main__` installs SIGTERM/SIGINT handlers that call `stop()`); uvicorn's own
+signal capture is switched off so it cannot re-raise a signal past our cleanup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any, Iterator
+
+import uvicorn
+
+from kvmesh.shared import bus
+from kvmesh.shared.embedded_nats import EmbeddedNats
+from kvmesh.shared.errors import KVMeshError
+from kvmesh.services.controller.api import create_app
+from kvmesh.services.controller.config import ControllerConfig
+from kvmesh.services.controller.core import ControllerCore
+from kvmesh.services.controller.mesh import Mesh
+
+log = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 15.0
+SHUTDOWN_TIMEOUT_S = 10.0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handling: the controller owns SIGTERM/SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _client_host(host: str) -> str:
+    """Where a local client reaches a server bound to `host` (a wildcard bind is reached on loopback)."""
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+
+
+class ControllerService:
+    """A running controller: `await start()`, then `url`/`nats_url`; `await stop()` (or `async with`)."""
+
+    def __init__(self, config: ControllerConfig) -> None:
+        self.config = config
+        self.core = ControllerCore(config)
+        self.app = create_app(self.core)
+        self.embedded: EmbeddedNats | None = None
+        self.nc: Any = None
+        self.mesh: Mesh | None = None
+        self._server: _Server | None = None
+        self._server_task: asyncio.Task[None] | None = None
+        self.port: int | None = None
+
+    @property
+    def nats_url(self) -> str:
+        if self.config.nats_url:
+            return self.config.nats_url
+        assert self.embedded is not None, "not started"
+        return f"nats://{_client_host(self.embedded.host)}:{self.embedded.port}"
+
+    @property
+    def url(self) -> str:
+        assert self.port is not None, "not started"
+        host = _client_host(self.config.host)
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+    async def start(self) -> "ControllerService":
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def _start(self) -> None:
+        config = self.config
+        if not config.nats_url:
+            # Blocking for the ~0.1 s the server takes to listen; it must be started from this (long-lived)
+            # thread, since the child dies with the thread that started it.
+            self.embedded = EmbeddedNats(port=config.monitor_port or None, host=config.host).start()
+        url = bus.normalize_url(self.nats_url)
+        self.nc = await bus.connect(url, name=f"kvmesh-{self.core.controller_id}")
+        self.core.router.nc = self.nc
+        self.mesh = Mesh(self.nc, self.core.table, self.core.controller_id, clock=self.core.clock,
+                         tick_interval_s=config.tick_interval_s, health_details=self._health_details)
+        self.core.mesh = self.mesh
+        await self.mesh.start()
+        uv_config = uvicorn.Config(self.app, host=config.host, port=config.port, loop="none", lifespan="off",
+                                   access_log=False, log_level="warning", timeout_keep_alive=30,
+                                   http="httptools" if _has("httptools") else "h11")
+        self._server = _Server(uv_config)
+        self._server_task = asyncio.create_task(self._serve(), name="controller-http")
+        deadline = asyncio.get_running_loop().time() + STARTUP_TIMEOUT_S
+        while not self._server.started:
+            if self._server_task.done():
+                raise KVMeshError(f"controller REST server could not start on {config.host}:{config.port} "
+                                  "(port in use?)")
+            if asyncio.get_running_loop().time() > deadline:
+                raise KVMeshError(f"controller REST server did not start within {STARTUP_TIMEOUT_S:g}s")
+            await asyncio.sleep(0.01)
+        sockets = [s for server in self._server.servers for s in (server.sockets or [])]
+        self.port = sockets[0].getsockname()[1] if sockets else config.port
+        log.info("controller %s: REST on %s, NATS %s", self.core.controller_id, self.url, url)
+
+    async def _serve(self) -> None:
+        assert self._server is not None
+        try:
+            await self._server.serve()
+        except SystemExit:  # uvicorn exits the "process" when it cannot bind; we report it instead
+            log.error("controller REST server failed to start on %s:%s", self.config.host, self.config.port)
+
+    @property
+    def http_done(self) -> bool:
+        """True once the REST server task has ended (for the entry point to notice a crash)."""
+        return self._server_task is not None and self._server_task.done()
+
+    def _health_details(self) -> dict[str, Any]:
+        table = self.core.table
+        return {"num_keys": len(table.index), "instances": len(table.instances),
+                "producers": len(table.producers), "rest_url": self.url if self.port else None}
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._server_task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._server_task), SHUTDOWN_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                self._server.force_exit = True  # type: ignore[union-attr]
+                self._server_task.cancel()
+                await asyncio.gather(self._server_task, return_exceptions=True)
+            self._server_task = None
+        if self.mesh is not None:
+            await self.mesh.stop()
+            self.mesh = None
+        if self.nc is not None:
+            try:
+                await asyncio.wait_for(self.nc.close(), 5)
+            except Exception as exc:
+                log.debug("closing NATS failed: %s", exc)
+            self.nc = None
+            self.core.router.nc = None
+        if self.embedded is not None:
+            self.embedded.stop()
+            self.embedded = None
+
+    async def __aenter__(self) -> "ControllerService":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+def _has(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True

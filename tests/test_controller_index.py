@@ -1,0 +1,302 @@
+"""The controller's pure parts, without NATS or HTTP: ChunkIndex, ProducerTable (sequence/sync/liveness
+state machine), LookupEngine (prefix crediting) and EventLog (check_finish window)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.shared import protocol
+from kvmesh.shared.keys import ChunkHasher, KeyParams
+from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, REMOTE
+from kvmesh.services.controller.index import ChunkIndex
+from kvmesh.services.controller.lookup import LookupEngine, tokens_to_array
+from kvmesh.services.controller.ops import EventLog
+from kvmesh.services.controller.producers import ProducerTable
+
+MODEL, FMT = "m", "bf16/x"
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def engine(worker_id: str, instance_id: str | None = None, *, rank: int = 0, world_size: int = 1,
+           chunk_size: int = 4, disk: str | None = None, remotes: tuple[str, ...] = (),
+           started_at: float = 1.0) -> protocol.RegisterEngine:
+    return protocol.RegisterEngine(worker_id=worker_id, instance_id=instance_id or worker_id, model=MODEL,
+                                   kv_format=FMT, world_size=world_size, rank=rank, chunk_size=chunk_size,
+                                   save_unfull_chunk=True, disk_store=disk, remote_stores=list(remotes),
+                                   started_at=started_at)
+
+
+def batch(producer: str, seq: int, admitted: list[bytes] = (), evicted: list[bytes] = (),
+          location: str = LOCAL_CPU) -> protocol.AdmissionBatch:
+    return protocol.AdmissionBatch(producer_id=producer, location=location, seq=seq, admitted=list(admitted),
+                                   evicted=list(evicted))
+
+
+def sync(producer: str, sync_id: str, seq: int, part: int, final: bool, keys: list[bytes]) -> protocol.SyncChunk:
+    return protocol.SyncChunk(producer_id=producer, location=LOCAL_CPU, sync_id=sync_id, seq=seq, part=part,
+                              final=final, keys=keys)
+
+
+def in_sync_table(*worker_ids: str, **kwargs: float) -> ProducerTable:
+    table = ProducerTable(**kwargs)
+    for worker_id in worker_ids:
+        table.on_register_engine(engine(worker_id), 0.0)
+        table.on_sync_chunk(sync(worker_id, f"s-{worker_id}", 0, 0, True, []), 0.0)
+    return table
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ChunkIndex
+
+
+def test_index_bits_counts_and_replace() -> None:
+    index = ChunkIndex()
+    a, b = index.new_slot(), index.new_slot()
+    assert index.admit(a, [key(1), key(2), key(2)]) == 2
+    index.admit(b, [key(2), key(3)])
+    assert index.mask(key(2)) == 0b11 and len(index) == 3
+    assert index.evict(a, [key(2), key(9)]) == 1
+    assert index.mask(key(2)) == 0b10 and index.count(a) == 1
+    assert index.evict(b, [key(2)]) == 1 and index.mask(key(2)) == 0 and len(index) == 2  # no holder: gone
+    # replace: exactly these keys, stale ones dropped, other slots untouched
+    index.admit(a, [key(4), key(5)])
+    assert index.replace(a, {key(5), key(6)}) == 2  # key(1), key(4) were stale
+    assert sorted(k for k in index.table if index.mask(k) & 1) == [key(5), key(6)]
+    assert index.count(a) == 2 and index.mask(key(3)) == 0b10
+    assert index.replace(a, {key(5), key(6)}) == 0  # nothing stale: no sweep
+    assert index.clear_slot(a) == 2 and index.count(a) == 0 and len(index) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ProducerTable
+
+
+def test_contiguous_batches_apply_and_duplicates_are_ignored() -> None:
+    table = in_sync_table("w")
+    assert not table.on_batch(batch("w", 1, [key(1), key(2)]), 1.0)
+    assert not table.on_batch(batch("w", 2, [key(3)], [key(1)]), 1.0)
+    assert not table.on_batch(batch("w", 2, [key(9)]), 1.0)  # duplicate: ignored
+    assert set(table.index.table) == {key(2), key(3)}
+    assert table.producer("w").last_seq == 2 and not table.producer("w").needs_sync
+
+
+def test_gap_requests_sync_and_sync_rebuilds_with_later_batches_folded_in() -> None:
+    table = in_sync_table("w", sync_retry_s=5.0)
+    table.on_batch(batch("w", 1, [key(1), key(2)]), 1.0)
+    # seq 2 (admit 3, evict 2) is lost; seq 3 arrives: applied, and a sync is asked for once.
+    assert table.on_batch(batch("w", 3, [key(4)]), 1.0) is True
+    assert table.on_batch(batch("w", 4, [key(5)]), 1.1) is False  # already asked, not yet retried
+    assert table.stats.seq_gaps == 1
+    # The sync snapshot is at seq 4; seq 5 arrives between its parts and is folded in.
+    assert not table.on_sync_chunk(sync("w", "s1", 4, 0, False, [key(1), key(3)]), 2.0)
+    assert not table.on_batch(batch("w", 5, [key(6)], [key(1)]), 2.0)
+    assert not table.on_sync_chunk(sync("w", "s1", 4, 1, True, [key(4), key(5)]), 2.0)
+    assert set(table.index.table) == {key(3), key(4), key(5), key(6)}  # key(2) stale, key(1) evicted by seq 5
+    producer = table.producer("w")
+    assert producer.last_seq == 5 and not producer.needs_sync and table.stats.stale_keys_dropped == 1
+    assert not table.on_batch(batch("w", 6, [key(7)]), 3.0) and key(7) in table.index.table
+
+
+def test_broken_sync_is_discarded_and_asked_again() -> None:
+    table = in_sync_table("w", sync_retry_s=1.0)
+    table.on_batch(batch("w", 1, [key(1)]), 1.0)
+    table.on_batch(batch("w", 3, [key(3)]), 1.0)  # gap -> asked at t=1.0
+    table.on_sync_chunk(sync("w", "s1", 3, 0, False, [key(1)]), 1.5)
+    # Part 1 was lost: the sync is dropped and asked for again at once (the earlier request is used up).
+    assert table.on_sync_chunk(sync("w", "s1", 3, 2, True, [key(3)]), 1.6) is True
+    assert table.producer("w").needs_sync and "s1" not in table.producer("w").syncs
+    assert table.tick(2.0) == []  # not again before sync_retry_s...
+    assert table.tick(2.7) == ["w"]  # ...then retried by the maintenance pass
+    # A later batch lost while a sync streams in also breaks it.
+    table.on_sync_chunk(sync("w", "s2", 3, 0, False, [key(1)]), 3.0)
+    table.on_batch(batch("w", 5, [key(5)]), 3.0)  # seq 4 never arrives
+    table.on_sync_chunk(sync("w", "s2", 3, 1, True, [key(3)]), 3.1)
+    assert table.producer("w").needs_sync and table.stats.syncs_broken == 2
+
+
+def test_heartbeats_unknown_producers_restarts_and_claims() -> None:
+    table = ProducerTable(sync_retry_s=5.0, heartbeat_grace_s=0.5)
+    hb = protocol.Heartbeat
+    assert table.on_heartbeat(hb(producer_id="stranger", last_seq=7), 0.0) is True  # unknown: sync
+    table.on_register_engine(engine("w"), 0.0)
+    table.on_sync_chunk(sync("w", "s", 2, 0, True, [key(1)]), 0.0)
+    assert not table.on_heartbeat(hb(producer_id="w", last_seq=2), 1.0)
+    # A claim of seq 3 is judged after the grace period: met in time, nothing happens...
+    assert not table.on_heartbeat(hb(producer_id="w", last_seq=3), 1.0)
+    table.on_batch(batch("w", 3, [key(3)]), 1.2)
+    assert "w" not in table.tick(2.0)
+    # ...not met: a sync.
+    table.on_heartbeat(hb(producer_id="w", last_seq=4), 2.0)
+    assert table.tick(2.2) == []
+    assert table.tick(2.6) == ["w"]
+    table.on_sync_chunk(sync("w", "s2", 4, 0, True, [key(1), key(3)]), 2.7)
+    # A heartbeat below our seq: the producer restarted.
+    assert table.on_heartbeat(hb(producer_id="w", last_seq=0), 9.0) is True
+    # So does a batch numbered 1 again.
+    table.on_sync_chunk(sync("w", "s3", 0, 0, True, []), 9.1)
+    table.on_batch(batch("w", 1, [key(1)]), 9.2)
+    table.on_batch(batch("w", 2, [key(2)]), 9.3)
+    assert table.on_batch(batch("w", 1, [key(8)]), 20.0) is True
+
+
+def test_reregistration_with_new_start_time_resets_the_sequence() -> None:
+    table = in_sync_table("w")
+    table.on_batch(batch("w", 1, [key(1)]), 1.0)
+    table.on_register_engine(engine("w", started_at=2.0), 2.0)
+    producer = table.producer("w")
+    assert producer.last_seq is None and producer.needs_sync
+    table.on_sync_chunk(sync("w", "new", 0, 0, True, []), 2.1)  # the restarted worker lost its CPU tier
+    assert len(table.index) == 0 and not producer.needs_sync
+
+
+def test_liveness_marks_down_and_back() -> None:
+    table = in_sync_table("w", liveness_timeout_s=6.0)
+    version = table.version
+    assert table.tick(5.0) == [] and table.producer("w").alive
+    table.tick(6.5)
+    assert not table.producer("w").alive and table.alive_mask == 0 and table.version > version
+    table.on_heartbeat(protocol.Heartbeat(producer_id="w", last_seq=0), 7.0)
+    assert table.producer("w").alive and table.alive_mask == 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# LookupEngine
+
+
+def hold(table: ProducerTable, producer_id: str, tokens: list[int], chunks: list[int], *, rank: int = 0,
+         world_size: int = 1, chunk_size: int = 4) -> None:
+    keys = ChunkHasher(KeyParams(MODEL, FMT, world_size, rank), chunk_size).keys(tokens)
+    table.index.admit(table.producer(producer_id).slot, [keys[i] for i in chunks])
+
+
+def test_lookup_prefix_locations_ties_and_liveness() -> None:
+    tokens = list(range(10))  # chunks of 4, 4, 2
+    table = ProducerTable()
+    for store_id, location in [("disk", LOCAL_DISK), ("r0", REMOTE), ("r1", REMOTE)]:
+        table.on_register_store(protocol.RegisterStore(store_id=store_id, location=location), 0.0)
+    table.on_register_engine(engine("a", disk="disk", remotes=("r0", "r1")), 0.0)
+    table.on_register_engine(engine("b"), 0.0)
+    table.on_register_engine(engine("c", disk="disk"), 0.0)
+    lookup = LookupEngine(table)
+    assert lookup.lookup(tokens) == {}
+    hold(table, "a", tokens, [0, 1, 2])
+    hold(table, "b", tokens, [1, 2])  # no chunk 0: nothing
+    hold(table, "disk", tokens, [0, 1, 2])
+    assert lookup.lookup(tokens) == {"a": (LOCAL_CPU, 10), "c": (LOCAL_DISK, 10)}  # a: tie -> CPU
+    hold(table, "r0", tokens, [0, 2])
+    hold(table, "r1", tokens, [1])
+    table.index.evict(table.producer("a").slot, list(table.index.table))
+    assert lookup.lookup(tokens)["a"] == (LOCAL_DISK, 10)  # disk ties remote: the faster wins
+    table.index.clear_slot(table.producer("disk").slot)
+    assert lookup.lookup(tokens) == {"a": (REMOTE, 10)}
+    # r1 down: a's remote prefix stops at chunk 0.
+    table.producer("r1").last_seen = -100.0
+    table.tick(0.0)
+    assert lookup.lookup(tokens) == {"a": (REMOTE, 4)}
+    assert lookup.lookup(tokens_to_array(tokens)) == {"a": (REMOTE, 4)}
+
+
+def test_lookup_tensor_parallel_min_over_ranks_and_missing_rank() -> None:
+    tokens = list(range(12))
+    table = ProducerTable()
+    table.on_register_engine(engine("tp.r0", "tp", rank=0, world_size=2), 0.0)
+    lookup = LookupEngine(table)
+    hold(table, "tp.r0", tokens, [0, 1, 2], world_size=2)
+    assert lookup.lookup(tokens) == {}  # rank 1 not registered: the instance cannot serve
+    table.on_register_engine(engine("tp.r1", "tp", rank=1, world_size=2), 0.0)
+    hold(table, "tp.r1", tokens, [0, 1], rank=1, world_size=2)
+    assert lookup.lookup(tokens) == {"tp": (LOCAL_CPU, 8)}
+
+
+def test_lookup_save_unfull_chunk_false_ignores_partial_tail() -> None:
+    tokens = list(range(10))
+    table = ProducerTable()
+    reg = engine("w")
+    table.on_register_engine(protocol.RegisterEngine(**{**reg.__dict__, "save_unfull_chunk": False}), 0.0)
+    hold(table, "w", tokens, [0, 1, 2])  # chunk 2 (partial) is named but never looked up
+    assert LookupEngine(table).lookup(tokens) == {"w": (LOCAL_CPU, 8)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# EventLog
+
+
+def test_event_log_window_by_count_and_age() -> None:
+    now = [0.0]
+    log = EventLog(max_events=3, max_age_s=10.0, clock=lambda: now[0])
+    ids = [log.new("pin") for _ in range(4)]
+    assert log.get(ids[0]) is None and len(log) == 3  # the oldest fell out
+    log.finish(ids[1], 12)
+    log.fail(ids[2], "instance x timed out")
+    assert (log.get(ids[1]).status, log.get(ids[1]).num_tokens) == ("finished", 12)
+    assert (log.get(ids[2]).status, log.get(ids[2]).error) == ("failed", "instance x timed out")
+    assert log.get(ids[3]).status == "pending"
+    now[0] = 11.0
+    assert log.get(ids[3]) is None  # too old
+    log.new("lookup", status="finished")
+    assert len(log) == 1
+    with pytest.raises(ValueError):
+        EventLog(max_events=0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# /lookup body parsing: the numpy fast path must agree with the exact (msgspec) rules
+
+
+def test_lookup_body_fast_path_agrees_with_exact_rules() -> None:
+    import json
+
+    import numpy as np
+    from fastapi.responses import Response
+
+    from kvmesh.services.controller.api import MAX_TOKEN_ID, _decode_lookup, _fast_tokens
+
+    accepted = {
+        b'{"tokens": [1, 2, 3]}': [1, 2, 3], b'{"tokens":[0]}': [0], b'{"tokens": []}': [],
+        b'{"tokens" : [ ] , "x": 1}': [], b'{"tokens":[\n 7,\t8 ]}': [7, 8],
+        json.dumps({"tokens": [MAX_TOKEN_ID]}).encode(): [MAX_TOKEN_ID],
+        b'{"tokens": [1.0, 2]}': [1, 2], b'{"tokens": [2e0]}': [2],  # exact path: integral floats
+        b'{"x": [-1], "tokens": [5]}': [5],
+    }
+    for body, expected in accepted.items():
+        tokens = _decode_lookup(body)
+        assert not isinstance(tokens, Response), (body, tokens.body)
+        assert list(np.asarray(tokens)) == expected, body
+    assert isinstance(_fast_tokens(b'{"tokens": [1, 2, 3]}'), np.ndarray)
+    assert _fast_tokens(b'{"tokens": [1.0]}') is None  # left to the exact path
+    rejected = [b'{"tokens": [1, -2]}', b'{"tokens": [1.5]}', b'{"tokens": ["1"]}', b'{"tokens": [true]}',
+                b'{"tokens": [[1]]}', b'{"tokens": "12"}', b'{"tokens": 12}', b'{"tokens": null}',
+                json.dumps({"tokens": [MAX_TOKEN_ID + 1]}).encode(), b'{"tokens": [99999999999999999999999]}',
+                b'{"tokens": [1,,2]}', b'{"tokens": [01]}', b'{"tokens": [1 2]}', b'{"tokens": [1, 2]',
+                b'{}', b'[]', b'', b'\x00', b'{"tokens": [1e400]}']
+    for body in rejected:
+        response = _decode_lookup(body)
+        assert isinstance(response, Response) and response.status_code == 422, body
+    bad_index = json.loads(_decode_lookup(b'{"tokens": [1, 2, -3]}').body)["detail"][0]
+    assert bad_index["loc"] == ["body", "tokens", 2]
+
+
+async def test_lookup_route_and_hot_path_share_one_handler() -> None:
+    """POST /lookup is served by the Gate (ASGI hot path); its FastAPI route must answer identically."""
+    import httpx
+
+    from kvmesh.services.controller.api import create_app
+    from kvmesh.services.controller.config import ControllerConfig
+    from kvmesh.services.controller.core import ControllerCore
+
+    core = ControllerCore(ControllerConfig(max_tokens=5))
+    core.table.on_register_engine(engine("w", chunk_size=2), 0.0)
+    hold(core.table, "w", [1, 2, 3], [0, 1], chunk_size=2)
+    bodies = [b'{"tokens": [1, 2, 3]}', b'{"tokens": [1.0, 2]}', b'{"tokens": [-1]}', b"nope", b'{"tokens": [1,2,3,4,5,6]}']
+    answers = []
+    for fast_path in (True, False):
+        app = create_app(core, lookup_fast_path=fast_path)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            answers.append([(r.status_code, {k: v for k, v in r.json().items() if k != "event_id"})
+                            for r in [await client.post("/lookup", content=b) for b in bodies]])
+    assert answers[0] == answers[1]
+    assert [status for status, _ in answers[0]] == [200, 200, 422, 422, 413]
+    assert answers[0][0][1] == {"layout_info": {"w": ["LocalCPUBackend", 3]}}
