@@ -5,7 +5,7 @@ nats-py (one task per subscription, so there is no ordering *between* them):
   - `kvmesh.events.>`           AdmissionBatch / SyncChunk from every producer -> ProducerTable / ChunkIndex
   - `Subjects.REGISTER`         RegisterEngine / RegisterStore
   - `Subjects.HEARTBEAT`        Heartbeat (liveness; a seq claim may reveal a lost batch)
-  - `Subjects.health(...)`      HealthRequest -> HealthReply(service="controller")
+  - `Subjects.health(...)`, `Subjects.PING_ALL`   HealthRequest -> HealthReply(service="controller")
 Sends: `ControllerHello` on start and after every NATS reconnect (producers register again and full-sync:
 that is how a restarted controller rebuilds its whole index), `SyncRequest` to `Subjects.sync(producer_id)`
 when the table asks for one. A maintenance task ticks the table (liveness, sync retries) a few times a second.
@@ -71,6 +71,7 @@ class Mesh:
             await self.nc.subscribe(Subjects.REGISTER, cb=self._on_register, **limits),
             await self.nc.subscribe(Subjects.HEARTBEAT, cb=self._on_heartbeat, **limits),
             await bus.serve(self.nc, Subjects.health("controller"), protocol.HealthRequest, self._on_health),
+            await bus.serve(self.nc, Subjects.PING_ALL, protocol.HealthRequest, self._on_health),
         ]
         if Subjects.token(self.controller_id) != "controller":
             self._subs.append(await bus.serve(self.nc, Subjects.health(self.controller_id),

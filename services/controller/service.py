@@ -11,6 +11,7 @@ signal capture is switched off so it cannot re-raise a signal past our cleanup.
 from __future__ import annotations
 
 import asyncio
+import os
 import contextlib
 import logging
 from typing import Any, Iterator
@@ -123,7 +124,7 @@ class ControllerService:
 
     def _health_details(self) -> dict[str, Any]:
         table = self.core.table
-        return {"num_keys": len(table.index), "instances": len(table.instances),
+        return {"pid": os.getpid(), "num_keys": len(table.index), "instances": len(table.instances),
                 "producers": len(table.producers), "rest_url": self.url if self.port else None}
 
     async def stop(self) -> None:
