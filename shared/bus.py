@@ -1,20 +1,24 @@
 """NATS plumbing shared by every service: connecting, serving typed request handlers, typed requests.
 
-`connect()` returns a nats-py client that reconnects forever and logs state changes once each (not per
-request). `serve()` subscribes a handler that receives a decoded message and returns a reply message;
-garbage is logged and dropped, a handler's exception becomes an error reply, never a dead subscription.
-`request()` sends a typed request and decodes the typed reply, raising MeshUnavailable on timeout or no
-responder.
+`connect()` returns a nats-py client. Its first connect either succeeds or raises MeshUnavailable saying why
+(credentials rejected, no server); after that it reconnects forever (unless told not to) and logs each change
+of state once, never per request, and never a close its owner asked for. `serve()` subscribes a handler that
+receives a decoded message and returns a reply message; garbage is logged and dropped, a handler's exception
+becomes an error reply, never a dead subscription. `request()` sends a typed request and decodes the typed
+reply, raising MeshUnavailable on timeout or no responder.
+
+All of it runs on the caller's asyncio event loop (nats-py's callbacks too).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, TypeVar
 
-import nats
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -32,6 +36,10 @@ Rep = TypeVar("Rep")
 PENDING_MSGS_LIMIT = 1_000_000
 PENDING_BYTES_LIMIT = 1024 * 1024 * 1024
 
+# How long a service process waits at start for a NATS that is still starting (compose, `kvmesh up`).
+SERVICE_CONNECT_WAIT = 30.0
+RETRY_INTERVAL = 0.5  # between connection attempts to one server (first connect and reconnects)
+
 
 @dataclass(frozen=True)
 class NatsAuth:
@@ -42,38 +50,138 @@ class NatsAuth:
     token: str | None = None
     nkey_seed: str | None = None
 
+    def describe(self) -> str:
+        """Which kinds of credentials, never their values (for messages and logs)."""
+        kinds = [kind for kind, value in (("user/password", self.user), ("token", self.token),
+                                          ("nkey seed", self.nkey_seed)) if value]
+        return " + ".join(kinds) or "no credentials"
+
+    def connect_options(self) -> dict[str, Any]:
+        """The credentials as nats-py's connect() takes them."""
+        options: dict[str, Any] = {}
+        if self.user:
+            options.update(user=self.user, password=self.password or "")
+        if self.token:
+            options["token"] = self.token
+        if self.nkey_seed:
+            options["nkeys_seed"] = self.nkey_seed
+        return options
+
+
+class MeshClient(NatsClient):
+    """nats-py's client, knowing when its owner closes it: a close or drain asked for is not a lost connection."""
+
+    closing = False
+
+    async def close(self) -> None:
+        self.closing = True
+        await super().close()
+
+    async def drain(self) -> None:
+        self.closing = True
+        await super().drain()
+
 
 async def connect(url: str, name: str, auth: NatsAuth | None = None, connect_timeout: float = 2.0,
-                  allow_reconnect: bool = True, **options: Any) -> NatsClient:
-    """Connect to NATS at `url` (comma-separated for a cluster), reconnecting forever after the first success."""
+                  allow_reconnect: bool = True, first_connect_wait: float | None = None,
+                  **options: Any) -> NatsClient:
+    """Connect to NATS at `url` (comma-separated for a cluster) as `name`.
+
+    The first connect raises MeshUnavailable naming the URL and the reason: at once when the server rejects the
+    credentials (retrying cannot help), and when no server answers within `first_connect_wait` seconds (a NATS
+    that is still starting is waited for). `first_connect_wait=None` waits as long as reconnecting is allowed:
+    for ever with `allow_reconnect` (the engine connects in the background and may be cancelled), not at all
+    without. After the first success the client reconnects for ever if `allow_reconnect`.
+    """
     auth = auth or NatsAuth()
-    state = {"connected": True}
+    servers = [u.strip() for u in url.split(",")]
+    if first_connect_wait is None:
+        first_connect_wait = math.inf if allow_reconnect else 0.0
+    deadline = time.monotonic() + first_connect_wait
+    loop = asyncio.get_running_loop()
+    state = {"first": True, "connected": False, "waiting_logged": False}
+    nc = MeshClient()
+    verdict: asyncio.Future[Any] = loop.create_future()  # the error that makes the first connect give up
+
+    async def on_error(exc: Exception) -> None:
+        if not state["first"]:
+            log.debug("%s: NATS client error: %s", name, exc)
+        elif not verdict.done() and (_rejects_credentials(exc) or time.monotonic() >= deadline):
+            verdict.set_result(exc)
+        elif not state["waiting_logged"]:
+            state["waiting_logged"] = True
+            log.info("%s: NATS %s not reachable yet (%s); retrying", name, url, _reason(exc, connect_timeout))
 
     async def on_disconnected() -> None:
-        if state["connected"]:
-            state["connected"] = False
+        if nc.closing or not state["connected"]:  # closed by its owner, or already reported
+            return
+        state["connected"] = False
+        if nc.is_closed:  # without reconnects, or the server closed it on purpose
+            log.warning("%s: connection to NATS %s lost (%s); not reconnecting", name, url, nc.last_error)
+        else:
             log.warning("%s: disconnected from NATS %s; reconnecting in the background", name, url)
 
     async def on_reconnected() -> None:
         state["connected"] = True
         log.info("%s: reconnected to NATS %s", name, url)
 
-    async def on_error(exc: Exception) -> None:
-        log.debug("%s: NATS client error: %s", name, exc)
+    settings: dict[str, Any] = dict(
+        servers=servers, name=name, connect_timeout=connect_timeout, allow_reconnect=allow_reconnect,
+        max_reconnect_attempts=-1, reconnect_time_wait=RETRY_INTERVAL, disconnected_cb=on_disconnected,
+        reconnected_cb=on_reconnected, error_cb=on_error, pending_size=64 * 1024 * 1024,
+        **auth.connect_options(), **options)
+    while True:
+        # The attempt runs beside the verdict: nats-py itself retries a server that is not up yet for ever.
+        attempt: asyncio.Future[Any] = asyncio.ensure_future(nc.connect(**settings))
+        try:
+            await asyncio.wait({attempt, verdict}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # the caller was cancelled
+            await _abandon(nc, attempt)
+            raise
+        if attempt.done() and not attempt.cancelled() and attempt.exception() is None:
+            state["first"], state["connected"] = False, True
+            return nc
+        await _abandon(nc, attempt)
+        error = verdict.result() if verdict.done() else attempt.exception()
+        assert error is not None
+        if _rejects_credentials(error):
+            raise MeshUnavailable(
+                f"NATS {url} rejected {name} ({auth.describe()}): {error}; pass the server's credentials "
+                "(--nats-token, --nats-user/--nats-password or --nats-nkey-seed, or $KVMESH_NATS_*)")
+        if time.monotonic() >= deadline:
+            waited = f" within {first_connect_wait:g}s" if first_connect_wait > 0 else ""
+            raise MeshUnavailable(f"cannot reach NATS at {url} for {name}{waited}: {_reason(error, connect_timeout)}")
+        # Without reconnects nats-py gave up after one failed handshake: a fresh client tries again.
+        nc = MeshClient()
+        await asyncio.sleep(RETRY_INTERVAL)
 
-    credentials: dict[str, Any] = {}
-    if auth.user:
-        credentials.update(user=auth.user, password=auth.password or "")
-    if auth.token:
-        credentials["token"] = auth.token
-    if auth.nkey_seed:
-        credentials["nkeys_seed"] = auth.nkey_seed
-    return await nats.connect(
-        servers=[u.strip() for u in url.split(",")], name=name, connect_timeout=connect_timeout,
-        allow_reconnect=allow_reconnect, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-        disconnected_cb=on_disconnected, reconnected_cb=on_reconnected, error_cb=on_error,
-        pending_size=64 * 1024 * 1024, **credentials, **options,
-    )
+
+async def _abandon(nc: MeshClient, attempt: asyncio.Future[Any]) -> None:
+    """Stop a first connect that did not succeed and close its client (its socket may be open mid-handshake)."""
+    attempt.cancel()
+    try:
+        await attempt
+    except BaseException:  # its failure is reported by connect(); cancellation was ours
+        pass
+    try:
+        await nc.close()
+    except Exception as exc:
+        log.debug("closing an abandoned NATS connection failed: %s", exc)
+
+
+def _rejects_credentials(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "authorization" in text or "authentication" in text
+
+
+def _reason(exc: BaseException, connect_timeout: float) -> str:
+    """Why a connection attempt failed, in words: nothing listening, no answer, or nats-py's own error."""
+    text = str(exc)
+    if isinstance(exc, ConnectionRefusedError) or "refused" in text.lower() or "connect call failed" in text.lower():
+        return f"nothing is listening there ({text})"
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return f"no answer within {connect_timeout:g}s"
+    return f"{type(exc).__name__}: {text}"
 
 
 def normalize_url(address: str) -> str:

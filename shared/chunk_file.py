@@ -5,12 +5,19 @@ included) | zero padding to `DATA_ALIGN` | the chunk bytes. The data starts alig
 straight into aligned buffers. Files are written to a temporary name and renamed into place, so a file
 with the final name is complete; its checksum is still verified on every read. File names derive from the
 chunk key only (`<hex key>.kvc`, fanned out by the first byte), never from caller text.
+
+A directory of chunk files (`<root>/<2 hex>/<32 hex>.kvc`) is rebuilt at start with `scan_directory`, the same
+for both stores. Everything here is blocking file I/O: stores call it from worker threads or before serving.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgpack
@@ -19,6 +26,8 @@ import xxhash
 from kvmesh.shared import protocol
 from kvmesh.shared.errors import StoreError
 from kvmesh.shared.keys import KEY_BYTES, ChunkKey
+
+log = logging.getLogger(__name__)
 
 MAGIC = b"KVMESH\x01\x00"
 DATA_ALIGN = 4096
@@ -128,3 +137,91 @@ def read_chunk_into(path: Path, out: memoryview) -> protocol.ChunkMeta:
     if meta.checksum and checksum(target) != meta.checksum:
         raise CorruptChunkFile(f"{path}: checksum mismatch")
     return meta
+
+
+# ---- directories of chunk files ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FoundChunk:
+    """A chunk file found by `scan_directory`: its header, where its data starts, its path and its mtime."""
+
+    meta: protocol.ChunkMeta
+    data_offset: int
+    path: Path
+    mtime: float  # set at write and, by the disk store, at every read: the LRU order across restarts
+
+    @property
+    def file_bytes(self) -> int:
+        return self.data_offset + self.meta.nbytes
+
+
+@dataclass
+class ScanReport:
+    chunks: list[FoundChunk]  # least recently used (oldest mtime) first
+    removed_tmp: int = 0
+    removed_corrupt: int = 0
+    seconds: float = 0.0
+
+
+def scan_directory(root: Path, threads: int = 8) -> ScanReport:
+    """Index the chunk files under `root` from their headers; delete leftovers and bad files.
+
+    `*.tmp` files (writes cut short by a crash) are deleted; a `.kvc` file whose name is not a chunk path of
+    `root`, whose header is unreadable, whose length disagrees with its header, or whose header names another
+    key is deleted. Data checksums are verified on every read, not here, so the scan stays fast (one small
+    read per file, on `threads` threads).
+    """
+    start = time.perf_counter()
+    report = ScanReport(chunks=[])
+    candidates: list[Path] = []
+    for fan in sorted(root.iterdir()) if root.is_dir() else []:
+        if not (fan.is_dir() and len(fan.name) == 2):
+            continue
+        for path in fan.iterdir():
+            if path.name.endswith(TMP_SUFFIX):
+                path.unlink(missing_ok=True)
+                report.removed_tmp += 1
+            elif path.name.endswith(SUFFIX):
+                candidates.append(path)
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="chunk-scan") as pool:
+        results = list(pool.map(lambda p: _inspect(root, p), candidates))
+    for path, found in zip(candidates, results):
+        if found is None:
+            path.unlink(missing_ok=True)
+            report.removed_corrupt += 1
+        else:
+            report.chunks.append(found)
+    report.chunks.sort(key=lambda c: c.mtime)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _inspect(root: Path, path: Path) -> FoundChunk | None:
+    key = key_of_path(path)
+    if key is None or chunk_path(root, key) != path:
+        log.warning("%s: not a chunk file name of this directory; deleting it", path)
+        return None
+    try:
+        meta, offset = read_chunk_meta(path)
+        mtime = path.stat().st_mtime
+    except (CorruptChunkFile, OSError) as exc:
+        log.warning("deleting bad chunk file: %s", exc)
+        return None
+    if meta.key != key:
+        log.warning("%s: header names key %s; deleting it", path, meta.key.hex())
+        return None
+    return FoundChunk(meta, offset, path, mtime)
+
+
+def unlink_chunk(root: Path, key: ChunkKey, only_inode: int | None = None) -> bool:
+    """Delete a chunk's file; with `only_inode`, only if the name still points at that file (a newer write of
+    the same key may have replaced it meanwhile). True if a file was deleted."""
+    path = chunk_path(root, key)
+    try:
+        if only_inode is not None and path.stat().st_ino != only_inode:
+            return False
+        path.unlink()
+        return True
+    except FileNotFoundError:
+        return False

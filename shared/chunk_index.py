@@ -1,9 +1,9 @@
 """A chunk store's index: held chunks, puts in flight, LRU order, pins and token counts.
 
 Bookkeeping only, no I/O and no locks: a store calls it from its own event loop thread and does the work the
-index asks for (free these victims' bytes, this put may now be seen). Written for the remote store and meant
-for every store (the disk store's index has the same shape), so that contains / pin / unpin / remove / clear
-mean the same thing everywhere:
+index asks for (free these victims' bytes, this put may now be seen). Both chunk stores use it (the remote
+store's memory, the disk store's files; shared/store_service.py answers their control ops from it), so that
+contains / pin / unpin / remove / clear mean the same thing everywhere:
 
   * contains(keys)  -> how many leading keys are held (a put still in flight is not held);
   * pin(keys)       -> the contiguous held prefix gets one more pin (pins nest, optional TTL);
@@ -12,10 +12,13 @@ mean the same thing everywhere:
   * clear()         -> forgets every unpinned key and discards every put in flight.
 
 Every change of what is held is reported through `on_admit` / `on_evict` (an AdmissionReporter's methods).
+An entry's `charge` is what it counts against the capacity: the remote store's buffer size class, the disk
+store's file size (header page + data), which both differ from the chunk's own `nbytes`.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Generic, Iterable, Protocol, TypeVar
 
@@ -70,6 +73,7 @@ class ChunkIndex(Generic[E]):
         self.reserved_bytes = 0
         self.on_admit = on_admit
         self.on_evict = on_evict
+        self._pins_version = 0
 
     # ---- queries -----------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -90,14 +94,27 @@ class ChunkIndex(Generic[E]):
     def in_flight_count(self) -> int:
         return len(self._in_flight)
 
+    @property
+    def pins_version(self) -> int:
+        """Bumped whenever pins are taken, dropped or lose their key: a store persisting pins saves on change."""
+        return self._pins_version
+
     def held(self, key: ChunkKey) -> E | None:
         """The entry of a held key, without changing its recency."""
         return self._held.get(key)
 
     def is_known(self, key: ChunkKey) -> bool:
         """Held, or in flight and still wanted."""
+        return key in self._held or self.in_flight(key) is not None
+
+    def in_flight(self, key: ChunkKey) -> E | None:
+        """The entry of a put of `key` in flight and still wanted (it becomes held when it lands)."""
         flight = self._in_flight.get(key)
-        return key in self._held or (flight is not None and not flight.discard)
+        return flight.entry if flight is not None and not flight.discard else None
+
+    def in_flight_items(self) -> list[tuple[ChunkKey, E]]:
+        """Every put in flight and still wanted."""
+        return [(key, flight.entry) for key, flight in self._in_flight.items() if not flight.discard]
 
     def is_pinned(self, key: ChunkKey) -> bool:
         return self._policy.is_pinned(key)
@@ -147,32 +164,53 @@ class ChunkIndex(Generic[E]):
         self.reserved_bytes += entry.charge
         return evicted
 
-    def commit(self, key: ChunkKey, entry: E) -> bool:
-        """The put of `entry` landed: True if it is now held, False if it was discarded (or superseded)."""
+    def revive(self, key: ChunkKey) -> bool:
+        """A new put of a key whose put is in flight (even one discarded by a removal): keep that one.
+
+        True if there is one, which will now be held when it lands; the new put then has nothing to do. For a
+        store whose put in flight already has the bytes (the disk store's staged write); the remote store lets
+        the new put supersede instead (`reserve`), since its bytes are still arriving.
+        """
         flight = self._in_flight.get(key)
-        if flight is None or flight.entry is not entry:
+        if flight is None:
+            return False
+        flight.discard = False
+        return True
+
+    def commit(self, key: ChunkKey, entry: E | None = None) -> bool:
+        """The put of `entry` landed: True if it is now held, False if it was discarded (or superseded).
+
+        `entry` tells a superseded put from the one that replaced it; None means the put in flight, whichever.
+        """
+        flight = self._in_flight.get(key)
+        if flight is None or (entry is not None and flight.entry is not entry):
             return False
         del self._in_flight[key]
-        self.reserved_bytes -= entry.charge
+        self.reserved_bytes -= flight.entry.charge
         if flight.discard:
             return False
-        self._held[key] = entry
-        self._policy.add(key, entry.charge)
+        self._held[key] = flight.entry
+        self._policy.add(key, flight.entry.charge)
         self.on_admit(key)
         return True
 
-    def abort(self, key: ChunkKey, entry: E) -> None:
-        """The put of `entry` failed: release its reservation."""
+    def abort(self, key: ChunkKey, entry: E | None = None) -> None:
+        """The put of `entry` (None: the put in flight, whichever) failed: release its reservation."""
         flight = self._in_flight.get(key)
-        if flight is not None and flight.entry is entry:
+        if flight is not None and (entry is None or flight.entry is entry):
             del self._in_flight[key]
-            self.reserved_bytes -= entry.charge
+            self.reserved_bytes -= flight.entry.charge
 
     def load(self, key: ChunkKey, entry: E) -> None:
         """Hold a chunk found at start (persisted); call in LRU order, least recently used first."""
         self._held[key] = entry
         self._policy.add(key, entry.charge)
         self.on_admit(key)
+
+    def trim_to_capacity(self) -> list[tuple[ChunkKey, E]]:
+        """Evict unpinned chunks, least recently used first, until the held ones fit the capacity (after
+        loading chunks persisted under a larger capacity); the evicted (key, entry) pairs."""
+        return [(victim, self._forget(victim)) for victim in self._policy.victims_for(0) or []]
 
     # ---- removals ----------------------------------------------------------------------------------------
     def remove(self, key: ChunkKey) -> E | None:
@@ -182,6 +220,14 @@ class ChunkIndex(Generic[E]):
             flight.discard = True
         return self._forget(key) if key in self._held else None
 
+    def drop(self, key: ChunkKey, entry: E) -> bool:
+        """Forget `key` only if it still holds `entry` (its bytes turned out bad or gone; a newer put of the key
+        may have replaced it meanwhile). True if it was forgotten."""
+        if self._held.get(key) is not entry:
+            return False
+        self._forget(key)
+        return True
+
     def clear(self) -> list[tuple[ChunkKey, E]]:
         """Forget every unpinned held key and discard every put in flight; the removed (key, entry) pairs."""
         for flight in self._in_flight.values():
@@ -189,6 +235,8 @@ class ChunkIndex(Generic[E]):
         return [(key, self._forget(key)) for key in list(self._held) if not self._policy.is_pinned(key)]
 
     def _forget(self, key: ChunkKey) -> E:
+        if self._policy.is_pinned(key):
+            self._pins_version += 1
         self._policy.remove(key)
         entry = self._held.pop(key)
         self.on_evict(key)
@@ -202,6 +250,7 @@ class ChunkIndex(Generic[E]):
             if key not in self._held or not self._policy.pin(key, ttl_secs):
                 break
             pinned.append(key)
+        self._pins_version += bool(pinned)
         return pinned
 
     def unpin(self, keys: Iterable[ChunkKey]) -> list[ChunkKey]:
@@ -211,7 +260,14 @@ class ChunkIndex(Generic[E]):
             if not self._policy.unpin(key):
                 break
             unpinned.append(key)
+        self._pins_version += bool(unpinned)
         return unpinned
+
+    def pins(self) -> dict[ChunkKey, tuple[int, float | None]]:
+        """Live pins, to persist: key -> (nesting count, seconds left, None = until unpinned)."""
+        now = time.monotonic()
+        return {key: (count, None if expires_at is None else expires_at - now)
+                for key, count, expires_at in self._policy.pins()}
 
     def tokens_of(self, keys: Iterable[ChunkKey]) -> int:
         return sum(entry.num_tokens for key in keys if (entry := self._held.get(key)) is not None)

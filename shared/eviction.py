@@ -54,6 +54,13 @@ class LRUPolicy:
     def is_pinned(self, key: Key) -> bool:
         return key in self._pinned
 
+    def pins(self) -> Iterator[tuple[Key, int, float | None]]:
+        """(key, pin count, monotonic expiry or None) of every pin that has not expired yet."""
+        now = time.monotonic()
+        for key, pin in self._pins.items():
+            if pin.expires_at is None or pin.expires_at > now:
+                yield key, pin.count, pin.expires_at
+
     def add(self, key: Key, nbytes: int) -> None:
         """Record a new key as most recently used (the caller made room first with `victims_for`)."""
         if key in self:

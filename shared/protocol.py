@@ -386,6 +386,10 @@ class ChunkMeta:
     checksum: int = 0  # xxh64/crc of the bytes; 0 = not computed
 
 
+# Room for the msgpack envelope around inline chunk bytes: inline data fits a message up to max_payload minus this.
+INLINE_HEADROOM = 64 * 1024
+
+
 @message("put_request")
 @dataclass(frozen=True)
 class PutRequest:

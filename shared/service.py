@@ -2,20 +2,25 @@
 
 Every service (controller, disk store, remote store) answers `HealthRequest` on its own health subject and
 on `Subjects.PING_ALL`. `run_until_signalled` runs an async service body until SIGTERM/SIGINT, then lets
-it close its resources: the thin `__main__` of each service is `asyncio.run(run_until_signalled(...))`.
+it close its resources; `service_main` is the whole thin `__main__` of a service around it.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
 import signal
-from typing import Any, Awaitable, Callable
+import sys
+from typing import Any, Awaitable, Callable, TypeVar
 
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.shared import bus, protocol
+from kvmesh.shared.errors import KVMeshError
+
+Options = TypeVar("Options")
 
 log = logging.getLogger(__name__)
 
@@ -66,3 +71,19 @@ async def run_until_signalled(body: Callable[[asyncio.Event], Awaitable[None]]) 
 def configure_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=os.environ.get("KVMESH_LOG_LEVEL", level),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def service_main(label: str, parser: argparse.ArgumentParser,
+                 options_from_args: Callable[[argparse.Namespace], Options],
+                 body: Callable[[Options, asyncio.Event], Awaitable[None]], argv: list[str] | None = None) -> None:
+    """A service's `__main__`: parse flags (`--log-level` among them), log, run `body(options, stop)` until
+    SIGTERM/SIGINT. A KVMeshError (a bad flag, NATS rejecting us, ...) ends the process with its message on
+    stderr and exit code 2."""
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        options = options_from_args(args)
+        asyncio.run(run_until_signalled(lambda stop: body(options, stop)))
+    except KVMeshError as exc:
+        print(f"{label}: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -6,17 +6,24 @@
 attaching process's resource tracker, which unlinks the owner's segment when the attacher exits.
 
 Typical use: the engine creates one big segment for its buffer pool and sends `(name, offset)` in
-PutRequest/GetRequest; a store on the same host attaches it once by name and reads/writes in place.
+PutRequest/GetRequest; a store on the same host keeps the segments it attached in a `SegmentCache` (attach
+once by name, then every put/get is a slice, not an mmap) and reads/writes in place.
 Not thread-safe to create/close concurrently; views may be used from any thread while the segment is open.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import re
 import uuid
+from collections import OrderedDict
 from pathlib import Path
+
+from kvmesh.shared.errors import StoreError
+
+log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
@@ -91,3 +98,44 @@ class SharedSegment:
         self.close()
         if self.owner:
             self.unlink()
+
+
+class SegmentCache:
+    """Up to `max_segments` attached segments by name, least recently used dropped first.
+
+    A cached mapping is checked against the name on every use (one stat): if the engine restarted and made a
+    new segment under the same name, the stale mapping is dropped and the new one attached. Used from a store's
+    event loop thread; the views it returns are then read/written by the store's I/O threads.
+    """
+
+    def __init__(self, max_segments: int = 64) -> None:
+        self.max_segments = max_segments
+        self._segments: OrderedDict[str, SharedSegment] = OrderedDict()
+
+    def view(self, name: str, offset: int, nbytes: int) -> memoryview:
+        """`nbytes` bytes at `offset` of segment `name`; StoreError if it does not exist or is too small."""
+        segment = self._segments.get(name)
+        if segment is not None and not segment.is_current():
+            self._drop(name)
+            segment = None
+        if segment is None:
+            try:
+                segment = SharedSegment.attach(name)
+            except (OSError, ValueError) as exc:
+                raise StoreError(f"cannot attach shared memory {name!r}: {exc}") from None
+            self._segments[name] = segment
+            log.info("attached shared memory %s (%d bytes)", name, segment.size)
+            while len(self._segments) > self.max_segments:
+                self._drop(next(iter(self._segments)))
+        self._segments.move_to_end(name)
+        if offset < 0 or nbytes < 0 or offset + nbytes > segment.size:
+            raise StoreError(f"shared memory {name!r}: range [{offset}, {offset + nbytes}) is outside its "
+                             f"{segment.size} bytes")
+        return segment.buf[offset:offset + nbytes]
+
+    def _drop(self, name: str) -> None:
+        self._segments.pop(name).close()
+
+    def close(self) -> None:
+        for name in list(self._segments):
+            self._drop(name)

@@ -5,16 +5,25 @@ segment, that segment's name and offset, so a store on the same host can read or
 (no bytes through NATS). `ChunkStoreClient` is the interface the engine's storage manager calls; the disk
 store and the remote store each provide one (`services/disk_store/client.py`, `services/remote_store/client.py`).
 All methods are coroutines on the engine's NATS loop; none raises on a dead store: they log and answer a
-miss / False / 0 (a failing store never fails vLLM).
+miss / False / 0 (a failing store never fails vLLM). `StoreLink` is how both clients do that: one per store,
+it sends the requests and logs each change of the store's state once.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
+from nats.aio.client import Client as NatsClient
+
+from kvmesh.shared import bus
+from kvmesh.shared.errors import KVMeshError
 from kvmesh.shared.keys import ChunkKey
-from kvmesh.shared.protocol import ChunkMeta, StatsReply
+from kvmesh.shared.protocol import ChunkMeta, StatsReply, Subjects
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -51,3 +60,67 @@ class ChunkStoreClient(Protocol):
 
     async def stats(self) -> list[StatsReply]:
         """One StatsReply per store behind the client (missing entries for unreachable stores)."""
+
+
+class StoreLink:
+    """A client's view of one store: whether it answers and whether it takes puts, each logged once per change
+    (not once per call) on the client's own logger, as "<label> unreachable ..." / "... reachable again".
+
+    After a failure the store is not asked again for `retry_interval` seconds (`resting`), so a vanished host
+    costs one timeout, not one per call; 0 asks every time.
+    """
+
+    def __init__(self, store_id: str, label: str, log: logging.Logger, retry_interval: float = 0.0) -> None:
+        self.store_id = store_id
+        self.label = label  # e.g. "disk store disk-h1"
+        self.retry_interval = retry_interval
+        self.reachable = True
+        self.refusing = False  # its last put was refused
+        self._down_until = 0.0  # monotonic
+        self._log = log
+
+    @property
+    def resting(self) -> bool:
+        return self._down_until > time.monotonic()
+
+    async def request(self, nc: NatsClient, op: str, message: Any, reply_type: type[T], timeout: float) -> T | None:
+        """The store's reply to `message` on its `op` subject; None (never an exception) when it does not answer
+        properly or is resting."""
+        if self.resting:
+            return None
+        try:
+            reply = await bus.request(nc, Subjects.store(self.store_id, op), message, reply_type, timeout)
+        except KVMeshError as exc:  # MeshUnavailable (no responder, timeout, error reply), ProtocolError (bad reply)
+            self.failed(exc)
+            return None
+        except Exception as exc:  # never let a store problem reach vLLM
+            self._log.exception("%s: unexpected error on %s", self.label, op)
+            self.failed(exc)
+            return None
+        self.answered()
+        return reply
+
+    def failed(self, reason: object) -> None:
+        self._down_until = time.monotonic() + self.retry_interval
+        if self.reachable:
+            self.reachable = False
+            self._log.warning("%s unreachable (%s); answering misses until it is back", self.label, reason)
+
+    def answered(self) -> None:
+        if not self.reachable:
+            self.reachable = True
+            self._log.info("%s reachable again", self.label)
+
+    def refused(self, reason: str) -> None:
+        """A put was refused (full, bad chunk, ...)."""
+        if not self.refusing:
+            self.refusing = True
+            self._log.warning("%s refused a put: %s (further refusals are logged at debug level until a put "
+                              "succeeds)", self.label, reason)
+        else:
+            self._log.debug("%s refused a put: %s", self.label, reason)
+
+    def accepted(self) -> None:
+        if self.refusing:
+            self.refusing = False
+            self._log.info("%s accepts puts again", self.label)

@@ -1,6 +1,8 @@
 """The disk store (`LocalDiskBackend`): one service per host keeping chunks as crash-safe files.
 
-Modules: `index` (held/pending keys, LRU, pins; pure), `files` (directory lock, start-up scan, deletions, pins
-file), `writer` (staging buffers and writer threads), `shm` (attached shared-memory segments), `store` (the
-operations), `service` (NATS wiring), `client` (the engine's ChunkStoreClient), `options` and `__main__` (CLI).
+Modules: `store` (put, get, prefetch, over a shared ChunkIndex), `index` (the disk's chunk entry and persisted
+pins), `files` (directory lock, pins file), `writer` (staging buffers and writer threads), `service` (NATS wiring,
+with the control ops shared with the remote store), `client` (the engine's ChunkStoreClient), `options` and
+`__main__` (CLI). Shared with the remote store: shared/chunk_index.py, shared/chunk_file.py (files, start-up
+scan), shared/shm.py (attached shared-memory segments), shared/store_service.py.
 """

@@ -7,7 +7,8 @@ or a client without shared memory; limited by NATS max_payload).
 
 A put returns True once the store holds the bytes: the buffer may be reused immediately, and the chunk
 becomes visible to contains/get when its file is complete, shortly after. Nothing here raises on a dead or
-slow store: it logs once per change of reachability and answers miss / False / 0.
+slow store: it logs once per change of reachability (a shared StoreLink, as the remote store's client) and
+answers miss / False / 0.
 """
 
 from __future__ import annotations
@@ -15,17 +16,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TypeVar
 
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.shared import bus, chunk_file, protocol
-from kvmesh.shared.errors import MeshUnavailable, ProtocolError
+from kvmesh.shared import chunk_file, protocol
 from kvmesh.shared.keys import ChunkKey
-from kvmesh.shared.store_client import ChunkBuffer
+from kvmesh.shared.store_client import ChunkBuffer, StoreLink
 
 log = logging.getLogger(__name__)
 
-INLINE_HEADROOM = 64 * 1024  # msgpack envelope around inline bytes
+T = TypeVar("T")
 
 
 class DiskStoreClient:
@@ -40,27 +41,25 @@ class DiskStoreClient:
         self.store_ids = [store_id]
         self.request_timeout = request_timeout
         self.data_timeout = data_timeout if data_timeout is not None else max(request_timeout, 10.0)
-        self._reachable = True
-        self._refusing = False  # the last put was refused: log the next refusal only after a success
+        self._link = StoreLink(store_id, f"disk store {store_id}", log)  # asked every time: it is on this host
 
     # ---- ChunkStoreClient ------------------------------------------------------------------------------
     async def put(self, meta: protocol.ChunkMeta, buffer: ChunkBuffer) -> bool:
         if buffer.shm_name:
             request = protocol.PutRequest(meta=meta, shm_name=buffer.shm_name, shm_offset=buffer.shm_offset)
         else:
-            if meta.nbytes + INLINE_HEADROOM > self.nc.max_payload:
-                self._refused(f"chunk of {meta.nbytes} bytes is too big to send inline (NATS max_payload "
-                              f"{self.nc.max_payload}) and the buffer is not in shared memory")
+            if meta.nbytes + protocol.INLINE_HEADROOM > self.nc.max_payload:
+                self._link.refused(f"chunk of {meta.nbytes} bytes is too big to send inline (NATS max_payload "
+                                   f"{self.nc.max_payload}) and the buffer is not in shared memory")
                 return False
             request = protocol.PutRequest(meta=meta, data=bytes(buffer.view[:meta.nbytes]))
         reply = await self._request("put", request, protocol.Ack, self.data_timeout)
         if reply is None:
             return False
         if not reply.ok:
-            self._refused(reply.error or "put refused")
-        elif self._refusing:
-            self._refusing = False
-            log.info("disk store %s accepts puts again", self.store_id)
+            self._link.refused(reply.error or "put refused")
+        else:
+            self._link.accepted()
         return reply.ok
 
     async def get_into(self, key: ChunkKey, buffer: ChunkBuffer) -> protocol.ChunkMeta | None:
@@ -132,27 +131,5 @@ class DiskStoreClient:
         return False
 
     # ---- plumbing --------------------------------------------------------------------------------------
-    async def _request(self, op: str, message: object, reply_type: type, timeout: float | None = None):
-        try:
-            reply = await bus.request(self.nc, protocol.Subjects.store(self.store_id, op), message, reply_type,
-                                      timeout or self.request_timeout)
-        except (MeshUnavailable, ProtocolError) as exc:
-            if self._reachable:
-                self._reachable = False
-                log.warning("disk store %s unreachable (%s); answering misses until it is back", self.store_id, exc)
-            return None
-        except Exception as exc:  # never let a store problem reach vLLM
-            log.exception("disk store %s: unexpected error on %s: %s", self.store_id, op, exc)
-            return None
-        if not self._reachable:
-            self._reachable = True
-            log.info("disk store %s reachable again", self.store_id)
-        return reply
-
-    def _refused(self, reason: str) -> None:
-        if not self._refusing:  # once per change, not per put
-            self._refusing = True
-            log.warning("disk store %s: %s (further refusals are not logged until a put succeeds)",
-                        self.store_id, reason)
-        else:
-            log.debug("disk store %s: %s", self.store_id, reason)
+    async def _request(self, op: str, message: object, reply_type: type[T], timeout: float | None = None) -> T | None:
+        return await self._link.request(self.nc, op, message, reply_type, timeout or self.request_timeout)

@@ -1,19 +1,23 @@
 """The disk store's settings: command-line flags, falling back to the LMCache config (`--config` or
 LMCACHE_CONFIG_FILE / LMCACHE_* variables) for `local_disk` and `max_local_disk_size` when flags are absent.
 
-    python -m kvmesh.services.disk_store --nats-url URL --dir PATH --max-size-gb F --store-id ID
+    python -m kvmesh.services.disk_store --nats-url URL --dir PATH --max-size-gb F --store-id ID \
+        [--nats-token T | --nats-user U --nats-password P | --nats-nkey-seed F]
+
+The NATS credentials are the same flags (and KVMESH_NATS_* variables) as the remote store's: shared/nats_auth.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvmesh.shared.bus import normalize_url
+from kvmesh.shared.bus import NatsAuth, normalize_url
 from kvmesh.shared.config import CONFIG_FILE_VAR, GB, EngineConfig
 from kvmesh.shared.errors import ConfigError
+from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
@@ -24,6 +28,7 @@ class DiskStoreOptions:
     capacity_bytes: int
     store_id: str
     nats_url: str = DEFAULT_NATS_URL
+    auth: NatsAuth = field(default_factory=NatsAuth)
     fsync: bool = True  # fsync each chunk file before it becomes visible (survives power loss, not only crashes)
     writer_threads: int = 1  # one sequential writer matches a single disk best (measured: see benchmarks/)
     reader_threads: int = 4
@@ -52,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="memory for accepted puts not yet on disk; 0 = answer puts after the write")
     parser.add_argument("--no-fsync", action="store_true", help="do not fsync chunk files (faster, not durable)")
     parser.add_argument("--log-level", default="INFO")
+    add_nats_auth_flags(parser)
     return parser
 
 
@@ -80,5 +86,6 @@ def options_from_args(args: argparse.Namespace, environ: dict[str, str] | None =
         raise ConfigError("disk store: --writer-threads/--reader-threads must be >= 1, --staging-mb >= 0")
     return DiskStoreOptions(
         root=root, capacity_bytes=capacity, store_id=args.store_id or _default_store_id(),
-        nats_url=normalize_url(nats_url), fsync=not args.no_fsync, writer_threads=args.writer_threads,
-        reader_threads=args.reader_threads, staging_bytes=int(args.staging_mb * 1024 * 1024))
+        nats_url=normalize_url(nats_url), auth=nats_auth_from_args(args, env), fsync=not args.no_fsync,
+        writer_threads=args.writer_threads, reader_threads=args.reader_threads,
+        staging_bytes=int(args.staging_mb * 1024 * 1024))

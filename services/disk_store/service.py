@@ -9,8 +9,10 @@ Subjects (`Subjects.store(store_id, op)`), request -> reply:
     clear     ClearRequest-> CommandReply   every unpinned chunk; num_tokens cleared
     pin/unpin ChunkKeys   -> CommandReply   contiguous prefix; num_tokens affected (ttl_secs optional)
     stats     StatsRequest-> StatsReply
-Also: health (`serve_health(service="disk_store")`), and admission/eviction batches plus full syncs on
-`Subjects.events(store_id)` through AdmissionReporter (location LocalDiskBackend, producer_id = store_id).
+contains, pin, unpin, remove, clear and stats are the shared IndexOps (shared/store_service.py), the same as
+the remote store's; put, get and prefetch are DiskStore's own. Also: health (`serve_health(service=
+"disk_store")`), and admission/eviction batches plus full syncs on `Subjects.events(store_id)` through
+AdmissionReporter (location LocalDiskBackend, producer_id = store_id).
 Gets are handled up to `reader_threads` at a time; every other op one request at a time, in arrival order.
 The slow parts (copies, file I/O) run on DiskStore's threads so other ops and health keep answering meanwhile.
 """
@@ -19,16 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 from nats.aio.client import Client as NatsClient
-from nats.aio.subscription import Subscription
 
-from kvmesh.shared import bus, protocol
+from kvmesh.shared import protocol
 from kvmesh.shared.admissions import AdmissionReporter
-from kvmesh.shared.service import serve_health
+from kvmesh.shared.store_service import Handler, IndexOps, StoreEndpoint
 from kvmesh.services.disk_store.options import DiskStoreOptions
-from kvmesh.services.disk_store.store import INLINE_HEADROOM, DiskStore
+from kvmesh.services.disk_store.store import DiskStore
 from kvmesh.services.disk_store.writer import WriteFaults
 
 log = logging.getLogger(__name__)
@@ -41,59 +41,39 @@ class DiskStoreService:
                  heartbeat_interval: float = 2.0) -> None:
         self.options = options
         self.store = DiskStore(options, faults)
-        self.nc: NatsClient | None = None
-        self.reporter: AdmissionReporter | None = None
-        self._subscriptions: list[Subscription] = []
+        self.ops = IndexOps(options.store_id, self.store.index, free=self.store.free, details=self.store.details,
+                            settle=self.store.settle, changed=self.store.save_pins_soon)
+        self.endpoint = StoreEndpoint("disk_store", options.store_id)
         self._heartbeat_interval = heartbeat_interval
-        self._own_nc = False
+
+    @property
+    def nc(self) -> NatsClient | None:
+        return self.endpoint.nc
 
     async def start(self, nc: NatsClient | None = None) -> None:
-        store, store_id = self.store, self.options.store_id
+        store, options = self.store, self.options
         await asyncio.get_running_loop().run_in_executor(None, store.open)
-        if nc is None:
-            nc = await bus.connect(self.options.nats_url, name=f"disk_store:{store_id}")
-            self._own_nc = True
-        self.nc = nc
-        store.max_inline_bytes = max(0, nc.max_payload - INLINE_HEADROOM)
-        self.reporter = AdmissionReporter(store_id, protocol.LOCAL_DISK, held_keys=store.index.keys,
-                                          register=self._registration, heartbeat_interval=self._heartbeat_interval)
-        store.on_admit, store.on_evict = self.reporter.admit, self.reporter.evict
-        handlers: list[tuple[str, type, Any]] = [
-            ("put", protocol.PutRequest, store.put), ("get", protocol.GetRequest, store.get),
-            ("contains", protocol.ChunkKeys, store.contains), ("prefetch", protocol.ChunkKeys, store.prefetch),
-            ("remove", protocol.ChunkKeys, store.remove), ("clear", protocol.ClearRequest, store.clear),
-            ("pin", protocol.ChunkKeys, store.pin), ("unpin", protocol.ChunkKeys, store.unpin),
-            ("stats", protocol.StatsRequest, store.stats),
-        ]
-        for op, request_type, handler in handlers:
-            # Gets run concurrently (one per I/O thread), so engines sharing the store do not queue behind one
-            # slow read; every other op is handled in arrival order.
-            concurrency = self.options.reader_threads if op == "get" else 1
-            self._subscriptions.append(await bus.serve(nc, protocol.Subjects.store(store_id, op), request_type,
-                                                       handler, max_concurrent=concurrency))
-        await self.reporter.start(nc)
-        await serve_health(nc, "disk_store", store_id, details=store.details)
-        log.info("disk store %s serving %s on %s", store_id, self.options.root, self.options.nats_url)
+        nc = await self.endpoint.connect(nc, options.nats_url, options.auth)
+        store.max_inline_bytes = max(0, nc.max_payload - protocol.INLINE_HEADROOM)
+        reporter = AdmissionReporter(options.store_id, protocol.LOCAL_DISK, held_keys=store.index.keys,
+                                     register=self._registration, heartbeat_interval=self._heartbeat_interval)
+        store.index.on_admit, store.index.on_evict = reporter.admit, reporter.evict
+        # Gets run concurrently (one per I/O thread), so engines sharing the store do not queue behind one slow
+        # read; every other op is handled in arrival order.
+        handlers = [Handler("put", protocol.PutRequest, store.put),
+                    Handler("get", protocol.GetRequest, store.get, max_concurrent=options.reader_threads),
+                    Handler("prefetch", protocol.ChunkKeys, store.prefetch), *self.ops.handlers()]
+        await self.endpoint.serve(handlers, reporter, store.details)
+        log.info("disk store %s serving %s on %s", options.store_id, options.root, options.nats_url)
 
     def _registration(self) -> protocol.RegisterStore:
         return protocol.RegisterStore(store_id=self.options.store_id, location=protocol.LOCAL_DISK,
                                       capacity_bytes=self.options.capacity_bytes, started_at=self.store.started_at)
 
     async def stop(self) -> None:
-        for subscription in self._subscriptions:
-            try:
-                await subscription.unsubscribe()
-            except Exception as exc:
-                log.debug("unsubscribe failed: %s", exc)
-        self._subscriptions = []
-        await self.store.close()
-        if self.reporter is not None:
-            await self.reporter.stop()
-        if self.nc is not None and self._own_nc:
-            try:
-                await self.nc.drain()
-            except Exception as exc:
-                log.debug("NATS drain failed: %s", exc)
+        await self.endpoint.stop_serving()
+        await self.store.close()  # finishes accepted writes: their admissions still go out
+        await self.endpoint.close()
         log.info("disk store %s stopped", self.options.store_id)
 
 

@@ -1,9 +1,11 @@
-"""The disk store's operations: put, get, contains, remove, clear, pin, unpin, prefetch, stats.
+"""The disk store's operations: put, get and prefetch here; contains, pin, unpin, remove, clear and stats are
+the shared `IndexOps` over this store's index (service.py wires them, with the hooks below).
 
 Who runs what: every method runs on the store's asyncio event loop thread, which alone touches the index
-(`DiskIndex`) and the segment cache. Blocking work goes to threads: copies and file writes to `ChunkWriter`
-(one staging-copy thread, `writer_threads` writer threads), reads, deletions, readahead hints and the pins
-file to the I/O pool (`reader_threads`). The NATS wiring is in service.py; this class never sees a subject.
+(a `ChunkIndex[Entry]`, the same bookkeeping as the remote store's) and the segment cache. Blocking work goes
+to threads: copies and file writes to `ChunkWriter` (one staging-copy thread, `writer_threads` writer threads),
+reads, deletions, readahead hints and the pins file to the I/O pool (`reader_threads`). The NATS wiring is in
+service.py; this class never sees a subject.
 
 The data path of a put: the engine's shared-memory slice -> (memcpy) staging buffer -> answer "accepted" ->
 writer thread: chunk file `<tmp>` + fsync + rename -> the key becomes held (visible) -> admission event.
@@ -23,41 +25,39 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvmesh.shared import chunk_file, protocol
+from kvmesh.shared.chunk_index import ChunkIndex, SpaceRefused
 from kvmesh.shared.errors import StoreError
 from kvmesh.shared.keys import KEY_BYTES, ChunkKey
+from kvmesh.shared.shm import SegmentCache
 from kvmesh.services.disk_store import files
-from kvmesh.services.disk_store.index import DiskIndex, Entry, SpaceRefused
+from kvmesh.services.disk_store.index import Entry, pin_records, restore_pins
 from kvmesh.services.disk_store.options import DiskStoreOptions
-from kvmesh.services.disk_store.shm import SegmentCache
 from kvmesh.services.disk_store.writer import ChunkWriter, StagingBuffer, StagingPool, WriteFaults
 
 log = logging.getLogger(__name__)
 
 PIN_WAIT_SECS = 5.0  # a pin waits this long for chunks of the request that are still being written
-INLINE_HEADROOM = 64 * 1024  # room for the msgpack envelope around inline data
 
 
 class DiskStore:
     """One directory of chunk files with its index. `open()` first (blocking, before serving), `close()` last.
 
-    `on_admit(key)` / `on_evict(key)` are called as keys become visible or stop being visible (the service
-    points them at its AdmissionReporter). `max_inline_bytes` caps inline GetReply data (NATS max_payload).
+    The index's `on_admit(key)` / `on_evict(key)` are called as keys become visible or stop being visible (the
+    service points them at its AdmissionReporter). `max_inline_bytes` caps inline GetReply data (NATS max_payload).
     """
 
     def __init__(self, options: DiskStoreOptions, faults: WriteFaults | None = None) -> None:
         self.options = options
         self.root = options.root
-        self.index = DiskIndex(options.capacity_bytes)
+        self.index: ChunkIndex[Entry] = ChunkIndex(options.capacity_bytes)
         self.faults = faults or WriteFaults.from_env()
-        self.on_admit: Callable[[ChunkKey], None] = lambda key: None
-        self.on_evict: Callable[[ChunkKey], None] = lambda key: None
-        self.max_inline_bytes = 1024 * 1024 - INLINE_HEADROOM
+        self.max_inline_bytes = 1024 * 1024 - protocol.INLINE_HEADROOM
         self.started_at = time.time()
         self.counters: dict[str, int] = dict.fromkeys(
             ("puts_accepted", "puts_duplicate", "puts_refused", "writes_done", "write_errors", "gets", "hits",
              "corrupt_dropped", "evicted"), 0)
         self.last_write_error: str | None = None
-        self.scan_report: files.ScanReport | None = None
+        self.scan_report: chunk_file.ScanReport | None = None
         self._lock_fd: int | None = None
         self._writer: ChunkWriter | None = None
         self._io: ThreadPoolExecutor | None = None
@@ -70,15 +70,17 @@ class DiskStore:
         self._pins_saver: asyncio.Task[None] | None = None
 
     # ---- life cycle ------------------------------------------------------------------------------------
-    def open(self) -> files.ScanReport:
+    def open(self) -> chunk_file.ScanReport:
         """Lock the directory, rebuild the index from the files' headers, restore pins. Blocking."""
         self._lock_fd = files.lock_directory(self.root)
-        report = files.scan(self.root)
-        for found in report.chunks:
-            self.index.load(found.key, found.entry)
-        restored = self.index.restore_pins(files.load_pins(self.root))
-        for key in self.index.over_capacity_victims():  # the cap shrank since the last run
-            files.unlink_chunk(self.root, key)
+        report = chunk_file.scan_directory(self.root)
+        for found in report.chunks:  # least recently used first
+            meta = found.meta
+            self.index.load(meta.key, Entry(meta.nbytes, file_bytes=found.file_bytes, num_tokens=meta.num_tokens))
+        restored = restore_pins(self.index, files.load_pins(self.root))
+        self._pins_saved_version = self.index.pins_version  # the file already says so
+        for key, _ in self.index.trim_to_capacity():  # the cap shrank since the last run
+            chunk_file.unlink_chunk(self.root, key)
             self.counters["evicted"] += 1
         self.scan_report = report
         self._writer = ChunkWriter(self.root, self.options.writer_threads, self.options.fsync, self.faults)
@@ -97,7 +99,7 @@ class DiskStore:
             await asyncio.wait(list(self._background), timeout=drain_timeout)
         if self._pins_saver is not None:
             await asyncio.wait([self._pins_saver], timeout=drain_timeout)
-        files.save_pins(self.root, self.index.pin_records())
+        files.save_pins(self.root, pin_records(self.index))
         if self._writer is not None:
             self._writer.shutdown()
         if self._io is not None:
@@ -129,12 +131,9 @@ class DiskStore:
         except (StoreError, ValueError) as exc:
             return self._refuse(meta.key, str(exc))
         key = meta.key
-        if self.index.held(key) is not None:  # the same key is the same bytes: one file
-            self.index.touch(key)
-            self.counters["puts_duplicate"] += 1
-            return protocol.Ack()
-        if self.index.is_pending(key):
-            self.index.undiscard(key)
+        # The same key is the same bytes: one file. A write of it in flight is kept, even if a removal meanwhile
+        # had discarded it.
+        if self.index.touch(key) is not None or self.index.revive(key):
             self.counters["puts_duplicate"] += 1
             return protocol.Ack()
 
@@ -146,7 +145,7 @@ class DiskStore:
             staging = await self._staging.acquire(meta.nbytes, self.options.staging_wait_secs)
             if staging is None:
                 return self._refuse(key, f"write queue full ({self._staging.in_use} bytes staged)")
-            if self.index.held(key) is not None or self.index.is_pending(key):  # another put won meanwhile
+            if key in self.index or self.index.revive(key):  # another put of the key won meanwhile
                 await self._staging.release(staging)
                 return protocol.Ack()
 
@@ -154,12 +153,12 @@ class DiskStore:
                       num_tokens=meta.num_tokens)
         try:
             self._check_free_space(entry.file_bytes)
-            victims = self.index.reserve(key, entry)
+            victims = self.index.reserve(key, entry)  # on_evict tells the reporter; the files are deleted below
         except (SpaceRefused, StoreError, OSError) as exc:
             if staging is not None:
                 await self._staging.release(staging)
             return self._refuse(key, str(exc))
-        self._evicted(victims)
+        self._evicted([victim for victim, _ in victims])
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._writes[key] = done
         self.counters["puts_accepted"] += 1
@@ -169,14 +168,14 @@ class DiskStore:
                 assert self._writer is not None
                 await self._writer.copy(staging.view, source)
             except Exception as exc:
-                self.index.abort(key)
+                self.index.abort(key, entry)
                 self._writes.pop(key, None)
                 done.set_result(None)
                 await self._staging.release(staging)
                 return self._refuse(key, f"copy from shared memory failed: {exc}")
-            self._spawn(self._write(meta, staging.view, staging, done))
+            self._spawn(self._write(meta, entry, staging.view, staging, done))
             return protocol.Ack()
-        error = await self._write(meta, source, None, done)  # write-through: answer once the file is complete
+        error = await self._write(meta, entry, source, None, done)  # write-through: answer once the file is complete
         return protocol.Ack(ok=error is None, error=error)
 
     def _put_source(self, request: protocol.PutRequest) -> memoryview:
@@ -193,11 +192,11 @@ class DiskStore:
         if self.faults.no_space_check:
             return
         stat = os.statvfs(self.root)
-        free = stat.f_bavail * stat.f_frsize - self.index.reserved_bytes  # in-flight writes still to land
+        free = stat.f_bavail * stat.f_frsize - self.index.reserved_bytes  # writes in flight still to land
         if free - nbytes < self.options.min_free_bytes:
             raise StoreError(f"disk full: {max(free, 0)} bytes free on {self.root}, chunk needs {nbytes}")
 
-    async def _write(self, meta: protocol.ChunkMeta, data: memoryview, staging: StagingBuffer | None,
+    async def _write(self, meta: protocol.ChunkMeta, entry: Entry, data: memoryview, staging: StagingBuffer | None,
                      done: asyncio.Future[None]) -> str | None:
         """Write one accepted chunk and make it visible; returns an error text, or None on success."""
         key = meta.key
@@ -210,7 +209,7 @@ class DiskStore:
                 meta = dataclasses.replace(meta, checksum=await self._in_io(chunk_file.checksum, data))
             await self._writer.write(meta, data)
         except Exception as exc:
-            self.index.abort(key)
+            self.index.abort(key, entry)
             self.counters["write_errors"] += 1
             if self.last_write_error is None:
                 log.error("disk store: writing chunk %s failed: %s (no file kept; the store goes on)",
@@ -222,9 +221,7 @@ class DiskStore:
             if self.last_write_error is not None:
                 log.info("disk store: writes succeed again")
                 self.last_write_error = None
-            if self.index.commit(key):
-                self.on_admit(key)
-            else:  # removed or cleared while it was being written
+            if not self.index.commit(key, entry):  # removed or cleared while it was being written
                 self._delete_files([key])
             return None
         finally:
@@ -284,15 +281,11 @@ class DiskStore:
 
     def _drop(self, key: ChunkKey, entry: Entry, delete: bool) -> None:
         """Forget a key whose file turned out bad or gone, unless a newer write replaced it meanwhile."""
-        if self.index.drop_if_same(key, entry):
-            self.on_evict(key)
+        if self.index.drop(key, entry):
             if delete:
                 self._delete_files([key])
 
-    # ---- keys ------------------------------------------------------------------------------------------
-    async def contains(self, request: protocol.ChunkKeys) -> protocol.ContainsReply:
-        return protocol.ContainsReply(prefix=self.index.contains_prefix(request.keys))
-
+    # ---- prefetch, and the hooks of the shared control ops (IndexOps) ---------------------------------
     async def prefetch(self, request: protocol.ChunkKeys) -> protocol.ContainsReply:
         """Warm the page cache for the held prefix of the keys (readahead); answers how many are held.
 
@@ -306,59 +299,16 @@ class DiskStore:
             self._spawn(self._in_io(_readahead, self.root, held))
         return protocol.ContainsReply(prefix=count)
 
-    async def remove(self, request: protocol.ChunkKeys) -> protocol.CommandReply:
-        removed: list[ChunkKey] = []
-        chunks = tokens = 0
-        for key in request.keys:
-            entry, discarded = self.index.remove(key)
-            if entry is not None:
-                removed.append(key)
-                self.on_evict(key)
-            for gone in (entry, discarded):
-                if gone is not None:
-                    chunks, tokens = chunks + 1, tokens + gone.num_tokens
-        self._delete_files(removed)
-        self._save_pins_soon()
-        return protocol.CommandReply(ok=True, num_tokens=tokens, num_chunks=chunks)
-
-    async def clear(self, request: protocol.ClearRequest) -> protocol.CommandReply:
-        removed, tokens = self.index.clear()
-        for key in removed:
-            self.on_evict(key)
-        self._delete_files(removed)
-        log.info("disk store: cleared %d chunks (%d tokens); %d pinned kept", len(removed), tokens,
-                 self.index.pinned_count)
-        return protocol.CommandReply(ok=True, num_tokens=tokens, num_chunks=len(removed))
-
-    async def pin(self, request: protocol.ChunkKeys) -> protocol.CommandReply:
-        if request.ttl_secs is not None and not request.ttl_secs > 0:
-            return protocol.CommandReply(ok=False, error=f"ttl_secs must be > 0 (or absent), got {request.ttl_secs}")
-        # Chunks still being written are about to be held: wait for them rather than pin a short prefix.
-        waits = [self._writes[k] for k in request.keys if k in self._writes]
+    async def settle(self, keys: list[ChunkKey]) -> None:
+        """Before a pin: chunks still being written are about to be held; wait for them (up to PIN_WAIT_SECS)
+        rather than pin a short prefix."""
+        waits = [self._writes[k] for k in keys if k in self._writes]
         if waits:
             await asyncio.wait(waits, timeout=PIN_WAIT_SECS)
-        pinned = self.index.pin(request.keys, request.ttl_secs)
-        self._save_pins_soon()
-        return protocol.CommandReply(ok=True, num_tokens=self._tokens(request, len(pinned)), num_chunks=len(pinned))
 
-    async def unpin(self, request: protocol.ChunkKeys) -> protocol.CommandReply:
-        unpinned = self.index.unpin(request.keys)
-        self._save_pins_soon()
-        return protocol.CommandReply(ok=True, num_tokens=self._tokens(request, len(unpinned)),
-                                     num_chunks=len(unpinned))
-
-    def _tokens(self, request: protocol.ChunkKeys, count: int) -> int:
-        """Tokens of the first `count` keys: the request's counts if it gives them, else the stored ones."""
-        if len(request.num_tokens) >= count:
-            return sum(request.num_tokens[:count])
-        return sum(entry.num_tokens for key in request.keys[:count] if (entry := self.index.held(key)))
-
-    # ---- stats -----------------------------------------------------------------------------------------
-    async def stats(self, request: protocol.StatsRequest | None = None) -> protocol.StatsReply:
-        return protocol.StatsReply(
-            store_id=self.options.store_id, num_chunks=len(self.index), used_bytes=self.index.used_bytes,
-            capacity_bytes=self.options.capacity_bytes, pinned_chunks=self.index.pinned_count,
-            details=self.details())
+    def free(self, removed: list[tuple[ChunkKey, Entry]]) -> None:
+        """Chunks removed or cleared from the index: delete their files."""
+        self._delete_files([key for key, _ in removed])
 
     def details(self) -> dict[str, Any]:
         return {
@@ -370,12 +320,8 @@ class DiskStore:
 
     # ---- background file work --------------------------------------------------------------------------
     def _evicted(self, keys: list[ChunkKey]) -> None:
-        for key in keys:
-            self.on_evict(key)
-        self.counters["evicted"] += len(keys)
+        self.counters["evicted"] += len(keys)  # never pinned ones: the pins file stays as it is
         self._delete_files(keys)
-        if keys:
-            self._save_pins_soon()
 
     def _delete_files(self, keys: list[ChunkKey]) -> None:
         """Delete files on the I/O pool; a later write of one of these keys waits for its deletion."""
@@ -396,7 +342,7 @@ class DiskStore:
         self._background.add(future)
         future.add_done_callback(self._background.discard)
 
-    def _save_pins_soon(self) -> None:
+    def save_pins_soon(self) -> None:
         """Rewrite the pins file in the background if the pins changed; bursts coalesce into few writes."""
         if self.index.pins_version != self._pins_saved_version and (
                 self._pins_saver is None or self._pins_saver.done()):
@@ -406,7 +352,7 @@ class DiskStore:
         while self.index.pins_version != self._pins_saved_version:
             version = self.index.pins_version
             try:
-                await self._in_io(files.save_pins, self.root, self.index.pin_records())
+                await self._in_io(files.save_pins, self.root, pin_records(self.index))
             except OSError as exc:
                 log.warning("disk store: could not save pins: %s", exc)
                 return
@@ -435,7 +381,7 @@ def _read_chunk(root: Path, key: ChunkKey, out: memoryview) -> protocol.ChunkMet
         if meta.key != key:
             raise chunk_file.CorruptChunkFile(f"{path}: header names key {meta.key.hex()}")
     except chunk_file.CorruptChunkFile:
-        files.unlink_chunk(root, key, only_inode=stat.st_ino)  # not a newer file written meanwhile
+        chunk_file.unlink_chunk(root, key, only_inode=stat.st_ino)  # not a newer file written meanwhile
         raise
     try:
         # mtime = last use: the LRU order across restarts (atime is not reliable under noatime/relatime,
@@ -447,7 +393,7 @@ def _read_chunk(root: Path, key: ChunkKey, out: memoryview) -> protocol.ChunkMet
 
 
 def _unlink_all(root: Path, keys: list[ChunkKey]) -> int:
-    return sum(files.unlink_chunk(root, key) for key in keys)
+    return sum(chunk_file.unlink_chunk(root, key) for key in keys)
 
 
 def _readahead(root: Path, keys: list[ChunkKey]) -> None:

@@ -23,6 +23,7 @@ from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.shared import bus
+from kvmesh.shared.errors import MeshUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,9 @@ class MeshLoop:
             "background", self.name, url))
         try:
             nc = await bus.connect(url, name=self.name, auth=auth, connect_timeout=1.0)
+        except MeshUnavailable as exc:  # e.g. credentials rejected: retrying cannot help
+            log.error("%s: %s; the engine serves without the mesh (CPU tier only)", self.name, exc)
+            return
         finally:
             warn.cancel()
         self.nc = nc

@@ -10,15 +10,13 @@ service.py); worker threads fault in buffers and do the persistence file I/O.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import sys
 from pathlib import Path
 
 from kvmesh.shared.bus import normalize_url
 from kvmesh.shared.config import GB
-from kvmesh.shared.errors import ConfigError, KVMeshError
+from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
-from kvmesh.shared.service import configure_logging, run_until_signalled
+from kvmesh.shared.service import service_main
 from kvmesh.services.remote_store.service import RemoteStoreOptions, run_remote_store
 
 
@@ -60,14 +58,7 @@ def options_from_args(args: argparse.Namespace) -> RemoteStoreOptions:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    configure_logging(args.log_level)
-    try:
-        options = options_from_args(args)
-        asyncio.run(run_until_signalled(lambda stop: run_remote_store(options, stop)))
-    except KVMeshError as exc:
-        print(f"remote store: {exc}", file=sys.stderr)
-        sys.exit(2)
+    service_main("remote store", build_parser(), options_from_args, run_remote_store, argv)
 
 
 if __name__ == "__main__":

@@ -17,16 +17,15 @@ import asyncio
 import logging
 import os
 import socket
-import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Awaitable, Callable, TypeVar
 
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.errors import KVMeshError
 from kvmesh.shared.keys import ChunkKey
-from kvmesh.shared.store_client import ChunkBuffer
+from kvmesh.shared.store_client import ChunkBuffer, StoreLink
 from kvmesh.services.remote_store.partition import partition_of
 from kvmesh.services.remote_store.transfer import StreamConnection, StreamPool
 
@@ -37,13 +36,14 @@ T = TypeVar("T")
 
 @dataclass
 class _Replica:
-    """One partition's store as this client sees it."""
+    """One partition's store as this client sees it: its state (StoreLink) and its kept stream connections."""
 
-    store_id: str
+    link: StoreLink
     pool: StreamPool
-    reachable: bool = True
-    down_until: float = 0.0  # monotonic: skip the replica until then (it just failed)
-    refusing: bool = False  # its last put was refused (logged once until a put succeeds)
+
+    @property
+    def store_id(self) -> str:
+        return self.link.store_id
 
 
 class RemoteStoreClient:
@@ -61,7 +61,8 @@ class RemoteStoreClient:
         self.min_transfer_rate = min_transfer_rate  # bytes/s a chunk transfer may not fall below
         self.retry_interval = retry_interval
         self._name = f"{socket.gethostname()}:{os.getpid()}"
-        self._replicas = [_Replica(store_id, StreamPool(self._negotiator(store_id), self._name, max_connections))
+        self._replicas = [_Replica(StoreLink(store_id, f"remote store {store_id}", log, retry_interval),
+                                   StreamPool(self._negotiator(store_id), self._name, max_connections))
                           for store_id in self.store_ids]
 
     # ---- routing -----------------------------------------------------------------------------------------
@@ -87,16 +88,9 @@ class RemoteStoreClient:
         if ack is None:
             return False
         if not ack.ok:
-            if not replica.refusing:
-                replica.refusing = True
-                log.warning("remote store %s refused chunk %s: %s (further refusals are logged at debug level "
-                            "until a put succeeds)", replica.store_id, meta.key.hex(), ack.error)
-            else:
-                log.debug("remote store %s refused chunk %s: %s", replica.store_id, meta.key.hex(), ack.error)
+            replica.link.refused(f"chunk {meta.key.hex()}: {ack.error}")
             return False
-        if replica.refusing:
-            replica.refusing = False
-            log.info("remote store %s accepts puts again", replica.store_id)
+        replica.link.accepted()
         return True
 
     async def get_into(self, key: ChunkKey, buffer: ChunkBuffer) -> protocol.ChunkMeta | None:
@@ -192,21 +186,7 @@ class RemoteStoreClient:
         return list(await asyncio.gather(*(call(i, positions) for i, positions in groups.items())))
 
     async def _request(self, partition: int, op: str, message: object, reply_type: type[T]) -> T | None:
-        replica = self._replicas[partition]
-        if replica.down_until > time.monotonic():
-            return None
-        try:
-            reply = await bus.request(self.nc, protocol.Subjects.store(replica.store_id, op), message, reply_type,
-                                      self.request_timeout)
-        except KVMeshError as exc:  # MeshUnavailable (no responder, timeout), ProtocolError (bad reply)
-            self._mark_down(replica, exc)
-            return None
-        except Exception as exc:  # never let a store problem reach vLLM
-            log.exception("remote store %s: unexpected error on %s", replica.store_id, op)
-            self._mark_down(replica, exc)
-            return None
-        self._mark_up(replica)
-        return reply
+        return await self._replicas[partition].link.request(self.nc, op, message, reply_type, self.request_timeout)
 
     async def _on_stream(self, replica: _Replica, nbytes: int,
                          op: Callable[[StreamConnection], Awaitable[T]]) -> T | None:
@@ -215,7 +195,8 @@ class RemoteStoreClient:
         A kept connection may point at a store that restarted since: a failure on one is retried once on a
         fresh connection before the replica counts as down.
         """
-        if replica.down_until > time.monotonic():
+        link = replica.link
+        if link.resting:
             return None
         timeout = self.request_timeout + nbytes / self.min_transfer_rate
         for attempt in (1, 2):
@@ -226,34 +207,22 @@ class RemoteStoreClient:
                         reused = connection.uses > 0
                         result = await op(connection)
             except TimeoutError:
-                self._mark_down(replica, f"no answer on the stream within {timeout:.1f}s")
+                link.failed(f"no answer on the stream within {timeout:.1f}s")
                 return None
             except (KVMeshError, OSError) as exc:  # StreamError, MeshUnavailable (negotiation), socket errors
                 if attempt == 1 and reused:
                     log.debug("remote store %s: kept connection failed (%s); retrying on a new one",
                               replica.store_id, exc)
                     continue
-                self._mark_down(replica, exc)
+                link.failed(exc)
                 return None
             except Exception as exc:  # never let a store problem reach vLLM
                 log.exception("remote store %s: unexpected stream error", replica.store_id)
-                self._mark_down(replica, exc)
+                link.failed(exc)
                 return None
-            self._mark_up(replica)
+            link.answered()
             return result
         return None
-
-    def _mark_down(self, replica: _Replica, reason: Any) -> None:
-        replica.down_until = time.monotonic() + self.retry_interval
-        if replica.reachable:
-            replica.reachable = False
-            log.warning("remote store %s unreachable (%s); its keys are misses until it is back", replica.store_id,
-                        reason)
-
-    def _mark_up(self, replica: _Replica) -> None:
-        if not replica.reachable:
-            replica.reachable = True
-            log.info("remote store %s reachable again", replica.store_id)
 
 
 def _bytes_view(view: memoryview) -> memoryview:

@@ -5,15 +5,14 @@ the store's loop that runs each file operation in a worker thread: a delete queu
 key therefore lands after it, so a removed chunk never comes back at the next start. Files use the shared
 self-describing format (shared/chunk_file.py: crash-safe rename, checksum), the same as the disk store's.
 Writes are behind the put's reply: a crash loses at most the chunks still queued, never a file's integrity.
-`scan()` lists the files at start (newest first) for the store to load, removing leftovers of a crash.
+At start the store lists the files with `chunk_file.scan_directory` (the disk store's scan too), which also
+removes the leftovers of a crash.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -28,15 +27,6 @@ class PersistableChunk(Protocol):
     dropped: bool
 
     def data(self) -> memoryview: ...
-
-
-@dataclass(frozen=True)
-class FoundChunk:
-    """A chunk file found at start: its header, path and modification time."""
-
-    meta: protocol.ChunkMeta
-    path: Path
-    mtime: float
 
 
 class Persister:
@@ -93,40 +83,9 @@ class Persister:
                     finally:
                         self._done(chunk)
                 else:
-                    await asyncio.to_thread(_unlink, chunk_file.chunk_path(self.root, key))
+                    await asyncio.to_thread(chunk_file.unlink_chunk, self.root, key)
             except Exception as exc:  # a full or failing disk costs persistence, never the memory store
                 self.failures += 1
                 log.warning("persistence of %s: %s of chunk %s failed: %s", self.root, op, key.hex(), exc)
             finally:
                 self._queue.task_done()
-
-
-def _unlink(path: Path) -> None:
-    path.unlink(missing_ok=True)
-
-
-def scan(root: Path) -> list[FoundChunk]:
-    """Every readable chunk file header under `root`, newest first; removes temporary and unreadable files.
-
-    The data's checksum is checked later, when the store reads the bytes in (`chunk_file.read_chunk_into`).
-    """
-    found: list[FoundChunk] = []
-    if not root.is_dir():
-        return found
-    for path in root.glob("*/*"):
-        if path.name.endswith(chunk_file.TMP_SUFFIX):  # a write interrupted by a crash
-            _unlink(path)
-            continue
-        key = chunk_file.key_of_path(path)
-        if key is None:
-            continue
-        try:
-            meta, _ = chunk_file.read_chunk_meta(path)
-            if meta.key != key:
-                raise chunk_file.CorruptChunkFile(f"{path}: header names chunk {meta.key.hex()}")
-            found.append(FoundChunk(meta, path, os.stat(path).st_mtime))
-        except Exception as exc:
-            log.warning("removing unreadable chunk file %s: %s", path, exc)
-            _unlink(path)
-    found.sort(key=lambda f: f.mtime, reverse=True)
-    return found

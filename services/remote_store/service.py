@@ -9,9 +9,11 @@ NATS subjects (`Subjects.store(store_id, op)`), request -> reply, each handled o
     remove    ChunkKeys     -> CommandReply    num_chunks, num_tokens removed (pinned ones too)
     clear     ClearRequest  -> CommandReply    every unpinned chunk; num_chunks, num_tokens
     stats     StatsRequest  -> StatsReply
-Also health (`serve_health(service="remote_store")`), and AdmissionBatch / SyncChunk on `Subjects.events(store_id)`
-(location RemoteBackend, producer_id = store_id) through AdmissionReporter. The stream server's connection tasks
-run on the same loop; worker threads only fault buffers and do file I/O (store.py).
+contains, pin, unpin, remove, clear and stats are the shared IndexOps (shared/store_service.py), the same as
+the disk store's. Also health (`serve_health(service="remote_store")`), and AdmissionBatch / SyncChunk on
+`Subjects.events(store_id)` (location RemoteBackend, producer_id = store_id) through AdmissionReporter. The
+stream server's connection tasks run on the same loop; worker threads only fault buffers and do file I/O
+(store.py).
 """
 
 from __future__ import annotations
@@ -26,19 +28,15 @@ from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client as NatsClient
-from nats.aio.subscription import Subscription
 
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.admissions import AdmissionReporter
 from kvmesh.shared.bus import NatsAuth
-from kvmesh.shared.nats_auth import connect_checked
-from kvmesh.shared.service import serve_health
+from kvmesh.shared.store_service import Handler, IndexOps, StoreEndpoint
 from kvmesh.services.remote_store.store import MemoryStore, PutRefused
 from kvmesh.services.remote_store.transfer import StreamServer
 
 log = logging.getLogger(__name__)
-
-INLINE_HEADROOM = 64 * 1024  # msgpack envelope around inline bytes in one NATS message
 
 
 @dataclass(frozen=True)
@@ -97,31 +95,23 @@ class RemoteStoreService:
                                  on_admit=self.reporter.admit, on_evict=self.reporter.evict)
         listen, self.advertise_host = stream_addresses(options)
         self.stream = StreamServer(self.store, listen, options.stream_port, options.transfer_timeout)
-        self.nc: NatsClient | None = None
-        self._own_nc = False
-        self._subscriptions: list[Subscription] = []
+        self.ops = IndexOps(options.store_id, self.store.index, free=self.store.free, details=self._stats_details)
+        self.endpoint = StoreEndpoint("remote_store", options.store_id)
         self._started_at = time.time()
+
+    @property
+    def nc(self) -> NatsClient | None:
+        return self.endpoint.nc
 
     async def start(self, nc: NatsClient | None = None) -> None:
         options = self.options
         await self.store.open()
         await self.stream.start()
-        if nc is None:
-            nc = await connect_checked(options.nats_url, f"remote_store:{options.store_id}", options.auth)
-            self._own_nc = True
-        self.nc = nc
-        handlers: list[tuple[str, type, Any]] = [
-            ("stream", protocol.StreamRequest, self._on_stream), ("put", protocol.PutRequest, self._on_put),
-            ("get", protocol.GetRequest, self._on_get), ("contains", protocol.ChunkKeys, self._on_contains),
-            ("pin", protocol.ChunkKeys, self._on_pin), ("unpin", protocol.ChunkKeys, self._on_unpin),
-            ("remove", protocol.ChunkKeys, self._on_remove), ("clear", protocol.ClearRequest, self._on_clear),
-            ("stats", protocol.StatsRequest, self._on_stats),
-        ]
-        for op, request_type, handler in handlers:
-            self._subscriptions.append(
-                await bus.serve(nc, protocol.Subjects.store(options.store_id, op), request_type, handler))
-        await self.reporter.start(nc)
-        await serve_health(nc, "remote_store", options.store_id, details=self._health_details)
+        nc = await self.endpoint.connect(nc, options.nats_url, options.auth)
+        handlers = [Handler("stream", protocol.StreamRequest, self._on_stream),
+                    Handler("put", protocol.PutRequest, self._on_put),
+                    Handler("get", protocol.GetRequest, self._on_get), *self.ops.handlers()]
+        await self.endpoint.serve(handlers, self.reporter, self._health_details)
         await nc.flush()
         log.info("remote store %s (partition %d of %d, %.2f GB) serving on NATS %s, stream %s:%d%s",
                  options.store_id, options.partition, options.num_partitions, options.capacity_bytes / 1024**3,
@@ -129,20 +119,10 @@ class RemoteStoreService:
                  f", persisting in {options.persist_dir}" if options.persist_dir else "")
 
     async def stop(self) -> None:
-        for subscription in self._subscriptions:
-            try:
-                await subscription.unsubscribe()
-            except Exception as exc:
-                log.debug("unsubscribe failed: %s", exc)
-        self._subscriptions = []
+        await self.endpoint.stop_serving()
         await self.stream.stop()
-        await self.reporter.stop()
         await self.store.close()
-        if self.nc is not None and self._own_nc:
-            try:
-                await self.nc.drain()
-            except Exception as exc:
-                log.debug("NATS drain failed: %s", exc)
+        await self.endpoint.close()
         log.info("remote store %s stopped", self.options.store_id)
 
     # ---- what the controller sees ------------------------------------------------------------------------
@@ -184,7 +164,7 @@ class RemoteStoreService:
             return protocol.GetReply(found=False)
         try:
             assert self.nc is not None
-            if chunk.meta.nbytes + INLINE_HEADROOM > self.nc.max_payload:
+            if chunk.meta.nbytes + protocol.INLINE_HEADROOM > self.nc.max_payload:
                 return protocol.GetReply(found=False, meta=chunk.meta, error=(
                     f"chunk of {chunk.meta.nbytes} bytes does not fit NATS max_payload {self.nc.max_payload}: "
                     "get it on the stream"))
@@ -192,31 +172,9 @@ class RemoteStoreService:
         finally:
             self.store.release(chunk)
 
-    async def _on_contains(self, request: protocol.ChunkKeys) -> protocol.ContainsReply:
-        return protocol.ContainsReply(prefix=self.store.contains(request.keys))
-
-    async def _on_pin(self, request: protocol.ChunkKeys) -> protocol.CommandReply:
-        chunks, tokens = self.store.pin(request.keys, request.ttl_secs)
-        return protocol.CommandReply(ok=True, num_tokens=tokens, num_chunks=chunks)
-
-    async def _on_unpin(self, request: protocol.ChunkKeys) -> protocol.CommandReply:
-        chunks, tokens = self.store.unpin(request.keys)
-        return protocol.CommandReply(ok=True, num_tokens=tokens, num_chunks=chunks)
-
-    async def _on_remove(self, request: protocol.ChunkKeys) -> protocol.CommandReply:
-        chunks, tokens = self.store.remove(request.keys)
-        return protocol.CommandReply(ok=True, num_tokens=tokens, num_chunks=chunks)
-
-    async def _on_clear(self, _: protocol.ClearRequest) -> protocol.CommandReply:
-        chunks, tokens = self.store.clear()
-        return protocol.CommandReply(ok=True, num_tokens=tokens, num_chunks=chunks)
-
-    async def _on_stats(self, _: protocol.StatsRequest) -> protocol.StatsReply:
-        index = self.store.index
-        return protocol.StatsReply(store_id=self.options.store_id, num_chunks=len(index), used_bytes=index.used_bytes,
-                                   capacity_bytes=self.options.capacity_bytes, pinned_chunks=index.pinned_count,
-                                   details={**self.store.details(), "stream": f"{self.advertise_host}:{self.stream.port}",
-                                            "stream_connections": self.stream.connection_count})
+    def _stats_details(self) -> dict[str, Any]:
+        return {**self.store.details(), "stream": f"{self.advertise_host}:{self.stream.port}",
+                "stream_connections": self.stream.connection_count}
 
 
 async def run_remote_store(options: RemoteStoreOptions, stop: asyncio.Event) -> None:

@@ -113,10 +113,10 @@ class MemoryStore:
 
     async def _load(self, root: Path) -> int:
         """Read back the newest chunk files that fit the capacity, oldest first (so LRU order survives)."""
-        found = await asyncio.to_thread(persistence.scan, root)
-        keep: list[persistence.FoundChunk] = []
+        found = (await asyncio.to_thread(chunk_file.scan_directory, root)).chunks
+        keep: list[chunk_file.FoundChunk] = []
         total, dropped = 0, 0
-        for item in found:  # newest first
+        for item in reversed(found):  # newest first
             charge = size_class(item.meta.nbytes)
             if partition_of(item.meta.key, self.num_partitions) != self.partition or total + charge > self.capacity_bytes:
                 dropped += 1  # not ours any more (partitions changed) or past the capacity: a cache may forget
@@ -240,36 +240,11 @@ class MemoryStore:
         if chunk.dropped and chunk.users == 0:
             self._recycle(chunk)
 
-    # ---- control -----------------------------------------------------------------------------------------
-    def contains(self, keys: list[ChunkKey]) -> int:
-        return self.index.contains_prefix(keys)
-
-    def pin(self, keys: list[ChunkKey], ttl_secs: float | None) -> tuple[int, int]:
-        """Pin the held prefix of `keys`: (chunks, tokens) pinned."""
-        pinned = self.index.pin(keys, ttl_secs)
-        return len(pinned), self.index.tokens_of(pinned)
-
-    def unpin(self, keys: list[ChunkKey]) -> tuple[int, int]:
-        unpinned = self.index.unpin(keys)
-        return len(unpinned), self.index.tokens_of(unpinned)
-
-    def remove(self, keys: list[ChunkKey]) -> tuple[int, int]:
-        """Remove held chunks, pinned or not: (chunks, tokens) removed."""
-        count = tokens = 0
-        for key in keys:
-            chunk = self.index.remove(key)
-            if chunk is not None:
-                count += 1
-                tokens += chunk.num_tokens
-                self._drop(chunk)
-        return count, tokens
-
-    def clear(self) -> tuple[int, int]:
-        """Remove every unpinned chunk: (chunks, tokens) removed."""
-        removed = self.index.clear()
+    # ---- control (the ops themselves are the shared IndexOps over `index`; service.py wires them) ------------
+    def free(self, removed: list[tuple[ChunkKey, StoredChunk]]) -> None:
+        """Chunks removed or cleared from the index: delete their files, recycle their buffers when unused."""
         for _, chunk in removed:
             self._drop(chunk)
-        return len(removed), sum(chunk.num_tokens for _, chunk in removed)
 
     def details(self) -> dict[str, Any]:
         c = self.counters
