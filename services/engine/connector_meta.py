@@ -1,0 +1,149 @@
+"""What the scheduler-side connector tells the worker-side connector each step, and how it decides it.
+
+Runs in the scheduler (vLLM's EngineCore process, its busy loop thread): `RequestTracker` follows one request
+from its first lookup to its end and turns each scheduled step into a `ReqMeta`: which prefix to load before the
+forward (`LoadSpec`) and which newly computed chunks to store after it (`SaveSpec`). The worker (vLLM's worker
+process) receives `KVMeshConnectorMetadata` pickled with the scheduler output and only executes it.
+
+Token arithmetic, with C = chunk_size and B = vLLM's block size (C is a multiple of B on CPU):
+  * `hit` is what the cache holds: a multiple of C, or the whole sequence when its partial last chunk is held.
+  * vLLM must compute at least the last token, so a full hit loads `len - 1` tokens (`num_to_load`), yet the
+    retrieve asks for all `hit` tokens: the last chunk is named by all its tokens, and the extra token's slot
+    is overwritten by the forward with the same values.
+  * `local` tokens vLLM already holds (its own prefix cache, block-aligned) are not written again: the
+    retrieve's mask starts at floor(local / C) * C and `skip_prefix = local` leaves the rest untouched.
+  * Saves move only finished chunks: during a chunked prefill, up to floor(computed / C) * C; once the prompt
+    is complete, the prompt's end (with its partial last chunk, if `save_unfull_chunk`); during decode only
+    with `save_decode_cache`, whole chunks. `saved_upto` never moves back, so no chunk is stored twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+try:  # the base class exists wherever vLLM does; the module stays importable (and testable) without it
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+except Exception:  # pragma: no cover - only without vLLM
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        pass
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Load tokens [mask_start, end) of the request's sequence into its blocks, leaving [0, skip_prefix) alone.
+
+    `need` is how many tokens vLLM counts as computed after the load (<= end); a retrieve that stops short of
+    `need` makes the blocks from the first missing token up to `need` load errors (recomputed by vLLM).
+    """
+
+    end: int
+    need: int
+    mask_start: int
+    skip_prefix: int
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Store the chunks covering tokens [mask_start, end) (mask_start is a multiple of chunk_size)."""
+
+    end: int
+    mask_start: int
+
+
+@dataclass
+class ReqMeta:
+    """One request's work in one step; `token_ids` and `block_ids` cover at least max(load.end, save.end)."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    load: LoadSpec | None = None
+    save: SaveSpec | None = None
+
+    def slot_mapping(self, num_tokens: int, block_size: int) -> torch.Tensor:
+        """Slot of each of the first `num_tokens` tokens: block_ids[i // B] * B + i % B (int64, CPU)."""
+        blocks = torch.as_tensor(self.block_ids[: -(-num_tokens // block_size)], dtype=torch.int64)
+        offsets = torch.arange(block_size, dtype=torch.int64)
+        return (blocks.unsqueeze(1) * block_size + offsets).flatten()[:num_tokens]
+
+    def block_ids_for(self, start: int, end: int, block_size: int) -> set[int]:
+        """The block ids holding tokens [start, end)."""
+        if end <= start:
+            return set()
+        return set(self.block_ids[start // block_size : -(-end // block_size)])
+
+
+@dataclass
+class KVMeshConnectorMetadata(KVConnectorMetadata):
+    requests: list[ReqMeta] = field(default_factory=list)
+
+    def __repr__(self) -> str:  # vLLM may log it: never dump token lists
+        return (f"KVMeshConnectorMetadata(loads={sum(r.load is not None for r in self.requests)}, "
+                f"saves={sum(r.save is not None for r in self.requests)})")
+
+
+def floor_to(value: int, multiple: int) -> int:
+    return value - value % multiple
+
+
+@dataclass
+class RequestTracker:
+    """Scheduler-side state of one request, from lookup to finish.
+
+    Invariant: `saved_upto` is a multiple of chunk_size, or the end of a sequence whose partial last chunk is
+    stored; every token below it is in the cache (or was handed to the worker to store), so it never goes down.
+    """
+
+    req_id: str
+    request: Any  # vLLM's Request (live: all_token_ids grows as tokens are generated)
+    prompt_len: int
+    hit: int = 0  # tokens the cache held at lookup
+    local: int = 0  # tokens vLLM had computed itself (its prefix cache) when we looked up
+    num_to_load: int = 0  # what get_num_new_matched_tokens answered (tokens beyond `local`)
+    load_pending: bool = False  # update_state_after_alloc confirmed the load; the next step carries it
+    block_ids: list[int] = field(default_factory=list)
+    saved_upto: int = 0
+
+    def token_ids(self, end: int) -> list[int]:
+        tokens = self.request.all_token_ids
+        return list(tokens[:end])
+
+    def take_load(self, chunk_size: int) -> LoadSpec | None:
+        """The load for the step that schedules this request after allocation (once)."""
+        if not self.load_pending or self.num_to_load <= 0:
+            self.load_pending = False
+            return None
+        self.load_pending = False
+        need = self.local + self.num_to_load
+        end = self.hit if self.hit > need else need
+        return LoadSpec(end=end, need=need, mask_start=floor_to(self.local, chunk_size), skip_prefix=self.local)
+
+    def take_save(self, num_computed_after: int, chunk_size: int, save_unfull_chunk: bool,
+                  save_decode_cache: bool) -> SaveSpec | None:
+        """The chunks completed by a step after which `num_computed_after` tokens have KV in vLLM's cache."""
+        if num_computed_after >= self.prompt_len:
+            in_decode = num_computed_after > self.prompt_len
+            if in_decode and not save_decode_cache:
+                return None
+            if in_decode:
+                end = floor_to(num_computed_after, chunk_size)
+            else:
+                end = self.prompt_len if save_unfull_chunk else floor_to(self.prompt_len, chunk_size)
+        else:
+            end = floor_to(num_computed_after, chunk_size)
+        start = floor_to(self.saved_upto, chunk_size)
+        if end <= self.saved_upto or end <= start:
+            return None
+        self.saved_upto = end
+        return SaveSpec(end=end, mask_start=start)
+
+    def extend_blocks(self, new_block_ids: Sequence[int] | None, replace: bool) -> None:
+        if new_block_ids is None:
+            return
+        if replace:
+            self.block_ids = list(new_block_ids)
+        else:
+            self.block_ids.extend(new_block_ids)

@@ -1,0 +1,157 @@
+"""The connector's own logic without a running vLLM: load/save arithmetic, slot mappings, config split, version
+check, failed loads reported as load errors (vLLM recomputes them), failed stores skipped."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kvmesh.services.engine.connector_meta import KVMeshConnectorMetadata, LoadSpec, ReqMeta, RequestTracker, SaveSpec
+
+connector = pytest.importorskip("kvmesh.services.engine.connector")
+
+C = 256  # chunk_size
+B = 128  # block_size
+
+
+def tracker(prompt_len: int, hit: int = 0, local: int = 0) -> RequestTracker:
+    request = SimpleNamespace(all_token_ids=list(range(prompt_len)))
+    t = RequestTracker("r", request, prompt_len=prompt_len, hit=hit, local=local)
+    t.saved_upto = hit
+    return t
+
+
+def test_full_hit_loads_all_but_the_last_token_and_retrieves_the_whole_last_chunk() -> None:
+    t = tracker(1000, hit=1000)
+    t.num_to_load, t.load_pending = 999, True
+    assert t.take_load(C) == LoadSpec(end=1000, need=999, mask_start=0, skip_prefix=0)
+    assert t.take_load(C) is None  # once
+
+
+def test_partial_hit_with_a_local_prefix_skips_what_vllm_holds() -> None:
+    t = tracker(2000, hit=1536, local=384)  # vLLM's prefix cache had 3 blocks
+    t.num_to_load, t.load_pending = 1536 - 384, True
+    assert t.take_load(C) == LoadSpec(end=1536, need=1536, mask_start=256, skip_prefix=384)
+
+
+def test_no_load_when_vllm_dropped_it() -> None:
+    t = tracker(2000, hit=1536)
+    t.num_to_load, t.load_pending = 0, True
+    assert t.take_load(C) is None
+
+
+def test_saves_follow_chunked_prefill_and_store_each_chunk_once() -> None:
+    t = tracker(5000)
+    assert t.take_save(2048, C, True, False) == SaveSpec(end=2048, mask_start=0)
+    assert t.take_save(4000, C, True, False) == SaveSpec(end=3840, mask_start=2048)  # whole chunks only
+    assert t.take_save(5000, C, True, False) == SaveSpec(end=5000, mask_start=3840)  # prompt end: partial chunk
+    assert t.take_save(5001, C, True, False) is None  # decode, save_decode_cache off
+    assert t.take_save(5000, C, True, False) is None
+
+
+def test_partial_last_chunk_only_with_save_unfull_chunk() -> None:
+    t = tracker(300)
+    assert t.take_save(300, C, False, False) == SaveSpec(end=256, mask_start=0)
+    assert tracker(12).take_save(12, C, True, False) == SaveSpec(end=12, mask_start=0)  # seed 000: 12 tokens
+    assert tracker(12).take_save(12, C, False, False) is None
+
+
+def test_decode_cache_saved_in_whole_chunks_when_asked() -> None:
+    t = tracker(300)
+    assert t.take_save(300, C, True, True) == SaveSpec(end=300, mask_start=0)
+    assert t.take_save(400, C, True, True) is None
+    assert t.take_save(512, C, True, True) == SaveSpec(end=512, mask_start=256)
+
+
+def test_held_prefix_is_not_stored_again() -> None:
+    t = tracker(1000, hit=768)
+    assert t.take_save(1000, C, True, False) == SaveSpec(end=1000, mask_start=768)
+    full = tracker(1000, hit=1000)
+    assert full.take_save(1000, C, True, False) is None
+
+
+def test_slot_mapping_and_blocks() -> None:
+    req = ReqMeta("r", list(range(300)), [7, 3, 9])
+    slots = req.slot_mapping(300, B)
+    assert slots.dtype == torch.int64 and slots.shape == (300,)
+    assert slots[0] == 7 * B and slots[127] == 7 * B + 127 and slots[128] == 3 * B and slots[299] == 9 * B + 43
+    assert req.block_ids_for(100, 260, B) == {7, 3, 9}
+    assert req.block_ids_for(128, 256, B) == {3}
+    assert req.block_ids_for(5, 5, B) == set()
+    assert "loads=0" in repr(KVMeshConnectorMetadata([req]))
+
+
+def test_extra_config_split() -> None:
+    engine, own = connector.split_extra_config({"lmcache.chunk_size": 512, "model_name": "m",
+                                                "kvmesh.lookup_timeout_secs": 1})
+    assert engine == {"lmcache.chunk_size": 512}
+    assert own == {"model_name": "m", "lookup_timeout_secs": 1}
+
+
+def test_version_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert connector.check_vllm_version("0.32.0") == "0.32.0"
+    assert connector.check_vllm_version("0.33.2.dev4+gabc") == "0.33.2.dev4+gabc"
+    for bad in ("0.31.9", "0.34.0", "1.0.0", "not-a-version"):
+        with pytest.raises(connector.UnsupportedVLLMVersion, match="supports vLLM >= 0.32.0, < 0.34.0"):
+            connector.check_vllm_version(bad)
+    monkeypatch.setenv("KVMESH_SKIP_VLLM_VERSION_CHECK", "1")
+    assert connector.check_vllm_version("0.40.0") == "0.40.0"
+
+
+class FakeEngine:
+    """Retrieves the first `held` tokens (or raises), records stores."""
+
+    def __init__(self, held: int | None) -> None:
+        self.held = held
+        self.stored: list[tuple[int, int]] = []
+
+    def retrieve(self, tokens: torch.Tensor, mask: torch.Tensor, **kv: Any) -> torch.Tensor:
+        if self.held is None:
+            raise RuntimeError("disk store unreachable")
+        out = torch.zeros(len(tokens), dtype=torch.bool)
+        start = int((~mask).sum())
+        out[start:self.held] = True
+        return out
+
+    def store(self, tokens: torch.Tensor, mask: torch.Tensor, **kv: Any) -> None:
+        if self.held is None:
+            raise RuntimeError("pool broken")
+        self.stored.append((int((~mask).sum()), len(tokens)))
+
+
+def worker(engine: FakeEngine) -> Any:
+    conn = connector.KVMeshConnector.__new__(connector.KVMeshConnector)
+    conn.engine, conn.block_size, conn._kv_caches, conn._load_errors = engine, B, {}, set()
+    return conn
+
+
+@pytest.mark.parametrize("held, bad", [(1000, set()), (512, {5, 6, 7, 8}), (None, {1, 2, 3, 4, 5, 6, 7, 8})])
+def test_failed_loads_become_load_errors(held: int | None, bad: set[int]) -> None:
+    conn = worker(FakeEngine(held))
+    req = ReqMeta("r", list(range(1000)), [1, 2, 3, 4, 5, 6, 7, 8], LoadSpec(end=1000, need=999, mask_start=0,
+                                                                            skip_prefix=0))
+    conn._load(req)
+    assert conn.get_block_ids_with_load_errors() == bad
+    assert conn.get_block_ids_with_load_errors() == set()  # reported once
+
+
+def test_blocks_vllm_computed_itself_are_never_reported() -> None:
+    conn = worker(FakeEngine(None))
+    req = ReqMeta("r", list(range(1000)), [1, 2, 3, 4, 5, 6, 7, 8], LoadSpec(end=768, need=768, mask_start=256,
+                                                                            skip_prefix=384))
+    conn._load(req)
+    assert conn.get_block_ids_with_load_errors() == {4, 5, 6}
+
+
+def test_failed_store_is_skipped() -> None:
+    engine = FakeEngine(None)
+    conn = worker(engine)
+    meta = KVMeshConnectorMetadata([ReqMeta("r", list(range(600)), [1, 2, 3, 4, 5], save=SaveSpec(600, 256))])
+    conn._connector_metadata = meta
+    conn.wait_for_save()  # logs, does not raise
+    engine.held = 0
+    conn.wait_for_save()
+    assert engine.stored == [(256, 600)]

@@ -1,0 +1,277 @@
+"""End to end: a real vLLM (CPU build) serving the tiny demo model with KVMeshConnector, a real mesh.
+
+What proves correctness: vLLM's own prefix cache is off (`--no-enable-prefix-caching`), so a warm request's
+prefix KV can only come from KVMesh; the greedy output of the warm request must equal the cold one AND the
+output of a vLLM started without any connector. The model is float32, so a full prefill and a prefill over
+loaded KV agree to ~1e-6 and greedy decoding cannot flip on rounding (see scripts/make_demo_model.py).
+
+Order and cost (2 cores; ~3 minutes with vLLM's compile cache warm, ~6 on a fresh machine):
+  * seed 002 first: its own vLLM, started twice, with nothing else (the engine embeds NATS and a disk store in
+    vLLM's process tree; no leftovers after vLLM exits);
+  * then one module fixture starts together (start-ups overlap): `kvmesh up` (NATS, controller, disk store,
+    remote store) on free ports; vLLM "a" (instance "lmcache_default_instance") and "b" ("instance_b") with the
+    connector, the seeds' controller YAML, a CPU tier and the shared remote store; vLLM "ref" without connector
+    (the reference outputs). The last test kills the mesh.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import yaml
+
+from conftest import MeshUp, VLLMServer, clean_env, free_port, kv_transfer_config, start_vllm, wait_until
+from processes import pid_alive, wait_dead
+
+pytestmark = pytest.mark.vllm
+
+CHUNK = 256
+INSTANCE_A = "lmcache_default_instance"
+INSTANCE_B = "instance_b"
+SEED_PROMPT = "Explain the significance of KV cache in language models."
+
+
+def controller_yaml(path: Path, instance_id: str, nats_port: int) -> Path:
+    """The seeds' 000/001 YAML (controller_url = the controller's NATS), plus a shared remote store."""
+    config = {
+        "chunk_size": CHUNK,
+        "local_cpu": True,
+        "max_local_cpu_size": 0.25,
+        "enable_controller": True,
+        "lmcache_instance_id": instance_id,
+        "controller_url": f"localhost:{nats_port}",
+        "lmcache_worker_port": 8001,
+        "distributed_url": "localhost:8002",
+        "remote_url": "lm://localhost:65432",
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def prompt_of(text: str, num_chars: int, salt: str) -> str:
+    return f"[{salt}]\n{text[:num_chars]}"
+
+
+def output_text(completion: dict[str, Any]) -> str:
+    return completion["choices"][0]["text"]
+
+
+# ---- seed 002: nothing but vLLM -------------------------------------------------------------------------------
+SEED_002_YAML = """\
+chunk_size: 256
+local_cpu: false
+max_local_cpu_size: 5.0
+local_disk: "file://local/disk_test/local_disk/"
+max_local_disk_size: 5.0
+"""
+
+
+def _mesh_children(server: VLLMServer) -> list[int]:
+    """The nats-server and disk-store processes in vLLM's process tree."""
+    found = []
+    for pid in server.descendants():
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "nats-server" in cmdline or "kvmesh.services.disk_store" in cmdline:
+            found.append(pid)
+    return found
+
+
+def test_seed_002_embedded_disk_survives_restart(tmp_path: Path, demo_model: Path, long_text: str) -> None:
+    (tmp_path / "disk-offload.yaml").write_text(SEED_002_YAML)
+    env = clean_env(LMCACHE_CONFIG_FILE="disk-offload.yaml", LMCACHE_USE_EXPERIMENTAL="True")
+    prompt = prompt_of(long_text[60_000:], 10_000, "disk")
+
+    def serve(name: str) -> VLLMServer:
+        server = VLLMServer(name, demo_model, free_port(), tmp_path / f"{name}.log", kv_config=kv_transfer_config(),
+                            env=env, cwd=tmp_path)
+        start_vllm(server)
+        return server
+
+    first = serve("vllm-disk-1")
+    try:
+        children = wait_until(lambda: _mesh_children(first) if len(_mesh_children(first)) >= 2 else None, 30,
+                              what="embedded nats-server and disk store")
+        cold = first.complete(prompt, max_tokens=16)
+        num_tokens = cold["usage"]["prompt_tokens"]
+        assert first.hit_for(cold).hit == 0
+        disk_dir = tmp_path / "local" / "disk_test" / "local_disk"
+
+        def files_written() -> bool:  # the write-behind to disk is asynchronous
+            return disk_dir.is_dir() and sum(1 for p in disk_dir.rglob("*") if p.is_file()) >= num_tokens // CHUNK
+
+        wait_until(files_written, 20, what=f"chunk files under {disk_dir}")
+        warm = first.complete(prompt, max_tokens=16)
+        assert first.hit_for(warm).hit >= num_tokens - CHUNK
+        assert output_text(warm) == output_text(cold)
+    finally:
+        first.stop()
+    for pid in children:
+        assert wait_dead(pid, 15), f"embedded mesh process {pid} outlived vLLM"
+
+    second = serve("vllm-disk-2")
+    try:
+        again = second.complete(prompt, max_tokens=16)
+        hit = second.hit_for(again)
+        assert hit.hit >= num_tokens - CHUNK, hit  # the disk store rebuilt its index from the files
+        assert output_text(again) == output_text(cold)
+        children = _mesh_children(second)
+    finally:
+        second.stop()
+    assert all(wait_dead(pid, 15) for pid in children)
+    assert not any(pid_alive(pid) for pid in children)
+
+
+# ---- one mesh, two instances with the connector, one without ------------------------------------------------
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Iterator[dict[str, Any]]:
+    work = tmp_path_factory.mktemp("e2e")
+    mesh = MeshUp(work / "mesh")
+    mesh.start()
+    mesh.wait_ready()
+    a = VLLMServer("vllm-a", demo_model, free_port(), work / "vllm-a.log", kv_config=kv_transfer_config(),
+                   env=clean_env(LMCACHE_CONFIG_FILE=str(controller_yaml(work / "a.yaml", INSTANCE_A,
+                                                                         mesh.nats_port))))
+    b = VLLMServer("vllm-b", demo_model, free_port(), work / "vllm-b.log", kv_config=kv_transfer_config(),
+                   env=clean_env(LMCACHE_CONFIG_FILE=str(controller_yaml(work / "b.yaml", INSTANCE_B,
+                                                                         mesh.nats_port))))
+    ref = VLLMServer("vllm-ref", demo_model, free_port(), work / "vllm-ref.log")
+    try:
+        start_vllm(a, b, ref)
+        yield {"mesh": mesh, "a": a, "b": b, "ref": ref, "work": work}
+    finally:
+        for server in (ref, b, a):
+            server.stop()
+        mesh.stop()
+
+
+def test_same_prompt_twice_is_served_from_the_cache(servers: dict[str, Any], long_text: str) -> None:
+    a: VLLMServer = servers["a"]
+    ref: VLLMServer = servers["ref"]
+    prompt = prompt_of(long_text, 10_000, "twice")
+    expected = ref.complete(prompt, max_tokens=16)
+    num_tokens = expected["usage"]["prompt_tokens"]
+    assert num_tokens > 4 * CHUNK, num_tokens
+
+    started = time.perf_counter()
+    cold = a.complete(prompt, max_tokens=16)
+    cold_s = time.perf_counter() - started
+    started = time.perf_counter()
+    warm = a.complete(prompt, max_tokens=16)
+    warm_s = time.perf_counter() - started
+
+    cold_hit, warm_hit = a.hit_for(cold), a.hit_for(warm)
+    assert cold_hit.hit == 0 and cold_hit.total == num_tokens
+    assert a.stored_tokens(cold) == num_tokens  # every chunk, the partial last one too
+    assert warm_hit.hit >= num_tokens - CHUNK, warm_hit
+    assert warm_hit.load == num_tokens - 1  # vLLM computes the last token itself
+    assert output_text(cold) == output_text(expected)
+    assert output_text(warm) == output_text(expected)
+    print(f"prompt {num_tokens} tokens: cold {cold_s:.3f}s, warm {warm_s:.3f}s (end-to-end, 16 tokens)")
+
+
+def test_warm_chat_matches_reference(servers: dict[str, Any], long_text: str) -> None:
+    """Seed 002's request shape (chat, streaming): same text cold, warm and without a connector."""
+    import httpx
+
+    a: VLLMServer = servers["a"]
+    ref: VLLMServer = servers["ref"]
+    messages = [{"role": "user", "content": f"{long_text[20_000:28_000]}\n\nSummarize this in 2 sentences."}]
+
+    def chat(server: VLLMServer) -> str:
+        body = {"model": server.model, "messages": messages, "max_tokens": 12, "temperature": 0}
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+        response.raise_for_status()
+        return response.json()["choices"][0]["message"]["content"]
+
+    expected = chat(ref)
+    assert chat(a) == expected
+    before = len(a.hit_lines())
+    assert chat(a) == expected
+    warm = a.hit_lines()[before:]
+    assert warm and warm[-1].hit >= warm[-1].total - CHUNK
+
+
+def test_seed_000_001_pin_lookup_clear(servers: dict[str, Any]) -> None:
+    """Seeds 000 and 001 as written: completion, /tokenize, /pin, /lookup, /check_finish, /clear, /lookup.
+
+    KVMesh pins hold until /unpin (LMCache's expire after 5 minutes) and /clear keeps pinned chunks, so the
+    pinned prompt is unpinned before the clear that must make /lookup forget it.
+    """
+    a: VLLMServer = servers["a"]
+    mesh: MeshUp = servers["mesh"]
+    a.complete(SEED_PROMPT, max_tokens=10)
+    tokens = a.tokenize(SEED_PROMPT)
+    assert 0 < len(tokens) < CHUNK
+
+    def pinned() -> dict[str, Any] | None:  # the store reaches the CPU tier right after the forward
+        reply = mesh.post("/pin", {"tokens": tokens, "instance_id": INSTANCE_A, "location": "LocalCPUBackend"})
+        return reply if reply["num_tokens"] == len(tokens) else None
+
+    pin = wait_until(pinned, 15, interval=0.5, what="pin of the stored prompt")
+    assert pin["event_id"]
+
+    def pin_status() -> str | None:
+        status = mesh.post("/check_finish", {"event_id": pin["event_id"]})["status"]
+        return None if status == "pending" else status
+
+    assert wait_until(pin_status, 10, what="the pin event to finish") == "finished"
+
+    def listed() -> dict[str, Any] | None:
+        layout = mesh.post("/lookup", {"tokens": tokens})["layout_info"]
+        entry = layout.get(INSTANCE_A)
+        return layout if entry and list(entry) == ["LocalCPUBackend", len(tokens)] else None
+
+    wait_until(listed, 15, interval=0.3, what=f"/lookup listing {INSTANCE_A}")
+
+    unpin = mesh.post("/unpin", {"tokens": tokens, "instance_id": INSTANCE_A, "location": "LocalCPUBackend"})
+    assert unpin["num_tokens"] == len(tokens)
+    clear = mesh.post("/clear", {"instance_id": INSTANCE_A, "location": "LocalCPUBackend"})
+    assert clear["event_id"] and clear["num_tokens"] >= len(tokens)
+
+    def gone() -> bool:
+        entry = mesh.post("/lookup", {"tokens": tokens})["layout_info"].get(INSTANCE_A)
+        return not entry or entry[0] != "LocalCPUBackend"
+
+    wait_until(gone, 15, interval=0.3, what=f"/lookup no longer listing {INSTANCE_A} on LocalCPUBackend")
+
+
+def test_prefill_on_one_instance_is_a_hit_on_the_other(servers: dict[str, Any], long_text: str) -> None:
+    """Two vLLM instances share the remote store: what A computed, B loads."""
+    a: VLLMServer = servers["a"]
+    b: VLLMServer = servers["b"]
+    ref: VLLMServer = servers["ref"]
+    prompt = prompt_of(long_text[40_000:], 9_000, "shared")
+    expected = output_text(ref.complete(prompt, max_tokens=16))
+    cold = a.complete(prompt, max_tokens=16)
+    assert output_text(cold) == expected
+    num_tokens = cold["usage"]["prompt_tokens"]
+
+    def on_remote() -> bool:  # the write-behind to the remote store is asynchronous
+        mesh: MeshUp = servers["mesh"]
+        tokens = a.tokenize(prompt)
+        layout = mesh.post("/lookup", {"tokens": tokens})["layout_info"]
+        return any(entry[0] == "RemoteBackend" and entry[1] >= num_tokens - CHUNK for entry in layout.values())
+
+    wait_until(on_remote, 20, interval=0.3, what="the remote store holding A's chunks")
+    warm = b.complete(prompt, max_tokens=16)
+    hit = b.hit_for(warm)
+    assert hit.hit >= num_tokens - CHUNK, hit
+    assert output_text(warm) == expected
+
+
+def test_a_dead_mesh_never_fails_a_request(servers: dict[str, Any], long_text: str) -> None:
+    """Last in the module: NATS, the controller and the stores die; requests still succeed, recomputed."""
+    a: VLLMServer = servers["a"]
+    ref: VLLMServer = servers["ref"]
+    prompt = prompt_of(long_text[80_000:], 6_000, "dead-mesh")
+    expected = output_text(ref.complete(prompt, max_tokens=16))
+    servers["mesh"].stop()
+    for _ in range(2):  # cold, then again: lookups and write-behind fail, vLLM computes
+        assert output_text(a.complete(prompt, max_tokens=16)) == expected
+    assert a.alive()
