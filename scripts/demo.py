@@ -9,7 +9,7 @@
 3. vLLM's OpenAI server on --vllm-port (8000) with KVMeshConnector and the seeds' example.yaml (CPU tier + the
    mesh's disk store), vLLM's own prefix cache off so the warm query measures KVMesh;
 4. scripts/query_twice.py: the same long prompt twice, cold and warm TTFT;
-5. seeds 000/001 against the controller: completion, /tokenize, /pin, /lookup, /check_finish, /unpin, /clear,
+5. seeds 000/001 against the controller: completion, /tokenize, /pin, /lookup, /check_finish, /clear,
    /lookup (printed as the equivalent curl commands with their answers);
 6. stops vLLM and the mesh (also on Ctrl-C or an error). Logs stay in <workdir>/logs.
 """
@@ -131,9 +131,6 @@ def seeds_000_001(vllm_url: str, controller: str, model: str) -> None:
     show("POST", f"{controller}/lookup", {"tokens": tokens})
     if pin.get("event_id"):
         show("POST", f"{controller}/check_finish", {"event_id": pin["event_id"]})
-    # KVMesh pins hold until unpinned (LMCache's expire after 5 minutes) and /clear keeps pinned chunks
-    show("POST", f"{controller}/unpin", {"tokens": tokens, "instance_id": "lmcache_default_instance",
-                                         "location": "LocalCPUBackend"})
     show("POST", f"{controller}/clear", {"instance_id": "lmcache_default_instance", "location": "LocalCPUBackend"})
     time.sleep(0.5)
     show("POST", f"{controller}/lookup", {"tokens": tokens})

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from conftest import MeshUp, VLLMServer, clean_env, free_port, kv_transfer_config, start_vllm, wait_until
+from e2e_support import MeshUp, VLLMServer, clean_env, free_port, kv_transfer_config, start_vllm, wait_until
 from processes import pid_alive, wait_dead
 
 pytestmark = pytest.mark.vllm
@@ -200,8 +200,8 @@ def test_warm_chat_matches_reference(servers: dict[str, Any], long_text: str) ->
 def test_seed_000_001_pin_lookup_clear(servers: dict[str, Any]) -> None:
     """Seeds 000 and 001 as written: completion, /tokenize, /pin, /lookup, /check_finish, /clear, /lookup.
 
-    KVMesh pins hold until /unpin (LMCache's expire after 5 minutes) and /clear keeps pinned chunks, so the
-    pinned prompt is unpinned before the clear that must make /lookup forget it.
+    KVMesh pins hold until /unpin (LMCache's expire after 5 minutes); /unpin is checked on the way, then the
+    prompt is pinned again, and /clear of the instance's CPU tier drops it, pinned or not.
     """
     a: VLLMServer = servers["a"]
     mesh: MeshUp = servers["mesh"]
@@ -231,6 +231,8 @@ def test_seed_000_001_pin_lookup_clear(servers: dict[str, Any]) -> None:
 
     unpin = mesh.post("/unpin", {"tokens": tokens, "instance_id": INSTANCE_A, "location": "LocalCPUBackend"})
     assert unpin["num_tokens"] == len(tokens)
+    again = mesh.post("/pin", {"tokens": tokens, "instance_id": INSTANCE_A, "location": "LocalCPUBackend"})
+    assert again["num_tokens"] == len(tokens)
     clear = mesh.post("/clear", {"instance_id": INSTANCE_A, "location": "LocalCPUBackend"})
     assert clear["event_id"] and clear["num_tokens"] >= len(tokens)
 

@@ -161,8 +161,8 @@ def test_lru_evicts_oldest_and_spares_pins(kv: PagedKV) -> None:
         assert engine.lookup(a) == 64 and engine.lookup(b) == 64 and engine.lookup(c) == 0
 
         assert engine.pin(b) == 64
-        assert engine.clear(LOCAL_CPU) == 64  # a goes, pinned b stays
-        assert engine.lookup(a) == 0 and engine.lookup(b) == 64
+        assert engine.clear(LOCAL_CPU) == 128  # the instance's own CPU tier: a and pinned b both go
+        assert engine.lookup(a) == 0 and engine.lookup(b) == 0
         assert engine.pin(random_tokens(64, seed=99)) == 0  # nothing held: nothing pinned
 
 

@@ -302,6 +302,11 @@ class CacheEngine:
                 and list(meta.shape) == list(layout.chunk_shape(span.num_tokens)))
 
     @property
+    def nats_url(self) -> str | None:
+        """The NATS this engine uses (joined or embedded); None without the mesh."""
+        return self._connection.url if self._connection is not None else None
+
+    @property
     def connected(self) -> bool:
         return self.mesh is not None and self.mesh.connected
 

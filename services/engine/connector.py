@@ -408,12 +408,7 @@ class KVMeshConnector(KVConnectorBase_V1):
             return int(getattr(self._vllm_config.parallel_config, "rank", 0) or 0)
 
     def _engine_nats_url(self) -> str | None:
-        for attr in ("nats_url", "url"):
-            value = getattr(self.engine, attr, None)
-            if isinstance(value, str) and value:
-                return value
-        connection = getattr(self.engine, "_connection", None)
-        return getattr(connection, "url", None)
+        return self.engine.nats_url if self.engine is not None else None
 
 
 __all__ = ["KVMeshConnector", "SUPPORTED_VLLM", "CONNECTOR_KEYS", "check_vllm_version", "floor_to"]

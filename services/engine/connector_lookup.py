@@ -90,10 +90,28 @@ def publish_worker(rank: int, worker_id: str, nats_url: str) -> Path:
     """Worker side: say where this worker answers lookups, for the scheduler (our parent process)."""
     path = rendezvous_path(os.getppid(), rank)
     path.parent.mkdir(parents=True, exist_ok=True)
+    prune_stale()
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"worker_id": worker_id, "nats_url": nats_url, "rank": rank, "pid": os.getpid()}))
     tmp.replace(path)
     return path
+
+
+def prune_stale() -> None:
+    """Remove rendezvous files whose scheduler process is gone (a vLLM killed before its shutdown ran)."""
+    for path in rendezvous_dir().glob("engine-*-r*.json"):
+        try:
+            scheduler_pid = int(path.name.split("-")[1])
+        except (IndexError, ValueError):
+            continue
+        if not _pid_alive(scheduler_pid):
+            path.unlink(missing_ok=True)
+
+
+def remove_published(scheduler_pid: int | None = None) -> None:
+    """Scheduler side, at shutdown: the files its workers published (they may have been killed first)."""
+    for path in rendezvous_dir().glob(f"engine-{scheduler_pid or os.getpid()}-r*.json"):
+        path.unlink(missing_ok=True)
 
 
 def find_workers(world_size: int) -> list[WorkerAddress]:
@@ -251,3 +269,5 @@ class LookupClient:
         mesh, self._mesh = self._mesh, None
         if mesh is not None:
             mesh.close()
+        if self._workers:
+            remove_published()

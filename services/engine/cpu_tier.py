@@ -208,10 +208,15 @@ class LocalCPUBackend:
             return self._policy.is_pinned(key)
 
     def clear(self) -> int:
-        """Remove every unpinned chunk; the number of tokens removed."""
+        """Remove every chunk, pinned ones included; the number of tokens removed.
+
+        The CPU tier belongs to this instance alone, so an operator's clear of it wipes it (seeds 000/001: pin,
+        then clear, and lookup no longer lists the instance). Pins protect chunks from eviction here; in the
+        disk and remote stores, which other instances share, they also survive a clear.
+        """
         num_tokens = 0
         with self._lock:
-            for key in [k for k in self._entries if not self._policy.is_pinned(k)]:
+            for key in list(self._entries):
                 entry = self._remove_locked(key)
                 if entry is not None:
                     num_tokens += entry.meta.num_tokens
