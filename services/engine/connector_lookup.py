@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.errors import KVMeshError
+from kvmesh.shared.processes import pid_alive
 
 if TYPE_CHECKING:
     from kvmesh.services.engine.cache_engine import CacheEngine
@@ -104,7 +105,7 @@ def prune_stale() -> None:
             scheduler_pid = int(path.name.split("-")[1])
         except (IndexError, ValueError):
             continue
-        if not _pid_alive(scheduler_pid):
+        if not pid_alive(scheduler_pid):
             path.unlink(missing_ok=True)
 
 
@@ -125,7 +126,7 @@ def find_workers(world_size: int) -> list[WorkerAddress]:
                                     int(data["pid"]))
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if _pid_alive(address.pid) and _parent_of(address.pid) == os.getpid():  # not a stale file of a reused pid
+        if pid_alive(address.pid) and _parent_of(address.pid) == os.getpid():  # not a stale file of a reused pid
             found.append(address)
     return found
 
@@ -135,16 +136,6 @@ def _parent_of(pid: int) -> int | None:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     except (OSError, ValueError, IndexError):
         return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ---- worker side: answering prefix lookups ---------------------------------------------------------------------
@@ -223,7 +214,7 @@ class LookupClient:
         return min(self._ask(worker, tokens) for worker in workers)
 
     def _find(self) -> list[WorkerAddress]:
-        if len(self._workers) == self.world_size and all(_pid_alive(w.pid) for w in self._workers):
+        if len(self._workers) == self.world_size and all(pid_alive(w.pid) for w in self._workers):
             return self._workers
         now = time.monotonic()
         if now - self._last_search < 1.0:

@@ -26,6 +26,7 @@ import torch
 
 from kvmesh.shared.shm import SHM_DIR, SharedSegment
 from kvmesh.shared.store_client import ChunkBuffer
+from kvmesh.shared.processes import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +198,7 @@ def sweep_stale_segments() -> int:
         return 0
     for name in names:
         match = _SEGMENT_NAME.fullmatch(name)
-        if match is None or _pid_alive(int(match.group(1))):
+        if match is None or pid_alive(int(match.group(1))):
             continue
         try:
             (SHM_DIR / name).unlink()
@@ -207,16 +208,6 @@ def sweep_stale_segments() -> int:
     if removed:
         log.info("removed %d shared-memory segment(s) left in %s by processes that are gone", removed, SHM_DIR)
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
 
 
 @atexit.register
