@@ -10,7 +10,7 @@ Helpers (free ports, process classes) live in tests/e2e_support.py.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
+from typing import AsyncIterator, Iterator
 
 import pytest
 
@@ -32,3 +32,22 @@ def demo_model() -> Path:
 @pytest.fixture(scope="session")
 def long_text() -> str:
     return make_demo_model.long_text()
+
+
+@pytest.fixture
+def nats_server() -> Iterator["EmbeddedNats"]:
+    """A real nats-server on a free loopback port, stopped after the test."""
+    from kvmesh.shared.embedded_nats import EmbeddedNats
+
+    with EmbeddedNats() as server:
+        yield server
+
+
+@pytest.fixture
+async def nc(nats_server: "EmbeddedNats") -> AsyncIterator[object]:
+    """A NATS client on `nats_server` (imported here so GPU-only runs without nats-py can load this file)."""
+    from kvmesh.shared import bus
+
+    client = await bus.connect(nats_server.url, name="test")
+    yield client
+    await client.close()

@@ -1,27 +1,12 @@
 """NATS plumbing on a real nats-server: typed serve/request, garbage dropped, admissions numbered and synced."""
 
 import asyncio
-from typing import AsyncIterator
 
 import pytest
 
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.admissions import AdmissionReporter
-from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.errors import MeshUnavailable
-
-
-@pytest.fixture
-def nats_server() -> EmbeddedNats:
-    with EmbeddedNats() as server:
-        yield server
-
-
-@pytest.fixture
-async def nc(nats_server: EmbeddedNats) -> AsyncIterator:
-    client = await bus.connect(nats_server.url, name="test")
-    yield client
-    await client.close()
 
 
 async def test_serve_answers_typed_requests_and_survives_garbage(nc) -> None:

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import httpx
 import pytest
@@ -229,12 +229,6 @@ class RawProducer:
 
 # ---------------------------------------------------------------------------------------------------------
 # Fixtures
-
-
-@pytest.fixture
-def nats_server() -> Iterator[EmbeddedNats]:
-    with EmbeddedNats() as server:
-        yield server
 
 
 def _config(nats_url: str, **overrides: Any) -> ControllerConfig:

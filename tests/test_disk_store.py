@@ -18,7 +18,6 @@ from typing import AsyncIterator, Iterator
 import pytest
 
 from kvmesh.shared import bus, chunk_file, protocol
-from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.shm import SharedSegment
 from kvmesh.shared.store_client import ChunkBuffer
 from kvmesh.services.disk_store.client import DiskStoreClient
@@ -44,19 +43,6 @@ def chunk(i: int, nbytes: int = CHUNK, checksum: bool = True) -> tuple[protocol.
 
 def chunk_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and p.parent != root)
-
-
-@pytest.fixture
-def nats_server() -> Iterator[EmbeddedNats]:
-    with EmbeddedNats() as server:
-        yield server
-
-
-@pytest.fixture
-async def nc(nats_server: EmbeddedNats) -> AsyncIterator:
-    client = await bus.connect(nats_server.url, name="test")
-    yield client
-    await client.close()
 
 
 @pytest.fixture

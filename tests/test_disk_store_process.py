@@ -14,7 +14,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import AsyncIterator, Iterator
+from typing import Iterator
 
 import pytest
 
@@ -88,19 +88,6 @@ class StoreProcess:
 
     def log(self) -> str:
         return "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(self.log_dir.glob("store-*.log")))
-
-
-@pytest.fixture
-def nats_server() -> Iterator[EmbeddedNats]:
-    with EmbeddedNats() as server:
-        yield server
-
-
-@pytest.fixture
-async def nc(nats_server: EmbeddedNats) -> AsyncIterator:
-    client = await bus.connect(nats_server.url, name="test-engine")
-    yield client
-    await client.close()
 
 
 @pytest.fixture
