@@ -63,7 +63,7 @@ class AdmissionReporter:
         self._nc = nc
         await bus.serve(nc, protocol.Subjects.sync(self.producer_id), protocol.SyncRequest, self._on_sync_request)
         await bus.serve(nc, protocol.Subjects.CONTROLLER_HELLO, protocol.ControllerHello, self._on_hello)
-        await self._announce()
+        await self.announce()
         self._tasks = [asyncio.create_task(self._flush_loop()), asyncio.create_task(self._heartbeat_loop())]
 
     async def stop(self) -> None:
@@ -118,7 +118,8 @@ class AdmissionReporter:
                 part=index, final=index == len(parts) - 1, keys=part))
         log.info("%s: published a full sync of %d keys (%s)", self.producer_id, len(keys), self.location)
 
-    async def _announce(self) -> None:
+    async def announce(self) -> None:
+        """Publish the registration (again: it changed, or a controller asked) and a full sync."""
         await bus.publish(self._nc, protocol.Subjects.REGISTER, self._registration())
         await self.publish_full_sync()
 
@@ -129,7 +130,7 @@ class AdmissionReporter:
 
     async def _on_hello(self, hello: protocol.ControllerHello) -> None:
         log.info("%s: controller %s started; registering again", self.producer_id, hello.controller_id)
-        await self._announce()
+        await self.announce()
 
     async def _flush_loop(self) -> None:
         while True:

@@ -4,18 +4,28 @@ key[i] = blake2b-128(key[i-1] || tokens of chunk i as little-endian int64), and 
 instance's `KeyParams` (model, KV format, world size, rank). The result depends only on those inputs: no
 Python `hash()`, no PYTHONHASHSEED, so every process on every host names the same chunk the same way.
 Keys are 16 raw bytes (`ChunkKey`); `key.hex()` is their name in files and logs.
+
+Token ids alone do not decide a chunk's KV. `KeyExtras` holds what else does, as vLLM's own block hashes
+mix it in (`generate_block_hash_extra_keys` in vllm/v1/core/kv_cache_utils.py): the LoRA adapter (every
+chunk), multimodal items whose placeholder tokens overlap the chunk (identifier, offset in the chunk,
+length), `cache_salt` (first chunk) and prompt embeddings (a digest per chunk). A chunk with extras is
+hashed as blake2b-128(key[i-1] || len(extras) || extras || tokens) under a personalisation of its own, so
+it can never collide with a chunk without extras or with other extras; the chain carries every extra
+forward. A request with no extras keeps exactly the plain keys.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
+import msgpack
 import numpy as np
 
 ChunkKey = bytes  # 16 bytes
 KEY_BYTES = 16
+EXTRAS_PERSON = b"kvmesh-extras"  # blake2b personalisation of chunks hashed with extras
 
 
 @dataclass(frozen=True)
@@ -30,6 +40,51 @@ class KeyParams:
     def root(self) -> ChunkKey:
         text = f"kvmesh/1|{self.model}|{self.kv_format}|{self.world_size}|{self.rank}"
         return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
+
+
+@dataclass(frozen=True)
+class KeyExtras:
+    """What besides the token ids changes a request's KV. Empty for a plain text request.
+
+    `lora_id`: the adapter's identity (a digest of its files, see services/engine/request_extras.py).
+    `mm_identifiers` / `mm_offsets` / `mm_lengths`: one entry per multimodal item (vLLM's content hash of
+    the item and its placeholder token range), sorted by offset. `embeds_digests[i]`: digest of the
+    prompt embeddings of chunk i (chunk_size is the instance's). Also a wire type (`WorkerCommand.extras`):
+    `check()` validates a decoded one.
+    """
+
+    lora_id: str | None = None
+    cache_salt: str | None = None
+    mm_identifiers: list[str] = field(default_factory=list)
+    mm_offsets: list[int] = field(default_factory=list)
+    mm_lengths: list[int] = field(default_factory=list)
+    embeds_digests: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        """Raise ValueError naming what is inconsistent (lists of different lengths, negative ranges)."""
+        if not len(self.mm_identifiers) == len(self.mm_offsets) == len(self.mm_lengths):
+            raise ValueError(f"multimodal lists differ in length: {len(self.mm_identifiers)} identifiers, "
+                             f"{len(self.mm_offsets)} offsets, {len(self.mm_lengths)} lengths")
+        if any(o < 0 for o in self.mm_offsets) or any(n <= 0 for n in self.mm_lengths):
+            raise ValueError("multimodal offsets must be >= 0 and lengths > 0")
+
+    @property
+    def empty(self) -> bool:
+        return not (self.lora_id or self.cache_salt or self.mm_identifiers or self.embeds_digests)
+
+    def chunk_extras(self, index: int, start: int, end: int) -> bytes | None:
+        """The extras that chunk `index` (tokens [start, end)) is hashed with, encoded; None if it has none."""
+        parts: list[list[object]] = []
+        if self.lora_id:
+            parts.append(["lora", self.lora_id])
+        for identifier, offset, length in zip(self.mm_identifiers, self.mm_offsets, self.mm_lengths):
+            if offset < end and start < offset + length:
+                parts.append(["mm", identifier, offset - start, length])
+        if index == 0 and self.cache_salt:
+            parts.append(["salt", self.cache_salt])
+        if index < len(self.embeds_digests):
+            parts.append(["embeds", self.embeds_digests[index]])
+        return msgpack.packb(parts, use_bin_type=True) if parts else None
 
 
 @dataclass(frozen=True)
@@ -88,27 +143,37 @@ class ChunkHasher:
         self.save_unfull_chunk = save_unfull_chunk
         self._root = params.root()
 
-    def spans(self, tokens: Sequence[int] | np.ndarray | "object", mask: object = None) -> list[ChunkSpan]:
+    def spans(self, tokens: Sequence[int] | np.ndarray | "object", mask: object = None,
+              extras: KeyExtras | None = None) -> list[ChunkSpan]:
         """The chunks of `tokens` in order, skipping those a mask excludes.
 
         A partial last chunk is included only with `save_unfull_chunk`. Masked-out chunks still feed the
-        prefix hash, so chunk i has the same key with or without a mask.
+        prefix hash, so chunk i has the same key with or without a mask. `extras` (see `KeyExtras`) are
+        mixed into the chunks they concern.
         """
         array = tokens_as_array(tokens)
         skip = num_masked_prefix(mask, len(array), self.chunk_size)
-        return [span for span in self._iter_spans(array) if span.start >= skip]
+        if extras is not None and extras.empty:
+            extras = None
+        return [span for span in self._iter_spans(array, extras) if span.start >= skip]
 
-    def keys(self, tokens: Sequence[int] | np.ndarray | "object") -> list[ChunkKey]:
-        return [span.key for span in self.spans(tokens)]
+    def keys(self, tokens: Sequence[int] | np.ndarray | "object", extras: KeyExtras | None = None) -> list[ChunkKey]:
+        return [span.key for span in self.spans(tokens, extras=extras)]
 
-    def _iter_spans(self, array: np.ndarray) -> Iterator[ChunkSpan]:
+    def _iter_spans(self, array: np.ndarray, extras: KeyExtras | None) -> Iterator[ChunkSpan]:
         data = memoryview(array).cast("B")
         limit = len(array) if self.save_unfull_chunk else len(array) - len(array) % self.chunk_size
         previous = self._root
         blake2b = hashlib.blake2b
         for index, start in enumerate(range(0, limit, self.chunk_size)):
             end = min(start + self.chunk_size, limit)
-            digest = blake2b(previous, digest_size=KEY_BYTES)
+            chunk_extras = extras.chunk_extras(index, start, end) if extras is not None else None
+            if chunk_extras is None:
+                digest = blake2b(previous, digest_size=KEY_BYTES)
+            else:
+                digest = blake2b(previous, digest_size=KEY_BYTES, person=EXTRAS_PERSON)
+                digest.update(len(chunk_extras).to_bytes(4, "little"))
+                digest.update(chunk_extras)
             digest.update(data[start * 8 : end * 8])
             previous = digest.digest()
             yield ChunkSpan(index, start, end, previous)

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import msgpack
 
 from kvmesh.shared.errors import ProtocolError
+from kvmesh.shared.keys import KeyExtras, KeyParams
 
 PROTOCOL_VERSION = 1
 
@@ -139,7 +140,10 @@ def _from_fields(cls: type[M], body: dict[str, Any]) -> M:
             kwargs[f.name] = value
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ProtocolError(f"{cls.__name__}: missing field {f.name!r}")
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:  # a message's own checks (__post_init__)
+        raise ProtocolError(f"{cls.__name__}: {exc}") from None
 
 
 def _nested_dataclass(hint: Any) -> type | None:
@@ -232,6 +236,14 @@ class RegisterEngine:
     disk_store: str | None = None  # store_id of the host's disk store, if local_disk is configured
     remote_stores: list[str] = field(default_factory=list)  # store_ids of the remote partitions, in partition order
     started_at: float = 0.0
+    kv_replicated: bool = False  # every rank holds the same KV (MLA): keys are those of rank 0 of 1
+    lora_adapters: dict[str, str] = field(default_factory=dict)  # LoRA name -> identity (KeyExtras.lora_id)
+
+    def key_params(self) -> KeyParams:
+        """How this worker names its chunks."""
+        if self.kv_replicated:
+            return KeyParams(self.model, self.kv_format, 1, 0)
+        return KeyParams(self.model, self.kv_format, self.world_size, self.rank)
 
 
 @message("register_store")
@@ -313,6 +325,7 @@ class WorkerCommand:
     location: str
     tokens: list[int] = field(default_factory=list)
     ttl_secs: float | None = None  # pins: None = until unpinned
+    extras: KeyExtras | None = None  # what besides the tokens the chunks were keyed with (LoRA, cache_salt...)
 
 
 @message("command_reply")

@@ -179,6 +179,10 @@ def model_cache_dir() -> Path:
 HIT_LINE = re.compile(r"Reqid: (?P<req>\S+), Total tokens (?P<total>\d+), hit tokens (?P<hit>\d+), "
                       r"need to load (?P<load>\d+)")
 STORE_LINE = re.compile(r"Storing KV cache for (?P<stored>\d+) out of (?P<total>\d+) tokens for request (?P<req>\S+)")
+# The worker side's proof that a load happened, or did not (connector.py `_load`).
+RETRIEVED_LINE = re.compile(r"Retrieved (?P<tokens>\d+) tokens for request (?P<req>\S+) in ")
+LOAD_ERROR_LINE = re.compile(r"(?:request (?P<req>\S+): loaded \d+ of \d+ tokens;|loading KV for request "
+                             r"(?P<req2>\S+) failed)")
 
 
 @dataclass(frozen=True)
@@ -254,6 +258,27 @@ class VLLMServer(ManagedProcess):
     def stored_tokens(self, completion: dict[str, Any]) -> int:
         prefix = completion["id"]
         return sum(int(m["stored"]) for m in STORE_LINE.finditer(self.log_text()) if m["req"].startswith(prefix))
+
+    def retrieved(self, completion: dict[str, Any]) -> list[int]:
+        """Tokens each worker (rank) loaded for a completion, from its "Retrieved N tokens" lines."""
+        prefix = completion["id"]
+        return [int(m["tokens"]) for m in RETRIEVED_LINE.finditer(self.log_text()) if m["req"].startswith(prefix)]
+
+    def load_errors(self, completion: dict[str, Any]) -> list[str]:
+        prefix = completion["id"]
+        return [m.group(0) for m in LOAD_ERROR_LINE.finditer(self.log_text())
+                if (m["req"] or m["req2"]).startswith(prefix)]
+
+    def assert_loaded(self, completion: dict[str, Any], ranks: int = 1, timeout: float = 10.0) -> HitLine:
+        """The completion was a hit AND every rank's worker loaded exactly what the scheduler promised, with no
+        load error: a hit that silently fell back to recompute fails here."""
+        hit = self.hit_for(completion, timeout)
+        assert hit.load > 0, f"not a hit: {hit}"
+        wait_until(lambda: len(self.retrieved(completion)) >= ranks, timeout,
+                   what=f"{ranks} 'Retrieved' line(s) for {completion['id']}")
+        assert self.retrieved(completion) == [hit.load] * ranks, (hit, self.retrieved(completion))
+        assert not self.load_errors(completion), self.load_errors(completion)
+        return hit
 
 
 def start_vllm(*servers: VLLMServer, timeout: float = 400.0) -> None:

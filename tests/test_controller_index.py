@@ -253,6 +253,7 @@ def test_lookup_body_fast_path_agrees_with_exact_rules() -> None:
     from fastapi.responses import Response
 
     from kvmesh.services.controller.api import MAX_TOKEN_ID, _decode_lookup, _fast_tokens
+    from kvmesh.services.controller.lookup import KeyRequest
 
     accepted = {
         b'{"tokens": [1, 2, 3]}': [1, 2, 3], b'{"tokens":[0]}': [0], b'{"tokens": []}': [],
@@ -262,16 +263,27 @@ def test_lookup_body_fast_path_agrees_with_exact_rules() -> None:
         b'{"x": [-1], "tokens": [5]}': [5],
     }
     for body, expected in accepted.items():
-        tokens = _decode_lookup(body)
-        assert not isinstance(tokens, Response), (body, tokens.body)
+        decoded = _decode_lookup(body)
+        assert not isinstance(decoded, Response), (body, decoded.body)
+        tokens, key_request = decoded
         assert list(np.asarray(tokens)) == expected, body
-    assert isinstance(_fast_tokens(b'{"tokens": [1, 2, 3]}'), np.ndarray)
+        assert key_request == KeyRequest()
+    fast = _fast_tokens(b'{"tokens": [1, 2, 3]}')
+    assert fast is not None and isinstance(fast[0], np.ndarray)
     assert _fast_tokens(b'{"tokens": [1.0]}') is None  # left to the exact path
+    # the optional key inputs, on both paths
+    for body in (b'{"tokens": [1], "cache_salt": "s1", "lora_name": "a"}',
+                 b'{"tokens": [1.0], "cache_salt": "s1", "lora_name": "a"}'):
+        decoded = _decode_lookup(body)
+        assert not isinstance(decoded, Response)
+        assert decoded[1] == KeyRequest("s1", "a"), body
     rejected = [b'{"tokens": [1, -2]}', b'{"tokens": [1.5]}', b'{"tokens": ["1"]}', b'{"tokens": [true]}',
                 b'{"tokens": [[1]]}', b'{"tokens": "12"}', b'{"tokens": 12}', b'{"tokens": null}',
                 json.dumps({"tokens": [MAX_TOKEN_ID + 1]}).encode(), b'{"tokens": [99999999999999999999999]}',
                 b'{"tokens": [1,,2]}', b'{"tokens": [01]}', b'{"tokens": [1 2]}', b'{"tokens": [1, 2]',
-                b'{}', b'[]', b'', b'\x00', b'{"tokens": [1e400]}']
+                b'{}', b'[]', b'', b'\x00', b'{"tokens": [1e400]}', b'{"tokens": [1], "cache_salt": ""}',
+                b'{"tokens": [1], "cache_salt": 5}', b'{"tokens": [1], "lora_name": ["a"]}',
+                b'{"tokens": [1], "cache_salt": "' + b"s" * 129 + b'"}']
     for body in rejected:
         response = _decode_lookup(body)
         assert isinstance(response, Response) and response.status_code == 422, body

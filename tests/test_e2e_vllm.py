@@ -1,8 +1,10 @@
 """End to end: a real vLLM (CPU build) serving the tiny demo model with KVMeshConnector, a real mesh.
 
 What proves correctness: vLLM's own prefix cache is off (`--no-enable-prefix-caching`), so a warm request's
-prefix KV can only come from KVMesh; the greedy output of the warm request must equal the cold one AND the
-output of a vLLM started without any connector. The model is float32, so a full prefill and a prefill over
+prefix KV can only come from KVMesh; every claimed hit is checked on the worker side too (`assert_loaded`:
+each rank's "Retrieved N tokens" line says it loaded what the scheduler promised, and no load error was
+reported, so a silent recompute fails the test); and the greedy output of the warm request must equal the
+cold one AND the output of a vLLM started without any connector. The model is float32, so a full prefill and a prefill over
 loaded KV agree to ~1e-6 and greedy decoding cannot flip on rounding (see scripts/make_demo_model.py).
 
 Order and cost (2 cores; ~3 minutes with vLLM's compile cache warm, ~6 on a fresh machine):
@@ -107,7 +109,7 @@ def test_seed_002_embedded_disk_survives_restart(tmp_path: Path, demo_model: Pat
 
         wait_until(files_written, 20, what=f"chunk files under {disk_dir}")
         warm = first.complete(prompt, max_tokens=16)
-        assert first.hit_for(warm).hit >= num_tokens - CHUNK
+        assert first.assert_loaded(warm).hit >= num_tokens - CHUNK
         assert output_text(warm) == output_text(cold)
     finally:
         first.stop()
@@ -117,7 +119,7 @@ def test_seed_002_embedded_disk_survives_restart(tmp_path: Path, demo_model: Pat
     second = serve("vllm-disk-2")
     try:
         again = second.complete(prompt, max_tokens=16)
-        hit = second.hit_for(again)
+        hit = second.assert_loaded(again)
         assert hit.hit >= num_tokens - CHUNK, hit  # the disk store rebuilt its index from the files
         assert output_text(again) == output_text(cold)
         children = _mesh_children(second)
@@ -165,7 +167,7 @@ def test_same_prompt_twice_is_served_from_the_cache(servers: dict[str, Any], lon
     warm = a.complete(prompt, max_tokens=16)
     warm_s = time.perf_counter() - started
 
-    cold_hit, warm_hit = a.hit_for(cold), a.hit_for(warm)
+    cold_hit, warm_hit = a.hit_for(cold), a.assert_loaded(warm)
     assert cold_hit.hit == 0 and cold_hit.total == num_tokens
     assert a.stored_tokens(cold) == num_tokens  # every chunk, the partial last one too
     assert warm_hit.hit >= num_tokens - CHUNK, warm_hit
@@ -183,18 +185,21 @@ def test_warm_chat_matches_reference(servers: dict[str, Any], long_text: str) ->
     ref: VLLMServer = servers["ref"]
     messages = [{"role": "user", "content": f"{long_text[20_000:28_000]}\n\nSummarize this in 2 sentences."}]
 
-    def chat(server: VLLMServer) -> str:
+    def chat(server: VLLMServer) -> dict[str, Any]:
         body = {"model": server.model, "messages": messages, "max_tokens": 12, "temperature": 0}
         response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
         response.raise_for_status()
-        return response.json()["choices"][0]["message"]["content"]
+        return response.json()
 
-    expected = chat(ref)
-    assert chat(a) == expected
-    before = len(a.hit_lines())
-    assert chat(a) == expected
-    warm = a.hit_lines()[before:]
-    assert warm and warm[-1].hit >= warm[-1].total - CHUNK
+    def content(completion: dict[str, Any]) -> str:
+        return completion["choices"][0]["message"]["content"]
+
+    expected = content(chat(ref))
+    assert content(chat(a)) == expected
+    warm = chat(a)
+    assert content(warm) == expected
+    hit = a.assert_loaded(warm)
+    assert hit.hit >= hit.total - CHUNK
 
 
 def test_seed_000_001_pin_lookup_clear(servers: dict[str, Any]) -> None:
@@ -262,9 +267,83 @@ def test_prefill_on_one_instance_is_a_hit_on_the_other(servers: dict[str, Any], 
 
     wait_until(on_remote, 20, interval=0.3, what="the remote store holding A's chunks")
     warm = b.complete(prompt, max_tokens=16)
-    hit = b.hit_for(warm)
+    hit = b.assert_loaded(warm)
     assert hit.hit >= num_tokens - CHUNK, hit
     assert output_text(warm) == expected
+
+
+def test_cache_salt_keeps_tenants_apart(servers: dict[str, Any], long_text: str) -> None:
+    """vLLM's per-tenant `cache_salt`: the same prompt with salt s1, then s2 (a miss), then s1 again (a load);
+    the controller's /lookup finds the chunks only when told the salt."""
+    a: VLLMServer = servers["a"]
+    ref: VLLMServer = servers["ref"]
+    mesh: MeshUp = servers["mesh"]
+    prompt = prompt_of(long_text[100_000:], 6_000, "salted")
+    expected = output_text(ref.complete(prompt, max_tokens=16, cache_salt="s1"))
+    first = a.complete(prompt, max_tokens=16, cache_salt="s1")
+    assert a.hit_for(first).hit == 0 and output_text(first) == expected
+    num_tokens = first["usage"]["prompt_tokens"]
+    tokens = a.tokenize(prompt)
+
+    def listed(**fields: str) -> bool:
+        entry = mesh.post("/lookup", {"tokens": tokens, **fields})["layout_info"].get(INSTANCE_A)
+        return bool(entry) and entry[1] >= num_tokens - CHUNK
+
+    wait_until(lambda: listed(cache_salt="s1"), 15, interval=0.3, what="/lookup with cache_salt s1")
+    assert not listed(), "without the salt the tenant's chunks are not found"
+    assert not listed(cache_salt="s2")
+
+    other_tenant = a.complete(prompt, max_tokens=16, cache_salt="s2")
+    assert a.hit_for(other_tenant).hit == 0, "another salt never loads the first tenant's KV"
+    assert output_text(other_tenant) == expected
+    again = a.complete(prompt, max_tokens=16, cache_salt="s1")
+    assert a.assert_loaded(again).hit >= num_tokens - CHUNK
+    assert output_text(again) == expected
+
+
+def test_two_concurrent_requests_sharing_a_long_prefix(servers: dict[str, Any], long_text: str) -> None:
+    """The first request is still decoding when the second, with the same long prefix and another question,
+    arrives: the second loads the prefix the first stored, and both answers are those of vLLM alone."""
+    import httpx
+    import json
+    import threading
+
+    a: VLLMServer = servers["a"]
+    ref: VLLMServer = servers["ref"]
+    prefix = prompt_of(long_text[120_000:], 6_000, "concurrent")
+    first_prompt = prefix + "\n\nQuestion one: what is this text about?"
+    second_prompt = prefix + "\n\nQuestion two: which names does it define?"
+    long_decode = {"max_tokens": 96, "ignore_eos": True}
+    expected_first = output_text(ref.complete(first_prompt, **long_decode))
+    expected_second = output_text(ref.complete(second_prompt, max_tokens=16))
+
+    first: dict[str, Any] = {"text": "", "id": None, "done_at": None}
+    first_token = threading.Event()
+
+    def stream_first() -> None:
+        body = {"model": a.model, "prompt": first_prompt, "temperature": 0, "stream": True, **long_decode}
+        with httpx.stream("POST", f"{a.url}/v1/completions", json=body, timeout=180) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: "):])
+                first["id"] = event["id"]
+                first["text"] += event["choices"][0]["text"]
+                first_token.set()  # the prefill (and its store, done before the step returns) is over
+        first["done_at"] = time.monotonic()
+
+    thread = threading.Thread(target=stream_first)
+    thread.start()
+    assert first_token.wait(120), "the first request produced no token"
+    second = a.complete(second_prompt, max_tokens=16)
+    second_done_at = time.monotonic()
+    thread.join(180)
+    assert first["done_at"] is not None and first["done_at"] > second_done_at, "the requests did not overlap"
+    hit = a.assert_loaded(second)
+    assert hit.hit >= len(a.tokenize(prefix)) - CHUNK, hit
+    assert output_text(second) == expected_second
+    assert first["text"] == expected_first
 
 
 def test_a_dead_mesh_never_fails_a_request(servers: dict[str, Any], long_text: str) -> None:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvmesh.shared.keys import ChunkHasher, KeyParams, num_masked_prefix
+from kvmesh.shared.keys import ChunkHasher, KeyExtras, KeyParams, num_masked_prefix
 
 PARAMS = KeyParams(model="meta-llama/Llama-3.1-8B-Instruct", kv_format="bfloat16/LBHNC-128")
 
@@ -88,3 +88,104 @@ def test_bad_masks_raise(mask: list[bool], message: str) -> None:
 
 def test_all_false_mask_stores_nothing() -> None:
     assert ChunkHasher(PARAMS, 4).spans(list(range(8)), [False] * 8) == []
+
+
+# ---- what besides the tokens changes the KV: KeyExtras ----------------------------------------------------
+TOKENS = list(range(1000))  # chunks of 256: [0,256) [256,512) [512,768) [768,1000)
+
+
+def test_plain_keys_are_unchanged_by_the_extras_scheme() -> None:
+    """Golden keys of the plain scheme (computed before KeyExtras existed): a text request keeps its keys."""
+    golden = ["c63df7a4c7f581acc8c3d6142f161d21", "f7c8d60c8c8d8ae6648d68f613ebc697",
+              "81a868a49f3e2db0701d7b5fa72f1c07"]
+    hasher = ChunkHasher(PARAMS, 256)
+    assert [k.hex() for k in hasher.keys(list(range(600)))] == golden
+    assert [k.hex() for k in hasher.keys(list(range(600)), KeyExtras())] == golden
+
+
+def test_lora_changes_every_chunk_and_is_stable() -> None:
+    hasher = ChunkHasher(PARAMS, 256)
+    plain = hasher.keys(TOKENS)
+    a = hasher.keys(TOKENS, KeyExtras(lora_id="files:aaaa"))
+    b = hasher.keys(TOKENS, KeyExtras(lora_id="files:bbbb"))
+    assert all(x != y for x, y in zip(plain, a)) and all(x != y for x, y in zip(a, b))
+    assert hasher.keys(TOKENS, KeyExtras(lora_id="files:aaaa")) == a
+
+
+def test_cache_salt_is_mixed_into_the_first_chunk_and_carried_by_the_chain() -> None:
+    hasher = ChunkHasher(PARAMS, 256)
+    plain = hasher.keys(TOKENS)
+    s1 = hasher.keys(TOKENS, KeyExtras(cache_salt="s1"))
+    s2 = hasher.keys(TOKENS, KeyExtras(cache_salt="s2"))
+    assert len(set(plain) | set(s1) | set(s2)) == 3 * len(plain)
+    assert hasher.keys(TOKENS[:512], KeyExtras(cache_salt="s1")) == s1[:2], "a prefix's keys stay a prefix"
+
+
+def mm(*items: tuple[str, int, int]) -> KeyExtras:
+    return KeyExtras(mm_identifiers=[i for i, _, _ in items], mm_offsets=[o for _, o, _ in items],
+                     mm_lengths=[n for _, _, n in items])
+
+
+def test_multimodal_item_changes_keys_from_its_first_chunk_on() -> None:
+    hasher = ChunkHasher(PARAMS, 256)
+    plain = hasher.keys(TOKENS)
+    cat = hasher.keys(TOKENS, mm(("cat", 300, 100)))  # placeholder tokens [300, 400): chunk 1
+    dog = hasher.keys(TOKENS, mm(("dog", 300, 100)))
+    assert cat[0] == dog[0] == plain[0], "chunks before the item keep their keys (shared prefix)"
+    assert all(c != d for c, d in zip(cat[1:], dog[1:])), "another picture: every chunk from the item on differs"
+    assert hasher.keys(TOKENS, mm(("cat", 300, 100))) == cat, "the same picture: the same keys"
+    assert hasher.keys(TOKENS, mm(("cat", 310, 100)))[1] != cat[1], "the offset inside the chunk counts"
+    across = hasher.keys(TOKENS, mm(("cat", 200, 100)))  # [200, 300): chunks 0 and 1
+    assert across[0] != plain[0] and across[1] != hasher.keys(TOKENS, mm(("dog", 200, 100)))[1]
+    two = hasher.keys(TOKENS, mm(("cat", 300, 100), ("dog", 600, 50)))
+    assert two[:2] == cat[:2] and two[2] != cat[2]
+
+
+def test_prompt_embeds_digests_per_chunk() -> None:
+    hasher = ChunkHasher(PARAMS, 256)
+    zeros = [0] * 600  # vLLM's token ids of a prompt-embeds request
+    x = hasher.keys(zeros, KeyExtras(embeds_digests=[b"x0", b"x1", b"x2"]))
+    y = hasher.keys(zeros, KeyExtras(embeds_digests=[b"x0", b"y1", b"x2"]))
+    assert x[0] == y[0] and x[1] != y[1] and x[2] != y[2]
+    assert x[0] != hasher.keys(zeros)[0]
+
+
+def test_extras_never_collide_with_tokens_that_spell_them() -> None:
+    """A chunk keyed with extras is hashed under its own personalisation, length-prefixed: tokens chosen to
+    spell the extras' bytes give another key."""
+    hasher = ChunkHasher(PARAMS, 4, save_unfull_chunk=True)
+    extras = KeyExtras(cache_salt="s")
+    encoded = extras.chunk_extras(0, 0, 2)
+    assert encoded is not None
+    padded = encoded + b"\0" * (-len(encoded) % 8)
+    spelled = list(np.frombuffer(padded, dtype="<i8"))
+    assert hasher.keys([1, 2], extras)[0] not in hasher.keys(spelled + [1, 2])
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(mm_identifiers=["a"], mm_offsets=[], mm_lengths=[1]), "differ in length"),
+    (dict(mm_identifiers=["a"], mm_offsets=[-1], mm_lengths=[1]), ">= 0"),
+    (dict(mm_identifiers=["a"], mm_offsets=[0], mm_lengths=[0]), "> 0"),
+])
+def test_inconsistent_extras_are_refused(bad: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        KeyExtras(**bad)
+
+
+def test_extras_round_trip_the_wire_and_bad_ones_are_protocol_errors() -> None:
+    from kvmesh.shared import protocol
+    from kvmesh.shared.errors import ProtocolError
+
+    extras = KeyExtras(lora_id="files:ab", cache_salt="s", mm_identifiers=["h"], mm_offsets=[3], mm_lengths=[4],
+                       embeds_digests=[b"\x01" * 16])
+    command = protocol.WorkerCommand(op="pin", location="LocalCPUBackend", tokens=[1, 2], extras=extras)
+    assert protocol.decode(protocol.encode(command), protocol.WorkerCommand) == command
+    import msgpack
+
+    body = msgpack.unpackb(protocol.encode(command))
+    body["extras"]["mm_offsets"] = []
+    with pytest.raises(ProtocolError, match="differ in length"):
+        protocol.decode(msgpack.packb(body), protocol.WorkerCommand)
+    body["extras"] = {"mm_offsets": "x"}
+    with pytest.raises(ProtocolError):
+        protocol.decode(msgpack.packb(body), protocol.WorkerCommand)

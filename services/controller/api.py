@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvmesh.services.controller import metrics as metrics_text
 from kvmesh.services.controller.core import ControllerCore
 from kvmesh.services.controller.errors import ControllerError
+from kvmesh.services.controller.lookup import KeyRequest
 
 # vLLM's token ids are int32; a bound well inside float precision also keeps JSON clients honest.
 MAX_TOKEN_ID = 2**31 - 1
@@ -50,6 +51,14 @@ Location = Literal["LocalCPUBackend", "LocalDiskBackend", "RemoteBackend"]
 InstanceId = Annotated[str, Field(min_length=1, max_length=256, examples=["lmcache_default_instance"],
                                   description="lmcache_instance_id of an engine instance")]
 EXAMPLE_TOKENS = [128000, 849, 21435, 279, 26431, 315, 85748, 6636, 304, 4221, 4211, 13]
+# Optional key inputs (LMCache's JSON stays valid without them): the chunks of a request sent with vLLM's
+# `cache_salt`, or with a LoRA adapter, are keyed with it, so a lookup or pin of them must name it too.
+MAX_CACHE_SALT = 128  # vLLM's own bound on cache_salt
+MAX_LORA_NAME = 256
+CacheSalt = Annotated[str | None, Field(default=None, min_length=1, max_length=MAX_CACHE_SALT,
+                                        description="the cache_salt the requests were sent with")]
+LoraName = Annotated[str | None, Field(default=None, min_length=1, max_length=MAX_LORA_NAME,
+                                       description="the LoRA adapter (vLLM's model name) the requests used")]
 
 
 # -------------------------------------------------------------------------------------------------------
@@ -58,6 +67,8 @@ EXAMPLE_TOKENS = [128000, 849, 21435, 279, 26431, 315, 85748, 6636, 304, 4221, 4
 
 class LookupRequest(BaseModel):
     tokens: list[TokenId] = Field(examples=[EXAMPLE_TOKENS])
+    cache_salt: CacheSalt = None
+    lora_name: LoraName = None
 
 
 # [location, matched_prefix_len]. Declared without `prefixItems` (pydantic's tuple schema), which some
@@ -79,6 +90,11 @@ class PinRequest(BaseModel):
     instance_id: InstanceId
     location: Location
     tokens: list[TokenId] = Field(examples=[EXAMPLE_TOKENS])
+    cache_salt: CacheSalt = None
+    lora_name: LoraName = None
+
+    def key_request(self) -> KeyRequest:
+        return KeyRequest(self.cache_salt, self.lora_name)
 
 
 class ClearRequest(BaseModel):
@@ -209,16 +225,26 @@ class ValidationErrorResponse(BaseModel):
 # them straight into the int64 array the hasher needs: ~3x faster than decoding 8k Python ints and packing
 # them again. Anything else (floats, negatives, strings, nesting...) takes the exact path below, which
 # either accepts it (1.0 counts as 1, as in JSON Schema) or names the bad field in a 422.
+_MsgspecSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT)] | None
+_MsgspecLora = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_LORA_NAME)] | None
+
+
 class _RawLookupBody(msgspec.Struct):
     tokens: msgspec.Raw
+    cache_salt: _MsgspecSalt = None
+    lora_name: _MsgspecLora = None
 
 
 class _LookupBody(msgspec.Struct):
     tokens: list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]]
+    cache_salt: _MsgspecSalt = None
+    lora_name: _MsgspecLora = None
 
 
 class _LaxLookupBody(msgspec.Struct):
     tokens: list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)] | float]
+    cache_salt: _MsgspecSalt = None
+    lora_name: _MsgspecLora = None
 
 
 _RAW_LOOKUP_DECODER = msgspec.json.Decoder(_RawLookupBody)
@@ -238,52 +264,55 @@ def _error(status: int, detail: str, event_id: str | None = None) -> JSONRespons
     return JSONResponse(body, status_code=status)
 
 
-def _fast_tokens(body: bytes) -> np.ndarray | None:
+def _fast_tokens(body: bytes) -> tuple[np.ndarray, KeyRequest] | None:
     """The tokens of a well-formed body whose `tokens` is a list of in-range integer literals; else None."""
     try:
-        raw = bytes(_RAW_LOOKUP_DECODER.decode(body).tokens)
+        decoded = _RAW_LOOKUP_DECODER.decode(body)
     except msgspec.DecodeError:
         return None
+    raw = bytes(decoded.tokens)
+    key_request = KeyRequest(decoded.cache_salt, decoded.lora_name)
     if raw[:1] != b"[" or raw[-1:] != b"]":
         return None
     inner = raw[1:-1]
     if inner.translate(None, _INTEGER_LIST_CHARS):
         return None  # a sign, a fraction, an exponent, a string, a nested value...
     if not inner.strip():
-        return _NO_TOKENS
+        return _NO_TOKENS, key_request
     # JSON syntax is already checked (no empty items, no leading zeros); out-of-range literals clamp to
     # int64 max, which the bound below refuses.
     tokens = np.fromstring(inner, dtype="<i8", sep=",")
     num_commas = int(np.count_nonzero(np.frombuffer(inner, dtype=np.uint8) == _COMMA))  # 5x bytes.count here
     if len(tokens) != num_commas + 1 or int(tokens.max()) > MAX_TOKEN_ID:
         return None
-    return tokens
+    return tokens, key_request
 
 
-def _decode_lookup(body: bytes) -> np.ndarray | list[int] | Response:
-    """The token ids of a /lookup body, or the 422 response saying which field is wrong."""
-    tokens = _fast_tokens(body)
-    if tokens is not None:
-        return tokens
+def _decode_lookup(body: bytes) -> tuple[np.ndarray | list[int], KeyRequest] | Response:
+    """The token ids and key inputs of a /lookup body, or the 422 response saying which field is wrong."""
+    fast = _fast_tokens(body)
+    if fast is not None:
+        return fast
     try:
-        return _LOOKUP_DECODER.decode(body).tokens
+        strict = _LOOKUP_DECODER.decode(body)
+        return strict.tokens, KeyRequest(strict.cache_salt, strict.lora_name)
     except msgspec.DecodeError as exc:
         if not isinstance(exc, msgspec.ValidationError):
             return _msgspec_422(exc, "json_invalid")
         strict_error = exc
     try:
-        values = _LAX_LOOKUP_DECODER.decode(body).tokens
+        lax = _LAX_LOOKUP_DECODER.decode(body)
     except msgspec.DecodeError:
         return _msgspec_422(strict_error, "value_error")
     lax_tokens: list[int] = []
-    for index, value in enumerate(values):
+    for index, value in enumerate(lax.tokens):
         if isinstance(value, float):
             if not (value.is_integer() and 0 <= value <= MAX_TOKEN_ID):
                 return _422([{"type": "value_error", "loc": ["body", "tokens", index],
                               "msg": f"Expected an integer token id in [0, {MAX_TOKEN_ID}], got {value!r}"}])
             value = int(value)
         lax_tokens.append(value)
-    return lax_tokens
+    return lax_tokens, KeyRequest(lax.cache_salt, lax.lora_name)
 
 
 def _422(errors: list[dict[str, Any]]) -> Response:
@@ -311,13 +340,14 @@ def lookup_handler(core: ControllerCore) -> LookupHandler:
     max_tokens = core.config.max_tokens
 
     def handle(body: bytes) -> tuple[int, bytes]:
-        tokens = _decode_lookup(body)
-        if isinstance(tokens, Response):
-            return tokens.status_code, bytes(tokens.body)
+        decoded = _decode_lookup(body)
+        if isinstance(decoded, Response):
+            return decoded.status_code, bytes(decoded.body)
+        tokens, key_request = decoded
         if len(tokens) > max_tokens:
             return 413, _ENCODER.encode({"detail": f"{len(tokens)} tokens exceed the limit of {max_tokens} "
                                                    "(--max-tokens)"})
-        event_id, layout = core.lookup(tokens)
+        event_id, layout = core.lookup(tokens, key_request)
         return 200, _ENCODER.encode({"event_id": event_id, "layout_info": layout})
 
     return handle
@@ -453,22 +483,23 @@ def create_app(core: ControllerCore, lookup_fast_path: bool = True) -> FastAPI:
         status, payload = handle_lookup(await request.body())
         return Response(payload, status_code=status, media_type="application/json")
 
-    async def command(op: str, instance_id: str, location: str, tokens: list[int]) -> CommandResponse | JSONResponse:
+    async def command(op: str, instance_id: str, location: str, tokens: list[int],
+                      key_request: KeyRequest = KeyRequest()) -> CommandResponse | JSONResponse:
         refused = too_many(len(tokens))
         if refused is not None:
             return refused
-        result = await core.command(op, instance_id, location, tokens)
+        result = await core.command(op, instance_id, location, tokens, key_request)
         return CommandResponse(event_id=result.event_id, num_tokens=result.num_tokens)
 
     @app.post("/pin", response_model=CommandResponse, responses=command_errors)
     async def pin(req: PinRequest) -> Any:
         """Pin the chunks of `tokens` at `location` of the instance, until unpinned."""
-        return await command("pin", req.instance_id, req.location, req.tokens)
+        return await command("pin", req.instance_id, req.location, req.tokens, req.key_request())
 
     @app.post("/unpin", response_model=CommandResponse, responses=command_errors)
     async def unpin(req: PinRequest) -> Any:
         """Release pins on the chunks of `tokens` at `location` of the instance."""
-        return await command("unpin", req.instance_id, req.location, req.tokens)
+        return await command("unpin", req.instance_id, req.location, req.tokens, req.key_request())
 
     @app.post("/clear", response_model=CommandResponse, responses=command_errors)
     async def clear(req: ClearRequest) -> Any:

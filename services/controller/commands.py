@@ -17,8 +17,10 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 
 from kvmesh.shared import protocol
 from kvmesh.shared.errors import ProtocolError
+from kvmesh.shared.keys import KeyExtras
 from kvmesh.shared.protocol import LOCAL_CPU, LOCATIONS, Subjects
 from kvmesh.services.controller.errors import CommandFailed, CommandTimeout, MeshDown, NotFound
+from kvmesh.services.controller.lookup import KeyRequest, UnknownAdapter, worker_extras
 from kvmesh.services.controller.producers import Producer, ProducerTable
 
 log = logging.getLogger(__name__)
@@ -63,21 +65,25 @@ class CommandRouter:
             holders.extend(s for s in stores if s not in holders)
         return CommandTarget(instance_id, location, workers, holders)
 
-    async def run(self, op: str, target: CommandTarget, tokens: list[int]) -> int:
+    async def run(self, op: str, target: CommandTarget, tokens: list[int],
+                  key_request: KeyRequest = KeyRequest()) -> int:
         """Send `op` to every worker of the target; the minimum num_tokens over ranks.
 
-        Raises CommandTimeout (no answer / no responder: the worker is down), CommandFailed (an error
-        reply) or MeshDown (the controller is not connected to NATS).
+        Raises NotFound (a LoRA adapter the instance never served), CommandTimeout (no answer / no
+        responder: the worker is down), CommandFailed (an error reply) or MeshDown (the controller is not
+        connected to NATS).
         """
         if op not in COMMAND_OPS:
             raise ValueError(f"unknown command {op!r}")
+        payloads = [protocol.encode(protocol.WorkerCommand(op=op, location=target.location, tokens=tokens,
+                                                           extras=self._extras(worker, target, key_request)))
+                    for worker in target.workers]
         nc = self.nc
         if nc is None or not nc.is_connected:
             raise MeshDown(f"controller is not connected to NATS; cannot {op} on instance {target.instance_id}")
-        command = protocol.WorkerCommand(op=op, location=target.location, tokens=tokens)
-        payload = protocol.encode(command)
         replies = await asyncio.gather(*(self._one(nc, op, target.instance_id, worker.producer_id, payload)
-                                         for worker in target.workers), return_exceptions=True)
+                                         for worker, payload in zip(target.workers, payloads)),
+                                       return_exceptions=True)
         errors = [r for r in replies if isinstance(r, BaseException)]
         if errors:
             # A timeout anywhere is the answer (the instance as a whole did not complete); else the first error.
@@ -87,6 +93,15 @@ class CommandRouter:
                 raise first
             raise CommandFailed(f"{op} on instance {target.instance_id} failed: {type(first).__name__}: {first}")
         return min(r for r in replies if isinstance(r, int))
+
+    @staticmethod
+    def _extras(worker: Producer, target: CommandTarget, key_request: KeyRequest) -> KeyExtras | None:
+        assert worker.engine is not None
+        try:
+            return worker_extras(worker.engine, key_request)
+        except UnknownAdapter:
+            raise NotFound(f"instance {target.instance_id} has not served LoRA adapter {key_request.lora_name!r} "
+                           f"(worker {worker.producer_id}), so it holds nothing keyed with it") from None
 
     async def _one(self, nc: NatsClient, op: str, instance_id: str, worker_id: str, payload: bytes) -> int:
         subject = Subjects.worker(worker_id, op)

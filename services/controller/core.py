@@ -17,7 +17,7 @@ from kvmesh.services.controller.commands import CommandRouter
 from kvmesh.services.controller.config import ControllerConfig
 from kvmesh.services.controller.errors import ControllerError, NotFound
 from kvmesh.services.controller.index import ChunkIndex
-from kvmesh.services.controller.lookup import LookupEngine
+from kvmesh.services.controller.lookup import KeyRequest, LookupEngine
 from kvmesh.services.controller.metrics import Metrics
 from kvmesh.services.controller.ops import EventLog, EventRecord
 from kvmesh.services.controller.producers import Producer, ProducerTable
@@ -68,16 +68,18 @@ class ControllerCore:
 
     # -- operations --------------------------------------------------------------------------------------
 
-    def lookup(self, tokens: Sequence[int] | np.ndarray) -> tuple[str, dict[str, tuple[str, int]]]:
+    def lookup(self, tokens: Sequence[int] | np.ndarray,
+               key_request: KeyRequest = KeyRequest()) -> tuple[str, dict[str, tuple[str, int]]]:
         started = time.perf_counter()
-        layout = self.lookups.lookup(tokens)
+        layout = self.lookups.lookup(tokens, key_request)
         event_id = self.events.new("lookup", status="finished")
         self.metrics.lookups += 1
         self.metrics.lookup_hits += bool(layout)
         self.metrics.lookup_seconds.observe(time.perf_counter() - started)
         return event_id, layout
 
-    async def command(self, op: str, instance_id: str, location: str, tokens: list[int]) -> CommandResult:
+    async def command(self, op: str, instance_id: str, location: str, tokens: list[int],
+                      key_request: KeyRequest = KeyRequest()) -> CommandResult:
         """pin / unpin / clear, synchronously: the result carries num_tokens; the event id records the outcome.
 
         Raises CommandError (with the event id) for unknown instances/locations, timeouts and worker errors.
@@ -86,7 +88,7 @@ class ControllerCore:
         started = time.perf_counter()
         try:
             target = self.router.resolve(instance_id, location)
-            num_tokens = await self.router.run(op, target, tokens)
+            num_tokens = await self.router.run(op, target, tokens, key_request)
         except ControllerError as exc:
             self.events.fail(event_id, exc.message)
             self.metrics.commands[(op, type(exc).__name__)] += 1

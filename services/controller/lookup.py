@@ -4,7 +4,10 @@ Runs on the controller's event loop, called by the REST handler; pure CPU work o
 
 Each instance names chunks with its own KeyParams (model, kv_format, world_size, rank) and chunk size, so
 the tokens are hashed once per distinct (KeyParams, chunk_size, save_unfull_chunk) — one ChunkHasher each,
-cached — and every (instance, rank) that shares those parameters reads the same key list. An instance is
+cached — and every (instance, rank) that shares those parameters reads the same key list. A lookup may
+name a `cache_salt` and a `lora_name` (`KeyRequest`): the keys then mix in the salt and the adapter's
+identity as that worker registered it (`worker_extras`); an instance that never served the adapter holds
+nothing for it. An instance is
 credited, per location, with its own *contiguous* prefix from token 0: the end token of the last chunk
 before its first miss (a partial last chunk counts with its own length). With several ranks, a chunk counts
 only if every rank holds its shard. The answer per instance is its best location: longest prefix, ties to
@@ -23,11 +26,35 @@ from typing import Sequence
 
 import numpy as np
 
-from kvmesh.shared.keys import ChunkHasher, KeyParams
-from kvmesh.shared.protocol import LOCATIONS
+from kvmesh.shared.keys import ChunkHasher, KeyExtras, KeyParams
+from kvmesh.shared.protocol import LOCATIONS, RegisterEngine
 from kvmesh.services.controller.producers import ProducerTable
 
 HasherSpec = tuple[KeyParams, int, bool]  # (params, chunk_size, save_unfull_chunk)
+
+
+@dataclass(frozen=True)
+class KeyRequest:
+    """What a REST caller says besides the tokens about how the chunks were keyed (LMCache's JSON has neither)."""
+
+    cache_salt: str | None = None
+    lora_name: str | None = None
+
+
+class UnknownAdapter(KeyError):
+    """The worker never served the LoRA adapter a request names, so it holds nothing keyed with it."""
+
+
+def worker_extras(reg: RegisterEngine, request: KeyRequest) -> KeyExtras | None:
+    """The KeyExtras this worker's chunks for `request` carry; UnknownAdapter for an adapter it never served."""
+    lora_id = None
+    if request.lora_name is not None:
+        lora_id = reg.lora_adapters.get(request.lora_name)
+        if lora_id is None:
+            raise UnknownAdapter(request.lora_name)
+    if lora_id is None and request.cache_salt is None:
+        return None
+    return KeyExtras(lora_id=lora_id, cache_salt=request.cache_salt)
 
 
 @dataclass
@@ -35,7 +62,7 @@ class _Consumer:
     """One rank of one instance reading a group's keys: its location masks, fastest tier first."""
 
     instance_id: str
-    rank: int
+    registration: RegisterEngine
     location_masks: list[tuple[int, int]]  # (index into LOCATIONS, mask of alive holders)
 
 
@@ -91,13 +118,12 @@ class LookupEngine:
             for worker in workers:
                 reg = worker.engine
                 assert reg is not None
-                spec = (KeyParams(reg.model, reg.kv_format, reg.world_size, reg.rank), reg.chunk_size,
-                        reg.save_unfull_chunk)
+                spec = (reg.key_params(), reg.chunk_size, reg.save_unfull_chunk)
                 group = groups.get(spec)
                 if group is None:
                     group = groups[spec] = _Group(self._hasher(spec))
                 masks = [(i, table.location_mask(worker, location) & alive) for i, location in enumerate(LOCATIONS)]
-                group.consumers.append(_Consumer(instance_id, reg.rank, [(i, m) for i, m in masks if m]))
+                group.consumers.append(_Consumer(instance_id, reg, [(i, m) for i, m in masks if m]))
         return _Plan(table.version, list(groups.values()), ranks)
 
     def plan(self) -> _Plan:
@@ -105,7 +131,8 @@ class LookupEngine:
             self._plan = self._build_plan()
         return self._plan
 
-    def lookup(self, tokens: Sequence[int] | np.ndarray) -> dict[str, tuple[str, int]]:
+    def lookup(self, tokens: Sequence[int] | np.ndarray,
+               key_request: KeyRequest = KeyRequest()) -> dict[str, tuple[str, int]]:
         """`{instance_id: (location, matched_prefix_len)}` for every instance matching at least one chunk."""
         plan = self.plan()
         if not plan.groups or len(tokens) == 0:
@@ -116,12 +143,21 @@ class LookupEngine:
         # per instance: [min prefix over ranks per location..., ranks seen per location...]
         best: dict[str, list[int]] = {}
         for group in plan.groups:
-            spans = group.hasher.spans(token_array)
-            if not spans:
-                continue
-            masks = [get(span.key, 0) for span in spans]
-            ends = [span.end for span in spans]
+            # (holder masks, end token) per chunk, by the adapter the keys were made with
+            chunks_by_adapter: dict[str | None, tuple[list[int], list[int]]] = {}
             for consumer in group.consumers:
+                try:
+                    extras = worker_extras(consumer.registration, key_request)
+                except UnknownAdapter:
+                    continue  # never served the adapter: no rank count, so the instance is not listed
+                lora_id = extras.lora_id if extras is not None else None
+                chunks = chunks_by_adapter.get(lora_id)
+                if chunks is None:
+                    spans = group.hasher.spans(token_array, extras=extras)
+                    chunks = chunks_by_adapter[lora_id] = ([get(s.key, 0) for s in spans], [s.end for s in spans])
+                masks, ends = chunks
+                if not masks:
+                    continue
                 matched = best.get(consumer.instance_id)
                 if matched is None:
                     matched = best[consumer.instance_id] = [0] * (2 * num_locations)

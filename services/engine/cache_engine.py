@@ -37,7 +37,7 @@ from kvmesh.services.engine.worker_agent import WorkerAgent, worker_id_for
 from kvmesh.services.remote_store.client import RemoteStoreClient
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.keys import ChunkHasher, ChunkSpan, KeyParams
+from kvmesh.shared.keys import ChunkHasher, ChunkSpan, KeyExtras, KeyParams
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE, ChunkMeta
 from kvmesh.shared.store_client import ChunkStoreClient
 
@@ -58,8 +58,11 @@ class CacheEngine:
                  use_shm: bool = True) -> None:
         self.config = config
         self.key_params = key_params
-        self.worker_id = worker_id or worker_id_for(config.lmcache_instance_id, key_params.world_size,
-                                                    key_params.rank)
+        # The worker's place in its instance; key_params may name another shard (MLA: one for all ranks).
+        self.world_size, self.rank = key_params.world_size, key_params.rank
+        self.worker_id = worker_id or worker_id_for(config.lmcache_instance_id, self.world_size, self.rank)
+        self.writes_lower_tiers = True  # False on ranks > 0 of a replicated (MLA) cache: rank 0 writes them
+        self.lora_adapters: dict[str, str] = {}  # LoRA name -> identity, as seen in requests (registration)
         self.use_mesh = use_mesh
         self.plan: MeshPlan | None = plan_mesh(config) if use_mesh else None
         self._device = device
@@ -103,6 +106,11 @@ class CacheEngine:
                 log.warning("key_params.kv_format %r differs from the layout's chunk format %r; using the "
                             "layout's (chunks of different formats must never mix)", self.key_params.kv_format, fmt)
             self.key_params = dataclasses.replace(self.key_params, kv_format=fmt)
+        if layout.replicated_across_ranks:
+            # Every rank holds the same latent KV: one key for all ranks, and only rank 0 writes the shared
+            # tiers, so they hold one copy, not world_size copies (LMCache's save_only_first_rank).
+            self.key_params = dataclasses.replace(self.key_params, world_size=1, rank=0)
+            self.writes_lower_tiers = self.rank == 0
         self.layout = layout
         self._fmt = fmt
         self._dtype_name = str(layout.dtype).removeprefix("torch.")
@@ -146,9 +154,18 @@ class CacheEngine:
         assert self.plan is not None
         return protocol.RegisterEngine(
             worker_id=self.worker_id, instance_id=self.config.lmcache_instance_id, model=self.key_params.model,
-            kv_format=self.key_params.kv_format, world_size=self.key_params.world_size, rank=self.key_params.rank,
+            kv_format=self.key_params.kv_format, world_size=self.world_size, rank=self.rank,
             chunk_size=self.config.chunk_size, save_unfull_chunk=self.config.save_unfull_chunk,
-            disk_store=self.plan.disk_store, remote_stores=list(self.plan.remote_stores), started_at=self._started_at)
+            disk_store=self.plan.disk_store, remote_stores=list(self.plan.remote_stores), started_at=self._started_at,
+            kv_replicated=self.key_params.world_size != self.world_size, lora_adapters=dict(self.lora_adapters))
+
+    def note_lora(self, lora_name: str, lora_id: str) -> None:
+        """A request used this LoRA adapter: register it, so /lookup, /pin and /unpin can name it."""
+        if self.lora_adapters.get(lora_name) == lora_id:
+            return
+        self.lora_adapters = {**self.lora_adapters, lora_name: lora_id}  # rebound: the loop thread reads it
+        if self.agent is not None and self.agent.started and self.mesh is not None:
+            self.mesh.submit(self.agent.reporter.announce())
 
     async def _on_connected(self, nc: NatsClient) -> None:
         """Loop thread, once NATS is first reached: store clients, then the worker agent."""
@@ -175,14 +192,16 @@ class CacheEngine:
     def store(self, tokens: torch.Tensor | Sequence[int], mask: torch.Tensor | None = None, **kv: Any) -> None:
         """Copy the KV of `tokens` (the chunks a seed-003 mask selects) out of vLLM's paged cache.
 
-        kwargs: `kv_caches` (list or dict of per-layer tensors) and `slot_mapping` (one slot per token).
+        kwargs: `kv_caches` (list or dict of per-layer tensors), `slot_mapping` (one slot per token) and
+        optional `extras` (`KeyExtras`: what besides the tokens made this KV, e.g. a LoRA adapter).
         Chunks already held (CPU tier, or known to be in every lower tier) are not copied again; when the pool
         is exhausted the remaining chunks are skipped (logged). Raises ValueError for a bad mask.
         """
         layout, hasher, cpu, storage, copier = self._ready()
-        kv_caches, slot_mapping, _ = _kv_args(kv, "store")
-        spans = hasher.spans(tokens, mask)
-        if not spans or (not cpu.keep and not storage.has_lower):
+        kv_caches, slot_mapping, _, extras = _kv_args(kv, "store")
+        spans = hasher.spans(tokens, mask, extras)
+        write_lower = storage.has_lower and self.writes_lower_tiers
+        if not spans or (not cpu.keep and not write_lower):
             return
         _check_slot_count(slot_mapping, spans[-1].end)
         first_bad = _first_negative(slot_mapping, spans[-1].end)
@@ -210,7 +229,7 @@ class CacheEngine:
         for span, slot in filled:
             meta = ChunkMeta(key=span.key, num_tokens=span.num_tokens, shape=list(layout.chunk_shape(span.num_tokens)),
                              dtype=self._dtype_name, fmt=self._fmt, nbytes=layout.chunk_nbytes(span.num_tokens))
-            behind = slot.ref() if storage.has_lower else None
+            behind = slot.ref() if write_lower else None
             if not cpu.put(meta, slot):  # resident already (a concurrent store) or no room
                 if behind is not None:
                     behind.release()
@@ -222,12 +241,13 @@ class CacheEngine:
                  **kv: Any) -> torch.Tensor:
         """Load the cached prefix of `tokens` (after the mask's False prefix) into vLLM's paged cache.
 
-        kwargs: `kv_caches`, `slot_mapping` and optional `skip_prefix` (leading tokens of the sequence that
-        vLLM already holds: retrieved but not written). Returns a CPU bool mask, True for retrieved tokens.
+        kwargs: `kv_caches`, `slot_mapping`, optional `skip_prefix` (leading tokens of the sequence that
+        vLLM already holds: retrieved but not written) and `extras` (as for `store`). Returns a CPU bool
+        mask, True for retrieved tokens.
         """
         layout, hasher, cpu, storage, copier = self._ready()
-        kv_caches, slot_mapping, skip_prefix = _kv_args(kv, "retrieve")
-        spans = hasher.spans(tokens, mask)
+        kv_caches, slot_mapping, skip_prefix, extras = _kv_args(kv, "retrieve")
+        spans = hasher.spans(tokens, mask, extras)
         num_tokens = len(tokens)
         retrieved = torch.zeros(num_tokens, dtype=torch.bool)
         if not spans:
@@ -247,37 +267,40 @@ class CacheEngine:
             retrieved[spans[0].start:spans[len(refs) - 1].end] = True
         return retrieved
 
-    def lookup(self, tokens: torch.Tensor | Sequence[int], search_range: list[str] | None = None) -> int:
+    def lookup(self, tokens: torch.Tensor | Sequence[int], search_range: list[str] | None = None,
+               extras: KeyExtras | None = None) -> int:
         """How many prefix tokens are cached, across the tiers in `search_range` (all by default).
 
         Tier names: "LocalCPUBackend" (seed 003's "Hot"), "LocalDiskBackend", "RemoteBackend". Chunks may sit
         in different tiers; the answer is the contiguous prefix over all of them.
         """
         _, hasher, _, storage, _ = self._ready()
-        spans = hasher.spans(tokens)
+        spans = hasher.spans(tokens, extras=extras)
         held = storage.lookup(spans, search_range)
         return spans[held - 1].end if held else 0
 
-    def prefetch(self, tokens: torch.Tensor | Sequence[int], mask: torch.Tensor | None = None) -> None:
+    def prefetch(self, tokens: torch.Tensor | Sequence[int], mask: torch.Tensor | None = None,
+                 extras: KeyExtras | None = None) -> None:
         """Start loading the lower tiers' prefix of `tokens` into the CPU tier; returns at once."""
         _, hasher, _, storage, _ = self._ready()
-        storage.prefetch(hasher.spans(tokens, mask), self._valid_meta)
+        storage.prefetch(hasher.spans(tokens, mask, extras), self._valid_meta)
 
     # ---- controller-style operations (also used by the worker agent's commands) ------------------------------
     def pin(self, tokens: torch.Tensor | Sequence[int], location: str = LOCAL_CPU,
-            ttl_secs: float | None = None) -> int:
+            ttl_secs: float | None = None, extras: KeyExtras | None = None) -> int:
         """Pin the held prefix of `tokens` at `location` (until unpinned, or `ttl_secs`); tokens pinned."""
-        return self._command("pin", location, tokens, ttl_secs)
+        return self._command("pin", location, tokens, ttl_secs, extras)
 
-    def unpin(self, tokens: torch.Tensor | Sequence[int], location: str = LOCAL_CPU) -> int:
-        return self._command("unpin", location, tokens)
+    def unpin(self, tokens: torch.Tensor | Sequence[int], location: str = LOCAL_CPU,
+              extras: KeyExtras | None = None) -> int:
+        return self._command("unpin", location, tokens, None, extras)
 
     def clear(self, location: str = LOCAL_CPU) -> int:
         """Remove every unpinned chunk at `location` (a lower store is cleared for every engine using it)."""
         return self._command("clear", location, [])
 
     def _command(self, op: str, location: str, tokens: torch.Tensor | Sequence[int],
-                 ttl_secs: float | None = None) -> int:
+                 ttl_secs: float | None = None, extras: KeyExtras | None = None) -> int:
         _, hasher, cpu, storage, _ = self._ready()
         if location not in LOCATIONS:
             raise ValueError(f"unknown location {location!r} (known: {', '.join(LOCATIONS)})")
@@ -285,11 +308,12 @@ class CacheEngine:
         if location == LOCAL_CPU:
             if op == "clear":
                 return cpu.clear()
-            keys = [s.key for s in hasher.spans(token_list)]
+            keys = [s.key for s in hasher.spans(token_list, extras=extras)]
             return cpu.pin(keys, ttl_secs) if op == "pin" else cpu.unpin(keys)
         if self.agent is None or self.mesh is None or not self.mesh.connected:
             return 0  # no mesh (or it is down): the lower tiers cannot be reached now
-        command = protocol.WorkerCommand(op=op, location=location, tokens=token_list, ttl_secs=ttl_secs)
+        command = protocol.WorkerCommand(op=op, location=location, tokens=token_list, ttl_secs=ttl_secs,
+                                         extras=extras)
         reply = self.mesh.call(self.agent.execute(command), self.config.request_timeout_secs + 6.0, default=None)
         return reply.num_tokens if reply is not None and reply.ok else 0
 
@@ -349,8 +373,8 @@ class CacheEngine:
         self.close()
 
 
-def _kv_args(kv: dict[str, Any], op: str) -> tuple[list[torch.Tensor], torch.Tensor, int]:
-    unknown = set(kv) - {"kv_caches", "slot_mapping", "skip_prefix"}
+def _kv_args(kv: dict[str, Any], op: str) -> tuple[list[torch.Tensor], torch.Tensor, int, KeyExtras | None]:
+    unknown = set(kv) - {"kv_caches", "slot_mapping", "skip_prefix", "extras"}
     if unknown:
         raise TypeError(f"{op}: unexpected keyword arguments {sorted(unknown)}")
     if "kv_caches" not in kv or "slot_mapping" not in kv:
@@ -365,7 +389,10 @@ def _kv_args(kv: dict[str, Any], op: str) -> tuple[list[torch.Tensor], torch.Ten
     skip_prefix = int(kv.get("skip_prefix") or 0)
     if skip_prefix < 0:
         raise ValueError(f"{op}: skip_prefix must be >= 0, got {skip_prefix}")
-    return caches, slot_mapping, skip_prefix
+    extras = kv.get("extras")
+    if extras is not None and not isinstance(extras, KeyExtras):
+        raise TypeError(f"{op}: extras must be a KeyExtras, got {type(extras).__name__}")
+    return caches, slot_mapping, skip_prefix, extras
 
 
 def _check_slot_count(slot_mapping: torch.Tensor, needed: int) -> None:

@@ -35,10 +35,17 @@ Where each method runs (vLLM V1 creates one connector per role):
 A failure of the mesh never fails a request: a lookup that fails is a miss, a load that fails is reported as
 load errors (and `kv_load_failure_policy` is switched to "recompute"), a store that fails is skipped; each is
 logged.
+
+Never the wrong KV: chunk keys mix in everything besides the token ids that changes a request's KV (LoRA
+adapter, cache_salt, multimodal items, prompt embeddings: `request_extras.py`; the KV cache dtype, weight
+quantization and revision: `model_identity` and the layout's chunk format). A model whose KV cache this
+connector cannot copy whole (several KV cache groups, sliding-window or other non-full attention:
+`unsupported_kv_cache`) gets one WARNING at start and no loads or stores at all.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -55,6 +62,7 @@ from kvmesh.services.engine.connector_meta import (
     RequestTracker,
     floor_to,
 )
+from kvmesh.services.engine.request_extras import lora_name_of, request_extras
 from kvmesh.shared.config import EngineConfig, load_engine_config
 from kvmesh.shared.errors import KVMeshError
 from kvmesh.shared.keys import KeyParams
@@ -139,6 +147,42 @@ def check_vllm_version(version: str | None = None) -> str:
     return version
 
 
+# KV cache specs whose blocks hold every token's KV, the same way in every layer of the group.
+FULL_ATTENTION_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+
+
+def unsupported_kv_cache(kv_cache_config: "KVCacheConfig | None") -> str | None:
+    """Why this connector must not load or store this model's KV cache, or None when it can.
+
+    Chunks hold one KV cache group of full-attention layers. With our connector vLLM disables its hybrid KV
+    cache manager, which turns sliding-window layers of a mixed model into full attention (one group): those
+    are fine. What is left is refused: several groups (e.g. Mamba or linear-attention hybrids), groups whose
+    blocks drop tokens (a model made only of sliding-window or chunked-local attention layers), and
+    bidirectional (prefix-LM) layers, whose prefix KV depends on later tokens.
+    """
+    if kv_cache_config is None:
+        return None
+    groups = list(kv_cache_config.kv_cache_groups)
+    if len(groups) != 1:
+        kinds = ", ".join(sorted({type(g.kv_cache_spec).__name__ for g in groups})) or "none"
+        return (f"{len(groups)} KV cache groups ({kinds}); KVMesh stores one group of full-attention layers and "
+                f"never loads one group into a model that has several")
+    spec = groups[0].kv_cache_spec
+    kind = type(spec).__name__
+    if kind not in FULL_ATTENTION_SPECS:
+        return f"its KV cache spec is {kind}, not full attention: its blocks do not keep every token's KV"
+    if getattr(spec, "non_causal", False):
+        return "its attention is bidirectional (non_causal): a prefix's KV depends on the tokens after it"
+    return None
+
+
+def model_identity(name: str, model_config: Any) -> str:
+    """The model part of chunk keys: its name, plus the weight revision and quantization when set."""
+    revision = getattr(model_config, "revision", None)
+    quantization = getattr(model_config, "quantization", None)
+    return name + (f"@{revision}" if revision else "") + (f"+{quantization}" if quantization else "")
+
+
 def split_extra_config(extra: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """kv_connector_extra_config -> (EngineConfig overrides, connector-only settings)."""
     engine_keys: dict[str, Any] = {}
@@ -169,8 +213,12 @@ class KVMeshConnector(KVConnectorBase_V1):
         self.chunk_size = self.config.chunk_size
         self.can_load = transfer.kv_role in ("kv_both", "kv_consumer")
         self.can_save = transfer.kv_role in ("kv_both", "kv_producer")
-        self.model_name = str(self.settings.get("model_name") or vllm_config.model_config.model)
+        self.model_name = model_identity(str(self.settings.get("model_name") or vllm_config.model_config.model),
+                                         vllm_config.model_config)
+        self.cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
         self.world_size = vllm_config.parallel_config.world_size
+        # Why this model's KV is not cached at all (None: it is); see unsupported_kv_cache.
+        self.unsupported = unsupported_kv_cache(kv_cache_config)
         self.lookup_timeout = float(self.settings.get("lookup_timeout_secs") or self.config.request_timeout_secs)
         # scheduler side
         self._trackers: dict[str, RequestTracker] = {}
@@ -181,7 +229,10 @@ class KVMeshConnector(KVConnectorBase_V1):
         self._lookup_server: LookupServer | None = None
         self._rendezvous: Path | None = None
         self._load_errors: set[int] = set()
-        if role == KVConnectorRole.SCHEDULER:
+        if self.unsupported is not None and role == KVConnectorRole.SCHEDULER:
+            log.warning("KVMesh loads and stores nothing for model %s: %s", vllm_config.model_config.model,
+                        self.unsupported)
+        if role == KVConnectorRole.SCHEDULER and self.unsupported is None:
             self._lookup = LookupClient(self.world_size, self.lookup_timeout,
                                         f"{self.config.lmcache_instance_id}-scheduler")
             if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
@@ -197,16 +248,33 @@ class KVMeshConnector(KVConnectorBase_V1):
     # =============================================================================================================
     # Scheduler side
     # =============================================================================================================
+    def _track(self, request: "Request", num_computed_tokens: int = 0) -> RequestTracker:
+        """A new tracker for `request`, with the extras its chunk keys need (computed once per request)."""
+        previous = self._trackers.get(request.request_id)
+        tracker = RequestTracker(request.request_id, request, prompt_len=request.num_prompt_tokens,
+                                 local=num_computed_tokens, lora_name=lora_name_of(request))
+        if previous is not None and previous.request is request:
+            tracker.extras, tracker.cacheable = previous.extras, previous.cacheable
+        else:
+            try:
+                tracker.extras = request_extras(request, self.chunk_size)
+            except Exception as exc:  # e.g. an unreadable LoRA adapter file: never a wrong key, never a crash
+                log.warning("request %s: cannot read what its KV depends on besides the tokens (%s: %s); it is "
+                            "neither loaded nor stored", request.request_id, type(exc).__name__, exc)
+                tracker.cacheable = False
+        self._trackers[request.request_id] = tracker
+        return tracker
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.unsupported is not None:
+            return 0, False
         tokens = list(request.all_token_ids[: request.num_tokens])
         total = len(tokens)
-        tracker = RequestTracker(request.request_id, request, prompt_len=len(request.prompt_token_ids or []),
-                                 local=num_computed_tokens)
-        self._trackers[request.request_id] = tracker
-        if not self.can_load or self._lookup is None or total == 0:
+        tracker = self._track(request, num_computed_tokens)
+        if not self.can_load or self._lookup is None or total == 0 or not tracker.cacheable:
             return 0, False
         started = time.perf_counter()
-        hit = self._lookup.lookup(tokens)
+        hit = self._lookup.lookup(tokens, tracker.extras)
         log.debug("lookup of %d tokens for %s took %.2f ms", total, request.request_id,
                   (time.perf_counter() - started) * 1e3)
         if hit < self.config.min_retrieve_tokens:
@@ -221,10 +289,11 @@ class KVMeshConnector(KVConnectorBase_V1):
         return to_load, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        if self.unsupported is not None:
+            return
         tracker = self._trackers.get(request.request_id)
         if tracker is None:  # never looked up (e.g. resumed with computed tokens): track it from here
-            tracker = RequestTracker(request.request_id, request, prompt_len=len(request.prompt_token_ids or []))
-            self._trackers[request.request_id] = tracker
+            tracker = self._track(request)
         if num_external_tokens != tracker.num_to_load:
             # vLLM adjusted the load (e.g. kept a local partial block): load what it counts on, nothing else
             tracker.num_to_load = num_external_tokens
@@ -252,6 +321,8 @@ class KVMeshConnector(KVConnectorBase_V1):
         return meta
 
     def _add_step(self, meta: KVMeshConnectorMetadata, tracker: RequestTracker, num_computed_after: int) -> None:
+        if not tracker.cacheable:
+            return
         load = tracker.take_load(self.chunk_size)
         save = None
         if self.can_save:
@@ -260,7 +331,8 @@ class KVMeshConnector(KVConnectorBase_V1):
         if load is None and save is None:
             return
         end = max(load.end if load else 0, save.end if save else 0)
-        meta.requests.append(ReqMeta(tracker.req_id, tracker.token_ids(end), list(tracker.block_ids), load, save))
+        meta.requests.append(ReqMeta(tracker.req_id, tracker.token_ids(end), list(tracker.block_ids), load, save,
+                                     tracker.extras, tracker.lora_name))
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Saves are gathered synchronously in wait_for_save, so vLLM may free the blocks now.
@@ -279,10 +351,14 @@ class KVMeshConnector(KVConnectorBase_V1):
         from kvmesh.services.engine.cache_engine import CacheEngine
         from kvmesh.services.engine.kv_layout import detect_layout
 
+        if self.unsupported is not None:
+            log.info("KVMesh is off for this model (%s)", self.unsupported)
+            return
         self._kv_caches = dict(kv_caches)
         first = next(iter(kv_caches.values()))
         backend = self._attention_backend_name()
-        layout = detect_layout(self._kv_caches, self.block_size, backend)
+        layout = dataclasses.replace(detect_layout(self._kv_caches, self.block_size, backend),
+                                     cache_dtype=self.cache_dtype)
         rank = self._rank()
         log.info("registered %d KV cache layers: shape %s, dtype %s, backend %s -> layout %s (chunk format %s)",
                  len(kv_caches), tuple(first.shape), first.dtype, backend, layout.name, layout.chunk_format())
@@ -301,6 +377,8 @@ class KVMeshConnector(KVConnectorBase_V1):
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, KVMeshConnectorMetadata)
         for req in metadata.requests:
+            if req.lora_name and req.extras is not None and req.extras.lora_id:
+                self.engine.note_lora(req.lora_name, req.extras.lora_id)
             if req.load is not None:
                 self._load(req)
 
@@ -315,7 +393,7 @@ class KVMeshConnector(KVConnectorBase_V1):
             mask[: load.mask_start] = False
             retrieved = self.engine.retrieve(tokens, mask, kv_caches=self._kv_caches,
                                              slot_mapping=req.slot_mapping(load.end, self.block_size),
-                                             skip_prefix=load.skip_prefix)
+                                             skip_prefix=load.skip_prefix, extras=req.extras)
             got = retrieved[load.mask_start :]
             missing = (~got).nonzero()
             loaded_upto = load.mask_start + (int(missing[0, 0]) if missing.numel() else int(got.numel()))
@@ -356,7 +434,7 @@ class KVMeshConnector(KVConnectorBase_V1):
                 log.info("Storing KV cache for %d out of %d tokens for request %s", save.end - save.mask_start,
                          save.end, req.req_id)
                 self.engine.store(tokens, mask, kv_caches=self._kv_caches,
-                                  slot_mapping=req.slot_mapping(save.end, self.block_size))
+                                  slot_mapping=req.slot_mapping(save.end, self.block_size), extras=req.extras)
             except Exception as exc:
                 log.warning("storing KV for request %s failed (%s: %s); skipped", req.req_id, type(exc).__name__,
                             exc)

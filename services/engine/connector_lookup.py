@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.errors import KVMeshError
+from kvmesh.shared.keys import KeyExtras
 from kvmesh.shared.processes import pid_alive
 
 if TYPE_CHECKING:
@@ -162,11 +163,8 @@ class LookupServer:
         if command.op != PREFIX_LOOKUP_OP:
             return protocol.CommandReply(ok=False, error=f"op {command.op!r} sent on {self.subject}")
         loop = asyncio.get_running_loop()
-        hit = await loop.run_in_executor(None, self.lookup_and_prefetch, command.tokens)
+        hit = await loop.run_in_executor(None, lookup_and_prefetch, self.engine, command.tokens, command.extras)
         return protocol.CommandReply(ok=True, num_tokens=hit)
-
-    def lookup_and_prefetch(self, tokens: list[int]) -> int:
-        return lookup_and_prefetch(self.engine, tokens)
 
     def stop(self) -> None:
         self._stopped = True
@@ -175,12 +173,12 @@ class LookupServer:
             self.mesh.call(sub.unsubscribe(), 1.0, default=None)
 
 
-def lookup_and_prefetch(engine: "CacheEngine", tokens: list[int]) -> int:
+def lookup_and_prefetch(engine: "CacheEngine", tokens: list[int], extras: KeyExtras | None = None) -> int:
     """The engine's prefix over all tiers; a prefix that is not all in the CPU tier is prefetched into it."""
     try:
-        hit = engine.lookup(tokens)
-        if hit and engine.lookup(tokens, ["LocalCPUBackend"]) < hit:
-            engine.prefetch(tokens[:hit])
+        hit = engine.lookup(tokens, extras=extras)
+        if hit and engine.lookup(tokens, ["LocalCPUBackend"], extras=extras) < hit:
+            engine.prefetch(tokens[:hit], extras=extras)
         return hit
     except Exception as exc:  # a broken lookup is a miss, never a failed request
         log.warning("prefix lookup failed (%s: %s); answering a miss", type(exc).__name__, exc)
@@ -200,10 +198,10 @@ class LookupClient:
         self._last_search = 0.0
         self._warned = False
 
-    def lookup(self, tokens: list[int]) -> int:
+    def lookup(self, tokens: list[int], extras: KeyExtras | None = None) -> int:
         local = engines.all()
         if local:
-            return min(lookup_and_prefetch(engine, tokens) for engine in local)
+            return min(lookup_and_prefetch(engine, tokens, extras) for engine in local)
         workers = self._find()
         if not workers:
             if not self._warned:
@@ -211,7 +209,7 @@ class LookupClient:
                             os.getpid())
                 self._warned = True
             return 0
-        return min(self._ask(worker, tokens) for worker in workers)
+        return min(self._ask(worker, tokens, extras) for worker in workers)
 
     def _find(self) -> list[WorkerAddress]:
         if len(self._workers) == self.world_size and all(pid_alive(w.pid) for w in self._workers):
@@ -238,11 +236,11 @@ class LookupClient:
         self._mesh.connect(url)
         self._mesh.wait_connected(min(self.timeout, 2.0))
 
-    def _ask(self, worker: WorkerAddress, tokens: list[int]) -> int:
+    def _ask(self, worker: WorkerAddress, tokens: list[int], extras: KeyExtras | None) -> int:
         mesh = self._mesh
         if mesh is None or mesh.nc is None or not mesh.connected:
             return 0  # NATS is down: a miss at once (vLLM computes), not a wait for the timeout
-        command = protocol.WorkerCommand(op=PREFIX_LOOKUP_OP, location=ALL_LOCATIONS, tokens=tokens)
+        command = protocol.WorkerCommand(op=PREFIX_LOOKUP_OP, location=ALL_LOCATIONS, tokens=tokens, extras=extras)
         subject = protocol.Subjects.worker(worker.worker_id, PREFIX_LOOKUP_OP)
 
         async def ask() -> int:

@@ -24,6 +24,8 @@ from typing import Any, Sequence
 
 import torch
 
+from kvmesh.shared.keys import KeyExtras
+
 try:  # the base class exists wherever vLLM does; the module stays importable (and testable) without it
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 except Exception:  # pragma: no cover - only without vLLM
@@ -55,13 +57,19 @@ class SaveSpec:
 
 @dataclass
 class ReqMeta:
-    """One request's work in one step; `token_ids` and `block_ids` cover at least max(load.end, save.end)."""
+    """One request's work in one step; `token_ids` and `block_ids` cover at least max(load.end, save.end).
+
+    `extras` are what the chunk keys mix in besides the tokens (LoRA adapter, cache_salt, multimodal items,
+    prompt embeddings); `lora_name` names the adapter for the registration.
+    """
 
     req_id: str
     token_ids: list[int]
     block_ids: list[int]
     load: LoadSpec | None = None
     save: SaveSpec | None = None
+    extras: KeyExtras | None = None
+    lora_name: str | None = None
 
     def slot_mapping(self, num_tokens: int, block_size: int) -> torch.Tensor:
         """Slot of each of the first `num_tokens` tokens: block_ids[i // B] * B + i % B (int64, CPU)."""
@@ -100,6 +108,9 @@ class RequestTracker:
     req_id: str
     request: Any  # vLLM's Request (live: all_token_ids grows as tokens are generated)
     prompt_len: int
+    extras: KeyExtras | None = None  # see ReqMeta
+    lora_name: str | None = None
+    cacheable: bool = True  # False: its key inputs could not be read, so it is neither loaded nor stored
     hit: int = 0  # tokens the cache held at lookup
     local: int = 0  # tokens vLLM had computed itself (its prefix cache) when we looked up
     num_to_load: int = 0  # what get_num_new_matched_tokens answered (tokens beyond `local`)

@@ -99,6 +99,7 @@ class KVLayout:
     per_block: bool  # True: copies move whole blocks (CPU); False: per-token copies
     kv_planes: int = 2  # 2 (K and V) or 1 (MLA latent)
     cpu_isa: str | None = None  # CPU layouts: the vLLM CPU attention ISA that arranged the pages
+    cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype: "fp8_e4m3" and "fp8_e5m2" share a torch dtype
 
     @property
     def itemsize(self) -> int:
@@ -144,12 +145,19 @@ class KVLayout:
     def chunk_format(self) -> str:
         """Tag for chunk keys: chunks with different tags have different bytes and never mix."""
         dtype = str(self.dtype).removeprefix("torch.")
+        if self.cache_dtype not in ("auto", dtype):  # e.g. "uint8+fp8_e4m3": the bytes' meaning
+            dtype = f"{dtype}+{self.cache_dtype}"
         if self.per_block:
             isa = "" if self.cpu_isa in CPU_KT_ISAS else f"-{self.cpu_isa or 'unknown'}"
             return f"{dtype}/{self.name}-{self.block_size}{isa}"
         if self.kv_planes == 1:
             return f"{dtype}/MLA-{self.head_size}"
         return f"{dtype}/TOK-{self.num_kv_heads}x{self.head_size}"
+
+    @property
+    def replicated_across_ranks(self) -> bool:
+        """MLA: every tensor-parallel rank holds the same latent KV (nothing is sharded by head)."""
+        return self.kv_planes == 1
 
     def check_chunk_size(self, chunk_size: int) -> None:
         """Raise ValueError if chunks of `chunk_size` tokens cannot be copied with this layout."""

@@ -105,7 +105,7 @@ class WorkerAgent:
             return CommandReply(ok=False, error=f"unknown location {location!r} (known: {', '.join(LOCATIONS)})")
         if op not in OPS:
             return CommandReply(ok=False, error=f"unknown op {op!r} (known: {', '.join(OPS)})")
-        spans = self.hasher.spans(command.tokens) if op != "clear" else []
+        spans = self.hasher.spans(command.tokens, extras=command.extras) if op != "clear" else []
         keys = [s.key for s in spans]
         if location == LOCAL_CPU:
             if op == "pin":
