@@ -6,9 +6,23 @@ with every CPython (the language reference prose in `pydoc_data.topics` plus a f
 saved as a Hugging Face fast tokenizer with bos/eos tokens and a Llama-3-style chat template. The weights are
 `LlamaForCausalLM(LlamaConfig(...))` under `torch.manual_seed(seed)`, saved as safetensors.
 
+Two presets have sliding-window attention, for the hybrid KV cache manager (one KV cache group per kind of
+attention) and for connectors that must handle windowed layers; both are served by vLLM's CPU build:
+* "hybrid": `Gemma2ForCausalLM`, layers alternate sliding-window (even indices) and full attention
+  (`layer_types`), window 128 tokens, so a 2k-token prompt crosses it many times. vLLM makes two KV cache
+  groups, a FullAttentionSpec one and a SlidingWindowSpec one. Gemma2's logit soft-capping is off (the
+  attention and the final logits are plain), everything else is Gemma2 as transformers builds it.
+* "swa": `MistralForCausalLM` with `sliding_window` 128: every layer windowed, one SlidingWindowSpec group.
+  Its weights and tokenizer are those of "tiny" (same seed, same shapes), so only the window differs.
+Both give the same logprobs in vLLM CPU as in transformers (eager attention), window included.
+Qwen2/Qwen3 configs with mixed `layer_types` are not usable: vLLM's Qwen2 model refuses them unless
+`max_window_layers == num_hidden_layers`, and then applies no per-layer window at all.
+
     python scripts/make_demo_model.py OUTDIR                 # tiny: fast tests (2 layers, hidden 256, fp32)
     python scripts/make_demo_model.py OUTDIR --bench         # benchmarks/ttft.py: 6 layers, hidden 512, bf16
     python scripts/make_demo_model.py OUTDIR --layers 4 --hidden 384 --dtype bfloat16
+    python scripts/make_demo_model.py OUTDIR --preset hybrid # Gemma2: sliding-window (128) and full layers, fp32
+    python scripts/make_demo_model.py OUTDIR --preset swa    # Mistral: every layer sliding-window (128), fp32
 
 The same arguments give byte-identical files (checked by `--verify`); a `kvmesh_demo.json` next to the weights
 records the arguments, so callers can reuse a built directory when the arguments match (`model_is_current`).
@@ -49,7 +63,17 @@ PRESETS: dict[str, dict[str, object]] = {
     # benchmarks/ttft.py: big enough that prefill of 8k-16k tokens takes seconds on 2 cores
     "bench": dict(layers=6, hidden=512, intermediate=2048, heads=8, kv_heads=2, head_dim=64, vocab=8192,
                   max_positions=32768, dtype="bfloat16"),
+    # hybrid KV cache: Gemma2, layers 0 and 2 sliding-window (128 tokens), layers 1 and 3 full attention
+    # (`full_every`: every n-th layer is full; 0 makes every layer sliding)
+    "hybrid": dict(arch="gemma2", layers=4, hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64,
+                   vocab=4096, max_positions=8192, dtype="float32", sliding_window=128, full_every=2),
+    # pure sliding window: Mistral (a Llama with `sliding_window`), every layer windowed
+    "swa": dict(arch="mistral", layers=2, hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64,
+                vocab=4096, max_positions=8192, dtype="float32", sliding_window=128),
 }
+# "arch" (default "llama"), "sliding_window" and "full_every" appear only in the sliding-window presets' specs, so
+# the "tiny"/"bench" specs, markers and files are the same as before these presets existed.
+ARCHS = ("llama", "gemma2", "mistral")
 MARKER_FILE = "kvmesh_demo.json"
 FORMAT_VERSION = 1  # bump when the build changes in a way that changes the files
 
@@ -97,6 +121,41 @@ def build_tokenizer(vocab_size: int):
     return fast
 
 
+def layer_types(spec: dict[str, object]) -> list[str]:
+    """Gemma2-style `layer_types`: every `full_every`-th layer full attention, the others sliding-window."""
+    every = int(spec.get("full_every", 0))  # type: ignore[arg-type]
+    return ["full_attention" if every and (i + 1) % every == 0 else "sliding_attention"
+            for i in range(int(spec["layers"]))]  # type: ignore[arg-type]
+
+
+def _special_ids(tokenizer) -> dict[str, int]:
+    ids = tokenizer.convert_tokens_to_ids
+    return {"bos_token_id": ids(BOS), "eos_token_id": ids(EOS), "pad_token_id": ids("<|end_of_text|>")}
+
+
+def _windowed_model(spec: dict[str, object], tokenizer):
+    """The model of a sliding-window preset ("gemma2": hybrid layers, "mistral": every layer windowed)."""
+    arch = spec["arch"]
+    common = dict(vocab_size=len(tokenizer), hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
+                  num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
+                  num_key_value_heads=spec["kv_heads"], head_dim=spec["head_dim"],
+                  max_position_embeddings=spec["max_positions"], initializer_range=0.02,
+                  sliding_window=spec["sliding_window"], **_special_ids(tokenizer))
+    if arch == "gemma2":
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        config = Gemma2Config(**common, layer_types=layer_types(spec), rope_theta=10000.0, rms_norm_eps=1e-6,
+                              query_pre_attn_scalar=spec["head_dim"], final_logit_softcapping=None,
+                              attn_logit_softcapping=None, tie_word_embeddings=True)
+        return Gemma2ForCausalLM(config)
+    if arch == "mistral":
+        from transformers import MistralConfig, MistralForCausalLM
+
+        config = MistralConfig(**common, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+        return MistralForCausalLM(config)
+    raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
+
+
 def build(outdir: Path, spec: dict[str, object], seed: int) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -107,6 +166,13 @@ def build(outdir: Path, spec: dict[str, object], seed: int) -> None:
     tokenizer = build_tokenizer(int(spec["vocab"]))  # type: ignore[arg-type]
     tokenizer.save_pretrained(outdir)
     dtype = getattr(torch, str(spec["dtype"]))
+    if spec.get("arch", "llama") != "llama":  # the sliding-window presets; "tiny"/"bench" take the path below
+        torch.manual_seed(seed)
+        model = _windowed_model(spec, tokenizer).to(dtype)
+        model.eval()
+        model.save_pretrained(outdir, safe_serialization=True)
+        (outdir / MARKER_FILE).write_text(json.dumps(marker(spec, seed), indent=2, sort_keys=True) + "\n")
+        return
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
         num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"], num_key_value_heads=spec["kv_heads"],
@@ -159,6 +225,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("outdir", type=Path)
     parser.add_argument("--bench", action="store_true", help="the benchmark preset (6 layers, hidden 512, bf16)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="tiny (default), bench, hybrid or swa")
     parser.add_argument("--layers", type=int)
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--intermediate", type=int)
@@ -168,6 +235,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int)
     parser.add_argument("--max-positions", type=int)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--sliding-window", type=int, help="window in tokens (hybrid/swa presets only)")
+    parser.add_argument("--full-every", type=int, help="every n-th layer full attention, 0: none (hybrid only)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="rebuild even if the directory is current")
     parser.add_argument("--verify", action="store_true", help="build twice and check the files are identical")
@@ -176,9 +245,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    preset = "bench" if args.bench else "tiny"
+    if args.bench and args.preset not in (None, "bench"):
+        print("--bench and --preset disagree", file=sys.stderr)
+        return 2
+    preset = args.preset or ("bench" if args.bench else "tiny")
     overrides = {k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "heads", "kv_heads",
                                                "head_dim", "vocab", "max_positions", "dtype")}
+    windowed = {k: getattr(args, k) for k in ("sliding_window", "full_every") if getattr(args, k) is not None}
+    if any(k not in PRESETS[preset] for k in windowed):
+        print(f"--sliding-window/--full-every do not apply to the {preset!r} preset", file=sys.stderr)
+        return 2
+    overrides.update(windowed)
     spec = {**PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None}}
     if args.force or not model_is_current(args.outdir, spec, args.seed):
         build(args.outdir, spec, args.seed)

@@ -3,6 +3,9 @@
 * `demo_model`: the tiny Llama built by scripts/make_demo_model.py, cached across sessions under
   $KVMESH_TEST_CACHE (default ~/.cache/kvmesh-tests) and rebuilt only when its build arguments change.
 * `long_text`: a long English text for prompts (the Python language reference).
+* `lora_adapters`: two seeded LoRA adapters of the demo model ("lora-a", "lora-b"), built offline and cached.
+* `hybrid_model` / `swa_model`: sliding-window variants of the demo model (Gemma2 with sliding-window and full
+  layers; Mistral with every layer windowed), built offline and cached.
 * every process started through `e2e_support` (vLLM servers, `kvmesh up`) is stopped at the end of the session.
 Helpers (free ports, process classes) live in tests/e2e_support.py.
 """
@@ -14,7 +17,7 @@ from typing import AsyncIterator, Iterator
 
 import pytest
 
-from e2e_support import make_demo_model, model_cache_dir, stop_all
+from e2e_support import make_demo_model, make_lora_adapters, model_cache_dir, stop_all
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -27,6 +30,23 @@ def _stop_processes_at_exit() -> Iterator[None]:
 def demo_model() -> Path:
     """The tiny demo model (float32, 2 layers, vocab 4096), built once and reused across sessions."""
     return make_demo_model.ensure_model(model_cache_dir() / "models" / "tiny", "tiny")
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(demo_model: Path) -> dict[str, Path]:
+    """name -> adapter directory; both change K and V of every layer, so their KV (and answers) differ."""
+    return {name: make_lora_adapters.ensure_lora_adapter(model_cache_dir() / "lora" / name, demo_model, seed)
+            for name, seed in (("lora-a", 1), ("lora-b", 2))}
+
+
+@pytest.fixture(scope="session")
+def hybrid_model() -> Path:
+    return make_demo_model.ensure_model(model_cache_dir() / "models" / "hybrid", "hybrid")
+
+
+@pytest.fixture(scope="session")
+def swa_model() -> Path:
+    return make_demo_model.ensure_model(model_cache_dir() / "models" / "swa", "swa")
 
 
 @pytest.fixture(scope="session")

@@ -41,6 +41,7 @@ def _load_script(name: str) -> Any:
 
 
 make_demo_model = _load_script("make_demo_model")
+make_lora_adapters = _load_script("make_lora_adapters")
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -13,7 +13,10 @@ Order and cost (2 cores; ~3 minutes with vLLM's compile cache warm, ~6 on a fres
   * then one module fixture starts together (start-ups overlap): `kvmesh up` (NATS, controller, disk store,
     remote store) on free ports; vLLM "a" (instance "lmcache_default_instance") and "b" ("instance_b") with the
     connector, the seeds' controller YAML, a CPU tier and the shared remote store; vLLM "ref" without connector
-    (the reference outputs). The last test kills the mesh.
+    (the reference outputs). "a" and "ref" also serve two LoRA adapters (`--max-loras 3`: one slot more than
+    adapters, because vLLM CPU's torch LoRA ops index the slots with the "no LoRA" marker -1, so a base request
+    batched with LoRA ones would get the last slot's adapter, vllm-project/vllm#48421). A tensor-parallel vLLM
+    is started by its own test. The last test kills the mesh.
 """
 
 from __future__ import annotations
@@ -130,19 +133,26 @@ def test_seed_002_embedded_disk_survives_restart(tmp_path: Path, demo_model: Pat
 
 
 # ---- one mesh, two instances with the connector, one without ------------------------------------------------
+def lora_args(adapters: dict[str, Path]) -> list[str]:
+    return ["--enable-lora", "--max-lora-rank", "8", "--max-loras", str(len(adapters) + 1), "--lora-modules",
+            *(f"{name}={path}" for name, path in adapters.items())]
+
+
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Iterator[dict[str, Any]]:
+def servers(tmp_path_factory: pytest.TempPathFactory, demo_model: Path,
+            lora_adapters: dict[str, Path]) -> Iterator[dict[str, Any]]:
     work = tmp_path_factory.mktemp("e2e")
     mesh = MeshUp(work / "mesh")
     mesh.start()
     mesh.wait_ready()
     a = VLLMServer("vllm-a", demo_model, free_port(), work / "vllm-a.log", kv_config=kv_transfer_config(),
                    env=clean_env(LMCACHE_CONFIG_FILE=str(controller_yaml(work / "a.yaml", INSTANCE_A,
-                                                                         mesh.nats_port))))
+                                                                         mesh.nats_port))),
+                   extra_args=lora_args(lora_adapters))
     b = VLLMServer("vllm-b", demo_model, free_port(), work / "vllm-b.log", kv_config=kv_transfer_config(),
                    env=clean_env(LMCACHE_CONFIG_FILE=str(controller_yaml(work / "b.yaml", INSTANCE_B,
                                                                          mesh.nats_port))))
-    ref = VLLMServer("vllm-ref", demo_model, free_port(), work / "vllm-ref.log")
+    ref = VLLMServer("vllm-ref", demo_model, free_port(), work / "vllm-ref.log", extra_args=lora_args(lora_adapters))
     try:
         start_vllm(a, b, ref)
         yield {"mesh": mesh, "a": a, "b": b, "ref": ref, "work": work}
@@ -270,6 +280,63 @@ def test_prefill_on_one_instance_is_a_hit_on_the_other(servers: dict[str, Any], 
     hit = b.assert_loaded(warm)
     assert hit.hit >= num_tokens - CHUNK, hit
     assert output_text(warm) == expected
+
+
+def test_lora_adapters_never_share_kv(servers: dict[str, Any], long_text: str) -> None:
+    """The same prompt with adapter a, then b (a miss: a's KV was computed under other K/V weights), then a
+    again (a load); each answer is that of vLLM alone with the same adapter. /lookup finds the chunks only
+    when told the adapter's name."""
+    a: VLLMServer = servers["a"]
+    ref: VLLMServer = servers["ref"]
+    mesh: MeshUp = servers["mesh"]
+    prompt = prompt_of(long_text[140_000:], 6_000, "lora")
+    expected = {name: output_text(ref.complete(prompt, max_tokens=16, model=name)) for name in ("lora-a", "lora-b")}
+    assert expected["lora-a"] != expected["lora-b"], "the adapters must change the answer for this test to mean much"
+
+    first = a.complete(prompt, max_tokens=16, model="lora-a")
+    assert a.hit_for(first).hit == 0 and output_text(first) == expected["lora-a"]
+    num_tokens = first["usage"]["prompt_tokens"]
+    tokens = a.tokenize(prompt)
+
+    def listed(**fields: str) -> bool:
+        entry = mesh.post("/lookup", {"tokens": tokens, **fields})["layout_info"].get(INSTANCE_A)
+        return bool(entry) and entry[1] >= num_tokens - CHUNK
+
+    wait_until(lambda: listed(lora_name="lora-a"), 15, interval=0.3, what="/lookup with lora_name lora-a")
+    assert not listed() and not listed(lora_name="lora-b")
+
+    other = a.complete(prompt, max_tokens=16, model="lora-b")
+    assert a.hit_for(other).hit == 0, "adapter b never loads KV computed under adapter a"
+    assert output_text(other) == expected["lora-b"]
+    base = a.complete(prompt, max_tokens=16)
+    assert a.hit_for(base).hit == 0, "nor does the base model"
+    again = a.complete(prompt, max_tokens=16, model="lora-a")
+    assert a.assert_loaded(again).hit >= num_tokens - CHUNK
+    assert output_text(again) == expected["lora-a"]
+
+
+def test_tensor_parallel_two_ranks_hit_on_both(servers: dict[str, Any], demo_model: Path, long_text: str,
+                                               tmp_path: Path) -> None:
+    """vLLM CPU with --tensor-parallel-size 2 (one core per rank), the connector's embedded default with a CPU
+    tier: both ranks store their shard, the second request loads on both, the answer is vLLM's alone."""
+    ref: VLLMServer = servers["ref"]
+    (tmp_path / "tp.yaml").write_text(f"chunk_size: {CHUNK}\nlocal_cpu: true\nmax_local_cpu_size: 0.25\n")
+    # auto-binding wants one NUMA node per rank; "0|1" gives each rank one core
+    env = clean_env(LMCACHE_CONFIG_FILE=str(tmp_path / "tp.yaml"), VLLM_CPU_OMP_THREADS_BIND="0|1")
+    tp = VLLMServer("vllm-tp2", demo_model, free_port(), tmp_path / "vllm-tp2.log", kv_config=kv_transfer_config(),
+                    env=env, extra_args=["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"])
+    start_vllm(tp)
+    try:
+        prompt = prompt_of(long_text[160_000:], 6_000, "tp2")
+        expected = output_text(ref.complete(prompt, max_tokens=16))
+        cold = tp.complete(prompt, max_tokens=16)
+        assert tp.hit_for(cold).hit == 0 and output_text(cold) == expected
+        warm = tp.complete(prompt, max_tokens=16)
+        hit = tp.assert_loaded(warm, ranks=2)
+        assert hit.hit >= cold["usage"]["prompt_tokens"] - CHUNK
+        assert output_text(warm) == expected
+    finally:
+        tp.stop()
 
 
 def test_cache_salt_keeps_tenants_apart(servers: dict[str, Any], long_text: str) -> None:

@@ -121,7 +121,7 @@ class CacheEngine:
         self.copier = PagedCopier(layout, self._device if self._device is not None else device)
         if self.use_mesh:
             try:  # joining needs nothing; embedding starts a NATS server (the one thing that can fail here)
-                self._connection = MeshConnection(config)
+                self._connection = MeshConnection(config, self.world_size)
                 self.plan = self._connection.plan
             except Exception as exc:
                 log.error("cache engine %s: no mesh (%s: %s); serving from the CPU tier only", self.worker_id,

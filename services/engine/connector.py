@@ -55,7 +55,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvmesh.services.engine.connector_lookup import LookupClient, LookupServer, engines, publish_worker
+from kvmesh.services.engine.connector_lookup import (
+    LookupClient,
+    LookupServer,
+    engines,
+    lookup_id_for,
+    publish_worker,
+)
 from kvmesh.services.engine.connector_meta import (
     KVMeshConnectorMetadata,
     ReqMeta,
@@ -368,8 +374,9 @@ class KVMeshConnector(KVConnectorBase_V1):
         mesh = getattr(self.engine, "mesh", None)
         url = self._engine_nats_url()
         if mesh is not None and url:
-            self._lookup_server = LookupServer(self.engine, mesh, self.engine.worker_id)
-            self._rendezvous = publish_worker(rank, self.engine.worker_id, url)
+            lookup_id = lookup_id_for(self.engine.worker_id)
+            self._lookup_server = LookupServer(self.engine, mesh, lookup_id)
+            self._rendezvous = publish_worker(rank, lookup_id, url)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         if self.engine is None or not self.has_connector_metadata():

