@@ -28,8 +28,8 @@ from collections.abc import Callable
 
 import torch
 
-from kvmesh.services.engine.cache_engine import CacheEngine
-from kvmesh.services.engine.kv_layout import detect_layout
+from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.core.kv_layout import detect_layout
 from kvmesh.shared.config import GB, EngineConfig
 from kvmesh.shared.keys import KeyParams
 

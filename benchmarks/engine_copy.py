@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _import_engine() -> types.SimpleNamespace:
     """The engine modules; without an installed kvmesh (e.g. a bare GPU box) map the package onto the repo."""
     try:
-        from kvmesh.services.engine import kv_layout, paged_copy
+        from kvmesh.services.engine.core import kv_layout, paged_copy
     except ImportError:
         for name, path in (
             ("kvmesh", ROOT / "kvmesh_pkg"),
@@ -48,7 +48,7 @@ def _import_engine() -> types.SimpleNamespace:
                 module = types.ModuleType(name)
                 module.__path__ = [str(path)]
                 sys.modules[name] = module
-        from kvmesh.services.engine import kv_layout, paged_copy
+        from kvmesh.services.engine.core import kv_layout, paged_copy
     return types.SimpleNamespace(kv_layout=kv_layout, paged_copy=paged_copy)
 
 

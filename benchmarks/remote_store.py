@@ -12,7 +12,7 @@ Store puts are timed twice: "cold" into a fresh store (every buffer is page-faul
 ms per 32 MiB here) and "warm" with new keys into the full store (each put evicts the LRU chunk and reuses its
 buffer: the steady state of a cache). Gets go into a preallocated destination; every byte is compared with
 the source after the run. With `--nats-mib N` the raw peer also moves N MiB through NATS in frames of 1 and
-8 MiB, the alternative data path (the reason the store uses a stream: see services/remote_store/transfer.py).
+8 MiB, the alternative data path (the reason the store uses a stream: see services/remote_store/stream_wire.py).
 """
 
 from __future__ import annotations

@@ -14,13 +14,13 @@ import asyncio
 import json
 import logging
 import signal
-import socket
 import sys
 import threading
 from pathlib import Path
 
 from kvmesh.shared import bus
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
+from kvmesh.shared.protocol import disk_store_id, remote_store_id
 from kvmesh.shared.service import configure_logging, ping_all
 
 log = logging.getLogger("kvmesh")
@@ -30,15 +30,6 @@ SERVICE_MODULES = {
     "disk-store": "kvmesh.services.disk_store",
     "remote-store": "kvmesh.services.remote_store",
 }
-
-
-def disk_store_id(host: str | None = None) -> str:
-    """The disk store's id: one per host."""
-    return f"disk-{host or socket.gethostname()}"
-
-
-def remote_store_id(partition: int) -> str:
-    return f"remote-{partition}"
 
 
 def mesh_services(args: argparse.Namespace) -> list[ServiceSpec]:

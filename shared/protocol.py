@@ -11,6 +11,7 @@ tag, missing or mistyped field). Services log that and drop the message; they ne
 from __future__ import annotations
 
 import dataclasses
+import socket
 import types
 import typing
 from dataclasses import dataclass, field
@@ -71,6 +72,16 @@ class Subjects:
     def store(cls, store_id: str, op: str) -> str:
         """A chunk-store operation (op: put, get, contains, remove, clear, pin, unpin, prefetch, stats)."""
         return f"{cls.PREFIX}.store.{cls.token(store_id)}.{op}"
+
+
+def disk_store_id(host: str | None = None) -> str:
+    """The disk store's id: one per host."""
+    return f"disk-{host or socket.gethostname()}"
+
+
+def remote_store_id(partition: int) -> str:
+    """The id of the remote store serving key partition `partition`."""
+    return f"remote-{partition}"
 
 
 M = TypeVar("M")
@@ -434,7 +445,7 @@ class GetReply:
 # ---------------------------------------------------------------------------------------------------------
 # Direct streams (remote store): negotiated on NATS, then chunk bytes on a TCP connection kept by the client.
 # On the stream every request is one op byte, a u32 length, one of these messages (or PutRequest/GetRequest)
-# and, for puts and found gets, the chunk's raw bytes; see services/remote_store/transfer.py.
+# and, for puts and found gets, the chunk's raw bytes; see services/remote_store/stream_wire.py.
 
 
 @message("stream_request")

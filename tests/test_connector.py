@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvmesh.services.engine.connector_meta import KVMeshConnectorMetadata, LoadSpec, ReqMeta, RequestTracker, SaveSpec
+from kvmesh.services.engine.adapter.request_meta import KVMeshConnectorMetadata, LoadSpec, ReqMeta, RequestTracker, SaveSpec
 
 connector = pytest.importorskip("kvmesh.services.engine.connector")
 

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from kvmesh.services.engine.cache_engine import CacheEngine
+from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.shared.keys import KeyParams
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
 
@@ -215,7 +215,7 @@ def test_refcounts_keep_bytes_being_read(kv: PagedKV) -> None:
         engine.store(b, **kv.kv(kv.slots(64)))  # needs both slots: a's is still read, so only one chunk fits
         assert engine.lookup(b) == CHUNK and engine.lookup(a) == 0
         chunk = ref.slot.view(kv.layout.dtype, kv.layout.chunk_shape(32))
-        from kvmesh.services.engine.paged_copy import scatter
+        from kvmesh.services.engine.core.paged_copy import scatter
         dst = kv.slots(32, exclude=src)
         scatter(chunk, kv.caches, kv.layout, dst)
         assert torch.equal(kv.token_kv(dst), expected)  # ... but its bytes survived until released
@@ -257,7 +257,7 @@ def test_pool_segment_lifecycle_and_stale_segments_are_swept() -> None:
     import sys
     from pathlib import Path
 
-    from kvmesh.services.engine.memory_pool import MemoryPool
+    from kvmesh.services.engine.core.memory_pool import MemoryPool
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = Path("/dev/shm") / f"kvmesh-{int(dead.stdout)}-00c0ffee"

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from kvmesh.cli import disk_store_id
-from kvmesh.services.engine import embedded_mesh
-from kvmesh.services.engine.cache_engine import CacheEngine
-from kvmesh.services.engine.embedded_mesh import EMBED, JOIN, plan_mesh
+from kvmesh.shared.protocol import disk_store_id
+from kvmesh.services.engine.mesh import embedded as embedded_mesh
+from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.mesh.embedded import EMBED, JOIN, plan_mesh
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.keys import KeyParams
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
@@ -23,7 +23,7 @@ from test_engine_support import PagedKV, engine_config, random_tokens
 PARAMS = KeyParams(model="test-model", kv_format="")
 JOIN_PROBE = """
 import sys
-from kvmesh.services.engine.embedded_mesh import plan_mesh, registry
+from kvmesh.services.engine.mesh.embedded import plan_mesh, registry
 from kvmesh.shared.config import EngineConfig
 share = registry.acquire(plan_mesh(EngineConfig(local_disk=sys.argv[1], max_local_disk_size=0.05)))
 print(share.url, "joined" if share.mesh is None else "started")

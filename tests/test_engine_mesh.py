@@ -16,8 +16,8 @@ import torch
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from kvmesh.cli import disk_store_id
-from kvmesh.services.engine.cache_engine import CacheEngine
+from kvmesh.shared.protocol import disk_store_id
+from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.keys import KeyParams

@@ -1,7 +1,7 @@
 """The storage manager against a store that misbehaves: vLLM's calls never wait longer than their timeouts.
 
 A fake `ChunkStoreClient` (slow puts, hanging gets) stands in for the disk store on a real NATS connection, so
-the engine's mesh loop, write-behind queue and fetch hand-over run for real.
+the engine's NATS loop, write-behind queue and fetch hand-over run for real.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Iterator
 
 import pytest
 
-from kvmesh.services.engine.cache_engine import CacheEngine
+from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.keys import ChunkKey, KeyParams
 from kvmesh.shared.protocol import LOCAL_DISK, ChunkMeta, StatsReply
@@ -135,7 +135,7 @@ def test_a_slow_store_gives_a_shorter_hit_within_the_blocking_timeout(nats_url: 
         assert time.monotonic() - start < 1.5
         assert int(got.sum()) == CHUNK  # only the CPU chunk: the rest took too long
 
-        # the abandoned fetch finishes on the mesh loop and parks its chunks in the CPU tier, leaking nothing
+        # the abandoned fetch finishes on the NATS loop and parks its chunks in the CPU tier, leaking nothing
         deadline = time.monotonic() + 10
         while engine.lookup(tokens, search_range=["LocalCPUBackend"]) < 128 and time.monotonic() < deadline:
             time.sleep(0.05)

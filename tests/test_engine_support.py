@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvmesh.services.engine.kv_layout import KVLayout, cpu_token_views, detect_layout
+from kvmesh.services.engine.core.kv_layout import KVLayout, cpu_token_views, detect_layout
 from kvmesh.shared.config import EngineConfig
 
 LAYERS, HEADS, HEAD_SIZE, BLOCK, NUM_BLOCKS = 2, 2, 32, 16, 96

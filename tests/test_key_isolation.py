@@ -20,11 +20,11 @@ import httpx
 import pytest
 import torch
 
-from kvmesh.cli import disk_store_id
+from kvmesh.shared.protocol import disk_store_id
 from kvmesh.services.controller.config import ControllerConfig
 from kvmesh.services.controller.service import ControllerService
-from kvmesh.services.engine.cache_engine import CacheEngine
-from kvmesh.services.engine.kv_layout import detect_layout
+from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.core.kv_layout import detect_layout
 from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.keys import KeyExtras, KeyParams
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec

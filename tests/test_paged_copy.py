@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvmesh.services.engine.kv_layout import (
+from kvmesh.services.engine.core.kv_layout import (
     BHNC,
     FI_2X,
     LBHNC,
@@ -29,7 +29,7 @@ from kvmesh.services.engine.kv_layout import (
     cpu_token_views,
     detect_layout,
 )
-from kvmesh.services.engine.paged_copy import KERNELS_FILE, PagedCopier, gather, scatter, unpack_block_chunk
+from kvmesh.services.engine.core.paged_copy import KERNELS_FILE, PagedCopier, gather, scatter, unpack_block_chunk
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 INT_VIEW = {2: torch.int16, 4: torch.int32}

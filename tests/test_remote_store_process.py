@@ -27,7 +27,7 @@ from kvmesh.shared.embedded_nats import EmbeddedNats, _die_with_parent
 from kvmesh.shared.errors import MeshUnavailable
 from kvmesh.shared.nats_auth import connect_checked
 from kvmesh.shared.store_client import ChunkBuffer
-from kvmesh.services.remote_store import transfer
+from kvmesh.services.remote_store import stream_client, stream_wire
 from kvmesh.services.remote_store.client import RemoteStoreClient
 from kvmesh.services.remote_store.partition import partition_of
 
@@ -263,8 +263,8 @@ async def _greeted_socket(nc, store_id: str, rcvbuf: int | None = None) -> socke
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     sock.setblocking(False)
     await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, (offer.host, offer.port)), 5)
-    await transfer.send_request(sock, transfer.OP_HELLO, protocol.StreamHello(ticket=offer.ticket))
-    assert (await asyncio.wait_for(transfer.recv_reply(sock, protocol.Ack), 5)).ok
+    await stream_wire.send_request(sock, stream_wire.OP_HELLO, protocol.StreamHello(ticket=offer.ticket))
+    assert (await asyncio.wait_for(stream_wire.recv_reply(sock, protocol.Ack), 5)).ok
     return sock
 
 
@@ -274,8 +274,8 @@ async def _slow_get(nc, store_id: str, key: bytes, nbytes: int, piece: int, paus
     sock = await _greeted_socket(nc, store_id, rcvbuf=rcvbuf)
     loop = asyncio.get_running_loop()
     try:
-        await transfer.send_request(sock, transfer.OP_GET, protocol.GetRequest(key=key, capacity=nbytes))
-        reply = await asyncio.wait_for(transfer.recv_reply(sock, protocol.GetReply), 5)
+        await stream_wire.send_request(sock, stream_wire.OP_GET, protocol.GetRequest(key=key, capacity=nbytes))
+        reply = await asyncio.wait_for(stream_wire.recv_reply(sock, protocol.GetReply), 5)
         out = bytearray(nbytes)
         view, got = memoryview(out), 0
         while got < nbytes:
@@ -369,19 +369,19 @@ async def test_garbage_on_every_subject_and_the_stream_port_leaves_it_serving(na
             await loop.sock_sendall(sock, noise)
             sock.close()
         bad_requests = [
-            (transfer.OP_PUT, protocol.PutRequest(meta=protocol.ChunkMeta(
+            (stream_wire.OP_PUT, protocol.PutRequest(meta=protocol.ChunkMeta(
                 key=os.urandom(16), num_tokens=1, shape=[1], dtype="u8", fmt="t", nbytes=-5))),
             (b"Z", protocol.ClearRequest()),
-            (transfer.OP_GET, protocol.ChunkKeys(keys=[])),
+            (stream_wire.OP_GET, protocol.ChunkKeys(keys=[])),
         ]
         for op, message in bad_requests:
             sock = await _greeted_socket(nc, "junk-0")
-            await transfer.send_request(sock, op, message)
+            await stream_wire.send_request(sock, op, message)
             await asyncio.sleep(0.05)
             sock.close()
         # bytes that do not match their checksum are refused, and the stream stays usable
         sock = await _greeted_socket(nc, "junk-0")
-        connection = transfer.StreamConnection(sock, "junk")
+        connection = stream_client.StreamConnection(sock, "junk")
         meta, data = make_chunk(100_000, 2)
         bad = protocol.ChunkMeta(**{**meta.__dict__, "checksum": chunk_file.checksum(memoryview(data)) ^ 1})
         ack = await asyncio.wait_for(connection.put(bad, memoryview(data)), 5)

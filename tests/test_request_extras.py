@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvmesh.services.engine.request_extras import LoraIdentities, request_extras
+from kvmesh.services.engine.adapter.request_extras import LoraIdentities, request_extras
 from kvmesh.shared.keys import ChunkHasher, KeyParams
 
 vllm_request = pytest.importorskip("vllm.v1.request")

@@ -18,6 +18,7 @@ from kvmesh.shared.bus import NatsAuth, normalize_url
 from kvmesh.shared.config import CONFIG_FILE_VAR, GB, EngineConfig
 from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
+from kvmesh.shared.protocol import disk_store_id
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
@@ -35,11 +36,6 @@ class DiskStoreOptions:
     staging_bytes: int = 512 * 1024 * 1024  # 0 = write-through: a put is answered once its file is written
     staging_wait_secs: float = 5.0  # how long a put waits for staging room before it is refused
     min_free_bytes: int = 0  # refuse puts that would leave less free space on the filesystem
-
-
-def _default_store_id() -> str:
-    from kvmesh.cli import disk_store_id  # the same id `kvmesh up` gives the store of this host
-    return disk_store_id()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,7 +81,7 @@ def options_from_args(args: argparse.Namespace, environ: dict[str, str] | None =
     if args.writer_threads < 1 or args.reader_threads < 1 or args.staging_mb < 0:
         raise ConfigError("disk store: --writer-threads/--reader-threads must be >= 1, --staging-mb >= 0")
     return DiskStoreOptions(
-        root=root, capacity_bytes=capacity, store_id=args.store_id or _default_store_id(),
+        root=root, capacity_bytes=capacity, store_id=args.store_id or disk_store_id(),
         nats_url=normalize_url(nats_url), auth=nats_auth_from_args(args, env), fsync=not args.no_fsync,
         writer_threads=args.writer_threads, reader_threads=args.reader_threads,
         staging_bytes=int(args.staging_mb * 1024 * 1024))

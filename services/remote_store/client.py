@@ -27,7 +27,7 @@ from kvmesh.shared.errors import KVMeshError
 from kvmesh.shared.keys import ChunkKey
 from kvmesh.shared.store_client import ChunkBuffer, StoreLink
 from kvmesh.services.remote_store.partition import partition_of
-from kvmesh.services.remote_store.transfer import StreamConnection, StreamPool
+from kvmesh.services.remote_store.stream_client import StreamConnection, StreamPool
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from kvmesh.shared.admissions import AdmissionReporter
 from kvmesh.shared.bus import NatsAuth
 from kvmesh.shared.store_service import Handler, IndexOps, StoreEndpoint
 from kvmesh.services.remote_store.store import MemoryStore, PutRefused
-from kvmesh.services.remote_store.transfer import StreamServer
+from kvmesh.services.remote_store.stream_server import StreamServer
 
 log = logging.getLogger(__name__)
 

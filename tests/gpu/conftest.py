@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 try:
-    import kvmesh.services.engine.paged_copy  # noqa: F401
+    import kvmesh.services.engine.core.paged_copy  # noqa: F401
 except ImportError:
     for name, path in (
         ("kvmesh", ROOT / "kvmesh_pkg"),

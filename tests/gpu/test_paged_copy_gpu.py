@@ -15,8 +15,8 @@ if not torch.cuda.is_available():
     pytest.skip("CUDA is not available", allow_module_level=True)
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
 
-from kvmesh.services.engine.kv_layout import KVLayout, detect_layout  # noqa: E402
-from kvmesh.services.engine.paged_copy import PagedCopier, gather, scatter  # noqa: E402
+from kvmesh.services.engine.core.kv_layout import KVLayout, detect_layout  # noqa: E402
+from kvmesh.services.engine.core.paged_copy import PagedCopier, gather, scatter  # noqa: E402
 
 DEVICE = torch.device("cuda", torch.cuda.current_device())
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]

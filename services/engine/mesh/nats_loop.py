@@ -1,6 +1,6 @@
 """The engine's one background asyncio loop thread, and its NATS connection.
 
-Threads: `MeshLoop` owns a daemon thread ("kvmesh-mesh-<name>") running an asyncio loop. Every NATS
+Threads: `NatsLoop` owns a daemon thread ("kvmesh-mesh-<name>") running an asyncio loop. Every NATS
 operation of the engine (store clients, worker agent, admission reporter, write-behind) runs there. vLLM's
 threads never await anything: they `submit()` coroutines (fire and forget) or `call()` them and wait with a
 bounded timeout, getting a fallback value (a miss) when NATS is slow or down.
@@ -32,7 +32,7 @@ OnConnected = Callable[[NatsClient], Awaitable[None]]
 OnClose = Callable[[], Awaitable[None]]
 
 
-class MeshLoop:
+class NatsLoop:
     """A background event loop plus the NATS client that lives on it.
 
     Invariant: `nc` is None until the first connect succeeded, then the same client for the loop's life
@@ -52,7 +52,7 @@ class MeshLoop:
         self._thread = threading.Thread(target=self._run, name=f"kvmesh-mesh-{name}", daemon=True)
         self._thread.start()
         if not self._ready.wait(10.0):
-            raise RuntimeError(f"{name}: mesh loop thread did not start")
+            raise RuntimeError(f"{name}: NATS loop thread did not start")
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -77,7 +77,7 @@ class MeshLoop:
         if self._closed:
             coro.close()
             future: concurrent.futures.Future[T] = concurrent.futures.Future()
-            future.set_exception(RuntimeError(f"{self.name}: mesh loop is closed"))
+            future.set_exception(RuntimeError(f"{self.name}: NATS loop is closed"))
             return future
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
@@ -89,7 +89,7 @@ class MeshLoop:
         """
         if self.in_loop_thread:
             coro.close()
-            raise RuntimeError("MeshLoop.call from the loop thread would deadlock")
+            raise RuntimeError("NatsLoop.call from the loop thread would deadlock")
         future = self.submit(coro)
         try:
             return future.result(timeout)
@@ -171,7 +171,7 @@ class MeshLoop:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
         if self._thread.is_alive():
-            log.warning("%s: mesh loop thread did not stop within %.0fs", self.name, timeout)
+            log.warning("%s: NATS loop thread did not stop within %.0fs", self.name, timeout)
 
     async def _shutdown(self, timeout: float) -> None:
         if self._connect_task is not None and not self._connect_task.done():

@@ -1,7 +1,7 @@
 """The CPU tier (`LocalCPUBackend`): chunks resident in the engine's memory pool, LRU under the pool's size.
 
 Threads: any; one lock guards the index and the eviction policy (taken before the pool's lock, never after).
-vLLM's worker thread reads and writes it on store/retrieve, the mesh loop thread on fetches, write-behind
+vLLM's worker thread reads and writes it on store/retrieve, the NATS loop thread on fetches, write-behind
 completions and controller commands. Nothing here touches NATS: admissions and evictions are handed to the
 `AdmissionReporter` (a cheap, thread-safe append) which publishes them from the loop.
 
@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 from typing import Iterable
 
-from kvmesh.services.engine.memory_pool import MemoryPool, Slot
+from kvmesh.services.engine.core.memory_pool import MemoryPool, Slot
 from kvmesh.shared.admissions import AdmissionReporter
 from kvmesh.shared.eviction import LRUPolicy, make_policy
 from kvmesh.shared.keys import ChunkKey

@@ -1,6 +1,6 @@
 """The worker agent: one engine worker's presence on the mesh.
 
-Runs entirely on the engine's mesh loop thread, started once NATS is first reached. It
+Runs entirely on the engine's NATS loop thread, started once NATS is first reached. It
   * registers the worker (`RegisterEngine` on `Subjects.REGISTER`), heartbeats, publishes batched
     admission/eviction events of the CPU tier with sequence numbers and answers full-sync requests (all
     through `AdmissionReporter`, producer_id = worker_id, location LocalCPUBackend);
@@ -19,8 +19,8 @@ from typing import Callable
 from nats.aio.client import Client as NatsClient
 from nats.aio.subscription import Subscription
 
-from kvmesh.services.engine.cpu_tier import LocalCPUBackend
-from kvmesh.services.engine.storage_manager import StorageManager
+from kvmesh.services.engine.tiers.cpu import LocalCPUBackend
+from kvmesh.services.engine.core.storage_manager import StorageManager
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.admissions import AdmissionReporter
 from kvmesh.shared.keys import ChunkHasher, ChunkSpan

@@ -1,7 +1,7 @@
 """The storage manager: the CPU tier plus the lower tiers (disk store, remote store) behind NATS clients.
 
 Threads: `enqueue_write_behind`, `acquire_prefix`, `lookup` and `prefetch` are called from vLLM's threads and
-never block longer than their timeout; all store traffic runs on the mesh loop thread (`MeshLoop`), which
+never block longer than their timeout; all store traffic runs on the NATS loop thread (`NatsLoop`), which
 also runs the write-behind workers. Reads from the CPU tier never touch NATS.
 
 Data path of one chunk: pool slot (filled by the paged gather) -> CPU tier -> write-behind queue -> each
@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from kvmesh.services.engine.cpu_tier import ChunkRef, LocalCPUBackend
-from kvmesh.services.engine.memory_pool import Slot
-from kvmesh.services.engine.mesh_loop import MeshLoop
+from kvmesh.services.engine.tiers.cpu import ChunkRef, LocalCPUBackend
+from kvmesh.services.engine.core.memory_pool import Slot
+from kvmesh.services.engine.mesh.nats_loop import NatsLoop
 from kvmesh.shared.keys import ChunkKey, ChunkSpan
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, REMOTE, ChunkMeta
 from kvmesh.shared.store_client import ChunkStoreClient
@@ -85,7 +85,7 @@ class StorageManager:
     each returned `ChunkRef` carries one slot reference owned by the caller.
     """
 
-    def __init__(self, cpu: LocalCPUBackend, mesh: MeshLoop | None, queue_size: int, request_timeout: float,
+    def __init__(self, cpu: LocalCPUBackend, mesh: NatsLoop | None, queue_size: int, request_timeout: float,
                  blocking_timeout: float, expect_lower: Sequence[str] = ()) -> None:
         self.cpu = cpu
         self.mesh = mesh
@@ -109,7 +109,7 @@ class StorageManager:
 
     # ---- wiring (loop thread) --------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Start the write-behind workers on the mesh loop."""
+        """Start the write-behind workers on the NATS loop."""
         self._wake = asyncio.Event()
         self._writers = [asyncio.create_task(self._writer(), name=f"kvmesh-write-behind-{i}") for i in range(WRITERS)]
 
@@ -256,7 +256,7 @@ class StorageManager:
                        validate: Callable[[ChunkSpan, ChunkMeta], bool]) -> list[ChunkRef]:
         """References to the longest prefix of `spans` held in any tier, fetching from below into the pool.
 
-        CPU hits cost no NATS round trip; the rest is fetched on the mesh loop within `blocking_timeout`
+        CPU hits cost no NATS round trip; the rest is fetched on the NATS loop within `blocking_timeout`
         (a timeout or a dead mesh just ends the prefix there: the caller recomputes the rest).
         """
         refs: list[ChunkRef] = []

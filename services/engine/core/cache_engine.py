@@ -5,7 +5,7 @@ Who runs what:
     retrieve hash tokens into chunk keys (`ChunkHasher`), move bytes between vLLM's paged cache and pool slots
     with the paged copier (`PagedCopier.gather` / `scatter`), and use the CPU tier directly: a CPU hit never
     touches NATS.
-  * The mesh loop thread (`MeshLoop`) does all NATS work: write-behind to the disk / remote stores, fetches
+  * The NATS loop thread (`NatsLoop`) does all NATS work: write-behind to the disk / remote stores, fetches
     from them, the worker agent (registration, admission events, controller commands). vLLM's calls wait for
     it only with bounded timeouts and fall back to a miss, so a dead NATS never blocks vLLM.
   * Where NATS is comes from `embedded_mesh` (join a configured one, or embed one for seed 002).
@@ -26,14 +26,14 @@ import torch
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.services.disk_store.client import DiskStoreClient
-from kvmesh.services.engine.cpu_tier import LocalCPUBackend
-from kvmesh.services.engine.embedded_mesh import MeshConnection, MeshPlan, plan_mesh
-from kvmesh.services.engine.kv_layout import KVLayout, detect_layout
-from kvmesh.services.engine.memory_pool import MemoryPool, Slot
-from kvmesh.services.engine.mesh_loop import MeshLoop
-from kvmesh.services.engine.paged_copy import PagedCopier
-from kvmesh.services.engine.storage_manager import RateLimitedLog, StorageManager
-from kvmesh.services.engine.worker_agent import WorkerAgent, worker_id_for
+from kvmesh.services.engine.tiers.cpu import LocalCPUBackend
+from kvmesh.services.engine.mesh.embedded import MeshConnection, MeshPlan, plan_mesh
+from kvmesh.services.engine.core.kv_layout import KVLayout, detect_layout
+from kvmesh.services.engine.core.memory_pool import MemoryPool, Slot
+from kvmesh.services.engine.mesh.nats_loop import NatsLoop
+from kvmesh.services.engine.core.paged_copy import PagedCopier
+from kvmesh.services.engine.core.storage_manager import RateLimitedLog, StorageManager
+from kvmesh.services.engine.mesh.worker_agent import WorkerAgent, worker_id_for
 from kvmesh.services.remote_store.client import RemoteStoreClient
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.config import EngineConfig
@@ -76,7 +76,7 @@ class CacheEngine:
         self.cpu: LocalCPUBackend | None = None
         self.storage: StorageManager | None = None
         self.copier: PagedCopier | None = None
-        self.mesh: MeshLoop | None = None
+        self.mesh: NatsLoop | None = None
         self.agent: WorkerAgent | None = None
         self._connection: MeshConnection | None = None
         if layout is not None:
@@ -130,7 +130,7 @@ class CacheEngine:
         lower: list[str] = []
         if self._connection is not None and self.plan is not None:
             lower = ([LOCAL_DISK] if self.plan.disk_store else []) + ([REMOTE] if self.plan.remote_stores else [])
-            self.mesh = MeshLoop(self.worker_id)
+            self.mesh = NatsLoop(self.worker_id)
         self.storage = StorageManager(self.cpu, self.mesh, config.store_queue_size, config.request_timeout_secs,
                                       config.blocking_timeout_secs, lower)
         if not config.local_cpu and not lower:

@@ -1,6 +1,6 @@
 """The engine's host memory: one buffer, cut into fixed-size slots of one chunk each, reference-counted.
 
-Threads: any. vLLM's worker thread allocates and fills slots (store) or reads them (retrieve); the mesh loop
+Threads: any. vLLM's worker thread allocates and fills slots (store) or reads them (retrieve); the NATS loop
 thread hands slots to the stores (write-behind) and fills them (fetch from below). Every method takes the
 pool's lock briefly and never waits for a slot: `allocate()` answers None when none is free, and the caller
 evicts, skips or shortens (no deadlock, unlike a blocking allocator).

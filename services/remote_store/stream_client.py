@@ -1,0 +1,141 @@
+"""The client end of the stream data path (see stream_wire.py), on the engine's NATS loop.
+
+Imports nothing of the store: loading the engine (vLLM's connector) never loads server code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from typing import AsyncIterator, Awaitable, Callable
+
+import xxhash
+
+from kvmesh.shared import protocol
+from kvmesh.shared.keys import ChunkKey
+from kvmesh.services.remote_store.stream_wire import (
+    OP_GET,
+    OP_HELLO,
+    OP_PUT,
+    TRAILER,
+    StreamError,
+    recv_exactly,
+    recv_reply,
+    send_hashed,
+    send_request,
+    tune_socket,
+)
+
+
+class StreamConnection:
+    """One open, greeted connection to a store; one request at a time. Any error leaves it unusable."""
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.uses = 0
+
+    @classmethod
+    async def open(cls, offer: protocol.StreamOffer, client: str) -> "StreamConnection":
+        """Connect to the offered address and present the ticket (the caller bounds the time)."""
+        loop = asyncio.get_running_loop()
+        family, kind, proto, _, address = (await loop.getaddrinfo(offer.host, offer.port,
+                                                                  type=socket.SOCK_STREAM))[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            tune_socket(sock)
+            await loop.sock_connect(sock, address)
+            await send_request(sock, OP_HELLO, protocol.StreamHello(ticket=offer.ticket, client=client))
+            ack = await recv_reply(sock, protocol.Ack)
+            if not ack.ok:
+                raise StreamError(f"{offer.host}:{offer.port} refused the stream: {ack.error}")
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock, f"{offer.host}:{offer.port}")
+
+    async def put(self, meta: protocol.ChunkMeta, data: memoryview) -> protocol.Ack:
+        """Send a chunk; the store's answer (ok=False with a reason when it refused the chunk).
+
+        Without meta.checksum, the checksum is computed while sending and follows the bytes.
+        """
+        self.uses += 1
+        loop = asyncio.get_running_loop()
+        await send_request(self.sock, OP_PUT, protocol.PutRequest(meta=meta))
+        if meta.checksum:
+            await loop.sock_sendall(self.sock, data)
+            checksum = meta.checksum
+        else:
+            hasher = xxhash.xxh3_64()
+            await send_hashed(self.sock, data, hasher)
+            checksum = hasher.intdigest()
+        await loop.sock_sendall(self.sock, TRAILER.pack(checksum))
+        return await recv_reply(self.sock, protocol.Ack)
+
+    async def get_into(self, key: ChunkKey, view: memoryview) -> protocol.GetReply:
+        """Ask for a chunk; when found, its bytes are in `view[:meta.nbytes]` and match meta.checksum.
+
+        A checksum mismatch is answered as a miss with an error (the connection stays in step).
+        """
+        self.uses += 1
+        await send_request(self.sock, OP_GET, protocol.GetRequest(key=key, capacity=len(view)))
+        reply = await recv_reply(self.sock, protocol.GetReply)
+        if not reply.found:
+            return reply
+        meta = reply.meta
+        if meta is None or meta.key != key or meta.nbytes > len(view):
+            raise StreamError(f"{self.peer}: get {key.hex()} answered a mismatching chunk")
+        hasher = xxhash.xxh3_64()
+        await recv_exactly(self.sock, view[: meta.nbytes], hasher)
+        if hasher.intdigest() != meta.checksum:
+            return protocol.GetReply(found=False, meta=meta, error=f"chunk {key.hex()} failed its checksum")
+        return reply
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class StreamPool:
+    """Kept-open connections to one store; at most `max_connections` in use at once.
+
+    `negotiate` asks the store (over NATS) for an offer; each new connection needs a fresh one. After any
+    failure the idle connections are closed too: they most likely point at a store that went away.
+    """
+
+    def __init__(self, negotiate: Callable[[], Awaitable[protocol.StreamOffer]], client: str,
+                 max_connections: int = 4) -> None:
+        self._negotiate = negotiate
+        self._client = client
+        self._slots = asyncio.Semaphore(max_connections)
+        self._idle: list[StreamConnection] = []
+        self._closed = False
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[StreamConnection]:
+        """A connection for one request; it returns to the pool only if the request completed."""
+        async with self._slots:
+            connection = self._idle.pop() if self._idle else await self._open()
+            try:
+                yield connection
+            except BaseException:
+                connection.close()
+                self.reset()
+                raise
+            if self._closed:
+                connection.close()
+            else:
+                self._idle.append(connection)
+
+    async def _open(self) -> StreamConnection:
+        offer = await self._negotiate()
+        return await StreamConnection.open(offer, self._client)
+
+    def reset(self) -> None:
+        idle, self._idle = self._idle, []
+        for connection in idle:
+            connection.close()
+
+    def close(self) -> None:
+        self._closed = True
+        self.reset()

@@ -1,0 +1,199 @@
+"""The store end of the stream data path (see stream_wire.py): puts and gets of a MemoryStore over TCP."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import socket
+import time
+
+import xxhash
+
+from kvmesh.shared import protocol
+from kvmesh.shared.errors import ProtocolError
+from kvmesh.services.remote_store.store import MemoryStore, PutRefused
+from kvmesh.services.remote_store.stream_wire import (
+    OP_GET,
+    OP_HELLO,
+    OP_PUT,
+    TRAILER,
+    StreamClosed,
+    StreamError,
+    drain,
+    recv_exactly,
+    recv_message,
+    recv_request_head,
+    send_reply,
+    tune_socket,
+)
+
+log = logging.getLogger(__name__)
+
+TICKET_TTL_SECS = 30.0
+HELLO_TIMEOUT_SECS = 10.0
+
+
+class StreamServer:
+    """Serves puts and gets of a MemoryStore on a TCP port, to clients holding a ticket.
+
+    Each connection is one task on the store's loop, handling its requests in order. A request's transfer
+    (header, bytes and reply) must finish within `transfer_timeout` seconds, or the connection is closed:
+    a stalled receiver costs its own connection, never the store. Idle connections stay open.
+    """
+
+    def __init__(self, store: MemoryStore, host: str, port: int = 0, transfer_timeout: float = 30.0) -> None:
+        self.store = store
+        self.host = host
+        self.port = port
+        self.transfer_timeout = transfer_timeout
+        self._tickets: dict[bytes, float] = {}  # ticket -> expiry (monotonic)
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+
+    @property
+    def connection_count(self) -> int:
+        return len(self._connections)
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        family, kind, proto, _, address = (await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM,
+                                                                  flags=socket.AI_PASSIVE))[0]
+        listener = socket.socket(family, kind, proto)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(128)
+        listener.setblocking(False)
+        self._listener = listener
+        self.port = listener.getsockname()[1]
+        self._accepting = loop.create_task(self._accept_loop())
+
+    def issue_ticket(self) -> bytes:
+        """A single-use ticket for one new connection, valid for TICKET_TTL_SECS."""
+        now = time.monotonic()
+        for ticket in [t for t, expiry in self._tickets.items() if expiry <= now]:
+            del self._tickets[ticket]
+        ticket = secrets.token_bytes(16)
+        self._tickets[ticket] = now + TICKET_TTL_SECS
+        return ticket
+
+    async def stop(self) -> None:
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+            self._accepting = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        tasks = list(self._connections)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        while True:
+            try:
+                sock, peer = await loop.sock_accept(self._listener)
+            except OSError as exc:  # e.g. out of file descriptors: keep the listener, try again shortly
+                log.warning("stream accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            tune_socket(sock)
+            task = loop.create_task(self._serve(sock, peer))
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    async def _serve(self, sock: socket.socket, peer: object) -> None:
+        try:
+            async with asyncio.timeout(HELLO_TIMEOUT_SECS):
+                client = await self._hello(sock)
+            log.debug("stream connection from %s (%s)", peer, client)
+            while True:
+                try:
+                    op, size = await recv_request_head(sock)  # an idle connection may wait here indefinitely
+                except StreamClosed:
+                    log.debug("stream connection from %s closed by the client", peer)
+                    return
+                async with asyncio.timeout(self.transfer_timeout):
+                    if op == OP_PUT:
+                        await self._put(sock, await recv_message(sock, size, protocol.PutRequest))
+                    elif op == OP_GET:
+                        await self._get(sock, await recv_message(sock, size, protocol.GetRequest))
+                    else:
+                        raise StreamError(f"unknown op {op!r}")
+        except StreamError as exc:
+            log.warning("stream connection from %s dropped: %s", peer, exc)
+        except ProtocolError as exc:
+            log.warning("stream connection from %s dropped: bad message: %s", peer, exc)
+        except TimeoutError:
+            log.warning("stream connection from %s dropped: a transfer took longer than %gs (peer too slow "
+                        "or gone)", peer, self.transfer_timeout)
+        except OSError as exc:
+            log.info("stream connection from %s dropped: %s", peer, exc)
+        except Exception:  # a bug here must cost one connection, never the store
+            log.exception("stream connection from %s failed", peer)
+        finally:
+            sock.close()
+
+    async def _hello(self, sock: socket.socket) -> str:
+        op, size = await recv_request_head(sock)
+        if op != OP_HELLO:
+            raise StreamError(f"expected a hello, got op {op!r}")
+        hello = await recv_message(sock, size, protocol.StreamHello)
+        expiry = self._tickets.pop(hello.ticket, None)
+        if expiry is None or expiry < time.monotonic():
+            await send_reply(sock, protocol.Ack(ok=False, error="unknown or expired stream ticket: ask for "
+                                                               "a new one on the store's stream subject"))
+            raise StreamError("bad ticket")
+        await send_reply(sock, protocol.Ack())
+        return hello.client
+
+    async def _put(self, sock: socket.socket, request: protocol.PutRequest) -> None:
+        meta = request.meta
+        try:
+            chunk = await self.store.begin_put(meta)
+        except PutRefused as exc:
+            if meta.nbytes < 0:
+                raise StreamError(f"put of {meta.nbytes} bytes") from None
+            await drain(sock, meta.nbytes + TRAILER.size)
+            await send_reply(sock, protocol.Ack(ok=False, error=str(exc)))
+            return
+        if chunk is None:  # already held: the bytes are the same (keys name content)
+            await drain(sock, meta.nbytes + TRAILER.size)
+            await send_reply(sock, protocol.Ack())
+            return
+        hasher = xxhash.xxh3_64()
+        trailer = bytearray(TRAILER.size)
+        try:
+            await recv_exactly(sock, chunk.data(), hasher)
+            await recv_exactly(sock, memoryview(trailer))
+        except BaseException:
+            self.store.abort_put(chunk)
+            raise
+        try:
+            self.store.commit_put(chunk, claimed=TRAILER.unpack(trailer)[0], digest=hasher.intdigest())
+        except PutRefused as exc:
+            await send_reply(sock, protocol.Ack(ok=False, error=str(exc)))
+            return
+        await send_reply(sock, protocol.Ack())
+
+    async def _get(self, sock: socket.socket, request: protocol.GetRequest) -> None:
+        chunk = self.store.acquire(request.key)
+        if chunk is None:
+            await send_reply(sock, protocol.GetReply(found=False))
+            return
+        try:
+            if request.capacity and chunk.meta.nbytes > request.capacity:
+                await send_reply(sock, protocol.GetReply(
+                    found=False, meta=chunk.meta,
+                    error=f"chunk is {chunk.meta.nbytes} bytes, the buffer {request.capacity}"))
+                return
+            await send_reply(sock, protocol.GetReply(found=True, meta=chunk.meta))
+            await asyncio.get_running_loop().sock_sendall(sock, chunk.data())
+        finally:
+            self.store.release(chunk)
