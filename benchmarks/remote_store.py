@@ -33,7 +33,7 @@ import numpy as np
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.embedded_nats import EmbeddedNats, _die_with_parent
 from kvmesh.shared.keys import KEY_BYTES
-from kvmesh.shared.store_client import ChunkBuffer
+from kvmesh.shared.tier import ChunkBuffer
 from kvmesh.services.remote_store.client import RemoteStoreClient
 
 MiB = 1024 * 1024

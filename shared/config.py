@@ -82,6 +82,16 @@ class EngineConfig:
     store_queue_size: int = 64  # write-behind queue depth (chunks) to the disk/remote stores
     request_timeout_secs: float = 2.0  # NATS request timeout for control messages
     heartbeat_interval_secs: float = 2.0
+    # engine tunables (docs/config.md says what each is for)
+    lookup_timeout_secs: float = 2.0  # how long vLLM's scheduler is told "ask again" while the lower tiers answer
+    write_behind_workers: int = 2  # concurrent write-behind jobs to the lower tiers
+    fetch_concurrency: int = 4  # concurrent chunk reads from one store during a fetch
+    known_held_keys: int = 200_000  # chunks remembered as in every lower tier (not sent again; ~40 B each)
+    touch_interval_secs: float = 1.0  # how often hits refresh the chunks' recency in the lower tiers
+    disk_data_timeout_secs: float = 10.0  # a put or get at the disk store (it may wait for the disk)
+    remote_min_transfer_mb_per_s: float = 100.0  # a remote transfer slower than this is abandoned
+    remote_retry_interval_secs: float = 1.0  # a remote partition that failed is not asked again for this long
+    remote_stream_connections: int = 4  # open stream connections per remote partition
 
     def __post_init__(self) -> None:
         for key, (kind, optional) in _KINDS.items():
@@ -119,10 +129,10 @@ class EngineConfig:
         return config._merged(items)
 
     def with_overrides(self, overrides: Mapping[str, object], source: str) -> "EngineConfig":
-        """A copy with ``overrides`` applied; keys may carry vLLM's ``lmcache.`` prefix."""
+        """A copy with ``overrides`` applied; keys may carry vLLM's ``lmcache.`` prefix (or ``kvmesh.``)."""
         items: list[tuple[str, object, str]] = []
         for name, value in overrides.items():
-            key = name.removeprefix("lmcache.") if isinstance(name, str) else name
+            key = name.removeprefix("lmcache.").removeprefix("kvmesh.") if isinstance(name, str) else name
             items.append((_known_key(key, name, source), value, f"{source}: {name}"))
         return self._merged(items)
 
@@ -202,6 +212,15 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "heartbeat_interval_secs": _POSITIVE,
     "remote_partitions": _AT_LEAST_ONE,
     "store_queue_size": _AT_LEAST_ONE,
+    "lookup_timeout_secs": _POSITIVE,
+    "write_behind_workers": _AT_LEAST_ONE,
+    "fetch_concurrency": _AT_LEAST_ONE,
+    "known_held_keys": _NON_NEGATIVE,
+    "touch_interval_secs": _POSITIVE,
+    "disk_data_timeout_secs": _POSITIVE,
+    "remote_min_transfer_mb_per_s": _POSITIVE,
+    "remote_retry_interval_secs": _NON_NEGATIVE,
+    "remote_stream_connections": _AT_LEAST_ONE,
     "blend_min_tokens": _NON_NEGATIVE,
     "min_retrieve_tokens": _NON_NEGATIVE,
     "blend_recompute_ratio": (lambda v: 0 <= v <= 1, "must be between 0 and 1"),

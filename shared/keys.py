@@ -1,9 +1,13 @@
 """Chunk keys: a token sequence cut into chunks of `chunk_size` tokens, each named by a prefix hash.
 
-key[i] = blake2b-128(key[i-1] || tokens of chunk i as little-endian int64), and key[-1] is the digest of the
-instance's `KeyParams` (model, KV format, world size, rank). The result depends only on those inputs: no
-Python `hash()`, no PYTHONHASHSEED, so every process on every host names the same chunk the same way.
-Keys are 16 raw bytes (`ChunkKey`); `key.hex()` is their name in files and logs.
+chain[i] = blake2b-128(chain[i-1] || tokens of chunk i as little-endian int64), and chain[-1] is the digest of
+the model and its KV format (`KeyParams.root`). A single-rank instance names chunk i `chain[i]`; rank r of a
+tensor-parallel instance of world size w holds its own shard of every chunk and names it
+blake2b-128(chain[i] || "w/r") under a personalisation of its own (`KeyParams.shard_key`), so the chain is
+hashed once per request (by the scheduler) and every rank derives its keys from it for the cost of one tiny
+hash per chunk. The result depends only on those inputs: no Python `hash()`, no PYTHONHASHSEED, so every
+process on every host names the same chunk the same way. Keys are 16 raw bytes (`ChunkKey`); `key.hex()` is
+their name in files and logs.
 
 Token ids alone do not decide a chunk's KV. `KeyExtras` holds what else does, as vLLM's own block hashes
 mix it in (`generate_block_hash_extra_keys` in vllm/v1/core/kv_cache_utils.py): the LoRA adapter (every
@@ -26,6 +30,7 @@ import numpy as np
 ChunkKey = bytes  # 16 bytes
 KEY_BYTES = 16
 EXTRAS_PERSON = b"kvmesh-extras"  # blake2b personalisation of chunks hashed with extras
+SHARD_PERSON = b"kvmesh-shard"  # blake2b personalisation of a rank's key derived from the chain key
 
 
 @dataclass(frozen=True)
@@ -38,8 +43,21 @@ class KeyParams:
     rank: int = 0
 
     def root(self) -> ChunkKey:
-        text = f"kvmesh/1|{self.model}|{self.kv_format}|{self.world_size}|{self.rank}"
+        """The chain's root: the model and its KV format (the shard is applied per key, `shard_key`)."""
+        text = f"kvmesh/1|{self.model}|{self.kv_format}|1|0"
         return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
+
+    @property
+    def sharded(self) -> bool:
+        return (self.world_size, self.rank) != (1, 0)
+
+    def shard_key(self, chain_key: ChunkKey) -> ChunkKey:
+        """This shard's name for the chunk whose chain key is `chain_key` (the chain key itself for 1 of 1)."""
+        if not self.sharded:
+            return chain_key
+        digest = hashlib.blake2b(chain_key, digest_size=KEY_BYTES, person=SHARD_PERSON)
+        digest.update(f"{self.world_size}/{self.rank}".encode())
+        return digest.digest()
 
 
 @dataclass(frozen=True)
@@ -132,8 +150,18 @@ def num_masked_prefix(mask: Sequence[bool] | np.ndarray | "object" | None, num_t
     return num_false
 
 
+def chunk_spans(chain_keys: Sequence[ChunkKey], num_tokens: int, chunk_size: int) -> list[ChunkSpan]:
+    """Spans of a sequence of `num_tokens` tokens whose chunks have these keys (chunk i = tokens [i*C, ...))."""
+    return [ChunkSpan(i, i * chunk_size, min((i + 1) * chunk_size, num_tokens), key)
+            for i, key in enumerate(chain_keys)]
+
+
 class ChunkHasher:
-    """Turns token sequences into chunk keys for one `KeyParams` and chunk size."""
+    """Turns token sequences into chunk keys for one `KeyParams` and chunk size.
+
+    `chain()` gives the shard-independent chain (what the scheduler computes once per request); `spans()` the
+    keys of this hasher's shard; `shard()` turns chain spans into this shard's spans.
+    """
 
     def __init__(self, params: KeyParams, chunk_size: int, save_unfull_chunk: bool = True) -> None:
         if chunk_size <= 0:
@@ -145,27 +173,50 @@ class ChunkHasher:
 
     def spans(self, tokens: Sequence[int] | np.ndarray | "object", mask: object = None,
               extras: KeyExtras | None = None) -> list[ChunkSpan]:
-        """The chunks of `tokens` in order, skipping those a mask excludes.
+        """This shard's chunks of `tokens` in order, skipping those a mask excludes.
 
         A partial last chunk is included only with `save_unfull_chunk`. Masked-out chunks still feed the
         prefix hash, so chunk i has the same key with or without a mask. `extras` (see `KeyExtras`) are
         mixed into the chunks they concern.
         """
+        return self.shard(self.chain(tokens, mask, extras))
+
+    def chain(self, tokens: Sequence[int] | np.ndarray | "object", mask: object = None,
+              extras: KeyExtras | None = None, known: Sequence[ChunkSpan] = ()) -> list[ChunkSpan]:
+        """The shard-independent chain spans of `tokens` (see `spans` for the mask and extras).
+
+        `known`: chain spans already computed for a prefix of the same tokens and extras (a request that grew):
+        its full chunks are reused, so only the new chunks are hashed.
+        """
         array = tokens_as_array(tokens)
         skip = num_masked_prefix(mask, len(array), self.chunk_size)
         if extras is not None and extras.empty:
             extras = None
-        return [span for span in self._iter_spans(array, extras) if span.start >= skip]
+        reused = 0
+        while (reused < len(known) and known[reused].num_tokens == self.chunk_size
+               and known[reused].end <= len(array)):
+            reused += 1
+        spans = list(known[:reused]) + list(self._iter_spans(array, extras, reused,
+                                                             known[reused - 1].key if reused else self._root))
+        return [span for span in spans if span.start >= skip]
+
+    def shard(self, chain_spans: Sequence[ChunkSpan]) -> list[ChunkSpan]:
+        """This hasher's shard keys for chain spans (the same spans for a single-rank instance)."""
+        params = self.params
+        if not params.sharded:
+            return list(chain_spans)
+        return [ChunkSpan(s.index, s.start, s.end, params.shard_key(s.key)) for s in chain_spans]
 
     def keys(self, tokens: Sequence[int] | np.ndarray | "object", extras: KeyExtras | None = None) -> list[ChunkKey]:
         return [span.key for span in self.spans(tokens, extras=extras)]
 
-    def _iter_spans(self, array: np.ndarray, extras: KeyExtras | None) -> Iterator[ChunkSpan]:
+    def _iter_spans(self, array: np.ndarray, extras: KeyExtras | None, first_index: int = 0,
+                    previous: ChunkKey | None = None) -> Iterator[ChunkSpan]:
         data = memoryview(array).cast("B")
         limit = len(array) if self.save_unfull_chunk else len(array) - len(array) % self.chunk_size
-        previous = self._root
+        previous = previous if previous is not None else self._root
         blake2b = hashlib.blake2b
-        for index, start in enumerate(range(0, limit, self.chunk_size)):
+        for index, start in enumerate(range(first_index * self.chunk_size, limit, self.chunk_size), first_index):
             end = min(start + self.chunk_size, limit)
             chunk_extras = extras.chunk_extras(index, start, end) if extras is not None else None
             if chunk_extras is None:

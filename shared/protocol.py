@@ -339,6 +339,19 @@ class WorkerCommand:
     extras: KeyExtras | None = None  # what besides the tokens the chunks were keyed with (LoRA, cache_salt...)
 
 
+@message("prefix_lookup")
+@dataclass(frozen=True)
+class PrefixLookup:
+    """Scheduler -> worker: how many leading chunks of a request are held over all tiers (start prefetching them).
+
+    `keys` are the request's chain keys (the worker derives its shard's keys), `num_tokens` its length; the
+    reply is a `CommandReply` whose `num_tokens` is the held prefix in tokens.
+    """
+
+    keys: list[bytes]
+    num_tokens: int
+
+
 @message("command_reply")
 @dataclass(frozen=True)
 class CommandReply:

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from kvmesh.services.engine.adapter.request_meta import KVMeshConnectorMetadata, LoadSpec, ReqMeta, RequestTracker, SaveSpec
+from kvmesh.shared.config import EngineConfig
+from kvmesh.shared.keys import ChunkSpan, chunk_spans
 
 connector = pytest.importorskip("kvmesh.services.engine.connector")
 
@@ -74,7 +76,7 @@ def test_held_prefix_is_not_stored_again() -> None:
 
 
 def test_slot_mapping_and_blocks() -> None:
-    req = ReqMeta("r", list(range(300)), [7, 3, 9])
+    req = ReqMeta("r", KEYS[:2], [7, 3, 9])
     slots = req.slot_mapping(300, B)
     assert slots.dtype == torch.int64 and slots.shape == (300,)
     assert slots[0] == 7 * B and slots[127] == 7 * B + 127 and slots[128] == 3 * B and slots[299] == 9 * B + 43
@@ -87,8 +89,10 @@ def test_slot_mapping_and_blocks() -> None:
 def test_extra_config_split() -> None:
     engine, own = connector.split_extra_config({"lmcache.chunk_size": 512, "model_name": "m",
                                                 "kvmesh.lookup_timeout_secs": 1})
-    assert engine == {"lmcache.chunk_size": 512}
-    assert own == {"model_name": "m", "lookup_timeout_secs": 1}
+    assert engine == {"lmcache.chunk_size": 512, "kvmesh.lookup_timeout_secs": 1}
+    assert own == {"model_name": "m"}
+    config = EngineConfig().with_overrides(engine, "kv_connector_extra_config")
+    assert (config.chunk_size, config.lookup_timeout_secs) == (512, 1.0)
 
 
 def test_version_check(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -102,37 +106,40 @@ def test_version_check(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class FakeEngine:
-    """Retrieves the first `held` tokens (or raises), records stores."""
+    """Loads the chunks of the first `held` tokens (or raises), records stores (first token, end)."""
 
     def __init__(self, held: int | None) -> None:
         self.held = held
         self.stored: list[tuple[int, int]] = []
 
-    def retrieve(self, tokens: torch.Tensor, mask: torch.Tensor, **kv: Any) -> torch.Tensor:
+    def chunk_spans(self, chain_keys: list[bytes], num_tokens: int, first_chunk: int = 0) -> list[ChunkSpan]:
+        return chunk_spans(chain_keys, num_tokens, C)[first_chunk:]
+
+    def retrieve_chunks(self, spans: list[ChunkSpan], kv_caches: Any, slot_mapping: torch.Tensor,
+                        skip_prefix: int = 0) -> int:
         if self.held is None:
             raise RuntimeError("disk store unreachable")
-        out = torch.zeros(len(tokens), dtype=torch.bool)
-        start = int((~mask).sum())
-        out[start:self.held] = True
-        return out
+        return sum(1 for span in spans if span.end <= self.held)
 
-    def store(self, tokens: torch.Tensor, mask: torch.Tensor, **kv: Any) -> None:
+    def store_chunks(self, spans: list[ChunkSpan], kv_caches: Any, slot_mapping: torch.Tensor) -> None:
         if self.held is None:
             raise RuntimeError("pool broken")
-        self.stored.append((int((~mask).sum()), len(tokens)))
+        self.stored.append((spans[0].start, spans[-1].end))
 
 
 def worker(engine: FakeEngine) -> Any:
     conn = connector.KVMeshConnector.__new__(connector.KVMeshConnector)
-    conn.engine, conn.block_size, conn._kv_caches, conn._load_errors = engine, B, {}, set()
+    conn.engine, conn.block_size, conn.chunk_size, conn._kv_caches, conn._load_errors = engine, B, C, {}, set()
     return conn
+
+
+KEYS = [bytes([i]) * 16 for i in range(4)]  # chain keys of the 4 chunks of a 1000-token request
 
 
 @pytest.mark.parametrize("held, bad", [(1000, set()), (512, {5, 6, 7, 8}), (None, {1, 2, 3, 4, 5, 6, 7, 8})])
 def test_failed_loads_become_load_errors(held: int | None, bad: set[int]) -> None:
     conn = worker(FakeEngine(held))
-    req = ReqMeta("r", list(range(1000)), [1, 2, 3, 4, 5, 6, 7, 8], LoadSpec(end=1000, need=999, mask_start=0,
-                                                                            skip_prefix=0))
+    req = ReqMeta("r", KEYS, [1, 2, 3, 4, 5, 6, 7, 8], LoadSpec(end=1000, need=999, mask_start=0, skip_prefix=0))
     conn._load(req)
     assert conn.get_block_ids_with_load_errors() == bad
     assert conn.get_block_ids_with_load_errors() == set()  # reported once
@@ -140,8 +147,7 @@ def test_failed_loads_become_load_errors(held: int | None, bad: set[int]) -> Non
 
 def test_blocks_vllm_computed_itself_are_never_reported() -> None:
     conn = worker(FakeEngine(None))
-    req = ReqMeta("r", list(range(1000)), [1, 2, 3, 4, 5, 6, 7, 8], LoadSpec(end=768, need=768, mask_start=256,
-                                                                            skip_prefix=384))
+    req = ReqMeta("r", KEYS, [1, 2, 3, 4, 5, 6, 7, 8], LoadSpec(end=768, need=768, mask_start=256, skip_prefix=384))
     conn._load(req)
     assert conn.get_block_ids_with_load_errors() == {4, 5, 6}
 
@@ -149,7 +155,7 @@ def test_blocks_vllm_computed_itself_are_never_reported() -> None:
 def test_failed_store_is_skipped() -> None:
     engine = FakeEngine(None)
     conn = worker(engine)
-    meta = KVMeshConnectorMetadata([ReqMeta("r", list(range(600)), [1, 2, 3, 4, 5], save=SaveSpec(600, 256))])
+    meta = KVMeshConnectorMetadata([ReqMeta("r", KEYS[:3], [1, 2, 3, 4, 5], save=SaveSpec(600, 256))])
     conn._connector_metadata = meta
     conn.wait_for_save()  # logs, does not raise
     engine.held = 0

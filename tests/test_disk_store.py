@@ -19,7 +19,7 @@ import pytest
 
 from kvmesh.shared import bus, chunk_file, protocol
 from kvmesh.shared.shm import SharedSegment
-from kvmesh.shared.store_client import ChunkBuffer
+from kvmesh.shared.tier import ChunkBuffer
 from kvmesh.services.disk_store.client import DiskStoreClient
 from kvmesh.services.disk_store.index import DiskIndex, Entry, SpaceRefused
 from kvmesh.services.disk_store.options import DiskStoreOptions, build_parser, options_from_args

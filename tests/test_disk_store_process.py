@@ -22,7 +22,7 @@ from kvmesh.shared import bus, chunk_file, protocol
 from kvmesh.shared.embedded_nats import EmbeddedNats, _die_with_parent
 from kvmesh.shared.errors import MeshUnavailable
 from kvmesh.shared.shm import SharedSegment
-from kvmesh.shared.store_client import ChunkBuffer
+from kvmesh.shared.tier import ChunkBuffer
 from kvmesh.services.disk_store.client import DiskStoreClient
 
 CHUNK = 256 * 1024

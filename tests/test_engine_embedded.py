@@ -74,18 +74,18 @@ def test_seed_002_embeds_nats_and_a_disk_store_shared_by_workers(tmp_path: Path)
         probe = subprocess.run([sys.executable, "-c", JOIN_PROBE, config.local_disk or ""], capture_output=True,
                                text=True, timeout=60)
         assert probe.returncode == 0, probe.stderr
-        assert probe.stdout.split() == [first.mesh.url, "joined"]
+        assert probe.stdout.split() == [first.nats_loop.url, "joined"]
 
         tokens = random_tokens(128, seed=1)
         src = kv.slots(128)
         expected = kv.token_kv(src)
         deadline = time.monotonic() + 10
-        while first.storage.client(LOCAL_DISK) is None and time.monotonic() < deadline:
+        while first.storage.lower(LOCAL_DISK) is None and time.monotonic() < deadline:
             time.sleep(0.02)
         first.store(tokens, **kv.kv(src))
         assert first.wait_write_behind(10)
-        client = first.storage.client(LOCAL_DISK)
-        assert first.mesh.call(client.wait_written(10), 12, default=False)
+        client = first.storage.lower(LOCAL_DISK)
+        assert first.nats_loop.call(client.wait_written(10), 12, default=False)
         assert first.lookup(tokens, search_range=[LOCAL_CPU]) == 0  # local_cpu: false -> staging only
         assert first.lookup(tokens) == 128
         dst = kv.slots(128, exclude=src)
@@ -117,7 +117,7 @@ def test_an_engine_whose_mesh_cannot_start_serves_from_its_cpu_tier(monkeypatch)
     kv = PagedKV()
     engine = CacheEngine(engine_config(), PARAMS, kv.layout)
     try:
-        assert engine.mesh is None and embedded_mesh.registry.current() is None
+        assert engine.nats_loop is None and embedded_mesh.registry.current() is None
         tokens = random_tokens(64, seed=2)
         engine.store(tokens, **kv.kv(kv.slots(64)))
         assert engine.lookup(tokens) == 64

@@ -146,9 +146,9 @@ def test_tensor_parallel_worker_ids(nats_server: EmbeddedNats, kv: PagedKV) -> N
 def _store_and_settle(engine: CacheEngine, tokens: torch.Tensor, kv: PagedKV, slots: torch.Tensor) -> None:
     engine.store(tokens, **kv.kv(slots))
     assert engine.wait_write_behind(10)
-    client = engine.storage.client(LOCAL_DISK)
+    client = engine.storage.lower(LOCAL_DISK)
     assert client is not None
-    assert engine.mesh.call(client.wait_written(10), 12, default=False)
+    assert engine.nats_loop.call(client.wait_written(10), 12, default=False)
 
 
 @pytest.mark.parametrize("local_cpu", [True, False])
@@ -160,7 +160,7 @@ def test_chunks_evicted_from_cpu_come_back_from_the_disk_store(disk_mesh: LocalM
         a, b = random_tokens(128, seed=10), random_tokens(128, seed=11)  # 4 chunks each: one pool each
         src_a, src_b = kv.slots(128), kv.slots(128)
         expected_a = kv.token_kv(src_a)
-        assert wait_sync(lambda: engine.storage.client(LOCAL_DISK) is not None)
+        assert wait_sync(lambda: engine.storage.lower(LOCAL_DISK) is not None)
         _store_and_settle(engine, a, kv, src_a)
         _store_and_settle(engine, b, kv, src_b)  # evicts a from the CPU tier (when it keeps chunks)
         assert engine.lookup(a, search_range=[LOCAL_CPU]) == 0
@@ -194,7 +194,7 @@ def test_prefetch_warms_the_cpu_tier(disk_mesh: LocalMesh, kv: PagedKV, tmp_path
     engine = engine_on(str(disk_mesh.nats_url), kv, local_disk=str(tmp_path / "disk"), cpu_chunks=4)
     try:
         a = random_tokens(96, seed=20)
-        assert wait_sync(lambda: engine.storage.client(LOCAL_DISK) is not None)
+        assert wait_sync(lambda: engine.storage.lower(LOCAL_DISK) is not None)
         _store_and_settle(engine, a, kv, kv.slots(96))
         assert engine.clear(LOCAL_CPU) == 96
         engine.prefetch(a)
@@ -313,8 +313,8 @@ def test_retrieval_goes_cpu_then_disk_then_remote(full_mesh: LocalMesh, kv: Page
     engine = engine_on(str(full_mesh.nats_url), kv, local_disk=str(tmp_path / "disk"), cpu_chunks=4,
                        remote_url="lm://localhost:65432", remote_partitions=2)
     try:
-        assert wait_sync(lambda: engine.storage.client(REMOTE) is not None)
-        disk, remote = engine.storage.client(LOCAL_DISK), engine.storage.client(REMOTE)
+        assert wait_sync(lambda: engine.storage.lower(REMOTE) is not None)
+        disk, remote = engine.storage.lower(LOCAL_DISK), engine.storage.lower(REMOTE)
         a, b = random_tokens(128, seed=50), random_tokens(128, seed=51)
         src_a, src_b = kv.slots(128), kv.slots(128)
         expected_a, expected_b = kv.token_kv(src_a), kv.token_kv(src_b)
@@ -324,8 +324,8 @@ def test_retrieval_goes_cpu_then_disk_then_remote(full_mesh: LocalMesh, kv: Page
 
         # a: chunks 0-1 only on disk, chunks 2-3 only in the remote store, nothing in the CPU tier
         keys_a = engine.hasher.keys(a)
-        assert engine.mesh.call(disk.remove(keys_a[2:]), 5, default=0) == 2
-        assert engine.mesh.call(remote.remove(keys_a[:2]), 5, default=0) == 2
+        assert engine.nats_loop.call(disk.remove(keys_a[2:]), 5, default=0) == 2
+        assert engine.nats_loop.call(remote.remove(keys_a[:2]), 5, default=0) == 2
         assert engine.lookup(a, search_range=[LOCAL_DISK]) == 64 and engine.lookup(a, search_range=[REMOTE]) == 0
         assert engine.lookup(a) == 128  # the prefix spans both tiers
         exclude = torch.cat([src_a, src_b])

@@ -1,6 +1,6 @@
 """The storage manager against a store that misbehaves: vLLM's calls never wait longer than their timeouts.
 
-A fake `ChunkStoreClient` (slow puts, hanging gets) stands in for the disk store on a real NATS connection, so
+A fake `StoreTier` (slow puts, hanging gets) stands in for the disk store on a real NATS connection, so
 the engine's NATS loop, write-behind queue and fetch hand-over run for real.
 """
 
@@ -16,7 +16,7 @@ from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.keys import ChunkKey, KeyParams
 from kvmesh.shared.protocol import LOCAL_DISK, ChunkMeta, StatsReply
-from kvmesh.shared.store_client import ChunkBuffer
+from kvmesh.shared.tier import ChunkBuffer
 
 from test_engine_support import CHUNK, PagedKV, engine_config, random_tokens
 
@@ -88,21 +88,21 @@ def engine_with_fake(url: str, kv: PagedKV, **overrides: object) -> tuple[CacheE
                          PARAMS, kv.layout)
     assert engine.wait_connected(10)
     fake = FakeStore()
-    engine.mesh.call(_install(engine, fake), 5, default=None)
+    engine.nats_loop.call(_install(engine, fake), 5, default=None)
     return engine, fake
 
 
 async def _install(engine: CacheEngine, fake: FakeStore) -> None:
     fake.put_gate = asyncio.Event()  # created on the engine's loop
     fake.put_gate.set()
-    engine.storage.set_clients({LOCAL_DISK: fake})
+    engine.storage.set_lower({LOCAL_DISK: fake})
 
 
 def test_a_full_write_behind_queue_skips_and_never_blocks(nats_url: str) -> None:
     kv = PagedKV(num_blocks=256)
     engine, fake = engine_with_fake(nats_url, kv, store_queue_size=2, cpu_chunks=32)
     try:
-        engine.mesh.call_soon(fake.put_gate.clear)  # the store stops taking chunks
+        engine.nats_loop.call_soon(fake.put_gate.clear)  # the store stops taking chunks
         time.sleep(0.05)
         tokens = random_tokens(320, seed=1)  # 10 chunks
         start = time.monotonic()
@@ -111,7 +111,7 @@ def test_a_full_write_behind_queue_skips_and_never_blocks(nats_url: str) -> None
         stats = engine.storage.stats
         assert stats["write_behind_skipped_full"] >= 10 - 2 - 2  # queue of 2, plus the 2 writers' jobs in hand
         assert engine.lookup(tokens) == 320  # the CPU tier has everything
-        engine.mesh.call_soon(fake.put_gate.set)
+        engine.nats_loop.call_soon(fake.put_gate.set)
         assert engine.wait_write_behind(5)
         assert 2 <= fake.puts <= 4
     finally:
@@ -151,7 +151,7 @@ def test_a_pool_full_of_chunks_in_flight_skips_stores(nats_url: str) -> None:
     kv = PagedKV(num_blocks=256)
     engine, fake = engine_with_fake(nats_url, kv, cpu_chunks=2)
     try:
-        engine.mesh.call_soon(fake.put_gate.clear)
+        engine.nats_loop.call_soon(fake.put_gate.clear)
         time.sleep(0.05)
         a, b = random_tokens(64, seed=3), random_tokens(64, seed=4)
         engine.store(a, **kv.kv(kv.slots(64)))  # both slots now held by the CPU tier and by write-behind
@@ -159,7 +159,7 @@ def test_a_pool_full_of_chunks_in_flight_skips_stores(nats_url: str) -> None:
         engine.store(b, **kv.kv(kv.slots(64)))  # nothing can be freed now: skipped, not waited for
         assert time.monotonic() - start < 1.0
         assert engine.lookup(b) == 0 and engine.lookup(a) == 64
-        engine.mesh.call_soon(fake.put_gate.set)
+        engine.nats_loop.call_soon(fake.put_gate.set)
         assert engine.wait_write_behind(5)
         engine.store(b, **kv.kv(kv.slots(64)))  # a's chunks are idle now: LRU makes room
         assert engine.lookup(b) == 64

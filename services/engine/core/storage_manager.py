@@ -1,12 +1,22 @@
-"""The storage manager: the CPU tier plus the lower tiers (disk store, remote store) behind NATS clients.
+"""The storage manager: the engine's tiers as one ordered list (CPU tier, disk store, remote store), and
+everything that walks them.
 
-Threads: `enqueue_write_behind`, `acquire_prefix`, `lookup` and `prefetch` are called from vLLM's threads and
-never block longer than their timeout; all store traffic runs on the NATS loop thread (`NatsLoop`), which
-also runs the write-behind workers. Reads from the CPU tier never touch NATS.
+Threads: `enqueue_write_behind`, `acquire_prefix`, `lookup`, `prefetch` and `note_hits` are called from vLLM's
+threads and never block longer than their timeout; all store traffic runs on the NATS loop thread
+(`NatsLoop`), which also runs the write-behind workers and the batched recency refresh. Reads from the CPU tier
+never touch NATS.
+
+One walk: `locate` finds where the held prefix of some chunks lives, as consecutive runs per tier (the CPU
+tier checked first at every position, then each lower tier in order with one `contains` for all the keys
+still to place). A lookup sums the runs; a fetch (`fetch`, used by retrieves and prefetches) then reads the
+lower runs into pool slots without asking the stores again. One dispatch: `command` runs the controller's
+pin / unpin / clear / lookup on whichever tier the location names (`Tier` in shared/tier.py).
 
 Data path of one chunk: pool slot (filled by the paged gather) -> CPU tier -> write-behind queue -> each
 lower store's `put` (the disk store reads the slot in place through shared memory). Back: a lower store's
-`get_into` fills a fresh slot -> CPU tier (when `local_cpu`) -> paged scatter into vLLM's cache.
+`get_into` fills a fresh slot -> CPU tier (when `local_cpu`) -> paged scatter into vLLM's cache. A hit, in any
+tier, refreshes the chunk's recency in every lower tier (batched, `touch`), so the stores do not evict the
+chunks the CPU tier serves most.
 """
 
 from __future__ import annotations
@@ -20,21 +30,22 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from kvmesh.services.engine.tiers.cpu import ChunkRef, LocalCPUBackend
 from kvmesh.services.engine.core.memory_pool import Slot
 from kvmesh.services.engine.mesh.nats_loop import NatsLoop
+from kvmesh.services.engine.tiers.cpu import ChunkRef, LocalCPUBackend
+from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.keys import ChunkKey, ChunkSpan
-from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, REMOTE, ChunkMeta
-from kvmesh.shared.store_client import ChunkStoreClient
+from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE, ChunkMeta
+from kvmesh.shared.tier import StoreTier, Tier
 
 log = logging.getLogger(__name__)
 
-KNOWN_HELD_MAX = 200_000  # keys remembered as written to every lower tier (~40 B each)
-GETS_IN_FLIGHT = 4  # concurrent get_into per fetch: lets a store overlap reads without flooding it
-WRITERS = 2  # concurrent write-behind jobs
 # Seed 003 names the CPU tier "Hot" in lookup's search_range.
 LOCATION_ALIASES = {"Hot": LOCAL_CPU, "LocalCPUBackend": LOCAL_CPU, "LocalDiskBackend": LOCAL_DISK,
                     "RemoteBackend": REMOTE}
+ALL_LOCATIONS = frozenset(LOCATIONS)
+COMMAND_OPS = ("pin", "unpin", "clear", "lookup")
+Validate = Callable[[ChunkSpan, ChunkMeta], bool]
 
 
 class RateLimitedLog:
@@ -59,6 +70,15 @@ class RateLimitedLog:
         self._log.warning(msg + suffix, *args)
 
 
+@dataclass(frozen=True)
+class Run:
+    """spans[begin:end] are held at `location` (the tier that will serve them)."""
+
+    location: str
+    begin: int
+    end: int
+
+
 @dataclass
 class _WriteJob:
     meta: ChunkMeta
@@ -79,64 +99,69 @@ class _FetchJob:
 
 
 class StorageManager:
-    """Tiered lookup, retrieval and write-behind over the CPU tier and the lower stores' clients.
+    """Tiered lookup, retrieval, write-behind and commands over the CPU tier and the lower stores' clients.
 
     Invariant: a retrieval's hits are prefix-contiguous (chunk i is returned only if chunks 0..i-1 are), and
     each returned `ChunkRef` carries one slot reference owned by the caller.
     """
 
-    def __init__(self, cpu: LocalCPUBackend, mesh: NatsLoop | None, queue_size: int, request_timeout: float,
-                 blocking_timeout: float, expect_lower: Sequence[str] = ()) -> None:
+    def __init__(self, cpu: LocalCPUBackend, loop: NatsLoop | None, config: EngineConfig,
+                 expect_lower: Sequence[str] = ()) -> None:
         self.cpu = cpu
-        self.mesh = mesh
-        self.queue_size = queue_size
-        self.request_timeout = request_timeout
-        self.blocking_timeout = blocking_timeout
+        self.loop = loop
+        self.config = config
         self.expect_lower = tuple(expect_lower)  # locations configured (clients appear once NATS is up)
-        self._clients: dict[str, ChunkStoreClient] = {}  # location -> client, disk before remote
+        self._lower: dict[str, StoreTier] = {}  # location -> client, disk before remote
         self._queue: collections.deque[_WriteJob] = collections.deque()
         self._queue_lock = threading.Lock()
         self._wake: asyncio.Event | None = None
         self._known_held: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()
         self._known_lock = threading.Lock()
-        self._writers: list[asyncio.Task[None]] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self._writing = 0  # jobs popped and not finished (loop thread only)
         # chunks a fetch is reading (or a prefetch is about to read) from a lower tier -> (that fetch, a future
         # resolved once the chunk is in the CPU tier or the fetch gave up). Loop thread only.
         self._inflight: dict[ChunkKey, tuple[object, asyncio.Future[None]]] = {}
+        self._hits: set[ChunkKey] = set()  # keys served since the last recency refresh of the lower tiers
+        self._hits_lock = threading.Lock()
         self._rlog = RateLimitedLog(log)
         self.stats = collections.Counter[str]()
 
-    # ---- wiring (loop thread) --------------------------------------------------------------------------------
+    # ---- the tiers (loop thread) -----------------------------------------------------------------------------
     async def start(self) -> None:
-        """Start the write-behind workers on the NATS loop."""
+        """Start the write-behind workers and the recency refresh on the NATS loop."""
         self._wake = asyncio.Event()
-        self._writers = [asyncio.create_task(self._writer(), name=f"kvmesh-write-behind-{i}") for i in range(WRITERS)]
+        self._tasks = [asyncio.create_task(self._writer(), name=f"kvmesh-write-behind-{i}")
+                       for i in range(self.config.write_behind_workers)]
+        self._tasks.append(asyncio.create_task(self._refresh_recency(), name="kvmesh-touch"))
 
-    def set_clients(self, clients: dict[str, ChunkStoreClient]) -> None:
-        self._clients = {loc: clients[loc] for loc in (LOCAL_DISK, REMOTE) if loc in clients}
+    def set_lower(self, clients: dict[str, StoreTier]) -> None:
+        self._lower = {location: clients[location] for location in (LOCAL_DISK, REMOTE) if location in clients}
 
-    def client(self, location: str) -> ChunkStoreClient | None:
-        return self._clients.get(location)
+    def lower(self, location: str) -> StoreTier | None:
+        return self._lower.get(location)
+
+    def tier(self, location: str) -> Tier | None:
+        return self.cpu if location == LOCAL_CPU else self._lower.get(location)
 
     @property
     def has_lower(self) -> bool:
         return bool(self.expect_lower)
 
-    def _lower_ready(self) -> bool:
-        return bool(self._clients) and self.mesh is not None and self.mesh.connected
+    def lower_ready(self) -> bool:
+        return bool(self._lower) and self.loop is not None and self.loop.connected
 
     async def stop(self) -> None:
-        for task in self._writers:
+        for task in self._tasks:
             task.cancel()
-        for task in self._writers:
+        for task in self._tasks:
             try:
                 await task
             except (asyncio.CancelledError, Exception):
                 pass
-        self._writers = []
+        self._tasks = []
         self._drain_queue()
-        for client in self._clients.values():
+        for client in self._lower.values():
             close = getattr(client, "close", None)  # the remote client keeps stream connections open
             if close is not None:
                 try:
@@ -150,6 +175,276 @@ class StorageManager:
         for job in jobs:
             job.slot.release()
 
+    # ---- the walk (loop thread) ------------------------------------------------------------------------------
+    async def locate(self, spans: Sequence[ChunkSpan], wanted: frozenset[str] = ALL_LOCATIONS) -> list[Run]:
+        """Where the held prefix of `spans` lives, as consecutive runs (CPU first at every position, then the
+        lower tiers in order, each asked once per position it is tried at)."""
+        runs: list[Run] = []
+        keys = [span.key for span in spans]
+        exhausted: dict[str, int] = {}  # location -> position at which it said it does not hold the key
+        pos = 0
+        while pos < len(keys):
+            if LOCAL_CPU in wanted:
+                held = self.cpu.prefix(keys[pos:])
+                if held:
+                    runs.append(Run(LOCAL_CPU, pos, pos + held))
+                    pos += held
+                    continue
+            progressed = False
+            for location, client in list(self._lower.items()):
+                if location not in wanted or exhausted.get(location) == pos:
+                    continue
+                held = await client.contains(keys[pos:])
+                exhausted[location] = pos + held
+                if held < len(keys) - pos:
+                    self._forget_held(keys[pos + held:])  # a store dropped some: the next put sends them again
+                if held:
+                    runs.append(Run(location, pos, pos + held))
+                    pos += held
+                    progressed = True
+                    break
+            if not progressed:
+                break
+        return runs
+
+    def lookup(self, spans: Sequence[ChunkSpan], locations: Sequence[str] | None = None) -> int:
+        """vLLM thread: how many leading `spans` are held across the searched tiers (a prefix count)."""
+        wanted = _normalize_locations(locations)
+        held = self.cpu.prefix(s.key for s in spans) if LOCAL_CPU in wanted else 0
+        if held == len(spans) or not (wanted - {LOCAL_CPU}) or not self.lower_ready():
+            return held
+        assert self.loop is not None
+
+        async def walk() -> int:
+            runs = await self.locate(spans, wanted)
+            return runs[-1].end if runs else 0
+
+        return self.loop.call(walk(), self.config.request_timeout_secs + 0.5, default=held)
+
+    async def lookup_and_prefetch(self, spans: Sequence[ChunkSpan], validate: Validate) -> int:
+        """Loop thread: the held prefix of `spans` over every tier, in chunks; the chunks found in a lower tier
+        start moving into the CPU tier at once, from the runs already located (the stores are not asked twice)."""
+        runs = await self.locate(spans)
+        lower_runs = [run for run in runs if run.location != LOCAL_CPU]
+        if lower_runs and self.cpu.keep:
+            owner = object()
+            # claimed before the next await: a retrieve that comes next waits for these chunks instead of
+            # reading them a second time
+            self._claim(owner, [span.key for run in lower_runs for span in spans[run.begin:run.end]])
+            task = asyncio.get_running_loop().create_task(self._prefetch(spans, lower_runs, validate, owner))
+            task.add_done_callback(_log_failure)
+        return runs[-1].end if runs else 0
+
+    async def _prefetch(self, spans: Sequence[ChunkSpan], runs: list[Run], validate: Validate,
+                        owner: object) -> None:
+        for ref in await self.fetch(spans, validate, owner, runs):
+            ref.release()  # the CPU tier keeps its own reference
+
+    def prefetch(self, spans: Sequence[ChunkSpan], validate: Validate) -> None:
+        """vLLM thread: start loading the held prefix of `spans` from below into the CPU tier; returns at once."""
+        if not self.cpu.keep or not self.lower_ready() or self.cpu.prefix(s.key for s in spans) == len(spans):
+            return
+        assert self.loop is not None
+        self.loop.submit(self.lookup_and_prefetch(spans, validate)).add_done_callback(_log_failure)
+
+    # ---- retrieval (vLLM thread, then the loop) --------------------------------------------------------------
+    def acquire_prefix(self, spans: Sequence[ChunkSpan], validate: Validate) -> list[ChunkRef]:
+        """References to the longest prefix of `spans` held in any tier, fetching from below into the pool.
+
+        CPU hits cost no NATS round trip; the rest is fetched on the NATS loop within `blocking_timeout_secs`
+        (a timeout or a dead mesh just ends the prefix there: the caller recomputes the rest).
+        """
+        refs: list[ChunkRef] = []
+        for span in spans:
+            ref = self.cpu.acquire(span.key)
+            if ref is None:
+                break
+            refs.append(ref)
+        if len(refs) < len(spans) and self.lower_ready():
+            refs += self._fetch_rest(spans[len(refs):], validate)
+        self.note_hits([ref.meta.key for ref in refs])
+        return refs
+
+    def _fetch_rest(self, spans: Sequence[ChunkSpan], validate: Validate) -> list[ChunkRef]:
+        assert self.loop is not None
+        job = _FetchJob()
+        timeout = self.config.blocking_timeout_secs
+        more = self.loop.call(self._fetch_for(job, spans, validate), timeout, default=None, cancel=False)
+        if more is None:
+            with job.lock:
+                if job.result is not None:  # finished just as we gave up
+                    more = job.result
+                else:
+                    job.abandoned = True
+            if more is None:
+                self._rlog.warning("fetch_timeout", "fetching chunks from the lower tiers took longer than %.1fs "
+                                   "(blocking_timeout_secs): served a shorter hit", timeout)
+                return []
+        return more
+
+    async def _fetch_for(self, job: _FetchJob, spans: Sequence[ChunkSpan], validate: Validate) -> list[ChunkRef]:
+        refs: list[ChunkRef] = []
+        try:
+            refs = await self.fetch(spans, validate)
+        finally:
+            with job.lock:
+                abandoned = job.abandoned
+                if not abandoned:
+                    job.result = refs
+            if abandoned:  # the waiter is gone: the chunks stay in the CPU tier (fetch put them there) or go
+                for ref in refs:
+                    ref.release()
+        return refs
+
+    async def fetch(self, spans: Sequence[ChunkSpan], validate: Validate, owner: object | None = None,
+                    runs: list[Run] | None = None) -> list[ChunkRef]:
+        """Loop thread: references to the held prefix of `spans` (within `runs`, located now if not given).
+
+        Chunks fetched from below are also made resident in the CPU tier when it keeps chunks. A chunk that
+        another fetch (usually a prefetch) is reading is waited for, not read twice. `owner` names this fetch
+        in the in-flight table (a prefetch claims its keys before it starts).
+        """
+        owner = owner if owner is not None else object()
+        refs: list[ChunkRef] = []
+        try:
+            for run in runs if runs is not None else await self.locate(spans):
+                pos = run.begin
+                while pos < run.end:  # what is (or is about to be) resident needs no store
+                    ref = await self._resident(spans[pos].key, owner)
+                    if ref is None:
+                        break
+                    refs.append(ref)
+                    pos += 1
+                if pos == run.end:
+                    continue
+                client = self._lower.get(run.location)
+                if client is None:  # a CPU run whose chunk was evicted since it was located
+                    return refs
+                got = await self._get_many(client, spans[pos:run.end], validate, owner)
+                refs += got
+                if pos + len(got) < run.end:  # pool full or a failed read: the prefix ends here
+                    return refs
+            return refs
+        finally:
+            self._settle(owner, [span.key for span in spans])
+
+    async def _resident(self, key: ChunkKey, owner: object) -> ChunkRef | None:
+        """The chunk from the CPU tier, after waiting for another fetch of it that is in flight."""
+        ref = self.cpu.acquire(key)
+        claim = self._inflight.get(key)
+        if ref is None and claim is not None and claim[0] is not owner and self.cpu.keep:
+            await asyncio.shield(claim[1])
+            ref = self.cpu.acquire(key)
+        return ref
+
+    def _claim(self, owner: object, keys: Sequence[ChunkKey]) -> None:
+        loop = asyncio.get_running_loop()
+        for key in keys:
+            if key not in self._inflight:
+                self._inflight[key] = (owner, loop.create_future())
+
+    def _settle(self, owner: object, keys: Sequence[ChunkKey]) -> None:
+        for key in keys:
+            claim = self._inflight.get(key)
+            if claim is not None and claim[0] is owner:
+                del self._inflight[key]
+                claim[1].set_result(None)
+
+    async def _get_many(self, client: StoreTier, spans: Sequence[ChunkSpan], validate: Validate,
+                        owner: object) -> list[ChunkRef]:
+        """Read `spans` from one store into fresh slots, a few at a time; the successful prefix."""
+        got: list[ChunkRef] = []
+        step = self.config.fetch_concurrency
+        for start in range(0, len(spans), step):
+            batch = spans[start:start + step]
+            slots: list[Slot] = []
+            for _ in batch:
+                slot = self.cpu.allocate()
+                if slot is None:
+                    break
+                slots.append(slot)
+            if len(slots) < len(batch):
+                self.stats["fetch_no_memory"] += 1
+                self._rlog.warning("fetch_pool_full", "CPU pool full (every chunk pinned or in use): a retrieve "
+                                   "from %s returned a shorter hit", client.location)
+            keys = [span.key for span in batch]
+            self._claim(owner, keys[:len(slots)])
+            try:
+                results = await asyncio.gather(*(self._get_one(client, span, slot, validate)
+                                                 for span, slot in zip(batch, slots)), return_exceptions=True)
+                failed = False
+                for slot, result in zip(slots, results):
+                    if failed or not isinstance(result, ChunkMeta):
+                        failed = True
+                        if isinstance(result, ChunkMeta) or result is None:
+                            slot.release()
+                        else:  # an exception or a timeout: the store may still write late; free the slot later
+                            self._release_later(slot)
+                        continue
+                    got.append(ChunkRef(result, slot))
+                    if self.cpu.keep:
+                        self.cpu.put(result, slot.ref())
+            finally:
+                self._settle(owner, keys)
+            if failed or len(slots) < len(batch):
+                break
+        self.stats[f"fetched_{client.location}"] += len(got)
+        return got
+
+    async def _get_one(self, client: StoreTier, span: ChunkSpan, slot: Slot, validate: Validate) -> ChunkMeta | None:
+        meta = await client.get_into(span.key, slot.chunk_buffer())
+        if meta is None:
+            return None
+        if meta.key != span.key or not validate(span, meta):
+            self._rlog.warning("bad_meta", "%s returned chunk %s with unexpected metadata %s: treated as a miss",
+                               client.location, span.key.hex(), meta)
+            return None
+        return meta
+
+    def _release_later(self, slot: Slot) -> None:
+        # A store that missed our deadline may still be writing into this slot through shared memory.
+        asyncio.get_running_loop().call_later(max(self.config.request_timeout_secs, 1.0), slot.release)
+
+    # ---- recency: hits refresh the lower tiers (batched, off the hot path) ---------------------------------------
+    def note_hits(self, keys: Sequence[ChunkKey]) -> None:
+        """Any thread: these chunks were just served; the lower tiers hear of it at the next refresh."""
+        if keys and self._lower:
+            with self._hits_lock:
+                self._hits.update(keys)
+
+    async def _refresh_recency(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.touch_interval_secs)
+            with self._hits_lock:
+                keys, self._hits = list(self._hits), set()
+            if keys and self.lower_ready():
+                await asyncio.gather(*(client.touch(keys) for client in self._lower.values()),
+                                     return_exceptions=True)
+
+    # ---- the controller's commands (loop thread) -----------------------------------------------------------------
+    async def command(self, op: str, location: str, spans: Sequence[ChunkSpan], ttl_secs: float | None = None) -> int:
+        """pin / unpin / clear / lookup at `location`, for whichever tier it names; tokens affected (or held).
+
+        Raises ValueError for an unknown op or location and LookupError for a location this engine does not
+        have (or whose client is not connected yet).
+        """
+        if op not in COMMAND_OPS:
+            raise ValueError(f"unknown op {op!r} (known: {', '.join(COMMAND_OPS)})")
+        if location not in LOCATIONS:
+            raise ValueError(f"unknown location {location!r} (known: {', '.join(LOCATIONS)})")
+        tier = self.tier(location)
+        if tier is None:
+            raise LookupError(f"no {location} configured here (or its store client is not connected)")
+        keys = [span.key for span in spans]
+        num_tokens = [span.num_tokens for span in spans]
+        if op == "pin":
+            return await tier.pin(keys, num_tokens, ttl_secs)
+        if op == "unpin":
+            return await tier.unpin(keys, num_tokens)
+        if op == "clear":
+            return await tier.clear()
+        return sum(span.num_tokens for span in spans[:await tier.contains(keys)])
+
     # ---- known-held: chunks every lower tier has (so a store does not gather and send them again) ------------
     def known_held(self, key: ChunkKey) -> bool:
         with self._known_lock:
@@ -159,7 +454,7 @@ class StorageManager:
         with self._known_lock:
             self._known_held[key] = None
             self._known_held.move_to_end(key)
-            while len(self._known_held) > KNOWN_HELD_MAX:
+            while len(self._known_held) > self.config.known_held_keys:
                 self._known_held.popitem(last=False)
 
     def _forget_held(self, keys: Sequence[ChunkKey]) -> None:
@@ -173,26 +468,25 @@ class StorageManager:
 
         Never blocks: a full queue or an unreachable mesh skips the chunk (logged, rate-limited).
         """
-        if not self._lower_ready():
+        if not self.lower_ready():
             slot.release()
             self.stats["write_behind_skipped_offline"] += 1
             self._rlog.warning("offline", "write-behind skipped: NATS or the stores are not reachable; chunks "
                                "stay on the CPU tier only")
             return False
         with self._queue_lock:
-            if len(self._queue) >= self.queue_size:
-                full = True
-            else:
-                full = False
+            full = len(self._queue) >= self.config.store_queue_size
+            if not full:
                 self._queue.append(_WriteJob(meta, slot))
         if full:
             slot.release()
             self.stats["write_behind_skipped_full"] += 1
             self._rlog.warning("queue_full", "write-behind queue full (%d chunks, store_queue_size): skipped a "
-                               "chunk; the lower tiers are slower than the stores arriving", self.queue_size)
+                               "chunk; the lower tiers are slower than the stores arriving",
+                               self.config.store_queue_size)
             return False
-        assert self.mesh is not None
-        self.mesh.call_soon(self._poke)
+        assert self.loop is not None
+        self.loop.call_soon(self._poke)
         return True
 
     def _poke(self) -> None:
@@ -226,20 +520,19 @@ class StorageManager:
                 job.slot.release()
 
     async def _write(self, job: _WriteJob) -> None:
-        clients = list(self._clients.values())
-        if not clients or self.mesh is None or not self.mesh.connected:
+        clients = list(self._lower.values())
+        if not clients or self.loop is None or not self.loop.connected:
             self.stats["write_behind_dropped_offline"] += 1
             return
         buffer = job.slot.chunk_buffer(job.meta.nbytes)
         results = await asyncio.gather(*(c.put(job.meta, buffer) for c in clients), return_exceptions=True)
-        ok = all(r is True for r in results)
-        if ok:
+        if all(r is True for r in results):
             self._remember_held(job.meta.key)
             self.stats["write_behind_done"] += 1
         else:
             self.stats["write_behind_failed"] += 1
             self._rlog.warning("put_failed", "write-behind of a chunk to %s failed (%s)",
-                               ", ".join(loc for loc, r in zip(self._clients, results) if r is not True),
+                               ", ".join(loc for loc, r in zip(self._lower, results) if r is not True),
                                "; ".join(str(r) for r in results if r is not True))
 
     async def wait_idle(self, timeout: float) -> bool:
@@ -251,230 +544,10 @@ class StorageManager:
             await asyncio.sleep(0.005)
         return True
 
-    # ---- retrieval (vLLM thread) -----------------------------------------------------------------------------
-    def acquire_prefix(self, spans: Sequence[ChunkSpan],
-                       validate: Callable[[ChunkSpan, ChunkMeta], bool]) -> list[ChunkRef]:
-        """References to the longest prefix of `spans` held in any tier, fetching from below into the pool.
-
-        CPU hits cost no NATS round trip; the rest is fetched on the NATS loop within `blocking_timeout`
-        (a timeout or a dead mesh just ends the prefix there: the caller recomputes the rest).
-        """
-        refs: list[ChunkRef] = []
-        for span in spans:
-            ref = self.cpu.acquire(span.key)
-            if ref is None:
-                break
-            refs.append(ref)
-        if len(refs) == len(spans) or not self._lower_ready():
-            return refs
-        assert self.mesh is not None
-        job = _FetchJob()
-        rest = list(spans[len(refs):])
-        more = self.mesh.call(self._fetch_for(job, rest, validate), self.blocking_timeout, default=None, cancel=False)
-        if more is None:
-            with job.lock:
-                if job.result is not None:  # finished just as we gave up
-                    more = job.result
-                else:
-                    job.abandoned = True
-            if more is None:
-                self._rlog.warning("fetch_timeout", "fetching chunks from the lower tiers took longer than %.1fs "
-                                   "(blocking_timeout_secs): served a shorter hit", self.blocking_timeout)
-                return refs
-        return refs + more
-
-    async def _fetch_for(self, job: _FetchJob, spans: list[ChunkSpan],
-                         validate: Callable[[ChunkSpan, ChunkMeta], bool]) -> list[ChunkRef]:
-        refs: list[ChunkRef] = []
-        try:
-            refs = await self.fetch(spans, validate)
-        finally:
-            with job.lock:
-                if not job.abandoned:
-                    job.result = refs
-                    abandoned = False
-                else:
-                    abandoned = True
-            if abandoned:  # the waiter is gone: the chunks stay in the CPU tier (fetch put them there) or go
-                for ref in refs:
-                    ref.release()
-        return refs
-
-    async def fetch(self, spans: Sequence[ChunkSpan], validate: Callable[[ChunkSpan, ChunkMeta], bool],
-                    owner: object | None = None) -> list[ChunkRef]:
-        """Loop thread: the held prefix of `spans`, tier by tier (CPU, disk, remote, and CPU again...).
-
-        Chunks fetched from below are also made resident in the CPU tier when it keeps chunks. A chunk that
-        another fetch (usually a prefetch) is reading is waited for, not read twice. `owner` names this fetch
-        in the in-flight table (a prefetch claims its keys before it starts).
-        """
-        owner = owner if owner is not None else object()
-        refs: list[ChunkRef] = []
-        pos = 0
-        # exhausted[location] = position at which that store said it does not hold the key
-        exhausted: dict[str, int] = {}
-        try:
-            while pos < len(spans):
-                key = spans[pos].key
-                ref = self.cpu.acquire(key)
-                if ref is not None:
-                    refs.append(ref)
-                    pos += 1
-                    continue
-                claim = self._inflight.get(key)
-                if claim is not None and claim[0] is not owner and self.cpu.keep:
-                    await asyncio.shield(claim[1])  # then look in the CPU tier again
-                    if key in self.cpu:
-                        continue
-                progressed = False
-                for location, client in list(self._clients.items()):
-                    if exhausted.get(location) == pos:
-                        continue
-                    keys = [s.key for s in spans[pos:]]
-                    held = await client.contains(keys)
-                    exhausted[location] = pos + held
-                    if held < len(keys):
-                        self._forget_held(keys[held:])
-                    if held == 0:
-                        continue
-                    got = await self._get_many(client, spans[pos:pos + held], validate, owner)
-                    refs.extend(got)
-                    pos += len(got)
-                    if len(got) < held:  # pool full or a failed read: the prefix ends here
-                        return refs
-                    progressed = True
-                    break
-                if not progressed:
-                    break
-            return refs
-        finally:
-            self._settle(owner, [s.key for s in spans])
-
-    def _claim(self, owner: object, keys: Sequence[ChunkKey]) -> None:
-        loop = asyncio.get_running_loop()
-        for key in keys:
-            if key not in self._inflight:
-                self._inflight[key] = (owner, loop.create_future())
-
-    def _settle(self, owner: object, keys: Sequence[ChunkKey]) -> None:
-        for key in keys:
-            claim = self._inflight.get(key)
-            if claim is not None and claim[0] is owner:
-                del self._inflight[key]
-                claim[1].set_result(None)
-
-    async def _get_many(self, client: ChunkStoreClient, spans: Sequence[ChunkSpan],
-                        validate: Callable[[ChunkSpan, ChunkMeta], bool], owner: object) -> list[ChunkRef]:
-        """Read `spans` from one store into fresh slots, a few at a time; the successful prefix."""
-        got: list[ChunkRef] = []
-        for start in range(0, len(spans), GETS_IN_FLIGHT):
-            batch = spans[start:start + GETS_IN_FLIGHT]
-            slots: list[Slot] = []
-            for _ in batch:
-                slot = self.cpu.allocate()
-                if slot is None:
-                    break
-                slots.append(slot)
-            if len(slots) < len(batch):
-                self.stats["fetch_no_memory"] += 1
-                self._rlog.warning("fetch_pool_full", "CPU pool full (every chunk pinned or in use): a retrieve "
-                                   "from %s returned a shorter hit", client.location)
-            keys = [span.key for span in batch]
-            self._claim(owner, keys[:len(slots)])
-            try:
-                results = await asyncio.gather(*(self._get_one(client, span, slot, validate)
-                                                 for span, slot in zip(batch, slots)), return_exceptions=True)
-                failed = False
-                for span, slot, result in zip(batch, slots, results):
-                    if failed or not isinstance(result, ChunkMeta):
-                        failed = True
-                        if isinstance(result, ChunkMeta) or result is None:
-                            slot.release()
-                        else:  # an exception or a timeout: the store may still write late; free the slot later
-                            self._release_later(slot)
-                        continue
-                    got.append(ChunkRef(result, slot))
-                    if self.cpu.keep:
-                        self.cpu.put(result, slot.ref())
-            finally:
-                self._settle(owner, keys)
-            if failed or len(slots) < len(batch):
-                break
-        self.stats[f"fetched_{client.location}"] += len(got)
-        return got
-
-    async def _get_one(self, client: ChunkStoreClient, span: ChunkSpan, slot: Slot,
-                       validate: Callable[[ChunkSpan, ChunkMeta], bool]) -> ChunkMeta | None:
-        meta = await client.get_into(span.key, slot.chunk_buffer())
-        if meta is None:
-            return None
-        if meta.key != span.key or not validate(span, meta):
-            self._rlog.warning("bad_meta", "%s returned chunk %s with unexpected metadata %s: treated as a miss",
-                               client.location, span.key.hex(), meta)
-            return None
-        return meta
-
-    def _release_later(self, slot: Slot) -> None:
-        # A store that missed our deadline may still be writing into this slot through shared memory.
-        asyncio.get_running_loop().call_later(max(self.request_timeout, 1.0), slot.release)
-
-    # ---- lookup and prefetch ---------------------------------------------------------------------------------
-    def lookup(self, spans: Sequence[ChunkSpan], locations: Sequence[str] | None = None) -> int:
-        """vLLM thread: how many leading `spans` are held across the searched tiers (a prefix count)."""
-        wanted = _normalize_locations(locations)
-        pos = self.cpu.prefix(s.key for s in spans) if LOCAL_CPU in wanted else 0
-        if pos == len(spans) or not (wanted - {LOCAL_CPU}) or not self._lower_ready():
-            return pos
-        assert self.mesh is not None
-        return self.mesh.call(self._lookup_lower(spans, pos, wanted), self.request_timeout + 0.5, default=pos)
-
-    async def _lookup_lower(self, spans: Sequence[ChunkSpan], pos: int, wanted: frozenset[str]) -> int:
-        exhausted: dict[str, int] = {}
-        while pos < len(spans):
-            if LOCAL_CPU in wanted and spans[pos].key in self.cpu:
-                pos += 1
-                continue
-            progressed = False
-            for location, client in list(self._clients.items()):
-                if location not in wanted or exhausted.get(location) == pos:
-                    continue
-                keys = [s.key for s in spans[pos:]]
-                held = await client.contains(keys)
-                exhausted[location] = pos + held
-                if held < len(keys):
-                    self._forget_held(keys[held:])  # a store dropped some: the next store sends them again
-                if held:
-                    pos += held
-                    progressed = True
-                    break
-            if not progressed:
-                break
-        return pos
-
-    def prefetch(self, spans: Sequence[ChunkSpan], validate: Callable[[ChunkSpan, ChunkMeta], bool]) -> None:
-        """Start loading the held prefix of `spans` from below into the CPU tier; returns at once."""
-        if not self.cpu.keep or not self._lower_ready():
-            return
-        start = self.cpu.prefix(s.key for s in spans)
-        if start == len(spans):
-            return
-        assert self.mesh is not None
-
-        async def run() -> None:
-            owner = object()
-            # claimed before the first await: a retrieve submitted after this prefetch waits for these chunks
-            # instead of reading them a second time
-            self._claim(owner, [s.key for s in spans[start:]])
-            for ref in await self.fetch(spans[start:], validate, owner):
-                ref.release()  # the CPU tier keeps its own reference
-
-        future = self.mesh.submit(run())
-        future.add_done_callback(_log_failure)
-
 
 def _normalize_locations(locations: Sequence[str] | None) -> frozenset[str]:
     if locations is None:
-        return frozenset((LOCAL_CPU, LOCAL_DISK, REMOTE))
+        return ALL_LOCATIONS
     out = set()
     for name in locations:
         if name not in LOCATION_ALIASES:
@@ -483,7 +556,7 @@ def _normalize_locations(locations: Sequence[str] | None) -> frozenset[str]:
     return frozenset(out)
 
 
-def _log_failure(future: "concurrent.futures.Future[None]") -> None:
+def _log_failure(future: "concurrent.futures.Future[object] | asyncio.Future[object]") -> None:
     try:
         exc = future.exception()
     except BaseException:  # cancelled at close

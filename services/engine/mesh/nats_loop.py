@@ -111,8 +111,20 @@ class NatsLoop:
 
     # ---- connection ------------------------------------------------------------------------------------------
     def on_connected(self, callback: OnConnected) -> None:
-        """Run `callback(nc)` on the loop once the first connect succeeds (registered before `connect`)."""
-        self._on_connected.append(callback)
+        """Run `callback(nc)` on the loop once the first connect succeeds (at once if it already has)."""
+        self.call_soon(self._add_on_connected, callback)
+
+    def _add_on_connected(self, callback: OnConnected) -> None:
+        if self.nc is None:
+            self._on_connected.append(callback)  # _connect runs it, on this thread, after the first connect
+        else:
+            self.loop.create_task(self._run_on_connected(callback, self.nc))
+
+    async def _run_on_connected(self, callback: OnConnected, nc: NatsClient) -> None:
+        try:
+            await callback(nc)
+        except Exception:
+            log.exception("%s: on-connect step failed", self.name)
 
     def on_close(self, callback: OnClose) -> None:
         """Run `callback()` on the loop at close, before the connection closes (reverse registration order)."""
@@ -142,11 +154,9 @@ class NatsLoop:
             warn.cancel()
         self.nc = nc
         log.info("%s: connected to NATS %s after %.2fs", self.name, url, time.monotonic() - started)
-        for callback in self._on_connected:
-            try:
-                await callback(nc)
-            except Exception:
-                log.exception("%s: on-connect step failed", self.name)
+        callbacks, self._on_connected = self._on_connected, []
+        for callback in callbacks:
+            await self._run_on_connected(callback, nc)
 
     def wait_connected(self, timeout: float) -> bool:
         """Block until connected (tests, embedded start-up); False on timeout."""

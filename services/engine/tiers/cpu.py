@@ -3,7 +3,11 @@
 Threads: any; one lock guards the index and the eviction policy (taken before the pool's lock, never after).
 vLLM's worker thread reads and writes it on store/retrieve, the NATS loop thread on fetches, write-behind
 completions and controller commands. Nothing here touches NATS: admissions and evictions are handed to the
-`AdmissionReporter` (a cheap, thread-safe append) which publishes them from the loop.
+listeners (cheap, thread-safe appends): the `AdmissionReporter` that publishes them to the controller from
+the loop, and the connector's step events that tell vLLM's scheduler what this tier holds.
+
+It is a `Tier` (shared/tier.py) for lookups and the controller's commands; its data path hands out slot
+references (`acquire`, `put`) instead of copying, since its chunks already live in the memory pool.
 
 With `keep=False` (config `local_cpu: false`) the tier is a staging area: chunks stay only until their
 write-behind to the lower tiers completes (`drop_staged`), and nothing is reported as held on the CPU.
@@ -14,15 +18,22 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Protocol
 
 from kvmesh.services.engine.core.memory_pool import MemoryPool, Slot
-from kvmesh.shared.admissions import AdmissionReporter
 from kvmesh.shared.eviction import LRUPolicy, make_policy
 from kvmesh.shared.keys import ChunkKey
-from kvmesh.shared.protocol import ChunkMeta
+from kvmesh.shared.protocol import LOCAL_CPU, ChunkMeta
 
 log = logging.getLogger(__name__)
+
+
+class TierListener(Protocol):
+    """Told of every chunk the tier starts or stops holding, in order, under the tier's lock."""
+
+    def admit(self, key: ChunkKey) -> None: ...
+
+    def evict(self, key: ChunkKey) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -45,30 +56,36 @@ class LocalCPUBackend:
     the last holder releases it. Every chunk costs one slot (`pool.slot_nbytes`) in the policy's byte count.
     """
 
-    location = "LocalCPUBackend"
+    location = LOCAL_CPU
 
-    def __init__(self, pool: MemoryPool, keep: bool = True, policy: str = "LRU",
-                 reporter: AdmissionReporter | None = None) -> None:
+    def __init__(self, pool: MemoryPool, keep: bool = True, policy: str = "LRU") -> None:
         self.pool = pool
         self.keep = keep
         self._policy: LRUPolicy = make_policy(policy, pool.capacity_bytes)
         self._entries: dict[ChunkKey, ChunkRef] = {}
         self._lock = threading.Lock()
-        self._reporter = reporter
+        self._listeners: list[TierListener] = []
 
-    # ---- reporting -------------------------------------------------------------------------------------------
-    def attach_reporter(self, reporter: AdmissionReporter | None) -> None:
-        """Start (or stop, with None) reporting admissions/evictions; the reporter's full sync covers the past."""
+    # ---- listeners -------------------------------------------------------------------------------------------
+    def listen(self, listener: TierListener) -> list[ChunkKey]:
+        """Report admissions/evictions to `listener` from now on; returns what is held now (atomically)."""
         with self._lock:
-            self._reporter = reporter if self.keep else None
+            if self.keep:
+                self._listeners.append(listener)
+            return list(self._entries) if self.keep else []
+
+    def unlisten(self, listener: TierListener) -> None:
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
 
     def _admitted(self, key: ChunkKey) -> None:
-        if self._reporter is not None:
-            self._reporter.admit(key)
+        for listener in self._listeners:
+            listener.admit(key)
 
     def _evicted(self, key: ChunkKey) -> None:
-        if self._reporter is not None:
-            self._reporter.evict(key)
+        for listener in self._listeners:
+            listener.evict(key)
 
     # ---- queries ---------------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -93,6 +110,13 @@ class LocalCPUBackend:
                     break
                 count += 1
         return count
+
+    def touch_keys(self, keys: Iterable[ChunkKey]) -> None:
+        """Mark resident `keys` recently used (a hit served from another tier, or a batch of hits)."""
+        with self._lock:
+            for key in keys:
+                if key in self._entries:
+                    self._policy.touch(key)
 
     @property
     def used_bytes(self) -> int:
@@ -180,34 +204,44 @@ class LocalCPUBackend:
         entry.slot.release()
         return entry
 
-    # ---- controller operations -------------------------------------------------------------------------------
-    def pin(self, keys: Iterable[ChunkKey], ttl_secs: float | None = None) -> int:
-        """Pin the resident prefix of `keys`; the number of tokens pinned."""
-        num_tokens = 0
+    # ---- Tier: lookups and the controller's commands ----------------------------------------------------------
+    async def contains(self, keys: list[ChunkKey]) -> int:
+        return self.prefix(keys)
+
+    async def pin(self, keys: list[ChunkKey], num_tokens: list[int] | None = None,
+                  ttl_secs: float | None = None) -> int:
+        """Pin the resident prefix of `keys`; the number of tokens pinned (the tier knows each chunk's)."""
+        pinned = 0
         with self._lock:
             for key in keys:
                 entry = self._entries.get(key)
                 if entry is None or not self._policy.pin(key, ttl_secs):
                     break
-                num_tokens += entry.meta.num_tokens
-        return num_tokens
+                pinned += entry.meta.num_tokens
+        return pinned
 
-    def unpin(self, keys: Iterable[ChunkKey]) -> int:
+    async def unpin(self, keys: list[ChunkKey], num_tokens: list[int] | None = None) -> int:
         """Drop one pin of each pinned key of the prefix; the number of tokens unpinned."""
-        num_tokens = 0
+        unpinned = 0
         with self._lock:
             for key in keys:
                 entry = self._entries.get(key)
                 if entry is None or not self._policy.unpin(key):
                     break
-                num_tokens += entry.meta.num_tokens
-        return num_tokens
+                unpinned += entry.meta.num_tokens
+        return unpinned
+
+    async def touch(self, keys: list[ChunkKey]) -> None:
+        self.touch_keys(keys)
+
+    async def clear(self) -> int:
+        return self.clear_all()
 
     def is_pinned(self, key: ChunkKey) -> bool:
         with self._lock:
             return self._policy.is_pinned(key)
 
-    def clear(self) -> int:
+    def clear_all(self) -> int:
         """Remove every chunk, pinned ones included; the number of tokens removed.
 
         The CPU tier belongs to this instance alone, so an operator's clear of it wipes it (seeds 000/001: pin,

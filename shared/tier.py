@@ -1,12 +1,21 @@
-"""What the engine needs from a chunk store, whichever it is (disk store on this host, remote store).
+"""The tier interface: what the engine asks of every place a chunk can be (CPU tier, disk store, remote store).
+
+`Tier` is the control part every tier answers, the same way: `contains` (the held prefix of some keys), `pin`
+and `unpin` (the held or pinned prefix), `clear` (what this instance may drop there) and `touch` (a hit: the
+chunks were just used, refresh their recency). The storage manager walks its tiers as one ordered list (CPU,
+disk, remote) for lookups and fetches, and dispatches the controller's commands through this interface.
+
+`StoreTier` adds the data part of a lower tier: `put` a chunk from a buffer and `get_into` a buffer. The CPU
+tier does not copy: its chunks already live in the memory pool's slots, so its data path hands out slot
+references (`LocalCPUBackend.acquire` / `put`) instead.
 
 `ChunkBuffer` names where chunk bytes live in the engine: a view, and if the view lies in a shared-memory
 segment, that segment's name and offset, so a store on the same host can read or write the bytes in place
-(no bytes through NATS). `ChunkStoreClient` is the interface the engine's storage manager calls; the disk
-store and the remote store each provide one (`services/disk_store/client.py`, `services/remote_store/client.py`).
-All methods are coroutines on the engine's NATS loop; none raises on a dead store: they log and answer a
-miss / False / 0 (a failing store never fails vLLM). `StoreLink` is how both clients do that: one per store,
-it sends the requests and logs each change of the store's state once.
+(no bytes through NATS). The disk store and the remote store each provide a `StoreTier` client
+(`services/disk_store/client.py`, `services/remote_store/client.py`). All methods are coroutines on the
+engine's NATS loop; none raises on a dead store: they log and answer a miss / False / 0 (a failing store never
+fails vLLM). `StoreLink` is how both clients do that: one per store, it sends the requests and logs each
+change of the store's state once.
 """
 
 from __future__ import annotations
@@ -33,8 +42,26 @@ class ChunkBuffer:
     shm_offset: int = 0  # offset of `view` inside that segment
 
 
-class ChunkStoreClient(Protocol):
-    location: str  # protocol.LOCAL_DISK or protocol.REMOTE
+class Tier(Protocol):
+    location: str  # protocol.LOCAL_CPU, LOCAL_DISK or REMOTE
+
+    async def contains(self, keys: list[ChunkKey]) -> int:
+        """How many leading `keys` the tier holds; 0 when it cannot be reached."""
+
+    async def pin(self, keys: list[ChunkKey], num_tokens: list[int], ttl_secs: float | None = None) -> int:
+        """Pin the contiguous held prefix of `keys`; the number of tokens pinned."""
+
+    async def unpin(self, keys: list[ChunkKey], num_tokens: list[int]) -> int:
+        """Drop one pin from each key of the contiguous pinned prefix; the number of tokens unpinned."""
+
+    async def clear(self) -> int:
+        """Remove what may be removed (see each tier); the number of tokens cleared."""
+
+    async def touch(self, keys: list[ChunkKey]) -> None:
+        """The chunks were just used: make them the most recently used ones the tier holds (best effort)."""
+
+
+class StoreTier(Tier, Protocol):
     store_ids: list[str]  # the store(s) behind this client (one per remote partition)
 
     async def put(self, meta: ChunkMeta, buffer: ChunkBuffer) -> bool:
@@ -43,20 +70,8 @@ class ChunkStoreClient(Protocol):
     async def get_into(self, key: ChunkKey, buffer: ChunkBuffer) -> ChunkMeta | None:
         """Fill `buffer` with the chunk's bytes (checksum verified); None on a miss or any failure."""
 
-    async def contains(self, keys: list[ChunkKey]) -> int:
-        """How many leading `keys` the store holds; 0 when it cannot be reached."""
-
-    async def pin(self, keys: list[ChunkKey], num_tokens: list[int], ttl_secs: float | None = None) -> int:
-        """Pin the contiguous held prefix of `keys`; the number of tokens pinned."""
-
-    async def unpin(self, keys: list[ChunkKey], num_tokens: list[int]) -> int:
-        """Unpin; the number of tokens unpinned."""
-
     async def remove(self, keys: list[ChunkKey]) -> int:
         """Remove chunks; how many were removed."""
-
-    async def clear(self) -> int:
-        """Remove every unpinned chunk; the number of tokens cleared."""
 
     async def stats(self) -> list[StatsReply]:
         """One StatsReply per store behind the client (missing entries for unreachable stores)."""
