@@ -424,7 +424,7 @@ def test_error_message_format_matches_contract() -> None:
         ("lmcache_worker_port", 70000, "port"),
         ("lmcache_instance_id", "", "empty"),
         ("remote_serde", "pickle", "one of cachegen, kivi, naive"),
-        ("cache_policy", "FIFO", "one of LRU"),
+        ("cache_policy", "ARC", "one of FIFO, LFU, LRU, MRU"),
         ("local_disk", "s3://bucket/kv", "file://"),
     ],
 )
