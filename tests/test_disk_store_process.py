@@ -146,6 +146,21 @@ async def test_chunks_persist_across_a_restart_with_their_lru_order(nc, store: S
         assert await get_shm(client, segment, i) == data_of(i)
 
 
+async def test_cache_policy_flag_reaches_the_store(nc, store: StoreProcess, segment: SharedSegment) -> None:
+    """`--cache-policy FIFO`: the read of chunk 1 does not save it, unlike under LRU (the restart test above)."""
+    store.max_size_gb = 3.5 * (chunk_file.DATA_ALIGN + CHUNK) / 1024**3  # room for 3 chunks
+    store.start("--cache-policy", "fifo")
+    await store.wait_healthy(nc)
+    client = DiskStoreClient(nc, store.store_id)
+    for i in (1, 2, 3):
+        assert await put_shm(client, segment, i)
+    assert await client.wait_written(10)
+    assert await get_shm(client, segment, 1) == data_of(1)
+    assert await put_shm(client, segment, 4) and await client.wait_written(10)
+    assert [await client.contains([key_of(i)]) for i in (1, 2, 3, 4)] == [0, 1, 1, 1]
+    assert (await client.stats())[0].details["cache_policy"] == "FIFO"
+
+
 async def test_sigkill_during_puts_then_restart_returns_only_intact_chunks(nc, store: StoreProcess,
                                                                           segment: SharedSegment) -> None:
     store.start()
