@@ -88,7 +88,8 @@ class DiskStore:
         self._staging = StagingPool(self.options.staging_bytes)
         log.info("disk store %s: %s holds %d chunks, %d bytes of %d, %s eviction (scan %.3fs; deleted %d tmp, "
                  "%d bad files; %d pins restored)", self.options.store_id, self.root, len(self.index),
-                 self.index.used_bytes, self.options.capacity_bytes, self.index.policy_name, report.seconds, report.removed_tmp, report.removed_corrupt, restored)
+                 self.index.used_bytes, self.options.capacity_bytes, self.index.policy_name, report.seconds,
+                 report.removed_tmp, report.removed_corrupt, restored)
         return report
 
     async def close(self, drain_timeout: float = 30.0) -> None:

@@ -1,7 +1,8 @@
 """`python -m kvmesh.services.remote_store`: one remote-store partition (RemoteBackend), until SIGTERM/SIGINT.
 
     python -m kvmesh.services.remote_store --nats-url URL --max-size-gb F --partition I --partitions N \
-        --store-id ID [--cache-policy LRU|LFU|FIFO|MRU] [--persist-dir DIR] [--nats-token T | --nats-user U --nats-password P | --nats-nkey-seed F]
+        --store-id ID [--cache-policy LRU|LFU|FIFO|MRU] [--persist-dir DIR] \
+        [--nats-token T | --nats-user U --nats-password P | --nats-nkey-seed F]
 
 Process: the main thread runs one asyncio event loop (NATS handlers, stream connections, the index; see
 service.py); worker threads fault in buffers and do the persistence file I/O.
@@ -55,7 +56,8 @@ def options_from_args(args: argparse.Namespace) -> RemoteStoreOptions:
     return RemoteStoreOptions(
         store_id=args.store_id or f"remote-{args.partition}", capacity_bytes=int(args.max_size_gb * GB),
         nats_url=normalize_url(args.nats_url), auth=nats_auth_from_args(args), partition=args.partition,
-        num_partitions=args.partitions, cache_policy=args.cache_policy, persist_dir=Path(args.persist_dir) if args.persist_dir else None,
+        num_partitions=args.partitions, cache_policy=args.cache_policy,
+        persist_dir=Path(args.persist_dir) if args.persist_dir else None,
         fsync=not args.no_fsync, stream_host=args.stream_host, stream_port=args.stream_port,
         advertise_host=args.advertise_host, transfer_timeout=args.transfer_timeout)
 
