@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 
 from kvmesh.shared import bus
+from kvmesh.shared.eviction import POLICY_NAMES
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
 from kvmesh.shared.protocol import disk_store_id, remote_store_id
 from kvmesh.shared.service import configure_logging, ping_all
@@ -38,13 +39,15 @@ def mesh_services(args: argparse.Namespace) -> list[ServiceSpec]:
     if not args.no_disk:
         services.append(ServiceSpec("kvmesh.services.disk_store",
                                     ["--dir", str(args.disk_dir), "--max-size-gb", str(args.disk_size),
-                                     "--store-id", disk_store_id()], disk_store_id()))
+                                     "--store-id", disk_store_id(), "--cache-policy", args.cache_policy],
+                                    disk_store_id()))
     if not args.no_remote:
         for partition in range(args.remote_partitions):
             services.append(ServiceSpec(
                 "kvmesh.services.remote_store",
                 ["--max-size-gb", str(args.remote_size), "--partition", str(partition),
-                 "--partitions", str(args.remote_partitions), "--store-id", remote_store_id(partition)],
+                 "--partitions", str(args.remote_partitions), "--store-id", remote_store_id(partition),
+                 "--cache-policy", args.cache_policy],
                 remote_store_id(partition)))
     return services
 
@@ -105,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--disk-size", type=float, default=5.0, help="disk store size cap, GB")
     up.add_argument("--remote-size", type=float, default=4.0, help="remote store memory cap per partition, GB")
     up.add_argument("--remote-partitions", type=int, default=1, help="remote store replicas (key partitions)")
+    up.add_argument("--cache-policy", type=str.upper, choices=POLICY_NAMES, default="LRU",
+                    help="eviction order of the disk and remote stores (default LRU)")
     up.add_argument("--no-disk", action="store_true", help="do not run a disk store")
     up.add_argument("--no-remote", action="store_true", help="do not run a remote store")
     up.add_argument("--log-dir", help="write each service's output to <dir>/<service>.log")

@@ -1,4 +1,4 @@
-"""A chunk store's index: held chunks, puts in flight, LRU order, pins and token counts.
+"""A chunk store's index: held chunks, puts in flight, eviction order, pins and token counts.
 
 Bookkeeping only, no I/O and no locks: a store calls it from its own event loop thread and does the work the
 index asks for (free these victims' bytes, this put may now be seen). Both chunk stores use it (the remote
@@ -13,17 +13,17 @@ contains / pin / unpin / remove / clear mean the same thing everywhere:
 
 Every change of what is held is reported through `on_admit` / `on_evict` (an AdmissionReporter's methods).
 An entry's `charge` is what it counts against the capacity: the remote store's buffer size class, the disk
-store's file size (header page + data), which both differ from the chunk's own `nbytes`.
+store's file size (header page + data), which both differ from the chunk's own `nbytes`. Which chunks are evicted
+first is the store's `cache_policy` (LRU, LFU, FIFO, MRU: shared/eviction/).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable, Generic, Iterable, Protocol, TypeVar
 
 from kvmesh.shared.errors import StoreError
-from kvmesh.shared.eviction import LRUPolicy
+from kvmesh.shared.eviction import make_policy
 from kvmesh.shared.keys import ChunkKey
 
 
@@ -57,17 +57,17 @@ def _ignore(_: ChunkKey) -> None:
 
 
 class ChunkIndex(Generic[E]):
-    """Held chunks under a byte budget, with LRU eviction and pins.
+    """Held chunks under a byte budget, with eviction by the named policy (default LRU) and pins.
 
-    Invariant: a key is held (in `_held` and in the LRU policy: visible to contains/get, its charge in
+    Invariant: a key is held (in `_held` and in the eviction policy: visible to contains/get, its charge in
     `used_bytes`), in flight (in `_in_flight`, its charge in `reserved_bytes`, invisible and never a victim), or
     unknown; never two of these. `used_bytes + reserved_bytes <= capacity_bytes` holds after every `reserve`.
     """
 
     def __init__(self, capacity_bytes: int, on_admit: Callable[[ChunkKey], None] = _ignore,
-                 on_evict: Callable[[ChunkKey], None] = _ignore) -> None:
+                 on_evict: Callable[[ChunkKey], None] = _ignore, *, policy: str = "LRU") -> None:
         self.capacity_bytes = capacity_bytes
-        self._policy = LRUPolicy(capacity_bytes)
+        self._policy = make_policy(policy, capacity_bytes)  # ValueError naming `cache_policy` if unknown
         self._held: dict[ChunkKey, E] = {}
         self._in_flight: dict[ChunkKey, _InFlight[E]] = {}
         self.reserved_bytes = 0
@@ -85,6 +85,11 @@ class ChunkIndex(Generic[E]):
     @property
     def used_bytes(self) -> int:
         return self._policy.used_bytes
+
+    @property
+    def policy_name(self) -> str:
+        """The eviction policy's `cache_policy` name (LRU, LFU, FIFO, MRU)."""
+        return self._policy.name
 
     @property
     def pinned_count(self) -> int:
@@ -122,9 +127,9 @@ class ChunkIndex(Generic[E]):
     def keys(self) -> list[ChunkKey]:
         return list(self._held)
 
-    def lru_order(self) -> list[ChunkKey]:
-        """Held keys: pinned ones first, then the unpinned ones least recently used first."""
-        return list(self._policy.keys())
+    def eviction_order(self) -> list[ChunkKey]:
+        """Held keys: pinned ones first, then the unpinned ones in the order the policy evicts them."""
+        return self._policy.keys()
 
     def contains_prefix(self, keys: Iterable[ChunkKey]) -> int:
         count = 0
@@ -136,7 +141,7 @@ class ChunkIndex(Generic[E]):
 
     # ---- reads -------------------------------------------------------------------------------------------
     def touch(self, key: ChunkKey) -> E | None:
-        """The entry of a held key, now the most recently used; None if not held."""
+        """The entry of a held key, counted as a hit by the policy (LRU: now the most recent); None if not held."""
         entry = self._held.get(key)
         if entry is not None:
             self._policy.touch(key)
@@ -144,7 +149,7 @@ class ChunkIndex(Generic[E]):
 
     # ---- puts --------------------------------------------------------------------------------------------
     def reserve(self, key: ChunkKey, entry: E) -> list[tuple[ChunkKey, E]]:
-        """Accept a put: evict LRU victims to make room and count the entry's charge as reserved.
+        """Accept a put: evict the policy's victims to make room and count the entry's charge as reserved.
 
         Returns the evicted (key, entry) pairs, whose bytes the store frees. Raises SpaceRefused, changing
         nothing, when pinned chunks and puts in flight leave no room. The key must not be known.
@@ -202,13 +207,14 @@ class ChunkIndex(Generic[E]):
             self.reserved_bytes -= flight.entry.charge
 
     def load(self, key: ChunkKey, entry: E) -> None:
-        """Hold a chunk found at start (persisted); call in LRU order, least recently used first."""
+        """Hold a chunk found at start (persisted); call oldest (least recently used) first: it arrives as a new
+        key, so LRU, MRU and FIFO rebuild their order from the call order, and LFU starts every count over."""
         self._held[key] = entry
         self._policy.add(key, entry.charge)
         self.on_admit(key)
 
     def trim_to_capacity(self) -> list[tuple[ChunkKey, E]]:
-        """Evict unpinned chunks, least recently used first, until the held ones fit the capacity (after
+        """Evict unpinned chunks, in the policy's victim order, until the held ones fit the capacity (after
         loading chunks persisted under a larger capacity); the evicted (key, entry) pairs."""
         return [(victim, self._forget(victim)) for victim in self._policy.victims_for(0) or []]
 
@@ -265,9 +271,7 @@ class ChunkIndex(Generic[E]):
 
     def pins(self) -> dict[ChunkKey, tuple[int, float | None]]:
         """Live pins, to persist: key -> (nesting count, seconds left, None = until unpinned)."""
-        now = time.monotonic()
-        return {key: (count, None if expires_at is None else expires_at - now)
-                for key, count, expires_at in self._policy.pins()}
+        return {key: (count, left) for key, count, left in self._policy.pins()}
 
     def tokens_of(self, keys: Iterable[ChunkKey]) -> int:
         return sum(entry.num_tokens for key in keys if (entry := self._held.get(key)) is not None)

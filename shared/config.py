@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from kvmesh.shared.errors import ConfigError
+from kvmesh.shared.eviction import POLICY_NAMES
 
 GB = 1024**3
 ENV_PREFIX = "LMCACHE_"
@@ -31,7 +32,7 @@ CONFIG_FILE_VAR = "LMCACHE_CONFIG_FILE"
 # LMCACHE_ variables that users set for other things than the config; anything else unknown is a typo.
 IGNORED_ENV_VARS = frozenset({CONFIG_FILE_VAR, "LMCACHE_LOG_LEVEL", "LMCACHE_TRACK_USAGE"})
 REMOTE_SERDES = frozenset({"naive", "kivi", "cachegen"})
-CACHE_POLICIES = frozenset({"LRU"})
+CACHE_POLICIES = frozenset(POLICY_NAMES)  # LRU, LFU, FIFO, MRU: one class each in shared/eviction/
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,9 @@ class EngineConfig:
     controller_url: str | None = None  # "localhost:9001": where NATS is (the controller's --monitor-port)
     lmcache_worker_port: int | None = None
     distributed_url: str | None = None
+    # Eviction order of the CPU tier and of the disk and remote stores the engine embeds (LRU, LFU = least
+    # frequently used, ties by recency; FIFO = arrival order, reads do not reorder; MRU = most recent first);
+    # case-insensitive, anything else is a ConfigError naming the key. Stores run apart take `--cache-policy`.
     cache_policy: str = "LRU"
     error_handling: bool = False
     enable_p2p: bool = False

@@ -119,7 +119,7 @@ class IndexOps(Generic[E]):
         index = self.index
         return protocol.StatsReply(store_id=self.store_id, num_chunks=len(index), used_bytes=index.used_bytes,
                                    capacity_bytes=index.capacity_bytes, pinned_chunks=index.pinned_count,
-                                   details=self._details())
+                                   details={"cache_policy": index.policy_name, **self._details()})
 
 
 class StoreEndpoint:

@@ -55,3 +55,17 @@ def test_up_health_and_clean_stop(tmp_path: Path) -> None:
         if up.poll() is None:
             up.kill()
             up.wait()
+
+
+def test_up_passes_the_cache_policy_to_both_stores() -> None:
+    from kvmesh.cli import build_parser, mesh_services
+
+    def policies(*flags: str) -> dict[str, list[str]]:
+        services = mesh_services(build_parser().parse_args(["up", *flags]))
+        return {s.module.rsplit(".", 1)[1]: s.args[s.args.index("--cache-policy") + 1:][:1]
+                for s in services if "--cache-policy" in s.args}
+
+    assert policies() == {"disk_store": ["LRU"], "remote_store": ["LRU"]}
+    assert policies("--cache-policy", "lfu") == {"disk_store": ["LFU"], "remote_store": ["LFU"]}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--cache-policy", "arc"])

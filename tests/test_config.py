@@ -107,6 +107,13 @@ def test_direct_construction_is_checked() -> None:
     assert EngineConfig(cache_policy="lru").cache_policy == "LRU"
 
 
+@pytest.mark.parametrize("name", ["LRU", "lfu", "Fifo", "mru"])
+def test_cache_policy_takes_the_four_lmcache_names(tmp_path: Path, name: str) -> None:
+    assert EngineConfig(cache_policy=name).cache_policy == name.upper()
+    assert EngineConfig.from_env({"LMCACHE_CACHE_POLICY": name}).cache_policy == name.upper()
+    assert EngineConfig.from_file(write(tmp_path, f"cache_policy: {name}\n")).cache_policy == name.upper()
+
+
 def test_from_defaults_converts_and_normalises() -> None:
     config = EngineConfig.from_defaults(
         chunk_size="512", max_local_cpu_size=2, cache_policy="lru", remote_serde="CacheGen"
@@ -424,7 +431,7 @@ def test_error_message_format_matches_contract() -> None:
         ("lmcache_worker_port", 70000, "port"),
         ("lmcache_instance_id", "", "empty"),
         ("remote_serde", "pickle", "one of cachegen, kivi, naive"),
-        ("cache_policy", "FIFO", "one of LRU"),
+        ("cache_policy", "ARC", "one of FIFO, LFU, LRU, MRU"),
         ("local_disk", "s3://bucket/kv", "file://"),
     ],
 )

@@ -18,6 +18,7 @@ from typing import AsyncIterator, Iterator
 import pytest
 
 from kvmesh.shared import bus, chunk_file, protocol
+from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.shm import SharedSegment
 from kvmesh.shared.tier import ChunkBuffer
 from kvmesh.services.disk_store.client import DiskStoreClient
@@ -371,6 +372,26 @@ def test_options_from_flags_and_from_the_lmcache_config(tmp_path: Path) -> None:
     options = options_from_args(build_parser().parse_args(
         ["--dir", "file:///data/kv", "--max-size-gb", "2", "--store-id", "d1", "--nats-url", "h:4222"]), {})
     assert options.root == Path("/data/kv") and options.nats_url == "nats://h:4222"
+
+
+def test_cache_policy_from_the_flag_else_the_lmcache_config(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--dir", str(tmp_path), "--max-size-gb", "1", "--store-id", "d1", "--nats-url", "h:4222"]
+
+    def policy(*extra: str, env: dict[str, str] | None = None) -> str:
+        return options_from_args(build_parser().parse_args([*flags, *extra]), env or {}).cache_policy
+
+    assert policy() == "LRU"
+    assert policy(env={"LMCACHE_CACHE_POLICY": "lfu"}) == "LFU"
+    config = tmp_path / "lmcache.yaml"
+    config.write_text("cache_policy: mru\n")
+    assert policy("--config", str(config)) == "MRU"
+    assert policy("--cache-policy", "fifo", env={"LMCACHE_CACHE_POLICY": "lfu"}) == "FIFO"  # the flag wins
+    with pytest.raises(ConfigError, match="LMCACHE_CACHE_POLICY: must be one of FIFO, LFU, LRU, MRU"):
+        policy(env={"LMCACHE_CACHE_POLICY": "arc"})
+    with pytest.raises(SystemExit):
+        policy("--cache-policy", "arc")
+    assert "--cache-policy: invalid choice: 'ARC'" in capsys.readouterr().err
 
 
 def test_index_reserves_commits_and_discards() -> None:

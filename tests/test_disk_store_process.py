@@ -121,16 +121,24 @@ async def get_shm(client: DiskStoreClient, segment: SharedSegment, i: int) -> by
     return None if meta is None else bytes(buffer.view[:meta.nbytes])
 
 
-async def test_chunks_persist_across_a_restart_with_their_lru_order(nc, store: StoreProcess,
-                                                                    segment: SharedSegment) -> None:
-    store.max_size_gb = 3.5 * (chunk_file.DATA_ALIGN + CHUNK) / 1024**3  # room for 3 chunks
-    store.start()
+async def full_store_with_chunk_1_read(nc, store: StoreProcess, segment: SharedSegment,
+                                       *flags: str) -> DiskStoreClient:
+    """A store with room for 3 chunks, started with `flags`, holding chunks 1, 2, 3 (written in that order),
+    of which chunk 1 has been read since."""
+    store.max_size_gb = 3.5 * (chunk_file.DATA_ALIGN + CHUNK) / 1024**3
+    store.start(*flags)
     await store.wait_healthy(nc)
     client = DiskStoreClient(nc, store.store_id)
     for i in (1, 2, 3):
         assert await put_shm(client, segment, i)
     assert await client.wait_written(10)
-    assert await get_shm(client, segment, 1) == data_of(1)  # 1 becomes more recent than 2
+    assert await get_shm(client, segment, 1) == data_of(1)
+    return client
+
+
+async def test_chunks_persist_across_a_restart_with_their_lru_order(nc, store: StoreProcess,
+                                                                    segment: SharedSegment) -> None:
+    client = await full_store_with_chunk_1_read(nc, store, segment)  # 1 is now more recent than 2
     assert await client.pin([key_of(3)], [256]) == 256
     assert store.stop() == 0  # SIGTERM: a clean stop
 
@@ -144,6 +152,14 @@ async def test_chunks_persist_across_a_restart_with_their_lru_order(nc, store: S
     assert [await client.contains([key_of(i)]) for i in (1, 2, 3, 4)] == [1, 0, 1, 1]
     for i in (1, 3, 4):
         assert await get_shm(client, segment, i) == data_of(i)
+
+
+async def test_cache_policy_flag_reaches_the_store(nc, store: StoreProcess, segment: SharedSegment) -> None:
+    """`--cache-policy FIFO`: the read of chunk 1 does not save it, unlike under LRU (the restart test above)."""
+    client = await full_store_with_chunk_1_read(nc, store, segment, "--cache-policy", "fifo")
+    assert await put_shm(client, segment, 4) and await client.wait_written(10)
+    assert [await client.contains([key_of(i)]) for i in (1, 2, 3, 4)] == [0, 1, 1, 1]
+    assert (await client.stats())[0].details["cache_policy"] == "FIFO"
 
 
 async def test_sigkill_during_puts_then_restart_returns_only_intact_chunks(nc, store: StoreProcess,

@@ -43,14 +43,16 @@ def test_plan_joins_a_configured_mesh_and_embeds_otherwise() -> None:
     plan = plan_mesh(EngineConfig())  # seed 002 without a disk: just NATS
     assert (plan.mode, plan.services, plan.disk_store, plan.remote_stores) == (EMBED, [], None, [])
     plan = plan_mesh(EngineConfig(local_disk="file://local/disk_test/local_disk/", max_local_disk_size=5.0,
-                                  remote_url="lm://localhost:65432", remote_partitions=2, remote_size=1.5))
+                                  remote_url="lm://localhost:65432", remote_partitions=2, remote_size=1.5,
+                                  cache_policy="lfu"))
     assert plan.mode == EMBED
     assert [s.service_id for s in plan.services] == [disk_store_id(), "remote-0", "remote-1"]
     disk = plan.services[0]
     assert disk.module == "kvmesh.services.disk_store"
-    assert disk.args == ["--dir", "local/disk_test/local_disk", "--max-size-gb", "5.0", "--store-id", disk_store_id()]
+    assert disk.args == ["--dir", "local/disk_test/local_disk", "--max-size-gb", "5.0", "--store-id", disk_store_id(),
+                         "--cache-policy", "LFU"]  # the engine's cache_policy reaches the stores it starts
     assert plan.services[2].args == ["--max-size-gb", "1.5", "--partition", "1", "--partitions", "2",
-                                     "--store-id", "remote-1"]
+                                     "--store-id", "remote-1", "--cache-policy", "LFU"]
 
 
 def test_seed_002_embeds_nats_and_a_disk_store_shared_by_workers(tmp_path: Path) -> None:

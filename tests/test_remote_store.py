@@ -8,6 +8,7 @@ credentials) is in test_remote_store_process.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from typing import AsyncIterator
 
@@ -15,9 +16,11 @@ import numpy as np
 import pytest
 
 from kvmesh.shared import bus, chunk_file, protocol
+from kvmesh.shared.config import GB
 from kvmesh.shared.chunk_index import ChunkIndex, SpaceRefused
 from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.tier import ChunkBuffer
+from kvmesh.services.remote_store.__main__ import build_parser, options_from_args
 from kvmesh.services.remote_store.client import RemoteStoreClient
 from kvmesh.services.remote_store.partition import partition_of
 from kvmesh.services.remote_store.service import RemoteStoreOptions, RemoteStoreService
@@ -275,3 +278,41 @@ def test_chunk_index_puts_in_flight_removals_and_supersession() -> None:
         index.reserve(c, _Entry(60))
     assert index.clear() == [] and b in index  # pinned survives clear
     assert index.unpin([b]) == [b] and [k for k, _ in index.clear()] == [b]
+
+
+@pytest.mark.parametrize(("policy", "victim"), [("LRU", 1), ("FIFO", 0), ("MRU", 0), ("LFU", 1)])
+def test_chunk_index_evicts_in_its_policys_order(policy: str, victim: int) -> None:
+    index: ChunkIndex[_Entry] = ChunkIndex(30, policy=policy.lower())
+    keys = [bytes([i]) * 16 for i in range(4)]
+    for key in keys[:3]:
+        assert index.reserve(key, _Entry(10)) == [] and index.commit(key)
+    assert index.touch(keys[0]) is not None  # a hit on the oldest chunk
+    assert [k for k, _ in index.reserve(keys[3], _Entry(10))] == [keys[victim]]
+    assert index.policy_name == policy
+    with pytest.raises(ValueError, match="cache_policy"):
+        ChunkIndex(30, policy="ARC")
+
+
+async def test_cache_policy_flag_reaches_the_store(nats_url: str) -> None:
+    """`--cache-policy FIFO` on the command line: a read does not save the oldest chunk (LRU would keep it:
+    test_lru_under_the_cap_and_admission_events)."""
+    args = build_parser().parse_args(["--nats-url", nats_url, "--max-size-gb", str(3 * MiB / GB), "--store-id",
+                                      "fifo-0", "--stream-host", "127.0.0.1", "--cache-policy", "fifo"])
+    service = RemoteStoreService(dataclasses.replace(options_from_args(args), heartbeat_interval=60.0))
+    await service.start()
+    nc = await bus.connect(nats_url, "test-fifo")
+    client = RemoteStoreClient(nc, ["fifo-0"])
+    try:
+        chunks = [chunk(MiB, seed) for seed in range(4)]
+        for meta, data in chunks[:3]:
+            assert await client.put(meta, ChunkBuffer(memoryview(data)))
+        assert await client.get_into(chunks[0][0].key, ChunkBuffer(memoryview(bytearray(MiB))))
+        meta, data = chunks[3]
+        assert await client.put(meta, ChunkBuffer(memoryview(data)))
+        assert [await client.contains([meta.key]) for meta, _ in chunks] == [0, 1, 1, 1]
+        (stats,) = await client.stats()
+        assert stats.details["cache_policy"] == "FIFO" and stats.capacity_bytes == 3 * MiB
+    finally:
+        await client.close()
+        await nc.close()
+        await service.stop()

@@ -1,6 +1,6 @@
 """What the disk store adds to the shared ChunkIndex: its per-chunk entry, and pins that survive a restart.
 
-The bookkeeping itself (held chunks, writes in flight, LRU under the cap, pins, contains/pin/unpin/remove/clear)
+The bookkeeping itself (held chunks, writes in flight, eviction under the cap, pins, contains/pin/unpin/remove/clear)
 is shared/chunk_index.py, the same as the remote store's. Pure, no I/O: files.py reads and writes the pins file.
 """
 
@@ -66,8 +66,8 @@ class DiskIndex:
     return shapes (victim keys; (held, discarded) entries; (removed keys, tokens)). Kept for code written
     against it; the store itself uses `ChunkIndex[Entry]`, whose other methods this passes through."""
 
-    def __init__(self, capacity_bytes: int) -> None:
-        self.chunks: ChunkIndex[Entry] = ChunkIndex(capacity_bytes)
+    def __init__(self, capacity_bytes: int, policy: str = "LRU") -> None:
+        self.chunks: ChunkIndex[Entry] = ChunkIndex(capacity_bytes, policy=policy)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.chunks, name)

@@ -1,8 +1,9 @@
 """The disk store's settings: command-line flags, falling back to the LMCache config (`--config` or
-LMCACHE_CONFIG_FILE / LMCACHE_* variables) for `local_disk` and `max_local_disk_size` when flags are absent.
+LMCACHE_CONFIG_FILE / LMCACHE_* variables) for `local_disk`, `max_local_disk_size`, `nats_url` and
+`cache_policy` when flags are absent.
 
     python -m kvmesh.services.disk_store --nats-url URL --dir PATH --max-size-gb F --store-id ID \
-        [--nats-token T | --nats-user U --nats-password P | --nats-nkey-seed F]
+        [--cache-policy LRU|LFU|FIFO|MRU] [--nats-token T | --nats-user U --nats-password P | --nats-nkey-seed F]
 
 The NATS credentials are the same flags (and KVMESH_NATS_* variables) as the remote store's: shared/nats_auth.py.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 from kvmesh.shared.bus import NatsAuth, normalize_url
 from kvmesh.shared.config import CONFIG_FILE_VAR, GB, EngineConfig
 from kvmesh.shared.errors import ConfigError
+from kvmesh.shared.eviction import POLICY_NAMES
 from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
 from kvmesh.shared.protocol import disk_store_id
 
@@ -30,6 +32,7 @@ class DiskStoreOptions:
     store_id: str
     nats_url: str = DEFAULT_NATS_URL
     auth: NatsAuth = field(default_factory=NatsAuth)
+    cache_policy: str = "LRU"  # which chunk files are deleted first when the cap is reached (shared/eviction/)
     fsync: bool = True  # fsync each chunk file before it becomes visible (survives power loss, not only crashes)
     writer_threads: int = 1  # one sequential writer matches a single disk best (measured: see benchmarks/)
     reader_threads: int = 4
@@ -47,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-size-gb", type=float, help="size cap in GB (default: max_local_disk_size)")
     parser.add_argument("--store-id", help="store id (default: disk-<hostname>)")
     parser.add_argument("--config", help=f"LMCache YAML config (default: ${CONFIG_FILE_VAR})")
+    parser.add_argument("--cache-policy", type=str.upper, choices=POLICY_NAMES,
+                        help="eviction order (default: the config's cache_policy, else LRU)")
     parser.add_argument("--writer-threads", type=int, default=1)
     parser.add_argument("--reader-threads", type=int, default=4)
     parser.add_argument("--staging-mb", type=float, default=512.0,
@@ -62,7 +67,7 @@ def options_from_args(args: argparse.Namespace, environ: dict[str, str] | None =
     if args.config:
         env[CONFIG_FILE_VAR] = args.config
     config: EngineConfig | None = None
-    if args.dir is None or args.max_size_gb is None or args.nats_url is None:
+    if args.dir is None or args.max_size_gb is None or args.nats_url is None or args.cache_policy is None:
         config = EngineConfig.from_env(env)
     if args.dir is not None:
         root = Path(args.dir.removeprefix("file://"))
@@ -82,6 +87,8 @@ def options_from_args(args: argparse.Namespace, environ: dict[str, str] | None =
         raise ConfigError("disk store: --writer-threads/--reader-threads must be >= 1, --staging-mb >= 0")
     return DiskStoreOptions(
         root=root, capacity_bytes=capacity, store_id=args.store_id or disk_store_id(),
-        nats_url=normalize_url(nats_url), auth=nats_auth_from_args(args, env), fsync=not args.no_fsync,
+        nats_url=normalize_url(nats_url), auth=nats_auth_from_args(args, env),
+        cache_policy=args.cache_policy or (config.cache_policy if config is not None else "LRU"),
+        fsync=not args.no_fsync,
         writer_threads=args.writer_threads, reader_threads=args.reader_threads,
         staging_bytes=int(args.staging_mb * 1024 * 1024))

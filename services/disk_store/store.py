@@ -49,7 +49,7 @@ class DiskStore:
     def __init__(self, options: DiskStoreOptions, faults: WriteFaults | None = None) -> None:
         self.options = options
         self.root = options.root
-        self.index: ChunkIndex[Entry] = ChunkIndex(options.capacity_bytes)
+        self.index: ChunkIndex[Entry] = ChunkIndex(options.capacity_bytes, policy=options.cache_policy)
         self.faults = faults or WriteFaults.from_env()
         self.max_inline_bytes = 1024 * 1024 - protocol.INLINE_HEADROOM
         self.started_at = time.time()
@@ -86,9 +86,10 @@ class DiskStore:
         self._writer = ChunkWriter(self.root, self.options.writer_threads, self.options.fsync, self.faults)
         self._io = ThreadPoolExecutor(max_workers=self.options.reader_threads, thread_name_prefix="disk-io")
         self._staging = StagingPool(self.options.staging_bytes)
-        log.info("disk store %s: %s holds %d chunks, %d bytes of %d (scan %.3fs; deleted %d tmp, %d bad files; "
-                 "%d pins restored)", self.options.store_id, self.root, len(self.index), self.index.used_bytes,
-                 self.options.capacity_bytes, report.seconds, report.removed_tmp, report.removed_corrupt, restored)
+        log.info("disk store %s: %s holds %d chunks, %d bytes of %d, %s eviction (scan %.3fs; deleted %d tmp, "
+                 "%d bad files; %d pins restored)", self.options.store_id, self.root, len(self.index),
+                 self.index.used_bytes, self.options.capacity_bytes, self.index.policy_name, report.seconds,
+                 report.removed_tmp, report.removed_corrupt, restored)
         return report
 
     async def close(self, drain_timeout: float = 30.0) -> None:

@@ -47,6 +47,7 @@ class RemoteStoreOptions:
     auth: NatsAuth = field(default_factory=NatsAuth)
     partition: int = 0
     num_partitions: int = 1
+    cache_policy: str = "LRU"  # which chunks go first when the cap is reached (shared/eviction/)
     persist_dir: Path | None = None
     fsync: bool = True
     stream_host: str | None = None  # where the stream listens; None = the address this host reaches NATS from
@@ -91,7 +92,7 @@ class RemoteStoreService:
                                           register=self._registration,
                                           heartbeat_interval=options.heartbeat_interval)
         self.store = MemoryStore(options.capacity_bytes, options.partition, options.num_partitions,
-                                 options.persist_dir, options.fsync,
+                                 options.persist_dir, options.fsync, cache_policy=options.cache_policy,
                                  on_admit=self.reporter.admit, on_evict=self.reporter.evict)
         listen, self.advertise_host = stream_addresses(options)
         self.stream = StreamServer(self.store, listen, options.stream_port, options.transfer_timeout)
@@ -113,8 +114,9 @@ class RemoteStoreService:
                     Handler("get", protocol.GetRequest, self._on_get), *self.ops.handlers()]
         await self.endpoint.serve(handlers, self.reporter, self._health_details)
         await nc.flush()
-        log.info("remote store %s (partition %d of %d, %.2f GB) serving on NATS %s, stream %s:%d%s",
+        log.info("remote store %s (partition %d of %d, %.2f GB, %s eviction) serving on NATS %s, stream %s:%d%s",
                  options.store_id, options.partition, options.num_partitions, options.capacity_bytes / 1024**3,
+                 options.cache_policy,
                  options.nats_url, self.advertise_host, self.stream.port,
                  f", persisting in {options.persist_dir}" if options.persist_dir else "")
 

@@ -1,12 +1,13 @@
-"""The remote store's memory: chunk bytes in recycled buffers, indexed by ChunkIndex (LRU under a cap, pins).
+"""The remote store's memory: chunk bytes in recycled buffers, indexed by ChunkIndex (eviction policy under a cap,
+pins).
 
 Runs in the store process, on its one asyncio event loop: the stream connections (transfer.py) and the NATS
 handlers (service.py) all call in from that loop, so nothing here takes a lock. Worker threads only fault in
 new buffers (buffers.py), read files at start and write/delete files (persistence.py); they touch a chunk's
 bytes only while the chunk's `users` count says so.
 
-A put is two steps around the bytes' arrival: `begin_put` checks the chunk, reserves room (evicting LRU
-victims) and hands out a faulted buffer; `commit_put` verifies the checksum and makes the chunk visible
+A put is two steps around the bytes' arrival: `begin_put` checks the chunk, reserves room (evicting the
+policy's victims) and hands out a faulted buffer; `commit_put` verifies the checksum and makes the chunk visible
 (`abort_put` if the bytes never came). A get `acquire`s a chunk, sends its bytes, and `release`s it: an
 eviction meanwhile only marks the chunk dropped, and its buffer is recycled when the last user lets go.
 """
@@ -80,7 +81,7 @@ class MemoryStore:
     """Chunks of one key partition in memory, under `capacity_bytes`, optionally mirrored in `persist_dir`."""
 
     def __init__(self, capacity_bytes: int, partition: int = 0, num_partitions: int = 1,
-                 persist_dir: Path | None = None, fsync: bool = True,
+                 persist_dir: Path | None = None, fsync: bool = True, cache_policy: str = "LRU",
                  on_admit: Callable[[ChunkKey], None] | None = None,
                  on_evict: Callable[[ChunkKey], None] | None = None) -> None:
         if not 0 <= partition < num_partitions:
@@ -88,7 +89,7 @@ class MemoryStore:
         self.capacity_bytes = capacity_bytes
         self.partition = partition
         self.num_partitions = num_partitions
-        self.index: ChunkIndex[StoredChunk] = ChunkIndex(capacity_bytes)
+        self.index: ChunkIndex[StoredChunk] = ChunkIndex(capacity_bytes, policy=cache_policy)
         if on_admit is not None:
             self.index.on_admit = on_admit
         if on_evict is not None:

@@ -75,12 +75,13 @@ def plan_mesh(config: EngineConfig) -> MeshPlan:
         assert config.local_disk_path is not None
         services.append(ServiceSpec("kvmesh.services.disk_store",
                                     ["--dir", str(config.local_disk_path), "--max-size-gb",
-                                     str(config.max_local_disk_size), "--store-id", disk], disk))
+                                     str(config.max_local_disk_size), "--store-id", disk,
+                                     "--cache-policy", config.cache_policy], disk))
     for partition, store_id in enumerate(remotes):
         services.append(ServiceSpec("kvmesh.services.remote_store",
                                     ["--max-size-gb", str(config.remote_size), "--partition", str(partition),
-                                     "--partitions", str(config.remote_partitions), "--store-id", store_id],
-                                    store_id))
+                                     "--partitions", str(config.remote_partitions), "--store-id", store_id,
+                                     "--cache-policy", config.cache_policy], store_id))
     return MeshPlan(EMBED, None, disk, remotes, services, reason="no nats_url, controller_url or NATS remote_url")
 
 

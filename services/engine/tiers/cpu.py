@@ -1,4 +1,5 @@
-"""The CPU tier (`LocalCPUBackend`): chunks resident in the engine's memory pool, LRU under the pool's size.
+"""The CPU tier (`LocalCPUBackend`): chunks resident in the engine's memory pool, evicted by the configured
+`cache_policy` (LRU, LFU, FIFO, MRU: shared/eviction/) under the pool's size.
 
 Threads: any; one lock guards the index and the eviction policy (taken before the pool's lock, never after).
 vLLM's worker thread reads and writes it on store/retrieve, the NATS loop thread on fetches, write-behind
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from typing import Iterable, Protocol
 
 from kvmesh.services.engine.core.memory_pool import MemoryPool, Slot
-from kvmesh.shared.eviction import LRUPolicy, make_policy
+from kvmesh.shared.eviction import EvictionPolicy, make_policy
 from kvmesh.shared.keys import ChunkKey
 from kvmesh.shared.protocol import LOCAL_CPU, ChunkMeta
 
@@ -48,7 +49,7 @@ class ChunkRef:
 
 
 class LocalCPUBackend:
-    """Key -> (slot, meta) under an LRU with pins.
+    """Key -> (slot, meta) under an eviction policy with pins.
 
     Invariant: a key is in `_entries` iff it is in `_policy`, and each entry owns exactly one reference of its
     slot, dropped when the entry leaves (eviction, removal, clear). Readers take their own reference
@@ -61,7 +62,7 @@ class LocalCPUBackend:
     def __init__(self, pool: MemoryPool, keep: bool = True, policy: str = "LRU") -> None:
         self.pool = pool
         self.keep = keep
-        self._policy: LRUPolicy = make_policy(policy, pool.capacity_bytes)
+        self._policy: EvictionPolicy = make_policy(policy, pool.capacity_bytes)
         self._entries: dict[ChunkKey, ChunkRef] = {}
         self._lock = threading.Lock()
         self._listeners: list[TierListener] = []
@@ -125,7 +126,7 @@ class LocalCPUBackend:
 
     # ---- reads and writes ------------------------------------------------------------------------------------
     def acquire(self, key: ChunkKey) -> ChunkRef | None:
-        """The chunk with a reference for the caller (and marked recently used), or None on a miss."""
+        """The chunk with a reference for the caller (a hit for the policy), or None on a miss."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -135,7 +136,7 @@ class LocalCPUBackend:
             return ChunkRef(entry.meta, entry.slot)
 
     def allocate(self) -> Slot | None:
-        """A free pool slot, evicting least-recently-used idle chunks if needed; None if nothing can go.
+        """A free pool slot, evicting idle chunks in the policy's victim order if needed; None if nothing can go.
 
         Chunks whose slot is still held elsewhere (being written behind or read) are passed over: evicting
         them would not free memory now. Pinned chunks are never victims.
@@ -144,10 +145,7 @@ class LocalCPUBackend:
         if slot is not None:
             return slot
         with self._lock:
-            self._policy.victims_for(0)  # releases expired pins before we look for victims
-            for key in list(self._policy.keys()):
-                if self._policy.is_pinned(key):
-                    continue
+            for key in self._policy.evictable():  # unpinned (expired pins released), first victim first
                 entry = self._entries[key]
                 if entry.slot.refs != 1:
                     continue
