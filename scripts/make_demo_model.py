@@ -18,11 +18,24 @@ Both give the same logprobs in vLLM CPU as in transformers (eager attention), wi
 Qwen2/Qwen3 configs with mixed `layer_types` are not usable: vLLM's Qwen2 model refuses them unless
 `max_window_layers == num_hidden_layers`, and then applies no per-layer window at all.
 
+One preset takes images, for connectors that must key the KV of image tokens by the image:
+* "vision": `Idefics3ForConditionalGeneration`: a tiny SigLIP-like vision tower (128x128 pixels, 8x8 patches,
+  hidden 64) whose 256 patch features are pixel-shuffled (scale 2) into 64 image tokens for a "tiny"-sized
+  Llama text model. The tokenizer is "tiny"'s plus the Idefics3 special tokens (`<fake_token_around_image>`,
+  `<image>`, `<end_of_utterance>`, `<global-img>`); its chat template also takes OpenAI-style content lists and
+  puts `<image>` where the image part is, so vLLM places the image between the text parts. The processor
+  (`Idefics3Processor` with the PIL `Idefics3ImageProcessorPil`, no image splitting) is saved next to the weights:
+  an image becomes `<fake_token_around_image><global-img>` + 64 x `<image>` + `<fake_token_around_image>`.
+  Why Idefics3 and not LLaVA: vLLM's llava.py imports its Pixtral support, which imports transformers' Pixtral
+  image processor, which needs torchvision; the CPU install has none (the PyPI wheels are CUDA builds whose
+  operators do not load with the CPU torch), and Idefics3 needs none.
+
     python scripts/make_demo_model.py OUTDIR                 # tiny: fast tests (2 layers, hidden 256, fp32)
     python scripts/make_demo_model.py OUTDIR --bench         # benchmarks/ttft.py: 6 layers, hidden 512, bf16
     python scripts/make_demo_model.py OUTDIR --layers 4 --hidden 384 --dtype bfloat16
     python scripts/make_demo_model.py OUTDIR --preset hybrid # Gemma2: sliding-window (128) and full layers, fp32
     python scripts/make_demo_model.py OUTDIR --preset swa    # Mistral: every layer sliding-window (128), fp32
+    python scripts/make_demo_model.py OUTDIR --preset vision # Idefics3: images (64 tokens each) + text, fp32
 
 The same arguments give byte-identical files (checked by `--verify`); a `kvmesh_demo.json` next to the weights
 records the arguments, so callers can reuse a built directory when the arguments match (`model_is_current`).
@@ -70,10 +83,29 @@ PRESETS: dict[str, dict[str, object]] = {
     # pure sliding window: Mistral (a Llama with `sliding_window`), every layer windowed
     "swa": dict(arch="mistral", layers=2, hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64,
                 vocab=4096, max_positions=8192, dtype="float32", sliding_window=128),
+    # images: Idefics3, "tiny"'s text model behind a tiny vision tower; (image_size / patch_size)^2 / scale^2
+    # = 64 image tokens per image
+    "vision": dict(arch="idefics3", layers=2, hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64,
+                   vocab=4096, max_positions=8192, dtype="float32", image_size=128, patch_size=8, scale_factor=2,
+                   vision_layers=2, vision_hidden=64, vision_intermediate=128, vision_heads=2),
 }
-# "arch" (default "llama"), "sliding_window" and "full_every" appear only in the sliding-window presets' specs, so
-# the "tiny"/"bench" specs, markers and files are the same as before these presets existed.
-ARCHS = ("llama", "gemma2", "mistral")
+# "arch" (default "llama"), "sliding_window" and "full_every" appear only in the sliding-window presets' specs, and
+# the image keys only in "vision"'s, so the "tiny"/"bench" specs, markers and files are the same as before these
+# presets existed.
+ARCHS = ("llama", "gemma2", "mistral", "idefics3")
+# The vision preset's special tokens, appended to the tokenizer in this order (ids vocab .. vocab + 3).
+VISION_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
+# "tiny"'s chat template, except that a content list (vLLM passes OpenAI-style parts through when the template
+# iterates over them) renders its text parts in order and `<image>` for each image part.
+VISION_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% elif part['type'] == 'image' %}<image>{% endif %}"
+    "{% endfor %}{% endif %}<|eot_id|>"
+    "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
 MARKER_FILE = "kvmesh_demo.json"
 FORMAT_VERSION = 1  # bump when the build changes in a way that changes the files
 
@@ -156,13 +188,64 @@ def _windowed_model(spec: dict[str, object], tokenizer):
     raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
 
 
+def _text_config(spec: dict[str, object], tokenizer):
+    """The Llama config of the "tiny"/"bench" models (and of the vision preset's language model)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
+        num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"], num_key_value_heads=spec["kv_heads"],
+        head_dim=spec["head_dim"], max_position_embeddings=spec["max_positions"], rope_theta=500000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.02,
+        bos_token_id=tokenizer.convert_tokens_to_ids(BOS), eos_token_id=tokenizer.convert_tokens_to_ids(EOS),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|end_of_text|>"),
+    )
+
+
+def _build_vision(outdir: Path, spec: dict[str, object], seed: int) -> None:
+    """The "vision" preset: Idefics3 weights, its tokenizer (with the image tokens) and its processor."""
+    import torch
+    from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor,
+                              Idefics3VisionConfig)
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer = build_tokenizer(int(spec["vocab"]))  # type: ignore[arg-type]
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tokenizer.chat_template = VISION_CHAT_TEMPLATE
+    image_size, patch_size, scale = (int(spec[k]) for k in ("image_size", "patch_size",  # type: ignore[call-overload]
+                                                             "scale_factor"))
+    # one image, never split into tiles: resized so that its longest edge is `image_size`
+    image_processor = Idefics3ImageProcessorPil(size={"longest_edge": image_size},
+                                                max_image_size={"longest_edge": image_size},
+                                                do_image_splitting=False)
+    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                                  image_seq_len=(image_size // patch_size) ** 2 // scale**2,
+                                  chat_template=VISION_CHAT_TEMPLATE)
+    vision = Idefics3VisionConfig(hidden_size=spec["vision_hidden"], intermediate_size=spec["vision_intermediate"],
+                                  num_hidden_layers=spec["vision_layers"], num_attention_heads=spec["vision_heads"],
+                                  image_size=image_size, patch_size=patch_size, initializer_range=0.02)
+    special = _special_ids(tokenizer)
+    config = Idefics3Config(vision_config=vision, text_config=_text_config(spec, tokenizer),
+                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"), scale_factor=scale,
+                            tie_word_embeddings=False, **special)
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).to(getattr(torch, str(spec["dtype"])))
+    model.eval()
+    model.save_pretrained(outdir, safe_serialization=True)
+    processor.save_pretrained(outdir)  # the tokenizer files too, with the image tokens and the template
+    (outdir / MARKER_FILE).write_text(json.dumps(marker(spec, seed), indent=2, sort_keys=True) + "\n")
+
+
 def build(outdir: Path, spec: dict[str, object], seed: int) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     # one thread: the result must not depend on the machine, and the build runs next to other work
     torch.set_num_threads(1)
     outdir.mkdir(parents=True, exist_ok=True)
+    if spec.get("arch") == "idefics3":
+        _build_vision(outdir, spec, seed)
+        return
     tokenizer = build_tokenizer(int(spec["vocab"]))  # type: ignore[arg-type]
     tokenizer.save_pretrained(outdir)
     dtype = getattr(torch, str(spec["dtype"]))
@@ -173,14 +256,7 @@ def build(outdir: Path, spec: dict[str, object], seed: int) -> None:
         model.save_pretrained(outdir, safe_serialization=True)
         (outdir / MARKER_FILE).write_text(json.dumps(marker(spec, seed), indent=2, sort_keys=True) + "\n")
         return
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
-        num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"], num_key_value_heads=spec["kv_heads"],
-        head_dim=spec["head_dim"], max_position_embeddings=spec["max_positions"], rope_theta=500000.0,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.02,
-        bos_token_id=tokenizer.convert_tokens_to_ids(BOS), eos_token_id=tokenizer.convert_tokens_to_ids(EOS),
-        pad_token_id=tokenizer.convert_tokens_to_ids("<|end_of_text|>"),
-    )
+    config = _text_config(spec, tokenizer)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(dtype)
     model.eval()
@@ -225,7 +301,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("outdir", type=Path)
     parser.add_argument("--bench", action="store_true", help="the benchmark preset (6 layers, hidden 512, bf16)")
-    parser.add_argument("--preset", choices=sorted(PRESETS), help="tiny (default), bench, hybrid or swa")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="tiny (default), bench, hybrid, swa or vision")
     parser.add_argument("--layers", type=int)
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--intermediate", type=int)

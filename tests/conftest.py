@@ -6,6 +6,8 @@
 * `lora_adapters`: two seeded LoRA adapters of the demo model ("lora-a", "lora-b"), built offline and cached.
 * `hybrid_model` / `swa_model`: sliding-window variants of the demo model (Gemma2 with sliding-window and full
   layers; Mistral with every layer windowed), built offline and cached.
+* `vision_model`: an Idefics3 that takes images (a tiny vision tower in front of a demo-sized Llama, 64 tokens
+  per image), with its processor and chat template, built offline and cached.
 * every process started through `e2e_support` (vLLM servers, `kvmesh up`) is stopped at the end of the session.
 Helpers (free ports, process classes) live in tests/e2e_support.py.
 """
@@ -47,6 +49,11 @@ def hybrid_model() -> Path:
 @pytest.fixture(scope="session")
 def swa_model() -> Path:
     return make_demo_model.ensure_model(model_cache_dir() / "models" / "swa", "swa")
+
+
+@pytest.fixture(scope="session")
+def vision_model() -> Path:
+    return make_demo_model.ensure_model(model_cache_dir() / "models" / "vision", "vision")
 
 
 @pytest.fixture(scope="session")
