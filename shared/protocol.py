@@ -70,7 +70,7 @@ class Subjects:
 
     @classmethod
     def store(cls, store_id: str, op: str) -> str:
-        """A chunk-store operation (op: put, get, contains, remove, clear, pin, unpin, prefetch, stats)."""
+        """A chunk-store operation (op: put, get, contains, touch, remove, clear, pin, unpin, stats)."""
         return f"{cls.PREFIX}.store.{cls.token(store_id)}.{op}"
 
 
@@ -364,7 +364,7 @@ class CommandReply:
 @message("chunk_keys")
 @dataclass(frozen=True)
 class ChunkKeys:
-    """Store request naming chunks in prefix order (contains, remove, pin, unpin, prefetch).
+    """Store request naming chunks in prefix order (contains, touch, remove, pin, unpin).
 
     `num_tokens[i]` is the token count of `keys[i]` (a partial last chunk has fewer than chunk_size).
     """
@@ -372,7 +372,6 @@ class ChunkKeys:
     keys: list[bytes]
     num_tokens: list[int] = field(default_factory=list)
     ttl_secs: float | None = None
-    target: str | None = None  # prefetch: the engine worker_id whose CPU tier receives the chunks
 
 
 @message("contains_reply")

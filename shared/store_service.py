@@ -1,7 +1,7 @@
 """What every chunk store does the same way on NATS, whatever holds its bytes (disk store, remote store).
 
 Runs on the store's one asyncio event loop, like the store itself:
-  * `IndexOps` answers contains / pin / unpin / remove / clear / stats from the store's ChunkIndex, so these ops
+  * `IndexOps` answers contains / touch / pin / unpin / remove / clear / stats from the store's ChunkIndex, so these ops
     mean the same thing at every store; the store supplies only what differs (how bytes are freed, ...).
   * `StoreEndpoint` is the store's presence on NATS: its connection (its own, or one lent by a test), one
     subscription per op on `Subjects.store(store_id, op)`, its AdmissionReporter, health answers (on
@@ -68,13 +68,20 @@ class IndexOps(Generic[E]):
 
     def handlers(self) -> list[Handler]:
         keys = protocol.ChunkKeys
-        return [Handler("contains", keys, self.contains), Handler("pin", keys, self.pin),
+        return [Handler("contains", keys, self.contains), Handler("touch", keys, self.touch),
+                Handler("pin", keys, self.pin),
                 Handler("unpin", keys, self.unpin), Handler("remove", keys, self.remove),
                 Handler("clear", protocol.ClearRequest, self.clear),
                 Handler("stats", protocol.StatsRequest, self.stats)]
 
     async def contains(self, request: protocol.ChunkKeys) -> protocol.ContainsReply:
         return protocol.ContainsReply(prefix=self.index.contains_prefix(request.keys))
+
+    async def touch(self, request: protocol.ChunkKeys) -> protocol.Ack:
+        """Hits an engine served: these chunks count as just used (the eviction policy decides what that means)."""
+        for key in request.keys:
+            self.index.touch(key)
+        return protocol.Ack()
 
     async def pin(self, request: protocol.ChunkKeys) -> protocol.CommandReply:
         if request.ttl_secs is not None and not request.ttl_secs > 0:

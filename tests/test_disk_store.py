@@ -22,7 +22,8 @@ from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.shm import SharedSegment
 from kvmesh.shared.tier import ChunkBuffer
 from kvmesh.services.disk_store.client import DiskStoreClient
-from kvmesh.services.disk_store.index import DiskIndex, Entry, SpaceRefused
+from kvmesh.services.disk_store.index import Entry, SpaceRefused
+from kvmesh.shared.chunk_index import ChunkIndex
 from kvmesh.services.disk_store.options import DiskStoreOptions, build_parser, options_from_args
 from kvmesh.services.disk_store.service import DiskStoreService
 from kvmesh.services.disk_store.writer import WriteFaults
@@ -269,7 +270,7 @@ async def test_a_really_full_disk_refuses_or_fails_the_put_cleanly(nc, tmp_path:
 async def test_garbage_on_every_subject_leaves_it_serving(harness: Harness) -> None:
     await harness.start()
     assert await harness.put(1)
-    ops = ["put", "get", "contains", "remove", "clear", "pin", "unpin", "prefetch", "stats"]
+    ops = ["put", "get", "contains", "touch", "remove", "clear", "pin", "unpin", "stats"]
     garbage = [b"", b"\x00\xff\xfe", b"not msgpack", protocol.encode(protocol.Ack()),
                protocol.encode(protocol.HealthRequest()), b"\x81\xa1v\x01"]
     for op in ops:
@@ -334,11 +335,11 @@ async def test_admission_events_with_increasing_seq_reach_a_subscriber(harness: 
     assert syncs and syncs[0].final and syncs[0].keys == []  # the full sync at start (empty directory)
 
 
-async def test_prefetch_remove_and_stats(harness: Harness) -> None:
+async def test_remove_and_stats(harness: Harness) -> None:
     await harness.start()
     for i in (1, 2, 3):
         assert await harness.put(i)
-    assert await harness.client.prefetch([key_of(1), key_of(2), key_of(9), key_of(3)], target="w0") == 2
+    assert await harness.client.contains([key_of(1), key_of(2), key_of(9), key_of(3)]) == 2
     assert await harness.client.remove([key_of(2), key_of(9)]) == 1
     assert await harness.held(1, 2, 3) == [True, False, True]
     stats = await harness.client.stats()
@@ -395,7 +396,7 @@ def test_cache_policy_from_the_flag_else_the_lmcache_config(tmp_path: Path,
 
 
 def test_index_reserves_commits_and_discards() -> None:
-    index = DiskIndex(capacity_bytes=300)
+    index: ChunkIndex[Entry] = ChunkIndex(capacity_bytes=300)
     entry = Entry(nbytes=90, file_bytes=100, num_tokens=10)
     assert index.reserve(b"a", entry) == [] and index.reserve(b"b", entry) == []
     assert index.contains_prefix([b"a"]) == 0  # not visible until written
@@ -405,9 +406,9 @@ def test_index_reserves_commits_and_discards() -> None:
     with pytest.raises(SpaceRefused):  # pinned a and the in-flight b, c fill the cap: nothing to evict
         index.reserve(b"d", entry)
     index.unpin([b"a"])
-    assert index.reserve(b"d", entry) == [b"a"]  # held a evicted; in-flight b, c never are
+    assert index.reserve(b"d", entry) == [(b"a", entry)]  # held a evicted; in-flight b, c never are
     index.abort(b"d")
-    assert index.remove(b"b") == (None, entry)  # a pending write is discarded ...
+    assert index.in_flight(b"b") is entry and index.remove(b"b") is None  # a pending write is discarded ...
     assert not index.commit(b"b")  # ... and not admitted when it lands
-    assert index.commit(b"c") and index.clear() == ([b"c"], 10)
+    assert index.commit(b"c") and index.clear() == [(b"c", entry)]
     assert index.used_bytes == 0 and index.reserved_bytes == 0

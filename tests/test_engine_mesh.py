@@ -344,3 +344,36 @@ def test_retrieval_goes_cpu_then_disk_then_remote(full_mesh: LocalMesh, kv: Page
         assert engine.pin(b, REMOTE) == 128 and engine.unpin(b, REMOTE) == 128
     finally:
         engine.close()
+
+
+@pytest.fixture
+def small_disk_mesh(tmp_path: Path) -> Iterator[LocalMesh]:
+    """A real disk store that holds three of the tests' chunks (16 KiB of KV + a 4 KiB header page each)."""
+    store_id = disk_store_id()
+    spec = ServiceSpec("kvmesh.services.disk_store", ["--dir", str(tmp_path / "disk"), "--max-size-gb", "0.0000668",
+                                                      "--store-id", store_id], store_id)
+    mesh = LocalMesh([spec]).start(ready_timeout=20)
+    yield mesh
+    mesh.stop()
+
+
+@pytest.mark.parametrize("refreshed", [True, False])
+def test_cpu_hits_refresh_recency_in_the_disk_store(small_disk_mesh: LocalMesh, kv: PagedKV, tmp_path: Path,
+                                                    refreshed: bool) -> None:
+    """A chunk the CPU tier keeps serving is the disk store's most recent one too (the batched touch), so
+    the disk store evicts another chunk; without the refresh it would evict the served one first."""
+    engine = engine_on(str(small_disk_mesh.nats_url), kv, local_disk=str(tmp_path / "disk"), touch_interval_secs=3600)
+    try:
+        assert wait_sync(lambda: engine.storage.lower(LOCAL_DISK) is not None)
+        prompts = [random_tokens(32, seed=40 + i) for i in range(4)]  # one chunk each
+        for prompt in prompts[:3]:
+            _store_and_settle(engine, prompt, kv, kv.slots(32))
+        assert all(engine.lookup(p, search_range=[LOCAL_DISK]) == 32 for p in prompts[:3])
+        assert bool(engine.retrieve(prompts[0], **kv.kv(kv.slots(32))).all())  # a CPU hit on the oldest
+        if refreshed:
+            engine.nats_loop.call(engine.storage.flush_hits(), 10, default=None)
+        _store_and_settle(engine, prompts[3], kv, kv.slots(32))  # the disk store must evict one
+        on_disk = [engine.lookup(p, search_range=[LOCAL_DISK]) == 32 for p in prompts]
+        assert on_disk == ([True, False, True, True] if refreshed else [False, True, True, True]), on_disk
+    finally:
+        engine.close()

@@ -348,7 +348,7 @@ async def test_garbage_on_every_subject_and_the_stream_port_leaves_it_serving(na
                     protocol.encode(protocol.ChunkKeys(keys=[b"", b"\x00" * 300], num_tokens=[-1])),
                     protocol.encode(protocol.StreamHello(ticket=b"forged"))]
         subjects = [protocol.Subjects.store("junk-0", op) for op in
-                    ("stream", "put", "get", "contains", "remove", "clear", "pin", "unpin", "stats", "prefetch")]
+                    ("stream", "put", "get", "contains", "remove", "clear", "pin", "unpin", "stats", "touch")]
         subjects += [protocol.Subjects.health("junk-0"), protocol.Subjects.sync("junk-0"), protocol.Subjects.PING_ALL]
         for subject in subjects:
             for payload in payloads:

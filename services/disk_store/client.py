@@ -102,6 +102,9 @@ class DiskStoreClient:
                                     protocol.CommandReply)
         return reply.num_tokens if reply is not None else 0
 
+    async def touch(self, keys: list[ChunkKey]) -> None:
+        await self._request("touch", protocol.ChunkKeys(keys=keys), protocol.Ack)
+
     async def remove(self, keys: list[ChunkKey]) -> int:
         reply = await self._request("remove", protocol.ChunkKeys(keys=keys), protocol.CommandReply)
         return reply.num_chunks if reply is not None else 0
@@ -115,11 +118,6 @@ class DiskStoreClient:
         return [reply] if reply is not None else []
 
     # ---- extras ----------------------------------------------------------------------------------------
-    async def prefetch(self, keys: list[ChunkKey], target: str | None = None) -> int:
-        """Ask the store to warm the held prefix of `keys`; how many leading keys it holds."""
-        reply = await self._request("prefetch", protocol.ChunkKeys(keys=keys, target=target), protocol.ContainsReply)
-        return reply.prefix if reply is not None else 0
-
     async def wait_written(self, timeout: float = 30.0, poll: float = 0.005) -> bool:
         """Wait until the store has no write in flight (every accepted put is on disk or failed)."""
         deadline = time.monotonic() + timeout

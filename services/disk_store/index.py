@@ -13,7 +13,7 @@ from typing import Any
 from kvmesh.shared.chunk_index import ChunkIndex, SpaceRefused
 from kvmesh.shared.keys import ChunkKey
 
-__all__ = ["DiskIndex", "Entry", "PinRecord", "SpaceRefused", "pin_records", "restore_pins"]
+__all__ = ["Entry", "PinRecord", "SpaceRefused", "pin_records", "restore_pins"]
 
 
 @dataclass(frozen=True)
@@ -59,36 +59,3 @@ def restore_pins(index: ChunkIndex[Any], records: dict[ChunkKey, PinRecord]) -> 
             index.pin([key], ttl)
         restored += 1
     return restored
-
-
-class DiskIndex:
-    """The disk store's index API from before it moved onto ChunkIndex: the same bookkeeping with the old
-    return shapes (victim keys; (held, discarded) entries; (removed keys, tokens)). Kept for code written
-    against it; the store itself uses `ChunkIndex[Entry]`, whose other methods this passes through."""
-
-    def __init__(self, capacity_bytes: int, policy: str = "LRU") -> None:
-        self.chunks: ChunkIndex[Entry] = ChunkIndex(capacity_bytes, policy=policy)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.chunks, name)
-
-    def __len__(self) -> int:
-        return len(self.chunks)
-
-    def reserve(self, key: ChunkKey, entry: Entry) -> list[ChunkKey]:
-        return [victim for victim, _ in self.chunks.reserve(key, entry)]
-
-    def commit(self, key: ChunkKey) -> bool:
-        return self.chunks.commit(key)
-
-    def abort(self, key: ChunkKey) -> None:
-        self.chunks.abort(key)
-
-    def remove(self, key: ChunkKey) -> tuple[Entry | None, Entry | None]:
-        discarded = self.chunks.in_flight(key)
-        return self.chunks.remove(key), discarded
-
-    def clear(self) -> tuple[list[ChunkKey], int]:
-        discarded = self.chunks.in_flight_items()
-        removed = self.chunks.clear()
-        return [key for key, _ in removed], sum(entry.num_tokens for _, entry in removed + discarded)

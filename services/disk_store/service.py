@@ -4,13 +4,13 @@ Subjects (`Subjects.store(store_id, op)`), request -> reply:
     put       PutRequest  -> Ack            accepted once the bytes are staged (see writer.py); ok=False + reason
     get       GetRequest  -> GetReply       bytes into the requester's shared memory, or inline `data`
     contains  ChunkKeys   -> ContainsReply  how many leading keys are held (complete files)
-    prefetch  ChunkKeys   -> ContainsReply  warms the page cache for the held prefix
+    touch     ChunkKeys   -> Ack            an engine's hits: these chunks count as just used
     remove    ChunkKeys   -> CommandReply   num_tokens / num_chunks removed
     clear     ClearRequest-> CommandReply   every unpinned chunk; num_tokens cleared
     pin/unpin ChunkKeys   -> CommandReply   contiguous prefix; num_tokens affected (ttl_secs optional)
     stats     StatsRequest-> StatsReply
-contains, pin, unpin, remove, clear and stats are the shared IndexOps (shared/store_service.py), the same as
-the remote store's; put, get and prefetch are DiskStore's own. Also: health (`serve_health(service=
+contains, touch, pin, unpin, remove, clear and stats are the shared IndexOps (shared/store_service.py), the same as
+the remote store's; put and get are DiskStore's own. Also: health (`serve_health(service=
 "disk_store")`), and admission/eviction batches plus full syncs on `Subjects.events(store_id)` through
 AdmissionReporter (location LocalDiskBackend, producer_id = store_id).
 Gets are handled up to `reader_threads` at a time; every other op one request at a time, in arrival order.
@@ -62,7 +62,7 @@ class DiskStoreService:
         # read; every other op is handled in arrival order.
         handlers = [Handler("put", protocol.PutRequest, store.put),
                     Handler("get", protocol.GetRequest, store.get, max_concurrent=options.reader_threads),
-                    Handler("prefetch", protocol.ChunkKeys, store.prefetch), *self.ops.handlers()]
+                    *self.ops.handlers()]
         await self.endpoint.serve(handlers, reporter, store.details)
         log.info("disk store %s serving %s on %s", options.store_id, options.root, options.nats_url)
 

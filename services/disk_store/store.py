@@ -1,10 +1,10 @@
-"""The disk store's operations: put, get and prefetch here; contains, pin, unpin, remove, clear and stats are
+"""The disk store's operations: put and get here; contains, pin, unpin, remove, clear and stats are
 the shared `IndexOps` over this store's index (service.py wires them, with the hooks below).
 
 Who runs what: every method runs on the store's asyncio event loop thread, which alone touches the index
 (a `ChunkIndex[Entry]`, the same bookkeeping as the remote store's) and the segment cache. Blocking work goes
 to threads: copies and file writes to `ChunkWriter` (one staging-copy thread, `writer_threads` writer threads),
-reads, deletions, readahead hints and the pins file to the I/O pool (`reader_threads`). The NATS wiring is in
+reads, deletions and the pins file to the I/O pool (`reader_threads`). The NATS wiring is in
 service.py; this class never sees a subject.
 
 The data path of a put: the engine's shared-memory slice -> (memcpy) staging buffer -> answer "accepted" ->
@@ -286,20 +286,7 @@ class DiskStore:
             if delete:
                 self._delete_files([key])
 
-    # ---- prefetch, and the hooks of the shared control ops (IndexOps) ---------------------------------
-    async def prefetch(self, request: protocol.ChunkKeys) -> protocol.ContainsReply:
-        """Warm the page cache for the held prefix of the keys (readahead); answers how many are held.
-
-        `target` (an engine worker) is accepted but nothing is pushed to it yet: the engine pulls with get.
-        """
-        count = self.index.contains_prefix(request.keys)
-        held = request.keys[:count]
-        for key in held:
-            self.index.touch(key)
-        if held:
-            self._spawn(self._in_io(_readahead, self.root, held))
-        return protocol.ContainsReply(prefix=count)
-
+    # ---- the hooks of the shared control ops (IndexOps) -----------------------------------------------
     async def settle(self, keys: list[ChunkKey]) -> None:
         """Before a pin: chunks still being written are about to be held; wait for them (up to PIN_WAIT_SECS)
         rather than pin a short prefix."""
@@ -396,14 +383,3 @@ def _read_chunk(root: Path, key: ChunkKey, out: memoryview) -> protocol.ChunkMet
 def _unlink_all(root: Path, keys: list[ChunkKey]) -> int:
     return sum(chunk_file.unlink_chunk(root, key) for key in keys)
 
-
-def _readahead(root: Path, keys: list[ChunkKey]) -> None:
-    for key in keys:
-        try:
-            fd = os.open(chunk_file.chunk_path(root, key), os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        finally:
-            os.close(fd)

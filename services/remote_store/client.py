@@ -149,6 +149,10 @@ class RemoteStoreClient:
                                            num_tokens=[tokens_of[p] for p in positions]), protocol.CommandReply))
         return sum(reply.num_tokens for reply in replies if reply and reply.ok)
 
+    async def touch(self, keys: list[ChunkKey]) -> None:
+        await self._each(self._group(keys), lambda i, positions: self._request(
+            i, "touch", protocol.ChunkKeys(keys=[keys[p] for p in positions]), protocol.Ack))
+
     async def remove(self, keys: list[ChunkKey]) -> int:
         if not keys:
             return 0

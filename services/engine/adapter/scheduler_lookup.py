@@ -373,12 +373,15 @@ class SchedulerLookup:
                 futures.append(engine.nats_loop.submit(engine.lookup_and_prefetch(spans)))
             return LowerLookup(futures, time.monotonic())
         nats = self._nats
-        if nats is None or not nats.connected:
-            return None
+        if nats is None or (nats.nc is not None and not nats.connected):
+            return None  # no NATS, or it went down: answer from the CPU tiers at once
+        # connected, or still making its first connection (just after the workers were found): ask
         request = protocol.PrefixLookup(keys=keys, num_tokens=num_tokens)
         return LowerLookup([nats.submit(self._ask(nats, w, request)) for w in self._workers], time.monotonic())
 
     async def _ask(self, nats: "NatsLoop", worker: WorkerInfo, request: protocol.PrefixLookup) -> int:
+        if not await nats.first_connection(self.timeout):
+            return 0
         assert nats.nc is not None
         subject = protocol.Subjects.worker(worker.lookup_id, PREFIX_LOOKUP_OP)
         try:

@@ -415,11 +415,14 @@ class StorageManager:
     async def _refresh_recency(self) -> None:
         while True:
             await asyncio.sleep(self.config.touch_interval_secs)
-            with self._hits_lock:
-                keys, self._hits = list(self._hits), set()
-            if keys and self.lower_ready():
-                await asyncio.gather(*(client.touch(keys) for client in self._lower.values()),
-                                     return_exceptions=True)
+            await self.flush_hits()
+
+    async def flush_hits(self) -> None:
+        """Loop thread: tell every lower tier about the hits noted since the last flush (and wait for them)."""
+        with self._hits_lock:
+            keys, self._hits = list(self._hits), set()
+        if keys and self.lower_ready():
+            await asyncio.gather(*(client.touch(keys) for client in self._lower.values()), return_exceptions=True)
 
     # ---- the controller's commands (loop thread) -----------------------------------------------------------------
     async def command(self, op: str, location: str, spans: Sequence[ChunkSpan], ttl_secs: float | None = None) -> int:

@@ -48,6 +48,7 @@ class NatsLoop:
         self._on_close: list[OnClose] = []
         self._connect_task: asyncio.Task[None] | None = None
         self._ready = threading.Event()
+        self._first_connect = asyncio.Event()  # set on the loop once the first connect succeeded
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"kvmesh-mesh-{name}", daemon=True)
         self._thread.start()
@@ -153,10 +154,19 @@ class NatsLoop:
         finally:
             warn.cancel()
         self.nc = nc
+        self._first_connect.set()
         log.info("%s: connected to NATS %s after %.2fs", self.name, url, time.monotonic() - started)
         callbacks, self._on_connected = self._on_connected, []
         for callback in callbacks:
             await self._run_on_connected(callback, nc)
+
+    async def first_connection(self, timeout: float) -> bool:
+        """On the loop: wait (at most `timeout` s) for the first connect; whether there is a connection now."""
+        try:
+            await asyncio.wait_for(self._first_connect.wait(), timeout)
+        except TimeoutError:
+            pass
+        return self.connected
 
     def wait_connected(self, timeout: float) -> bool:
         """Block until connected (tests, embedded start-up); False on timeout."""
