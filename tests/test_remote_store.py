@@ -20,10 +20,10 @@ from kvmesh.shared.config import GB
 from kvmesh.shared.chunk_index import ChunkIndex, SpaceRefused
 from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.tier import ChunkBuffer
-from kvmesh.services.remote_store.__main__ import build_parser, options_from_args
+from kvmesh.services.remote_store.options import RemoteStoreOptions, build_parser, options_from_args
 from kvmesh.services.remote_store.client import RemoteStoreClient
 from kvmesh.services.remote_store.partition import partition_of
-from kvmesh.services.remote_store.service import RemoteStoreOptions, RemoteStoreService
+from kvmesh.services.remote_store.service import RemoteStoreService
 
 MiB = 1024 * 1024
 

@@ -6,6 +6,9 @@ LMCACHE_CONFIG_FILE / LMCACHE_* variables) for `local_disk`, `max_local_disk_siz
         [--cache-policy LRU|LFU|FIFO|MRU] [--nats-token T | --nats-user U --nats-password P | --nats-nkey-seed F]
 
 The NATS credentials are the same flags (and KVMESH_NATS_* variables) as the remote store's: shared/nats_auth.py.
+One definition both ways: `build_parser` + `options_from_args` read the flags, `DiskStoreOptions.to_args` writes
+them for whoever starts a store process (`kvmesh up`, the engine's embedded mesh); a store started with every
+setting as a flag reads no LMCache config.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from kvmesh.shared.bus import NatsAuth, normalize_url
 from kvmesh.shared.config import CONFIG_FILE_VAR, GB, EngineConfig
 from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.eviction import POLICY_NAMES
+from kvmesh.shared.local_mesh import ServiceSpec
 from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
 from kvmesh.shared.protocol import disk_store_id
 
@@ -39,6 +43,19 @@ class DiskStoreOptions:
     staging_bytes: int = 512 * 1024 * 1024  # 0 = write-through: a put is answered once its file is written
     staging_wait_secs: float = 5.0  # how long a put waits for staging room before it is refused
     min_free_bytes: int = 0  # refuse puts that would leave less free space on the filesystem
+
+    def to_args(self) -> list[str]:
+        """The flags that start a store with these options (`--nats-url` and credentials excepted)."""
+        args = ["--dir", str(self.root), "--max-size-gb", repr(self.capacity_bytes / GB), "--store-id", self.store_id,
+                "--cache-policy", self.cache_policy, "--writer-threads", str(self.writer_threads),
+                "--reader-threads", str(self.reader_threads), "--staging-mb", repr(self.staging_bytes / 2**20)]
+        if not self.fsync:
+            args.append("--no-fsync")
+        return args
+
+    def service_spec(self) -> ServiceSpec:
+        """How `kvmesh up` and the engine's embedded mesh start this store."""
+        return ServiceSpec("kvmesh.services.disk_store", self.to_args(), self.store_id)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +95,7 @@ def options_from_args(args: argparse.Namespace, environ: dict[str, str] | None =
     if args.max_size_gb is not None:
         if args.max_size_gb < 0:
             raise ConfigError(f"--max-size-gb: must be >= 0, got {args.max_size_gb}")
-        capacity = int(args.max_size_gb * GB)
+        capacity = round(args.max_size_gb * GB)
     else:
         assert config is not None
         capacity = config.max_local_disk_bytes
@@ -91,4 +108,4 @@ def options_from_args(args: argparse.Namespace, environ: dict[str, str] | None =
         cache_policy=args.cache_policy or (config.cache_policy if config is not None else "LRU"),
         fsync=not args.no_fsync,
         writer_threads=args.writer_threads, reader_threads=args.reader_threads,
-        staging_bytes=int(args.staging_mb * 1024 * 1024))
+        staging_bytes=round(args.staging_mb * 2**20))

@@ -33,28 +33,11 @@ from kvmesh.shared import bus, protocol
 from kvmesh.shared.admissions import AdmissionReporter
 from kvmesh.shared.bus import NatsAuth
 from kvmesh.shared.store_service import Handler, IndexOps, StoreEndpoint
+from kvmesh.services.remote_store.options import RemoteStoreOptions
 from kvmesh.services.remote_store.store import MemoryStore, PutRefused
 from kvmesh.services.remote_store.stream_server import StreamServer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RemoteStoreOptions:
-    store_id: str
-    capacity_bytes: int
-    nats_url: str = "nats://127.0.0.1:4222"
-    auth: NatsAuth = field(default_factory=NatsAuth)
-    partition: int = 0
-    num_partitions: int = 1
-    cache_policy: str = "LRU"  # which chunks go first when the cap is reached (shared/eviction/)
-    persist_dir: Path | None = None
-    fsync: bool = True
-    stream_host: str | None = None  # where the stream listens; None = the address this host reaches NATS from
-    stream_port: int = 0  # 0 = any free port (it is advertised in the StreamOffer)
-    advertise_host: str | None = None  # the address clients connect to; None = the listening one (or the route)
-    transfer_timeout: float = 30.0  # seconds one chunk's transfer may take before its connection is closed
-    heartbeat_interval: float = 2.0
 
 
 def route_address(nats_url: str) -> str | None:

@@ -38,6 +38,8 @@ from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
 from kvmesh.shared.protocol import disk_store_id, remote_store_id
+from kvmesh.services.disk_store.options import DiskStoreOptions
+from kvmesh.services.remote_store.options import partitions as remote_partitions
 
 log = logging.getLogger(__name__)
 
@@ -73,15 +75,11 @@ def plan_mesh(config: EngineConfig) -> MeshPlan:
     services: list[ServiceSpec] = []
     if disk is not None:
         assert config.local_disk_path is not None
-        services.append(ServiceSpec("kvmesh.services.disk_store",
-                                    ["--dir", str(config.local_disk_path), "--max-size-gb",
-                                     str(config.max_local_disk_size), "--store-id", disk,
-                                     "--cache-policy", config.cache_policy], disk))
-    for partition, store_id in enumerate(remotes):
-        services.append(ServiceSpec("kvmesh.services.remote_store",
-                                    ["--max-size-gb", str(config.remote_size), "--partition", str(partition),
-                                     "--partitions", str(config.remote_partitions), "--store-id", store_id,
-                                     "--cache-policy", config.cache_policy], store_id))
+        services.append(DiskStoreOptions(root=config.local_disk_path, capacity_bytes=config.max_local_disk_bytes,
+                                         store_id=disk, cache_policy=config.cache_policy).service_spec())
+    if remotes:
+        services += [options.service_spec() for options in
+                     remote_partitions(config.remote_size_bytes, config.remote_partitions, config.cache_policy)]
     return MeshPlan(EMBED, None, disk, remotes, services, reason="no nats_url, controller_url or NATS remote_url")
 
 

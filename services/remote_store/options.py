@@ -1,0 +1,110 @@
+"""The remote store's settings: `RemoteStoreOptions`, its command-line flags, and the flags that start one.
+
+    python -m kvmesh.services.remote_store --nats-url URL --max-size-gb F --partition I --partitions N \
+        --store-id ID [--cache-policy LRU|LFU|FIFO|MRU] [--persist-dir DIR] \
+        [--nats-token T | --nats-user U --nats-password P | --nats-nkey-seed F]
+
+One definition both ways: `build_parser` + `options_from_args` read the flags, `RemoteStoreOptions.to_args`
+writes them for whoever starts a store process (`kvmesh up`, the engine's embedded mesh). Credentials are
+never flags written by `to_args`: they travel in the environment (shared/nats_auth.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvmesh.shared.bus import NatsAuth, normalize_url
+from kvmesh.shared.config import GB
+from kvmesh.shared.errors import ConfigError
+from kvmesh.shared.eviction import POLICY_NAMES
+from kvmesh.shared.local_mesh import ServiceSpec
+from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
+from kvmesh.shared.protocol import remote_store_id
+
+
+@dataclass(frozen=True)
+class RemoteStoreOptions:
+    store_id: str
+    capacity_bytes: int
+    nats_url: str = "nats://127.0.0.1:4222"
+    auth: NatsAuth = field(default_factory=NatsAuth)
+    partition: int = 0
+    num_partitions: int = 1
+    cache_policy: str = "LRU"  # which chunks go first when the cap is reached (shared/eviction/)
+    persist_dir: Path | None = None
+    fsync: bool = True
+    stream_host: str | None = None  # where the stream listens; None = the address this host reaches NATS from
+    stream_port: int = 0  # 0 = any free port (it is advertised in the StreamOffer)
+    advertise_host: str | None = None  # the address clients connect to; None = the listening one (or the route)
+    transfer_timeout: float = 30.0  # seconds one chunk's transfer may take before its connection is closed
+    heartbeat_interval: float = 2.0
+
+    def to_args(self) -> list[str]:
+        """The flags that start a store with these options (`--nats-url` and credentials excepted)."""
+        args = ["--max-size-gb", repr(self.capacity_bytes / GB), "--partition", str(self.partition),
+                "--partitions", str(self.num_partitions), "--store-id", self.store_id,
+                "--cache-policy", self.cache_policy, "--transfer-timeout", repr(self.transfer_timeout)]
+        if self.persist_dir is not None:
+            args += ["--persist-dir", str(self.persist_dir)]
+        if not self.fsync:
+            args.append("--no-fsync")
+        if self.stream_host:
+            args += ["--stream-host", self.stream_host]
+        if self.stream_port:
+            args += ["--stream-port", str(self.stream_port)]
+        if self.advertise_host:
+            args += ["--advertise-host", self.advertise_host]
+        return args
+
+    def service_spec(self) -> ServiceSpec:
+        """How `kvmesh up` and the engine's embedded mesh start this store."""
+        return ServiceSpec("kvmesh.services.remote_store", self.to_args(), self.store_id)
+
+
+def partitions(capacity_bytes: int, num_partitions: int, cache_policy: str = "LRU") -> list[RemoteStoreOptions]:
+    """The options of every partition of a remote store, each with `capacity_bytes` of memory."""
+    return [RemoteStoreOptions(store_id=remote_store_id(i), capacity_bytes=capacity_bytes, partition=i,
+                               num_partitions=num_partitions, cache_policy=cache_policy)
+            for i in range(num_partitions)]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m kvmesh.services.remote_store",
+                                     description="KVMesh remote store (RemoteBackend): one key partition")
+    parser.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="NATS to join")
+    parser.add_argument("--max-size-gb", type=float, default=4.0, help="memory cap in GB (default 4)")
+    parser.add_argument("--partition", type=int, default=0, help="this replica's partition (0-based)")
+    parser.add_argument("--partitions", type=int, default=1, help="number of partitions (replicas)")
+    parser.add_argument("--store-id", help="store id (default remote-<partition>)")
+    parser.add_argument("--cache-policy", type=str.upper, choices=POLICY_NAMES, default="LRU",
+                        help="eviction order under the cap (default LRU)")
+    parser.add_argument("--persist-dir", help="keep chunk files here so a restart keeps the data")
+    parser.add_argument("--no-fsync", action="store_true", help="do not fsync persisted files (faster, less durable)")
+    parser.add_argument("--stream-host", help="address the chunk stream listens on (default: the address this "
+                                              "host reaches NATS from)")
+    parser.add_argument("--stream-port", type=int, default=0, help="stream port (default: any free port)")
+    parser.add_argument("--advertise-host", help="address clients should connect to (default: the listening one)")
+    parser.add_argument("--transfer-timeout", type=float, default=30.0,
+                        help="seconds one chunk transfer may take before its connection is dropped")
+    parser.add_argument("--log-level", default="INFO")
+    add_nats_auth_flags(parser)
+    return parser
+
+
+def options_from_args(args: argparse.Namespace) -> RemoteStoreOptions:
+    if args.max_size_gb <= 0:
+        raise ConfigError(f"--max-size-gb: must be > 0, got {args.max_size_gb}")
+    if args.partitions < 1 or not 0 <= args.partition < args.partitions:
+        raise ConfigError(f"--partition {args.partition} / --partitions {args.partitions}: need 0 <= partition "
+                          "< partitions")
+    if args.transfer_timeout <= 0:
+        raise ConfigError(f"--transfer-timeout: must be > 0, got {args.transfer_timeout}")
+    return RemoteStoreOptions(
+        store_id=args.store_id or remote_store_id(args.partition), capacity_bytes=round(args.max_size_gb * GB),
+        nats_url=normalize_url(args.nats_url), auth=nats_auth_from_args(args), partition=args.partition,
+        num_partitions=args.partitions, cache_policy=args.cache_policy,
+        persist_dir=Path(args.persist_dir) if args.persist_dir else None,
+        fsync=not args.no_fsync, stream_host=args.stream_host, stream_port=args.stream_port,
+        advertise_host=args.advertise_host, transfer_timeout=args.transfer_timeout)
