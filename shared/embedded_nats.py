@@ -78,7 +78,9 @@ class EmbeddedNats:
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        """Where a client on this host reaches the server (a wildcard bind is reached on loopback)."""
+        host = "127.0.0.1" if self.host in ("", "0.0.0.0", "::") else self.host
+        return f"nats://[{host}]:{self.port}" if ":" in host else f"nats://{host}:{self.port}"
 
     def start(self, timeout: float = 10.0) -> "EmbeddedNats":
         binary = self.binary or find_nats_server()

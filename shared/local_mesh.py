@@ -1,8 +1,9 @@
 """The mesh on one machine: an embedded NATS server plus service processes, started and stopped together.
 
-Used by `kvmesh up` (controller + disk store + remote store) and by the engine when a config names no NATS
-(seed 002: only `vllm serve` is started, and the engine brings up NATS and a disk store in its own process
-tree). Each service is the same `python -m kvmesh.services.<name>` that runs standalone: embedding is wiring.
+The one place KVMesh starts a NATS server: `kvmesh up` (controller + disk store + remote store), the engine
+when a config names no NATS (only `vllm serve` is started, and the engine brings up NATS and a disk store in
+its own process tree), and the controller started without a NATS URL (it embeds one on `--monitor-port`).
+Each service is the same `python -m kvmesh.services.<name>` that runs standalone: embedding is wiring.
 Children get a parent-death signal, so nothing outlives the process that started the mesh.
 """
 
@@ -36,27 +37,52 @@ class ServiceSpec:
 
 @dataclass
 class LocalMesh:
-    """Start NATS (unless `nats_url` is given) and the services; `stop()` ends them all."""
+    """Start NATS (unless `nats_url` is given) and the services; `stop()` ends them all.
+
+    `start()` does both; `start_nats()` then `start_services()` lets a caller learn the NATS URL before the
+    services are up (the engine's embedded mesh).
+    """
 
     services: list[ServiceSpec]
     nats_url: str | None = None
     nats_port: int | None = None
+    nats_host: str = "127.0.0.1"
     log_dir: Path | None = None
     _nats: EmbeddedNats | None = None
     _processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def start(self, ready_timeout: float = 30.0) -> "LocalMesh":
+        self.start_nats()
+        try:
+            self.start_services(ready_timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_nats(self) -> str:
+        """Start the embedded NATS (once; nothing when `nats_url` was given); the URL services connect to."""
         if self.nats_url is None:
-            self._nats = EmbeddedNats(port=self.nats_port).start()
+            self._nats = EmbeddedNats(port=self.nats_port, host=self.nats_host).start()
             self.nats_url = self._nats.url
+        return self.nats_url
+
+    def start_services(self, ready_timeout: float = 30.0) -> None:
+        """Spawn the service processes and wait until each answers health (on failure they are stopped again;
+        NATS keeps running)."""
         try:
             for spec in self.services:
                 self._processes.append(self._spawn(spec))
             self._wait_healthy(ready_timeout)
         except BaseException:
-            self.stop()
+            self._stop_services()
             raise
-        return self
+
+    @property
+    def pids(self) -> list[int]:
+        """The NATS server's and the services' process ids."""
+        nats = [self._nats.process.pid] if self._nats is not None and self._nats.process is not None else []
+        return nats + [process.pid for process in self._processes]
 
     def _spawn(self, spec: ServiceSpec) -> subprocess.Popen[bytes]:
         command = [sys.executable, "-m", spec.module, "--nats-url", str(self.nats_url), *spec.args]
@@ -98,6 +124,12 @@ class LocalMesh:
 
     def stop(self, timeout: float = 4.0) -> None:
         """SIGTERM every service, wait up to `timeout`, SIGKILL stragglers, then stop NATS."""
+        self._stop_services(timeout)
+        if self._nats is not None:
+            self._nats.stop()
+            self._nats = None
+
+    def _stop_services(self, timeout: float = 4.0) -> None:
         processes, self._processes = self._processes, []
         for process in processes:
             if process.poll() is None:
@@ -110,9 +142,6 @@ class LocalMesh:
                 log.warning("pid %d did not stop on SIGTERM; killing it", process.pid)
                 process.kill()
                 process.wait()
-        if self._nats is not None:
-            self._nats.stop()
-            self._nats = None
 
     def __enter__(self) -> "LocalMesh":
         return self.start()

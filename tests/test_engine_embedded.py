@@ -13,6 +13,7 @@ from kvmesh.shared.protocol import disk_store_id
 from kvmesh.services.engine.mesh import embedded as embedded_mesh
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.mesh.embedded import EMBED, JOIN, plan_mesh
+from kvmesh.shared import local_mesh
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.keys import KeyParams
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
@@ -24,6 +25,7 @@ PARAMS = KeyParams(model="test-model", kv_format="")
 JOIN_PROBE = """
 import sys
 from kvmesh.services.engine.mesh.embedded import plan_mesh, registry
+from kvmesh.shared import local_mesh
 from kvmesh.shared.config import EngineConfig
 share = registry.acquire(plan_mesh(EngineConfig(local_disk=sys.argv[1], max_local_disk_size=0.05)))
 print(share.url, "joined" if share.mesh is None else "started")
@@ -115,7 +117,7 @@ def test_an_engine_whose_mesh_cannot_start_serves_from_its_cpu_tier(monkeypatch)
         def start(self) -> "NoNats":
             raise NatsServerError("nats-server binary not found (test)")
 
-    monkeypatch.setattr(embedded_mesh, "EmbeddedNats", NoNats)
+    monkeypatch.setattr(local_mesh, "EmbeddedNats", NoNats)
     kv = PagedKV()
     engine = CacheEngine(engine_config(), PARAMS, kv.layout)
     try:

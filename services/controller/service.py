@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import uvicorn
 
 from kvmesh.shared import bus
-from kvmesh.shared.embedded_nats import EmbeddedNats
+from kvmesh.shared.local_mesh import LocalMesh
 from kvmesh.shared.errors import KVMeshError
 from kvmesh.services.controller.api import create_app
 from kvmesh.services.controller.config import ControllerConfig
@@ -52,7 +52,7 @@ class ControllerService:
         self.config = config
         self.core = ControllerCore(config)
         self.app = create_app(self.core)
-        self.embedded: EmbeddedNats | None = None
+        self.embedded: LocalMesh | None = None  # the NATS this controller embeds when given no NATS URL
         self.nc: Any = None
         self.mesh: Mesh | None = None
         self._server: _Server | None = None
@@ -63,8 +63,8 @@ class ControllerService:
     def nats_url(self) -> str:
         if self.config.nats_url:
             return self.config.nats_url
-        assert self.embedded is not None, "not started"
-        return f"nats://{_client_host(self.embedded.host)}:{self.embedded.port}"
+        assert self.embedded is not None and self.embedded.nats_url is not None, "not started"
+        return self.embedded.nats_url
 
     @property
     def url(self) -> str:
@@ -85,7 +85,8 @@ class ControllerService:
         if not config.nats_url:
             # Blocking for the ~0.1 s the server takes to listen; it must be started from this (long-lived)
             # thread, since the child dies with the thread that started it.
-            self.embedded = EmbeddedNats(port=config.monitor_port or None, host=config.host).start()
+            self.embedded = LocalMesh([], nats_port=config.monitor_port or None, nats_host=config.host)
+            self.embedded.start_nats()
         url = bus.normalize_url(self.nats_url)
         self.nc = await bus.connect(url, name=f"kvmesh-{self.core.controller_id}")
         self.core.router.nc = self.nc

@@ -35,7 +35,6 @@ from pathlib import Path
 
 from kvmesh.shared.bus import normalize_url
 from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
 from kvmesh.shared.protocol import disk_store_id, remote_store_id
 from kvmesh.services.disk_store.options import DiskStoreOptions
@@ -109,38 +108,35 @@ class EmbeddedMesh:
         return self.url
 
     def _run(self) -> None:
+        mesh = LocalMesh(self.services)
         try:
-            nats = EmbeddedNats().start()
+            self.url = mesh.start_nats()
         except BaseException as exc:
             self._error = exc
             self._url_known.set()
             self.services_ready.set()
             return
-        self.url = nats.url
-        if nats.process is not None:
-            self.pids.append(nats.process.pid)
+        self.pids = mesh.pids
         self._url_known.set()
-        mesh = LocalMesh(self.services, nats_url=nats.url)
         try:
             if self.services and not self._stop.is_set():
                 try:
-                    mesh.start(ready_timeout=SERVICES_READY_TIMEOUT)
-                    self.pids.extend(p.pid for p in mesh._processes)
+                    mesh.start_services(ready_timeout=SERVICES_READY_TIMEOUT)
                     self.services_ok = True
-                    log.info("embedded mesh: NATS %s with %s", nats.url,
+                    log.info("embedded mesh: NATS %s with %s", self.url,
                              ", ".join(s.service_id for s in self.services))
                 except Exception as exc:
                     log.error("embedded mesh: could not start %s (%s); the engine runs without them",
                               ", ".join(s.service_id for s in self.services), exc)
+                self.pids = mesh.pids
             else:
                 self.services_ok = True
-                log.info("embedded mesh: NATS %s (no store processes configured)", nats.url)
+                log.info("embedded mesh: NATS %s (no store processes configured)", self.url)
             self.services_ready.set()
             self._stop.wait()
         finally:
             self.services_ready.set()
             mesh.stop()
-            nats.stop()
             log.info("embedded mesh stopped")
 
     def stop(self, timeout: float = SERVICES_READY_TIMEOUT + 10.0) -> None:
