@@ -20,7 +20,9 @@ forward. A request with no extras keeps exactly the plain keys.
 
 from __future__ import annotations
 
+import array
 import hashlib
+import sys
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -123,10 +125,15 @@ def tokens_as_array(tokens: Sequence[int] | np.ndarray | "object") -> np.ndarray
     """Tokens (list, numpy array or CPU torch tensor) as a contiguous little-endian int64 array."""
     if hasattr(tokens, "numpy"):  # torch tensor: no import of torch needed here
         tokens = tokens.detach().cpu().numpy()
-    array = np.ascontiguousarray(np.asarray(tokens), dtype="<i8")
-    if array.ndim != 1:
-        raise ValueError(f"tokens must be 1-D, got shape {array.shape}")
-    return array
+    if isinstance(tokens, list):  # a list of ints: array.array packs it ~2x faster than np.asarray
+        packed = array.array("q", tokens)
+        if sys.byteorder != "little":
+            packed.byteswap()
+        return np.frombuffer(packed, dtype="<i8")
+    values = np.ascontiguousarray(np.asarray(tokens), dtype="<i8")
+    if values.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {values.shape}")
+    return values
 
 
 def num_masked_prefix(mask: Sequence[bool] | np.ndarray | "object" | None, num_tokens: int, chunk_size: int) -> int:

@@ -1,4 +1,4 @@
-"""The controller's pure parts, without NATS or HTTP: ChunkIndex, ProducerTable (sequence/sync/liveness
+"""The controller's pure parts, without NATS or HTTP: HolderIndex, ProducerTable (sequence/sync/liveness
 state machine), LookupEngine (prefix crediting) and EventLog (check_finish window)."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import pytest
 from kvmesh.shared import protocol
 from kvmesh.shared.keys import ChunkHasher, KeyParams
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, REMOTE
-from kvmesh.services.controller.index import ChunkIndex
-from kvmesh.services.controller.lookup import LookupEngine, tokens_to_array
+from kvmesh.services.controller.holder_index import HolderIndex
+from kvmesh.services.controller.lookup import LookupEngine
+from kvmesh.shared.keys import tokens_as_array
 from kvmesh.services.controller.ops import EventLog
 from kvmesh.services.controller.producers import ProducerTable
 
@@ -49,11 +50,11 @@ def in_sync_table(*worker_ids: str, **kwargs: float) -> ProducerTable:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# ChunkIndex
+# HolderIndex
 
 
 def test_index_bits_counts_and_replace() -> None:
-    index = ChunkIndex()
+    index = HolderIndex()
     a, b = index.new_slot(), index.new_slot()
     assert index.admit(a, [key(1), key(2), key(2)]) == 2
     index.admit(b, [key(2), key(3)])
@@ -196,7 +197,7 @@ def test_lookup_prefix_locations_ties_and_liveness() -> None:
     table.producer("r1").last_seen = -100.0
     table.tick(0.0)
     assert lookup.lookup(tokens) == {"a": (REMOTE, 4)}
-    assert lookup.lookup(tokens_to_array(tokens)) == {"a": (REMOTE, 4)}
+    assert lookup.lookup(tokens_as_array(tokens)) == {"a": (REMOTE, 4)}
 
 
 def test_lookup_tensor_parallel_min_over_ranks_and_missing_rank() -> None:

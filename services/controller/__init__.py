@@ -1,10 +1,10 @@
-"""KVMesh controller: the LMCache controller REST API backed by a chunk index built from NATS events.
+"""KVMesh controller: the LMCache controller REST API backed by an index of chunk holders built from NATS events.
 
 One process, one asyncio event loop (main thread) runs everything:
   - `service.py`   lifecycle: embedded nats-server (unless a NATS URL is given), NATS client, uvicorn
-  - `mesh.py`      NATS subscriptions (events, registrations, heartbeats, health), hello, sync requests
+  - `producer_feed.py`  NATS subscriptions (events, registrations, heartbeats, health), hello, sync requests
   - `producers.py` registrations, per-producer sequence/sync state, liveness (pure logic)
-  - `index.py`     the chunk index: key -> bitmask of producer slots (pure data structure)
+  - `holder_index.py`  which producers hold which key: key -> bitmask of producer slots (pure data structure)
   - `lookup.py`    /lookup: per-instance hashing and contiguous-prefix crediting
   - `commands.py`  pin / unpin / clear forwarded to engine workers by NATS request/reply
   - `ops.py`       event ids for /check_finish

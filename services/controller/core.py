@@ -1,7 +1,7 @@
 """The controller's operations, independent of HTTP: what each REST endpoint does, as plain methods.
 
 Everything here runs on the controller's event loop; `api.py` maps these methods (and their
-ControllerError exceptions) to HTTP, `service.py` wires the NATS side (`Mesh`) in.
+ControllerError exceptions) to HTTP, `service.py` wires the NATS side (`ProducerFeed`) in.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from kvmesh.shared.protocol import LOCAL_CPU
 from kvmesh.services.controller.commands import CommandRouter
 from kvmesh.services.controller.config import ControllerConfig
 from kvmesh.services.controller.errors import ControllerError, NotFound
-from kvmesh.services.controller.index import ChunkIndex
+from kvmesh.services.controller.holder_index import HolderIndex
 from kvmesh.services.controller.lookup import KeyRequest, LookupEngine
 from kvmesh.services.controller.metrics import Metrics
 from kvmesh.services.controller.ops import EventLog, EventRecord
@@ -45,13 +45,13 @@ class ControllerCore:
         self.config = config
         self.clock = clock
         self.controller_id = config.resolved_controller_id()
-        self.table = ProducerTable(ChunkIndex(), liveness_timeout_s=config.liveness_timeout_s,
+        self.table = ProducerTable(HolderIndex(), liveness_timeout_s=config.liveness_timeout_s,
                                    sync_retry_s=config.sync_retry_s, heartbeat_grace_s=config.heartbeat_grace_s)
         self.lookups = LookupEngine(self.table)
         self.events = EventLog(config.event_window_size, config.event_window_s)
         self.router = CommandRouter(self.table, config.command_timeout_s)
         self.metrics = Metrics()
-        self.mesh: Any = None  # the Mesh, once connected (service.py sets it)
+        self.feed: Any = None  # the ProducerFeed, once connected (service.py sets it)
         self.started_at = time.time()
 
     # -- glue to the NATS side ---------------------------------------------------------------------------
@@ -61,10 +61,10 @@ class ControllerCore:
         return bool(nc is not None and nc.is_connected)
 
     def sync_requests_sent(self) -> int:
-        return self.mesh.sync_requests_sent if self.mesh is not None else 0
+        return self.feed.sync_requests_sent if self.feed is not None else 0
 
     def bad_messages(self) -> int:
-        return self.mesh.bad_messages if self.mesh is not None else 0
+        return self.feed.bad_messages if self.feed is not None else 0
 
     # -- operations --------------------------------------------------------------------------------------
 
@@ -103,8 +103,8 @@ class ControllerCore:
         if op == "clear":
             # The lookup right after this reply must not show what was just cleared.
             for producer_id in self.table.mark_cleared(target.holders, self.clock()):
-                if self.mesh is not None:
-                    self.mesh.request_sync(producer_id, "confirm after clear")
+                if self.feed is not None:
+                    self.feed.request_sync(producer_id, "confirm after clear")
         return CommandResult(event_id, num_tokens)
 
     def check_finish(self, event_id: str) -> EventRecord:

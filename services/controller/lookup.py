@@ -19,14 +19,12 @@ The plan (hasher groups, consumers, location masks filtered by liveness) is rebu
 
 from __future__ import annotations
 
-import array
-import sys
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
-from kvmesh.shared.keys import ChunkHasher, KeyExtras, KeyParams
+from kvmesh.shared.keys import ChunkHasher, KeyExtras, KeyParams, tokens_as_array
 from kvmesh.shared.protocol import LOCATIONS, RegisterEngine
 from kvmesh.services.controller.producers import ProducerTable
 
@@ -79,14 +77,6 @@ class _Plan:
     ranks: dict[str, int]  # instance_id -> number of ranks whose prefixes must be combined
 
 
-def tokens_to_array(tokens: Sequence[int]) -> np.ndarray:
-    """Validated token ids (0 <= t < 2**63) as a little-endian int64 array; ~2x faster than np.array(list)."""
-    packed = array.array("q", tokens)
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return np.frombuffer(packed, dtype="<i8")
-
-
 class LookupEngine:
     """Computes `layout_info` for a token list from the current index and registrations."""
 
@@ -137,7 +127,7 @@ class LookupEngine:
         plan = self.plan()
         if not plan.groups or len(tokens) == 0:
             return {}
-        token_array = tokens if isinstance(tokens, np.ndarray) else tokens_to_array(tokens)
+        token_array = tokens_as_array(tokens)
         get = self.table.index.table.get
         num_locations = len(LOCATIONS)
         # per instance: [min prefix over ranks per location..., ranks seen per location...]

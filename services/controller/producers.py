@@ -5,7 +5,7 @@ Pure logic on the controller's event loop: every method takes `now` and returns 
 
 A *producer* is an engine worker (one per vLLM rank; its CPU tier, location LocalCPUBackend) or a store
 (LocalDiskBackend / RemoteBackend), named by `producer_id` (worker_id or store_id). Each owns one slot of the
-ChunkIndex. An *instance* is the set of engine workers sharing an `instance_id`, one per rank.
+HolderIndex. An *instance* is the set of engine workers sharing an `instance_id`, one per rank.
 
 Consistency, per producer: batches are numbered 1, 2, 3, ...; the controller applies batch `last_seq + 1`.
 A gap (a higher seq, a heartbeat still claiming a higher seq after a grace period, a seq that went back to 1
@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 from kvmesh.shared import protocol
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, REMOTE
-from kvmesh.services.controller.index import ChunkIndex, ChunkKey
+from kvmesh.services.controller.holder_index import HolderIndex
+from kvmesh.shared.keys import ChunkKey
 
 log = logging.getLogger(__name__)
 
@@ -84,15 +85,15 @@ class IngestStats:
 
 
 class ProducerTable:
-    """All producers, the instances they form, and the ChunkIndex they feed.
+    """All producers, the instances they form, and the HolderIndex they feed.
 
     `version` increases whenever something a lookup plan depends on changes (a registration, a producer
     going up or down), so the lookup side can cache its plan and rebuild it only then.
     """
 
-    def __init__(self, index: ChunkIndex | None = None, liveness_timeout_s: float = 6.0,
+    def __init__(self, index: HolderIndex | None = None, liveness_timeout_s: float = 6.0,
                  sync_retry_s: float = 3.0, heartbeat_grace_s: float = 1.0) -> None:
-        self.index = index or ChunkIndex()
+        self.index = index or HolderIndex()
         self.liveness_timeout_s = liveness_timeout_s
         self.sync_retry_s = sync_retry_s
         self.heartbeat_grace_s = heartbeat_grace_s

@@ -2,7 +2,7 @@
 
 `ControllerService.start()` (in this order): start the embedded nats-server when no NATS URL is given (a
 child process on `monitor_port`, started from the calling thread, which must outlive it), connect to NATS,
-subscribe (`Mesh.start()`, which also says hello so producers re-register and full-sync), then serve the
+subscribe (`ProducerFeed.start()`, which also says hello so producers re-register and full-sync), then serve the
 REST API with `uvicorn.Server.serve()` as a task on the same loop. `stop()` undoes it in reverse. Signals
 are the caller's business (`__main__` installs SIGTERM/SIGINT handlers that call `stop()`); uvicorn's own
 signal capture is switched off so it cannot re-raise a signal past our cleanup.
@@ -24,7 +24,7 @@ from kvmesh.shared.errors import KVMeshError
 from kvmesh.services.controller.api import create_app
 from kvmesh.services.controller.config import ControllerConfig
 from kvmesh.services.controller.core import ControllerCore
-from kvmesh.services.controller.mesh import Mesh
+from kvmesh.services.controller.producer_feed import ProducerFeed
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class ControllerService:
         self.app = create_app(self.core)
         self.embedded: LocalMesh | None = None  # the NATS this controller embeds when given no NATS URL
         self.nc: Any = None
-        self.mesh: Mesh | None = None
+        self.feed: ProducerFeed | None = None
         self._server: _Server | None = None
         self._server_task: asyncio.Task[None] | None = None
         self.port: int | None = None
@@ -90,10 +90,10 @@ class ControllerService:
         url = bus.normalize_url(self.nats_url)
         self.nc = await bus.connect(url, name=f"kvmesh-{self.core.controller_id}")
         self.core.router.nc = self.nc
-        self.mesh = Mesh(self.nc, self.core.table, self.core.controller_id, clock=self.core.clock,
+        self.feed = ProducerFeed(self.nc, self.core.table, self.core.controller_id, clock=self.core.clock,
                          tick_interval_s=config.tick_interval_s, health_details=self._health_details)
-        self.core.mesh = self.mesh
-        await self.mesh.start()
+        self.core.feed = self.feed
+        await self.feed.start()
         uv_config = uvicorn.Config(self.app, host=config.host, port=config.port, loop="none", lifespan="off",
                                    access_log=False, log_level="warning", timeout_keep_alive=30,
                                    http="httptools" if _has("httptools") else "h11")
@@ -139,9 +139,9 @@ class ControllerService:
                 self._server_task.cancel()
                 await asyncio.gather(self._server_task, return_exceptions=True)
             self._server_task = None
-        if self.mesh is not None:
-            await self.mesh.stop()
-            self.mesh = None
+        if self.feed is not None:
+            await self.feed.stop()
+            self.feed = None
         if self.nc is not None:
             try:
                 await asyncio.wait_for(self.nc.close(), 5)

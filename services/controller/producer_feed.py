@@ -2,7 +2,7 @@
 
 Runs on the controller's one event loop (shared with uvicorn). Subscriptions, each processed in order by
 nats-py (one task per subscription, so there is no ordering *between* them):
-  - `kvmesh.events.>`           AdmissionBatch / SyncChunk from every producer -> ProducerTable / ChunkIndex
+  - `kvmesh.events.>`           AdmissionBatch / SyncChunk from every producer -> ProducerTable / HolderIndex
   - `Subjects.REGISTER`         RegisterEngine / RegisterStore
   - `Subjects.HEARTBEAT`        Heartbeat (liveness; a seq claim may reveal a lost batch)
   - `Subjects.health(...)`, `Subjects.PING_ALL`   HealthRequest -> HealthReply(service="controller")
@@ -44,7 +44,7 @@ def _decode_either(payload: bytes, first: type, second: type) -> Any:
     return protocol.decode(payload, second)
 
 
-class Mesh:
+class ProducerFeed:
     """Wires a ProducerTable to NATS. `start()` after connecting, `stop()` before closing the connection."""
 
     def __init__(self, nc: NatsClient, table: ProducerTable, controller_id: str,

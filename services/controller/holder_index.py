@@ -1,4 +1,4 @@
-"""The chunk index: which producers hold which chunk keys. A pure data structure (no NATS, no clock).
+"""The holder index: which producers (engine workers, stores) hold which chunk keys. A pure data structure (no NATS, no clock).
 
 It lives in the controller process and is only touched from the controller's event loop (ingest handlers,
 lookups and the maintenance task all run there), so it needs no lock.
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Collection, Iterable
 
-ChunkKey = bytes
+from kvmesh.shared.keys import ChunkKey
 
 
-class ChunkIndex:
+class HolderIndex:
     """Key -> bitmask of the producer slots that hold it.
 
     Invariant: a key is present iff its mask is non-zero, and bit `s` of `mask(key)` is set iff the producer
