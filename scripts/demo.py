@@ -1,15 +1,15 @@
 #!/usr/bin/env python
-"""The KVMesh demo (`make demo`): the mesh, vLLM with KVMeshConnector, seed 002's query-twice, seeds 000/001.
+"""The KVMesh demo (`make demo`): the mesh, vLLM with KVMeshConnector, the query-twice of the disk-offload setup, the pin and clear quickstarts.
 
     python scripts/demo.py [--model DIR] [--workdir .demo] [--vllm-port 8000] [--controller-port 9000]
 
 1. builds the tiny demo model into <workdir>/model unless --model is given (scripts/make_demo_model.py);
-2. `kvmesh up`: NATS on --nats-port (9001, the seeds' controller_url / monitor port), the controller REST API on
+2. `kvmesh up`: NATS on --nats-port (9001, the quickstarts' controller_url / monitor port), the controller REST API on
    --controller-port (9000), a disk store and a remote store;
-3. vLLM's OpenAI server on --vllm-port (8000) with KVMeshConnector and the seeds' example.yaml (CPU tier + the
+3. vLLM's OpenAI server on --vllm-port (8000) with KVMeshConnector and the quickstarts' example.yaml (CPU tier + the
    mesh's disk store), vLLM's own prefix cache off so the warm query measures KVMesh;
 4. scripts/query_twice.py: the same long prompt twice, cold and warm TTFT;
-5. seeds 000/001 against the controller: completion, /tokenize, /pin, /lookup, /check_finish, /clear,
+5. the pin and clear quickstarts against the controller: completion, /tokenize, /pin, /lookup, /check_finish, /clear,
    /lookup (printed as the equivalent curl commands with their answers);
 6. stops vLLM and the mesh (also on Ctrl-C or an error). Logs stay in <workdir>/logs.
 """
@@ -117,7 +117,7 @@ def show(method: str, url: str, body: dict[str, Any] | None = None) -> dict[str,
 
 
 def seeds_000_001(vllm_url: str, controller: str, model: str) -> None:
-    print("=== seeds 000/001: pin, lookup, clear through the controller ===")
+    print("=== pin and clear quickstarts: pin, lookup, clear through the controller ===")
     show("POST", f"{vllm_url}/v1/completions", {"model": model, "prompt": SEED_PROMPT, "max_tokens": 10})
     tokens = show("POST", f"{vllm_url}/tokenize", {"model": model, "prompt": SEED_PROMPT})["tokens"]
     pin: dict[str, Any] = {}
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=REPO / ".demo")
     parser.add_argument("--vllm-port", type=int, default=8000)
     parser.add_argument("--controller-port", type=int, default=9000)
-    parser.add_argument("--nats-port", type=int, default=9001, help="NATS of the mesh (the seeds' controller_url)")
+    parser.add_argument("--nats-port", type=int, default=9001, help="NATS of the mesh (the quickstarts' controller_url)")
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--context-file", type=Path, help="long text for query_twice (default: built in)")
     parser.add_argument("--dtype", help="vLLM --dtype (default: float32 for the demo model, else auto)")
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         vllm_url = f"http://localhost:{args.vllm_port}"
         wait_http(vllm, f"{vllm_url}/v1/models", 600, "vLLM")
 
-        print("=== seed 002: query twice ===")
+        print("=== disk-offload setup: query twice ===")
         import query_twice
 
         qt_args = ["--base-url", f"{vllm_url}/v1", "--json", str(work / "query_twice.json"),

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Seed 002's query-twice: the same long prompt twice against a vLLM server; prints cold and warm TTFT.
+"""The disk-offload setup's query-twice: the same long prompt twice against a vLLM server; prints cold and warm TTFT.
 
     python scripts/query_twice.py --base-url http://localhost:8000/v1 [--context-file man-bash.txt]
 
-The long context is `--context-file` (seed 002 uses `man bash > man-bash.txt`), else the Python language
+The long context is `--context-file` (LMCache's example uses `man bash > man-bash.txt`), else the Python language
 reference that ships with CPython. It is cut to fit the server's max_model_len (`--max-prompt-tokens` to cut
 further). Streaming chat completion as in the seed; temperature 0 by default so both answers can be compared.
 With `--json PATH` the numbers are also written as JSON. Exit status 0 unless a request fails.

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
 
-# Slow subscribers must not silently lose messages: nats-py drops past these limits (DESIGN.md §4).
+# Slow subscribers must not silently lose messages: nats-py drops past these limits.
 PENDING_MSGS_LIMIT = 1_000_000
 PENDING_BYTES_LIMIT = 1024 * 1024 * 1024
 

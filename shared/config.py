@@ -2,7 +2,7 @@
 
 Sources, in the order the engine applies them (each later one overrides the earlier):
   1. the defaults below;
-  2. the YAML file named by ``LMCACHE_CONFIG_FILE`` (the seeds' ``example.yaml``);
+  2. the YAML file named by ``LMCACHE_CONFIG_FILE`` (LMCache's ``example.yaml``, docs/compatibility.md);
   3. ``LMCACHE_<KEY>`` environment variables, e.g. ``LMCACHE_CHUNK_SIZE=256``;
   4. ``kv_connector_extra_config`` of vLLM's ``--kv-transfer-config`` (keys with or without ``lmcache.``).
 
@@ -51,7 +51,7 @@ class EngineConfig:
     max_local_disk_size: float = 0.0
     remote_url: str | None = None  # any URL, kept as-is ("nats://host:4222", "kvmesh://...")
     remote_serde: str = "naive"  # we store naive bytes; kivi/cachegen are accepted for compatibility
-    save_unfull_chunk: bool = True  # True here: seed 000 pins a 12-token prompt and expects 12 tokens
+    save_unfull_chunk: bool = True  # True here: the pin quickstart pins a 12-token prompt and expects 12
     save_decode_cache: bool = False
     blocking_timeout_secs: float = 10.0
     use_experimental: bool = True

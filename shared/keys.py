@@ -137,10 +137,10 @@ def tokens_as_array(tokens: Sequence[int] | np.ndarray | "object") -> np.ndarray
 
 
 def num_masked_prefix(mask: Sequence[bool] | np.ndarray | "object" | None, num_tokens: int, chunk_size: int) -> int:
-    """How many leading tokens a seed-003 mask excludes (its leading False run).
+    """How many leading tokens a cache-engine mask excludes (its leading False run).
 
     The mask must look like F..FT..T (False only as a prefix) and the False count must be a multiple of
-    `chunk_size`; anything else is a ValueError, as seed 003 specifies.
+    `chunk_size`; anything else is a ValueError, as the cache engine API specifies (docs/compatibility.md).
     """
     if mask is None:
         return 0

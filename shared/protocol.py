@@ -2,7 +2,7 @@
 
 A message is a frozen dataclass registered with `@message("tag")`. On the wire it is a msgpack map
 `{"v": PROTOCOL_VERSION, "t": tag, <fields>}`; only headers travel this way, bulk chunk bytes take the
-shared-memory or stream paths (see DESIGN.md §4) except where a message says `data`.
+shared-memory or stream paths (docs/architecture.md) except where a message says `data`.
 
 `decode(payload, Expected)` returns an `Expected` or raises `ProtocolError` (garbage, wrong version, wrong
 tag, missing or mistyped field). Services log that and drop the message; they never crash on it.
@@ -24,7 +24,7 @@ from kvmesh.shared.keys import KeyExtras, KeyParams
 
 PROTOCOL_VERSION = 1
 
-# Location names of the seeds' REST API.
+# Location names of LMCache's controller REST API (docs/compatibility.md).
 LOCAL_CPU = "LocalCPUBackend"
 LOCAL_DISK = "LocalDiskBackend"
 REMOTE = "RemoteBackend"

@@ -1,4 +1,4 @@
-"""Named shared-memory segments for the bulk data path between processes on one host (DESIGN.md §4).
+"""Named shared-memory segments for the bulk data path between processes on one host (docs/architecture.md).
 
 `SharedSegment` creates or attaches `/dev/shm/<name>` with a plain `mmap`, the same object that
 `multiprocessing.shared_memory.SharedMemory(name=...)` opens, so either side may use either API. It avoids

@@ -1,4 +1,4 @@
-"""Tests of shared/config.py: the LMCache-compatible engine configuration (defaults, seeds' YAML, env, errors)."""
+"""Tests of shared/config.py: the LMCache-compatible engine configuration (defaults, LMCache's YAML, env, errors)."""
 
 import os
 from dataclasses import FrozenInstanceError
@@ -72,7 +72,7 @@ def test_defaults() -> None:
     assert config.max_local_disk_size == 0.0
     assert config.remote_url is None
     assert config.remote_serde == "naive"
-    assert config.save_unfull_chunk is True  # seed 000: a 12-token prompt is stored
+    assert config.save_unfull_chunk is True  # the pin quickstart: a 12-token prompt is stored
     assert config.enable_controller is False
     assert config.lmcache_instance_id == "lmcache_default_instance"
     assert config.cache_policy == "LRU"
@@ -130,7 +130,7 @@ def test_remote_url_is_kept_as_is() -> None:
         assert EngineConfig.from_defaults(remote_url=url).remote_url == url
 
 
-# ---- the seeds' YAML ------------------------------------------------------------------------------------------------
+# ---- LMCache's YAML ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("text", [SEED_000_YAML, SEED_001_YAML], ids=["seed000", "seed001"])
 def test_seed_controller_yaml(tmp_path: Path, text: str) -> None:
     config = EngineConfig.from_file(write(tmp_path, text))

@@ -57,7 +57,7 @@ def test_saves_follow_chunked_prefill_and_store_each_chunk_once() -> None:
 def test_partial_last_chunk_only_with_save_unfull_chunk() -> None:
     t = tracker(300)
     assert t.take_save(300, C, False, False) == SaveSpec(end=256, mask_start=0)
-    assert tracker(12).take_save(12, C, True, False) == SaveSpec(end=12, mask_start=0)  # seed 000: 12 tokens
+    assert tracker(12).take_save(12, C, True, False) == SaveSpec(end=12, mask_start=0)  # the pin quickstart: 12 tokens
     assert tracker(12).take_save(12, C, False, False) is None
 
 

@@ -277,7 +277,7 @@ async def wait_layout(client: httpx.AsyncClient, tokens: list[int], expected: di
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The seeds' flows
+# LMCache's quickstart flows (docs/compatibility.md)
 
 
 async def test_seed_pin_clear_lookup(nats_server: EmbeddedNats) -> None:
@@ -726,7 +726,7 @@ def _port_open(port: int) -> bool:
 
 async def test_command_line_seed_flow_and_sigterm() -> None:
     """`python -m kvmesh.services.controller --host … --port … --monitor-port …` embeds NATS on the monitor port,
-    serves the seeds' curl bodies, and stops everything on SIGTERM."""
+    serves the quickstarts' curl bodies, and stops everything on SIGTERM."""
     port, monitor_port = free_port(), free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "kvmesh.services.controller", "--host", "127.0.0.1", "--port", str(port),

@@ -8,11 +8,11 @@ cold one AND the output of a vLLM started without any connector. The model is fl
 loaded KV agree to ~1e-6 and greedy decoding cannot flip on rounding (see scripts/make_demo_model.py).
 
 Order and cost (2 cores; ~3 minutes with vLLM's compile cache warm, ~6 on a fresh machine):
-  * seed 002 first: its own vLLM, started twice, with nothing else (the engine embeds NATS and a disk store in
+  * the disk-offload setup (docs/compatibility.md) first: its own vLLM, started twice, with nothing else (the engine embeds NATS and a disk store in
     vLLM's process tree; no leftovers after vLLM exits);
   * then one module fixture starts together (start-ups overlap): `kvmesh up` (NATS, controller, disk store,
     remote store) on free ports; vLLM "a" (instance "lmcache_default_instance") and "b" ("instance_b") with the
-    connector, the seeds' controller YAML, a CPU tier and the shared remote store; vLLM "ref" without connector
+    connector, the quickstarts' controller YAML, a CPU tier and the shared remote store; vLLM "ref" without connector
     (the reference outputs). "a" and "ref" also serve two LoRA adapters (`--max-loras 3`: one slot more than
     adapters, because vLLM CPU's torch LoRA ops index the slots with the "no LoRA" marker -1, so a base request
     batched with LoRA ones would get the last slot's adapter, vllm-project/vllm#48421). A tensor-parallel vLLM
@@ -40,7 +40,7 @@ SEED_PROMPT = "Explain the significance of KV cache in language models."
 
 
 def controller_yaml(path: Path, instance_id: str, nats_port: int) -> Path:
-    """The seeds' 000/001 YAML (controller_url = the controller's NATS), plus a shared remote store."""
+    """The pin/clear quickstarts' YAML (controller_url = the controller's NATS), plus a shared remote store."""
     config = {
         "chunk_size": CHUNK,
         "local_cpu": True,
@@ -64,7 +64,7 @@ def output_text(completion: dict[str, Any]) -> str:
     return completion["choices"][0]["text"]
 
 
-# ---- seed 002: nothing but vLLM -------------------------------------------------------------------------------
+# ---- the disk-offload setup: nothing but vLLM -------------------------------------------------------------------------------
 SEED_002_YAML = """\
 chunk_size: 256
 local_cpu: false
@@ -188,7 +188,7 @@ def test_same_prompt_twice_is_served_from_the_cache(servers: dict[str, Any], lon
 
 
 def test_warm_chat_matches_reference(servers: dict[str, Any], long_text: str) -> None:
-    """Seed 002's request shape (chat, streaming): same text cold, warm and without a connector."""
+    """The disk-offload setup's request shape (chat, streaming): same text cold, warm and without a connector."""
     import httpx
 
     a: VLLMServer = servers["a"]

@@ -1,4 +1,4 @@
-"""Where the engine finds NATS: the join/embed decision, and seed 002's embedded mesh for real."""
+"""Where the engine finds NATS: the join/embed decision, and the disk-offload setup's embedded mesh for real."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def test_plan_joins_a_configured_mesh_and_embeds_otherwise() -> None:
     plan = plan_mesh(EngineConfig(remote_url="nats://remote-host:4222", remote_partitions=2))
     assert (plan.mode, plan.nats_url, plan.remote_stores) == (JOIN, "nats://remote-host:4222", ["remote-0", "remote-1"])
 
-    plan = plan_mesh(EngineConfig())  # seed 002 without a disk: just NATS
+    plan = plan_mesh(EngineConfig())  # the disk-offload setup without a disk: just NATS
     assert (plan.mode, plan.services, plan.disk_store, plan.remote_stores) == (EMBED, [], None, [])
     plan = plan_mesh(EngineConfig(local_disk="file://local/disk_test/local_disk/", max_local_disk_size=5.0,
                                   remote_url="lm://localhost:65432", remote_partitions=2, remote_size=1.5,

@@ -124,7 +124,7 @@ async def test_controller_lookup_and_pin_take_cache_salt_and_lora_name(nats_serv
                 return await lookup(cache_salt="s1", lora_name="sql") == {"tenant": [LOCAL_CPU, len(tokens)]}
 
             await await_until(listed, "/lookup with the salt and the adapter to list the instance")
-            assert await lookup() == {}, "without them: nothing (the seeds' JSON still works)"
+            assert await lookup() == {}, "without them: nothing (LMCache's JSON still works)"
             assert await lookup(cache_salt="s1") == {} and await lookup(lora_name="sql") == {}
             assert await lookup(cache_salt="s2", lora_name="sql") == {}
             assert await lookup(cache_salt="s1", lora_name="never-served") == {}

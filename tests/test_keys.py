@@ -1,4 +1,4 @@
-"""Chunk keys: deterministic across processes, prefix-chained, mask rules of seed 003."""
+"""Chunk keys: deterministic across processes, prefix-chained, mask rules of the cache engine API (docs/compatibility.md)."""
 
 import os
 import subprocess

@@ -88,7 +88,7 @@ class WorkerInfo:
 
 def lookup_id_for(worker_id: str) -> str:
     """This worker process's lookup address: the worker id plus the pid, so two vLLM instances with the same
-    instance id on one NATS (e.g. two seed-002 servers sharing a host's embedded mesh) never answer each
+    instance id on one NATS (e.g. two disk-offload servers sharing a host's embedded mesh) never answer each
     other's lookups."""
     return f"{worker_id}-p{os.getpid()}"
 

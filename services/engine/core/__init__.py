@@ -1,6 +1,6 @@
 """The cache core: moving chunks between vLLM's paged KV cache and the tiers.
 
-    cache_engine.py      seed 003's cache engine API (store / retrieve / lookup / prefetch / pin / clear)
+    cache_engine.py      LMCache's cache engine API (store / retrieve / lookup / prefetch / pin / clear)
     storage_manager.py   the tier walk: lookups and fetches across the tiers, write-behind to the lower ones
     memory_pool.py       the chunk slots every tier copy goes through (shared memory, reference counted)
     kv_layout.py         how vLLM pages its KV cache, and the chunk format it is copied into

@@ -1,4 +1,4 @@
-"""The cache engine: seed 003's `LMCacheEngine` (store / retrieve / lookup / prefetch) built for the mesh.
+"""The cache engine: LMCache's cache engine API (docs/compatibility.md) (store / retrieve / lookup / prefetch) built for the mesh.
 
 Who runs what:
   * vLLM's worker thread (through the connector) calls every public method synchronously. Store and
@@ -9,7 +9,7 @@ Who runs what:
   * The NATS loop thread (`NatsLoop`) does all NATS work: write-behind to the disk / remote stores, fetches
     from them, the worker agent (registration, admission events, controller commands). vLLM's calls wait for
     it only with bounded timeouts and fall back to a miss, so a dead NATS never blocks vLLM.
-  * Where NATS is comes from `mesh.embedded` (join a configured one, or embed one for seed 002).
+  * Where NATS is comes from `mesh.embedded` (join a configured one, or embed one for the disk-offload setup).
 
 A chunk's way: vLLM paged cache --gather--> pool slot --> CPU tier --write-behind--> disk store / remote store;
 back: store --get_into--> pool slot --> CPU tier --scatter--> vLLM paged cache.
@@ -193,9 +193,9 @@ class CacheEngine:
         assert self.copier is not None
         return self.layout, self.hasher, self.cpu, self.storage, self.copier
 
-    # ---- seed 003 API ----------------------------------------------------------------------------------------
+    # ---- the cache engine API --------------------------------------------------------------------------------------
     def store(self, tokens: torch.Tensor | Sequence[int], mask: torch.Tensor | None = None, **kv: Any) -> None:
-        """Copy the KV of `tokens` (the chunks a seed-003 mask selects) out of vLLM's paged cache.
+        """Copy the KV of `tokens` (the chunks a mask selects) out of vLLM's paged cache.
 
         kwargs: `kv_caches` (list or dict of per-layer tensors), `slot_mapping` (one slot per token) and
         optional `extras` (`KeyExtras`: what besides the tokens made this KV, e.g. a LoRA adapter).
@@ -227,7 +227,7 @@ class CacheEngine:
                extras: KeyExtras | None = None) -> int:
         """How many prefix tokens are cached, across the tiers in `search_range` (all by default).
 
-        Tier names: "LocalCPUBackend" (seed 003's "Hot"), "LocalDiskBackend", "RemoteBackend". Chunks may sit
+        Tier names: "LocalCPUBackend" (the API's "Hot"), "LocalDiskBackend", "RemoteBackend". Chunks may sit
         in different tiers; the answer is the contiguous prefix over all of them.
         """
         _, hasher, _, storage, _ = self._ready()

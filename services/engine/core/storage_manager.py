@@ -40,7 +40,7 @@ from kvmesh.shared.tier import StoreTier, Tier
 
 log = logging.getLogger(__name__)
 
-# Seed 003 names the CPU tier "Hot" in lookup's search_range.
+# The cache engine API names the CPU tier "Hot" in lookup's search_range (docs/compatibility.md).
 LOCATION_ALIASES = {"Hot": LOCAL_CPU, "LocalCPUBackend": LOCAL_CPU, "LocalDiskBackend": LOCAL_DISK,
                     "RemoteBackend": REMOTE}
 ALL_LOCATIONS = frozenset(LOCATIONS)

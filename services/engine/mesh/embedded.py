@@ -2,9 +2,9 @@
 
 Decision (`plan_mesh`), first match wins:
   1. `nats_url` set -> join it.
-  2. `controller_url` set (the seeds' "localhost:9001": the NATS the controller embeds) -> join it.
+  2. `controller_url` set (the quickstarts' "localhost:9001": the NATS the controller embeds) -> join it.
   3. `remote_url` is a NATS URL ("nats://host:port") -> join that NATS; the remote stores live there.
-  4. nothing configured (seed 002) -> embed: a NATS server from the wheel on a free loopback port, a disk store
+  4. nothing configured (the disk-offload setup, docs/compatibility.md) -> embed: a NATS server from the wheel on a free loopback port, a disk store
      process when `local_disk` is set, and `remote_partitions` remote-store processes when `remote_url` names
      anything else (e.g. LMCache's "lm://localhost:65432": served by embedded remote stores of `remote_size`).
 When joining, nothing is spawned: the mesh's own disk store (`disk-<hostname>`) and remote stores

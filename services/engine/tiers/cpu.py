@@ -242,7 +242,7 @@ class LocalCPUBackend:
     def clear_all(self) -> int:
         """Remove every chunk, pinned ones included; the number of tokens removed.
 
-        The CPU tier belongs to this instance alone, so an operator's clear of it wipes it (seeds 000/001: pin,
+        The CPU tier belongs to this instance alone, so an operator's clear of it wipes it (the quickstarts: pin,
         then clear, and lookup no longer lists the instance). Pins protect chunks from eviction here; in the
         disk and remote stores, which other instances share, they also survive a clear.
         """
