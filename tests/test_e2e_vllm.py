@@ -414,12 +414,20 @@ def test_two_concurrent_requests_sharing_a_long_prefix(servers: dict[str, Any], 
 
 
 def test_a_dead_mesh_never_fails_a_request(servers: dict[str, Any], long_text: str) -> None:
-    """Last in the module: NATS, the controller and the stores die; requests still succeed, recomputed."""
+    """Last in the module: NATS, the controller and the stores die; requests still succeed, and what the
+    instance's own CPU tier holds is still loaded (the scheduler learns of it from vLLM's step outputs, not
+    from NATS)."""
     a: VLLMServer = servers["a"]
     ref: VLLMServer = servers["ref"]
+    in_cpu = prompt_of(long_text[100_000:], 6_000, "cpu-before-the-mesh-dies")
+    expected_in_cpu = output_text(ref.complete(in_cpu, max_tokens=16))
+    assert output_text(a.complete(in_cpu, max_tokens=16)) == expected_in_cpu
     prompt = prompt_of(long_text[80_000:], 6_000, "dead-mesh")
     expected = output_text(ref.complete(prompt, max_tokens=16))
     servers["mesh"].stop()
-    for _ in range(2):  # cold, then again: lookups and write-behind fail, vLLM computes
+    for _ in range(2):  # cold, then again: lower-tier lookups and write-behind fail; the CPU tier serves
         assert output_text(a.complete(prompt, max_tokens=16)) == expected
+    warm = a.complete(in_cpu, max_tokens=16)
+    assert a.assert_loaded(warm).hit >= warm["usage"]["prompt_tokens"] - CHUNK
+    assert output_text(warm) == expected_in_cpu
     assert a.alive()

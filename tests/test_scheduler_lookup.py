@@ -1,0 +1,142 @@
+"""The scheduler's view of its workers' caches (services/engine/adapter/scheduler_lookup.py), without vLLM.
+
+* The CPU tiers come from a mirror fed by the workers' step outputs: answered at once, with no NATS at all.
+* The lower tiers: one asynchronous lookup per rank, "ask again" (None) while it is in flight; the worker
+  starts moving what it found into its CPU tier.
+Real cache engines in this process (vLLM's single-process case: `engines`), a real NATS and disk store.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from kvmesh.services.engine.adapter.scheduler_lookup import (
+    CpuTierEvents,
+    CpuTierMirror,
+    SchedulerLookup,
+    StepEventLog,
+    engines,
+)
+from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.shared.keys import KeyParams
+from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
+from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, disk_store_id
+
+from test_engine_support import CHUNK, PagedKV, engine_config, random_tokens
+
+PARAMS = KeyParams(model="test-model", kv_format="")
+WAIT_S = 30.0
+
+
+def test_step_events_aggregate_per_rank_and_feed_the_mirror() -> None:
+    a, b = bytes(16), bytes([1]) * 16
+    events = CpuTierEvents({0: [(True, a), (True, b)]}).aggregate(CpuTierEvents({1: [(True, a)]}))
+    events = events.aggregate(CpuTierEvents({0: [(False, b)]}))
+    mirror = CpuTierMirror()
+    mirror.apply(events)
+    assert mirror.prefix(0, [a, b]) == 1 and mirror.prefix(1, [a, b]) == 1 and mirror.prefix(2, [a]) == 0
+    log = StepEventLog()
+    log.admit(a)
+    log.evict(a)
+    assert log.take() == [(True, a), (False, a)] and log.take() == []
+
+
+@pytest.fixture
+def disk_mesh(tmp_path: Path) -> Iterator[LocalMesh]:
+    spec = ServiceSpec("kvmesh.services.disk_store", ["--dir", str(tmp_path / "disk"), "--max-size-gb", "0.05",
+                                                      "--store-id", disk_store_id()], disk_store_id())
+    mesh = LocalMesh([spec]).start(ready_timeout=30)
+    yield mesh
+    mesh.stop()
+
+
+@pytest.fixture
+def engine(disk_mesh: LocalMesh, tmp_path: Path) -> Iterator[tuple[CacheEngine, PagedKV, StepEventLog]]:
+    """A worker's engine registered in this process, reporting its CPU tier like the connector does."""
+    kv = PagedKV(num_blocks=128)
+    worker = CacheEngine(engine_config(nats_url=disk_mesh.nats_url, local_disk=str(tmp_path / "disk")), PARAMS,
+                         kv.layout)
+    events = StepEventLog()
+    worker.cpu.listen(events)
+    engines.add(0, worker)
+    try:
+        assert worker.wait_connected(WAIT_S)
+        deadline = time.monotonic() + WAIT_S
+        while worker.storage.lower(LOCAL_DISK) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        yield worker, kv, events
+    finally:
+        engines.remove(worker)
+        worker.close()
+
+
+def ask_until_answered(lookup: SchedulerLookup, chain: list, num_tokens: int) -> tuple[int, int]:
+    """(tokens, how many times vLLM was told to ask again)."""
+    lower, asked_again = None, 0
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        held, lower = lookup.held(chain, num_tokens, lower)
+        if held is not None:
+            return held, asked_again
+        asked_again += 1
+        assert time.monotonic() < deadline, "the lower tiers never answered"
+        time.sleep(0.001)
+
+
+def test_cpu_hits_come_from_the_mirror_and_disk_hits_ask_again_then_prefetch(
+        engine: tuple[CacheEngine, PagedKV, StepEventLog]) -> None:
+    worker, kv, events = engine
+    lookup = SchedulerLookup(world_size=1, timeout=WAIT_S, nats_name="test-scheduler")
+    hasher = lookup.hasher()
+    assert hasher is not None and hasher.params == KeyParams("test-model", worker.key_params.kv_format)
+    tokens = random_tokens(3 * CHUNK, seed=7)
+    chain = hasher.chain(tokens.tolist())
+    worker.store(tokens, **kv.kv(kv.slots(len(tokens))))
+    assert worker.wait_write_behind(WAIT_S)
+    client = worker.storage.lower(LOCAL_DISK)
+    assert client is not None and worker.nats_loop is not None
+    assert worker.nats_loop.call(client.wait_written(WAIT_S), WAIT_S + 1, default=False)  # files complete
+
+    # the step's events reach the mirror: a CPU hit, answered at once (no lower-tier lookup)
+    lookup.update(CpuTierEvents({0: events.take()}))
+    held, lower = lookup.held(chain, len(tokens), None)
+    assert held == len(tokens) and lower is None
+
+    # the CPU tier loses the chunks (reported with the next step): the disk store has them
+    worker.clear(LOCAL_CPU)
+    lookup.update(CpuTierEvents({0: events.take()}))
+    assert worker.lookup(tokens, [LOCAL_CPU]) == 0
+    held, asked_again = ask_until_answered(lookup, chain, len(tokens))
+    assert held == len(tokens) and asked_again >= 1
+    # the worker started moving them into its CPU tier with the same walk
+    deadline = time.monotonic() + WAIT_S
+    while worker.lookup(tokens, [LOCAL_CPU]) < len(tokens):
+        assert time.monotonic() < deadline, "the prefetch did not bring the chunks to the CPU tier"
+        time.sleep(0.01)
+    assert worker.storage.stats[f"fetched_{LOCAL_DISK}"] == 3
+    lookup.close()
+
+
+def test_without_nats_the_mirror_still_answers(engine: tuple[CacheEngine, PagedKV, StepEventLog],
+                                               disk_mesh: LocalMesh) -> None:
+    worker, kv, events = engine
+    lookup = SchedulerLookup(world_size=1, timeout=WAIT_S, nats_name="test-scheduler")
+    hasher = lookup.hasher()
+    assert hasher is not None
+    cached, unknown = random_tokens(2 * CHUNK, seed=8), random_tokens(2 * CHUNK, seed=9)
+    worker.store(cached, **kv.kv(kv.slots(len(cached))))
+    lookup.update(CpuTierEvents({0: events.take()}))
+    disk_mesh.stop()  # NATS and the disk store are gone
+    deadline = time.monotonic() + WAIT_S
+    while worker.connected:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    held, lower = lookup.held(hasher.chain(cached.tolist()), len(cached), None)
+    assert held == len(cached) and lower is None, "the CPU tier is answered from the mirror"
+    held, lower = lookup.held(hasher.chain(unknown.tolist()), len(unknown), None)
+    assert held == 0 and lower is None, "a dead NATS is a miss at once, never an 'ask again'"
+    lookup.close()
