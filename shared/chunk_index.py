@@ -127,10 +127,6 @@ class ChunkIndex(Generic[E]):
     def keys(self) -> list[ChunkKey]:
         return list(self._held)
 
-    def eviction_order(self) -> list[ChunkKey]:
-        """Held keys: pinned ones first, then the unpinned ones in the order the policy evicts them."""
-        return self._policy.keys()
-
     def contains_prefix(self, keys: Iterable[ChunkKey]) -> int:
         count = 0
         for key in keys:

@@ -18,9 +18,7 @@ import os
 from pathlib import Path
 from typing import Mapping
 
-from nats.aio.client import Client as NatsClient
 
-from kvmesh.shared import bus
 from kvmesh.shared.bus import NatsAuth
 from kvmesh.shared.errors import ConfigError
 
@@ -49,9 +47,3 @@ def nats_auth_from_args(args: argparse.Namespace, environ: Mapping[str, str] | N
         if importlib.util.find_spec("nkeys") is None:
             raise ConfigError("--nats-nkey-seed needs the `nkeys` package: pip install 'nats-py[nkeys]'")
     return NatsAuth(**values)
-
-
-async def connect_checked(url: str, name: str, auth: NatsAuth | None = None, wait_secs: float = 30.0) -> NatsClient:
-    """The former name of `bus.connect(url, name, auth, first_connect_wait=wait_secs)`, which now fails clearly
-    itself (credentials rejected: at once; no server: after `wait_secs`); kept for callers written against it."""
-    return await bus.connect(url, name, auth, first_connect_wait=wait_secs)

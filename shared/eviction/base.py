@@ -74,9 +74,6 @@ class EvictionPolicy(ABC):
     def __len__(self) -> int:
         return len(self._evictable) + len(self._pinned)
 
-    def size_of(self, key: Key) -> int:
-        return self._evictable.get(key, self._pinned.get(key, 0))
-
     @property
     def pinned_count(self) -> int:
         self._expire_pins()

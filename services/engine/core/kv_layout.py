@@ -181,7 +181,7 @@ class KVLayout:
         No copy: it only re-orders the tensor's axes, so it works for any stride order vLLM picked.
         """
         if self.per_block:
-            raise ValueError(f"{self.name} is copied per block; use page_view / cpu_token_views")
+            raise ValueError(f"{self.name} is copied per block; use cpu_token_views")
         d = self.head_size
         if self.name == NHD_2X:  # [2, nb, bs, H, D]
             view = cache
@@ -196,12 +196,6 @@ class KVLayout:
         else:  # pragma: no cover - guarded by detect_layout
             raise ValueError(f"unknown layout {self.name}")
         return view
-
-    def page_view(self, cache: torch.Tensor) -> torch.Tensor:
-        """One CPU layer cache as ``[num_blocks, page_elems]`` (each block's bytes are contiguous)."""
-        if not self.per_block:
-            raise ValueError(f"{self.name} is copied per token; use kv_view")
-        return cache.flatten(1)
 
 
 def cpu_token_views(cache: torch.Tensor, layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:

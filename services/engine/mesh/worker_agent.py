@@ -48,7 +48,6 @@ class WorkerAgent:
                                           flush_interval=flush_interval, heartbeat_interval=heartbeat_interval)
         self._subs: list[Subscription] = []
         self._started = False
-        self.commands_handled = 0
 
     async def start(self, nc: NatsClient) -> None:
         # Report events from now on; the reporter's first full sync covers what was admitted before.
@@ -84,7 +83,6 @@ class WorkerAgent:
 
     def _make_handler(self, op: str) -> Callable[[WorkerCommand], object]:
         async def handle(command: WorkerCommand) -> CommandReply:
-            self.commands_handled += 1
             if command.op != op:
                 return CommandReply(ok=False, error=f"command op {command.op!r} sent on the {op!r} subject")
             return await self.execute(command)
