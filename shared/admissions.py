@@ -18,6 +18,7 @@ from typing import Callable, Iterable
 
 from nats.aio.client import Client as NatsClient
 
+from kvmesh.shared.aio import cancel_and_wait
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.keys import ChunkKey
 
@@ -67,13 +68,7 @@ class AdmissionReporter:
         self._tasks = [asyncio.create_task(self._flush_loop()), asyncio.create_task(self._heartbeat_loop())]
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(self._tasks)
         self._tasks = []
         try:
             await self.flush()

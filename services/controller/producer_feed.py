@@ -22,6 +22,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from kvmesh.shared.aio import cancel_and_wait
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.errors import MeshUnavailable, ProtocolError
 from kvmesh.shared.protocol import Subjects
@@ -83,10 +84,7 @@ class ProducerFeed:
         self._ticker = asyncio.create_task(self._tick_loop(), name="controller-maintenance")
 
     async def stop(self) -> None:
-        tasks = [t for t in [self._ticker, *self._tasks] if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait([self._ticker, *self._tasks])
         self._ticker = None
         for sub in self._subs:
             try:

@@ -16,6 +16,7 @@ import logging
 from pathlib import Path
 from typing import Callable, Protocol
 
+from kvmesh.shared.aio import cancel_and_wait
 from kvmesh.shared import chunk_file, protocol
 from kvmesh.shared.keys import ChunkKey
 
@@ -63,11 +64,7 @@ class Persister:
             await asyncio.wait_for(self._queue.join(), timeout)
         except asyncio.TimeoutError:
             log.warning("persistence of %s: %d file operations left undone at stop", self.root, self.pending)
-        self._task.cancel()
-        try:
-            await self._task
-        except asyncio.CancelledError:
-            pass
+        await cancel_and_wait([self._task])
         self._task = None
 
     async def _run(self) -> None:

@@ -11,6 +11,7 @@ import time
 
 import xxhash
 
+from kvmesh.shared.aio import cancel_and_wait
 from kvmesh.shared import protocol
 from kvmesh.shared.errors import ProtocolError
 from kvmesh.services.remote_store.store import MemoryStore, PutRefused
@@ -88,10 +89,7 @@ class StreamServer:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-        tasks = list(self._connections)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(list(self._connections))
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()

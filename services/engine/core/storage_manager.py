@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from kvmesh.shared.aio import cancel_and_wait
 from kvmesh.services.engine.core.memory_pool import Slot
 from kvmesh.services.engine.mesh.nats_loop import NatsLoop
 from kvmesh.services.engine.tiers.cpu import ChunkRef, LocalCPUBackend
@@ -152,13 +153,7 @@ class StorageManager:
         return bool(self._lower) and self.loop is not None and self.loop.connected
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(self._tasks)
         self._tasks = []
         self._drain_queue()
         for client in self._lower.values():
