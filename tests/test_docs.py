@@ -1,0 +1,225 @@
+"""The documents keep up with the code: docs/config.md and docs/architecture.md.
+
+docs/config.md:
+  * every `EngineConfig` field has a row in the engine-key tables, with its type's default rendered by
+    `render()` (the rule the document states: `None`, `true`/`false`, strings in double quotes, numbers as
+    Python's repr), and no row names a field that is gone;
+  * the last column says `acts` or `accepted`; an `accepted` key is read nowhere (`config.<key>` appears in no
+    module but shared/config.py), an `acts` key is read somewhere (itself or its derived property);
+  * every flag of each service's argparse parser has a row in that service's section, whose default cell
+    starts with the parser's default rendered the same way, and no row names a flag that is gone.
+
+docs/architecture.md (code blocks left out):
+  * every "`name` (path/to/module.py)" names an attribute path that exists in that module;
+  * every other backticked `Class.attr` or `Class` is a class of one of those modules (with that attribute).
+Modules that cannot be imported for want of torch or vLLM (a mesh-only install) are skipped, not failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+from dataclasses import MISSING, fields
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from kvmesh.cli import build_parser as cli_parser
+from kvmesh.services.controller.config import build_parser as controller_parser
+from kvmesh.services.disk_store.options import build_parser as disk_store_parser
+from kvmesh.services.remote_store.options import build_parser as remote_store_parser
+from kvmesh.shared.config import EngineConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG_MD = ROOT / "docs" / "config.md"
+ARCHITECTURE_MD = ROOT / "docs" / "architecture.md"
+CODE_DIRS = ("services", "shared", "kvmesh_pkg")
+
+# keys the code reads through a derived property of EngineConfig
+DERIVED = {"max_local_cpu_size": "max_local_cpu_bytes", "max_local_disk_size": "max_local_disk_bytes",
+           "remote_size": "remote_size_bytes", "local_disk": "local_disk_path"}
+OPTIONAL_DEPENDENCIES = ("torch", "vllm", "cupy")
+
+
+def render(value: object) -> str:
+    """A default as docs/config.md writes it."""
+    if value is None:
+        return "`None`"
+    if isinstance(value, bool):
+        return "`true`" if value else "`false`"
+    if isinstance(value, str):
+        return f'`"{value}"`'
+    return f"`{value!r}`"
+
+
+def _cells(line: str) -> list[str]:
+    """The cells of a Markdown table row (an escaped `\\|` stays inside its cell)."""
+    return [cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+
+
+def _rows(text: str) -> list[list[str]]:
+    return [_cells(line) for line in text.splitlines() if line.startswith("| `")]
+
+
+def _section(text: str, heading_start: str) -> str:
+    """The text under the first heading that starts with `heading_start`, its subsections included."""
+    match = re.search(rf"^(#+) {re.escape(heading_start)}.*?$", text, re.M)
+    assert match, f"docs/config.md has no section '{heading_start}...'"
+    end = re.compile(rf"^#{{1,{len(match.group(1))}}} ", re.M).search(text, match.end())
+    return text[match.end():end.start() if end else len(text)]
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]
+    raise AssertionError(f"no subcommand {name}")
+
+
+def _code() -> str:
+    """Every module of KVMesh but shared/config.py, as one text."""
+    texts = []
+    for folder in CODE_DIRS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path != ROOT / "shared" / "config.py":
+                texts.append(path.read_text(encoding="utf-8"))
+    return "\n".join(texts)
+
+
+# ---- docs/config.md ---------------------------------------------------------------------------------------------
+def test_every_engine_key_is_in_the_table_with_its_default() -> None:
+    rows = {cells[0].strip("`"): cells for cells in _rows(_section(CONFIG_MD.read_text(), "Engine keys"))}
+    missing, wrong = [], []
+    for f in fields(EngineConfig):
+        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        cells = rows.get(f.name)
+        if cells is None:
+            missing.append(f"| `{f.name}` | ... | {render(default)} | ... |")
+        elif cells[2] != render(default):
+            wrong.append(f"{f.name}: the table says {cells[2]}, the code {render(default)}")
+    assert not missing, "docs/config.md lacks engine keys:\n" + "\n".join(missing)
+    assert not wrong, "docs/config.md has stale defaults:\n" + "\n".join(wrong)
+    gone = set(rows) - {f.name for f in fields(EngineConfig)}
+    assert not gone, f"docs/config.md lists keys EngineConfig no longer has: {sorted(gone)}"
+
+
+def test_acts_or_accepted_matches_the_code() -> None:
+    code = _code()
+    rows = _rows(_section(CONFIG_MD.read_text(), "Engine keys"))
+    wrong = []
+    for cells in rows:
+        key, verdict = cells[0].strip("`"), cells[-1]
+        names = [key] + ([DERIVED[key]] if key in DERIVED else [])
+        read = any(re.search(rf"\bconfig\.{name}\b", code) for name in names)
+        if verdict not in ("acts", "accepted"):
+            wrong.append(f"{key}: last column is {verdict!r}, not 'acts' or 'accepted'")
+        elif verdict == "acts" and not read:
+            wrong.append(f"{key}: marked 'acts' but no module reads config.{key}")
+        elif verdict == "accepted" and read:
+            wrong.append(f"{key}: marked 'accepted' but the code reads config.{key}")
+    assert not wrong, "docs/config.md's last column is out of date:\n" + "\n".join(wrong)
+
+
+SERVICES = {
+    "Disk store": disk_store_parser,
+    "Remote store": remote_store_parser,
+    "Controller": controller_parser,
+    "The whole mesh on one machine": lambda: _subparser(cli_parser(), "up"),
+    "Health": lambda: _subparser(cli_parser(), "health"),
+}
+
+
+@pytest.mark.parametrize("heading", list(SERVICES))
+def test_every_service_flag_is_documented_with_its_default(heading: str) -> None:
+    parser = SERVICES[heading]()
+    rows = {cells[0].strip("`"): cells for cells in _rows(_section(CONFIG_MD.read_text(), heading))}
+    problems = []
+    flags = set()
+    for action in parser._actions:
+        if not action.option_strings or action.default is argparse.SUPPRESS:  # -h/--help
+            continue
+        flag = max(action.option_strings, key=len)
+        flags.add(flag)
+        cells = rows.get(flag)
+        if cells is None:
+            problems.append(f"missing: | `{flag}` | {render(action.default)} | {action.help or ''} |")
+        elif not cells[1].startswith(render(action.default)):
+            problems.append(f"{flag}: the doc says {cells[1]}, the parser's default is {render(action.default)}")
+    gone = set(rows) - flags
+    if gone:
+        problems.append(f"flags the parser no longer has: {sorted(gone)}")
+    assert not problems, f"docs/config.md, section '{heading}':\n" + "\n".join(problems)
+
+
+# ---- docs/architecture.md ---------------------------------------------------------------------------------------
+REFERENCE = re.compile(r"`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)`\s*\(((?:services|shared|kvmesh_pkg)/[\w/]+\.py)\)")
+BACKTICKED = re.compile(r"`([A-Za-z_][\w.]*)`")
+CLASS_NAME = re.compile(r"^[A-Z]\w*[a-z]\w*$")  # CamelCase: at least one lower-case letter (not LMCACHE_X)
+NOT_CLASSES = {"None"}
+
+
+def _module_name(path: str) -> str:
+    dotted = path.removesuffix(".py").replace("/", ".")
+    return "kvmesh." + dotted.removeprefix("kvmesh_pkg.")
+
+
+def _import(name: str) -> ModuleType | None:
+    """The module, or None when it needs an optional dependency that is not installed."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] in OPTIONAL_DEPENDENCIES:
+            return None
+        raise
+
+
+def _resolve(owner: object, qualname: str) -> bool:
+    for part in qualname.split("."):
+        if not hasattr(owner, part):
+            return False
+        owner = getattr(owner, part)
+    return True
+
+
+def _architecture_text() -> str:
+    return re.sub(r"^```.*?^```", "", ARCHITECTURE_MD.read_text(), flags=re.M | re.S)  # no code blocks
+
+
+def test_architecture_names_exist() -> None:
+    text = _architecture_text()
+    references = sorted(set(REFERENCE.findall(text)))
+    assert len(references) >= 40, f"expected the path sections' `name` (module.py) references, found {len(references)}"
+    modules: dict[str, ModuleType] = {}
+    skipped, problems = set(), []
+    for qualname, path in references:
+        if not (ROOT / path).is_file():
+            problems.append(f"`{qualname}` ({path}): no such file")
+            continue
+        module = _import(_module_name(path))
+        if module is None:
+            skipped.add(path)
+            continue
+        modules[path] = module
+        if not _resolve(module, qualname):
+            problems.append(f"`{qualname}` ({path}): not found in {module.__name__}")
+
+    # Other `Class` and `Class.attr` mentions: the class must be one of the referenced modules' classes.
+    classes: dict[str, type] = {}
+    for module in modules.values():
+        for name, value in vars(module).items():
+            if isinstance(value, type) and CLASS_NAME.match(name):
+                classes.setdefault(name, value)
+    for name in sorted(set(BACKTICKED.findall(text))):
+        head, _, rest = name.partition(".")
+        if not CLASS_NAME.match(head) or head in NOT_CLASSES:
+            continue
+        if head not in classes:
+            if not skipped:
+                problems.append(f"`{name}`: no referenced module defines {head}; name its module once as "
+                                f"`{head}` (path/to/module.py)")
+            continue
+        if rest and not _resolve(classes[head], rest):
+            problems.append(f"`{name}`: {head} has no attribute {rest}")
+    assert not problems, "docs/architecture.md names what the code does not have:\n" + "\n".join(problems)
