@@ -163,6 +163,12 @@ class EngineConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def check_combination(self) -> None:
+        """Checks between keys, once every source is applied (one source alone may set only one of them)."""
+        if self.local_disk is not None and self.max_local_disk_size <= 0:
+            raise ConfigError(f"max_local_disk_size: must be > 0 when local_disk is set ({self.local_disk!r}); "
+                              f"got {self.max_local_disk_size!r}, a disk that could hold nothing")
+
     # ---- internals --------------------------------------------------------------------------------------------
     def _with_file(self, path: str | os.PathLike[str]) -> "EngineConfig":
         label = f"config file {path}"
@@ -194,6 +200,7 @@ def load_engine_config(
     config = EngineConfig.from_env(environ)
     if extra:
         config = config.with_overrides(extra, "kv_connector_extra_config")
+    config.check_combination()
     return config
 
 
@@ -210,7 +217,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "chunk_size": _POSITIVE,
     "max_local_cpu_size": _NON_NEGATIVE,
     "max_local_disk_size": _NON_NEGATIVE,
-    "remote_size": _NON_NEGATIVE,
+    "remote_size": _POSITIVE,
     "blocking_timeout_secs": _POSITIVE,
     "request_timeout_secs": _POSITIVE,
     "heartbeat_interval_secs": _POSITIVE,

@@ -66,7 +66,7 @@ class KeyParams:
 class KeyExtras:
     """What besides the token ids changes a request's KV. Empty for a plain text request.
 
-    `lora_id`: the adapter's identity (a digest of its files, see services/engine/request_extras.py).
+    `lora_id`: the adapter's identity (a digest of its files, see services/engine/adapter/request_extras.py).
     `mm_identifiers` / `mm_offsets` / `mm_lengths`: one entry per multimodal item (vLLM's content hash of
     the item and its placeholder token range), sorted by offset. `embeds_digests[i]`: digest of the
     prompt embeddings of chunk i (chunk_size is the instance's). Also a wire type (`WorkerCommand.extras`):

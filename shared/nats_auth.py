@@ -16,11 +16,14 @@ import argparse
 import importlib.util
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 
 from kvmesh.shared.bus import NatsAuth
 from kvmesh.shared.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvmesh.shared.config import EngineConfig
 
 ENV_VARS = {"user": "KVMESH_NATS_USER", "password": "KVMESH_NATS_PASSWORD", "token": "KVMESH_NATS_TOKEN",
             "nkey_seed": "KVMESH_NATS_NKEY_SEED"}
@@ -47,3 +50,8 @@ def nats_auth_from_args(args: argparse.Namespace, environ: Mapping[str, str] | N
         if importlib.util.find_spec("nkeys") is None:
             raise ConfigError("--nats-nkey-seed needs the `nkeys` package: pip install 'nats-py[nkeys]'")
     return NatsAuth(**values)
+
+
+def auth_from_config(config: "EngineConfig") -> NatsAuth:
+    """The engine's NATS credentials (its config keys nats_user / nats_password / nats_token / nats_nkey_seed)."""
+    return NatsAuth(config.nats_user, config.nats_password, config.nats_token, config.nats_nkey_seed)

@@ -68,8 +68,9 @@ async def run_until_signalled(body: Callable[[asyncio.Event], Awaitable[None]]) 
     await body(stop)
 
 
-def configure_logging(level: str = "INFO") -> None:
-    logging.basicConfig(level=os.environ.get("KVMESH_LOG_LEVEL", level),
+def configure_logging(level: str | None = None) -> None:
+    """Log at `level` (a --log-level flag), else $KVMESH_LOG_LEVEL, else INFO: a flag beats the environment."""
+    logging.basicConfig(level=(level or os.environ.get("KVMESH_LOG_LEVEL") or "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 

@@ -421,7 +421,7 @@ def test_error_message_format_matches_contract() -> None:
         ("chunk_size", -256, "> 0"),
         ("max_local_cpu_size", -1, ">= 0"),
         ("max_local_disk_size", -0.5, ">= 0"),
-        ("remote_size", -2, ">= 0"),
+        ("remote_size", 0, "> 0"),
         ("remote_partitions", 0, ">= 1"),
         ("store_queue_size", 0, ">= 1"),
         ("blocking_timeout_secs", 0, "> 0"),
@@ -486,3 +486,11 @@ def test_error_in_file_loaded_from_env_names_file(tmp_path: Path) -> None:
 def test_config_error_is_a_value_error() -> None:
     with pytest.raises(ValueError):
         EngineConfig.from_defaults(chunk_size=-1)
+
+
+def test_a_local_disk_needs_a_size_once_every_source_is_applied() -> None:
+    """local_disk in the file and max_local_disk_size in a variable is fine; a disk of size 0 is not."""
+    with pytest.raises(ConfigError, match="max_local_disk_size: must be > 0 when local_disk is set"):
+        load_engine_config(environ={"LMCACHE_LOCAL_DISK": "file:///tmp/kv"})
+    config = load_engine_config({"max_local_disk_size": 2}, environ={"LMCACHE_LOCAL_DISK": "file:///tmp/kv"})
+    assert config.max_local_disk_bytes == 2 * GB

@@ -16,6 +16,7 @@ import sys
 from kvmesh.services.controller.config import ControllerConfig, parse_args
 from kvmesh.services.controller.service import ControllerService
 from kvmesh.shared.errors import KVMeshError
+from kvmesh.shared.service import configure_logging
 
 log = logging.getLogger("kvmesh.controller")
 
@@ -57,7 +58,7 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log_level)
     with asyncio.Runner(loop_factory=_new_loop) as runner:
         code = runner.run(_run(config))
     if code:

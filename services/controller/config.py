@@ -27,7 +27,7 @@ class ControllerConfig:
     sync_retry_s: float = 3.0  # re-ask a producer for a full sync after this long without one
     heartbeat_grace_s: float = 1.0  # a heartbeat's seq claim must be met by batches within this
     tick_interval_s: float = 0.25  # maintenance pass period
-    log_level: str = "info"
+    log_level: str | None = None  # None: $KVMESH_LOG_LEVEL, else info
 
     def resolved_controller_id(self) -> str:
         return self.controller_id or f"controller-{socket.gethostname()}-{os.getpid()}"
@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how many recent event ids /check_finish remembers (default: 100000)")
     parser.add_argument("--event-window-secs", type=_positive(float), default=3600.0,
                         help="how long /check_finish remembers an event id (default: 3600)")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                        help="log level (default: $KVMESH_LOG_LEVEL, else info)")
     return parser
 
 

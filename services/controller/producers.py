@@ -1,7 +1,7 @@
 """Producers and instances as the controller knows them: registrations, sequence/sync state, liveness.
 
 Pure logic on the controller's event loop: every method takes `now` and returns what the NATS side must do
-(which producers to ask for a full sync); `mesh.py` feeds it decoded messages and sends the requests.
+(which producers to ask for a full sync); `producer_feed.py` feeds it decoded messages and sends the requests.
 
 A *producer* is an engine worker (one per vLLM rank; its CPU tier, location LocalCPUBackend) or a store
 (LocalDiskBackend / RemoteBackend), named by `producer_id` (worker_id or store_id). Each owns one slot of the

@@ -69,12 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help=f"LMCache YAML config (default: ${CONFIG_FILE_VAR})")
     parser.add_argument("--cache-policy", type=str.upper, choices=POLICY_NAMES,
                         help="eviction order (default: the config's cache_policy, else LRU)")
-    parser.add_argument("--writer-threads", type=int, default=1)
-    parser.add_argument("--reader-threads", type=int, default=4)
+    parser.add_argument("--writer-threads", type=int, default=1, help="threads writing chunk files (default 1)")
+    parser.add_argument("--reader-threads", type=int, default=4,
+                        help="threads reading chunk files; also the gets handled at once (default 4)")
     parser.add_argument("--staging-mb", type=float, default=512.0,
                         help="memory for accepted puts not yet on disk; 0 = answer puts after the write")
     parser.add_argument("--no-fsync", action="store_true", help="do not fsync chunk files (faster, not durable)")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", help="log level (default: $KVMESH_LOG_LEVEL, else INFO)")
     add_nats_auth_flags(parser)
     return parser
 
@@ -93,12 +94,14 @@ def options_from_args(args: argparse.Namespace, environ: dict[str, str] | None =
     else:
         raise ConfigError("disk store: no directory: pass --dir or set local_disk in the config")
     if args.max_size_gb is not None:
-        if args.max_size_gb < 0:
-            raise ConfigError(f"--max-size-gb: must be >= 0, got {args.max_size_gb}")
+        if args.max_size_gb <= 0:
+            raise ConfigError(f"--max-size-gb: must be > 0, got {args.max_size_gb}")
         capacity = round(args.max_size_gb * GB)
     else:
         assert config is not None
         capacity = config.max_local_disk_bytes
+        if capacity <= 0:
+            raise ConfigError("disk store: no size: pass --max-size-gb or set max_local_disk_size (> 0) in the config")
     nats_url = args.nats_url or (config and (config.nats_url or config.controller_url)) or DEFAULT_NATS_URL
     if args.writer_threads < 1 or args.reader_threads < 1 or args.staging_mb < 0:
         raise ConfigError("disk store: --writer-threads/--reader-threads must be >= 1, --staging-mb >= 0")

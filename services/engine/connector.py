@@ -78,6 +78,7 @@ from kvmesh.services.engine.adapter.request_meta import (
 )
 from kvmesh.services.engine.adapter.request_extras import lora_name_of, request_extras
 from kvmesh.shared.config import EngineConfig, load_engine_config
+from kvmesh.shared.nats_auth import auth_from_config
 from kvmesh.shared.errors import KVMeshError
 from kvmesh.shared.keys import KeyParams
 
@@ -247,7 +248,7 @@ class KVMeshConnector(KVConnectorBase_V1):
                         self.unsupported)
         if role == KVConnectorRole.SCHEDULER and self.unsupported is None:
             self._lookup = SchedulerLookup(self.world_size, self.config.lookup_timeout_secs,
-                                           f"{self.config.lmcache_instance_id}-scheduler")
+                                           f"{self.config.lmcache_instance_id}-scheduler", auth_from_config(self.config))
             if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
                 # The scheduler reads the policy right after creating this connector.
                 log.info("kv_load_failure_policy %r -> 'recompute': a chunk that cannot be loaded is recomputed, "

@@ -4,7 +4,9 @@ One process per key partition (`python -m kvmesh.services.remote_store`); engine
 `client.RemoteStoreClient`. Modules, from the wire inwards:
     __main__.py     flags, logging, NATS connect, run until SIGTERM
     service.py      NATS handlers (control ops, stream negotiation, health, admission events)
-    transfer.py     the bulk data path: TCP streams with single-use tickets, both ends
+    stream_wire.py  the bulk data path: TCP streams with single-use tickets (the wire format);
+    stream_server.py, stream_client.py  its two ends (the engine imports only the client end)
+    options.py      flags, both ways (read, and written for whoever starts a store)
     store.py        chunks in memory: ChunkIndex (LRU under the cap, pins) over recycled buffers
     buffers.py      page-faulted buffers, recycled by size class
     persistence.py  optional write-behind mirror of the memory in chunk files (shared/chunk_file.py)

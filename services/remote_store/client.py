@@ -3,7 +3,7 @@
 Runs on the engine's NATS event loop thread (all methods are coroutines). Each key goes to the replica that
 owns its partition (partition.py; `store_ids` in partition order). Control ops (contains, pin, unpin, remove,
 clear, stats) are NATS requests, sent to the partitions concerned in parallel and combined. Chunk bytes
-go on direct TCP streams (transfer.py): per replica a few connections, negotiated over NATS once and kept.
+go on direct TCP streams (stream_client.py): per replica a few connections, negotiated over NATS once and kept.
 
 Nothing here raises on a store problem: a dead, unreachable or refusing replica answers miss / False / 0 for its own keys, is
 logged once per change of state, and is not asked again for `retry_interval` seconds (so a vanished host

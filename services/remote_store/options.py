@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--advertise-host", help="address clients should connect to (default: the listening one)")
     parser.add_argument("--transfer-timeout", type=float, default=30.0,
                         help="seconds one chunk transfer may take before its connection is dropped")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", help="log level (default: $KVMESH_LOG_LEVEL, else INFO)")
     add_nats_auth_flags(parser)
     return parser
 

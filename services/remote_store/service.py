@@ -1,15 +1,16 @@
 """The remote store as a mesh service: one process per key partition, one asyncio event loop on its main thread.
 
 NATS subjects (`Subjects.store(store_id, op)`), request -> reply, each handled on the loop in arrival order:
-    stream    StreamRequest -> StreamOffer     where the TCP stream listens + a single-use ticket (transfer.py)
+    stream    StreamRequest -> StreamOffer     where the TCP stream listens + a single-use ticket (stream_server.py)
     put       PutRequest    -> Ack             inline `data` only (small chunks, tools); bulk puts use the stream
     get       GetRequest    -> GetReply        inline `data` when it fits NATS max_payload; else use the stream
     contains  ChunkKeys     -> ContainsReply   how many leading keys are held
+    touch     ChunkKeys     -> Ack             an engine's hits: these chunks count as just used
     pin/unpin ChunkKeys     -> CommandReply    contiguous prefix; num_chunks, num_tokens (ttl_secs optional)
     remove    ChunkKeys     -> CommandReply    num_chunks, num_tokens removed (pinned ones too)
     clear     ClearRequest  -> CommandReply    every unpinned chunk; num_chunks, num_tokens
     stats     StatsRequest  -> StatsReply
-contains, pin, unpin, remove, clear and stats are the shared IndexOps (shared/store_service.py), the same as
+contains, touch, pin, unpin, remove, clear and stats are the shared IndexOps (shared/store_service.py), the same as
 the disk store's. Also health (`serve_health(service="remote_store")`), and AdmissionBatch / SyncChunk on
 `Subjects.events(store_id)` (location RemoteBackend, producer_id = store_id) through AdmissionReporter. The
 stream server's connection tasks run on the same loop; worker threads only fault buffers and do file I/O

@@ -1,7 +1,7 @@
 """The remote store's memory: chunk bytes in recycled buffers, indexed by ChunkIndex (eviction policy under a cap,
 pins).
 
-Runs in the store process, on its one asyncio event loop: the stream connections (transfer.py) and the NATS
+Runs in the store process, on its one asyncio event loop: the stream connections (stream_server.py) and the NATS
 handlers (service.py) all call in from that loop, so nothing here takes a lock. Worker threads only fault in
 new buffers (buffers.py), read files at start and write/delete files (persistence.py); they touch a chunk's
 bytes only while the chunk's `users` count says so.

@@ -280,9 +280,10 @@ class LowerLookup:
 class SchedulerLookup:
     """The scheduler's view of its workers' caches: `held(...)` -> tokens, or None for "ask again"."""
 
-    def __init__(self, world_size: int, timeout: float, nats_name: str) -> None:
+    def __init__(self, world_size: int, timeout: float, nats_name: str, auth: bus.NatsAuth | None = None) -> None:
         self.world_size = world_size
         self.timeout = timeout
+        self._auth = auth
         self.mirror = CpuTierMirror()
         self._nats_name = nats_name
         self._nats: "NatsLoop | None" = None
@@ -336,7 +337,7 @@ class SchedulerLookup:
         if self._nats is not None:
             self._nats.close()
         self._nats = NatsLoop(self._nats_name)
-        self._nats.connect(url)
+        self._nats.connect(url, self._auth)
 
     # ---- lookups ------------------------------------------------------------------------------------------------
     def update(self, events: CpuTierEvents) -> None:

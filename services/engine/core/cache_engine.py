@@ -37,9 +37,10 @@ from kvmesh.services.engine.core.paged_copy import PagedCopier
 from kvmesh.services.engine.core.storage_manager import RateLimitedLog, StorageManager
 from kvmesh.services.engine.mesh.worker_agent import WorkerAgent, worker_id_for
 from kvmesh.services.remote_store.client import RemoteStoreClient
-from kvmesh.shared import bus, protocol
+from kvmesh.shared import protocol
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyExtras, KeyParams, chunk_spans
+from kvmesh.shared.nats_auth import auth_from_config
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE, ChunkMeta
 from kvmesh.shared.tier import StoreTier
 
@@ -144,8 +145,7 @@ class CacheEngine:
             self.nats_loop.on_connected(self._on_connected)
             self.nats_loop.on_close(self.agent.stop)
             self.nats_loop.on_close(self.storage.stop)
-            self.nats_loop.connect(self._connection.url, bus.NatsAuth(config.nats_user, config.nats_password,
-                                                                 config.nats_token, config.nats_nkey_seed))
+            self.nats_loop.connect(self._connection.url, auth_from_config(config))
         log.info("cache engine %s: chunk %d tokens = %.1f MiB (%s), CPU pool %d chunks%s%s", self.worker_id,
                  config.chunk_size, layout.chunk_nbytes(config.chunk_size) / 2**20, fmt, self.pool.num_slots,
                  " (shared memory)" if self.pool.shm_name else "",
