@@ -140,3 +140,30 @@ def test_without_nats_the_mirror_still_answers(engine: tuple[CacheEngine, PagedK
     held, lower = lookup.held(hasher.chain(unknown.tolist()), len(unknown), None)
     assert held == 0 and lower is None, "a dead NATS is a miss at once, never an 'ask again'"
     lookup.close()
+
+
+def test_a_lookup_then_its_load_ask_the_disk_store_once(engine: tuple[CacheEngine, PagedKV, StepEventLog]) -> None:
+    """The load right behind a lower-tier lookup waits for the prefetch the lookup started; it does not ask the
+    store again where the chunks are."""
+    worker, kv, _ = engine
+    tokens = random_tokens(4 * CHUNK, seed=11)
+    worker.store(tokens, **kv.kv(kv.slots(len(tokens))))
+    client = worker.storage.lower(LOCAL_DISK)
+    assert client is not None and worker.nats_loop is not None
+    assert worker.wait_write_behind(WAIT_S)
+    assert worker.nats_loop.call(client.wait_written(WAIT_S), WAIT_S + 1, default=False)
+    worker.clear(LOCAL_CPU)
+    asked: list[int] = []
+    contains = client.contains
+
+    async def counted(keys: list) -> int:
+        asked.append(len(keys))
+        return await contains(keys)
+
+    client.contains = counted  # type: ignore[method-assign]
+    spans = worker.chunk_spans([span.key for span in worker.hasher.chain(tokens.tolist())], len(tokens))
+    held = worker.nats_loop.call(worker.lookup_and_prefetch(spans), WAIT_S, default=0)
+    assert held == len(tokens)
+    slots = kv.slots(len(tokens))
+    assert worker.retrieve_chunks(spans, kv.caches, slots) == 4
+    assert asked == [4], asked

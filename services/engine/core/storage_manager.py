@@ -180,7 +180,7 @@ class StorageManager:
         pos = 0
         while pos < len(keys):
             if LOCAL_CPU in wanted:
-                held = self.cpu.prefix(keys[pos:])
+                held = self._cpu_prefix(keys, pos)
                 if held:
                     runs.append(Run(LOCAL_CPU, pos, pos + held))
                     pos += held
@@ -201,6 +201,14 @@ class StorageManager:
             if not progressed:
                 break
         return runs
+
+    def _cpu_prefix(self, keys: Sequence[ChunkKey], pos: int) -> int:
+        """How many keys from `pos` are in the CPU tier or on their way there (a fetch in flight claimed them:
+        a fetch waits for those instead of asking the stores again)."""
+        count = pos + self.cpu.prefix(keys[pos:])
+        while count < len(keys) and (keys[count] in self._inflight or keys[count] in self.cpu):
+            count += 1
+        return count - pos
 
     def lookup(self, spans: Sequence[ChunkSpan], locations: Sequence[str] | None = None) -> int:
         """vLLM thread: how many leading `spans` are held across the searched tiers (a prefix count)."""
@@ -313,7 +321,11 @@ class StorageManager:
                 if pos == run.end:
                     continue
                 client = self._lower.get(run.location)
-                if client is None:  # a CPU run whose chunk was evicted since it was located
+                if client is None:  # a CPU run whose chunk is gone (evicted, or its fetch failed): ask below once
+                    if runs is None:
+                        lower = [Run(r.location, r.begin + pos, r.end + pos)
+                                 for r in await self.locate(spans[pos:], ALL_LOCATIONS - {LOCAL_CPU})]
+                        refs += await self.fetch(spans, validate, owner, lower)
                     return refs
                 got = await self._get_many(client, spans[pos:run.end], validate, owner)
                 refs += got
