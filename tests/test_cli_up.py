@@ -48,7 +48,7 @@ def test_up_health_and_clean_stop(tmp_path: Path) -> None:
         assert up.wait(timeout=5) == 0
         assert time.monotonic() - started < 5
         for pid in pids:
-            assert wait_dead(pid, 1), f"service pid {pid} left running"
+            assert wait_dead(pid), f"service pid {pid} left running"
         with pytest.raises(OSError):  # the embedded NATS is gone too
             socket.create_connection(("127.0.0.1", nats_port), timeout=1).close()
     finally:

@@ -117,7 +117,7 @@ def test_seed_002_embedded_disk_survives_restart(tmp_path: Path, demo_model: Pat
     finally:
         first.stop()
     for pid in children:
-        assert wait_dead(pid, 15), f"embedded mesh process {pid} outlived vLLM"
+        assert wait_dead(pid), f"embedded mesh process {pid} outlived vLLM"
 
     second = serve("vllm-disk-2")
     try:
@@ -128,7 +128,7 @@ def test_seed_002_embedded_disk_survives_restart(tmp_path: Path, demo_model: Pat
         children = _mesh_children(second)
     finally:
         second.stop()
-    assert all(wait_dead(pid, 15) for pid in children)
+    assert all(wait_dead(pid) for pid in children)
     assert not any(pid_alive(pid) for pid in children)
 
 

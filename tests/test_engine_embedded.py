@@ -102,7 +102,7 @@ def test_seed_002_embeds_nats_and_a_disk_store_shared_by_workers(tmp_path: Path)
         if second is not None:
             second.close()
     assert embedded_mesh.registry.current() is None
-    assert all(wait_dead(p, 10) for p in mesh.pids)
+    assert all(wait_dead(p) for p in mesh.pids)
 
 
 def test_an_engine_whose_mesh_cannot_start_serves_from_its_cpu_tier(monkeypatch) -> None:
