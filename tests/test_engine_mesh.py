@@ -48,7 +48,7 @@ def disk_mesh(tmp_path: Path) -> Iterator[LocalMesh]:
     store_id = disk_store_id()
     spec = ServiceSpec("kvmesh.services.disk_store", ["--dir", str(tmp_path / "disk"), "--max-size-gb", "0.05",
                                                       "--store-id", store_id], store_id)
-    mesh = LocalMesh([spec]).start(ready_timeout=20)
+    mesh = LocalMesh([spec]).start(ready_timeout=WAIT_S)
     yield mesh
     mesh.stop()
 
@@ -99,7 +99,7 @@ async def test_worker_agent_registers_reports_and_answers_commands(nats_server: 
 
         async def command(op: str, location: str = LOCAL_CPU, tokens: list[int] | None = None) -> CommandReply:
             return await bus.request(nc, Subjects.worker("inst-a", op),
-                                     WorkerCommand(op=op, location=location, tokens=tokens or []), CommandReply, 5.0)
+                                     WorkerCommand(op=op, location=location, tokens=tokens or []), CommandReply, WAIT_S)
 
         tokens = prompt.tolist()
         assert (await command("lookup", tokens=tokens)).num_tokens == 12
@@ -112,7 +112,8 @@ async def test_worker_agent_registers_reports_and_answers_commands(nats_server: 
         reply = await command("pin", location=LOCAL_DISK, tokens=tokens)
         assert not reply.ok and "LocalDiskBackend" in (reply.error or "")
 
-        health = await bus.request(nc, Subjects.health("inst-a"), protocol.HealthRequest(), protocol.HealthReply, 5.0)
+        health = await bus.request(nc, Subjects.health("inst-a"), protocol.HealthRequest(), protocol.HealthReply,
+                                   WAIT_S)
         assert health.service == "engine" and health.service_id == "inst-a"
     finally:
         await asyncio.to_thread(engine.close)
@@ -240,7 +241,7 @@ def test_nats_outage_gives_misses_at_once_and_the_engine_reconnects(kv: PagedKV,
                 try:
                     return await bus.request(nc, Subjects.worker("outage", "lookup"),
                                              WorkerCommand(op="lookup", location=LOCAL_CPU, tokens=b.tolist()),
-                                             CommandReply, 5.0)
+                                             CommandReply, WAIT_S)
                 except MeshUnavailable:
                     return None
 
@@ -298,7 +299,7 @@ def full_mesh(tmp_path: Path) -> Iterator[LocalMesh]:
         services.append(ServiceSpec("kvmesh.services.remote_store",
                                     ["--max-size-gb", "0.05", "--partition", str(partition), "--partitions", "2",
                                      "--store-id", f"remote-{partition}"], f"remote-{partition}"))
-    mesh = LocalMesh(services).start(ready_timeout=20)
+    mesh = LocalMesh(services).start(ready_timeout=WAIT_S)
     yield mesh
     mesh.stop()
 
@@ -348,7 +349,7 @@ def small_disk_mesh(tmp_path: Path) -> Iterator[LocalMesh]:
     store_id = disk_store_id()
     spec = ServiceSpec("kvmesh.services.disk_store", ["--dir", str(tmp_path / "disk"), "--max-size-gb", "0.0000668",
                                                       "--store-id", store_id], store_id)
-    mesh = LocalMesh([spec]).start(ready_timeout=20)
+    mesh = LocalMesh([spec]).start(ready_timeout=WAIT_S)
     yield mesh
     mesh.stop()
 

@@ -11,6 +11,8 @@ import torch
 from kvmesh.services.engine.core.kv_layout import KVLayout, cpu_token_views, detect_layout
 from kvmesh.shared.config import EngineConfig
 
+from waiting import WAIT_S
+
 LAYERS, HEADS, HEAD_SIZE, BLOCK, NUM_BLOCKS = 2, 2, 32, 16, 96
 CHUNK = 32  # two blocks per chunk
 
@@ -54,12 +56,13 @@ class PagedKV:
 
 
 def engine_config(**overrides: object) -> EngineConfig:
-    """Small, fast settings: 32-token chunks, a CPU pool of `cpu_chunks` chunks (default 64)."""
+    """Small settings: 32-token chunks, a CPU pool of `cpu_chunks` chunks (default 64). The request and blocking
+    timeouts are generous (a store on a loaded machine still answers in time); a test of a timeout sets its own."""
     cpu_chunks = int(overrides.pop("cpu_chunks", 64))  # type: ignore[arg-type]
     chunk_nbytes = LAYERS * 2 * HEADS * BLOCK * 2 * HEAD_SIZE * 2  # 2 blocks per chunk, bf16
     defaults: dict[str, object] = {
         "chunk_size": CHUNK, "max_local_cpu_size": (cpu_chunks * _aligned(chunk_nbytes) + 100) / 1024**3,
-        "request_timeout_secs": 1.0, "blocking_timeout_secs": 3.0, "heartbeat_interval_secs": 0.5,
+        "request_timeout_secs": WAIT_S / 3, "blocking_timeout_secs": WAIT_S, "heartbeat_interval_secs": 0.5,
     }
     defaults.update(overrides)
     return EngineConfig(**defaults)  # type: ignore[arg-type]

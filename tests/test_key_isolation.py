@@ -130,7 +130,7 @@ def disk_mesh(tmp_path: Path) -> Iterator[LocalMesh]:
     store_id = disk_store_id()
     spec = ServiceSpec("kvmesh.services.disk_store", ["--dir", str(tmp_path / "disk"), "--max-size-gb", "0.05",
                                                       "--store-id", store_id], store_id)
-    mesh = LocalMesh([spec]).start(ready_timeout=30)
+    mesh = LocalMesh([spec]).start(ready_timeout=WAIT_S)
     yield mesh
     mesh.stop()
 

@@ -420,13 +420,13 @@ async def test_credentials_required_work_when_given_and_fail_clearly_when_not(st
     token = "tok-" + os.urandom(8).hex()
     with EmbeddedNats(token=token) as server:
         with pytest.raises(MeshUnavailable, match="rejected .*Authorization Violation"):
-            await connect_checked(server.url, "no-token", wait_secs=5)
+            await connect_checked(server.url, "no-token", wait_secs=WAIT_S)
         refused = stores.spawn(server.url, "auth-x")  # a store without the token stops with a clear message
         assert await asyncio.to_thread(refused.wait, WAIT_S) == 2
         assert "rejected remote_store:auth-x (no credentials)" in output_of(refused)
 
         process = stores.spawn(server.url, "auth-0", "--nats-token", token)
-        nc = await connect_checked(server.url, "with-token", bus.NatsAuth(token=token), wait_secs=5)
+        nc = await connect_checked(server.url, "with-token", bus.NatsAuth(token=token), wait_secs=WAIT_S)
         try:
             await wait_healthy(nc, "auth-0", process)
             client = RemoteStoreClient(nc, ["auth-0"], request_timeout=WAIT_S)
@@ -443,7 +443,7 @@ async def test_credentials_required_work_when_given_and_fail_clearly_when_not(st
     with EmbeddedNats(extra_config=users) as server:
         # user/password from the environment (secrets need not be on the command line)
         process = stores.spawn(server.url, "auth-1", env={"KVMESH_NATS_USER": "kv", "KVMESH_NATS_PASSWORD": "pw-1"})
-        nc = await connect_checked(server.url, "with-user", bus.NatsAuth(user="kv", password="pw-1"), wait_secs=5)
+        nc = await connect_checked(server.url, "with-user", bus.NatsAuth(user="kv", password="pw-1"), wait_secs=WAIT_S)
         try:
             await wait_healthy(nc, "auth-1", process)
             (stats,) = await RemoteStoreClient(nc, ["auth-1"], request_timeout=WAIT_S).stats()
@@ -451,4 +451,5 @@ async def test_credentials_required_work_when_given_and_fail_clearly_when_not(st
         finally:
             await nc.close()
         with pytest.raises(MeshUnavailable, match="user/password"):
-            await connect_checked(server.url, "bad-password", bus.NatsAuth(user="kv", password="nope"), wait_secs=5)
+            await connect_checked(server.url, "bad-password", bus.NatsAuth(user="kv", password="nope"),
+                                  wait_secs=WAIT_S)
