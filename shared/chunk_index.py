@@ -19,11 +19,12 @@ first is the store's `cache_policy` (LRU, LFU, FIFO, MRU: shared/eviction/).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Generic, Iterable, Protocol, TypeVar
 
 from kvmesh.shared.errors import StoreError
-from kvmesh.shared.eviction import make_policy
+from kvmesh.shared.eviction import Clock, make_policy
 from kvmesh.shared.keys import ChunkKey
 
 
@@ -65,9 +66,11 @@ class ChunkIndex(Generic[E]):
     """
 
     def __init__(self, capacity_bytes: int, on_admit: Callable[[ChunkKey], None] = _ignore,
-                 on_evict: Callable[[ChunkKey], None] = _ignore, *, policy: str = "LRU") -> None:
+                 on_evict: Callable[[ChunkKey], None] = _ignore, *, policy: str = "LRU",
+                 clock: Clock = time.monotonic) -> None:
         self.capacity_bytes = capacity_bytes
-        self._policy = make_policy(policy, capacity_bytes)  # ValueError naming `cache_policy` if unknown
+        # ValueError naming `cache_policy` if unknown; pin TTLs expire on `clock`
+        self._policy = make_policy(policy, capacity_bytes, clock)
         self._held: dict[ChunkKey, E] = {}
         self._in_flight: dict[ChunkKey, _InFlight[E]] = {}
         self.reserved_bytes = 0

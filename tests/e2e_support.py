@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from waiting import WAIT_S, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 CONNECTOR_MODULE = "kvmesh.services.engine.connector"
@@ -160,17 +161,6 @@ def stop_all() -> None:
         process.stop(timeout=10)
 
 
-def wait_until(predicate: Any, timeout: float, interval: float = 0.2, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not met within {timeout:.0f}s")
-        time.sleep(interval)
-
-
 # ---- the demo model -----------------------------------------------------------------------------------------
 def model_cache_dir() -> Path:
     return Path(os.environ.get("KVMESH_TEST_CACHE") or Path.home() / ".cache" / "kvmesh-tests")
@@ -246,7 +236,7 @@ class VLLMServer(ManagedProcess):
         return [HitLine(m["req"], int(m["total"]), int(m["hit"]), int(m["load"]))
                 for m in HIT_LINE.finditer(self.log_text())]
 
-    def hit_for(self, completion: dict[str, Any], timeout: float = 10.0) -> HitLine:
+    def hit_for(self, completion: dict[str, Any], timeout: float = WAIT_S) -> HitLine:
         """The connector's lookup line of a completion (vLLM's request id extends the response id)."""
         prefix = completion["id"]
 
@@ -254,7 +244,7 @@ class VLLMServer(ManagedProcess):
             lines = [h for h in self.hit_lines() if h.request_id.startswith(prefix)]
             return lines[-1] if lines else None
 
-        return wait_until(find, timeout, what=f"the connector's lookup line for {prefix}")
+        return wait_until(find, timeout, interval=0.2, what=f"the connector's lookup line for {prefix}")
 
     def stored_tokens(self, completion: dict[str, Any]) -> int:
         prefix = completion["id"]
@@ -270,12 +260,12 @@ class VLLMServer(ManagedProcess):
         return [m.group(0) for m in LOAD_ERROR_LINE.finditer(self.log_text())
                 if (m["req"] or m["req2"]).startswith(prefix)]
 
-    def assert_loaded(self, completion: dict[str, Any], ranks: int = 1, timeout: float = 10.0) -> HitLine:
+    def assert_loaded(self, completion: dict[str, Any], ranks: int = 1, timeout: float = WAIT_S) -> HitLine:
         """The completion was a hit AND every rank's worker loaded exactly what the scheduler promised, with no
         load error: a hit that silently fell back to recompute fails here."""
         hit = self.hit_for(completion, timeout)
         assert hit.load > 0, f"not a hit: {hit}"
-        wait_until(lambda: len(self.retrieved(completion)) >= ranks, timeout,
+        wait_until(lambda: len(self.retrieved(completion)) >= ranks, timeout, interval=0.2,
                    what=f"{ranks} 'Retrieved' line(s) for {completion['id']}")
         assert self.retrieved(completion) == [hit.load] * ranks, (hit, self.retrieved(completion))
         assert not self.load_errors(completion), self.load_errors(completion)
@@ -317,7 +307,7 @@ class MeshUp(ManagedProcess):
             except httpx.HTTPError:
                 return False
 
-        wait_until(ready, timeout, what="kvmesh up")
+        wait_until(ready, timeout, interval=0.2, what="kvmesh up")
         return self
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:

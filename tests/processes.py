@@ -1,7 +1,8 @@
 """Process helpers for tests: is a pid alive, wait for it to die."""
 
 import os
-import time
+
+from waiting import WAIT_S, wait_until
 
 
 def pid_alive(pid: int) -> bool:
@@ -17,10 +18,10 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def wait_dead(pid: int, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not pid_alive(pid):
-            return True
-        time.sleep(0.05)
-    return False
+def wait_dead(pid: int, timeout: float = WAIT_S) -> bool:
+    """Whether `pid` died within `timeout` seconds (a generous deadline: it only matters when it never dies)."""
+    try:
+        wait_until(lambda: not pid_alive(pid), timeout, what=f"pid {pid} to exit", interval=0.05)
+    except TimeoutError:
+        return False
+    return True

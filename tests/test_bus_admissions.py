@@ -8,6 +8,8 @@ from kvmesh.shared import bus, protocol
 from kvmesh.shared.admissions import AdmissionReporter
 from kvmesh.shared.errors import MeshUnavailable
 
+from waiting import WAIT_S, wait_until_async
+
 
 async def test_serve_answers_typed_requests_and_survives_garbage(nc) -> None:
     async def handler(cmd: protocol.WorkerCommand) -> protocol.CommandReply:
@@ -17,26 +19,30 @@ async def test_serve_answers_typed_requests_and_survives_garbage(nc) -> None:
 
     await bus.serve(nc, "t.cmd", protocol.WorkerCommand, handler)
     for garbage in (b"", b"\x00\xff", b"not msgpack at all", protocol.encode(protocol.Ack())):
-        reply = await nc.request("t.cmd", garbage, timeout=2)
+        reply = await nc.request("t.cmd", garbage, timeout=WAIT_S)
         assert protocol.decode(reply.data, protocol.Ack).ok is False
     with pytest.raises(MeshUnavailable, match="handler bug"):
-        await bus.request(nc, "t.cmd", protocol.WorkerCommand(op="boom", location="x"), protocol.CommandReply, 2)
+        await bus.request(nc, "t.cmd", protocol.WorkerCommand(op="boom", location="x"), protocol.CommandReply,
+                          WAIT_S)
     reply = await bus.request(nc, "t.cmd", protocol.WorkerCommand(op="pin", location="x", tokens=[1, 2]),
-                              protocol.CommandReply, 2)
+                              protocol.CommandReply, WAIT_S)
     assert reply.num_tokens == 2
 
 
 async def test_request_without_responder_or_in_time_is_mesh_unavailable(nc) -> None:
     with pytest.raises(MeshUnavailable, match="no responder"):
-        await bus.request(nc, "nobody.here", protocol.StatsRequest(), protocol.StatsReply, 1)
+        await bus.request(nc, "nobody.here", protocol.StatsRequest(), protocol.StatsReply, WAIT_S)
+
+    answer = asyncio.Event()
 
     async def slow(_: protocol.StatsRequest) -> protocol.Ack:
-        await asyncio.sleep(1)
+        await answer.wait()  # answers only after the request has timed out
         return protocol.Ack()
 
     await bus.serve(nc, "slow", protocol.StatsRequest, slow)
     with pytest.raises(MeshUnavailable, match="within"):
         await bus.request(nc, "slow", protocol.StatsRequest(), protocol.Ack, 0.2)
+    answer.set()
 
 
 async def test_reporter_numbers_batches_and_answers_sync(nc) -> None:
@@ -60,7 +66,7 @@ async def test_reporter_numbers_batches_and_answers_sync(nc) -> None:
     reporter = AdmissionReporter("s1", protocol.LOCAL_DISK, lambda: list(held), lambda: registration,
                                  flush_interval=0.01)
     await reporter.start(nc)
-    await asyncio.wait_for(registered.wait(), 2)
+    await asyncio.wait_for(registered.wait(), WAIT_S)
     for i in range(3):
         key = bytes([i]) * 16
         held.add(key)
@@ -69,8 +75,9 @@ async def test_reporter_numbers_batches_and_answers_sync(nc) -> None:
     held.discard(bytes([0]) * 16)
     reporter.evict(bytes([0]) * 16)
     await reporter.flush()
-    await bus.request(nc, protocol.Subjects.sync("s1"), protocol.SyncRequest(reason="test"), protocol.Ack, 2)
-    await asyncio.sleep(0.2)
+    await bus.request(nc, protocol.Subjects.sync("s1"), protocol.SyncRequest(reason="test"), protocol.Ack, WAIT_S)
+    await wait_until_async(lambda: any(isinstance(m, protocol.SyncChunk) and m.final and m.seq == 4 for m in received),
+                           what="the requested full sync")
     await reporter.stop()
     batches = [m for m in received if isinstance(m, protocol.AdmissionBatch)]
     assert [b.seq for b in batches] == [1, 2, 3, 4]

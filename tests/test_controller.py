@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import signal
 import socket
@@ -17,7 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Callable
 
 import httpx
 import pytest
@@ -30,18 +29,11 @@ from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, REMOTE, Subjects
 from kvmesh.services.controller.config import ControllerConfig
 from kvmesh.services.controller.service import ControllerService
 
+from waiting import WAIT_S, ManualClock, wait_until_async
+
 MODEL, KV_FORMAT = "test-model", "bfloat16/test"
 SEED_INSTANCE = "lmcache_default_instance"
 SEED_TOKENS = [128000, 849, 21435, 279, 26431, 315, 85748, 6636, 304, 4221, 4211, 13]
-WAIT_S = 10.0
-
-
-async def wait_for(predicate: Callable[[], Awaitable[bool]], what: str, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -232,18 +224,21 @@ class RawProducer:
 
 
 def _config(nats_url: str, **overrides: Any) -> ControllerConfig:
+    # Timeouts nothing should reach while a test runs (a producer is never down for being slow, a fake worker's
+    # answer is never too late); the tests of a timeout set a short one, or run the controller on a ManualClock.
     settings: dict[str, Any] = dict(host="127.0.0.1", port=0, nats_url=nats_url, controller_id="controller-test",
-                                    liveness_timeout_s=5.0, command_timeout_s=1.0, tick_interval_s=0.05,
+                                    liveness_timeout_s=2 * WAIT_S, command_timeout_s=WAIT_S, tick_interval_s=0.05,
                                     sync_retry_s=1.0, heartbeat_grace_s=0.3)
     settings.update(overrides)
     return ControllerConfig(**settings)
 
 
 @contextlib.asynccontextmanager
-async def running_controller(nats_url: str, **overrides: Any) -> AsyncIterator[tuple[ControllerService, httpx.AsyncClient]]:
-    service = await ControllerService(_config(nats_url, **overrides)).start()
+async def running_controller(nats_url: str, clock: Callable[[], float] = time.monotonic,
+                             **overrides: Any) -> AsyncIterator[tuple[ControllerService, httpx.AsyncClient]]:
+    service = await ControllerService(_config(nats_url, **overrides), clock).start()
     try:
-        async with httpx.AsyncClient(base_url=service.url, timeout=10.0) as client:
+        async with httpx.AsyncClient(base_url=service.url, timeout=WAIT_S) as client:
             yield service, client
     finally:
         await service.stop()
@@ -271,8 +266,8 @@ async def wait_layout(client: httpx.AsyncClient, tokens: list[int], expected: di
     async def matches() -> bool:
         return await layout(client, tokens) == expected
     try:
-        await wait_for(matches, f"{what} == {expected}")
-    except AssertionError:
+        await wait_until_async(matches, what=f"{what} == {expected}")
+    except TimeoutError:
         raise AssertionError(f"{what}: got {await layout(client, tokens)}, expected {expected}") from None
 
 
@@ -283,7 +278,7 @@ async def wait_layout(client: httpx.AsyncClient, tokens: list[int], expected: di
 async def test_seed_pin_clear_lookup(nats_server: EmbeddedNats) -> None:
     """Seeds 000/001: a 12-token prompt (one partial chunk) pins 12 tokens, clears 12, then lookup is empty."""
     worker = FakeEngineWorker(nats_server.url, SEED_INSTANCE)
-    async with running_controller(nats_server.url) as (_, client), started(worker):
+    async with running_controller(nats_server.url) as (service, client), started(worker):
         worker.store(SEED_TOKENS)
         await wait_layout(client, SEED_TOKENS, {SEED_INSTANCE: [LOCAL_CPU, 12]})
 
@@ -295,6 +290,9 @@ async def test_seed_pin_clear_lookup(nats_server: EmbeddedNats) -> None:
         finish = await client.post("/check_finish", json={"event_id": pin.json()["event_id"]})
         assert finish.json() == {"status": "finished"}
 
+        producer = service.core.table.producer(SEED_INSTANCE)
+        assert producer is not None
+        syncs_before = producer.syncs_completed
         clear = await client.post("/clear", json={"instance_id": SEED_INSTANCE, "location": "LocalCPUBackend"})
         assert clear.status_code == 200, clear.text
         assert clear.json()["num_tokens"] == 12
@@ -305,7 +303,8 @@ async def test_seed_pin_clear_lookup(nats_server: EmbeddedNats) -> None:
         finish = await client.post("/check_finish", json={"event_id": lookup.json()["event_id"]})
         assert finish.json() == {"status": "finished"}
         # ...and it stays empty once the worker's evictions and the confirming sync have arrived.
-        await asyncio.sleep(0.3)
+        await wait_until_async(lambda: producer.syncs_completed > syncs_before and not producer.needs_sync,
+                               what="the full sync confirming the clear")
         assert await layout(client, SEED_TOKENS) == {}
 
 
@@ -413,7 +412,7 @@ async def test_tensor_parallel_instance_needs_every_rank(nats_server: EmbeddedNa
 async def test_command_errors_name_instance_and_location(nats_server: EmbeddedNats) -> None:
     worker = FakeEngineWorker(nats_server.url, "cpu-only")
     async with running_controller(nats_server.url) as (_, client), started(worker):
-        await wait_for(lambda: _has_instance(client, "cpu-only"), "registration")
+        await wait_until_async(lambda: _has_instance(client, "cpu-only"), what="registration")
         unknown = await client.post("/pin", json={"instance_id": "nope", "location": LOCAL_CPU, "tokens": [1]})
         assert unknown.status_code == 404 and "nope" in unknown.json()["detail"]
         no_disk = await client.post("/clear", json={"instance_id": "cpu-only", "location": LOCAL_DISK})
@@ -438,47 +437,43 @@ async def _has_instance(client: httpx.AsyncClient, instance_id: str) -> bool:
     return any(i["instance_id"] == instance_id for i in instances)
 
 
-async def test_dead_or_failing_worker_gives_504_or_502(nats_server: EmbeddedNats) -> None:
-    """A worker that never answers is a 504 naming the instance within the timeout; check_finish says failed."""
-    silent = RawProducer(nats_server.url, "silent")
+async def test_slow_dead_or_failing_worker_pending_then_504_or_502(nats_server: EmbeddedNats) -> None:
+    """While a worker has not answered, the operation's event is pending; a worker that never answers is a 504
+    naming the instance once the command timeout runs out (check_finish says failed); no responder is a 504, a
+    refusal a 502."""
+    slow = RawProducer(nats_server.url, "slow")
     gone = RawProducer(nats_server.url, "gone")
     failing = RawProducer(nats_server.url, "failing")
-    async with running_controller(nats_server.url, command_timeout_s=0.4) as (service, client), \
-            started(silent, gone, failing):
-        never_answered: list[Any] = []
+    body = {"location": LOCAL_CPU, "tokens": [1, 2, 3]}
+    async with running_controller(nats_server.url) as (service, client), started(slow, gone, failing):
+        held: list[Any] = []
 
-        async def hang(msg: Any) -> None:
-            never_answered.append(msg)  # and no reply
+        async def hold(msg: Any) -> None:
+            held.append(msg)  # answered when the test says so
 
-        await silent.nc.subscribe(Subjects.worker("silent", "pin"), cb=hang)
+        await slow.nc.subscribe(Subjects.worker("slow", "pin"), cb=hold)
 
         async def refuse(_command: protocol.WorkerCommand) -> protocol.CommandReply:
             return protocol.CommandReply(ok=False, error="pool exhausted")
 
         await bus.serve(failing.nc, Subjects.worker("failing", "pin"), protocol.WorkerCommand, refuse)
-        for producer in (silent, failing):
+        for producer in (slow, failing):
             await producer.nc.flush()
-        for name in ("silent", "gone", "failing"):
-            await wait_for(lambda n=name: _has_instance(client, n), f"registration of {name}")
+        for name in ("slow", "gone", "failing"):
+            await wait_until_async(lambda n=name: _has_instance(client, n), what=f"registration of {name}")
 
-        body = {"location": LOCAL_CPU, "tokens": [1, 2, 3]}
-        started_at = time.monotonic()
-        request = asyncio.create_task(client.post("/pin", json={"instance_id": "silent", **body}))
+        request = asyncio.create_task(client.post("/pin", json={"instance_id": "slow", **body}))
         # While the worker keeps us waiting, the operation's event is pending.
+        await wait_until_async(lambda: bool(held), what="the pin reaching the worker")
         events = service.core.events
-        await wait_for(lambda: _true(any(r.kind == "pin" and r.status == "pending" for _, r in events.items())),
-                       "a pending pin")
         pending_id = next(i for i, r in events.items() if r.kind == "pin" and r.status == "pending")
         pending = await client.post("/check_finish", json={"event_id": pending_id})
         assert pending.json() == {"status": "pending"}
-        timed_out = await request
-        elapsed = time.monotonic() - started_at
-        assert timed_out.json()["event_id"] == pending_id
-        assert timed_out.status_code == 504, timed_out.text
-        assert "silent" in timed_out.json()["detail"] and "0.4s" in timed_out.json()["detail"]
-        assert 0.35 < elapsed < 3.0 and len(never_answered) == 1
-        finish = await client.post("/check_finish", json={"event_id": timed_out.json()["event_id"]})
-        assert finish.json()["status"] == "failed" and "silent" in finish.json()["error"]
+        await held[0].respond(protocol.encode(protocol.CommandReply(ok=True, num_tokens=0)))
+        answered = await request
+        assert answered.status_code == 200 and answered.json()["event_id"] == pending_id, answered.text
+        finish = await client.post("/check_finish", json={"event_id": pending_id})
+        assert finish.json() == {"status": "finished"}
 
         no_responder = await client.post("/pin", json={"instance_id": "gone", **body})
         assert no_responder.status_code == 504 and "gone" in no_responder.json()["detail"]
@@ -486,6 +481,23 @@ async def test_dead_or_failing_worker_gives_504_or_502(nats_server: EmbeddedNats
         refused = await client.post("/pin", json={"instance_id": "failing", **body})
         assert refused.status_code == 502 and "pool exhausted" in refused.json()["detail"]
         assert "failing" in refused.json()["detail"]
+
+    silent = RawProducer(nats_server.url, "silent")
+    async with running_controller(nats_server.url, command_timeout_s=0.4) as (_, client), started(silent):
+        never_answered: list[Any] = []
+
+        async def hang(msg: Any) -> None:
+            never_answered.append(msg)  # and no reply, ever
+
+        await silent.nc.subscribe(Subjects.worker("silent", "pin"), cb=hang)
+        await silent.nc.flush()
+        await wait_until_async(lambda: _has_instance(client, "silent"), what="registration of silent")
+        timed_out = await client.post("/pin", json={"instance_id": "silent", **body})
+        assert timed_out.status_code == 504, timed_out.text
+        assert "silent" in timed_out.json()["detail"] and "0.4s" in timed_out.json()["detail"]
+        assert len(never_answered) == 1
+        finish = await client.post("/check_finish", json={"event_id": timed_out.json()["event_id"]})
+        assert finish.json()["status"] == "failed" and "silent" in finish.json()["error"]
 
 
 async def test_bad_input_is_422_or_413_never_500(nats_server: EmbeddedNats) -> None:
@@ -570,7 +582,7 @@ async def test_sequence_gap_is_repaired_by_a_full_sync(nats_server: EmbeddedNats
     k0, k1, k2 = producer.keys(tokens)
     stray = producer.keys([9, 9, 9, 9])[0]
     async with running_controller(nats_server.url) as (service, client), started(producer):
-        await wait_for(lambda: _has_instance(client, "gappy"), "registration")
+        await wait_until_async(lambda: _has_instance(client, "gappy"), what="registration")
         await producer.heartbeat()  # known, in step: no sync needed yet
         await producer.batch(admitted=[k0, stray])
         await wait_layout(client, tokens, {"gappy": [LOCAL_CPU, 4]})
@@ -593,7 +605,7 @@ async def test_heartbeat_reveals_lost_batch_and_unknown_producer(nats_server: Em
     behind = RawProducer(nats_server.url, "behind")
     stranger = RawProducer(nats_server.url, "stranger")
     async with running_controller(nats_server.url) as (_, client), started(behind):
-        await wait_for(lambda: _has_instance(client, "behind"), "registration")
+        await wait_until_async(lambda: _has_instance(client, "behind"), what="registration")
         k0, k1 = behind.keys(tokens)
         await behind.batch(admitted=[k0])
         await wait_layout(client, tokens, {"behind": [LOCAL_CPU, 4]})
@@ -606,13 +618,9 @@ async def test_heartbeat_reveals_lost_batch_and_unknown_producer(nats_server: Em
         await stranger.start(register=False)
         try:
             await stranger.heartbeat()
-            await wait_for(lambda: _true(bool(stranger.sync_requests)), "a SyncRequest to the unknown producer")
+            await wait_until_async(lambda: bool(stranger.sync_requests), what="a SyncRequest to the unknown producer")
         finally:
             await stranger.stop()
-
-
-async def _true(value: bool) -> bool:
-    return value
 
 
 async def test_controller_restart_rebuilds_the_index(nats_server: EmbeddedNats) -> None:
@@ -636,14 +644,16 @@ async def test_controller_restart_rebuilds_the_index(nats_server: EmbeddedNats) 
 async def test_liveness_timeout_hides_a_silent_producer_until_it_returns(nats_server: EmbeddedNats) -> None:
     tokens = list(range(1, 9))
     producer = RawProducer(nats_server.url, "flaky")
-    async with running_controller(nats_server.url, liveness_timeout_s=0.5) as (service, client), started(producer):
-        await wait_for(lambda: _has_instance(client, "flaky"), "registration")
+    clock = ManualClock()  # time passes only when the test says so: the producer is silent for exactly that long
+    async with running_controller(nats_server.url, clock) as (service, client), started(producer):
+        await wait_until_async(lambda: _has_instance(client, "flaky"), what="registration")
         await producer.batch(admitted=producer.keys(tokens))
         await producer.heartbeat()
         await wait_layout(client, tokens, {"flaky": [LOCAL_CPU, 8]})
         health = (await client.post("/health", json={"instance_id": "flaky"})).json()
         assert health["healthy"] and health["workers"]["flaky"]["alive"]
         # Silence: no heartbeats for longer than the liveness timeout.
+        clock.advance(service.config.liveness_timeout_s + 1)
         await wait_layout(client, tokens, {}, "the silent producer dropped from lookups")
         health = (await client.post("/health", json={"instance_id": "flaky"})).json()
         assert not health["healthy"] and health["error_codes"] == {"0": 1}
@@ -655,29 +665,32 @@ async def test_liveness_timeout_hides_a_silent_producer_until_it_returns(nats_se
         assert len(producer.sync_requests) == syncs_before
 
 
-async def test_nats_restart_makes_the_controller_say_hello_again(nats_server: EmbeddedNats) -> None:
-    """After a NATS outage the controller may have missed registrations: it says hello again on reconnect."""
+async def test_nats_restart_makes_the_controller_say_hello_again(nats_server: EmbeddedNats,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a NATS outage the controller may have missed registrations: it says hello again on reconnect.
+
+    The hello is seen where the controller publishes it: a listener on NATS would have to reconnect first, and
+    under load the controller can reconnect and say hello before the listener is back (the hello is then lost)."""
     async with running_controller(nats_server.url) as (service, client):
-        listener = await bus.connect(nats_server.url, name="hello-listener")
-        hellos: list[Any] = []
+        hellos: list[protocol.ControllerHello] = []
+        publish = bus.publish
+
+        async def recording(nc: Any, subject: str, message: Any) -> None:
+            if subject == Subjects.CONTROLLER_HELLO:
+                hellos.append(message)
+            await publish(nc, subject, message)
+
+        monkeypatch.setattr(bus, "publish", recording)
+        port = nats_server.port
+        nats_server.stop()
+        replacement = EmbeddedNats(port=port).start()
         try:
-            await listener.subscribe(Subjects.CONTROLLER_HELLO, cb=functools.partial(_append, hellos))
-            await listener.flush()
-            port = nats_server.port
-            nats_server.stop()
-            replacement = EmbeddedNats(port=port).start()
-            try:
-                await wait_for(lambda: _true(bool(hellos)), "a hello after the reconnect")
-                assert protocol.decode(hellos[0].data, protocol.ControllerHello).controller_id == "controller-test"
-                assert (await client.get("/healthz")).json()["nats_connected"]
-            finally:
-                replacement.stop()
+            await wait_until_async(lambda: bool(hellos), what="a hello after the reconnect")
+            assert hellos[0].controller_id == "controller-test"
+            assert service.nc.stats["reconnects"] >= 1  # said on the reconnect, not at start-up
+            assert (await client.get("/healthz")).json()["nats_connected"]
         finally:
-            await listener.close()
-
-
-async def _append(items: list[Any], item: Any) -> None:
-    items.append(item)
+            replacement.stop()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -692,7 +705,7 @@ async def test_nats_health_metrics_docs(nats_server: EmbeddedNats) -> None:
         nc = await bus.connect(nats_server.url, name="probe")
         try:
             reply = await bus.request(nc, Subjects.health("controller"), protocol.HealthRequest(),
-                                      protocol.HealthReply, timeout=2)
+                                      protocol.HealthReply, timeout=WAIT_S)
         finally:
             await nc.close()
         assert (reply.service, reply.service_id, reply.status) == ("controller", "controller-test", "ok")
@@ -733,14 +746,14 @@ async def test_command_line_seed_flow_and_sigterm() -> None:
          "--monitor-port", str(monitor_port), "--log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10.0) as client:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=WAIT_S) as client:
             async def up() -> bool:
                 assert process.poll() is None, process.stdout.read().decode() if process.stdout else ""
                 try:
                     return (await client.get("/healthz")).status_code == 200
                 except httpx.TransportError:
                     return False
-            await wait_for(up, "the controller subprocess", timeout=20)
+            await wait_until_async(up, what="the controller subprocess")
             worker = FakeEngineWorker(f"nats://127.0.0.1:{monitor_port}", SEED_INSTANCE)
             async with started(worker):
                 worker.store(SEED_TOKENS)
@@ -759,7 +772,7 @@ async def test_command_line_seed_flow_and_sigterm() -> None:
                     headers={"Content-Type": "application/json"})
                 assert lookup.json()["layout_info"] == {}
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=15) == 0
+        assert process.wait(timeout=WAIT_S) == 0
         assert not _port_open(port) and not _port_open(monitor_port)  # REST and embedded NATS both gone
     finally:
         if process.poll() is None:

@@ -4,7 +4,8 @@ operation must never get a 5xx, and responses must conform to the schema.
 The controller (real uvicorn on a free loopback port, real nats-server) runs on an event loop in a
 background thread, with one engine worker ("lmcache_default_instance", the schema's example id) answering
 commands, so examples reach the pin/unpin/clear paths and not only 404s. Bounded: a fixed number of
-examples per operation, a per-example deadline, derandomized generation (deterministic).
+examples per operation, derandomized generation (deterministic); no per-example time limit (CI shares its
+cores: a slow example is not a failure), only generous request timeouts.
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ from kvmesh.shared.protocol import LOCAL_CPU, Subjects  # noqa: E402
 from kvmesh.services.controller.config import ControllerConfig  # noqa: E402
 from kvmesh.services.controller.service import ControllerService  # noqa: E402
 
+from waiting import WAIT_S  # noqa: E402
+
 INSTANCE = "lmcache_default_instance"
 TOKENS = [128000, 849, 21435, 279, 26431, 315, 85748, 6636, 304, 4221, 4211, 13]
 MAX_EXAMPLES = 30
 INSTANCE_PATHS = {"/pin", "/unpin", "/clear", "/health", "/query_worker_info"}
+LOCATION_PATHS = {"/pin", "/unpin", "/clear"}
 
 
 class _Worker:
@@ -68,11 +72,13 @@ class _BackgroundController:
     def __init__(self, nats_url: str) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="controller-under-test", daemon=True)
+        # timeouts no example reaches by being slow: the worker is never down, its answers never too late
         self.service = ControllerService(ControllerConfig(host="127.0.0.1", port=0, nats_url=nats_url,
-                                                          command_timeout_s=1.0, max_tokens=10_000))
+                                                          command_timeout_s=WAIT_S, liveness_timeout_s=2 * WAIT_S,
+                                                          max_tokens=10_000))
         self.worker = _Worker(nats_url)
 
-    def _run(self, coro: Any, timeout: float = 20.0) -> Any:
+    def _run(self, coro: Any, timeout: float = WAIT_S) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def start(self) -> str:
@@ -131,17 +137,22 @@ def test_no_server_errors_and_schema_conformance(api_schema: Any, controller_url
 
     strategy = operation.as_strategy(generation_mode=generation_mode)
     if mode == "positive" and path in INSTANCE_PATHS:
-        # Half the cases name the live instance, so generated tokens/locations reach the command path.
-        strategy = strategies.one_of(strategy, strategy.map(_with_live_instance))
+        # Cases name the live instance, so generated tokens/locations reach the command path; where the body has
+        # a location, a third of them also name its CPU tier (no adapter), so some succeed whatever the seed
+        # (derandomized: the seed is a digest of `run`'s source, which any edit changes).
+        branches = [strategy, strategy.map(_with_live_instance)]
+        if path in LOCATION_PATHS:
+            branches.append(strategy.map(_on_the_live_cpu_tier))
+        strategy = strategies.one_of(*branches)
     if mode == "positive" and path == "/check_finish":
-        known = requests.post(f"{controller_url}/lookup", json={"tokens": TOKENS}, timeout=10).json()["event_id"]
+        known = requests.post(f"{controller_url}/lookup", json={"tokens": TOKENS}, timeout=WAIT_S).json()["event_id"]
         strategy = strategies.one_of(strategy, strategy.map(lambda case: _with_body(case, event_id=known)))
 
     @given(case=strategy)
-    @settings(max_examples=MAX_EXAMPLES, deadline=5000, derandomize=True, database=None,
+    @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     def run(case: Any) -> None:
-        response = case.call_and_validate(timeout=10)
+        response = case.call_and_validate(timeout=2 * WAIT_S)
         calls.append(response.status_code)
         assert response.status_code < 500, f"{method} {path}: {response.status_code} {response.text[:300]}"
 
@@ -159,4 +170,8 @@ def _with_body(case: Any, **fields: Any) -> Any:
 
 def _with_live_instance(case: Any) -> Any:
     return _with_body(case, instance_id=INSTANCE)
+
+
+def _on_the_live_cpu_tier(case: Any) -> Any:
+    return _with_body(case, instance_id=INSTANCE, location=LOCAL_CPU, lora_name=None)
 

@@ -5,7 +5,6 @@ Behaviour that needs the store in its own process (restart, SIGKILL, the CLI) is
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import os
@@ -13,7 +12,7 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Callable, Iterator
 
 import pytest
 
@@ -27,6 +26,8 @@ from kvmesh.shared.chunk_index import ChunkIndex
 from kvmesh.services.disk_store.options import DiskStoreOptions, build_parser, options_from_args
 from kvmesh.services.disk_store.service import DiskStoreService
 from kvmesh.services.disk_store.writer import WriteFaults
+
+from waiting import WAIT_S, ManualClock, wait_until_async
 
 CHUNK = 64 * 1024
 FILE_BYTES = chunk_file.DATA_ALIGN + CHUNK  # header page + data, what a chunk costs against the cap
@@ -60,13 +61,14 @@ class Harness:
         self.nc, self.root = nc, root
         self.store_id = f"disk-{uuid.uuid4().hex[:8]}"
         self.service: DiskStoreService | None = None
-        self.client = DiskStoreClient(nc, self.store_id, request_timeout=2.0)
+        self.client = DiskStoreClient(nc, self.store_id, request_timeout=WAIT_S)
+        self.clock: Callable[[], float] = time.monotonic  # the stores' pin TTLs run on it
 
     async def start(self, capacity: int = 64 * FILE_BYTES, staging_bytes: int = 4 * CHUNK,
                     faults: WriteFaults | None = None) -> DiskStoreService:
         options = DiskStoreOptions(root=self.root, capacity_bytes=capacity, store_id=self.store_id,
                                    staging_bytes=staging_bytes, fsync=False)
-        self.service = DiskStoreService(options, faults=faults or WriteFaults())
+        self.service = DiskStoreService(options, faults=faults or WriteFaults(), clock=self.clock)
         await self.service.start(self.nc)
         return self.service
 
@@ -79,7 +81,7 @@ class Harness:
         meta, data = chunk(i, nbytes)
         ok = await self.client.put(meta, ChunkBuffer(view=memoryview(bytearray(data))))
         if wait:
-            assert await self.client.wait_written(timeout=5)
+            assert await self.client.wait_written(timeout=WAIT_S)
         return ok
 
     async def get(self, i: int, nbytes: int = CHUNK) -> bytes | None:
@@ -90,7 +92,7 @@ class Harness:
     async def held(self, *indices: int) -> list[bool]:
         return [await self.client.contains([key_of(i)]) == 1 for i in indices]
 
-    def request(self, op: str, message: object, reply_type: type, timeout: float = 2.0):
+    def request(self, op: str, message: object, reply_type: type, timeout: float = WAIT_S):
         return bus.request(self.nc, protocol.Subjects.store(self.store_id, op), message, reply_type, timeout)
 
 
@@ -113,7 +115,7 @@ async def test_round_trip_bit_exact_over_shared_memory_and_inline(harness: Harne
     put_buffer = ChunkBuffer(view=segment.buf[CHUNK:2 * CHUNK], shm_name=segment.name, shm_offset=CHUNK)
     assert await client.put(meta, put_buffer)
     segment.buf[CHUNK:2 * CHUNK] = b"\0" * CHUNK  # the engine reuses its buffer right after the reply
-    assert await client.wait_written(5)
+    assert await client.wait_written(WAIT_S)
     get_buffer = ChunkBuffer(view=segment.buf[5 * CHUNK:7 * CHUNK], shm_name=segment.name, shm_offset=5 * CHUNK)
     got = await client.get_into(meta.key, get_buffer)
     assert got is not None and got.nbytes == CHUNK and got.num_tokens == meta.num_tokens
@@ -121,7 +123,7 @@ async def test_round_trip_bit_exact_over_shared_memory_and_inline(harness: Harne
     # Inline both ways, with the checksum left to the store.
     meta2, data2 = chunk(2, checksum=False)
     assert await client.put(meta2, ChunkBuffer(view=memoryview(data2)))
-    assert await client.wait_written(5)
+    assert await client.wait_written(WAIT_S)
     assert await harness.get(2) == data2
     assert await harness.get(1) == data  # a shm-put chunk can be read inline, and vice versa
     assert await client.get_into(meta2.key, get_buffer) is not None
@@ -148,8 +150,8 @@ async def test_lru_eviction_keeps_the_size_cap_and_gets_refresh_recency(harness:
     assert await harness.held(1, 3, 4, 5) == [True, False, True, True]
     stats = (await harness.client.stats())[0]
     assert stats.num_chunks == 3 and stats.used_bytes <= stats.capacity_bytes
-    await asyncio.sleep(0.05)  # deletions run in the background
-    assert len(chunk_files(harness.root)) == 3
+    # the evicted chunks' files are deleted in the background
+    await wait_until_async(lambda: len(chunk_files(harness.root)) == 3, what="two evicted files deleted")
     # A chunk bigger than the whole cap is refused, and nothing is evicted for it.
     assert not await harness.put(6, nbytes=4 * FILE_BYTES, wait=False)
     assert await harness.held(1, 4, 5) == [True, True, True]
@@ -183,15 +185,16 @@ async def test_pins_survive_pressure_and_clear_and_a_full_pinned_store_refuses_p
 
 
 async def test_pins_with_ttl_expire_and_pins_survive_a_restart(harness: Harness) -> None:
+    clock = harness.clock = ManualClock()  # both store instances' pins run on it (persisted as wall-clock times)
     await harness.start(capacity=2 * FILE_BYTES + 100)
     assert await harness.put(1) and await harness.put(2)
     assert await harness.client.pin([key_of(1)], [101]) == 101
-    expires = time.monotonic() + 1.0
-    assert await harness.client.pin([key_of(2)], [102], ttl_secs=1.0) == 102
+    assert await harness.client.pin([key_of(2)], [102], ttl_secs=60) == 102
     await harness.stop()
     await harness.start(capacity=2 * FILE_BYTES + 100)
     assert (await harness.client.stats())[0].pinned_chunks == 2
-    await asyncio.sleep(expires - time.monotonic() + 0.05)
+    assert not await harness.put(3, wait=False)  # both pinned: no room
+    clock.advance(61)
     assert await harness.put(3)  # 2's pin expired: it is the victim; 1 stays pinned
     assert await harness.held(1, 2, 3) == [True, False, True]
 
@@ -275,7 +278,7 @@ async def test_garbage_on_every_subject_leaves_it_serving(harness: Harness) -> N
                protocol.encode(protocol.HealthRequest()), b"\x81\xa1v\x01"]
     for op in ops:
         for payload in garbage:
-            reply = await harness.nc.request(protocol.Subjects.store(harness.store_id, op), payload, timeout=2)
+            reply = await harness.nc.request(protocol.Subjects.store(harness.store_id, op), payload, timeout=WAIT_S)
             assert reply.data  # an error answer, never silence or a crash
     bad_meta = protocol.ChunkMeta(key=b"short", num_tokens=1, shape=[4], dtype="uint8", fmt="x", nbytes=4)
     good_meta = chunk(7)[0]
@@ -295,13 +298,13 @@ async def test_garbage_on_every_subject_leaves_it_serving(harness: Harness) -> N
     ]
     for op, message in bad_requests:
         reply = await harness.nc.request(protocol.Subjects.store(harness.store_id, op), protocol.encode(message),
-                                         timeout=2)
+                                         timeout=WAIT_S)
         assert reply.data
     assert await harness.held(7, 8) == [False, False]
     assert await harness.get(1) == chunk(1)[1]
     assert await harness.put(2) and await harness.get(2) == chunk(2)[1]
     health = await bus.request(harness.nc, protocol.Subjects.health(harness.store_id), protocol.HealthRequest(),
-                               protocol.HealthReply, 2)
+                               protocol.HealthReply, WAIT_S)
     assert health.service == "disk_store" and health.details["puts_refused"] >= 5
 
 
@@ -318,13 +321,21 @@ async def test_admission_events_with_increasing_seq_reach_a_subscriber(harness: 
 
     await harness.nc.subscribe(protocol.Subjects.events(harness.store_id), cb=on_event)
     await harness.start(capacity=2 * FILE_BYTES + 100)
+    def batches_so_far() -> list[protocol.AdmissionBatch]:
+        return [m for m in received if isinstance(m, protocol.AdmissionBatch)]
+
+    def reported(field: str) -> set[bytes]:
+        return {k for b in batches_so_far() for k in getattr(b, field)}
+
     for i in (1, 2):
         assert await harness.put(i)
-        await asyncio.sleep(0.1)  # one flush interval: a batch per put
+        # a batch per put: the next put only once this one's admission has arrived
+        await wait_until_async(lambda: key_of(i) in reported("admitted"), what=f"the admission of chunk {i}")
     assert await harness.put(3)  # evicts 1
     assert await harness.client.remove([key_of(2)]) == 1
-    await asyncio.sleep(0.2)
-    batches = [m for m in received if isinstance(m, protocol.AdmissionBatch)]
+    await wait_until_async(lambda: key_of(3) in reported("admitted") and reported("evicted") >= {key_of(1), key_of(2)},
+                           what="the admission of 3 and the evictions of 1 and 2")
+    batches = batches_so_far()
     seqs = [b.seq for b in batches]
     assert seqs == list(range(1, len(seqs) + 1)) and len(seqs) >= 2
     assert all(b.location == protocol.LOCAL_DISK and b.producer_id == harness.store_id for b in batches)

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -24,6 +23,8 @@ from kvmesh.shared.errors import MeshUnavailable
 from kvmesh.shared.shm import SharedSegment
 from kvmesh.shared.tier import ChunkBuffer
 from kvmesh.services.disk_store.client import DiskStoreClient
+
+from waiting import WAIT_S, wait_until_async
 
 CHUNK = 256 * 1024
 SLOTS = 8
@@ -61,19 +62,22 @@ class StoreProcess:
             env={**os.environ, "OMP_NUM_THREADS": "1"})
         log.close()
 
-    async def wait_healthy(self, nc, timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+    async def wait_healthy(self, nc) -> None:
+        async def healthy() -> bool:
             assert self.process is not None and self.process.poll() is None, self.log()
             try:
                 await bus.request(nc, protocol.Subjects.health(self.store_id), protocol.HealthRequest(),
-                                  protocol.HealthReply, 0.3)
-                return
+                                  protocol.HealthReply, 1)
             except MeshUnavailable:
-                await asyncio.sleep(0.05)
-        raise AssertionError(f"store not healthy within {timeout}s:\n{self.log()}")
+                return False
+            return True
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int | None:
+        try:
+            await wait_until_async(healthy, what="the store healthy", interval=0.05)
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}:\n{self.log()}") from None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = WAIT_S) -> int | None:
         process, self.process = self.process, None
         if process is None:
             return None
@@ -128,10 +132,10 @@ async def full_store_with_chunk_1_read(nc, store: StoreProcess, segment: SharedS
     store.max_size_gb = 3.5 * (chunk_file.DATA_ALIGN + CHUNK) / 1024**3
     store.start(*flags)
     await store.wait_healthy(nc)
-    client = DiskStoreClient(nc, store.store_id)
+    client = DiskStoreClient(nc, store.store_id, request_timeout=WAIT_S)
     for i in (1, 2, 3):
         assert await put_shm(client, segment, i)
-    assert await client.wait_written(10)
+    assert await client.wait_written(WAIT_S)
     assert await get_shm(client, segment, 1) == data_of(1)
     return client
 
@@ -148,7 +152,7 @@ async def test_chunks_persist_across_a_restart_with_their_lru_order(nc, store: S
     stats = (await client.stats())[0]
     assert stats.num_chunks == 3 and stats.pinned_chunks == 1
     # The LRU order survived (2 is the oldest: 1 was read after it was written), and so did 3's pin.
-    assert await put_shm(client, segment, 4) and await client.wait_written(10)
+    assert await put_shm(client, segment, 4) and await client.wait_written(WAIT_S)
     assert [await client.contains([key_of(i)]) for i in (1, 2, 3, 4)] == [1, 0, 1, 1]
     for i in (1, 3, 4):
         assert await get_shm(client, segment, i) == data_of(i)
@@ -157,7 +161,7 @@ async def test_chunks_persist_across_a_restart_with_their_lru_order(nc, store: S
 async def test_cache_policy_flag_reaches_the_store(nc, store: StoreProcess, segment: SharedSegment) -> None:
     """`--cache-policy FIFO`: the read of chunk 1 does not save it, unlike under LRU (the restart test above)."""
     client = await full_store_with_chunk_1_read(nc, store, segment, "--cache-policy", "fifo")
-    assert await put_shm(client, segment, 4) and await client.wait_written(10)
+    assert await put_shm(client, segment, 4) and await client.wait_written(WAIT_S)
     assert [await client.contains([key_of(i)]) for i in (1, 2, 3, 4)] == [0, 1, 1, 1]
     assert (await client.stats())[0].details["cache_policy"] == "FIFO"
 
@@ -175,18 +179,19 @@ async def test_sigkill_during_puts_then_restart_returns_only_intact_chunks(nc, s
             if await put_shm(client, segment, i):
                 accepted.append(i)
 
-    streams = [asyncio.create_task(stream(first)) for first in range(4)]
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not (len(accepted) >= 40 and seen_pending):
+    async def in_the_middle_of_the_stream() -> bool:
+        nonlocal seen_pending
         stats = await client.stats()
         seen_pending = seen_pending or bool(stats and stats[0].details["pending_writes"])
-        await asyncio.sleep(0.002)
+        return len(accepted) >= 40 and seen_pending
+
+    streams = [asyncio.create_task(stream(first)) for first in range(4)]
+    await wait_until_async(in_the_middle_of_the_stream, what="40 puts accepted and writes seen pending",
+                           interval=0.002)
     store.stop(signal.SIGKILL)  # in the middle of the stream, with writes in flight
-    await asyncio.sleep(0.3)
     for task in streams:
         task.cancel()
     await asyncio.gather(*streams, return_exceptions=True)
-    assert len(accepted) >= 40
     # Plant what a crash (or a bad disk) can leave: a partial temporary, a truncated and a garbage chunk file.
     victim = chunk_file.chunk_path(store.root, key_of(10_001))
     victim.parent.mkdir(parents=True, exist_ok=True)
@@ -198,7 +203,7 @@ async def test_sigkill_during_puts_then_restart_returns_only_intact_chunks(nc, s
 
     store.start()
     await store.wait_healthy(nc)
-    client = DiskStoreClient(nc, store.store_id)
+    client = DiskStoreClient(nc, store.store_id, request_timeout=WAIT_S)
     assert list(store.root.rglob("*.tmp")) == []
     assert not victim.exists() and not chunk_file.chunk_path(store.root, key_of(10_002)).exists()
     held = [i for i in range(max(accepted) + 8) if await client.contains([key_of(i)])]
@@ -215,7 +220,7 @@ async def test_a_second_store_on_the_same_directory_is_refused(nc, store: StoreP
     await store.wait_healthy(nc)
     second = subprocess.run(
         [sys.executable, "-m", "kvmesh.services.disk_store", "--nats-url", store.nats_url, "--dir", str(store.root),
-         "--max-size-gb", "1", "--store-id", "other"], capture_output=True, timeout=30)
+         "--max-size-gb", "1", "--store-id", "other"], capture_output=True, timeout=2 * WAIT_S)
     assert second.returncode == 2 and b"another disk store" in second.stderr
 
 
@@ -233,7 +238,7 @@ async def test_started_from_the_lmcache_config_file(nc, nats_server: EmbeddedNat
     log.close()
     try:
         await process.wait_healthy(nc)
-        stats = (await DiskStoreClient(nc, process.store_id).stats())[0]
+        stats = (await DiskStoreClient(nc, process.store_id, request_timeout=WAIT_S).stats())[0]
         assert stats.capacity_bytes == 1024**3 // 2 and Path(stats.details["dir"]) == disk and disk.is_dir()
     finally:
         assert process.stop() == 0

@@ -28,7 +28,8 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from e2e_support import MeshUp, VLLMServer, clean_env, free_port, kv_transfer_config, start_vllm, wait_until
+from e2e_support import MeshUp, VLLMServer, clean_env, free_port, kv_transfer_config, start_vllm
+from waiting import WAIT_S, wait_until
 from processes import pid_alive, wait_dead
 
 pytestmark = pytest.mark.vllm
@@ -100,8 +101,8 @@ def test_seed_002_embedded_disk_survives_restart(tmp_path: Path, demo_model: Pat
 
     first = serve("vllm-disk-1")
     try:
-        children = wait_until(lambda: _mesh_children(first) if len(_mesh_children(first)) >= 2 else None, 30,
-                              what="embedded nats-server and disk store")
+        children = wait_until(lambda: _mesh_children(first) if len(_mesh_children(first)) >= 2 else None, WAIT_S,
+                              interval=0.2, what="embedded nats-server and disk store")
         cold = first.complete(prompt, max_tokens=16)
         num_tokens = cold["usage"]["prompt_tokens"]
         assert first.hit_for(cold).hit == 0
@@ -110,14 +111,14 @@ def test_seed_002_embedded_disk_survives_restart(tmp_path: Path, demo_model: Pat
         def files_written() -> bool:  # the write-behind to disk is asynchronous
             return disk_dir.is_dir() and sum(1 for p in disk_dir.rglob("*") if p.is_file()) >= num_tokens // CHUNK
 
-        wait_until(files_written, 20, what=f"chunk files under {disk_dir}")
+        wait_until(files_written, WAIT_S, interval=0.2, what=f"chunk files under {disk_dir}")
         warm = first.complete(prompt, max_tokens=16)
         assert first.assert_loaded(warm).hit >= num_tokens - CHUNK
         assert output_text(warm) == output_text(cold)
     finally:
         first.stop()
     for pid in children:
-        assert wait_dead(pid, 15), f"embedded mesh process {pid} outlived vLLM"
+        assert wait_dead(pid), f"embedded mesh process {pid} outlived vLLM"
 
     second = serve("vllm-disk-2")
     try:
@@ -128,7 +129,7 @@ def test_seed_002_embedded_disk_survives_restart(tmp_path: Path, demo_model: Pat
         children = _mesh_children(second)
     finally:
         second.stop()
-    assert all(wait_dead(pid, 15) for pid in children)
+    assert all(wait_dead(pid) for pid in children)
     assert not any(pid_alive(pid) for pid in children)
 
 
@@ -228,21 +229,21 @@ def test_seed_000_001_pin_lookup_clear(servers: dict[str, Any]) -> None:
         reply = mesh.post("/pin", {"tokens": tokens, "instance_id": INSTANCE_A, "location": "LocalCPUBackend"})
         return reply if reply["num_tokens"] == len(tokens) else None
 
-    pin = wait_until(pinned, 15, interval=0.5, what="pin of the stored prompt")
+    pin = wait_until(pinned, WAIT_S, interval=0.5, what="pin of the stored prompt")
     assert pin["event_id"]
 
     def pin_status() -> str | None:
         status = mesh.post("/check_finish", {"event_id": pin["event_id"]})["status"]
         return None if status == "pending" else status
 
-    assert wait_until(pin_status, 10, what="the pin event to finish") == "finished"
+    assert wait_until(pin_status, WAIT_S, interval=0.2, what="the pin event to finish") == "finished"
 
     def listed() -> dict[str, Any] | None:
         layout = mesh.post("/lookup", {"tokens": tokens})["layout_info"]
         entry = layout.get(INSTANCE_A)
         return layout if entry and list(entry) == ["LocalCPUBackend", len(tokens)] else None
 
-    wait_until(listed, 15, interval=0.3, what=f"/lookup listing {INSTANCE_A}")
+    wait_until(listed, WAIT_S, interval=0.3, what=f"/lookup listing {INSTANCE_A}")
 
     unpin = mesh.post("/unpin", {"tokens": tokens, "instance_id": INSTANCE_A, "location": "LocalCPUBackend"})
     assert unpin["num_tokens"] == len(tokens)
@@ -255,7 +256,7 @@ def test_seed_000_001_pin_lookup_clear(servers: dict[str, Any]) -> None:
         entry = mesh.post("/lookup", {"tokens": tokens})["layout_info"].get(INSTANCE_A)
         return not entry or entry[0] != "LocalCPUBackend"
 
-    wait_until(gone, 15, interval=0.3, what=f"/lookup no longer listing {INSTANCE_A} on LocalCPUBackend")
+    wait_until(gone, WAIT_S, interval=0.3, what=f"/lookup no longer listing {INSTANCE_A} on LocalCPUBackend")
 
 
 def test_prefill_on_one_instance_is_a_hit_on_the_other(servers: dict[str, Any], long_text: str) -> None:
@@ -275,7 +276,7 @@ def test_prefill_on_one_instance_is_a_hit_on_the_other(servers: dict[str, Any], 
         layout = mesh.post("/lookup", {"tokens": tokens})["layout_info"]
         return any(entry[0] == "RemoteBackend" and entry[1] >= num_tokens - CHUNK for entry in layout.values())
 
-    wait_until(on_remote, 20, interval=0.3, what="the remote store holding A's chunks")
+    wait_until(on_remote, WAIT_S, interval=0.3, what="the remote store holding A's chunks")
     warm = b.complete(prompt, max_tokens=16)
     hit = b.assert_loaded(warm)
     assert hit.hit >= num_tokens - CHUNK, hit
@@ -302,7 +303,7 @@ def test_lora_adapters_never_share_kv(servers: dict[str, Any], long_text: str) -
         entry = mesh.post("/lookup", {"tokens": tokens, **fields})["layout_info"].get(INSTANCE_A)
         return bool(entry) and entry[1] >= num_tokens - CHUNK
 
-    wait_until(lambda: listed(lora_name="lora-a"), 15, interval=0.3, what="/lookup with lora_name lora-a")
+    wait_until(lambda: listed(lora_name="lora-a"), WAIT_S, interval=0.3, what="/lookup with lora_name lora-a")
     assert not listed() and not listed(lora_name="lora-b")
 
     other = a.complete(prompt, max_tokens=16, model="lora-b")
@@ -356,7 +357,7 @@ def test_cache_salt_keeps_tenants_apart(servers: dict[str, Any], long_text: str)
         entry = mesh.post("/lookup", {"tokens": tokens, **fields})["layout_info"].get(INSTANCE_A)
         return bool(entry) and entry[1] >= num_tokens - CHUNK
 
-    wait_until(lambda: listed(cache_salt="s1"), 15, interval=0.3, what="/lookup with cache_salt s1")
+    wait_until(lambda: listed(cache_salt="s1"), WAIT_S, interval=0.3, what="/lookup with cache_salt s1")
     assert not listed(), "without the salt the tenant's chunks are not found"
     assert not listed(cache_salt="s2")
 
@@ -384,8 +385,8 @@ def test_two_concurrent_requests_sharing_a_long_prefix(servers: dict[str, Any], 
     expected_first = output_text(ref.complete(first_prompt, **long_decode))
     expected_second = output_text(ref.complete(second_prompt, max_tokens=16))
 
-    first: dict[str, Any] = {"text": "", "id": None, "done_at": None}
-    first_token = threading.Event()
+    first: dict[str, Any] = {"text": "", "id": None}
+    first_token, first_done = threading.Event(), threading.Event()
 
     def stream_first() -> None:
         body = {"model": a.model, "prompt": first_prompt, "temperature": 0, "stream": True, **long_decode}
@@ -398,15 +399,15 @@ def test_two_concurrent_requests_sharing_a_long_prefix(servers: dict[str, Any], 
                 first["id"] = event["id"]
                 first["text"] += event["choices"][0]["text"]
                 first_token.set()  # the prefill (and its store, done before the step returns) is over
-        first["done_at"] = time.monotonic()
+        first_done.set()
 
     thread = threading.Thread(target=stream_first)
     thread.start()
     assert first_token.wait(120), "the first request produced no token"
     second = a.complete(second_prompt, max_tokens=16)
-    second_done_at = time.monotonic()
+    overlapped = not first_done.is_set()  # the first was still decoding when the second finished
     thread.join(180)
-    assert first["done_at"] is not None and first["done_at"] > second_done_at, "the requests did not overlap"
+    assert first_done.is_set() and overlapped, "the requests did not overlap"
     hit = a.assert_loaded(second)
     assert hit.hit >= len(a.tokenize(prefix)) - CHUNK, hit
     assert output_text(second) == expected_second

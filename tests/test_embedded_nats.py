@@ -3,7 +3,6 @@
 import signal
 import subprocess
 import sys
-import time
 
 import nats
 import pytest
@@ -12,6 +11,7 @@ from kvmesh.shared.embedded_nats import EmbeddedNats, find_nats_server
 from kvmesh.shared.errors import NatsServerError
 
 from processes import pid_alive, wait_dead
+from waiting import WAIT_S
 
 
 async def test_start_publish_request_stop() -> None:
@@ -22,7 +22,7 @@ async def test_start_publish_request_stop() -> None:
             await msg.respond(msg.data)
 
         sub = await nc.subscribe("echo", cb=echo)
-        reply = await nc.request("echo", b"x" * (8 << 20), timeout=5)  # max_payload raised past 1 MiB
+        reply = await nc.request("echo", b"x" * (8 << 20), timeout=WAIT_S)  # max_payload raised past 1 MiB
         assert len(reply.data) == 8 << 20
         await sub.unsubscribe()
         await nc.close()
@@ -54,7 +54,7 @@ import sys, time
 from kvmesh.shared.embedded_nats import EmbeddedNats
 server = EmbeddedNats().start()
 print(server.process.pid, flush=True)
-time.sleep(60)
+time.sleep(600)  # alive until the test SIGKILLs it
 """
 
 
@@ -64,7 +64,7 @@ def test_no_orphan_after_parent_is_sigkilled() -> None:
         server_pid = int(parent.stdout.readline())
         assert pid_alive(server_pid)
         parent.send_signal(signal.SIGKILL)
-        parent.wait(timeout=5)
+        parent.wait(timeout=WAIT_S)
         assert wait_dead(server_pid), "nats-server outlived its SIGKILLed parent"
     finally:
         parent.kill()

@@ -8,16 +8,18 @@ import pytest
 import torch
 
 from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.shared.eviction import Clock
 from kvmesh.shared.keys import KeyParams
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
 
 from test_engine_support import CHUNK, PagedKV, engine_config, random_tokens
+from waiting import ManualClock, finishes
 
 PARAMS = KeyParams(model="test-model", kv_format="")
 
 
-def make_engine(kv: PagedKV, **overrides: object) -> CacheEngine:
-    return CacheEngine(engine_config(**overrides), PARAMS, kv.layout, use_mesh=False)
+def make_engine(kv: PagedKV, clock: Clock = time.monotonic, **overrides: object) -> CacheEngine:
+    return CacheEngine(engine_config(**overrides), PARAMS, kv.layout, use_mesh=False, clock=clock)
 
 
 @pytest.fixture
@@ -167,13 +169,17 @@ def test_lru_evicts_oldest_and_spares_pins(kv: PagedKV) -> None:
 
 
 def test_pin_ttl_expires(kv: PagedKV) -> None:
-    with make_engine(kv, cpu_chunks=2) as engine:
+    clock = ManualClock()
+    with make_engine(kv, clock, cpu_chunks=2) as engine:
         a, b = random_tokens(64, seed=20), random_tokens(64, seed=21)
         engine.store(a, **kv.kv(kv.slots(64)))
-        assert engine.pin(a, ttl_secs=0.2) == 64
+        assert engine.pin(a, ttl_secs=60) == 64
         engine.store(b, **kv.kv(kv.slots(64)))
         assert engine.lookup(b) == 0 and engine.lookup(a) == 64  # pinned: b could not get in
-        time.sleep(0.3)
+        clock.advance(59)
+        engine.store(b, **kv.kv(kv.slots(64)))
+        assert engine.lookup(b) == 0 and engine.lookup(a) == 64  # still pinned
+        clock.advance(2)  # past the TTL
         engine.store(b, **kv.kv(kv.slots(64)))
         assert engine.lookup(b) == 64 and engine.lookup(a) == 0
 
@@ -185,9 +191,8 @@ def test_a_tiny_pool_never_deadlocks(kv: PagedKV) -> None:
         engine.store(a, **kv.kv(src))
         assert engine.pin(a) == 64
         long = random_tokens(160, seed=31)
-        start = time.monotonic()
-        engine.store(long, **kv.kv(kv.slots(160)))  # no free slot and nothing evictable: skipped at once
-        assert time.monotonic() - start < 1.0
+        # no free slot and nothing evictable: skipped at once (a store that waited for a slot would never return)
+        finishes(lambda: engine.store(long, **kv.kv(kv.slots(160))), what="a store into a full, pinned pool")
         assert engine.lookup(long) == 0
         engine.unpin(a)
         engine.store(long, **kv.kv(kv.slots(160)))  # only two chunks fit: the rest is skipped

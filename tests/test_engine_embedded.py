@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
 
 from processes import pid_alive, wait_dead
 from test_engine_support import PagedKV, engine_config, random_tokens
+from waiting import WAIT_S, wait_until
 
 PARAMS = KeyParams(model="test-model", kv_format="")
 JOIN_PROBE = """
@@ -66,8 +66,8 @@ def test_seed_002_embeds_nats_and_a_disk_store_shared_by_workers(tmp_path: Path)
     mesh = embedded_mesh.registry.current()
     try:
         assert first.plan is not None and first.plan.mode == EMBED and mesh is not None
-        assert first.wait_connected(10)
-        assert mesh.services_ready.wait(20) and mesh.services_ok
+        assert first.wait_connected(WAIT_S)
+        assert mesh.services_ready.wait(WAIT_S) and mesh.services_ok
         assert len(mesh.pids) == 2 and all(pid_alive(p) for p in mesh.pids)  # nats-server + disk store
 
         second = CacheEngine(config, KeyParams(model="test-model", kv_format="", world_size=2, rank=1),
@@ -76,20 +76,17 @@ def test_seed_002_embeds_nats_and_a_disk_store_shared_by_workers(tmp_path: Path)
 
         # another worker process of this vLLM (tensor parallelism) joins this mesh instead of starting one
         probe = subprocess.run([sys.executable, "-c", JOIN_PROBE, config.local_disk or ""], capture_output=True,
-                               text=True, timeout=60)
+                               text=True, timeout=120)
         assert probe.returncode == 0, probe.stderr
         assert probe.stdout.split() == [first.nats_loop.url, "joined"]
 
         tokens = random_tokens(128, seed=1)
         src = kv.slots(128)
         expected = kv.token_kv(src)
-        deadline = time.monotonic() + 10
-        while first.storage.lower(LOCAL_DISK) is None and time.monotonic() < deadline:
-            time.sleep(0.02)
+        client = wait_until(lambda: first.storage.lower(LOCAL_DISK), what="the disk store client")
         first.store(tokens, **kv.kv(src))
-        assert first.wait_write_behind(10)
-        client = first.storage.lower(LOCAL_DISK)
-        assert first.nats_loop.call(client.wait_written(10), 12, default=False)
+        assert first.wait_write_behind(WAIT_S)
+        assert first.nats_loop.call(client.wait_written(WAIT_S), WAIT_S + 2, default=False)
         assert first.lookup(tokens, search_range=[LOCAL_CPU]) == 0  # local_cpu: false -> staging only
         assert first.lookup(tokens) == 128
         dst = kv.slots(128, exclude=src)
@@ -98,13 +95,13 @@ def test_seed_002_embeds_nats_and_a_disk_store_shared_by_workers(tmp_path: Path)
 
         first.close()
         assert embedded_mesh.registry.current() is mesh and all(pid_alive(p) for p in mesh.pids)
-        assert second.wait_connected(5)
+        assert second.wait_connected(WAIT_S)
     finally:
         first.close()
         if second is not None:
             second.close()
     assert embedded_mesh.registry.current() is None
-    assert all(wait_dead(p, 10) for p in mesh.pids)
+    assert all(wait_dead(p) for p in mesh.pids)
 
 
 def test_an_engine_whose_mesh_cannot_start_serves_from_its_cpu_tier(monkeypatch) -> None:

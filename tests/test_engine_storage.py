@@ -7,8 +7,7 @@ the engine's NATS loop, write-behind queue and fetch hand-over run for real.
 from __future__ import annotations
 
 import asyncio
-import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
@@ -19,12 +18,14 @@ from kvmesh.shared.protocol import LOCAL_DISK, ChunkMeta, StatsReply
 from kvmesh.shared.tier import ChunkBuffer
 
 from test_engine_support import CHUNK, PagedKV, engine_config, random_tokens
+from waiting import WAIT_S, finishes, wait_until
 
 PARAMS = KeyParams(model="test-model", kv_format="")
 
 
 class FakeStore:
-    """Holds chunks in memory; `put_gate` holds puts back, `get_delay` slows gets (seconds)."""
+    """Holds chunks in memory; `put_gate` / `get_gate` (events on the engine's loop) hold puts / gets back while
+    they are clear."""
 
     location = LOCAL_DISK
 
@@ -32,7 +33,7 @@ class FakeStore:
         self.store_ids = ["fake"]
         self.chunks: dict[ChunkKey, tuple[ChunkMeta, bytes]] = {}
         self.put_gate: asyncio.Event | None = None
-        self.get_delay = 0.0
+        self.get_gate: asyncio.Event | None = None
         self.puts = 0
 
     async def put(self, meta: ChunkMeta, buffer: ChunkBuffer) -> bool:
@@ -43,7 +44,8 @@ class FakeStore:
         return True
 
     async def get_into(self, key: ChunkKey, buffer: ChunkBuffer) -> ChunkMeta | None:
-        await asyncio.sleep(self.get_delay)
+        if self.get_gate is not None:
+            await self.get_gate.wait()
         if key not in self.chunks:
             return None
         meta, data = self.chunks[key]
@@ -86,62 +88,67 @@ def nats_url() -> Iterator[str]:
 def engine_with_fake(url: str, kv: PagedKV, **overrides: object) -> tuple[CacheEngine, FakeStore]:
     engine = CacheEngine(engine_config(nats_url=url, local_disk="/nonexistent/kvmesh-test", **overrides),
                          PARAMS, kv.layout)
-    assert engine.wait_connected(10)
+    assert engine.wait_connected(WAIT_S)
     fake = FakeStore()
-    engine.nats_loop.call(_install(engine, fake), 5, default=None)
+    on_loop(engine, lambda: _install(engine, fake))
     return engine, fake
 
 
-async def _install(engine: CacheEngine, fake: FakeStore) -> None:
-    fake.put_gate = asyncio.Event()  # created on the engine's loop
+def _install(engine: CacheEngine, fake: FakeStore) -> None:
+    fake.put_gate, fake.get_gate = asyncio.Event(), asyncio.Event()  # created on the engine's loop
     fake.put_gate.set()
+    fake.get_gate.set()
     engine.storage.set_lower({LOCAL_DISK: fake})
+
+
+def on_loop(engine: CacheEngine, fn: Callable[[], object]) -> None:
+    """Run `fn` on the engine's NATS loop and return once it has run (e.g. to close a gate before a store)."""
+    async def run() -> None:
+        fn()
+
+    engine.nats_loop.submit(run()).result(WAIT_S)
 
 
 def test_a_full_write_behind_queue_skips_and_never_blocks(nats_url: str) -> None:
     kv = PagedKV(num_blocks=256)
     engine, fake = engine_with_fake(nats_url, kv, store_queue_size=2, cpu_chunks=32)
     try:
-        engine.nats_loop.call_soon(fake.put_gate.clear)  # the store stops taking chunks
-        time.sleep(0.05)
+        on_loop(engine, fake.put_gate.clear)  # the store stops taking chunks
         tokens = random_tokens(320, seed=1)  # 10 chunks
-        start = time.monotonic()
-        engine.store(tokens, **kv.kv(kv.slots(320)))
-        assert time.monotonic() - start < 1.0
+        finishes(lambda: engine.store(tokens, **kv.kv(kv.slots(320))), what="a store behind a full queue")
+        assert fake.puts == 0  # it returned while the store took nothing: it did not wait for the store
         stats = engine.storage.stats
         assert stats["write_behind_skipped_full"] >= 10 - 2 - 2  # queue of 2, plus the 2 writers' jobs in hand
         assert engine.lookup(tokens) == 320  # the CPU tier has everything
-        engine.nats_loop.call_soon(fake.put_gate.set)
-        assert engine.wait_write_behind(5)
+        on_loop(engine, fake.put_gate.set)
+        assert engine.wait_write_behind(WAIT_S)
         assert 2 <= fake.puts <= 4
     finally:
         engine.close()
 
 
-def test_a_slow_store_gives_a_shorter_hit_within_the_blocking_timeout(nats_url: str) -> None:
+def test_a_slow_store_gives_a_shorter_hit_after_the_blocking_timeout(nats_url: str) -> None:
     kv = PagedKV(num_blocks=256)
     engine, fake = engine_with_fake(nats_url, kv, blocking_timeout_secs=0.5, cpu_chunks=8)
     try:
         tokens = random_tokens(128, seed=2)
         src = kv.slots(128)
         engine.store(tokens, **kv.kv(src))
-        assert engine.wait_write_behind(5) and fake.puts == 4
+        assert engine.wait_write_behind(WAIT_S) and fake.puts == 4
         keys = engine.hasher.keys(tokens)
         for key in keys[1:]:
-            engine.cpu.remove(key)  # chunk 0 on the CPU, 1-3 only in the (now slow) store
-        fake.get_delay = 2.0
-        start = time.monotonic()
-        got = engine.retrieve(tokens, **kv.kv(kv.slots(128, exclude=src)))
-        assert time.monotonic() - start < 1.5
-        assert int(got.sum()) == CHUNK  # only the CPU chunk: the rest took too long
+            engine.cpu.remove(key)  # chunk 0 on the CPU, 1-3 only in the store
+        on_loop(engine, fake.get_gate.clear)  # the store's gets hang until the test lets them go
+        got = finishes(lambda: engine.retrieve(tokens, **kv.kv(kv.slots(128, exclude=src))),
+                       what="a retrieve from a store that does not answer")
+        assert int(got.sum()) == CHUNK  # only the CPU chunk: the retrieve gave up on the rest after 0.5 s
+        assert engine.storage.stats["fetch_timeout"] == 1
 
-        # the abandoned fetch finishes on the NATS loop and parks its chunks in the CPU tier, leaking nothing
-        deadline = time.monotonic() + 10
-        while engine.lookup(tokens, search_range=["LocalCPUBackend"]) < 128 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert engine.lookup(tokens, search_range=["LocalCPUBackend"]) == 128
-        assert engine.pool.num_free == engine.pool.num_slots - 4
-        fake.get_delay = 0.0
+        # once the store answers, the abandoned fetch finishes on the NATS loop and parks its chunks in the CPU
+        # tier, leaking nothing
+        on_loop(engine, fake.get_gate.set)
+        wait_until(lambda: engine.lookup(tokens, search_range=["LocalCPUBackend"]) == 128
+                   and engine.pool.num_free == engine.pool.num_slots - 4, what="the abandoned fetch parked, no leak")
         assert bool(engine.retrieve(tokens, **kv.kv(kv.slots(128, exclude=src))).all())
     finally:
         engine.close()
@@ -151,16 +158,15 @@ def test_a_pool_full_of_chunks_in_flight_skips_stores(nats_url: str) -> None:
     kv = PagedKV(num_blocks=256)
     engine, fake = engine_with_fake(nats_url, kv, cpu_chunks=2)
     try:
-        engine.nats_loop.call_soon(fake.put_gate.clear)
-        time.sleep(0.05)
+        on_loop(engine, fake.put_gate.clear)
         a, b = random_tokens(64, seed=3), random_tokens(64, seed=4)
         engine.store(a, **kv.kv(kv.slots(64)))  # both slots now held by the CPU tier and by write-behind
-        start = time.monotonic()
-        engine.store(b, **kv.kv(kv.slots(64)))  # nothing can be freed now: skipped, not waited for
-        assert time.monotonic() - start < 1.0
+        # nothing can be freed now: skipped, not waited for (a slot frees only once the store takes a put)
+        finishes(lambda: engine.store(b, **kv.kv(kv.slots(64))), what="a store into a pool held by write-behind")
+        assert fake.puts == 0
         assert engine.lookup(b) == 0 and engine.lookup(a) == 64
-        engine.nats_loop.call_soon(fake.put_gate.set)
-        assert engine.wait_write_behind(5)
+        on_loop(engine, fake.put_gate.set)
+        assert engine.wait_write_behind(WAIT_S)
         engine.store(b, **kv.kv(kv.slots(64)))  # a's chunks are idle now: LRU makes room
         assert engine.lookup(b) == 64
         assert engine.lookup(a) == 64  # a is back from the store below
@@ -175,13 +181,13 @@ def test_chunks_a_store_dropped_are_sent_again(nats_url: str) -> None:
         tokens = random_tokens(128, seed=5)
         src = kv.slots(128)
         engine.store(tokens, **kv.kv(src))
-        assert engine.wait_write_behind(5) and fake.puts == 4
+        assert engine.wait_write_behind(WAIT_S) and fake.puts == 4
         engine.clear()
         engine.store(tokens, **kv.kv(src))  # every chunk is known to be in the store: nothing is copied
-        assert engine.wait_write_behind(5) and fake.puts == 4 and engine.lookup(tokens) == 128
+        assert engine.wait_write_behind(WAIT_S) and fake.puts == 4 and engine.lookup(tokens) == 128
         fake.chunks.clear()  # the store evicted them
         assert engine.lookup(tokens) == 0  # ... which the lookup learns
         engine.store(tokens, **kv.kv(src))
-        assert engine.wait_write_behind(5) and fake.puts == 8 and engine.lookup(tokens) == 128
+        assert engine.wait_write_behind(WAIT_S) and fake.puts == 8 and engine.lookup(tokens) == 128
     finally:
         engine.close()

@@ -6,10 +6,18 @@ The caches mimic what vLLM 0.32's CPU backend registers: one buffer, every layer
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
+from typing import Iterator
+
 import torch
 
 from kvmesh.services.engine.core.kv_layout import KVLayout, cpu_token_views, detect_layout
 from kvmesh.shared.config import EngineConfig
+from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
+from kvmesh.shared.protocol import disk_store_id
+
+from waiting import WAIT_S
 
 LAYERS, HEADS, HEAD_SIZE, BLOCK, NUM_BLOCKS = 2, 2, 32, 16, 96
 CHUNK = 32  # two blocks per chunk
@@ -54,12 +62,13 @@ class PagedKV:
 
 
 def engine_config(**overrides: object) -> EngineConfig:
-    """Small, fast settings: 32-token chunks, a CPU pool of `cpu_chunks` chunks (default 64)."""
+    """Small settings: 32-token chunks, a CPU pool of `cpu_chunks` chunks (default 64). The request and blocking
+    timeouts are generous (a store on a loaded machine still answers in time); a test of a timeout sets its own."""
     cpu_chunks = int(overrides.pop("cpu_chunks", 64))  # type: ignore[arg-type]
     chunk_nbytes = LAYERS * 2 * HEADS * BLOCK * 2 * HEAD_SIZE * 2  # 2 blocks per chunk, bf16
     defaults: dict[str, object] = {
         "chunk_size": CHUNK, "max_local_cpu_size": (cpu_chunks * _aligned(chunk_nbytes) + 100) / 1024**3,
-        "request_timeout_secs": 1.0, "blocking_timeout_secs": 3.0, "heartbeat_interval_secs": 0.5,
+        "request_timeout_secs": WAIT_S / 3, "blocking_timeout_secs": WAIT_S, "heartbeat_interval_secs": 0.5,
     }
     defaults.update(overrides)
     return EngineConfig(**defaults)  # type: ignore[arg-type]
@@ -67,6 +76,19 @@ def engine_config(**overrides: object) -> EngineConfig:
 
 def _aligned(nbytes: int) -> int:
     return (nbytes + 4095) // 4096 * 4096
+
+
+@contextlib.contextmanager
+def disk_store_mesh(directory: Path, max_size_gb: float = 0.05) -> Iterator[LocalMesh]:
+    """NATS plus a real disk store process (the module `kvmesh up` runs) keeping its files in `directory`."""
+    store_id = disk_store_id()
+    spec = ServiceSpec("kvmesh.services.disk_store", ["--dir", str(directory), "--max-size-gb", str(max_size_gb),
+                                                      "--store-id", store_id], store_id)
+    mesh = LocalMesh([spec]).start(ready_timeout=WAIT_S)
+    try:
+        yield mesh
+    finally:
+        mesh.stop()
 
 
 def random_tokens(n: int, seed: int) -> torch.Tensor:

@@ -11,22 +11,11 @@ import pytest
 from kvmesh.shared.eviction import (POLICY_NAMES, EvictionPolicy, FIFOPolicy, LFUPolicy, LRUPolicy, MRUPolicy,
                                     make_policy)
 
-
-class FakeClock:
-    """A monotonic clock that moves only when the test says so."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+from waiting import ManualClock
 
 
-def filled(name: str, capacity: int, keys: str, size: int = 10, clock: FakeClock | None = None) -> EvictionPolicy:
-    policy = make_policy(name, capacity, clock or FakeClock())
+def filled(name: str, capacity: int, keys: str, size: int = 10, clock: ManualClock | None = None) -> EvictionPolicy:
+    policy = make_policy(name, capacity, clock or ManualClock())
     for key in keys:
         assert policy.victims_for(size) == []
         policy.add(key, size)
@@ -85,7 +74,7 @@ def test_pinned_keys_are_never_victims_and_pins_nest(name: str) -> None:
 
 @pytest.mark.parametrize("name", POLICY_NAMES)
 def test_ttl_pins_expire_on_the_injected_clock(name: str) -> None:
-    clock = FakeClock()
+    clock = ManualClock()
     policy = filled(name, 20, "ab", clock=clock)
     assert policy.pin("a", ttl_secs=5.0) and policy.pin("b")  # "b" until unpinned
     assert sorted(policy.pins()) == [("a", 1, 5.0), ("b", 1, None)]
@@ -101,7 +90,7 @@ def test_ttl_pins_expire_on_the_injected_clock(name: str) -> None:
 
 @pytest.mark.parametrize("name", POLICY_NAMES)
 def test_nested_ttl_pins_keep_the_latest_expiry_and_none_beats_any(name: str) -> None:
-    clock = FakeClock()
+    clock = ManualClock()
     policy = filled(name, 30, "abc", clock=clock)
     policy.pin("a", ttl_secs=5.0)
     policy.pin("a", ttl_secs=2.0)  # an earlier expiry does not shorten the pin
@@ -225,7 +214,7 @@ class _Model:
 @pytest.mark.parametrize("name", POLICY_NAMES)
 def test_random_operations_match_the_model(name: str) -> None:
     rng = random.Random(f"eviction-{name}")
-    policy = make_policy(name, 10**9, FakeClock())
+    policy = make_policy(name, 10**9, ManualClock())
     model = _Model(name)
     keys = [f"k{i}" for i in range(12)]
     for _ in range(3000):

@@ -20,47 +20,26 @@ import httpx
 import pytest
 import torch
 
-from kvmesh.shared.protocol import disk_store_id
 from kvmesh.services.controller.config import ControllerConfig
 from kvmesh.services.controller.service import ControllerService
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.core.kv_layout import detect_layout
 from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.keys import KeyExtras, KeyParams
-from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
+from kvmesh.shared.local_mesh import LocalMesh
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
 
-from test_engine_support import CHUNK, PagedKV, engine_config, random_tokens
+from test_engine_support import CHUNK, PagedKV, disk_store_mesh, engine_config, random_tokens
+from waiting import WAIT_S, wait_until, wait_until_async
 
 PARAMS = KeyParams(model="test-model", kv_format="")
 LORA_A = KeyExtras(lora_id="files:aaaa")
 LORA_B = KeyExtras(lora_id="files:bbbb")
-WAIT_S = 20.0
 
 
 @pytest.fixture
 def kv() -> PagedKV:
     return PagedKV(num_blocks=128)
-
-
-def wait_until(predicate: Any, what: str, timeout: float = WAIT_S) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.02)
-
-
-async def await_until(predicate: Any, what: str, timeout: float = WAIT_S) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 # ---- the engine alone ----------------------------------------------------------------------------------------
@@ -92,10 +71,10 @@ def test_chunks_with_extras_load_only_with_the_same_extras(kv: PagedKV, stored: 
 @contextlib.asynccontextmanager
 async def controller_on(nats_url: str) -> AsyncIterator[httpx.AsyncClient]:
     config = ControllerConfig(host="127.0.0.1", port=0, nats_url=nats_url, controller_id="controller-test",
-                              command_timeout_s=5.0, tick_interval_s=0.05)
+                              command_timeout_s=WAIT_S, tick_interval_s=0.05)
     service = await ControllerService(config).start()
     try:
-        async with httpx.AsyncClient(base_url=service.url, timeout=15.0) as client:
+        async with httpx.AsyncClient(base_url=service.url, timeout=2 * WAIT_S) as client:
             yield client
     finally:
         await service.stop()
@@ -123,7 +102,7 @@ async def test_controller_lookup_and_pin_take_cache_salt_and_lora_name(nats_serv
             async def listed() -> bool:
                 return await lookup(cache_salt="s1", lora_name="sql") == {"tenant": [LOCAL_CPU, len(tokens)]}
 
-            await await_until(listed, "/lookup with the salt and the adapter to list the instance")
+            await wait_until_async(listed, what="/lookup with the salt and the adapter to list the instance")
             assert await lookup() == {}, "without them: nothing (LMCache's JSON still works)"
             assert await lookup(cache_salt="s1") == {} and await lookup(lora_name="sql") == {}
             assert await lookup(cache_salt="s2", lora_name="sql") == {}
@@ -147,12 +126,8 @@ async def test_controller_lookup_and_pin_take_cache_salt_and_lora_name(nats_serv
 # ---- tensor parallel and MLA: two real ranks -------------------------------------------------------------------
 @pytest.fixture
 def disk_mesh(tmp_path: Path) -> Iterator[LocalMesh]:
-    store_id = disk_store_id()
-    spec = ServiceSpec("kvmesh.services.disk_store", ["--dir", str(tmp_path / "disk"), "--max-size-gb", "0.05",
-                                                      "--store-id", store_id], store_id)
-    mesh = LocalMesh([spec]).start(ready_timeout=30)
-    yield mesh
-    mesh.stop()
+    with disk_store_mesh(tmp_path / "disk") as mesh:
+        yield mesh
 
 
 def rank_engine(url: str | None, layout: Any, rank: int, world_size: int = 2, **overrides: object) -> CacheEngine:
@@ -183,13 +158,13 @@ async def test_tensor_parallel_ranks_keep_their_own_shards_and_are_listed_once(n
                 instances = (await client.get("/instances")).json()
                 return bool(instances) and await layout() == {}
 
-            await await_until(rank0_known, "both ranks registered, rank 0 holding alone")
+            await wait_until_async(rank0_known, what="both ranks registered, rank 0 holding alone")
             await asyncio.to_thread(engines[1].store, tokens, **shards[1].kv(slots[1]))
 
             async def listed_once() -> bool:
                 return await layout() == {"tp": [LOCAL_CPU, len(tokens)]}
 
-            await await_until(listed_once, "the instance listed once, when both ranks hold the chunks")
+            await wait_until_async(listed_once, what="the instance listed once, when both ranks hold the chunks")
         # each rank loads its own shard, bit for bit
         for rank, engine in enumerate(engines):
             target = PagedKV(num_blocks=128, seed=10 + rank)
@@ -214,7 +189,7 @@ def test_mla_is_keyed_once_for_all_ranks_and_stored_once(disk_mesh: LocalMesh, t
     engines = [rank_engine(str(disk_mesh.nats_url), layout, r, local_disk=str(tmp_path / "disk"))
                for r in range(2)]
     try:
-        wait_until(lambda: all(e.storage.lower(LOCAL_DISK) is not None for e in engines), "disk store clients")
+        wait_until(lambda: all(e.storage.lower(LOCAL_DISK) is not None for e in engines), what="disk store clients")
         assert engines[0].hasher.keys(list(range(40))) == engines[1].hasher.keys(list(range(40)))
         assert [e.worker_id for e in engines] == ["tp.r0", "tp.r1"], "still two workers of one instance"
         tokens = random_tokens(2 * CHUNK, seed=5)
@@ -227,7 +202,7 @@ def test_mla_is_keyed_once_for_all_ranks_and_stored_once(disk_mesh: LocalMesh, t
         assert engines[1].storage.stats["write_behind_done"] == 0, "rank 1 leaves the shared tier to rank 0"
         # rank 1 loses its CPU copy and loads rank 0's from the disk store
         engines[1].clear(LOCAL_CPU)
-        wait_until(lambda: engines[1].lookup(tokens, [LOCAL_DISK]) == len(tokens), "the disk store's copy")
+        wait_until(lambda: engines[1].lookup(tokens, [LOCAL_DISK]) == len(tokens), what="the disk store's copy")
         target = {name: torch.zeros_like(cache) for name, cache in caches[1].items()}
         assert engines[1].retrieve(tokens, kv_caches=target, slot_mapping=slots).all()
         assert engines[1].storage.stats[f"fetched_{LOCAL_DISK}"] == 2

@@ -7,7 +7,6 @@ credentials) is in test_remote_store_process.py.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 from typing import AsyncIterator
@@ -24,6 +23,8 @@ from kvmesh.services.remote_store.options import RemoteStoreOptions, build_parse
 from kvmesh.services.remote_store.client import RemoteStoreClient
 from kvmesh.services.remote_store.partition import partition_of
 from kvmesh.services.remote_store.service import RemoteStoreService
+
+from waiting import WAIT_S, wait_until_async
 
 MiB = 1024 * 1024
 
@@ -65,7 +66,7 @@ async def start_stores(nats_url: str, prefix: str, partitions: int = 1, capacity
 async def one_store(nats_url: str) -> AsyncIterator[tuple[RemoteStoreService, RemoteStoreClient]]:
     prefix = f"rs{os.urandom(3).hex()}"
     services, nc = await start_stores(nats_url, prefix, capacity=8 * MiB)
-    client = RemoteStoreClient(nc, [s.options.store_id for s in services], request_timeout=2.0)
+    client = RemoteStoreClient(nc, [s.options.store_id for s in services], request_timeout=WAIT_S)
     yield services[0], client
     await client.close()
     await nc.close()
@@ -102,17 +103,17 @@ async def test_inline_nats_put_and_get(one_store) -> None:
     service, client = one_store
     meta, data = chunk(100_000, 3)
     subject = protocol.Subjects.store(service.options.store_id, "put")
-    ack = await bus.request(client.nc, subject, protocol.PutRequest(meta=meta, data=data.tobytes()), protocol.Ack, 2)
+    ack = await bus.request(client.nc, subject, protocol.PutRequest(meta=meta, data=data.tobytes()), protocol.Ack, WAIT_S)
     assert ack.ok
     reply = await bus.request(client.nc, protocol.Subjects.store(service.options.store_id, "get"),
-                              protocol.GetRequest(key=meta.key), protocol.GetReply, 2)
+                              protocol.GetRequest(key=meta.key), protocol.GetReply, WAIT_S)
     assert reply.found and reply.data == data.tobytes() and reply.meta.checksum == chunk_file.checksum(reply.data)
     # bytes elsewhere (shared memory of another host) are refused with a reason, not a crash
-    ack = await bus.request(client.nc, subject, protocol.PutRequest(meta=meta, shm_name="x"), protocol.Ack, 2)
+    ack = await bus.request(client.nc, subject, protocol.PutRequest(meta=meta, shm_name="x"), protocol.Ack, WAIT_S)
     assert not ack.ok and "stream" in ack.error
     # the bytes and the checksum must agree
     bad = protocol.ChunkMeta(**{**meta.__dict__, "key": os.urandom(16), "checksum": 12345})
-    ack = await bus.request(client.nc, subject, protocol.PutRequest(meta=bad, data=data.tobytes()), protocol.Ack, 2)
+    ack = await bus.request(client.nc, subject, protocol.PutRequest(meta=bad, data=data.tobytes()), protocol.Ack, WAIT_S)
     assert not ack.ok and "checksum" in ack.error
     assert await client.contains([bad.key]) == 0
 
@@ -128,7 +129,7 @@ async def test_lru_under_the_cap_and_admission_events(nats_url: str) -> None:
             pass  # SyncChunk messages
 
     await nc.subscribe(protocol.Subjects.events("lru-0"), cb=on_event)
-    client = RemoteStoreClient(nc, ["lru-0"])
+    client = RemoteStoreClient(nc, ["lru-0"], request_timeout=WAIT_S)
     try:
         chunks = [chunk(MiB, seed) for seed in range(6)]
         for meta, data in chunks[:4]:
@@ -144,8 +145,13 @@ async def test_lru_under_the_cap_and_admission_events(nats_url: str) -> None:
         too_big, data = chunk(5 * MiB, 9)
         assert not await client.put(too_big, ChunkBuffer(memoryview(data)))
         await services[0].reporter.flush()
-        await nc.flush()
-        await asyncio.sleep(0.1)
+
+        def reported(field: str) -> set[bytes]:
+            return {k for batch in events for k in getattr(batch, field)}
+
+        await wait_until_async(lambda: reported("evicted") >= {chunks[1][0].key, chunks[2][0].key}
+                               and {chunks[i][0].key for i in (0, 3, 4, 5)} <= reported("admitted"),
+                               what="the admissions and evictions reported")
         seqs = [batch.seq for batch in events]
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
         admitted = {k for batch in events for k in batch.admitted}
@@ -162,7 +168,7 @@ async def test_lru_under_the_cap_and_admission_events(nats_url: str) -> None:
 
 async def test_pins_survive_eviction_and_clear_until_unpinned(nats_url: str) -> None:
     services, nc = await start_stores(nats_url, "pins", capacity=4 * MiB)
-    client = RemoteStoreClient(nc, ["pins-0"])
+    client = RemoteStoreClient(nc, ["pins-0"], request_timeout=WAIT_S)
     try:
         chunks = [chunk(MiB, seed, num_tokens=100 + seed) for seed in range(4)]
         for meta, data in chunks:
@@ -200,7 +206,7 @@ async def test_pins_survive_eviction_and_clear_until_unpinned(nats_url: str) -> 
 
 async def test_client_combines_partitions(nats_url: str) -> None:
     services, nc = await start_stores(nats_url, "parts", partitions=3, capacity=16 * MiB)
-    client = RemoteStoreClient(nc, [s.options.store_id for s in services])
+    client = RemoteStoreClient(nc, [s.options.store_id for s in services], request_timeout=WAIT_S)
     try:
         # a prefix whose keys alternate between partitions, then a gap in partition 1
         keys = [key_in(p, 3) for p in (0, 1, 2, 0, 1, 2, 1, 0)]
@@ -238,7 +244,7 @@ async def test_client_combines_partitions(nats_url: str) -> None:
 
 async def test_store_refuses_keys_of_other_partitions(nats_url: str) -> None:
     services, nc = await start_stores(nats_url, "wrongpart", partitions=2)
-    client = RemoteStoreClient(nc, [services[1].options.store_id, services[0].options.store_id])  # swapped
+    client = RemoteStoreClient(nc, [services[1].options.store_id, services[0].options.store_id], request_timeout=WAIT_S)  # swapped
     try:
         meta, data = chunk(4096, 1, key=key_in(0, 2))
         assert not await client.put(meta, ChunkBuffer(memoryview(data)))  # refused by partition 1, with a reason
@@ -301,7 +307,7 @@ async def test_cache_policy_flag_reaches_the_store(nats_url: str) -> None:
     service = RemoteStoreService(dataclasses.replace(options_from_args(args), heartbeat_interval=60.0))
     await service.start()
     nc = await bus.connect(nats_url, "test-fifo")
-    client = RemoteStoreClient(nc, ["fifo-0"])
+    client = RemoteStoreClient(nc, ["fifo-0"], request_timeout=WAIT_S)
     try:
         chunks = [chunk(MiB, seed) for seed in range(4)]
         for meta, data in chunks[:3]:

@@ -8,7 +8,6 @@ Real cache engines in this process (vLLM's single-process case: `engines`), a re
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -23,13 +22,13 @@ from kvmesh.services.engine.adapter.scheduler_lookup import (
 )
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.shared.keys import KeyParams
-from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
-from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, disk_store_id
+from kvmesh.shared.local_mesh import LocalMesh
+from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
 
-from test_engine_support import CHUNK, PagedKV, engine_config, random_tokens
+from test_engine_support import CHUNK, PagedKV, disk_store_mesh, engine_config, random_tokens
+from waiting import WAIT_S, wait_until
 
 PARAMS = KeyParams(model="test-model", kv_format="")
-WAIT_S = 30.0
 
 
 def test_step_events_aggregate_per_rank_and_feed_the_mirror() -> None:
@@ -47,11 +46,8 @@ def test_step_events_aggregate_per_rank_and_feed_the_mirror() -> None:
 
 @pytest.fixture
 def disk_mesh(tmp_path: Path) -> Iterator[LocalMesh]:
-    spec = ServiceSpec("kvmesh.services.disk_store", ["--dir", str(tmp_path / "disk"), "--max-size-gb", "0.05",
-                                                      "--store-id", disk_store_id()], disk_store_id())
-    mesh = LocalMesh([spec]).start(ready_timeout=30)
-    yield mesh
-    mesh.stop()
+    with disk_store_mesh(tmp_path / "disk") as mesh:
+        yield mesh
 
 
 @pytest.fixture
@@ -65,9 +61,7 @@ def engine(disk_mesh: LocalMesh, tmp_path: Path) -> Iterator[tuple[CacheEngine, 
     engines.add(0, worker)
     try:
         assert worker.wait_connected(WAIT_S)
-        deadline = time.monotonic() + WAIT_S
-        while worker.storage.lower(LOCAL_DISK) is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: worker.storage.lower(LOCAL_DISK), what="the disk store found")
         yield worker, kv, events
     finally:
         engines.remove(worker)
@@ -76,15 +70,17 @@ def engine(disk_mesh: LocalMesh, tmp_path: Path) -> Iterator[tuple[CacheEngine, 
 
 def ask_until_answered(lookup: SchedulerLookup, chain: list, num_tokens: int) -> tuple[int, int]:
     """(tokens, how many times vLLM was told to ask again)."""
-    lower, asked_again = None, 0
-    deadline = time.monotonic() + WAIT_S
-    while True:
+    lower, asked_again, held = None, 0, None
+
+    def answered() -> bool:
+        nonlocal lower, asked_again, held
         held, lower = lookup.held(chain, num_tokens, lower)
-        if held is not None:
-            return held, asked_again
-        asked_again += 1
-        assert time.monotonic() < deadline, "the lower tiers never answered"
-        time.sleep(0.001)
+        asked_again += held is None
+        return held is not None
+
+    wait_until(answered, what="the lower tiers' answer")
+    assert held is not None
+    return held, asked_again
 
 
 def test_cpu_hits_come_from_the_mirror_and_disk_hits_ask_again_then_prefetch(
@@ -113,10 +109,7 @@ def test_cpu_hits_come_from_the_mirror_and_disk_hits_ask_again_then_prefetch(
     held, asked_again = ask_until_answered(lookup, chain, len(tokens))
     assert held == len(tokens) and asked_again >= 1
     # the worker started moving them into its CPU tier with the same walk
-    deadline = time.monotonic() + WAIT_S
-    while worker.lookup(tokens, [LOCAL_CPU]) < len(tokens):
-        assert time.monotonic() < deadline, "the prefetch did not bring the chunks to the CPU tier"
-        time.sleep(0.01)
+    wait_until(lambda: worker.lookup(tokens, [LOCAL_CPU]) == len(tokens), what="the prefetch into the CPU tier")
     assert worker.storage.stats[f"fetched_{LOCAL_DISK}"] == 3
     lookup.close()
 
@@ -131,10 +124,7 @@ def test_without_nats_the_mirror_still_answers(engine: tuple[CacheEngine, PagedK
     worker.store(cached, **kv.kv(kv.slots(len(cached))))
     lookup.update(CpuTierEvents({0: events.take()}))
     disk_mesh.stop()  # NATS and the disk store are gone
-    deadline = time.monotonic() + WAIT_S
-    while worker.connected:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: not worker.connected, what="the worker to see NATS gone")
     held, lower = lookup.held(hasher.chain(cached.tolist()), len(cached), None)
     assert held == len(cached) and lower is None, "the CPU tier is answered from the mirror"
     held, lower = lookup.held(hasher.chain(unknown.tolist()), len(unknown), None)

@@ -32,8 +32,9 @@ from pathlib import Path
 
 import pytest
 
-from e2e_support import REPO, clean_env, free_port, wait_until
+from e2e_support import REPO, clean_env, free_port
 from processes import wait_dead
+from waiting import WAIT_S, wait_until
 
 DEFAULT_INDEX = "https://pypi.org/simple/"
 # What the base install must never bring (the engine's side: vLLM brings torch).
@@ -167,18 +168,18 @@ def test_wheel_install_without_vllm_runs_the_mesh(tmp_path: Path) -> None:
 
     try:
         try:
-            wait_until(healthz, 120, what="the controller's /healthz")
-            replies = wait_until(health, 120, what="`kvmesh health --expect 3`")
+            wait_until(healthz, 120, interval=0.2, what="the controller's /healthz")
+            replies = wait_until(health, 120, interval=0.2, what="`kvmesh health --expect 3`")
         except TimeoutError as exc:
             raise AssertionError(f"{exc}\n{diagnostics()}") from None
         assert sorted(r["service"] for r in replies) == ["controller", "disk_store", "remote_store"], replies
         pids = [r["details"]["pid"] for r in replies]
 
         up.send_signal(signal.SIGTERM)
-        assert up.wait(timeout=30) == 0, diagnostics()
+        assert up.wait(timeout=WAIT_S) == 0, diagnostics()
         for pid in pids:
-            assert wait_dead(pid, 10), f"service pid {pid} left running"
-        assert wait_until(lambda: port_closed(nats_port), 10, what="the embedded NATS to close")
+            assert wait_dead(pid), f"service pid {pid} left running"
+        assert wait_until(lambda: port_closed(nats_port), what="the embedded NATS to close")
     finally:
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGKILL)

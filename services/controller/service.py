@@ -14,7 +14,8 @@ import asyncio
 import os
 import contextlib
 import logging
-from typing import Any, Iterator
+import time
+from typing import Any, Callable, Iterator
 
 import uvicorn
 
@@ -48,9 +49,9 @@ def _client_host(host: str) -> str:
 class ControllerService:
     """A running controller: `await start()`, then `url`/`nats_url`; `await stop()` (or `async with`)."""
 
-    def __init__(self, config: ControllerConfig) -> None:
+    def __init__(self, config: ControllerConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
-        self.core = ControllerCore(config)
+        self.core = ControllerCore(config, clock)  # liveness, sync retries and heartbeat claims run on `clock`
         self.app = create_app(self.core)
         self.embedded: LocalMesh | None = None  # the NATS this controller embeds when given no NATS URL
         self.nc: Any = None

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.shared import protocol
 from kvmesh.shared.admissions import AdmissionReporter
+from kvmesh.shared.eviction import Clock
 from kvmesh.shared.store_service import Handler, IndexOps, StoreEndpoint
 from kvmesh.services.disk_store.options import DiskStoreOptions
 from kvmesh.services.disk_store.store import DiskStore
@@ -38,9 +40,9 @@ class DiskStoreService:
     """A DiskStore wired to NATS. `start()` opens the directory and subscribes; `stop()` undoes both."""
 
     def __init__(self, options: DiskStoreOptions, faults: WriteFaults | None = None,
-                 heartbeat_interval: float = 2.0) -> None:
+                 heartbeat_interval: float = 2.0, clock: Clock = time.monotonic) -> None:
         self.options = options
-        self.store = DiskStore(options, faults)
+        self.store = DiskStore(options, faults, clock)
         self.ops = IndexOps(options.store_id, self.store.index, free=self.store.free, details=self.store.details,
                             settle=self.store.settle, changed=self.store.save_pins_soon)
         self.endpoint = StoreEndpoint("disk_store", options.store_id)

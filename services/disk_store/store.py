@@ -27,6 +27,7 @@ from typing import Any, Callable
 from kvmesh.shared import chunk_file, protocol
 from kvmesh.shared.chunk_index import ChunkIndex, SpaceRefused
 from kvmesh.shared.errors import StoreError
+from kvmesh.shared.eviction import Clock
 from kvmesh.shared.keys import KEY_BYTES, ChunkKey
 from kvmesh.shared.shm import SegmentCache
 from kvmesh.services.disk_store import files
@@ -46,10 +47,12 @@ class DiskStore:
     service points them at its AdmissionReporter). `max_inline_bytes` caps inline GetReply data (NATS max_payload).
     """
 
-    def __init__(self, options: DiskStoreOptions, faults: WriteFaults | None = None) -> None:
+    def __init__(self, options: DiskStoreOptions, faults: WriteFaults | None = None,
+                 clock: Clock = time.monotonic) -> None:
         self.options = options
         self.root = options.root
-        self.index: ChunkIndex[Entry] = ChunkIndex(options.capacity_bytes, policy=options.cache_policy)
+        # pin TTLs expire on `clock` (persisted as wall-clock times: index.py)
+        self.index: ChunkIndex[Entry] = ChunkIndex(options.capacity_bytes, policy=options.cache_policy, clock=clock)
         self.faults = faults or WriteFaults.from_env()
         self.max_inline_bytes = 1024 * 1024 - protocol.INLINE_HEADROOM
         self.started_at = time.time()

@@ -39,6 +39,7 @@ from kvmesh.services.engine.mesh.worker_agent import WorkerAgent, worker_id_for
 from kvmesh.services.remote_store.client import RemoteStoreClient
 from kvmesh.shared import protocol
 from kvmesh.shared.config import EngineConfig
+from kvmesh.shared.eviction import Clock
 from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyExtras, KeyParams, chunk_spans
 from kvmesh.shared.nats_auth import auth_from_config
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE, ChunkMeta
@@ -54,11 +55,12 @@ class CacheEngine:
 
     `layout=None` defers everything that depends on the KV cache (pool, chunk format, registration) to
     `register_kv_caches`. `use_mesh=False` runs without NATS at all (CPU tier only: tests, benchmarks).
+    `clock` is the CPU tier's (its pins' TTLs expire on it; tests pass one they advance by hand).
     """
 
     def __init__(self, config: EngineConfig, key_params: KeyParams, layout: KVLayout | None = None,
                  worker_id: str | None = None, *, use_mesh: bool = True, device: torch.device | str | None = None,
-                 use_shm: bool = True) -> None:
+                 use_shm: bool = True, clock: Clock = time.monotonic) -> None:
         self.config = config
         self.key_params = key_params
         # The worker's place in its instance; key_params may name another shard (MLA: one for all ranks).
@@ -70,6 +72,7 @@ class CacheEngine:
         self.plan: MeshPlan | None = plan_mesh(config) if use_mesh else None
         self._device = device
         self._use_shm = use_shm
+        self._clock = clock
         self._rlog = RateLimitedLog(log)
         self._closed = False
         self._started_at = time.time()
@@ -120,7 +123,7 @@ class CacheEngine:
         self.hasher = ChunkHasher(self.key_params, config.chunk_size, config.save_unfull_chunk)
         self.pool = MemoryPool(config.max_local_cpu_bytes, layout.chunk_nbytes(config.chunk_size),
                                use_shm=self._use_shm)
-        self.cpu = LocalCPUBackend(self.pool, keep=config.local_cpu, policy=config.cache_policy)
+        self.cpu = LocalCPUBackend(self.pool, keep=config.local_cpu, policy=config.cache_policy, clock=self._clock)
         self.copier = PagedCopier(layout, self._device if self._device is not None else device)
         if self.use_mesh:
             try:  # joining needs nothing; embedding starts a NATS server (the one thing that can fail here)

@@ -280,6 +280,7 @@ class StorageManager:
                 else:
                     job.abandoned = True
             if more is None:
+                self.stats["fetch_timeout"] += 1
                 self._rlog.warning("fetch_timeout", "fetching chunks from the lower tiers took longer than %.1fs "
                                    "(blocking_timeout_secs): served a shorter hit", timeout)
                 return []

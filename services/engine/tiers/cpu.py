@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Iterable, Protocol
 
 from kvmesh.services.engine.core.memory_pool import MemoryPool, Slot
-from kvmesh.shared.eviction import EvictionPolicy, make_policy
+from kvmesh.shared.eviction import Clock, EvictionPolicy, make_policy
 from kvmesh.shared.keys import ChunkKey
 from kvmesh.shared.protocol import LOCAL_CPU, ChunkMeta
 
@@ -59,10 +60,11 @@ class LocalCPUBackend:
 
     location = LOCAL_CPU
 
-    def __init__(self, pool: MemoryPool, keep: bool = True, policy: str = "LRU") -> None:
+    def __init__(self, pool: MemoryPool, keep: bool = True, policy: str = "LRU",
+                 clock: Clock = time.monotonic) -> None:
         self.pool = pool
         self.keep = keep
-        self._policy: EvictionPolicy = make_policy(policy, pool.capacity_bytes)
+        self._policy: EvictionPolicy = make_policy(policy, pool.capacity_bytes, clock)  # pin TTLs run on `clock`
         self._entries: dict[ChunkKey, ChunkRef] = {}
         self._lock = threading.Lock()
         self._listeners: list[TierListener] = []
