@@ -31,15 +31,76 @@ REMOTE = "RemoteBackend"
 LOCATIONS = (LOCAL_CPU, LOCAL_DISK, REMOTE)
 
 
+ROLES = ("engine", "store", "controller", "operator")
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a NATS client is. Its `path` ends every subject it may publish on, and the mesh's NATS permissions
+    (shared/nats_permissions.py) let only that principal's credentials publish there: so a subject, not the
+    message body, says who sent it, and a receiver checks the body against it.
+
+    Paths: `engine.<instance_id>`, `store.<store_id>`, `controller`, `operator`. A producer (an engine worker
+    of the instance, or the store itself) adds its own token: `engine.<instance>.<worker>`, `store.<id>.<id>`.
+    """
+
+    role: str
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"unknown role {self.role!r}; expected one of {', '.join(ROLES)}")
+        if bool(self.name) != (self.role in ("engine", "store")):
+            raise ValueError(f"role {self.role} {'needs' if not self.name else 'takes no'} a name")
+
+    @classmethod
+    def engine(cls, instance_id: str) -> "Principal":
+        return cls("engine", instance_id)
+
+    @classmethod
+    def store(cls, store_id: str) -> "Principal":
+        return cls("store", store_id)
+
+    @property
+    def path(self) -> str:
+        return f"{self.role}.{Subjects.token(self.name)}" if self.name else self.role
+
+    def producer(self, producer_id: str) -> str:
+        """The path of one producer (or store caller) of this principal: its path plus the producer's token."""
+        return f"{self.path}.{Subjects.token(producer_id)}"
+
+
+CONTROLLER = Principal("controller")
+OPERATOR = Principal("operator")
+
+
+@dataclass(frozen=True)
+class ProducerPath:
+    """What a subject ending in a producer path says about its sender (see `Subjects.producer_of`)."""
+
+    role: str  # "engine" or "store"
+    owner: str  # the instance or store token
+    producer: str  # the producer's token
+
+    def owns(self, owner_id: str, producer_id: str) -> bool:
+        """Whether a message body naming `owner_id` / `producer_id` is this sender's own."""
+        return Subjects.token(owner_id) == self.owner and Subjects.token(producer_id) == self.producer
+
+
 class Subjects:
-    """All NATS subject names, in one place. `<id>` parts are sanitised by `token()`."""
+    """All NATS subject names, in one place. `<id>` parts are sanitised by `token()`.
+
+    Every subject a producer or a store caller publishes ends in its producer path (`Principal.producer`), and
+    every command subject names its receiver, so NATS permissions can bind each to one principal
+    (docs/security.md).
+    """
 
     PREFIX = "kvmesh"
-    REGISTER = f"{PREFIX}.ctrl.register"  # Register, published by every engine worker and store
-    HEARTBEAT = f"{PREFIX}.ctrl.heartbeat"  # Heartbeat, published periodically
     CONTROLLER_HELLO = f"{PREFIX}.ctrl.hello"  # ControllerHello: a (re)started controller asks all to resync
-    EVENTS_WILDCARD = f"{PREFIX}.events.>"
     PING_ALL = f"{PREFIX}.ping"  # HealthRequest that every service answers (collect replies for a moment)
+    REGISTER_ALL = f"{PREFIX}.ctrl.register.>"
+    HEARTBEAT_ALL = f"{PREFIX}.ctrl.heartbeat.>"
+    EVENTS_ALL = f"{PREFIX}.events.>"
 
     @staticmethod
     def token(name: str) -> str:
@@ -50,28 +111,58 @@ class Subjects:
         return cleaned
 
     @classmethod
-    def health(cls, service_id: str) -> str:
-        return f"{cls.PREFIX}.health.{cls.token(service_id)}"
+    def register(cls, producer_path: str) -> str:
+        """RegisterEngine / RegisterStore of one producer."""
+        return f"{cls.PREFIX}.ctrl.register.{producer_path}"
 
     @classmethod
-    def events(cls, producer_id: str) -> str:
+    def heartbeat(cls, producer_path: str) -> str:
+        return f"{cls.PREFIX}.ctrl.heartbeat.{producer_path}"
+
+    @classmethod
+    def events(cls, producer_path: str) -> str:
         """AdmissionBatch and SyncChunk messages of one producer."""
-        return f"{cls.PREFIX}.events.{cls.token(producer_id)}"
+        return f"{cls.PREFIX}.events.{producer_path}"
 
     @classmethod
-    def sync(cls, producer_id: str) -> str:
+    def sync(cls, producer_path: str) -> str:
         """SyncRequest to one producer; it answers Ack, then publishes SyncChunks on its events subject."""
-        return f"{cls.PREFIX}.sync.{cls.token(producer_id)}"
+        return f"{cls.PREFIX}.sync.{producer_path}"
 
     @classmethod
-    def worker(cls, worker_id: str, op: str) -> str:
-        """WorkerCommand to one engine worker (op: pin, unpin, clear, lookup)."""
-        return f"{cls.PREFIX}.worker.{cls.token(worker_id)}.{op}"
+    def health(cls, path: str) -> str:
+        """HealthRequest to one service: a producer path, or `controller`."""
+        return f"{cls.PREFIX}.health.{path}"
 
     @classmethod
-    def store(cls, store_id: str, op: str) -> str:
-        """A chunk-store operation (op: put, get, contains, touch, remove, clear, pin, unpin, stats)."""
-        return f"{cls.PREFIX}.store.{cls.token(store_id)}.{op}"
+    def worker(cls, instance_id: str, worker_id: str, op: str) -> str:
+        """WorkerCommand to one engine worker (op: pin, unpin, clear, lookup, prefix_lookup)."""
+        return f"{cls.PREFIX}.worker.{cls.token(instance_id)}.{cls.token(worker_id)}.{op}"
+
+    @classmethod
+    def store(cls, store_id: str, op: str, caller_path: str) -> str:
+        """A chunk-store operation (op: put, get, contains, touch, remove, clear, pin, unpin, stats, stream, wipe)
+        sent by `caller_path` (an engine worker's producer path, `controller` or `operator`)."""
+        return f"{cls.PREFIX}.store.{cls.token(store_id)}.{op}.{caller_path}"
+
+    @classmethod
+    def store_op(cls, store_id: str, op: str) -> str:
+        """What a store subscribes for `op`: the op from every caller."""
+        return f"{cls.PREFIX}.store.{cls.token(store_id)}.{op}.>"
+
+    @classmethod
+    def caller_of_store_op(cls, subject: str) -> str:
+        """The caller path at the end of a store-op subject (`store()`)."""
+        return subject.split(".", 4)[4]
+
+    @classmethod
+    def producer_of(cls, subject: str, wildcard: str) -> ProducerPath | None:
+        """The sender of a message on one of the `*_ALL` subjects (`wildcard`), or None if the subject does not
+        end in a producer path."""
+        tokens = subject[len(wildcard) - 1:].split(".") if subject.startswith(wildcard[:-1]) else []
+        if len(tokens) != 3 or tokens[0] not in ("engine", "store") or not all(tokens):
+            return None
+        return ProducerPath(*tokens)
 
 
 def disk_store_id(host: str | None = None) -> str:
