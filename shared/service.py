@@ -25,15 +25,16 @@ Options = TypeVar("Options")
 log = logging.getLogger(__name__)
 
 
-async def serve_health(nc: NatsClient, service: str, service_id: str,
+async def serve_health(nc: NatsClient, service: str, service_id: str, path: str,
                        details: Callable[[], dict[str, Any]] | None = None) -> None:
-    """Answer health requests for `service_id` on its own subject and on the ping-all subject."""
+    """Answer health requests for `service_id` on its own subject (`Subjects.health(path)`, `path` its producer
+    path or `controller`) and on the ping-all subject."""
 
     async def answer(_: protocol.HealthRequest) -> protocol.HealthReply:
         return protocol.HealthReply(service=service, service_id=service_id,
                                     details={"pid": os.getpid(), **(details() if details else {})})
 
-    await bus.serve(nc, protocol.Subjects.health(service_id), protocol.HealthRequest, answer)
+    await bus.serve(nc, protocol.Subjects.health(path), protocol.HealthRequest, answer)
     await bus.serve(nc, protocol.Subjects.PING_ALL, protocol.HealthRequest, answer)
 
 
