@@ -31,14 +31,16 @@ MAX_KEYS_PER_BATCH = 20_000
 class AdmissionReporter:
     """Batches admission/eviction events of one (producer, location) and serves full syncs.
 
+    `path` is the producer's path (`Principal.producer(producer_id)`): every subject it publishes on ends in it.
     `held_keys` returns a snapshot of every key currently held; it is called on sync requests.
     `register` publishes the producer's registration message (sent on start and on controller hello).
     """
 
-    def __init__(self, producer_id: str, location: str, held_keys: Callable[[], Iterable[ChunkKey]],
+    def __init__(self, producer_id: str, path: str, location: str, held_keys: Callable[[], Iterable[ChunkKey]],
                  register: Callable[[], object], flush_interval: float = 0.05,
                  heartbeat_interval: float = 2.0) -> None:
         self.producer_id = producer_id
+        self.path = path
         self.location = location
         self._held_keys = held_keys
         self._registration = register
@@ -62,7 +64,7 @@ class AdmissionReporter:
     async def start(self, nc: NatsClient) -> None:
         """Subscribe to sync requests and controller hellos; register; start flushing and heartbeating."""
         self._nc = nc
-        await bus.serve(nc, protocol.Subjects.sync(self.producer_id), protocol.SyncRequest, self._on_sync_request)
+        await bus.serve(nc, protocol.Subjects.sync(self.path), protocol.SyncRequest, self._on_sync_request)
         await bus.serve(nc, protocol.Subjects.CONTROLLER_HELLO, protocol.ControllerHello, self._on_hello)
         await self.announce()
         self._tasks = [asyncio.create_task(self._flush_loop()), asyncio.create_task(self._heartbeat_loop())]
@@ -95,7 +97,7 @@ class AdmissionReporter:
                 producer_id=self.producer_id, location=self.location, seq=self._seq,
                 admitted=[k for k, held in last_state.items() if held],
                 evicted=[k for k, held in last_state.items() if not held])
-            await bus.publish(self._nc, protocol.Subjects.events(self.producer_id), batch)
+            await bus.publish(self._nc, protocol.Subjects.events(self.path), batch)
 
     async def publish_full_sync(self) -> None:
         """Every held key, in parts, stamped with the sequence number they reflect."""
@@ -108,14 +110,14 @@ class AdmissionReporter:
         sync_id = uuid.uuid4().hex
         parts = [keys[i:i + SYNC_KEYS_PER_PART] for i in range(0, len(keys), SYNC_KEYS_PER_PART)] or [[]]
         for index, part in enumerate(parts):
-            await bus.publish(self._nc, protocol.Subjects.events(self.producer_id), protocol.SyncChunk(
+            await bus.publish(self._nc, protocol.Subjects.events(self.path), protocol.SyncChunk(
                 producer_id=self.producer_id, location=self.location, sync_id=sync_id, seq=seq,
                 part=index, final=index == len(parts) - 1, keys=part))
         log.info("%s: published a full sync of %d keys (%s)", self.producer_id, len(keys), self.location)
 
     async def announce(self) -> None:
         """Publish the registration (again: it changed, or a controller asked) and a full sync."""
-        await bus.publish(self._nc, protocol.Subjects.REGISTER, self._registration())
+        await bus.publish(self._nc, protocol.Subjects.register(self.path), self._registration())
         await self.publish_full_sync()
 
     async def _on_sync_request(self, request: protocol.SyncRequest) -> protocol.Ack:
@@ -139,7 +141,7 @@ class AdmissionReporter:
         while True:
             try:
                 assert self._nc is not None
-                await bus.publish(self._nc, protocol.Subjects.HEARTBEAT, protocol.Heartbeat(
+                await bus.publish(self._nc, protocol.Subjects.heartbeat(self.path), protocol.Heartbeat(
                     producer_id=self.producer_id, last_seq=self._seq, time=time.time()))
             except Exception as exc:
                 log.debug("%s: heartbeat failed: %s", self.producer_id, exc)

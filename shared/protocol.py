@@ -70,6 +70,11 @@ class Principal:
         return f"{self.path}.{Subjects.token(producer_id)}"
 
 
+def store_path(store_id: str) -> str:
+    """A store's producer path, `store.<id>.<id>`: a store is its principal's one producer."""
+    return Principal.store(store_id).producer(store_id)
+
+
 CONTROLLER = Principal("controller")
 OPERATOR = Principal("operator")
 
