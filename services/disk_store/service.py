@@ -57,7 +57,8 @@ class DiskStoreService:
         await asyncio.get_running_loop().run_in_executor(None, store.open)
         nc = await self.endpoint.connect(nc, options.nats_url, options.auth)
         store.max_inline_bytes = max(0, nc.max_payload - protocol.INLINE_HEADROOM)
-        reporter = AdmissionReporter(options.store_id, protocol.store_path(options.store_id), protocol.LOCAL_DISK, held_keys=store.index.keys,
+        reporter = AdmissionReporter(options.store_id, protocol.store_path(options.store_id), protocol.LOCAL_DISK,
+                                     held_keys=store.index.keys,
                                      register=self._registration, heartbeat_interval=self._heartbeat_interval)
         store.index.on_admit, store.index.on_evict = reporter.admit, reporter.evict
         # Gets run concurrently (one per I/O thread), so engines sharing the store do not queue behind one slow

@@ -72,8 +72,8 @@ class RemoteStoreService:
 
     def __init__(self, options: RemoteStoreOptions) -> None:
         self.options = options
-        self.reporter = AdmissionReporter(options.store_id, protocol.store_path(options.store_id), protocol.REMOTE, held_keys=self._held_keys,
-                                          register=self._registration,
+        self.reporter = AdmissionReporter(options.store_id, protocol.store_path(options.store_id), protocol.REMOTE,
+                                          held_keys=self._held_keys, register=self._registration,
                                           heartbeat_interval=options.heartbeat_interval)
         self.store = MemoryStore(options.capacity_bytes, options.partition, options.num_partitions,
                                  options.persist_dir, options.fsync, cache_policy=options.cache_policy,
