@@ -91,7 +91,8 @@ async def _produce(nats_url: str, instances: int, prompts: int, ready: Any, stop
         registration = protocol.RegisterEngine(worker_id=worker_id, instance_id=worker_id, model=MODEL,
                                                kv_format=KV_FORMAT, world_size=1, rank=0, chunk_size=CHUNK_SIZE,
                                                save_unfull_chunk=True, started_at=time.time())
-        reporter = AdmissionReporter(worker_id, LOCAL_CPU, held_keys=lambda h=held: list(h),
+        reporter = AdmissionReporter(worker_id, protocol.Principal.engine(worker_id).producer(worker_id), LOCAL_CPU,
+                                     held_keys=lambda h=held: list(h),
                                      register=lambda r=registration: r, flush_interval=0.05)
         await reporter.start(nc)
         reporters.append((reporter, held))
@@ -257,11 +258,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     prompts = -(-args.keys // (args.instances * CHUNKS_PER_PROMPT))
     expected_keys = prompts * args.instances * CHUNKS_PER_PROMPT
-    port, nats_port = free_port(), free_port()
+    from kvmesh.shared.embedded_nats import EmbeddedNats
+
+    port = free_port()
+    # A NATS without authentication: the one producer connection below plays every instance, which a mesh with
+    # per-instance credentials (docs/security.md) would rightly refuse.
+    nats = EmbeddedNats().start()
+    nats_port = nats.port
     ctx = mp.get_context("spawn")
     controller = subprocess.Popen(
         [sys.executable, "-m", "kvmesh.services.controller", "--host", "127.0.0.1", "--port", str(port),
-         "--monitor-port", str(nats_port), "--log-level", "warning", "--liveness-timeout", "60"],
+         "--nats-url", nats.url, "--log-level", "warning", "--liveness-timeout", "60"],
         stdin=subprocess.DEVNULL)
     stop = ctx.Event()
     producer = None
@@ -340,6 +347,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             controller.kill()
             controller.wait()
+        nats.stop()
     print(json.dumps(result, indent=2))
     print(f"controller: {indexed} keys from {args.instances} instances, {result['bytes_per_key']} B/key (RSS); "
           f"/lookup of {PROMPT_TOKENS}-token prompts: {closed['req_per_s']} req/s closed-loop x{args.connections} "

@@ -5,6 +5,7 @@
     kvmesh disk-store ...       the disk store of this host
     kvmesh remote-store ...     one remote-store partition
     kvmesh health --nats-url U  every service's health over NATS
+    kvmesh credentials --dir D PRINCIPAL...   NATS users for a mesh whose NATS KVMesh does not start (compose)
 """
 
 from __future__ import annotations
@@ -18,11 +19,16 @@ import sys
 import threading
 from pathlib import Path
 
+from nats.aio.client import Client as NatsClient
+
 from kvmesh.shared import bus
 from kvmesh.shared.config import GB
+from kvmesh.shared.credentials import MeshCredentials, credentials_for
+from kvmesh.shared.embedded_nats import DEFAULT_MAX_PAYLOAD
 from kvmesh.shared.eviction import POLICY_NAMES
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
-from kvmesh.shared.protocol import disk_store_id
+from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
+from kvmesh.shared.protocol import CONTROLLER, OPERATOR, disk_store_id
 from kvmesh.shared.service import configure_logging, ping_all
 from kvmesh.services.disk_store.options import DiskStoreOptions
 from kvmesh.services.remote_store.options import partitions as remote_partitions
@@ -38,7 +44,7 @@ SERVICE_MODULES = {
 
 def mesh_services(args: argparse.Namespace) -> list[ServiceSpec]:
     services = [ServiceSpec("kvmesh.services.controller",
-                            ["--host", args.host, "--port", str(args.port)], "controller")]
+                            ["--host", args.host, "--port", str(args.port)], "controller", role="controller")]
     if not args.no_disk:
         services.append(DiskStoreOptions(root=Path(args.disk_dir), capacity_bytes=round(args.disk_size * GB),
                                          store_id=disk_store_id(), cache_policy=args.cache_policy).service_spec())
@@ -70,9 +76,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+async def connect_operator(args: argparse.Namespace, name: str) -> NatsClient:
+    """A connection as the operator: credentials from the flags / $KVMESH_NATS_*, else from the KVMesh-started
+    NATS on this host."""
+    url = bus.normalize_url(args.nats_url)
+    auth = credentials_for(url, OPERATOR, nats_auth_from_args(args).or_none())
+    return await bus.connect(url, name=name, auth=auth, allow_reconnect=False)
+
+
 def cmd_health(args: argparse.Namespace) -> int:
     async def collect() -> list[dict]:
-        nc = await bus.connect(bus.normalize_url(args.nats_url), name="kvmesh-health", allow_reconnect=False)
+        nc = await connect_operator(args, "kvmesh-health")
         try:
             return [r.__dict__ for r in await ping_all(nc, wait=args.wait)]
         finally:
@@ -81,6 +95,23 @@ def cmd_health(args: argparse.Namespace) -> int:
     replies = asyncio.run(collect())
     print(json.dumps(replies, indent=2, default=str))
     return 0 if len(replies) >= args.expect else 1
+
+
+def cmd_credentials(args: argparse.Namespace) -> int:
+    """Credentials for the named principals (and the operator and controller) in a directory; with --listen, the
+    NATS server config that uses them too."""
+    mesh = MeshCredentials(Path(args.dir))
+    principals = [CONTROLLER.path, OPERATOR.path, *args.principals]
+    try:
+        mesh.ensure(*principals)
+    except ValueError as exc:
+        raise SystemExit(f"kvmesh credentials: {exc}; principals are engine.<instance_id>, store.<store_id>, "
+                         "controller, operator") from None
+    files = {path: str(mesh.file(path)) for path in principals}
+    if args.listen:
+        files["nats-server"] = str(mesh.server_config(args.listen, f"max_payload: {DEFAULT_MAX_PAYLOAD}\n"))
+    print(json.dumps(files, indent=2))
+    return 0
 
 
 def run_service(name: str, argv: list[str]) -> int:
@@ -113,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--nats-url", default="nats://127.0.0.1:4222")
     health.add_argument("--wait", type=float, default=0.5)
     health.add_argument("--expect", type=int, default=1, help="exit 1 unless at least this many answer")
+    add_nats_auth_flags(health)
+    credentials = sub.add_parser(
+        "credentials", help="make NATS credentials for a mesh (one 0600 file per principal) and a server config")
+    credentials.add_argument("--dir", required=True, help="the credentials directory (created 0700)")
+    credentials.add_argument("--listen", help="also write nats-server.conf listening here (e.g. 0.0.0.0:4222)")
+    credentials.add_argument("principals", nargs="*", metavar="PRINCIPAL",
+                             help="engine.<instance_id> or store.<store_id> (controller and operator always)")
     for name in SERVICE_MODULES:
         sub.add_parser(name, help=f"run the {name} (flags: kvmesh {name} --help)", add_help=False)
     return parser
@@ -124,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] in SERVICE_MODULES:
         sys.exit(run_service(argv[0], argv[1:]))
     args = build_parser().parse_args(argv)
-    sys.exit({"up": cmd_up, "health": cmd_health}[args.command](args))
+    sys.exit({"up": cmd_up, "health": cmd_health, "credentials": cmd_credentials}[args.command](args))
 
 
 if __name__ == "__main__":

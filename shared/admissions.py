@@ -121,8 +121,9 @@ class AdmissionReporter:
         await self.publish_full_sync()
 
     async def _on_sync_request(self, request: protocol.SyncRequest) -> protocol.Ack:
+        # With the registration: a controller that missed it (or never saw this producer) asks this way.
         log.info("%s: controller asked for a full sync (%s)", self.producer_id, request.reason)
-        asyncio.get_running_loop().create_task(self.publish_full_sync())
+        asyncio.get_running_loop().create_task(self.announce())
         return protocol.Ack()
 
     async def _on_hello(self, hello: protocol.ControllerHello) -> None:

@@ -13,10 +13,12 @@ All of it runs on the caller's asyncio event loop (nats-py's callbacks too).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Awaitable, Callable, TypeVar
 
 from nats.aio.client import Client as NatsClient
@@ -25,7 +27,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 
 from kvmesh.shared import protocol
-from kvmesh.shared.errors import MeshUnavailable, ProtocolError
+from kvmesh.shared.errors import ConfigError, MeshUnavailable, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -43,18 +45,39 @@ RETRY_INTERVAL = 0.5  # between connection attempts to one server (first connect
 
 @dataclass(frozen=True)
 class NatsAuth:
-    """Credentials, all optional: user/password, a token, or an nkey seed file."""
+    """Credentials, all optional: user/password, a token, an nkey seed file or a NATS .creds file (JWT), and
+    the inbox prefix replies come to (a mesh with per-principal permissions gives each its own)."""
 
     user: str | None = None
     password: str | None = None
     token: str | None = None
     nkey_seed: str | None = None
+    creds_file: str | None = None
+    inbox_prefix: str | None = None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "NatsAuth":
+        """A KVMesh credentials file (JSON: user, password, inbox_prefix; shared/credentials.py); ConfigError
+        naming the file when it cannot be read or is open to other users."""
+        file = Path(path)
+        try:
+            if file.stat().st_mode & 0o077:
+                raise ConfigError(f"NATS credentials file {file} is readable by other users; chmod 600 it")
+            entry = json.loads(file.read_text())
+            return cls(user=str(entry["user"]), password=str(entry["password"]),
+                       inbox_prefix=entry.get("inbox_prefix"))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"NATS credentials file {file}: {type(exc).__name__}: {exc}") from None
+
+    def or_none(self) -> "NatsAuth | None":
+        """None when this names no credentials at all."""
+        return self if (self.user or self.token or self.nkey_seed or self.creds_file) else None
 
     def describe(self) -> str:
         """Which kinds of credentials, never their values (for messages and logs)."""
         kinds = [kind for kind, value in (("user/password", self.user), ("token", self.token),
-                                          ("nkey seed", self.nkey_seed)) if value]
-        return " + ".join(kinds) or "no credentials"
+                                          ("nkey seed", self.nkey_seed), ("creds file", self.creds_file)) if value]
+        return (" + ".join(kinds) or "no credentials") + (f" as {self.user}" if self.user else "")
 
     def connect_options(self) -> dict[str, Any]:
         """The credentials as nats-py's connect() takes them."""
@@ -65,6 +88,10 @@ class NatsAuth:
             options["token"] = self.token
         if self.nkey_seed:
             options["nkeys_seed"] = self.nkey_seed
+        if self.creds_file:
+            options["user_credentials"] = self.creds_file
+        if self.inbox_prefix:
+            options["inbox_prefix"] = self.inbox_prefix
         return options
 
 
@@ -147,7 +174,8 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None, connect_tim
         if _rejects_credentials(error):
             raise MeshUnavailable(
                 f"NATS {url} rejected {name} ({auth.describe()}): {error}; pass the server's credentials "
-                "(--nats-token, --nats-user/--nats-password or --nats-nkey-seed, or $KVMESH_NATS_*)")
+                "(--nats-credentials, --nats-token, --nats-user/--nats-password, --nats-nkey-seed or --nats-creds-file, "
+                "or $KVMESH_NATS_*; docs/security.md)")
         if time.monotonic() >= deadline:
             waited = f" within {first_connect_wait:g}s" if first_connect_wait > 0 else ""
             raise MeshUnavailable(f"cannot reach NATS at {url} for {name}{waited}: {_reason(error, connect_timeout)}")

@@ -81,6 +81,8 @@ class EngineConfig:
     nats_password: str | None = field(default=None, repr=False)  # secrets stay out of logged reprs
     nats_token: str | None = field(default=None, repr=False)
     nats_nkey_seed: str | None = None  # path to an nkey seed file
+    nats_credentials: str | None = None  # path to a KVMesh credentials file (shared/credentials.py)
+    nats_creds_file: str | None = None  # path to a NATS .creds file (JWT + nkey)
     remote_size: float = 4.0  # GB, memory cap of the remote store when the engine embeds one
     remote_partitions: int = 1  # remote-store replicas that keys are partitioned over
     store_queue_size: int = 64  # write-behind queue depth (chunks) to the disk/remote stores

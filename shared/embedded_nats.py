@@ -22,8 +22,12 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvmesh.shared.errors import NatsServerError
+
+if TYPE_CHECKING:
+    from kvmesh.shared.credentials import MeshCredentials
 
 log = logging.getLogger(__name__)
 
@@ -60,19 +64,24 @@ def _die_with_parent() -> None:
 
 
 class EmbeddedNats:
-    """A nats-server child process on loopback. Use as a context manager or call start()/stop()."""
+    """A nats-server child process (on loopback unless `host` says otherwise). Use as a context manager or call
+    start()/stop()."""
 
     def __init__(self, port: int | None = None, host: str = "127.0.0.1",
                  max_payload: int = DEFAULT_MAX_PAYLOAD, binary: str | None = None,
-                 token: str | None = None, extra_config: str = "") -> None:
+                 token: str | None = None, extra_config: str = "",
+                 credentials: "MeshCredentials | None" = None) -> None:
         """`token` makes the server require that token; `extra_config` is appended to the config file verbatim
-        (e.g. an `authorization { users: [...] }` block)."""
+        (e.g. an `authorization { users: [...] }` block); `credentials` runs it with that directory's users and
+        per-principal permissions (its config and pid file live there, so a principal added later can be
+        loaded with a reload)."""
         self.host = host
         self.port = port or free_port(host)
         self.max_payload = max_payload
         self.binary = binary
         self.token = token
         self.extra_config = extra_config
+        self.credentials = credentials
         self.process: subprocess.Popen[bytes] | None = None
         self._workdir: tempfile.TemporaryDirectory[str] | None = None
 
@@ -85,15 +94,19 @@ class EmbeddedNats:
     def start(self, timeout: float = 10.0) -> "EmbeddedNats":
         binary = self.binary or find_nats_server()
         self._workdir = tempfile.TemporaryDirectory(prefix="kvmesh-nats-")
-        config = Path(self._workdir.name) / "nats.conf"
-        config.write_text(
-            f"listen: {self.host}:{self.port}\n"
+        settings = (
             f"max_payload: {self.max_payload}\n"
             f"max_pending: {max(self.max_payload, 64 * 1024 * 1024)}\n"
             "write_deadline: \"10s\"\n"
             + (f"authorization {{ token: {json.dumps(self.token)} }}\n" if self.token else "")
             + (self.extra_config + "\n" if self.extra_config else "")
         )
+        listen = f"{self.host}:{self.port}"
+        if self.credentials is not None:
+            config = self.credentials.server_config(listen, settings)
+        else:
+            config = Path(self._workdir.name) / "nats.conf"
+            config.write_text(f"listen: {listen}\n{settings}")
         log_file = Path(self._workdir.name) / "nats.log"
         self.process = subprocess.Popen(
             [binary, "-c", str(config), "-l", str(log_file)],

@@ -5,13 +5,20 @@ when a config names no NATS (only `vllm serve` is started, and the engine brings
 its own process tree), and the controller started without a NATS URL (it embeds one on `--monitor-port`).
 Each service is the same `python -m kvmesh.services.<name>` that runs standalone: embedding is wiring.
 Children get a parent-death signal, so nothing outlives the process that started the mesh.
+
+The NATS it starts requires credentials, with permissions per principal (shared/nats_permissions.py): a fresh
+credentials directory `local_mesh_dir(port)` (shared/credentials.py) holds a user for the controller, the
+operator and each store; each service gets its own file through $KVMESH_NATS_CREDENTIALS (never on its command
+line); engines on this host add their own (`credentials.provision`). The directory goes when the mesh stops.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,19 +27,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmesh.shared import bus, protocol
-from kvmesh.shared.embedded_nats import EmbeddedNats, _die_with_parent
+from kvmesh.shared.credentials import MeshCredentials, local_mesh_dir
+from kvmesh.shared.embedded_nats import EmbeddedNats, _die_with_parent, free_port
 from kvmesh.shared.errors import MeshUnavailable
+from kvmesh.shared.nats_auth import CREDENTIALS_ENV, nats_auth_from_args
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class ServiceSpec:
-    """One service process: module name, its command-line flags, and the id it answers health for."""
+    """One service process: module name, its command-line flags, the id it answers health for and its role
+    ("store": a store whose id is `service_id`, or "controller")."""
 
     module: str  # e.g. "kvmesh.services.disk_store"
     args: list[str]
     service_id: str
+    role: str = "store"
+
+    @property
+    def principal(self) -> protocol.Principal:
+        return protocol.Principal(self.role, self.service_id if self.role == "store" else "")
+
+    @property
+    def health_path(self) -> str:
+        """Where it answers health: a store's producer path, or the controller's."""
+        return protocol.store_path(self.service_id) if self.role == "store" else self.principal.path
 
 
 @dataclass
@@ -48,6 +68,7 @@ class LocalMesh:
     nats_port: int | None = None
     nats_host: str = "127.0.0.1"
     log_dir: Path | None = None
+    credentials: MeshCredentials | None = None  # of the NATS we started (None: `nats_url` was given)
     _nats: EmbeddedNats | None = None
     _processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
@@ -63,9 +84,25 @@ class LocalMesh:
     def start_nats(self) -> str:
         """Start the embedded NATS (once; nothing when `nats_url` was given); the URL services connect to."""
         if self.nats_url is None:
-            self._nats = EmbeddedNats(port=self.nats_port, host=self.nats_host).start()
+            port = self.nats_port or free_port(self.nats_host)
+            root = local_mesh_dir(port)
+            shutil.rmtree(root, ignore_errors=True)  # a stale directory of an earlier NATS on this port
+            self.credentials = MeshCredentials(root)
+            self.credentials.ensure(protocol.CONTROLLER.path, protocol.OPERATOR.path,
+                                    *(spec.principal.path for spec in self.services))
+            self._nats = EmbeddedNats(port=port, host=self.nats_host, credentials=self.credentials).start()
             self.nats_url = self._nats.url
         return self.nats_url
+
+    def auth(self, principal: protocol.Principal) -> bus.NatsAuth | None:
+        """Credentials of `principal` on the NATS we started (added if it had none); for a given NATS, those
+        of this process's environment ($KVMESH_NATS_*)."""
+        if self.credentials is None:
+            return nats_auth_from_args(argparse.Namespace())
+        path = principal.path
+        if self.credentials.ensure(path):
+            self.credentials.reload_server()
+        return bus.NatsAuth.from_file(self.credentials.file(path))
 
     def start_services(self, ready_timeout: float = 30.0) -> None:
         """Spawn the service processes and wait until each answers health (on failure they are stopped again;
@@ -91,28 +128,31 @@ class LocalMesh:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             output = open(self.log_dir / f"{spec.service_id}.log", "ab")
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        if self.credentials is not None:
+            env[CREDENTIALS_ENV] = str(self.credentials.file(spec.principal.path))
         log.info("starting %s: %s", spec.service_id, " ".join(command))
         return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=output, stderr=output, env=env,
                                 preexec_fn=_die_with_parent)
 
     def _wait_healthy(self, timeout: float) -> None:
         """Block until every service answers health over NATS (or one exits, or time runs out)."""
-        pending = {spec.service_id for spec in self.services}
+        pending = {spec.health_path for spec in self.services}
         deadline = time.monotonic() + timeout
 
         async def poll() -> None:
-            nc = await bus.connect(str(self.nats_url), name="kvmesh-up", allow_reconnect=False)
+            nc = await bus.connect(str(self.nats_url), name="kvmesh-up", auth=self.auth(protocol.OPERATOR),
+                                   allow_reconnect=False)
             try:
                 while pending and time.monotonic() < deadline:
                     for spec, process in zip(self.services, self._processes):
                         if process.poll() is not None:
                             raise MeshUnavailable(f"{spec.service_id} exited with code {process.returncode} "
                                                   f"during start-up (module {spec.module})")
-                    for service_id in list(pending):
+                    for path in list(pending):
                         try:
-                            await bus.request(nc, protocol.Subjects.health(service_id), protocol.HealthRequest(),
+                            await bus.request(nc, protocol.Subjects.health(path), protocol.HealthRequest(),
                                               protocol.HealthReply, timeout=0.5)
-                            pending.discard(service_id)
+                            pending.discard(path)
                         except MeshUnavailable:
                             await asyncio.sleep(0.05)
             finally:
@@ -128,6 +168,9 @@ class LocalMesh:
         if self._nats is not None:
             self._nats.stop()
             self._nats = None
+        if self.credentials is not None:
+            shutil.rmtree(self.credentials.root, ignore_errors=True)
+            self.credentials = None
 
     def _stop_services(self, timeout: float = 4.0) -> None:
         processes, self._processes = self._processes, []

@@ -70,6 +70,11 @@ class Principal:
         return f"{self.path}.{Subjects.token(producer_id)}"
 
 
+def worker_id_for(instance_id: str, world_size: int, rank: int) -> str:
+    """An engine worker's producer id: `instance_id` for a single-rank instance, else one id per rank."""
+    return instance_id if world_size == 1 else f"{instance_id}.r{rank}"
+
+
 def store_path(store_id: str) -> str:
     """A store's producer path, `store.<id>.<id>`: a store is its principal's one producer."""
     return Principal.store(store_id).producer(store_id)
@@ -86,6 +91,10 @@ class ProducerPath:
     role: str  # "engine" or "store"
     owner: str  # the instance or store token
     producer: str  # the producer's token
+
+    @property
+    def path(self) -> str:
+        return f"{self.role}.{self.owner}.{self.producer}"
 
     def owns(self, owner_id: str, producer_id: str) -> bool:
         """Whether a message body naming `owner_id` / `producer_id` is this sender's own."""

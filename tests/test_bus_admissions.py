@@ -61,9 +61,10 @@ async def test_reporter_numbers_batches_and_answers_sync(nc) -> None:
     async def on_register(msg) -> None:
         registered.set()
 
-    await nc.subscribe(protocol.Subjects.events("s1"), cb=on_event)
-    await nc.subscribe(protocol.Subjects.REGISTER, cb=on_register)
-    reporter = AdmissionReporter("s1", protocol.LOCAL_DISK, lambda: list(held), lambda: registration,
+    await nc.subscribe(protocol.Subjects.events(protocol.store_path("s1")), cb=on_event)
+    await nc.subscribe(protocol.Subjects.register(protocol.store_path("s1")), cb=on_register)
+    reporter = AdmissionReporter("s1", protocol.store_path("s1"), protocol.LOCAL_DISK, lambda: list(held),
+                                 lambda: registration,
                                  flush_interval=0.01)
     await reporter.start(nc)
     await asyncio.wait_for(registered.wait(), WAIT_S)
@@ -75,7 +76,7 @@ async def test_reporter_numbers_batches_and_answers_sync(nc) -> None:
     held.discard(bytes([0]) * 16)
     reporter.evict(bytes([0]) * 16)
     await reporter.flush()
-    await bus.request(nc, protocol.Subjects.sync("s1"), protocol.SyncRequest(reason="test"), protocol.Ack, WAIT_S)
+    await bus.request(nc, protocol.Subjects.sync(protocol.store_path("s1")), protocol.SyncRequest(reason="test"), protocol.Ack, WAIT_S)
     await wait_until_async(lambda: any(isinstance(m, protocol.SyncChunk) and m.final and m.seq == 4 for m in received),
                            what="the requested full sync")
     await reporter.stop()

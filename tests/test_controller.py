@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from kvmesh.shared import bus, protocol
+from kvmesh.shared.credentials import credentials_for
 from kvmesh.shared.admissions import AdmissionReporter
 from kvmesh.shared.embedded_nats import EmbeddedNats, free_port
 from kvmesh.shared.keys import ChunkHasher, KeyParams
@@ -47,7 +48,8 @@ class FakeStore:
         self.nats_url, self.store_id, self.location = nats_url, store_id, location
         self.chunks: dict[bytes, int] = {}  # key -> num_tokens
         self.nc: Any = None
-        self.reporter = AdmissionReporter(store_id, location, held_keys=lambda: list(self.chunks),
+        self.reporter = AdmissionReporter(store_id, protocol.store_path(store_id), location,
+                                          held_keys=lambda: list(self.chunks),
                                           register=self.registration, flush_interval=0.02, heartbeat_interval=0.2)
 
     def registration(self) -> protocol.RegisterStore:
@@ -65,7 +67,8 @@ class FakeStore:
         return cleared
 
     async def start(self) -> "FakeStore":
-        self.nc = await bus.connect(self.nats_url, name=self.store_id)
+        self.nc = await bus.connect(self.nats_url, name=self.store_id,
+                                    auth=credentials_for(self.nats_url, protocol.Principal.store(self.store_id), None))
         await self.reporter.start(self.nc)
         return self
 
@@ -89,7 +92,8 @@ class FakeEngineWorker:
         self.pinned: set[bytes] = set()
         self.commands: list[protocol.WorkerCommand] = []
         self.nc: Any = None
-        self.reporter = AdmissionReporter(self.worker_id, LOCAL_CPU, held_keys=lambda: list(self.chunks),
+        self.path = protocol.Principal.engine(instance_id).producer(self.worker_id)
+        self.reporter = AdmissionReporter(self.worker_id, self.path, LOCAL_CPU, held_keys=lambda: list(self.chunks),
                                           register=self.registration, flush_interval=0.02, heartbeat_interval=0.2)
 
     def registration(self) -> protocol.RegisterEngine:
@@ -149,9 +153,11 @@ class FakeEngineWorker:
         return protocol.CommandReply(ok=True, num_tokens=num_tokens)
 
     async def start(self) -> "FakeEngineWorker":
-        self.nc = await bus.connect(self.nats_url, name=self.worker_id)
+        self.nc = await bus.connect(self.nats_url, name=self.worker_id,
+                                    auth=credentials_for(self.nats_url, protocol.Principal.engine(self.instance_id), None))
         for op in ("pin", "unpin", "clear"):
-            await bus.serve(self.nc, Subjects.worker(self.worker_id, op), protocol.WorkerCommand, self._on_command)
+            await bus.serve(self.nc, Subjects.worker(self.instance_id, self.worker_id, op), protocol.WorkerCommand,
+                            self._on_command)
         await self.nc.flush()
         await self.reporter.start(self.nc)
         return self
@@ -167,6 +173,7 @@ class RawProducer:
 
     def __init__(self, nats_url: str, instance_id: str, chunk_size: int = 4) -> None:
         self.nats_url, self.worker_id, self.instance_id = nats_url, instance_id, instance_id
+        self.path = protocol.Principal.engine(instance_id).producer(instance_id)
         self.hasher = ChunkHasher(KeyParams(MODEL, KV_FORMAT), chunk_size)
         self.chunk_size = chunk_size
         self.held: set[bytes] = set()
@@ -178,11 +185,12 @@ class RawProducer:
         return self.hasher.keys(tokens)
 
     async def start(self, register: bool = True) -> "RawProducer":
-        self.nc = await bus.connect(self.nats_url, name=self.worker_id)
-        await bus.serve(self.nc, Subjects.sync(self.worker_id), protocol.SyncRequest, self._on_sync)
+        self.nc = await bus.connect(self.nats_url, name=self.worker_id,
+                                    auth=credentials_for(self.nats_url, protocol.Principal.engine(self.instance_id), None))
+        await bus.serve(self.nc, Subjects.sync(self.path), protocol.SyncRequest, self._on_sync)
         await self.nc.flush()
         if register:
-            await bus.publish(self.nc, Subjects.REGISTER, protocol.RegisterEngine(
+            await bus.publish(self.nc, Subjects.register(self.path), protocol.RegisterEngine(
                 worker_id=self.worker_id, instance_id=self.instance_id, model=MODEL, kv_format=KV_FORMAT,
                 world_size=1, rank=0, chunk_size=self.chunk_size, save_unfull_chunk=True, started_at=1.0))
             await self.publish_sync()  # as the real reporter does: register, then a full sync
@@ -194,12 +202,12 @@ class RawProducer:
         self.held.update(admitted)
         self.held.difference_update(evicted)
         if not lose:
-            await bus.publish(self.nc, Subjects.events(self.worker_id), protocol.AdmissionBatch(
+            await bus.publish(self.nc, Subjects.events(self.path), protocol.AdmissionBatch(
                 producer_id=self.worker_id, location=LOCAL_CPU, seq=self.seq, admitted=list(admitted),
                 evicted=list(evicted)))
 
     async def heartbeat(self, last_seq: int | None = None) -> None:
-        await bus.publish(self.nc, Subjects.HEARTBEAT, protocol.Heartbeat(
+        await bus.publish(self.nc, Subjects.heartbeat(self.path), protocol.Heartbeat(
             producer_id=self.worker_id, last_seq=self.seq if last_seq is None else last_seq, time=time.time()))
 
     async def _on_sync(self, request: protocol.SyncRequest) -> protocol.Ack:
@@ -211,7 +219,7 @@ class RawProducer:
         keys, sync_id = sorted(self.held), uuid.uuid4().hex
         parts = [keys[i:i + 2] for i in range(0, len(keys), 2)] or [[]]  # several parts on purpose
         for index, part in enumerate(parts):
-            await bus.publish(self.nc, Subjects.events(self.worker_id), protocol.SyncChunk(
+            await bus.publish(self.nc, Subjects.events(self.path), protocol.SyncChunk(
                 producer_id=self.worker_id, location=LOCAL_CPU, sync_id=sync_id, seq=self.seq, part=index,
                 final=index == len(parts) - 1, keys=part))
 
@@ -451,12 +459,12 @@ async def test_slow_dead_or_failing_worker_pending_then_504_or_502(nats_server: 
         async def hold(msg: Any) -> None:
             held.append(msg)  # answered when the test says so
 
-        await slow.nc.subscribe(Subjects.worker("slow", "pin"), cb=hold)
+        await slow.nc.subscribe(Subjects.worker("slow", "slow", "pin"), cb=hold)
 
         async def refuse(_command: protocol.WorkerCommand) -> protocol.CommandReply:
             return protocol.CommandReply(ok=False, error="pool exhausted")
 
-        await bus.serve(failing.nc, Subjects.worker("failing", "pin"), protocol.WorkerCommand, refuse)
+        await bus.serve(failing.nc, Subjects.worker("failing", "failing", "pin"), protocol.WorkerCommand, refuse)
         for producer in (slow, failing):
             await producer.nc.flush()
         for name in ("slow", "gone", "failing"):
@@ -489,7 +497,7 @@ async def test_slow_dead_or_failing_worker_pending_then_504_or_502(nats_server: 
         async def hang(msg: Any) -> None:
             never_answered.append(msg)  # and no reply, ever
 
-        await silent.nc.subscribe(Subjects.worker("silent", "pin"), cb=hang)
+        await silent.nc.subscribe(Subjects.worker("silent", "silent", "pin"), cb=hang)
         await silent.nc.flush()
         await wait_until_async(lambda: _has_instance(client, "silent"), what="registration of silent")
         timed_out = await client.post("/pin", json={"instance_id": "silent", **body})
@@ -704,7 +712,7 @@ async def test_nats_health_metrics_docs(nats_server: EmbeddedNats) -> None:
         await wait_layout(client, SEED_TOKENS, {"observed": [LOCAL_CPU, 12]})
         nc = await bus.connect(nats_server.url, name="probe")
         try:
-            reply = await bus.request(nc, Subjects.health("controller"), protocol.HealthRequest(),
+            reply = await bus.request(nc, Subjects.health(protocol.CONTROLLER.path), protocol.HealthRequest(),
                                       protocol.HealthReply, timeout=WAIT_S)
         finally:
             await nc.close()

@@ -43,7 +43,8 @@ class _Worker:
     def __init__(self, nats_url: str) -> None:
         self.nats_url = nats_url
         self.keys = set(ChunkHasher(KeyParams("m", "f"), 256).keys(TOKENS))
-        self.reporter = AdmissionReporter(INSTANCE, LOCAL_CPU, held_keys=lambda: list(self.keys),
+        self.reporter = AdmissionReporter(INSTANCE, protocol.Principal.engine(INSTANCE).producer(INSTANCE), LOCAL_CPU,
+                                          held_keys=lambda: list(self.keys),
                                           register=self.registration, flush_interval=0.05)
         self.nc: Any = None
 
@@ -57,7 +58,7 @@ class _Worker:
     async def start(self) -> None:
         self.nc = await bus.connect(self.nats_url, name="schema-worker")
         for op in ("pin", "unpin", "clear"):
-            await bus.serve(self.nc, Subjects.worker(INSTANCE, op), protocol.WorkerCommand, self.on_command)
+            await bus.serve(self.nc, Subjects.worker(INSTANCE, INSTANCE, op), protocol.WorkerCommand, self.on_command)
         await self.reporter.start(self.nc)
 
     async def stop(self) -> None:

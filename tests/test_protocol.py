@@ -67,7 +67,27 @@ def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:
 
 
 def test_subjects_are_sanitised() -> None:
-    assert Subjects.worker("my.instance *>", "pin") == "kvmesh.worker.my_instance___.pin"
-    assert Subjects.store("disk-host", "put") == "kvmesh.store.disk-host.put"
+    assert Subjects.worker("my.instance *>", "w.r0", "pin") == "kvmesh.worker.my_instance___.w_r0.pin"
+    caller = protocol.Principal.engine("a.b").producer("a.b")
+    assert Subjects.store("disk-host", "put", caller) == "kvmesh.store.disk-host.put.engine.a_b.a_b"
+    assert Subjects.caller_of_store_op(Subjects.store("disk-host", "put", caller)) == caller
     with pytest.raises(ValueError):
         Subjects.health("")
+
+
+def test_principals_and_the_producer_path_a_subject_names() -> None:
+    with pytest.raises(ValueError):
+        protocol.Principal("engine")  # an engine needs its instance id
+    with pytest.raises(ValueError):
+        protocol.Principal("controller", "x")
+    with pytest.raises(ValueError):
+        protocol.Principal("root", "x")
+    path = protocol.Principal.engine("tp").producer("tp.r1")
+    sender = Subjects.producer_of(Subjects.register(path), Subjects.REGISTER_ALL)
+    assert sender is not None and sender.path == path == "engine.tp.tp_r1"
+    assert sender.owns("tp", "tp.r1") and not sender.owns("other", "tp.r1") and not sender.owns("tp", "tp.r0")
+    assert Subjects.producer_of(Subjects.events(protocol.store_path("disk-a")), Subjects.EVENTS_ALL).role == "store"
+    # anything that is not <role>.<owner>.<producer> names no sender
+    for subject in ("kvmesh.events.engine.tp", "kvmesh.events.controller.x.y", "kvmesh.events.engine.a.b.c",
+                    "kvmesh.ctrl.register.engine.a.b"):
+        assert Subjects.producer_of(subject, Subjects.EVENTS_ALL) is None

@@ -1,7 +1,7 @@
 """pin / unpin / clear: forwarded from the REST API to an instance's engine workers over NATS request/reply.
 
 Runs on the controller's event loop, inside the REST request (the reply carries `num_tokens`). One
-`WorkerCommand` goes to `Subjects.worker(worker_id, op)` for every rank of the instance, concurrently, each
+`WorkerCommand` goes to `Subjects.worker(instance_id, worker_id, op)` for every rank of the instance, concurrently, each
 with the command timeout; the engine worker handles LocalCPUBackend itself and passes disk/remote commands
 on to its stores. The answer is the minimum `num_tokens` over ranks: what is pinned/cleared on every shard.
 """
@@ -104,7 +104,7 @@ class CommandRouter:
                            f"(worker {worker.producer_id}), so it holds nothing keyed with it") from None
 
     async def _one(self, nc: NatsClient, op: str, instance_id: str, worker_id: str, payload: bytes) -> int:
-        subject = Subjects.worker(worker_id, op)
+        subject = Subjects.worker(instance_id, worker_id, op)
         try:
             msg = await nc.request(subject, payload, timeout=self.timeout_s)
         except (NatsTimeoutError, asyncio.TimeoutError):

@@ -8,12 +8,15 @@ import socket
 from dataclasses import dataclass
 from typing import Callable
 
+from kvmesh.shared.bus import NatsAuth
+from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
+
 TOKEN_ENV = "KVMESH_CONTROLLER_TOKEN"
 
 
 @dataclass(frozen=True)
 class ControllerConfig:
-    host: str = "localhost"  # REST bind address (and the embedded NATS server's)
+    host: str = "localhost"  # REST bind address
     port: int = 9000  # REST port; 0 picks a free one
     monitor_port: int = 9001  # port of the embedded NATS server (LMCache's "monitor" port), when no nats_url
     nats_url: str | None = None  # join an existing NATS instead of embedding one
@@ -22,6 +25,8 @@ class ControllerConfig:
     command_timeout_s: float = 5.0  # pin / unpin / clear: per-worker NATS request timeout
     max_tokens: int = 1_000_000  # longer token lists are refused with 413
     auth_token: str | None = None  # bearer token required on the API when set
+    nats_host: str = "127.0.0.1"  # where the embedded NATS listens (whatever `host` the REST API uses)
+    nats_auth: NatsAuth | None = None  # credentials for --nats-url (None: those of a KVMesh-started NATS here)
     event_window_size: int = 100_000  # /check_finish remembers at most this many event ids...
     event_window_s: float = 3600.0  # ...for at most this long
     sync_retry_s: float = 3.0  # re-ask a producer for a full sync after this long without one
@@ -59,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "engines reach it as controller_url (default: 9001)")
     parser.add_argument("--nats-url", default=None,
                         help="join this NATS (e.g. nats://host:4222) instead of embedding a server")
+    parser.add_argument("--nats-host", default="127.0.0.1",
+                        help="address the embedded NATS listens on (default: loopback, whatever --host is); "
+                             "engines on other hosts need it reachable and their credentials (docs/security.md)")
     parser.add_argument("--controller-id", default="", help="name on NATS (default: controller-<host>-<pid>)")
     parser.add_argument("--liveness-timeout", type=_positive(float), default=6.0,
                         help="seconds without a heartbeat before a producer is down (default: 6)")
@@ -74,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how long /check_finish remembers an event id (default: 3600)")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                         help="log level (default: $KVMESH_LOG_LEVEL, else info)")
+    add_nats_auth_flags(parser)
     return parser
 
 
@@ -85,5 +94,5 @@ def parse_args(argv: list[str] | None = None) -> ControllerConfig:
         command_timeout_s=args.command_timeout, max_tokens=args.max_tokens,
         auth_token=args.auth_token or os.environ.get(TOKEN_ENV) or None,
         event_window_size=args.event_window_size, event_window_s=args.event_window_secs,
-        log_level=args.log_level,
+        log_level=args.log_level, nats_host=args.nats_host, nats_auth=nats_auth_from_args(args).or_none(),
     )

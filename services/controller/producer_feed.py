@@ -2,13 +2,19 @@
 
 Runs on the controller's one event loop (shared with uvicorn). Subscriptions, each processed in order by
 nats-py (one task per subscription, so there is no ordering *between* them):
-  - `kvmesh.events.>`           AdmissionBatch / SyncChunk from every producer -> ProducerTable / HolderIndex
-  - `Subjects.REGISTER`         RegisterEngine / RegisterStore
-  - `Subjects.HEARTBEAT`        Heartbeat (liveness; a seq claim may reveal a lost batch)
-  - `Subjects.health(...)`, `Subjects.PING_ALL`   HealthRequest -> HealthReply(service="controller")
+  - `Subjects.EVENTS_ALL`       AdmissionBatch / SyncChunk from every producer -> ProducerTable / HolderIndex
+  - `Subjects.REGISTER_ALL`     RegisterEngine / RegisterStore
+  - `Subjects.HEARTBEAT_ALL`    Heartbeat (liveness; a seq claim may reveal a lost batch)
+  - `Subjects.health("controller")`, `Subjects.PING_ALL`   HealthRequest -> HealthReply(service="controller")
 Sends: `ControllerHello` on start and after every NATS reconnect (producers register again and full-sync:
-that is how a restarted controller rebuilds its whole index), `SyncRequest` to `Subjects.sync(producer_id)`
-when the table asks for one. A maintenance task ticks the table (liveness, sync retries) a few times a second.
+that is how a restarted controller rebuilds its whole index), `SyncRequest` to `Subjects.sync(path)` when the
+table asks for one. A maintenance task ticks the table (liveness, sync retries) a few times a second.
+
+Who sent a message is the producer path its subject ends in (NATS permissions let only that principal publish
+there, docs/security.md); the body must agree with it. A registration binds a producer id to its path (an engine
+worker's id is derived from its instance, a store's is its principal's name) unless another live path owns that
+id; events and heartbeats count only from the path their producer registered from. Anything else is dropped and
+counted in `forged_messages`; a heartbeat of an unknown producer makes it announce itself again.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from nats.aio.subscription import Subscription
 from kvmesh.shared.aio import cancel_and_wait
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.errors import MeshUnavailable, ProtocolError
-from kvmesh.shared.protocol import Subjects
+from kvmesh.shared.protocol import ProducerPath, Subjects, worker_id_for
 from kvmesh.services.controller.producers import ProducerTable
 
 log = logging.getLogger(__name__)
@@ -64,19 +70,18 @@ class ProducerFeed:
         self._reconnects_seen = 0
         self.sync_requests_sent = 0
         self.bad_messages = 0
+        self.forged_messages = 0
 
     async def start(self) -> None:
         limits = dict(pending_msgs_limit=bus.PENDING_MSGS_LIMIT, pending_bytes_limit=bus.PENDING_BYTES_LIMIT)
         self._subs = [
-            await self.nc.subscribe(Subjects.EVENTS_WILDCARD, cb=self._on_event, **limits),
-            await self.nc.subscribe(Subjects.REGISTER, cb=self._on_register, **limits),
-            await self.nc.subscribe(Subjects.HEARTBEAT, cb=self._on_heartbeat, **limits),
-            await bus.serve(self.nc, Subjects.health("controller"), protocol.HealthRequest, self._on_health),
+            await self.nc.subscribe(Subjects.EVENTS_ALL, cb=self._on_event, **limits),
+            await self.nc.subscribe(Subjects.REGISTER_ALL, cb=self._on_register, **limits),
+            await self.nc.subscribe(Subjects.HEARTBEAT_ALL, cb=self._on_heartbeat, **limits),
+            await bus.serve(self.nc, Subjects.health(protocol.CONTROLLER.path), protocol.HealthRequest,
+                            self._on_health),
             await bus.serve(self.nc, Subjects.PING_ALL, protocol.HealthRequest, self._on_health),
         ]
-        if Subjects.token(self.controller_id) != "controller":
-            self._subs.append(await bus.serve(self.nc, Subjects.health(self.controller_id),
-                                              protocol.HealthRequest, self._on_health))
         # Subscriptions must be in place on the server before producers answer the hello.
         await self.nc.flush(timeout=5)
         self._reconnects_seen = self.nc.stats["reconnects"]
@@ -112,6 +117,8 @@ class ProducerFeed:
         except ProtocolError as exc:
             self._bad(msg, exc)
             return
+        if not self._from_registered(msg, Subjects.EVENTS_ALL, event.producer_id):
+            return
         now = self.clock()
         if isinstance(event, protocol.AdmissionBatch):
             wants_sync = self.table.on_batch(event, now)
@@ -126,19 +133,65 @@ class ProducerFeed:
         except ProtocolError as exc:
             self._bad(msg, exc)
             return
+        sender = Subjects.producer_of(msg.subject, Subjects.REGISTER_ALL)
+        path = self._registration_path(sender, reg)
+        if path is None:
+            return
         if isinstance(reg, protocol.RegisterEngine):
-            self.table.on_register_engine(reg, self.clock())
+            self.table.on_register_engine(reg, self.clock(), path)
             log.info("registered engine worker %s (instance %s, rank %d/%d)", reg.worker_id, reg.instance_id,
                      reg.rank, reg.world_size)
         else:
-            self.table.on_register_store(reg, self.clock())
+            self.table.on_register_store(reg, self.clock(), path)
             log.info("registered store %s (%s)", reg.store_id, reg.location)
+
+    def _registration_path(self, sender: ProducerPath | None,
+                           reg: protocol.RegisterEngine | protocol.RegisterStore) -> str | None:
+        """The verified producer path of a registration, or None (logged, counted) when it must be refused."""
+        if isinstance(reg, protocol.RegisterEngine):
+            producer_id, role = reg.worker_id, "engine"
+            valid = sender is not None and sender.owns(reg.instance_id, reg.worker_id) and (
+                reg.worker_id == worker_id_for(reg.instance_id, reg.world_size, reg.rank))
+        else:
+            producer_id, role = reg.store_id, "store"
+            valid = sender is not None and sender.owns(reg.store_id, reg.store_id)
+        if sender is None or sender.role != role or not valid:
+            self._forged(f"a {role} registration of {producer_id!r} from "
+                         f"{sender.path if sender else 'a subject without a producer path'}")
+            return None
+        owner = self.table.owner_of(producer_id, sender.path)
+        if owner is not None:
+            self._forged(f"{sender.path} registering {producer_id!r}, which {owner} holds while alive")
+            return None
+        return sender.path
+
+    def _from_registered(self, msg: Msg, wildcard: str, producer_id: str) -> bool:
+        """Whether `msg` came from the path `producer_id` registered from; else it is dropped and counted."""
+        sender = Subjects.producer_of(msg.subject, wildcard)
+        if sender is not None and self.table.sender_is(producer_id, sender.path):
+            return True
+        if sender is not None and self.table.producer(producer_id) is None \
+                and sender.producer == Subjects.token(producer_id):
+            return False  # not registered yet (or we missed it): its heartbeat makes it announce itself
+        self._forged(f"a message of producer {producer_id!r} from {sender.path if sender else msg.subject}")
+        return False
+
+    def _forged(self, what: str) -> None:
+        self.forged_messages += 1
+        log.warning("controller: refused %s", what)
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:
             heartbeat = protocol.decode(msg.data, protocol.Heartbeat)
         except ProtocolError as exc:
             self._bad(msg, exc)
+            return
+        sender = Subjects.producer_of(msg.subject, Subjects.HEARTBEAT_ALL)
+        if self.table.producer(heartbeat.producer_id) is None and sender is not None \
+                and sender.producer == Subjects.token(heartbeat.producer_id):
+            self._ask_sync(sender.path, "unregistered")  # it announces itself: registration and full sync
+            return
+        if not self._from_registered(msg, Subjects.HEARTBEAT_ALL, heartbeat.producer_id):
             return
         if self.table.on_heartbeat(heartbeat, self.clock()):
             self.request_sync(heartbeat.producer_id, "unknown or behind")
@@ -155,20 +208,25 @@ class ProducerFeed:
     # Outgoing
 
     def request_sync(self, producer_id: str, reason: str) -> None:
-        """Ask one producer for a full sync, in the background (never blocks an event handler)."""
-        task = asyncio.get_running_loop().create_task(self._request_sync(producer_id, reason))
+        """Ask one registered producer for a full sync, in the background (never blocks an event handler)."""
+        producer = self.table.producer(producer_id)
+        if producer is not None and producer.path is not None:
+            self._ask_sync(producer.path, reason)
+
+    def _ask_sync(self, path: str, reason: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._request_sync(path, reason))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _request_sync(self, producer_id: str, reason: str) -> None:
+    async def _request_sync(self, path: str, reason: str) -> None:
         self.sync_requests_sent += 1
         try:
-            await bus.request(self.nc, Subjects.sync(producer_id), protocol.SyncRequest(reason=reason),
+            await bus.request(self.nc, Subjects.sync(path), protocol.SyncRequest(reason=reason),
                               protocol.Ack, timeout=SYNC_REQUEST_TIMEOUT_S)
-            log.info("asked %s for a full sync (%s)", producer_id, reason)
+            log.info("asked %s for a full sync (%s)", path, reason)
         except (MeshUnavailable, ProtocolError) as exc:
             # Retried by the maintenance pass while the producer is alive.
-            log.info("sync request to %s (%s) not acknowledged: %s", producer_id, reason, exc)
+            log.info("sync request to %s (%s) not acknowledged: %s", path, reason, exc)
 
     async def _tick_loop(self) -> None:
         while True:

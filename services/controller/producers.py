@@ -50,6 +50,7 @@ class Producer:
     producer_id: str
     slot: int
     location: str | None = None
+    path: str | None = None  # the producer path its registration came from: its other messages must too
     engine: protocol.RegisterEngine | None = None
     store: protocol.RegisterStore | None = None
     registered_at: float | None = None
@@ -178,8 +179,22 @@ class ProducerTable:
         self._touch(producer, now)
         self.version += 1
 
-    def on_register_engine(self, reg: protocol.RegisterEngine, now: float) -> None:
+    def owner_of(self, producer_id: str, path: str) -> str | None:
+        """The path that owns `producer_id` while it is alive when that is not `path` (a registration from
+        `path` must then be refused), else None."""
+        producer = self.producers.get(producer_id)
+        if producer is None or producer.path in (None, path) or not producer.alive:
+            return None
+        return producer.path
+
+    def sender_is(self, producer_id: str, path: str) -> bool:
+        """Whether `path` is the path `producer_id` registered from (its events and heartbeats must be)."""
+        producer = self.producers.get(producer_id)
+        return producer is not None and producer.path == path
+
+    def on_register_engine(self, reg: protocol.RegisterEngine, now: float, path: str | None = None) -> None:
         producer = self._get_or_create(reg.worker_id, now, LOCAL_CPU)
+        producer.path = path
         previous = producer.engine.started_at if producer.engine is not None else None
         if producer.engine is not None and producer.engine.instance_id != reg.instance_id:
             self._forget_rank(producer.engine.instance_id, producer.engine.rank, reg.worker_id)
@@ -189,8 +204,9 @@ class ProducerTable:
         self.instances.setdefault(reg.instance_id, {})[reg.rank] = reg.worker_id
         self._registered(producer, reg.started_at, previous, now)
 
-    def on_register_store(self, reg: protocol.RegisterStore, now: float) -> None:
+    def on_register_store(self, reg: protocol.RegisterStore, now: float, path: str | None = None) -> None:
         producer = self._get_or_create(reg.store_id, now, reg.location)
+        producer.path = path
         previous = producer.store.started_at if producer.store is not None else None
         producer.store, producer.location = reg, reg.location
         self._registered(producer, reg.started_at, previous, now)

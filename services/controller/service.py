@@ -20,7 +20,9 @@ from typing import Any, Callable, Iterator
 import uvicorn
 
 from kvmesh.shared import bus
+from kvmesh.shared.credentials import credentials_for
 from kvmesh.shared.local_mesh import LocalMesh
+from kvmesh.shared.protocol import CONTROLLER
 from kvmesh.shared.errors import KVMeshError
 from kvmesh.services.controller.api import create_app
 from kvmesh.services.controller.config import ControllerConfig
@@ -86,10 +88,12 @@ class ControllerService:
         if not config.nats_url:
             # Blocking for the ~0.1 s the server takes to listen; it must be started from this (long-lived)
             # thread, since the child dies with the thread that started it.
-            self.embedded = LocalMesh([], nats_port=config.monitor_port or None, nats_host=config.host)
+            self.embedded = LocalMesh([], nats_port=config.monitor_port or None, nats_host=config.nats_host)
             self.embedded.start_nats()
         url = bus.normalize_url(self.nats_url)
-        self.nc = await bus.connect(url, name=f"kvmesh-{self.core.controller_id}")
+        auth = (self.embedded.auth(CONTROLLER) if self.embedded is not None
+                else credentials_for(url, CONTROLLER, config.nats_auth))
+        self.nc = await bus.connect(url, name=f"kvmesh-{self.core.controller_id}", auth=auth)
         self.core.router.nc = self.nc
         self.feed = ProducerFeed(self.nc, self.core.table, self.core.controller_id, clock=self.core.clock,
                          tick_interval_s=config.tick_interval_s, health_details=self._health_details)

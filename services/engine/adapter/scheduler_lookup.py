@@ -63,6 +63,7 @@ class WorkerInfo:
 
     rank: int
     pid: int
+    instance_id: str
     lookup_id: str
     nats_url: str | None
     model: str
@@ -80,7 +81,8 @@ class WorkerInfo:
     @classmethod
     def of(cls, engine: "CacheEngine", lookup_id: str) -> "WorkerInfo":
         params, config = engine.key_params, engine.config
-        return cls(rank=engine.rank, pid=os.getpid(), lookup_id=lookup_id, nats_url=engine.nats_url,
+        return cls(rank=engine.rank, pid=os.getpid(), instance_id=config.lmcache_instance_id, lookup_id=lookup_id,
+                   nats_url=engine.nats_url,
                    model=params.model, kv_format=params.kv_format, key_world_size=params.world_size,
                    key_rank=params.rank, chunk_size=config.chunk_size, save_unfull_chunk=config.save_unfull_chunk,
                    has_lower=engine.storage is not None and engine.storage.has_lower)
@@ -241,7 +243,7 @@ class LookupServer:
     def __init__(self, engine: "CacheEngine", nats_loop: "NatsLoop", lookup_id: str) -> None:
         self.engine = engine
         self.nats_loop = nats_loop
-        self.subject = protocol.Subjects.worker(lookup_id, PREFIX_LOOKUP_OP)
+        self.subject = protocol.Subjects.worker(engine.config.lmcache_instance_id, lookup_id, PREFIX_LOOKUP_OP)
         self._subscription: Any = None
         nats_loop.on_connected(self._serve)
 
@@ -320,7 +322,7 @@ class SchedulerLookup:
         self._use(workers)
         url = next((w.nats_url for w in workers if w.nats_url), None)
         if url and any(w.has_lower for w in workers):
-            self._connect(url)
+            self._connect(url, protocol.Principal.engine(workers[0].instance_id))  # it asks its own workers
 
     def _use(self, workers: list[WorkerInfo]) -> None:
         first = workers[0]
@@ -329,15 +331,16 @@ class SchedulerLookup:
         log.info("scheduler: %d worker(s) found; keys for %s (%s), chunk %d", len(workers), first.model,
                  first.kv_format, first.chunk_size)
 
-    def _connect(self, url: str) -> None:
+    def _connect(self, url: str, principal: protocol.Principal) -> None:
         if self._nats is not None and self._nats.url == url:
             return
         from kvmesh.services.engine.mesh.nats_loop import NatsLoop
+        from kvmesh.shared.credentials import credentials_for
 
         if self._nats is not None:
             self._nats.close()
         self._nats = NatsLoop(self._nats_name)
-        self._nats.connect(url, self._auth)
+        self._nats.connect(url, credentials_for(url, principal, self._auth))
 
     # ---- lookups ------------------------------------------------------------------------------------------------
     def update(self, events: CpuTierEvents) -> None:
@@ -384,7 +387,7 @@ class SchedulerLookup:
         if not await nats.first_connection(self.timeout):
             return 0
         assert nats.nc is not None
-        subject = protocol.Subjects.worker(worker.lookup_id, PREFIX_LOOKUP_OP)
+        subject = protocol.Subjects.worker(worker.instance_id, worker.lookup_id, PREFIX_LOOKUP_OP)
         try:
             reply = await bus.request(nats.nc, subject, request, protocol.CommandReply, self.timeout)
         except KVMeshError as exc:

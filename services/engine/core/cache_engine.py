@@ -35,14 +35,15 @@ from kvmesh.services.engine.core.memory_pool import MemoryPool, Slot
 from kvmesh.services.engine.mesh.nats_loop import NatsLoop
 from kvmesh.services.engine.core.paged_copy import PagedCopier
 from kvmesh.services.engine.core.storage_manager import RateLimitedLog, StorageManager
-from kvmesh.services.engine.mesh.worker_agent import WorkerAgent, worker_id_for
+from kvmesh.services.engine.mesh.worker_agent import WorkerAgent
 from kvmesh.services.remote_store.client import RemoteStoreClient
 from kvmesh.shared import protocol
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.eviction import Clock
 from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyExtras, KeyParams, chunk_spans
+from kvmesh.shared.credentials import credentials_for
 from kvmesh.shared.nats_auth import auth_from_config
-from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE, ChunkMeta
+from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE, ChunkMeta, worker_id_for
 from kvmesh.shared.tier import StoreTier
 
 log = logging.getLogger(__name__)
@@ -59,13 +60,13 @@ class CacheEngine:
     """
 
     def __init__(self, config: EngineConfig, key_params: KeyParams, layout: KVLayout | None = None,
-                 worker_id: str | None = None, *, use_mesh: bool = True, device: torch.device | str | None = None,
+                 *, use_mesh: bool = True, device: torch.device | str | None = None,
                  use_shm: bool = True, clock: Clock = time.monotonic) -> None:
         self.config = config
         self.key_params = key_params
         # The worker's place in its instance; key_params may name another shard (MLA: one for all ranks).
         self.world_size, self.rank = key_params.world_size, key_params.rank
-        self.worker_id = worker_id or worker_id_for(config.lmcache_instance_id, self.world_size, self.rank)
+        self.worker_id = worker_id_for(config.lmcache_instance_id, self.world_size, self.rank)
         self.writes_lower_tiers = True  # False on ranks > 0 of a replicated (MLA) cache: rank 0 writes them
         self.lora_adapters: dict[str, str] = {}  # LoRA name -> identity, as seen in requests (registration)
         self.use_mesh = use_mesh
@@ -142,13 +143,15 @@ class CacheEngine:
             log.warning("local_cpu is false and no lower tier (local_disk / remote_url) is configured: the "
                         "engine stores nothing")
         if self.nats_loop is not None and self._connection is not None:
-            self.agent = WorkerAgent(self.worker_id, self.hasher, self.storage, self._registration,
-                                     heartbeat_interval=config.heartbeat_interval_secs)
+            self.agent = WorkerAgent(config.lmcache_instance_id, self.worker_id, self.hasher, self.storage,
+                                     self._registration, heartbeat_interval=config.heartbeat_interval_secs)
             self.nats_loop.submit(self.storage.start()).result(5.0)
             self.nats_loop.on_connected(self._on_connected)
             self.nats_loop.on_close(self.agent.stop)
             self.nats_loop.on_close(self.storage.stop)
-            self.nats_loop.connect(self._connection.url, auth_from_config(config))
+            url = self._connection.url
+            principal = protocol.Principal.engine(config.lmcache_instance_id)
+            self.nats_loop.connect(url, credentials_for(url, principal, auth_from_config(config)))
         log.info("cache engine %s: chunk %d tokens = %.1f MiB (%s), CPU pool %d chunks%s%s", self.worker_id,
                  config.chunk_size, layout.chunk_nbytes(config.chunk_size) / 2**20, fmt, self.pool.num_slots,
                  " (shared memory)" if self.pool.shm_name else "",

@@ -1,10 +1,10 @@
 """The worker agent: one engine worker's presence on the mesh.
 
 Runs entirely on the engine's NATS loop thread, started once NATS is first reached. It
-  * registers the worker (`RegisterEngine` on `Subjects.REGISTER`), heartbeats, publishes batched
+  * registers the worker (`RegisterEngine` on `Subjects.register(path)`), heartbeats, publishes batched
     admission/eviction events of the CPU tier with sequence numbers and answers full-sync requests (all
     through `AdmissionReporter`, producer_id = worker_id, location LocalCPUBackend);
-  * answers `WorkerCommand`s on `Subjects.worker(worker_id, op)` for op in pin / unpin / clear / lookup at any
+  * answers `WorkerCommand`s on `Subjects.worker(instance_id, worker_id, op)` for op in pin / unpin / clear / lookup at any
     location, through the storage manager's one dispatch (`StorageManager.command`; tokens are hashed with
     the engine's ChunkHasher and the command's extras), replying `CommandReply(num_tokens=...)`;
   * answers health requests as service "engine".
@@ -29,22 +29,19 @@ from kvmesh.shared.service import serve_health
 log = logging.getLogger(__name__)
 
 
-def worker_id_for(instance_id: str, world_size: int, rank: int) -> str:
-    """`instance_id` for a single-rank instance, else one id per rank."""
-    return instance_id if world_size == 1 else f"{instance_id}.r{rank}"
-
-
 class WorkerAgent:
     """Registration, events and controller commands of one engine worker."""
 
-    def __init__(self, worker_id: str, hasher: ChunkHasher, storage: StorageManager,
+    def __init__(self, instance_id: str, worker_id: str, hasher: ChunkHasher, storage: StorageManager,
                  registration: Callable[[], protocol.RegisterEngine], heartbeat_interval: float = 2.0,
                  flush_interval: float = 0.05) -> None:
+        self.instance_id = instance_id
         self.worker_id = worker_id
+        self.path = protocol.Principal.engine(instance_id).producer(worker_id)
         self.hasher = hasher
         self.storage = storage
         self.cpu = storage.cpu
-        self.reporter = AdmissionReporter(worker_id, LOCAL_CPU, self.cpu.held_keys, registration,
+        self.reporter = AdmissionReporter(worker_id, self.path, LOCAL_CPU, self.cpu.held_keys, registration,
                                           flush_interval=flush_interval, heartbeat_interval=heartbeat_interval)
         self._subs: list[Subscription] = []
         self._started = False
@@ -53,9 +50,9 @@ class WorkerAgent:
         # Report events from now on; the reporter's first full sync covers what was admitted before.
         self.cpu.listen(self.reporter)
         for op in COMMAND_OPS:
-            self._subs.append(await bus.serve(nc, protocol.Subjects.worker(self.worker_id, op), WorkerCommand,
-                                              self._make_handler(op)))
-        await serve_health(nc, "engine", self.worker_id, self._health)
+            self._subs.append(await bus.serve(nc, protocol.Subjects.worker(self.instance_id, self.worker_id, op),
+                                              WorkerCommand, self._make_handler(op)))
+        await serve_health(nc, "engine", self.worker_id, self.path, self._health)
         await self.reporter.start(nc)
         self._started = True
         log.info("worker %s registered on the mesh", self.worker_id)

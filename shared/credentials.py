@@ -1,0 +1,197 @@
+"""A mesh's NATS credentials: one user per principal, in a private directory, and the server config they make.
+
+Layout of a credentials directory (mode 0700, every file 0600, owned by the user who made it):
+    <path>.json            one principal's credentials: {"user", "password", "inbox_prefix"} (`NatsAuth.from_file`)
+    authorization.conf     the NATS server's users and permissions, generated from the JSON files
+    nats-server.conf       the server config KVMesh's embedded NATS runs with (includes authorization.conf)
+    nats-server.pid        that server's pid: adding a principal rewrites authorization.conf and reloads it
+
+Where KVMesh starts NATS itself (`kvmesh up`, `lmcache_controller`, the engine's embedded mesh) the directory is
+`<runtime dir>/nats-<port>` (`local_mesh_dir`), so a vLLM on the same host that names that NATS in its config
+finds it and adds its own instance's user (`provision`): the quickstart YAML files work as written, with auth.
+Anyone who can read the directory is the mesh's administrator; nothing else can connect.
+Passwords are random (32 bytes); they travel in files or environment variables, never on a command line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import ipaddress
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import stat
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Iterator
+
+from kvmesh.shared.bus import NatsAuth
+from kvmesh.shared.errors import ConfigError
+from kvmesh.shared.nats_permissions import authorization_block, inbox_prefix, permissions
+from kvmesh.shared.protocol import OPERATOR, Principal
+
+log = logging.getLogger(__name__)
+
+AUTHORIZATION_FILE = "authorization.conf"
+SERVER_CONFIG_FILE = "nats-server.conf"
+PID_FILE = "nats-server.pid"
+
+
+def runtime_dir() -> Path:
+    """Where KVMesh keeps the credentials of the meshes it starts: $KVMESH_RUNTIME_DIR, else /tmp/kvmesh-<uid>."""
+    return Path(os.environ.get("KVMESH_RUNTIME_DIR") or f"/tmp/kvmesh-{os.getuid()}")
+
+
+def local_mesh_dir(port: int) -> Path:
+    """The credentials directory of the KVMesh-started NATS on this host's `port`."""
+    return runtime_dir() / f"nats-{port}"
+
+
+def private_dir(path: Path) -> Path:
+    """`path` as a directory only we can use: created 0700 if missing; ConfigError if it is a symlink, not ours,
+    or open to others (someone else could then read or plant credentials)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise ConfigError(f"credentials directory {path} is not a plain directory")
+    if info.st_uid != os.getuid():
+        raise ConfigError(f"credentials directory {path} belongs to uid {info.st_uid}, not to us ({os.getuid()})")
+    if info.st_mode & 0o077:
+        raise ConfigError(f"credentials directory {path} is open to other users (mode {info.st_mode & 0o777:o}); "
+                          "chmod 700 it")
+    return path
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` atomically, readable by us alone."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    os.replace(temporary, path)
+
+
+class MeshCredentials:
+    """The credentials directory of one mesh (see the module docstring)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = private_dir(Path(root))
+
+    def file(self, path: str) -> Path:
+        """The credentials file of the principal at `path` (it may not exist yet)."""
+        permissions(path)  # a principal path, nothing that could name another file
+        return self.root / f"{path}.json"
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # several processes add principals (the ranks of a vLLM)
+            yield
+        finally:
+            os.close(fd)
+
+    def ensure(self, *paths: str) -> bool:
+        """Create credentials for every principal in `paths` that has none; True when any was added (the
+        authorization file is then rewritten: a running server needs `reload_server()`)."""
+        with self._locked():
+            missing = [path for path in paths if not self.file(path).exists()]
+            for path in missing:
+                _write_private(self.file(path), json.dumps({
+                    "user": path, "password": secrets.token_urlsafe(32), "inbox_prefix": inbox_prefix(path)}))
+            if missing or not (self.root / AUTHORIZATION_FILE).exists():
+                _write_private(self.root / AUTHORIZATION_FILE, authorization_block(self._users()))
+        return bool(missing)
+
+    def _users(self) -> list[tuple[str, str]]:
+        users = []
+        for file in sorted(self.root.glob("*.json")):
+            entry = json.loads(file.read_text())
+            users.append((entry["user"], entry["password"]))
+        return users
+
+    def server_config(self, listen: str, settings: str = "") -> Path:
+        """Write the NATS server config (listen address, `settings`, our users); its path."""
+        self.ensure(OPERATOR.path)  # never an empty user list: NATS would then let anyone in
+        config = self.root / SERVER_CONFIG_FILE
+        _write_private(config, f"listen: {listen}\npid_file: {json.dumps(str(self.root / PID_FILE))}\n"
+                               f"{settings}include ./{AUTHORIZATION_FILE}\n")
+        return config
+
+    def reload_server(self) -> bool:
+        """Make the NATS server running with this directory's config read its users again (SIGHUP); False when
+        no such server runs (a stale pid file, or a pid now used by another program, is left alone)."""
+        try:
+            pid = int((self.root / PID_FILE).read_text().strip())
+            executable = os.readlink(f"/proc/{pid}/exe")
+        except (OSError, ValueError):
+            return False
+        if "nats-server" not in Path(executable).name:
+            return False
+        os.kill(pid, signal.SIGHUP)
+        return True
+
+
+def credentials_for(url: str, principal: Principal, given: NatsAuth | None) -> NatsAuth | None:
+    """The credentials a client acting as `principal` connects to `url` with: `given` ones, else its own from
+    a KVMesh-started NATS on this host (`provision`), else none."""
+    return given if given is not None else provision(url, principal.path)
+
+
+def provision(url: str, path: str, timeout: float = 10.0) -> NatsAuth | None:
+    """Credentials of the principal at `path` for the NATS at `url` when KVMesh started that NATS on this host
+    (its directory `local_mesh_dir(port)` is here and ours): added and loaded into the server if missing.
+    None when `url` is not such a NATS, or we may not use its directory (logged)."""
+    address = _loopback_address(url)
+    if address is None or not local_mesh_dir(address[1]).is_dir():
+        return None
+    try:
+        mesh = MeshCredentials(local_mesh_dir(address[1]))
+        if mesh.ensure(path) and mesh.reload_server():
+            auth = NatsAuth.from_file(mesh.file(path))
+            deadline = time.monotonic() + timeout
+            while not server_accepts(*address, auth) and time.monotonic() < deadline:
+                time.sleep(0.02)  # the reload takes a moment
+        return NatsAuth.from_file(mesh.file(path))
+    except (ConfigError, OSError) as exc:
+        log.warning("cannot use the credentials of the local NATS %s (%s); connecting without", url, exc)
+        return None
+
+
+def _loopback_address(url: str) -> tuple[str, int] | None:
+    """(host, port) of a single NATS URL on this host's loopback, else None."""
+    if "," in url:
+        return None
+    parsed = urllib.parse.urlsplit(url if "://" in url else f"nats://{url}")
+    host = parsed.hostname or ""
+    if host != "localhost" and not (_is_ip(host) and ipaddress.ip_address(host).is_loopback):
+        return None
+    return host, parsed.port or 4222
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def server_accepts(host: str, port: int, auth: NatsAuth) -> bool:
+    """Whether the NATS server at host:port accepts `auth`'s user/password now (one bare protocol handshake)."""
+    connect = json.dumps({"user": auth.user, "pass": auth.password, "verbose": False, "pedantic": False})
+    try:
+        with socket.create_connection((host, port), timeout=2.0) as sock:
+            reader = sock.makefile("rb")
+            reader.readline()  # INFO
+            sock.sendall(f"CONNECT {connect}\r\nPING\r\n".encode())
+            return reader.readline().startswith(b"PONG")
+    except OSError:
+        return False

@@ -1,0 +1,71 @@
+"""What each principal of the mesh may publish and subscribe on NATS: the server's authorization, per role.
+
+Every subject a principal publishes ends in its own path (shared/protocol.py `Principal`), so these allow lists
+bind each message to its sender: an engine instance may register, heartbeat and report events only as itself,
+take only its own workers' commands, call stores only under its own path; a store hears only its own ops; only
+the controller says hello or asks for a sync; only the operator wipes a store. Replies go to per-principal
+inboxes (`_INBOX.<path>.>`, nats-py's `inbox_prefix`), so no principal can read another's replies; responders
+answer through `allow_responses` (one reply per request received), not through a publish right on inboxes.
+
+`authorization_block(users)` renders the NATS server config for a list of (path, password); docs/security.md
+shows the same lists in prose.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from kvmesh.shared.protocol import ROLES, Subjects
+
+P = Subjects.PREFIX
+# Store ops an engine worker sends (never `wipe`: an operator's).
+ENGINE_STORE_OPS = ("put", "get", "contains", "touch", "pin", "unpin", "remove", "clear", "stats", "stream")
+OPERATOR_STORE_OPS = ("wipe", "stats")
+
+
+@dataclass(frozen=True)
+class Permissions:
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+
+
+def inbox_prefix(path: str) -> str:
+    """Where a principal's request replies arrive (nats-py `inbox_prefix`)."""
+    return f"_INBOX.{path}"
+
+
+def permissions(path: str) -> Permissions:
+    """The allow lists of the principal at `path` (`engine.<instance>`, `store.<id>`, `controller`, `operator`)."""
+    role, _, name = path.partition(".")
+    if role not in ROLES or bool(name) != (role in ("engine", "store")) or "." in name:
+        raise ValueError(f"not a principal path: {path!r}")
+    inbox = f"{inbox_prefix(path)}.>"
+    listen_all = (Subjects.CONTROLLER_HELLO, Subjects.PING_ALL)
+    produces = (f"{P}.ctrl.register.{path}.*", f"{P}.ctrl.heartbeat.{path}.*", f"{P}.events.{path}.*")
+    serves = (f"{P}.sync.{path}.*", f"{P}.health.{path}.*")
+    if role == "engine":
+        return Permissions(
+            publish=(*produces, f"{P}.worker.{name}.>", *(f"{P}.store.*.{op}.{path}.*" for op in ENGINE_STORE_OPS)),
+            subscribe=(f"{P}.worker.{name}.>", *serves, *listen_all, inbox))
+    if role == "store":
+        return Permissions(publish=produces, subscribe=(f"{P}.store.{name}.>", *serves, *listen_all, inbox))
+    if role == "controller":
+        return Permissions(
+            publish=(Subjects.CONTROLLER_HELLO, Subjects.PING_ALL, f"{P}.sync.>", f"{P}.worker.>", f"{P}.health.>"),
+            subscribe=(Subjects.REGISTER_ALL, Subjects.HEARTBEAT_ALL, Subjects.EVENTS_ALL,
+                       Subjects.health(path), Subjects.PING_ALL, inbox))
+    return Permissions(  # operator: health, stats and wipe; it answers nothing
+        publish=(Subjects.PING_ALL, f"{P}.health.>", *(f"{P}.store.*.{op}.{path}" for op in OPERATOR_STORE_OPS)),
+        subscribe=(inbox,))
+
+
+def authorization_block(users: list[tuple[str, str]]) -> str:
+    """The NATS server config's `authorization` block: one user per (principal path, password)."""
+    entries = []
+    for path, password in users:
+        allowed = permissions(path)
+        entries.append(json.dumps({"user": path, "password": password, "permissions": {
+            "publish": {"allow": list(allowed.publish)}, "subscribe": {"allow": list(allowed.subscribe)},
+            "allow_responses": True}}))
+    return "authorization {\n  users: [\n    " + ",\n    ".join(entries) + "\n  ]\n}\n"
