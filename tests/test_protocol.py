@@ -72,7 +72,7 @@ def test_subjects_are_sanitised() -> None:
     assert Subjects.store("disk-host", "put", caller) == "kvmesh.store.disk-host.put.engine.a_b.a_b"
     assert Subjects.caller_of_store_op(Subjects.store("disk-host", "put", caller)) == caller
     with pytest.raises(ValueError):
-        Subjects.health("")
+        Subjects.worker("", "w", "pin")
 
 
 def test_principals_and_the_producer_path_a_subject_names() -> None:
