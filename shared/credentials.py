@@ -125,6 +125,16 @@ class MeshCredentials:
                                f"{settings}include ./{AUTHORIZATION_FILE}\n")
         return config
 
+    def admit(self, path: str, host: str, port: int, timeout: float = 10.0) -> NatsAuth:
+        """The credentials of `path`, added if missing and then loaded into the running server at host:port
+        (waiting until it accepts them)."""
+        if self.ensure(path) and self.reload_server():
+            auth = NatsAuth.from_file(self.file(path))
+            deadline = time.monotonic() + timeout
+            while not server_accepts(host, port, auth) and time.monotonic() < deadline:
+                time.sleep(0.02)  # the reload takes a moment
+        return NatsAuth.from_file(self.file(path))
+
     def reload_server(self) -> bool:
         """Make the NATS server running with this directory's config read its users again (SIGHUP); False when
         no such server runs (a stale pid file, or a pid now used by another program, is left alone)."""
@@ -153,13 +163,7 @@ def provision(url: str, path: str, timeout: float = 10.0) -> NatsAuth | None:
     if address is None or not local_mesh_dir(address[1]).is_dir():
         return None
     try:
-        mesh = MeshCredentials(local_mesh_dir(address[1]))
-        if mesh.ensure(path) and mesh.reload_server():
-            auth = NatsAuth.from_file(mesh.file(path))
-            deadline = time.monotonic() + timeout
-            while not server_accepts(*address, auth) and time.monotonic() < deadline:
-                time.sleep(0.02)  # the reload takes a moment
-        return NatsAuth.from_file(mesh.file(path))
+        return MeshCredentials(local_mesh_dir(address[1])).admit(path, *address, timeout)
     except (ConfigError, OSError) as exc:
         log.warning("cannot use the credentials of the local NATS %s (%s); connecting without", url, exc)
         return None

@@ -99,10 +99,8 @@ class LocalMesh:
         of this process's environment ($KVMESH_NATS_*)."""
         if self.credentials is None:
             return nats_auth_from_args(argparse.Namespace())
-        path = principal.path
-        if self.credentials.ensure(path):
-            self.credentials.reload_server()
-        return bus.NatsAuth.from_file(self.credentials.file(path))
+        assert self._nats is not None
+        return self.credentials.admit(principal.path, "127.0.0.1", self._nats.port)
 
     def start_services(self, ready_timeout: float = 30.0) -> None:
         """Spawn the service processes and wait until each answers health (on failure they are stopped again;

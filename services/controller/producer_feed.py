@@ -156,7 +156,7 @@ class ProducerFeed:
             producer_id, role = reg.store_id, "store"
             valid = sender is not None and sender.owns(reg.store_id, reg.store_id)
         if sender is None or sender.role != role or not valid:
-            self._forged(f"a {role} registration of {producer_id!r} from "
+            self._forged(f"{role} registration of {producer_id!r} from "
                          f"{sender.path if sender else 'a subject without a producer path'}")
             return None
         owner = self.table.owner_of(producer_id, sender.path)

@@ -1,0 +1,238 @@
+"""The mesh as an attacker on the bus sees it (docs/security.md): real NATS with KVMesh's generated users and
+permissions, real engines, stores and controller, all on loopback.
+
+Each attack is tried with the weakest credentials that could carry it out: none, another role's, another
+instance's; each must be refused by NATS (a permissions violation the attacker's connection is told about) or
+by the receiver (a body that disagrees with the subject it came on), and leave what the victim holds intact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterator
+
+import httpx
+import nats
+import pytest
+
+from kvmesh.services.controller.config import ControllerConfig
+from kvmesh.services.controller.service import ControllerService
+from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.shared import bus, protocol
+from kvmesh.shared.credentials import MeshCredentials, local_mesh_dir, provision
+from kvmesh.shared.errors import MeshUnavailable
+from kvmesh.shared.keys import KeyParams
+from kvmesh.shared.local_mesh import LocalMesh
+from kvmesh.shared.protocol import CONTROLLER, LOCAL_CPU, OPERATOR, Principal, Subjects
+
+from test_engine_support import CHUNK, PagedKV, engine_config, random_tokens
+from waiting import WAIT_S, wait_until_async
+
+PARAMS = KeyParams(model="test-model", kv_format="")
+
+
+@pytest.fixture
+def mesh() -> Iterator[LocalMesh]:
+    """A KVMesh-started NATS with its credentials (no service processes: the tests bring their own)."""
+    local = LocalMesh([])
+    local.start_nats()
+    yield local
+    local.stop()
+
+
+class Attacker:
+    """A raw nats-py connection with some principal's credentials, collecting what the server refuses it."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.nc: Any = None
+
+    async def connect(self, url: str, auth: bus.NatsAuth | None) -> "Attacker":
+        async def on_error(exc: Exception) -> None:
+            self.errors.append(str(exc))
+
+        self.nc = await nats.connect(url, error_cb=on_error, allow_reconnect=False,
+                                     **(auth.connect_options() if auth else {}))
+        return self
+
+    async def refused(self, subject: str, kind: str = "Publish") -> None:
+        """Wait until the server told us it refused `kind` on `subject`."""
+        expected = f"permissions violation for {kind} to \"{subject}\"".lower()  # nats-py lowercases it
+        await wait_until_async(lambda: any(expected in error.lower() for error in self.errors),
+                               what=f"NATS to refuse {kind} on {subject}")
+
+    async def close(self) -> None:
+        await self.nc.close()
+
+
+@contextlib.asynccontextmanager
+async def controller_on(mesh: LocalMesh) -> AsyncIterator[tuple[ControllerService, httpx.AsyncClient]]:
+    config = ControllerConfig(host="127.0.0.1", port=0, nats_url=mesh.nats_url, controller_id="controller-test",
+                              command_timeout_s=WAIT_S, tick_interval_s=0.05, nats_auth=mesh.auth(CONTROLLER))
+    service = await ControllerService(config).start()
+    try:
+        async with httpx.AsyncClient(base_url=service.url, timeout=2 * WAIT_S) as client:
+            yield service, client
+    finally:
+        await service.stop()
+
+
+def tenant_engine(mesh: LocalMesh, instance_id: str, kv: PagedKV, **overrides: object) -> CacheEngine:
+    """A real engine worker that finds its own credentials (it adds its instance's user to the local mesh)."""
+    engine = CacheEngine(engine_config(nats_url=mesh.nats_url, lmcache_instance_id=instance_id, **overrides),
+                         PARAMS, kv.layout)
+    assert engine.wait_connected(WAIT_S), f"{instance_id} never connected"
+    return engine
+
+
+# ---- authentication ------------------------------------------------------------------------------------------
+async def test_without_credentials_or_with_wrong_ones_the_mesh_refuses(mesh: LocalMesh) -> None:
+    assert mesh.nats_url is not None
+    with pytest.raises(MeshUnavailable, match="Authorization Violation"):
+        await bus.connect(mesh.nats_url, "anonymous", first_connect_wait=WAIT_S)
+    with pytest.raises(MeshUnavailable, match="Authorization Violation"):
+        await bus.connect(mesh.nats_url, "guess", bus.NatsAuth(user="controller", password="guess"),
+                          first_connect_wait=WAIT_S)
+    nc = await bus.connect(mesh.nats_url, "operator", mesh.auth(OPERATOR), first_connect_wait=WAIT_S)
+    await nc.close()
+
+
+def test_credentials_are_private_files(mesh: LocalMesh) -> None:
+    assert mesh.credentials is not None
+    root = mesh.credentials.root
+    assert root == local_mesh_dir(int(str(mesh.nats_url).rsplit(":", 1)[1]))
+    assert root.stat().st_mode & 0o777 == 0o700
+    files = list(root.iterdir())
+    assert files and all(f.stat().st_mode & 0o077 == 0 for f in files)
+    # a principal added later (an engine on this host) is loaded into the running server
+    auth = provision(str(mesh.nats_url), Principal.engine("late").path)
+    assert auth is not None and auth.user == "engine.late" and auth.inbox_prefix == "_INBOX.engine.late"
+
+
+def test_a_credentials_directory_open_to_others_is_refused(tmp_path: Path) -> None:
+    shared = tmp_path / "creds"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    with pytest.raises(ValueError, match="open to other users"):
+        MeshCredentials(shared)
+
+
+# ---- authorization: each role only its own subjects -----------------------------------------------------------
+async def test_an_engine_cannot_act_as_another_instance_a_store_or_the_controller(mesh: LocalMesh) -> None:
+    url = str(mesh.nats_url)
+    victim = Principal.engine("tenant-a").producer("tenant-a")
+    attacker = await Attacker().connect(url, mesh.auth(Principal.engine("tenant-b")))
+    try:
+        attempts = [
+            Subjects.worker("tenant-a", "tenant-a", "clear"),  # a command to another instance's worker
+            Subjects.register(victim), Subjects.heartbeat(victim), Subjects.events(victim),  # speak as it
+            Subjects.events(protocol.store_path("disk-x")),  # a store's admissions
+            Subjects.CONTROLLER_HELLO,  # make every producer re-register and full-sync
+            Subjects.sync(protocol.store_path("disk-x")),  # make a store publish everything it holds
+            Subjects.store("disk-x", "put", victim),  # a put in another instance's name
+            Subjects.store("disk-x", "clear", victim),  # a clear of another instance's claims
+            Subjects.store("disk-x", "wipe", Principal.engine("tenant-b").producer("tenant-b")),  # an operator's op
+        ]
+        for subject in attempts:
+            await attacker.nc.publish(subject, b"x")
+        for subject in ("kvmesh.events.>", "kvmesh.worker.tenant-a.>", "kvmesh.store.disk-x.>",
+                        "_INBOX.controller.>"):
+            await attacker.nc.subscribe(subject)  # read admissions (every key), commands, store traffic, replies
+        await attacker.nc.flush()
+        for subject in attempts:
+            await attacker.refused(subject)
+        for subject in ("kvmesh.events.>", "kvmesh.worker.tenant-a.>", "kvmesh.store.disk-x.>",
+                        "_INBOX.controller.>"):
+            await attacker.refused(subject, "Subscription")
+    finally:
+        await attacker.close()
+
+
+async def test_a_store_and_the_operator_keep_to_their_roles(mesh: LocalMesh) -> None:
+    url = str(mesh.nats_url)
+    store = await Attacker().connect(url, mesh.auth(Principal.store("disk-x")))
+    operator = await Attacker().connect(url, mesh.auth(OPERATOR))
+    try:
+        engine_path = Principal.engine("tenant-a").producer("tenant-a")
+        for subject in (Subjects.events(engine_path), Subjects.events(protocol.store_path("disk-y")),
+                        Subjects.worker("tenant-a", "tenant-a", "pin"), Subjects.CONTROLLER_HELLO):
+            await store.nc.publish(subject, b"x")
+            await store.refused(subject)
+        await store.nc.subscribe("kvmesh.store.disk-y.>")
+        await store.refused("kvmesh.store.disk-y.>", "Subscription")
+        for subject in (Subjects.worker("tenant-a", "tenant-a", "clear"), Subjects.events(engine_path),
+                        Subjects.store("disk-x", "put", OPERATOR.path)):
+            await operator.nc.publish(subject, b"x")
+            await operator.refused(subject)
+        await operator.nc.subscribe("kvmesh.events.>")
+        await operator.refused("kvmesh.events.>", "Subscription")
+    finally:
+        await store.close()
+        await operator.close()
+
+
+# ---- identity: what gets past NATS is checked against the subject ----------------------------------------------
+async def test_an_instance_cannot_be_hijacked_and_forged_admissions_are_ignored(mesh: LocalMesh) -> None:
+    kv = PagedKV(num_blocks=128)
+    victim = await asyncio.to_thread(tenant_engine, mesh, "tenant-a", kv)
+    attacker = await Attacker().connect(str(mesh.nats_url), mesh.auth(Principal.engine("tenant-b")))
+    try:
+        async with controller_on(mesh) as (service, client):
+            tokens = random_tokens(2 * CHUNK, seed=11)
+            await asyncio.to_thread(victim.store, tokens, **kv.kv(kv.slots(len(tokens))))
+
+            async def lookup(token_list: list[int]) -> dict[str, Any]:
+                response = await client.post("/lookup", json={"tokens": token_list})
+                assert response.status_code == 200, response.text
+                return response.json()["layout_info"]
+
+            await wait_until_async(lambda: lookup(tokens.tolist()), what="the victim's prompt listed")
+            assert service.feed is not None
+            forged_before = service.feed.forged_messages
+
+            # tenant-b registers "tenant-a" from its own path: the body disagrees with the subject
+            own_path = Principal.engine("tenant-b").producer("tenant-a")
+            registration = victim._registration()
+            await attacker.nc.publish(Subjects.register(own_path), protocol.encode(registration))
+            # ...and reports chunks no one holds: as the victim, and as a store
+            ghost = random_tokens(2 * CHUNK, seed=12)
+            ghost_keys = victim.hasher.keys(ghost.tolist())
+            for producer_id, location in (("tenant-a", LOCAL_CPU), ("disk-x", protocol.LOCAL_DISK)):
+                await attacker.nc.publish(
+                    Subjects.events(Principal.engine("tenant-b").producer(producer_id)),
+                    protocol.encode(protocol.AdmissionBatch(producer_id=producer_id, location=location, seq=99,
+                                                            admitted=ghost_keys, evicted=[])))
+            await attacker.nc.flush()
+            # (the batch of the never-registered "disk-x" is dropped as a stranger's, without counting as forged)
+            await wait_until_async(lambda: service.feed.forged_messages >= forged_before + 2,
+                                   what="the controller to refuse the forged registration and batch")
+            assert await lookup(ghost.tolist()) == {}, "forged admissions are not reported"
+            assert await lookup(tokens.tolist()) == {"tenant-a": [LOCAL_CPU, len(tokens)]}
+            # a pin for tenant-a still reaches the real tenant-a
+            pinned = await client.post("/pin", json={"tokens": tokens.tolist(), "instance_id": "tenant-a",
+                                                     "location": LOCAL_CPU})
+            assert pinned.status_code == 200 and pinned.json()["num_tokens"] == len(tokens), pinned.text
+            assert all(victim.cpu._policy.is_pinned(key) for key in victim.hasher.keys(tokens.tolist()))
+    finally:
+        await attacker.close()
+        await asyncio.to_thread(victim.close)
+
+
+def test_the_controller_s_embedded_nats_listens_on_loopback_whatever_host_the_api_uses() -> None:
+    from kvmesh.services.controller.config import parse_args
+
+    config = parse_args(["--host", "0.0.0.0", "--port", "0", "--monitor-port", "0"])
+    assert config.host == "0.0.0.0" and config.nats_host == "127.0.0.1"
+
+    async def run() -> str:
+        service = await ControllerService(config).start()
+        try:
+            assert service.embedded is not None and service.embedded.credentials is not None
+            return (service.embedded.credentials.root / "nats-server.conf").read_text()
+        finally:
+            await service.stop()
+
+    server_config = asyncio.run(run())
+    assert server_config.startswith("listen: 127.0.0.1:") and "include ./authorization.conf" in server_config
