@@ -366,9 +366,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     side_list = ",".join(map(str, sorted(side)))
     nats_port, controller_port, vllm_port = free_port(), free_port(), free_port()
     controller = f"http://127.0.0.1:{controller_port}"
-    nats_url = f"nats://127.0.0.1:{nats_port}"
-    mesh = Child("kvmesh-up", ["taskset", "-c", side_list, sys.executable, "-m", "kvmesh.cli", "up", "--nats-port",
-                               str(nats_port), "--port", str(controller_port), "--host", "127.0.0.1", "--disk-dir",
+    # The observer below reads every subject (`>`), which KVMesh's own NATS permits no one: this run's NATS is
+    # one without authentication, and `kvmesh up` joins it.
+    from kvmesh.shared.embedded_nats import EmbeddedNats
+
+    nats = EmbeddedNats(port=nats_port).start()
+    nats_url = nats.url
+    mesh = Child("kvmesh-up", ["taskset", "-c", side_list, sys.executable, "-m", "kvmesh.cli", "up", "--nats-url",
+                               nats_url, "--port", str(controller_port), "--host", "127.0.0.1", "--disk-dir",
                                str(disk), "--disk-size", "5", "--no-remote", "--log-dir", str(logs)],
                  logs / "kvmesh-up.log", env=env)
     config = work / "kvmesh.yaml"
@@ -498,6 +503,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if vllm is not None:
             vllm.stop(60)
         mesh.stop(30)
+        nats.stop()
         shutil.rmtree(disk, ignore_errors=True)  # chunk files (hundreds of MB); the logs stay
 
     cases: dict[str, Any] = {}

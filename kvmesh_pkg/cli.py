@@ -24,7 +24,7 @@ from nats.aio.client import Client as NatsClient
 from kvmesh.shared import bus
 from kvmesh.shared.config import GB
 from kvmesh.shared.credentials import MeshCredentials, credentials_for
-from kvmesh.shared.embedded_nats import DEFAULT_MAX_PAYLOAD
+from kvmesh.shared.embedded_nats import server_settings
 from kvmesh.shared.eviction import POLICY_NAMES
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
 from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
@@ -109,7 +109,7 @@ def cmd_credentials(args: argparse.Namespace) -> int:
                          "controller, operator") from None
     files = {path: str(mesh.file(path)) for path in principals}
     if args.listen:
-        files["nats-server"] = str(mesh.server_config(args.listen, f"max_payload: {DEFAULT_MAX_PAYLOAD}\n"))
+        files["nats-server"] = str(mesh.server_config(args.listen, server_settings()))
     print(json.dumps(files, indent=2))
     return 0
 

@@ -63,6 +63,13 @@ def _die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+def server_settings(max_payload: int = DEFAULT_MAX_PAYLOAD) -> str:
+    """The server settings KVMesh needs (NATS config lines): inline chunk payloads up to `max_payload`."""
+    return (f"max_payload: {max_payload}\n"
+            f"max_pending: {max(max_payload, 64 * 1024 * 1024)}\n"
+            "write_deadline: \"10s\"\n")
+
+
 class EmbeddedNats:
     """A nats-server child process (on loopback unless `host` says otherwise). Use as a context manager or call
     start()/stop()."""
@@ -95,9 +102,7 @@ class EmbeddedNats:
         binary = self.binary or find_nats_server()
         self._workdir = tempfile.TemporaryDirectory(prefix="kvmesh-nats-")
         settings = (
-            f"max_payload: {self.max_payload}\n"
-            f"max_pending: {max(self.max_payload, 64 * 1024 * 1024)}\n"
-            "write_deadline: \"10s\"\n"
+            server_settings(self.max_payload)
             + (f"authorization {{ token: {json.dumps(self.token)} }}\n" if self.token else "")
             + (self.extra_config + "\n" if self.extra_config else "")
         )

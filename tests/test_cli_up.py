@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from kvmesh.shared import bus
+from kvmesh.shared.credentials import credentials_for
 from kvmesh.shared.embedded_nats import free_port
+from kvmesh.shared.protocol import OPERATOR
 from kvmesh.shared.service import ping_all
 
 from processes import wait_dead
@@ -20,7 +22,7 @@ from waiting import WAIT_S, wait_until_async
 
 
 async def health_of_all(url: str, expect: int) -> list:
-    nc = await bus.connect(url, name="test-health")
+    nc = await bus.connect(url, name="test-health", auth=credentials_for(url, OPERATOR, None))
 
     async def replies() -> list | None:
         answered = await ping_all(nc, wait=0.5)

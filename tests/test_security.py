@@ -236,3 +236,20 @@ def test_the_controller_s_embedded_nats_listens_on_loopback_whatever_host_the_ap
 
     server_config = asyncio.run(run())
     assert server_config.startswith("listen: 127.0.0.1:") and "include ./authorization.conf" in server_config
+
+
+def test_compose_runs_nats_with_credentials_and_publishes_no_nats_port() -> None:
+    import yaml
+
+    services = yaml.safe_load((Path(__file__).parent.parent / "compose.yaml").read_text())["services"]
+    assert "ports" not in services["nats"], "NATS must not be reachable from outside the compose network"
+    assert services["nats"]["command"] == ["-c", "/creds/nats-server.conf"]
+    made = services["credentials"]["command"]
+    for name in ("controller", "disk-store", "remote-store"):
+        file = services[name]["environment"]["KVMESH_NATS_CREDENTIALS"]
+        principal = Path(file).name.removesuffix(".json")
+        assert principal == "controller" or principal in made, f"{name}'s principal {principal} is never made"
+        if principal.startswith("store."):
+            assert principal.removeprefix("store.") in services[name]["command"], f"{name} runs as another store"
+    engine = Path(services["vllm"]["environment"]["LMCACHE_NATS_CREDENTIALS"]).name.removesuffix(".json")
+    assert engine in made
