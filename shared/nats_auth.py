@@ -35,7 +35,7 @@ CREDENTIALS_ENV = "KVMESH_NATS_CREDENTIALS"
 
 def add_nats_auth_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("NATS credentials (each also from $KVMESH_NATS_<NAME>)")
-    group.add_argument("--nats-credentials", help="a KVMesh credentials file (kvmesh credentials add ...)")
+    group.add_argument("--nats-credentials", help="a KVMesh credentials file (from `kvmesh credentials`; docs/security.md)")
     group.add_argument("--nats-user", help="user name (with --nats-password)")
     group.add_argument("--nats-password", help="password of --nats-user")
     group.add_argument("--nats-token", help="authorization token")
