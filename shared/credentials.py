@@ -54,8 +54,12 @@ def local_mesh_dir(port: int) -> Path:
 
 def private_dir(path: Path) -> Path:
     """`path` as a directory only we can use: created 0700 if missing; ConfigError if it is a symlink, not ours,
-    or open to others (someone else could then read or plant credentials)."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    or open to others (someone else could then read or plant credentials). The runtime directory above a mesh's
+    directory is held to the same rule (whoever owns it could swap what is inside)."""
+    if path.parent == runtime_dir():
+        private_dir(path.parent)
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     with contextlib.suppress(FileExistsError):
         path.mkdir(mode=0o700)
     info = os.lstat(path)
@@ -63,9 +67,10 @@ def private_dir(path: Path) -> Path:
         raise ConfigError(f"credentials directory {path} is not a plain directory")
     if info.st_uid != os.getuid():
         raise ConfigError(f"credentials directory {path} belongs to uid {info.st_uid}, not to us ({os.getuid()})")
+    if info.st_mode & 0o022:  # others could have planted files in it
+        raise ConfigError(f"credentials directory {path} is writable by other users (mode {info.st_mode & 0o777:o})")
     if info.st_mode & 0o077:
-        raise ConfigError(f"credentials directory {path} is open to other users (mode {info.st_mode & 0o777:o}); "
-                          "chmod 700 it")
+        os.chmod(path, 0o700)  # ours, and nobody else could write in it: close it
     return path
 
 

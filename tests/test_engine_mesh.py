@@ -75,8 +75,9 @@ async def test_worker_agent_registers_reports_and_answers_commands(nats_server: 
         except protocol.ProtocolError:
             pass  # a SyncChunk
 
-    await nc.subscribe(Subjects.REGISTER, cb=on_register)
-    await nc.subscribe(Subjects.events("inst-a"), cb=on_event)
+    path = protocol.Principal.engine("inst-a").producer("inst-a")
+    await nc.subscribe(Subjects.register(path), cb=on_register)
+    await nc.subscribe(Subjects.events(path), cb=on_event)
     await nc.flush()
     engine = await asyncio.to_thread(engine_on, nats_server.url, kv, lmcache_instance_id="inst-a")
     try:
@@ -93,7 +94,7 @@ async def test_worker_agent_registers_reports_and_answers_commands(nats_server: 
         assert [b.seq for b in batches] == list(range(1, len(batches) + 1))
 
         async def command(op: str, location: str = LOCAL_CPU, tokens: list[int] | None = None) -> CommandReply:
-            return await bus.request(nc, Subjects.worker("inst-a", op),
+            return await bus.request(nc, Subjects.worker("inst-a", "inst-a", op),
                                      WorkerCommand(op=op, location=location, tokens=tokens or []), CommandReply, WAIT_S)
 
         tokens = prompt.tolist()
@@ -107,7 +108,7 @@ async def test_worker_agent_registers_reports_and_answers_commands(nats_server: 
         reply = await command("pin", location=LOCAL_DISK, tokens=tokens)
         assert not reply.ok and "LocalDiskBackend" in (reply.error or "")
 
-        health = await bus.request(nc, Subjects.health("inst-a"), protocol.HealthRequest(), protocol.HealthReply,
+        health = await bus.request(nc, Subjects.health(path), protocol.HealthRequest(), protocol.HealthReply,
                                    WAIT_S)
         assert health.service == "engine" and health.service_id == "inst-a"
     finally:
@@ -234,7 +235,7 @@ def test_nats_outage_gives_misses_at_once_and_the_engine_reconnects(kv: PagedKV,
 
             async def answer() -> CommandReply | None:
                 try:
-                    return await bus.request(nc, Subjects.worker("outage", "lookup"),
+                    return await bus.request(nc, Subjects.worker("outage", "outage", "lookup"),
                                              WorkerCommand(op="lookup", location=LOCAL_CPU, tokens=b.tolist()),
                                              CommandReply, WAIT_S)
                 except MeshUnavailable:

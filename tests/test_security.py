@@ -111,12 +111,20 @@ def test_credentials_are_private_files(mesh: LocalMesh) -> None:
     assert auth is not None and auth.user == "engine.late" and auth.inbox_prefix == "_INBOX.engine.late"
 
 
-def test_a_credentials_directory_open_to_others_is_refused(tmp_path: Path) -> None:
+def test_a_credentials_directory_others_could_write_is_refused_one_they_could_read_is_closed(
+        tmp_path: Path) -> None:
     shared = tmp_path / "creds"
-    shared.mkdir(mode=0o755)
-    shared.chmod(0o755)
-    with pytest.raises(ValueError, match="open to other users"):
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ValueError, match="writable by other users"):
         MeshCredentials(shared)
+    shared.chmod(0o755)
+    MeshCredentials(shared).ensure(OPERATOR.path)
+    assert shared.stat().st_mode & 0o777 == 0o700
+    link = tmp_path / "link"
+    link.symlink_to(shared)
+    with pytest.raises(ValueError, match="not a plain directory"):
+        MeshCredentials(link)
 
 
 # ---- authorization: each role only its own subjects -----------------------------------------------------------

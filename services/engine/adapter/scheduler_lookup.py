@@ -29,7 +29,6 @@ import concurrent.futures
 import json
 import logging
 import os
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from kvmesh.shared import bus, protocol
+from kvmesh.shared.credentials import credentials_for, private_dir, runtime_dir
 from kvmesh.shared.errors import KVMeshError
 from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyParams
 from kvmesh.shared.processes import pid_alive
@@ -181,7 +181,7 @@ engines = EngineRegistry()
 
 # ---- rendezvous files -----------------------------------------------------------------------------------------------
 def rendezvous_dir() -> Path:
-    return Path(os.environ.get("KVMESH_RUNTIME_DIR") or Path(tempfile.gettempdir()) / f"kvmesh-{os.getuid()}")
+    return runtime_dir()
 
 
 def rendezvous_path(scheduler_pid: int, rank: int) -> Path:
@@ -191,7 +191,7 @@ def rendezvous_path(scheduler_pid: int, rank: int) -> Path:
 def publish_worker(info: WorkerInfo) -> Path:
     """Worker side: this worker's keying parameters and lookup address, for the scheduler (our parent)."""
     path = rendezvous_path(os.getppid(), info.rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)  # nobody else may plant a worker (and the NATS it names) for our scheduler
     prune_stale()
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(asdict(info)))
@@ -335,7 +335,6 @@ class SchedulerLookup:
         if self._nats is not None and self._nats.url == url:
             return
         from kvmesh.services.engine.mesh.nats_loop import NatsLoop
-        from kvmesh.shared.credentials import credentials_for
 
         if self._nats is not None:
             self._nats.close()
