@@ -9,7 +9,8 @@ Children get a parent-death signal, so nothing outlives the process that started
 The NATS it starts requires credentials, with permissions per principal (shared/nats_permissions.py): a fresh
 credentials directory `local_mesh_dir(port)` (shared/credentials.py) holds a user for the controller, the
 operator and each store; each service gets its own file through $KVMESH_NATS_CREDENTIALS (never on its command
-line); engines on this host add their own (`credentials.provision`). The directory goes when the mesh stops.
+line); engines on this host add their own (`credentials.provision`). The directory outlives the mesh, so a
+mesh restarted on the same port takes back the same users (delete it to rotate them).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import argparse
 import asyncio
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -85,9 +85,8 @@ class LocalMesh:
         """Start the embedded NATS (once; nothing when `nats_url` was given); the URL services connect to."""
         if self.nats_url is None:
             port = self.nats_port or free_port(self.nats_host)
-            root = local_mesh_dir(port)
-            shutil.rmtree(root, ignore_errors=True)  # a stale directory of an earlier NATS on this port
-            self.credentials = MeshCredentials(root)
+            # Kept across restarts of a mesh on this port, so engines that outlive it reconnect with what they have.
+            self.credentials = MeshCredentials(local_mesh_dir(port))
             self.credentials.ensure(protocol.CONTROLLER.path, protocol.OPERATOR.path,
                                     *(spec.principal.path for spec in self.services))
             self._nats = EmbeddedNats(port=port, host=self.nats_host, credentials=self.credentials).start()
@@ -166,9 +165,6 @@ class LocalMesh:
         if self._nats is not None:
             self._nats.stop()
             self._nats = None
-        if self.credentials is not None:
-            shutil.rmtree(self.credentials.root, ignore_errors=True)
-            self.credentials = None
 
     def _stop_services(self, timeout: float = 4.0) -> None:
         processes, self._processes = self._processes, []
