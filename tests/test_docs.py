@@ -1,4 +1,4 @@
-"""The documents keep up with the code: docs/config.md and docs/architecture.md.
+"""The documents keep up with the code: docs/config.md, docs/architecture.md and docs/security.md.
 
 docs/config.md:
   * every `EngineConfig` field has a row in the engine-key tables, with its type's default rendered by
@@ -12,6 +12,8 @@ docs/config.md:
 docs/architecture.md (code blocks left out):
   * every "`name` (path/to/module.py)" names an attribute path that exists in that module;
   * every other backticked `Class.attr` or `Class` is a class of one of those modules (with that attribute).
+docs/security.md: its table of roles and NATS permissions is `permissions_table()`, rendered from
+`nats_permissions.permissions()`.
 Modules that cannot be imported for want of torch or vLLM (a mesh-only install) are skipped, not failed.
 """
 
@@ -31,10 +33,12 @@ from kvmesh.services.controller.config import build_parser as controller_parser
 from kvmesh.services.disk_store.options import build_parser as disk_store_parser
 from kvmesh.services.remote_store.options import build_parser as remote_store_parser
 from kvmesh.shared.config import EngineConfig
+from kvmesh.shared.nats_permissions import permissions
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_MD = ROOT / "docs" / "config.md"
 ARCHITECTURE_MD = ROOT / "docs" / "architecture.md"
+SECURITY_MD = ROOT / "docs" / "security.md"
 CODE_DIRS = ("services", "shared", "kvmesh_pkg")
 
 # keys the code reads through a derived property of EngineConfig
@@ -224,3 +228,27 @@ def test_architecture_names_exist() -> None:
         if rest and not _resolve(classes[head], rest):
             problems.append(f"`{name}`: {head} has no attribute {rest}")
     assert not problems, "docs/architecture.md names what the code does not have:\n" + "\n".join(problems)
+
+
+# ---- docs/security.md -------------------------------------------------------------------------------------------
+PRINCIPAL_PATHS = ("engine.<instance_id>", "store.<store_id>", "controller", "operator")
+
+
+def permissions_table() -> str:
+    """docs/security.md's table of roles: what each principal may publish and subscribe to."""
+
+    def cell(subjects: tuple[str, ...]) -> str:
+        return "<br>".join(f"`{subject}`" for subject in subjects)
+
+    rows = ["| principal | may publish | may subscribe to |", "| --- | --- | --- |"]
+    for path in PRINCIPAL_PATHS:
+        allowed = permissions(path)
+        rows.append(f"| `{path}` | {cell(allowed.publish)} | {cell(allowed.subscribe)} |")
+    return "\n".join(rows)
+
+
+def test_security_permissions_table_matches_the_code() -> None:
+    table = permissions_table()
+    assert table in SECURITY_MD.read_text(), (
+        "docs/security.md's permissions table differs from nats_permissions.permissions(); replace it with:\n"
+        + table)
