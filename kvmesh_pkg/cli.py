@@ -25,6 +25,7 @@ from kvmesh.shared import bus
 from kvmesh.shared.config import GB
 from kvmesh.shared.credentials import MeshCredentials, credentials_for
 from kvmesh.shared.embedded_nats import server_settings
+from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.eviction import POLICY_NAMES
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
 from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
@@ -100,8 +101,11 @@ def cmd_health(args: argparse.Namespace) -> int:
 def cmd_credentials(args: argparse.Namespace) -> int:
     """Credentials for the named principals (and the operator and controller) in a directory; with --listen, the
     NATS server config that uses them too."""
-    mesh = MeshCredentials(Path(args.dir))
     principals = [CONTROLLER.path, OPERATOR.path, *args.principals]
+    try:
+        mesh = MeshCredentials(Path(args.dir))
+    except ConfigError as exc:
+        raise SystemExit(f"kvmesh credentials: {exc}") from None
     try:
         mesh.ensure(*principals)
     except ValueError as exc:

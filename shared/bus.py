@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 
 from kvmesh.shared import protocol
 from kvmesh.shared.errors import ConfigError, MeshUnavailable, ProtocolError
+from kvmesh.shared.nats_permissions import inbox_prefix, permissions
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +82,8 @@ class NatsAuth:
         return (" + ".join(kinds) or "no credentials") + (f" as {self.user}" if self.user else "")
 
     def connect_options(self) -> dict[str, Any]:
-        """The credentials as nats-py's connect() takes them."""
+        """The credentials as nats-py's connect() takes them. A user named like a mesh principal (`engine.x`,
+        `operator`, ...) gets that principal's inbox prefix unless one is given: its permissions allow no other."""
         options: dict[str, Any] = {}
         if self.user:
             options.update(user=self.user, password=self.password or "")
@@ -90,9 +93,24 @@ class NatsAuth:
             options["nkeys_seed"] = self.nkey_seed
         if self.creds_file:
             options["user_credentials"] = self.creds_file
-        if self.inbox_prefix:
-            options["inbox_prefix"] = self.inbox_prefix
+        inbox_prefix = self.inbox_prefix or os.environ.get(INBOX_PREFIX_ENV) or _principal_inbox(self.user)
+        if inbox_prefix:
+            options["inbox_prefix"] = inbox_prefix
         return options
+
+
+INBOX_PREFIX_ENV = "KVMESH_NATS_INBOX_PREFIX"
+
+
+def _principal_inbox(user: str | None) -> str | None:
+    """`_INBOX.<user>` when `user` is a principal path of KVMesh's generated permissions, else None."""
+    if not user:
+        return None
+    try:
+        permissions(user)
+    except ValueError:
+        return None
+    return inbox_prefix(user)
 
 
 class MeshClient(NatsClient):
