@@ -28,6 +28,7 @@ from waiting import WAIT_S, wait_until_async
 
 CHUNK = 256 * 1024
 SLOTS = 8
+ENGINE = protocol.Principal.engine("test").producer("w0")  # the caller path the tests' clients send as
 
 
 def key_of(i: int) -> bytes:
@@ -66,8 +67,8 @@ class StoreProcess:
         async def healthy() -> bool:
             assert self.process is not None and self.process.poll() is None, self.log()
             try:
-                await bus.request(nc, protocol.Subjects.health(self.store_id), protocol.HealthRequest(),
-                                  protocol.HealthReply, 1)
+                await bus.request(nc, protocol.Subjects.health(protocol.store_path(self.store_id)),
+                                  protocol.HealthRequest(), protocol.HealthReply, 1)
             except MeshUnavailable:
                 return False
             return True
@@ -132,7 +133,7 @@ async def full_store_with_chunk_1_read(nc, store: StoreProcess, segment: SharedS
     store.max_size_gb = 3.5 * (chunk_file.DATA_ALIGN + CHUNK) / 1024**3
     store.start(*flags)
     await store.wait_healthy(nc)
-    client = DiskStoreClient(nc, store.store_id, request_timeout=WAIT_S)
+    client = DiskStoreClient(nc, store.store_id, ENGINE, request_timeout=WAIT_S)
     for i in (1, 2, 3):
         assert await put_shm(client, segment, i)
     assert await client.wait_written(WAIT_S)
@@ -170,7 +171,7 @@ async def test_sigkill_during_puts_then_restart_returns_only_intact_chunks(nc, s
                                                                           segment: SharedSegment) -> None:
     store.start()
     await store.wait_healthy(nc)
-    client = DiskStoreClient(nc, store.store_id, request_timeout=1.0, data_timeout=2.0)
+    client = DiskStoreClient(nc, store.store_id, ENGINE, request_timeout=1.0, data_timeout=2.0)
     accepted: list[int] = []
     seen_pending = False
 
@@ -203,7 +204,7 @@ async def test_sigkill_during_puts_then_restart_returns_only_intact_chunks(nc, s
 
     store.start()
     await store.wait_healthy(nc)
-    client = DiskStoreClient(nc, store.store_id, request_timeout=WAIT_S)
+    client = DiskStoreClient(nc, store.store_id, ENGINE, request_timeout=WAIT_S)
     assert list(store.root.rglob("*.tmp")) == []
     assert not victim.exists() and not chunk_file.chunk_path(store.root, key_of(10_002)).exists()
     held = [i for i in range(max(accepted) + 8) if await client.contains([key_of(i)])]
@@ -238,7 +239,7 @@ async def test_started_from_the_lmcache_config_file(nc, nats_server: EmbeddedNat
     log.close()
     try:
         await process.wait_healthy(nc)
-        stats = (await DiskStoreClient(nc, process.store_id, request_timeout=WAIT_S).stats())[0]
+        stats = (await DiskStoreClient(nc, process.store_id, ENGINE, request_timeout=WAIT_S).stats())[0]
         assert stats.capacity_bytes == 1024**3 // 2 and Path(stats.details["dir"]) == disk and disk.is_dir()
     finally:
         assert process.stop() == 0

@@ -1,4 +1,4 @@
-"""The disk store's operations: put and get here; contains, pin, unpin, remove, clear and stats are
+"""The disk store's operations: put and get here; contains, pin, unpin, remove, clear, wipe and stats are
 the shared `IndexOps` over this store's index (service.py wires them, with the hooks below).
 
 Who runs what: every method runs on the store's asyncio event loop thread, which alone touches the index
@@ -9,6 +9,8 @@ service.py; this class never sees a subject.
 
 The data path of a put: the engine's shared-memory slice -> (memcpy) staging buffer -> answer "accepted" ->
 writer thread: chunk file `<tmp>` + fsync + rename -> the key becomes held (visible) -> admission event.
+Every put records its caller's claim on the chunk, also when the chunk is already held or being written (then
+only the claim is new).
 A get: index hit -> I/O thread `readinto` straight into the engine's shared-memory slice, checksum verified ->
 answer with the chunk's meta. Inline `data` replaces shared memory for small chunks or clients without it.
 """
@@ -125,7 +127,8 @@ class DiskStore:
         return True
 
     # ---- put -------------------------------------------------------------------------------------------
-    async def put(self, request: protocol.PutRequest) -> protocol.Ack:
+    async def put(self, request: protocol.PutRequest, caller: str) -> protocol.Ack:
+        """Take a chunk from `caller` (its path: the chunk's claim)."""
         meta = request.meta
         try:
             _check_key(meta.key)
@@ -135,9 +138,7 @@ class DiskStore:
         except (StoreError, ValueError) as exc:
             return self._refuse(meta.key, str(exc))
         key = meta.key
-        # The same key is the same bytes: one file. A write of it in flight is kept, even if a removal meanwhile
-        # had discarded it.
-        if self.index.touch(key) is not None or self.index.revive(key):
+        if self._known(key, caller):
             self.counters["puts_duplicate"] += 1
             return protocol.Ack()
 
@@ -149,7 +150,7 @@ class DiskStore:
             staging = await self._staging.acquire(meta.nbytes, self.options.staging_wait_secs)
             if staging is None:
                 return self._refuse(key, f"write queue full ({self._staging.in_use} bytes staged)")
-            if key in self.index or self.index.revive(key):  # another put of the key won meanwhile
+            if self._known(key, caller):  # another put of the key won meanwhile
                 await self._staging.release(staging)
                 return protocol.Ack()
 
@@ -157,7 +158,7 @@ class DiskStore:
                       num_tokens=meta.num_tokens)
         try:
             self._check_free_space(entry.file_bytes)
-            victims = self.index.reserve(key, entry)  # on_evict tells the reporter; the files are deleted below
+            victims = self.index.reserve(key, entry, caller)  # on_evict tells the reporter; files deleted below
         except (SpaceRefused, StoreError, OSError) as exc:
             if staging is not None:
                 await self._staging.release(staging)
@@ -181,6 +182,14 @@ class DiskStore:
             return protocol.Ack()
         error = await self._write(meta, entry, source, None, done)  # write-through: answer once the file is complete
         return protocol.Ack(ok=error is None, error=error)
+
+    def _known(self, key: ChunkKey, caller: str) -> bool:
+        """Whether the key is held or being written: the same key is the same bytes, so one file, and the put
+        only adds `caller`'s claim. A write in flight is kept even if a removal meanwhile had discarded it."""
+        if self.index.touch(key) is None and not self.index.revive(key):
+            return False
+        self.index.claim(key, caller)
+        return True
 
     def _put_source(self, request: protocol.PutRequest) -> memoryview:
         nbytes = request.meta.nbytes

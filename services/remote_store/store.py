@@ -8,7 +8,8 @@ bytes only while the chunk's `users` count says so.
 
 A put is two steps around the bytes' arrival: `begin_put` checks the chunk, reserves room (evicting the
 policy's victims) and hands out a faulted buffer; `commit_put` verifies the checksum and makes the chunk visible
-(`abort_put` if the bytes never came). A get `acquire`s a chunk, sends its bytes, and `release`s it: an
+(`abort_put` if the bytes never came). Every put records its caller's claim (shared/chunk_index.py), also on a
+chunk already held; claims live in memory only, a restart starts with none. A get `acquire`s a chunk, sends its bytes, and `release`s it: an
 eviction meanwhile only marks the chunk dropped, and its buffer is recycled when the last user lets go.
 """
 
@@ -154,19 +155,20 @@ class MemoryStore:
             raise PutRefused(f"chunk {meta.key.hex()}: {meta.nbytes} bytes does not fit a store of "
                              f"{self.capacity_bytes} bytes")
 
-    async def begin_put(self, meta: protocol.ChunkMeta) -> StoredChunk | None:
-        """Reserve room and a buffer for `meta`'s bytes; None if the chunk is already held (drop the bytes).
+    async def begin_put(self, meta: protocol.ChunkMeta, caller: str) -> StoredChunk | None:
+        """Reserve room and a buffer for `meta`'s bytes put by `caller` (its path: the chunk's claim); None if
+        the chunk is already held or arriving (drop the bytes: only the claim is new).
 
         Raises PutRefused. On success the caller fills `chunk.data()` and calls commit_put or abort_put.
         """
         self.check_put(meta)
-        if self.index.is_known(meta.key):
+        if self.index.claim(meta.key, caller):
             self.index.touch(meta.key)
             self.counters.duplicate_puts += 1
             return None
         chunk = StoredChunk(meta, size_class(meta.nbytes))
         try:
-            evicted = self.index.reserve(meta.key, chunk)
+            evicted = self.index.reserve(meta.key, chunk, caller)
         except SpaceRefused as exc:
             self.counters.refused_puts += 1
             raise PutRefused(str(exc)) from None
@@ -215,11 +217,11 @@ class MemoryStore:
         self.index.abort(chunk.meta.key, chunk)
         self._drop(chunk, had_file=False)
 
-    async def put_bytes(self, meta: protocol.ChunkMeta, data: bytes | memoryview) -> None:
+    async def put_bytes(self, meta: protocol.ChunkMeta, data: bytes | memoryview, caller: str) -> None:
         """A whole put from bytes at hand (the inline NATS path). Raises PutRefused."""
         if len(data) != meta.nbytes:
             raise PutRefused(f"chunk {meta.key.hex()}: {len(data)} bytes sent, the meta says {meta.nbytes}")
-        chunk = await self.begin_put(meta)
+        chunk = await self.begin_put(meta, caller)
         if chunk is not None:
             chunk.data()[:] = data
             self.commit_put(chunk)
@@ -243,7 +245,8 @@ class MemoryStore:
 
     # ---- control (the ops themselves are the shared IndexOps over `index`; service.py wires them) ------------
     def free(self, removed: list[tuple[ChunkKey, StoredChunk]]) -> None:
-        """Chunks removed or cleared from the index: delete their files, recycle their buffers when unused."""
+        """Chunks removed, cleared or wiped from the index: delete their files, recycle their buffers when
+        unused."""
         for _, chunk in removed:
             self._drop(chunk)
 
