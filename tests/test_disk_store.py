@@ -27,6 +27,7 @@ from kvmesh.shared.chunk_index import ChunkIndex
 from kvmesh.services.disk_store.options import DiskStoreOptions, build_parser, options_from_args
 from kvmesh.services.disk_store.service import DiskStoreService
 from kvmesh.services.disk_store.writer import WriteFaults
+from kvmesh.shared.state_file import CLAIMS_NAME
 
 from waiting import WAIT_S, ManualClock, wait_until_async
 
@@ -465,6 +466,22 @@ async def test_wipe_is_the_operators_alone_and_spares_pins(harness: Harness) -> 
     assert await harness.held(1, 2, 3) == [False, False, True]
     stats = (await harness.client.stats())[0]
     assert stats.num_chunks == 1 and stats.pinned_chunks == 1
+
+
+async def test_claims_survive_a_restart_and_chunks_without_claims_stay_until_wiped(harness: Harness) -> None:
+    await harness.start()
+    a, b = harness.client_of(TENANT_A), harness.client_of(TENANT_B)
+    for i, client in ((1, a), (2, a), (2, b), (3, b)):
+        assert await harness.put(i, client=client)
+    await harness.stop()  # a clean stop saves the claims
+    await harness.start()
+    assert await a.clear() == 101 + 102
+    assert await harness.held(1, 2, 3) == [False, True, True]
+    await harness.stop()
+    (harness.root / CLAIMS_NAME).unlink()  # as a directory from before claims: chunks nobody claims
+    await harness.start()
+    assert await b.clear() == 0 and await harness.held(2, 3) == [True, True]  # kept ...
+    assert await harness.wipe() == 102 + 103 and await harness.held(2, 3) == [False, False]  # ... until wiped
 
 
 async def test_a_put_in_flight_is_discarded_by_its_callers_clear(harness: Harness) -> None:

@@ -270,6 +270,39 @@ TENANT_A = protocol.Principal.engine("tenant-a").producer("tenant-a")
 TENANT_B = protocol.Principal.engine("tenant-b").producer("tenant-b")
 
 
+async def test_stream_puts_are_claimed_by_their_caller_and_claims_persist(nats_url: str, tmp_path) -> None:
+    """Puts on a stream count for the caller that asked for its ticket; a clear takes back only that caller's
+    chunks; with persist_dir the claims come back after a restart."""
+    options = dict(persist_dir=tmp_path / "persist", fsync=False)
+    services, nc = await start_stores(nats_url, "claims", **options)
+    a = RemoteStoreClient(nc, ["claims-0"], TENANT_A, request_timeout=WAIT_S)
+    b = RemoteStoreClient(nc, ["claims-0"], TENANT_B, request_timeout=WAIT_S)
+    try:
+        chunks = [chunk(4096, seed, num_tokens=100 + seed) for seed in range(4)]
+        for i, client in ((1, a), (2, a), (2, b), (3, b)):  # 2 is put by both: its bytes once, two claims
+            meta, data = chunks[i]
+            assert await client.put(meta, ChunkBuffer(memoryview(data)))
+        keys = [meta.key for meta, _ in chunks]
+        assert services[0].store.index.claimed_by(keys[2]) == [TENANT_A, TENANT_B]
+        assert await a.clear() == 101 + 102  # A's view lost 1 and 2 ...
+        assert [await b.contains([k]) for k in keys[1:]] == [0, 1, 1]  # ... only 1 left the store
+        await services[0].stop()  # saves the claims beside the chunk files
+        await a.close()
+        await b.close()
+        services, store_nc = await start_stores(nats_url, "claims", **options)
+        await store_nc.close()
+        assert [await b.contains([k]) for k in keys[1:]] == [0, 1, 1]
+        assert await a.clear() == 0
+        assert await b.clear() == 102 + 103 and await b.contains(keys[2:3]) == 0
+        (stats,) = await b.stats()
+        assert stats.num_chunks == 0 and stats.details["claimants"] == 0
+    finally:
+        await a.close()
+        await b.close()
+        await nc.close()
+        await services[0].stop()
+
+
 async def test_a_put_in_flight_is_discarded_by_its_callers_clear_unless_another_claims_it(one_store) -> None:
     service, client = one_store
     a = RemoteStoreClient(client.nc, client.store_ids, TENANT_A, request_timeout=WAIT_S)

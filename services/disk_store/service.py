@@ -14,8 +14,8 @@ path ends the subject (`engine.<instance>.<worker>`, `operator`). Request -> rep
     pin/unpin ChunkKeys   -> CommandReply   contiguous prefix; num_tokens affected (ttl_secs optional)
     stats     StatsRequest-> StatsReply
 contains, touch, pin, unpin, remove, clear, wipe and stats are the shared IndexOps (shared/store_service.py), the
-same as the remote store's; put and get are DiskStore's own. Pins persist in the directory (files.py),
-claims live in memory. Also: health (`serve_health(service="disk_store")` on the store's path), and admission/eviction
+same as the remote store's; put and get are DiskStore's own. Claims and pins persist in the directory
+(files.py). Also: health (`serve_health(service="disk_store")` on the store's path), and admission/eviction
 batches plus full syncs on `Subjects.events(<store's path>)` through AdmissionReporter (location
 LocalDiskBackend, producer_id = store_id).
 Gets are handled up to `reader_threads` at a time; every other op one request at a time, in arrival order.
@@ -49,7 +49,7 @@ class DiskStoreService:
         self.options = options
         self.store = DiskStore(options, faults, clock)
         self.ops = IndexOps(options.store_id, self.store.index, free=self.store.free, details=self.store.details,
-                            settle=self.store.settle, changed=self.store.save_pins_soon)
+                            settle=self.store.settle, changed=self.store.save_soon)
         self.endpoint = StoreEndpoint("disk_store", options.store_id)
         self._heartbeat_interval = heartbeat_interval
 

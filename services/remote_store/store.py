@@ -9,8 +9,10 @@ bytes only while the chunk's `users` count says so.
 A put is two steps around the bytes' arrival: `begin_put` checks the chunk, reserves room (evicting the
 policy's victims) and hands out a faulted buffer; `commit_put` verifies the checksum and makes the chunk visible
 (`abort_put` if the bytes never came). Every put records its caller's claim (shared/chunk_index.py), also on a
-chunk already held; claims live in memory only, a restart starts with none. A get `acquire`s a chunk, sends its bytes, and `release`s it: an
-eviction meanwhile only marks the chunk dropped, and its buffer is recycled when the last user lets go.
+chunk already held; with `persist_dir` the claims are saved beside the chunk files (at most once a second, and at
+close: shared/state_file.py), else a restart starts with none. A get `acquire`s a chunk, sends its bytes, and
+`release`s it: an eviction meanwhile only marks the chunk dropped, and its buffer is recycled when the last user
+lets go.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from kvmesh.shared import chunk_file, protocol
 from kvmesh.shared.chunk_index import ChunkIndex, SpaceRefused
 from kvmesh.shared.errors import StoreError
 from kvmesh.shared.keys import KEY_BYTES, ChunkKey
+from kvmesh.shared.state_file import CLAIMS_NAME, CLAIMS_SAVE_INTERVAL, CoalescedSave, load_claims, save_claims
 from kvmesh.services.remote_store import persistence
 from kvmesh.services.remote_store.buffers import BufferPool, size_class
 from kvmesh.services.remote_store.partition import partition_of
@@ -97,21 +100,38 @@ class MemoryStore:
             self.index.on_evict = on_evict
         self.pool = BufferPool(max_spare_bytes=min(capacity_bytes // 8, MAX_SPARE_BYTES))
         self.persister = persistence.Persister(persist_dir, self.release, fsync) if persist_dir else None
+        self._claims: CoalescedSave[Any] | None = None
+        if persist_dir is not None:
+            claims_path = persist_dir / CLAIMS_NAME
+            self._claims = CoalescedSave("claims", lambda: self.index.claims_version, self.index.claim_table,
+                                         lambda table: save_claims(claims_path, table),
+                                         min_interval=CLAIMS_SAVE_INTERVAL)
         self.counters = StoreCounters()
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     async def open(self) -> int:
-        """Load the persisted chunks (if any) and start persisting; the number of chunks loaded."""
+        """Load the persisted chunks and their claims (if any) and start persisting; the number of chunks
+        loaded."""
         loaded = 0
-        if self.persister is not None:
+        if self.persister is not None and self._claims is not None:
             loaded = await self._load(self.persister.root)
+            table = await asyncio.to_thread(load_claims, self.persister.root / CLAIMS_NAME)
+            self.index.restore_claims(table)
+            self._claims.mark_saved()
             self.persister.start()
         return loaded
 
     async def close(self) -> None:
         if self.persister is not None:
             await self.persister.stop()
+        if self._claims is not None:
+            await self._claims.close()
         await self.pool.close()
+
+    def save_soon(self) -> None:
+        """Persist the claims in the background if they changed (and the store persists)."""
+        if self._claims is not None:
+            self._claims.soon()
 
     async def _load(self, root: Path) -> int:
         """Read back the newest chunk files that fit the capacity, oldest first (so LRU order survives)."""
@@ -165,6 +185,7 @@ class MemoryStore:
         if self.index.claim(meta.key, caller):
             self.index.touch(meta.key)
             self.counters.duplicate_puts += 1
+            self.save_soon()
             return None
         chunk = StoredChunk(meta, size_class(meta.nbytes))
         try:
@@ -209,6 +230,7 @@ class MemoryStore:
             return
         self.counters.puts += 1
         self.counters.put_bytes += meta.nbytes
+        self.save_soon()  # its claim
         if self.persister is not None:
             chunk.users += 1  # the file write reads the buffer; Persister calls release() after it
             self.persister.write(chunk)
