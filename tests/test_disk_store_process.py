@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -157,6 +158,38 @@ async def test_chunks_persist_across_a_restart_with_their_lru_order(nc, store: S
     assert [await client.contains([key_of(i)]) for i in (1, 2, 3, 4)] == [1, 0, 1, 1]
     for i in (1, 3, 4):
         assert await get_shm(client, segment, i) == data_of(i)
+
+
+def kvmesh_wipe(nats_url: str, *store_ids: str) -> tuple[int, list[dict[str, object]], str]:
+    """`kvmesh wipe` as the operator would run it: (exit code, one JSON object per store, stderr)."""
+    argv = [sys.executable, "-m", "kvmesh.cli", "wipe", "--nats-url", nats_url, "--timeout", str(WAIT_S)]
+    for store_id in store_ids:
+        argv += ["--store", store_id]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=2 * WAIT_S, stdin=subprocess.DEVNULL)
+    return result.returncode, [json.loads(line) for line in result.stdout.splitlines()], result.stderr
+
+
+async def test_claims_survive_a_process_restart_and_the_operator_wipes_with_the_cli(
+        nc, store: StoreProcess, segment: SharedSegment) -> None:
+    store.start()
+    await store.wait_healthy(nc)
+    a, b = (DiskStoreClient(nc, store.store_id, protocol.Principal.engine(tenant).producer("w0"),
+                            request_timeout=WAIT_S) for tenant in ("tenant-a", "tenant-b"))
+    for i, client in ((1, a), (2, a), (2, b), (3, b)):
+        assert await put_shm(client, segment, i)
+    assert await a.wait_written(WAIT_S)
+    assert store.stop() == 0  # SIGTERM: the claims are saved at close
+    store.start()
+    await store.wait_healthy(nc)
+    assert await a.clear() == 2 * 256  # chunks 1 and 2 were A's ...
+    assert [await b.contains([key_of(i)]) for i in (1, 2, 3)] == [0, 1, 1]  # ... 2 is still B's
+    assert await b.pin([key_of(3)], [256]) == 256
+    code, replies, stderr = await asyncio.to_thread(kvmesh_wipe, store.nats_url, store.store_id, "disk-nobody")
+    assert code == 1, stderr  # one of the two stores did not answer
+    assert replies[0] == {"store": store.store_id, "ok": True, "removed_chunks": 1, "removed_tokens": 256,
+                          "kept_pinned_chunks": 1}
+    assert replies[1]["store"] == "disk-nobody" and not replies[1]["ok"] and "no responder" in replies[1]["error"]
+    assert [await b.contains([key_of(i)]) for i in (2, 3)] == [0, 1]
 
 
 async def test_cache_policy_flag_reaches_the_store(nc, store: StoreProcess, segment: SharedSegment) -> None:

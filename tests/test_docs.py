@@ -128,6 +128,7 @@ SERVICES = {
     "Controller": controller_parser,
     "The whole mesh on one machine": lambda: _subparser(cli_parser(), "up"),
     "Health": lambda: _subparser(cli_parser(), "health"),
+    "Wipe a store": lambda: _subparser(cli_parser(), "wipe"),
 }
 
 
