@@ -38,6 +38,7 @@ from kvmesh.services.disk_store.client import DiskStoreClient
 MiB = 1024 * 1024
 GiB = 1024 * MiB
 STORE_ID = "bench-disk"
+CALLER = protocol.Principal.engine("bench").producer("bench")  # puts and gets as one engine worker would
 
 
 def drop_page_cache() -> bool:
@@ -174,7 +175,7 @@ async def wait_healthy(nc, process: subprocess.Popen[bytes], timeout: float = 30
         if process.poll() is not None:
             raise RuntimeError(f"disk store exited with code {process.returncode}")
         try:
-            await bus.request(nc, protocol.Subjects.health(STORE_ID), protocol.HealthRequest(),
+            await bus.request(nc, protocol.Subjects.health(protocol.store_path(STORE_ID)), protocol.HealthRequest(),
                               protocol.HealthReply, 0.5)
             return
         except Exception:
@@ -200,7 +201,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     nc = await bus.connect(server.url, name="bench-client")
     try:
         await wait_healthy(nc, store)
-        client = DiskStoreClient(nc, STORE_ID, request_timeout=10.0, data_timeout=60.0)
+        client = DiskStoreClient(nc, STORE_ID, CALLER, request_timeout=10.0, data_timeout=60.0)
         # The disk's speed drifts a lot on shared machines: interleave store and raw in rounds, alternating
         # which goes first (ABBA), so both see the same conditions; sum each side's time.
         step = max(1, int(args.round_mib * MiB) // chunk_bytes)

@@ -39,6 +39,7 @@ from kvmesh.services.remote_store.client import RemoteStoreClient
 MiB = 1024 * 1024
 GiB = 1024 * MiB
 STORE_ID = "bench-remote"
+CALLER = protocol.Principal.engine("bench").producer("bench")  # puts and gets as one engine worker would
 _RAW_HEAD = struct.Struct("<cQ")  # op (P put / G get), chunk bytes
 
 
@@ -162,7 +163,7 @@ async def run(args: argparse.Namespace) -> dict:
         try:
             port = int(peer.stdout.readline())
             nc = await bus.connect(nats_server.url, "bench-client")
-            client = RemoteStoreClient(nc, [STORE_ID], request_timeout=5.0)
+            client = RemoteStoreClient(nc, [STORE_ID], CALLER, request_timeout=5.0)
             deadline = time.monotonic() + 30
             while not await client.stats():
                 if time.monotonic() > deadline or store.poll() is not None:

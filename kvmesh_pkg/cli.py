@@ -6,6 +6,8 @@
     kvmesh remote-store ...     one remote-store partition
     kvmesh health --nats-url U  every service's health over NATS
     kvmesh credentials --dir D PRINCIPAL...   NATS users for a mesh whose NATS KVMesh does not start (compose)
+    kvmesh wipe --store ID      as the operator: forget every unpinned chunk of a store, whoever put it (an
+                                engine's /clear only takes back its own chunks)
 """
 
 from __future__ import annotations
@@ -21,15 +23,15 @@ from pathlib import Path
 
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.shared import bus
+from kvmesh.shared import bus, protocol
 from kvmesh.shared.config import GB
 from kvmesh.shared.credentials import MeshCredentials, credentials_for
 from kvmesh.shared.embedded_nats import server_settings
-from kvmesh.shared.errors import ConfigError
+from kvmesh.shared.errors import ConfigError, KVMeshError, MeshUnavailable
 from kvmesh.shared.eviction import POLICY_NAMES
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
 from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
-from kvmesh.shared.protocol import CONTROLLER, OPERATOR, disk_store_id
+from kvmesh.shared.protocol import CONTROLLER, OPERATOR, Subjects, disk_store_id
 from kvmesh.shared.service import configure_logging, ping_all
 from kvmesh.services.disk_store.options import DiskStoreOptions
 from kvmesh.services.remote_store.options import partitions as remote_partitions
@@ -118,6 +120,40 @@ def cmd_credentials(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_wipe(args: argparse.Namespace) -> int:
+    """Send `wipe` to each named store as the operator; print one JSON line per store: what it removed (chunks
+    and tokens; pinned chunks stay) or why not. Exit 1 if a store refused or did not answer."""
+
+    async def wipe_one(nc: NatsClient, store_id: str) -> dict[str, object]:
+        subject = Subjects.store(store_id, "wipe", OPERATOR.path)
+        try:
+            reply = await bus.request(nc, subject, protocol.WipeRequest(), protocol.CommandReply, args.timeout)
+            if not reply.ok:
+                return {"store": store_id, "ok": False, "error": reply.error}
+            stats = await bus.request(nc, Subjects.store(store_id, "stats", OPERATOR.path),
+                                      protocol.StatsRequest(), protocol.StatsReply, args.timeout)
+        except MeshUnavailable as exc:
+            return {"store": store_id, "ok": False, "error": str(exc)}
+        return {"store": store_id, "ok": True, "removed_chunks": reply.num_chunks,
+                "removed_tokens": reply.num_tokens, "kept_pinned_chunks": stats.num_chunks}
+
+    async def wipe_all() -> list[dict[str, object]]:
+        nc = await connect_operator(args, "kvmesh-wipe")
+        try:
+            return [await wipe_one(nc, store_id) for store_id in args.store]
+        finally:
+            await nc.close()
+
+    try:
+        results = asyncio.run(wipe_all())
+    except KVMeshError as exc:  # NATS unreachable or credentials rejected, a bad credential flag
+        print(f"kvmesh wipe: {exc}", file=sys.stderr)
+        return 2
+    for result in results:
+        print(json.dumps(result), flush=True)
+    return 0 if all(result["ok"] for result in results) else 1
+
+
 def run_service(name: str, argv: list[str]) -> int:
     """Run one service's own main in this process (the same module `kvmesh up` spawns)."""
     import importlib
@@ -155,6 +191,16 @@ def build_parser() -> argparse.ArgumentParser:
     credentials.add_argument("--listen", help="also write nats-server.conf listening here (e.g. 0.0.0.0:4222)")
     credentials.add_argument("principals", nargs="*", metavar="PRINCIPAL",
                              help="engine.<instance_id> or store.<store_id> (controller and operator always)")
+    wipe = sub.add_parser(
+        "wipe", help="as the operator, forget every unpinned chunk of a store, whoever put it",
+        description="Forget every unpinned chunk of a store (and every put in flight), whoever put it, as the "
+                    "operator: the only caller a store takes `wipe` from. An engine's clear (the controller's "
+                    "/clear) removes only that engine's own chunks. Prints one JSON line per store.")
+    wipe.add_argument("--store", action="append", required=True, metavar="STORE_ID",
+                      help="the store to wipe, e.g. disk-<host> or remote-0 (repeat for several)")
+    wipe.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    wipe.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each store's answer")
+    add_nats_auth_flags(wipe)
     for name in SERVICE_MODULES:
         sub.add_parser(name, help=f"run the {name} (flags: kvmesh {name} --help)", add_help=False)
     return parser
@@ -166,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] in SERVICE_MODULES:
         sys.exit(run_service(argv[0], argv[1:]))
     args = build_parser().parse_args(argv)
-    sys.exit({"up": cmd_up, "health": cmd_health, "credentials": cmd_credentials}[args.command](args))
+    commands = {"up": cmd_up, "health": cmd_health, "credentials": cmd_credentials, "wipe": cmd_wipe}
+    sys.exit(commands[args.command](args))
 
 
 if __name__ == "__main__":

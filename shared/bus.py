@@ -4,8 +4,9 @@
 (credentials rejected, no server); after that it reconnects forever (unless told not to) and logs each change
 of state once, never per request, and never a close its owner asked for. `serve()` subscribes a handler that
 receives a decoded message and returns a reply message; garbage is logged and dropped, a handler's exception
-becomes an error reply, never a dead subscription. `request()` sends a typed request and decodes the typed
-reply, raising MeshUnavailable on timeout or no responder.
+becomes an error reply, never a dead subscription. `serve_from()` does the same for a handler that also takes
+the message's subject (on a wildcard subscription, its last tokens say who sent it). `request()` sends a typed
+request and decodes the typed reply, raising MeshUnavailable on timeout or no responder.
 
 All of it runs on the caller's asyncio event loop (nats-py's callbacks too).
 """
@@ -245,6 +246,15 @@ async def serve(nc: NatsClient, subject: str, request_type: type[Req],
     `max_concurrent` > 1 runs up to that many handlers at once (each in a task; further messages wait in the
     subscription's queue); 1 handles the subject's messages one at a time, in order.
     """
+    return await serve_from(nc, subject, request_type, lambda request, _subject: handler(request), queue,
+                            max_concurrent)
+
+
+async def serve_from(nc: NatsClient, subject: str, request_type: type[Req],
+                     handler: Callable[[Req, str], Awaitable[Any]], queue: str = "",
+                     max_concurrent: int = 1) -> Subscription:
+    """`serve()`, with `handler(request, msg_subject)`: the subject each message came on, which for a wildcard
+    `subject` says who sent it (NATS permissions bind a subject's last tokens to one principal)."""
 
     async def on_message(msg: Msg) -> None:
         try:
@@ -255,7 +265,7 @@ async def serve(nc: NatsClient, subject: str, request_type: type[Req],
                 await _respond(msg, protocol.Ack(ok=False, error=f"bad request: {exc}"))
             return
         try:
-            reply = await handler(request)
+            reply = await handler(request, msg.subject)
         except Exception as exc:  # a handler bug must not kill the subscription
             log.exception("handler for %s failed", msg.subject)
             reply = protocol.Ack(ok=False, error=f"{type(exc).__name__}: {exc}")

@@ -9,7 +9,15 @@ contains / pin / unpin / remove / clear mean the same thing everywhere:
   * pin(keys)       -> the contiguous held prefix gets one more pin (pins nest, optional TTL);
   * unpin(keys)     -> the contiguous pinned prefix loses one pin;
   * remove(key)     -> forgets a held key (pinned or not) and discards a put of it in flight;
-  * clear()         -> forgets every unpinned key and discards every put in flight.
+  * clear(caller)   -> drops the caller's claims; forgets what nobody claims or pins any more (see Claims);
+  * wipe()          -> forgets every unpinned key and discards every put in flight, whoever claims them.
+
+Claims: a put records who sent it (the caller's path, `engine.<instance>.<worker>`), also when the chunk is
+already held or in flight (the first writer's bytes stay: a key names its content). `clear(caller)` takes back
+only that caller's claims, so one tenant's clear never removes what another still uses. A chunk nobody claims
+any more is forgotten, unless pinned: then it lives until its last pin goes (`forget_orphans`). A chunk that
+never had a claim (found on disk from before claims existed, or put without a caller) is kept until evicted or
+wiped. Claims do not protect from eviction, and any caller may still read, pin or remove any chunk.
 
 Every change of what is held is reported through `on_admit` / `on_evict` (an AdmissionReporter's methods).
 An entry's `charge` is what it counts against the capacity: the remote store's buffer size class, the disk
@@ -20,7 +28,7 @@ first is the store's `cache_policy` (LRU, LFU, FIFO, MRU: shared/eviction/).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Generic, Iterable, Protocol, TypeVar
 
 from kvmesh.shared.errors import StoreError
@@ -51,6 +59,93 @@ class SpaceRefused(StoreError):
 class _InFlight(Generic[E]):
     entry: E
     discard: bool = False  # removed or cleared while in flight: do not hold it when it lands
+    claims: int = 0  # who put it (a `_Callers` mask)
+
+
+@dataclass
+class Cleared(Generic[E]):
+    """What one caller's `clear` did.
+
+    `released`: the entries of every chunk (held, pinned or in flight) whose claim by the caller it dropped,
+    i.e. what left the caller's view; `forgotten`: the held chunks nobody claims or pins any more (the store
+    frees their bytes); `discarded`: the puts in flight nobody claims any more (dropped when they land).
+    """
+
+    released: list[E] = field(default_factory=list)
+    forgotten: list[tuple[ChunkKey, E]] = field(default_factory=list)
+    discarded: list[E] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(entry.num_tokens for entry in self.released)
+
+
+@dataclass
+class ClaimTable:
+    """The claims of the held chunks, to persist: `masks[key]` has bit i set when `callers[i]` claims the key;
+    `orphans` are pinned chunks that lost their last claim (forgotten when unpinned)."""
+
+    callers: list[str]
+    masks: dict[ChunkKey, int]
+    orphans: list[ChunkKey] = field(default_factory=list)
+
+
+class _Callers:
+    """Caller paths interned as small ids, one bit each in a chunk's claim mask.
+
+    An id is recycled once no chunk (held or in flight) carries its bit, so masks stay as wide as the number of
+    callers with chunks in the store, usually a handful: then a mask is one of Python's cached small ints and a
+    claim costs only its dict slot.
+    """
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+        self._paths: list[str] = []  # id -> path ("" once recycled)
+        self._counts: list[int] = []  # id -> chunks whose mask has its bit
+        self._free: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def bit(self, path: str) -> int:
+        """The bit of `path`, 0 if no chunk is claimed by it."""
+        index = self._ids.get(path)
+        return 0 if index is None else 1 << index
+
+    def add(self, mask: int, path: str) -> int:
+        """`mask` with `path`'s claim added (counted once per chunk)."""
+        index = self._ids.get(path)
+        if index is None:
+            index = self._free.pop() if self._free else len(self._paths)
+            if index == len(self._paths):
+                self._paths.append(path)
+                self._counts.append(0)
+            self._ids[path] = index
+            self._paths[index] = path
+        if not mask >> index & 1:
+            self._counts[index] += 1
+        return mask | 1 << index
+
+    def drop(self, mask: int) -> None:
+        """A chunk claimed by `mask` lost these claims (it is gone, or these callers gave it up)."""
+        while mask:
+            low = mask & -mask
+            index = low.bit_length() - 1
+            self._counts[index] -= 1
+            if not self._counts[index]:
+                del self._ids[self._paths[index]]
+                self._paths[index] = ""
+                self._free.append(index)
+            mask ^= low
+
+    def paths(self, mask: int) -> list[str]:
+        return [path for index, path in enumerate(self._paths) if mask >> index & 1]
+
+    def table(self) -> list[str]:
+        return list(self._paths)
+
+    def counts(self) -> dict[str, int]:
+        return {path: self._counts[index] for path, index in self._ids.items()}
 
 
 def _ignore(_: ChunkKey) -> None:
@@ -63,6 +158,9 @@ class ChunkIndex(Generic[E]):
     Invariant: a key is held (in `_held` and in the eviction policy: visible to contains/get, its charge in
     `used_bytes`), in flight (in `_in_flight`, its charge in `reserved_bytes`, invisible and never a victim), or
     unknown; never two of these. `used_bytes + reserved_bytes <= capacity_bytes` holds after every `reserve`.
+    Claims (module docstring): a held key with any is in `_claims` (key -> caller mask, absent when none), a key
+    in flight carries its mask in `_InFlight.claims` (0 once discarded); `_orphans` are held, pinned keys whose
+    last claim a clear took back.
     """
 
     def __init__(self, capacity_bytes: int, on_admit: Callable[[ChunkKey], None] = _ignore,
@@ -77,6 +175,10 @@ class ChunkIndex(Generic[E]):
         self.on_admit = on_admit
         self.on_evict = on_evict
         self._pins_version = 0
+        self._callers = _Callers()
+        self._claims: dict[ChunkKey, int] = {}
+        self._orphans: set[ChunkKey] = set()
+        self._claims_version = 0
 
     # ---- queries -----------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -106,6 +208,21 @@ class ChunkIndex(Generic[E]):
     def pins_version(self) -> int:
         """Bumped whenever pins are taken, dropped or lose their key: a store persisting pins saves on change."""
         return self._pins_version
+
+    @property
+    def claims_version(self) -> int:
+        """Bumped whenever the claims of held chunks change: a store persisting them saves on change."""
+        return self._claims_version
+
+    def claimed_by(self, key: ChunkKey) -> list[str]:
+        """The callers claiming a held or in-flight key."""
+        flight = self._in_flight.get(key)
+        mask = self._claims.get(key, 0) if key in self._held else flight.claims if flight is not None else 0
+        return self._callers.paths(mask)
+
+    def claim_counts(self) -> dict[str, int]:
+        """caller path -> how many chunks (held or in flight) it claims."""
+        return self._callers.counts()
 
     def held(self, key: ChunkKey) -> E | None:
         """The entry of a held key, without changing its recency."""
@@ -147,8 +264,9 @@ class ChunkIndex(Generic[E]):
         return entry
 
     # ---- puts --------------------------------------------------------------------------------------------
-    def reserve(self, key: ChunkKey, entry: E) -> list[tuple[ChunkKey, E]]:
-        """Accept a put: evict the policy's victims to make room and count the entry's charge as reserved.
+    def reserve(self, key: ChunkKey, entry: E, caller: str | None = None) -> list[tuple[ChunkKey, E]]:
+        """Accept a put from `caller` (its claim; None: an unclaimed chunk): evict the policy's victims to make
+        room and count the entry's charge as reserved.
 
         Returns the evicted (key, entry) pairs, whose bytes the store frees. Raises SpaceRefused, changing
         nothing, when pinned chunks and puts in flight leave no room. The key must not be known.
@@ -164,9 +282,23 @@ class ChunkIndex(Generic[E]):
         stale = self._in_flight.pop(key, None)  # a discarded put of the same key still landing: superseded
         if stale is not None:
             self.reserved_bytes -= stale.entry.charge
-        self._in_flight[key] = _InFlight(entry)
+        self._in_flight[key] = _InFlight(entry, claims=self._callers.add(0, caller) if caller is not None else 0)
         self.reserved_bytes += entry.charge
         return evicted
+
+    def claim(self, key: ChunkKey, caller: str) -> bool:
+        """A put from `caller` of a key already held or in flight (and wanted): add its claim; False if the key
+        is neither (the caller then reserves it)."""
+        if key in self._held:
+            self._claims[key] = self._callers.add(self._claims.get(key, 0), caller)
+            self._orphans.discard(key)
+            self._claims_version += 1
+            return True
+        flight = self._in_flight.get(key)
+        if flight is None or flight.discard:
+            return False
+        flight.claims = self._callers.add(flight.claims, caller)
+        return True
 
     def revive(self, key: ChunkKey) -> bool:
         """A new put of a key whose put is in flight (even one discarded by a removal): keep that one.
@@ -194,6 +326,9 @@ class ChunkIndex(Generic[E]):
         if flight.discard:
             return False
         self._held[key] = flight.entry
+        if flight.claims:
+            self._claims[key] = flight.claims
+            self._claims_version += 1
         self._policy.add(key, flight.entry.charge)
         self.on_admit(key)
         return True
@@ -204,6 +339,7 @@ class ChunkIndex(Generic[E]):
         if flight is not None and (entry is None or flight.entry is entry):
             del self._in_flight[key]
             self.reserved_bytes -= flight.entry.charge
+            self._discard(flight)
 
     def load(self, key: ChunkKey, entry: E) -> None:
         """Hold a chunk found at start (persisted); call oldest (least recently used) first: it arrives as a new
@@ -219,10 +355,11 @@ class ChunkIndex(Generic[E]):
 
     # ---- removals ----------------------------------------------------------------------------------------
     def remove(self, key: ChunkKey) -> E | None:
-        """Forget a held key, pinned or not, and discard a put of it in flight; the held entry or None."""
+        """Forget a held key, pinned or not, whoever claims it, and discard a put of it in flight; the held entry
+        or None."""
         flight = self._in_flight.get(key)
         if flight is not None:
-            flight.discard = True
+            self._discard(flight)
         return self._forget(key) if key in self._held else None
 
     def drop(self, key: ChunkKey, entry: E) -> bool:
@@ -233,17 +370,62 @@ class ChunkIndex(Generic[E]):
         self._forget(key)
         return True
 
-    def clear(self) -> list[tuple[ChunkKey, E]]:
-        """Forget every unpinned held key and discard every put in flight; the removed (key, entry) pairs."""
+    def clear(self, caller: str) -> Cleared[E]:
+        """Take back every claim of `caller`: forget the held chunks nobody else claims (pinned ones stay until
+        unpinned: `forget_orphans`), discard its puts in flight nobody else claims."""
+        cleared: Cleared[E] = Cleared()
+        bit = self._callers.bit(caller)
+        if not bit:
+            return cleared
+        for key, mask in [(key, mask) for key, mask in self._claims.items() if mask & bit]:
+            cleared.released.append(self._held[key])
+            self._callers.drop(bit)
+            if mask != bit:
+                self._claims[key] = mask & ~bit
+            else:
+                del self._claims[key]
+                if self._policy.is_pinned(key):
+                    self._orphans.add(key)
+                else:
+                    cleared.forgotten.append((key, self._forget(key)))
+        self._claims_version += bool(cleared.released)
         for flight in self._in_flight.values():
-            flight.discard = True
+            if flight.claims & bit:
+                cleared.released.append(flight.entry)
+                self._callers.drop(bit)
+                flight.claims &= ~bit
+                if not flight.claims:
+                    flight.discard = True
+                    cleared.discarded.append(flight.entry)
+        return cleared
+
+    def forget_orphans(self) -> list[tuple[ChunkKey, E]]:
+        """Forget the chunks a clear left unclaimed but pinned whose pins are gone (unpinned, or expired); the
+        forgotten (key, entry) pairs, whose bytes the store frees."""
+        return [(key, self._forget(key)) for key in list(self._orphans) if not self._policy.is_pinned(key)]
+
+    def wipe(self) -> list[tuple[ChunkKey, E]]:
+        """Forget every unpinned held key and discard every put in flight, whoever claims them; the removed
+        (key, entry) pairs. Pinned chunks keep their claims."""
+        for flight in self._in_flight.values():
+            self._discard(flight)
         return [(key, self._forget(key)) for key in list(self._held) if not self._policy.is_pinned(key)]
+
+    def _discard(self, flight: _InFlight[E]) -> None:
+        flight.discard = True
+        self._callers.drop(flight.claims)
+        flight.claims = 0
 
     def _forget(self, key: ChunkKey) -> E:
         if self._policy.is_pinned(key):
             self._pins_version += 1
         self._policy.remove(key)
         entry = self._held.pop(key)
+        mask = self._claims.pop(key, 0)
+        if mask:
+            self._callers.drop(mask)
+            self._claims_version += 1
+        self._orphans.discard(key)
         self.on_evict(key)
         return entry
 
@@ -271,6 +453,29 @@ class ChunkIndex(Generic[E]):
     def pins(self) -> dict[ChunkKey, tuple[int, float | None]]:
         """Live pins, to persist: key -> (nesting count, seconds left, None = until unpinned)."""
         return {key: (count, left) for key, count, left in self._policy.pins()}
+
+    # ---- claims, persisted ---------------------------------------------------------------------------------
+    def claim_table(self) -> ClaimTable:
+        """The held chunks' claims, to persist (a copy: the store writes it on another thread)."""
+        return ClaimTable(self._callers.table(), dict(self._claims), list(self._orphans))
+
+    def restore_claims(self, table: ClaimTable) -> int:
+        """Re-take persisted claims on the held keys (keys no longer held are skipped); how many keys got some."""
+        restored = 0
+        for key, saved in table.masks.items():
+            if key not in self._held:
+                continue
+            mask = self._claims.get(key, 0)
+            for index, path in enumerate(table.callers):
+                if saved >> index & 1 and path:
+                    mask = self._callers.add(mask, path)
+            if mask:
+                self._claims[key] = mask
+                self._orphans.discard(key)
+                restored += 1
+        self._orphans.update(key for key in table.orphans if key in self._held and key not in self._claims)
+        self._claims_version += 1
+        return restored
 
     def tokens_of(self, keys: Iterable[ChunkKey]) -> int:
         return sum(entry.num_tokens for key in keys if (entry := self._held.get(key)) is not None)

@@ -488,7 +488,13 @@ class ContainsReply:
 @message("clear_request")
 @dataclass(frozen=True)
 class ClearRequest:
-    pass
+    """A store's `clear`: take back the caller's claims (the caller is the subject's last tokens)."""
+
+
+@message("wipe_request")
+@dataclass(frozen=True)
+class WipeRequest:
+    """A store's `wipe`: forget every unpinned chunk, whoever put it; the operator's alone."""
 
 
 @message("stats_request")

@@ -1,11 +1,18 @@
 """What every chunk store does the same way on NATS, whatever holds its bytes (disk store, remote store).
 
 Runs on the store's one asyncio event loop, like the store itself:
-  * `IndexOps` answers contains / touch / pin / unpin / remove / clear / stats from the store's ChunkIndex, so these ops
-    mean the same thing at every store; the store supplies only what differs (how bytes are freed, ...).
+  * `IndexOps` answers contains / touch / pin / unpin / remove / clear / wipe / stats from the store's ChunkIndex,
+    so these ops mean the same thing at every store; the store supplies only what differs (how bytes are freed).
   * `StoreEndpoint` is the store's presence on NATS: its connection (its own, or one lent by a test), one
-    subscription per op on `Subjects.store(store_id, op)`, its AdmissionReporter, health answers (on
-    `Subjects.health(store_id)` and the ping-all subject); `stop_serving()` then `close()` undo it.
+    subscription per op on `Subjects.store_op(store_id, op)` (the op from every caller: the subject's last tokens
+    are the caller's path, which NATS permissions let only that caller publish on), its AdmissionReporter, health
+    answers (on `Subjects.health(<store's path>)` and the ping-all subject); `stop_serving()` then `close()` undo
+    it.
+
+Who calls matters for puts (each records its caller's claim), `clear` (takes back the caller's claims only) and
+`wipe` (the operator's alone); see shared/chunk_index.py. Every other op answers any caller the same: an engine
+may read, pin or remove any chunk of the store (keys name a model's KV, so a chunk is only of use to engines of
+that model; a limitation, not a boundary between tenants).
 """
 
 from __future__ import annotations
@@ -30,12 +37,23 @@ E = TypeVar("E", bound=IndexEntry)
 
 @dataclass(frozen=True)
 class Handler:
-    """One op of a store: requests of `request_type` on `Subjects.store(store_id, op)`, answered by `handle`."""
+    """One op of a store: requests of `request_type` on `Subjects.store_op(store_id, op)`, answered by
+    `handle(request, caller)`, `caller` being the caller's path (`engine.<instance>.<worker>`, `operator`...)."""
 
     op: str
     request_type: type[Any]
-    handle: Callable[[Any], Awaitable[Any]]
+    handle: Callable[[Any, str], Awaitable[Any]]
     max_concurrent: int = 1  # 1: one request at a time, in arrival order; more for ops that wait on I/O
+
+    @classmethod
+    def anyone(cls, op: str, request_type: type[Any], handle: Callable[[Any], Awaitable[Any]],
+               max_concurrent: int = 1) -> "Handler":
+        """An op answered the same whoever asks."""
+
+        async def handle_anyone(request: Any, _caller: str) -> Any:
+            return await handle(request)
+
+        return cls(op, request_type, handle_anyone, max_concurrent)
 
 
 def _nothing(*_: Any) -> None:
@@ -43,16 +61,20 @@ def _nothing(*_: Any) -> None:
 
 
 class IndexOps(Generic[E]):
-    """contains / pin / unpin / remove / clear / stats of one store, answered from its ChunkIndex.
+    """contains / touch / pin / unpin / remove / clear / wipe / stats of one store, answered from its ChunkIndex.
 
     What differs between stores comes in as callables: `free(removed)` releases what chunks that left the
     index used (files, buffers); `settle(keys)` waits for puts of these keys still in flight before a pin (so a
-    pin right after a put covers it); `changed()` runs after every op that may have changed pins (the disk
-    store persists them); `details()` is the store's own part of the stats.
+    pin right after a put covers it); `changed()` runs after every op that may have changed pins or claims (the
+    disk store persists them); `details()` is the store's own part of the stats.
 
-    Counts: pin and unpin answer the stored token counts of the chunks they pinned or unpinned; remove and
-    clear count the chunks they forgot and the puts in flight they discarded (puts that may already have been
-    answered ok, and that the removal undoes).
+    Counts (`CommandReply.num_tokens` / `num_chunks`): pin and unpin answer the stored token counts of the
+    chunks they pinned or unpinned. remove and wipe count the chunks they forgot and the puts in flight they
+    discarded (puts that may already have been answered ok, and that the removal undoes). clear counts what
+    left the caller's view: every chunk, held, pinned or in flight, whose claim by this caller it took back,
+    whether or not another caller's claim or a pin keeps it in the store. So the controller's `/clear` of
+    LocalDiskBackend for instance A (each rank clears its own claims, the reply is the minimum over the ranks)
+    reports A's tokens, never B's, and the same whether or not B put the same chunks.
     """
 
     def __init__(self, store_id: str, index: ChunkIndex[E], free: Callable[[list[tuple[ChunkKey, E]]], None],
@@ -68,11 +90,11 @@ class IndexOps(Generic[E]):
 
     def handlers(self) -> list[Handler]:
         keys = protocol.ChunkKeys
-        return [Handler("contains", keys, self.contains), Handler("touch", keys, self.touch),
-                Handler("pin", keys, self.pin),
-                Handler("unpin", keys, self.unpin), Handler("remove", keys, self.remove),
-                Handler("clear", protocol.ClearRequest, self.clear),
-                Handler("stats", protocol.StatsRequest, self.stats)]
+        return [Handler.anyone("contains", keys, self.contains), Handler.anyone("touch", keys, self.touch),
+                Handler.anyone("pin", keys, self.pin), Handler.anyone("unpin", keys, self.unpin),
+                Handler.anyone("remove", keys, self.remove), Handler("clear", protocol.ClearRequest, self.clear),
+                Handler("wipe", protocol.WipeRequest, self.wipe),
+                Handler.anyone("stats", protocol.StatsRequest, self.stats)]
 
     async def contains(self, request: protocol.ChunkKeys) -> protocol.ContainsReply:
         return protocol.ContainsReply(prefix=self.index.contains_prefix(request.keys))
@@ -94,8 +116,10 @@ class IndexOps(Generic[E]):
 
     async def unpin(self, request: protocol.ChunkKeys) -> protocol.CommandReply:
         unpinned = self.index.unpin(request.keys)
+        reply = protocol.CommandReply(ok=True, num_tokens=self.index.tokens_of(unpinned), num_chunks=len(unpinned))
+        self._free(self.index.forget_orphans())  # chunks a clear left to their pins: the last pin went
         self._changed()
-        return protocol.CommandReply(ok=True, num_tokens=self.index.tokens_of(unpinned), num_chunks=len(unpinned))
+        return reply
 
     async def remove(self, request: protocol.ChunkKeys) -> protocol.CommandReply:
         removed: list[tuple[ChunkKey, E]] = []
@@ -109,10 +133,28 @@ class IndexOps(Generic[E]):
                 discarded.append(in_flight)
         return self._removed(removed, discarded)
 
-    async def clear(self, request: protocol.ClearRequest) -> protocol.CommandReply:
+    async def clear(self, request: protocol.ClearRequest, caller: str) -> protocol.CommandReply:
+        """Take back `caller`'s claims; see the class docstring for what the reply counts."""
+        cleared = self.index.clear(caller)
+        forgotten = cleared.forgotten + self.index.forget_orphans()
+        self._free(forgotten)
+        self._changed()
+        log.info("store %s: %s cleared its claims on %d chunks (%d tokens); %d of them forgotten, %d puts in "
+                 "flight discarded", self.store_id, caller, len(cleared.released), cleared.num_tokens,
+                 len(forgotten), len(cleared.discarded))
+        return protocol.CommandReply(ok=True, num_tokens=cleared.num_tokens, num_chunks=len(cleared.released))
+
+    async def wipe(self, request: protocol.WipeRequest, caller: str) -> protocol.CommandReply:
+        """Forget every unpinned chunk and discard every put in flight, whoever put them: the operator's alone.
+        Refused for any other caller, whatever the NATS permissions let through."""
+        if caller != protocol.OPERATOR.path:
+            log.warning("store %s: refused a wipe from %s", self.store_id, caller)
+            return protocol.CommandReply(ok=False, error=(
+                f"store {self.store_id}: wipe is the operator's alone, not {caller}'s (a caller clears its own "
+                "chunks with `clear`)"))
         discarded = [entry for _, entry in self.index.in_flight_items()]
-        reply = self._removed(self.index.clear(), discarded)
-        log.info("store %s: cleared %d chunks (%d tokens); %d pinned kept", self.store_id, reply.num_chunks,
+        reply = self._removed(self.index.wipe(), discarded)
+        log.info("store %s: wiped %d chunks (%d tokens); %d pinned kept", self.store_id, reply.num_chunks,
                  reply.num_tokens, self.index.pinned_count)
         return reply
 
@@ -126,7 +168,8 @@ class IndexOps(Generic[E]):
         index = self.index
         return protocol.StatsReply(store_id=self.store_id, num_chunks=len(index), used_bytes=index.used_bytes,
                                    capacity_bytes=index.capacity_bytes, pinned_chunks=index.pinned_count,
-                                   details={"cache_policy": index.policy_name, **self._details()})
+                                   details={"cache_policy": index.policy_name, "claimants": len(index.claim_counts()),
+                                            **self._details()})
 
 
 class StoreEndpoint:
@@ -162,12 +205,13 @@ class StoreEndpoint:
         that answers health is registered and serving."""
         assert self.nc is not None, "connect() first"
         for handler in handlers:
-            self._subscriptions.append(await bus.serve(
-                self.nc, protocol.Subjects.store(self.store_id, handler.op), handler.request_type, handler.handle,
-                max_concurrent=handler.max_concurrent))
+            self._subscriptions.append(await bus.serve_from(
+                self.nc, protocol.Subjects.store_op(self.store_id, handler.op), handler.request_type,
+                _from_caller(handler), max_concurrent=handler.max_concurrent))
         self.reporter = reporter
         await reporter.start(self.nc)
-        await serve_health(self.nc, self.service, self.store_id, details=health_details)
+        await serve_health(self.nc, self.service, self.store_id, protocol.store_path(self.store_id),
+                           details=health_details)
 
     async def stop_serving(self) -> None:
         """Take no more requests (the store may then finish its work and close)."""
@@ -189,3 +233,12 @@ class StoreEndpoint:
                 await self.nc.drain()
             except Exception as exc:
                 log.debug("%s %s: NATS drain failed: %s", self.service, self.store_id, exc)
+
+
+def _from_caller(handler: Handler) -> Callable[[Any, str], Awaitable[Any]]:
+    """`handler.handle` as a bus handler: the caller is the path the message's subject ends in."""
+
+    def handle(request: Any, subject: str) -> Awaitable[Any]:
+        return handler.handle(request, protocol.Subjects.caller_of_store_op(subject))
+
+    return handle

@@ -1,9 +1,10 @@
 """The tier interface: what the engine asks of every place a chunk can be (CPU tier, disk store, remote store).
 
 `Tier` is the control part every tier answers, the same way: `contains` (the held prefix of some keys), `pin`
-and `unpin` (the held or pinned prefix), `clear` (what this instance may drop there) and `touch` (a hit: the
-chunks were just used, refresh their recency). The storage manager walks its tiers as one ordered list (CPU,
-disk, remote) for lookups and fetches, and dispatches the controller's commands through this interface.
+and `unpin` (the held or pinned prefix), `clear` (what this engine put there: a store forgets only chunks no
+other caller claims) and `touch` (a hit: the chunks were just used, refresh their recency). The storage manager
+walks its tiers as one ordered list (CPU, disk, remote) for lookups and fetches, and dispatches the controller's
+commands through this interface.
 
 `StoreTier` adds the data part of a lower tier: `put` a chunk from a buffer and `get_into` a buffer. The CPU
 tier does not copy: its chunks already live in the memory pool's slots, so its data path hands out slot
@@ -14,8 +15,9 @@ segment, that segment's name and offset, so a store on the same host can read or
 (no bytes through NATS). The disk store and the remote store each provide a `StoreTier` client
 (`services/disk_store/client.py`, `services/remote_store/client.py`). All methods are coroutines on the
 engine's NATS loop; none raises on a dead store: they log and answer a miss / False / 0 (a failing store never
-fails vLLM). `StoreLink` is how both clients do that: one per store, it sends the requests and logs each
-change of the store's state once.
+fails vLLM). `StoreLink` is how both clients do that: one per store, it sends the requests on subjects ending
+in the client's caller path (`Principal.engine(instance_id).producer(worker_id)` for an engine worker: who
+puts, and whose claims a `clear` takes back) and logs each change of the store's state once.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ class Tier(Protocol):
         """Drop one pin from each key of the contiguous pinned prefix; the number of tokens unpinned."""
 
     async def clear(self) -> int:
-        """Remove what may be removed (see each tier); the number of tokens cleared."""
+        """Remove what this engine may remove (see each tier); the number of tokens cleared. A store takes back
+        the caller's claims and answers the tokens of the chunks it no longer claims (shared/store_service.py)."""
 
     async def touch(self, keys: list[ChunkKey]) -> None:
         """The chunks were just used: make them the most recently used ones the tier holds (best effort)."""
@@ -82,12 +85,15 @@ class StoreLink:
     (not once per call) on the client's own logger, as "<label> unreachable ..." / "... reachable again".
 
     After a failure the store is not asked again for `retry_interval` seconds (`resting`), so a vanished host
-    costs one timeout, not one per call; 0 asks every time.
+    costs one timeout, not one per call; 0 asks every time. Requests go to `Subjects.store(store_id, op, caller)`:
+    `caller` is the client's path, the only one its NATS credentials may publish store ops on.
     """
 
-    def __init__(self, store_id: str, label: str, log: logging.Logger, retry_interval: float = 0.0) -> None:
+    def __init__(self, store_id: str, label: str, log: logging.Logger, caller: str,
+                 retry_interval: float = 0.0) -> None:
         self.store_id = store_id
         self.label = label  # e.g. "disk store disk-h1"
+        self.caller = caller
         self.retry_interval = retry_interval
         self.reachable = True
         self.refusing = False  # its last put was refused
@@ -104,7 +110,7 @@ class StoreLink:
         if self.resting:
             return None
         try:
-            reply = await bus.request(nc, Subjects.store(self.store_id, op), message, reply_type, timeout)
+            reply = await bus.request(nc, self.subject(op), message, reply_type, timeout)
         except KVMeshError as exc:  # MeshUnavailable (no responder, timeout, error reply), ProtocolError (bad reply)
             self.failed(exc)
             return None
@@ -114,6 +120,9 @@ class StoreLink:
             return None
         self.answered()
         return reply
+
+    def subject(self, op: str) -> str:
+        return Subjects.store(self.store_id, op, self.caller)
 
     def failed(self, reason: object) -> None:
         self._down_until = time.monotonic() + self.retry_interval

@@ -5,6 +5,7 @@ Behaviour that needs the store in its own process (restart, SIGKILL, the CLI) is
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import os
@@ -26,11 +27,13 @@ from kvmesh.shared.chunk_index import ChunkIndex
 from kvmesh.services.disk_store.options import DiskStoreOptions, build_parser, options_from_args
 from kvmesh.services.disk_store.service import DiskStoreService
 from kvmesh.services.disk_store.writer import WriteFaults
+from kvmesh.shared.state_file import CLAIMS_NAME
 
 from waiting import WAIT_S, ManualClock, wait_until_async
 
 CHUNK = 64 * 1024
 FILE_BYTES = chunk_file.DATA_ALIGN + CHUNK  # header page + data, what a chunk costs against the cap
+ENGINE = protocol.Principal.engine("test").producer("w0")  # the caller path the harness's client sends as
 
 
 def key_of(i: int) -> bytes:
@@ -61,7 +64,7 @@ class Harness:
         self.nc, self.root = nc, root
         self.store_id = f"disk-{uuid.uuid4().hex[:8]}"
         self.service: DiskStoreService | None = None
-        self.client = DiskStoreClient(nc, self.store_id, request_timeout=WAIT_S)
+        self.client = DiskStoreClient(nc, self.store_id, ENGINE, request_timeout=WAIT_S)
         self.clock: Callable[[], float] = time.monotonic  # the stores' pin TTLs run on it
 
     async def start(self, capacity: int = 64 * FILE_BYTES, staging_bytes: int = 4 * CHUNK,
@@ -77,11 +80,16 @@ class Harness:
             await self.service.stop()
             self.service = None
 
-    async def put(self, i: int, nbytes: int = CHUNK, wait: bool = True) -> bool:
+    def client_of(self, caller: str) -> DiskStoreClient:
+        """A client sending as `caller` (another engine worker, another tenant)."""
+        return DiskStoreClient(self.nc, self.store_id, caller, request_timeout=WAIT_S)
+
+    async def put(self, i: int, nbytes: int = CHUNK, wait: bool = True, client: DiskStoreClient | None = None) -> bool:
         meta, data = chunk(i, nbytes)
-        ok = await self.client.put(meta, ChunkBuffer(view=memoryview(bytearray(data))))
+        client = client or self.client
+        ok = await client.put(meta, ChunkBuffer(view=memoryview(bytearray(data))))
         if wait:
-            assert await self.client.wait_written(timeout=WAIT_S)
+            assert await client.wait_written(timeout=WAIT_S)
         return ok
 
     async def get(self, i: int, nbytes: int = CHUNK) -> bytes | None:
@@ -92,8 +100,14 @@ class Harness:
     async def held(self, *indices: int) -> list[bool]:
         return [await self.client.contains([key_of(i)]) == 1 for i in indices]
 
-    def request(self, op: str, message: object, reply_type: type, timeout: float = WAIT_S):
-        return bus.request(self.nc, protocol.Subjects.store(self.store_id, op), message, reply_type, timeout)
+    def request(self, op: str, message: object, reply_type: type, timeout: float = WAIT_S, caller: str = ENGINE):
+        return bus.request(self.nc, protocol.Subjects.store(self.store_id, op, caller), message, reply_type, timeout)
+
+    async def wipe(self) -> int:
+        """The operator's wipe; the tokens it removed."""
+        reply = await self.request("wipe", protocol.WipeRequest(), protocol.CommandReply, caller=protocol.OPERATOR.path)
+        assert reply.ok, reply.error
+        return reply.num_tokens
 
 
 @pytest.fixture
@@ -168,7 +182,7 @@ async def test_pins_survive_pressure_and_clear_and_a_full_pinned_store_refuses_p
     assert not reply.ok and "no room" in reply.error  # refused with a reason ...
     assert await harness.held(1, 2, 3) == [True, True, False]  # ... and nothing else changed
     assert chunk_files(harness.root) == files_before
-    assert await client.clear() == 0  # everything is pinned
+    assert await harness.wipe() == 0  # everything is pinned
     assert await harness.get(1) == chunk(1)[1] and await harness.get(2) == chunk(2)[1]
     # Pins are a contiguous prefix at chunk granularity; unpin releases one pin.
     assert await client.pin([key_of(2), key_of(9), key_of(1)], [102, 109, 101]) == 102
@@ -178,7 +192,7 @@ async def test_pins_survive_pressure_and_clear_and_a_full_pinned_store_refuses_p
     assert await harness.put(3)  # 1 and 2 are unpinned now: 1 (least recent) goes
     assert await harness.held(1, 2, 3) == [False, True, True]
     assert await client.pin([key_of(3)], []) == 103  # no counts given: the stored ones
-    assert await client.clear() == 102  # 2 cleared, 3 pinned and kept
+    assert await harness.wipe() == 102  # 2 wiped, 3 pinned and kept
     assert await harness.held(2, 3) == [False, True]
     stats = (await client.stats())[0]
     assert stats.pinned_chunks == 1 and stats.num_chunks == 1
@@ -273,12 +287,13 @@ async def test_a_really_full_disk_refuses_or_fails_the_put_cleanly(nc, tmp_path:
 async def test_garbage_on_every_subject_leaves_it_serving(harness: Harness) -> None:
     await harness.start()
     assert await harness.put(1)
-    ops = ["put", "get", "contains", "touch", "remove", "clear", "pin", "unpin", "stats"]
+    ops = ["put", "get", "contains", "touch", "remove", "clear", "wipe", "pin", "unpin", "stats"]
     garbage = [b"", b"\x00\xff\xfe", b"not msgpack", protocol.encode(protocol.Ack()),
                protocol.encode(protocol.HealthRequest()), b"\x81\xa1v\x01"]
     for op in ops:
         for payload in garbage:
-            reply = await harness.nc.request(protocol.Subjects.store(harness.store_id, op), payload, timeout=WAIT_S)
+            reply = await harness.nc.request(protocol.Subjects.store(harness.store_id, op, ENGINE), payload,
+                                             timeout=WAIT_S)
             assert reply.data  # an error answer, never silence or a crash
     bad_meta = protocol.ChunkMeta(key=b"short", num_tokens=1, shape=[4], dtype="uint8", fmt="x", nbytes=4)
     good_meta = chunk(7)[0]
@@ -297,14 +312,14 @@ async def test_garbage_on_every_subject_leaves_it_serving(harness: Harness) -> N
         ("remove", protocol.ChunkKeys(keys=[b"bad"])),
     ]
     for op, message in bad_requests:
-        reply = await harness.nc.request(protocol.Subjects.store(harness.store_id, op), protocol.encode(message),
-                                         timeout=WAIT_S)
+        reply = await harness.nc.request(protocol.Subjects.store(harness.store_id, op, ENGINE),
+                                         protocol.encode(message), timeout=WAIT_S)
         assert reply.data
     assert await harness.held(7, 8) == [False, False]
     assert await harness.get(1) == chunk(1)[1]
     assert await harness.put(2) and await harness.get(2) == chunk(2)[1]
-    health = await bus.request(harness.nc, protocol.Subjects.health(harness.store_id), protocol.HealthRequest(),
-                               protocol.HealthReply, WAIT_S)
+    health = await bus.request(harness.nc, protocol.Subjects.health(protocol.store_path(harness.store_id)),
+                               protocol.HealthRequest(), protocol.HealthReply, WAIT_S)
     assert health.service == "disk_store" and health.details["puts_refused"] >= 5
 
 
@@ -319,7 +334,7 @@ async def test_admission_events_with_increasing_seq_reach_a_subscriber(harness: 
             except Exception:
                 continue
 
-    await harness.nc.subscribe(protocol.Subjects.events(harness.store_id), cb=on_event)
+    await harness.nc.subscribe(protocol.Subjects.events(protocol.store_path(harness.store_id)), cb=on_event)
     await harness.start(capacity=2 * FILE_BYTES + 100)
     def batches_so_far() -> list[protocol.AdmissionBatch]:
         return [m for m in received if isinstance(m, protocol.AdmissionBatch)]
@@ -359,7 +374,7 @@ async def test_remove_and_stats(harness: Harness) -> None:
 
 
 async def test_client_of_a_dead_store_answers_misses_and_logs_once(nc, caplog) -> None:
-    client = DiskStoreClient(nc, "disk-nobody", request_timeout=0.2)
+    client = DiskStoreClient(nc, "disk-nobody", ENGINE, request_timeout=0.2)
     meta, data = chunk(1)
     caplog.set_level(logging.WARNING, logger="kvmesh.services.disk_store.client")
     for _ in range(3):
@@ -371,6 +386,125 @@ async def test_client_of_a_dead_store_answers_misses_and_logs_once(nc, caplog) -
         assert await client.stats() == []
     assert len([r for r in caplog.records if "unreachable" in r.getMessage()]) == 1
     assert client.location == protocol.LOCAL_DISK and client.store_ids == ["disk-nobody"]
+
+
+# ---- claims: a clear takes back only the caller's chunks ---------------------------------------------------
+TENANT_A = protocol.Principal.engine("tenant-a").producer("tenant-a")
+TENANT_B = protocol.Principal.engine("tenant-b").producer("tenant-b")
+
+
+class EventLog:
+    """The store's AdmissionBatches as the controller would see them."""
+
+    def __init__(self) -> None:
+        self.batches: list[protocol.AdmissionBatch] = []
+
+    async def subscribe(self, harness: Harness) -> None:
+        async def on_event(msg) -> None:
+            try:
+                self.batches.append(protocol.decode(msg.data, protocol.AdmissionBatch))
+            except Exception:
+                pass  # SyncChunk
+
+        await harness.nc.subscribe(protocol.Subjects.events(protocol.store_path(harness.store_id)), cb=on_event)
+
+    def keys(self, field: str) -> set[bytes]:
+        return {k for batch in self.batches for k in getattr(batch, field)}
+
+
+async def test_a_clear_takes_back_only_the_callers_chunks_and_reports_only_real_evictions(harness: Harness) -> None:
+    events = EventLog()
+    await events.subscribe(harness)
+    await harness.start()
+    a, b = harness.client_of(TENANT_A), harness.client_of(TENANT_B)
+    for i, client in ((1, a), (2, a), (2, b), (3, b)):  # 2 is put by both (one file, two claims)
+        assert await harness.put(i, client=client)
+    assert len(chunk_files(harness.root)) == 3
+    await wait_until_async(lambda: events.keys("admitted") >= {key_of(1), key_of(2), key_of(3)},
+                           what="the admissions of 1, 2, 3")
+    # A's clear: A's tokens (its view lost 1 and 2), but only 1 leaves the store
+    assert await a.clear() == 101 + 102
+    assert await harness.held(1, 2, 3) == [False, True, True]
+    await wait_until_async(lambda: key_of(1) in events.keys("evicted"), what="the eviction of 1")
+    assert events.keys("evicted") == {key_of(1)}  # one batch: 2 and 3 were never reported gone
+    await wait_until_async(lambda: len(chunk_files(harness.root)) == 2, what="the file of 1 deleted")
+    assert await harness.get(2) == chunk(2)[1]
+    assert await a.clear() == 0  # nothing of A's left
+    # B's clear takes the rest, the shared chunk with it
+    assert await b.clear() == 102 + 103
+    assert await harness.held(2, 3) == [False, False]
+    await wait_until_async(lambda: events.keys("evicted") == {key_of(1), key_of(2), key_of(3)},
+                           what="the evictions of 2 and 3")
+    stats = (await harness.client.stats())[0]
+    assert stats.num_chunks == 0 and stats.details["claimants"] == 0
+
+
+async def test_pinned_chunks_outlive_their_callers_clear_until_unpinned(harness: Harness) -> None:
+    await harness.start()
+    a = harness.client_of(TENANT_A)
+    for i in (1, 2):
+        assert await harness.put(i, client=a)
+    assert await harness.client.pin([key_of(1)], [101]) == 101  # the controller's /pin, say
+    assert await a.clear() == 101 + 102  # A no longer claims either ...
+    assert await harness.held(1, 2) == [True, False]  # ... the pinned one stays for its pin
+    assert await harness.get(1) == chunk(1)[1]
+    assert await harness.client.unpin([key_of(1)], [101]) == 101  # its last pin: now it goes
+    assert await harness.held(1) == [False]
+    await wait_until_async(lambda: chunk_files(harness.root) == [], what="both files deleted")
+
+
+async def test_wipe_is_the_operators_alone_and_spares_pins(harness: Harness) -> None:
+    await harness.start()
+    a, b = harness.client_of(TENANT_A), harness.client_of(TENANT_B)
+    for i, client in ((1, a), (2, b), (3, a)):
+        assert await harness.put(i, client=client)
+    assert await harness.client.pin([key_of(3)], [103]) == 103
+    reply = await harness.request("wipe", protocol.WipeRequest(), protocol.CommandReply, caller=TENANT_A)
+    assert not reply.ok and "operator" in reply.error and TENANT_A in reply.error
+    assert await harness.held(1, 2, 3) == [True, True, True]
+    assert await harness.wipe() == 101 + 102  # every unpinned chunk, whoever put it
+    assert await harness.held(1, 2, 3) == [False, False, True]
+    stats = (await harness.client.stats())[0]
+    assert stats.num_chunks == 1 and stats.pinned_chunks == 1
+
+
+async def test_claims_survive_a_restart_and_chunks_without_claims_stay_until_wiped(harness: Harness) -> None:
+    await harness.start()
+    a, b = harness.client_of(TENANT_A), harness.client_of(TENANT_B)
+    for i, client in ((1, a), (2, a), (2, b), (3, b)):
+        assert await harness.put(i, client=client)
+    await harness.stop()  # a clean stop saves the claims
+    await harness.start()
+    assert await a.clear() == 101 + 102
+    assert await harness.held(1, 2, 3) == [False, True, True]
+    await harness.stop()
+    (harness.root / CLAIMS_NAME).unlink()  # as a directory from before claims: chunks nobody claims
+    await harness.start()
+    assert await b.clear() == 0 and await harness.held(2, 3) == [True, True]  # kept ...
+    assert await harness.wipe() == 102 + 103 and await harness.held(2, 3) == [False, False]  # ... until wiped
+
+
+async def test_a_put_in_flight_is_discarded_by_its_callers_clear(harness: Harness) -> None:
+    service = await harness.start()
+    writer = service.store._writer
+    assert writer is not None
+    landing = asyncio.Event()  # accepted writes stay in flight until the test lets them land
+    write = writer.write
+
+    async def held_back_write(meta: protocol.ChunkMeta, data: memoryview) -> None:
+        await landing.wait()
+        await write(meta, data)
+
+    writer.write = held_back_write  # type: ignore[method-assign]
+    a, b = harness.client_of(TENANT_A), harness.client_of(TENANT_B)
+    for i, client in ((1, a), (2, a), (2, b), (3, b)):  # staged and answered ok; the files not written yet
+        assert await harness.put(i, client=client, wait=False)
+    assert await harness.held(1, 2, 3) == [False, False, False]
+    assert await a.clear() == 101 + 102  # both in flight; 2 stays wanted by B
+    landing.set()
+    assert await a.wait_written(WAIT_S)
+    assert await harness.held(1, 2, 3) == [False, True, True]
+    await wait_until_async(lambda: len(chunk_files(harness.root)) == 2, what="the file of 1 never kept")
 
 
 def test_options_from_flags_and_from_the_lmcache_config(tmp_path: Path) -> None:
@@ -421,5 +555,5 @@ def test_index_reserves_commits_and_discards() -> None:
     index.abort(b"d")
     assert index.in_flight(b"b") is entry and index.remove(b"b") is None  # a pending write is discarded ...
     assert not index.commit(b"b")  # ... and not admitted when it lands
-    assert index.commit(b"c") and index.clear() == [(b"c", entry)]
+    assert index.commit(b"c") and index.wipe() == [(b"c", entry)]
     assert index.used_bytes == 0 and index.reserved_bytes == 0

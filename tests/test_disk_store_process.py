@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -28,6 +29,7 @@ from waiting import WAIT_S, wait_until_async
 
 CHUNK = 256 * 1024
 SLOTS = 8
+ENGINE = protocol.Principal.engine("test").producer("w0")  # the caller path the tests' clients send as
 
 
 def key_of(i: int) -> bytes:
@@ -66,8 +68,8 @@ class StoreProcess:
         async def healthy() -> bool:
             assert self.process is not None and self.process.poll() is None, self.log()
             try:
-                await bus.request(nc, protocol.Subjects.health(self.store_id), protocol.HealthRequest(),
-                                  protocol.HealthReply, 1)
+                await bus.request(nc, protocol.Subjects.health(protocol.store_path(self.store_id)),
+                                  protocol.HealthRequest(), protocol.HealthReply, 1)
             except MeshUnavailable:
                 return False
             return True
@@ -132,7 +134,7 @@ async def full_store_with_chunk_1_read(nc, store: StoreProcess, segment: SharedS
     store.max_size_gb = 3.5 * (chunk_file.DATA_ALIGN + CHUNK) / 1024**3
     store.start(*flags)
     await store.wait_healthy(nc)
-    client = DiskStoreClient(nc, store.store_id, request_timeout=WAIT_S)
+    client = DiskStoreClient(nc, store.store_id, ENGINE, request_timeout=WAIT_S)
     for i in (1, 2, 3):
         assert await put_shm(client, segment, i)
     assert await client.wait_written(WAIT_S)
@@ -158,6 +160,38 @@ async def test_chunks_persist_across_a_restart_with_their_lru_order(nc, store: S
         assert await get_shm(client, segment, i) == data_of(i)
 
 
+def kvmesh_wipe(nats_url: str, *store_ids: str) -> tuple[int, list[dict[str, object]], str]:
+    """`kvmesh wipe` as the operator would run it: (exit code, one JSON object per store, stderr)."""
+    argv = [sys.executable, "-m", "kvmesh.cli", "wipe", "--nats-url", nats_url, "--timeout", str(WAIT_S)]
+    for store_id in store_ids:
+        argv += ["--store", store_id]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=2 * WAIT_S, stdin=subprocess.DEVNULL)
+    return result.returncode, [json.loads(line) for line in result.stdout.splitlines()], result.stderr
+
+
+async def test_claims_survive_a_process_restart_and_the_operator_wipes_with_the_cli(
+        nc, store: StoreProcess, segment: SharedSegment) -> None:
+    store.start()
+    await store.wait_healthy(nc)
+    a, b = (DiskStoreClient(nc, store.store_id, protocol.Principal.engine(tenant).producer("w0"),
+                            request_timeout=WAIT_S) for tenant in ("tenant-a", "tenant-b"))
+    for i, client in ((1, a), (2, a), (2, b), (3, b)):
+        assert await put_shm(client, segment, i)
+    assert await a.wait_written(WAIT_S)
+    assert store.stop() == 0  # SIGTERM: the claims are saved at close
+    store.start()
+    await store.wait_healthy(nc)
+    assert await a.clear() == 2 * 256  # chunks 1 and 2 were A's ...
+    assert [await b.contains([key_of(i)]) for i in (1, 2, 3)] == [0, 1, 1]  # ... 2 is still B's
+    assert await b.pin([key_of(3)], [256]) == 256
+    code, replies, stderr = await asyncio.to_thread(kvmesh_wipe, store.nats_url, store.store_id, "disk-nobody")
+    assert code == 1, stderr  # one of the two stores did not answer
+    assert replies[0] == {"store": store.store_id, "ok": True, "removed_chunks": 1, "removed_tokens": 256,
+                          "kept_pinned_chunks": 1}
+    assert replies[1]["store"] == "disk-nobody" and not replies[1]["ok"] and "no responder" in replies[1]["error"]
+    assert [await b.contains([key_of(i)]) for i in (2, 3)] == [0, 1]
+
+
 async def test_cache_policy_flag_reaches_the_store(nc, store: StoreProcess, segment: SharedSegment) -> None:
     """`--cache-policy FIFO`: the read of chunk 1 does not save it, unlike under LRU (the restart test above)."""
     client = await full_store_with_chunk_1_read(nc, store, segment, "--cache-policy", "fifo")
@@ -170,7 +204,7 @@ async def test_sigkill_during_puts_then_restart_returns_only_intact_chunks(nc, s
                                                                           segment: SharedSegment) -> None:
     store.start()
     await store.wait_healthy(nc)
-    client = DiskStoreClient(nc, store.store_id, request_timeout=1.0, data_timeout=2.0)
+    client = DiskStoreClient(nc, store.store_id, ENGINE, request_timeout=1.0, data_timeout=2.0)
     accepted: list[int] = []
     seen_pending = False
 
@@ -203,7 +237,7 @@ async def test_sigkill_during_puts_then_restart_returns_only_intact_chunks(nc, s
 
     store.start()
     await store.wait_healthy(nc)
-    client = DiskStoreClient(nc, store.store_id, request_timeout=WAIT_S)
+    client = DiskStoreClient(nc, store.store_id, ENGINE, request_timeout=WAIT_S)
     assert list(store.root.rglob("*.tmp")) == []
     assert not victim.exists() and not chunk_file.chunk_path(store.root, key_of(10_002)).exists()
     held = [i for i in range(max(accepted) + 8) if await client.contains([key_of(i)])]
@@ -238,7 +272,7 @@ async def test_started_from_the_lmcache_config_file(nc, nats_server: EmbeddedNat
     log.close()
     try:
         await process.wait_healthy(nc)
-        stats = (await DiskStoreClient(nc, process.store_id, request_timeout=WAIT_S).stats())[0]
+        stats = (await DiskStoreClient(nc, process.store_id, ENGINE, request_timeout=WAIT_S).stats())[0]
         assert stats.capacity_bytes == 1024**3 // 2 and Path(stats.details["dir"]) == disk and disk.is_dir()
     finally:
         assert process.stop() == 0

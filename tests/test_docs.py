@@ -133,6 +133,7 @@ SERVICES = {
     "The whole mesh on one machine": lambda: _subparser(cli_parser(), "up"),
     "Health": lambda: _subparser(cli_parser(), "health"),
     "Credentials": lambda: _subparser(cli_parser(), "credentials"),
+    "Wipe a store": lambda: _subparser(cli_parser(), "wipe"),
 }
 
 

@@ -27,6 +27,7 @@ from kvmesh.services.remote_store.service import RemoteStoreService
 from waiting import WAIT_S, wait_until_async
 
 MiB = 1024 * 1024
+ENGINE = protocol.Principal.engine("test").producer("w0")  # the caller path the tests' clients send as
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,14 @@ def chunk(nbytes: int, seed: int, num_tokens: int = 256, key: bytes | None = Non
     meta = protocol.ChunkMeta(key=key or os.urandom(16), num_tokens=num_tokens, shape=[nbytes], dtype="uint8",
                               fmt="test", nbytes=nbytes)
     return meta, data
+
+
+async def wipe(nc, store_id: str) -> int:
+    """The operator's wipe of one store; the tokens it removed."""
+    reply = await bus.request(nc, protocol.Subjects.store(store_id, "wipe", protocol.OPERATOR.path),
+                              protocol.WipeRequest(), protocol.CommandReply, WAIT_S)
+    assert reply.ok, reply.error
+    return reply.num_tokens
 
 
 def key_in(partition: int, partitions: int) -> bytes:
@@ -66,7 +75,7 @@ async def start_stores(nats_url: str, prefix: str, partitions: int = 1, capacity
 async def one_store(nats_url: str) -> AsyncIterator[tuple[RemoteStoreService, RemoteStoreClient]]:
     prefix = f"rs{os.urandom(3).hex()}"
     services, nc = await start_stores(nats_url, prefix, capacity=8 * MiB)
-    client = RemoteStoreClient(nc, [s.options.store_id for s in services], request_timeout=WAIT_S)
+    client = RemoteStoreClient(nc, [s.options.store_id for s in services], ENGINE, request_timeout=WAIT_S)
     yield services[0], client
     await client.close()
     await nc.close()
@@ -102,10 +111,10 @@ async def test_round_trip_is_bit_exact_and_control_ops_answer(one_store) -> None
 async def test_inline_nats_put_and_get(one_store) -> None:
     service, client = one_store
     meta, data = chunk(100_000, 3)
-    subject = protocol.Subjects.store(service.options.store_id, "put")
+    subject = protocol.Subjects.store(service.options.store_id, "put", ENGINE)
     ack = await bus.request(client.nc, subject, protocol.PutRequest(meta=meta, data=data.tobytes()), protocol.Ack, WAIT_S)
     assert ack.ok
-    reply = await bus.request(client.nc, protocol.Subjects.store(service.options.store_id, "get"),
+    reply = await bus.request(client.nc, protocol.Subjects.store(service.options.store_id, "get", ENGINE),
                               protocol.GetRequest(key=meta.key), protocol.GetReply, WAIT_S)
     assert reply.found and reply.data == data.tobytes() and reply.meta.checksum == chunk_file.checksum(reply.data)
     # bytes elsewhere (shared memory of another host) are refused with a reason, not a crash
@@ -128,8 +137,8 @@ async def test_lru_under_the_cap_and_admission_events(nats_url: str) -> None:
         except Exception:
             pass  # SyncChunk messages
 
-    await nc.subscribe(protocol.Subjects.events("lru-0"), cb=on_event)
-    client = RemoteStoreClient(nc, ["lru-0"], request_timeout=WAIT_S)
+    await nc.subscribe(protocol.Subjects.events(protocol.store_path("lru-0")), cb=on_event)
+    client = RemoteStoreClient(nc, ["lru-0"], ENGINE, request_timeout=WAIT_S)
     try:
         chunks = [chunk(MiB, seed) for seed in range(6)]
         for meta, data in chunks[:4]:
@@ -166,9 +175,9 @@ async def test_lru_under_the_cap_and_admission_events(nats_url: str) -> None:
         await services[0].stop()
 
 
-async def test_pins_survive_eviction_and_clear_until_unpinned(nats_url: str) -> None:
+async def test_pins_survive_eviction_and_wipe_until_unpinned(nats_url: str) -> None:
     services, nc = await start_stores(nats_url, "pins", capacity=4 * MiB)
-    client = RemoteStoreClient(nc, ["pins-0"], request_timeout=WAIT_S)
+    client = RemoteStoreClient(nc, ["pins-0"], ENGINE, request_timeout=WAIT_S)
     try:
         chunks = [chunk(MiB, seed, num_tokens=100 + seed) for seed in range(4)]
         for meta, data in chunks:
@@ -191,13 +200,13 @@ async def test_pins_survive_eviction_and_clear_until_unpinned(nats_url: str) -> 
         meta, data = chunk(MiB, 20)
         assert not await client.put(meta, ChunkBuffer(memoryview(data)))
         assert len(services[0].store.index.unpin(churn)) == 2
-        assert await client.clear() == 2 * 256  # the two unpinned churn chunks
+        assert await wipe(nc, "pins-0") == 2 * 256  # the two unpinned churn chunks
         assert await client.contains(keys[:2]) == 2
         assert await client.unpin(keys[:2], tokens[:2]) == 201  # chunk 0 still holds its second pin
-        assert await client.clear() == 101 and await client.contains(keys[:1]) == 1
+        assert await wipe(nc, "pins-0") == 101 and await client.contains(keys[:1]) == 1
         assert await client.unpin(keys[:1], tokens[:1]) == 100
         assert await client.unpin(keys[:1], tokens[:1]) == 0  # nothing left to unpin
-        assert await client.clear() == 100 and await client.contains(keys) == 0
+        assert await wipe(nc, "pins-0") == 100 and await client.contains(keys) == 0
     finally:
         await client.close()
         await nc.close()
@@ -206,7 +215,7 @@ async def test_pins_survive_eviction_and_clear_until_unpinned(nats_url: str) -> 
 
 async def test_client_combines_partitions(nats_url: str) -> None:
     services, nc = await start_stores(nats_url, "parts", partitions=3, capacity=16 * MiB)
-    client = RemoteStoreClient(nc, [s.options.store_id for s in services], request_timeout=WAIT_S)
+    client = RemoteStoreClient(nc, [s.options.store_id for s in services], ENGINE, request_timeout=WAIT_S)
     try:
         # a prefix whose keys alternate between partitions, then a gap in partition 1
         keys = [key_in(p, 3) for p in (0, 1, 2, 0, 1, 2, 1, 0)]
@@ -244,7 +253,8 @@ async def test_client_combines_partitions(nats_url: str) -> None:
 
 async def test_store_refuses_keys_of_other_partitions(nats_url: str) -> None:
     services, nc = await start_stores(nats_url, "wrongpart", partitions=2)
-    client = RemoteStoreClient(nc, [services[1].options.store_id, services[0].options.store_id], request_timeout=WAIT_S)  # swapped
+    swapped = [services[1].options.store_id, services[0].options.store_id]
+    client = RemoteStoreClient(nc, swapped, ENGINE, request_timeout=WAIT_S)
     try:
         meta, data = chunk(4096, 1, key=key_in(0, 2))
         assert not await client.put(meta, ChunkBuffer(memoryview(data)))  # refused by partition 1, with a reason
@@ -254,6 +264,61 @@ async def test_store_refuses_keys_of_other_partitions(nats_url: str) -> None:
         await nc.close()
         for service in services:
             await service.stop()
+
+
+TENANT_A = protocol.Principal.engine("tenant-a").producer("tenant-a")
+TENANT_B = protocol.Principal.engine("tenant-b").producer("tenant-b")
+
+
+async def test_stream_puts_are_claimed_by_their_caller_and_claims_persist(nats_url: str, tmp_path) -> None:
+    """Puts on a stream count for the caller that asked for its ticket; a clear takes back only that caller's
+    chunks; with persist_dir the claims come back after a restart."""
+    options = dict(persist_dir=tmp_path / "persist", fsync=False)
+    services, nc = await start_stores(nats_url, "claims", **options)
+    a = RemoteStoreClient(nc, ["claims-0"], TENANT_A, request_timeout=WAIT_S)
+    b = RemoteStoreClient(nc, ["claims-0"], TENANT_B, request_timeout=WAIT_S)
+    try:
+        chunks = [chunk(4096, seed, num_tokens=100 + seed) for seed in range(4)]
+        for i, client in ((1, a), (2, a), (2, b), (3, b)):  # 2 is put by both: its bytes once, two claims
+            meta, data = chunks[i]
+            assert await client.put(meta, ChunkBuffer(memoryview(data)))
+        keys = [meta.key for meta, _ in chunks]
+        assert services[0].store.index.claimed_by(keys[2]) == [TENANT_A, TENANT_B]
+        assert await a.clear() == 101 + 102  # A's view lost 1 and 2 ...
+        assert [await b.contains([k]) for k in keys[1:]] == [0, 1, 1]  # ... only 1 left the store
+        await services[0].stop()  # saves the claims beside the chunk files
+        await a.close()
+        await b.close()
+        services, store_nc = await start_stores(nats_url, "claims", **options)
+        await store_nc.close()
+        assert [await b.contains([k]) for k in keys[1:]] == [0, 1, 1]
+        assert await a.clear() == 0
+        assert await b.clear() == 102 + 103 and await b.contains(keys[2:3]) == 0
+        (stats,) = await b.stats()
+        assert stats.num_chunks == 0 and stats.details["claimants"] == 0
+    finally:
+        await a.close()
+        await b.close()
+        await nc.close()
+        await services[0].stop()
+
+
+async def test_a_put_in_flight_is_discarded_by_its_callers_clear_unless_another_claims_it(one_store) -> None:
+    service, client = one_store
+    a = RemoteStoreClient(client.nc, client.store_ids, TENANT_A, request_timeout=WAIT_S)
+    store = service.store
+    only_a, shared = chunk(4096, 1, num_tokens=101), chunk(4096, 2, num_tokens=102)
+    # the bytes of both are still arriving (a stream put between begin_put and commit_put)
+    arriving = [await store.begin_put(meta, TENANT_A) for meta, _ in (only_a, shared)]
+    assert await store.begin_put(shared[0], TENANT_B) is None  # B's put of the same chunk: a claim, no bytes
+    assert await a.clear() == 101 + 102
+    for pending, (_, data) in zip(arriving, (only_a, shared)):
+        assert pending is not None
+        pending.data()[:] = data
+        store.commit_put(pending)
+    assert await client.contains([only_a[0].key]) == 0 and await client.contains([shared[0].key]) == 1
+    assert store.index.claimed_by(shared[0].key) == [TENANT_B]
+    await a.close()
 
 
 class _Entry:
@@ -282,8 +347,8 @@ def test_chunk_index_puts_in_flight_removals_and_supersession() -> None:
     index.pin([b])
     with pytest.raises(SpaceRefused):
         index.reserve(c, _Entry(60))
-    assert index.clear() == [] and b in index  # pinned survives clear
-    assert index.unpin([b]) == [b] and [k for k, _ in index.clear()] == [b]
+    assert index.wipe() == [] and b in index  # pinned survives a wipe
+    assert index.unpin([b]) == [b] and [k for k, _ in index.wipe()] == [b]
 
 
 @pytest.mark.parametrize(("policy", "victim"), [("LRU", 1), ("FIFO", 0), ("MRU", 0), ("LFU", 1)])
@@ -307,7 +372,7 @@ async def test_cache_policy_flag_reaches_the_store(nats_url: str) -> None:
     service = RemoteStoreService(dataclasses.replace(options_from_args(args), heartbeat_interval=60.0))
     await service.start()
     nc = await bus.connect(nats_url, "test-fifo")
-    client = RemoteStoreClient(nc, ["fifo-0"], request_timeout=WAIT_S)
+    client = RemoteStoreClient(nc, ["fifo-0"], ENGINE, request_timeout=WAIT_S)
     try:
         chunks = [chunk(MiB, seed) for seed in range(4)]
         for meta, data in chunks[:3]:

@@ -33,6 +33,7 @@ from kvmesh.services.remote_store.partition import partition_of
 from waiting import WAIT_S, wait_until_async
 
 MiB = 1024 * 1024
+ENGINE = protocol.Principal.engine("test").producer("w0")  # the caller path the tests' clients send as
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +97,8 @@ async def wait_healthy(nc, store_id: str, process: subprocess.Popen[bytes]) -> N
         if process.poll() is not None:
             raise AssertionError(f"{store_id} exited with {process.returncode}:\n{output_of(process)[-3000:]}")
         try:
-            await bus.request(nc, protocol.Subjects.health(store_id), protocol.HealthRequest(), protocol.HealthReply, 1)
+            await bus.request(nc, protocol.Subjects.health(protocol.store_path(store_id)), protocol.HealthRequest(),
+                              protocol.HealthReply, 1)
         except MeshUnavailable:
             return False
         return True
@@ -127,7 +129,8 @@ from kvmesh.services.remote_store.client import RemoteStoreClient
 
 async def main(url, store_ids, mode):
     nc = await bus.connect(url, "engine-" + mode)
-    client = RemoteStoreClient(nc, store_ids.split(","), request_timeout=30.0)
+    client = RemoteStoreClient(nc, store_ids.split(","), protocol.Principal.engine(mode).producer("w0"),
+                               request_timeout=30.0)
     spans = ChunkHasher(KeyParams(model="shared-model", kv_format="uint8/test"), chunk_size=256).spans(range(600))
     chunks = []
     for span in spans:
@@ -177,13 +180,13 @@ async def test_three_replicas_each_key_on_one_and_a_dead_one_only_misses(nats_ur
     for store_id, process in zip(ids, processes):
         await wait_healthy(nc, store_id, process)
     # A replica that fails is not asked again for retry_interval: here, for the rest of the test.
-    client = RemoteStoreClient(nc, ids, request_timeout=WAIT_S, retry_interval=3600.0)
+    client = RemoteStoreClient(nc, ids, ENGINE, request_timeout=WAIT_S, retry_interval=3600.0)
     try:
         chunks = [make_chunk(64 * 1024, seed) for seed in range(30)]
         for meta, data in chunks:
             assert await client.put(meta, ChunkBuffer(memoryview(data)))
         for meta, _ in chunks:  # ask every replica directly: exactly the owner holds the key
-            holders = [(await bus.request(nc, protocol.Subjects.store(store_id, "contains"),
+            holders = [(await bus.request(nc, protocol.Subjects.store(store_id, "contains", ENGINE),
                                           protocol.ChunkKeys(keys=[meta.key]), protocol.ContainsReply, WAIT_S)).prefix
                        for store_id in ids]
             assert holders == [int(i == partition_of(meta.key, 3)) for i in range(3)]
@@ -220,7 +223,7 @@ async def test_persistence_across_restart(nats_url: str, nc, stores: StoreProces
     args = ("--persist-dir", str(persist))
     process = stores.spawn(nats_url, "keep-0", *args)
     await wait_healthy(nc, "keep-0", process)
-    client = RemoteStoreClient(nc, ["keep-0"], request_timeout=WAIT_S, retry_interval=0.1)
+    client = RemoteStoreClient(nc, ["keep-0"], ENGINE, request_timeout=WAIT_S, retry_interval=0.1)
     try:
         chunks = [make_chunk(n, seed) for seed, n in enumerate([MiB, 3 * MiB + 5, 4096, 777, 2 * MiB])]
         for meta, data in chunks:
@@ -259,7 +262,7 @@ async def test_persistence_across_restart(nats_url: str, nc, stores: StoreProces
 async def _greeted_socket(nc, store_id: str, rcvbuf: int | None = None) -> socket.socket:
     """A stream connection made by hand (optionally with a small receive buffer, so a slow reader throttles
     the store instead of the kernel absorbing the whole chunk)."""
-    offer = await bus.request(nc, protocol.Subjects.store(store_id, "stream"), protocol.StreamRequest(client="t"),
+    offer = await bus.request(nc, protocol.Subjects.store(store_id, "stream", ENGINE), protocol.StreamRequest(client="t"),
                               protocol.StreamOffer, WAIT_S)
     sock = socket.socket()
     if rcvbuf:
@@ -308,7 +311,7 @@ async def _dropped_by_the_store(sock: socket.socket) -> None:
 async def test_slow_receivers_get_the_whole_chunk_or_an_error(nats_url: str, nc, stores: StoreProcesses) -> None:
     process = stores.spawn(nats_url, "slow-0", "--transfer-timeout", "5")
     await wait_healthy(nc, "slow-0", process)
-    client = RemoteStoreClient(nc, ["slow-0"], request_timeout=WAIT_S, retry_interval=0.0)
+    client = RemoteStoreClient(nc, ["slow-0"], ENGINE, request_timeout=WAIT_S, retry_interval=0.0)
     try:
         meta, data = make_chunk(32 * MiB, 5)
         small, small_data = make_chunk(4 * MiB, 6)
@@ -349,7 +352,7 @@ async def test_garbage_on_every_subject_and_the_stream_port_leaves_it_serving(na
                                                                            stores: StoreProcesses) -> None:
     process = stores.spawn(nats_url, "junk-0")
     await wait_healthy(nc, "junk-0", process)
-    client = RemoteStoreClient(nc, ["junk-0"], request_timeout=WAIT_S, retry_interval=0.0)
+    client = RemoteStoreClient(nc, ["junk-0"], ENGINE, request_timeout=WAIT_S, retry_interval=0.0)
     good, good_data = make_chunk(4096, 1)
     assert await client.put(good, ChunkBuffer(memoryview(good_data)))
     try:
@@ -363,9 +366,10 @@ async def test_garbage_on_every_subject_and_the_stream_port_leaves_it_serving(na
                     protocol.encode(protocol.GetRequest(key=b"x")),
                     protocol.encode(protocol.ChunkKeys(keys=[b"", b"\x00" * 300], num_tokens=[-1])),
                     protocol.encode(protocol.StreamHello(ticket=b"forged"))]
-        subjects = [protocol.Subjects.store("junk-0", op) for op in
-                    ("stream", "put", "get", "contains", "remove", "clear", "pin", "unpin", "stats", "touch")]
-        subjects += [protocol.Subjects.health("junk-0"), protocol.Subjects.sync("junk-0"), protocol.Subjects.PING_ALL]
+        subjects = [protocol.Subjects.store("junk-0", op, ENGINE) for op in
+                    ("stream", "put", "get", "contains", "remove", "clear", "wipe", "pin", "unpin", "stats", "touch")]
+        path = protocol.store_path("junk-0")
+        subjects += [protocol.Subjects.health(path), protocol.Subjects.sync(path), protocol.Subjects.PING_ALL]
         for subject in subjects:
             for payload in payloads:
                 await nc.publish(subject, payload)
@@ -374,7 +378,7 @@ async def test_garbage_on_every_subject_and_the_stream_port_leaves_it_serving(na
                 except Exception:
                     pass  # no reply at all is fine; crashing is not
         # and on the stream port: noise, a huge announced header, a forged ticket, bad requests after a good hello
-        offer = await bus.request(nc, protocol.Subjects.store("junk-0", "stream"), protocol.StreamRequest(),
+        offer = await bus.request(nc, protocol.Subjects.store("junk-0", "stream", ENGINE), protocol.StreamRequest(),
                                   protocol.StreamOffer, WAIT_S)
         loop = asyncio.get_running_loop()
         for noise in (os.urandom(5000), b"H" + struct.pack("<I", 2**31), b"H\x05\x00\x00\x00hello",
@@ -428,7 +432,7 @@ async def test_credentials_required_work_when_given_and_fail_clearly_when_not(st
         nc = await bus.connect(server.url, "with-token", bus.NatsAuth(token=token), first_connect_wait=WAIT_S)
         try:
             await wait_healthy(nc, "auth-0", process)
-            client = RemoteStoreClient(nc, ["auth-0"], request_timeout=WAIT_S)
+            client = RemoteStoreClient(nc, ["auth-0"], ENGINE, request_timeout=WAIT_S)
             meta, data = make_chunk(MiB, 3)
             assert await client.put(meta, ChunkBuffer(memoryview(data)))
             out = np.zeros(MiB, dtype=np.uint8)
@@ -445,7 +449,7 @@ async def test_credentials_required_work_when_given_and_fail_clearly_when_not(st
         nc = await bus.connect(server.url, "with-user", bus.NatsAuth(user="kv", password="pw-1"), first_connect_wait=WAIT_S)
         try:
             await wait_healthy(nc, "auth-1", process)
-            (stats,) = await RemoteStoreClient(nc, ["auth-1"], request_timeout=WAIT_S).stats()
+            (stats,) = await RemoteStoreClient(nc, ["auth-1"], ENGINE, request_timeout=WAIT_S).stats()
             assert stats.store_id == "auth-1"
         finally:
             await nc.close()

@@ -30,18 +30,20 @@ T = TypeVar("T")
 
 
 class DiskStoreClient:
-    """StoreTier of one disk store. `data_timeout` bounds put/get (they may wait for disk or staging)."""
+    """StoreTier of one disk store, for `caller` (a path: an engine worker's `Principal.engine(instance).producer(
+    worker)`; its puts are claimed by it and its `clear` takes back only them). `data_timeout` bounds put/get
+    (they may wait for disk or staging)."""
 
     location = protocol.LOCAL_DISK
 
-    def __init__(self, nc: NatsClient, store_id: str, request_timeout: float = 2.0,
+    def __init__(self, nc: NatsClient, store_id: str, caller: str, request_timeout: float = 2.0,
                  data_timeout: float | None = None) -> None:
         self.nc = nc
         self.store_id = store_id
         self.store_ids = [store_id]
         self.request_timeout = request_timeout
         self.data_timeout = data_timeout if data_timeout is not None else max(request_timeout, 10.0)
-        self._link = StoreLink(store_id, f"disk store {store_id}", log)  # asked every time: it is on this host
+        self._link = StoreLink(store_id, f"disk store {store_id}", log, caller)  # asked every time: on this host
 
     # ---- StoreTier ------------------------------------------------------------------------------
     async def put(self, meta: protocol.ChunkMeta, buffer: ChunkBuffer) -> bool:
@@ -110,6 +112,7 @@ class DiskStoreClient:
         return reply.num_chunks if reply is not None else 0
 
     async def clear(self) -> int:
+        """Take back this caller's claims; the tokens of the chunks it no longer claims."""
         reply = await self._request("clear", protocol.ClearRequest(), protocol.CommandReply)
         return reply.num_tokens if reply is not None else 0
 

@@ -1,7 +1,8 @@
 """What the disk store adds to the shared ChunkIndex: its per-chunk entry, and pins that survive a restart.
 
-The bookkeeping itself (held chunks, writes in flight, eviction under the cap, pins, contains/pin/unpin/remove/clear)
-is shared/chunk_index.py, the same as the remote store's. Pure, no I/O: files.py reads and writes the pins file.
+The bookkeeping itself (held chunks, writes in flight, eviction under the cap, pins, claims, contains/pin/unpin/
+remove/clear/wipe) is shared/chunk_index.py, the same as the remote store's. Pure, no I/O: files.py reads and
+writes the pins file (claims persist as the index's `ClaimTable`: shared/state_file.py).
 """
 
 from __future__ import annotations

@@ -1,18 +1,23 @@
 """The disk store as a NATS service: one process per host, one asyncio event loop (plus DiskStore's threads).
 
-Subjects (`Subjects.store(store_id, op)`), request -> reply:
-    put       PutRequest  -> Ack            accepted once the bytes are staged (see writer.py); ok=False + reason
+Subjects `Subjects.store(store_id, op, caller)`, subscribed as `Subjects.store_op(store_id, op)`: the caller's
+path ends the subject (`engine.<instance>.<worker>`, `operator`). Request -> reply:
+    put       PutRequest  -> Ack            accepted once the bytes are staged (see writer.py); ok=False + reason;
+                                            records the caller's claim (also on a chunk already held)
     get       GetRequest  -> GetReply       bytes into the requester's shared memory, or inline `data`
     contains  ChunkKeys   -> ContainsReply  how many leading keys are held (complete files)
     touch     ChunkKeys   -> Ack            an engine's hits: these chunks count as just used
-    remove    ChunkKeys   -> CommandReply   num_tokens / num_chunks removed
-    clear     ClearRequest-> CommandReply   every unpinned chunk; num_tokens cleared
+    remove    ChunkKeys   -> CommandReply   num_tokens / num_chunks removed, whoever put them
+    clear     ClearRequest-> CommandReply   the caller's claims; forgets what nobody claims or pins any more;
+                                            num_tokens / num_chunks: the chunks the caller no longer claims
+    wipe      WipeRequest -> CommandReply   the operator only: every unpinned chunk; num_tokens wiped
     pin/unpin ChunkKeys   -> CommandReply   contiguous prefix; num_tokens affected (ttl_secs optional)
     stats     StatsRequest-> StatsReply
-contains, touch, pin, unpin, remove, clear and stats are the shared IndexOps (shared/store_service.py), the same as
-the remote store's; put and get are DiskStore's own. Also: health (`serve_health(service=
-"disk_store")`), and admission/eviction batches plus full syncs on `Subjects.events(store_id)` through
-AdmissionReporter (location LocalDiskBackend, producer_id = store_id).
+contains, touch, pin, unpin, remove, clear, wipe and stats are the shared IndexOps (shared/store_service.py), the
+same as the remote store's; put and get are DiskStore's own. Claims and pins persist in the directory
+(files.py). Also: health (`serve_health(service="disk_store")` on the store's path), and admission/eviction
+batches plus full syncs on `Subjects.events(<store's path>)` through AdmissionReporter (location
+LocalDiskBackend, producer_id = store_id).
 Gets are handled up to `reader_threads` at a time; every other op one request at a time, in arrival order.
 The slow parts (copies, file I/O) run on DiskStore's threads so other ops and health keep answering meanwhile.
 """
@@ -44,7 +49,7 @@ class DiskStoreService:
         self.options = options
         self.store = DiskStore(options, faults, clock)
         self.ops = IndexOps(options.store_id, self.store.index, free=self.store.free, details=self.store.details,
-                            settle=self.store.settle, changed=self.store.save_pins_soon)
+                            settle=self.store.settle, changed=self.store.save_soon)
         self.endpoint = StoreEndpoint("disk_store", options.store_id)
         self._heartbeat_interval = heartbeat_interval
 
@@ -64,7 +69,7 @@ class DiskStoreService:
         # Gets run concurrently (one per I/O thread), so engines sharing the store do not queue behind one slow
         # read; every other op is handled in arrival order.
         handlers = [Handler("put", protocol.PutRequest, store.put),
-                    Handler("get", protocol.GetRequest, store.get, max_concurrent=options.reader_threads),
+                    Handler.anyone("get", protocol.GetRequest, store.get, max_concurrent=options.reader_threads),
                     *self.ops.handlers()]
         await self.endpoint.serve(handlers, reporter, store.details)
         log.info("disk store %s serving %s on %s", options.store_id, options.root, options.nats_url)

@@ -1,14 +1,16 @@
-"""The disk store's operations: put and get here; contains, pin, unpin, remove, clear and stats are
+"""The disk store's operations: put and get here; contains, pin, unpin, remove, clear, wipe and stats are
 the shared `IndexOps` over this store's index (service.py wires them, with the hooks below).
 
 Who runs what: every method runs on the store's asyncio event loop thread, which alone touches the index
 (a `ChunkIndex[Entry]`, the same bookkeeping as the remote store's) and the segment cache. Blocking work goes
 to threads: copies and file writes to `ChunkWriter` (one staging-copy thread, `writer_threads` writer threads),
-reads, deletions and the pins file to the I/O pool (`reader_threads`). The NATS wiring is in
+reads, deletions and the pins and claims files to the I/O pool (`reader_threads`). The NATS wiring is in
 service.py; this class never sees a subject.
 
 The data path of a put: the engine's shared-memory slice -> (memcpy) staging buffer -> answer "accepted" ->
 writer thread: chunk file `<tmp>` + fsync + rename -> the key becomes held (visible) -> admission event.
+Every put records its caller's claim on the chunk, also when the chunk is already held or being written (then
+only the claim is new); the claims file follows within a second (files.py).
 A get: index hit -> I/O thread `readinto` straight into the engine's shared-memory slice, checksum verified ->
 answer with the chunk's meta. Inline `data` replaces shared memory for small chunks or clients without it.
 """
@@ -30,6 +32,7 @@ from kvmesh.shared.errors import StoreError
 from kvmesh.shared.eviction import Clock
 from kvmesh.shared.keys import KEY_BYTES, ChunkKey
 from kvmesh.shared.shm import SegmentCache
+from kvmesh.shared.state_file import CLAIMS_NAME, CLAIMS_SAVE_INTERVAL, CoalescedSave, load_claims, save_claims
 from kvmesh.services.disk_store import files
 from kvmesh.services.disk_store.index import Entry, pin_records, restore_pins
 from kvmesh.services.disk_store.options import DiskStoreOptions
@@ -69,41 +72,48 @@ class DiskStore:
         self._writes: dict[ChunkKey, asyncio.Future[None]] = {}  # pending key -> resolves when it lands
         self._deleting: dict[ChunkKey, asyncio.Future[Any]] = {}  # key -> its file deletion in flight
         self._background: set[asyncio.Future[Any]] = set()
-        self._pins_saved_version = 0
-        self._pins_saver: asyncio.Task[None] | None = None
+        index = self.index
+        self._pins = CoalescedSave("pins", lambda: index.pins_version, lambda: pin_records(index),
+                                   lambda records: files.save_pins(self.root, records))
+        self._claims = CoalescedSave("claims", lambda: index.claims_version, index.claim_table,
+                                     lambda table: save_claims(self.root / CLAIMS_NAME, table),
+                                     min_interval=CLAIMS_SAVE_INTERVAL)
 
     # ---- life cycle ------------------------------------------------------------------------------------
     def open(self) -> chunk_file.ScanReport:
-        """Lock the directory, rebuild the index from the files' headers, restore pins. Blocking."""
+        """Lock the directory, rebuild the index from the files' headers, restore pins and claims. Blocking."""
         self._lock_fd = files.lock_directory(self.root)
         report = chunk_file.scan_directory(self.root)
         for found in report.chunks:  # least recently used first
             meta = found.meta
             self.index.load(meta.key, Entry(meta.nbytes, file_bytes=found.file_bytes, num_tokens=meta.num_tokens))
         restored = restore_pins(self.index, files.load_pins(self.root))
-        self._pins_saved_version = self.index.pins_version  # the file already says so
+        claimed = self.index.restore_claims(load_claims(self.root / CLAIMS_NAME))
         for key, _ in self.index.trim_to_capacity():  # the cap shrank since the last run
             chunk_file.unlink_chunk(self.root, key)
             self.counters["evicted"] += 1
+        self._pins.mark_saved()  # the files already say so (trimming never drops a pin; claims of trimmed
+        self._claims.mark_saved()  # chunks are skipped at the next start)
         self.scan_report = report
         self._writer = ChunkWriter(self.root, self.options.writer_threads, self.options.fsync, self.faults)
         self._io = ThreadPoolExecutor(max_workers=self.options.reader_threads, thread_name_prefix="disk-io")
+        self._pins.executor = self._claims.executor = self._io
         self._staging = StagingPool(self.options.staging_bytes)
         log.info("disk store %s: %s holds %d chunks, %d bytes of %d, %s eviction (scan %.3fs; deleted %d tmp, "
-                 "%d bad files; %d pins restored)", self.options.store_id, self.root, len(self.index),
-                 self.index.used_bytes, self.options.capacity_bytes, self.index.policy_name, report.seconds,
-                 report.removed_tmp, report.removed_corrupt, restored)
+                 "%d bad files; %d pins and claims of %d chunks restored)", self.options.store_id, self.root,
+                 len(self.index), self.index.used_bytes, self.options.capacity_bytes, self.index.policy_name,
+                 report.seconds, report.removed_tmp, report.removed_corrupt, restored, claimed)
         return report
 
     async def close(self, drain_timeout: float = 30.0) -> None:
-        """Finish accepted writes (up to `drain_timeout`), save pins, stop threads, release the directory."""
+        """Finish accepted writes (up to `drain_timeout`), save pins and claims, stop threads, release the
+        directory."""
         if not await self.flush(drain_timeout):
             log.warning("disk store: %d writes still pending at close", len(self._writes))
         if self._background:
             await asyncio.wait(list(self._background), timeout=drain_timeout)
-        if self._pins_saver is not None:
-            await asyncio.wait([self._pins_saver], timeout=drain_timeout)
-        files.save_pins(self.root, pin_records(self.index))
+        await self._pins.close()
+        await self._claims.close()
         if self._writer is not None:
             self._writer.shutdown()
         if self._io is not None:
@@ -125,7 +135,8 @@ class DiskStore:
         return True
 
     # ---- put -------------------------------------------------------------------------------------------
-    async def put(self, request: protocol.PutRequest) -> protocol.Ack:
+    async def put(self, request: protocol.PutRequest, caller: str) -> protocol.Ack:
+        """Take a chunk from `caller` (its path: the chunk's claim)."""
         meta = request.meta
         try:
             _check_key(meta.key)
@@ -135,9 +146,7 @@ class DiskStore:
         except (StoreError, ValueError) as exc:
             return self._refuse(meta.key, str(exc))
         key = meta.key
-        # The same key is the same bytes: one file. A write of it in flight is kept, even if a removal meanwhile
-        # had discarded it.
-        if self.index.touch(key) is not None or self.index.revive(key):
+        if self._known(key, caller):
             self.counters["puts_duplicate"] += 1
             return protocol.Ack()
 
@@ -149,7 +158,7 @@ class DiskStore:
             staging = await self._staging.acquire(meta.nbytes, self.options.staging_wait_secs)
             if staging is None:
                 return self._refuse(key, f"write queue full ({self._staging.in_use} bytes staged)")
-            if key in self.index or self.index.revive(key):  # another put of the key won meanwhile
+            if self._known(key, caller):  # another put of the key won meanwhile
                 await self._staging.release(staging)
                 return protocol.Ack()
 
@@ -157,7 +166,7 @@ class DiskStore:
                       num_tokens=meta.num_tokens)
         try:
             self._check_free_space(entry.file_bytes)
-            victims = self.index.reserve(key, entry)  # on_evict tells the reporter; the files are deleted below
+            victims = self.index.reserve(key, entry, caller)  # on_evict tells the reporter; files deleted below
         except (SpaceRefused, StoreError, OSError) as exc:
             if staging is not None:
                 await self._staging.release(staging)
@@ -181,6 +190,15 @@ class DiskStore:
             return protocol.Ack()
         error = await self._write(meta, entry, source, None, done)  # write-through: answer once the file is complete
         return protocol.Ack(ok=error is None, error=error)
+
+    def _known(self, key: ChunkKey, caller: str) -> bool:
+        """Whether the key is held or being written: the same key is the same bytes, so one file, and the put
+        only adds `caller`'s claim. A write in flight is kept even if a removal meanwhile had discarded it."""
+        if self.index.touch(key) is None and not self.index.revive(key):
+            return False
+        self.index.claim(key, caller)
+        self.save_soon()
+        return True
 
     def _put_source(self, request: protocol.PutRequest) -> memoryview:
         nbytes = request.meta.nbytes
@@ -225,7 +243,9 @@ class DiskStore:
             if self.last_write_error is not None:
                 log.info("disk store: writes succeed again")
                 self.last_write_error = None
-            if not self.index.commit(key, entry):  # removed or cleared while it was being written
+            if self.index.commit(key, entry):
+                self.save_soon()  # its claim
+            else:  # removed or cleared while it was being written
                 self._delete_files([key])
             return None
         finally:
@@ -333,21 +353,11 @@ class DiskStore:
         self._background.add(future)
         future.add_done_callback(self._background.discard)
 
-    def save_pins_soon(self) -> None:
-        """Rewrite the pins file in the background if the pins changed; bursts coalesce into few writes."""
-        if self.index.pins_version != self._pins_saved_version and (
-                self._pins_saver is None or self._pins_saver.done()):
-            self._pins_saver = asyncio.ensure_future(self._save_pins_loop())
-
-    async def _save_pins_loop(self) -> None:
-        while self.index.pins_version != self._pins_saved_version:
-            version = self.index.pins_version
-            try:
-                await self._in_io(files.save_pins, self.root, pin_records(self.index))
-            except OSError as exc:
-                log.warning("disk store: could not save pins: %s", exc)
-                return
-            self._pins_saved_version = version
+    def save_soon(self) -> None:
+        """Rewrite the pins and claims files in the background if they changed (bursts coalesce; the claims
+        file at most once per CLAIMS_SAVE_INTERVAL)."""
+        self._pins.soon()
+        self._claims.soon()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

@@ -47,11 +47,13 @@ class _Replica:
 
 
 class RemoteStoreClient:
-    """StoreTier of the remote store's partitions (`store_ids[i]` serves partition i)."""
+    """StoreTier of the remote store's partitions (`store_ids[i]` serves partition i), for `caller` (a path: an
+    engine worker's `Principal.engine(instance).producer(worker)`; its puts, on NATS or on streams it asked for,
+    are claimed by it, and its `clear` takes back only them)."""
 
     location = protocol.REMOTE
 
-    def __init__(self, nc: NatsClient, store_ids: list[str], request_timeout: float = 2.0, *,
+    def __init__(self, nc: NatsClient, store_ids: list[str], caller: str, request_timeout: float = 2.0, *,
                  min_transfer_rate: float = 100e6, retry_interval: float = 1.0, max_connections: int = 4) -> None:
         if not store_ids:
             raise ValueError("RemoteStoreClient needs at least one store id")
@@ -61,8 +63,9 @@ class RemoteStoreClient:
         self.min_transfer_rate = min_transfer_rate  # bytes/s a chunk transfer may not fall below
         self.retry_interval = retry_interval
         self._name = f"{socket.gethostname()}:{os.getpid()}"
-        self._replicas = [_Replica(StoreLink(store_id, f"remote store {store_id}", log, retry_interval),
-                                   StreamPool(self._negotiator(store_id), self._name, max_connections))
+        self.caller = caller
+        self._replicas = [_Replica(StoreLink(store_id, f"remote store {store_id}", log, caller, retry_interval),
+                                   StreamPool(self._negotiator(store_id, caller), self._name, max_connections))
                           for store_id in self.store_ids]
 
     # ---- routing -----------------------------------------------------------------------------------------
@@ -162,6 +165,7 @@ class RemoteStoreClient:
         return sum(reply.num_chunks for reply in replies if reply and reply.ok)
 
     async def clear(self) -> int:
+        """Take back this caller's claims in every partition; the tokens of the chunks it no longer claims."""
         replies = await asyncio.gather(*(self._request(i, "clear", protocol.ClearRequest(), protocol.CommandReply)
                                          for i in range(len(self._replicas))))
         return sum(reply.num_tokens for reply in replies if reply and reply.ok)
@@ -177,9 +181,9 @@ class RemoteStoreClient:
             replica.pool.close()
 
     # ---- plumbing ----------------------------------------------------------------------------------------
-    def _negotiator(self, store_id: str) -> Callable[[], Awaitable[protocol.StreamOffer]]:
-        async def negotiate() -> protocol.StreamOffer:
-            return await bus.request(self.nc, protocol.Subjects.store(store_id, "stream"),
+    def _negotiator(self, store_id: str, caller: str) -> Callable[[], Awaitable[protocol.StreamOffer]]:
+        async def negotiate() -> protocol.StreamOffer:  # the ticket binds the stream to `caller`
+            return await bus.request(self.nc, protocol.Subjects.store(store_id, "stream", caller),
                                      protocol.StreamRequest(client=self._name), protocol.StreamOffer,
                                      self.request_timeout)
         return negotiate

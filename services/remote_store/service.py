@@ -1,18 +1,25 @@
 """The remote store as a mesh service: one process per key partition, one asyncio event loop on its main thread.
 
-NATS subjects (`Subjects.store(store_id, op)`), request -> reply, each handled on the loop in arrival order:
-    stream    StreamRequest -> StreamOffer     where the TCP stream listens + a single-use ticket (stream_server.py)
-    put       PutRequest    -> Ack             inline `data` only (small chunks, tools); bulk puts use the stream
+NATS subjects `Subjects.store(store_id, op, caller)`, subscribed as `Subjects.store_op(store_id, op)`: the caller's
+path ends the subject (`engine.<instance>.<worker>`, `operator`). Request -> reply, each handled on the loop in
+arrival order:
+    stream    StreamRequest -> StreamOffer     where the TCP stream listens + a single-use ticket (stream_server.py),
+                                               bound to the caller: the connection's puts are its puts
+    put       PutRequest    -> Ack             inline `data` only (small chunks, tools); bulk puts use the stream;
+                                               a put records the caller's claim (also on a chunk already held)
     get       GetRequest    -> GetReply        inline `data` when it fits NATS max_payload; else use the stream
     contains  ChunkKeys     -> ContainsReply   how many leading keys are held
     touch     ChunkKeys     -> Ack             an engine's hits: these chunks count as just used
     pin/unpin ChunkKeys     -> CommandReply    contiguous prefix; num_chunks, num_tokens (ttl_secs optional)
-    remove    ChunkKeys     -> CommandReply    num_chunks, num_tokens removed (pinned ones too)
-    clear     ClearRequest  -> CommandReply    every unpinned chunk; num_chunks, num_tokens
+    remove    ChunkKeys     -> CommandReply    num_chunks, num_tokens removed (pinned ones too), whoever put them
+    clear     ClearRequest  -> CommandReply    the caller's claims; forgets what nobody claims or pins any more;
+                                               num_chunks, num_tokens: the chunks the caller no longer claims
+    wipe      WipeRequest   -> CommandReply    the operator only: every unpinned chunk; num_chunks, num_tokens
     stats     StatsRequest  -> StatsReply
-contains, touch, pin, unpin, remove, clear and stats are the shared IndexOps (shared/store_service.py), the same as
-the disk store's. Also health (`serve_health(service="remote_store")`), and AdmissionBatch / SyncChunk on
-`Subjects.events(store_id)` (location RemoteBackend, producer_id = store_id) through AdmissionReporter. The
+contains, touch, pin, unpin, remove, clear, wipe and stats are the shared IndexOps (shared/store_service.py), the
+same as the disk store's. Claims are kept in memory, and beside the chunk files with `persist_dir` (store.py).
+Also health (`serve_health(service="remote_store")` on the store's path), and AdmissionBatch / SyncChunk on
+`Subjects.events(<store's path>)` (location RemoteBackend, producer_id = store_id) through AdmissionReporter. The
 stream server's connection tasks run on the same loop; worker threads only fault buffers and do file I/O
 (store.py).
 """
@@ -80,7 +87,8 @@ class RemoteStoreService:
                                  on_admit=self.reporter.admit, on_evict=self.reporter.evict)
         listen, self.advertise_host = stream_addresses(options)
         self.stream = StreamServer(self.store, listen, options.stream_port, options.transfer_timeout)
-        self.ops = IndexOps(options.store_id, self.store.index, free=self.store.free, details=self._stats_details)
+        self.ops = IndexOps(options.store_id, self.store.index, free=self.store.free, details=self._stats_details,
+                            changed=self.store.save_soon)
         self.endpoint = StoreEndpoint("remote_store", options.store_id)
         self._started_at = time.time()
 
@@ -95,7 +103,7 @@ class RemoteStoreService:
         nc = await self.endpoint.connect(nc, options.nats_url, options.auth)
         handlers = [Handler("stream", protocol.StreamRequest, self._on_stream),
                     Handler("put", protocol.PutRequest, self._on_put),
-                    Handler("get", protocol.GetRequest, self._on_get), *self.ops.handlers()]
+                    Handler.anyone("get", protocol.GetRequest, self._on_get), *self.ops.handlers()]
         await self.endpoint.serve(handlers, self.reporter, self._health_details)
         await nc.flush()
         log.info("remote store %s (partition %d of %d, %.2f GB, %s eviction) serving on NATS %s, stream %s:%d%s",
@@ -129,17 +137,18 @@ class RemoteStoreService:
                 "stream": f"{self.advertise_host}:{self.stream.port}"}
 
     # ---- handlers ----------------------------------------------------------------------------------------
-    async def _on_stream(self, request: protocol.StreamRequest) -> protocol.StreamOffer:
+    async def _on_stream(self, request: protocol.StreamRequest, caller: str) -> protocol.StreamOffer:
         o = self.options
-        return protocol.StreamOffer(host=self.advertise_host, port=self.stream.port, ticket=self.stream.issue_ticket(),
-                                    store_id=o.store_id, partition=o.partition, num_partitions=o.num_partitions)
+        return protocol.StreamOffer(host=self.advertise_host, port=self.stream.port,
+                                    ticket=self.stream.issue_ticket(caller), store_id=o.store_id,
+                                    partition=o.partition, num_partitions=o.num_partitions)
 
-    async def _on_put(self, request: protocol.PutRequest) -> protocol.Ack:
+    async def _on_put(self, request: protocol.PutRequest, caller: str) -> protocol.Ack:
         if request.data is None:
             return protocol.Ack(ok=False, error="the remote store takes bytes inline or on its stream (ask on "
                                                 "the `stream` subject); shared memory is for same-host stores")
         try:
-            await self.store.put_bytes(request.meta, request.data)
+            await self.store.put_bytes(request.meta, request.data, caller)
         except PutRefused as exc:
             return protocol.Ack(ok=False, error=str(exc))
         return protocol.Ack()

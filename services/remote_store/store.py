@@ -8,8 +8,11 @@ bytes only while the chunk's `users` count says so.
 
 A put is two steps around the bytes' arrival: `begin_put` checks the chunk, reserves room (evicting the
 policy's victims) and hands out a faulted buffer; `commit_put` verifies the checksum and makes the chunk visible
-(`abort_put` if the bytes never came). A get `acquire`s a chunk, sends its bytes, and `release`s it: an
-eviction meanwhile only marks the chunk dropped, and its buffer is recycled when the last user lets go.
+(`abort_put` if the bytes never came). Every put records its caller's claim (shared/chunk_index.py), also on a
+chunk already held; with `persist_dir` the claims are saved beside the chunk files (at most once a second, and at
+close: shared/state_file.py), else a restart starts with none. A get `acquire`s a chunk, sends its bytes, and
+`release`s it: an eviction meanwhile only marks the chunk dropped, and its buffer is recycled when the last user
+lets go.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from kvmesh.shared import chunk_file, protocol
 from kvmesh.shared.chunk_index import ChunkIndex, SpaceRefused
 from kvmesh.shared.errors import StoreError
 from kvmesh.shared.keys import KEY_BYTES, ChunkKey
+from kvmesh.shared.state_file import CLAIMS_NAME, CLAIMS_SAVE_INTERVAL, CoalescedSave, load_claims, save_claims
 from kvmesh.services.remote_store import persistence
 from kvmesh.services.remote_store.buffers import BufferPool, size_class
 from kvmesh.services.remote_store.partition import partition_of
@@ -96,21 +100,38 @@ class MemoryStore:
             self.index.on_evict = on_evict
         self.pool = BufferPool(max_spare_bytes=min(capacity_bytes // 8, MAX_SPARE_BYTES))
         self.persister = persistence.Persister(persist_dir, self.release, fsync) if persist_dir else None
+        self._claims: CoalescedSave[Any] | None = None
+        if persist_dir is not None:
+            claims_path = persist_dir / CLAIMS_NAME
+            self._claims = CoalescedSave("claims", lambda: self.index.claims_version, self.index.claim_table,
+                                         lambda table: save_claims(claims_path, table),
+                                         min_interval=CLAIMS_SAVE_INTERVAL)
         self.counters = StoreCounters()
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     async def open(self) -> int:
-        """Load the persisted chunks (if any) and start persisting; the number of chunks loaded."""
+        """Load the persisted chunks and their claims (if any) and start persisting; the number of chunks
+        loaded."""
         loaded = 0
-        if self.persister is not None:
+        if self.persister is not None and self._claims is not None:
             loaded = await self._load(self.persister.root)
+            table = await asyncio.to_thread(load_claims, self.persister.root / CLAIMS_NAME)
+            self.index.restore_claims(table)
+            self._claims.mark_saved()
             self.persister.start()
         return loaded
 
     async def close(self) -> None:
         if self.persister is not None:
             await self.persister.stop()
+        if self._claims is not None:
+            await self._claims.close()
         await self.pool.close()
+
+    def save_soon(self) -> None:
+        """Persist the claims in the background if they changed (and the store persists)."""
+        if self._claims is not None:
+            self._claims.soon()
 
     async def _load(self, root: Path) -> int:
         """Read back the newest chunk files that fit the capacity, oldest first (so LRU order survives)."""
@@ -154,19 +175,21 @@ class MemoryStore:
             raise PutRefused(f"chunk {meta.key.hex()}: {meta.nbytes} bytes does not fit a store of "
                              f"{self.capacity_bytes} bytes")
 
-    async def begin_put(self, meta: protocol.ChunkMeta) -> StoredChunk | None:
-        """Reserve room and a buffer for `meta`'s bytes; None if the chunk is already held (drop the bytes).
+    async def begin_put(self, meta: protocol.ChunkMeta, caller: str) -> StoredChunk | None:
+        """Reserve room and a buffer for `meta`'s bytes put by `caller` (its path: the chunk's claim); None if
+        the chunk is already held or arriving (drop the bytes: only the claim is new).
 
         Raises PutRefused. On success the caller fills `chunk.data()` and calls commit_put or abort_put.
         """
         self.check_put(meta)
-        if self.index.is_known(meta.key):
+        if self.index.claim(meta.key, caller):
             self.index.touch(meta.key)
             self.counters.duplicate_puts += 1
+            self.save_soon()
             return None
         chunk = StoredChunk(meta, size_class(meta.nbytes))
         try:
-            evicted = self.index.reserve(meta.key, chunk)
+            evicted = self.index.reserve(meta.key, chunk, caller)
         except SpaceRefused as exc:
             self.counters.refused_puts += 1
             raise PutRefused(str(exc)) from None
@@ -207,6 +230,7 @@ class MemoryStore:
             return
         self.counters.puts += 1
         self.counters.put_bytes += meta.nbytes
+        self.save_soon()  # its claim
         if self.persister is not None:
             chunk.users += 1  # the file write reads the buffer; Persister calls release() after it
             self.persister.write(chunk)
@@ -215,11 +239,11 @@ class MemoryStore:
         self.index.abort(chunk.meta.key, chunk)
         self._drop(chunk, had_file=False)
 
-    async def put_bytes(self, meta: protocol.ChunkMeta, data: bytes | memoryview) -> None:
+    async def put_bytes(self, meta: protocol.ChunkMeta, data: bytes | memoryview, caller: str) -> None:
         """A whole put from bytes at hand (the inline NATS path). Raises PutRefused."""
         if len(data) != meta.nbytes:
             raise PutRefused(f"chunk {meta.key.hex()}: {len(data)} bytes sent, the meta says {meta.nbytes}")
-        chunk = await self.begin_put(meta)
+        chunk = await self.begin_put(meta, caller)
         if chunk is not None:
             chunk.data()[:] = data
             self.commit_put(chunk)
@@ -243,7 +267,8 @@ class MemoryStore:
 
     # ---- control (the ops themselves are the shared IndexOps over `index`; service.py wires them) ------------
     def free(self, removed: list[tuple[ChunkKey, StoredChunk]]) -> None:
-        """Chunks removed or cleared from the index: delete their files, recycle their buffers when unused."""
+        """Chunks removed, cleared or wiped from the index: delete their files, recycle their buffers when
+        unused."""
         for _, chunk in removed:
             self._drop(chunk)
 

@@ -1,4 +1,8 @@
-"""The store end of the stream data path (see stream_wire.py): puts and gets of a MemoryStore over TCP."""
+"""The store end of the stream data path (see stream_wire.py): puts and gets of a MemoryStore over TCP.
+
+A connection acts for the caller that asked for its ticket on NATS (`Subjects.store(store_id, "stream", caller)`):
+its puts record that caller's claims, as puts on NATS do.
+"""
 
 from __future__ import annotations
 
@@ -49,7 +53,7 @@ class StreamServer:
         self.host = host
         self.port = port
         self.transfer_timeout = transfer_timeout
-        self._tickets: dict[bytes, float] = {}  # ticket -> expiry (monotonic)
+        self._tickets: dict[bytes, tuple[float, str]] = {}  # ticket -> (expiry (monotonic), caller path)
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._connections: set[asyncio.Task[None]] = set()
@@ -71,13 +75,13 @@ class StreamServer:
         self.port = listener.getsockname()[1]
         self._accepting = loop.create_task(self._accept_loop())
 
-    def issue_ticket(self) -> bytes:
-        """A single-use ticket for one new connection, valid for TICKET_TTL_SECS."""
+    def issue_ticket(self, caller: str) -> bytes:
+        """A single-use ticket for one new connection of `caller` (its path), valid for TICKET_TTL_SECS."""
         now = time.monotonic()
-        for ticket in [t for t, expiry in self._tickets.items() if expiry <= now]:
+        for ticket in [t for t, (expiry, _) in self._tickets.items() if expiry <= now]:
             del self._tickets[ticket]
         ticket = secrets.token_bytes(16)
-        self._tickets[ticket] = now + TICKET_TTL_SECS
+        self._tickets[ticket] = (now + TICKET_TTL_SECS, caller)
         return ticket
 
     async def stop(self) -> None:
@@ -109,8 +113,8 @@ class StreamServer:
     async def _serve(self, sock: socket.socket, peer: object) -> None:
         try:
             async with asyncio.timeout(HELLO_TIMEOUT_SECS):
-                client = await self._hello(sock)
-            log.debug("stream connection from %s (%s)", peer, client)
+                client, caller = await self._hello(sock)
+            log.debug("stream connection from %s (%s, %s)", peer, client, caller)
             while True:
                 try:
                     op, size = await recv_request_head(sock)  # an idle connection may wait here indefinitely
@@ -119,7 +123,7 @@ class StreamServer:
                     return
                 async with asyncio.timeout(self.transfer_timeout):
                     if op == OP_PUT:
-                        await self._put(sock, await recv_message(sock, size, protocol.PutRequest))
+                        await self._put(sock, await recv_message(sock, size, protocol.PutRequest), caller)
                     elif op == OP_GET:
                         await self._get(sock, await recv_message(sock, size, protocol.GetRequest))
                     else:
@@ -138,23 +142,24 @@ class StreamServer:
         finally:
             sock.close()
 
-    async def _hello(self, sock: socket.socket) -> str:
+    async def _hello(self, sock: socket.socket) -> tuple[str, str]:
+        """The client's name and the caller its ticket was issued to."""
         op, size = await recv_request_head(sock)
         if op != OP_HELLO:
             raise StreamError(f"expected a hello, got op {op!r}")
         hello = await recv_message(sock, size, protocol.StreamHello)
-        expiry = self._tickets.pop(hello.ticket, None)
+        expiry, caller = self._tickets.pop(hello.ticket, (None, ""))
         if expiry is None or expiry < time.monotonic():
             await send_reply(sock, protocol.Ack(ok=False, error="unknown or expired stream ticket: ask for "
                                                                "a new one on the store's stream subject"))
             raise StreamError("bad ticket")
         await send_reply(sock, protocol.Ack())
-        return hello.client
+        return hello.client, caller
 
-    async def _put(self, sock: socket.socket, request: protocol.PutRequest) -> None:
+    async def _put(self, sock: socket.socket, request: protocol.PutRequest, caller: str) -> None:
         meta = request.meta
         try:
-            chunk = await self.store.begin_put(meta)
+            chunk = await self.store.begin_put(meta, caller)
         except PutRefused as exc:
             if meta.nbytes < 0:
                 raise StreamError(f"put of {meta.nbytes} bytes") from None

@@ -157,6 +157,12 @@ class CacheEngine:
                  " (shared memory)" if self.pool.shm_name else "",
                  f", mesh {self._connection.url} ({self.plan.mode})" if self._connection and self.plan else "")
 
+    @property
+    def store_caller(self) -> str:
+        """This rank's path towards the stores, `engine.<instance_id>.<worker_id>`: its puts are claimed under it,
+        and the controller's `/clear` (through this rank's `clear`) takes back only those claims."""
+        return protocol.Principal.engine(self.config.lmcache_instance_id).producer(self.worker_id)
+
     def _registration(self) -> protocol.RegisterEngine:
         assert self.plan is not None
         return protocol.RegisterEngine(
@@ -179,12 +185,14 @@ class CacheEngine:
         assert self.plan is not None and self.storage is not None and self.agent is not None
         config = self.config
         clients: dict[str, StoreTier] = {}
+        caller = self.store_caller  # the stores record this rank's claims under it (and clear only those)
         if self.plan.disk_store:
-            clients[LOCAL_DISK] = DiskStoreClient(nc, self.plan.disk_store, request_timeout=config.request_timeout_secs,
+            clients[LOCAL_DISK] = DiskStoreClient(nc, self.plan.disk_store, caller,
+                                                  request_timeout=config.request_timeout_secs,
                                                   data_timeout=config.disk_data_timeout_secs)
         if self.plan.remote_stores:
             clients[REMOTE] = RemoteStoreClient(
-                nc, list(self.plan.remote_stores), request_timeout=config.request_timeout_secs,
+                nc, list(self.plan.remote_stores), caller, request_timeout=config.request_timeout_secs,
                 min_transfer_rate=config.remote_min_transfer_mb_per_s * 1e6,
                 retry_interval=config.remote_retry_interval_secs, max_connections=config.remote_stream_connections)
         self.storage.set_lower(clients)

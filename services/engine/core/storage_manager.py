@@ -137,6 +137,7 @@ class StorageManager:
         self._tasks.append(asyncio.create_task(self._refresh_recency(), name="kvmesh-touch"))
 
     def set_lower(self, clients: dict[str, StoreTier]) -> None:
+        """The lower tiers' clients, each sending as this rank (`CacheEngine.store_caller`)."""
         self._lower = {location: clients[location] for location in (LOCAL_DISK, REMOTE) if location in clients}
 
     def lower(self, location: str) -> StoreTier | None:
