@@ -61,7 +61,7 @@ def test_seed_002_embeds_nats_and_a_disk_store_shared_by_workers(tmp_path: Path)
     kv = PagedKV(num_blocks=128)
     config = engine_config(local_disk=f"file://{tmp_path}/disk/", max_local_disk_size=0.05, cpu_chunks=4,
                            local_cpu=False)
-    first = CacheEngine(config, PARAMS, kv.layout, "w0")
+    first = CacheEngine(config, PARAMS, kv.layout)
     second: CacheEngine | None = None
     mesh = embedded_mesh.registry.current()
     try:
@@ -71,7 +71,7 @@ def test_seed_002_embeds_nats_and_a_disk_store_shared_by_workers(tmp_path: Path)
         assert len(mesh.pids) == 2 and all(pid_alive(p) for p in mesh.pids)  # nats-server + disk store
 
         second = CacheEngine(config, KeyParams(model="test-model", kv_format="", world_size=2, rank=1),
-                             kv.layout, "w1")
+                             kv.layout)
         assert embedded_mesh.registry.current() is mesh and embedded_mesh.registry.users() == 2
 
         # another worker process of this vLLM (tensor parallelism) joins this mesh instead of starting one
