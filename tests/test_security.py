@@ -27,7 +27,7 @@ from kvmesh.shared.keys import KeyParams
 from kvmesh.shared.local_mesh import LocalMesh
 from kvmesh.shared.protocol import CONTROLLER, LOCAL_CPU, OPERATOR, Principal, Subjects
 
-from test_engine_support import CHUNK, PagedKV, engine_config, random_tokens
+from test_engine_support import CHUNK, PagedKV, disk_store_mesh, engine_config, random_tokens
 from waiting import WAIT_S, wait_until_async
 
 PARAMS = KeyParams(model="test-model", kv_format="")
@@ -261,3 +261,52 @@ def test_compose_runs_nats_with_credentials_and_publishes_no_nats_port() -> None
             assert principal.removeprefix("store.") in services[name]["command"], f"{name} runs as another store"
     engine = Path(services["vllm"]["environment"]["LMCACHE_NATS_CREDENTIALS"]).name.removesuffix(".json")
     assert engine in made
+
+
+# ---- ownership: a clear takes back only the caller's chunks ------------------------------------------------------
+async def test_a_clear_for_one_tenant_leaves_the_other_tenants_chunks_in_the_shared_disk_store(
+        tmp_path: Path) -> None:
+    kv = PagedKV(num_blocks=256)
+    started = disk_store_mesh(tmp_path / "disk")
+    mesh = await asyncio.to_thread(started.__enter__)  # it waits for the store with an event loop of its own
+    try:
+        def tenant(instance_id: str) -> CacheEngine:  # the CPU tier only stages: every hit is the disk store's
+            return tenant_engine(mesh, instance_id, kv, local_disk=str(tmp_path / "disk"), local_cpu=False)
+
+        a, b = await asyncio.to_thread(tenant, "tenant-a"), await asyncio.to_thread(tenant, "tenant-b")
+        try:
+            async with controller_on(mesh) as (_, client):
+                own_a, own_b, both = (random_tokens(2 * CHUNK, seed=seed) for seed in (21, 22, 23))
+                for engine, prompts in ((a, (own_a, both)), (b, (own_b, both))):
+                    for tokens in prompts:
+                        await asyncio.to_thread(engine.store, tokens, **kv.kv(kv.slots(len(tokens))))
+                    assert await asyncio.to_thread(engine.wait_write_behind, WAIT_S)
+
+                async def holders(tokens: Any) -> dict[str, Any]:
+                    response = await client.post("/lookup", json={"tokens": tokens.tolist()})
+                    assert response.status_code == 200, response.text
+                    return response.json()["layout_info"]
+
+                on_disk = {"tenant-a": [protocol.LOCAL_DISK, 2 * CHUNK], "tenant-b": [protocol.LOCAL_DISK, 2 * CHUNK]}
+                for tokens in (own_a, own_b, both):
+                    await wait_until_async(lambda t=tokens: _equal(holders(t), on_disk), what="every prompt on disk")
+
+                cleared = await client.post("/clear", json={"instance_id": "tenant-a",
+                                                            "location": protocol.LOCAL_DISK})
+                assert cleared.status_code == 200, cleared.text
+                assert cleared.json()["num_tokens"] == 4 * CHUNK, "tenant-a's own prompt and the shared one"
+                await wait_until_async(lambda: _equal(holders(own_a), {}), what="tenant-a's own prompt gone")
+                # tenant-b's prompts stay on disk (the shared one: tenant-b still claims it), listed and loadable
+                assert await holders(own_b) == on_disk and await holders(both) == on_disk
+                for tokens in (own_b, both):
+                    assert await asyncio.to_thread(b.lookup, tokens) == len(tokens)
+                    assert bool((await asyncio.to_thread(b.retrieve, tokens, **kv.kv(kv.slots(len(tokens))))).all())
+        finally:
+            await asyncio.to_thread(a.close)
+            await asyncio.to_thread(b.close)
+    finally:
+        await asyncio.to_thread(started.__exit__, None, None, None)
+
+
+async def _equal(value: Any, expected: Any) -> bool:
+    return await value == expected
