@@ -109,7 +109,8 @@ def cmd_credentials(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         raise SystemExit(f"kvmesh credentials: {exc}") from None
     try:
-        mesh.ensure(*principals)
+        if mesh.ensure(*principals) and mesh.reload_server():
+            log.info("the NATS server running with %s loaded the new users", mesh.root)
     except ValueError as exc:
         raise SystemExit(f"kvmesh credentials: {exc}; principals are engine.<instance_id>, store.<store_id>, "
                          "controller, operator") from None

@@ -26,6 +26,7 @@ from nats.aio.subscription import Subscription
 
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.admissions import AdmissionReporter
+from kvmesh.shared.credentials import credentials_for
 from kvmesh.shared.chunk_index import ChunkIndex, IndexEntry
 from kvmesh.shared.keys import ChunkKey
 from kvmesh.shared.service import serve_health
@@ -190,9 +191,11 @@ class StoreEndpoint:
         """`nc` if given (lent: `close` leaves it open), else a connection of our own.
 
         Our own waits up to `bus.SERVICE_CONNECT_WAIT` for a NATS still starting and raises MeshUnavailable,
-        naming the URL, when none answers or it rejects `auth`.
+        naming the URL, when none answers or it rejects `auth`. Without `auth`, a store started by hand next to a
+        NATS that KVMesh started on this host adds its own user to it, as engines do.
         """
         if nc is None:
+            auth = credentials_for(url, protocol.Principal.store(self.store_id), auth.or_none() if auth else None)
             nc = await bus.connect(url, f"{self.service}:{self.store_id}", auth,
                                    first_connect_wait=bus.SERVICE_CONNECT_WAIT)
             self._own_nc = True

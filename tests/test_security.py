@@ -251,16 +251,23 @@ def test_compose_runs_nats_with_credentials_and_publishes_no_nats_port() -> None
 
     services = yaml.safe_load((Path(__file__).parent.parent / "compose.yaml").read_text())["services"]
     assert "ports" not in services["nats"], "NATS must not be reachable from outside the compose network"
-    assert services["nats"]["command"] == ["-c", "/creds/nats-server.conf"]
-    made = services["credentials"]["command"]
-    for name in ("controller", "disk-store", "remote-store"):
-        file = services[name]["environment"]["KVMESH_NATS_CREDENTIALS"]
-        principal = Path(file).name.removesuffix(".json")
-        assert principal == "controller" or principal in made, f"{name}'s principal {principal} is never made"
+    assert services["nats"]["command"] == ["-c", "/nats/nats-server.conf"]
+    assert services["controller"]["ports"] == ["127.0.0.1:9000:9000"]
+    script = services["credentials"]["command"][0]
+    nats_volume = "kvmesh-nats:/nats"
+    assert [name for name, service in services.items() if nats_volume in service.get("volumes", [])] == [
+        "credentials", "nats"], "every password is in the NATS volume: only NATS and the maker mount it"
+    for name, variable in (("controller", "KVMESH_NATS_CREDENTIALS"), ("disk-store", "KVMESH_NATS_CREDENTIALS"),
+                           ("remote-store", "KVMESH_NATS_CREDENTIALS"), ("vllm", "LMCACHE_NATS_CREDENTIALS")):
+        file = Path(services[name]["environment"][variable])
+        principal = file.name.removesuffix(".json")
+        assert principal == "controller" or f" {principal}" in script, f"{name}'s principal is never made"
         if principal.startswith("store."):
             assert principal.removeprefix("store.") in services[name]["command"], f"{name} runs as another store"
-    engine = Path(services["vllm"]["environment"]["LMCACHE_NATS_CREDENTIALS"]).name.removesuffix(".json")
-    assert engine in made
+        # its own volume holds its own file, copied there by the credentials service
+        volume = next(v.split(":")[0] for v in services[name]["volumes"] if v.split(":")[1] == str(file.parent))
+        target = next(v.split(":")[1] for v in services["credentials"]["volumes"] if v.startswith(volume + ":"))
+        assert f"cp -p /nats/{file.name} {target}/" in script
 
 
 # ---- ownership: a clear takes back only the caller's chunks ------------------------------------------------------
