@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
@@ -317,3 +320,28 @@ async def test_a_clear_for_one_tenant_leaves_the_other_tenants_chunks_in_the_sha
 
 async def _equal(value: Any, expected: Any) -> bool:
     return await value == expected
+
+
+async def test_a_store_started_by_hand_next_to_a_kvmesh_nats_adds_its_own_user(mesh: LocalMesh,
+                                                                               tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_NATS_")}
+    store = subprocess.Popen([sys.executable, "-m", "kvmesh.services.disk_store", "--nats-url", str(mesh.nats_url),
+                              "--dir", str(tmp_path / "disk"), "--max-size-gb", "0.01", "--store-id", "disk-hand"],
+                             stdin=subprocess.DEVNULL, env=env)
+    nc = await bus.connect(str(mesh.nats_url), "operator", mesh.auth(OPERATOR), first_connect_wait=WAIT_S)
+    try:
+        async def healthy() -> protocol.HealthReply | None:
+            assert store.poll() is None, "the store exited"
+            try:
+                return await bus.request(nc, Subjects.health(protocol.store_path("disk-hand")),
+                                         protocol.HealthRequest(), protocol.HealthReply, 1.0)
+            except MeshUnavailable:
+                return None
+
+        reply = await wait_until_async(healthy, what="the hand-started store answering health", interval=0.2)
+        assert reply.service_id == "disk-hand"
+        assert mesh.credentials is not None and mesh.credentials.file("store.disk-hand").exists()
+    finally:
+        await nc.close()
+        store.terminate()
+        await asyncio.to_thread(store.wait, WAIT_S)
