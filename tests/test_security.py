@@ -220,6 +220,8 @@ async def test_an_instance_cannot_be_hijacked_and_forged_admissions_are_ignored(
             await wait_until_async(lambda: service.feed.forged_messages >= forged_before + 2,
                                    what="the controller to refuse the forged registration and batch")
             assert await lookup(ghost.tolist()) == {}, "forged admissions are not reported"
+            metrics = (await client.get("/metrics")).text
+            assert f"kvmesh_controller_forged_messages_total {service.feed.forged_messages}" in metrics
             assert await lookup(tokens.tolist()) == {"tenant-a": [LOCAL_CPU, len(tokens)]}
             # a pin for tenant-a still reaches the real tenant-a
             pinned = await client.post("/pin", json={"tokens": tokens.tolist(), "instance_id": "tenant-a",

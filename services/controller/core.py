@@ -66,6 +66,9 @@ class ControllerCore:
     def bad_messages(self) -> int:
         return self.feed.bad_messages if self.feed is not None else 0
 
+    def forged_messages(self) -> int:
+        return self.feed.forged_messages if self.feed is not None else 0
+
     # -- operations --------------------------------------------------------------------------------------
 
     def lookup(self, tokens: Sequence[int] | np.ndarray,

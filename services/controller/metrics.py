@@ -87,6 +87,9 @@ def render(core: "ControllerCore") -> str:
            [("", stats.stale_keys_dropped)])
     metric("kvmesh_controller_bad_messages_total", "counter", "Undecodable NATS messages dropped.",
            [("", core.bad_messages())])
+    metric("kvmesh_controller_forged_messages_total", "counter",
+           "NATS messages refused because their body disagrees with their sender (docs/security.md).",
+           [("", core.forged_messages())])
     metric("kvmesh_controller_lookups_total", "counter", "Lookups answered.", [("", m.lookups)])
     metric("kvmesh_controller_lookup_hits_total", "counter", "Lookups matching at least one instance.",
            [("", m.lookup_hits)])
