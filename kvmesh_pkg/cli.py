@@ -1,6 +1,7 @@
 """The `kvmesh` command: run the whole mesh on one machine, or one service against a NATS URL.
 
-    kvmesh up                   embedded NATS + controller + disk store + remote store; Ctrl-C/SIGTERM stops all
+    kvmesh up                   embedded NATS + controller + disk store + remote store; a service that exits is
+                                restarted (with backoff); Ctrl-C/SIGTERM stops all
     kvmesh controller ...       the controller (also `lmcache_controller --host --port --monitor-port`)
     kvmesh disk-store ...       the disk store of this host
     kvmesh remote-store ...     one remote-store partition
@@ -33,6 +34,7 @@ from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
 from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
 from kvmesh.shared.protocol import CONTROLLER, OPERATOR, Subjects, disk_store_id
 from kvmesh.shared.service import configure_logging, ping_all
+from kvmesh.shared.supervisor import Backoff, Supervisor
 from kvmesh.services.disk_store.options import DiskStoreOptions
 from kvmesh.services.remote_store.options import partitions as remote_partitions
 
@@ -58,6 +60,8 @@ def mesh_services(args: argparse.Namespace) -> list[ServiceSpec]:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    if not 0 < args.restart_backoff <= args.restart_backoff_max:  # a zero delay would restart in a tight loop
+        raise SystemExit("kvmesh up: needs 0 < --restart-backoff <= --restart-backoff-max")
     mesh = LocalMesh(mesh_services(args), nats_url=args.nats_url, nats_port=args.nats_port,
                      log_dir=Path(args.log_dir) if args.log_dir else None)
     stop = threading.Event()
@@ -67,12 +71,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(json.dumps({"nats_url": mesh.nats_url, "controller": f"http://{args.host}:{args.port}",
                       "services": [s.service_id for s in mesh.services]}), flush=True)
     log.info("mesh up: NATS %s, controller http://%s:%d; Ctrl-C stops it", mesh.nats_url, args.host, args.port)
+    backoff = Backoff(initial=args.restart_backoff, maximum=args.restart_backoff_max)
+    supervisor = Supervisor(mesh, None if args.no_restart else backoff)
     try:
-        while not stop.wait(0.5):
-            for spec, process in zip(mesh.services, mesh._processes):
-                if process.poll() is not None:
-                    log.error("%s exited with code %s; stopping the mesh", spec.service_id, process.returncode)
-                    stop.set()
+        # Restarts happen only in this loop, before mesh.stop(): nothing starts during shutdown, and a process
+        # restarted just before it is in mesh.processes, so stop() ends it too.
+        while not stop.wait(0.2):
+            if supervisor.step() and args.no_restart:
+                log.error("stopping the mesh (--no-restart)")
+                stop.set()
     finally:
         mesh.stop()
     log.info("mesh stopped")
@@ -181,6 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--no-disk", action="store_true", help="do not run a disk store")
     up.add_argument("--no-remote", action="store_true", help="do not run a remote store")
     up.add_argument("--log-dir", help="write each service's output to <dir>/<service>.log")
+    up.add_argument("--restart-backoff", type=float, default=Backoff.initial,
+                    help="seconds before restarting a service that exited; doubles after each quick exit")
+    up.add_argument("--restart-backoff-max", type=float, default=Backoff.maximum,
+                    help="cap of the restart delay, seconds")
+    up.add_argument("--no-restart", action="store_true", help="stop the whole mesh when a service exits")
     health = sub.add_parser("health", help="ask every service on a NATS for its health")
     health.add_argument("--nats-url", default="nats://127.0.0.1:4222")
     health.add_argument("--wait", type=float, default=0.5)

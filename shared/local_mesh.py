@@ -118,6 +118,17 @@ class LocalMesh:
         nats = [self._nats.process.pid] if self._nats is not None and self._nats.process is not None else []
         return nats + [process.pid for process in self._processes]
 
+    @property
+    def processes(self) -> list[subprocess.Popen[bytes]]:
+        """The service processes, in the order of `services` (a restarted service's entry is replaced)."""
+        return list(self._processes)
+
+    def respawn(self, index: int) -> subprocess.Popen[bytes]:
+        """Start `services[index]` again in place of its exited process (shared/supervisor.py decides when)."""
+        assert self._processes[index].poll() is not None, "respawn of a service that is still running"
+        self._processes[index] = self._spawn(self.services[index])
+        return self._processes[index]
+
     def _spawn(self, spec: ServiceSpec) -> subprocess.Popen[bytes]:
         command = [sys.executable, "-m", spec.module, "--nats-url", str(self.nats_url), *spec.args]
         output = None
@@ -128,8 +139,12 @@ class LocalMesh:
         if self.credentials is not None:
             env[CREDENTIALS_ENV] = str(self.credentials.file(spec.principal.path))
         log.info("starting %s: %s", spec.service_id, " ".join(command))
-        return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=output, stderr=output, env=env,
-                                preexec_fn=_die_with_parent)
+        try:
+            return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=output, stderr=output, env=env,
+                                    preexec_fn=_die_with_parent)
+        finally:
+            if output is not None:
+                output.close()  # the child has its own copy; a restarted service must not leak one per start
 
     def _wait_healthy(self, timeout: float) -> None:
         """Block until every service answers health over NATS (or one exits, or time runs out)."""

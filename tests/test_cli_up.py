@@ -1,12 +1,15 @@
 """`kvmesh up`: every service starts and answers health over NATS; SIGTERM stops all of it, each service on its
-own SIGTERM (none needed the SIGKILL that follows a service's grace period)."""
+own SIGTERM (none needed the SIGKILL that follows a service's grace period). A service that dies is restarted
+while the rest keep running (`--no-restart`: the mesh stops instead)."""
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,7 @@ from kvmesh.shared.embedded_nats import free_port
 from kvmesh.shared.protocol import OPERATOR
 from kvmesh.shared.service import ping_all
 
-from processes import wait_dead
+from processes import pid_alive, wait_dead
 from waiting import WAIT_S, wait_until_async
 
 
@@ -61,6 +64,85 @@ def test_up_health_and_clean_stop(tmp_path: Path) -> None:
             up.kill()
             up.wait()
         stderr.close()
+
+
+def test_up_restarts_a_killed_store_and_keeps_the_rest_running(tmp_path: Path) -> None:
+    """SIGKILL the disk store: `kvmesh up` logs it and starts a new one (a new pid answers health) while the
+    controller's REST API keeps answering; SIGTERM then stops everything, the restarted store included."""
+    nats_port, http_port = free_port(), free_port()
+    command = [sys.executable, "-m", "kvmesh.cli", "up", "--nats-port", str(nats_port),
+               "--port", str(http_port), "--host", "127.0.0.1", "--disk-dir", str(tmp_path / "disk"),
+               "--disk-size", "0.1", "--remote-size", "0.1", "--log-dir", str(tmp_path / "logs")]
+    stderr = open(tmp_path / "up.stderr", "w+")
+    up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=tmp_path)
+    healthz = f"http://127.0.0.1:{http_port}/healthz"
+    try:
+        url = json.loads(up.stdout.readline())["nats_url"]
+        pids = {r.service: r.details["pid"] for r in asyncio.run(health_of_all(url, expect=3))}
+        killed = pids["disk_store"]
+        os.kill(killed, signal.SIGKILL)
+
+        async def wait_for_restart() -> int:
+            nc = await bus.connect(url, name="test-restart", auth=credentials_for(url, OPERATOR, None))
+
+            async def restarted_store() -> int | None:
+                with urllib.request.urlopen(healthz, timeout=5) as response:  # the controller stays up throughout
+                    assert response.status == 200
+                replies = await ping_all(nc, wait=0.5)
+                return next((r.details["pid"] for r in replies
+                             if r.service == "disk_store" and r.details["pid"] != killed), None)
+
+            try:
+                return await wait_until_async(restarted_store, what="the disk store answering with a new pid")
+            finally:
+                await nc.close()
+
+        new_pid = asyncio.run(wait_for_restart())
+        assert not pid_alive(killed) and up.poll() is None
+        assert pid_alive(pids["controller"]) and pid_alive(pids["remote_store"])  # the others kept running
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=WAIT_S) == 0
+        log = (tmp_path / "up.stderr").read_text()
+        assert f"(pid {killed}) was killed by SIGKILL; restarting it in" in log, log
+        assert f"(pid {new_pid})" in log and "mesh stopped" in log, log
+        for pid in [new_pid, pids["controller"], pids["remote_store"]]:
+            assert wait_dead(pid), f"service pid {pid} left running"
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        stderr.close()
+
+
+def test_up_no_restart_stops_the_mesh_when_a_service_dies(tmp_path: Path) -> None:
+    nats_port, http_port = free_port(), free_port()
+    command = [sys.executable, "-m", "kvmesh.cli", "up", "--nats-port", str(nats_port), "--port", str(http_port),
+               "--host", "127.0.0.1", "--no-disk", "--no-remote", "--no-restart", "--log-dir", str(tmp_path / "logs")]
+    stderr = open(tmp_path / "up.stderr", "w+")
+    up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=tmp_path)
+    try:
+        url = json.loads(up.stdout.readline())["nats_url"]
+        [controller] = asyncio.run(health_of_all(url, expect=1))
+        os.kill(controller.details["pid"], signal.SIGKILL)
+        assert up.wait(timeout=WAIT_S) == 0
+        log = (tmp_path / "up.stderr").read_text()
+        assert "was killed by SIGKILL" in log and "stopping the mesh (--no-restart)" in log, log
+        assert "restarted" not in log, log
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", nats_port), timeout=1).close()
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        stderr.close()
+
+
+def test_up_rejects_a_zero_restart_backoff() -> None:
+    from kvmesh.cli import build_parser, cmd_up
+
+    for flags in (["--restart-backoff", "0"], ["--restart-backoff", "5", "--restart-backoff-max", "2"]):
+        with pytest.raises(SystemExit, match="--restart-backoff"):
+            cmd_up(build_parser().parse_args(["up", *flags]))
 
 
 def test_up_passes_the_cache_policy_to_both_stores() -> None:
