@@ -39,7 +39,7 @@ def nats_url() -> str:
 def chunk(nbytes: int, seed: int, num_tokens: int = 256, key: bytes | None = None) -> tuple[protocol.ChunkMeta, np.ndarray]:
     data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
     meta = protocol.ChunkMeta(key=key or os.urandom(16), num_tokens=num_tokens, shape=[nbytes], dtype="uint8",
-                              fmt="test", nbytes=nbytes)
+                              fmt="test", nbytes=nbytes, checksum=chunk_file.checksum(memoryview(data)))
     return meta, data
 
 

@@ -82,7 +82,7 @@ class DiskStoreClient:
             return None
         if not buffer.shm_name:
             data = reply.data or b""
-            if len(data) != meta.nbytes or (meta.checksum and chunk_file.checksum(data) != meta.checksum):
+            if len(data) != meta.nbytes or chunk_file.checksum(data) != meta.checksum:
                 log.warning("disk store %s: inline data of %s is damaged; treating it as a miss", self.store_id,
                             key.hex())
                 return None
