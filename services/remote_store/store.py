@@ -224,10 +224,8 @@ class MemoryStore:
         if digest is None:
             digest = chunk_file.checksum(chunk.data())
         if digest != meta.checksum or (claimed is not None and claimed != meta.checksum):
-            self.counters.checksum_failures += 1
             self.abort_put(chunk)
-            raise PutRefused(f"chunk {meta.key.hex()}: the bytes received do not match their checksum (the meta "
-                             f"says {meta.checksum:#x}, the bytes hash to {digest:#x})")
+            raise self._mismatch(meta, digest)
         if not self.index.commit(meta.key, chunk):
             self._drop(chunk, had_file=False)  # removed or cleared while the bytes were arriving: never held
             return
@@ -243,13 +241,26 @@ class MemoryStore:
         self._drop(chunk, had_file=False)
 
     async def put_bytes(self, meta: protocol.ChunkMeta, data: bytes | memoryview, caller: str) -> None:
-        """A whole put from bytes at hand (the inline NATS path). Raises PutRefused."""
+        """A whole put from bytes at hand (the inline NATS path). Raises PutRefused.
+
+        The bytes are verified before any room is made: a put that fails its checksum evicts nothing. (A stream
+        put makes room as it begins, before its bytes arrive; failing bytes are dropped at `commit_put`.)
+        """
         if len(data) != meta.nbytes:
             raise PutRefused(f"chunk {meta.key.hex()}: {len(data)} bytes sent, the meta says {meta.nbytes}")
+        self.check_put(meta)
+        digest = chunk_file.checksum(data)
+        if digest != meta.checksum:
+            raise self._mismatch(meta, digest)
         chunk = await self.begin_put(meta, caller)
         if chunk is not None:
             chunk.data()[:] = data
-            self.commit_put(chunk)
+            self.commit_put(chunk, digest=digest)  # `data` is immutable bytes or the caller's, unchanged meanwhile
+
+    def _mismatch(self, meta: protocol.ChunkMeta, digest: int) -> PutRefused:
+        self.counters.checksum_failures += 1
+        return PutRefused(f"chunk {meta.key.hex()}: the bytes received do not match their checksum (the meta "
+                          f"says {meta.checksum:#x}, the bytes hash to {digest:#x})")
 
     # ---- gets --------------------------------------------------------------------------------------------
     def acquire(self, key: ChunkKey) -> StoredChunk | None:
