@@ -5,8 +5,9 @@ shared-memory segment (`shm_name`), only (name, offset) travel on NATS and the s
 (put) or reads the file straight into it (get); otherwise the bytes go inline in the message (small chunks,
 or a client without shared memory; limited by NATS max_payload).
 
-A put returns True once the store holds the bytes: the buffer may be reused immediately, and the chunk
-becomes visible to contains/get when its file is complete, shortly after. Nothing here raises on a dead or
+A put returns True once the store holds the bytes and has verified them against meta.checksum (which every
+put must carry): the buffer may be reused immediately, and the chunk becomes visible to contains/get when its
+file is complete, shortly after. Nothing here raises on a dead or
 slow store: it logs once per change of reachability (a shared StoreLink, as the remote store's client) and
 answers miss / False / 0.
 """
