@@ -7,9 +7,8 @@ or a client without shared memory; limited by NATS max_payload).
 
 A put returns True once the store holds the bytes and has verified them against meta.checksum (which every
 put must carry): the buffer may be reused immediately, and the chunk becomes visible to contains/get when its
-file is complete, shortly after. Nothing here raises on a dead or
-slow store: it logs once per change of reachability (a shared StoreLink, as the remote store's client) and
-answers miss / False / 0.
+file is complete, shortly after. Nothing here raises on a dead or slow store: it logs once per change of
+reachability (a shared StoreLink, as the remote store's client) and answers miss / False / 0.
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ class DiskStore:
                           num_tokens=meta.num_tokens)
             answer = self._admit(meta, digest, entry, caller)
         except Exception as exc:
-            answer = self._refuse(key, f"copy from shared memory failed: {exc}")
+            answer = self._refuse(key, f"reading the bytes failed: {exc}")
         if answer is not None:
             if staging is not None:
                 await self._staging.release(staging)

@@ -4,8 +4,8 @@ Why staging: the engine reuses its shared-memory buffer as soon as a put is answ
 ~25-60 ms to reach the disk with fsync but ~3-6 ms to copy. So the put handler copies the chunk out of the
 engine's segment into a store-owned staging buffer (one memcpy, GIL released, each piece hashed as it is
 copied so the staged bytes are verified against the put's checksum), answers, and a writer thread writes the
-file. The staging pool bounds memory: when it is full, a put waits for a buffer to come back (back
-pressure), up to a deadline. With a staging capacity of 0 the store writes straight from the engine's segment
+file. The staging pool bounds memory: when it is full, a put waits for a buffer to come back (back pressure),
+up to a deadline. With a staging capacity of 0 the store writes straight from the engine's segment
 and answers after the file is complete (write-through); a chunk larger than the whole staging capacity is
 written through too.
 

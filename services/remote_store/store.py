@@ -6,10 +6,10 @@ handlers (service.py) all call in from that loop, so nothing here takes a lock. 
 new buffers (buffers.py), read files at start and write/delete files (persistence.py); they touch a chunk's
 bytes only while the chunk's `users` count says so.
 
-A put is two steps around the bytes' arrival: `begin_put` checks the chunk, reserves room (evicting the
-policy's victims) and hands out a faulted buffer; `commit_put` verifies the bytes against the meta's checksum
-(which every put carries) and only then makes the chunk visible; bytes that fail it are never held, served or
-reported (`abort_put` also if the bytes never came). Every put records its caller's claim (shared/chunk_index.py), also on a
+A put is two steps around the bytes' arrival: `begin_put` checks the chunk, reserves room (evicting the policy's
+victims) and hands out a faulted buffer; `commit_put` verifies the bytes against the meta's checksum (which every
+put carries) and only then makes the chunk visible; bytes that fail it are never held, served or reported
+(`abort_put` also if the bytes never came). Every put records its caller's claim (shared/chunk_index.py), also on a
 chunk already held; with `persist_dir` the claims are saved beside the chunk files (at most once a second, and at
 close: shared/state_file.py), else a restart starts with none. A get `acquire`s a chunk, sends its bytes, and
 `release`s it: an eviction meanwhile only marks the chunk dropped, and its buffer is recycled when the last user

@@ -17,9 +17,8 @@ the slot's bytes (a worker thread; every store put carries one and the stores re
 -> each lower store's `put` (the disk store reads the slot in place through shared memory). Back: a lower
 store's `get_into` fills a fresh slot (the bytes verified against their checksum on the way) -> the meta checked
 against what the key must hold (key, token count, size, shape, dtype, layout: else a miss, recomputed) -> CPU
-tier (when `local_cpu`) -> paged scatter into vLLM's cache. A hit, in any
-tier, refreshes the chunk's recency in every lower tier (batched, `touch`), so the stores do not evict the
-chunks the CPU tier serves most.
+tier (when `local_cpu`) -> paged scatter into vLLM's cache. A hit, in any tier, refreshes the chunk's recency
+in every lower tier (batched, `touch`), so the stores do not evict the chunks the CPU tier serves most.
 """
 
 from __future__ import annotations
@@ -543,7 +542,8 @@ class StorageManager:
             return
         buffer = job.slot.chunk_buffer(job.meta.nbytes)
         # Once per chunk, off the loop: the stores verify the bytes they receive against it before holding them.
-        meta = dataclasses.replace(job.meta, checksum=await asyncio.to_thread(checksum, buffer.view[:job.meta.nbytes]))
+        digest = await asyncio.to_thread(checksum, buffer.view[:job.meta.nbytes])
+        meta = dataclasses.replace(job.meta, checksum=digest)
         results = await asyncio.gather(*(c.put(meta, buffer) for c in clients), return_exceptions=True)
         if all(r is True for r in results):
             self._remember_held(job.meta.key)
