@@ -8,11 +8,13 @@ store (the machine's speed drifts); raw figures are medians over its rounds.
 
     python benchmarks/remote_store.py --total-gib 1 --chunk-mib 32
 
-Store puts are timed twice: "cold" into a fresh store (every buffer is page-faulted for the first time, 16-25
-ms per 32 MiB here) and "warm" with new keys into the full store (each put evicts the LRU chunk and reuses its
-buffer: the steady state of a cache). Gets go into a preallocated destination; every byte is compared with
-the source after the run. With `--nats-mib N` the raw peer also moves N MiB through NATS in frames of 1 and
-8 MiB, the alternative data path (the reason the store uses a stream: see services/remote_store/stream_wire.py).
+Store puts are timed twice: "cold" into a fresh store (every buffer is page-faulted for the first time, 16-25 ms
+per 32 MiB here) and "warm" with new keys into the full store (each put evicts the LRU chunk and reuses its buffer:
+the steady state of a cache). A timed put includes computing the chunk's checksum, as the engine's write-behind
+does once per chunk before it puts (the store verifies the bytes against it). Gets go into a preallocated
+destination; every byte is compared with the source after the run. With `--nats-mib N` the raw peer also moves N
+MiB through NATS in frames of 1 and 8 MiB, the alternative data path (the reason the store uses a stream: see
+services/remote_store/stream_wire.py).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import time
 
 import numpy as np
 
-from kvmesh.shared import bus, protocol
+from kvmesh.shared import bus, chunk_file, protocol
 from kvmesh.shared.embedded_nats import EmbeddedNats, _die_with_parent
 from kvmesh.shared.keys import KEY_BYTES
 from kvmesh.shared.tier import ChunkBuffer
@@ -186,7 +188,8 @@ async def run(args: argparse.Namespace) -> dict:
                 start = time.perf_counter()
                 for i, data in enumerate(chunks):
                     meta = protocol.ChunkMeta(key=chunk_key(tag, i), num_tokens=256, shape=[chunk_bytes],
-                                              dtype="uint8", fmt="bench", nbytes=chunk_bytes)
+                                              dtype="uint8", fmt="bench", nbytes=chunk_bytes,
+                                              checksum=chunk_file.checksum(data))
                     if not await client.put(meta, ChunkBuffer(data)):
                         raise RuntimeError(f"put {i} of pass {tag} failed")
                 return time.perf_counter() - start

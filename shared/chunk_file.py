@@ -1,10 +1,16 @@
 """The self-describing chunk file: one file per chunk, used by the disk store and the remote store.
 
-Layout: `MAGIC` (8 bytes) | header length (u32 little-endian) | msgpack header (ChunkMeta fields, checksum
-included) | zero padding to `DATA_ALIGN` | the chunk bytes. The data starts aligned so it can be read
-straight into aligned buffers. Files are written to a temporary name and renamed into place, so a file
-with the final name is complete; its checksum is still verified on every read. File names derive from the
-chunk key only (`<hex key>.kvc`, fanned out by the first byte), never from caller text.
+Layout: `MAGIC` (8 bytes, its 7th the format version) | header length (u32 little-endian) | msgpack header
+(ChunkMeta fields) | the header's own xxh3 (u64 LE) | zero padding to `DATA_ALIGN` | the chunk bytes. The data
+starts aligned so it can be read straight into aligned buffers.
+
+Integrity: `meta.checksum` is the xxh3 of the data and is never 0 (0 would mean "unverified": such a file is
+corrupt); the header check covers every header field (key, sizes, token count, layout, the data checksum),
+so nothing a reader is served from the file goes unchecked. Files of another version (version 1 had no
+header check) do not match MAGIC: bad files, deleted at the start-up scan. Files are written to a temporary
+name and renamed into place, so a file with the final name is complete; its checksums are still verified on
+every read. File names derive from the chunk key only (`<hex key>.kvc`, fanned out by the first byte), never
+from caller text.
 
 A directory of chunk files (`<root>/<2 hex>/<32 hex>.kvc`) is rebuilt at start with `scan_directory`, the same
 for both stores. Everything here is blocking file I/O: stores call it from worker threads or before serving.
@@ -29,11 +35,12 @@ from kvmesh.shared.keys import KEY_BYTES, ChunkKey
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVMESH\x01\x00"
+MAGIC = b"KVMESH\x02\x00"  # version 2: the header carries its own check
 DATA_ALIGN = 4096
 SUFFIX = ".kvc"
 TMP_SUFFIX = ".tmp"
 _LEN = struct.Struct("<I")
+_HEAD_CHECK = struct.Struct("<Q")
 
 
 class CorruptChunkFile(StoreError):
@@ -41,7 +48,19 @@ class CorruptChunkFile(StoreError):
 
 
 def checksum(data: memoryview | bytes) -> int:
+    """xxh3 of a chunk's bytes: what `ChunkMeta.checksum` holds (0 is never valid, see `check_meta`)."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+def check_meta(meta: protocol.ChunkMeta) -> None:
+    """Raise StoreError if `meta` cannot describe a verifiable chunk: every chunk carries its data checksum.
+
+    A digest of exactly 0 (odds 2**-64) is refused too: 0 is how unverified metas used to say "not computed".
+    """
+    if meta.checksum == 0:
+        name = meta.key.hex() if isinstance(meta.key, bytes) else f"{meta.key!r:.40}"
+        raise StoreError(f"chunk {name}: no checksum (0 is never valid: the sender computes chunk_file.checksum "
+                         "of the bytes)")
 
 
 def chunk_path(root: Path, key: ChunkKey) -> Path:
@@ -64,15 +83,17 @@ def key_of_path(path: Path) -> ChunkKey | None:
 def encode_header(meta: protocol.ChunkMeta) -> bytes:
     """MAGIC, length and msgpack header, zero-padded so the data that follows starts at DATA_ALIGN."""
     body = msgpack.packb({f: getattr(meta, f) for f in meta.__dataclass_fields__}, use_bin_type=True)
-    head = MAGIC + _LEN.pack(len(body)) + body
+    head = MAGIC + _LEN.pack(len(body)) + body + _HEAD_CHECK.pack(checksum(body))
     return head + b"\0" * (-len(head) % DATA_ALIGN)
 
 
 def write_chunk_file(root: Path, meta: protocol.ChunkMeta, data: memoryview | bytes, fsync: bool = True) -> Path:
     """Write a chunk crash-safely (temporary file, fsync, rename); returns the final path.
 
-    On any error the temporary file is removed and the error propagates; no partial file stays.
+    On any error the temporary file is removed and the error propagates; no partial file stays. A meta
+    without a checksum raises StoreError: no file is ever written that a reader could not verify.
     """
+    check_meta(meta)
     path = chunk_path(root, meta.key)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".{os.getpid()}{TMP_SUFFIX}")
@@ -93,18 +114,23 @@ def write_chunk_file(root: Path, meta: protocol.ChunkMeta, data: memoryview | by
 
 
 def read_header(f) -> tuple[protocol.ChunkMeta, int]:
-    """Parse the header of an open chunk file; returns the meta and the data offset."""
+    """Parse and verify the header of an open chunk file; returns the meta and the data offset."""
+    name = getattr(f, "name", "?")
     prefix = f.read(len(MAGIC) + _LEN.size)
     if len(prefix) < len(MAGIC) + _LEN.size or prefix[: len(MAGIC)] != MAGIC:
-        raise CorruptChunkFile(f"{getattr(f, 'name', '?')}: not a KVMesh chunk file (bad magic)")
+        raise CorruptChunkFile(f"{name}: not a KVMesh chunk file of this version (bad magic)")
     (length,) = _LEN.unpack(prefix[len(MAGIC):])
     body = f.read(length)
+    check = f.read(_HEAD_CHECK.size)
+    if len(body) < length or len(check) < _HEAD_CHECK.size or _HEAD_CHECK.unpack(check)[0] != checksum(body):
+        raise CorruptChunkFile(f"{name}: header fails its check")
     try:
         fields = msgpack.unpackb(body, raw=False)
         meta = protocol.ChunkMeta(**fields)
+        check_meta(meta)
     except Exception as exc:
-        raise CorruptChunkFile(f"{getattr(f, 'name', '?')}: bad header ({exc})") from None
-    head = len(prefix) + length
+        raise CorruptChunkFile(f"{name}: bad header ({exc})") from None
+    head = len(prefix) + length + _HEAD_CHECK.size
     return meta, head + (-head % DATA_ALIGN)
 
 
@@ -134,7 +160,7 @@ def read_chunk_into(path: Path, out: memoryview) -> protocol.ChunkMeta:
             done += n
         if f.read(1):
             raise CorruptChunkFile(f"{path}: trailing bytes after the data")
-    if meta.checksum and checksum(target) != meta.checksum:
+    if checksum(target) != meta.checksum:  # never 0: read_header refused that
         raise CorruptChunkFile(f"{path}: checksum mismatch")
     return meta
 
@@ -169,8 +195,9 @@ def scan_directory(root: Path, threads: int = 8) -> ScanReport:
 
     `*.tmp` files (writes cut short by a crash) are deleted; a `.kvc` file whose name is not a chunk path of
     `root`, whose header is unreadable, whose length disagrees with its header, or whose header names another
-    key is deleted. Data checksums are verified on every read, not here, so the scan stays fast (one small
-    read per file, on `threads` threads).
+    key is deleted, as is one of another format version or whose header fails its check (or has no data
+    checksum). Data checksums are verified on every read, not here, so the scan stays fast (one small read per
+    file, on `threads` threads).
     """
     start = time.perf_counter()
     report = ScanReport(chunks=[])

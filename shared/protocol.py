@@ -530,7 +530,7 @@ class ChunkMeta:
     dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
     fmt: str  # KV layout tag, e.g. "LBHNC-128" or "L2TD"
     nbytes: int
-    checksum: int = 0  # xxh64/crc of the bytes; 0 = not computed
+    checksum: int = 0  # xxh3 of the bytes (chunk_file.checksum); a put without one (0) is refused
 
 
 # Room for the msgpack envelope around inline chunk bytes: inline data fits a message up to max_payload minus this.

@@ -68,7 +68,8 @@ class StoreTier(Tier, Protocol):
     store_ids: list[str]  # the store(s) behind this client (one per remote partition)
 
     async def put(self, meta: ChunkMeta, buffer: ChunkBuffer) -> bool:
-        """Hand a chunk to the store; True once the store has the bytes (it may still be writing them)."""
+        """Hand a chunk to the store (meta.checksum set: a put without one is refused); True once the store has
+        the bytes and they match the checksum (it may still be writing them)."""
 
     async def get_into(self, key: ChunkKey, buffer: ChunkBuffer) -> ChunkMeta | None:
         """Fill `buffer` with the chunk's bytes (checksum verified); None on a miss or any failure."""

@@ -2,12 +2,14 @@
 
 import errno
 import os
+import struct
 from pathlib import Path
 
 import pytest
 
 from kvmesh.shared import chunk_file, protocol
 from kvmesh.shared.chunk_file import CorruptChunkFile
+from kvmesh.shared.errors import StoreError
 
 KEY = bytes(range(16))
 
@@ -59,3 +61,27 @@ def test_failed_write_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyP
 def test_foreign_names_are_not_keys() -> None:
     assert chunk_file.key_of_path(Path("x/notakey.kvc")) is None
     assert chunk_file.key_of_path(Path(f"x/{KEY.hex()}.kvc.123.tmp")) is None
+
+
+def test_the_header_check_covers_every_field_and_a_checksum_of_0_is_corrupt(tmp_path: Path) -> None:
+    data = os.urandom(10_000)
+    path = chunk_file.write_chunk_file(tmp_path, meta_for(data), data)
+    raw = path.read_bytes()
+    # the header of another token count (a body of the same length) under the original header check
+    start = len(chunk_file.MAGIC) + 4
+    (length,) = struct.unpack("<I", raw[len(chunk_file.MAGIC):start])
+    edited = chunk_file.encode_header(protocol.ChunkMeta(**{**meta_for(data).__dict__, "num_tokens": 13}))
+    path.write_bytes(edited[:start + length] + raw[start + length:])
+    with pytest.raises(CorruptChunkFile, match="header fails its check"):
+        chunk_file.read_chunk_meta(path)
+    # a header without a data checksum is corrupt, whatever its header check says; writing one is refused
+    unchecked = protocol.ChunkMeta(**{**meta_for(data).__dict__, "checksum": 0})
+    path.write_bytes(chunk_file.encode_header(unchecked) + data)
+    with pytest.raises(CorruptChunkFile, match="no checksum"):
+        chunk_file.read_chunk_into(path, memoryview(bytearray(len(data))))
+    with pytest.raises(StoreError, match="no checksum"):
+        chunk_file.write_chunk_file(tmp_path, unchecked, data)
+    # a file of the previous format version (no header check) is not ours any more
+    path.write_bytes(b"KVMESH\x01\x00" + raw[len(chunk_file.MAGIC):])
+    with pytest.raises(CorruptChunkFile, match="bad magic"):
+        chunk_file.read_chunk_meta(path)

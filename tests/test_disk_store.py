@@ -134,8 +134,8 @@ async def test_round_trip_bit_exact_over_shared_memory_and_inline(harness: Harne
     got = await client.get_into(meta.key, get_buffer)
     assert got is not None and got.nbytes == CHUNK and got.num_tokens == meta.num_tokens
     assert bytes(segment.buf[5 * CHUNK:6 * CHUNK]) == data
-    # Inline both ways, with the checksum left to the store.
-    meta2, data2 = chunk(2, checksum=False)
+    # Inline both ways.
+    meta2, data2 = chunk(2)
     assert await client.put(meta2, ChunkBuffer(view=memoryview(data2)))
     assert await client.wait_written(WAIT_S)
     assert await harness.get(2) == data2
@@ -557,3 +557,79 @@ def test_index_reserves_commits_and_discards() -> None:
     assert not index.commit(b"b")  # ... and not admitted when it lands
     assert index.commit(b"c") and index.wipe() == [(b"c", entry)]
     assert index.used_bytes == 0 and index.reserved_bytes == 0
+
+
+# ---- integrity: every chunk carries a checksum, verified before it is admitted and on every read --------------
+
+
+def write_file_with_meta(root: Path, meta: protocol.ChunkMeta, data: bytes, magic: bytes = chunk_file.MAGIC) -> Path:
+    """A chunk file as a foreign or older writer could leave it (write_chunk_file refuses a meta without
+    checksum): `meta`'s header, its own header check, and the bytes."""
+    path = chunk_file.chunk_path(root, meta.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(magic + chunk_file.encode_header(meta)[len(magic):] + data)
+    return path
+
+
+@pytest.mark.parametrize("staging_bytes", [4 * CHUNK, 0], ids=["staged", "write-through"])
+async def test_a_put_whose_bytes_fail_their_checksum_is_refused_before_it_is_admitted(
+        harness: Harness, segment: SharedSegment, staging_bytes: int) -> None:
+    batches: list[protocol.AdmissionBatch] = []
+
+    async def on_event(msg) -> None:
+        try:
+            batches.append(protocol.decode(msg.data, protocol.AdmissionBatch))
+        except Exception:
+            pass  # a SyncChunk
+
+    await harness.nc.subscribe(protocol.Subjects.events(protocol.store_path(harness.store_id)), cb=on_event)
+    await harness.start(capacity=2 * FILE_BYTES + 100, staging_bytes=staging_bytes)
+    assert await harness.put(1) and await harness.put(2)  # the store is full: a new chunk would evict 1
+    meta, data = chunk(3)
+    lying = protocol.ChunkMeta(**{**meta.__dict__, "checksum": meta.checksum ^ 1})
+    segment.buf[:CHUNK] = data
+    for request in (protocol.PutRequest(meta=lying, data=data),
+                    protocol.PutRequest(meta=lying, shm_name=segment.name, shm_offset=0)):
+        ack = await harness.request("put", request, protocol.Ack)
+        assert not ack.ok and "do not match their checksum" in ack.error
+    # a put of a key already held is a duplicate whose bytes are not even read: bad ones change nothing
+    held_meta, held_data = chunk(1)
+    assert (await harness.request("put", protocol.PutRequest(meta=held_meta, data=b"x" * CHUNK), protocol.Ack)).ok
+    assert await harness.client.wait_written(WAIT_S)
+    # never admitted, never written, and nothing was evicted for it
+    assert await harness.held(1, 2, 3) == [True, True, False]
+    assert not chunk_file.chunk_path(harness.root, key_of(3)).exists()
+    assert await harness.get(1) == held_data and await harness.get(2) == chunk(2)[1]
+    stats = (await harness.client.stats())[0]
+    assert stats.details["checksum_failures"] == 2 and stats.details["evicted"] == 0
+    # the controller never hears of it: the admission of a later good put arrives, and 3's never did
+    await harness.client.remove([key_of(2)])
+    assert await harness.put(4)
+    await wait_until_async(lambda: any(key_of(4) in b.admitted for b in batches), what="the admission of 4")
+    assert not any(key_of(3) in b.admitted for b in batches)
+
+
+async def test_a_checksum_of_0_is_refused_at_put_and_a_file_claiming_one_is_corrupt(harness: Harness) -> None:
+    await harness.start()
+    meta, data = chunk(1, checksum=False)
+    ack = await harness.request("put", protocol.PutRequest(meta=meta, data=data), protocol.Ack)
+    assert not ack.ok and "no checksum" in ack.error
+    assert not await harness.client.put(meta, ChunkBuffer(view=memoryview(data)))
+    assert await harness.held(1) == [False] and chunk_files(harness.root) == []
+
+    # a held chunk whose file now says checksum 0 (its bytes unchanged) is a miss, and its file goes
+    assert await harness.put(2)
+    path = write_file_with_meta(harness.root, chunk(2, checksum=False)[0], chunk(2)[1])
+    assert await harness.get(2) is None
+    await wait_until_async(lambda: not path.exists(), what="the unverifiable file deleted")
+    assert await harness.held(2) == [False]
+    assert (await harness.client.stats())[0].details["corrupt_dropped"] == 1
+
+    # at start: files without a checksum, or of the old format (no header check), are deleted by the scan
+    await harness.stop()
+    write_file_with_meta(harness.root, chunk(3, checksum=False)[0], chunk(3)[1])
+    write_file_with_meta(harness.root, chunk(4)[0], chunk(4)[1], magic=b"KVMESH\x01\x00")
+    assert len(chunk_files(harness.root)) == 2
+    service = await harness.start()
+    assert service.store.scan_report is not None and service.store.scan_report.removed_corrupt == 2
+    assert await harness.held(3, 4) == [False, False] and chunk_files(harness.root) == []

@@ -6,6 +6,7 @@ Every wait has a timeout; every engine is closed (which joins its loop thread) a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from pathlib import Path
 from typing import AsyncIterator, Callable, Iterator
@@ -17,7 +18,7 @@ from nats.aio.msg import Msg
 
 from kvmesh.shared.protocol import disk_store_id
 from kvmesh.services.engine.core.cache_engine import CacheEngine
-from kvmesh.shared import bus, protocol
+from kvmesh.shared import bus, chunk_file, protocol
 from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.errors import MeshUnavailable
 from kvmesh.shared.keys import KeyParams
@@ -364,5 +365,30 @@ def test_cpu_hits_refresh_recency_in_the_disk_store(small_disk_mesh: LocalMesh, 
         _store_and_settle(engine, prompts[3], kv, kv.slots(32))  # the disk store must evict one
         on_disk = [engine.lookup(p, search_range=[LOCAL_DISK]) == 32 for p in prompts]
         assert on_disk == ([True, False, True, True] if refreshed else [False, True, True, True]), on_disk
+    finally:
+        engine.close()
+
+
+def test_a_chunk_whose_meta_is_not_what_its_key_holds_is_a_miss(disk_mesh: LocalMesh, kv: PagedKV,
+                                                                tmp_path: Path) -> None:
+    """A well-formed chunk file whose header (checks and all) describes something else than what the engine
+    expects under that key is never loaded: the hit ends before it, and those tokens are recomputed."""
+    root = tmp_path / "disk"
+    engine = engine_on(str(disk_mesh.nats_url), kv, local_disk=str(root), cpu_chunks=8, local_cpu=False)
+    try:
+        tokens = random_tokens(128, seed=12)  # 4 chunks
+        src = kv.slots(128)
+        wait_until(lambda: engine.storage.lower(LOCAL_DISK) is not None, what="the disk store client")
+        _store_and_settle(engine, tokens, kv, src)
+        keys = engine.hasher.keys(tokens)
+        assert engine.lookup(tokens, search_range=[LOCAL_DISK]) == 128
+        for position, change in ((2, {"num_tokens": CHUNK - 1}), (1, {"dtype": "float64"})):
+            path = chunk_file.chunk_path(root, keys[position])
+            meta, offset = chunk_file.read_chunk_meta(path)
+            data = path.read_bytes()[offset:]
+            chunk_file.write_chunk_file(root, dataclasses.replace(meta, **change), data)  # a valid file
+            got = engine.retrieve(tokens, **kv.kv(kv.slots(128, exclude=src)))
+            assert int(got.sum()) == position * CHUNK  # the chunks before it, never it or what follows
+        assert engine.storage.stats["fetched_LocalDiskBackend"] == 2 + 1
     finally:
         engine.close()

@@ -39,7 +39,7 @@ def nats_url() -> str:
 def chunk(nbytes: int, seed: int, num_tokens: int = 256, key: bytes | None = None) -> tuple[protocol.ChunkMeta, np.ndarray]:
     data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
     meta = protocol.ChunkMeta(key=key or os.urandom(16), num_tokens=num_tokens, shape=[nbytes], dtype="uint8",
-                              fmt="test", nbytes=nbytes)
+                              fmt="test", nbytes=nbytes, checksum=chunk_file.checksum(memoryview(data)))
     return meta, data
 
 
@@ -387,3 +387,58 @@ async def test_cache_policy_flag_reaches_the_store(nats_url: str) -> None:
         await client.close()
         await nc.close()
         await service.stop()
+
+
+async def test_puts_without_a_checksum_or_with_bytes_that_fail_it_are_refused_and_never_admitted(
+        nats_url: str, tmp_path) -> None:
+    persist = tmp_path / "persist"
+    services, nc = await start_stores(nats_url, "integ", capacity=2 * MiB, persist_dir=persist, fsync=False)
+    events: list[protocol.AdmissionBatch] = []
+
+    async def on_event(msg) -> None:
+        try:
+            events.append(protocol.decode(msg.data, protocol.AdmissionBatch))
+        except Exception:
+            pass  # SyncChunk messages
+
+    await nc.subscribe(protocol.Subjects.events(protocol.store_path("integ-0")), cb=on_event)
+    client = RemoteStoreClient(nc, ["integ-0"], ENGINE, request_timeout=WAIT_S)
+    subject = protocol.Subjects.store("integ-0", "put", ENGINE)
+    try:
+        held = [chunk(MiB, seed) for seed in range(2)]  # the store is full: a new chunk would evict one
+        for meta, data in held:
+            assert await client.put(meta, ChunkBuffer(memoryview(data)))
+        meta, data = chunk(MiB, 7)
+        unchecked = protocol.ChunkMeta(**{**meta.__dict__, "checksum": 0})
+        lying = protocol.ChunkMeta(**{**meta.__dict__, "checksum": meta.checksum ^ 1})
+        for bad, reason in ((unchecked, "no checksum"), (lying, "do not match their checksum")):
+            ack = await bus.request(nc, subject, protocol.PutRequest(meta=bad, data=data.tobytes()), protocol.Ack,
+                                    WAIT_S)
+            assert not ack.ok and reason in ack.error  # inline, on NATS: verified before any room is made
+        assert [await client.contains([m.key]) for m, _ in held] == [1, 1]
+        assert not await client.put(unchecked, ChunkBuffer(memoryview(data)))  # on the stream: refused at once
+        assert [await client.contains([m.key]) for m, _ in held] == [1, 1]
+        assert not await client.put(lying, ChunkBuffer(memoryview(data)))  # room was made before the bytes came
+        assert await client.contains([meta.key]) == 0
+        (stats,) = await client.stats()
+        assert stats.details["checksum_failures"] == 2
+        # the controller never hears of them: a later good put's admission arrives, theirs never did
+        good, good_data = chunk(MiB, 8)
+        assert await client.put(good, ChunkBuffer(memoryview(good_data)))
+        await services[0].reporter.flush()
+        await wait_until_async(lambda: any(good.key in b.admitted for b in events), what="the good put's admission")
+        assert not any(meta.key in b.admitted for b in events)
+        # a persisted file that claims checksum 0 is dropped when the store loads its directory
+        await wait_until_async(lambda: chunk_file.chunk_path(persist, good.key).exists(), what="the file written")
+        await services[0].stop()
+        path = chunk_file.chunk_path(persist, good.key)
+        path.write_bytes(chunk_file.encode_header(protocol.ChunkMeta(**{**good.__dict__, "checksum": 0}))
+                         + good_data.tobytes())
+        services, store_nc = await start_stores(nats_url, "integ", capacity=2 * MiB, persist_dir=persist, fsync=False)
+        await store_nc.close()
+        assert await client.contains([good.key]) == 0 and await client.contains([held[1][0].key]) == 1
+        assert not path.exists()
+    finally:
+        await client.close()
+        await nc.close()
+        await services[0].stop()

@@ -113,7 +113,7 @@ def make_chunk(nbytes: int, seed: int, key: bytes | None = None, num_tokens: int
                ) -> tuple[protocol.ChunkMeta, np.ndarray]:
     data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
     meta = protocol.ChunkMeta(key=key or os.urandom(16), num_tokens=num_tokens, shape=[nbytes], dtype="uint8",
-                              fmt="test", nbytes=nbytes)
+                              fmt="test", nbytes=nbytes, checksum=chunk_file.checksum(memoryview(data)))
     return meta, data
 
 
@@ -122,7 +122,7 @@ def make_chunk(nbytes: int, seed: int, key: bytes | None = None, num_tokens: int
 ENGINE_SCRIPT = r"""
 import asyncio, sys
 import numpy as np
-from kvmesh.shared import bus, protocol
+from kvmesh.shared import bus, chunk_file, protocol
 from kvmesh.shared.keys import ChunkHasher, KeyParams
 from kvmesh.shared.tier import ChunkBuffer
 from kvmesh.services.remote_store.client import RemoteStoreClient
@@ -137,7 +137,7 @@ async def main(url, store_ids, mode):
         nbytes = span.num_tokens * 4096
         data = np.random.default_rng(int.from_bytes(span.key[:8], "little")).integers(0, 256, nbytes, dtype=np.uint8)
         meta = protocol.ChunkMeta(key=span.key, num_tokens=span.num_tokens, shape=[nbytes], dtype="uint8",
-                                  fmt="test", nbytes=nbytes)
+                                  fmt="test", nbytes=nbytes, checksum=chunk_file.checksum(memoryview(data)))
         chunks.append((meta, data))
     if mode == "put":
         results = [await client.put(meta, ChunkBuffer(memoryview(data))) for meta, data in chunks]

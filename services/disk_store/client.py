@@ -5,10 +5,10 @@ shared-memory segment (`shm_name`), only (name, offset) travel on NATS and the s
 (put) or reads the file straight into it (get); otherwise the bytes go inline in the message (small chunks,
 or a client without shared memory; limited by NATS max_payload).
 
-A put returns True once the store holds the bytes: the buffer may be reused immediately, and the chunk
-becomes visible to contains/get when its file is complete, shortly after. Nothing here raises on a dead or
-slow store: it logs once per change of reachability (a shared StoreLink, as the remote store's client) and
-answers miss / False / 0.
+A put returns True once the store holds the bytes and has verified them against meta.checksum (which every
+put must carry): the buffer may be reused immediately, and the chunk becomes visible to contains/get when its
+file is complete, shortly after. Nothing here raises on a dead or slow store: it logs once per change of
+reachability (a shared StoreLink, as the remote store's client) and answers miss / False / 0.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class DiskStoreClient:
             return None
         if not buffer.shm_name:
             data = reply.data or b""
-            if len(data) != meta.nbytes or (meta.checksum and chunk_file.checksum(data) != meta.checksum):
+            if len(data) != meta.nbytes or chunk_file.checksum(data) != meta.checksum:
                 log.warning("disk store %s: inline data of %s is damaged; treating it as a miss", self.store_id,
                             key.hex())
                 return None

@@ -7,8 +7,10 @@ to threads: copies and file writes to `ChunkWriter` (one staging-copy thread, `w
 reads, deletions and the pins and claims files to the I/O pool (`reader_threads`). The NATS wiring is in
 service.py; this class never sees a subject.
 
-The data path of a put: the engine's shared-memory slice -> (memcpy) staging buffer -> answer "accepted" ->
-writer thread: chunk file `<tmp>` + fsync + rename -> the key becomes held (visible) -> admission event.
+The data path of a put: the engine's shared-memory slice -> (memcpy, hashing each piece) staging buffer ->
+checksum verified against the meta's -> room reserved -> answer "accepted" -> writer thread: chunk file `<tmp>`
++ fsync + rename -> the key becomes held (visible) -> admission event. A put without a checksum, or whose
+bytes do not match it, is refused before anything is reserved: it evicts nothing and is never admitted.
 Every put records its caller's claim on the chunk, also when the chunk is already held or being written (then
 only the claim is new); the claims file follows within a second (files.py).
 A get: index hit -> I/O thread `readinto` straight into the engine's shared-memory slice, checksum verified ->
@@ -18,7 +20,6 @@ answer with the chunk's meta. Inline `data` replaces shared memory for small chu
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import time
@@ -61,7 +62,7 @@ class DiskStore:
         self.started_at = time.time()
         self.counters: dict[str, int] = dict.fromkeys(
             ("puts_accepted", "puts_duplicate", "puts_refused", "writes_done", "write_errors", "gets", "hits",
-             "corrupt_dropped", "evicted"), 0)
+             "corrupt_dropped", "checksum_failures", "evicted"), 0)
         self.last_write_error: str | None = None
         self.scan_report: chunk_file.ScanReport | None = None
         self._lock_fd: int | None = None
@@ -136,12 +137,16 @@ class DiskStore:
 
     # ---- put -------------------------------------------------------------------------------------------
     async def put(self, request: protocol.PutRequest, caller: str) -> protocol.Ack:
-        """Take a chunk from `caller` (its path: the chunk's claim)."""
+        """Take a chunk from `caller` (its path: the chunk's claim).
+
+        "ok" means the bytes are staged and match their checksum; the chunk is held once its file is complete.
+        """
         meta = request.meta
         try:
             _check_key(meta.key)
             if meta.nbytes < 0 or meta.num_tokens < 0:
                 raise StoreError(f"bad sizes: nbytes={meta.nbytes}, num_tokens={meta.num_tokens}")
+            chunk_file.check_meta(meta)
             source = self._put_source(request)
         except (StoreError, ValueError) as exc:
             return self._refuse(meta.key, str(exc))
@@ -152,44 +157,52 @@ class DiskStore:
 
         staging: StagingBuffer | None = None
         # Inline data is staged too (one memory bound, one behaviour); a chunk bigger than all of the staging
-        # memory is written through instead.
-        if self._staging.enabled and meta.nbytes <= self._staging.capacity_bytes:
-            # Stage before reserving, so that waiting for staging room evicts nothing.
-            staging = await self._staging.acquire(meta.nbytes, self.options.staging_wait_secs)
-            if staging is None:
-                return self._refuse(key, f"write queue full ({self._staging.in_use} bytes staged)")
-            if self._known(key, caller):  # another put of the key won meanwhile
-                await self._staging.release(staging)
-                return protocol.Ack()
-
-        entry = Entry(nbytes=meta.nbytes, file_bytes=len(chunk_file.encode_header(meta)) + meta.nbytes,
-                      num_tokens=meta.num_tokens)
+        # memory is written through instead. Staging and verifying come before reserving, so that waiting for
+        # staging room, or bytes that fail their checksum, evict nothing.
         try:
-            self._check_free_space(entry.file_bytes)
-            victims = self.index.reserve(key, entry, caller)  # on_evict tells the reporter; files deleted below
-        except (SpaceRefused, StoreError, OSError) as exc:
+            if self._staging.enabled and meta.nbytes <= self._staging.capacity_bytes:
+                staging = await self._staging.acquire(meta.nbytes, self.options.staging_wait_secs)
+                if staging is None:
+                    return self._refuse(key, f"write queue full ({self._staging.in_use} bytes staged)")
+                assert self._writer is not None
+                digest = await self._writer.copy(staging.view, source)
+            else:  # write-through: the engine waits for the answer, so its bytes stay put until the file is written
+                digest = await self._in_io(chunk_file.checksum, source)
+            entry = Entry(nbytes=meta.nbytes, file_bytes=len(chunk_file.encode_header(meta)) + meta.nbytes,
+                          num_tokens=meta.num_tokens)
+            answer = self._admit(meta, digest, entry, caller)
+        except Exception as exc:
+            answer = self._refuse(key, f"reading the bytes failed: {exc}")
+        if answer is not None:
             if staging is not None:
                 await self._staging.release(staging)
-            return self._refuse(key, str(exc))
-        self._evicted([victim for victim, _ in victims])
+            return answer
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._writes[key] = done
         self.counters["puts_accepted"] += 1
-
         if staging is not None:
-            try:
-                assert self._writer is not None
-                await self._writer.copy(staging.view, source)
-            except Exception as exc:
-                self.index.abort(key, entry)
-                self._writes.pop(key, None)
-                done.set_result(None)
-                await self._staging.release(staging)
-                return self._refuse(key, f"copy from shared memory failed: {exc}")
             self._spawn(self._write(meta, entry, staging.view, staging, done))
             return protocol.Ack()
         error = await self._write(meta, entry, source, None, done)  # write-through: answer once the file is complete
         return protocol.Ack(ok=error is None, error=error)
+
+    def _admit(self, meta: protocol.ChunkMeta, digest: int, entry: Entry, caller: str) -> protocol.Ack | None:
+        """Verify the staged bytes' `digest` and reserve room for them; the reply if the put ends here (refused,
+        or a duplicate after all), None when the write may go ahead. No await: nothing changes in between."""
+        key = meta.key
+        if digest != meta.checksum:
+            self.counters["checksum_failures"] += 1
+            return self._refuse(key, f"the bytes do not match their checksum (the meta says {meta.checksum:#x}, "
+                                     f"the bytes hash to {digest:#x})")
+        if self._known(key, caller):  # another put of the key won while these bytes were staged
+            return protocol.Ack()
+        try:
+            self._check_free_space(entry.file_bytes)
+            victims = self.index.reserve(key, entry, caller)  # on_evict tells the reporter; files deleted below
+        except (SpaceRefused, StoreError, OSError) as exc:
+            return self._refuse(key, str(exc))
+        self._evicted([victim for victim, _ in victims])
+        return None
 
     def _known(self, key: ChunkKey, caller: str) -> bool:
         """Whether the key is held or being written: the same key is the same bytes, so one file, and the put
@@ -227,8 +240,6 @@ class DiskStore:
             deleting = self._deleting.get(key)
             if deleting is not None:  # an older file of this key is being deleted: let that finish first
                 await asyncio.wait([deleting])
-            if not meta.checksum:
-                meta = dataclasses.replace(meta, checksum=await self._in_io(chunk_file.checksum, data))
             await self._writer.write(meta, data)
         except Exception as exc:
             self.index.abort(key, entry)

@@ -6,9 +6,10 @@ handlers (service.py) all call in from that loop, so nothing here takes a lock. 
 new buffers (buffers.py), read files at start and write/delete files (persistence.py); they touch a chunk's
 bytes only while the chunk's `users` count says so.
 
-A put is two steps around the bytes' arrival: `begin_put` checks the chunk, reserves room (evicting the
-policy's victims) and hands out a faulted buffer; `commit_put` verifies the checksum and makes the chunk visible
-(`abort_put` if the bytes never came). Every put records its caller's claim (shared/chunk_index.py), also on a
+A put is two steps around the bytes' arrival: `begin_put` checks the chunk, reserves room (evicting the policy's
+victims) and hands out a faulted buffer; `commit_put` verifies the bytes against the meta's checksum (which every
+put carries) and only then makes the chunk visible; bytes that fail it are never held, served or reported
+(`abort_put` also if the bytes never came). Every put records its caller's claim (shared/chunk_index.py), also on a
 chunk already held; with `persist_dir` the claims are saved beside the chunk files (at most once a second, and at
 close: shared/state_file.py), else a restart starts with none. A get `acquire`s a chunk, sends its bytes, and
 `release`s it: an eviction meanwhile only marks the chunk dropped, and its buffer is recycled when the last user
@@ -18,7 +19,6 @@ lets go.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -174,6 +174,10 @@ class MemoryStore:
         if meta.nbytes <= 0 or size_class(meta.nbytes) > self.capacity_bytes:
             raise PutRefused(f"chunk {meta.key.hex()}: {meta.nbytes} bytes does not fit a store of "
                              f"{self.capacity_bytes} bytes")
+        try:
+            chunk_file.check_meta(meta)
+        except StoreError as exc:
+            raise PutRefused(str(exc)) from None
 
     async def begin_put(self, meta: protocol.ChunkMeta, caller: str) -> StoredChunk | None:
         """Reserve room and a buffer for `meta`'s bytes put by `caller` (its path: the chunk's claim); None if
@@ -209,22 +213,19 @@ class MemoryStore:
         chunk.buffer = buffer
         return chunk
 
-    def commit_put(self, chunk: StoredChunk, claimed: int = 0, digest: int | None = None) -> None:
-        """The bytes are in: verify them and make the chunk visible. Raises PutRefused on a checksum mismatch.
+    def commit_put(self, chunk: StoredChunk, claimed: int | None = None, digest: int | None = None) -> None:
+        """The bytes are in: verify them and make the chunk visible. Raises PutRefused on a checksum mismatch
+        (the chunk is then dropped, never held).
 
-        `claimed` is the checksum the sender vouches for (else the meta's); `digest` the one computed over the
-        bytes as they arrived (computed here when not given). With neither claimed, ours goes into the meta.
+        `digest` is the checksum computed over the bytes as they arrived (computed here when not given); it
+        must equal the meta's, and so must `claimed`, the stream's trailer, when given.
         """
         meta = chunk.meta
-        claimed = claimed or meta.checksum
         if digest is None:
             digest = chunk_file.checksum(chunk.data())
-        if (claimed and digest != claimed) or (meta.checksum and meta.checksum != digest):
-            self.counters.checksum_failures += 1
+        if digest != meta.checksum or (claimed is not None and claimed != meta.checksum):
             self.abort_put(chunk)
-            raise PutRefused(f"chunk {meta.key.hex()}: bytes received do not match the checksum")
-        if meta.checksum != digest:  # the meta (and the file) always carry the checksum of the bytes
-            chunk.meta = meta = dataclasses.replace(meta, checksum=digest)
+            raise self._mismatch(meta, digest)
         if not self.index.commit(meta.key, chunk):
             self._drop(chunk, had_file=False)  # removed or cleared while the bytes were arriving: never held
             return
@@ -240,13 +241,26 @@ class MemoryStore:
         self._drop(chunk, had_file=False)
 
     async def put_bytes(self, meta: protocol.ChunkMeta, data: bytes | memoryview, caller: str) -> None:
-        """A whole put from bytes at hand (the inline NATS path). Raises PutRefused."""
+        """A whole put from bytes at hand (the inline NATS path). Raises PutRefused.
+
+        The bytes are verified before any room is made: a put that fails its checksum evicts nothing. (A stream
+        put makes room as it begins, before its bytes arrive; failing bytes are dropped at `commit_put`.)
+        """
         if len(data) != meta.nbytes:
             raise PutRefused(f"chunk {meta.key.hex()}: {len(data)} bytes sent, the meta says {meta.nbytes}")
+        self.check_put(meta)
+        digest = chunk_file.checksum(data)
+        if digest != meta.checksum:
+            raise self._mismatch(meta, digest)
         chunk = await self.begin_put(meta, caller)
         if chunk is not None:
             chunk.data()[:] = data
-            self.commit_put(chunk)
+            self.commit_put(chunk, digest=digest)  # `data` is immutable bytes or the caller's, unchanged meanwhile
+
+    def _mismatch(self, meta: protocol.ChunkMeta, digest: int) -> PutRefused:
+        self.counters.checksum_failures += 1
+        return PutRefused(f"chunk {meta.key.hex()}: the bytes received do not match their checksum (the meta "
+                          f"says {meta.checksum:#x}, the bytes hash to {digest:#x})")
 
     # ---- gets --------------------------------------------------------------------------------------------
     def acquire(self, key: ChunkKey) -> StoredChunk | None:

@@ -22,7 +22,6 @@ from kvmesh.services.remote_store.stream_wire import (
     StreamError,
     recv_exactly,
     recv_reply,
-    send_hashed,
     send_request,
     tune_socket,
 )
@@ -58,19 +57,14 @@ class StreamConnection:
     async def put(self, meta: protocol.ChunkMeta, data: memoryview) -> protocol.Ack:
         """Send a chunk; the store's answer (ok=False with a reason when it refused the chunk).
 
-        Without meta.checksum, the checksum is computed while sending and follows the bytes.
+        meta.checksum (which the engine computed over the bytes) follows them as the trailer; the store
+        verifies the bytes it received against it before it holds the chunk.
         """
         self.uses += 1
         loop = asyncio.get_running_loop()
         await send_request(self.sock, OP_PUT, protocol.PutRequest(meta=meta))
-        if meta.checksum:
-            await loop.sock_sendall(self.sock, data)
-            checksum = meta.checksum
-        else:
-            hasher = xxhash.xxh3_64()
-            await send_hashed(self.sock, data, hasher)
-            checksum = hasher.intdigest()
-        await loop.sock_sendall(self.sock, TRAILER.pack(checksum))
+        await loop.sock_sendall(self.sock, data)
+        await loop.sock_sendall(self.sock, TRAILER.pack(meta.checksum))
         return await recv_reply(self.sock, protocol.Ack)
 
     async def get_into(self, key: ChunkKey, view: memoryview) -> protocol.GetReply:

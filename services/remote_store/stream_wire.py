@@ -11,12 +11,12 @@ losing messages.
 
 Wire format, per connection, one request at a time:
     request: op (1 byte: H hello, P put, G get) | u32 LE length | msgpack message
-             | put: meta.nbytes bytes, then the u64 LE xxh3 checksum of those bytes (a trailer, so a sender
-               that has no checksum yet computes it while sending)
+             | put: meta.nbytes bytes, then the u64 LE xxh3 checksum of those bytes (a trailer: meta.checksum,
+               never 0; the store refuses the put unless the bytes it received hash to it)
     reply:   u32 LE length | msgpack message (Ack or GetReply) | found get: meta.nbytes bytes
 The first request of a connection is a hello with its ticket. Messages are shared/protocol.py's
 (StreamHello, PutRequest, GetRequest, Ack, GetReply); only headers are msgpack, the bytes are raw.
-Checksums are computed piece by piece as the bytes pass (`recv_exactly`/`send_hashed`), while each piece is
+The receiver computes the checksum piece by piece as the bytes land (`recv_exactly`), while each piece is
 still in the CPU cache: a separate pass over 32 MiB would read it back from memory.
 
 Store end: `stream_server.StreamServer`, on the store's event loop, one task per connection. Client end:
@@ -43,7 +43,6 @@ OP_HELLO, OP_PUT, OP_GET = b"H", b"P", b"G"
 REQUEST_HEAD = struct.Struct("<cI")
 REPLY_HEAD = struct.Struct("<I")
 TRAILER = struct.Struct("<Q")
-HASH_PIECE_BYTES = 1024 * 1024  # hash-then-send pieces: small enough to stay in cache between the two
 MAX_MESSAGE_BYTES = 1024 * 1024  # headers only: anything longer is garbage, not a message
 DRAIN_CHUNK_BYTES = 1024 * 1024
 
@@ -83,15 +82,6 @@ async def recv_exactly(sock: socket.socket, view: memoryview, hasher: "xxhash.xx
         if hasher is not None:
             hasher.update(view[got:got + count])
         got += count
-
-
-async def send_hashed(sock: socket.socket, view: memoryview, hasher: "xxhash.xxh3_64") -> None:
-    """Send `view`, hashing each piece just before it goes (so the kernel copies it from the cache)."""
-    loop = asyncio.get_running_loop()
-    for start in range(0, len(view), HASH_PIECE_BYTES):
-        piece = view[start:start + HASH_PIECE_BYTES]
-        hasher.update(piece)
-        await loop.sock_sendall(sock, piece)
 
 
 async def recv_message(sock: socket.socket, size: int, expected: type[M]) -> M:

@@ -12,11 +12,13 @@ still to place). A lookup sums the runs; a fetch (`fetch`, used by retrieves and
 lower runs into pool slots without asking the stores again. One dispatch: `command` runs the controller's
 pin / unpin / clear / lookup on whichever tier the location names (`Tier` in shared/tier.py).
 
-Data path of one chunk: pool slot (filled by the paged gather) -> CPU tier -> write-behind queue -> each
-lower store's `put` (the disk store reads the slot in place through shared memory). Back: a lower store's
-`get_into` fills a fresh slot -> CPU tier (when `local_cpu`) -> paged scatter into vLLM's cache. A hit, in any
-tier, refreshes the chunk's recency in every lower tier (batched, `touch`), so the stores do not evict the
-chunks the CPU tier serves most.
+Data path of one chunk: pool slot (filled by the paged gather) -> CPU tier -> write-behind queue -> checksum of
+the slot's bytes (a worker thread; every store put carries one and the stores refuse bytes that do not match it)
+-> each lower store's `put` (the disk store reads the slot in place through shared memory). Back: a lower
+store's `get_into` fills a fresh slot (the bytes verified against their checksum on the way) -> the meta checked
+against what the key must hold (key, token count, size, shape, dtype, layout: else a miss, recomputed) -> CPU
+tier (when `local_cpu`) -> paged scatter into vLLM's cache. A hit, in any tier, refreshes the chunk's recency
+in every lower tier (batched, `touch`), so the stores do not evict the chunks the CPU tier serves most.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from kvmesh.shared.aio import cancel_and_wait
+from kvmesh.shared.chunk_file import checksum
 from kvmesh.services.engine.core.memory_pool import Slot
 from kvmesh.services.engine.mesh.nats_loop import NatsLoop
 from kvmesh.services.engine.tiers.cpu import ChunkRef, LocalCPUBackend
@@ -537,7 +541,10 @@ class StorageManager:
             self.stats["write_behind_dropped_offline"] += 1
             return
         buffer = job.slot.chunk_buffer(job.meta.nbytes)
-        results = await asyncio.gather(*(c.put(job.meta, buffer) for c in clients), return_exceptions=True)
+        # Once per chunk, off the loop: the stores verify the bytes they receive against it before holding them.
+        digest = await asyncio.to_thread(checksum, buffer.view[:job.meta.nbytes])
+        meta = dataclasses.replace(job.meta, checksum=digest)
+        results = await asyncio.gather(*(c.put(meta, buffer) for c in clients), return_exceptions=True)
         if all(r is True for r in results):
             self._remember_held(job.meta.key)
             self.stats["write_behind_done"] += 1
