@@ -3,6 +3,7 @@ own SIGTERM (none needed the SIGKILL that follows a service's grace period). A s
 while the rest keep running (`--no-restart`: the mesh stops instead)."""
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -37,14 +39,26 @@ async def health_of_all(url: str, expect: int) -> list:
         await nc.close()
 
 
-def test_up_health_and_clean_stop(tmp_path: Path) -> None:
-    nats_port, http_port = free_port(), free_port()
+@contextlib.contextmanager
+def kvmesh_up(tmp_path: Path, nats_port: int, http_port: int, *flags: str) -> Iterator[subprocess.Popen[str]]:
+    """`kvmesh up` on these ports (a small disk and remote store unless `flags` say otherwise), its own log in
+    tmp_path/up.stderr; killed at the end if the test left it running."""
     command = [sys.executable, "-m", "kvmesh.cli", "up", "--nats-port", str(nats_port),
                "--port", str(http_port), "--host", "127.0.0.1", "--disk-dir", str(tmp_path / "disk"),
-               "--disk-size", "0.1", "--remote-size", "0.1", "--log-dir", str(tmp_path / "logs")]
-    stderr = open(tmp_path / "up.stderr", "w+")  # kvmesh up's own log
-    up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=tmp_path)
-    try:
+               "--disk-size", "0.1", "--remote-size", "0.1", "--log-dir", str(tmp_path / "logs"), *flags]
+    with open(tmp_path / "up.stderr", "w+") as stderr:
+        up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=tmp_path)
+        try:
+            yield up
+        finally:
+            if up.poll() is None:
+                up.kill()
+                up.wait()
+
+
+def test_up_health_and_clean_stop(tmp_path: Path) -> None:
+    nats_port, http_port = free_port(), free_port()
+    with kvmesh_up(tmp_path, nats_port, http_port) as up:
         line = up.stdout.readline()
         assert line, f"kvmesh up printed nothing; logs: {list((tmp_path / 'logs').glob('*'))}"
         info = json.loads(line)
@@ -59,24 +73,14 @@ def test_up_health_and_clean_stop(tmp_path: Path) -> None:
             assert wait_dead(pid), f"service pid {pid} left running"
         with pytest.raises(OSError):  # the embedded NATS is gone too
             socket.create_connection(("127.0.0.1", nats_port), timeout=1).close()
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        stderr.close()
 
 
 def test_up_restarts_a_killed_store_and_keeps_the_rest_running(tmp_path: Path) -> None:
     """SIGKILL the disk store: `kvmesh up` logs it and starts a new one (a new pid answers health) while the
     controller's REST API keeps answering; SIGTERM then stops everything, the restarted store included."""
     nats_port, http_port = free_port(), free_port()
-    command = [sys.executable, "-m", "kvmesh.cli", "up", "--nats-port", str(nats_port),
-               "--port", str(http_port), "--host", "127.0.0.1", "--disk-dir", str(tmp_path / "disk"),
-               "--disk-size", "0.1", "--remote-size", "0.1", "--log-dir", str(tmp_path / "logs")]
-    stderr = open(tmp_path / "up.stderr", "w+")
-    up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=tmp_path)
     healthz = f"http://127.0.0.1:{http_port}/healthz"
-    try:
+    with kvmesh_up(tmp_path, nats_port, http_port) as up:
         url = json.loads(up.stdout.readline())["nats_url"]
         pids = {r.service: r.details["pid"] for r in asyncio.run(health_of_all(url, expect=3))}
         killed = pids["disk_store"]
@@ -107,20 +111,11 @@ def test_up_restarts_a_killed_store_and_keeps_the_rest_running(tmp_path: Path) -
         assert f"(pid {new_pid})" in log and "mesh stopped" in log, log
         for pid in [new_pid, pids["controller"], pids["remote_store"]]:
             assert wait_dead(pid), f"service pid {pid} left running"
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        stderr.close()
 
 
 def test_up_no_restart_stops_the_mesh_when_a_service_dies(tmp_path: Path) -> None:
     nats_port, http_port = free_port(), free_port()
-    command = [sys.executable, "-m", "kvmesh.cli", "up", "--nats-port", str(nats_port), "--port", str(http_port),
-               "--host", "127.0.0.1", "--no-disk", "--no-remote", "--no-restart", "--log-dir", str(tmp_path / "logs")]
-    stderr = open(tmp_path / "up.stderr", "w+")
-    up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=tmp_path)
-    try:
+    with kvmesh_up(tmp_path, nats_port, http_port, "--no-disk", "--no-remote", "--no-restart") as up:
         url = json.loads(up.stdout.readline())["nats_url"]
         [controller] = asyncio.run(health_of_all(url, expect=1))
         os.kill(controller.details["pid"], signal.SIGKILL)
@@ -130,11 +125,6 @@ def test_up_no_restart_stops_the_mesh_when_a_service_dies(tmp_path: Path) -> Non
         assert "restarted" not in log, log
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", nats_port), timeout=1).close()
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        stderr.close()
 
 
 def test_up_rejects_a_zero_restart_backoff() -> None:
@@ -159,10 +149,8 @@ def test_up_passes_the_cache_policy_to_both_stores() -> None:
         build_parser().parse_args(["up", "--cache-policy", "arc"])
 
 
-def test_store_options_round_trip_through_their_flags(tmp_path: "Path") -> None:
+def test_store_options_round_trip_through_their_flags(tmp_path: Path) -> None:
     """One definition of each store's flags: what `to_args` writes, `options_from_args` reads back unchanged."""
-    from pathlib import Path
-
     from kvmesh.services.disk_store import options as disk
     from kvmesh.services.remote_store import options as remote
 

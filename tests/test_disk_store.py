@@ -29,6 +29,7 @@ from kvmesh.services.disk_store.service import DiskStoreService
 from kvmesh.services.disk_store.writer import WriteFaults
 from kvmesh.shared.state_file import CLAIMS_NAME
 
+from store_events import admission_batches
 from waiting import WAIT_S, ManualClock, wait_until_async
 
 CHUNK = 64 * 1024
@@ -400,13 +401,7 @@ class EventLog:
         self.batches: list[protocol.AdmissionBatch] = []
 
     async def subscribe(self, harness: Harness) -> None:
-        async def on_event(msg) -> None:
-            try:
-                self.batches.append(protocol.decode(msg.data, protocol.AdmissionBatch))
-            except Exception:
-                pass  # SyncChunk
-
-        await harness.nc.subscribe(protocol.Subjects.events(protocol.store_path(harness.store_id)), cb=on_event)
+        self.batches = await admission_batches(harness.nc, harness.store_id)
 
     def keys(self, field: str) -> set[bytes]:
         return {k for batch in self.batches for k in getattr(batch, field)}
@@ -574,15 +569,7 @@ def write_file_with_meta(root: Path, meta: protocol.ChunkMeta, data: bytes, magi
 @pytest.mark.parametrize("staging_bytes", [4 * CHUNK, 0], ids=["staged", "write-through"])
 async def test_a_put_whose_bytes_fail_their_checksum_is_refused_before_it_is_admitted(
         harness: Harness, segment: SharedSegment, staging_bytes: int) -> None:
-    batches: list[protocol.AdmissionBatch] = []
-
-    async def on_event(msg) -> None:
-        try:
-            batches.append(protocol.decode(msg.data, protocol.AdmissionBatch))
-        except Exception:
-            pass  # a SyncChunk
-
-    await harness.nc.subscribe(protocol.Subjects.events(protocol.store_path(harness.store_id)), cb=on_event)
+    batches = await admission_batches(harness.nc, harness.store_id)
     await harness.start(capacity=2 * FILE_BYTES + 100, staging_bytes=staging_bytes)
     assert await harness.put(1) and await harness.put(2)  # the store is full: a new chunk would evict 1
     meta, data = chunk(3)

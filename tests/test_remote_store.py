@@ -24,6 +24,7 @@ from kvmesh.services.remote_store.client import RemoteStoreClient
 from kvmesh.services.remote_store.partition import partition_of
 from kvmesh.services.remote_store.service import RemoteStoreService
 
+from store_events import admission_batches
 from waiting import WAIT_S, wait_until_async
 
 MiB = 1024 * 1024
@@ -129,15 +130,7 @@ async def test_inline_nats_put_and_get(one_store) -> None:
 
 async def test_lru_under_the_cap_and_admission_events(nats_url: str) -> None:
     services, nc = await start_stores(nats_url, "lru", capacity=4 * MiB)
-    events: list[protocol.AdmissionBatch] = []
-
-    async def on_event(msg) -> None:
-        try:
-            events.append(protocol.decode(msg.data, protocol.AdmissionBatch))
-        except Exception:
-            pass  # SyncChunk messages
-
-    await nc.subscribe(protocol.Subjects.events(protocol.store_path("lru-0")), cb=on_event)
+    events = await admission_batches(nc, "lru-0")
     client = RemoteStoreClient(nc, ["lru-0"], ENGINE, request_timeout=WAIT_S)
     try:
         chunks = [chunk(MiB, seed) for seed in range(6)]
@@ -393,15 +386,7 @@ async def test_puts_without_a_checksum_or_with_bytes_that_fail_it_are_refused_an
         nats_url: str, tmp_path) -> None:
     persist = tmp_path / "persist"
     services, nc = await start_stores(nats_url, "integ", capacity=2 * MiB, persist_dir=persist, fsync=False)
-    events: list[protocol.AdmissionBatch] = []
-
-    async def on_event(msg) -> None:
-        try:
-            events.append(protocol.decode(msg.data, protocol.AdmissionBatch))
-        except Exception:
-            pass  # SyncChunk messages
-
-    await nc.subscribe(protocol.Subjects.events(protocol.store_path("integ-0")), cb=on_event)
+    events = await admission_batches(nc, "integ-0")
     client = RemoteStoreClient(nc, ["integ-0"], ENGINE, request_timeout=WAIT_S)
     subject = protocol.Subjects.store("integ-0", "put", ENGINE)
     try:
