@@ -71,6 +71,18 @@ def test_index_bits_counts_and_replace() -> None:
     assert index.clear_slot(a) == 2 and index.count(a) == 0 and len(index) == 1
 
 
+def test_released_slots_are_reused_lowest_first_with_no_bits_left() -> None:
+    index = HolderIndex()
+    a, b, c = index.new_slot(), index.new_slot(), index.new_slot()
+    index.admit(a, [key(1), key(2)])
+    index.admit(c, [key(2)])
+    index.release_slot(c)
+    index.release_slot(a)
+    assert index.num_slots == 1 and index.mask(key(1)) == 0 and index.mask(key(2)) == 0 and len(index) == 0
+    assert index.new_slot() == a and index.new_slot() == c and index.new_slot() == 3
+    assert index.count(a) == 0 and index.count(c) == 0
+
+
 # ---------------------------------------------------------------------------------------------------------
 # ProducerTable
 

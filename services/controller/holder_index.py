@@ -11,6 +11,7 @@ sets of keys. The dict holds only untracked objects (bytes, int), so CPython's c
 
 from __future__ import annotations
 
+import heapq
 from typing import Collection, Iterable
 
 from kvmesh.shared.keys import ChunkKey
@@ -27,15 +28,25 @@ class HolderIndex:
     def __init__(self) -> None:
         self._masks: dict[ChunkKey, int] = {}
         self._counts: list[int] = []
+        self._free: list[int] = []  # released slots, reused lowest first so masks stay narrow
 
     def new_slot(self) -> int:
-        """A fresh producer slot (slots are never reused: a producer keeps its slot across restarts)."""
+        """A producer slot: a released one if any (no key has its bit), else a new one. A producer keeps its
+        slot across restarts; only a forgotten producer's slot is released (`release_slot`)."""
+        if self._free:
+            return heapq.heappop(self._free)
         self._counts.append(0)
         return len(self._counts) - 1
 
+    def release_slot(self, slot: int) -> None:
+        """Drop every key of `slot` and make it available to `new_slot` (its producer is forgotten)."""
+        self.clear_slot(slot)
+        heapq.heappush(self._free, slot)
+
     @property
     def num_slots(self) -> int:
-        return len(self._counts)
+        """Slots in use (the widest mask is at most the highest of them plus one bit)."""
+        return len(self._counts) - len(self._free)
 
     def __len__(self) -> int:
         return len(self._masks)
