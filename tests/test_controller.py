@@ -236,7 +236,7 @@ def _config(nats_url: str, **overrides: Any) -> ControllerConfig:
     # answer is never too late); the tests of a timeout set a short one, or run the controller on a ManualClock.
     settings: dict[str, Any] = dict(host="127.0.0.1", port=0, nats_url=nats_url, controller_id="controller-test",
                                     liveness_timeout_s=2 * WAIT_S, command_timeout_s=WAIT_S, tick_interval_s=0.05,
-                                    sync_retry_s=1.0, heartbeat_grace_s=0.3)
+                                    sync_retry_s=1.0, heartbeat_grace_s=0.3, min_chunk_size=1)
     settings.update(overrides)
     return ControllerConfig(**settings)
 

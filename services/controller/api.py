@@ -453,7 +453,8 @@ def create_app(core: ControllerCore, lookup_fast_path: bool = True) -> FastAPI:
                               "health and worker info over an index built from NATS events.")
     errors = {404: {"model": ErrorResponse, "description": "unknown instance, location or event"},
               413: {"model": ErrorResponse, "description": "too many tokens"}}
-    command_errors = {**errors, 502: {"model": ErrorResponse, "description": "a worker answered with an error"},
+    command_errors = {**errors, 429: {"model": ErrorResponse, "description": "too many commands in flight (--max-commands)"},
+                      502: {"model": ErrorResponse, "description": "a worker answered with an error"},
                       503: {"model": ErrorResponse, "description": "the controller is not connected to NATS"},
                       504: {"model": ErrorResponse, "description": "a worker did not answer in time"}}
 

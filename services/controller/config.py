@@ -27,8 +27,15 @@ class ControllerConfig:
     auth_token: str | None = None  # bearer token required on the API when set
     nats_host: str = "127.0.0.1"  # where the embedded NATS listens (whatever `host` the REST API uses)
     nats_auth: NatsAuth | None = None  # credentials for --nats-url (None: those of a KVMesh-started NATS here)
-    event_window_size: int = 100_000  # /check_finish remembers at most this many event ids...
+    event_window_size: int = 100_000  # /check_finish remembers at most this many pin/unpin/clear event ids...
+    lookup_window_size: int = 100_000  # ...and, apart (a lookup flood must not evict them), this many lookup ids...
     event_window_s: float = 3600.0  # ...for at most this long
+    max_commands: int = 64  # pin/unpin/clear in flight at once; more get 429 (bounds what silent workers pin)
+    max_producers: int = 4096  # registrations of new producers past this are refused (each costs a slot)
+    producer_expiry_s: float = 600.0  # a producer down this long is forgotten: keys dropped, slot reused
+    min_chunk_size: int = 16  # registrations with a chunk_size outside [min, max] are refused...
+    max_chunk_size: int = 65536  # ...(a tiny chunk makes every lookup hash and probe per few tokens)
+    max_key_param_sets: int = 64  # distinct (model, kv_format, ranks, chunk_size, ...) sets a lookup hashes for
     sync_retry_s: float = 3.0  # re-ask a producer for a full sync after this long without one
     heartbeat_grace_s: float = 1.0  # a heartbeat's seq claim must be met by batches within this
     tick_interval_s: float = 0.25  # maintenance pass period
@@ -77,9 +84,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--auth-token", default=None,
                         help=f"require 'Authorization: Bearer <token>' on the API (or set ${TOKEN_ENV})")
     parser.add_argument("--event-window-size", type=_positive(int), default=100_000,
-                        help="how many recent event ids /check_finish remembers (default: 100000)")
+                        help="how many recent pin/unpin/clear event ids /check_finish remembers (default: 100000)")
     parser.add_argument("--event-window-secs", type=_positive(float), default=3600.0,
                         help="how long /check_finish remembers an event id (default: 3600)")
+    parser.add_argument("--lookup-window-size", type=_positive(int), default=100_000,
+                        help="how many recent lookup event ids /check_finish remembers, apart from the "
+                             "pin/unpin/clear ones (default: 100000)")
+    parser.add_argument("--max-commands", type=_positive(int), default=64,
+                        help="pin/unpin/clear requests in flight at once; more get 429 (default: 64)")
+    parser.add_argument("--max-producers", type=_positive(int), default=4096,
+                        help="most producers (engine workers and stores) known at once; a registration of a "
+                             "new one past it is refused and counted (default: 4096)")
+    parser.add_argument("--producer-expiry-secs", type=_positive(float), default=600.0,
+                        help="seconds a producer stays down before it is forgotten: its keys are dropped and "
+                             "its slot reused (default: 600)")
+    parser.add_argument("--min-chunk-size", type=_positive(int), default=16,
+                        help="smallest chunk_size an engine may register with (default: 16)")
+    parser.add_argument("--max-chunk-size", type=_positive(int), default=65536,
+                        help="largest chunk_size an engine may register with (default: 65536)")
+    parser.add_argument("--max-key-param-sets", type=_positive(int), default=64,
+                        help="most distinct key parameter sets (model, kv_format, world_size, rank, chunk_size, "
+                             "save_unfull_chunk) a lookup hashes for; a registration adding one past it is "
+                             "refused and counted (default: 64)")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                         help="log level (default: $KVMESH_LOG_LEVEL, else info)")
     add_nats_auth_flags(parser)
@@ -94,5 +120,9 @@ def parse_args(argv: list[str] | None = None) -> ControllerConfig:
         command_timeout_s=args.command_timeout, max_tokens=args.max_tokens,
         auth_token=args.auth_token or os.environ.get(TOKEN_ENV) or None,
         event_window_size=args.event_window_size, event_window_s=args.event_window_secs,
+        lookup_window_size=args.lookup_window_size, max_commands=args.max_commands,
+        max_producers=args.max_producers, producer_expiry_s=args.producer_expiry_secs,
+        min_chunk_size=args.min_chunk_size, max_chunk_size=args.max_chunk_size,
+        max_key_param_sets=args.max_key_param_sets,
         log_level=args.log_level, nats_host=args.nats_host, nats_auth=nats_auth_from_args(args).or_none(),
     )

@@ -15,12 +15,12 @@ import numpy as np
 from kvmesh.shared.protocol import LOCAL_CPU
 from kvmesh.services.controller.commands import CommandRouter
 from kvmesh.services.controller.config import ControllerConfig
-from kvmesh.services.controller.errors import ControllerError, NotFound
+from kvmesh.services.controller.errors import ControllerError, NotFound, TooManyCommands
 from kvmesh.services.controller.holder_index import HolderIndex
 from kvmesh.services.controller.lookup import KeyRequest, LookupEngine
 from kvmesh.services.controller.metrics import Metrics
 from kvmesh.services.controller.ops import EventLog, EventRecord
-from kvmesh.services.controller.producers import Producer, ProducerTable
+from kvmesh.services.controller.producers import Limits, Producer, ProducerTable
 
 
 @dataclass(frozen=True)
@@ -46,9 +46,17 @@ class ControllerCore:
         self.clock = clock
         self.controller_id = config.resolved_controller_id()
         self.table = ProducerTable(HolderIndex(), liveness_timeout_s=config.liveness_timeout_s,
-                                   sync_retry_s=config.sync_retry_s, heartbeat_grace_s=config.heartbeat_grace_s)
+                                   sync_retry_s=config.sync_retry_s, heartbeat_grace_s=config.heartbeat_grace_s,
+                                   limits=Limits(max_producers=config.max_producers,
+                                                 producer_expiry_s=config.producer_expiry_s,
+                                                 min_chunk_size=config.min_chunk_size,
+                                                 max_chunk_size=config.max_chunk_size,
+                                                 max_key_param_sets=config.max_key_param_sets))
         self.lookups = LookupEngine(self.table)
-        self.events = EventLog(config.event_window_size, config.event_window_s)
+        # Two windows, so that a flood of lookups never pushes a pin or clear id out of /check_finish.
+        self.events = EventLog(config.event_window_size, config.event_window_s, clock)
+        self.lookup_events = EventLog(config.lookup_window_size, config.event_window_s, clock)
+        self.commands_in_flight = 0
         self.router = CommandRouter(self.table, config.command_timeout_s)
         self.metrics = Metrics()
         self.feed: Any = None  # the ProducerFeed, once connected (service.py sets it)
@@ -75,7 +83,7 @@ class ControllerCore:
                key_request: KeyRequest = KeyRequest()) -> tuple[str, dict[str, tuple[str, int]]]:
         started = time.perf_counter()
         layout = self.lookups.lookup(tokens, key_request)
-        event_id = self.events.new("lookup", status="finished")
+        event_id = self.lookup_events.new("lookup", status="finished")
         self.metrics.lookups += 1
         self.metrics.lookup_hits += bool(layout)
         self.metrics.lookup_seconds.observe(time.perf_counter() - started)
@@ -85,10 +93,17 @@ class ControllerCore:
                       key_request: KeyRequest = KeyRequest()) -> CommandResult:
         """pin / unpin / clear, synchronously: the result carries num_tokens; the event id records the outcome.
 
-        Raises CommandError (with the event id) for unknown instances/locations, timeouts and worker errors.
+        Raises CommandError (with the event id) for unknown instances/locations, timeouts and worker errors,
+        TooManyCommands (no event id) past `max_commands` in flight: each one holds its token list until its
+        workers answer or time out, so a silent worker must not make that unbounded.
         """
+        if self.commands_in_flight >= self.config.max_commands:
+            self.metrics.commands[(op, "TooManyCommands")] += 1
+            raise TooManyCommands(f"{self.commands_in_flight} pin/unpin/clear requests are in flight, the limit "
+                                  f"(--max-commands {self.config.max_commands}); retry once some are answered")
         event_id = self.events.new(op)
         started = time.perf_counter()
+        self.commands_in_flight += 1
         try:
             target = self.router.resolve(instance_id, location)
             num_tokens = await self.router.run(op, target, tokens, key_request)
@@ -100,6 +115,8 @@ class ControllerCore:
             self.events.fail(event_id, f"{type(exc).__name__}: {exc}")
             self.metrics.commands[(op, "error")] += 1
             raise
+        finally:
+            self.commands_in_flight -= 1
         self.events.finish(event_id, num_tokens)
         self.metrics.commands[(op, "ok")] += 1
         self.metrics.command_seconds.observe(time.perf_counter() - started)
@@ -111,10 +128,11 @@ class ControllerCore:
         return CommandResult(event_id, num_tokens)
 
     def check_finish(self, event_id: str) -> EventRecord:
-        record = self.events.get(event_id)
+        record = self.events.get(event_id) or self.lookup_events.get(event_id)
         if record is None:
             raise NotFound(f"unknown event_id {event_id!r} (never issued, or older than the window of "
-                           f"{self.events.max_events} events / {self.events.max_age_s:g}s)")
+                           f"{self.events.max_events} command / {self.lookup_events.max_events} lookup events, "
+                           f"{self.events.max_age_s:g}s)")
         return record
 
     # -- introspection -----------------------------------------------------------------------------------

@@ -37,3 +37,9 @@ class MeshDown(ControllerError):
     """The controller itself is not connected to NATS (503)."""
 
     status_code = 503
+
+
+class TooManyCommands(ControllerError):
+    """More pin/unpin/clear requests in flight than `--max-commands` (429): retry once some are answered."""
+
+    status_code = 429

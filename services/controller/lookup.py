@@ -24,11 +24,9 @@ from typing import Sequence
 
 import numpy as np
 
-from kvmesh.shared.keys import ChunkHasher, KeyExtras, KeyParams, tokens_as_array
+from kvmesh.shared.keys import ChunkHasher, KeyExtras, tokens_as_array
 from kvmesh.shared.protocol import LOCATIONS, RegisterEngine
-from kvmesh.services.controller.producers import ProducerTable
-
-HasherSpec = tuple[KeyParams, int, bool]  # (params, chunk_size, save_unfull_chunk)
+from kvmesh.services.controller.producers import KeySpec as HasherSpec, ProducerTable, key_spec
 
 
 @dataclass(frozen=True)
@@ -108,12 +106,14 @@ class LookupEngine:
             for worker in workers:
                 reg = worker.engine
                 assert reg is not None
-                spec = (reg.key_params(), reg.chunk_size, reg.save_unfull_chunk)
+                spec = key_spec(reg)
                 group = groups.get(spec)
                 if group is None:
                     group = groups[spec] = _Group(self._hasher(spec))
                 masks = [(i, table.location_mask(worker, location) & alive) for i, location in enumerate(LOCATIONS)]
                 group.consumers.append(_Consumer(instance_id, reg, [(i, m) for i, m in masks if m]))
+        # Keep only the hashers in use: specs come and go with registrations.
+        self._hashers = {spec: self._hashers[spec] for spec in groups}
         return _Plan(table.version, list(groups.values()), ranks)
 
     def plan(self) -> _Plan:

@@ -90,6 +90,12 @@ def render(core: "ControllerCore") -> str:
     metric("kvmesh_controller_forged_messages_total", "counter",
            "NATS messages refused because their body disagrees with their sender (docs/security.md).",
            [("", core.forged_messages())])
+    metric("kvmesh_controller_registrations_refused_total", "counter",
+           "Registrations refused for a limit (--max-producers, --min/--max-chunk-size, --max-key-param-sets).",
+           [(f'reason="{reason}"', n) for reason, n in sorted(stats.registrations_refused.items())])
+    metric("kvmesh_controller_producers_forgotten_total", "counter",
+           "Producers forgotten after --producer-expiry-secs down (keys dropped, slot reused).",
+           [("", stats.producers_forgotten)])
     metric("kvmesh_controller_lookups_total", "counter", "Lookups answered.", [("", m.lookups)])
     metric("kvmesh_controller_lookup_hits_total", "counter", "Lookups matching at least one instance.",
            [("", m.lookup_hits)])
@@ -101,8 +107,10 @@ def render(core: "ControllerCore") -> str:
     out.append("# HELP kvmesh_controller_command_seconds Command round trip to the workers.")
     out.append("# TYPE kvmesh_controller_command_seconds histogram")
     out.extend(m.command_seconds.render("kvmesh_controller_command_seconds"))
-    metric("kvmesh_controller_tracked_events", "gauge", "Event ids /check_finish currently remembers.",
-           [("", len(core.events))])
+    metric("kvmesh_controller_tracked_events", "gauge", "Event ids /check_finish currently remembers, by window.",
+           [('window="commands"', len(core.events)), ('window="lookups"', len(core.lookup_events))])
+    metric("kvmesh_controller_commands_in_flight", "gauge", "pin/unpin/clear requests awaiting their workers.",
+           [("", core.commands_in_flight)])
     metric("kvmesh_controller_nats_connected", "gauge", "1 when connected to NATS.",
            [("", int(core.nats_connected()))])
     return "\n".join(out) + "\n"

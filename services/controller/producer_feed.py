@@ -14,7 +14,9 @@ Who sent a message is the producer path its subject ends in (NATS permissions le
 there, docs/security.md); the body must agree with it. A registration binds a producer id to its path (an engine
 worker's id is derived from its instance, a store's is its principal's name) unless another live path owns that
 id; events and heartbeats count only from the path their producer registered from. Anything else is dropped and
-counted in `forged_messages`; a heartbeat of an unknown producer makes it announce itself again.
+counted in `forged_messages`; a heartbeat of an unknown producer makes it announce itself again. A registration
+past a limit (`ProducerTable.refusal`: producer count, chunk_size, key parameter sets) is refused with a
+WARNING and counted in `registrations_refused`.
 """
 
 from __future__ import annotations
@@ -136,6 +138,12 @@ class ProducerFeed:
         sender = Subjects.producer_of(msg.subject, Subjects.REGISTER_ALL)
         path = self._registration_path(sender, reg)
         if path is None:
+            return
+        refused = self.table.refusal(reg)
+        if refused is not None:
+            reason, message = refused
+            self.table.stats.registrations_refused[reason] += 1
+            log.warning("controller: refused %s", message)
             return
         if isinstance(reg, protocol.RegisterEngine):
             self.table.on_register_engine(reg, self.clock(), path)

@@ -17,16 +17,35 @@ are folded into it, and when the final part arrives the producer's bits become e
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 
 from kvmesh.shared import protocol
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, REMOTE
 from kvmesh.services.controller.holder_index import HolderIndex
-from kvmesh.shared.keys import ChunkKey
+from kvmesh.shared.keys import ChunkKey, KeyParams
 
 log = logging.getLogger(__name__)
 
 MAX_CONCURRENT_SYNCS = 4  # per producer; more means parts are being lost, and older ones are dropped
+
+KeySpec = tuple[KeyParams, int, bool]  # (params, chunk_size, save_unfull_chunk): one ChunkHasher per lookup
+
+
+def key_spec(reg: protocol.RegisterEngine) -> KeySpec:
+    """How a worker's chunk keys are made: lookups hash the tokens once per distinct spec."""
+    return (reg.key_params(), reg.chunk_size, reg.save_unfull_chunk)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What registrations may cost the controller (docs/config.md, `ControllerConfig`)."""
+
+    max_producers: int = 4096
+    producer_expiry_s: float = 600.0
+    min_chunk_size: int = 16
+    max_chunk_size: int = 65536
+    max_key_param_sets: int = 64
 
 
 @dataclass
@@ -83,6 +102,8 @@ class IngestStats:
     syncs_completed: int = 0
     syncs_broken: int = 0
     stale_keys_dropped: int = 0
+    producers_forgotten: int = 0
+    registrations_refused: Counter[str] = field(default_factory=Counter)  # reason -> count
 
 
 class ProducerTable:
@@ -93,8 +114,9 @@ class ProducerTable:
     """
 
     def __init__(self, index: HolderIndex | None = None, liveness_timeout_s: float = 6.0,
-                 sync_retry_s: float = 3.0, heartbeat_grace_s: float = 1.0) -> None:
+                 sync_retry_s: float = 3.0, heartbeat_grace_s: float = 1.0, limits: Limits = Limits()) -> None:
         self.index = index or HolderIndex()
+        self.limits = limits
         self.liveness_timeout_s = liveness_timeout_s
         self.sync_retry_s = sync_retry_s
         self.heartbeat_grace_s = heartbeat_grace_s
@@ -103,6 +125,7 @@ class ProducerTable:
         self.version = 0
         self.stats = IngestStats()
         self._alive_mask = 0
+        self.key_specs: Counter[KeySpec] = Counter()  # spec -> engine workers registered with it
 
     # ---------------------------------------------------------------------------------------------------
     # Queries
@@ -192,9 +215,42 @@ class ProducerTable:
         producer = self.producers.get(producer_id)
         return producer is not None and producer.path == path
 
+    def refusal(self, reg: protocol.RegisterEngine | protocol.RegisterStore) -> tuple[str, str] | None:
+        """(reason, message) when a registration must be refused for a limit it would pass, else None."""
+        limits = self.limits
+        producer_id = reg.worker_id if isinstance(reg, protocol.RegisterEngine) else reg.store_id
+        known = self.producers.get(producer_id)
+        if known is None and len(self.producers) >= limits.max_producers:
+            return "max_producers", (f"registration of {producer_id!r}: {len(self.producers)} producers are known, "
+                                     f"the limit (--max-producers {limits.max_producers})")
+        if not isinstance(reg, protocol.RegisterEngine):
+            return None
+        if not limits.min_chunk_size <= reg.chunk_size <= limits.max_chunk_size:
+            return "chunk_size", (f"registration of {producer_id!r}: chunk_size {reg.chunk_size} is outside "
+                                  f"[{limits.min_chunk_size}, {limits.max_chunk_size}] (--min/--max-chunk-size)")
+        spec = key_spec(reg)
+        specs = len(self.key_specs)
+        if known is not None and known.engine is not None and self.key_specs[key_spec(known.engine)] == 1:
+            specs -= 1  # its own old spec goes away with this registration
+        if spec not in self.key_specs and specs >= limits.max_key_param_sets:
+            return "key_param_sets", (f"registration of {producer_id!r}: {len(self.key_specs)} distinct key "
+                                      f"parameter sets are registered, the limit "
+                                      f"(--max-key-param-sets {limits.max_key_param_sets})")
+        return None
+
+    def _set_spec(self, producer: Producer, reg: protocol.RegisterEngine | None) -> None:
+        if producer.engine is not None:
+            old = key_spec(producer.engine)
+            self.key_specs[old] -= 1
+            if not self.key_specs[old]:
+                del self.key_specs[old]
+        if reg is not None:
+            self.key_specs[key_spec(reg)] += 1
+
     def on_register_engine(self, reg: protocol.RegisterEngine, now: float, path: str | None = None) -> None:
         producer = self._get_or_create(reg.worker_id, now, LOCAL_CPU)
         producer.path = path
+        self._set_spec(producer, reg)
         previous = producer.engine.started_at if producer.engine is not None else None
         if producer.engine is not None and producer.engine.instance_id != reg.instance_id:
             self._forget_rank(producer.engine.instance_id, producer.engine.rank, reg.worker_id)
@@ -207,6 +263,10 @@ class ProducerTable:
     def on_register_store(self, reg: protocol.RegisterStore, now: float, path: str | None = None) -> None:
         producer = self._get_or_create(reg.store_id, now, reg.location)
         producer.path = path
+        if producer.engine is not None:  # the id was an engine worker's: it is one no more
+            self._forget_rank(producer.engine.instance_id, producer.engine.rank, producer.producer_id)
+            self._set_spec(producer, None)
+            producer.engine = None
         previous = producer.store.started_at if producer.store is not None else None
         producer.store, producer.location = reg, reg.location
         self._registered(producer, reg.started_at, previous, now)
@@ -334,9 +394,26 @@ class ProducerTable:
         producer.sync_requested_at = now
         return True
 
+    def forget(self, producer: Producer) -> None:
+        """Drop a producer: its keys, its registration and its slot (reused by the next new producer)."""
+        if producer.engine is not None:
+            self._forget_rank(producer.engine.instance_id, producer.engine.rank, producer.producer_id)
+            self._set_spec(producer, None)
+        del self.producers[producer.producer_id]
+        self._alive_mask &= ~(1 << producer.slot)
+        self.index.release_slot(producer.slot)
+        self.stats.producers_forgotten += 1
+        self.version += 1
+
     def tick(self, now: float) -> list[str]:
-        """Periodic pass: liveness, heartbeat claims, sync retries. Returns producer_ids to ask for a sync."""
+        """Periodic pass: liveness, expiry, heartbeat claims, sync retries. Returns producer_ids to ask for a sync."""
         to_sync: list[str] = []
+        # Down for long enough: forgotten, so dead producers never hold slots (and widen every mask) for good.
+        for producer in [p for p in self.producers.values()
+                         if not p.alive and now - p.last_seen > self.limits.producer_expiry_s]:
+            log.warning("producer %s down for %.0fs: forgotten (%d keys dropped); it registers again if it returns",
+                        producer.producer_id, now - producer.last_seen, self.index.count(producer.slot))
+            self.forget(producer)
         for producer in self.producers.values():
             if producer.alive and now - producer.last_seen > self.liveness_timeout_s:
                 producer.alive = False
