@@ -35,7 +35,8 @@ CREDENTIALS_ENV = "KVMESH_NATS_CREDENTIALS"
 
 def add_nats_auth_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("NATS credentials (each also from $KVMESH_NATS_<NAME>)")
-    group.add_argument("--nats-credentials", help="a KVMesh credentials file (from `kvmesh credentials`; docs/security.md)")
+    group.add_argument("--nats-credentials",
+                       help="a KVMesh credentials file (from `kvmesh credentials`; docs/security.md)")
     group.add_argument("--nats-user", help="user name (with --nats-password)")
     group.add_argument("--nats-password", help="password of --nats-user")
     group.add_argument("--nats-token", help="authorization token")
@@ -69,7 +70,10 @@ def auth_from_config(config: "EngineConfig") -> NatsAuth | None:
     """The engine's NATS credentials from its config keys (nats_credentials, else nats_user / nats_password /
     nats_token / nats_nkey_seed / nats_creds_file); None when it names none."""
     if config.nats_credentials:
-        return NatsAuth.from_file(config.nats_credentials)
+        try:
+            return NatsAuth.from_file(config.nats_credentials)
+        except ConfigError as exc:
+            raise ConfigError(f"nats_credentials: {exc}") from None
     auth = NatsAuth(config.nats_user, config.nats_password, config.nats_token, config.nats_nkey_seed,
                     config.nats_creds_file)
     return checked(auth, lambda name: f"nats_{name}") if auth.or_none() else None

@@ -347,3 +347,20 @@ async def test_a_store_started_by_hand_next_to_a_kvmesh_nats_adds_its_own_user(m
         await nc.close()
         store.terminate()
         await asyncio.to_thread(store.wait, WAIT_S)
+
+
+def test_a_credentials_file_others_can_read_or_that_is_missing_is_a_config_error_naming_the_key(
+        tmp_path: Path) -> None:
+    from kvmesh.shared.config import EngineConfig
+    from kvmesh.shared.errors import ConfigError
+    from kvmesh.shared.nats_auth import auth_from_config
+
+    loose = tmp_path / "engine.x.json"
+    loose.write_text('{"user": "engine.x", "password": "p", "inbox_prefix": "_INBOX.engine.x"}')
+    loose.chmod(0o644)
+    for path, reason in ((loose, "readable by other users"), (tmp_path / "missing.json", "No such file")):
+        with pytest.raises(ConfigError, match=f"nats_credentials: .*{reason}"):
+            auth_from_config(EngineConfig(nats_credentials=str(path)))
+    loose.chmod(0o600)
+    auth = auth_from_config(EngineConfig(nats_credentials=str(loose)))
+    assert auth is not None and auth.user == "engine.x" and auth.connect_options()["inbox_prefix"] == "_INBOX.engine.x"
