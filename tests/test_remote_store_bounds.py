@@ -123,6 +123,9 @@ async def test_an_idle_kept_connection_is_closed_and_the_client_reconnects(store
     out = np.zeros(meta.nbytes, dtype=np.uint8)
     got = await client.get_into(meta.key, ChunkBuffer(memoryview(out)))  # on the closed kept one, then a new one
     assert got is not None and np.array_equal(out, data)
+    await wait_until_async(lambda: service.stream.counters["stream_idle_closed"] >= 2
+                           and service.stream.connection_count == 0, what="the new one closed too")
+    await round_trip(client, 8)  # a put on a closed kept connection reconnects as well
 
 
 def test_bounds_are_flags_that_round_trip_and_must_be_positive() -> None:
