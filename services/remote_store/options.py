@@ -39,13 +39,21 @@ class RemoteStoreOptions:
     stream_port: int = 0  # 0 = any free port (it is advertised in the StreamOffer)
     advertise_host: str | None = None  # the address clients connect to; None = the listening one (or the route)
     transfer_timeout: float = 30.0  # seconds one chunk's transfer may take before its connection is closed
+    max_stream_connections: int = 256  # open stream connections at once; past it new ones are closed at once
+    stream_hello_timeout: float = 10.0  # seconds a new connection has to present a valid ticket
+    stream_hello_max_bytes: int = 4096  # the largest hello read before its ticket is checked
+    stream_idle_timeout: float = 300.0  # seconds a greeted connection may go without a request
     heartbeat_interval: float = 2.0
 
     def to_args(self) -> list[str]:
         """The flags that start a store with these options (`--nats-url` and credentials excepted)."""
         args = ["--max-size-gb", repr(self.capacity_bytes / GB), "--partition", str(self.partition),
                 "--partitions", str(self.num_partitions), "--store-id", self.store_id,
-                "--cache-policy", self.cache_policy, "--transfer-timeout", repr(self.transfer_timeout)]
+                "--cache-policy", self.cache_policy, "--transfer-timeout", repr(self.transfer_timeout),
+                "--max-stream-connections", str(self.max_stream_connections),
+                "--stream-hello-timeout", repr(self.stream_hello_timeout),
+                "--stream-hello-max-bytes", str(self.stream_hello_max_bytes),
+                "--stream-idle-timeout", repr(self.stream_idle_timeout)]
         if self.persist_dir is not None:
             args += ["--persist-dir", str(self.persist_dir)]
         if not self.fsync:
@@ -88,6 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--advertise-host", help="address clients should connect to (default: the listening one)")
     parser.add_argument("--transfer-timeout", type=float, default=30.0,
                         help="seconds one chunk transfer may take before its connection is dropped")
+    parser.add_argument("--max-stream-connections", type=int, default=256,
+                        help="stream connections open at once; past it new ones are closed at once")
+    parser.add_argument("--stream-hello-timeout", type=float, default=10.0,
+                        help="seconds a new stream connection has to present a valid ticket")
+    parser.add_argument("--stream-hello-max-bytes", type=int, default=4096,
+                        help="largest hello (ticket message) read before the ticket is checked")
+    parser.add_argument("--stream-idle-timeout", type=float, default=300.0,
+                        help="seconds a stream connection may go without a request before it is closed")
     parser.add_argument("--log-level", help="log level (default: $KVMESH_LOG_LEVEL, else INFO)")
     add_nats_auth_flags(parser)
     return parser
@@ -101,10 +117,18 @@ def options_from_args(args: argparse.Namespace) -> RemoteStoreOptions:
                           "< partitions")
     if args.transfer_timeout <= 0:
         raise ConfigError(f"--transfer-timeout: must be > 0, got {args.transfer_timeout}")
+    for flag, value in (("--max-stream-connections", args.max_stream_connections),
+                        ("--stream-hello-timeout", args.stream_hello_timeout),
+                        ("--stream-hello-max-bytes", args.stream_hello_max_bytes),
+                        ("--stream-idle-timeout", args.stream_idle_timeout)):
+        if value <= 0:
+            raise ConfigError(f"{flag}: must be > 0, got {value}")
     return RemoteStoreOptions(
         store_id=args.store_id or remote_store_id(args.partition), capacity_bytes=round(args.max_size_gb * GB),
         nats_url=normalize_url(args.nats_url), auth=nats_auth_from_args(args), partition=args.partition,
         num_partitions=args.partitions, cache_policy=args.cache_policy,
         persist_dir=Path(args.persist_dir) if args.persist_dir else None,
         fsync=not args.no_fsync, stream_host=args.stream_host, stream_port=args.stream_port,
-        advertise_host=args.advertise_host, transfer_timeout=args.transfer_timeout)
+        advertise_host=args.advertise_host, transfer_timeout=args.transfer_timeout,
+        max_stream_connections=args.max_stream_connections, stream_hello_timeout=args.stream_hello_timeout,
+        stream_hello_max_bytes=args.stream_hello_max_bytes, stream_idle_timeout=args.stream_idle_timeout)

@@ -86,7 +86,11 @@ class RemoteStoreService:
                                  options.persist_dir, options.fsync, cache_policy=options.cache_policy,
                                  on_admit=self.reporter.admit, on_evict=self.reporter.evict)
         listen, self.advertise_host = stream_addresses(options)
-        self.stream = StreamServer(self.store, listen, options.stream_port, options.transfer_timeout)
+        self.stream = StreamServer(self.store, listen, options.stream_port, options.transfer_timeout,
+                                   max_connections=options.max_stream_connections,
+                                   hello_timeout=options.stream_hello_timeout,
+                                   hello_max_bytes=options.stream_hello_max_bytes,
+                                   idle_timeout=options.stream_idle_timeout)
         self.ops = IndexOps(options.store_id, self.store.index, free=self.store.free, details=self._stats_details,
                             changed=self.store.save_soon)
         self.endpoint = StoreEndpoint("remote_store", options.store_id)
@@ -169,7 +173,7 @@ class RemoteStoreService:
 
     def _stats_details(self) -> dict[str, Any]:
         return {**self.store.details(), "stream": f"{self.advertise_host}:{self.stream.port}",
-                "stream_connections": self.stream.connection_count}
+                "stream_connections": self.stream.connection_count, **self.stream.counters}
 
 
 async def run_remote_store(options: RemoteStoreOptions, stop: asyncio.Event) -> None:

@@ -37,7 +37,10 @@ from kvmesh.services.remote_store.stream_wire import (
 log = logging.getLogger(__name__)
 
 TICKET_TTL_SECS = 30.0
-HELLO_TIMEOUT_SECS = 10.0
+
+
+class _Refused(Exception):
+    """A connection closed for one of the server's bounds; the message is its log line."""
 
 
 class StreamServer:
@@ -45,14 +48,27 @@ class StreamServer:
 
     Each connection is one task on the store's loop, handling its requests in order. A request's transfer
     (header, bytes and reply) must finish within `transfer_timeout` seconds, or the connection is closed:
-    a stalled receiver costs its own connection, never the store. Idle connections stay open.
+    a stalled receiver costs its own connection, never the store.
+
+    Bounds, so that a TCP peer without a ticket (or an idle one with it) costs little: at most
+    `max_connections` open at once (past it a new connection is closed at once); the hello must arrive within
+    `hello_timeout` seconds and announce at most `hello_max_bytes`; a greeted connection with no request for
+    `idle_timeout` seconds is closed (the client opens a new one). Each is counted in `counters`.
     """
 
-    def __init__(self, store: MemoryStore, host: str, port: int = 0, transfer_timeout: float = 30.0) -> None:
+    def __init__(self, store: MemoryStore, host: str, port: int = 0, transfer_timeout: float = 30.0, *,
+                 max_connections: int = 256, hello_timeout: float = 10.0, hello_max_bytes: int = 4096,
+                 idle_timeout: float = 300.0) -> None:
         self.store = store
         self.host = host
         self.port = port
         self.transfer_timeout = transfer_timeout
+        self.max_connections = max_connections
+        self.hello_timeout = hello_timeout
+        self.hello_max_bytes = hello_max_bytes
+        self.idle_timeout = idle_timeout
+        self.counters = {"stream_refused_over_cap": 0, "stream_hello_timeouts": 0, "stream_hellos_too_large": 0,
+                         "stream_bad_tickets": 0, "stream_idle_closed": 0}
         self._tickets: dict[bytes, tuple[float, str]] = {}  # ticket -> (expiry (monotonic), caller path)
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
@@ -105,6 +121,12 @@ class StreamServer:
                 log.warning("stream accept failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
+            if len(self._connections) >= self.max_connections:  # closed before we read a byte of it
+                sock.close()
+                self.counters["stream_refused_over_cap"] += 1
+                log.warning("stream connection from %s closed: %d connections open (the cap, "
+                            "--max-stream-connections)", peer, len(self._connections))
+                continue
             tune_socket(sock)
             task = loop.create_task(self._serve(sock, peer))
             self._connections.add(task)
@@ -112,14 +134,24 @@ class StreamServer:
 
     async def _serve(self, sock: socket.socket, peer: object) -> None:
         try:
-            async with asyncio.timeout(HELLO_TIMEOUT_SECS):
-                client, caller = await self._hello(sock)
+            try:
+                async with asyncio.timeout(self.hello_timeout):
+                    client, caller = await self._hello(sock)
+            except TimeoutError:
+                self.counters["stream_hello_timeouts"] += 1
+                raise _Refused(f"no valid hello within {self.hello_timeout:g}s (--stream-hello-timeout)") from None
             log.debug("stream connection from %s (%s, %s)", peer, client, caller)
             while True:
                 try:
-                    op, size = await recv_request_head(sock)  # an idle connection may wait here indefinitely
+                    async with asyncio.timeout(self.idle_timeout):
+                        op, size = await recv_request_head(sock)
                 except StreamClosed:
                     log.debug("stream connection from %s closed by the client", peer)
+                    return
+                except TimeoutError:  # the client reconnects when it needs the store again
+                    self.counters["stream_idle_closed"] += 1
+                    log.info("stream connection from %s closed: idle for %gs (--stream-idle-timeout)", peer,
+                             self.idle_timeout)
                     return
                 async with asyncio.timeout(self.transfer_timeout):
                     if op == OP_PUT:
@@ -128,6 +160,8 @@ class StreamServer:
                         await self._get(sock, await recv_message(sock, size, protocol.GetRequest))
                     else:
                         raise StreamError(f"unknown op {op!r}")
+        except _Refused as exc:
+            log.warning("stream connection from %s closed: %s", peer, exc)
         except StreamError as exc:
             log.warning("stream connection from %s dropped: %s", peer, exc)
         except ProtocolError as exc:
@@ -147,9 +181,14 @@ class StreamServer:
         op, size = await recv_request_head(sock)
         if op != OP_HELLO:
             raise StreamError(f"expected a hello, got op {op!r}")
+        if size > self.hello_max_bytes:  # never read (or allocate) more than this before a valid ticket
+            self.counters["stream_hellos_too_large"] += 1
+            raise _Refused(f"hello of {size} bytes announced (the cap is {self.hello_max_bytes}, "
+                           "--stream-hello-max-bytes)")
         hello = await recv_message(sock, size, protocol.StreamHello)
         expiry, caller = self._tickets.pop(hello.ticket, (None, ""))
         if expiry is None or expiry < time.monotonic():
+            self.counters["stream_bad_tickets"] += 1
             await send_reply(sock, protocol.Ack(ok=False, error="unknown or expired stream ticket: ask for "
                                                                "a new one on the store's stream subject"))
             raise StreamError("bad ticket")
