@@ -69,7 +69,7 @@ sys.path.insert(0, str(HERE))
 
 from demo import Child, wait_http  # noqa: E402
 from make_demo_model import ensure_model  # noqa: E402
-from ttft import Prompts, cpu_name, free_port, pin_to  # noqa: E402
+from ttft import Prompts, completion_events, cpu_name, free_port, pin_to  # noqa: E402
 
 CHUNK = 256
 SIZE = 16384
@@ -248,26 +248,18 @@ def hash_ceiling(tokens: list[int], repeat: int) -> dict[str, Any]:
 # ---- vLLM ---------------------------------------------------------------------------------------------------------
 def stream(url: str, model: str, prompt: list[int]) -> dict[str, Any]:
     """One greedy streaming completion of one token: TTFT, total time, the response id, the send time."""
-    import httpx
-
     body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True, "ignore_eos": True}
     sent = time.perf_counter()
     first = None
     response_id = None
     text = []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {response.read()[:500]!r}")
-        for line in response.iter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            event = json.loads(line[5:])
-            response_id = response_id or event.get("id")
-            if not event.get("choices"):
-                continue
-            if first is None:
-                first = time.perf_counter()
-            text.append(event["choices"][0].get("text") or "")
+    for event in completion_events(url, body):
+        response_id = response_id or event.get("id")
+        if not event.get("choices"):
+            continue
+        if first is None:
+            first = time.perf_counter()
+        text.append(event["choices"][0].get("text") or "")
     done = time.perf_counter()
     return {"sent": sent, "first": first or done, "done": done, "ttft_s": (first or done) - sent,
             "total_s": done - sent, "id": response_id, "text": "".join(text)}

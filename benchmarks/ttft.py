@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -71,29 +71,33 @@ class Server:
 
     def stream(self, prompt: list[int], max_tokens: int = 8) -> tuple[float, str]:
         """(TTFT in seconds, generated text) of one greedy streaming completion."""
-        import httpx
-
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "ignore_eos": True}
         started = time.perf_counter()
         first = None
         pieces = []
-        with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=600) as response:
-            if response.status_code != 200:
-                raise RuntimeError(f"{self.name}: HTTP {response.status_code}: {response.read()[:500]!r}")
-            for line in response.iter_lines():
-                if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                    continue
-                event = json.loads(line[5:])
-                if not event.get("choices"):
-                    continue
-                if first is None:
-                    first = time.perf_counter()
-                pieces.append(event["choices"][0].get("text") or "")
+        for event in completion_events(self.url, body, self.name):
+            if not event.get("choices"):
+                continue
+            if first is None:
+                first = time.perf_counter()
+            pieces.append(event["choices"][0].get("text") or "")
         return (first or time.perf_counter()) - started, "".join(pieces)
 
     def stop(self) -> None:
         self.child.stop(60)
+
+
+def completion_events(url: str, body: dict[str, Any], name: str = "vLLM") -> Iterator[dict[str, Any]]:
+    """The server-sent events of one streaming `/v1/completions` request, decoded, as they arrive."""
+    import httpx
+
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{name}: HTTP {response.status_code}: {response.read()[:500]!r}")
+        for line in response.iter_lines():
+            if line.startswith("data:") and line.strip() != "data: [DONE]":
+                yield json.loads(line[5:])
 
 
 class Prompts:
