@@ -212,6 +212,25 @@ def test_lookup_prefix_locations_ties_and_liveness() -> None:
     assert lookup.lookup(tokens_as_array(tokens)) == {"a": (REMOTE, 4)}
 
 
+def test_a_clear_drops_only_the_stores_no_other_instance_uses() -> None:
+    tokens = list(range(8))
+    table = ProducerTable()
+    for store_id, location in [("shared-disk", LOCAL_DISK), ("own-disk", LOCAL_DISK), ("remote", REMOTE)]:
+        table.on_register_store(protocol.RegisterStore(store_id=store_id, location=location), 0.0)
+    table.on_register_engine(engine("a", disk="shared-disk", remotes=("remote",)), 0.0)
+    table.on_register_engine(engine("b", disk="shared-disk"), 0.0)
+    table.on_register_engine(engine("c", disk="own-disk", remotes=("remote",)), 0.0)
+    for producer_id in ("a", "shared-disk", "own-disk", "remote"):
+        hold(table, producer_id, tokens, [0, 1])
+    lookup = LookupEngine(table)
+    # a's clear took back a's claims in the shared disk store only: b's view of it must not blink.
+    assert table.mark_cleared("a", ["a", "shared-disk", "remote"], 0.0) == ["a"]
+    assert lookup.lookup(tokens) == {"a": (LOCAL_DISK, 8), "b": (LOCAL_DISK, 8), "c": (LOCAL_DISK, 8)}
+    # c alone uses own-disk: dropped at once (a confirming sync restores what it still holds).
+    assert table.mark_cleared("c", ["own-disk"], 0.0) == ["own-disk"]
+    assert lookup.lookup(tokens)["c"] == (REMOTE, 8)
+
+
 def test_lookup_tensor_parallel_min_over_ranks_and_missing_rank() -> None:
     tokens = list(range(12))
     table = ProducerTable()

@@ -122,7 +122,7 @@ class ControllerCore:
         self.metrics.command_seconds.observe(time.perf_counter() - started)
         if op == "clear":
             # The lookup right after this reply must not show what was just cleared.
-            for producer_id in self.table.mark_cleared(target.holders, self.clock()):
+            for producer_id in self.table.mark_cleared(instance_id, target.holders, self.clock()):
                 if self.feed is not None:
                     self.feed.request_sync(producer_id, "confirm after clear")
         return CommandResult(event_id, num_tokens)

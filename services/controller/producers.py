@@ -153,6 +153,11 @@ class ProducerTable:
             return list(reg.remote_stores)
         return []
 
+    def _used_by_another_instance(self, store_id: str, instance_id: str) -> bool:
+        return any(store_id in self.stores_of(worker, location)
+                   for other in self.instances if other != instance_id
+                   for worker in self.workers_of(other) for location in (LOCAL_DISK, REMOTE))
+
     def location_mask(self, worker: Producer, location: str) -> int:
         """Bits of the producers that hold keys 'at `location`' for this worker, alive or not."""
         if location == LOCAL_CPU:
@@ -439,14 +444,18 @@ class ProducerTable:
                 to_sync.append(producer.producer_id)
         return to_sync
 
-    def mark_cleared(self, producer_ids: list[str], now: float) -> list[str]:
-        """After a successful clear: drop these producers' keys now, so a lookup right after the reply is
-        already empty, and return those to ask for a confirming full sync (a store may keep some keys, e.g.
-        pinned ones; the sync restores exactly what it still holds)."""
+    def mark_cleared(self, instance_id: str, producer_ids: list[str], now: float) -> list[str]:
+        """After a successful clear by `instance_id`: drop these producers' keys now, so a lookup right after
+        the reply is already empty, and return those to ask for a confirming full sync (a store may keep some
+        keys, e.g. pinned ones; the sync restores exactly what it still holds).
+
+        A store another instance also uses is left alone: its clear took back this instance's claims only, and
+        what it forgot arrives as its evictions (within its flush interval), while the rest stays listed.
+        """
         to_sync: list[str] = []
         for producer_id in producer_ids:
             producer = self.producers.get(producer_id)
-            if producer is None:
+            if producer is None or self._used_by_another_instance(producer_id, instance_id):
                 continue
             self.index.clear_slot(producer.slot)
             producer.needs_sync = True
