@@ -161,3 +161,46 @@ def test_failed_store_is_skipped() -> None:
     engine.held = 0
     conn.wait_for_save()
     assert engine.stored == [(256, 600)]
+
+
+# ---- what the GPU path must get right, decided without a GPU ------------------------------------------------------
+@pytest.mark.parametrize("world_rank, world_size, expected", [(0, 1, 0), (3, 1, 0), (5, 2, 1), (6, 4, 2)])
+def test_a_data_parallel_replica_keys_and_looks_up_by_its_rank_inside_the_replica(
+        world_rank: int, world_size: int, expected: int) -> None:
+    # vLLM's distributed groups are not initialised here: the world rank (dp_rank × world_size + rank) is used
+    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(world_size=world_size, rank=world_rank))
+    assert connector.replica_rank(vllm_config) == expected
+
+
+def test_block_size_comes_from_the_kv_cache_groups_spec() -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=16))
+    spec = FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    kv_cache_config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    assert connector.kv_block_size(vllm_config, kv_cache_config) == 64
+    assert connector.kv_block_size(vllm_config, None) == 16
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "bfloat16", "fp8", "fp8_e5m2", "fp8_ds_mla"])
+def test_per_token_kv_cache_dtypes_are_cached(cache_dtype: str) -> None:
+    assert connector.unsupported_cache_dtype(cache_dtype) is None
+
+
+@pytest.mark.parametrize("cache_dtype", ["nvfp4", "nvfp4_ds_mla", "turboquant_k8v4", "ultraquant_4bit",
+                                         "int8_per_token_head", "fp8_per_token_head"])
+def test_kv_cache_dtypes_packed_per_block_are_refused_with_a_reason(cache_dtype: str) -> None:
+    reason = connector.unsupported_cache_dtype(cache_dtype)
+    assert reason is not None and cache_dtype in reason and "partial blocks" in reason
+
+
+def test_layers_that_differ_turn_the_cache_off_instead_of_failing_vllms_start(
+        caplog: pytest.LogCaptureFixture) -> None:
+    conn = connector.KVMeshConnector.__new__(connector.KVMeshConnector)
+    conn.unsupported, conn.block_size, conn.cache_dtype, conn.engine = None, 16, "auto", None
+    conn._vllm_config = SimpleNamespace(model_config=SimpleNamespace(model="draft-with-other-heads"))
+    caches = {"model.layers.0": torch.zeros(2, 4, 16, 8, 64), "draft.layers.0": torch.zeros(2, 4, 16, 4, 64)}
+    with caplog.at_level("WARNING"):
+        conn.register_kv_caches(caches)
+    assert conn.engine is None and conn._kv_caches == {}
+    assert any("loads and stores nothing for model draft-with-other-heads" in r.getMessage() for r in caplog.records)

@@ -292,3 +292,71 @@ def test_pool_segment_lifecycle_and_stale_segments_are_swept() -> None:
         assert plain.allocate().chunk_buffer().shm_name is None
     finally:
         plain.close()
+
+
+# ---- error paths: pool slots go back only after the copies queued on them (checked on CPU, where the wait is the
+# same call that synchronises the CUDA stream on a GPU) ---------------------------------------------------------
+def _record_waits_and_releases(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    from kvmesh.services.engine.core import cache_engine, memory_pool
+
+    events: list[str] = []
+    wait, release = cache_engine._synchronize, memory_pool.Slot.release
+    monkeypatch.setattr(cache_engine, "_synchronize", lambda caches: (events.append("wait"), wait(caches)))
+    monkeypatch.setattr(memory_pool.Slot, "release", lambda slot: (events.append("release"), release(slot)))
+    return events
+
+
+def _fail_on_call(monkeypatch: pytest.MonkeyPatch, copier: object, name: str, failing_call: int) -> None:
+    original, calls = getattr(copier, name), []
+
+    def copy(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        if len(calls) == failing_call:
+            raise torch.cuda.OutOfMemoryError("injected: out of memory mid-copy")
+        original(*args, **kwargs)
+
+    monkeypatch.setattr(copier, name, copy)
+
+
+def test_a_store_failing_mid_way_waits_for_its_copies_before_the_slots_go_back(
+        kv: PagedKV, monkeypatch: pytest.MonkeyPatch) -> None:
+    with make_engine(kv) as engine:
+        free_before = engine.pool.num_free
+        _fail_on_call(monkeypatch, engine.copier, "gather", failing_call=3)  # two gathers queued, then a failure
+        events = _record_waits_and_releases(monkeypatch)
+        tokens = random_tokens(4 * CHUNK, seed=60)
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            engine.store(tokens, **kv.kv(kv.slots(4 * CHUNK)))
+        # three slots were taken (the third's gather failed): all go back, and only after the wait
+        assert events == ["wait", "release", "release", "release"]
+        assert engine.pool.num_free == free_before and engine.lookup(tokens) == 0
+
+
+def test_a_retrieve_failing_mid_way_waits_for_its_copies_before_the_chunks_go_back(
+        kv: PagedKV, monkeypatch: pytest.MonkeyPatch) -> None:
+    with make_engine(kv) as engine:
+        tokens = random_tokens(4 * CHUNK, seed=61)
+        engine.store(tokens, **kv.kv(kv.slots(4 * CHUNK)))
+        _fail_on_call(monkeypatch, engine.copier, "scatter", failing_call=2)
+        events = _record_waits_and_releases(monkeypatch)
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            engine.retrieve(tokens, **kv.kv(kv.slots(4 * CHUNK)))
+        # every reference the retrieve took goes back (the tier keeps its own), after the wait
+        assert events[0] == "wait" and events[1:] == ["release"] * 4
+        assert engine.lookup(tokens) == 4 * CHUNK
+
+
+def test_slots_stay_allocated_when_even_the_wait_fails(kv: PagedKV, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvmesh.services.engine.core import cache_engine
+
+    with make_engine(kv) as engine:
+        free_before = engine.pool.num_free
+        _fail_on_call(monkeypatch, engine.copier, "gather", failing_call=2)
+
+        def broken_stream(caches: object) -> None:
+            raise RuntimeError("injected: CUDA error: an illegal memory access was encountered")
+
+        monkeypatch.setattr(cache_engine, "_synchronize", broken_stream)
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            engine.store(random_tokens(2 * CHUNK, seed=62), **kv.kv(kv.slots(2 * CHUNK)))
+        assert engine.pool.num_free == free_before - 2, "slots a copy may still write stay out of the pool"

@@ -165,6 +165,52 @@ def check_vllm_version(version: str | None = None) -> str:
 FULL_ATTENTION_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
 
 
+# KV cache dtypes whose pages hold each token's K and V on their own (at most one scale for the whole tensor):
+# those copy token by token. The others pack values and scales per block or per group of tokens (NVFP4,
+# turboquant, ultraquant, per-token-head scales kept beside the page), where a partial block copied per token
+# would be silent corruption.
+PER_TOKEN_CACHE_DTYPES = frozenset({"auto", "float16", "bfloat16", "float32", "half", "float", "fp8",
+                                    "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla"})
+
+
+def unsupported_cache_dtype(cache_dtype: str) -> str | None:
+    """Why a KV cache of this `--kv-cache-dtype` cannot be copied per token, or None when it can."""
+    if cache_dtype in PER_TOKEN_CACHE_DTYPES:
+        return None
+    return (f"its KV cache dtype {cache_dtype!r} packs values and scales per block or group of tokens; KVMesh "
+            "copies KV per token and would corrupt partial blocks (supported: "
+            f"{', '.join(sorted(PER_TOKEN_CACHE_DTYPES))})")
+
+
+def replica_rank(vllm_config: Any) -> int:
+    """This worker's rank inside its data-parallel replica: pipeline rank × tensor size + tensor rank.
+
+    The world group's rank counts data-parallel replicas too (dp_rank × world_size + rank): keys and the
+    scheduler's per-rank lookups use the rank within the replica, so every replica finds its workers and
+    replicas share chunks."""
+    world_size = int(vllm_config.parallel_config.world_size)
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        return int(get_pp_group().rank_in_group) * int(get_tp_group().world_size) + int(get_tp_group().rank_in_group)
+    except Exception:  # groups not initialised (tests, single process): the world rank, taken per replica
+        try:
+            from vllm.distributed.parallel_state import get_world_group
+
+            return int(get_world_group().rank_in_group) % world_size
+        except Exception:
+            return int(getattr(vllm_config.parallel_config, "rank", 0) or 0) % world_size
+
+
+def kv_block_size(vllm_config: Any, kv_cache_config: "KVCacheConfig | None") -> int:
+    """Tokens per KV block: the KV cache group's spec when vLLM gives one (it is what the blocks really hold,
+    e.g. after decode context parallel), else the cache config's, which only the engine core's process
+    updates."""
+    groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
+    spec_block_size = getattr(groups[0].kv_cache_spec, "block_size", None) if len(groups) == 1 else None
+    return int(spec_block_size or vllm_config.cache_config.block_size)
+
+
 def unsupported_kv_cache(kv_cache_config: "KVCacheConfig | None") -> str | None:
     """Why this connector must not load or store this model's KV cache, or None when it can.
 
@@ -223,7 +269,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         transfer = self._kv_transfer_config
         engine_extra, self.settings = split_extra_config(dict(transfer.kv_connector_extra_config or {}))
         self.config: EngineConfig = load_engine_config(engine_extra)
-        self.block_size: int = vllm_config.cache_config.block_size
+        self.block_size: int = kv_block_size(vllm_config, kv_cache_config)
         self.chunk_size = self.config.chunk_size
         self.can_load = transfer.kv_role in ("kv_both", "kv_consumer")
         self.can_save = transfer.kv_role in ("kv_both", "kv_producer")
@@ -232,7 +278,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         self.cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
         self.world_size = vllm_config.parallel_config.world_size
         # Why this model's KV is not cached at all (None: it is); see unsupported_kv_cache.
-        self.unsupported = unsupported_kv_cache(kv_cache_config)
+        self.unsupported = unsupported_kv_cache(kv_cache_config) or unsupported_cache_dtype(self.cache_dtype)
         # scheduler side
         self._trackers: dict[str, RequestTracker] = {}
         self._lookup: SchedulerLookup | None = None
@@ -381,9 +427,15 @@ class KVMeshConnector(KVConnectorBase_V1):
         self._kv_caches = dict(kv_caches)
         first = next(iter(kv_caches.values()))
         backend = self._attention_backend_name()
-        layout = dataclasses.replace(detect_layout(self._kv_caches, self.block_size, backend),
-                                     cache_dtype=self.cache_dtype)
-        rank = self._rank()
+        try:
+            layout = dataclasses.replace(detect_layout(self._kv_caches, self.block_size, backend),
+                                         cache_dtype=self.cache_dtype)
+        except ValueError as exc:  # layers that differ, a shape we cannot copy: serve without the cache
+            log.warning("KVMesh loads and stores nothing for model %s: its KV caches cannot be copied (%s)",
+                        self._vllm_config.model_config.model, exc)
+            self._kv_caches = {}
+            return
+        rank = replica_rank(self._vllm_config)
         log.info("registered %d KV cache layers: shape %s, dtype %s, backend %s -> layout %s (chunk format %s)",
                  len(kv_caches), tuple(first.shape), first.dtype, backend, layout.name, layout.chunk_format())
         params = KeyParams(self.model_name, layout.chunk_format(), self.world_size, rank)
@@ -497,14 +549,6 @@ class KVMeshConnector(KVConnectorBase_V1):
         except Exception:
             pass
         return None
-
-    def _rank(self) -> int:
-        try:
-            from vllm.distributed.parallel_state import get_world_group
-
-            return int(get_world_group().rank_in_group)
-        except Exception:
-            return int(getattr(self._vllm_config.parallel_config, "rank", 0) or 0)
 
 
 __all__ = ["KVMeshConnector", "SUPPORTED_VLLM", "CONNECTOR_KEYS", "check_vllm_version", "floor_to"]

@@ -6,6 +6,8 @@ itself is checked against naive per-token indexing on CPU in tests/test_paged_co
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -174,3 +176,23 @@ def test_torch_fallback_when_forced(monkeypatch: pytest.MonkeyPatch) -> None:
     caches = make_caches("NHD-2x", 2, 4, 16, 2, 8, torch.float16, True)
     layout = detect_layout({str(i): c for i, c in enumerate(caches)}, 16, "FLASH_ATTN")
     assert PagedCopier(layout, DEVICE).backend == "torch"
+
+
+def test_an_nvrtc_failure_falls_back_to_torch_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from kvmesh.services.engine.core import paged_copy
+
+    broken = tmp_path / "broken.cu"
+    broken.write_text('extern "C" __global__ void kvm_gather_v16( { this does not compile }\n')
+    monkeypatch.setattr(paged_copy, "KERNELS_FILE", broken)
+    monkeypatch.setattr(paged_copy._CupyKernels, "_by_device", {})
+    caches = make_caches("NHD-2x", 2, 4, 16, 2, 8, torch.float16, True)
+    layout = detect_layout({str(i): c for i, c in enumerate(caches)}, 16, "FLASH_ATTN")
+    copier = PagedCopier(layout, DEVICE)
+    assert copier.backend == "torch"  # the compile failed at construction of the kernels, not at a copy
+    slots = torch.arange(20, device=DEVICE)
+    out = torch.empty(layout.chunk_shape(20), dtype=torch.float16, device=DEVICE)
+    copier.gather(caches, slots, out)  # the torch path does the copy
+    expected = torch.empty_like(out)
+    gather(caches, layout, slots, expected)
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)

@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from nats.aio.client import Client as NatsClient
@@ -303,8 +303,7 @@ class CacheEngine:
                 copier.gather(kv_caches, slot_mapping[span.start:span.end], out)
             _synchronize(kv_caches)  # GPU copies into pinned memory are asynchronous
         except BaseException:
-            for _, slot in filled:
-                slot.release()
+            _release_after_copies(kv_caches, [slot for _, slot in filled])
             raise
         for span, slot in filled:
             meta = ChunkMeta(key=span.key, num_tokens=span.num_tokens, shape=list(layout.chunk_shape(span.num_tokens)),
@@ -329,10 +328,8 @@ class CacheEngine:
                 chunk = ref.slot.view(layout.dtype, layout.chunk_shape(span.num_tokens))
                 skip = min(max(skip_prefix - span.start, 0), span.num_tokens)
                 copier.scatter(chunk, kv_caches, slot_mapping[span.start:span.end], skip)
-            _synchronize(kv_caches)  # the slots must not be reused before the copies have read them
-        finally:
-            for ref in refs:
-                ref.release()
+        finally:  # the slots must not be reused before the copies queued so far have read them
+            _release_after_copies(kv_caches, refs)
         return len(refs)
 
     # ---- controller-style operations (the worker agent runs the same dispatch for the controller) ------------
@@ -458,6 +455,25 @@ def _first_negative(slot_mapping: torch.Tensor, limit: int) -> int:
 def _synchronize(kv_caches: list[torch.Tensor]) -> None:
     if kv_caches and kv_caches[0].is_cuda:
         torch.cuda.current_stream(kv_caches[0].device).synchronize()
+
+
+class _Releasable(Protocol):
+    def release(self) -> None: ...
+
+
+def _release_after_copies(kv_caches: list[torch.Tensor], held: Sequence[_Releasable]) -> None:
+    """Hand pool slots back only once the copies queued on them are done, on success and on error alike: a
+    gather still queued behind the forward would otherwise write into a slot the mesh has since refilled (a
+    prefetched chunk, later served as valid). If even the wait fails (a broken CUDA context), the slots are
+    leaked, never released under a copy that may still run."""
+    try:
+        _synchronize(kv_caches)
+    except BaseException as exc:
+        log.error("cannot wait for the KV copies of %d pool slots (%s: %s): leaving them allocated", len(held),
+                  type(exc).__name__, exc)
+        return
+    for item in held:
+        item.release()
 
 
 __all__ = ["CacheEngine"]

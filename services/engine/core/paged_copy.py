@@ -18,6 +18,7 @@ heads * head_size]``, the CPU (LBHNC) layout gives whole blocks ``[layers, block
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import warnings
@@ -31,6 +32,8 @@ import torch
 from .kv_layout import KVLayout, cpu_token_views
 
 KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
+
+log = logging.getLogger(__name__)
 
 KERNELS_FILE = Path(__file__).with_name("paged_copy_kernels.cu")
 
@@ -412,6 +415,11 @@ class _CupyKernels:
         with cupy.cuda.Device(device_index):
             self.module = cupy.RawModule(code=KERNELS_FILE.read_text(), options=("--std=c++17",))
         self._functions: dict[str, Any] = {}
+        # RawModule compiles lazily, at the first get_function: resolve every kernel now, so that an NVRTC
+        # failure happens here, where the caller falls back to the torch path once, not at every copy.
+        for vec in _VEC_WIDTHS:
+            self.function(f"kvm_gather_v{vec}")
+            self.function(f"kvm_scatter_v{vec}")
         self._streams: dict[int, Any] = {}
 
     @classmethod
@@ -560,10 +568,8 @@ class PagedCopier:
             try:
                 kernels = _CupyKernels.get(device_index)
             except Exception as exc:  # no CuPy, or NVRTC failed: the torch path still works on CUDA
-                warnings.warn(
-                    f"KVMesh paged copy: CuPy kernels unavailable ({type(exc).__name__}: {exc}); using torch",
-                    stacklevel=3,
-                )
+                log.warning("paged copy on cuda:%d: CuPy kernels unavailable (%s: %s); using the torch path",
+                            device_index, type(exc).__name__, exc)
         self._kernels_by_device[device_index] = kernels
         return kernels
 
