@@ -253,3 +253,17 @@ def test_security_permissions_table_matches_the_code() -> None:
     assert table in SECURITY_MD.read_text(), (
         "docs/security.md's permissions table differs from nats_permissions.permissions(); replace it with:\n"
         + table)
+
+
+def test_every_engine_metric_is_in_the_readme_and_the_dashboard_uses_only_those() -> None:
+    stats = pytest.importorskip("kvmesh.services.engine.adapter.connector_stats")
+    import json
+
+    names = {m.name: m.kind for m in stats.METRICS}
+    readme = (ROOT / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `(lmcache:[a-z_]+)` \| (\w+) \|", readme, flags=re.M))
+    assert rows == names, "README.md's metrics table must list exactly connector_stats.METRICS, with their types"
+    dashboard = json.loads((ROOT / "docs" / "grafana" / "kvmesh-engine.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {re.sub(r"_(total|bucket|sum|count)$", "", n) for e in exprs for n in re.findall(r"lmcache:[a-z_]+", e)}
+    assert used and used <= set(names), f"the dashboard names metrics that do not exist: {used - set(names)}"

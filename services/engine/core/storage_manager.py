@@ -402,6 +402,7 @@ class StorageManager:
             if failed or len(slots) < len(batch):
                 break
         self.stats[f"fetched_{client.location}"] += len(got)
+        self.stats[f"read_bytes_{client.location}"] += sum(ref.meta.nbytes for ref in got)
         return got
 
     async def _get_one(self, client: StoreTier, span: ChunkSpan, slot: Slot, validate: Validate) -> ChunkMeta | None:
@@ -545,6 +546,11 @@ class StorageManager:
         digest = await asyncio.to_thread(checksum, buffer.view[:job.meta.nbytes])
         meta = dataclasses.replace(job.meta, checksum=digest)
         results = await asyncio.gather(*(c.put(meta, buffer) for c in clients), return_exceptions=True)
+        for client, result in zip(clients, results):
+            if result is True:
+                self.stats[f"written_bytes_{client.location}"] += meta.nbytes
+            else:
+                self.stats[f"put_failed_{client.location}"] += 1
         if all(r is True for r in results):
             self._remember_held(job.meta.key)
             self.stats["write_behind_done"] += 1
