@@ -21,7 +21,9 @@ from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.shared import bus, chunk_file, protocol
 from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.errors import MeshUnavailable
+from kvmesh.shared.config import load_engine_config
 from kvmesh.shared.keys import KeyParams
+from kvmesh.shared.lmcache_keys import IGNORED
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, CommandReply, Subjects, WorkerCommand
 
@@ -168,6 +170,42 @@ def test_chunks_evicted_from_cpu_come_back_from_the_disk_store(disk_mesh: LocalM
         assert engine.unpin(a, LOCAL_DISK) == 128
         assert engine.clear(LOCAL_DISK) == 256
         assert engine.lookup(b, search_range=[LOCAL_DISK]) == 0
+    finally:
+        engine.close()
+
+
+def test_force_skip_save_stores_nothing_and_still_loads(disk_mesh: LocalMesh, kv: PagedKV, tmp_path: Path) -> None:
+    """LMCACHE_FORCE_SKIP_SAVE=1, read by load_engine_config as the connector does: no tier gets a chunk."""
+    settings = engine_config(nats_url=str(disk_mesh.nats_url), local_disk=str(tmp_path / "disk"),
+                             max_local_disk_size=0.05).to_dict()
+    settings = {key: value for key, value in settings.items() if key not in IGNORED and key != "force_skip_save"}
+    a, b = random_tokens(96, seed=30), random_tokens(96, seed=31)
+    src = kv.slots(96)
+    expected_a = kv.token_kv(src)
+
+    saving = CacheEngine(load_engine_config(settings, environ={"LMCACHE_FORCE_SKIP_SAVE": "0"}), PARAMS, kv.layout)
+    try:  # the control: the same settings store a's chunks in the CPU tier and the disk store
+        assert saving.wait_connected(WAIT_S), "engine did not reach NATS"
+        wait_until(lambda: saving.storage.lower(LOCAL_DISK) is not None, what="the disk store client")
+        _store_and_settle(saving, a, kv, src)
+        assert saving.lookup(a, search_range=[LOCAL_CPU]) == 96 and saving.lookup(a, search_range=[LOCAL_DISK]) == 96
+    finally:
+        saving.close()
+
+    config = load_engine_config(settings, environ={"LMCACHE_FORCE_SKIP_SAVE": "1"})
+    assert config.force_skip_save
+    engine = CacheEngine(config, PARAMS, kv.layout)
+    try:
+        assert engine.wait_connected(WAIT_S), "engine did not reach NATS"
+        wait_until(lambda: engine.storage.lower(LOCAL_DISK) is not None, what="the disk store client")
+        _store_and_settle(engine, b, kv, kv.slots(96, exclude=src))
+        assert engine.lookup(b) == 0  # neither the CPU tier nor the disk store got b
+        assert engine.lookup(b, search_range=[LOCAL_DISK]) == 0
+        assert engine.storage.stats["write_behind_done"] == 0
+        # what the tiers hold still loads
+        dst = kv.slots(96, exclude=src)
+        assert bool(engine.retrieve(a, **kv.kv(dst)).all())
+        assert torch.equal(kv.token_kv(dst), expected_a)
     finally:
         engine.close()
 

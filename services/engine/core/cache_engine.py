@@ -142,6 +142,9 @@ class CacheEngine:
         if not config.local_cpu and not lower:
             log.warning("local_cpu is false and no lower tier (local_disk / remote_url) is configured: the "
                         "engine stores nothing")
+        if config.force_skip_save:
+            log.warning("force_skip_save (LMCACHE_FORCE_SKIP_SAVE) is set: the engine stores nothing, it only "
+                        "loads what the tiers hold")
         if self.nats_loop is not None and self._connection is not None:
             self.agent = WorkerAgent(config.lmcache_instance_id, self.worker_id, self.hasher, self.storage,
                                      self._registration, heartbeat_interval=config.heartbeat_interval_secs)
@@ -281,7 +284,7 @@ class CacheEngine:
                      slot_mapping: torch.Tensor) -> None:
         layout, _, cpu, storage, copier = self._ready()
         write_lower = storage.has_lower and self.writes_lower_tiers
-        if not spans or (not cpu.keep and not write_lower):
+        if not spans or (not cpu.keep and not write_lower) or self.config.force_skip_save:
             return
         _check_slot_count(slot_mapping, spans[-1].end)
         first_bad = _first_negative(slot_mapping, spans[-1].end)

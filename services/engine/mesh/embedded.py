@@ -6,7 +6,8 @@ Decision (`plan_mesh`), first match wins:
   3. `remote_url` is a NATS URL ("nats://host:port") -> join that NATS; the remote stores live there.
   4. nothing configured (the disk-offload setup, docs/compatibility.md) -> embed: a NATS server from the wheel on a free loopback port, a disk store
      process when `local_disk` is set, and `remote_partitions` remote-store processes when `remote_url` names
-     anything else (e.g. LMCache's "lm://localhost:65432": served by embedded remote stores of `remote_size`).
+     another supported scheme (LMCache's "lm://localhost:65432", "kvmesh://"): served by embedded remote stores
+     of `remote_size` (config.py refuses the schemes KVMesh cannot serve).
 When joining, nothing is spawned: the mesh's own disk store (`disk-<hostname>`) and remote stores
 (`remote-0..n-1`) are expected there.
 
@@ -35,6 +36,7 @@ from pathlib import Path
 
 from kvmesh.shared.bus import normalize_url
 from kvmesh.shared.config import EngineConfig
+from kvmesh.shared.lmcache_keys import NATS_SCHEMES, url_scheme
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
 from kvmesh.shared.protocol import disk_store_id, remote_store_id
 from kvmesh.services.disk_store.options import DiskStoreOptions
@@ -59,7 +61,7 @@ class MeshPlan:
 
 
 def is_nats_url(url: str) -> bool:
-    return url.split("://", 1)[0].lower() in ("nats", "tls", "ws", "wss") if "://" in url else False
+    return url_scheme(url) in NATS_SCHEMES
 
 
 def plan_mesh(config: EngineConfig) -> MeshPlan:
