@@ -279,7 +279,8 @@ class KVMeshConnector(KVConnectorBase_V1):
         self.block_size: int = kv_block_size(vllm_config, kv_cache_config)
         self.chunk_size = self.config.chunk_size
         self.can_load = transfer.kv_role in ("kv_both", "kv_consumer")
-        self.can_save = transfer.kv_role in ("kv_both", "kv_producer")
+        # LMCACHE_FORCE_SKIP_SAVE: the scheduler plans no saves (the engine would drop them anyway)
+        self.can_save = transfer.kv_role in ("kv_both", "kv_producer") and not self.config.force_skip_save
         self.model_name = model_identity(str(self.settings.get("model_name") or vllm_config.model_config.model),
                                          vllm_config.model_config)
         self.cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
