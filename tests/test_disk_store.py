@@ -25,6 +25,7 @@ from kvmesh.services.disk_store.client import DiskStoreClient
 from kvmesh.services.disk_store.index import Entry, SpaceRefused
 from kvmesh.shared.chunk_index import ChunkIndex
 from kvmesh.services.disk_store.options import DiskStoreOptions, build_parser, options_from_args
+from kvmesh.services.disk_store.pool_socket import Registration, register
 from kvmesh.services.disk_store.service import DiskStoreService
 from kvmesh.services.disk_store.writer import WriteFaults
 from kvmesh.shared.state_file import CLAIMS_NAME
@@ -67,6 +68,7 @@ class Harness:
         self.service: DiskStoreService | None = None
         self.client = DiskStoreClient(nc, self.store_id, ENGINE, request_timeout=WAIT_S)
         self.clock: Callable[[], float] = time.monotonic  # the stores' pin TTLs run on it
+        self.lent: list[Registration] = []
 
     async def start(self, capacity: int = 64 * FILE_BYTES, staging_bytes: int = 4 * CHUNK,
                     faults: WriteFaults | None = None) -> DiskStoreService:
@@ -101,6 +103,13 @@ class Harness:
     async def held(self, *indices: int) -> list[bool]:
         return [await self.client.contains([key_of(i)]) == 1 for i in indices]
 
+    async def lend(self, segment: SharedSegment, caller: str = ENGINE) -> Registration:
+        """Lend `segment` to the running store as `caller`, as an engine's client does on its first put; the
+        connection closes with the test's end (then the store drops the pool)."""
+        registration = await asyncio.to_thread(register, self.store_id, caller, segment, WAIT_S)
+        self.lent.append(registration)
+        return registration
+
     def request(self, op: str, message: object, reply_type: type, timeout: float = WAIT_S, caller: str = ENGINE):
         return bus.request(self.nc, protocol.Subjects.store(self.store_id, op, caller), message, reply_type, timeout)
 
@@ -115,23 +124,26 @@ class Harness:
 async def harness(nc, tmp_path: Path) -> AsyncIterator[Harness]:
     h = Harness(nc, tmp_path / "disk")
     yield h
+    await h.client.close()
+    for registration in h.lent:
+        registration.close()
     await h.stop()
 
 
 # ---------------------------------------------------------------------------------------------------------
 
 
-async def test_round_trip_bit_exact_over_shared_memory_and_inline(harness: Harness, segment: SharedSegment) -> None:
+async def test_round_trip_bit_exact_over_a_lent_pool_and_inline(harness: Harness, segment: SharedSegment) -> None:
     await harness.start()
     client = harness.client
-    # Shared memory: the bytes stay in the segment; only (name, offset) cross NATS.
+    # A lent pool: the bytes stay in the segment; only (token, offset) cross NATS.
     meta, data = chunk(1)
     segment.buf[CHUNK:2 * CHUNK] = data
-    put_buffer = ChunkBuffer(view=segment.buf[CHUNK:2 * CHUNK], shm_name=segment.name, shm_offset=CHUNK)
+    put_buffer = ChunkBuffer(view=segment.buf[CHUNK:2 * CHUNK], pool=segment, pool_offset=CHUNK)
     assert await client.put(meta, put_buffer)
     segment.buf[CHUNK:2 * CHUNK] = b"\0" * CHUNK  # the engine reuses its buffer right after the reply
     assert await client.wait_written(WAIT_S)
-    get_buffer = ChunkBuffer(view=segment.buf[5 * CHUNK:7 * CHUNK], shm_name=segment.name, shm_offset=5 * CHUNK)
+    get_buffer = ChunkBuffer(view=segment.buf[5 * CHUNK:7 * CHUNK], pool=segment, pool_offset=5 * CHUNK)
     got = await client.get_into(meta.key, get_buffer)
     assert got is not None and got.nbytes == CHUNK and got.num_tokens == meta.num_tokens
     assert bytes(segment.buf[5 * CHUNK:6 * CHUNK]) == data
@@ -140,7 +152,7 @@ async def test_round_trip_bit_exact_over_shared_memory_and_inline(harness: Harne
     assert await client.put(meta2, ChunkBuffer(view=memoryview(data2)))
     assert await client.wait_written(WAIT_S)
     assert await harness.get(2) == data2
-    assert await harness.get(1) == data  # a shm-put chunk can be read inline, and vice versa
+    assert await harness.get(1) == data  # a pool-put chunk can be read inline, and vice versa
     assert await client.get_into(meta2.key, get_buffer) is not None
     assert bytes(segment.buf[5 * CHUNK:6 * CHUNK]) == data2
     # The same key twice makes one file; a miss is None; odd sizes work.
@@ -151,7 +163,9 @@ async def test_round_trip_bit_exact_over_shared_memory_and_inline(harness: Harne
     assert await client.contains([key_of(1), key_of(2), key_of(99), key_of(3)]) == 2
     stats = (await client.stats())[0]
     assert stats.num_chunks == 3 and stats.details["puts_duplicate"] == 1
-    assert await client.get_into(meta.key, ChunkBuffer(view=segment.buf[:10], shm_name=segment.name)) is None
+    assert stats.details["puts_pool"] == 1 and stats.details["gets_pool"] == 2 and stats.details["pools"] == 1
+    assert stats.details["puts_inline"] == 3 and stats.details["gets_inline"] == 3
+    assert await client.get_into(meta.key, ChunkBuffer(view=segment.buf[:10], pool=segment)) is None
 
 
 async def test_lru_eviction_keeps_the_size_cap_and_gets_refresh_recency(harness: Harness) -> None:
@@ -302,12 +316,12 @@ async def test_garbage_on_every_subject_leaves_it_serving(harness: Harness) -> N
         ("put", protocol.PutRequest(meta=bad_meta, data=b"1234")),
         ("put", protocol.PutRequest(meta=good_meta, data=b"too short")),
         ("put", protocol.PutRequest(meta=good_meta)),
-        ("put", protocol.PutRequest(meta=good_meta, shm_name="../../etc/passwd")),
-        ("put", protocol.PutRequest(meta=good_meta, shm_name="kvmesh-no-such-segment")),
+        ("put", protocol.PutRequest(meta=good_meta, pool="../../etc/passwd")),
+        ("put", protocol.PutRequest(meta=good_meta, pool="0" * 32)),
         ("put", protocol.PutRequest(meta=protocol.ChunkMeta(key=key_of(8), num_tokens=-1, shape=[], dtype="",
                                                             fmt="", nbytes=-5), data=b"")),
         ("get", protocol.GetRequest(key=b"x" * 40)),
-        ("get", protocol.GetRequest(key=key_of(1), shm_name="kvmesh-no-such-segment", capacity=CHUNK)),
+        ("get", protocol.GetRequest(key=key_of(1), pool="0" * 32, capacity=CHUNK)),
         ("contains", protocol.ChunkKeys(keys=[b"", b"x" * 100])),
         ("pin", protocol.ChunkKeys(keys=[b"bad"], num_tokens=[1, 2, 3], ttl_secs=-1.0)),
         ("remove", protocol.ChunkKeys(keys=[b"bad"])),
@@ -575,8 +589,9 @@ async def test_a_put_whose_bytes_fail_their_checksum_is_refused_before_it_is_adm
     meta, data = chunk(3)
     lying = protocol.ChunkMeta(**{**meta.__dict__, "checksum": meta.checksum ^ 1})
     segment.buf[:CHUNK] = data
+    lent = await harness.lend(segment)
     for request in (protocol.PutRequest(meta=lying, data=data),
-                    protocol.PutRequest(meta=lying, shm_name=segment.name, shm_offset=0)):
+                    protocol.PutRequest(meta=lying, pool=lent.token, pool_offset=0)):
         ack = await harness.request("put", request, protocol.Ack)
         assert not ack.ok and "do not match their checksum" in ack.error
     # a put of a key already held is a duplicate whose bytes are not even read: bad ones change nothing
