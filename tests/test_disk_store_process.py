@@ -200,6 +200,50 @@ async def test_cache_policy_flag_reaches_the_store(nc, store: StoreProcess, segm
     assert (await client.stats())[0].details["cache_policy"] == "FIFO"
 
 
+# An engine process: makes its pool, fills it with chunk 1's bytes, lends it, prints the token, waits for death.
+ENGINE_PROCESS = """
+import hashlib, sys
+from kvmesh.shared.shm import SharedSegment
+from kvmesh.services.disk_store.pool_socket import register
+segment = SharedSegment.create({size})
+segment.buf[:{size}] = hashlib.shake_256(b"data-1").digest({size})
+lent = register({store_id!r}, {caller!r}, segment, 30.0)  # held: the loan lasts while its connection is open
+print(lent.token, flush=True)
+sys.stdin.read()
+"""
+
+
+async def test_the_store_drops_a_pool_when_its_engine_process_dies(nc, store: StoreProcess) -> None:
+    store.start()
+    await store.wait_healthy(nc)
+    client = DiskStoreClient(nc, store.store_id, ENGINE, request_timeout=WAIT_S)
+    engine = subprocess.Popen([sys.executable, "-c", ENGINE_PROCESS.format(size=CHUNK, store_id=store.store_id,
+                                                                           caller=ENGINE)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, preexec_fn=_die_with_parent)
+    try:
+        token = (await asyncio.to_thread(engine.stdout.readline)).decode().strip()
+        assert token, f"the engine process lent no pool:\n{store.log()}"
+        subject = protocol.Subjects.store(store.store_id, "put", ENGINE)
+        ack = await bus.request(nc, subject, protocol.PutRequest(meta=meta_of(1), pool=token), protocol.Ack, WAIT_S)
+        assert ack.ok, ack.error  # the store read the bytes from the other process's pool
+        assert (await client.stats())[0].details["pools"] == 1
+    finally:
+        engine.kill()
+        engine.wait()
+
+    async def dropped() -> bool:
+        details = (await client.stats())[0].details
+        return details["pools"] == 0 and details["pools_dropped"] == 1
+
+    await wait_until_async(dropped, what="the dead engine's pool dropped")
+    ack = await bus.request(nc, subject, protocol.PutRequest(meta=meta_of(2), pool=token), protocol.Ack, WAIT_S)
+    assert not ack.ok and "is not lent by" in ack.error
+    assert await client.wait_written(WAIT_S)
+    out = bytearray(CHUNK)  # chunk 1 is on disk, intact
+    assert await client.get_into(key_of(1), ChunkBuffer(view=memoryview(out))) is not None
+    assert bytes(out) == data_of(1)
+
+
 async def test_sigkill_during_puts_then_restart_returns_only_intact_chunks(nc, store: StoreProcess,
                                                                           segment: SharedSegment) -> None:
     store.start()
