@@ -1,6 +1,7 @@
 """The disk store as its own process (`python -m kvmesh.services.disk_store`): restarts, SIGKILL, the CLI.
 
-The test process is the engine side: a client over a real nats-server, its buffers in a shared pool (a sealed memfd) lent to the store over its pool socket.
+The test process is the engine side: a client over a real nats-server, its buffers in a shared pool (a sealed
+memfd) lent to the store over its pool socket.
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ to threads: copies and file writes to `ChunkWriter` (one staging-copy thread, `w
 reads, deletions and the pins and claims files to the I/O pool (`reader_threads`). The NATS wiring is in
 service.py; this class never sees a subject.
 
-The data path of a put: the engine's pool slice (lent over the pool socket: pools.py) -> (memcpy, hashing each piece) staging buffer ->
-checksum verified against the meta's -> room reserved -> answer "accepted" -> writer thread: chunk file `<tmp>`
-+ fsync + rename -> the key becomes held (visible) -> admission event. A put without a checksum, or whose
+The data path of a put: the engine's pool slice (the pool lent over the pool socket: pools.py) -> (memcpy,
+hashing each piece) staging buffer -> checksum verified against the meta's -> room reserved -> answer
+"accepted" -> writer thread: chunk file `<tmp>` + fsync + rename -> the key becomes held (visible) -> admission
+event. A put without a checksum, or whose
 bytes do not match it, is refused before anything is reserved: it evicts nothing and is never admitted.
 Every put records its caller's claim on the chunk, also when the chunk is already held or being written (then
 only the claim is new); the claims file follows within a second (files.py).
