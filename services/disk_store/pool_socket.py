@@ -22,7 +22,7 @@ import re
 import socket
 import struct
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvmesh.shared.credentials import private_dir, runtime_dir
@@ -88,7 +88,7 @@ class Registration:
     sock: socket.socket
     token: str
     size: int
-    alive: bool = field(default=True)
+    alive: bool = True
 
     def close(self) -> None:
         self.alive = False
