@@ -1,8 +1,9 @@
 """Disk store throughput against the raw disk, measured in the same run; prints JSON.
 
 The store runs as its own process (`python -m kvmesh.services.disk_store`) on a real nats-server; this process
-is the engine-side client: its buffer pool is one shared-memory segment of `--slots` chunk slots, and puts/gets
-pass (segment, offset) over NATS while the store copies / reads the bytes in place.
+is the engine-side client: its buffer pool is one shared segment (a sealed memfd) of `--slots` chunk slots, lent
+to the store over its pool socket, and puts/gets pass (pool token, offset) over NATS while the store copies /
+reads the bytes in place.
 
     python benchmarks/disk_store.py --total-gib 2 --chunk-mib 32
 
@@ -56,7 +57,7 @@ def chunk_key(i: int) -> bytes:
 
 
 class Chunks:
-    """`count` distinct chunks served from `slots` slots of one shared-memory segment (random bytes, the chunk
+    """`count` distinct chunks served from `slots` slots of one shared segment (random bytes, the chunk
     index stamped in the first 8 bytes of its slot)."""
 
     def __init__(self, count: int, nbytes: int, slots: int) -> None:
@@ -83,11 +84,10 @@ class Chunks:
 
     def buffer(self, i: int) -> ChunkBuffer:
         slot = i % self.slots
-        return ChunkBuffer(view=self.view(slot), shm_name=self.segment.name, shm_offset=slot * self.nbytes)
+        return ChunkBuffer(view=self.view(slot), pool=self.segment, pool_offset=slot * self.nbytes)
 
     def close(self) -> None:
         self.segment.close()
-        self.segment.unlink()
 
 
 PUT_LATENCIES: list[float] = []  # seconds from put call to reply (when the engine may reuse its buffer)
@@ -223,6 +223,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 else:
                     t_raw_read += raw_read(raw_dir, chunks, indices)
         stats = (await client.stats())[0]
+        await client.close()
     finally:
         await nc.close()
         store.terminate()
@@ -250,7 +251,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "read_ratio": round(t_raw_read / t_store_read, 3),
         "put_reply_ms_p50": round(float(np.percentile(PUT_LATENCIES, 50)) * 1e3, 2),
         "put_reply_ms_p90": round(float(np.percentile(PUT_LATENCIES, 90)) * 1e3, 2),
-        "store_stats": {k: stats.details.get(k) for k in ("writes_done", "write_errors", "hits", "corrupt_dropped")},
+        "store_stats": {k: stats.details.get(k) for k in ("writes_done", "write_errors", "hits", "corrupt_dropped",
+                                                          "puts_pool", "puts_inline", "gets_pool", "gets_inline")},
         "filesystem_dir": str(args.dir or tempfile.gettempdir()),
     }
 
@@ -259,7 +261,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--total-gib", type=float, default=2.0)
     parser.add_argument("--chunk-mib", type=float, default=32.0)
-    parser.add_argument("--slots", type=int, default=8, help="chunk slots in the client's shared-memory pool")
+    parser.add_argument("--slots", type=int, default=8, help="chunk slots in the client's shared pool")
     parser.add_argument("--inflight", type=int, default=4, help="puts/gets in flight (<= slots)")
     parser.add_argument("--round-mib", type=float, default=256.0,
                         help="store and raw alternate in rounds of this many MiB (ABBA order)")

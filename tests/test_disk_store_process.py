@@ -1,6 +1,7 @@
 """The disk store as its own process (`python -m kvmesh.services.disk_store`): restarts, SIGKILL, the CLI.
 
-The test process is the engine side: a client over a real nats-server, its buffers in a shared-memory segment.
+The test process is the engine side: a client over a real nats-server, its buffers in a shared pool (a sealed
+memfd) lent to the store over its pool socket.
 """
 
 from __future__ import annotations
@@ -111,16 +112,16 @@ def segment() -> Iterator[SharedSegment]:
 
 def slot(segment: SharedSegment, i: int) -> ChunkBuffer:
     offset = (i % SLOTS) * CHUNK
-    return ChunkBuffer(view=segment.buf[offset:offset + CHUNK], shm_name=segment.name, shm_offset=offset)
+    return ChunkBuffer(view=segment.buf[offset:offset + CHUNK], pool=segment, pool_offset=offset)
 
 
-async def put_shm(client: DiskStoreClient, segment: SharedSegment, i: int) -> bool:
+async def put_pool(client: DiskStoreClient, segment: SharedSegment, i: int) -> bool:
     buffer = slot(segment, i)
     buffer.view[:] = data_of(i)
     return await client.put(meta_of(i), buffer)
 
 
-async def get_shm(client: DiskStoreClient, segment: SharedSegment, i: int) -> bytes | None:
+async def get_pool(client: DiskStoreClient, segment: SharedSegment, i: int) -> bytes | None:
     buffer = slot(segment, i)
     buffer.view[:] = b"\0" * CHUNK
     meta = await client.get_into(key_of(i), buffer)
@@ -136,9 +137,9 @@ async def full_store_with_chunk_1_read(nc, store: StoreProcess, segment: SharedS
     await store.wait_healthy(nc)
     client = DiskStoreClient(nc, store.store_id, ENGINE, request_timeout=WAIT_S)
     for i in (1, 2, 3):
-        assert await put_shm(client, segment, i)
+        assert await put_pool(client, segment, i)
     assert await client.wait_written(WAIT_S)
-    assert await get_shm(client, segment, 1) == data_of(1)
+    assert await get_pool(client, segment, 1) == data_of(1)
     return client
 
 
@@ -154,10 +155,10 @@ async def test_chunks_persist_across_a_restart_with_their_lru_order(nc, store: S
     stats = (await client.stats())[0]
     assert stats.num_chunks == 3 and stats.pinned_chunks == 1
     # The LRU order survived (2 is the oldest: 1 was read after it was written), and so did 3's pin.
-    assert await put_shm(client, segment, 4) and await client.wait_written(WAIT_S)
+    assert await put_pool(client, segment, 4) and await client.wait_written(WAIT_S)
     assert [await client.contains([key_of(i)]) for i in (1, 2, 3, 4)] == [1, 0, 1, 1]
     for i in (1, 3, 4):
-        assert await get_shm(client, segment, i) == data_of(i)
+        assert await get_pool(client, segment, i) == data_of(i)
 
 
 def kvmesh_wipe(nats_url: str, *store_ids: str) -> tuple[int, list[dict[str, object]], str]:
@@ -176,7 +177,7 @@ async def test_claims_survive_a_process_restart_and_the_operator_wipes_with_the_
     a, b = (DiskStoreClient(nc, store.store_id, protocol.Principal.engine(tenant).producer("w0"),
                             request_timeout=WAIT_S) for tenant in ("tenant-a", "tenant-b"))
     for i, client in ((1, a), (2, a), (2, b), (3, b)):
-        assert await put_shm(client, segment, i)
+        assert await put_pool(client, segment, i)
     assert await a.wait_written(WAIT_S)
     assert store.stop() == 0  # SIGTERM: the claims are saved at close
     store.start()
@@ -195,9 +196,53 @@ async def test_claims_survive_a_process_restart_and_the_operator_wipes_with_the_
 async def test_cache_policy_flag_reaches_the_store(nc, store: StoreProcess, segment: SharedSegment) -> None:
     """`--cache-policy FIFO`: the read of chunk 1 does not save it, unlike under LRU (the restart test above)."""
     client = await full_store_with_chunk_1_read(nc, store, segment, "--cache-policy", "fifo")
-    assert await put_shm(client, segment, 4) and await client.wait_written(WAIT_S)
+    assert await put_pool(client, segment, 4) and await client.wait_written(WAIT_S)
     assert [await client.contains([key_of(i)]) for i in (1, 2, 3, 4)] == [0, 1, 1, 1]
     assert (await client.stats())[0].details["cache_policy"] == "FIFO"
+
+
+# An engine process: makes its pool, fills it with chunk 1's bytes, lends it, prints the token, waits for death.
+ENGINE_PROCESS = """
+import hashlib, sys
+from kvmesh.shared.shm import SharedSegment
+from kvmesh.services.disk_store.pool_socket import register
+segment = SharedSegment.create({size})
+segment.buf[:{size}] = hashlib.shake_256(b"data-1").digest({size})
+lent = register({store_id!r}, {caller!r}, segment, 30.0)  # held: the loan lasts while its connection is open
+print(lent.token, flush=True)
+sys.stdin.read()
+"""
+
+
+async def test_the_store_drops_a_pool_when_its_engine_process_dies(nc, store: StoreProcess) -> None:
+    store.start()
+    await store.wait_healthy(nc)
+    client = DiskStoreClient(nc, store.store_id, ENGINE, request_timeout=WAIT_S)
+    engine = subprocess.Popen([sys.executable, "-c", ENGINE_PROCESS.format(size=CHUNK, store_id=store.store_id,
+                                                                           caller=ENGINE)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, preexec_fn=_die_with_parent)
+    try:
+        token = (await asyncio.to_thread(engine.stdout.readline)).decode().strip()
+        assert token, f"the engine process lent no pool:\n{store.log()}"
+        subject = protocol.Subjects.store(store.store_id, "put", ENGINE)
+        ack = await bus.request(nc, subject, protocol.PutRequest(meta=meta_of(1), pool=token), protocol.Ack, WAIT_S)
+        assert ack.ok, ack.error  # the store read the bytes from the other process's pool
+        assert (await client.stats())[0].details["pools"] == 1
+    finally:
+        engine.kill()
+        engine.wait()
+
+    async def dropped() -> bool:
+        details = (await client.stats())[0].details
+        return details["pools"] == 0 and details["pools_dropped"] == 1
+
+    await wait_until_async(dropped, what="the dead engine's pool dropped")
+    ack = await bus.request(nc, subject, protocol.PutRequest(meta=meta_of(2), pool=token), protocol.Ack, WAIT_S)
+    assert not ack.ok and "is not lent by" in ack.error
+    assert await client.wait_written(WAIT_S)
+    out = bytearray(CHUNK)  # chunk 1 is on disk, intact
+    assert await client.get_into(key_of(1), ChunkBuffer(view=memoryview(out))) is not None
+    assert bytes(out) == data_of(1)
 
 
 async def test_sigkill_during_puts_then_restart_returns_only_intact_chunks(nc, store: StoreProcess,
@@ -210,7 +255,7 @@ async def test_sigkill_during_puts_then_restart_returns_only_intact_chunks(nc, s
 
     async def stream(first: int) -> None:  # 4 streams, one put in flight each: faster than fsync'd writes
         for i in range(first, 10_000, 4):
-            if await put_shm(client, segment, i):
+            if await put_pool(client, segment, i):
                 accepted.append(i)
 
     async def in_the_middle_of_the_stream() -> bool:
@@ -243,7 +288,7 @@ async def test_sigkill_during_puts_then_restart_returns_only_intact_chunks(nc, s
     held = [i for i in range(max(accepted) + 8) if await client.contains([key_of(i)])]
     assert len(held) >= 1
     for i in range(max(accepted) + 8):
-        got = await get_shm(client, segment, i)
+        got = await get_pool(client, segment, i)
         assert got is None or got == data_of(i), f"chunk {i} came back corrupt"
         assert (got is not None) == (i in held)
     assert (await client.stats())[0].num_chunks == len(held)

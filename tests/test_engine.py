@@ -257,24 +257,28 @@ def test_register_kv_caches_sets_up_a_deferred_engine(kv: PagedKV) -> None:
         engine.close()
 
 
-def test_pool_segment_lifecycle_and_stale_segments_are_swept() -> None:
-    import subprocess
-    import sys
-    from pathlib import Path
+def test_pool_is_a_sealed_memfd_that_leaves_nothing_in_dev_shm() -> None:
+    import fcntl
+    import os
 
     from kvmesh.services.engine.core.memory_pool import MemoryPool
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = Path("/dev/shm") / f"kvmesh-{int(dead.stdout)}-00c0ffee"
-    stale.write_bytes(b"left by a SIGKILLed engine")
+    before = set(os.listdir("/dev/shm"))
     pool = MemoryPool(4 * 8192, 8192)
     try:
-        assert not stale.exists()
-        assert pool.shm_name is not None and (Path("/dev/shm") / pool.shm_name).exists()
+        segment = pool.segment
+        assert segment is not None and segment.fd is not None and segment.size == 4 * 8192
+        assert set(os.listdir("/dev/shm")) == before  # no name anywhere: nothing to leave behind after a crash
+        seals = fcntl.fcntl(segment.fd, fcntl.F_GET_SEALS)
+        assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW and seals & fcntl.F_SEAL_SEAL
+        with pytest.raises(PermissionError):
+            os.ftruncate(segment.fd, 0)  # nobody can shrink it under a store that maps it
         slot = pool.allocate()
         assert slot is not None and pool.num_free == 3
         buffer = slot.chunk_buffer(100)
-        assert buffer.shm_name == pool.shm_name and buffer.shm_offset == slot.offset and len(buffer.view) == 100
+        assert buffer.pool is segment and buffer.pool_offset == slot.offset and len(buffer.view) == 100
+        buffer.view[:4] = b"kvkv"
+        assert bytes(segment.buf[slot.offset:slot.offset + 4]) == b"kvkv"
         del buffer
         slot.ref()
         slot.release()
@@ -284,12 +288,12 @@ def test_pool_segment_lifecycle_and_stale_segments_are_swept() -> None:
             slot.release()
     finally:
         pool.close()
-    assert not (Path("/dev/shm") / pool.shm_name).exists()
+    assert pool.segment is None and segment.fd is None
 
     plain = MemoryPool(2 * 8192, 8192, use_shm=False)
     try:
-        assert plain.shm_name is None and plain.num_slots == 2
-        assert plain.allocate().chunk_buffer().shm_name is None
+        assert plain.segment is None and plain.num_slots == 2
+        assert plain.allocate().chunk_buffer().pool is None
     finally:
         plain.close()
 

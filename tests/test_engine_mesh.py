@@ -158,6 +158,11 @@ def test_chunks_evicted_from_cpu_come_back_from_the_disk_store(disk_mesh: LocalM
         held_on_cpu = engine.lookup(a, search_range=[LOCAL_CPU])
         assert held_on_cpu == (128 if local_cpu else 0)  # fetched chunks are kept only with local_cpu
         assert engine.storage.stats["fetched_LocalDiskBackend"] == 4
+        # every byte went through the engine's pool, lent to the store once: none inline on NATS
+        disk = engine.storage.lower(LOCAL_DISK)
+        details = engine.nats_loop.call(disk.stats(), WAIT_S, default=[])[0].details
+        assert (details["puts_pool"], details["gets_pool"], details["pools"]) == (8, 4, 1)
+        assert details["puts_inline"] == details["gets_inline"] == 0
 
         # chunks already on disk are not sent again
         done = engine.storage.stats["write_behind_done"]

@@ -4,7 +4,7 @@ Subjects `Subjects.store(store_id, op, caller)`, subscribed as `Subjects.store_o
 path ends the subject (`engine.<instance>.<worker>`, `operator`). Request -> reply:
     put       PutRequest  -> Ack            accepted once the bytes are staged (see writer.py); ok=False + reason;
                                             records the caller's claim (also on a chunk already held)
-    get       GetRequest  -> GetReply       bytes into the requester's shared memory, or inline `data`
+    get       GetRequest  -> GetReply       bytes into the pool the caller lent (pool_socket.py), or inline `data`
     contains  ChunkKeys   -> ContainsReply  how many leading keys are held (complete files)
     touch     ChunkKeys   -> Ack            an engine's hits: these chunks count as just used
     remove    ChunkKeys   -> CommandReply   num_tokens / num_chunks removed, whoever put them
@@ -69,8 +69,9 @@ class DiskStoreService:
         # Gets run concurrently (one per I/O thread), so engines sharing the store do not queue behind one slow
         # read; every other op is handled in arrival order.
         handlers = [Handler("put", protocol.PutRequest, store.put),
-                    Handler.anyone("get", protocol.GetRequest, store.get, max_concurrent=options.reader_threads),
+                    Handler("get", protocol.GetRequest, store.get, max_concurrent=options.reader_threads),
                     *self.ops.handlers()]
+        await store.pools.start()
         await self.endpoint.serve(handlers, reporter, store.details)
         log.info("disk store %s serving %s on %s", options.store_id, options.root, options.nats_url)
 

@@ -2,19 +2,22 @@
 the shared `IndexOps` over this store's index (service.py wires them, with the hooks below).
 
 Who runs what: every method runs on the store's asyncio event loop thread, which alone touches the index
-(a `ChunkIndex[Entry]`, the same bookkeeping as the remote store's) and the segment cache. Blocking work goes
+(a `ChunkIndex[Entry]`, the same bookkeeping as the remote store's) and the lent pools. Blocking work goes
 to threads: copies and file writes to `ChunkWriter` (one staging-copy thread, `writer_threads` writer threads),
 reads, deletions and the pins and claims files to the I/O pool (`reader_threads`). The NATS wiring is in
 service.py; this class never sees a subject.
 
-The data path of a put: the engine's shared-memory slice -> (memcpy, hashing each piece) staging buffer ->
-checksum verified against the meta's -> room reserved -> answer "accepted" -> writer thread: chunk file `<tmp>`
-+ fsync + rename -> the key becomes held (visible) -> admission event. A put without a checksum, or whose
+The data path of a put: the engine's pool slice (the pool lent over the pool socket: pools.py) -> (memcpy,
+hashing each piece) staging buffer -> checksum verified against the meta's -> room reserved -> answer
+"accepted" -> writer thread: chunk file `<tmp>` + fsync + rename -> the key becomes held (visible) -> admission
+event. A put without a checksum, or whose
 bytes do not match it, is refused before anything is reserved: it evicts nothing and is never admitted.
 Every put records its caller's claim on the chunk, also when the chunk is already held or being written (then
 only the claim is new); the claims file follows within a second (files.py).
-A get: index hit -> I/O thread `readinto` straight into the engine's shared-memory slice, checksum verified ->
-answer with the chunk's meta. Inline `data` replaces shared memory for small chunks or clients without it.
+A get: index hit -> I/O thread `readinto` straight into the engine's pool slice, checksum verified ->
+answer with the chunk's meta. Inline `data` replaces the pool for small chunks or clients without a lent pool.
+A request names a pool by the token its engine got when lending it, never by a path: the store opens no file
+that a message names.
 """
 
 from __future__ import annotations
@@ -32,11 +35,11 @@ from kvmesh.shared.chunk_index import ChunkIndex, SpaceRefused
 from kvmesh.shared.errors import StoreError
 from kvmesh.shared.eviction import Clock
 from kvmesh.shared.keys import KEY_BYTES, ChunkKey
-from kvmesh.shared.shm import SegmentCache
 from kvmesh.shared.state_file import CLAIMS_NAME, CLAIMS_SAVE_INTERVAL, CoalescedSave, load_claims, save_claims
 from kvmesh.services.disk_store import files
 from kvmesh.services.disk_store.index import Entry, pin_records, restore_pins
 from kvmesh.services.disk_store.options import DiskStoreOptions
+from kvmesh.services.disk_store.pools import PoolRegistry
 from kvmesh.services.disk_store.writer import ChunkWriter, StagingBuffer, StagingPool, WriteFaults
 
 log = logging.getLogger(__name__)
@@ -62,14 +65,16 @@ class DiskStore:
         self.started_at = time.time()
         self.counters: dict[str, int] = dict.fromkeys(
             ("puts_accepted", "puts_duplicate", "puts_refused", "writes_done", "write_errors", "gets", "hits",
-             "corrupt_dropped", "checksum_failures", "evicted"), 0)
+             "corrupt_dropped", "checksum_failures", "evicted", "puts_pool", "puts_inline", "gets_pool",
+             "gets_inline"), 0)
         self.last_write_error: str | None = None
         self.scan_report: chunk_file.ScanReport | None = None
         self._lock_fd: int | None = None
         self._writer: ChunkWriter | None = None
         self._io: ThreadPoolExecutor | None = None
         self._staging = StagingPool(0)
-        self._segments = SegmentCache()
+        self.pools = PoolRegistry(options.store_id, options.max_pools, options.pool_hello_max_bytes,
+                                  options.pool_hello_timeout_secs)
         self._writes: dict[ChunkKey, asyncio.Future[None]] = {}  # pending key -> resolves when it lands
         self._deleting: dict[ChunkKey, asyncio.Future[Any]] = {}  # key -> its file deletion in flight
         self._background: set[asyncio.Future[Any]] = set()
@@ -120,7 +125,7 @@ class DiskStore:
         if self._io is not None:
             self._io.shutdown(wait=True)
         self._staging.close()
-        self._segments.close()
+        await self.pools.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -147,7 +152,7 @@ class DiskStore:
             if meta.nbytes < 0 or meta.num_tokens < 0:
                 raise StoreError(f"bad sizes: nbytes={meta.nbytes}, num_tokens={meta.num_tokens}")
             chunk_file.check_meta(meta)
-            source = self._put_source(request)
+            source = self._put_source(request, caller)
         except (StoreError, ValueError) as exc:
             return self._refuse(meta.key, str(exc))
         key = meta.key
@@ -213,15 +218,18 @@ class DiskStore:
         self.save_soon()
         return True
 
-    def _put_source(self, request: protocol.PutRequest) -> memoryview:
+    def _put_source(self, request: protocol.PutRequest, caller: str) -> memoryview:
         nbytes = request.meta.nbytes
         if request.data is not None:
             if len(request.data) != nbytes:
                 raise StoreError(f"inline data is {len(request.data)} bytes, meta says {nbytes}")
+            self.counters["puts_inline"] += 1
             return memoryview(request.data)
-        if request.shm_name:
-            return self._segments.view(request.shm_name, request.shm_offset, nbytes)
-        raise StoreError("put without data: neither shm_name nor data given")
+        if request.pool:
+            view = self.pools.view(request.pool, caller, request.pool_offset, nbytes)
+            self.counters["puts_pool"] += 1
+            return view
+        raise StoreError("put without data: neither a pool nor inline data given")
 
     def _check_free_space(self, nbytes: int) -> None:
         if self.faults.no_space_check:
@@ -273,7 +281,8 @@ class DiskStore:
         return protocol.Ack(ok=False, error=f"disk store {self.options.store_id}: put refused: {reason}")
 
     # ---- get -------------------------------------------------------------------------------------------
-    async def get(self, request: protocol.GetRequest) -> protocol.GetReply:
+    async def get(self, request: protocol.GetRequest, caller: str) -> protocol.GetReply:
+        """Read a chunk into the pool `caller` lent (or inline)."""
         self.counters["gets"] += 1
         key = request.key
         try:
@@ -285,16 +294,18 @@ class DiskStore:
             return protocol.GetReply(found=False)
         inline: bytearray | None = None
         try:
-            if request.shm_name:
+            if request.pool:
                 if request.capacity < entry.nbytes:
                     raise StoreError(f"buffer of {request.capacity} bytes is too small for {entry.nbytes}")
-                out = self._segments.view(request.shm_name, request.shm_offset, entry.nbytes)
+                out = self.pools.view(request.pool, caller, request.pool_offset, entry.nbytes)
+                self.counters["gets_pool"] += 1
             else:
                 if entry.nbytes > self.max_inline_bytes:
                     raise StoreError(f"chunk of {entry.nbytes} bytes is over the inline limit "
-                                     f"({self.max_inline_bytes}): use shared memory")
+                                     f"({self.max_inline_bytes}): lend a pool")
                 inline = bytearray(entry.nbytes)
                 out = memoryview(inline)
+                self.counters["gets_inline"] += 1
         except StoreError as exc:
             return protocol.GetReply(found=False, error=str(exc))
         self.index.touch(key)
@@ -337,7 +348,7 @@ class DiskStore:
             "dir": str(self.root), "location": protocol.LOCAL_DISK, "pending_writes": len(self._writes),
             "reserved_bytes": self.index.reserved_bytes, "staged_bytes": self._staging.in_use,
             "staging_capacity": self._staging.capacity_bytes, "fsync": self.options.fsync,
-            "last_write_error": self.last_write_error, **self.counters,
+            "last_write_error": self.last_write_error, **self.counters, **self.pools.details(),
         }
 
     # ---- background file work --------------------------------------------------------------------------

@@ -157,7 +157,7 @@ class CacheEngine:
             self.nats_loop.connect(url, credentials_for(url, principal, auth_from_config(config)))
         log.info("cache engine %s: chunk %d tokens = %.1f MiB (%s), CPU pool %d chunks%s%s", self.worker_id,
                  config.chunk_size, layout.chunk_nbytes(config.chunk_size) / 2**20, fmt, self.pool.num_slots,
-                 " (shared memory)" if self.pool.shm_name else "",
+                 " (shared memory)" if self.pool.segment is not None else "",
                  f", mesh {self._connection.url} ({self.plan.mode})" if self._connection and self.plan else "")
 
     @property
