@@ -38,6 +38,9 @@ class SharedSegment:
         fd = os.memfd_create(label, os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
+            # Reserve every page now: a sparse segment that memory cannot back later kills the first process
+            # that touches it (SIGBUS), and ranks next to NCCL's and vLLM's own shared memory overcommit easily.
+            os.posix_fallocate(fd, 0, size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _OWNER_SEALS)
             return cls(fd, size, keep_fd=True)
         except BaseException:

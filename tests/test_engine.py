@@ -257,6 +257,35 @@ def test_register_kv_caches_sets_up_a_deferred_engine(kv: PagedKV) -> None:
         engine.close()
 
 
+def test_the_pool_is_reserved_for_real_and_a_pool_memory_cannot_back_is_a_clean_refusal(
+        kv: PagedKV, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import errno
+    import os
+
+    from kvmesh.services.engine.core.memory_pool import MemoryPool
+
+    reserved: list[tuple[int, int]] = []
+    fallocate = os.posix_fallocate
+    monkeypatch.setattr(os, "posix_fallocate", lambda fd, offset, size: (reserved.append((offset, size)),
+                                                                        fallocate(fd, offset, size)))
+    pool = MemoryPool(4 * 8192, 8192)
+    try:
+        assert reserved == [(0, 4 * 8192)] and pool.num_free == 4
+    finally:
+        pool.close()
+
+    def no_memory(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_memory)
+    with caplog.at_level("ERROR"), make_engine(kv) as engine:  # serves, caches nothing, says why
+        assert engine.pool.num_slots == 0
+        tokens = random_tokens(2 * CHUNK, seed=63)
+        engine.store(tokens, **kv.kv(kv.slots(2 * CHUNK)))
+        assert engine.lookup(tokens) == 0
+    assert any("does not fit" in r.getMessage() and "max_local_cpu_size" in r.getMessage() for r in caplog.records)
+
+
 def test_pool_is_a_sealed_memfd_that_leaves_nothing_in_dev_shm() -> None:
     import fcntl
     import os

@@ -14,6 +14,7 @@ sharing (`use_shm=False`), or when the memfd cannot be made, it is plain process
 
 from __future__ import annotations
 
+import errno
 import gc
 import logging
 import threading
@@ -93,9 +94,18 @@ class MemoryPool:
                 try:
                     self.segment = SharedSegment.create(size)
                 except OSError as exc:
-                    log.warning("cannot make a shared CPU pool of %.2f GB (%s): using process memory; the disk "
-                                "store will receive chunk bytes by copy instead of in place", size / 1024**3, exc)
-            if self.segment is not None:
+                    if exc.errno in (errno.ENOSPC, errno.ENOMEM):  # the memory is not there: no pool at all
+                        log.error("the CPU pool of %.2f GB does not fit in this host's memory (%s): KVMesh caches "
+                                  "nothing in this process; lower max_local_cpu_size (it is per rank)",
+                                  size / 1024**3, exc)
+                        size, self.num_slots = 0, 0
+                    else:
+                        log.warning("cannot make a shared CPU pool of %.2f GB (%s): using process memory; the "
+                                    "disk store will receive chunk bytes by copy instead of in place",
+                                    size / 1024**3, exc)
+            if size == 0:
+                self._base = torch.empty(0, dtype=torch.uint8)
+            elif self.segment is not None:
                 self._base = torch.frombuffer(self.segment.buf, dtype=torch.uint8)
             else:
                 self._base = torch.empty(size, dtype=torch.uint8)
