@@ -15,13 +15,10 @@ crash within that second, or a directory from before claims) has no claim: it is
 from __future__ import annotations
 
 import fcntl
-import logging
 import os
 from pathlib import Path
 
 from kvmesh.shared.errors import StoreError
-
-log = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
 
