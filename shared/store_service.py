@@ -162,9 +162,10 @@ class IndexOps(Generic[E]):
                 f"store {self.store_id}: wipe is the operator's alone, not {caller}'s (a caller clears its own "
                 "chunks with `clear`)"))
         discarded = [entry for _, entry in self.index.in_flight_items()]
-        removed = self.index.wipe()
-        log.info("store %s: wiped %d chunks; %d pinned kept", self.store_id, len(removed), self.index.pinned_count)
-        return await self._removed("wipe", removed, discarded)
+        reply = await self._removed("wipe", self.index.wipe(), discarded)
+        log.info("store %s: wiped %d chunks (%d tokens); %d pinned kept", self.store_id, reply.num_chunks,
+                 reply.num_tokens, self.index.pinned_count)
+        return reply
 
     async def _removed(self, op: str, removed: list[tuple[ChunkKey, E]], discarded: list[E]) -> protocol.CommandReply:
         self._free(removed)
