@@ -195,7 +195,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     command = [sys.executable, "-m", "kvmesh.services.disk_store", "--nats-url", server.url, "--dir", str(store_dir),
                "--max-size-gb", f"{total * 1.1 / GiB + 0.1:.3f}", "--store-id", STORE_ID,
                "--writer-threads", str(args.writer_threads), "--staging-mb", str(args.staging_mb),
-               "--log-level", "WARNING"] + (["--no-fsync"] if args.no_fsync else [])
+               "--log-level", "WARNING"] + (["--no-fsync"] if args.no_fsync else []) + \
+        (["--durable-puts"] if args.durable_puts else [])
     store = subprocess.Popen(command, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})
     nc = await bus.connect(server.url, name="bench-client")
@@ -244,7 +245,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "fsync_per_file": not args.no_fsync, "page_cache_dropped": dropped, "inflight": args.inflight,
         "rounds": len(rounds),
         "writer_threads": args.writer_threads, "staging_mb": args.staging_mb,
-        "put_mode": "staged (reply after copy)" if args.staging_mb > 0 else "write-through (reply after fsync)",
+        "put_mode": "durable (reply after file and directory fsync)" if args.durable_puts else
+                    "staged (reply after copy)" if args.staging_mb > 0 else "write-through (reply after fsync)",
         "store_write_GBps": gbps(t_store_write), "raw_write_GBps": gbps(t_raw_write),
         "write_ratio": round(t_raw_write / t_store_write, 3),
         "store_read_GBps": gbps(t_store_read), "raw_read_GBps": gbps(t_raw_read),
@@ -268,6 +270,7 @@ def main() -> None:
     parser.add_argument("--writer-threads", type=int, default=1)
     parser.add_argument("--staging-mb", type=float, default=512.0, help="0 = write-through puts")
     parser.add_argument("--no-fsync", action="store_true")
+    parser.add_argument("--durable-puts", action="store_true", help="the store's --durable-puts (no staging)")
     parser.add_argument("--no-drop-caches", action="store_true")
     parser.add_argument("--dir", help="where to put the store's and the raw files (default: $TMPDIR)")
     args = parser.parse_args()

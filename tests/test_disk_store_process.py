@@ -321,3 +321,82 @@ async def test_started_from_the_lmcache_config_file(nc, nats_server: EmbeddedNat
         assert stats.capacity_bytes == 1024**3 // 2 and Path(stats.details["dir"]) == disk and disk.is_dir()
     finally:
         assert process.stop() == 0
+
+
+async def restart(nc, store: StoreProcess, *flags: str) -> None:
+    """SIGKILL the store (no close, no final save), then start it again on the same directory."""
+    store.stop(signal.SIGKILL)
+    store.start(*flags)
+    await store.wait_healthy(nc)
+
+
+async def test_pins_unpins_and_clears_are_on_disk_once_answered(nc, store: StoreProcess,
+                                                               segment: SharedSegment) -> None:
+    """Each answer waits for the pins and claims files, so a SIGKILL right after it loses nothing answered."""
+    store.start()
+    await store.wait_healthy(nc)
+    client = DiskStoreClient(nc, store.store_id, ENGINE, request_timeout=WAIT_S)
+    for i in range(SLOTS):
+        assert await put_pool(client, segment, i)
+    assert await client.wait_written(WAIT_S)
+    # a burst of pins in flight together (they share the writes of the pins file)
+    assert await asyncio.gather(*(client.pin([key_of(i)], [256]) for i in range(6))) == [256] * 6
+    await restart(nc, store)
+    assert (await client.stats())[0].pinned_chunks == 6
+
+    assert await client.unpin([key_of(0)], [256]) == 256
+    await restart(nc, store)
+    assert (await client.stats())[0].pinned_chunks == 5
+
+    assert await client.clear() == SLOTS * 256  # every chunk was this caller's (claims saved with the pins)
+    await restart(nc, store)
+    assert await client.clear() == 0  # the clear was on disk: nothing of this caller's came back
+    stats = (await client.stats())[0]
+    assert stats.pinned_chunks == 5 and stats.details["claimants"] == 0
+
+
+async def test_a_pin_whose_state_cannot_be_saved_says_so_and_the_store_goes_on(nc, store: StoreProcess,
+                                                                              segment: SharedSegment) -> None:
+    store.start()
+    await store.wait_healthy(nc)
+    client = DiskStoreClient(nc, store.store_id, ENGINE, request_timeout=WAIT_S)
+    assert await put_pool(client, segment, 1) and await client.wait_written(WAIT_S)
+    blocker = store.root / "pins.msgpack.tmp"
+    blocker.mkdir()  # the pins file's temporary name is taken: the rewrite fails (as on a full or failing disk)
+    subject = protocol.Subjects.store(store.store_id, "pin", ENGINE)
+    reply = await bus.request(nc, subject, protocol.ChunkKeys(keys=[key_of(1)], num_tokens=[256]),
+                              protocol.CommandReply, WAIT_S)
+    assert not reply.ok and "could not be saved" in reply.error and "pins.msgpack.tmp" in reply.error
+    assert await get_pool(client, segment, 1) == data_of(1)  # still serving
+    blocker.rmdir()
+    reply = await bus.request(nc, subject, protocol.ChunkKeys(keys=[key_of(1)], num_tokens=[256]),
+                              protocol.CommandReply, WAIT_S)
+    assert reply.ok and reply.num_tokens == 256
+    await restart(nc, store)
+    assert (await client.stats())[0].pinned_chunks == 1
+
+
+async def test_durable_puts_are_answered_once_their_file_is_on_disk(nc, store: StoreProcess,
+                                                                   segment: SharedSegment) -> None:
+    store.start("--durable-puts")
+    await store.wait_healthy(nc)
+    client = DiskStoreClient(nc, store.store_id, ENGINE, request_timeout=WAIT_S)
+    for i in range(4):
+        assert await put_pool(client, segment, i)
+        # at once, without waiting for the store: the file is complete and verifies
+        out = bytearray(CHUNK)
+        assert chunk_file.read_chunk_into(chunk_file.chunk_path(store.root, key_of(i)), memoryview(out)) == meta_of(i)
+        assert bytes(out) == data_of(i)
+    details = (await client.stats())[0].details
+    assert details["durable_puts"] is True and details["staging_capacity"] == 0 and details["pending_writes"] == 0
+    await restart(nc, store, "--durable-puts")  # right after the last answer
+    assert await client.contains([key_of(i) for i in range(4)]) == 4
+    for i in range(4):
+        assert await get_pool(client, segment, i) == data_of(i)
+
+
+def test_durable_puts_need_fsync(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvmesh.services.disk_store", "--dir", str(tmp_path), "--max-size-gb", "1",
+         "--durable-puts", "--no-fsync"], capture_output=True, text=True, timeout=2 * WAIT_S, stdin=subprocess.DEVNULL)
+    assert result.returncode == 2 and "--durable-puts needs fsync" in result.stderr

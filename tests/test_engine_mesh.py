@@ -415,23 +415,35 @@ def test_cpu_hits_refresh_recency_in_the_disk_store(small_disk_mesh: LocalMesh, 
 def test_a_chunk_whose_meta_is_not_what_its_key_holds_is_a_miss(disk_mesh: LocalMesh, kv: PagedKV,
                                                                 tmp_path: Path) -> None:
     """A well-formed chunk file whose header (checks and all) describes something else than what the engine
-    expects under that key is never loaded: the hit ends before it, and those tokens are recomputed."""
+    expects under that key (another layout's chunk: KV format, byte size, token count, dtype) is never loaded: the
+    hit ends before it, the store's answer counts as a bad meta, and those tokens are recomputed."""
     root = tmp_path / "disk"
     engine = engine_on(str(disk_mesh.nats_url), kv, local_disk=str(root), cpu_chunks=8, local_cpu=False)
     try:
-        tokens = random_tokens(128, seed=12)  # 4 chunks
-        src = kv.slots(128)
+        tokens = random_tokens(192, seed=12)  # 6 chunks
+        src = kv.slots(192)
         wait_until(lambda: engine.storage.lower(LOCAL_DISK) is not None, what="the disk store client")
         _store_and_settle(engine, tokens, kv, src)
         keys = engine.hasher.keys(tokens)
-        assert engine.lookup(tokens, search_range=[LOCAL_DISK]) == 128
-        for position, change in ((2, {"num_tokens": CHUNK - 1}), (1, {"dtype": "float64"})):
+        assert engine.lookup(tokens, search_range=[LOCAL_DISK]) == 192
+        intact = torch.zeros(192, dtype=torch.bool)
+        assert torch.equal(engine.retrieve(tokens, **kv.kv(kv.slots(192, exclude=src))), ~intact)
+        changes = ((4, {"fmt": "another-layout"}), (3, {"nbytes": -2}), (2, {"num_tokens": CHUNK - 1}),
+                   (1, {"dtype": "float64"}))
+        bad_metas = 0
+        for position, change in changes:
             path = chunk_file.chunk_path(root, keys[position])
             meta, offset = chunk_file.read_chunk_meta(path)
             data = path.read_bytes()[offset:]
+            if "nbytes" in change:  # a shorter chunk, its checksum right: only its size gives it away
+                data = data[:change["nbytes"]]
+                change = {"nbytes": len(data), "checksum": chunk_file.checksum(data)}
             chunk_file.write_chunk_file(root, dataclasses.replace(meta, **change), data)  # a valid file
-            got = engine.retrieve(tokens, **kv.kv(kv.slots(128, exclude=src)))
+            got = engine.retrieve(tokens, **kv.kv(kv.slots(192, exclude=src)))
             assert int(got.sum()) == position * CHUNK  # the chunks before it, never it or what follows
-        assert engine.storage.stats["fetched_LocalDiskBackend"] == 2 + 1
+            # counted (the chunks read together with it that are bad too count as well)
+            assert engine.storage.stats["fetch_bad_meta"] > bad_metas
+            bad_metas = engine.storage.stats["fetch_bad_meta"]
+        assert engine.storage.stats["fetched_LocalDiskBackend"] == 6 + 4 + 3 + 2 + 1
     finally:
         engine.close()

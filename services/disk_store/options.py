@@ -46,6 +46,7 @@ class DiskStoreOptions:
     max_pools: int = 64  # engine pools lent at once on the pool socket (pools.py), hellos in progress included
     pool_hello_max_bytes: int = 4096  # the largest hello a pool connection may send
     pool_hello_timeout_secs: float = 5.0  # how long a new pool connection may take to send its hello
+    durable_puts: bool = False  # answer a put only once its file is durable (fsync'd, renamed, directory fsync'd)
 
     def to_args(self) -> list[str]:
         """The flags that start a store with these options (`--nats-url` and credentials excepted)."""
@@ -56,6 +57,8 @@ class DiskStoreOptions:
                 "--pool-hello-timeout", repr(self.pool_hello_timeout_secs)]
         if not self.fsync:
             args.append("--no-fsync")
+        if self.durable_puts:
+            args.append("--durable-puts")
         return args
 
     def service_spec(self) -> ServiceSpec:
@@ -86,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the largest hello a pool connection may send (default 4096)")
     parser.add_argument("--pool-hello-timeout", type=float, default=5.0,
                         help="seconds a new pool connection may take to send its hello (default 5)")
+    parser.add_argument("--durable-puts", action="store_true",
+                        help="answer a put only once its chunk file is written, fsync'd and renamed into place "
+                             "(directory fsync'd); default: once the bytes are staged in memory")
     parser.add_argument("--log-level", help="log level (default: $KVMESH_LOG_LEVEL, else INFO)")
     add_nats_auth_flags(parser)
     return parser
@@ -119,11 +125,13 @@ def options_from_args(args: argparse.Namespace, environ: dict[str, str] | None =
     if args.max_pools < 1 or args.pool_hello_max_bytes < 64 or not args.pool_hello_timeout > 0:
         raise ConfigError("disk store: --max-pools must be >= 1, --pool-hello-max-bytes >= 64, "
                           "--pool-hello-timeout > 0")
+    if args.durable_puts and args.no_fsync:
+        raise ConfigError("disk store: --durable-puts needs fsync: drop --no-fsync")
     return DiskStoreOptions(
         root=root, capacity_bytes=capacity, store_id=args.store_id or disk_store_id(),
         nats_url=normalize_url(nats_url), auth=nats_auth_from_args(args, env),
         cache_policy=args.cache_policy or (config.cache_policy if config is not None else "LRU"),
-        fsync=not args.no_fsync,
+        fsync=not args.no_fsync, durable_puts=args.durable_puts,
         writer_threads=args.writer_threads, reader_threads=args.reader_threads,
         staging_bytes=round(args.staging_mb * 2**20), max_pools=args.max_pools,
         pool_hello_max_bytes=args.pool_hello_max_bytes, pool_hello_timeout_secs=args.pool_hello_timeout)

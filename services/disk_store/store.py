@@ -12,6 +12,8 @@ hashing each piece) staging buffer -> checksum verified against the meta's -> ro
 "accepted" -> writer thread: chunk file `<tmp>` + fsync + rename -> the key becomes held (visible) -> admission
 event. A put without a checksum, or whose
 bytes do not match it, is refused before anything is reserved: it evicts nothing and is never admitted.
+With `durable_puts` the answer waits for the file instead: written, fsync'd, renamed into place, directory
+fsync'd (write-through, staging unused), so an accepted put survives a crash or power loss.
 Every put records its caller's claim on the chunk, also when the chunk is already held or being written (then
 only the claim is new); the claims file follows within a second (files.py).
 A get: index hit -> I/O thread `readinto` straight into the engine's pool slice, checksum verified ->
@@ -35,9 +37,9 @@ from kvmesh.shared.chunk_index import ChunkIndex, SpaceRefused
 from kvmesh.shared.errors import StoreError
 from kvmesh.shared.eviction import Clock
 from kvmesh.shared.keys import KEY_BYTES, ChunkKey
-from kvmesh.shared.state_file import CLAIMS_NAME, CLAIMS_SAVE_INTERVAL, CoalescedSave, load_claims, save_claims
+from kvmesh.shared.state_file import StoreState
 from kvmesh.services.disk_store import files
-from kvmesh.services.disk_store.index import Entry, pin_records, restore_pins
+from kvmesh.services.disk_store.index import Entry
 from kvmesh.services.disk_store.options import DiskStoreOptions
 from kvmesh.services.disk_store.pools import PoolRegistry
 from kvmesh.services.disk_store.writer import ChunkWriter, StagingBuffer, StagingPool, WriteFaults
@@ -78,12 +80,7 @@ class DiskStore:
         self._writes: dict[ChunkKey, asyncio.Future[None]] = {}  # pending key -> resolves when it lands
         self._deleting: dict[ChunkKey, asyncio.Future[Any]] = {}  # key -> its file deletion in flight
         self._background: set[asyncio.Future[Any]] = set()
-        index = self.index
-        self._pins = CoalescedSave("pins", lambda: index.pins_version, lambda: pin_records(index),
-                                   lambda records: files.save_pins(self.root, records))
-        self._claims = CoalescedSave("claims", lambda: index.claims_version, index.claim_table,
-                                     lambda table: save_claims(self.root / CLAIMS_NAME, table),
-                                     min_interval=CLAIMS_SAVE_INTERVAL)
+        self.state = StoreState(self.root, self.index)
 
     # ---- life cycle ------------------------------------------------------------------------------------
     def open(self) -> chunk_file.ScanReport:
@@ -93,18 +90,17 @@ class DiskStore:
         for found in report.chunks:  # least recently used first
             meta = found.meta
             self.index.load(meta.key, Entry(meta.nbytes, file_bytes=found.file_bytes, num_tokens=meta.num_tokens))
-        restored = restore_pins(self.index, files.load_pins(self.root))
-        claimed = self.index.restore_claims(load_claims(self.root / CLAIMS_NAME))
-        for key, _ in self.index.trim_to_capacity():  # the cap shrank since the last run
-            chunk_file.unlink_chunk(self.root, key)
+        restored, claimed = self.state.restore()
+        for key, _ in self.index.trim_to_capacity():  # the cap shrank since the last run (never drops a pin;
+            chunk_file.unlink_chunk(self.root, key)  # claims of trimmed chunks are skipped at the next start)
             self.counters["evicted"] += 1
-        self._pins.mark_saved()  # the files already say so (trimming never drops a pin; claims of trimmed
-        self._claims.mark_saved()  # chunks are skipped at the next start)
         self.scan_report = report
-        self._writer = ChunkWriter(self.root, self.options.writer_threads, self.options.fsync, self.faults)
+        self._writer = ChunkWriter(self.root, self.options.writer_threads, self.options.fsync, self.faults,
+                                   sync_directory=self.options.durable_puts)
         self._io = ThreadPoolExecutor(max_workers=self.options.reader_threads, thread_name_prefix="disk-io")
-        self._pins.executor = self._claims.executor = self._io
-        self._staging = StagingPool(self.options.staging_bytes)
+        self.state.executor = self._io
+        # durable puts are answered after their file, so the bytes stay in the engine's memory until then
+        self._staging = StagingPool(0 if self.options.durable_puts else self.options.staging_bytes)
         log.info("disk store %s: %s holds %d chunks, %d bytes of %d, %s eviction (scan %.3fs; deleted %d tmp, "
                  "%d bad files; %d pins and claims of %d chunks restored)", self.options.store_id, self.root,
                  len(self.index), self.index.used_bytes, self.options.capacity_bytes, self.index.policy_name,
@@ -118,8 +114,7 @@ class DiskStore:
             log.warning("disk store: %d writes still pending at close", len(self._writes))
         if self._background:
             await asyncio.wait(list(self._background), timeout=drain_timeout)
-        await self._pins.close()
-        await self._claims.close()
+        await self.state.close()
         if self._writer is not None:
             self._writer.shutdown()
         if self._io is not None:
@@ -145,6 +140,7 @@ class DiskStore:
         """Take a chunk from `caller` (its path: the chunk's claim).
 
         "ok" means the bytes are staged and match their checksum; the chunk is held once its file is complete.
+        With `durable_puts`, "ok" means the file is complete and durable (module docstring).
         """
         meta = request.meta
         try:
@@ -348,6 +344,7 @@ class DiskStore:
             "dir": str(self.root), "location": protocol.LOCAL_DISK, "pending_writes": len(self._writes),
             "reserved_bytes": self.index.reserved_bytes, "staged_bytes": self._staging.in_use,
             "staging_capacity": self._staging.capacity_bytes, "fsync": self.options.fsync,
+            "durable_puts": self.options.durable_puts,
             "last_write_error": self.last_write_error, **self.counters, **self.pools.details(),
         }
 
@@ -378,8 +375,7 @@ class DiskStore:
     def save_soon(self) -> None:
         """Rewrite the pins and claims files in the background if they changed (bursts coalesce; the claims
         file at most once per CLAIMS_SAVE_INTERVAL)."""
-        self._pins.soon()
-        self._claims.soon()
+        self.state.save_soon()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
