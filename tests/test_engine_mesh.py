@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import socket
 import threading
 from pathlib import Path
 from typing import AsyncIterator, Callable, Iterator
@@ -76,17 +77,22 @@ async def test_worker_agent_registers_reports_and_answers_commands(nats_server: 
         except protocol.ProtocolError:
             pass  # a SyncChunk
 
-    path = protocol.Principal.engine("inst-a").producer("inst-a")
-    await nc.subscribe(Subjects.register(path), cb=on_register)
-    await nc.subscribe(Subjects.events(path), cb=on_event)
+    every_worker = protocol.Principal.engine("inst-a").path + ".*"  # the worker id is the engine's own
+    await nc.subscribe(Subjects.register(every_worker), cb=on_register)
+    await nc.subscribe(Subjects.events(every_worker), cb=on_event)
     await nc.flush()
     engine = await asyncio.to_thread(engine_on, nats_server.url, kv, lmcache_instance_id="inst-a")
+    path = protocol.Principal.engine("inst-a").producer(engine.worker_id)
     try:
-        await wait_until_async(lambda: any(r.worker_id == "inst-a" for r in registrations), what="registration")
+        await wait_until_async(lambda: any(r.worker_id == engine.worker_id for r in registrations),
+                               what="registration")
         reg = registrations[-1]
         assert (reg.instance_id, reg.model, reg.chunk_size, reg.world_size, reg.rank) == ("inst-a", "test-model",
                                                                                           CHUNK, 1, 0)
         assert reg.kv_format == kv.layout.chunk_format() and reg.save_unfull_chunk and reg.disk_store is None
+        # The worker reports where it runs: the address it reaches NATS from (loopback here) and its host name.
+        assert reg.ip == "127.0.0.1" and reg.host == socket.gethostname()
+        assert protocol.is_worker_id_of(reg.worker_id, "inst-a", 1, 0) and reg.worker_id != "inst-a"
 
         prompt = random_tokens(12, seed=1)  # seed 000: a 12-token prompt, one partial chunk
         await asyncio.to_thread(engine.store, prompt, **kv.kv(kv.slots(12)))
@@ -95,7 +101,7 @@ async def test_worker_agent_registers_reports_and_answers_commands(nats_server: 
         assert [b.seq for b in batches] == list(range(1, len(batches) + 1))
 
         async def command(op: str, location: str = LOCAL_CPU, tokens: list[int] | None = None) -> CommandReply:
-            return await bus.request(nc, Subjects.worker("inst-a", "inst-a", op),
+            return await bus.request(nc, Subjects.worker("inst-a", engine.worker_id, op),
                                      WorkerCommand(op=op, location=location, tokens=tokens or []), CommandReply, WAIT_S)
 
         tokens = prompt.tolist()
@@ -111,7 +117,7 @@ async def test_worker_agent_registers_reports_and_answers_commands(nats_server: 
 
         health = await bus.request(nc, Subjects.health(path), protocol.HealthRequest(), protocol.HealthReply,
                                    WAIT_S)
-        assert health.service == "engine" and health.service_id == "inst-a"
+        assert health.service == "engine" and health.service_id == engine.worker_id
     finally:
         await asyncio.to_thread(engine.close)
 
@@ -120,7 +126,8 @@ def test_tensor_parallel_worker_ids(nats_server: EmbeddedNats, kv: PagedKV) -> N
     params = KeyParams(model="m", kv_format="", world_size=2, rank=1)
     engine = CacheEngine(engine_config(nats_url=nats_server.url, lmcache_instance_id="tp"), params, kv.layout)
     try:
-        assert engine.worker_id == "tp.r1"
+        # rank 1 of instance "tp", tagged with this engine's process: unique even where instance ids repeat
+        assert protocol.is_worker_id_of(engine.worker_id, "tp", 2, 1) and engine.worker_id.startswith("tp.r1@")
     finally:
         engine.close()
 
@@ -236,7 +243,7 @@ def test_nats_outage_gives_misses_at_once_and_the_engine_reconnects(kv: PagedKV,
 
             async def answer() -> CommandReply | None:
                 try:
-                    return await bus.request(nc, Subjects.worker("outage", "outage", "lookup"),
+                    return await bus.request(nc, Subjects.worker("outage", engine.worker_id, "lookup"),
                                              WorkerCommand(op="lookup", location=LOCAL_CPU, tokens=b.tolist()),
                                              CommandReply, WAIT_S)
                 except MeshUnavailable:

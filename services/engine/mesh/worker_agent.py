@@ -7,7 +7,9 @@ Runs entirely on the engine's NATS loop thread, started once NATS is first reach
   * answers `WorkerCommand`s on `Subjects.worker(instance_id, worker_id, op)` for op in pin / unpin / clear / lookup at any
     location, through the storage manager's one dispatch (`StorageManager.command`; tokens are hashed with
     the engine's ChunkHasher and the command's extras), replying `CommandReply(num_tokens=...)`;
-  * answers health requests as service "engine".
+  * answers health requests as service "engine";
+  * logs a WARNING when the controller says other live workers claim this worker's instance id and rank
+    (`InstanceConflict`: replicas started with the same lmcache_instance_id).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from typing import Callable
 
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from kvmesh.services.engine.core.storage_manager import COMMAND_OPS, StorageManager
@@ -27,6 +30,8 @@ from kvmesh.shared.protocol import LOCAL_CPU, CommandReply, WorkerCommand
 from kvmesh.shared.service import serve_health
 
 log = logging.getLogger(__name__)
+
+MAX_CONFLICT_NAMES = 8  # a conflict notice is untrusted input: log this many claimants at most
 
 
 class WorkerAgent:
@@ -45,6 +50,7 @@ class WorkerAgent:
                                           flush_interval=flush_interval, heartbeat_interval=heartbeat_interval)
         self._subs: list[Subscription] = []
         self._started = False
+        self._last_conflict: tuple[str, tuple[str, ...]] | None = None
 
     async def start(self, nc: NatsClient) -> None:
         # Report events from now on; the reporter's first full sync covers what was admitted before.
@@ -52,6 +58,8 @@ class WorkerAgent:
         for op in COMMAND_OPS:
             self._subs.append(await bus.serve(nc, protocol.Subjects.worker(self.instance_id, self.worker_id, op),
                                               WorkerCommand, self._make_handler(op)))
+        self._subs.append(await nc.subscribe(
+            protocol.Subjects.worker(self.instance_id, self.worker_id, protocol.CONFLICT_OP), cb=self._on_conflict))
         await serve_health(nc, "engine", self.worker_id, self.path, self._health)
         await self.reporter.start(nc)
         self._started = True
@@ -73,6 +81,22 @@ class WorkerAgent:
                 pass
         self._subs = []
         self._started = False
+
+    async def _on_conflict(self, msg: Msg) -> None:
+        try:
+            notice = protocol.decode(msg.data, protocol.InstanceConflict)
+        except protocol.ProtocolError as exc:
+            log.debug("worker %s: dropped a bad conflict notice: %s", self.worker_id, exc)
+            return
+        seen = (notice.serving, tuple(notice.others[:MAX_CONFLICT_NAMES]))
+        if seen == self._last_conflict:
+            return  # said once already
+        self._last_conflict = seen
+        role = "this worker" if notice.serving == self.worker_id else f"worker {notice.serving!r}"
+        log.warning("instance id %r (rank %d) is claimed by %d live workers: %s. They are not merged: the "
+                    "controller serves the instance id from %s only. Give each vLLM replica its own "
+                    "lmcache_instance_id", notice.instance_id, notice.rank, len(notice.others),
+                    "; ".join(notice.others[:MAX_CONFLICT_NAMES]), role)
 
     def _health(self) -> dict[str, object]:
         return {"worker_id": self.worker_id, "cpu_chunks": len(self.cpu), "cpu_used_bytes": self.cpu.used_bytes,
