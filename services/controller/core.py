@@ -23,6 +23,13 @@ from kvmesh.services.controller.ops import EventLog, EventRecord
 from kvmesh.services.controller.producers import Limits, Producer, ProducerTable
 
 
+# /health error codes per rank (LMCache's convention: 0 healthy, anything else an error).
+HEALTH_OK = 0
+HEALTH_SILENT = 1  # no heartbeat within --liveness-timeout
+HEALTH_MISSING = 2  # a rank of the instance's world_size that has not registered
+ALL_INSTANCES = "all"  # /query_worker_info's instance_id for every instance (LMCache's)
+
+
 @dataclass(frozen=True)
 class CommandResult:
     event_id: str
@@ -146,13 +153,20 @@ class ControllerCore:
     def _age(self, producer: Producer) -> float:
         return round(max(0.0, self.clock() - producer.last_seen), 3)
 
+    def _wall(self, moment: float | None) -> float | None:
+        """A time of `self.clock` as a Unix time (LMCache reports those)."""
+        return None if moment is None else round(time.time() - (self.clock() - moment), 3)
+
     def worker_info(self, producer: Producer) -> dict[str, Any]:
         reg = producer.engine
         assert reg is not None
         return {
-            "instance_id": reg.instance_id, "worker_id": reg.rank, "worker_name": producer.producer_id,
-            "host": None,  # RegisterEngine does not carry the worker's address
-            "model": reg.model, "kv_format": reg.kv_format, "world_size": reg.world_size, "rank": reg.rank,
+            # LMCache's WorkerInfo fields (no worker port here: the controller reaches workers over NATS)...
+            "instance_id": reg.instance_id, "worker_id": reg.rank, "ip": reg.ip or None, "port": None,
+            "peer_init_url": None, "registration_time": self._wall(producer.registered_at),
+            "last_heartbeat_time": self._wall(producer.last_seen),
+            # ...and ours.
+            "worker_name": producer.producer_id, "host": reg.host or None, "model": reg.model, "kv_format": reg.kv_format, "world_size": reg.world_size, "rank": reg.rank,
             "chunk_size": reg.chunk_size, "save_unfull_chunk": reg.save_unfull_chunk,
             "disk_store": reg.disk_store, "remote_stores": list(reg.remote_stores),
             "started_at": reg.started_at, "last_heartbeat_age_s": self._age(producer),
@@ -161,12 +175,27 @@ class ControllerCore:
         }
 
     def query_worker_info(self, instance_id: str, worker_ids: list[int] | None) -> list[dict[str, Any]]:
+        """The workers (ranks) `worker_ids` of an instance (None or []: all of them); instance_id "all" (as in
+        LMCache): those ranks of every instance, each instance's workers by rank."""
+        if instance_id == ALL_INSTANCES:
+            return [self.worker_info(w) for iid in sorted(self.table.instances) for w in self.table.workers_of(iid)
+                    if w.engine is not None and (not worker_ids or w.engine.rank in worker_ids)]
         workers = {w.engine.rank: w for w in self._workers(instance_id) if w.engine is not None}
-        ranks = sorted(workers) if worker_ids is None else worker_ids
+        ranks = sorted(workers) if not worker_ids else worker_ids
         missing = [rank for rank in ranks if rank not in workers]
         if missing:
             raise NotFound(f"instance {instance_id} has no worker(s) {missing}; registered ranks: {sorted(workers)}")
         return [self.worker_info(workers[rank]) for rank in ranks]
+
+    def query_instance(self, ip: str) -> str:
+        """The instance whose workers report `ip` (LMCache's /query_instance); with several, the first by id."""
+        found = sorted(iid for iid in self.table.instances
+                       if any(w.engine is not None and w.engine.ip == ip for w in self.table.workers_of(iid)))
+        if not found:
+            known = sorted({w.engine.ip for iid in self.table.instances for w in self.table.workers_of(iid)
+                            if w.engine is not None and w.engine.ip})
+            raise NotFound(f"no registered engine worker reports ip {ip!r}; known: {known[:20]}")
+        return found[0]
 
     def health(self, instance_id: str) -> dict[str, Any]:
         workers = self._workers(instance_id)
@@ -180,10 +209,12 @@ class ControllerCore:
                     store = self.table.producer(store_id)
                     stores[store_id] = {"location": location, "registered": store is not None and store.store is not None,
                                         "alive": bool(store is not None and store.alive)}
-        healthy = len(workers) == world_size and all(w.alive for w in workers)
-        return {"instance_id": instance_id, "healthy": healthy, "world_size": world_size,
-                "error_codes": {w.engine.rank if w.engine else i: 0 if w.alive else 1 for i, w in enumerate(workers)},
-                "workers": infos, "stores": stores}
+        # (world_size comes from registrations: bounded like the producers themselves)
+        codes = {rank: HEALTH_MISSING for rank in range(min(world_size, self.config.max_producers))}
+        codes.update({w.engine.rank if w.engine else i: HEALTH_OK if w.alive else HEALTH_SILENT
+                      for i, w in enumerate(workers)})
+        return {"instance_id": instance_id, "healthy": not any(codes.values()), "world_size": world_size,
+                "error_codes": codes, "workers": infos, "stores": stores}
 
     def instances(self) -> dict[str, Any]:
         table = self.table
@@ -195,7 +226,9 @@ class ControllerCore:
             instances.append({"instance_id": instance_id,
                               "alive": all(w.alive for w in workers),
                               "locations": locations,
-                              "workers": [self.worker_info(w) for w in workers]})
+                              "workers": [self.worker_info(w) for w in workers],
+                              # live workers claiming the same instance id and rank, not serving it
+                              "duplicate_workers": [self.worker_info(w) for w in table.duplicates_of(instance_id)]})
         stores = [{"store_id": p.producer_id, "location": p.location, "alive": p.alive,
                    "registered": p.store is not None, "num_keys": table.index.count(p.slot),
                    "last_heartbeat_age_s": self._age(p), "in_sync": not p.needs_sync}
