@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import socket
 import threading
 from pathlib import Path
@@ -26,6 +27,7 @@ from kvmesh.shared.keys import KeyParams
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, CommandReply, Subjects, WorkerCommand
 
+from test_controller import running_controller
 from test_engine_support import CHUNK, PagedKV, disk_store_mesh, engine_config, random_tokens
 from waiting import WAIT_S, wait_until, wait_until_async
 
@@ -120,6 +122,31 @@ async def test_worker_agent_registers_reports_and_answers_commands(nats_server: 
         assert health.service == "engine" and health.service_id == engine.worker_id
     finally:
         await asyncio.to_thread(engine.close)
+
+
+async def test_two_engines_sharing_an_instance_id_are_reported_on_both_sides(nats_server: EmbeddedNats, kv: PagedKV,
+                                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """Two engines keeping one lmcache_instance_id are two workers to a real controller: one serves the id, the
+    other is listed as its duplicate (not merged), and each engine logs the conflict it is told about."""
+    caplog.set_level(logging.WARNING)
+    async with running_controller(nats_server.url) as (_, client):
+        first = await asyncio.to_thread(engine_on, nats_server.url, kv, lmcache_instance_id="same")
+        second = await asyncio.to_thread(engine_on, nats_server.url, kv, lmcache_instance_id="same")
+        try:
+            assert first.worker_id != second.worker_id
+
+            async def duplicates() -> list[str]:
+                instances = (await client.get("/instances")).json()["instances"]
+                return [w["worker_name"] for i in instances for w in i["duplicate_workers"]]
+            assert await wait_until_async(duplicates, what="the duplicate listed") == [first.worker_id]
+
+            def engine_warnings() -> set[str]:
+                return {r.threadName for r in caplog.records if r.levelno == logging.WARNING
+                        and r.name.startswith("kvmesh.services.engine") and "claimed by 2 live workers" in r.getMessage()}
+            await wait_until_async(lambda: len(engine_warnings()) == 2, what="a warning on each engine's loop thread")
+        finally:
+            await asyncio.to_thread(first.close)
+            await asyncio.to_thread(second.close)
 
 
 def test_tensor_parallel_worker_ids(nats_server: EmbeddedNats, kv: PagedKV) -> None:

@@ -233,8 +233,8 @@ def _resolve_lmcache_settings(args: argparse.Namespace) -> list[str]:
             dest = CONFIG_KEYS.get(str(key))
             if dest is None:
                 ignored.append(str(key))
-            elif getattr(args, dest) is None:
-                setattr(args, dest, _from_config(key, value))
+            elif getattr(args, dest) is None and not (dest == "monitor_ports" and args.monitor_port is not None):
+                setattr(args, dest, _from_config(key, value))  # (a flag, --monitor-port too, wins over the file)
         if ignored:
             notices.append(f"--config {args.config}: key(s) {', '.join(sorted(ignored))} mean nothing to the KVMesh "
                            f"controller and are ignored (it reads {', '.join(CONFIG_KEYS)})")
