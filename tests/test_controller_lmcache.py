@@ -155,7 +155,8 @@ async def test_query_worker_info_all_and_lmcache_fields(nats_server: EmbeddedNat
             ("inst-a", 0, a.worker_id), ("inst-b", 0, b0.worker_id), ("inst-b", 1, b1.worker_id)]
         for info, worker in zip(infos, (a, b0, b1)):
             assert LMCACHE_WORKER_INFO <= info.keys()
-            assert (info["ip"], info["host"], info["port"], info["peer_init_url"]) == (worker.ip, worker.host, None, None)
+            where = (info["ip"], info["host"], info["port"], info["peer_init_url"])
+            assert where == (worker.ip, worker.host, None, None)
             assert started_before - 1 <= info["registration_time"] <= info["last_heartbeat_time"] + 0.01
         ranks_1 = await client.post("/query_worker_info", json={"instance_id": "all", "worker_ids": [1]})
         assert [i["worker_name"] for i in ranks_1.json()["worker_infos"]] == [b1.worker_id]

@@ -141,8 +141,9 @@ async def test_two_engines_sharing_an_instance_id_are_reported_on_both_sides(nat
             assert await wait_until_async(duplicates, what="the duplicate listed") == [first.worker_id]
 
             def engine_warnings() -> set[str]:
-                return {r.threadName for r in caplog.records if r.levelno == logging.WARNING
-                        and r.name.startswith("kvmesh.services.engine") and "claimed by 2 live workers" in r.getMessage()}
+                return {r.threadName for r in caplog.records
+                        if r.levelno == logging.WARNING and r.name.startswith("kvmesh.services.engine")
+                        and "claimed by 2 live workers" in r.getMessage()}
             await wait_until_async(lambda: len(engine_warnings()) == 2, what="a warning on each engine's loop thread")
         finally:
             await asyncio.to_thread(first.close)
