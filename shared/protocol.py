@@ -466,13 +466,15 @@ class SyncChunk:
 @message("worker_command")
 @dataclass(frozen=True)
 class WorkerCommand:
-    """pin / unpin / clear / lookup at one location of one engine worker."""
+    """pin / unpin / clear / lookup / move at one location of one engine worker."""
 
     op: str
     location: str
     tokens: list[int] = field(default_factory=list)
     ttl_secs: float | None = None  # pins: None = until unpinned
     extras: KeyExtras | None = None  # what besides the tokens the chunks were keyed with (LoRA, cache_salt...)
+    target: str = ""  # move: the location the chunks go to
+    keep_source: bool = True  # move: a copy (True), or the chunks leave `location` (only the worker's own tier)
 
 
 @message("prefix_lookup")

@@ -148,6 +148,8 @@ class FakeEngineWorker:
                 stores = [self.disk] if command.location == LOCAL_DISK else list(self.remotes)
                 cleared = sum(store.clear() for store in stores if store)
             return protocol.CommandReply(ok=True, num_tokens=cleared)
+        if command.op == "move":  # the held prefix goes to the target location (and leaves the CPU tier)
+            return protocol.CommandReply(ok=True, num_tokens=self._move(command))
         num_tokens = 0
         for span in self.spans(command.tokens):  # pin/unpin: the held prefix
             if span.key not in held:
@@ -156,10 +158,30 @@ class FakeEngineWorker:
             num_tokens += span.num_tokens
         return protocol.CommandReply(ok=True, num_tokens=num_tokens)
 
+    def _move(self, command: protocol.WorkerCommand) -> int:
+        held, moved = self._held(command.location), []
+        for span in self.spans(command.tokens):
+            if span.key not in held:
+                break
+            moved.append(span)
+        for span in moved:
+            if command.target == LOCAL_CPU:
+                self.chunks[span.key] = span.num_tokens
+                self.reporter.admit(span.key)
+            elif command.target == LOCAL_DISK:
+                assert self.disk is not None
+                self.disk.put(span.key, span.num_tokens)
+            else:
+                self.remotes[span.index % len(self.remotes)].put(span.key, span.num_tokens)
+            if not command.keep_source:
+                del self.chunks[span.key]
+                self.reporter.evict(span.key)
+        return sum(span.num_tokens for span in moved)
+
     async def start(self) -> "FakeEngineWorker":
         self.nc = await bus.connect(self.nats_url, name=self.worker_id,
                                     auth=credentials_for(self.nats_url, protocol.Principal.engine(self.instance_id), None))
-        for op in ("pin", "unpin", "clear"):
+        for op in ("pin", "unpin", "clear", "move"):
             await bus.serve(self.nc, Subjects.worker(self.instance_id, self.worker_id, op), protocol.WorkerCommand,
                             self._on_command)
 

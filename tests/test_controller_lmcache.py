@@ -1,7 +1,7 @@
 """LMCache's controller surface on the KVMesh controller: its command line flags (`--monitor-ports`, `--config`,
 `--health-check-interval`, `--lmcache-worker-timeout`), its endpoints' JSON (/query_worker_info with "all",
-/query_instance, /health error codes, /move /compress /decompress as a clear 501), and instance identity:
-replicas that keep the same lmcache_instance_id are reported, never merged.
+/query_instance, /health error codes, /move within an instance, /compress /decompress as a clear 501), and
+instance identity: replicas that keep the same lmcache_instance_id are reported, never merged.
 
 Real parts: a real nats-server, the controller's real uvicorn (in-process, or the `python -m
 kvmesh.services.controller` process for the command line), httpx over loopback, and fake engine workers that
@@ -22,10 +22,10 @@ import httpx
 import pytest
 
 from kvmesh.shared.embedded_nats import EmbeddedNats, free_port
-from kvmesh.shared.protocol import LOCAL_CPU
+from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
 from kvmesh.services.controller.config import parse_args
 
-from test_controller import FakeEngineWorker, running_controller, started, wait_layout
+from test_controller import FakeEngineWorker, FakeStore, running_controller, started, wait_layout
 from waiting import WAIT_S, wait_until_async
 
 LMCACHE_WORKER_INFO = {"instance_id", "worker_id", "ip", "port", "peer_init_url", "registration_time",
@@ -211,13 +211,52 @@ async def test_health_code_1_for_a_silent_worker(nats_server: EmbeddedNats) -> N
         await wait_until_async(lambda: codes_are({"0": 1}), what="the silent worker reported with code 1")
 
 
+async def test_move_and_copy_within_an_instance(nats_server: EmbeddedNats) -> None:
+    disk = FakeStore(nats_server.url, "disk-h", LOCAL_DISK)
+    worker = FakeEngineWorker(nats_server.url, "inst-m", chunk_size=4, disk=disk, incarnation="1-aa")
+    other = FakeEngineWorker(nats_server.url, "inst-o", chunk_size=4, incarnation="2-bb")
+    tokens = list(range(1, 11))  # chunks of 4, 4, 2
+    async with running_controller(nats_server.url) as (_, client), started(disk, worker, other):
+        worker.store(tokens, chunks=[0, 1])
+        await wait_layout(client, tokens, {"inst-m": [LOCAL_CPU, 8]})
+
+        def move(source: str, target: str, copy: bool, to: str = "inst-m") -> dict:
+            return {"old_position": ["inst-m", source], "new_position": [to, target], "tokens": tokens,
+                    "should_copy": copy}
+        copied = await client.post("/move", json=move(LOCAL_CPU, LOCAL_DISK, copy=True))
+        assert copied.status_code == 200 and copied.json()["num_tokens"] == 8, copied.text
+        assert len(disk.chunks) == 2 and len(worker.chunks) == 2  # a copy: both hold the prefix
+        finish = await client.post("/check_finish", json={"event_id": copied.json()["event_id"]})
+        assert finish.json() == {"status": "finished"}
+        command = worker.commands[-1]
+        assert (command.op, command.location, command.target, command.keep_source) == ("move", LOCAL_CPU,
+                                                                                       LOCAL_DISK, True)
+        moved = await client.post("/move", json=move(LOCAL_CPU, LOCAL_DISK, copy=False))  # LMCache's default
+        assert moved.status_code == 200 and moved.json()["num_tokens"] == 8 and not worker.chunks
+        await wait_layout(client, tokens, {"inst-m": [LOCAL_DISK, 8]}, what="the chunks now on disk only")
+        back = await client.post("/move", json=move(LOCAL_DISK, LOCAL_CPU, copy=True))
+        assert back.status_code == 200 and back.json()["num_tokens"] == 8
+        await wait_layout(client, tokens, {"inst-m": [LOCAL_CPU, 8]}, what="copied back to the CPU tier")
+
+        out_of_store = await client.post("/move", json=move(LOCAL_DISK, LOCAL_CPU, copy=False))
+        assert out_of_store.status_code == 409 and "shared" in out_of_store.json()["detail"]
+        same = await client.post("/move", json=move(LOCAL_CPU, LOCAL_CPU, copy=True))
+        assert same.status_code == 409 and "to itself" in same.json()["detail"]
+        no_remote = await client.post("/move", json=move(LOCAL_CPU, "RemoteBackend", copy=True))
+        assert no_remote.status_code == 404 and "RemoteBackend" in no_remote.json()["detail"]
+        between = await client.post("/move", json=move(LOCAL_CPU, LOCAL_CPU, copy=True, to="inst-o"))
+        assert between.status_code == 501 and "between instances" in between.json()["detail"]
+        unknown = await client.post("/move", json={"old_position": ["nope", LOCAL_CPU],
+                                                   "new_position": ["inst-o", LOCAL_CPU]})
+        assert unknown.status_code == 404 and "nope" in unknown.json()["detail"]
+        assert (await client.post("/move", json={"old_position": ["inst-m"]})).status_code == 422
+
+
 @pytest.mark.parametrize(("path", "body", "named"), [
-    ("/move", {"old_position": ["inst-a", LOCAL_CPU], "new_position": ["inst-b", LOCAL_CPU], "tokens": [1, 2],
-               "should_copy": True}, "no operation that copies chunks"),
     ("/compress", {"instance_id": "inst-a", "method": "cachegen", "location": LOCAL_CPU}, "no codec"),
     ("/decompress", {"instance_id": "inst-a", "method": "cachegen", "location": LOCAL_CPU, "tokens": [1]}, "no codec"),
 ])
-async def test_move_compress_decompress_are_a_clear_501(nats_server: EmbeddedNats, path: str, body: dict,
+async def test_compress_decompress_are_a_clear_501(nats_server: EmbeddedNats, path: str, body: dict,
                                                         named: str) -> None:
     async with running_controller(nats_server.url) as (_, client):
         response = await client.post(path, json=body)

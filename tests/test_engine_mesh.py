@@ -25,7 +25,7 @@ from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.errors import MeshUnavailable
 from kvmesh.shared.keys import KeyParams
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
-from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, CommandReply, Subjects, WorkerCommand
+from kvmesh.shared.protocol import CONTROLLER, LOCAL_CPU, LOCAL_DISK, CommandReply, Subjects, WorkerCommand
 
 from test_controller import running_controller
 from test_engine_support import CHUNK, PagedKV, disk_store_mesh, engine_config, random_tokens
@@ -166,6 +166,53 @@ def _store_and_settle(engine: CacheEngine, tokens: torch.Tensor, kv: PagedKV, sl
     client = engine.storage.lower(LOCAL_DISK)
     assert client is not None
     assert engine.nats_loop.call(client.wait_written(WAIT_S), WAIT_S + 2, default=False)
+
+
+async def test_controller_move_copies_and_moves_between_an_engine_s_tiers(disk_mesh: LocalMesh, kv: PagedKV,
+                                                                          tmp_path: Path) -> None:
+    """LMCache's /move through a real controller to a real engine and disk store: CPU -> disk (a copy the store
+    verifies), disk -> CPU (the bytes come back exact), and a move that leaves the CPU tier."""
+    engine = await asyncio.to_thread(engine_on, str(disk_mesh.nats_url), kv, local_disk=str(tmp_path / "disk"),
+                                     lmcache_instance_id="mover")
+    tokens, src = random_tokens(128, seed=21), kv.slots(128)
+    expected = kv.token_kv(src)
+
+    def held(location: str) -> int:
+        return engine.lookup(tokens, search_range=[location])
+
+    async def move(source: str, target: str, copy: bool) -> int:
+        response = await client.post("/move", json={"old_position": ["mover", source], "new_position": [
+            "mover", target], "tokens": tokens.tolist(), "should_copy": copy})
+        assert response.status_code == 200, response.text
+        return response.json()["num_tokens"]
+
+    async with running_controller(str(disk_mesh.nats_url), nats_auth=disk_mesh.auth(CONTROLLER)) as (_, client):
+        try:
+            await wait_until_async(lambda: engine.storage.lower(LOCAL_DISK) is not None, what="the disk client")
+            await asyncio.to_thread(_store_and_settle, engine, tokens, kv, src)
+            disk = engine.storage.lower(LOCAL_DISK)
+            removed = engine.nats_loop.call(disk.remove(engine.hasher.keys(tokens.tolist())), WAIT_S, default=0)
+            assert removed == 4 and await asyncio.to_thread(held, LOCAL_DISK) == 0  # on the CPU tier only
+
+            async def registered() -> bool:
+                return (await client.post("/health", json={"instance_id": "mover"})).status_code == 200
+            await wait_until_async(registered, what="the engine registered")
+            assert await move(LOCAL_CPU, LOCAL_DISK, copy=True) == 128
+            assert engine.nats_loop.call(disk.wait_written(WAIT_S), WAIT_S + 2, default=False)  # staged -> on disk
+            assert await asyncio.to_thread(held, LOCAL_DISK) == 128 and await asyncio.to_thread(held, LOCAL_CPU) == 128
+
+            cleared = await client.post("/clear", json={"instance_id": "mover", "location": LOCAL_CPU})
+            assert cleared.status_code == 200 and await asyncio.to_thread(held, LOCAL_CPU) == 0
+            assert await move(LOCAL_DISK, LOCAL_CPU, copy=True) == 128
+            assert await asyncio.to_thread(held, LOCAL_CPU) == 128
+            dst = kv.slots(128, exclude=src)
+            assert bool((await asyncio.to_thread(engine.retrieve, tokens, **kv.kv(dst))).all())
+            assert torch.equal(kv.token_kv(dst), expected)
+
+            assert await move(LOCAL_CPU, LOCAL_DISK, copy=False) == 128  # LMCache's default: a move
+            assert await asyncio.to_thread(held, LOCAL_CPU) == 0 and await asyncio.to_thread(held, LOCAL_DISK) == 128
+        finally:
+            await asyncio.to_thread(engine.close)
 
 
 @pytest.mark.parametrize("local_cpu", [True, False])

@@ -1,8 +1,9 @@
 """The controller's REST API (FastAPI; served by uvicorn on the controller's event loop, see service.py).
 
 LMCache's controller endpoints, all POST with JSON bodies: /lookup, /pin, /clear, /check_finish, /health,
-/query_worker_info (instance_id "all": every instance), /query_instance; /move, /compress and /decompress check
-their body and answer 501 naming what KVMesh lacks for them; ours in addition: POST /unpin, GET /instances, GET /metrics (Prometheus text),
+/query_worker_info (instance_id "all": every instance), /query_instance, /move (within an instance; between
+instances 501); /compress and /decompress check their body and answer 501 naming what KVMesh lacks; ours in
+addition: POST /unpin, GET /instances, GET /metrics (Prometheus text),
 GET /healthz (the REST server itself; always open), OpenAPI at /openapi.json and /docs.
 
 Input rules: malformed bodies are 422 naming the field, token lists longer than `max_tokens` are 413 (bodies
@@ -51,9 +52,6 @@ TokenId = Annotated[int, Strict(), Field(ge=0, le=MAX_TOKEN_ID, description="a t
 Location = Literal["LocalCPUBackend", "LocalDiskBackend", "RemoteBackend"]
 InstanceId = Annotated[str, Field(min_length=1, max_length=256, examples=["lmcache_default_instance"],
                                   description="lmcache_instance_id of an engine instance")]
-MOVE_UNSUPPORTED = ("/move is not supported by KVMesh: engine workers can pin, unpin, clear and look up chunks at a "
-                    "location, but have no operation that copies chunks from one location or instance to another. "
-                    "Instances that share a remote store (remote_url) already read each other's chunks from it")
 CODEC_UNSUPPORTED = ("/{op} is not supported by KVMesh: chunks are kept in the KV layout vLLM gives them (LMCache's "
                      "remote_serde 'naive'); there is no codec (cachegen, kivi) to {op} them with")
 EXAMPLE_TOKENS = [128000, 849, 21435, 279, 26431, 315, 85748, 6636, 304, 4221, 4211, 13]
@@ -152,7 +150,7 @@ class HealthResponse(BaseModel):
 class QueryWorkerInfoRequest(BaseModel):
     instance_id: InstanceId = Field(description='an instance id, or "all" for every instance')
     worker_ids: list[Annotated[int, Strict(), Field(ge=0, le=1_000_000), BeforeValidator(_integral_float_to_int)]] | None = Field(
-        default=None, max_length=4096, description="ranks to report (default, or []: all registered)")
+        default=None, description="ranks to report (default, or []: all registered)")
 
 
 class WorkerInfo(BaseModel):
@@ -196,7 +194,7 @@ class QueryInstanceResponse(BaseModel):
     res: str = Field(description="the instance id of the workers at that ip")
 
 
-# Accepted so LMCache clients get a clear 501, not a 404 or 422 for the path.
+# [instance_id, location] (the command checks the location, and names what is wrong)
 _PositionPart = Annotated[str, Field(min_length=1, max_length=256)]
 Position = Annotated[tuple[_PositionPart, _PositionPart], WithJsonSchema({
     "type": "array", "minItems": 2, "maxItems": 2, "description": "[instance_id, location]",
@@ -206,8 +204,10 @@ Position = Annotated[tuple[_PositionPart, _PositionPart], WithJsonSchema({
 class MoveRequest(BaseModel):
     old_position: Position
     new_position: Position
-    tokens: list[TokenId] = Field(default_factory=list)
+    tokens: list[TokenId] = Field(default_factory=list, examples=[EXAMPLE_TOKENS])
     should_copy: bool = False
+    cache_salt: CacheSalt = None
+    lora_name: LoraName = None
 
 
 class CompressRequest(BaseModel):
@@ -579,11 +579,20 @@ def create_app(core: ControllerCore, lookup_fast_path: bool = True) -> FastAPI:
 
     not_implemented = {501: {"model": ErrorResponse, "description": "not supported by KVMesh (the detail says why)"}}
 
-    @app.post("/move", status_code=501, responses=not_implemented)
-    async def move(req: MoveRequest) -> JSONResponse:
-        """LMCache's move / copy of an instance's chunks to another location or instance: not supported."""
+    @app.post("/move", response_model=CommandResponse, responses={
+        **command_errors, 409: {"model": ErrorResponse, "description": "a move to the same location, or out of a "
+                                                                         "shared store (copy instead)"},
+        **not_implemented})
+    async def move(req: MoveRequest) -> Any:
+        """Copy (should_copy) or move the instance's chunks of `tokens` from one of its locations to another;
+        num_tokens: the contiguous prefix that arrived (minimum over ranks). Only the CPU tier can be moved out
+        of (a store is shared); between instances: 501."""
         refused = too_many(len(req.tokens))
-        return refused or _error(501, MOVE_UNSUPPORTED)
+        if refused is not None:
+            return refused
+        result = await core.move(req.old_position, req.new_position, req.tokens, req.should_copy,
+                                 KeyRequest(req.cache_salt, req.lora_name))
+        return CommandResponse(event_id=result.event_id, num_tokens=result.num_tokens)
 
     @app.post("/compress", status_code=501, responses=not_implemented)
     async def compress(req: CompressRequest) -> JSONResponse:

@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--liveness-timeout", type=_positive(float), default=6.0,
                         help="seconds without a heartbeat before a producer is down (default: 6)")
     parser.add_argument("--command-timeout", type=_positive(float), default=5.0,
-                        help="seconds to wait for a worker's answer to pin/unpin/clear (default: 5)")
+                        help="seconds to wait for a worker's answer to pin/unpin/clear/move (default: 5)")
     parser.add_argument("--max-tokens", type=_positive(int), default=1_000_000,
                         help="longest token list accepted; longer gets 413 (default: 1000000)")
     parser.add_argument("--auth-token", default=None,
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how many recent lookup event ids /check_finish remembers, apart from the "
                              "pin/unpin/clear ones (default: 100000)")
     parser.add_argument("--max-commands", type=_positive(int), default=64,
-                        help="pin/unpin/clear requests in flight at once; more get 429 (default: 64)")
+                        help="pin/unpin/clear/move requests in flight at once; more get 429 (default: 64)")
     parser.add_argument("--max-producers", type=_positive(int), default=4096,
                         help="most producers (engine workers and stores) known at once; a registration of a "
                              "new one past it is refused and counted (default: 4096)")

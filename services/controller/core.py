@@ -15,7 +15,7 @@ import numpy as np
 from kvmesh.shared.protocol import LOCAL_CPU
 from kvmesh.services.controller.commands import CommandRouter
 from kvmesh.services.controller.config import ControllerConfig
-from kvmesh.services.controller.errors import ControllerError, NotFound, TooManyCommands
+from kvmesh.services.controller.errors import ControllerError, NotFound, NotSupported, Refused, TooManyCommands
 from kvmesh.services.controller.holder_index import HolderIndex
 from kvmesh.services.controller.lookup import KeyRequest, LookupEngine
 from kvmesh.services.controller.metrics import Metrics
@@ -97,8 +97,11 @@ class ControllerCore:
         return event_id, layout
 
     async def command(self, op: str, instance_id: str, location: str, tokens: list[int],
-                      key_request: KeyRequest = KeyRequest()) -> CommandResult:
-        """pin / unpin / clear, synchronously: the result carries num_tokens; the event id records the outcome.
+                      key_request: KeyRequest = KeyRequest(), move_to: str = "",
+                      keep_source: bool = True) -> CommandResult:
+        """pin / unpin / clear / move, synchronously: the result carries num_tokens; the event id records the
+        outcome. A move copies the instance's chunks of `tokens` from `location` to `move_to` (and, unless
+        `keep_source`, they leave `location`: the CPU tier only, a store is shared).
 
         Raises CommandError (with the event id) for unknown instances/locations, timeouts and worker errors,
         TooManyCommands (no event id) past `max_commands` in flight: each one holds its token list until its
@@ -113,7 +116,9 @@ class ControllerCore:
         self.commands_in_flight += 1
         try:
             target = self.router.resolve(instance_id, location)
-            num_tokens = await self.router.run(op, target, tokens, key_request)
+            if op == "move":
+                self.router.resolve(instance_id, move_to)  # it has the target location too
+            num_tokens = await self.router.run(op, target, tokens, key_request, move_to, keep_source)
         except ControllerError as exc:
             self.events.fail(event_id, exc.message)
             self.metrics.commands[(op, type(exc).__name__)] += 1
@@ -133,6 +138,22 @@ class ControllerCore:
                 if self.feed is not None:
                     self.feed.request_sync(producer_id, "confirm after clear")
         return CommandResult(event_id, num_tokens)
+
+    async def move(self, source: tuple[str, str], target: tuple[str, str], tokens: list[int], keep_source: bool,
+                   key_request: KeyRequest = KeyRequest()) -> CommandResult:
+        """LMCache's /move: (instance_id, location) -> (instance_id, location), a copy unless not `keep_source`."""
+        (instance_id, location), (target_instance, target_location) = source, target
+        if target_instance != instance_id:
+            self.router.resolve(instance_id, location)  # an unknown instance or location is named first
+            raise NotSupported(f"/move between instances ({instance_id} -> {target_instance}) is not supported: "
+                               "an instance's workers reach only their own tiers. Instances that share a store "
+                               "(the same remote_url) read each other's chunks from it already")
+        if location == target_location:
+            raise Refused(f"/move from {location} to itself (instance {instance_id})")
+        if not keep_source and location != LOCAL_CPU:
+            raise Refused(f"{location} is shared with other instances: moving out of it would remove their "
+                             "chunks too; copy instead (should_copy: true)")
+        return await self.command("move", instance_id, location, tokens, key_request, target_location, keep_source)
 
     def check_finish(self, event_id: str) -> EventRecord:
         record = self.events.get(event_id) or self.lookup_events.get(event_id)

@@ -150,7 +150,8 @@ class CacheEngine:
                         "engine stores nothing")
         if self.nats_loop is not None and self._connection is not None:
             self.agent = WorkerAgent(config.lmcache_instance_id, self.worker_id, self.hasher, self.storage,
-                                     self._registration, heartbeat_interval=config.heartbeat_interval_secs)
+                                     self._registration, self._valid_meta,
+                                     heartbeat_interval=config.heartbeat_interval_secs)
             self.nats_loop.submit(self.storage.start()).result(5.0)
             self.nats_loop.on_connected(self._on_connected)
             self.nats_loop.on_close(self.agent.stop)

@@ -4,9 +4,10 @@ Runs entirely on the engine's NATS loop thread, started once NATS is first reach
   * registers the worker (`RegisterEngine` on `Subjects.register(path)`), heartbeats, publishes batched
     admission/eviction events of the CPU tier with sequence numbers and answers full-sync requests (all
     through `AdmissionReporter`, producer_id = worker_id, location LocalCPUBackend);
-  * answers `WorkerCommand`s on `Subjects.worker(instance_id, worker_id, op)` for op in pin / unpin / clear / lookup at any
-    location, through the storage manager's one dispatch (`StorageManager.command`; tokens are hashed with
-    the engine's ChunkHasher and the command's extras), replying `CommandReply(num_tokens=...)`;
+  * answers `WorkerCommand`s on `Subjects.worker(instance_id, worker_id, op)` for op in pin / unpin / clear /
+    lookup at any location, through the storage manager's one dispatch (`StorageManager.command`), and move
+    (`StorageManager.move`: a copy from `location` to `target`); tokens are hashed with the engine's
+    ChunkHasher and the command's extras; the reply is `CommandReply(num_tokens=...)`;
   * answers health requests as service "engine";
   * logs a WARNING when the controller says other live workers claim this worker's instance id and rank
     (`InstanceConflict`: replicas started with the same lmcache_instance_id).
@@ -22,7 +23,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from kvmesh.services.engine.core.storage_manager import COMMAND_OPS, StorageManager
+from kvmesh.services.engine.core.storage_manager import COMMAND_OPS, StorageManager, Validate
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.admissions import AdmissionReporter
 from kvmesh.shared.keys import ChunkHasher
@@ -38,13 +39,14 @@ class WorkerAgent:
     """Registration, events and controller commands of one engine worker."""
 
     def __init__(self, instance_id: str, worker_id: str, hasher: ChunkHasher, storage: StorageManager,
-                 registration: Callable[[], protocol.RegisterEngine], heartbeat_interval: float = 2.0,
-                 flush_interval: float = 0.05) -> None:
+                 registration: Callable[[], protocol.RegisterEngine], validate: Validate,
+                 heartbeat_interval: float = 2.0, flush_interval: float = 0.05) -> None:
         self.instance_id = instance_id
         self.worker_id = worker_id
         self.path = protocol.Principal.engine(instance_id).producer(worker_id)
         self.hasher = hasher
         self.storage = storage
+        self.validate = validate  # a chunk read from a store for a move must be what its key holds
         self.cpu = storage.cpu
         self.reporter = AdmissionReporter(worker_id, self.path, LOCAL_CPU, self.cpu.held_keys, registration,
                                           flush_interval=flush_interval, heartbeat_interval=heartbeat_interval)
@@ -114,7 +116,11 @@ class WorkerAgent:
         """Run one command; the reply's num_tokens is what actually happened (tokens pinned, cleared, found)."""
         spans = self.hasher.spans(command.tokens, extras=command.extras) if command.op != "clear" else []
         try:
-            num_tokens = await self.storage.command(command.op, command.location, spans, command.ttl_secs)
+            if command.op == "move":
+                num_tokens = await self.storage.move(spans, command.location, command.target, command.keep_source,
+                                                     self.validate)
+            else:
+                num_tokens = await self.storage.command(command.op, command.location, spans, command.ttl_secs)
         except (ValueError, LookupError) as exc:
             return CommandReply(ok=False, error=f"worker {self.worker_id}: {exc}")
         except Exception as exc:
