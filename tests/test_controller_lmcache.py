@@ -299,7 +299,9 @@ async def test_replicas_sharing_an_instance_id_are_reported_not_merged(nats_serv
                 assert any(f"{first.worker_id} on host-a (10.0.0.1)" == o for o in notice[-1].others)
             assert any("claimed by 2 live workers" in r.getMessage() and r.levelno == logging.WARNING
                        for r in caplog.records)
-            assert service.core.feed.conflicts_reported >= 1
+            metrics = (await client.get("/metrics")).text
+            assert f"kvmesh_controller_instance_conflicts_total {service.core.instance_conflicts()}" in metrics
+            assert service.core.instance_conflicts() >= 1
         # The serving one goes silent (down): the other serves the instance id again.
         await wait_layout(client, first_prompt, {"lmcache_default_instance": [LOCAL_CPU, 8]}, what="first serves")
         assert (await client.get("/instances")).json()["instances"][0]["duplicate_workers"] == []

@@ -84,6 +84,9 @@ class ControllerCore:
     def forged_messages(self) -> int:
         return self.feed.forged_messages if self.feed is not None else 0
 
+    def instance_conflicts(self) -> int:
+        return self.feed.conflicts_reported if self.feed is not None else 0
+
     # -- operations --------------------------------------------------------------------------------------
 
     def lookup(self, tokens: Sequence[int] | np.ndarray,
@@ -152,7 +155,7 @@ class ControllerCore:
             raise Refused(f"/move from {location} to itself (instance {instance_id})")
         if not keep_source and location != LOCAL_CPU:
             raise Refused(f"{location} is shared with other instances: moving out of it would remove their "
-                             "chunks too; copy instead (should_copy: true)")
+                          "chunks too; copy instead (should_copy: true)")
         return await self.command("move", instance_id, location, tokens, key_request, target_location, keep_source)
 
     def check_finish(self, event_id: str) -> EventRecord:
@@ -187,7 +190,8 @@ class ControllerCore:
             "peer_init_url": None, "registration_time": self._wall(producer.registered_at),
             "last_heartbeat_time": self._wall(producer.last_seen),
             # ...and ours.
-            "worker_name": producer.producer_id, "host": reg.host or None, "model": reg.model, "kv_format": reg.kv_format, "world_size": reg.world_size, "rank": reg.rank,
+            "worker_name": producer.producer_id, "host": reg.host or None, "model": reg.model,
+            "kv_format": reg.kv_format, "world_size": reg.world_size, "rank": reg.rank,
             "chunk_size": reg.chunk_size, "save_unfull_chunk": reg.save_unfull_chunk,
             "disk_store": reg.disk_store, "remote_stores": list(reg.remote_stores),
             "started_at": reg.started_at, "last_heartbeat_age_s": self._age(producer),
