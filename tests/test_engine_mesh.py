@@ -186,7 +186,7 @@ async def test_controller_move_copies_and_moves_between_an_engine_s_tiers(disk_m
         assert response.status_code == 200, response.text
         return response.json()["num_tokens"]
 
-    async with running_controller(str(disk_mesh.nats_url), nats_auth=disk_mesh.auth(CONTROLLER)) as (_, client):
+    async with running_controller(str(disk_mesh.nats_url), nats_auth=disk_mesh.auth(CONTROLLER)) as (service, client):
         try:
             await wait_until_async(lambda: engine.storage.lower(LOCAL_DISK) is not None, what="the disk client")
             await asyncio.to_thread(_store_and_settle, engine, tokens, kv, src)
@@ -211,6 +211,17 @@ async def test_controller_move_copies_and_moves_between_an_engine_s_tiers(disk_m
 
             assert await move(LOCAL_CPU, LOCAL_DISK, copy=False) == 128  # LMCache's default: a move
             assert await asyncio.to_thread(held, LOCAL_CPU) == 0 and await asyncio.to_thread(held, LOCAL_DISK) == 128
+
+            # The worker itself refuses what the controller would (a command on NATS is untrusted input).
+            async def worker_move(**fields: object) -> CommandReply:
+                command = WorkerCommand(op="move", tokens=tokens.tolist(), **fields)
+                return await bus.request(service.core.router.nc, Subjects.worker("mover", engine.worker_id, "move"),
+                                         command, CommandReply, WAIT_S)
+            out_of_store = await worker_move(location=LOCAL_DISK, target=LOCAL_CPU, keep_source=False)
+            assert not out_of_store.ok and "shared" in (out_of_store.error or "")
+            no_target = await worker_move(location=LOCAL_DISK, target="Elsewhere")
+            assert not no_target.ok and "Elsewhere" in (no_target.error or "")
+            assert await asyncio.to_thread(held, LOCAL_DISK) == 128  # nothing lost
         finally:
             await asyncio.to_thread(engine.close)
 
