@@ -203,14 +203,14 @@ async def test_an_instance_cannot_be_hijacked_and_forged_admissions_are_ignored(
             assert service.feed is not None
             forged_before = service.feed.forged_messages
 
-            # tenant-b registers "tenant-a" from its own path: the body disagrees with the subject
-            own_path = Principal.engine("tenant-b").producer("tenant-a")
+            # tenant-b registers tenant-a's worker from its own path: the body disagrees with the subject
+            own_path = Principal.engine("tenant-b").producer(victim.worker_id)
             registration = victim._registration()
             await attacker.nc.publish(Subjects.register(own_path), protocol.encode(registration))
             # ...and reports chunks no one holds: as the victim, and as a store
             ghost = random_tokens(2 * CHUNK, seed=12)
             ghost_keys = victim.hasher.keys(ghost.tolist())
-            for producer_id, location in (("tenant-a", LOCAL_CPU), ("disk-x", protocol.LOCAL_DISK)):
+            for producer_id, location in ((victim.worker_id, LOCAL_CPU), ("disk-x", protocol.LOCAL_DISK)):
                 await attacker.nc.publish(
                     Subjects.events(Principal.engine("tenant-b").producer(producer_id)),
                     protocol.encode(protocol.AdmissionBatch(producer_id=producer_id, location=location, seq=99,
