@@ -114,6 +114,24 @@ def test_credentials_are_private_files(mesh: LocalMesh) -> None:
     assert auth is not None and auth.user == "engine.late" and auth.inbox_prefix == "_INBOX.engine.late"
 
 
+def test_a_mesh_directory_left_for_a_port_does_not_speak_for_another_nats_now_on_that_port() -> None:
+    from kvmesh.shared.credentials import PID_FILE
+    from kvmesh.shared.embedded_nats import EmbeddedNats
+
+    with EmbeddedNats(token="tok-" + os.urandom(8).hex()) as other:  # not KVMesh's: its own token, no user list
+        stale = MeshCredentials(local_mesh_dir(other.port))  # what a mesh that ran on this port before left
+        try:
+            stale.server_config(f"127.0.0.1:{other.port}")
+            assert other.process is not None
+            (stale.root / PID_FILE).write_text(str(other.process.pid))  # even the pid of a live nats-server
+            assert stale.server_pid() is None and not stale.reload_server()
+            assert provision(other.url, Principal.store("late").path) is None  # so a client says "no credentials"
+        finally:
+            for file in stale.root.iterdir():
+                file.unlink()
+            stale.root.rmdir()
+
+
 def test_a_credentials_directory_others_could_write_is_refused_one_they_could_read_is_closed(
         tmp_path: Path) -> None:
     shared = tmp_path / "creds"
