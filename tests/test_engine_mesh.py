@@ -540,3 +540,26 @@ def test_a_chunk_whose_meta_is_not_what_its_key_holds_is_a_miss(disk_mesh: Local
         assert engine.storage.stats["fetched_LocalDiskBackend"] == 6 + 4 + 3 + 2 + 1
     finally:
         engine.close()
+
+
+def test_a_restarted_engine_clears_what_its_previous_process_put_in_the_disk_store(
+        disk_mesh: LocalMesh, kv: PagedKV, tmp_path: Path) -> None:
+    def engine() -> CacheEngine:
+        started = engine_on(str(disk_mesh.nats_url), kv, local_disk=str(tmp_path / "disk"), max_local_disk_size=0.05)
+        wait_until(lambda: started.storage.lower(LOCAL_DISK) is not None, what="the disk store client")
+        return started
+
+    tokens = random_tokens(96, seed=32)
+    before = engine()
+    try:
+        _store_and_settle(before, tokens, kv, kv.slots(96))
+        first_worker_id = before.worker_id
+    finally:
+        before.close()
+    after = engine()  # the same instance and rank in a new process: a new worker id, the same claims
+    try:
+        assert after.worker_id != first_worker_id and after.store_caller == before.store_caller
+        assert after.clear(LOCAL_DISK) == 96
+        assert after.lookup(tokens, search_range=[LOCAL_DISK]) == 0
+    finally:
+        after.close()

@@ -170,9 +170,11 @@ class CacheEngine:
 
     @property
     def store_caller(self) -> str:
-        """This rank's path towards the stores, `engine.<instance_id>.<worker_id>`: its puts are claimed under it,
-        and the controller's `/clear` (through this rank's `clear`) takes back only those claims."""
-        return protocol.Principal.engine(self.config.lmcache_instance_id).producer(self.worker_id)
+        """This rank's path towards the stores, `engine.<instance_id>.<instance_id>[.r<rank>]`: its puts are claimed
+        under it, and the controller's `/clear` (through this rank's `clear`) takes back only those claims. It
+        leaves out the process tag of `worker_id`, so a restarted vLLM still clears what it put before."""
+        rank_id = worker_id_for(self.config.lmcache_instance_id, self.world_size, self.rank)
+        return protocol.Principal.engine(self.config.lmcache_instance_id).producer(rank_id)
 
     def _registration(self) -> protocol.RegisterEngine:
         assert self.plan is not None
