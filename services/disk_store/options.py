@@ -25,6 +25,7 @@ from kvmesh.shared.eviction import POLICY_NAMES
 from kvmesh.shared.local_mesh import ServiceSpec
 from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
 from kvmesh.shared.protocol import disk_store_id
+from kvmesh.shared.store_bounds import StoreBounds, add_store_bound_flags, store_bounds_from_args
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
@@ -43,12 +44,14 @@ class DiskStoreOptions:
     staging_bytes: int = 512 * 1024 * 1024  # 0 = write-through: a put is answered once its file is written
     staging_wait_secs: float = 5.0  # how long a put waits for staging room before it is refused
     min_free_bytes: int = 0  # refuse puts that would leave less free space on the filesystem
+    bounds: StoreBounds = field(default_factory=StoreBounds)  # what NATS clients can push on (shared/store_bounds.py)
 
     def to_args(self) -> list[str]:
         """The flags that start a store with these options (`--nats-url` and credentials excepted)."""
         args = ["--dir", str(self.root), "--max-size-gb", repr(self.capacity_bytes / GB), "--store-id", self.store_id,
                 "--cache-policy", self.cache_policy, "--writer-threads", str(self.writer_threads),
-                "--reader-threads", str(self.reader_threads), "--staging-mb", repr(self.staging_bytes / 2**20)]
+                "--reader-threads", str(self.reader_threads), "--staging-mb", repr(self.staging_bytes / 2**20),
+                *self.bounds.to_args()]
         if not self.fsync:
             args.append("--no-fsync")
         return args
@@ -75,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--staging-mb", type=float, default=512.0,
                         help="memory for accepted puts not yet on disk; 0 = answer puts after the write")
     parser.add_argument("--no-fsync", action="store_true", help="do not fsync chunk files (faster, not durable)")
+    add_store_bound_flags(parser)
     parser.add_argument("--log-level", help="log level (default: $KVMESH_LOG_LEVEL, else INFO)")
     add_nats_auth_flags(parser)
     return parser
@@ -111,4 +115,4 @@ def options_from_args(args: argparse.Namespace, environ: dict[str, str] | None =
         cache_policy=args.cache_policy or (config.cache_policy if config is not None else "LRU"),
         fsync=not args.no_fsync,
         writer_threads=args.writer_threads, reader_threads=args.reader_threads,
-        staging_bytes=round(args.staging_mb * 2**20))
+        staging_bytes=round(args.staging_mb * 2**20), bounds=store_bounds_from_args(args))
