@@ -180,24 +180,27 @@ async def test_a_put_announcing_more_than_max_chunk_bytes_is_refused_before_its_
 
 
 async def test_a_put_makes_room_only_as_its_bytes_arrive(store_factory) -> None:
-    service, client = await store_factory()  # 16 MiB
-    held = [chunk(4 * MiB, seed) for seed in range(3)]
+    service, client = await store_factory()
+    capacity = service.options.capacity_bytes
+    size = RESERVE_STEP // 2
+    held = [chunk(size, seed) for seed in range((capacity - RESERVE_STEP) // size)]  # room left: one step
     for meta, data in held:
         assert await client.put(meta, ChunkBuffer(memoryview(data)))
     index = service.store.index
-    claim, data = chunk(16 * MiB, 9)  # the whole capacity, announced
+    claim, data = chunk(capacity, 9)  # the whole capacity, announced
     sock = await greeted(service)
     try:
         await send_request(sock, OP_PUT, protocol.PutRequest(meta=claim))
         await wait_until_async(lambda: index.in_flight_count == 1, what="the put begun")
-        assert len(index) == 3 and index.reserved_bytes == RESERVE_STEP  # room for the first step only
+        assert len(index) == len(held) and index.reserved_bytes == RESERVE_STEP  # room for the first step only
         await asyncio.get_running_loop().sock_sendall(sock, memoryview(data)[:RESERVE_STEP + 1])
         await wait_until_async(lambda: index.reserved_bytes == 2 * RESERVE_STEP, what="room for the second step")
-        assert len(index) == 2  # one chunk evicted for bytes that arrived, not three for a size claimed
+        # a step's worth evicted for bytes that arrived, not everything for a size claimed
+        assert len(index) == len(held) - RESERVE_STEP // size
     finally:
         sock.close()  # the rest never comes: the put is aborted and gives its room back
     await wait_until_async(lambda: index.in_flight_count == 0 and index.reserved_bytes == 0, what="put aborted")
-    assert [held_meta.key in index for held_meta, _ in held] == [False, True, True]
+    assert [held_meta.key in index for held_meta, _ in held] == [False, False] + [True] * (len(held) - 2)
     assert await client.put(claim, ChunkBuffer(memoryview(data)))  # a whole put of the capacity still works
     out = np.zeros(claim.nbytes, dtype=np.uint8)
     assert await client.get_into(claim.key, ChunkBuffer(memoryview(out))) is not None and np.array_equal(out, data)

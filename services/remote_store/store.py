@@ -41,7 +41,7 @@ from kvmesh.services.remote_store.partition import partition_of
 log = logging.getLogger(__name__)
 
 MAX_SPARE_BYTES = 256 * 1024 * 1024  # faulted buffers kept for the next puts (at most 1/8 of the capacity)
-RESERVE_STEP = 4 * 1024 * 1024  # how far ahead of a stream put's bytes its room is made
+RESERVE_STEP = 8 * 1024 * 1024  # how far ahead of a stream put's bytes its room is made
 
 
 class PutRefused(StoreError):
