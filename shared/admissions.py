@@ -2,15 +2,21 @@
 
 A producer (engine worker or store) records `admit(key)` / `evict(key)` as its index changes. `AdmissionReporter`
 flushes them as `AdmissionBatch` messages on the producer's events subject, numbered 1, 2, 3, ... so the
-controller sees a gap when one is lost. It answers `SyncRequest` (and a controller's hello) by publishing
-every held key as `SyncChunk` parts, stamped with the sequence number they reflect. Calls to admit/evict are
-cheap and thread-safe; the NATS work happens on the reporter's event loop.
+controller sees a gap when one is lost. It answers `SyncRequest` (and a controller's hello) by publishing its
+registration and every held key as `SyncChunk` parts, stamped with the sequence number they reflect. Calls to
+admit/evict are cheap and thread-safe; the NATS work happens on the reporter's event loop.
+
+Anyone on the bus can ask for a sync (a 59-byte hello costs every producer a full sync), so asks are coalesced:
+at most one announcement runs and at most one more is queued, whatever the number of asks, and two start at
+least `min_sync_interval` seconds apart. An ask inside the interval is served when it ends, never dropped: a
+controller that really restarted still gets its sync.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 import uuid
@@ -38,7 +44,7 @@ class AdmissionReporter:
 
     def __init__(self, producer_id: str, path: str, location: str, held_keys: Callable[[], Iterable[ChunkKey]],
                  register: Callable[[], object], flush_interval: float = 0.05,
-                 heartbeat_interval: float = 2.0) -> None:
+                 heartbeat_interval: float = 2.0, min_sync_interval: float = 1.0) -> None:
         self.producer_id = producer_id
         self.path = path
         self.location = location
@@ -46,12 +52,18 @@ class AdmissionReporter:
         self._registration = register
         self._flush_interval = flush_interval
         self._heartbeat_interval = heartbeat_interval
+        self._min_sync_interval = min_sync_interval
         self._lock = threading.Lock()
         self._pending: list[tuple[bool, ChunkKey]] = []  # (admitted?, key) in order
         self._seq = 0
         self._flush_lock = asyncio.Lock()
         self._nc: NatsClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._announce_wanted = False  # an ask arrived since the running (or last) announcement began
+        self._announcer: asyncio.Task[None] | None = None
+        self._last_announced = -math.inf  # monotonic time the last announcement began
+        self.syncs_published = 0
+        self.sync_asks = 0
 
     def admit(self, key: ChunkKey) -> None:
         with self._lock:
@@ -70,8 +82,8 @@ class AdmissionReporter:
         self._tasks = [asyncio.create_task(self._flush_loop()), asyncio.create_task(self._heartbeat_loop())]
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._tasks)
-        self._tasks = []
+        await cancel_and_wait(self._tasks + ([self._announcer] if self._announcer is not None else []))
+        self._tasks, self._announcer = [], None
         try:
             await self.flush()
         except Exception as exc:
@@ -113,22 +125,47 @@ class AdmissionReporter:
             await bus.publish(self._nc, protocol.Subjects.events(self.path), protocol.SyncChunk(
                 producer_id=self.producer_id, location=self.location, sync_id=sync_id, seq=seq,
                 part=index, final=index == len(parts) - 1, keys=part))
+        self.syncs_published += 1
         log.info("%s: published a full sync of %d keys (%s)", self.producer_id, len(keys), self.location)
 
     async def announce(self) -> None:
-        """Publish the registration (again: it changed, or a controller asked) and a full sync."""
+        """Publish the registration (again: it changed, or a controller asked) and a full sync, now."""
+        self._last_announced = time.monotonic()
         await bus.publish(self._nc, protocol.Subjects.register(self.path), self._registration())
         await self.publish_full_sync()
 
+    @property
+    def announcing(self) -> bool:
+        """An announcement asked for is running or waiting for the interval to end."""
+        return self._announcer is not None and not self._announcer.done()
+
+    def announce_soon(self) -> None:
+        """Announce once the minimum interval since the last one has passed; asks meanwhile are merged into it."""
+        self.sync_asks += 1
+        self._announce_wanted = True
+        if self._announcer is None or self._announcer.done():
+            self._announcer = asyncio.get_running_loop().create_task(self._announce_when_due())
+
+    async def _announce_when_due(self) -> None:
+        while self._announce_wanted:
+            wait = self._last_announced + self._min_sync_interval - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)  # the rate limit: one full sync per interval at most
+            self._announce_wanted = False  # asks from here on get the next announcement
+            try:
+                await self.announce()
+            except Exception as exc:
+                log.warning("%s: announcing to the controller failed: %s", self.producer_id, exc)
+
     async def _on_sync_request(self, request: protocol.SyncRequest) -> protocol.Ack:
         # With the registration: a controller that missed it (or never saw this producer) asks this way.
-        log.info("%s: controller asked for a full sync (%s)", self.producer_id, request.reason)
-        asyncio.get_running_loop().create_task(self.announce())
+        log.debug("%s: controller asked for a full sync (%s)", self.producer_id, request.reason)
+        self.announce_soon()
         return protocol.Ack()
 
     async def _on_hello(self, hello: protocol.ControllerHello) -> None:
-        log.info("%s: controller %s started; registering again", self.producer_id, hello.controller_id)
-        await self.announce()
+        log.debug("%s: controller %s started; registering again", self.producer_id, hello.controller_id)
+        self.announce_soon()
 
     async def _flush_loop(self) -> None:
         while True:

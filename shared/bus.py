@@ -14,6 +14,7 @@ All of it runs on the caller's asyncio event loop (nats-py's callbacks too).
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import math
@@ -28,7 +29,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+from nats.errors import NoRespondersError, SlowConsumerError, TimeoutError as NatsTimeoutError
 
 from kvmesh.shared import protocol
 from kvmesh.shared.errors import ConfigError, MeshUnavailable, ProtocolError
@@ -39,7 +40,8 @@ log = logging.getLogger(__name__)
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
 
-# Slow subscribers must not silently lose messages: nats-py drops past these limits.
+# Slow subscribers must not silently lose messages: nats-py drops past these limits (a store sets its own bytes
+# limit for its ops, --request-queue-mb; drops are counted in MeshClient.dropped and logged).
 PENDING_MSGS_LIMIT = 1_000_000
 PENDING_BYTES_LIMIT = 1024 * 1024 * 1024
 
@@ -117,9 +119,24 @@ def _principal_inbox(user: str | None) -> str | None:
 
 
 class MeshClient(NatsClient):
-    """nats-py's client, knowing when its owner closes it: a close or drain asked for is not a lost connection."""
+    """nats-py's client, knowing when its owner closes it: a close or drain asked for is not a lost connection.
+
+    `dropped` counts, per subscription, the messages nats-py dropped because that subscription's queue was
+    full (its pending limits): the connection itself stays up and keeps reading.
+    """
 
     closing = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped: collections.Counter[Subscription] = collections.Counter()
+
+    def count_drop(self, name: str, error: SlowConsumerError) -> None:
+        self.dropped[error.sub] += 1
+        count = self.dropped[error.sub]
+        if count & (count - 1) == 0:  # the 1st, 2nd, 4th, 8th... drop: a flood logs a few lines, not one per message
+            log.warning("%s: dropped a message on %s: the subscription's queue is full (%d dropped so far)",
+                        name, error.subject, count)
 
     async def close(self) -> None:
         self.closing = True
@@ -152,7 +169,9 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None, connect_tim
     verdict: asyncio.Future[Any] = loop.create_future()  # the error that makes the first connect give up
 
     async def on_error(exc: Exception) -> None:
-        if not state["first"]:
+        if isinstance(exc, SlowConsumerError):
+            nc.count_drop(name, exc)
+        elif not state["first"]:
             log.debug("%s: NATS client error: %s", name, exc)
         elif not verdict.done() and (_rejects_credentials(exc) or time.monotonic() >= deadline):
             verdict.set_result(exc)
@@ -257,21 +276,23 @@ def route_address(nats_url: str) -> str | None:
 
 
 async def serve(nc: NatsClient, subject: str, request_type: type[Req],
-                handler: Callable[[Req], Awaitable[Any]], queue: str = "", max_concurrent: int = 1) -> Subscription:
+                handler: Callable[[Req], Awaitable[Any]], queue: str = "", max_concurrent: int = 1,
+                pending_bytes_limit: int = PENDING_BYTES_LIMIT) -> Subscription:
     """Answer requests on `subject`: decode as `request_type`, await `handler`, reply with what it returns.
 
     A handler returning None sends no reply (for fire-and-forget publishes). Undecodable messages are
     logged and dropped; handler exceptions are logged and answered with `Ack(ok=False, error=...)`.
     `max_concurrent` > 1 runs up to that many handlers at once (each in a task; further messages wait in the
-    subscription's queue); 1 handles the subject's messages one at a time, in order.
+    subscription's queue); 1 handles the subject's messages one at a time, in order. Messages arriving while
+    `pending_bytes_limit` bytes wait in that queue are dropped (and counted: MeshClient.dropped).
     """
     return await serve_from(nc, subject, request_type, lambda request, _subject: handler(request), queue,
-                            max_concurrent)
+                            max_concurrent, pending_bytes_limit)
 
 
 async def serve_from(nc: NatsClient, subject: str, request_type: type[Req],
                      handler: Callable[[Req, str], Awaitable[Any]], queue: str = "",
-                     max_concurrent: int = 1) -> Subscription:
+                     max_concurrent: int = 1, pending_bytes_limit: int = PENDING_BYTES_LIMIT) -> Subscription:
     """`serve()`, with `handler(request, msg_subject)`: the subject each message came on, which for a wildcard
     `subject` says who sent it (NATS permissions bind a subject's last tokens to one principal)."""
 
@@ -308,7 +329,7 @@ async def serve_from(nc: NatsClient, subject: str, request_type: type[Req],
 
         callback = on_message_concurrently
     return await nc.subscribe(subject, queue=queue, cb=callback,
-                              pending_msgs_limit=PENDING_MSGS_LIMIT, pending_bytes_limit=PENDING_BYTES_LIMIT)
+                              pending_msgs_limit=PENDING_MSGS_LIMIT, pending_bytes_limit=pending_bytes_limit)
 
 
 async def _respond(msg: Msg, reply: Any) -> None:

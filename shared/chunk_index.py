@@ -58,6 +58,7 @@ class SpaceRefused(StoreError):
 @dataclass
 class _InFlight(Generic[E]):
     entry: E
+    reserved: int = 0  # bytes counted in `reserved_bytes` for it: its charge, or less while its bytes arrive
     discard: bool = False  # removed or cleared while in flight: do not hold it when it lands
     claims: int = 0  # who put it (a `_Callers` mask)
 
@@ -264,27 +265,49 @@ class ChunkIndex(Generic[E]):
         return entry
 
     # ---- puts --------------------------------------------------------------------------------------------
-    def reserve(self, key: ChunkKey, entry: E, caller: str | None = None) -> list[tuple[ChunkKey, E]]:
+    def reserve(self, key: ChunkKey, entry: E, caller: str | None = None,
+                nbytes: int | None = None) -> list[tuple[ChunkKey, E]]:
         """Accept a put from `caller` (its claim; None: an unclaimed chunk): evict the policy's victims to make
-        room and count the entry's charge as reserved.
+        room and count `nbytes` of the entry's charge (all of it when None) as reserved; `grow` reserves the
+        rest as the bytes arrive (all of it by `commit`).
 
         Returns the evicted (key, entry) pairs, whose bytes the store frees. Raises SpaceRefused, changing
         nothing, when pinned chunks and puts in flight leave no room. The key must not be known.
         """
         if self.is_known(key):
             raise ValueError(f"chunk {key.hex()} is already held or in flight")
-        victims = self._policy.victims_for(entry.charge + self.reserved_bytes)
-        if victims is None:
-            pinned = sum(self._held[k].charge for k in self._held if self._policy.is_pinned(k))
-            raise SpaceRefused(f"no room for chunk {key.hex()} of {entry.charge} bytes: capacity "
-                               f"{self.capacity_bytes}, pinned {pinned}, in flight {self.reserved_bytes}")
-        evicted = [(victim, self._forget(victim)) for victim in victims]
+        nbytes = entry.charge if nbytes is None else nbytes
+        evicted = self._make_room(key, nbytes)
         stale = self._in_flight.pop(key, None)  # a discarded put of the same key still landing: superseded
         if stale is not None:
-            self.reserved_bytes -= stale.entry.charge
-        self._in_flight[key] = _InFlight(entry, claims=self._callers.add(0, caller) if caller is not None else 0)
-        self.reserved_bytes += entry.charge
+            self.reserved_bytes -= stale.reserved
+        self._in_flight[key] = _InFlight(entry, nbytes, claims=self._callers.add(0, caller) if caller is not None
+                                         else 0)
+        self.reserved_bytes += nbytes
         return evicted
+
+    def grow(self, key: ChunkKey, entry: E, total: int) -> list[tuple[ChunkKey, E]]:
+        """Reserve up to `total` bytes in all (at most its charge) for the put of `entry` in flight, evicting as
+        `reserve` does; the evicted pairs. A put no longer in flight (superseded) reserves nothing: it will not
+        be held."""
+        flight = self._in_flight.get(key)
+        if flight is None or flight.entry is not entry:
+            return []
+        nbytes = min(total, entry.charge) - flight.reserved
+        if nbytes <= 0:
+            return []
+        evicted = self._make_room(key, nbytes)
+        flight.reserved += nbytes
+        self.reserved_bytes += nbytes
+        return evicted
+
+    def _make_room(self, key: ChunkKey, nbytes: int) -> list[tuple[ChunkKey, E]]:
+        victims = self._policy.victims_for(nbytes + self.reserved_bytes)
+        if victims is None:
+            pinned = sum(self._held[k].charge for k in self._held if self._policy.is_pinned(k))
+            raise SpaceRefused(f"no room for {nbytes} more bytes of chunk {key.hex()}: capacity "
+                               f"{self.capacity_bytes}, pinned {pinned}, in flight {self.reserved_bytes}")
+        return [(victim, self._forget(victim)) for victim in victims]
 
     def claim(self, key: ChunkKey, caller: str) -> bool:
         """A put from `caller` of a key already held or in flight (and wanted): add its claim; False if the key
@@ -322,9 +345,10 @@ class ChunkIndex(Generic[E]):
         if flight is None or (entry is not None and flight.entry is not entry):
             return False
         del self._in_flight[key]
-        self.reserved_bytes -= flight.entry.charge
+        self.reserved_bytes -= flight.reserved
         if flight.discard:
             return False
+        assert flight.reserved == flight.entry.charge, f"chunk {key.hex()}: committed before all of it was reserved"
         self._held[key] = flight.entry
         if flight.claims:
             self._claims[key] = flight.claims
@@ -338,7 +362,7 @@ class ChunkIndex(Generic[E]):
         flight = self._in_flight.get(key)
         if flight is not None and (entry is None or flight.entry is entry):
             del self._in_flight[key]
-            self.reserved_bytes -= flight.entry.charge
+            self.reserved_bytes -= flight.reserved
             self._discard(flight)
 
     def load(self, key: ChunkKey, entry: E) -> None:

@@ -31,6 +31,7 @@ from kvmesh.shared.credentials import credentials_for
 from kvmesh.shared.chunk_index import ChunkIndex, IndexEntry
 from kvmesh.shared.keys import ChunkKey
 from kvmesh.shared.service import serve_health
+from kvmesh.shared.store_bounds import StoreBounds
 
 log = logging.getLogger(__name__)
 
@@ -83,49 +84,74 @@ class IndexOps(Generic[E]):
     whether or not another caller's claim or a pin keeps it in the store. So the controller's `/clear` of
     LocalDiskBackend for instance A (each rank clears its own claims, the reply is the minimum over the ranks)
     reports A's tokens, never B's, and the same whether or not B put the same chunks.
+
+    Keys per request: at most `bounds.max_keys_per_request` (more: an error reply, counted in the stats details
+    as `requests_too_many_keys`). touch, pin, unpin and remove act once per distinct key of a request (a key
+    repeated a million times is one key: it pins once, and costs one lookup); contains answers the held prefix of
+    the keys as sent.
     """
 
     def __init__(self, store_id: str, index: ChunkIndex[E], free: Callable[[list[tuple[ChunkKey, E]]], None],
                  details: Callable[[], dict[str, Any]],
                  settle: Callable[[list[ChunkKey]], Awaitable[None]] | None = None,
-                 persist: Callable[[], Awaitable[None]] = _nothing) -> None:
+                 persist: Callable[[], Awaitable[None]] = _nothing, bounds: StoreBounds = StoreBounds()) -> None:
         self.store_id = store_id
         self.index = index
         self._free = free
         self._details = details
         self._settle = settle
         self._persist = persist
+        self._bounds = bounds
+        self.too_many_keys = 0  # requests refused for naming more than max_keys_per_request keys
 
     def handlers(self) -> list[Handler]:
         keys = protocol.ChunkKeys
         at_once = STATE_OPS_AT_ONCE
-        return [Handler.anyone("contains", keys, self.contains), Handler.anyone("touch", keys, self.touch),
-                Handler.anyone("pin", keys, self.pin, at_once), Handler.anyone("unpin", keys, self.unpin, at_once),
-                Handler.anyone("remove", keys, self.remove, at_once),
+        return [Handler.anyone("contains", keys, self._bounded(self.contains)),
+                Handler.anyone("touch", keys, self._bounded(self.touch)),
+                Handler.anyone("pin", keys, self._bounded(self.pin), at_once),
+                Handler.anyone("unpin", keys, self._bounded(self.unpin), at_once),
+                Handler.anyone("remove", keys, self._bounded(self.remove), at_once),
                 Handler("clear", protocol.ClearRequest, self.clear, at_once),
                 Handler("wipe", protocol.WipeRequest, self.wipe, at_once),
                 Handler.anyone("stats", protocol.StatsRequest, self.stats)]
+
+    def _bounded(self, handle: Callable[[protocol.ChunkKeys], Awaitable[Any]]
+                 ) -> Callable[[protocol.ChunkKeys], Awaitable[Any]]:
+        """`handle`, refusing a request with more keys than the bound before any of them is looked at."""
+
+        async def bounded(request: protocol.ChunkKeys) -> Any:
+            error = self._bounds.too_many_keys(len(request.keys))
+            if error is None:
+                return await handle(request)
+            self.too_many_keys += 1
+            log.warning("store %s: refused a request of %d keys (--max-keys-per-request %d)", self.store_id,
+                        len(request.keys), self._bounds.max_keys_per_request)
+            return protocol.Ack(ok=False, error=f"store {self.store_id}: {error}")
+
+        return bounded
 
     async def contains(self, request: protocol.ChunkKeys) -> protocol.ContainsReply:
         return protocol.ContainsReply(prefix=self.index.contains_prefix(request.keys))
 
     async def touch(self, request: protocol.ChunkKeys) -> protocol.Ack:
         """Hits an engine served: these chunks count as just used (the eviction policy decides what that means)."""
-        for key in request.keys:
+        for key in _distinct(request.keys):
             self.index.touch(key)
         return protocol.Ack()
 
     async def pin(self, request: protocol.ChunkKeys) -> protocol.CommandReply:
         if request.ttl_secs is not None and not request.ttl_secs > 0:
             return protocol.CommandReply(ok=False, error=f"ttl_secs must be > 0 (or absent), got {request.ttl_secs}")
+        keys = _distinct(request.keys)
         if self._settle is not None:
-            await self._settle(request.keys)
-        pinned = self.index.pin(request.keys, request.ttl_secs)
+            await self._settle(keys)
+        pinned = self.index.pin(keys, request.ttl_secs)
         return await self._persisted("pin", protocol.CommandReply(
             ok=True, num_tokens=self.index.tokens_of(pinned), num_chunks=len(pinned)))
 
     async def unpin(self, request: protocol.ChunkKeys) -> protocol.CommandReply:
-        unpinned = self.index.unpin(request.keys)
+        unpinned = self.index.unpin(_distinct(request.keys))
         reply = protocol.CommandReply(ok=True, num_tokens=self.index.tokens_of(unpinned), num_chunks=len(unpinned))
         self._free(self.index.forget_orphans())  # chunks a clear left to their pins: the last pin went
         return await self._persisted("unpin", reply)
@@ -133,7 +159,7 @@ class IndexOps(Generic[E]):
     async def remove(self, request: protocol.ChunkKeys) -> protocol.CommandReply:
         removed: list[tuple[ChunkKey, E]] = []
         discarded: list[E] = []
-        for key in request.keys:
+        for key in _distinct(request.keys):
             in_flight = self.index.in_flight(key)
             entry = self.index.remove(key)  # discards the put in flight too
             if entry is not None:
@@ -190,18 +216,21 @@ class IndexOps(Generic[E]):
         return protocol.StatsReply(store_id=self.store_id, num_chunks=len(index), used_bytes=index.used_bytes,
                                    capacity_bytes=index.capacity_bytes, pinned_chunks=index.pinned_count,
                                    details={"cache_policy": index.policy_name, "claimants": len(index.claim_counts()),
-                                            **self._details()})
+                                            "requests_too_many_keys": self.too_many_keys, **self._details()})
 
 
 class StoreEndpoint:
     """A store's connection, subscriptions, admission reporter and health answers (see the module docstring).
 
     `service` names the kind of store ("disk_store", "remote_store"): in health replies and the connection name.
+    Each op's subscription queues at most `queue_bytes` of requests (--request-queue-mb); what arrives past it is
+    dropped by nats-py and counted in `dropped`, so a flood costs the store no more memory than that.
     """
 
-    def __init__(self, service: str, store_id: str) -> None:
+    def __init__(self, service: str, store_id: str, queue_bytes: int = bus.PENDING_BYTES_LIMIT) -> None:
         self.service = service
         self.store_id = store_id
+        self.queue_bytes = queue_bytes
         self.nc: NatsClient | None = None
         self.reporter: AdmissionReporter | None = None
         self._own_nc = False
@@ -230,11 +259,24 @@ class StoreEndpoint:
         for handler in handlers:
             self._subscriptions.append(await bus.serve_from(
                 self.nc, protocol.Subjects.store_op(self.store_id, handler.op), handler.request_type,
-                _from_caller(handler), max_concurrent=handler.max_concurrent))
+                _from_caller(handler), max_concurrent=handler.max_concurrent, pending_bytes_limit=self.queue_bytes))
         self.reporter = reporter
         await reporter.start(self.nc)
         await serve_health(self.nc, self.service, self.store_id, protocol.store_path(self.store_id),
                            details=health_details)
+        await self.nc.flush()  # the server has every subscription: a request sent from now on finds its op
+
+    @property
+    def dropped(self) -> int:
+        """Requests dropped so far because their op's queue was full (0 on a connection not made by bus.connect)."""
+        counts = getattr(self.nc, "dropped", None)
+        return sum(counts[subscription] for subscription in self._subscriptions) if counts is not None else 0
+
+    def counters(self) -> dict[str, int]:
+        """For the store's stats details: requests dropped, full syncs published and the asks they served."""
+        reporter = self.reporter
+        return {"requests_dropped": self.dropped, "full_syncs": reporter.syncs_published if reporter else 0,
+                "sync_asks": reporter.sync_asks if reporter else 0}
 
     async def stop_serving(self) -> None:
         """Take no more requests (the store may then finish its work and close)."""
@@ -256,6 +298,11 @@ class StoreEndpoint:
                 await self.nc.drain()
             except Exception as exc:
                 log.debug("%s %s: NATS drain failed: %s", self.service, self.store_id, exc)
+
+
+def _distinct(keys: list[ChunkKey]) -> list[ChunkKey]:
+    """`keys` without repeats, in first-seen order (so a contiguous prefix stays one)."""
+    return list(dict.fromkeys(keys))
 
 
 def _from_caller(handler: Handler) -> Callable[[Any, str], Awaitable[Any]]:

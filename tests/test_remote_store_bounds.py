@@ -1,5 +1,6 @@
 """The remote store's stream port bounds (issue 13): a cap on open connections, the hello's deadline and size,
-and the idle timeout of greeted connections. Store in this test's event loop on a real nats-server; the attacker
+the idle timeout of greeted connections, the size a put may announce, and room made only as a put's bytes
+arrive. Store in this test's event loop on a real nats-server; the attacker
 is a plain TCP connection, the victim a real RemoteStoreClient that must keep putting and getting.
 """
 
@@ -7,19 +8,28 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from typing import AsyncIterator
 
 import numpy as np
 import pytest
 
-from kvmesh.shared import bus
+from kvmesh.shared import bus, protocol
 from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.tier import ChunkBuffer
 from kvmesh.services.remote_store.client import RemoteStoreClient
 from kvmesh.services.remote_store.options import RemoteStoreOptions, build_parser, options_from_args
 from kvmesh.services.remote_store.service import RemoteStoreService
-from kvmesh.services.remote_store.stream_wire import OP_HELLO, REQUEST_HEAD
+from kvmesh.services.remote_store.store import RESERVE_STEP
+from kvmesh.services.remote_store.stream_wire import (
+    OP_HELLO,
+    OP_PUT,
+    REQUEST_HEAD,
+    recv_reply,
+    send_request,
+    tune_socket,
+)
 
 from test_remote_store import ENGINE, MiB, chunk
 from waiting import WAIT_S, wait_until_async
@@ -141,3 +151,56 @@ def test_bounds_are_flags_that_round_trip_and_must_be_positive() -> None:
                  "--stream-idle-timeout"):
         with pytest.raises(ConfigError, match=flag):
             options_from_args(build_parser().parse_args([flag, "0"]))
+
+
+# ---- what a put's header may claim --------------------------------------------------------------------------
+async def greeted(service: RemoteStoreService) -> socket.socket:
+    """A raw stream connection that presented a valid ticket (as ENGINE), ready for requests."""
+    sock = socket.create_connection(("127.0.0.1", service.stream.port))
+    tune_socket(sock)
+    await send_request(sock, OP_HELLO, protocol.StreamHello(ticket=service.stream.issue_ticket(ENGINE), client="raw"))
+    assert (await recv_reply(sock, protocol.Ack)).ok
+    return sock
+
+
+async def test_a_put_announcing_more_than_max_chunk_bytes_is_refused_before_its_bytes(store_factory) -> None:
+    service, client = await store_factory(max_chunk_bytes=4 * MiB)
+    meta, _ = chunk(4 * MiB + 1, 3)
+    sock = await greeted(service)
+    try:
+        await send_request(sock, OP_PUT, protocol.PutRequest(meta=meta))  # and not one byte of the chunk
+        reply = await asyncio.wait_for(recv_reply(sock, protocol.Ack), WAIT_S)
+        assert not reply.ok and "--max-chunk-bytes" in reply.error and str(4 * MiB + 1) in reply.error
+        assert await asyncio.wait_for(asyncio.get_running_loop().sock_recv(sock, 1), WAIT_S) == b""  # closed
+    finally:
+        sock.close()
+    assert service.stream.counters["stream_puts_too_large"] == 1
+    assert service.store.index.reserved_bytes == 0
+    await round_trip(client, 1)
+
+
+async def test_a_put_makes_room_only_as_its_bytes_arrive(store_factory) -> None:
+    service, client = await store_factory()
+    capacity = service.options.capacity_bytes
+    size = RESERVE_STEP // 2
+    held = [chunk(size, seed) for seed in range((capacity - RESERVE_STEP) // size)]  # room left: one step
+    for meta, data in held:
+        assert await client.put(meta, ChunkBuffer(memoryview(data)))
+    index = service.store.index
+    claim, data = chunk(capacity, 9)  # the whole capacity, announced
+    sock = await greeted(service)
+    try:
+        await send_request(sock, OP_PUT, protocol.PutRequest(meta=claim))
+        await wait_until_async(lambda: index.in_flight_count == 1, what="the put begun")
+        assert len(index) == len(held) and index.reserved_bytes == RESERVE_STEP  # room for the first step only
+        await asyncio.get_running_loop().sock_sendall(sock, memoryview(data)[:RESERVE_STEP + 1])
+        await wait_until_async(lambda: index.reserved_bytes == 2 * RESERVE_STEP, what="room for the second step")
+        # a step's worth evicted for bytes that arrived, not everything for a size claimed
+        assert len(index) == len(held) - RESERVE_STEP // size
+    finally:
+        sock.close()  # the rest never comes: the put is aborted and gives its room back
+    await wait_until_async(lambda: index.in_flight_count == 0 and index.reserved_bytes == 0, what="put aborted")
+    assert [held_meta.key in index for held_meta, _ in held] == [False, False] + [True] * (len(held) - 2)
+    assert await client.put(claim, ChunkBuffer(memoryview(data)))  # a whole put of the capacity still works
+    out = np.zeros(claim.nbytes, dtype=np.uint8)
+    assert await client.get_into(claim.key, ChunkBuffer(memoryview(out))) is not None and np.array_equal(out, data)

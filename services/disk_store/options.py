@@ -25,6 +25,7 @@ from kvmesh.shared.eviction import POLICY_NAMES
 from kvmesh.shared.local_mesh import ServiceSpec
 from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
 from kvmesh.shared.protocol import disk_store_id
+from kvmesh.shared.store_bounds import StoreBounds, add_store_bound_flags, store_bounds_from_args
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
@@ -47,6 +48,7 @@ class DiskStoreOptions:
     pool_hello_max_bytes: int = 4096  # the largest hello a pool connection may send
     pool_hello_timeout_secs: float = 5.0  # how long a new pool connection may take to send its hello
     durable_puts: bool = False  # answer a put only once its file is durable (fsync'd, renamed, directory fsync'd)
+    bounds: StoreBounds = field(default_factory=StoreBounds)  # what NATS clients can push on (shared/store_bounds.py)
 
     def to_args(self) -> list[str]:
         """The flags that start a store with these options (`--nats-url` and credentials excepted)."""
@@ -54,7 +56,7 @@ class DiskStoreOptions:
                 "--cache-policy", self.cache_policy, "--writer-threads", str(self.writer_threads),
                 "--reader-threads", str(self.reader_threads), "--staging-mb", repr(self.staging_bytes / 2**20),
                 "--max-pools", str(self.max_pools), "--pool-hello-max-bytes", str(self.pool_hello_max_bytes),
-                "--pool-hello-timeout", repr(self.pool_hello_timeout_secs)]
+                "--pool-hello-timeout", repr(self.pool_hello_timeout_secs), *self.bounds.to_args()]
         if not self.fsync:
             args.append("--no-fsync")
         if self.durable_puts:
@@ -92,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--durable-puts", action="store_true",
                         help="answer a put only once its chunk file is written, fsync'd and renamed into place "
                              "(directory fsync'd); default: once the bytes are staged in memory")
+    add_store_bound_flags(parser)
     parser.add_argument("--log-level", help="log level (default: $KVMESH_LOG_LEVEL, else INFO)")
     add_nats_auth_flags(parser)
     return parser
@@ -134,4 +137,5 @@ def options_from_args(args: argparse.Namespace, environ: dict[str, str] | None =
         fsync=not args.no_fsync, durable_puts=args.durable_puts,
         writer_threads=args.writer_threads, reader_threads=args.reader_threads,
         staging_bytes=round(args.staging_mb * 2**20), max_pools=args.max_pools,
-        pool_hello_max_bytes=args.pool_hello_max_bytes, pool_hello_timeout_secs=args.pool_hello_timeout)
+        pool_hello_max_bytes=args.pool_hello_max_bytes, pool_hello_timeout_secs=args.pool_hello_timeout,
+        bounds=store_bounds_from_args(args))

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 from nats.aio.client import Client as NatsClient
 
@@ -51,9 +52,9 @@ class DiskStoreService:
                  heartbeat_interval: float = 2.0, clock: Clock = time.monotonic) -> None:
         self.options = options
         self.store = DiskStore(options, faults, clock)
-        self.ops = IndexOps(options.store_id, self.store.index, free=self.store.free, details=self.store.details,
-                            settle=self.store.settle, persist=self.store.state.save_now)
-        self.endpoint = StoreEndpoint("disk_store", options.store_id)
+        self.ops = IndexOps(options.store_id, self.store.index, free=self.store.free, details=self._details,
+                            settle=self.store.settle, persist=self.store.state.save_now, bounds=options.bounds)
+        self.endpoint = StoreEndpoint("disk_store", options.store_id, options.bounds.request_queue_bytes)
         self._heartbeat_interval = heartbeat_interval
 
     @property
@@ -67,7 +68,8 @@ class DiskStoreService:
         store.max_inline_bytes = max(0, nc.max_payload - protocol.INLINE_HEADROOM)
         reporter = AdmissionReporter(options.store_id, protocol.store_path(options.store_id), protocol.LOCAL_DISK,
                                      held_keys=store.index.keys,
-                                     register=self._registration, heartbeat_interval=self._heartbeat_interval)
+                                     register=self._registration, heartbeat_interval=self._heartbeat_interval,
+                                     min_sync_interval=options.bounds.min_sync_interval)
         store.index.on_admit, store.index.on_evict = reporter.admit, reporter.evict
         # Gets run concurrently (one per I/O thread), so engines sharing the store do not queue behind one slow
         # read; every other op is handled in arrival order.
@@ -75,8 +77,11 @@ class DiskStoreService:
                     Handler("get", protocol.GetRequest, store.get, max_concurrent=options.reader_threads),
                     *self.ops.handlers()]
         await store.pools.start()
-        await self.endpoint.serve(handlers, reporter, store.details)
+        await self.endpoint.serve(handlers, reporter, self._details)
         log.info("disk store %s serving %s on %s", options.store_id, options.root, options.nats_url)
+
+    def _details(self) -> dict[str, Any]:
+        return {**self.store.details(), **self.endpoint.counters()}
 
     def _registration(self) -> protocol.RegisterStore:
         return protocol.RegisterStore(store_id=self.options.store_id, location=protocol.LOCAL_DISK,

@@ -217,6 +217,9 @@ class DiskStore:
     def _put_source(self, request: protocol.PutRequest, caller: str) -> memoryview:
         nbytes = request.meta.nbytes
         if request.data is not None:
+            error = self.options.bounds.inline_too_large(len(request.data))
+            if error is not None:
+                raise StoreError(error)
             if len(request.data) != nbytes:
                 raise StoreError(f"inline data is {len(request.data)} bytes, meta says {nbytes}")
             self.counters["puts_inline"] += 1

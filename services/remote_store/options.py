@@ -22,6 +22,9 @@ from kvmesh.shared.eviction import POLICY_NAMES
 from kvmesh.shared.local_mesh import ServiceSpec
 from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
 from kvmesh.shared.protocol import remote_store_id
+from kvmesh.shared.store_bounds import StoreBounds, add_store_bound_flags, store_bounds_from_args
+
+DEFAULT_MAX_CHUNK_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,8 @@ class RemoteStoreOptions:
     stream_hello_timeout: float = 10.0  # seconds a new connection has to present a valid ticket
     stream_hello_max_bytes: int = 4096  # the largest hello read before its ticket is checked
     stream_idle_timeout: float = 300.0  # seconds a greeted connection may go without a request
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES  # the largest chunk a put may announce (stream or inline)
+    bounds: StoreBounds = field(default_factory=StoreBounds)  # what NATS clients can push on (shared/store_bounds.py)
     heartbeat_interval: float = 2.0
 
     def to_args(self) -> list[str]:
@@ -53,7 +58,8 @@ class RemoteStoreOptions:
                 "--max-stream-connections", str(self.max_stream_connections),
                 "--stream-hello-timeout", repr(self.stream_hello_timeout),
                 "--stream-hello-max-bytes", str(self.stream_hello_max_bytes),
-                "--stream-idle-timeout", repr(self.stream_idle_timeout)]
+                "--stream-idle-timeout", repr(self.stream_idle_timeout),
+                "--max-chunk-bytes", str(self.max_chunk_bytes), *self.bounds.to_args()]
         if self.persist_dir is not None:
             args += ["--persist-dir", str(self.persist_dir)]
         if not self.fsync:
@@ -104,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="largest hello (ticket message) read before the ticket is checked")
     parser.add_argument("--stream-idle-timeout", type=float, default=300.0,
                         help="seconds a stream connection may go without a request before it is closed")
+    parser.add_argument("--max-chunk-bytes", type=int, default=DEFAULT_MAX_CHUNK_BYTES,
+                        help="largest chunk a put may announce; a larger one is refused before its bytes are read")
+    add_store_bound_flags(parser)
     parser.add_argument("--log-level", help="log level (default: $KVMESH_LOG_LEVEL, else INFO)")
     add_nats_auth_flags(parser)
     return parser
@@ -120,7 +129,8 @@ def options_from_args(args: argparse.Namespace) -> RemoteStoreOptions:
     for flag, value in (("--max-stream-connections", args.max_stream_connections),
                         ("--stream-hello-timeout", args.stream_hello_timeout),
                         ("--stream-hello-max-bytes", args.stream_hello_max_bytes),
-                        ("--stream-idle-timeout", args.stream_idle_timeout)):
+                        ("--stream-idle-timeout", args.stream_idle_timeout),
+                        ("--max-chunk-bytes", args.max_chunk_bytes)):
         if value <= 0:
             raise ConfigError(f"{flag}: must be > 0, got {value}")
     return RemoteStoreOptions(
@@ -131,4 +141,5 @@ def options_from_args(args: argparse.Namespace) -> RemoteStoreOptions:
         fsync=not args.no_fsync, stream_host=args.stream_host, stream_port=args.stream_port,
         advertise_host=args.advertise_host, transfer_timeout=args.transfer_timeout,
         max_stream_connections=args.max_stream_connections, stream_hello_timeout=args.stream_hello_timeout,
-        stream_hello_max_bytes=args.stream_hello_max_bytes, stream_idle_timeout=args.stream_idle_timeout)
+        stream_hello_max_bytes=args.stream_hello_max_bytes, stream_idle_timeout=args.stream_idle_timeout,
+        max_chunk_bytes=args.max_chunk_bytes, bounds=store_bounds_from_args(args))

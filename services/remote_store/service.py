@@ -64,7 +64,8 @@ class RemoteStoreService:
         self.options = options
         self.reporter = AdmissionReporter(options.store_id, protocol.store_path(options.store_id), protocol.REMOTE,
                                           held_keys=self._held_keys, register=self._registration,
-                                          heartbeat_interval=options.heartbeat_interval)
+                                          heartbeat_interval=options.heartbeat_interval,
+                                          min_sync_interval=options.bounds.min_sync_interval)
         self.store = MemoryStore(options.capacity_bytes, options.partition, options.num_partitions,
                                  options.persist_dir, options.fsync, cache_policy=options.cache_policy,
                                  on_admit=self.reporter.admit, on_evict=self.reporter.evict)
@@ -73,10 +74,10 @@ class RemoteStoreService:
                                    max_connections=options.max_stream_connections,
                                    hello_timeout=options.stream_hello_timeout,
                                    hello_max_bytes=options.stream_hello_max_bytes,
-                                   idle_timeout=options.stream_idle_timeout)
+                                   idle_timeout=options.stream_idle_timeout, max_chunk_bytes=options.max_chunk_bytes)
         self.ops = IndexOps(options.store_id, self.store.index, free=self.store.free, details=self._stats_details,
-                            persist=self.store.save_now)
-        self.endpoint = StoreEndpoint("remote_store", options.store_id)
+                            persist=self.store.save_now, bounds=options.bounds)
+        self.endpoint = StoreEndpoint("remote_store", options.store_id, options.bounds.request_queue_bytes)
         self._started_at = time.time()
 
     @property
@@ -134,6 +135,10 @@ class RemoteStoreService:
         if request.data is None:
             return protocol.Ack(ok=False, error="the remote store takes bytes inline or on its stream (ask on "
                                                 "the `stream` subject); shared memory is for same-host stores")
+        error = self.options.bounds.inline_too_large(len(request.data))
+        if error is not None:
+            self.store.counters.refused_puts += 1
+            return protocol.Ack(ok=False, error=f"remote store {self.options.store_id}: {error}")
         try:
             await self.store.put_bytes(request.meta, request.data, caller)
         except PutRefused as exc:
@@ -156,7 +161,8 @@ class RemoteStoreService:
 
     def _stats_details(self) -> dict[str, Any]:
         return {**self.store.details(), "stream": f"{self.advertise_host}:{self.stream.port}",
-                "stream_connections": self.stream.connection_count, **self.stream.counters}
+                "stream_connections": self.stream.connection_count, **self.endpoint.counters(),
+                **self.stream.counters}
 
 
 async def run_remote_store(options: RemoteStoreOptions, stop: asyncio.Event) -> None:

@@ -7,7 +7,9 @@ new buffers (buffers.py), read files at start and write/delete files (persistenc
 bytes only while the chunk's `users` count says so.
 
 A put is two steps around the bytes' arrival: `begin_put` checks the chunk, reserves room (evicting the policy's
-victims) and hands out a faulted buffer; `commit_put` verifies the bytes against the meta's checksum (which every
+victims) and hands out a faulted buffer; a stream put reserves only RESERVE_STEP bytes there, and the rest as its
+bytes arrive (`make_room`), so a put that announces a size and never sends the bytes evicts no more than a step's
+worth; `commit_put` verifies the bytes against the meta's checksum (which every
 put carries) and only then makes the chunk visible; bytes that fail it are never held, served or reported
 (`abort_put` also if the bytes never came). Every put records its caller's claim (shared/chunk_index.py), also on a
 chunk already held. With `persist_dir` the pins and claims are saved beside the chunk files (shared/state_file.py:
@@ -40,6 +42,7 @@ from kvmesh.services.remote_store.partition import partition_of
 log = logging.getLogger(__name__)
 
 MAX_SPARE_BYTES = 256 * 1024 * 1024  # faulted buffers kept for the next puts (at most 1/8 of the capacity)
+RESERVE_STEP = 8 * 1024 * 1024  # how far ahead of a stream put's bytes its room is made
 
 
 class PutRefused(StoreError):
@@ -179,9 +182,10 @@ class MemoryStore:
         except StoreError as exc:
             raise PutRefused(str(exc)) from None
 
-    async def begin_put(self, meta: protocol.ChunkMeta, caller: str) -> StoredChunk | None:
+    async def begin_put(self, meta: protocol.ChunkMeta, caller: str, ahead: int | None = None) -> StoredChunk | None:
         """Reserve room and a buffer for `meta`'s bytes put by `caller` (its path: the chunk's claim); None if
-        the chunk is already held or arriving (drop the bytes: only the claim is new).
+        the chunk is already held or arriving (drop the bytes: only the claim is new). `ahead`: reserve only
+        this many bytes of room now, `make_room` the rest as the bytes arrive (None: all of it).
 
         Raises PutRefused. On success the caller fills `chunk.data()` and calls commit_put or abort_put.
         """
@@ -193,7 +197,7 @@ class MemoryStore:
             return None
         chunk = StoredChunk(meta, size_class(meta.nbytes))
         try:
-            evicted = self.index.reserve(meta.key, chunk, caller)
+            evicted = self.index.reserve(meta.key, chunk, caller, None if ahead is None else min(ahead, chunk.charge))
         except SpaceRefused as exc:
             self.counters.refused_puts += 1
             raise PutRefused(str(exc)) from None
@@ -213,6 +217,19 @@ class MemoryStore:
         chunk.buffer = buffer
         return chunk
 
+    def make_room(self, chunk: StoredChunk, upto: int) -> None:
+        """Reserve room for the first `upto` bytes of a put begun with `ahead` (evicting as begin_put does);
+        call before receiving them. Raises PutRefused (the put is then aborted) when pins leave no room."""
+        try:
+            evicted = self.index.grow(chunk.meta.key, chunk, upto)
+        except SpaceRefused as exc:
+            self.counters.refused_puts += 1
+            self.abort_put(chunk)
+            raise PutRefused(str(exc)) from None
+        for _, victim in evicted:
+            self._drop(victim)
+        self.pool.trim(self._free_room())  # spares never take the room this put now holds
+
     def commit_put(self, chunk: StoredChunk, claimed: int | None = None, digest: int | None = None) -> None:
         """The bytes are in: verify them and make the chunk visible. Raises PutRefused on a checksum mismatch
         (the chunk is then dropped, never held).
@@ -226,6 +243,7 @@ class MemoryStore:
         if digest != meta.checksum or (claimed is not None and claimed != meta.checksum):
             self.abort_put(chunk)
             raise self._mismatch(meta, digest)
+        self.make_room(chunk, chunk.charge)  # all of it, if the receiver made room only for the bytes
         if not self.index.commit(meta.key, chunk):
             self._drop(chunk, had_file=False)  # removed or cleared while the bytes were arriving: never held
             return

@@ -18,7 +18,7 @@ import xxhash
 from kvmesh.shared.aio import cancel_and_wait
 from kvmesh.shared import protocol
 from kvmesh.shared.errors import ProtocolError
-from kvmesh.services.remote_store.store import MemoryStore, PutRefused
+from kvmesh.services.remote_store.store import RESERVE_STEP, MemoryStore, PutRefused
 from kvmesh.services.remote_store.stream_wire import (
     OP_GET,
     OP_HELLO,
@@ -53,12 +53,14 @@ class StreamServer:
     Bounds, so that a TCP peer without a ticket (or an idle one with it) costs little: at most
     `max_connections` open at once (past it a new connection is closed at once); the hello must arrive within
     `hello_timeout` seconds and announce at most `hello_max_bytes`; a greeted connection with no request for
-    `idle_timeout` seconds is closed (the client opens a new one). Each is counted in `counters`.
+    `idle_timeout` seconds is closed (the client opens a new one). A put announcing more than `max_chunk_bytes`
+    is refused before any of its bytes is read (and its connection closed: the stream is out of step), and a put
+    makes room in the store only as its bytes arrive (store.py). Each is counted in `counters`.
     """
 
     def __init__(self, store: MemoryStore, host: str, port: int = 0, transfer_timeout: float = 30.0, *,
                  max_connections: int = 256, hello_timeout: float = 10.0, hello_max_bytes: int = 4096,
-                 idle_timeout: float = 300.0) -> None:
+                 idle_timeout: float = 300.0, max_chunk_bytes: int = 256 * 1024 * 1024) -> None:
         self.store = store
         self.host = host
         self.port = port
@@ -67,8 +69,9 @@ class StreamServer:
         self.hello_timeout = hello_timeout
         self.hello_max_bytes = hello_max_bytes
         self.idle_timeout = idle_timeout
+        self.max_chunk_bytes = max_chunk_bytes
         self.counters = {"stream_refused_over_cap": 0, "stream_hello_timeouts": 0, "stream_hellos_too_large": 0,
-                         "stream_bad_tickets": 0, "stream_idle_closed": 0}
+                         "stream_bad_tickets": 0, "stream_idle_closed": 0, "stream_puts_too_large": 0}
         self._tickets: dict[bytes, tuple[float, str]] = {}  # ticket -> (expiry (monotonic), caller path)
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
@@ -197,8 +200,14 @@ class StreamServer:
 
     async def _put(self, sock: socket.socket, request: protocol.PutRequest, caller: str) -> None:
         meta = request.meta
+        if meta.nbytes > self.max_chunk_bytes:  # never read (or make room for) a size merely announced
+            self.counters["stream_puts_too_large"] += 1
+            error = (f"put of {meta.nbytes} bytes announced; this store takes chunks of at most "
+                     f"{self.max_chunk_bytes} bytes (--max-chunk-bytes)")
+            await send_reply(sock, protocol.Ack(ok=False, error=error))
+            raise _Refused(error)
         try:
-            chunk = await self.store.begin_put(meta, caller)
+            chunk = await self.store.begin_put(meta, caller, ahead=RESERVE_STEP)
         except PutRefused as exc:
             if meta.nbytes < 0:
                 raise StreamError(f"put of {meta.nbytes} bytes") from None
@@ -211,9 +220,16 @@ class StreamServer:
             return
         hasher = xxhash.xxh3_64()
         trailer = bytearray(TRAILER.size)
+        view = chunk.data()
         try:
-            await recv_exactly(sock, chunk.data(), hasher)
+            for start in range(0, len(view), RESERVE_STEP):  # room for each step before its bytes are read
+                self.store.make_room(chunk, start + RESERVE_STEP)
+                await recv_exactly(sock, view[start:start + RESERVE_STEP], hasher)
             await recv_exactly(sock, memoryview(trailer))
+        except PutRefused as exc:  # no room left (pins): aborted; skip the rest of its bytes
+            await drain(sock, len(view) - start + TRAILER.size)
+            await send_reply(sock, protocol.Ack(ok=False, error=str(exc)))
+            return
         except BaseException:
             self.store.abort_put(chunk)
             raise

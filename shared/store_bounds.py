@@ -1,0 +1,90 @@
+"""Bounds a NATS client can push on at a chunk store, the same for the disk store and the remote store.
+
+`StoreBounds` is one set of them; `add_store_bound_flags` / `store_bounds_from_args` / `StoreBounds.to_args` are
+their command-line flags, shared by both stores' options modules (docs/config.md lists them per store,
+docs/security.md says what each guards against):
+
+    --max-keys-per-request  keys in one contains / touch / pin / unpin / remove request; more: an error reply
+    --max-inline-bytes      bytes of one put's inline `data`; more: an error reply (bulk bytes go by shared
+                            memory or the remote store's stream)
+    --request-queue-mb      bytes of requests queued per op subscription; past it nats-py drops what arrives
+                            (counted: `requests_dropped`) instead of the store's memory growing (it was 1 GiB
+                            per op). This does not make nats-py read faster: a publisher faster than the store's
+                            reader (~0.1-0.4 GB/s) still gets it cut off by nats-server as a slow consumer once
+                            64 MiB wait for it there; it reconnects (docs/security.md, "Not covered yet")
+    --min-sync-interval     seconds between two full syncs the store publishes (shared/admissions.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from kvmesh.shared.errors import ConfigError
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class StoreBounds:
+    max_keys_per_request: int = 100_000  # a 1M-token prompt in chunks of 16 tokens is 62,500 keys
+    # NATS discourages payloads over 8 MB; measured here, a flood of 20 MB inline puts from another process got a
+    # store cut off by nats-server as a slow consumer (its 64 MiB max_pending), one of 8 MB did not
+    max_inline_bytes: int = 8 * MiB
+    request_queue_bytes: int = 128 * MiB  # nats-py's own default per subscription (ours was 1 GiB)
+    min_sync_interval: float = 1.0
+
+    def to_args(self) -> list[str]:
+        return ["--max-keys-per-request", str(self.max_keys_per_request),
+                "--max-inline-bytes", str(self.max_inline_bytes),
+                "--request-queue-mb", repr(self.request_queue_bytes / MiB),
+                "--min-sync-interval", repr(self.min_sync_interval)]
+
+    def check(self) -> None:
+        """Raise ConfigError naming the flag of a bound that makes no sense."""
+        for flag, value in (("--max-keys-per-request", self.max_keys_per_request),
+                            ("--max-inline-bytes", self.max_inline_bytes),
+                            ("--request-queue-mb", self.request_queue_bytes)):
+            if value <= 0:
+                raise ConfigError(f"{flag}: must be > 0, got {value}")
+        if self.max_inline_bytes >= self.request_queue_bytes:  # such a put would always be dropped unread
+            raise ConfigError(f"--max-inline-bytes {self.max_inline_bytes} must be below --request-queue-mb "
+                              f"({self.request_queue_bytes} bytes)")
+        if self.min_sync_interval < 0:
+            raise ConfigError(f"--min-sync-interval: must be >= 0, got {self.min_sync_interval}")
+
+    def too_many_keys(self, count: int) -> str | None:
+        """The error for a request naming `count` keys, or None if that is within the bound."""
+        if count <= self.max_keys_per_request:
+            return None
+        return (f"{count} keys in one request; this store takes at most {self.max_keys_per_request} "
+                "(--max-keys-per-request): split the request")
+
+    def inline_too_large(self, nbytes: int) -> str | None:
+        """The error for a put with `nbytes` of inline data, or None if that is within the bound."""
+        if nbytes <= self.max_inline_bytes:
+            return None
+        return (f"inline put of {nbytes} bytes; this store takes at most {self.max_inline_bytes} inline "
+                "(--max-inline-bytes): send the bytes by shared memory or the remote store's stream")
+
+
+def add_store_bound_flags(parser: argparse.ArgumentParser) -> None:
+    default = StoreBounds()
+    parser.add_argument("--max-keys-per-request", type=int, default=default.max_keys_per_request,
+                        help="most keys in one contains / touch / pin / unpin / remove request; more get an error")
+    parser.add_argument("--max-inline-bytes", type=int, default=default.max_inline_bytes,
+                        help="largest inline `data` of one put; a larger put gets an error")
+    parser.add_argument("--request-queue-mb", type=float, default=default.request_queue_bytes / MiB,
+                        help="requests queued per NATS subscription, in MiB; past it new ones are dropped and "
+                             "counted (requests_dropped)")
+    parser.add_argument("--min-sync-interval", type=float, default=default.min_sync_interval,
+                        help="seconds between two full syncs; requests within it are served when it ends")
+
+
+def store_bounds_from_args(args: argparse.Namespace) -> StoreBounds:
+    """The bounds the flags name; ConfigError if one makes no sense."""
+    bounds = StoreBounds(max_keys_per_request=args.max_keys_per_request, max_inline_bytes=args.max_inline_bytes,
+                         request_queue_bytes=round(args.request_queue_mb * MiB),
+                         min_sync_interval=args.min_sync_interval)
+    bounds.check()
+    return bounds
