@@ -563,3 +563,17 @@ def test_a_restarted_engine_clears_what_its_previous_process_put_in_the_disk_sto
         assert after.lookup(tokens, search_range=[LOCAL_DISK]) == 0
     finally:
         after.close()
+
+
+def test_hits_past_the_stores_keys_per_request_bound_reach_it_in_parts(disk_mesh: LocalMesh, kv: PagedKV,
+                                                                      tmp_path: Path) -> None:
+    engine = engine_on(str(disk_mesh.nats_url), kv, local_disk=str(tmp_path / "disk"), max_local_disk_size=0.05)
+    try:
+        wait_until(lambda: engine.storage.lower(LOCAL_DISK) is not None, what="the disk store client")
+        engine.storage.note_hits([i.to_bytes(16, "little") for i in range(120_000)])  # one interval of many hits
+        assert engine.nats_loop.call(engine.storage.flush_hits(), WAIT_S) is None
+        client = engine.storage.lower(LOCAL_DISK)
+        (stats,) = engine.nats_loop.call(client.stats(), WAIT_S)
+        assert stats.details["requests_too_many_keys"] == 0
+    finally:
+        engine.close()

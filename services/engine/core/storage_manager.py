@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 LOCATION_ALIASES = {"Hot": LOCAL_CPU, "LocalCPUBackend": LOCAL_CPU, "LocalDiskBackend": LOCAL_DISK,
                     "RemoteBackend": REMOTE}
 ALL_LOCATIONS = frozenset(LOCATIONS)
+TOUCH_BATCH = 10_000  # keys per touch request
 TIER_OPS = ("pin", "unpin", "clear", "lookup")  # `command`: one tier
 COMMAND_OPS = (*TIER_OPS, "move")  # what the worker agent answers (`move`: from one tier to another)
 # what a loaded chunk's meta says differently from what its span's key must hold; None when it matches
@@ -442,7 +443,10 @@ class StorageManager:
         with self._hits_lock:
             keys, self._hits = list(self._hits), set()
         if keys and self.lower_ready():
-            await asyncio.gather(*(client.touch(keys) for client in self._lower.values()), return_exceptions=True)
+            # in parts well under the stores' keys-per-request bound (--max-keys-per-request, 100,000 by default)
+            for start in range(0, len(keys), TOUCH_BATCH):
+                part = keys[start:start + TOUCH_BATCH]
+                await asyncio.gather(*(client.touch(part) for client in self._lower.values()), return_exceptions=True)
 
     # ---- the controller's commands (loop thread) -----------------------------------------------------------------
     async def command(self, op: str, location: str, spans: Sequence[ChunkSpan], ttl_secs: float | None = None) -> int:
