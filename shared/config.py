@@ -25,6 +25,7 @@ import yaml
 
 from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.eviction import POLICY_NAMES
+from kvmesh.shared.redis_url import is_redis_url, parse_redis_url
 
 GB = 1024**3
 ENV_PREFIX = "LMCACHE_"
@@ -98,6 +99,10 @@ class EngineConfig:
     remote_min_transfer_mb_per_s: float = 100.0  # a remote transfer slower than this is abandoned
     remote_retry_interval_secs: float = 1.0  # a remote partition that failed is not asked again for this long
     remote_stream_connections: int = 4  # open stream connections per remote partition
+    # the remote tier on Redis / Valkey (remote_url redis://..., shared/redis_url.py; docs/config.md)
+    redis_key_prefix: str = "kvmesh"  # namespace of every key KVMesh writes, so deployments can share one Redis
+    redis_timeout_secs: float = 2.0  # a Redis connect or command (plus nbytes / remote_min_transfer_mb_per_s)
+    redis_chunk_ttl_secs: float = 604800.0  # TTL of unpinned chunks: makes them volatile (evictable), pins not
 
     def __post_init__(self) -> None:
         for key, (kind, optional) in _KINDS.items():
@@ -170,6 +175,9 @@ class EngineConfig:
         if self.local_disk is not None and self.max_local_disk_size <= 0:
             raise ConfigError(f"max_local_disk_size: must be > 0 when local_disk is set ({self.local_disk!r}); "
                               f"got {self.max_local_disk_size!r}, a disk that could hold nothing")
+        if is_redis_url(self.remote_url):  # needs extra_config (valkey_mode): checked once all sources are in
+            assert self.remote_url is not None
+            parse_redis_url(self.remote_url, self.extra_config)
 
     # ---- internals --------------------------------------------------------------------------------------------
     def _with_file(self, path: str | os.PathLike[str]) -> "EngineConfig":
@@ -234,6 +242,10 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "remote_min_transfer_mb_per_s": _POSITIVE,
     "remote_retry_interval_secs": _NON_NEGATIVE,
     "remote_stream_connections": _AT_LEAST_ONE,
+    "redis_timeout_secs": _POSITIVE,
+    "redis_chunk_ttl_secs": (lambda v: v >= 1, "must be >= 1 (Redis expiries are in whole milliseconds)"),
+    "redis_key_prefix": (lambda v: v != "" and not any(c in v for c in "{} \t\r\n"),
+                         "must be non-empty, without braces or whitespace (braces are Redis cluster hash tags)"),
     "blend_min_tokens": _NON_NEGATIVE,
     "min_retrieve_tokens": _NON_NEGATIVE,
     "blend_recompute_ratio": (lambda v: 0 <= v <= 1, "must be between 0 and 1"),

@@ -29,6 +29,7 @@ from nats.aio.client import Client as NatsClient
 
 from kvmesh.services.disk_store.client import DiskStoreClient
 from kvmesh.services.engine.tiers.cpu import LocalCPUBackend
+from kvmesh.services.engine.tiers.redis import RedisTier
 from kvmesh.services.engine.mesh.embedded import MeshConnection, MeshPlan, plan_mesh
 from kvmesh.services.engine.core.kv_layout import KVLayout, detect_layout
 from kvmesh.services.engine.core.memory_pool import MemoryPool, Slot
@@ -136,7 +137,8 @@ class CacheEngine:
                 self.plan = None
         lower: list[str] = []
         if self._connection is not None and self.plan is not None:
-            lower = ([LOCAL_DISK] if self.plan.disk_store else []) + ([REMOTE] if self.plan.remote_stores else [])
+            remote = bool(self.plan.remote_stores) or self.plan.redis
+            lower = ([LOCAL_DISK] if self.plan.disk_store else []) + ([REMOTE] if remote else [])
             self.nats_loop = NatsLoop(self.worker_id)
         self.storage = StorageManager(self.cpu, self.nats_loop, config, lower)
         if not config.local_cpu and not lower:
@@ -195,6 +197,9 @@ class CacheEngine:
                 nc, list(self.plan.remote_stores), caller, request_timeout=config.request_timeout_secs,
                 min_transfer_rate=config.remote_min_transfer_mb_per_s * 1e6,
                 retry_interval=config.remote_retry_interval_secs, max_connections=config.remote_stream_connections)
+        elif self.plan.redis:
+            clients[REMOTE] = redis = RedisTier.from_config(config, caller)
+            redis.start()
         self.storage.set_lower(clients)
         await self.agent.start(nc)
 

@@ -7,6 +7,8 @@ Decision (`plan_mesh`), first match wins:
   4. nothing configured (the disk-offload setup, docs/compatibility.md) -> embed: a NATS server from the wheel on a free loopback port, a disk store
      process when `local_disk` is set, and `remote_partitions` remote-store processes when `remote_url` names
      anything else (e.g. LMCache's "lm://localhost:65432": served by embedded remote stores of `remote_size`).
+A Redis / Valkey `remote_url` (shared/redis_url.py) is no remote store on the mesh: the engine talks to Redis
+itself (services/engine/tiers/redis.py), so no remote-store process is started or expected (`redis` is set).
 When joining, nothing is spawned: the mesh's own disk store (`disk-<hostname>`) and remote stores
 (`remote-0..n-1`) are expected there.
 
@@ -37,6 +39,7 @@ from kvmesh.shared.bus import normalize_url
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
 from kvmesh.shared.protocol import disk_store_id, remote_store_id
+from kvmesh.shared.redis_url import is_redis_url
 from kvmesh.services.disk_store.options import DiskStoreOptions
 from kvmesh.services.remote_store.options import partitions as remote_partitions
 
@@ -56,6 +59,7 @@ class MeshPlan:
     remote_stores: list[str] = field(default_factory=list)  # remote partitions' store ids, if remote_url is set
     services: list[ServiceSpec] = field(default_factory=list)  # EMBED: processes to run
     reason: str = ""
+    redis: bool = False  # remote_url is Redis / Valkey: the remote tier is the engine's own RedisTier
 
 
 def is_nats_url(url: str) -> bool:
@@ -64,11 +68,14 @@ def is_nats_url(url: str) -> bool:
 
 def plan_mesh(config: EngineConfig) -> MeshPlan:
     disk = disk_store_id() if config.local_disk else None
-    remotes = [remote_store_id(i) for i in range(config.remote_partitions)] if config.remote_url else []
+    redis = is_redis_url(config.remote_url)
+    remotes = ([remote_store_id(i) for i in range(config.remote_partitions)]
+               if config.remote_url and not redis else [])
     if config.nats_url:
-        return MeshPlan(JOIN, normalize_url(config.nats_url), disk, remotes, reason="nats_url")
+        return MeshPlan(JOIN, normalize_url(config.nats_url), disk, remotes, redis=redis, reason="nats_url")
     if config.controller_url:
-        return MeshPlan(JOIN, normalize_url(config.controller_url), disk, remotes, reason="controller_url")
+        return MeshPlan(JOIN, normalize_url(config.controller_url), disk, remotes, redis=redis,
+                        reason="controller_url")
     if config.remote_url and is_nats_url(config.remote_url):
         return MeshPlan(JOIN, config.remote_url, disk, remotes, reason="remote_url is a NATS URL")
     services: list[ServiceSpec] = []
@@ -79,7 +86,8 @@ def plan_mesh(config: EngineConfig) -> MeshPlan:
     if remotes:
         services += [options.service_spec() for options in
                      remote_partitions(config.remote_size_bytes, config.remote_partitions, config.cache_policy)]
-    return MeshPlan(EMBED, None, disk, remotes, services, reason="no nats_url, controller_url or NATS remote_url")
+    return MeshPlan(EMBED, None, disk, remotes, services, redis=redis,
+                    reason="no nats_url, controller_url or NATS remote_url")
 
 
 class EmbeddedMesh:

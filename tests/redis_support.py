@@ -1,0 +1,77 @@
+"""A real redis-server for tests and benchmarks: Debian's /usr/bin/redis-server on a free loopback port, its
+files in a temporary directory, no persistence (`--save '' --appendonly no`), always stopped.
+
+`kill()` then `start()` again brings it back on the same port (a restart the tier must survive).
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+
+import redis
+
+from waiting import WAIT_S, wait_until
+
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RedisServer:
+    """One redis-server process; `extra` are more `--name value` arguments (e.g. maxmemory settings)."""
+
+    def __init__(self, *extra: str) -> None:
+        self.port = _free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="kvmesh-redis-"))
+        self.extra = list(extra)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self) -> "RedisServer":
+        argv = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+                "--save", "", "--appendonly", "no", "--logfile", str(self.dir / "redis.log"), *self.extra]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        wait_until(self._answers, WAIT_S, what=f"redis-server on port {self.port}", interval=0.05)
+        return self
+
+    def _answers(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"redis-server exited with {self.proc.returncode}: "
+                               f"{(self.dir / 'redis.log').read_text(errors='replace')[-2000:]}")
+        try:
+            with self.client() as client:
+                return bool(client.ping())
+        except redis.ConnectionError:
+            return False
+
+    def client(self) -> redis.Redis:
+        """A blocking client, for a test to look at (or tamper with) what the tier wrote."""
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=WAIT_S)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(WAIT_S)
+        self.proc = None
+
+    def stop(self) -> None:
+        self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> "RedisServer":
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
