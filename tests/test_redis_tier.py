@@ -216,7 +216,8 @@ def test_two_engines_share_a_chunk_through_redis(redis_server: RedisServer) -> N
                    for name, kv in (("one", kv_one), ("two", kv_two))]
         try:
             for engine in engines:
-                assert engine.plan is not None and engine.plan.redis and not engine.plan.remote_stores
+                assert engine.plan is not None and engine.plan.redis and engine.plan.remote_stores == ["redis-kvmesh"]
+                assert not engine.plan.services  # no remote-store process
                 assert engine.wait_connected(WAIT_S)
                 wait_until(lambda: engine.storage.lower(REMOTE) is not None, what="the Redis tier")
             one, two = engines
@@ -230,6 +231,8 @@ def test_two_engines_share_a_chunk_through_redis(redis_server: RedisServer) -> N
             assert bool(two.retrieve(tokens, **kv_two.kv(dst)).all())
             assert torch.equal(kv_two.token_kv(dst), kv_one.token_kv(src))
             assert two.storage.stats[f"fetched_{REMOTE}"] == 3
+            # the controller's RemoteBackend commands reach Redis through either engine
+            assert two.pin(tokens, REMOTE) == 96 and one.unpin(tokens, REMOTE) == 96
             assert one.clear(REMOTE) == 96 and two.lookup(tokens, search_range=["RemoteBackend"]) == 0
         finally:
             for engine in engines:

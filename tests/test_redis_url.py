@@ -93,7 +93,7 @@ def test_the_config_checks_the_url_and_the_plan_uses_redis() -> None:
     config = load_engine_config({"remote_url": "redis://h:1", "local_disk": "/tmp/kvmesh-plan-test",
                                  "max_local_disk_size": 1}, environ={})
     plan = plan_mesh(config)
-    assert plan.redis and plan.remote_stores == []
+    assert plan.redis and plan.remote_stores == ["redis-kvmesh"]  # named for the controller's RemoteBackend
     assert [s.service_id for s in plan.services] == [plan.disk_store]  # no remote-store process
     assert not plan_mesh(EngineConfig(remote_url="lm://localhost:65432")).redis
 

@@ -137,8 +137,7 @@ class CacheEngine:
                 self.plan = None
         lower: list[str] = []
         if self._connection is not None and self.plan is not None:
-            remote = bool(self.plan.remote_stores) or self.plan.redis
-            lower = ([LOCAL_DISK] if self.plan.disk_store else []) + ([REMOTE] if remote else [])
+            lower = ([LOCAL_DISK] if self.plan.disk_store else []) + ([REMOTE] if self.plan.remote_stores else [])
             self.nats_loop = NatsLoop(self.worker_id)
         self.storage = StorageManager(self.cpu, self.nats_loop, config, lower)
         if not config.local_cpu and not lower:
@@ -192,14 +191,14 @@ class CacheEngine:
             clients[LOCAL_DISK] = DiskStoreClient(nc, self.plan.disk_store, caller,
                                                   request_timeout=config.request_timeout_secs,
                                                   data_timeout=config.disk_data_timeout_secs)
-        if self.plan.remote_stores:
+        if self.plan.redis:  # the engine's own client of Redis / Valkey: no remote store on the mesh
+            clients[REMOTE] = redis = RedisTier.from_config(config, caller)
+            redis.start()
+        elif self.plan.remote_stores:
             clients[REMOTE] = RemoteStoreClient(
                 nc, list(self.plan.remote_stores), caller, request_timeout=config.request_timeout_secs,
                 min_transfer_rate=config.remote_min_transfer_mb_per_s * 1e6,
                 retry_interval=config.remote_retry_interval_secs, max_connections=config.remote_stream_connections)
-        elif self.plan.redis:
-            clients[REMOTE] = redis = RedisTier.from_config(config, caller)
-            redis.start()
         self.storage.set_lower(clients)
         await self.agent.start(nc)
 

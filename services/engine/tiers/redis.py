@@ -44,7 +44,6 @@ from kvmesh.shared.tier import ChunkBuffer, StoreLink, byte_view
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-STORE_ID = "redis"
 
 # KEYS: tmp, chunk. The bytes are written; move them into place unless another put got there first (its
 # value may be pinned by now: replacing it would drop the pin's PERSIST).
@@ -109,13 +108,13 @@ class RedisTier:
                  chunk_ttl: float = 604800.0, min_transfer_rate: float = 100e6, retry_interval: float = 1.0) -> None:
         self.target = target
         self.caller = caller
-        self.store_ids = [STORE_ID]
+        self.store_ids = [protocol.redis_store_id(key_prefix)]
         self.prefix = key_prefix
         self.timeout = timeout
         self.ttl_ms = int(chunk_ttl * 1000)
         self.min_transfer_rate = min_transfer_rate
         self.client = target.client(timeout)
-        self.link = StoreLink(STORE_ID, target.describe(), log, caller, retry_interval)
+        self.link = StoreLink(self.store_ids[0], target.describe(), log, caller, retry_interval)
         self._tmp_ids = itertools.count()
         self._corrupt_logged = False
         self._check: asyncio.Task[None] | None = None
@@ -274,7 +273,7 @@ class RedisTier:
         if self.target.mode == CLUSTER:  # one dict per node
             info = {"used_memory": sum(v.get("used_memory", 0) for v in info.values() if isinstance(v, dict)),
                     "maxmemory": sum(v.get("maxmemory", 0) for v in info.values() if isinstance(v, dict))}
-        return [protocol.StatsReply(STORE_ID, num_chunks=-1, used_bytes=int(info.get("used_memory", 0)),
+        return [protocol.StatsReply(self.store_ids[0], num_chunks=-1, used_bytes=int(info.get("used_memory", 0)),
                                     capacity_bytes=int(info.get("maxmemory", 0)),
                                     details={"target": self.target.describe()})]
 
