@@ -75,7 +75,7 @@ class RedisTarget:
             common.update(ssl=True, ssl_ca_certs=self.tls_ca)
         if self.mode == CLUSTER:
             nodes = [ClusterNode(host, port) for host, port in self.hosts]
-            return RedisCluster(startup_nodes=nodes, cluster_error_retry_attempts=1, **common)
+            return RedisCluster(startup_nodes=nodes, **common)
         if self.mode == SENTINEL:
             sentinel = Sentinel(list(self.hosts), sentinel_kwargs={"socket_timeout": timeout,
                                                                    "socket_connect_timeout": timeout},

@@ -60,9 +60,18 @@ class RedisServer:
         """A blocking client, for a test to look at (or tamper with) what the tier wrote."""
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=WAIT_S)
 
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps its connections but answers nothing (a hung or overloaded Redis)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
+            self.proc.send_signal(signal.SIGKILL)  # also ends a paused one
             self.proc.wait(WAIT_S)
         self.proc = None
 
@@ -72,6 +81,51 @@ class RedisServer:
 
     def __enter__(self) -> "RedisServer":
         return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+
+class RedisClusterServers:
+    """A Redis Cluster of `primaries` redis-servers (no replicas) on free loopback ports, slots spread by
+    `redis-cli --cluster create`; `url` is a redis-cluster:// URL naming two of them as startup nodes."""
+
+    def __init__(self, primaries: int = 3) -> None:
+        # the cluster bus port is given (by default it is the port + 10000, which a free port may not allow)
+        self.nodes = [RedisServer("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                                  "--cluster-node-timeout", "5000", "--cluster-port", str(_free_port()))
+                      for _ in range(primaries)]
+
+    @property
+    def url(self) -> str:
+        return "redis-cluster://" + ",".join(f"127.0.0.1:{node.port}" for node in self.nodes[:2])
+
+    def start(self) -> "RedisClusterServers":
+        for node in self.nodes:
+            node.start()
+        subprocess.run([shutil.which("redis-cli") or "/usr/bin/redis-cli", "--cluster", "create",
+                        *[f"127.0.0.1:{node.port}" for node in self.nodes], "--cluster-replicas", "0",
+                        "--cluster-yes"], check=True, stdout=subprocess.DEVNULL, timeout=WAIT_S)
+        wait_until(self._ok, WAIT_S, what="cluster_state:ok on every node", interval=0.1)
+        return self
+
+    def _ok(self) -> bool:
+        for node in self.nodes:
+            with node.client() as client:
+                if client.cluster("info").get("cluster_state") != "ok":
+                    return False
+        return True
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> "RedisClusterServers":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
 
     def __exit__(self, *_: object) -> None:
         self.stop()

@@ -23,7 +23,7 @@ from kvmesh.shared.protocol import LOCAL_CPU, REMOTE
 from kvmesh.shared.redis_url import parse_redis_url
 from kvmesh.shared.tier import ChunkBuffer
 
-from redis_support import RedisServer
+from redis_support import RedisClusterServers, RedisServer
 from test_engine_support import PagedKV, engine_config, random_tokens
 from waiting import WAIT_S, wait_until, wait_until_async
 
@@ -189,6 +189,26 @@ async def test_redis_down_gives_misses_and_a_restart_gives_hits(redis_server: Re
         await tier.close()
 
 
+async def test_a_hung_redis_gives_misses_within_the_timeout(redis_server: RedisServer,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    tier = make_tier(redis_server, timeout=0.5)
+    try:
+        (a, da), (b, db) = chunk(50), chunk(51)
+        assert await put(tier, a, da)
+        caplog.set_level(logging.INFO, TIER_LOG)
+        redis_server.pause()
+        try:
+            assert await get(tier, a) is None  # each call gives up after its timeout: a miss, no exception
+            assert await tier.contains([a.key]) == 0 and not await put(tier, b, db)
+            assert any("no answer within" in r.getMessage() for r in caplog.records if r.name == TIER_LOG)
+        finally:
+            redis_server.resume()
+        await wait_until_async(lambda: get(tier, a), what="hits once Redis answers again")
+        assert await put(tier, b, db) and await get(tier, b) == db
+    finally:
+        await tier.close()
+
+
 @pytest.mark.parametrize(("policy", "warns"), [("volatile-lru", None), ("allkeys-lru", "evicts pinned"),
                                                ("noeviction", "refuses every write")])
 async def test_start_checks_the_eviction_policy(policy: str, warns: str | None,
@@ -202,6 +222,38 @@ async def test_start_checks_the_eviction_policy(policy: str, warns: str | None,
             assert (messages == []) if warns is None else (len(messages) == 1 and warns in messages[0])
         finally:
             await tier.close()
+
+
+async def test_a_redis_cluster_spreads_chunks_over_its_shards() -> None:
+    """Three primaries: chunks land on every shard, and round trips, pins and clear per instance work across
+    them (each chunk's keys share a hash tag; a caller's claims live on another shard)."""
+    with RedisClusterServers(3) as cluster:
+        one = RedisTier(parse_redis_url(cluster.url), "engine.one.one", timeout=WAIT_S / 3, retry_interval=0.0)
+        two = RedisTier(parse_redis_url(cluster.url), "engine.two.two", timeout=WAIT_S / 3, retry_interval=0.0)
+        try:
+            items = [chunk(60 + i) for i in range(12)]
+            for meta, data in items:
+                assert await put(one, meta, data)
+            assert await put(two, *items[0])
+            for meta, data in items:
+                assert await get(two, meta) == data
+            counts = []
+            for node in cluster.nodes:
+                with node.client() as client:
+                    counts.append(len(client.keys("kvmesh:chunk:*")))
+            assert sum(counts) == len(items) and all(counts), counts  # every shard holds some
+            keys = [meta.key for meta, _ in items]
+            assert await two.contains(keys) == len(items)
+            assert await two.pin(keys[:3], [32] * 3) == 96
+            assert await one.clear() == 32 * len(items)
+            assert await two.contains([keys[0]]) == 1  # two claims it
+            assert await two.contains(keys[1:3]) == 2  # pinned
+            assert await two.contains([keys[3]]) == 0 and await two.contains([keys[-1]]) == 0
+            assert await two.unpin(keys[:3], [32] * 3) == 96
+            assert await two.contains([keys[0]]) == 1 and await two.contains(keys[1:3]) == 0
+        finally:
+            await one.close()
+            await two.close()
 
 
 # ---- through the cache engine ----------------------------------------------------------------------------------

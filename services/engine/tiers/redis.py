@@ -35,6 +35,9 @@ import itertools
 import logging
 from typing import Any, Awaitable, Callable, TypeVar
 
+from redis.exceptions import ResponseError
+
+from kvmesh.services.engine.core.storage_manager import RateLimitedLog
 from kvmesh.shared import chunk_file, protocol
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.keys import ChunkKey
@@ -90,6 +93,7 @@ if redis.call('SREM', KEYS[3], ARGV[1]) == 0 then return 0 end
 if redis.call('SCARD', KEYS[3]) == 0 and redis.call('EXISTS', KEYS[2]) == 0 then redis.call('DEL', KEYS[1]) end
 return 1
 """
+CLEAR_BATCH = 1000  # claims taken back per round trip of a clear
 EVICTS_PINNED = frozenset({"allkeys-lru", "allkeys-lfu", "allkeys-random"})
 EVICTS_VOLATILE = frozenset({"volatile-lru", "volatile-lfu", "volatile-random", "volatile-ttl"})
 
@@ -116,7 +120,7 @@ class RedisTier:
         self.client = target.client(timeout)
         self.link = StoreLink(self.store_ids[0], target.describe(), log, caller, retry_interval)
         self._tmp_ids = itertools.count()
-        self._corrupt_logged = False
+        self._rlog = RateLimitedLog(log)  # one WARNING per bad value, not a flood when many are
         self._check: asyncio.Task[None] | None = None
 
     @classmethod
@@ -207,9 +211,7 @@ class RedisTier:
         try:  # checksum and copy off the loop: 32 MiB would stall every other request on it
             return await asyncio.to_thread(_decode_into, key, value, view)
         except chunk_file.CorruptChunkFile as exc:  # bad header, another key, truncated, checksum
-            level = logging.DEBUG if self._corrupt_logged else logging.WARNING
-            self._corrupt_logged = True
-            log.log(level, "%s: %s; treated as a miss and deleted", self.target.describe(), exc)
+            self._rlog.warning("corrupt", "%s: %s; treated as a miss and deleted", self.target.describe(), exc)
             await self._call("delete corrupt", lambda: self.client.delete(*self._keys(key)))
             return None
 
@@ -254,17 +256,26 @@ class RedisTier:
         return sum(1 for n in done or [] if n)
 
     async def clear(self) -> int:
-        """Take back this caller's claims; the tokens of the chunks whose claim it took back (as our stores)."""
-        claims = await self._call("clear", lambda: self.client.hgetall(self.claims_key))
-        if not claims:
-            return 0
-        entries = [(bytes.fromhex(_text(h)), int(n)) for h, n in claims.items()]
-        done = await self._pipelined("clear", [("eval", (_CLEAR, 3, *self._keys(k), self.caller))
-                                               for k, _ in entries])
-        if done is None:
-            return 0
-        await self._call("clear", lambda: self.client.delete(self.claims_key))
-        return sum(n for (_, n), ok in zip(entries, done) if ok)
+        """Take back this caller's claims; the tokens of the chunks whose claim it took back (as our stores).
+
+        In batches of `CLEAR_BATCH` claims, each bounded like any call: a long claim list never needs one long
+        wait, and a clear cut short by a failure leaves the rest claimed for the next clear."""
+        tokens, cursor = 0, 0
+        while True:
+            page = await self._call("clear", lambda: self.client.hscan(self.claims_key, cursor, count=CLEAR_BATCH))
+            if page is None:
+                return tokens
+            cursor, claims = page
+            entries = [(_text(h), int(n)) for h, n in claims.items()]
+            if entries:
+                done = await self._pipelined("clear", [("eval", (_CLEAR, 3, *self._keys(bytes.fromhex(h)),
+                                                                 self.caller)) for h, _ in entries])
+                if done is None:
+                    return tokens
+                tokens += sum(n for (_, n), ok in zip(entries, done) if ok)
+                await self._call("clear", lambda: self.client.hdel(self.claims_key, *[h for h, _ in entries]))
+            if cursor == 0:
+                return tokens
 
     async def stats(self) -> list[protocol.StatsReply]:
         info = await self._call("stats", lambda: self.client.info("memory"))
@@ -341,7 +352,7 @@ def _prefix(flags: list[Any]) -> int:
 
 def _is_refusal(exc: Exception) -> bool:
     """An error reply saying the server is full (noeviction), not that it is gone."""
-    return "OOM" in str(exc) and type(exc).__name__ == "ResponseError"
+    return isinstance(exc, ResponseError) and str(exc).startswith("OOM")
 
 
 def _text(value: object) -> str:
