@@ -39,9 +39,12 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}"
 
-    def start(self) -> "RedisServer":
-        argv = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+    def argv(self) -> list[str]:
+        return [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
                 "--save", "", "--appendonly", "no", "--logfile", str(self.dir / "redis.log"), *self.extra]
+
+    def start(self) -> "RedisServer":
+        argv = self.argv()
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         wait_until(self._answers, WAIT_S, what=f"redis-server on port {self.port}", interval=0.05)
         return self
@@ -129,3 +132,57 @@ class RedisClusterServers:
 
     def __exit__(self, *_: object) -> None:
         self.stop()
+
+
+class RedisSentinelSetup:
+    """A primary, one replica and one sentinel (quorum 1, the primary counted down after 1 s) monitoring them as
+    `mymaster`; `url` is the redis-sentinel:// URL of the sentinel."""
+
+    def __init__(self) -> None:
+        self.primary = RedisServer()
+        self.replica = RedisServer("--replicaof", "127.0.0.1", str(self.primary.port))
+        self.sentinel = _Sentinel(self.primary.port)
+
+    @property
+    def url(self) -> str:
+        return f"redis-sentinel://127.0.0.1:{self.sentinel.port}/mymaster"
+
+    def start(self) -> "RedisSentinelSetup":
+        self.primary.start()
+        self.replica.start()
+        with self.replica.client() as replica:
+            wait_until(lambda: replica.info("replication").get("master_link_status") == "up", WAIT_S,
+                       what="the replica in sync", interval=0.1)
+        self.sentinel.start()
+        with self.sentinel.client() as client:  # the sentinel learns of the replica from the primary's INFO
+            wait_until(lambda: client.sentinel_slaves("mymaster"), WAIT_S, what="the sentinel seeing the replica",
+                       interval=0.2)
+        return self
+
+    def stop(self) -> None:
+        for server in (self.sentinel, self.replica, self.primary):
+            server.stop()
+
+    def __enter__(self) -> "RedisSentinelSetup":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+
+class _Sentinel(RedisServer):
+    def __init__(self, primary_port: int) -> None:
+        super().__init__()
+        self.primary_port = primary_port
+
+    def argv(self) -> list[str]:
+        config = self.dir / "sentinel.conf"  # the sentinel rewrites its config file: it must be its own
+        config.write_text(f"sentinel monitor mymaster 127.0.0.1 {self.primary_port} 1\n"
+                          "sentinel down-after-milliseconds mymaster 1000\n"
+                          "sentinel failover-timeout mymaster 5000\n")
+        return [REDIS_SERVER, str(config), "--sentinel", "--port", str(self.port), "--bind", "127.0.0.1",
+                "--dir", str(self.dir), "--logfile", str(self.dir / "redis.log")]

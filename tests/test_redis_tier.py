@@ -23,7 +23,7 @@ from kvmesh.shared.protocol import LOCAL_CPU, REMOTE
 from kvmesh.shared.redis_url import parse_redis_url
 from kvmesh.shared.tier import ChunkBuffer
 
-from redis_support import RedisClusterServers, RedisServer
+from redis_support import RedisClusterServers, RedisSentinelSetup, RedisServer
 from test_engine_support import PagedKV, engine_config, random_tokens
 from waiting import WAIT_S, wait_until, wait_until_async
 
@@ -254,6 +254,26 @@ async def test_a_redis_cluster_spreads_chunks_over_its_shards() -> None:
         finally:
             await one.close()
             await two.close()
+
+
+async def test_sentinel_failover_keeps_the_chunks() -> None:
+    """Through the sentinel: the primary killed, the replica promoted; calls during the failover are misses
+    (never an exception, never a wrong value) and then the replicated chunk is served by the new primary."""
+    with RedisSentinelSetup() as setup:
+        tier = RedisTier(parse_redis_url(setup.url), "engine.one.one", timeout=1.0, retry_interval=0.0)
+        try:
+            (a, da), (b, db) = chunk(70), chunk(71)
+            assert await put(tier, a, da) and await get(tier, a) == da
+            with setup.replica.client() as client:
+                wait_until(lambda: client.exists(tier.chunk_key(a.key)), what="the chunk on the replica")
+            setup.primary.kill()
+            assert await get(tier, a) in (None, da)
+            await wait_until_async(lambda: get(tier, a), what="the chunk from the promoted replica")
+            with setup.replica.client() as client:
+                assert client.info("replication")["role"] == "master"
+            assert await put(tier, b, db) and await get(tier, b) == db
+        finally:
+            await tier.close()
 
 
 # ---- through the cache engine ----------------------------------------------------------------------------------
