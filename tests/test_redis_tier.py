@@ -82,7 +82,7 @@ async def test_round_trip_is_bit_exact_and_namespaced(redis_server: RedisServer)
         await other.close()
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign", "garbage"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign", "garbage", "oversized"])
 async def test_a_bad_value_is_a_miss_with_one_warning(redis_server: RedisServer, damage: str,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     tier = make_tier(redis_server)
@@ -97,6 +97,8 @@ async def test_a_bad_value_is_a_miss_with_one_warning(redis_server: RedisServer,
                 client.setrange(name, len(value) - 10, bytes([value[-10] ^ 0xFF]))
             elif damage == "truncate":
                 client.set(name, value[:-1])
+            elif damage == "oversized":  # read only up to a slot plus a header: cut short, a miss
+                client.set(name, value + bytes(4 * 1024 * 1024))
             elif damage == "foreign":
                 client.set(name, client.get(tier.chunk_key(other.key)))
             else:

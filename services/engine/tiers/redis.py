@@ -93,6 +93,7 @@ if redis.call('SREM', KEYS[3], ARGV[1]) == 0 then return 0 end
 if redis.call('SCARD', KEYS[3]) == 0 and redis.call('EXISTS', KEYS[2]) == 0 then redis.call('DEL', KEYS[1]) end
 return 1
 """
+MAX_HEADER_BYTES = 64 * 1024  # a chunk-file header is one DATA_ALIGN page; more is not a value of ours
 CLEAR_BATCH = 1000  # claims taken back per round trip of a clear
 EVICTS_PINNED = frozenset({"allkeys-lru", "allkeys-lfu", "allkeys-random"})
 EVICTS_VOLATILE = frozenset({"volatile-lru", "volatile-lfu", "volatile-random", "volatile-ttl"})
@@ -205,8 +206,11 @@ class RedisTier:
 
     async def get_into(self, key: ChunkKey, buffer: ChunkBuffer) -> protocol.ChunkMeta | None:
         view = byte_view(buffer.view)
-        value = await self._call("get", lambda: self.client.get(self.chunk_key(key)), len(view))
-        if value is None:
+        # GETRANGE, not GET: a value larger than a chunk could be (someone else's) never costs more memory than
+        # the slot plus a header; it arrives cut short and fails the length check
+        last = len(view) + MAX_HEADER_BYTES - 1
+        value = await self._call("get", lambda: self.client.getrange(self.chunk_key(key), 0, last), len(view))
+        if not value:  # b"": no such key
             return None
         try:  # checksum and copy off the loop: 32 MiB would stall every other request on it
             return await asyncio.to_thread(_decode_into, key, value, view)
