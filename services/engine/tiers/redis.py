@@ -12,8 +12,8 @@ the braces are a cluster hash tag, so a chunk's keys live on one shard and one s
                         claim and deletes the chunk once nobody claims it.
   * `<p>:pins:{<h>}`    pin count (absent: not pinned).
   * `<p>:claims:<caller>` hash chunk hex -> tokens: what a caller claimed, so its `clear` finds them.
-  * `<p>:tmp:{<h>}:<n>` a put being written (SET header, APPEND bytes, then moved into place by a script), so
-                        no reader ever sees half a value.
+  * `<p>:tmp:{<h>}:<n>` a put being written (then moved into place by a script), so no reader ever sees
+                        half a value.
 
 Eviction is Redis's own (`maxmemory` + a `volatile-*` policy). Unpinned chunks carry a TTL
 (`redis_chunk_ttl_secs`, refreshed by puts and hits), which makes them volatile, i.e. evictable; a pin removes
@@ -35,6 +35,7 @@ import itertools
 import logging
 from typing import Any, Awaitable, Callable, TypeVar
 
+from redis.asyncio import RedisCluster
 from redis.exceptions import ResponseError
 
 from kvmesh.services.engine.core.storage_manager import RateLimitedLog
@@ -188,11 +189,8 @@ class RedisTier:
         async def write() -> bool:
             held = await self.client.eval(_CLAIM, 2, chunk, owners, self.caller, self.ttl_ms)
             if not held:
-                pipe = self.client.pipeline(transaction=False)
-                pipe.set(tmp, chunk_file.encode_header(meta), px=self.ttl_ms)
-                pipe.append(tmp, data)  # the bytes go as they are: no copy into one value on this side
-                pipe.eval(_FINISH_PUT, 2, tmp, chunk)
-                await pipe.execute()
+                await self._write_value(tmp, chunk_file.encode_header(meta), data)
+                await self.client.eval(_FINISH_PUT, 2, tmp, chunk)
             pipe = self.client.pipeline(transaction=False)
             pipe.hset(self.claims_key, meta.key.hex(), meta.num_tokens)
             pipe.pexpire(self.claims_key, self.ttl_ms)
@@ -203,6 +201,34 @@ class RedisTier:
         if ok:
             self.link.accepted()
         return bool(ok)
+
+    async def _write_value(self, name: str, header: bytes, data: memoryview) -> None:
+        """SET `name` to header + data with the chunk TTL, without joining them into one 32 MiB buffer.
+
+        redis-py's SET takes one buffer; joining costs a copy of the chunk (here, or in Redis with SET + APPEND:
+        0.75x the speed of a bare SET on the benchmark). So for one server (standalone, sentinel) the command
+        is packed here and its parts written as they are; a cluster, where redis-py routes each key, gets SET of
+        the header then APPEND of the bytes.
+        """
+        if isinstance(self.client, RedisCluster):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.set(name, header, px=self.ttl_ms)
+            pipe.append(name, data)
+            await pipe.execute()
+            return
+        key, ttl = name.encode(), str(self.ttl_ms).encode()
+        head = b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, len(header) + len(data))
+        tail = b"\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)
+        pool = self.client.connection_pool
+        connection = await pool.get_connection()
+        try:
+            await connection.send_packed_command([head, header, data, tail])
+            await connection.read_response()  # OK, or raises the error reply
+        except BaseException:
+            await connection.disconnect()  # cut short mid-command: the connection's protocol state is lost
+            raise
+        finally:
+            await pool.release(connection)
 
     async def get_into(self, key: ChunkKey, buffer: ChunkBuffer) -> protocol.ChunkMeta | None:
         view = byte_view(buffer.view)
