@@ -3,17 +3,12 @@
 Runs on the engine's NATS loop thread (all methods are coroutines), with a redis-py async client made from
 `remote_url` (shared/redis_url.py: standalone, TLS, unix socket, sentinel or cluster).
 
-Keys (`<p>` is `redis_key_prefix`, `<h>` the chunk key in hex, which already names the model and KV format;
-the braces are a cluster hash tag, so a chunk's keys live on one shard and one script can touch them all):
-  * `<p>:chunk:{<h>}`   the value: the chunk-file header (shared/chunk_file.py: ChunkMeta, data checksum, the
-                        header's own check) then the bytes. A value that is truncated, foreign (another key,
-                        another format version) or fails a checksum is a miss with one WARNING, and is deleted.
-  * `<p>:owners:{<h>}`  set of the callers (engine ranks) that put the chunk: a `clear` takes back only its own
-                        claim and deletes the chunk once nobody claims it.
-  * `<p>:pins:{<h>}`    pin count (absent: not pinned).
-  * `<p>:claims:<caller>` hash chunk hex -> tokens: what a caller claimed, so its `clear` finds them.
-  * `<p>:tmp:{<h>}:<n>` a put being written (then moved into place by a script), so no reader ever sees
-                        half a value.
+Keys (shared/redis_keys.py): the value `<p>:chunk:{<h>}` is the chunk-file header (shared/chunk_file.py:
+ChunkMeta, data checksum, the header's own check) then the bytes; a value that is truncated, foreign (another
+key, another format version) or fails a checksum is a miss with one WARNING, and is deleted. `<p>:owners:{<h>}`
+(the callers that put the chunk) and `<p>:claims:<caller>` let a `clear` take back only its caller's claims and
+delete a chunk once nobody claims it; `<p>:pins:{<h>}` counts pins. A put is written to `<p>:tmp:{<h>}:<n>` and
+moved into place by a script, so no reader ever sees half a value.
 
 Eviction is Redis's own (`maxmemory` + a `volatile-*` policy). Unpinned chunks carry a TTL
 (`redis_chunk_ttl_secs`, refreshed by puts and hits), which makes them volatile, i.e. evictable; a pin removes
@@ -42,6 +37,7 @@ from kvmesh.services.engine.core.storage_manager import RateLimitedLog
 from kvmesh.shared import chunk_file, protocol
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.keys import ChunkKey
+from kvmesh.shared.redis_keys import RedisKeys
 from kvmesh.shared.redis_url import CLUSTER, RedisTarget, parse_redis_url
 from kvmesh.shared.tier import ChunkBuffer, StoreLink, byte_view
 
@@ -115,7 +111,7 @@ class RedisTier:
         self.target = target
         self.caller = caller
         self.store_ids = [protocol.redis_store_id(key_prefix)]
-        self.prefix = key_prefix
+        self.keys = RedisKeys(key_prefix)
         self.timeout = timeout
         self.ttl_ms = int(chunk_ttl * 1000)
         self.min_transfer_rate = min_transfer_rate
@@ -136,16 +132,14 @@ class RedisTier:
 
     # ---- keys ------------------------------------------------------------------------------------------------
     def chunk_key(self, key: ChunkKey) -> str:
-        return f"{self.prefix}:chunk:{{{key.hex()}}}"
+        return self.keys.chunk(key)
 
     def _keys(self, key: ChunkKey) -> list[str]:
-        """chunk, pins, owners: one hash tag, one shard."""
-        tag = f"{{{key.hex()}}}"
-        return [f"{self.prefix}:chunk:{tag}", f"{self.prefix}:pins:{tag}", f"{self.prefix}:owners:{tag}"]
+        return self.keys.of_chunk(key)
 
     @property
     def claims_key(self) -> str:
-        return f"{self.prefix}:claims:{self.caller}"
+        return self.keys.claims(self.caller)
 
     # ---- start-up check ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -184,7 +178,7 @@ class RedisTier:
                       len(data), meta.nbytes, meta.checksum)
             return False
         chunk, _, owners = self._keys(meta.key)
-        tmp = f"{self.prefix}:tmp:{{{meta.key.hex()}}}:{next(self._tmp_ids)}"
+        tmp = self.keys.tmp(meta.key, next(self._tmp_ids))
 
         async def write() -> bool:
             held = await self.client.eval(_CLAIM, 2, chunk, owners, self.caller, self.ttl_ms)
@@ -308,13 +302,14 @@ class RedisTier:
                 return tokens
 
     async def stats(self) -> list[protocol.StatsReply]:
+        """The server's memory use and maxmemory (num_chunks is not counted here: that would take a SCAN)."""
         info = await self._call("stats", lambda: self.client.info("memory"))
         if not info:
             return []
         if self.target.mode == CLUSTER:  # one dict per node
             info = {"used_memory": sum(v.get("used_memory", 0) for v in info.values() if isinstance(v, dict)),
                     "maxmemory": sum(v.get("maxmemory", 0) for v in info.values() if isinstance(v, dict))}
-        return [protocol.StatsReply(self.store_ids[0], num_chunks=-1, used_bytes=int(info.get("used_memory", 0)),
+        return [protocol.StatsReply(self.store_ids[0], num_chunks=0, used_bytes=int(info.get("used_memory", 0)),
                                     capacity_bytes=int(info.get("maxmemory", 0)),
                                     details={"target": self.target.describe()})]
 
