@@ -25,6 +25,7 @@ import yaml
 
 from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.eviction import POLICY_NAMES
+from kvmesh.shared.redis_keys import PREFIX_RULE, prefix_ok
 from kvmesh.shared.redis_url import is_redis_url, parse_redis_url
 
 GB = 1024**3
@@ -244,8 +245,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "remote_stream_connections": _AT_LEAST_ONE,
     "redis_timeout_secs": _POSITIVE,
     "redis_chunk_ttl_secs": (lambda v: v >= 1, "must be >= 1 (Redis expiries are in whole milliseconds)"),
-    "redis_key_prefix": (lambda v: v != "" and not any(c in v for c in "{} \t\r\n"),
-                         "must be non-empty, without braces or whitespace (braces are Redis cluster hash tags)"),
+    "redis_key_prefix": (prefix_ok, PREFIX_RULE),
     "blend_min_tokens": _NON_NEGATIVE,
     "min_retrieve_tokens": _NON_NEGATIVE,
     "blend_recompute_ratio": (lambda v: 0 <= v <= 1, "must be between 0 and 1"),

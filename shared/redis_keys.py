@@ -14,6 +14,14 @@ from __future__ import annotations
 from kvmesh.shared.keys import KEY_BYTES, ChunkKey
 
 
+PREFIX_RULE = "must be non-empty, without braces or whitespace (braces are Redis cluster hash tags)"
+
+
+def prefix_ok(prefix: str) -> bool:
+    """Whether `prefix` can namespace keys (braces would break the hash tags): PREFIX_RULE."""
+    return bool(prefix) and not any(c in prefix for c in "{} \t\r\n")
+
+
 class RedisKeys:
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix

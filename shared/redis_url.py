@@ -61,16 +61,17 @@ class RedisTarget:
         extra = f" service {self.service_name}" if self.service_name else f" db {self.db}" if self.db else ""
         return f"Redis {self.mode} {where}{extra}{' (TLS)' if self.tls else ''}"
 
-    def client(self, timeout: float) -> "Redis | RedisCluster":
+    def client(self, timeout: float, retries: int = 1) -> "Redis | RedisCluster":
         """A new async client (connections open on first use). `timeout` bounds each connect and each socket
-        read or write; failed commands are not retried here (the tier answers a miss and tries again later)."""
+        read or write; a command that fails on its connection is retried `retries` times at once (default once:
+        a pooled connection may predate a restart of the server)."""
         from redis.asyncio import Redis, RedisCluster, Sentinel
         from redis.asyncio.cluster import ClusterNode
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
 
         common: dict[str, Any] = dict(username=self.username, password=self.password, socket_timeout=timeout,
-                                      socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0))
+                                      socket_connect_timeout=timeout, retry=Retry(NoBackoff(), retries))
         if self.tls:
             common.update(ssl=True, ssl_ca_certs=self.tls_ca)
         if self.mode == CLUSTER:
