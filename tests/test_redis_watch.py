@@ -5,21 +5,28 @@ runs it as a mesh service."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from typing import AsyncIterator
 
 import pytest
 
+from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.tiers.redis import RedisTier
 from kvmesh.services.remote_store.redis_watch import RedisWatch
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.embedded_nats import EmbeddedNats
+from kvmesh.shared.keys import KeyParams
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
+from kvmesh.shared.protocol import LOCAL_CPU, REMOTE
+from kvmesh.shared.redis_keys import RedisKeys
 from kvmesh.shared.redis_url import parse_redis_url
 
 from redis_support import RedisServer
 from store_events import admission_batches
+from test_controller import running_controller, wait_layout
+from test_engine_support import PagedKV, engine_config, random_tokens
 from test_redis_tier import chunk, put
 from waiting import WAIT_S, wait_until_async
 
@@ -89,6 +96,37 @@ async def test_admissions_deletions_and_evictions_reach_the_controller(nats: tup
         finally:
             await watch.stop()
             await tier.close()
+
+
+async def test_lookup_sees_the_engines_chunks_in_redis_and_what_redis_drops(
+        nats: tuple[EmbeddedNats, object]) -> None:
+    """An engine with a Redis remote_url, the controller and the service in Redis mode: /lookup reports the
+    chunks at RemoteBackend once the CPU tier no longer has them, and follows Redis deleting one."""
+    server, _ = nats
+    kv = PagedKV(num_blocks=64)
+    tokens = random_tokens(96, seed=7)  # three chunks
+    with RedisServer() as redis_server:
+        watch = RedisWatch(parse_redis_url(redis_server.url), STORE_ID, "kvmesh", server.url, timeout=1.0)
+        async with running_controller(server.url) as (_, client):
+            await watch.start()
+            engine = await asyncio.to_thread(CacheEngine, engine_config(
+                nats_url=server.url, remote_url=redis_server.url, lmcache_instance_id="redis-inst"),
+                KeyParams(model="test-model", kv_format=""), kv.layout)
+            try:
+                assert await asyncio.to_thread(engine.wait_connected, WAIT_S)
+                await wait_until_async(lambda: engine.storage.lower(REMOTE) is not None, what="the Redis tier")
+                await asyncio.to_thread(engine.store, tokens, **kv.kv(kv.slots(96)))
+                assert await asyncio.to_thread(engine.wait_write_behind, WAIT_S)
+                await wait_layout(client, tokens.tolist(), {"redis-inst": [LOCAL_CPU, 96]})
+                assert await asyncio.to_thread(engine.clear, LOCAL_CPU) == 96
+                await wait_layout(client, tokens.tolist(), {"redis-inst": [REMOTE, 96]})
+                second = engine.hasher.keys(tokens)[1]
+                with redis_server.client() as redis_client:
+                    assert redis_client.delete(RedisKeys("kvmesh").chunk(second)) == 1
+                await wait_layout(client, tokens.tolist(), {"redis-inst": [REMOTE, 32]})
+            finally:
+                await asyncio.to_thread(engine.close)
+                await watch.stop()
 
 
 def test_the_service_runs_in_redis_mode_and_refuses_a_bad_url() -> None:
