@@ -1,8 +1,9 @@
 """Disk store throughput against the raw disk, measured in the same run; prints JSON.
 
 The store runs as its own process (`python -m kvmesh.services.disk_store`) on a real nats-server; this process
-is the engine-side client: its buffer pool is one shared-memory segment of `--slots` chunk slots, and puts/gets
-pass (segment, offset) over NATS while the store copies / reads the bytes in place.
+is the engine-side client: its buffer pool is one shared segment (a sealed memfd) of `--slots` chunk slots, lent
+to the store over its pool socket, and puts/gets pass (pool token, offset) over NATS while the store copies /
+reads the bytes in place.
 
     python benchmarks/disk_store.py --total-gib 2 --chunk-mib 32
 
@@ -56,7 +57,7 @@ def chunk_key(i: int) -> bytes:
 
 
 class Chunks:
-    """`count` distinct chunks served from `slots` slots of one shared-memory segment (random bytes, the chunk
+    """`count` distinct chunks served from `slots` slots of one shared segment (random bytes, the chunk
     index stamped in the first 8 bytes of its slot)."""
 
     def __init__(self, count: int, nbytes: int, slots: int) -> None:
@@ -83,11 +84,10 @@ class Chunks:
 
     def buffer(self, i: int) -> ChunkBuffer:
         slot = i % self.slots
-        return ChunkBuffer(view=self.view(slot), shm_name=self.segment.name, shm_offset=slot * self.nbytes)
+        return ChunkBuffer(view=self.view(slot), pool=self.segment, pool_offset=slot * self.nbytes)
 
     def close(self) -> None:
         self.segment.close()
-        self.segment.unlink()
 
 
 PUT_LATENCIES: list[float] = []  # seconds from put call to reply (when the engine may reuse its buffer)
@@ -195,7 +195,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     command = [sys.executable, "-m", "kvmesh.services.disk_store", "--nats-url", server.url, "--dir", str(store_dir),
                "--max-size-gb", f"{total * 1.1 / GiB + 0.1:.3f}", "--store-id", STORE_ID,
                "--writer-threads", str(args.writer_threads), "--staging-mb", str(args.staging_mb),
-               "--log-level", "WARNING"] + (["--no-fsync"] if args.no_fsync else [])
+               "--log-level", "WARNING"] + (["--no-fsync"] if args.no_fsync else []) + \
+        (["--durable-puts"] if args.durable_puts else [])
     store = subprocess.Popen(command, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})
     nc = await bus.connect(server.url, name="bench-client")
@@ -223,6 +224,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 else:
                     t_raw_read += raw_read(raw_dir, chunks, indices)
         stats = (await client.stats())[0]
+        await client.close()
     finally:
         await nc.close()
         store.terminate()
@@ -243,14 +245,16 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "fsync_per_file": not args.no_fsync, "page_cache_dropped": dropped, "inflight": args.inflight,
         "rounds": len(rounds),
         "writer_threads": args.writer_threads, "staging_mb": args.staging_mb,
-        "put_mode": "staged (reply after copy)" if args.staging_mb > 0 else "write-through (reply after fsync)",
+        "put_mode": "durable (reply after file and directory fsync)" if args.durable_puts else
+                    "staged (reply after copy)" if args.staging_mb > 0 else "write-through (reply after fsync)",
         "store_write_GBps": gbps(t_store_write), "raw_write_GBps": gbps(t_raw_write),
         "write_ratio": round(t_raw_write / t_store_write, 3),
         "store_read_GBps": gbps(t_store_read), "raw_read_GBps": gbps(t_raw_read),
         "read_ratio": round(t_raw_read / t_store_read, 3),
         "put_reply_ms_p50": round(float(np.percentile(PUT_LATENCIES, 50)) * 1e3, 2),
         "put_reply_ms_p90": round(float(np.percentile(PUT_LATENCIES, 90)) * 1e3, 2),
-        "store_stats": {k: stats.details.get(k) for k in ("writes_done", "write_errors", "hits", "corrupt_dropped")},
+        "store_stats": {k: stats.details.get(k) for k in ("writes_done", "write_errors", "hits", "corrupt_dropped",
+                                                          "puts_pool", "puts_inline", "gets_pool", "gets_inline")},
         "filesystem_dir": str(args.dir or tempfile.gettempdir()),
     }
 
@@ -259,13 +263,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--total-gib", type=float, default=2.0)
     parser.add_argument("--chunk-mib", type=float, default=32.0)
-    parser.add_argument("--slots", type=int, default=8, help="chunk slots in the client's shared-memory pool")
+    parser.add_argument("--slots", type=int, default=8, help="chunk slots in the client's shared pool")
     parser.add_argument("--inflight", type=int, default=4, help="puts/gets in flight (<= slots)")
     parser.add_argument("--round-mib", type=float, default=256.0,
                         help="store and raw alternate in rounds of this many MiB (ABBA order)")
     parser.add_argument("--writer-threads", type=int, default=1)
     parser.add_argument("--staging-mb", type=float, default=512.0, help="0 = write-through puts")
     parser.add_argument("--no-fsync", action="store_true")
+    parser.add_argument("--durable-puts", action="store_true", help="the store's --durable-puts (no staging)")
     parser.add_argument("--no-drop-caches", action="store_true")
     parser.add_argument("--dir", help="where to put the store's and the raw files (default: $TMPDIR)")
     args = parser.parse_args()

@@ -155,7 +155,7 @@ def main() -> None:
         if args.mesh:
             engine.wait_connected(10)
         runs = [measure(engine, tokens, caches, src, dst, (near, far), args.repeat, t) for t in thread_counts]
-        shm, pinned, copier = engine.pool.shm_name is not None, engine.pool.pinned, engine.copier.backend
+        shm, pinned, copier = engine.pool.segment is not None, engine.pool.pinned, engine.copier.backend
     finally:
         engine.close()
         torch.set_num_threads(default_threads)

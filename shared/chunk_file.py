@@ -87,8 +87,20 @@ def encode_header(meta: protocol.ChunkMeta) -> bytes:
     return head + b"\0" * (-len(head) % DATA_ALIGN)
 
 
-def write_chunk_file(root: Path, meta: protocol.ChunkMeta, data: memoryview | bytes, fsync: bool = True) -> Path:
-    """Write a chunk crash-safely (temporary file, fsync, rename); returns the final path.
+def fsync_directory(path: Path) -> None:
+    """Make the names in directory `path` durable (a rename into it, a file created in it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_chunk_file(root: Path, meta: protocol.ChunkMeta, data: memoryview | bytes, fsync: bool = True,
+                     sync_directory: bool = False) -> Path:
+    """Write a chunk crash-safely (temporary file, fsync, rename); returns the final path. With `sync_directory`
+    the rename is made durable too (the file's directory and `root` fsync'd): once this returns, the file survives
+    a power loss, not only a crash of the process.
 
     On any error the temporary file is removed and the error propagates; no partial file stays. A meta
     without a checksum raises StoreError: no file is ever written that a reader could not verify.
@@ -110,6 +122,9 @@ def write_chunk_file(root: Path, meta: protocol.ChunkMeta, data: memoryview | by
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    if sync_directory:
+        fsync_directory(path.parent)
+        fsync_directory(root)  # the fan-out directory may be new (cheap once it is not)
     return path
 
 

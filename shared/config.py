@@ -6,8 +6,10 @@ Sources, in the order the engine applies them (each later one overrides the earl
   3. ``LMCACHE_<KEY>`` environment variables, e.g. ``LMCACHE_CHUNK_SIZE=256``;
   4. ``kv_connector_extra_config`` of vLLM's ``--kv-transfer-config`` (keys with or without ``lmcache.``).
 
-Unlike LMCache, an unknown key or a bad value is never ignored: it raises ``ConfigError`` naming the key and where
-it came from (file path, variable name or source label). Sizes are in GB of 1024**3 bytes, as in LMCache.
+Every key of LMCache's configuration starts: the ones KVMesh does not act on log one warning each
+(shared/lmcache_keys.py). Unlike LMCache, a key LMCache does not know either, or a bad value, is never ignored: it
+raises ``ConfigError`` naming the key and where it came from (file path, variable name or source label). Sizes are
+in GB of 1024**3 bytes, as in LMCache.
 """
 
 import difflib
@@ -25,8 +27,9 @@ import yaml
 
 from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.eviction import POLICY_NAMES
+from kvmesh.shared.lmcache_keys import IGNORED, LMCACHE_KEYS, remote_url_problem, warn_ignored
 from kvmesh.shared.redis_keys import PREFIX_RULE, prefix_ok
-from kvmesh.shared.redis_url import is_redis_url, parse_redis_url
+from kvmesh.shared.redis_url import RedisTarget, is_redis_url, parse_redis_url
 
 GB = 1024**3
 ENV_PREFIX = "LMCACHE_"
@@ -51,8 +54,8 @@ class EngineConfig:
     max_local_cpu_size: float = 5.0
     local_disk: str | None = None  # "file://local/disk_test/local_disk/" or a plain path
     max_local_disk_size: float = 0.0
-    remote_url: str | None = None  # any URL, kept as-is ("nats://host:4222", "kvmesh://...")
-    remote_serde: str = "naive"  # we store naive bytes; kivi/cachegen are accepted for compatibility
+    remote_url: str | None = None  # kept as-is; its scheme must be one of lmcache_keys.REMOTE_SCHEMES
+    remote_serde: str | None = "naive"  # we store naive bytes; kivi/cachegen/NULL are accepted for compatibility
     save_unfull_chunk: bool = True  # True here: the pin quickstart pins a 12-token prompt and expects 12
     save_decode_cache: bool = False
     blocking_timeout_secs: float = 10.0
@@ -100,6 +103,8 @@ class EngineConfig:
     remote_min_transfer_mb_per_s: float = 100.0  # a remote transfer slower than this is abandoned
     remote_retry_interval_secs: float = 1.0  # a remote partition that failed is not asked again for this long
     remote_stream_connections: int = 4  # open stream connections per remote partition
+    # LMCACHE_FORCE_SKIP_SAVE (LMCache reads it only as a variable): the engine stores nothing while it is true
+    force_skip_save: bool = False
     # the remote tier on Redis / Valkey (remote_url redis://..., shared/redis_url.py; docs/config.md)
     redis_key_prefix: str = "kvmesh"  # namespace of every key KVMesh writes, so deployments can share one Redis
     redis_timeout_secs: float = 2.0  # a Redis connect or command (plus nbytes / remote_min_transfer_mb_per_s)
@@ -133,7 +138,7 @@ class EngineConfig:
             if not var.startswith(ENV_PREFIX) or var in IGNORED_ENV_VARS:
                 continue
             key = var[len(ENV_PREFIX) :].lower()
-            if key not in _KINDS:
+            if key not in _KINDS and key not in IGNORED:
                 close = _closest(key)
                 hint = f" (did you mean {ENV_PREFIX}{close.upper()}?)" if close else ""
                 raise ConfigError(f"{var}: unknown LMCache/KVMesh setting {key!r}{hint}")
@@ -168,6 +173,14 @@ class EngineConfig:
     def remote_size_bytes(self) -> int:
         return int(self.remote_size * GB)
 
+    @property
+    def redis_target(self) -> RedisTarget | None:
+        """The Redis / Valkey a `redis://`-family `remote_url` names (extra_config's `valkey_mode` says whether a
+        `valkey://` one is a cluster); None for any other remote_url. ConfigError when it is malformed."""
+        if self.remote_url is None or not is_redis_url(self.remote_url):
+            return None
+        return parse_redis_url(self.remote_url, self.extra_config)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -176,9 +189,7 @@ class EngineConfig:
         if self.local_disk is not None and self.max_local_disk_size <= 0:
             raise ConfigError(f"max_local_disk_size: must be > 0 when local_disk is set ({self.local_disk!r}); "
                               f"got {self.max_local_disk_size!r}, a disk that could hold nothing")
-        if is_redis_url(self.remote_url):  # needs extra_config (valkey_mode): checked once all sources are in
-            assert self.remote_url is not None
-            parse_redis_url(self.remote_url, self.extra_config)
+        self.redis_target  # a malformed Redis URL raises; it needs extra_config too, so all sources must be in
 
     # ---- internals --------------------------------------------------------------------------------------------
     def _with_file(self, path: str | os.PathLike[str]) -> "EngineConfig":
@@ -196,11 +207,17 @@ class EngineConfig:
         return self._merged((_known_key(key, key, label), value, f"{label}: {key}") for key, value in data.items())
 
     def _merged(self, items: Iterable[tuple[str, object, str]]) -> "EngineConfig":
-        """Apply (key, raw value, label) triples; errors are labelled here, before __post_init__ sees the values."""
+        """Apply (key, raw value, label) triples; errors are labelled here, before __post_init__ sees the values.
+
+        An LMCache key KVMesh does not act on warns once; if it is no field, its value goes nowhere."""
         changes: dict[str, object] = {}
         for key, raw, where in items:
-            kind, optional = _KINDS[key]
-            changes[key] = _check(key, _coerce(raw, kind, optional, where), where)
+            value = raw
+            if key in _KINDS:
+                kind, optional = _KINDS[key]
+                value = changes[key] = _check(key, _coerce(raw, kind, optional, where), where)
+            if key in IGNORED:
+                warn_ignored(key, value, where)
         return replace(self, **changes)
 
 
@@ -254,6 +271,8 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     # another scheme ("s3://...") here is a mistake, not a local path
     "local_disk": (lambda v: "://" not in v or v.startswith("file://"), "must be a path or a file:// URL"),
 }
+# key -> why a value is refused (None: it is fine), for checks with more to say than one rule
+_EXPLAINED: dict[str, Callable[[Any], str | None]] = {"remote_url": remote_url_problem}
 # key -> (allowed values, normalisation); matching is case-insensitive
 _CHOICES: dict[str, tuple[frozenset[str], Callable[[str], str]]] = {
     "remote_serde": (REMOTE_SERDES, str.lower),
@@ -341,16 +360,19 @@ def _check(key: str, value: Any, where: str) -> Any:
     rule = _RULES.get(key)
     if rule is not None and not rule[0](value):
         raise ConfigError(f"{where}: {rule[1]}, got {value!r}")
+    problem = _EXPLAINED[key](value) if key in _EXPLAINED else None
+    if problem is not None:
+        raise ConfigError(f"{where}: {problem}")
     return value
 
 
 def _closest(name: str) -> str | None:
-    matches = difflib.get_close_matches(name.lower(), list(_KINDS), n=1, cutoff=0.6)
+    matches = difflib.get_close_matches(name.lower(), sorted(_KINDS.keys() | LMCACHE_KEYS.keys()), n=1, cutoff=0.6)
     return matches[0] if matches else None
 
 
 def _known_key(key: object, shown: object, where: str) -> str:
-    if isinstance(key, str) and key in _KINDS:
+    if isinstance(key, str) and (key in _KINDS or key in IGNORED):
         return key
     close = _closest(key) if isinstance(key, str) else None
     hint = f" (did you mean {close!r}?)" if close else ""

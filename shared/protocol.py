@@ -546,8 +546,8 @@ INLINE_HEADROOM = 64 * 1024
 @dataclass(frozen=True)
 class PutRequest:
     meta: ChunkMeta
-    shm_name: str | None = None  # shared-memory segment holding the bytes at shm_offset
-    shm_offset: int = 0
+    pool: str | None = None  # token of the pool the caller lent the disk store (holds the bytes at pool_offset)
+    pool_offset: int = 0
     data: bytes | None = None  # inline bytes (small chunks, or one frame of a framed transfer)
     producer: str = ""
 
@@ -556,9 +556,9 @@ class PutRequest:
 @dataclass(frozen=True)
 class GetRequest:
     key: bytes
-    shm_name: str | None = None  # where the store should write the bytes (same host)
-    shm_offset: int = 0
-    capacity: int = 0  # bytes available at shm_offset
+    pool: str | None = None  # token of the caller's lent pool, where the store should write the bytes
+    pool_offset: int = 0
+    capacity: int = 0  # bytes available at pool_offset
 
 
 @message("get_reply")

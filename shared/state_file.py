@@ -1,8 +1,18 @@
-"""Small state files beside a store's chunks (the disk store's pins, both stores' claims): msgpack, rewritten
-crash-safely (temporary file, fsync, rename), and kept in step with the index by `CoalescedSave`.
+"""Small state files beside a store's chunks (pins and claims, the disk store's and a persisting remote
+store's): msgpack, rewritten crash-safely (temporary file, fsync, rename, directory fsync), and kept in step with
+the index by `CoalescedSave`; `StoreState` is the pair of them for one store directory.
+
+When each is on disk: a pin, unpin, clear, remove or wipe is answered only once the files hold its effect
+(`StoreState.save_now`: the requests that arrive while one write runs share the next write). Claims that puts
+add are saved in the background, at most once per CLAIMS_SAVE_INTERVAL and at close: a crash may lose the
+claims of the last second's puts (those chunks are then unclaimed: kept until evicted or wiped).
 
 `CoalescedSave` runs on the store's event loop: it snapshots the state there (the index has no locks) and writes
 the file on a thread. Reads happen once, at start, before the store serves.
+
+The pins file (`save_pins` / `load_pins`) is `{key: [count, expires_at]}`, `expires_at` a wall-clock time or
+None (until unpinned): wall-clock, because the index's pins expire on the monotonic clock, which restarts with
+the machine.
 
 The claims file (`save_claims` / `load_claims`) is `{"callers": [path, ...], "masks": {key: mask}, "orphans":
 [key, ...]}`: bit i of a key's mask is `callers[i]`, so a chunk costs its key and a small int, however many
@@ -16,29 +26,35 @@ import logging
 import os
 import time
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Generic, TypeVar
 
 import msgpack
 
-from kvmesh.shared.chunk_index import ClaimTable
+from kvmesh.shared.chunk_file import fsync_directory
+from kvmesh.shared.chunk_index import ChunkIndex, ClaimTable
+from kvmesh.shared.keys import ChunkKey
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 CLAIMS_NAME = "claims.msgpack"
+PINS_NAME = "pins.msgpack"
 CLAIMS_SAVE_INTERVAL = 1.0  # seconds between two rewrites of a claims file (every put changes the claims)
 
 
 def write_atomically(path: Path, value: Any) -> None:
-    """Replace `path` with `value` as msgpack, crash-safely: readers see the old file or the new one."""
+    """Replace `path` with `value` as msgpack, crash-safely and durably: readers see the old file or the new one,
+    and once this returns the new one survives a crash (the rename is fsync'd with the directory)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(msgpack.packb(value, use_bin_type=True))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_directory(path.parent)
 
 
 def read_msgpack(path: Path, what: str) -> Any | None:
@@ -70,11 +86,55 @@ def load_claims(path: Path) -> ClaimTable:
     return ClaimTable([], {})
 
 
+@dataclass(frozen=True)
+class PinRecord:
+    """A pin as it is persisted: nesting count and wall-clock expiry (None = until unpinned)."""
+
+    count: int
+    expires_at: float | None
+
+
+def pin_records(index: ChunkIndex[Any]) -> dict[ChunkKey, PinRecord]:
+    """The index's live pins, to persist."""
+    now = time.time()
+    return {key: PinRecord(count, None if left is None else now + left)
+            for key, (count, left) in index.pins().items()}
+
+
+def restore_pins(index: ChunkIndex[Any], records: dict[ChunkKey, PinRecord]) -> int:
+    """Re-take persisted pins on the held keys (expired ones are dropped); how many keys were pinned."""
+    now = time.time()
+    restored = 0
+    for key, record in records.items():
+        if key not in index or (record.expires_at is not None and record.expires_at <= now):
+            continue
+        ttl = None if record.expires_at is None else record.expires_at - now
+        for _ in range(max(1, record.count)):
+            index.pin([key], ttl)
+        restored += 1
+    return restored
+
+
+def save_pins(path: Path, records: dict[ChunkKey, PinRecord]) -> None:
+    write_atomically(path, {k: [r.count, r.expires_at] for k, r in records.items()})
+
+
+def load_pins(path: Path) -> dict[ChunkKey, PinRecord]:
+    """The persisted pins; none when the file is missing or damaged (logged: the chunks are then unpinned)."""
+    raw = read_msgpack(path, "pins")
+    try:
+        return {bytes(k): PinRecord(int(c), None if e is None else float(e)) for k, (c, e) in (raw or {}).items()}
+    except Exception as exc:  # a damaged pins file must not stop the store
+        log.warning("%s: malformed pins file, starting without pins (%s)", path, exc)
+        return {}
+
+
 class CoalescedSave(Generic[T]):
     """Keeps a file in step with some state: `soon()` after a change starts a background save unless one runs;
     the running one saves again while the state moved meanwhile (`version()`), so a burst of changes costs a few
     writes, never one per change. `min_interval` spaces the writes out (claims change with every put: one
-    rewrite and fsync per interval at most, not one per put). `close()` writes what is left.
+    rewrite and fsync per interval at most, not one per put). `save_now()` waits until the file holds the state
+    as it is at the call (skipping the interval); its callers share writes. `close()` writes what is left.
 
     `snapshot()` runs on the loop, `write(snapshot)` on `executor` (None: the loop's default).
     """
@@ -90,7 +150,9 @@ class CoalescedSave(Generic[T]):
         self._saved = version()
         self._last_write = -float("inf")  # monotonic
         self._task: asyncio.Task[None] | None = None
-        self._hurry: asyncio.Event | None = None
+        self._wanted = self._saved  # the newest version someone waits for (save_now, close): no interval for it
+        self._nudge = asyncio.Event()  # set when _wanted moves, to cut an interval wait short
+        self._error: OSError | None = None  # of the last write, None once one succeeds
 
     def mark_saved(self) -> None:
         """The file already holds the current state (just loaded from it)."""
@@ -98,16 +160,34 @@ class CoalescedSave(Generic[T]):
 
     def soon(self) -> None:
         if self._version() != self._saved and (self._task is None or self._task.done()):
-            self._hurry = asyncio.Event()
-            self._task = asyncio.ensure_future(self._save_while_changed(self._hurry))
+            self._task = asyncio.ensure_future(self._save_while_changed())
 
-    async def _save_while_changed(self, hurry: asyncio.Event) -> None:
+    async def save_now(self) -> None:
+        """Return once the file holds the state as it is now (or newer); raise OSError if writing it failed.
+
+        Joins the save under way: every caller that arrives while one write runs is covered by the next one, so
+        a burst of callers costs two writes at most, not one each. Versions only grow, so "saved >= wanted"
+        means covered; a save task ends only once it saved the latest version, or failed.
+        """
+        wanted = self._version()
+        if self._saved >= wanted:
+            return
+        self._wanted = max(self._wanted, wanted)  # no waiting out min_interval for this version
+        self._nudge.set()
+        self.soon()  # or join the save under way: it goes on until the file holds the latest version
+        assert self._task is not None
+        await asyncio.wait([self._task])  # not cancelled with us: other callers share it
+        if self._saved < wanted:
+            raise self._error or OSError(f"could not save {self.what}")
+
+    async def _save_while_changed(self) -> None:
         loop = asyncio.get_running_loop()
         while (version := self._version()) != self._saved:
             wait = self._last_write + self._min_interval - time.monotonic()
-            if wait > 0 and not hurry.is_set():
+            if wait > 0 and self._saved >= self._wanted:  # nobody waits: space the writes out
+                self._nudge.clear()
                 try:
-                    await asyncio.wait_for(hurry.wait(), wait)
+                    await asyncio.wait_for(self._nudge.wait(), wait)
                 except TimeoutError:
                     pass
                 continue  # the state may have moved while we waited: snapshot the latest
@@ -115,14 +195,15 @@ class CoalescedSave(Generic[T]):
                 await loop.run_in_executor(self.executor, self._write, self._snapshot())
             except OSError as exc:
                 log.warning("could not save %s: %s", self.what, exc)
+                self._error = exc
                 return
-            self._saved = version
+            self._saved, self._error = version, None
             self._last_write = time.monotonic()
 
     async def close(self) -> None:
         """Finish the save under way without waiting out the interval, then write what is still unsaved."""
-        if self._hurry is not None:
-            self._hurry.set()
+        self._wanted = max(self._wanted, self._version())
+        self._nudge.set()
         if self._task is not None:
             await asyncio.wait([self._task])
         if self._version() != self._saved:
@@ -131,3 +212,52 @@ class CoalescedSave(Generic[T]):
                 self._saved = self._version()
             except OSError as exc:
                 log.warning("could not save %s: %s", self.what, exc)
+
+
+class StoreState:
+    """A store's pins file and claims file in `root`, in step with its `index`.
+
+    `restore()` reads them at start (blocking, before the store serves); `save_soon()` after any change (puts'
+    claims: coalesced, at most once per CLAIMS_SAVE_INTERVAL); `save_now()` before answering an op whose effect
+    must survive a crash once answered (pin, unpin, clear, remove, wipe); `close()` last.
+    """
+
+    def __init__(self, root: Path, index: ChunkIndex[Any], executor: Executor | None = None) -> None:
+        self.root = root
+        self.index = index
+        self._pins = CoalescedSave("pins", lambda: index.pins_version, lambda: pin_records(index),
+                                   lambda records: save_pins(root / PINS_NAME, records), executor=executor)
+        self._claims = CoalescedSave("claims", lambda: index.claims_version, index.claim_table,
+                                     lambda table: save_claims(root / CLAIMS_NAME, table),
+                                     min_interval=CLAIMS_SAVE_INTERVAL, executor=executor)
+
+    @property
+    def executor(self) -> Executor | None:
+        return self._pins.executor
+
+    @executor.setter
+    def executor(self, executor: Executor | None) -> None:
+        self._pins.executor = self._claims.executor = executor
+
+    def restore(self) -> tuple[int, int]:
+        """Re-take the persisted pins and claims on the held keys; how many keys got pins, and claims."""
+        pinned = restore_pins(self.index, load_pins(self.root / PINS_NAME))
+        claimed = self.index.restore_claims(load_claims(self.root / CLAIMS_NAME))
+        self._pins.mark_saved()  # the files already say so
+        self._claims.mark_saved()
+        return pinned, claimed
+
+    def save_soon(self) -> None:
+        self._pins.soon()
+        self._claims.soon()
+
+    async def save_now(self) -> None:
+        """Both files hold the index as it is now; OSError if one could not be written."""
+        results = await asyncio.gather(self._pins.save_now(), self._claims.save_now(), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def close(self) -> None:
+        await self._pins.close()
+        await self._claims.close()

@@ -17,6 +17,7 @@ that model; a limitation, not a boundary between tenants).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Generic, TypeVar
@@ -34,6 +35,10 @@ from kvmesh.shared.service import serve_health
 log = logging.getLogger(__name__)
 
 E = TypeVar("E", bound=IndexEntry)
+
+# pin / unpin / remove / clear / wipe requests handled at once per op: each waits for the state files to hold
+# its change, and the ones waiting together share one write (more wait in NATS's queue meanwhile)
+STATE_OPS_AT_ONCE = 64
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,7 @@ class Handler:
         return cls(op, request_type, handle_anyone, max_concurrent)
 
 
-def _nothing(*_: Any) -> None:
+async def _nothing() -> None:
     pass
 
 
@@ -66,8 +71,10 @@ class IndexOps(Generic[E]):
 
     What differs between stores comes in as callables: `free(removed)` releases what chunks that left the
     index used (files, buffers); `settle(keys)` waits for puts of these keys still in flight before a pin (so a
-    pin right after a put covers it); `changed()` runs after every op that may have changed pins or claims (the
-    disk store persists them); `details()` is the store's own part of the stats.
+    pin right after a put covers it); `persist()` returns once the store's pins and claims files hold the index
+    as it is (raises OSError if they could not be written; a no-op for a store that keeps them in memory only):
+    pin, unpin, remove, clear and wipe are answered after it, so what they answered survives a crash. Those
+    waiting at once share writes (STATE_OPS_AT_ONCE). `details()` is the store's own part of the stats.
 
     Counts (`CommandReply.num_tokens` / `num_chunks`): pin and unpin answer the stored token counts of the
     chunks they pinned or unpinned. remove and wipe count the chunks they forgot and the puts in flight they
@@ -81,20 +88,22 @@ class IndexOps(Generic[E]):
     def __init__(self, store_id: str, index: ChunkIndex[E], free: Callable[[list[tuple[ChunkKey, E]]], None],
                  details: Callable[[], dict[str, Any]],
                  settle: Callable[[list[ChunkKey]], Awaitable[None]] | None = None,
-                 changed: Callable[[], None] = _nothing) -> None:
+                 persist: Callable[[], Awaitable[None]] = _nothing) -> None:
         self.store_id = store_id
         self.index = index
         self._free = free
         self._details = details
         self._settle = settle
-        self._changed = changed
+        self._persist = persist
 
     def handlers(self) -> list[Handler]:
         keys = protocol.ChunkKeys
+        at_once = STATE_OPS_AT_ONCE
         return [Handler.anyone("contains", keys, self.contains), Handler.anyone("touch", keys, self.touch),
-                Handler.anyone("pin", keys, self.pin), Handler.anyone("unpin", keys, self.unpin),
-                Handler.anyone("remove", keys, self.remove), Handler("clear", protocol.ClearRequest, self.clear),
-                Handler("wipe", protocol.WipeRequest, self.wipe),
+                Handler.anyone("pin", keys, self.pin, at_once), Handler.anyone("unpin", keys, self.unpin, at_once),
+                Handler.anyone("remove", keys, self.remove, at_once),
+                Handler("clear", protocol.ClearRequest, self.clear, at_once),
+                Handler("wipe", protocol.WipeRequest, self.wipe, at_once),
                 Handler.anyone("stats", protocol.StatsRequest, self.stats)]
 
     async def contains(self, request: protocol.ChunkKeys) -> protocol.ContainsReply:
@@ -112,15 +121,14 @@ class IndexOps(Generic[E]):
         if self._settle is not None:
             await self._settle(request.keys)
         pinned = self.index.pin(request.keys, request.ttl_secs)
-        self._changed()
-        return protocol.CommandReply(ok=True, num_tokens=self.index.tokens_of(pinned), num_chunks=len(pinned))
+        return await self._persisted("pin", protocol.CommandReply(
+            ok=True, num_tokens=self.index.tokens_of(pinned), num_chunks=len(pinned)))
 
     async def unpin(self, request: protocol.ChunkKeys) -> protocol.CommandReply:
         unpinned = self.index.unpin(request.keys)
         reply = protocol.CommandReply(ok=True, num_tokens=self.index.tokens_of(unpinned), num_chunks=len(unpinned))
         self._free(self.index.forget_orphans())  # chunks a clear left to their pins: the last pin went
-        self._changed()
-        return reply
+        return await self._persisted("unpin", reply)
 
     async def remove(self, request: protocol.ChunkKeys) -> protocol.CommandReply:
         removed: list[tuple[ChunkKey, E]] = []
@@ -132,18 +140,18 @@ class IndexOps(Generic[E]):
                 removed.append((key, entry))
             if in_flight is not None:
                 discarded.append(in_flight)
-        return self._removed(removed, discarded)
+        return await self._removed("remove", removed, discarded)
 
     async def clear(self, request: protocol.ClearRequest, caller: str) -> protocol.CommandReply:
         """Take back `caller`'s claims; see the class docstring for what the reply counts."""
         cleared = self.index.clear(caller)
         forgotten = cleared.forgotten + self.index.forget_orphans()
         self._free(forgotten)
-        self._changed()
         log.info("store %s: %s cleared its claims on %d chunks (%d tokens); %d of them forgotten, %d puts in "
                  "flight discarded", self.store_id, caller, len(cleared.released), cleared.num_tokens,
                  len(forgotten), len(cleared.discarded))
-        return protocol.CommandReply(ok=True, num_tokens=cleared.num_tokens, num_chunks=len(cleared.released))
+        return await self._persisted("clear", protocol.CommandReply(
+            ok=True, num_tokens=cleared.num_tokens, num_chunks=len(cleared.released)))
 
     async def wipe(self, request: protocol.WipeRequest, caller: str) -> protocol.CommandReply:
         """Forget every unpinned chunk and discard every put in flight, whoever put them: the operator's alone.
@@ -154,16 +162,28 @@ class IndexOps(Generic[E]):
                 f"store {self.store_id}: wipe is the operator's alone, not {caller}'s (a caller clears its own "
                 "chunks with `clear`)"))
         discarded = [entry for _, entry in self.index.in_flight_items()]
-        reply = self._removed(self.index.wipe(), discarded)
+        reply = await self._removed("wipe", self.index.wipe(), discarded)
         log.info("store %s: wiped %d chunks (%d tokens); %d pinned kept", self.store_id, reply.num_chunks,
                  reply.num_tokens, self.index.pinned_count)
         return reply
 
-    def _removed(self, removed: list[tuple[ChunkKey, E]], discarded: list[E]) -> protocol.CommandReply:
+    async def _removed(self, op: str, removed: list[tuple[ChunkKey, E]], discarded: list[E]) -> protocol.CommandReply:
         self._free(removed)
-        self._changed()
         gone = [entry for _, entry in removed] + discarded
-        return protocol.CommandReply(ok=True, num_tokens=sum(entry.num_tokens for entry in gone), num_chunks=len(gone))
+        return await self._persisted(op, protocol.CommandReply(
+            ok=True, num_tokens=sum(entry.num_tokens for entry in gone), num_chunks=len(gone)))
+
+    async def _persisted(self, op: str, reply: protocol.CommandReply) -> protocol.CommandReply:
+        """`reply` once the state files hold what `op` changed; else the same counts with ok=False and why."""
+        try:
+            await self._persist()
+        except OSError as exc:
+            log.error("store %s: %s done in memory, but its pins/claims could not be saved: %s", self.store_id,
+                      op, exc)
+            return dataclasses.replace(reply, ok=False, error=(
+                f"store {self.store_id}: {op} done in memory, but its pins/claims could not be saved, so a "
+                f"restart may undo it: {exc}"))
+        return reply
 
     async def stats(self, request: protocol.StatsRequest | None = None) -> protocol.StatsReply:
         index = self.index

@@ -10,10 +10,10 @@ commands through this interface.
 tier does not copy: its chunks already live in the memory pool's slots, so its data path hands out slot
 references (`LocalCPUBackend.acquire` / `put`) instead.
 
-`ChunkBuffer` names where chunk bytes live in the engine: a view, and if the view lies in a shared-memory
-segment, that segment's name and offset, so a store on the same host can read or write the bytes in place
-(no bytes through NATS). The disk store and the remote store each provide a `StoreTier` client
-(`services/disk_store/client.py`, `services/remote_store/client.py`). All methods are coroutines on the
+`ChunkBuffer` names where chunk bytes live in the engine: a view, and if the view lies in the engine's shared
+pool (a sealed memfd, shared/shm.py), that pool and the offset, so the disk store on the same host, once the
+pool is lent to it, can read or write the bytes in place (no bytes through NATS). The disk store and the
+remote store each provide a `StoreTier` client (`services/disk_store/client.py`, `services/remote_store/client.py`). All methods are coroutines on the
 engine's NATS loop; none raises on a dead store: they log and answer a miss / False / 0 (a failing store never
 fails vLLM). `StoreLink` is how both clients do that: one per store, it sends the requests on subjects ending
 in the client's caller path (`Principal.engine(instance_id).producer(worker_id)` for an engine worker: who
@@ -33,6 +33,7 @@ from kvmesh.shared import bus
 from kvmesh.shared.errors import KVMeshError
 from kvmesh.shared.keys import ChunkKey
 from kvmesh.shared.protocol import ChunkMeta, StatsReply, Subjects
+from kvmesh.shared.shm import SharedSegment
 
 T = TypeVar("T")
 
@@ -40,8 +41,8 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class ChunkBuffer:
     view: memoryview  # byte view, len >= the chunk's nbytes
-    shm_name: str | None = None  # shared-memory segment holding `view`, if any
-    shm_offset: int = 0  # offset of `view` inside that segment
+    pool: SharedSegment | None = None  # the shared pool holding `view`, if any
+    pool_offset: int = 0  # offset of `view` inside that pool
 
 
 def byte_view(view: memoryview) -> memoryview:

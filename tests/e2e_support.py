@@ -225,6 +225,20 @@ class VLLMServer(ManagedProcess):
         response.raise_for_status()
         return response.json()
 
+    def metrics(self) -> dict[str, float]:
+        """vLLM's /metrics: each sample's value summed over its labels, by sample name."""
+        import httpx
+
+        response = httpx.get(f"{self.url}/metrics", timeout=30)
+        response.raise_for_status()
+        values: dict[str, float] = {}
+        for line in response.text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                name = name.split("{", 1)[0]
+                values[name] = values.get(name, 0.0) + float(value)
+        return values
+
     def tokenize(self, prompt: str) -> list[int]:
         import httpx
 

@@ -130,6 +130,7 @@ class FakeEngine:
 def worker(engine: FakeEngine) -> Any:
     conn = connector.KVMeshConnector.__new__(connector.KVMeshConnector)
     conn.engine, conn.block_size, conn.chunk_size, conn._kv_caches, conn._load_errors = engine, B, C, {}, set()
+    conn._stats = connector.KVMeshStats()
     return conn
 
 

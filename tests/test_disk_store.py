@@ -6,15 +6,21 @@ Behaviour that needs the store in its own process (restart, SIGKILL, the CLI) is
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
+import json
 import logging
 import os
+import shutil
+import socket
 import subprocess
+import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import AsyncIterator, Callable, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
+import msgpack
 import pytest
 
 from kvmesh.shared import bus, chunk_file, protocol
@@ -25,6 +31,7 @@ from kvmesh.services.disk_store.client import DiskStoreClient
 from kvmesh.services.disk_store.index import Entry, SpaceRefused
 from kvmesh.shared.chunk_index import ChunkIndex
 from kvmesh.services.disk_store.options import DiskStoreOptions, build_parser, options_from_args
+from kvmesh.services.disk_store.pool_socket import PoolUnavailable, Registration, register, socket_path
 from kvmesh.services.disk_store.service import DiskStoreService
 from kvmesh.services.disk_store.writer import WriteFaults
 from kvmesh.shared.state_file import CLAIMS_NAME
@@ -67,11 +74,12 @@ class Harness:
         self.service: DiskStoreService | None = None
         self.client = DiskStoreClient(nc, self.store_id, ENGINE, request_timeout=WAIT_S)
         self.clock: Callable[[], float] = time.monotonic  # the stores' pin TTLs run on it
+        self.lent: list[Registration] = []
 
     async def start(self, capacity: int = 64 * FILE_BYTES, staging_bytes: int = 4 * CHUNK,
-                    faults: WriteFaults | None = None) -> DiskStoreService:
+                    faults: WriteFaults | None = None, **options_: Any) -> DiskStoreService:
         options = DiskStoreOptions(root=self.root, capacity_bytes=capacity, store_id=self.store_id,
-                                   staging_bytes=staging_bytes, fsync=False)
+                                   staging_bytes=staging_bytes, fsync=False, **options_)
         self.service = DiskStoreService(options, faults=faults or WriteFaults(), clock=self.clock)
         await self.service.start(self.nc)
         return self.service
@@ -101,6 +109,13 @@ class Harness:
     async def held(self, *indices: int) -> list[bool]:
         return [await self.client.contains([key_of(i)]) == 1 for i in indices]
 
+    async def lend(self, segment: SharedSegment, caller: str = ENGINE) -> Registration:
+        """Lend `segment` to the running store as `caller`, as an engine's client does on its first put; the
+        connection closes with the test's end (then the store drops the pool)."""
+        registration = await asyncio.to_thread(register, self.store_id, caller, segment, WAIT_S)
+        self.lent.append(registration)
+        return registration
+
     def request(self, op: str, message: object, reply_type: type, timeout: float = WAIT_S, caller: str = ENGINE):
         return bus.request(self.nc, protocol.Subjects.store(self.store_id, op, caller), message, reply_type, timeout)
 
@@ -115,23 +130,26 @@ class Harness:
 async def harness(nc, tmp_path: Path) -> AsyncIterator[Harness]:
     h = Harness(nc, tmp_path / "disk")
     yield h
+    await h.client.close()
+    for registration in h.lent:
+        registration.close()
     await h.stop()
 
 
 # ---------------------------------------------------------------------------------------------------------
 
 
-async def test_round_trip_bit_exact_over_shared_memory_and_inline(harness: Harness, segment: SharedSegment) -> None:
+async def test_round_trip_bit_exact_over_a_lent_pool_and_inline(harness: Harness, segment: SharedSegment) -> None:
     await harness.start()
     client = harness.client
-    # Shared memory: the bytes stay in the segment; only (name, offset) cross NATS.
+    # A lent pool: the bytes stay in the segment; only (token, offset) cross NATS.
     meta, data = chunk(1)
     segment.buf[CHUNK:2 * CHUNK] = data
-    put_buffer = ChunkBuffer(view=segment.buf[CHUNK:2 * CHUNK], shm_name=segment.name, shm_offset=CHUNK)
+    put_buffer = ChunkBuffer(view=segment.buf[CHUNK:2 * CHUNK], pool=segment, pool_offset=CHUNK)
     assert await client.put(meta, put_buffer)
     segment.buf[CHUNK:2 * CHUNK] = b"\0" * CHUNK  # the engine reuses its buffer right after the reply
     assert await client.wait_written(WAIT_S)
-    get_buffer = ChunkBuffer(view=segment.buf[5 * CHUNK:7 * CHUNK], shm_name=segment.name, shm_offset=5 * CHUNK)
+    get_buffer = ChunkBuffer(view=segment.buf[5 * CHUNK:7 * CHUNK], pool=segment, pool_offset=5 * CHUNK)
     got = await client.get_into(meta.key, get_buffer)
     assert got is not None and got.nbytes == CHUNK and got.num_tokens == meta.num_tokens
     assert bytes(segment.buf[5 * CHUNK:6 * CHUNK]) == data
@@ -140,7 +158,7 @@ async def test_round_trip_bit_exact_over_shared_memory_and_inline(harness: Harne
     assert await client.put(meta2, ChunkBuffer(view=memoryview(data2)))
     assert await client.wait_written(WAIT_S)
     assert await harness.get(2) == data2
-    assert await harness.get(1) == data  # a shm-put chunk can be read inline, and vice versa
+    assert await harness.get(1) == data  # a pool-put chunk can be read inline, and vice versa
     assert await client.get_into(meta2.key, get_buffer) is not None
     assert bytes(segment.buf[5 * CHUNK:6 * CHUNK]) == data2
     # The same key twice makes one file; a miss is None; odd sizes work.
@@ -151,7 +169,9 @@ async def test_round_trip_bit_exact_over_shared_memory_and_inline(harness: Harne
     assert await client.contains([key_of(1), key_of(2), key_of(99), key_of(3)]) == 2
     stats = (await client.stats())[0]
     assert stats.num_chunks == 3 and stats.details["puts_duplicate"] == 1
-    assert await client.get_into(meta.key, ChunkBuffer(view=segment.buf[:10], shm_name=segment.name)) is None
+    assert stats.details["puts_pool"] == 1 and stats.details["gets_pool"] == 2 and stats.details["pools"] == 1
+    assert stats.details["puts_inline"] == 3 and stats.details["gets_inline"] == 3
+    assert await client.get_into(meta.key, ChunkBuffer(view=segment.buf[:10], pool=segment)) is None
 
 
 async def test_lru_eviction_keeps_the_size_cap_and_gets_refresh_recency(harness: Harness) -> None:
@@ -302,12 +322,12 @@ async def test_garbage_on_every_subject_leaves_it_serving(harness: Harness) -> N
         ("put", protocol.PutRequest(meta=bad_meta, data=b"1234")),
         ("put", protocol.PutRequest(meta=good_meta, data=b"too short")),
         ("put", protocol.PutRequest(meta=good_meta)),
-        ("put", protocol.PutRequest(meta=good_meta, shm_name="../../etc/passwd")),
-        ("put", protocol.PutRequest(meta=good_meta, shm_name="kvmesh-no-such-segment")),
+        ("put", protocol.PutRequest(meta=good_meta, pool="../../etc/passwd")),
+        ("put", protocol.PutRequest(meta=good_meta, pool="0" * 32)),
         ("put", protocol.PutRequest(meta=protocol.ChunkMeta(key=key_of(8), num_tokens=-1, shape=[], dtype="",
                                                             fmt="", nbytes=-5), data=b"")),
         ("get", protocol.GetRequest(key=b"x" * 40)),
-        ("get", protocol.GetRequest(key=key_of(1), shm_name="kvmesh-no-such-segment", capacity=CHUNK)),
+        ("get", protocol.GetRequest(key=key_of(1), pool="0" * 32, capacity=CHUNK)),
         ("contains", protocol.ChunkKeys(keys=[b"", b"x" * 100])),
         ("pin", protocol.ChunkKeys(keys=[b"bad"], num_tokens=[1, 2, 3], ttl_secs=-1.0)),
         ("remove", protocol.ChunkKeys(keys=[b"bad"])),
@@ -575,8 +595,9 @@ async def test_a_put_whose_bytes_fail_their_checksum_is_refused_before_it_is_adm
     meta, data = chunk(3)
     lying = protocol.ChunkMeta(**{**meta.__dict__, "checksum": meta.checksum ^ 1})
     segment.buf[:CHUNK] = data
+    lent = await harness.lend(segment)
     for request in (protocol.PutRequest(meta=lying, data=data),
-                    protocol.PutRequest(meta=lying, shm_name=segment.name, shm_offset=0)):
+                    protocol.PutRequest(meta=lying, pool=lent.token, pool_offset=0)):
         ack = await harness.request("put", request, protocol.Ack)
         assert not ack.ok and "do not match their checksum" in ack.error
     # a put of a key already held is a duplicate whose bytes are not even read: bad ones change nothing
@@ -620,3 +641,160 @@ async def test_a_checksum_of_0_is_refused_at_put_and_a_file_claiming_one_is_corr
     service = await harness.start()
     assert service.store.scan_report is not None and service.store.scan_report.removed_corrupt == 2
     assert await harness.held(3, 4) == [False, False] and chunk_files(harness.root) == []
+
+
+# ---- pools lent over the pool socket (pool_socket.py, pools.py) ------------------------------------------------
+
+async def test_a_pool_token_serves_only_the_caller_that_lent_it_and_only_inside_the_pool(
+        harness: Harness, segment: SharedSegment) -> None:
+    await harness.start()
+    lent = await harness.lend(segment)
+    meta, data = chunk(1)
+    segment.buf[:CHUNK] = data
+    other = protocol.Principal.engine("other").producer("w0")
+    refused = [
+        (ENGINE, protocol.PutRequest(meta=meta, pool="0" * 32), "is not lent by"),  # never registered
+        (other, protocol.PutRequest(meta=meta, pool=lent.token), "is not lent by"),  # sniffed from another engine
+        (ENGINE, protocol.PutRequest(meta=meta, pool=lent.token, pool_offset=segment.size - CHUNK + 1), "outside"),
+        (ENGINE, protocol.PutRequest(meta=meta, pool=lent.token, pool_offset=-1), "outside"),
+    ]
+    for caller, request, reason in refused:
+        ack = await harness.request("put", request, protocol.Ack, caller=caller)
+        assert not ack.ok and reason in ack.error
+    assert await harness.held(1) == [False]
+    assert (await harness.request("put", protocol.PutRequest(meta=meta, pool=lent.token), protocol.Ack)).ok
+    assert await harness.client.wait_written(WAIT_S)
+    # gets by the same rules: a refused one writes nothing into the pool
+    segment.buf[CHUNK:2 * CHUNK] = b"\x55" * CHUNK
+    for caller, offset in ((other, CHUNK), (ENGINE, segment.size - 100), (ENGINE, -CHUNK)):
+        reply = await harness.request("get", protocol.GetRequest(key=key_of(1), pool=lent.token, pool_offset=offset,
+                                                                 capacity=CHUNK), protocol.GetReply, caller=caller)
+        assert not reply.found and ("is not lent by" in reply.error or "outside" in reply.error)
+    assert bytes(segment.buf[CHUNK:2 * CHUNK]) == b"\x55" * CHUNK
+    reply = await harness.request("get", protocol.GetRequest(key=key_of(1), pool=lent.token, pool_offset=CHUNK,
+                                                             capacity=CHUNK), protocol.GetReply)
+    assert reply.found and bytes(segment.buf[CHUNK:2 * CHUNK]) == data
+    details = (await harness.client.stats())[0].details
+    assert details["puts_refused"] == 4 and details["puts_pool"] == 1 and details["gets_pool"] == 1
+
+
+async def test_a_message_naming_a_file_reaches_no_file(harness: Harness, tmp_path: Path) -> None:
+    """The old field names (or a path as the token) are no way to a file: the store opens nothing a message names."""
+    await harness.start()
+    assert await harness.put(1)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"v" * CHUNK)
+    shm_victim = Path("/dev/shm") / f"kvmesh-victim-{uuid.uuid4().hex[:8]}"
+    shm_victim.write_bytes(b"s" * CHUNK)
+    try:
+        meta = chunk(2)[0]
+        for fields in ({"shm_name": str(victim), "shm_offset": 0}, {"shm_name": shm_victim.name},
+                       {"pool": str(victim)}, {"pool": f"../../..{shm_victim}"}):
+            put = msgpack.unpackb(protocol.encode(protocol.PutRequest(meta=meta)))
+            reply = await harness.nc.request(protocol.Subjects.store(harness.store_id, "put", ENGINE),
+                                             msgpack.packb({**put, **fields}), timeout=WAIT_S)
+            ack = protocol.decode(reply.data, protocol.Ack)
+            assert not ack.ok and ("neither a pool nor inline data" in ack.error or "is not lent by" in ack.error)
+            get = msgpack.unpackb(protocol.encode(protocol.GetRequest(key=key_of(1), capacity=CHUNK)))
+            reply = await harness.nc.request(protocol.Subjects.store(harness.store_id, "get", ENGINE),
+                                             msgpack.packb({**get, **fields}), timeout=WAIT_S)
+            answer = protocol.decode(reply.data, protocol.GetReply)
+            assert answer.data == chunk(1)[1] if "pool" not in fields else not answer.found  # inline, or refused
+        assert victim.read_bytes() == b"v" * CHUNK and shm_victim.read_bytes() == b"s" * CHUNK
+        assert await harness.held(2) == [False]
+    finally:
+        shm_victim.unlink()
+
+
+def offer(path: Path, hello: bytes, fds: list[int]) -> dict[str, Any]:
+    """Blocking: connect to a pool socket, send `hello` with `fds` attached, return the store's answer."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(WAIT_S)
+        sock.connect(str(path))
+        socket.send_fds(sock, [hello], fds)
+        return json.loads(sock.recv(4096) or b"{}")
+
+
+async def test_the_store_takes_only_a_sealed_memfd_with_a_small_hello(harness: Harness, segment: SharedSegment,
+                                                                       tmp_path: Path) -> None:
+    await harness.start(pool_hello_max_bytes=256, pool_hello_timeout_secs=1.0)
+    path = socket_path(harness.store_id)
+    hello = json.dumps({"caller": ENGINE}).encode()
+    unsealed = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    grow_only = os.memfd_create("grow-only", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    plain_file = os.open(tmp_path / "plain", os.O_RDWR | os.O_CREAT, 0o600)
+    directory = os.open(tmp_path, os.O_RDONLY)
+    try:
+        for fd in (unsealed, grow_only, plain_file):
+            os.ftruncate(fd, CHUNK)
+        fcntl.fcntl(grow_only, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW)  # it could still shrink: SIGBUS for a mapper
+        assert segment.fd is not None
+        cases = [
+            (hello, [unsealed], "not sealed against shrinking"),
+            (hello, [grow_only], "not sealed against shrinking"),
+            (hello, [plain_file], "not sealed against shrinking"),
+            (hello, [directory], "not a regular file"),
+            (hello, [], "exactly one descriptor"),
+            (hello, [segment.fd, segment.fd], "exactly one descriptor"),
+            (json.dumps({"caller": "x" * 300}).encode(), [segment.fd], "over 256 bytes"),
+            (b"\xffnot json", [segment.fd], "not JSON"),
+            (b'{"who": 1}', [segment.fd], "names no caller"),
+        ]
+        for message, fds, reason in cases:
+            answer = await asyncio.to_thread(offer, path, message, fds)
+            assert reason in answer.get("error", ""), (reason, answer)
+        # a hello that never comes is refused after --pool-hello-timeout (no timing asserted: only the answer)
+        assert "no hello within" in (await asyncio.to_thread(offer, path, b"", [])).get("error", "")
+    finally:
+        for fd in (unsealed, grow_only, plain_file, directory):
+            os.close(fd)
+    details = (await harness.client.stats())[0].details
+    assert details["pools"] == 0 and details["pools_refused"] == len(cases) + 1
+    meta, data = chunk(1)  # still serving, and still lending
+    segment.buf[:CHUNK] = data
+    assert await harness.client.put(meta, ChunkBuffer(view=segment.buf[:CHUNK], pool=segment))
+    assert (await harness.client.stats())[0].details["puts_pool"] == 1
+
+
+async def test_pools_are_bounded_and_dropped_when_their_connection_closes(harness: Harness,
+                                                                          segment: SharedSegment) -> None:
+    await harness.start(max_pools=1)
+    first = await harness.lend(segment)
+    with pytest.raises(PoolUnavailable, match="--max-pools"):
+        await harness.lend(segment, caller=protocol.Principal.engine("other").producer("w0"))
+    first.close()  # the engine is gone
+    await wait_until_async(lambda: _details_match(harness, pools=0, pools_dropped=1), what="the pool dropped")
+    meta, data = chunk(1)
+    segment.buf[:CHUNK] = data
+    ack = await harness.request("put", protocol.PutRequest(meta=meta, pool=first.token), protocol.Ack)
+    assert not ack.ok and "is not lent by" in ack.error
+    second = await harness.lend(segment)  # room again
+    assert second.token != first.token
+    assert (await harness.request("put", protocol.PutRequest(meta=meta, pool=second.token), protocol.Ack)).ok
+
+
+async def _details_match(harness: Harness, **expected: int) -> bool:
+    details = (await harness.client.stats())[0].details
+    return all(details[name] == value for name, value in expected.items())
+
+
+async def test_without_the_pool_socket_a_client_sends_bytes_inline_and_says_why_once(
+        harness: Harness, segment: SharedSegment, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    await harness.start()
+    elsewhere = tempfile.mkdtemp(prefix="kvrt-")  # the client looks for the socket where there is none
+    monkeypatch.setenv("KVMESH_RUNTIME_DIR", elsewhere)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvmesh.services.disk_store.pool_socket"):
+            for i in (1, 2):
+                meta, data = chunk(i)
+                segment.buf[:CHUNK] = data
+                assert await harness.client.put(meta, ChunkBuffer(view=segment.buf[:CHUNK], pool=segment))
+        assert await harness.client.wait_written(WAIT_S)
+        assert await harness.get(1) == chunk(1)[1] and await harness.get(2) == chunk(2)[1]
+    finally:
+        shutil.rmtree(elsewhere, ignore_errors=True)
+    warnings = [r.getMessage() for r in caplog.records if "go inline" in r.getMessage()]
+    assert len(warnings) == 1 and "no pool socket" in warnings[0]
+    details = (await harness.client.stats())[0].details
+    assert details["puts_inline"] == 2 and details["puts_pool"] == 0 and details["pools"] == 0

@@ -1,6 +1,7 @@
 """The disk store as its own process (`python -m kvmesh.services.disk_store`): restarts, SIGKILL, the CLI.
 
-The test process is the engine side: a client over a real nats-server, its buffers in a shared-memory segment.
+The test process is the engine side: a client over a real nats-server, its buffers in a shared pool (a sealed
+memfd) lent to the store over its pool socket.
 """
 
 from __future__ import annotations
@@ -111,16 +112,16 @@ def segment() -> Iterator[SharedSegment]:
 
 def slot(segment: SharedSegment, i: int) -> ChunkBuffer:
     offset = (i % SLOTS) * CHUNK
-    return ChunkBuffer(view=segment.buf[offset:offset + CHUNK], shm_name=segment.name, shm_offset=offset)
+    return ChunkBuffer(view=segment.buf[offset:offset + CHUNK], pool=segment, pool_offset=offset)
 
 
-async def put_shm(client: DiskStoreClient, segment: SharedSegment, i: int) -> bool:
+async def put_pool(client: DiskStoreClient, segment: SharedSegment, i: int) -> bool:
     buffer = slot(segment, i)
     buffer.view[:] = data_of(i)
     return await client.put(meta_of(i), buffer)
 
 
-async def get_shm(client: DiskStoreClient, segment: SharedSegment, i: int) -> bytes | None:
+async def get_pool(client: DiskStoreClient, segment: SharedSegment, i: int) -> bytes | None:
     buffer = slot(segment, i)
     buffer.view[:] = b"\0" * CHUNK
     meta = await client.get_into(key_of(i), buffer)
@@ -136,9 +137,9 @@ async def full_store_with_chunk_1_read(nc, store: StoreProcess, segment: SharedS
     await store.wait_healthy(nc)
     client = DiskStoreClient(nc, store.store_id, ENGINE, request_timeout=WAIT_S)
     for i in (1, 2, 3):
-        assert await put_shm(client, segment, i)
+        assert await put_pool(client, segment, i)
     assert await client.wait_written(WAIT_S)
-    assert await get_shm(client, segment, 1) == data_of(1)
+    assert await get_pool(client, segment, 1) == data_of(1)
     return client
 
 
@@ -154,10 +155,10 @@ async def test_chunks_persist_across_a_restart_with_their_lru_order(nc, store: S
     stats = (await client.stats())[0]
     assert stats.num_chunks == 3 and stats.pinned_chunks == 1
     # The LRU order survived (2 is the oldest: 1 was read after it was written), and so did 3's pin.
-    assert await put_shm(client, segment, 4) and await client.wait_written(WAIT_S)
+    assert await put_pool(client, segment, 4) and await client.wait_written(WAIT_S)
     assert [await client.contains([key_of(i)]) for i in (1, 2, 3, 4)] == [1, 0, 1, 1]
     for i in (1, 3, 4):
-        assert await get_shm(client, segment, i) == data_of(i)
+        assert await get_pool(client, segment, i) == data_of(i)
 
 
 def kvmesh_wipe(nats_url: str, *store_ids: str) -> tuple[int, list[dict[str, object]], str]:
@@ -176,7 +177,7 @@ async def test_claims_survive_a_process_restart_and_the_operator_wipes_with_the_
     a, b = (DiskStoreClient(nc, store.store_id, protocol.Principal.engine(tenant).producer("w0"),
                             request_timeout=WAIT_S) for tenant in ("tenant-a", "tenant-b"))
     for i, client in ((1, a), (2, a), (2, b), (3, b)):
-        assert await put_shm(client, segment, i)
+        assert await put_pool(client, segment, i)
     assert await a.wait_written(WAIT_S)
     assert store.stop() == 0  # SIGTERM: the claims are saved at close
     store.start()
@@ -195,9 +196,53 @@ async def test_claims_survive_a_process_restart_and_the_operator_wipes_with_the_
 async def test_cache_policy_flag_reaches_the_store(nc, store: StoreProcess, segment: SharedSegment) -> None:
     """`--cache-policy FIFO`: the read of chunk 1 does not save it, unlike under LRU (the restart test above)."""
     client = await full_store_with_chunk_1_read(nc, store, segment, "--cache-policy", "fifo")
-    assert await put_shm(client, segment, 4) and await client.wait_written(WAIT_S)
+    assert await put_pool(client, segment, 4) and await client.wait_written(WAIT_S)
     assert [await client.contains([key_of(i)]) for i in (1, 2, 3, 4)] == [0, 1, 1, 1]
     assert (await client.stats())[0].details["cache_policy"] == "FIFO"
+
+
+# An engine process: makes its pool, fills it with chunk 1's bytes, lends it, prints the token, waits for death.
+ENGINE_PROCESS = """
+import hashlib, sys
+from kvmesh.shared.shm import SharedSegment
+from kvmesh.services.disk_store.pool_socket import register
+segment = SharedSegment.create({size})
+segment.buf[:{size}] = hashlib.shake_256(b"data-1").digest({size})
+lent = register({store_id!r}, {caller!r}, segment, 30.0)  # held: the loan lasts while its connection is open
+print(lent.token, flush=True)
+sys.stdin.read()
+"""
+
+
+async def test_the_store_drops_a_pool_when_its_engine_process_dies(nc, store: StoreProcess) -> None:
+    store.start()
+    await store.wait_healthy(nc)
+    client = DiskStoreClient(nc, store.store_id, ENGINE, request_timeout=WAIT_S)
+    engine = subprocess.Popen([sys.executable, "-c", ENGINE_PROCESS.format(size=CHUNK, store_id=store.store_id,
+                                                                           caller=ENGINE)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, preexec_fn=_die_with_parent)
+    try:
+        token = (await asyncio.to_thread(engine.stdout.readline)).decode().strip()
+        assert token, f"the engine process lent no pool:\n{store.log()}"
+        subject = protocol.Subjects.store(store.store_id, "put", ENGINE)
+        ack = await bus.request(nc, subject, protocol.PutRequest(meta=meta_of(1), pool=token), protocol.Ack, WAIT_S)
+        assert ack.ok, ack.error  # the store read the bytes from the other process's pool
+        assert (await client.stats())[0].details["pools"] == 1
+    finally:
+        engine.kill()
+        engine.wait()
+
+    async def dropped() -> bool:
+        details = (await client.stats())[0].details
+        return details["pools"] == 0 and details["pools_dropped"] == 1
+
+    await wait_until_async(dropped, what="the dead engine's pool dropped")
+    ack = await bus.request(nc, subject, protocol.PutRequest(meta=meta_of(2), pool=token), protocol.Ack, WAIT_S)
+    assert not ack.ok and "is not lent by" in ack.error
+    assert await client.wait_written(WAIT_S)
+    out = bytearray(CHUNK)  # chunk 1 is on disk, intact
+    assert await client.get_into(key_of(1), ChunkBuffer(view=memoryview(out))) is not None
+    assert bytes(out) == data_of(1)
 
 
 async def test_sigkill_during_puts_then_restart_returns_only_intact_chunks(nc, store: StoreProcess,
@@ -210,7 +255,7 @@ async def test_sigkill_during_puts_then_restart_returns_only_intact_chunks(nc, s
 
     async def stream(first: int) -> None:  # 4 streams, one put in flight each: faster than fsync'd writes
         for i in range(first, 10_000, 4):
-            if await put_shm(client, segment, i):
+            if await put_pool(client, segment, i):
                 accepted.append(i)
 
     async def in_the_middle_of_the_stream() -> bool:
@@ -243,7 +288,7 @@ async def test_sigkill_during_puts_then_restart_returns_only_intact_chunks(nc, s
     held = [i for i in range(max(accepted) + 8) if await client.contains([key_of(i)])]
     assert len(held) >= 1
     for i in range(max(accepted) + 8):
-        got = await get_shm(client, segment, i)
+        got = await get_pool(client, segment, i)
         assert got is None or got == data_of(i), f"chunk {i} came back corrupt"
         assert (got is not None) == (i in held)
     assert (await client.stats())[0].num_chunks == len(held)
@@ -276,3 +321,82 @@ async def test_started_from_the_lmcache_config_file(nc, nats_server: EmbeddedNat
         assert stats.capacity_bytes == 1024**3 // 2 and Path(stats.details["dir"]) == disk and disk.is_dir()
     finally:
         assert process.stop() == 0
+
+
+async def restart(nc, store: StoreProcess, *flags: str) -> None:
+    """SIGKILL the store (no close, no final save), then start it again on the same directory."""
+    store.stop(signal.SIGKILL)
+    store.start(*flags)
+    await store.wait_healthy(nc)
+
+
+async def test_pins_unpins_and_clears_are_on_disk_once_answered(nc, store: StoreProcess,
+                                                               segment: SharedSegment) -> None:
+    """Each answer waits for the pins and claims files, so a SIGKILL right after it loses nothing answered."""
+    store.start()
+    await store.wait_healthy(nc)
+    client = DiskStoreClient(nc, store.store_id, ENGINE, request_timeout=WAIT_S)
+    for i in range(SLOTS):
+        assert await put_pool(client, segment, i)
+    assert await client.wait_written(WAIT_S)
+    # a burst of pins in flight together (they share the writes of the pins file)
+    assert await asyncio.gather(*(client.pin([key_of(i)], [256]) for i in range(6))) == [256] * 6
+    await restart(nc, store)
+    assert (await client.stats())[0].pinned_chunks == 6
+
+    assert await client.unpin([key_of(0)], [256]) == 256
+    await restart(nc, store)
+    assert (await client.stats())[0].pinned_chunks == 5
+
+    assert await client.clear() == SLOTS * 256  # every chunk was this caller's (claims saved with the pins)
+    await restart(nc, store)
+    assert await client.clear() == 0  # the clear was on disk: nothing of this caller's came back
+    stats = (await client.stats())[0]
+    assert stats.pinned_chunks == 5 and stats.details["claimants"] == 0
+
+
+async def test_a_pin_whose_state_cannot_be_saved_says_so_and_the_store_goes_on(nc, store: StoreProcess,
+                                                                              segment: SharedSegment) -> None:
+    store.start()
+    await store.wait_healthy(nc)
+    client = DiskStoreClient(nc, store.store_id, ENGINE, request_timeout=WAIT_S)
+    assert await put_pool(client, segment, 1) and await client.wait_written(WAIT_S)
+    blocker = store.root / "pins.msgpack.tmp"
+    blocker.mkdir()  # the pins file's temporary name is taken: the rewrite fails (as on a full or failing disk)
+    subject = protocol.Subjects.store(store.store_id, "pin", ENGINE)
+    reply = await bus.request(nc, subject, protocol.ChunkKeys(keys=[key_of(1)], num_tokens=[256]),
+                              protocol.CommandReply, WAIT_S)
+    assert not reply.ok and "could not be saved" in reply.error and "pins.msgpack.tmp" in reply.error
+    assert await get_pool(client, segment, 1) == data_of(1)  # still serving
+    blocker.rmdir()
+    reply = await bus.request(nc, subject, protocol.ChunkKeys(keys=[key_of(1)], num_tokens=[256]),
+                              protocol.CommandReply, WAIT_S)
+    assert reply.ok and reply.num_tokens == 256
+    await restart(nc, store)
+    assert (await client.stats())[0].pinned_chunks == 1
+
+
+async def test_durable_puts_are_answered_once_their_file_is_on_disk(nc, store: StoreProcess,
+                                                                   segment: SharedSegment) -> None:
+    store.start("--durable-puts")
+    await store.wait_healthy(nc)
+    client = DiskStoreClient(nc, store.store_id, ENGINE, request_timeout=WAIT_S)
+    for i in range(4):
+        assert await put_pool(client, segment, i)
+        # at once, without waiting for the store: the file is complete and verifies
+        out = bytearray(CHUNK)
+        assert chunk_file.read_chunk_into(chunk_file.chunk_path(store.root, key_of(i)), memoryview(out)) == meta_of(i)
+        assert bytes(out) == data_of(i)
+    details = (await client.stats())[0].details
+    assert details["durable_puts"] is True and details["staging_capacity"] == 0 and details["pending_writes"] == 0
+    await restart(nc, store, "--durable-puts")  # right after the last answer
+    assert await client.contains([key_of(i) for i in range(4)]) == 4
+    for i in range(4):
+        assert await get_pool(client, segment, i) == data_of(i)
+
+
+def test_durable_puts_need_fsync(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvmesh.services.disk_store", "--dir", str(tmp_path), "--max-size-gb", "1",
+         "--durable-puts", "--no-fsync"], capture_output=True, text=True, timeout=2 * WAIT_S, stdin=subprocess.DEVNULL)
+    assert result.returncode == 2 and "--durable-puts needs fsync" in result.stderr

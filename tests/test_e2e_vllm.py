@@ -188,6 +188,39 @@ def test_same_prompt_twice_is_served_from_the_cache(servers: dict[str, Any], lon
     print(f"prompt {num_tokens} tokens: cold {cold_s:.3f}s, warm {warm_s:.3f}s (end-to-end, 16 tokens)")
 
 
+def test_engine_metrics_on_vllms_own_metrics_endpoint(servers: dict[str, Any], long_text: str) -> None:
+    a: VLLMServer = servers["a"]
+    before = a.metrics()
+    prompt = prompt_of(long_text, 6_000, "metrics")
+    cold = a.complete(prompt, max_tokens=4)
+    warm = a.complete(prompt, max_tokens=4)
+    warm_hit = a.assert_loaded(warm)
+    stored = a.stored_tokens(cold)
+
+    def counted() -> dict[str, float] | None:
+        now = a.metrics()
+        done = (now.get("lmcache:num_retrieved_tokens_total", 0) - before.get("lmcache:num_retrieved_tokens_total", 0)
+                >= warm_hit.load and
+                now.get("lmcache:num_stored_tokens_total", 0) - before.get("lmcache:num_stored_tokens_total", 0)
+                >= stored)
+        return now if done else None
+
+    # the stats travel with vLLM's step outputs to the API server: they may land a moment after the reply
+    after = wait_until(counted, WAIT_S, interval=0.5, what="the cold store and the warm load counted on /metrics")
+
+    def delta(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert delta("lmcache:num_hit_tokens_total") == warm_hit.hit, "the logged hit, and the cold miss added nothing"
+    assert delta("lmcache:num_lookup_requests_total") == 2
+    assert delta("lmcache:num_retrieved_tokens_total") == warm_hit.load
+    assert delta("lmcache:num_stored_tokens_total") == stored
+    assert delta("lmcache:time_to_retrieve_count") >= 1 and delta("lmcache:time_to_store_count") >= 1
+    assert delta("lmcache:time_to_lookup_count") == 2
+    assert delta("lmcache:num_failed_retrieve_blocks_total") == 0
+    assert after["lmcache:lmcache_is_healthy"] == 1 and after["lmcache:local_cache_usage"] > 0
+
+
 def test_warm_chat_matches_reference(servers: dict[str, Any], long_text: str) -> None:
     """The disk-offload setup's request shape (chat, streaming): same text cold, warm and without a connector."""
     import httpx

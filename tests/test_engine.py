@@ -257,24 +257,57 @@ def test_register_kv_caches_sets_up_a_deferred_engine(kv: PagedKV) -> None:
         engine.close()
 
 
-def test_pool_segment_lifecycle_and_stale_segments_are_swept() -> None:
-    import subprocess
-    import sys
-    from pathlib import Path
+def test_the_pool_is_reserved_for_real_and_a_pool_memory_cannot_back_is_a_clean_refusal(
+        kv: PagedKV, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import errno
+    import os
 
     from kvmesh.services.engine.core.memory_pool import MemoryPool
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = Path("/dev/shm") / f"kvmesh-{int(dead.stdout)}-00c0ffee"
-    stale.write_bytes(b"left by a SIGKILLed engine")
+    reserved: list[tuple[int, int]] = []
+    fallocate = os.posix_fallocate
+    monkeypatch.setattr(os, "posix_fallocate", lambda fd, offset, size: (reserved.append((offset, size)),
+                                                                        fallocate(fd, offset, size)))
     pool = MemoryPool(4 * 8192, 8192)
     try:
-        assert not stale.exists()
-        assert pool.shm_name is not None and (Path("/dev/shm") / pool.shm_name).exists()
+        assert reserved == [(0, 4 * 8192)] and pool.num_free == 4
+    finally:
+        pool.close()
+
+    def no_memory(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_memory)
+    with caplog.at_level("ERROR"), make_engine(kv) as engine:  # serves, caches nothing, says why
+        assert engine.pool.num_slots == 0
+        tokens = random_tokens(2 * CHUNK, seed=63)
+        engine.store(tokens, **kv.kv(kv.slots(2 * CHUNK)))
+        assert engine.lookup(tokens) == 0
+    assert any("does not fit" in r.getMessage() and "max_local_cpu_size" in r.getMessage() for r in caplog.records)
+
+
+def test_pool_is_a_sealed_memfd_that_leaves_nothing_in_dev_shm() -> None:
+    import fcntl
+    import os
+
+    from kvmesh.services.engine.core.memory_pool import MemoryPool
+
+    before = set(os.listdir("/dev/shm"))
+    pool = MemoryPool(4 * 8192, 8192)
+    try:
+        segment = pool.segment
+        assert segment is not None and segment.fd is not None and segment.size == 4 * 8192
+        assert set(os.listdir("/dev/shm")) == before  # no name anywhere: nothing to leave behind after a crash
+        seals = fcntl.fcntl(segment.fd, fcntl.F_GET_SEALS)
+        assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW and seals & fcntl.F_SEAL_SEAL
+        with pytest.raises(PermissionError):
+            os.ftruncate(segment.fd, 0)  # nobody can shrink it under a store that maps it
         slot = pool.allocate()
         assert slot is not None and pool.num_free == 3
         buffer = slot.chunk_buffer(100)
-        assert buffer.shm_name == pool.shm_name and buffer.shm_offset == slot.offset and len(buffer.view) == 100
+        assert buffer.pool is segment and buffer.pool_offset == slot.offset and len(buffer.view) == 100
+        buffer.view[:4] = b"kvkv"
+        assert bytes(segment.buf[slot.offset:slot.offset + 4]) == b"kvkv"
         del buffer
         slot.ref()
         slot.release()
@@ -284,12 +317,12 @@ def test_pool_segment_lifecycle_and_stale_segments_are_swept() -> None:
             slot.release()
     finally:
         pool.close()
-    assert not (Path("/dev/shm") / pool.shm_name).exists()
+    assert pool.segment is None and segment.fd is None
 
     plain = MemoryPool(2 * 8192, 8192, use_shm=False)
     try:
-        assert plain.shm_name is None and plain.num_slots == 2
-        assert plain.allocate().chunk_buffer().shm_name is None
+        assert plain.segment is None and plain.num_slots == 2
+        assert plain.allocate().chunk_buffer().pool is None
     finally:
         plain.close()
 

@@ -21,7 +21,9 @@ from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.shared import bus, chunk_file, protocol
 from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.errors import MeshUnavailable
+from kvmesh.shared.config import load_engine_config
 from kvmesh.shared.keys import KeyParams
+from kvmesh.shared.lmcache_keys import IGNORED
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, CommandReply, Subjects, WorkerCommand
 
@@ -156,6 +158,11 @@ def test_chunks_evicted_from_cpu_come_back_from_the_disk_store(disk_mesh: LocalM
         held_on_cpu = engine.lookup(a, search_range=[LOCAL_CPU])
         assert held_on_cpu == (128 if local_cpu else 0)  # fetched chunks are kept only with local_cpu
         assert engine.storage.stats["fetched_LocalDiskBackend"] == 4
+        # every byte went through the engine's pool, lent to the store once: none inline on NATS
+        disk = engine.storage.lower(LOCAL_DISK)
+        details = engine.nats_loop.call(disk.stats(), WAIT_S, default=[])[0].details
+        assert (details["puts_pool"], details["gets_pool"], details["pools"]) == (8, 4, 1)
+        assert details["puts_inline"] == details["gets_inline"] == 0
 
         # chunks already on disk are not sent again
         done = engine.storage.stats["write_behind_done"]
@@ -168,6 +175,42 @@ def test_chunks_evicted_from_cpu_come_back_from_the_disk_store(disk_mesh: LocalM
         assert engine.unpin(a, LOCAL_DISK) == 128
         assert engine.clear(LOCAL_DISK) == 256
         assert engine.lookup(b, search_range=[LOCAL_DISK]) == 0
+    finally:
+        engine.close()
+
+
+def test_force_skip_save_stores_nothing_and_still_loads(disk_mesh: LocalMesh, kv: PagedKV, tmp_path: Path) -> None:
+    """LMCACHE_FORCE_SKIP_SAVE=1, read by load_engine_config as the connector does: no tier gets a chunk."""
+    settings = engine_config(nats_url=str(disk_mesh.nats_url), local_disk=str(tmp_path / "disk"),
+                             max_local_disk_size=0.05).to_dict()
+    settings = {key: value for key, value in settings.items() if key not in IGNORED and key != "force_skip_save"}
+    a, b = random_tokens(96, seed=30), random_tokens(96, seed=31)
+    src = kv.slots(96)
+    expected_a = kv.token_kv(src)
+
+    saving = CacheEngine(load_engine_config(settings, environ={"LMCACHE_FORCE_SKIP_SAVE": "0"}), PARAMS, kv.layout)
+    try:  # the control: the same settings store a's chunks in the CPU tier and the disk store
+        assert saving.wait_connected(WAIT_S), "engine did not reach NATS"
+        wait_until(lambda: saving.storage.lower(LOCAL_DISK) is not None, what="the disk store client")
+        _store_and_settle(saving, a, kv, src)
+        assert saving.lookup(a, search_range=[LOCAL_CPU]) == 96 and saving.lookup(a, search_range=[LOCAL_DISK]) == 96
+    finally:
+        saving.close()
+
+    config = load_engine_config(settings, environ={"LMCACHE_FORCE_SKIP_SAVE": "1"})
+    assert config.force_skip_save
+    engine = CacheEngine(config, PARAMS, kv.layout)
+    try:
+        assert engine.wait_connected(WAIT_S), "engine did not reach NATS"
+        wait_until(lambda: engine.storage.lower(LOCAL_DISK) is not None, what="the disk store client")
+        _store_and_settle(engine, b, kv, kv.slots(96, exclude=src))
+        assert engine.lookup(b) == 0  # neither the CPU tier nor the disk store got b
+        assert engine.lookup(b, search_range=[LOCAL_DISK]) == 0
+        assert engine.storage.stats["write_behind_done"] == 0
+        # what the tiers hold still loads
+        dst = kv.slots(96, exclude=src)
+        assert bool(engine.retrieve(a, **kv.kv(dst)).all())
+        assert torch.equal(kv.token_kv(dst), expected_a)
     finally:
         engine.close()
 
@@ -372,23 +415,35 @@ def test_cpu_hits_refresh_recency_in_the_disk_store(small_disk_mesh: LocalMesh, 
 def test_a_chunk_whose_meta_is_not_what_its_key_holds_is_a_miss(disk_mesh: LocalMesh, kv: PagedKV,
                                                                 tmp_path: Path) -> None:
     """A well-formed chunk file whose header (checks and all) describes something else than what the engine
-    expects under that key is never loaded: the hit ends before it, and those tokens are recomputed."""
+    expects under that key (another layout's chunk: KV format, byte size, token count, dtype) is never loaded: the
+    hit ends before it, the store's answer counts as a bad meta, and those tokens are recomputed."""
     root = tmp_path / "disk"
     engine = engine_on(str(disk_mesh.nats_url), kv, local_disk=str(root), cpu_chunks=8, local_cpu=False)
     try:
-        tokens = random_tokens(128, seed=12)  # 4 chunks
-        src = kv.slots(128)
+        tokens = random_tokens(192, seed=12)  # 6 chunks
+        src = kv.slots(192)
         wait_until(lambda: engine.storage.lower(LOCAL_DISK) is not None, what="the disk store client")
         _store_and_settle(engine, tokens, kv, src)
         keys = engine.hasher.keys(tokens)
-        assert engine.lookup(tokens, search_range=[LOCAL_DISK]) == 128
-        for position, change in ((2, {"num_tokens": CHUNK - 1}), (1, {"dtype": "float64"})):
+        assert engine.lookup(tokens, search_range=[LOCAL_DISK]) == 192
+        intact = torch.zeros(192, dtype=torch.bool)
+        assert torch.equal(engine.retrieve(tokens, **kv.kv(kv.slots(192, exclude=src))), ~intact)
+        changes = ((4, {"fmt": "another-layout"}), (3, {"nbytes": -2}), (2, {"num_tokens": CHUNK - 1}),
+                   (1, {"dtype": "float64"}))
+        bad_metas = 0
+        for position, change in changes:
             path = chunk_file.chunk_path(root, keys[position])
             meta, offset = chunk_file.read_chunk_meta(path)
             data = path.read_bytes()[offset:]
+            if "nbytes" in change:  # a shorter chunk, its checksum right: only its size gives it away
+                data = data[:change["nbytes"]]
+                change = {"nbytes": len(data), "checksum": chunk_file.checksum(data)}
             chunk_file.write_chunk_file(root, dataclasses.replace(meta, **change), data)  # a valid file
-            got = engine.retrieve(tokens, **kv.kv(kv.slots(128, exclude=src)))
+            got = engine.retrieve(tokens, **kv.kv(kv.slots(192, exclude=src)))
             assert int(got.sum()) == position * CHUNK  # the chunks before it, never it or what follows
-        assert engine.storage.stats["fetched_LocalDiskBackend"] == 2 + 1
+            # counted (the chunks read together with it that are bad too count as well)
+            assert engine.storage.stats["fetch_bad_meta"] > bad_metas
+            bad_metas = engine.storage.stats["fetch_bad_meta"]
+        assert engine.storage.stats["fetched_LocalDiskBackend"] == 6 + 4 + 3 + 2 + 1
     finally:
         engine.close()

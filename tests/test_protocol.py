@@ -30,8 +30,8 @@ def every_message() -> list[object]:
         protocol.ChunkKeys(keys=[KEY], num_tokens=[12]), protocol.ContainsReply(prefix=1),
         protocol.ClearRequest(), protocol.StatsRequest(),
         protocol.StatsReply(store_id="s", num_chunks=1, used_bytes=2, capacity_bytes=3),
-        meta, protocol.PutRequest(meta=meta, shm_name="seg", shm_offset=4096),
-        protocol.GetRequest(key=KEY, shm_name="seg", capacity=1 << 25),
+        meta, protocol.PutRequest(meta=meta, pool="ab" * 16, pool_offset=4096),
+        protocol.GetRequest(key=KEY, pool="ab" * 16, capacity=1 << 25),
         protocol.GetReply(found=True, meta=meta, data=b"x"),
     ]
 

@@ -118,8 +118,8 @@ async def test_inline_nats_put_and_get(one_store) -> None:
     reply = await bus.request(client.nc, protocol.Subjects.store(service.options.store_id, "get", ENGINE),
                               protocol.GetRequest(key=meta.key), protocol.GetReply, WAIT_S)
     assert reply.found and reply.data == data.tobytes() and reply.meta.checksum == chunk_file.checksum(reply.data)
-    # bytes elsewhere (shared memory of another host) are refused with a reason, not a crash
-    ack = await bus.request(client.nc, subject, protocol.PutRequest(meta=meta, shm_name="x"), protocol.Ack, WAIT_S)
+    # bytes elsewhere (a pool lent to a disk store) are refused with a reason, not a crash
+    ack = await bus.request(client.nc, subject, protocol.PutRequest(meta=meta, pool="x"), protocol.Ack, WAIT_S)
     assert not ack.ok and "stream" in ack.error
     # the bytes and the checksum must agree
     bad = protocol.ChunkMeta(**{**meta.__dict__, "key": os.urandom(16), "checksum": 12345})

@@ -259,6 +259,43 @@ async def test_persistence_across_restart(nats_url: str, nc, stores: StoreProces
         await client.close()
 
 
+async def test_persisted_pins_are_on_disk_once_answered(nats_url: str, nc, stores: StoreProcesses,
+                                                        tmp_path: Path) -> None:
+    """With --persist-dir, pin and unpin answer once the pins file holds them: a SIGKILL right after keeps them."""
+    args = ("--persist-dir", str(tmp_path / "persist"))
+    process = stores.spawn(nats_url, "pins-0", *args)
+    await wait_healthy(nc, "pins-0", process)
+    client = RemoteStoreClient(nc, ["pins-0"], ENGINE, request_timeout=WAIT_S, retry_interval=0.1)
+
+    async def pinned_after_sigkill() -> int:
+        nonlocal process
+        process.send_signal(signal.SIGKILL)
+        process.wait(WAIT_S)
+        process = stores.spawn(nats_url, "pins-0", *args)
+        await wait_healthy(nc, "pins-0", process)
+        (stats,) = await client.stats()
+        return stats.pinned_chunks
+
+    try:
+        keys = []
+        for seed in range(3):
+            meta, data = make_chunk(4096, seed)
+            assert await client.put(meta, ChunkBuffer(memoryview(data)))
+            keys.append(meta.key)
+
+        async def written() -> bool:
+            stats = await client.stats()
+            return bool(stats) and stats[0].details["pending_writes"] == 0
+
+        await wait_until_async(written, what="persisted files written")
+        assert await client.pin(keys, [256] * 3) == 3 * 256
+        assert await pinned_after_sigkill() == 3
+        assert await client.unpin(keys[:1], [256]) == 256
+        assert await pinned_after_sigkill() == 2
+    finally:
+        await client.close()
+
+
 async def _greeted_socket(nc, store_id: str, rcvbuf: int | None = None) -> socket.socket:
     """A stream connection made by hand (optionally with a small receive buffer, so a slow reader throttles
     the store instead of the kernel absorbing the whole chunk)."""

@@ -1,9 +1,10 @@
 """The engine's client of its host's disk store: `DiskStoreClient`, a `StoreTier` over NATS.
 
-Runs on the engine's NATS event loop (all methods are coroutines). Bulk bytes: when the ChunkBuffer lies in a
-shared-memory segment (`shm_name`), only (name, offset) travel on NATS and the store copies the bytes out
-(put) or reads the file straight into it (get); otherwise the bytes go inline in the message (small chunks,
-or a client without shared memory; limited by NATS max_payload).
+Runs on the engine's NATS event loop (all methods are coroutines). Bulk bytes: when the ChunkBuffer lies in the
+engine's shared pool, the pool is lent to the store once over its Unix socket (pool_socket.py), then only
+(pool token, offset) travel on NATS and the store copies the bytes out (put) or reads the file straight into
+the pool (get). Otherwise the bytes go inline in the message (small chunks, a pool in process memory, or a
+store that takes no pool: on another host, or older; limited by NATS max_payload).
 
 A put returns True once the store holds the bytes and has verified them against meta.checksum (which every
 put must carry): the buffer may be reused immediately, and the chunk becomes visible to contains/get when its
@@ -23,6 +24,7 @@ from nats.aio.client import Client as NatsClient
 from kvmesh.shared import chunk_file, protocol
 from kvmesh.shared.keys import ChunkKey
 from kvmesh.shared.tier import ChunkBuffer, StoreLink
+from kvmesh.services.disk_store.pool_socket import PoolLink
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +46,17 @@ class DiskStoreClient:
         self.request_timeout = request_timeout
         self.data_timeout = data_timeout if data_timeout is not None else max(request_timeout, 10.0)
         self._link = StoreLink(store_id, f"disk store {store_id}", log, caller)  # asked every time: on this host
+        self._pools = PoolLink(store_id, caller, request_timeout)
 
     # ---- StoreTier ------------------------------------------------------------------------------
     async def put(self, meta: protocol.ChunkMeta, buffer: ChunkBuffer) -> bool:
-        if buffer.shm_name:
-            request = protocol.PutRequest(meta=meta, shm_name=buffer.shm_name, shm_offset=buffer.shm_offset)
+        token = await self._pool_token(buffer)
+        if token is not None:
+            request = protocol.PutRequest(meta=meta, pool=token, pool_offset=buffer.pool_offset)
         else:
             if meta.nbytes + protocol.INLINE_HEADROOM > self.nc.max_payload:
                 self._link.refused(f"chunk of {meta.nbytes} bytes is too big to send inline (NATS max_payload "
-                                   f"{self.nc.max_payload}) and the buffer is not in shared memory")
+                                   f"{self.nc.max_payload}) and the buffer is not in a pool the store took")
                 return False
             request = protocol.PutRequest(meta=meta, data=bytes(buffer.view[:meta.nbytes]))
         reply = await self._request("put", request, protocol.Ack, self.data_timeout)
@@ -65,8 +69,9 @@ class DiskStoreClient:
         return reply.ok
 
     async def get_into(self, key: ChunkKey, buffer: ChunkBuffer) -> protocol.ChunkMeta | None:
-        if buffer.shm_name:
-            request = protocol.GetRequest(key=key, shm_name=buffer.shm_name, shm_offset=buffer.shm_offset,
+        token = await self._pool_token(buffer)
+        if token is not None:
+            request = protocol.GetRequest(key=key, pool=token, pool_offset=buffer.pool_offset,
                                           capacity=len(buffer.view))
         else:
             request = protocol.GetRequest(key=key, capacity=len(buffer.view))
@@ -80,7 +85,7 @@ class DiskStoreClient:
             log.warning("disk store %s: get %s answered a mismatching chunk (%s, %d bytes)", self.store_id,
                         key.hex(), meta.key.hex(), meta.nbytes)
             return None
-        if not buffer.shm_name:
+        if token is None:
             data = reply.data or b""
             if len(data) != meta.nbytes or chunk_file.checksum(data) != meta.checksum:
                 log.warning("disk store %s: inline data of %s is damaged; treating it as a miss", self.store_id,
@@ -131,6 +136,14 @@ class DiskStoreClient:
             await asyncio.sleep(poll)
         return False
 
+    async def close(self) -> None:
+        """Take the lent pools back (the store unmaps them)."""
+        self._pools.close()
+
     # ---- plumbing --------------------------------------------------------------------------------------
+    async def _pool_token(self, buffer: ChunkBuffer) -> str | None:
+        """The token of the pool holding `buffer` (lending it first), or None: send the bytes inline."""
+        return await self._pools.token(buffer.pool) if buffer.pool is not None else None
+
     async def _request(self, op: str, message: object, reply_type: type[T], timeout: float | None = None) -> T | None:
         return await self._link.request(self.nc, op, message, reply_type, timeout or self.request_timeout)

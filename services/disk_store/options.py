@@ -43,14 +43,22 @@ class DiskStoreOptions:
     staging_bytes: int = 512 * 1024 * 1024  # 0 = write-through: a put is answered once its file is written
     staging_wait_secs: float = 5.0  # how long a put waits for staging room before it is refused
     min_free_bytes: int = 0  # refuse puts that would leave less free space on the filesystem
+    max_pools: int = 64  # engine pools lent at once on the pool socket (pools.py), hellos in progress included
+    pool_hello_max_bytes: int = 4096  # the largest hello a pool connection may send
+    pool_hello_timeout_secs: float = 5.0  # how long a new pool connection may take to send its hello
+    durable_puts: bool = False  # answer a put only once its file is durable (fsync'd, renamed, directory fsync'd)
 
     def to_args(self) -> list[str]:
         """The flags that start a store with these options (`--nats-url` and credentials excepted)."""
         args = ["--dir", str(self.root), "--max-size-gb", repr(self.capacity_bytes / GB), "--store-id", self.store_id,
                 "--cache-policy", self.cache_policy, "--writer-threads", str(self.writer_threads),
-                "--reader-threads", str(self.reader_threads), "--staging-mb", repr(self.staging_bytes / 2**20)]
+                "--reader-threads", str(self.reader_threads), "--staging-mb", repr(self.staging_bytes / 2**20),
+                "--max-pools", str(self.max_pools), "--pool-hello-max-bytes", str(self.pool_hello_max_bytes),
+                "--pool-hello-timeout", repr(self.pool_hello_timeout_secs)]
         if not self.fsync:
             args.append("--no-fsync")
+        if self.durable_puts:
+            args.append("--durable-puts")
         return args
 
     def service_spec(self) -> ServiceSpec:
@@ -75,6 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--staging-mb", type=float, default=512.0,
                         help="memory for accepted puts not yet on disk; 0 = answer puts after the write")
     parser.add_argument("--no-fsync", action="store_true", help="do not fsync chunk files (faster, not durable)")
+    parser.add_argument("--max-pools", type=int, default=64,
+                        help="engine pools lent on the pool socket at once, hellos in progress included (default 64)")
+    parser.add_argument("--pool-hello-max-bytes", type=int, default=4096,
+                        help="the largest hello a pool connection may send (default 4096)")
+    parser.add_argument("--pool-hello-timeout", type=float, default=5.0,
+                        help="seconds a new pool connection may take to send its hello (default 5)")
+    parser.add_argument("--durable-puts", action="store_true",
+                        help="answer a put only once its chunk file is written, fsync'd and renamed into place "
+                             "(directory fsync'd); default: once the bytes are staged in memory")
     parser.add_argument("--log-level", help="log level (default: $KVMESH_LOG_LEVEL, else INFO)")
     add_nats_auth_flags(parser)
     return parser
@@ -105,10 +122,16 @@ def options_from_args(args: argparse.Namespace, environ: dict[str, str] | None =
     nats_url = args.nats_url or (config and (config.nats_url or config.controller_url)) or DEFAULT_NATS_URL
     if args.writer_threads < 1 or args.reader_threads < 1 or args.staging_mb < 0:
         raise ConfigError("disk store: --writer-threads/--reader-threads must be >= 1, --staging-mb >= 0")
+    if args.max_pools < 1 or args.pool_hello_max_bytes < 64 or not args.pool_hello_timeout > 0:
+        raise ConfigError("disk store: --max-pools must be >= 1, --pool-hello-max-bytes >= 64, "
+                          "--pool-hello-timeout > 0")
+    if args.durable_puts and args.no_fsync:
+        raise ConfigError("disk store: --durable-puts needs fsync: drop --no-fsync")
     return DiskStoreOptions(
         root=root, capacity_bytes=capacity, store_id=args.store_id or disk_store_id(),
         nats_url=normalize_url(nats_url), auth=nats_auth_from_args(args, env),
         cache_policy=args.cache_policy or (config.cache_policy if config is not None else "LRU"),
-        fsync=not args.no_fsync,
+        fsync=not args.no_fsync, durable_puts=args.durable_puts,
         writer_threads=args.writer_threads, reader_threads=args.reader_threads,
-        staging_bytes=round(args.staging_mb * 2**20))
+        staging_bytes=round(args.staging_mb * 2**20), max_pools=args.max_pools,
+        pool_hello_max_bytes=args.pool_hello_max_bytes, pool_hello_timeout_secs=args.pool_hello_timeout)

@@ -2,9 +2,10 @@
 
 Subjects `Subjects.store(store_id, op, caller)`, subscribed as `Subjects.store_op(store_id, op)`: the caller's
 path ends the subject (`engine.<instance>.<worker>`, `operator`). Request -> reply:
-    put       PutRequest  -> Ack            accepted once the bytes are staged (see writer.py); ok=False + reason;
+    put       PutRequest  -> Ack            accepted once the bytes are staged (see writer.py), with
+                                            --durable-puts once the file is durable; ok=False + reason;
                                             records the caller's claim (also on a chunk already held)
-    get       GetRequest  -> GetReply       bytes into the requester's shared memory, or inline `data`
+    get       GetRequest  -> GetReply       bytes into the pool the caller lent (pool_socket.py), or inline `data`
     contains  ChunkKeys   -> ContainsReply  how many leading keys are held (complete files)
     touch     ChunkKeys   -> Ack            an engine's hits: these chunks count as just used
     remove    ChunkKeys   -> CommandReply   num_tokens / num_chunks removed, whoever put them
@@ -15,10 +16,12 @@ path ends the subject (`engine.<instance>.<worker>`, `operator`). Request -> rep
     stats     StatsRequest-> StatsReply
 contains, touch, pin, unpin, remove, clear, wipe and stats are the shared IndexOps (shared/store_service.py), the
 same as the remote store's; put and get are DiskStore's own. Claims and pins persist in the directory
-(files.py). Also: health (`serve_health(service="disk_store")` on the store's path), and admission/eviction
+(files.py): pin, unpin, remove, clear and wipe are answered once the files hold their effect. Also: health (`serve_health(service="disk_store")` on the store's path), and admission/eviction
 batches plus full syncs on `Subjects.events(<store's path>)` through AdmissionReporter (location
 LocalDiskBackend, producer_id = store_id).
-Gets are handled up to `reader_threads` at a time; every other op one request at a time, in arrival order.
+Gets are handled up to `reader_threads` at a time; pin, unpin, remove, clear and wipe up to STATE_OPS_AT_ONCE
+(each applies its change at once, in arrival order, then waits for the shared write of the state files); every
+other op one request at a time, in arrival order.
 The slow parts (copies, file I/O) run on DiskStore's threads so other ops and health keep answering meanwhile.
 """
 
@@ -49,7 +52,7 @@ class DiskStoreService:
         self.options = options
         self.store = DiskStore(options, faults, clock)
         self.ops = IndexOps(options.store_id, self.store.index, free=self.store.free, details=self.store.details,
-                            settle=self.store.settle, changed=self.store.save_soon)
+                            settle=self.store.settle, persist=self.store.state.save_now)
         self.endpoint = StoreEndpoint("disk_store", options.store_id)
         self._heartbeat_interval = heartbeat_interval
 
@@ -69,8 +72,9 @@ class DiskStoreService:
         # Gets run concurrently (one per I/O thread), so engines sharing the store do not queue behind one slow
         # read; every other op is handled in arrival order.
         handlers = [Handler("put", protocol.PutRequest, store.put),
-                    Handler.anyone("get", protocol.GetRequest, store.get, max_concurrent=options.reader_threads),
+                    Handler("get", protocol.GetRequest, store.get, max_concurrent=options.reader_threads),
                     *self.ops.handlers()]
+        await store.pools.start()
         await self.endpoint.serve(handlers, reporter, store.details)
         log.info("disk store %s serving %s on %s", options.store_id, options.root, options.nats_url)
 

@@ -2,19 +2,24 @@
 the shared `IndexOps` over this store's index (service.py wires them, with the hooks below).
 
 Who runs what: every method runs on the store's asyncio event loop thread, which alone touches the index
-(a `ChunkIndex[Entry]`, the same bookkeeping as the remote store's) and the segment cache. Blocking work goes
+(a `ChunkIndex[Entry]`, the same bookkeeping as the remote store's) and the lent pools. Blocking work goes
 to threads: copies and file writes to `ChunkWriter` (one staging-copy thread, `writer_threads` writer threads),
 reads, deletions and the pins and claims files to the I/O pool (`reader_threads`). The NATS wiring is in
 service.py; this class never sees a subject.
 
-The data path of a put: the engine's shared-memory slice -> (memcpy, hashing each piece) staging buffer ->
-checksum verified against the meta's -> room reserved -> answer "accepted" -> writer thread: chunk file `<tmp>`
-+ fsync + rename -> the key becomes held (visible) -> admission event. A put without a checksum, or whose
+The data path of a put: the engine's pool slice (the pool lent over the pool socket: pools.py) -> (memcpy,
+hashing each piece) staging buffer -> checksum verified against the meta's -> room reserved -> answer
+"accepted" -> writer thread: chunk file `<tmp>` + fsync + rename -> the key becomes held (visible) -> admission
+event. A put without a checksum, or whose
 bytes do not match it, is refused before anything is reserved: it evicts nothing and is never admitted.
+With `durable_puts` the answer waits for the file instead: written, fsync'd, renamed into place, directory
+fsync'd (write-through, staging unused), so an accepted put survives a crash or power loss.
 Every put records its caller's claim on the chunk, also when the chunk is already held or being written (then
 only the claim is new); the claims file follows within a second (files.py).
-A get: index hit -> I/O thread `readinto` straight into the engine's shared-memory slice, checksum verified ->
-answer with the chunk's meta. Inline `data` replaces shared memory for small chunks or clients without it.
+A get: index hit -> I/O thread `readinto` straight into the engine's pool slice, checksum verified ->
+answer with the chunk's meta. Inline `data` replaces the pool for small chunks or clients without a lent pool.
+A request names a pool by the token its engine got when lending it, never by a path: the store opens no file
+that a message names.
 """
 
 from __future__ import annotations
@@ -32,11 +37,11 @@ from kvmesh.shared.chunk_index import ChunkIndex, SpaceRefused
 from kvmesh.shared.errors import StoreError
 from kvmesh.shared.eviction import Clock
 from kvmesh.shared.keys import KEY_BYTES, ChunkKey
-from kvmesh.shared.shm import SegmentCache
-from kvmesh.shared.state_file import CLAIMS_NAME, CLAIMS_SAVE_INTERVAL, CoalescedSave, load_claims, save_claims
+from kvmesh.shared.state_file import StoreState
 from kvmesh.services.disk_store import files
-from kvmesh.services.disk_store.index import Entry, pin_records, restore_pins
+from kvmesh.services.disk_store.index import Entry
 from kvmesh.services.disk_store.options import DiskStoreOptions
+from kvmesh.services.disk_store.pools import PoolRegistry
 from kvmesh.services.disk_store.writer import ChunkWriter, StagingBuffer, StagingPool, WriteFaults
 
 log = logging.getLogger(__name__)
@@ -62,23 +67,20 @@ class DiskStore:
         self.started_at = time.time()
         self.counters: dict[str, int] = dict.fromkeys(
             ("puts_accepted", "puts_duplicate", "puts_refused", "writes_done", "write_errors", "gets", "hits",
-             "corrupt_dropped", "checksum_failures", "evicted"), 0)
+             "corrupt_dropped", "checksum_failures", "evicted", "puts_pool", "puts_inline", "gets_pool",
+             "gets_inline"), 0)
         self.last_write_error: str | None = None
         self.scan_report: chunk_file.ScanReport | None = None
         self._lock_fd: int | None = None
         self._writer: ChunkWriter | None = None
         self._io: ThreadPoolExecutor | None = None
         self._staging = StagingPool(0)
-        self._segments = SegmentCache()
+        self.pools = PoolRegistry(options.store_id, options.max_pools, options.pool_hello_max_bytes,
+                                  options.pool_hello_timeout_secs)
         self._writes: dict[ChunkKey, asyncio.Future[None]] = {}  # pending key -> resolves when it lands
         self._deleting: dict[ChunkKey, asyncio.Future[Any]] = {}  # key -> its file deletion in flight
         self._background: set[asyncio.Future[Any]] = set()
-        index = self.index
-        self._pins = CoalescedSave("pins", lambda: index.pins_version, lambda: pin_records(index),
-                                   lambda records: files.save_pins(self.root, records))
-        self._claims = CoalescedSave("claims", lambda: index.claims_version, index.claim_table,
-                                     lambda table: save_claims(self.root / CLAIMS_NAME, table),
-                                     min_interval=CLAIMS_SAVE_INTERVAL)
+        self.state = StoreState(self.root, self.index)
 
     # ---- life cycle ------------------------------------------------------------------------------------
     def open(self) -> chunk_file.ScanReport:
@@ -88,18 +90,17 @@ class DiskStore:
         for found in report.chunks:  # least recently used first
             meta = found.meta
             self.index.load(meta.key, Entry(meta.nbytes, file_bytes=found.file_bytes, num_tokens=meta.num_tokens))
-        restored = restore_pins(self.index, files.load_pins(self.root))
-        claimed = self.index.restore_claims(load_claims(self.root / CLAIMS_NAME))
-        for key, _ in self.index.trim_to_capacity():  # the cap shrank since the last run
-            chunk_file.unlink_chunk(self.root, key)
+        restored, claimed = self.state.restore()
+        for key, _ in self.index.trim_to_capacity():  # the cap shrank since the last run (never drops a pin;
+            chunk_file.unlink_chunk(self.root, key)  # claims of trimmed chunks are skipped at the next start)
             self.counters["evicted"] += 1
-        self._pins.mark_saved()  # the files already say so (trimming never drops a pin; claims of trimmed
-        self._claims.mark_saved()  # chunks are skipped at the next start)
         self.scan_report = report
-        self._writer = ChunkWriter(self.root, self.options.writer_threads, self.options.fsync, self.faults)
+        self._writer = ChunkWriter(self.root, self.options.writer_threads, self.options.fsync, self.faults,
+                                   sync_directory=self.options.durable_puts)
         self._io = ThreadPoolExecutor(max_workers=self.options.reader_threads, thread_name_prefix="disk-io")
-        self._pins.executor = self._claims.executor = self._io
-        self._staging = StagingPool(self.options.staging_bytes)
+        self.state.executor = self._io
+        # durable puts are answered after their file, so the bytes stay in the engine's memory until then
+        self._staging = StagingPool(0 if self.options.durable_puts else self.options.staging_bytes)
         log.info("disk store %s: %s holds %d chunks, %d bytes of %d, %s eviction (scan %.3fs; deleted %d tmp, "
                  "%d bad files; %d pins and claims of %d chunks restored)", self.options.store_id, self.root,
                  len(self.index), self.index.used_bytes, self.options.capacity_bytes, self.index.policy_name,
@@ -113,14 +114,13 @@ class DiskStore:
             log.warning("disk store: %d writes still pending at close", len(self._writes))
         if self._background:
             await asyncio.wait(list(self._background), timeout=drain_timeout)
-        await self._pins.close()
-        await self._claims.close()
+        await self.state.close()
         if self._writer is not None:
             self._writer.shutdown()
         if self._io is not None:
             self._io.shutdown(wait=True)
         self._staging.close()
-        self._segments.close()
+        await self.pools.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -140,6 +140,7 @@ class DiskStore:
         """Take a chunk from `caller` (its path: the chunk's claim).
 
         "ok" means the bytes are staged and match their checksum; the chunk is held once its file is complete.
+        With `durable_puts`, "ok" means the file is complete and durable (module docstring).
         """
         meta = request.meta
         try:
@@ -147,7 +148,7 @@ class DiskStore:
             if meta.nbytes < 0 or meta.num_tokens < 0:
                 raise StoreError(f"bad sizes: nbytes={meta.nbytes}, num_tokens={meta.num_tokens}")
             chunk_file.check_meta(meta)
-            source = self._put_source(request)
+            source = self._put_source(request, caller)
         except (StoreError, ValueError) as exc:
             return self._refuse(meta.key, str(exc))
         key = meta.key
@@ -213,15 +214,18 @@ class DiskStore:
         self.save_soon()
         return True
 
-    def _put_source(self, request: protocol.PutRequest) -> memoryview:
+    def _put_source(self, request: protocol.PutRequest, caller: str) -> memoryview:
         nbytes = request.meta.nbytes
         if request.data is not None:
             if len(request.data) != nbytes:
                 raise StoreError(f"inline data is {len(request.data)} bytes, meta says {nbytes}")
+            self.counters["puts_inline"] += 1
             return memoryview(request.data)
-        if request.shm_name:
-            return self._segments.view(request.shm_name, request.shm_offset, nbytes)
-        raise StoreError("put without data: neither shm_name nor data given")
+        if request.pool:
+            view = self.pools.view(request.pool, caller, request.pool_offset, nbytes)
+            self.counters["puts_pool"] += 1
+            return view
+        raise StoreError("put without data: neither a pool nor inline data given")
 
     def _check_free_space(self, nbytes: int) -> None:
         if self.faults.no_space_check:
@@ -273,7 +277,8 @@ class DiskStore:
         return protocol.Ack(ok=False, error=f"disk store {self.options.store_id}: put refused: {reason}")
 
     # ---- get -------------------------------------------------------------------------------------------
-    async def get(self, request: protocol.GetRequest) -> protocol.GetReply:
+    async def get(self, request: protocol.GetRequest, caller: str) -> protocol.GetReply:
+        """Read a chunk into the pool `caller` lent (or inline)."""
         self.counters["gets"] += 1
         key = request.key
         try:
@@ -285,16 +290,18 @@ class DiskStore:
             return protocol.GetReply(found=False)
         inline: bytearray | None = None
         try:
-            if request.shm_name:
+            if request.pool:
                 if request.capacity < entry.nbytes:
                     raise StoreError(f"buffer of {request.capacity} bytes is too small for {entry.nbytes}")
-                out = self._segments.view(request.shm_name, request.shm_offset, entry.nbytes)
+                out = self.pools.view(request.pool, caller, request.pool_offset, entry.nbytes)
+                self.counters["gets_pool"] += 1
             else:
                 if entry.nbytes > self.max_inline_bytes:
                     raise StoreError(f"chunk of {entry.nbytes} bytes is over the inline limit "
-                                     f"({self.max_inline_bytes}): use shared memory")
+                                     f"({self.max_inline_bytes}): lend a pool")
                 inline = bytearray(entry.nbytes)
                 out = memoryview(inline)
+                self.counters["gets_inline"] += 1
         except StoreError as exc:
             return protocol.GetReply(found=False, error=str(exc))
         self.index.touch(key)
@@ -337,7 +344,8 @@ class DiskStore:
             "dir": str(self.root), "location": protocol.LOCAL_DISK, "pending_writes": len(self._writes),
             "reserved_bytes": self.index.reserved_bytes, "staged_bytes": self._staging.in_use,
             "staging_capacity": self._staging.capacity_bytes, "fsync": self.options.fsync,
-            "last_write_error": self.last_write_error, **self.counters,
+            "durable_puts": self.options.durable_puts,
+            "last_write_error": self.last_write_error, **self.counters, **self.pools.details(),
         }
 
     # ---- background file work --------------------------------------------------------------------------
@@ -367,8 +375,7 @@ class DiskStore:
     def save_soon(self) -> None:
         """Rewrite the pins and claims files in the background if they changed (bursts coalesce; the claims
         file at most once per CLAIMS_SAVE_INTERVAL)."""
-        self._pins.soon()
-        self._claims.soon()
+        self.state.save_soon()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

@@ -12,7 +12,8 @@ written through too.
 Measured with benchmarks/disk_store.py (32 MiB chunks, one put in flight, 2-core VM, fsync per file): staged
 puts are answered in 13-15 ms p50, write-through puts in 53-112 ms p50 (the disk's speed); throughput is the
 disk's either way. Hence staged by default. The price: a put answered "ok" is not yet durable; a crash loses
-the staged chunks (never returning partial ones), which a cache can afford.
+the staged chunks (never returning partial ones), which a cache can afford. `durable_puts` (--durable-puts)
+turns staging off and answers after the file, its rename and its directory are fsync'd.
 
 Threads: `StagingPool` lives on the store's event loop; copies and writes run on `ChunkWriter`'s threads.
 """
@@ -163,9 +164,11 @@ def copy_and_hash(dst: memoryview, src: memoryview) -> int:
 class ChunkWriter:
     """Writes chunk files on `threads` writer threads (FIFO); each write is crash-safe (tmp + fsync + rename)."""
 
-    def __init__(self, root: Path, threads: int = 1, fsync: bool = True, faults: WriteFaults | None = None) -> None:
+    def __init__(self, root: Path, threads: int = 1, fsync: bool = True, faults: WriteFaults | None = None,
+                 sync_directory: bool = False) -> None:
         self.root = root
         self.fsync = fsync
+        self.sync_directory = sync_directory  # durable puts: the rename is fsync'd too before the put is answered
         self.faults = faults or WriteFaults()
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="disk-write")
         # Copies get their own thread: a put must not wait behind queued writes to be answered.
@@ -183,7 +186,8 @@ class ChunkWriter:
         if self.faults.enospc > 0:
             self.faults.enospc -= 1
             return self._write_failing(meta, data)
-        return chunk_file.write_chunk_file(self.root, meta, data, fsync=self.fsync).stat().st_ino
+        return chunk_file.write_chunk_file(self.root, meta, data, fsync=self.fsync,
+                                           sync_directory=self.sync_directory).stat().st_ino
 
     def _write_failing(self, meta: protocol.ChunkMeta, data: memoryview) -> int:
         """The fault hook: a write that runs out of space half way, cleaned up the way write_chunk_file does."""

@@ -77,6 +77,13 @@ from kvmesh.services.engine.adapter.request_meta import (
     floor_to,
 )
 from kvmesh.services.engine.adapter.request_extras import lora_name_of, request_extras
+from kvmesh.services.engine.adapter.connector_stats import (
+    STORAGE_COUNTERS,
+    GaugeClock,
+    Increments,
+    KVMeshPromMetrics,
+    KVMeshStats,
+)
 from kvmesh.shared.config import EngineConfig, load_engine_config
 from kvmesh.shared.nats_auth import auth_from_config
 from kvmesh.shared.errors import KVMeshError
@@ -272,7 +279,8 @@ class KVMeshConnector(KVConnectorBase_V1):
         self.block_size: int = kv_block_size(vllm_config, kv_cache_config)
         self.chunk_size = self.config.chunk_size
         self.can_load = transfer.kv_role in ("kv_both", "kv_consumer")
-        self.can_save = transfer.kv_role in ("kv_both", "kv_producer")
+        # LMCACHE_FORCE_SKIP_SAVE: the scheduler plans no saves (the engine would drop them anyway)
+        self.can_save = transfer.kv_role in ("kv_both", "kv_producer") and not self.config.force_skip_save
         self.model_name = model_identity(str(self.settings.get("model_name") or vllm_config.model_config.model),
                                          vllm_config.model_config)
         self.cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
@@ -289,6 +297,10 @@ class KVMeshConnector(KVConnectorBase_V1):
         self._rendezvous: Path | None = None
         self._load_errors: set[int] = set()
         self._cpu_events = StepEventLog()
+        # metrics (both sides): what happened since vLLM last asked (get_kv_connector_stats)
+        self._stats = KVMeshStats()
+        self._gauge_clock = GaugeClock()
+        self._storage_increments = Increments(STORAGE_COUNTERS)
         if self.unsupported is not None and role == KVConnectorRole.SCHEDULER:
             log.warning("KVMesh loads and stores nothing for model %s: %s", vllm_config.model_config.model,
                         self.unsupported)
@@ -346,6 +358,11 @@ class KVMeshConnector(KVConnectorBase_V1):
         tracker.saved_upto = hit  # what the cache holds is never stored again
         need = min(hit, total - 1)  # vLLM computes at least the last token
         to_load = max(need - num_computed_tokens, 0)
+        self._stats.count("lmcache:num_lookup_requests")
+        self._stats.count("lmcache:num_requested_tokens", total)
+        self._stats.count("lmcache:num_hit_tokens", hit)
+        self._stats.count("lmcache:num_vllm_hit_tokens", num_computed_tokens)
+        self._stats.observe("lmcache:time_to_lookup", time.perf_counter() - started)
         tracker.num_to_load = to_load
         log.info("Reqid: %s, Total tokens %d, hit tokens %d, need to load %d", request.request_id, total, hit,
                  to_load)
@@ -471,9 +488,17 @@ class KVMeshConnector(KVConnectorBase_V1):
         except Exception as exc:
             log.warning("loading KV for request %s failed (%s: %s); vLLM recomputes it", req.req_id,
                         type(exc).__name__, exc)
+        seconds = time.perf_counter() - started
+        retrieved = max(min(loaded_upto, load.need) - load.skip_prefix, 0)
+        self._stats.count("lmcache:num_retrieve_requests")
+        self._stats.count("lmcache:num_retrieved_tokens", retrieved)
+        self._stats.observe("lmcache:time_to_retrieve", seconds)
+        if retrieved and seconds > 0:
+            self._stats.observe("lmcache:retrieve_speed", retrieved / seconds)
         if loaded_upto < load.need:
             bad = req.block_ids_for(max(loaded_upto, load.skip_prefix), load.need, self.block_size)
             self._load_errors |= bad
+            self._stats.count("lmcache:num_failed_retrieve_blocks", len(bad))
             log.warning("request %s: loaded %d of %d tokens; %d blocks from token %d are recomputed", req.req_id,
                         max(loaded_upto - load.skip_prefix, 0), load.need - load.skip_prefix, len(bad),
                         loaded_upto)
@@ -501,11 +526,40 @@ class KVMeshConnector(KVConnectorBase_V1):
             try:
                 log.info("Storing KV cache for %d out of %d tokens for request %s", save.end - save.mask_start,
                          save.end, req.req_id)
+                started = time.perf_counter()
                 spans = self.engine.chunk_spans(req.chunk_keys, save.end, save.mask_start // self.chunk_size)
                 self.engine.store_chunks(spans, self._kv_caches, req.slot_mapping(save.end, self.block_size))
+                self._count_store(save.end - save.mask_start, time.perf_counter() - started)
             except Exception as exc:
                 log.warning("storing KV for request %s failed (%s: %s); skipped", req.req_id, type(exc).__name__,
                             exc)
+
+    def _count_store(self, num_tokens: int, seconds: float) -> None:
+        self._stats.count("lmcache:num_store_requests")
+        self._stats.count("lmcache:num_stored_tokens", num_tokens)
+        self._stats.observe("lmcache:time_to_store", seconds)
+        if num_tokens and seconds > 0:
+            self._stats.observe("lmcache:store_speed", num_tokens / seconds)
+
+    # ---- metrics: vLLM's /metrics (see adapter/connector_stats.py) -----------------------------------------------
+    def get_kv_connector_stats(self) -> KVMeshStats | None:
+        engine = self.engine
+        if engine is not None and engine.storage is not None:
+            self._storage_increments.add_to(self._stats, engine.storage.stats)
+        if engine is not None and self._gauge_clock.due(self._stats):
+            self._stats.set_gauge("lmcache:local_cache_usage", engine.cpu.used_bytes)
+            self._stats.set_gauge("lmcache:pinned_memory_objs_count", len(engine.cpu))
+            self._stats.set_gauge("lmcache:lmcache_is_healthy", float(engine.connected or engine.nats_loop is None))
+        return self._stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVMeshStats | None:
+        return KVMeshStats(data=dict(data)) if data is not None else KVMeshStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVMeshPromMetrics:
+        return KVMeshPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -515,6 +569,9 @@ class KVMeshConnector(KVConnectorBase_V1):
         if self.engine is None:
             return None
         events = self._cpu_events.take()
+        evicted = sum(1 for admitted, _ in events if not admitted)
+        if evicted:
+            self._stats.count("lmcache:local_cpu_evict_count", evicted)
         return CpuTierEvents({self.engine.rank: events}) if events else None
 
     def shutdown(self) -> None:

@@ -17,7 +17,8 @@ arrival order:
     wipe      WipeRequest   -> CommandReply    the operator only: every unpinned chunk; num_chunks, num_tokens
     stats     StatsRequest  -> StatsReply
 contains, touch, pin, unpin, remove, clear, wipe and stats are the shared IndexOps (shared/store_service.py), the
-same as the disk store's. Claims are kept in memory, and beside the chunk files with `persist_dir` (store.py).
+same as the disk store's. Pins and claims are kept in memory, and beside the chunk files with `persist_dir`
+(store.py).
 Also health (`serve_health(service="remote_store")` on the store's path), and AdmissionBatch / SyncChunk on
 `Subjects.events(<store's path>)` (location RemoteBackend, producer_id = store_id) through AdmissionReporter. The
 stream server's connection tasks run on the same loop; worker threads only fault buffers and do file I/O
@@ -94,7 +95,7 @@ class RemoteStoreService:
                                    hello_max_bytes=options.stream_hello_max_bytes,
                                    idle_timeout=options.stream_idle_timeout)
         self.ops = IndexOps(options.store_id, self.store.index, free=self.store.free, details=self._stats_details,
-                            changed=self.store.save_soon)
+                            persist=self.store.save_now)
         self.endpoint = StoreEndpoint("remote_store", options.store_id)
         self._started_at = time.time()
 

@@ -10,8 +10,9 @@ A put is two steps around the bytes' arrival: `begin_put` checks the chunk, rese
 victims) and hands out a faulted buffer; `commit_put` verifies the bytes against the meta's checksum (which every
 put carries) and only then makes the chunk visible; bytes that fail it are never held, served or reported
 (`abort_put` also if the bytes never came). Every put records its caller's claim (shared/chunk_index.py), also on a
-chunk already held; with `persist_dir` the claims are saved beside the chunk files (at most once a second, and at
-close: shared/state_file.py), else a restart starts with none. A get `acquire`s a chunk, sends its bytes, and
+chunk already held. With `persist_dir` the pins and claims are saved beside the chunk files (shared/state_file.py:
+pin, unpin, remove, clear and wipe are answered once the files hold their effect; puts' claims follow within a
+second), else a restart starts with none. A get `acquire`s a chunk, sends its bytes, and
 `release`s it: an eviction meanwhile only marks the chunk dropped, and its buffer is recycled when the last user
 lets go.
 """
@@ -31,7 +32,7 @@ from kvmesh.shared import chunk_file, protocol
 from kvmesh.shared.chunk_index import ChunkIndex, SpaceRefused
 from kvmesh.shared.errors import StoreError
 from kvmesh.shared.keys import KEY_BYTES, ChunkKey
-from kvmesh.shared.state_file import CLAIMS_NAME, CLAIMS_SAVE_INTERVAL, CoalescedSave, load_claims, save_claims
+from kvmesh.shared.state_file import StoreState
 from kvmesh.services.remote_store import persistence
 from kvmesh.services.remote_store.buffers import BufferPool, size_class
 from kvmesh.services.remote_store.partition import partition_of
@@ -100,38 +101,37 @@ class MemoryStore:
             self.index.on_evict = on_evict
         self.pool = BufferPool(max_spare_bytes=min(capacity_bytes // 8, MAX_SPARE_BYTES))
         self.persister = persistence.Persister(persist_dir, self.release, fsync) if persist_dir else None
-        self._claims: CoalescedSave[Any] | None = None
-        if persist_dir is not None:
-            claims_path = persist_dir / CLAIMS_NAME
-            self._claims = CoalescedSave("claims", lambda: self.index.claims_version, self.index.claim_table,
-                                         lambda table: save_claims(claims_path, table),
-                                         min_interval=CLAIMS_SAVE_INTERVAL)
+        self.state = StoreState(persist_dir, self.index) if persist_dir is not None else None
         self.counters = StoreCounters()
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     async def open(self) -> int:
-        """Load the persisted chunks and their claims (if any) and start persisting; the number of chunks
-        loaded."""
+        """Load the persisted chunks, their pins and their claims (if any) and start persisting; the number of
+        chunks loaded."""
         loaded = 0
-        if self.persister is not None and self._claims is not None:
+        if self.persister is not None and self.state is not None:
             loaded = await self._load(self.persister.root)
-            table = await asyncio.to_thread(load_claims, self.persister.root / CLAIMS_NAME)
-            self.index.restore_claims(table)
-            self._claims.mark_saved()
+            await asyncio.to_thread(self.state.restore)
             self.persister.start()
         return loaded
 
     async def close(self) -> None:
         if self.persister is not None:
             await self.persister.stop()
-        if self._claims is not None:
-            await self._claims.close()
+        if self.state is not None:
+            await self.state.close()
         await self.pool.close()
 
     def save_soon(self) -> None:
-        """Persist the claims in the background if they changed (and the store persists)."""
-        if self._claims is not None:
-            self._claims.soon()
+        """Persist the pins and claims in the background if they changed (and the store persists)."""
+        if self.state is not None:
+            self.state.save_soon()
+
+    async def save_now(self) -> None:
+        """Return once the pins and claims files hold the index as it is (at once when the store does not
+        persist); OSError if they could not be written."""
+        if self.state is not None:
+            await self.state.save_now()
 
     async def _load(self, root: Path) -> int:
         """Read back the newest chunk files that fit the capacity, oldest first (so LRU order survives)."""

@@ -21,8 +21,9 @@ from kvmesh.services.engine.core.kv_layout import KVLayout, detect_layout  # noq
 from kvmesh.services.engine.core.paged_copy import PagedCopier, gather, scatter  # noqa: E402
 
 DEVICE = torch.device("cuda", torch.cuda.current_device())
-DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-INT_VIEW = {2: torch.int16, 4: torch.int32}
+# uint8: the bytes of an fp8 KV cache (vLLM allocates fp8 caches as uint8)
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.uint8]
+INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 # physical shape, permutation to vLLM's logical shape, backend hint
 KINDS = {
@@ -109,7 +110,7 @@ def check_scatter(
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("bs", [16, 17])
+@pytest.mark.parametrize("bs", [16, 17, 32, 64])
 @pytest.mark.parametrize("shared", [True, False], ids=["one-buffer", "per-layer"])
 def test_kernels_match_torch(dtype: torch.dtype, kind: str, bs: int, shared: bool) -> None:
     torch.manual_seed(hash((str(dtype), kind, bs, shared)) % 2**31)
@@ -196,3 +197,66 @@ def test_an_nvrtc_failure_falls_back_to_torch_once(monkeypatch: pytest.MonkeyPat
     gather(caches, layout, slots, expected)
     torch.cuda.synchronize()
     assert torch.equal(out, expected)
+
+
+def test_a_gather_after_a_cuda_graph_replay_sees_what_the_replay_wrote() -> None:
+    caches, layout, copier = setup("NHD-2x", torch.float16, 16, True)
+    sources = [torch.randn_like(c) for c in caches]
+    current = torch.cuda.current_stream()
+    warmup = torch.cuda.Stream()
+    warmup.wait_stream(current)
+    with torch.cuda.stream(warmup):  # graphs are captured after a warm-up on a side stream
+        for cache, source in zip(caches, sources):
+            cache.copy_(source)
+    current.wait_stream(warmup)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for cache, source in zip(caches, sources):
+            cache.copy_(source)
+    for source in sources:
+        source.fill_(3.0)  # only the replay writes these values into the caches
+    torch.cuda._sleep(50_000_000)  # keep the stream busy: an unordered gather would read the old values
+    graph.replay()
+    slots = slots_for(12, 16, 40)
+    out = torch.zeros(layout.chunk_shape(40), dtype=torch.float16).pin_memory()
+    copier.gather(caches, slots, out)
+    torch.cuda.synchronize()
+    assert bool((out == 3.0).all())
+
+
+def test_a_store_failing_mid_way_releases_its_slots_only_after_the_queued_copies(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    cache_engine = pytest.importorskip("kvmesh.services.engine.core.cache_engine", reason="needs the full install")
+    from kvmesh.services.engine.core import memory_pool
+    from kvmesh.shared.keys import KeyParams
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the engine tests' helpers
+    from test_engine_support import engine_config, random_tokens
+
+    CacheEngine = cache_engine.CacheEngine
+
+    caches, layout, _ = setup("NHD-2x", torch.float16, 16, True, nb=64)
+    engine = CacheEngine(engine_config(), KeyParams(model="gpu-test", kv_format=""), layout, use_mesh=False,
+                         device=DEVICE)
+    try:
+        original, calls = engine.copier.gather, []
+
+        def gather_then_fail(*args: object, **kwargs: object) -> None:
+            calls.append(1)
+            if len(calls) == 3:
+                raise torch.cuda.OutOfMemoryError("injected: out of memory mid-store")
+            original(*args, **kwargs)
+
+        monkeypatch.setattr(engine.copier, "gather", gather_then_fail)
+        stream_idle_at_release: list[bool] = []
+        release = memory_pool.Slot.release
+        monkeypatch.setattr(memory_pool.Slot, "release", lambda slot: (
+            stream_idle_at_release.append(torch.cuda.current_stream().query()), release(slot)))
+        torch.cuda._sleep(200_000_000)  # the forward still runs: the gathers queue behind it
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            engine.store(random_tokens(4 * 32, seed=7), kv_caches=caches, slot_mapping=slots_for(64, 16, 4 * 32))
+        assert stream_idle_at_release and all(stream_idle_at_release)
+    finally:
+        engine.close()

@@ -143,6 +143,9 @@ class CacheEngine:
         if not config.local_cpu and not lower:
             log.warning("local_cpu is false and no lower tier (local_disk / remote_url) is configured: the "
                         "engine stores nothing")
+        if config.force_skip_save:
+            log.warning("force_skip_save (LMCACHE_FORCE_SKIP_SAVE) is set: the engine stores nothing, it only "
+                        "loads what the tiers hold")
         if self.nats_loop is not None and self._connection is not None:
             self.agent = WorkerAgent(config.lmcache_instance_id, self.worker_id, self.hasher, self.storage,
                                      self._registration, heartbeat_interval=config.heartbeat_interval_secs)
@@ -155,7 +158,7 @@ class CacheEngine:
             self.nats_loop.connect(url, credentials_for(url, principal, auth_from_config(config)))
         log.info("cache engine %s: chunk %d tokens = %.1f MiB (%s), CPU pool %d chunks%s%s", self.worker_id,
                  config.chunk_size, layout.chunk_nbytes(config.chunk_size) / 2**20, fmt, self.pool.num_slots,
-                 " (shared memory)" if self.pool.shm_name else "",
+                 " (shared memory)" if self.pool.segment is not None else "",
                  f", mesh {self._connection.url} ({self.plan.mode})" if self._connection and self.plan else "")
 
     @property
@@ -257,7 +260,7 @@ class CacheEngine:
                  extras: KeyExtras | None = None) -> None:
         """Start loading the lower tiers' prefix of `tokens` into the CPU tier; returns at once."""
         _, hasher, _, storage, _ = self._ready()
-        storage.prefetch(hasher.spans(tokens, mask, extras), self._valid_meta)
+        storage.prefetch(hasher.spans(tokens, mask, extras), self._meta_mismatch)
 
     # ---- the connector's path: chunks named by the chain keys the scheduler computed -------------------------
     def chunk_spans(self, chain_keys: Sequence[ChunkKey], num_tokens: int, first_chunk: int = 0) -> list[ChunkSpan]:
@@ -278,14 +281,14 @@ class CacheEngine:
         """NATS loop: the held prefix of `spans` over every tier, in tokens; what a lower tier holds starts
         moving into the CPU tier at once (the scheduler's lower-tier lookup, then the load one step later)."""
         _, _, _, storage, _ = self._ready()
-        held = await storage.lookup_and_prefetch(spans, self._valid_meta)
+        held = await storage.lookup_and_prefetch(spans, self._meta_mismatch)
         return spans[held - 1].end if held else 0
 
     def _store_spans(self, spans: Sequence[ChunkSpan], kv_caches: list[torch.Tensor],
                      slot_mapping: torch.Tensor) -> None:
         layout, _, cpu, storage, copier = self._ready()
         write_lower = storage.has_lower and self.writes_lower_tiers
-        if not spans or (not cpu.keep and not write_lower):
+        if not spans or (not cpu.keep and not write_lower) or self.config.force_skip_save:
             return
         _check_slot_count(slot_mapping, spans[-1].end)
         first_bad = _first_negative(slot_mapping, spans[-1].end)
@@ -310,8 +313,7 @@ class CacheEngine:
             _release_after_copies(kv_caches, [slot for _, slot in filled])
             raise
         for span, slot in filled:
-            meta = ChunkMeta(key=span.key, num_tokens=span.num_tokens, shape=list(layout.chunk_shape(span.num_tokens)),
-                             dtype=self._dtype_name, fmt=self._fmt, nbytes=layout.chunk_nbytes(span.num_tokens))
+            meta = self._chunk_meta(span)
             behind = slot.ref() if write_lower else None
             if not cpu.put(meta, slot):  # resident already (a concurrent store) or no room
                 if behind is not None:
@@ -326,7 +328,7 @@ class CacheEngine:
         if not spans:
             return 0
         _check_slot_count(slot_mapping, spans[-1].end)
-        refs = storage.acquire_prefix(spans, self._valid_meta)
+        refs = storage.acquire_prefix(spans, self._meta_mismatch)
         try:
             for span, ref in zip(spans, refs):
                 chunk = ref.slot.view(layout.dtype, layout.chunk_shape(span.num_tokens))
@@ -364,12 +366,27 @@ class CacheEngine:
         return self.nats_loop.call(command, self.config.request_timeout_secs + 6.0, default=0)
 
     # ---- helpers for tests and the connector ----------------------------------------------------------------
-    def _valid_meta(self, span: ChunkSpan, meta: ChunkMeta) -> bool:
+    def _chunk_meta(self, span: ChunkSpan) -> ChunkMeta:
+        """The meta of `span`'s chunk in this engine's layout (checksum unset: computed at write-behind)."""
         layout = self.layout
         assert layout is not None
-        return (meta.num_tokens == span.num_tokens and meta.fmt == self._fmt and meta.dtype == self._dtype_name
-                and meta.nbytes == layout.chunk_nbytes(span.num_tokens)
-                and list(meta.shape) == list(layout.chunk_shape(span.num_tokens)))
+        return ChunkMeta(key=span.key, num_tokens=span.num_tokens, shape=list(layout.chunk_shape(span.num_tokens)),
+                         dtype=self._dtype_name, fmt=self._fmt, nbytes=layout.chunk_nbytes(span.num_tokens))
+
+    def _meta_mismatch(self, span: ChunkSpan, meta: ChunkMeta) -> str | None:
+        """How a chunk loaded from a lower tier differs from what `span`'s key must hold here (None: it matches).
+        A chunk of another key, token count, KV format, dtype, byte size or shape is never scattered into vLLM's
+        blocks."""
+        expected = self._chunk_meta(span)
+        for name in ("key", "num_tokens", "fmt", "dtype", "nbytes", "shape"):
+            got, want = getattr(meta, name), getattr(expected, name)
+            if name == "key":
+                got, want = got.hex(), want.hex()
+            elif name == "shape":
+                got, want = list(got), list(want)
+            if got != want:
+                return f"{name} {got!r} where this engine expects {want!r}"
+        return None
 
     @property
     def nats_url(self) -> str | None:

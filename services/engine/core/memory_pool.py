@@ -5,34 +5,29 @@ thread hands slots to the stores (write-behind) and fills them (fetch from below
 pool's lock briefly and never waits for a slot: `allocate()` answers None when none is free, and the caller
 evicts, skips or shortens (no deadlock, unlike a blocking allocator).
 
-The buffer is one POSIX shared-memory segment so the disk store on this host can read and write chunk bytes
-in place (a store request carries the segment name and the slot's offset, never the bytes). It is registered
-with CUDA as pinned memory when CUDA is present, and falls back to plain process memory (with a log line)
-when /dev/shm cannot hold it.
+The buffer is one sealed anonymous shared-memory segment (a memfd: shared/shm.py) so the disk store on this
+host, once the engine lent it the segment's descriptor, can read and write chunk bytes in place (a store
+request carries the pool's token and the slot's offset, never the bytes). Having no name, it leaves nothing
+behind when the process dies. It is registered with CUDA as pinned memory when CUDA is present; without
+sharing (`use_shm=False`), or when the memfd cannot be made, it is plain process memory.
 """
 
 from __future__ import annotations
 
-import atexit
+import errno
 import gc
 import logging
-import os
-import re
 import threading
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 
-from kvmesh.shared.shm import SHM_DIR, SharedSegment
+from kvmesh.shared.shm import SharedSegment
 from kvmesh.shared.tier import ChunkBuffer
-from kvmesh.shared.processes import pid_alive
 
 log = logging.getLogger(__name__)
 
 _SLOT_ALIGN = 4096  # slots start page-aligned: aligned reads into them, and no page shared by two slots
-_SEGMENT_NAME = re.compile(r"kvmesh-(\d+)-[0-9a-f]+")  # shared/shm.py's default names: kvmesh-<pid>-<hex>
-_OPEN_POOLS: "weakref.WeakSet[MemoryPool]" = weakref.WeakSet()
 
 
 @dataclass(eq=False)
@@ -44,7 +39,7 @@ class Slot:
     """
 
     index: int
-    offset: int  # byte offset in the pool buffer (and in the shared-memory segment)
+    offset: int  # byte offset in the pool buffer (and in the shared segment)
     nbytes: int  # capacity
     tensor: torch.Tensor  # uint8 view of [offset, offset + nbytes)
     pool: "MemoryPool" = field(repr=False)
@@ -59,10 +54,10 @@ class Slot:
         return self.tensor[:nbytes].view(dtype).view(tuple(shape))
 
     def chunk_buffer(self, nbytes: int | None = None) -> ChunkBuffer:
-        """Where a store on this host finds the slot's bytes: a byte view plus segment name and offset."""
+        """Where a store on this host finds the slot's bytes: a byte view plus the shared segment and offset."""
         length = self.nbytes if nbytes is None else nbytes
         view = memoryview(self.tensor.numpy())[:length]
-        return ChunkBuffer(view=view, shm_name=self.pool.shm_name, shm_offset=self.offset)
+        return ChunkBuffer(view=view, pool=self.pool.segment, pool_offset=self.offset)
 
     def ref(self) -> "Slot":
         self.pool._ref(self)
@@ -88,25 +83,32 @@ class MemoryPool:
         self.num_slots = max(0, capacity_bytes // self.slot_nbytes)
         size = self.num_slots * self.slot_nbytes
         self._lock = threading.Lock()
-        self._segment: SharedSegment | None = None
+        self.segment: SharedSegment | None = None  # the shared memory, None when the pool is process memory
         self._pinned = False
-        self.shm_name: str | None = None
-        if use_shm and size:
-            sweep_stale_segments()  # what crashed engines left behind counts against /dev/shm's free space
         if size == 0:
             self._base = torch.empty(0, dtype=torch.uint8)
             log.warning("CPU pool of %d bytes holds no chunk of %d bytes: every store will be skipped "
                         "(raise max_local_cpu_size)", capacity_bytes, self.slot_nbytes)
-        elif use_shm and _shm_free_bytes() >= size:
-            self._segment = SharedSegment.create(size)
-            self.shm_name = self._segment.name
-            self._base = torch.frombuffer(self._segment.buf, dtype=torch.uint8)
         else:
             if use_shm:
-                log.warning("%s has %.2f GB free, the CPU pool needs %.2f GB: using process memory; the disk "
-                            "store will receive chunk bytes by copy instead of in place",
-                            SHM_DIR, _shm_free_bytes() / 1024**3, size / 1024**3)
-            self._base = torch.empty(size, dtype=torch.uint8)
+                try:
+                    self.segment = SharedSegment.create(size)
+                except OSError as exc:
+                    if exc.errno in (errno.ENOSPC, errno.ENOMEM):  # the memory is not there: no pool at all
+                        log.error("the CPU pool of %.2f GB does not fit in this host's memory (%s): KVMesh caches "
+                                  "nothing in this process; lower max_local_cpu_size (it is per rank)",
+                                  size / 1024**3, exc)
+                        size, self.num_slots = 0, 0
+                    else:
+                        log.warning("cannot make a shared CPU pool of %.2f GB (%s): using process memory; the "
+                                    "disk store will receive chunk bytes by copy instead of in place",
+                                    size / 1024**3, exc)
+            if size == 0:
+                self._base = torch.empty(0, dtype=torch.uint8)
+            elif self.segment is not None:
+                self._base = torch.frombuffer(self.segment.buf, dtype=torch.uint8)
+            else:
+                self._base = torch.empty(size, dtype=torch.uint8)
         if size and (pin if pin is not None else torch.cuda.is_available()):
             self._pin()
         self._slots = [Slot(i, i * self.slot_nbytes, self.slot_nbytes,
@@ -114,7 +116,6 @@ class MemoryPool:
                        for i in range(self.num_slots)]
         self._free: list[Slot] = list(reversed(self._slots))  # pop() gives slot 0 first
         self._closed = False
-        _OPEN_POOLS.add(self)
 
     @property
     def capacity_bytes(self) -> int:
@@ -153,7 +154,7 @@ class MemoryPool:
                 self._free.append(slot)
 
     def close(self) -> None:
-        """Unregister pinned memory, unmap and unlink the segment. Slots must not be used afterwards."""
+        """Unregister pinned memory, unmap the segment. Slots must not be used afterwards."""
         with self._lock:
             if self._closed:
                 return
@@ -164,17 +165,10 @@ class MemoryPool:
             self._pinned = False
         self._slots = []
         self._base = torch.empty(0, dtype=torch.uint8)
-        if self._segment is not None:
-            try:
-                self._segment.close()
-            except BufferError:
-                gc.collect()  # tensors over the mapping may only wait for a reference cycle to be broken
-                try:
-                    self._segment.close()
-                except BufferError:
-                    log.debug("CPU pool %s still has views; the mapping goes with them", self.shm_name)
-            self._segment.unlink()  # the name goes now in any case: no leak in /dev/shm
-            self._segment = None
+        if self.segment is not None:
+            gc.collect()  # tensors over the mapping may only wait for a reference cycle to be broken
+            self.segment.close()  # views still held elsewhere keep the mapping until they go
+            self.segment = None
 
     def _pin(self) -> None:
         # page-locking makes GPU copies to/from the pool DMA-able (and asynchronous)
@@ -185,48 +179,6 @@ class MemoryPool:
             self._pinned = True
 
 
-def sweep_stale_segments() -> int:
-    """Unlink shared-memory segments left by KVMesh processes that died without closing them; how many.
-
-    A SIGKILLed vLLM cannot unlink its pool, and tmpfs keeps the pages until the name goes. Only segments whose
-    creating process (the pid in the name) no longer exists are removed.
-    """
-    removed = 0
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return 0
-    for name in names:
-        match = _SEGMENT_NAME.fullmatch(name)
-        if match is None or pid_alive(int(match.group(1))):
-            continue
-        try:
-            (SHM_DIR / name).unlink()
-            removed += 1
-        except OSError:
-            pass
-    if removed:
-        log.info("removed %d shared-memory segment(s) left in %s by processes that are gone", removed, SHM_DIR)
-    return removed
-
-
-@atexit.register
-def _close_open_pools() -> None:
-    """An interpreter exiting without engine.close() still unlinks its segments."""
-    for pool in list(_OPEN_POOLS):
-        try:
-            pool.close()
-        except Exception:
-            pass
-
-
 def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
-
-def _shm_free_bytes() -> int:
-    try:
-        stats = os.statvfs(SHM_DIR)
-    except OSError:
-        return 0
-    return stats.f_bavail * stats.f_frsize

@@ -16,7 +16,8 @@ Data path of one chunk: pool slot (filled by the paged gather) -> CPU tier -> wr
 the slot's bytes (a worker thread; every store put carries one and the stores refuse bytes that do not match it)
 -> each lower store's `put` (the disk store reads the slot in place through shared memory). Back: a lower
 store's `get_into` fills a fresh slot (the bytes verified against their checksum on the way) -> the meta checked
-against what the key must hold (key, token count, size, shape, dtype, layout: else a miss, recomputed) -> CPU
+against what the key must hold (`CheckMeta`: key, token count, KV format, dtype, size, shape; else a miss, one
+rate-limited WARNING naming the difference, counted in `stats["fetch_bad_meta"]`, recomputed) -> CPU
 tier (when `local_cpu`) -> paged scatter into vLLM's cache. A hit, in any tier, refreshes the chunk's recency
 in every lower tier (batched, `touch`), so the stores do not evict the chunks the CPU tier serves most.
 """
@@ -50,7 +51,8 @@ LOCATION_ALIASES = {"Hot": LOCAL_CPU, "LocalCPUBackend": LOCAL_CPU, "LocalDiskBa
                     "RemoteBackend": REMOTE}
 ALL_LOCATIONS = frozenset(LOCATIONS)
 COMMAND_OPS = ("pin", "unpin", "clear", "lookup")
-Validate = Callable[[ChunkSpan, ChunkMeta], bool]
+# what a loaded chunk's meta says differently from what its span's key must hold; None when it matches
+CheckMeta = Callable[[ChunkSpan, ChunkMeta], "str | None"]
 
 
 class RateLimitedLog:
@@ -229,7 +231,7 @@ class StorageManager:
 
         return self.loop.call(walk(), self.config.request_timeout_secs + 0.5, default=held)
 
-    async def lookup_and_prefetch(self, spans: Sequence[ChunkSpan], validate: Validate) -> int:
+    async def lookup_and_prefetch(self, spans: Sequence[ChunkSpan], check: CheckMeta) -> int:
         """Loop thread: the held prefix of `spans` over every tier, in chunks; the chunks found in a lower tier
         start moving into the CPU tier at once, from the runs already located (the stores are not asked twice)."""
         runs = await self.locate(spans)
@@ -239,24 +241,24 @@ class StorageManager:
             # claimed before the next await: a retrieve that comes next waits for these chunks instead of
             # reading them a second time
             self._claim(owner, [span.key for run in lower_runs for span in spans[run.begin:run.end]])
-            task = asyncio.get_running_loop().create_task(self._prefetch(spans, lower_runs, validate, owner))
+            task = asyncio.get_running_loop().create_task(self._prefetch(spans, lower_runs, check, owner))
             task.add_done_callback(_log_failure)
         return runs[-1].end if runs else 0
 
-    async def _prefetch(self, spans: Sequence[ChunkSpan], runs: list[Run], validate: Validate,
+    async def _prefetch(self, spans: Sequence[ChunkSpan], runs: list[Run], check: CheckMeta,
                         owner: object) -> None:
-        for ref in await self.fetch(spans, validate, owner, runs):
+        for ref in await self.fetch(spans, check, owner, runs):
             ref.release()  # the CPU tier keeps its own reference
 
-    def prefetch(self, spans: Sequence[ChunkSpan], validate: Validate) -> None:
+    def prefetch(self, spans: Sequence[ChunkSpan], check: CheckMeta) -> None:
         """vLLM thread: start loading the held prefix of `spans` from below into the CPU tier; returns at once."""
         if not self.cpu.keep or not self.lower_ready() or self.cpu.prefix(s.key for s in spans) == len(spans):
             return
         assert self.loop is not None
-        self.loop.submit(self.lookup_and_prefetch(spans, validate)).add_done_callback(_log_failure)
+        self.loop.submit(self.lookup_and_prefetch(spans, check)).add_done_callback(_log_failure)
 
     # ---- retrieval (vLLM thread, then the loop) --------------------------------------------------------------
-    def acquire_prefix(self, spans: Sequence[ChunkSpan], validate: Validate) -> list[ChunkRef]:
+    def acquire_prefix(self, spans: Sequence[ChunkSpan], check: CheckMeta) -> list[ChunkRef]:
         """References to the longest prefix of `spans` held in any tier, fetching from below into the pool.
 
         CPU hits cost no NATS round trip; the rest is fetched on the NATS loop within `blocking_timeout_secs`
@@ -269,15 +271,15 @@ class StorageManager:
                 break
             refs.append(ref)
         if len(refs) < len(spans) and self.lower_ready():
-            refs += self._fetch_rest(spans[len(refs):], validate)
+            refs += self._fetch_rest(spans[len(refs):], check)
         self.note_hits([ref.meta.key for ref in refs])
         return refs
 
-    def _fetch_rest(self, spans: Sequence[ChunkSpan], validate: Validate) -> list[ChunkRef]:
+    def _fetch_rest(self, spans: Sequence[ChunkSpan], check: CheckMeta) -> list[ChunkRef]:
         assert self.loop is not None
         job = _FetchJob()
         timeout = self.config.blocking_timeout_secs
-        more = self.loop.call(self._fetch_for(job, spans, validate), timeout, default=None, cancel=False)
+        more = self.loop.call(self._fetch_for(job, spans, check), timeout, default=None, cancel=False)
         if more is None:
             with job.lock:
                 if job.result is not None:  # finished just as we gave up
@@ -291,10 +293,10 @@ class StorageManager:
                 return []
         return more
 
-    async def _fetch_for(self, job: _FetchJob, spans: Sequence[ChunkSpan], validate: Validate) -> list[ChunkRef]:
+    async def _fetch_for(self, job: _FetchJob, spans: Sequence[ChunkSpan], check: CheckMeta) -> list[ChunkRef]:
         refs: list[ChunkRef] = []
         try:
-            refs = await self.fetch(spans, validate)
+            refs = await self.fetch(spans, check)
         finally:
             with job.lock:
                 abandoned = job.abandoned
@@ -305,7 +307,7 @@ class StorageManager:
                     ref.release()
         return refs
 
-    async def fetch(self, spans: Sequence[ChunkSpan], validate: Validate, owner: object | None = None,
+    async def fetch(self, spans: Sequence[ChunkSpan], check: CheckMeta, owner: object | None = None,
                     runs: list[Run] | None = None) -> list[ChunkRef]:
         """Loop thread: references to the held prefix of `spans` (within `runs`, located now if not given).
 
@@ -331,9 +333,9 @@ class StorageManager:
                     if runs is None:
                         lower = [Run(r.location, r.begin + pos, r.end + pos)
                                  for r in await self.locate(spans[pos:], ALL_LOCATIONS - {LOCAL_CPU})]
-                        refs += await self.fetch(spans, validate, owner, lower)
+                        refs += await self.fetch(spans, check, owner, lower)
                     return refs
-                got = await self._get_many(client, spans[pos:run.end], validate, owner)
+                got = await self._get_many(client, spans[pos:run.end], check, owner)
                 refs += got
                 if pos + len(got) < run.end:  # pool full or a failed read: the prefix ends here
                     return refs
@@ -363,7 +365,7 @@ class StorageManager:
                 del self._inflight[key]
                 claim[1].set_result(None)
 
-    async def _get_many(self, client: StoreTier, spans: Sequence[ChunkSpan], validate: Validate,
+    async def _get_many(self, client: StoreTier, spans: Sequence[ChunkSpan], check: CheckMeta,
                         owner: object) -> list[ChunkRef]:
         """Read `spans` from one store into fresh slots, a few at a time; the successful prefix."""
         got: list[ChunkRef] = []
@@ -383,7 +385,7 @@ class StorageManager:
             keys = [span.key for span in batch]
             self._claim(owner, keys[:len(slots)])
             try:
-                results = await asyncio.gather(*(self._get_one(client, span, slot, validate)
+                results = await asyncio.gather(*(self._get_one(client, span, slot, check)
                                                  for span, slot in zip(batch, slots)), return_exceptions=True)
                 failed = False
                 for slot, result in zip(slots, results):
@@ -402,15 +404,18 @@ class StorageManager:
             if failed or len(slots) < len(batch):
                 break
         self.stats[f"fetched_{client.location}"] += len(got)
+        self.stats[f"read_bytes_{client.location}"] += sum(ref.meta.nbytes for ref in got)
         return got
 
-    async def _get_one(self, client: StoreTier, span: ChunkSpan, slot: Slot, validate: Validate) -> ChunkMeta | None:
+    async def _get_one(self, client: StoreTier, span: ChunkSpan, slot: Slot, check: CheckMeta) -> ChunkMeta | None:
         meta = await client.get_into(span.key, slot.chunk_buffer())
         if meta is None:
             return None
-        if meta.key != span.key or not validate(span, meta):
-            self._rlog.warning("bad_meta", "%s returned chunk %s with unexpected metadata %s: treated as a miss",
-                               client.location, span.key.hex(), meta)
+        mismatch = check(span, meta)
+        if mismatch is not None:  # never scattered into vLLM's blocks: the hit ends here and vLLM recomputes
+            self.stats["fetch_bad_meta"] += 1
+            self._rlog.warning("bad_meta", "%s returned chunk %s with %s: treated as a miss (load error, "
+                               "recomputed)", client.location, span.key.hex(), mismatch)
             return None
         return meta
 
@@ -545,6 +550,11 @@ class StorageManager:
         digest = await asyncio.to_thread(checksum, buffer.view[:job.meta.nbytes])
         meta = dataclasses.replace(job.meta, checksum=digest)
         results = await asyncio.gather(*(c.put(meta, buffer) for c in clients), return_exceptions=True)
+        for client, result in zip(clients, results):
+            if result is True:
+                self.stats[f"written_bytes_{client.location}"] += meta.nbytes
+            else:
+                self.stats[f"put_failed_{client.location}"] += 1
         if all(r is True for r in results):
             self._remember_held(job.meta.key)
             self.stats["write_behind_done"] += 1

@@ -6,7 +6,8 @@ Decision (`plan_mesh`), first match wins:
   3. `remote_url` is a NATS URL ("nats://host:port") -> join that NATS; the remote stores live there.
   4. nothing configured (the disk-offload setup, docs/compatibility.md) -> embed: a NATS server from the wheel on a free loopback port, a disk store
      process when `local_disk` is set, and `remote_partitions` remote-store processes when `remote_url` names
-     anything else (e.g. LMCache's "lm://localhost:65432": served by embedded remote stores of `remote_size`).
+     another supported scheme (LMCache's "lm://localhost:65432", "kvmesh://"): served by embedded remote stores
+     of `remote_size` (config.py refuses the schemes KVMesh cannot serve).
 A Redis / Valkey `remote_url` (shared/redis_url.py) is no remote store on the mesh: the engine talks to Redis
 itself (services/engine/tiers/redis.py), so no remote-store process is started or expected (`redis` is set;
 `remote_stores` names the tier `redis-<redis_key_prefix>`, so the controller sends RemoteBackend commands).
@@ -38,6 +39,7 @@ from pathlib import Path
 
 from kvmesh.shared.bus import normalize_url
 from kvmesh.shared.config import EngineConfig
+from kvmesh.shared.lmcache_keys import NATS_SCHEMES, url_scheme
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
 from kvmesh.shared.protocol import disk_store_id, redis_store_id, remote_store_id
 from kvmesh.shared.redis_url import is_redis_url
@@ -64,7 +66,7 @@ class MeshPlan:
 
 
 def is_nats_url(url: str) -> bool:
-    return url.split("://", 1)[0].lower() in ("nats", "tls", "ws", "wss") if "://" in url else False
+    return url_scheme(url) in NATS_SCHEMES
 
 
 def plan_mesh(config: EngineConfig) -> MeshPlan:

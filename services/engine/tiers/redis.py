@@ -38,7 +38,7 @@ from kvmesh.shared import chunk_file, protocol
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.keys import ChunkKey
 from kvmesh.shared.redis_keys import RedisKeys
-from kvmesh.shared.redis_url import CLUSTER, RedisTarget, parse_redis_url
+from kvmesh.shared.redis_url import CLUSTER, RedisTarget
 from kvmesh.shared.tier import ChunkBuffer, StoreLink, byte_view
 
 log = logging.getLogger(__name__)
@@ -123,8 +123,9 @@ class RedisTier:
 
     @classmethod
     def from_config(cls, config: EngineConfig, caller: str) -> "RedisTier":
-        assert config.remote_url is not None
-        return cls(parse_redis_url(config.remote_url, config.extra_config), caller,
+        target = config.redis_target
+        assert target is not None, "remote_url is no Redis URL"
+        return cls(target, caller,
                    key_prefix=config.redis_key_prefix, timeout=config.redis_timeout_secs,
                    chunk_ttl=config.redis_chunk_ttl_secs,
                    min_transfer_rate=config.remote_min_transfer_mb_per_s * 1e6,

@@ -1,0 +1,192 @@
+"""How an engine lends its CPU pool (a sealed memfd, shared/shm.py) to the disk store of its host.
+
+The store listens on a Unix socket whose path both sides derive locally, never from a message:
+`<runtime dir>/disk-stores/<store id>.sock`, in a directory that must be ours and private (0700; see
+shared/credentials.py `private_dir`). An engine worker connects once per pool and sends one message: a small
+JSON hello `{"caller": <its caller path>}` with the pool's descriptor attached (SCM_RIGHTS). Each side checks
+the other's uid (SO_PEERCRED: the same user, or root). The store maps the descriptor if it is a sealed regular
+file and answers `{"token": <random hex>, "size": <bytes>}` (or `{"error": ...}`); puts and gets then name
+that token and an offset, and the store honours the token only on requests from the caller path that
+registered it. The connection stays open: when it closes (the engine is gone) the store drops the mapping.
+
+This module is the engine's side (`PoolLink`) plus what both sides share; the store's is pools.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvmesh.shared.credentials import private_dir, runtime_dir
+from kvmesh.shared.errors import ConfigError
+from kvmesh.shared.shm import SharedSegment
+
+log = logging.getLogger(__name__)
+
+SOCKET_DIR = "disk-stores"
+REPLY_MAX_BYTES = 1024
+RETRY_SECS = 5.0  # after a failed registration, chunk bytes go inline this long before the next try
+_STORE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}")  # usable as a file name as it is
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+class PoolUnavailable(Exception):
+    """The pool cannot be lent to the store (the reason says why); chunk bytes then travel inline."""
+
+
+def socket_path(store_id: str) -> Path:
+    """The pool socket of store `store_id` on this host; its directory is made private first.
+    ConfigError when the id cannot be a file name or the directory is not ours alone."""
+    if not _STORE_ID.fullmatch(store_id):
+        raise ConfigError(f"store id {store_id!r} cannot name a pool socket (letters, digits, '_', '.', '-')")
+    return private_dir(runtime_dir() / SOCKET_DIR) / f"{store_id}.sock"
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a connected Unix socket (as it was at connect time)."""
+    _pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return uid
+
+
+def trusted_uid(uid: int) -> bool:
+    """Whom we share pools with: our own user, or root."""
+    return uid in (os.getuid(), 0)
+
+
+def encode_hello(caller: str) -> bytes:
+    return json.dumps({"caller": caller}).encode()
+
+
+def decode_hello(data: bytes) -> str:
+    """The caller path of a hello; ValueError saying what is wrong."""
+    try:
+        hello = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"the hello is not JSON ({exc})") from None
+    caller = hello.get("caller") if isinstance(hello, dict) else None
+    if not isinstance(caller, str) or not caller:
+        raise ValueError("the hello names no caller")
+    return caller
+
+
+def encode_reply(token: str = "", size: int = 0, error: str = "") -> bytes:
+    return json.dumps({"error": error} if error else {"token": token, "size": size}).encode()[:REPLY_MAX_BYTES]
+
+
+@dataclass(eq=False)
+class Registration:
+    """One pool lent to the store: the open connection, and the token requests name it by."""
+
+    sock: socket.socket
+    token: str
+    size: int
+    alive: bool = True
+
+    def close(self) -> None:
+        self.alive = False
+        self.sock.close()
+
+
+def register(store_id: str, caller: str, segment: SharedSegment, timeout: float) -> Registration:
+    """Blocking: lend `segment` to the store `store_id` for `caller`; PoolUnavailable with the reason."""
+    if segment.fd is None:
+        raise PoolUnavailable("the pool has no descriptor (closed)")
+    try:
+        path = socket_path(store_id)
+    except (ConfigError, OSError) as exc:
+        raise PoolUnavailable(str(exc)) from None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(str(path))
+        except OSError as exc:  # missing: no store on this host, or an old one
+            raise PoolUnavailable(f"no pool socket at {path} ({exc.strerror or exc})") from None
+        uid = peer_uid(sock)
+        if not trusted_uid(uid):
+            raise PoolUnavailable(f"the process behind {path} runs as uid {uid}, not as us ({os.getuid()}) or root")
+        socket.send_fds(sock, [encode_hello(caller)], [segment.fd])
+        answer = json.loads(sock.recv(REPLY_MAX_BYTES) or b"{}")
+        if not isinstance(answer, dict) or not isinstance(answer.get("token"), str):
+            error = answer.get("error") if isinstance(answer, dict) else None
+            raise PoolUnavailable(f"the store refused the pool: {error or 'no answer'}")
+        sock.settimeout(None)
+        return Registration(sock, answer["token"], int(answer.get("size", 0)))
+    except (OSError, ValueError) as exc:  # a reset, a timeout, a garbled answer
+        sock.close()
+        raise PoolUnavailable(f"lending the pool to {path} failed: {exc}") from None
+    except BaseException:
+        sock.close()
+        raise
+
+
+class PoolLink:
+    """One disk-store client's registrations, by pool; on the client's event loop.
+
+    `token(segment)` registers the pool on first use and answers its token, or None when the pool cannot be
+    lent (the client then sends bytes inline; the reason is logged once, and registering is tried again after
+    RETRY_SECS). A registration whose connection the store closed (it restarted) is made again on next use.
+    """
+
+    def __init__(self, store_id: str, caller: str, timeout: float) -> None:
+        self.store_id = store_id
+        self.caller = caller
+        self.timeout = timeout
+        self._registrations: dict[SharedSegment, Registration] = {}
+        self._lock = asyncio.Lock()
+        self._retry_at = 0.0
+        self._reason: str | None = None  # why pools are not lent now (logged once per change)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop watching the connections
+
+    async def token(self, segment: SharedSegment) -> str | None:
+        registration = self._registrations.get(segment)
+        if registration is not None and registration.alive:
+            return registration.token
+        async with self._lock:  # one registration at a time: concurrent first puts share it
+            registration = self._registrations.get(segment)
+            if registration is not None and registration.alive:
+                return registration.token
+            if time.monotonic() < self._retry_at:
+                return None
+            try:
+                registration = await asyncio.to_thread(register, self.store_id, self.caller, segment,
+                                                       self.timeout)
+            except PoolUnavailable as exc:
+                self._retry_at = time.monotonic() + RETRY_SECS
+                if str(exc) != self._reason:
+                    log.warning("disk store %s: chunk bytes go inline (no shared pool): %s", self.store_id, exc)
+                    self._reason = str(exc)
+                return None
+        if self._reason is not None:
+            log.info("disk store %s: pool shared again", self.store_id)
+            self._reason = None
+        self._registrations[segment] = registration
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(registration.sock.fileno(), self._closed_by_store, registration)
+        return registration.token
+
+    def _closed_by_store(self, registration: Registration) -> None:
+        """The store never writes after its answer: readable means it closed the connection (or misbehaves)."""
+        self._forget(registration)
+        log.info("disk store %s closed its pool connection; the pool is lent again on next use", self.store_id)
+
+    def _forget(self, registration: Registration) -> None:
+        if not registration.alive:
+            return
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(registration.sock.fileno())
+        registration.close()
+
+    def close(self) -> None:
+        """Take every pool back (the store unmaps them)."""
+        for registration in self._registrations.values():
+            self._forget(registration)
+        self._registrations.clear()

@@ -1,0 +1,77 @@
+"""State files (shared/state_file.py): `CoalescedSave.save_now` waits for the file, and its callers share writes."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+
+from kvmesh.shared.state_file import CoalescedSave, read_msgpack, write_atomically
+
+from waiting import WAIT_S, wait_until_async
+
+
+class Counter:
+    """A state that is a version number, written to `path` by real file writes that can be held back."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.version = 0
+        self.written: list[int] = []
+        self.gate = threading.Event()  # a write waits for it (on the writer thread)
+        self.gate.set()
+        self.writing = threading.Event()
+
+    def write(self, value: int) -> None:
+        self.writing.set()
+        assert self.gate.wait(WAIT_S), "the test never released the write"
+        write_atomically(self.path, value)
+        self.written.append(value)
+
+    def saver(self, min_interval: float = 0.0) -> CoalescedSave[int]:
+        return CoalescedSave("counter", lambda: self.version, lambda: self.version, self.write, min_interval)
+
+
+async def test_callers_arriving_during_a_write_share_the_next_one(tmp_path: Path) -> None:
+    state = Counter(tmp_path / "state.msgpack")
+    saver = state.saver()
+    state.gate.clear()
+    state.version += 1
+    first = asyncio.ensure_future(saver.save_now())
+    await wait_until_async(state.writing.is_set, what="the first write under way")
+    burst = []
+    for _ in range(50):  # 50 changes, each with a caller waiting for it, while the first write is held
+        state.version += 1
+        burst.append(asyncio.ensure_future(saver.save_now()))
+    await asyncio.sleep(0)  # let them all start waiting
+    assert not any(task.done() for task in [first, *burst])  # nobody is answered before the file holds it
+    state.gate.set()
+    await asyncio.wait_for(asyncio.gather(first, *burst), WAIT_S)
+    assert state.written == [1, 51]  # two writes for 51 callers
+    assert read_msgpack(state.path, "counter") == 51
+
+
+async def test_save_now_does_not_wait_out_the_interval(tmp_path: Path) -> None:
+    state = Counter(tmp_path / "state.msgpack")
+    saver = state.saver(min_interval=3600.0)  # as the claims file: background saves spaced out
+    state.version += 1
+    saver.soon()
+    await wait_until_async(lambda: state.written == [1], what="the first background save")
+    state.version += 1
+    saver.soon()  # would wait an hour
+    await asyncio.wait_for(saver.save_now(), WAIT_S)
+    assert state.written == [1, 2] and read_msgpack(state.path, "counter") == 2
+    await saver.close()
+
+
+async def test_a_failed_write_is_raised_to_every_caller_and_the_next_one_retries(tmp_path: Path) -> None:
+    state = Counter(tmp_path / "state.msgpack")
+    saver = state.saver()
+    (tmp_path / "state.msgpack.tmp").mkdir()  # the temporary name is taken: the rewrite fails
+    state.version += 1
+    results = await asyncio.gather(saver.save_now(), saver.save_now(), return_exceptions=True)
+    assert all(isinstance(r, OSError) for r in results), results
+    (tmp_path / "state.msgpack.tmp").rmdir()
+    await asyncio.wait_for(saver.save_now(), WAIT_S)
+    assert read_msgpack(state.path, "counter") == 1
