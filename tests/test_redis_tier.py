@@ -313,3 +313,42 @@ def test_two_engines_share_a_chunk_through_redis(redis_server: RedisServer) -> N
         finally:
             for engine in engines:
                 engine.close()
+
+
+def test_an_engine_serves_through_a_redis_outage(redis_server: RedisServer) -> None:
+    """Redis killed under an engine: stores and retrieves go on (misses, no exception, no hang past the bounds);
+    Redis back (empty): the engine stores to it and hits it again, without a restart."""
+    with EmbeddedNats() as nats:
+        kv = PagedKV(num_blocks=64)
+        engine = CacheEngine(engine_config(nats_url=nats.url, remote_url=redis_server.url, local_cpu=False,
+                                           redis_timeout_secs=1.0, remote_retry_interval_secs=0.0,
+                                           lmcache_instance_id="outage"),
+                             KeyParams(model="test-model", kv_format=""), kv.layout)
+        try:
+            assert engine.wait_connected(WAIT_S)
+            wait_until(lambda: engine.storage.lower(REMOTE) is not None, what="the Redis tier")
+            before = random_tokens(64, seed=8)
+            engine.store(before, **kv.kv(kv.slots(64)))
+            assert engine.wait_write_behind(WAIT_S) and engine.lookup(before) == 64
+
+            redis_server.kill()
+            during = random_tokens(64, seed=9)
+            engine.store(during, **kv.kv(kv.slots(64)))  # write-behind fails: logged, the request is fine
+            assert engine.wait_write_behind(WAIT_S)
+            assert engine.lookup(before) == 0 and engine.lookup(during) == 0
+            assert not bool(engine.retrieve(before, **kv.kv(kv.slots(64))).any())  # a miss: vLLM recomputes
+            assert engine.storage.stats["write_behind_failed"] >= 1
+
+            redis_server.start()  # same port, empty
+            after = random_tokens(64, seed=10)
+            src = kv.slots(64)
+
+            def stored_and_held() -> bool:
+                engine.store(after, **kv.kv(src))
+                return engine.wait_write_behind(WAIT_S) and engine.lookup(after) == 64
+            wait_until(stored_and_held, what="stores reaching Redis again")
+            dst = kv.slots(64, exclude=src)
+            assert bool(engine.retrieve(after, **kv.kv(dst)).all())
+            assert torch.equal(kv.token_kv(dst), kv.token_kv(src))
+        finally:
+            engine.close()
