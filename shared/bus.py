@@ -18,7 +18,9 @@ import json
 import logging
 import math
 import os
+import socket
 import time
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, TypeVar
@@ -235,6 +237,23 @@ def normalize_url(address: str) -> str:
     """'localhost:9001' or 'nats://h:p' -> a NATS URL."""
     address = address.strip()
     return address if "://" in address else f"nats://{address}"
+
+
+def route_address(nats_url: str) -> str | None:
+    """The local address this host uses to reach the (first) NATS server: clients of NATS can reach it too.
+
+    A UDP `connect` only asks the kernel for a route; no packet is sent.
+    """
+    parsed = urllib.parse.urlsplit(normalize_url(nats_url.split(",")[0]))
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(parsed.hostname or "127.0.0.1", parsed.port or 4222,
+                                                             type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(address)
+            return probe.getsockname()[0]
+    except OSError as exc:
+        log.warning("could not find the route to NATS %s (%s)", nats_url, exc)
+        return None
 
 
 async def serve(nc: NatsClient, subject: str, request_type: type[Req],

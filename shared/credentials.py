@@ -140,15 +140,24 @@ class MeshCredentials:
                 time.sleep(0.02)  # the reload takes a moment
         return NatsAuth.from_file(self.file(path))
 
-    def reload_server(self) -> bool:
-        """Make the NATS server running with this directory's config read its users again (SIGHUP); False when
-        no such server runs (a stale pid file, or a pid now used by another program, is left alone)."""
+    def server_pid(self) -> int | None:
+        """The pid of the NATS server running with this directory's config, or None: a stale pid file, or a pid
+        now used by another program or by another nats-server (which may listen on our old port) is not it."""
         try:
             pid = int((self.root / PID_FILE).read_text().strip())
             executable = os.readlink(f"/proc/{pid}/exe")
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except (OSError, ValueError):
-            return False
-        if "nats-server" not in Path(executable).name:
+            return None
+        if "nats-server" not in Path(executable).name or os.fsencode(self.root / SERVER_CONFIG_FILE) not in argv:
+            return None
+        return pid
+
+    def reload_server(self) -> bool:
+        """Make the NATS server running with this directory's config read its users again (SIGHUP); False when
+        no such server runs."""
+        pid = self.server_pid()
+        if pid is None:
             return False
         os.kill(pid, signal.SIGHUP)
         return True
@@ -168,7 +177,10 @@ def provision(url: str, path: str, timeout: float = 10.0) -> NatsAuth | None:
     if address is None or not local_mesh_dir(address[1]).is_dir():
         return None
     try:
-        return MeshCredentials(local_mesh_dir(address[1])).admit(path, *address, timeout)
+        credentials = MeshCredentials(local_mesh_dir(address[1]))
+        if credentials.server_pid() is None:  # the directory of a mesh that ran on this port before: not this NATS
+            return None
+        return credentials.admit(path, *address, timeout)
     except (ConfigError, OSError) as exc:
         log.warning("cannot use the credentials of the local NATS %s (%s); connecting without", url, exc)
         return None

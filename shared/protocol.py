@@ -70,9 +70,26 @@ class Principal:
         return f"{self.path}.{Subjects.token(producer_id)}"
 
 
-def worker_id_for(instance_id: str, world_size: int, rank: int) -> str:
-    """An engine worker's producer id: `instance_id` for a single-rank instance, else one id per rank."""
-    return instance_id if world_size == 1 else f"{instance_id}.r{rank}"
+MAX_INCARNATION = 64  # the longest process tag a worker id may end in
+CONFLICT_OP = "conflict"  # `Subjects.worker(..., CONFLICT_OP)`: InstanceConflict notices to a worker
+
+
+def worker_id_for(instance_id: str, world_size: int, rank: int, incarnation: str = "") -> str:
+    """An engine worker's producer id: `instance_id` for a single-rank instance, else one id per rank; then
+    `@<incarnation>`, a tag of the worker's process, so replicas that keep the same lmcache_instance_id (the
+    default one, typically) are still distinct workers on the mesh."""
+    base = instance_id if world_size == 1 else f"{instance_id}.r{rank}"
+    return f"{base}@{incarnation}" if incarnation else base
+
+
+def is_worker_id_of(worker_id: str, instance_id: str, world_size: int, rank: int) -> bool:
+    """Whether `worker_id` is one `worker_id_for(instance_id, world_size, rank, ...)` makes (any incarnation,
+    or none: engines from before incarnations)."""
+    base = worker_id_for(instance_id, world_size, rank)
+    if worker_id == base:
+        return True
+    incarnation = worker_id.removeprefix(base + "@")
+    return incarnation != worker_id and 0 < len(incarnation) <= MAX_INCARNATION and "@" not in incarnation
 
 
 def store_path(store_id: str) -> str:
@@ -359,12 +376,26 @@ class RegisterEngine:
     started_at: float = 0.0
     kv_replicated: bool = False  # every rank holds the same KV (MLA): keys are those of rank 0 of 1
     lora_adapters: dict[str, str] = field(default_factory=dict)  # LoRA name -> identity (KeyExtras.lora_id)
+    host: str = ""  # the worker's host name ("": not reported, an older engine)
+    ip: str = ""  # the address it reaches the mesh from (LMCache's worker `ip`; /query_instance looks it up)
 
     def key_params(self) -> KeyParams:
         """How this worker names its chunks."""
         if self.kv_replicated:
             return KeyParams(self.model, self.kv_format, 1, 0)
         return KeyParams(self.model, self.kv_format, self.world_size, self.rank)
+
+
+@message("instance_conflict")
+@dataclass(frozen=True)
+class InstanceConflict:
+    """Controller -> engine worker (`Subjects.worker(instance_id, worker_id, "conflict")`): other live workers
+    claim the same instance id and rank, so the controller serves the instance id from one of them only."""
+
+    instance_id: str
+    rank: int
+    serving: str  # the worker_id the instance id's lookups and commands go to
+    others: list[str] = field(default_factory=list)  # "<worker_id> on <host> (<ip>)" of every live claimant
 
 
 @message("register_store")
@@ -440,13 +471,15 @@ class SyncChunk:
 @message("worker_command")
 @dataclass(frozen=True)
 class WorkerCommand:
-    """pin / unpin / clear / lookup at one location of one engine worker."""
+    """pin / unpin / clear / lookup / move at one location of one engine worker."""
 
     op: str
     location: str
     tokens: list[int] = field(default_factory=list)
     ttl_secs: float | None = None  # pins: None = until unpinned
     extras: KeyExtras | None = None  # what besides the tokens the chunks were keyed with (LoRA, cache_salt...)
+    target: str = ""  # move: the location the chunks go to
+    keep_source: bool = True  # move: a copy (True), or the chunks leave `location` (only the worker's own tier)
 
 
 @message("prefix_lookup")

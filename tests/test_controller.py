@@ -79,13 +79,17 @@ class FakeStore:
 
 class FakeEngineWorker:
     """One rank of an engine instance: a CPU tier of chunk keys, reported like the real engine worker does, and
-    a responder for the controller's WorkerCommands (pin/unpin/clear), passing disk/remote to its stores."""
+    a responder for the controller's WorkerCommands (pin/unpin/clear), passing disk/remote to its stores.
+    `incarnation` tags its worker id as a real engine process's is (`protocol.worker_id_for`); `conflicts` are the
+    InstanceConflict notices it received."""
 
     def __init__(self, nats_url: str, instance_id: str, *, rank: int = 0, world_size: int = 1,
                  chunk_size: int = 256, disk: FakeStore | None = None, remotes: tuple[FakeStore, ...] = (),
-                 started_at: float = 1.0) -> None:
+                 started_at: float = 1.0, incarnation: str = "", host: str = "", ip: str = "") -> None:
         self.nats_url, self.instance_id, self.rank, self.world_size = nats_url, instance_id, rank, world_size
-        self.worker_id = instance_id if world_size == 1 else f"{instance_id}.r{rank}"
+        self.worker_id = protocol.worker_id_for(instance_id, world_size, rank, incarnation)
+        self.host, self.ip = host, ip
+        self.conflicts: list[protocol.InstanceConflict] = []
         self.chunk_size, self.disk, self.remotes, self.started_at = chunk_size, disk, remotes, started_at
         self.hasher = ChunkHasher(KeyParams(MODEL, KV_FORMAT, world_size, rank), chunk_size)
         self.chunks: dict[bytes, int] = {}
@@ -101,7 +105,7 @@ class FakeEngineWorker:
             worker_id=self.worker_id, instance_id=self.instance_id, model=MODEL, kv_format=KV_FORMAT,
             world_size=self.world_size, rank=self.rank, chunk_size=self.chunk_size, save_unfull_chunk=True,
             disk_store=self.disk.store_id if self.disk else None,
-            remote_stores=[r.store_id for r in self.remotes], started_at=self.started_at)
+            remote_stores=[r.store_id for r in self.remotes], started_at=self.started_at, host=self.host, ip=self.ip)
 
     def spans(self, tokens: list[int]) -> list[Any]:
         return self.hasher.spans(tokens)
@@ -144,6 +148,8 @@ class FakeEngineWorker:
                 stores = [self.disk] if command.location == LOCAL_DISK else list(self.remotes)
                 cleared = sum(store.clear() for store in stores if store)
             return protocol.CommandReply(ok=True, num_tokens=cleared)
+        if command.op == "move":  # the held prefix goes to the target location (and leaves the CPU tier)
+            return protocol.CommandReply(ok=True, num_tokens=self._move(command))
         num_tokens = 0
         for span in self.spans(command.tokens):  # pin/unpin: the held prefix
             if span.key not in held:
@@ -152,12 +158,37 @@ class FakeEngineWorker:
             num_tokens += span.num_tokens
         return protocol.CommandReply(ok=True, num_tokens=num_tokens)
 
+    def _move(self, command: protocol.WorkerCommand) -> int:
+        held, moved = self._held(command.location), []
+        for span in self.spans(command.tokens):
+            if span.key not in held:
+                break
+            moved.append(span)
+        for span in moved:
+            if command.target == LOCAL_CPU:
+                self.chunks[span.key] = span.num_tokens
+                self.reporter.admit(span.key)
+            elif command.target == LOCAL_DISK:
+                assert self.disk is not None
+                self.disk.put(span.key, span.num_tokens)
+            else:
+                self.remotes[span.index % len(self.remotes)].put(span.key, span.num_tokens)
+            if not command.keep_source:
+                del self.chunks[span.key]
+                self.reporter.evict(span.key)
+        return sum(span.num_tokens for span in moved)
+
     async def start(self) -> "FakeEngineWorker":
         self.nc = await bus.connect(self.nats_url, name=self.worker_id,
                                     auth=credentials_for(self.nats_url, protocol.Principal.engine(self.instance_id), None))
-        for op in ("pin", "unpin", "clear"):
+        for op in ("pin", "unpin", "clear", "move"):
             await bus.serve(self.nc, Subjects.worker(self.instance_id, self.worker_id, op), protocol.WorkerCommand,
                             self._on_command)
+
+        async def on_conflict(msg: Any) -> None:
+            self.conflicts.append(protocol.decode(msg.data, protocol.InstanceConflict))
+
+        await self.nc.subscribe(Subjects.worker(self.instance_id, self.worker_id, protocol.CONFLICT_OP), cb=on_conflict)
         await self.nc.flush()
         await self.reporter.start(self.nc)
         return self

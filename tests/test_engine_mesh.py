@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import socket
 import threading
 from pathlib import Path
 from typing import AsyncIterator, Callable, Iterator
@@ -25,8 +27,9 @@ from kvmesh.shared.config import load_engine_config
 from kvmesh.shared.keys import KeyParams
 from kvmesh.shared.lmcache_keys import IGNORED
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
-from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, CommandReply, Subjects, WorkerCommand
+from kvmesh.shared.protocol import CONTROLLER, LOCAL_CPU, LOCAL_DISK, CommandReply, Subjects, WorkerCommand
 
+from test_controller import running_controller
 from test_engine_support import CHUNK, PagedKV, disk_store_mesh, engine_config, random_tokens
 from waiting import WAIT_S, wait_until, wait_until_async
 
@@ -78,17 +81,22 @@ async def test_worker_agent_registers_reports_and_answers_commands(nats_server: 
         except protocol.ProtocolError:
             pass  # a SyncChunk
 
-    path = protocol.Principal.engine("inst-a").producer("inst-a")
-    await nc.subscribe(Subjects.register(path), cb=on_register)
-    await nc.subscribe(Subjects.events(path), cb=on_event)
+    every_worker = protocol.Principal.engine("inst-a").path + ".*"  # the worker id is the engine's own
+    await nc.subscribe(Subjects.register(every_worker), cb=on_register)
+    await nc.subscribe(Subjects.events(every_worker), cb=on_event)
     await nc.flush()
     engine = await asyncio.to_thread(engine_on, nats_server.url, kv, lmcache_instance_id="inst-a")
+    path = protocol.Principal.engine("inst-a").producer(engine.worker_id)
     try:
-        await wait_until_async(lambda: any(r.worker_id == "inst-a" for r in registrations), what="registration")
+        await wait_until_async(lambda: any(r.worker_id == engine.worker_id for r in registrations),
+                               what="registration")
         reg = registrations[-1]
         assert (reg.instance_id, reg.model, reg.chunk_size, reg.world_size, reg.rank) == ("inst-a", "test-model",
                                                                                           CHUNK, 1, 0)
         assert reg.kv_format == kv.layout.chunk_format() and reg.save_unfull_chunk and reg.disk_store is None
+        # The worker reports where it runs: the address it reaches NATS from (loopback here) and its host name.
+        assert reg.ip == "127.0.0.1" and reg.host == socket.gethostname()
+        assert protocol.is_worker_id_of(reg.worker_id, "inst-a", 1, 0) and reg.worker_id != "inst-a"
 
         prompt = random_tokens(12, seed=1)  # seed 000: a 12-token prompt, one partial chunk
         await asyncio.to_thread(engine.store, prompt, **kv.kv(kv.slots(12)))
@@ -97,7 +105,7 @@ async def test_worker_agent_registers_reports_and_answers_commands(nats_server: 
         assert [b.seq for b in batches] == list(range(1, len(batches) + 1))
 
         async def command(op: str, location: str = LOCAL_CPU, tokens: list[int] | None = None) -> CommandReply:
-            return await bus.request(nc, Subjects.worker("inst-a", "inst-a", op),
+            return await bus.request(nc, Subjects.worker("inst-a", engine.worker_id, op),
                                      WorkerCommand(op=op, location=location, tokens=tokens or []), CommandReply, WAIT_S)
 
         tokens = prompt.tolist()
@@ -113,16 +121,43 @@ async def test_worker_agent_registers_reports_and_answers_commands(nats_server: 
 
         health = await bus.request(nc, Subjects.health(path), protocol.HealthRequest(), protocol.HealthReply,
                                    WAIT_S)
-        assert health.service == "engine" and health.service_id == "inst-a"
+        assert health.service == "engine" and health.service_id == engine.worker_id
     finally:
         await asyncio.to_thread(engine.close)
+
+
+async def test_two_engines_sharing_an_instance_id_are_reported_on_both_sides(nats_server: EmbeddedNats, kv: PagedKV,
+                                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """Two engines keeping one lmcache_instance_id are two workers to a real controller: one serves the id, the
+    other is listed as its duplicate (not merged), and each engine logs the conflict it is told about."""
+    caplog.set_level(logging.WARNING)
+    async with running_controller(nats_server.url) as (_, client):
+        first = await asyncio.to_thread(engine_on, nats_server.url, kv, lmcache_instance_id="same")
+        second = await asyncio.to_thread(engine_on, nats_server.url, kv, lmcache_instance_id="same")
+        try:
+            assert first.worker_id != second.worker_id
+
+            async def duplicates() -> list[str]:
+                instances = (await client.get("/instances")).json()["instances"]
+                return [w["worker_name"] for i in instances for w in i["duplicate_workers"]]
+            assert await wait_until_async(duplicates, what="the duplicate listed") == [first.worker_id]
+
+            def engine_warnings() -> set[str]:
+                return {r.threadName for r in caplog.records
+                        if r.levelno == logging.WARNING and r.name.startswith("kvmesh.services.engine")
+                        and "claimed by 2 live workers" in r.getMessage()}
+            await wait_until_async(lambda: len(engine_warnings()) == 2, what="a warning on each engine's loop thread")
+        finally:
+            await asyncio.to_thread(first.close)
+            await asyncio.to_thread(second.close)
 
 
 def test_tensor_parallel_worker_ids(nats_server: EmbeddedNats, kv: PagedKV) -> None:
     params = KeyParams(model="m", kv_format="", world_size=2, rank=1)
     engine = CacheEngine(engine_config(nats_url=nats_server.url, lmcache_instance_id="tp"), params, kv.layout)
     try:
-        assert engine.worker_id == "tp.r1"
+        # rank 1 of instance "tp", tagged with this engine's process: unique even where instance ids repeat
+        assert protocol.is_worker_id_of(engine.worker_id, "tp", 2, 1) and engine.worker_id.startswith("tp.r1@")
     finally:
         engine.close()
 
@@ -133,6 +168,64 @@ def _store_and_settle(engine: CacheEngine, tokens: torch.Tensor, kv: PagedKV, sl
     client = engine.storage.lower(LOCAL_DISK)
     assert client is not None
     assert engine.nats_loop.call(client.wait_written(WAIT_S), WAIT_S + 2, default=False)
+
+
+async def test_controller_move_copies_and_moves_between_an_engine_s_tiers(disk_mesh: LocalMesh, kv: PagedKV,
+                                                                          tmp_path: Path) -> None:
+    """LMCache's /move through a real controller to a real engine and disk store: CPU -> disk (a copy the store
+    verifies), disk -> CPU (the bytes come back exact), and a move that leaves the CPU tier."""
+    engine = await asyncio.to_thread(engine_on, str(disk_mesh.nats_url), kv, local_disk=str(tmp_path / "disk"),
+                                     lmcache_instance_id="mover")
+    tokens, src = random_tokens(128, seed=21), kv.slots(128)
+    expected = kv.token_kv(src)
+
+    def held(location: str) -> int:
+        return engine.lookup(tokens, search_range=[location])
+
+    async def move(source: str, target: str, copy: bool) -> int:
+        response = await client.post("/move", json={"old_position": ["mover", source], "new_position": [
+            "mover", target], "tokens": tokens.tolist(), "should_copy": copy})
+        assert response.status_code == 200, response.text
+        return response.json()["num_tokens"]
+
+    async with running_controller(str(disk_mesh.nats_url), nats_auth=disk_mesh.auth(CONTROLLER)) as (service, client):
+        try:
+            await wait_until_async(lambda: engine.storage.lower(LOCAL_DISK) is not None, what="the disk client")
+            await asyncio.to_thread(_store_and_settle, engine, tokens, kv, src)
+            disk = engine.storage.lower(LOCAL_DISK)
+            removed = engine.nats_loop.call(disk.remove(engine.hasher.keys(tokens.tolist())), WAIT_S, default=0)
+            assert removed == 4 and await asyncio.to_thread(held, LOCAL_DISK) == 0  # on the CPU tier only
+
+            async def registered() -> bool:
+                return (await client.post("/health", json={"instance_id": "mover"})).status_code == 200
+            await wait_until_async(registered, what="the engine registered")
+            assert await move(LOCAL_CPU, LOCAL_DISK, copy=True) == 128
+            assert engine.nats_loop.call(disk.wait_written(WAIT_S), WAIT_S + 2, default=False)  # staged -> on disk
+            assert await asyncio.to_thread(held, LOCAL_DISK) == 128 and await asyncio.to_thread(held, LOCAL_CPU) == 128
+
+            cleared = await client.post("/clear", json={"instance_id": "mover", "location": LOCAL_CPU})
+            assert cleared.status_code == 200 and await asyncio.to_thread(held, LOCAL_CPU) == 0
+            assert await move(LOCAL_DISK, LOCAL_CPU, copy=True) == 128
+            assert await asyncio.to_thread(held, LOCAL_CPU) == 128
+            dst = kv.slots(128, exclude=src)
+            assert bool((await asyncio.to_thread(engine.retrieve, tokens, **kv.kv(dst))).all())
+            assert torch.equal(kv.token_kv(dst), expected)
+
+            assert await move(LOCAL_CPU, LOCAL_DISK, copy=False) == 128  # LMCache's default: a move
+            assert await asyncio.to_thread(held, LOCAL_CPU) == 0 and await asyncio.to_thread(held, LOCAL_DISK) == 128
+
+            # The worker itself refuses what the controller would (a command on NATS is untrusted input).
+            async def worker_move(**fields: object) -> CommandReply:
+                command = WorkerCommand(op="move", tokens=tokens.tolist(), **fields)
+                return await bus.request(service.core.router.nc, Subjects.worker("mover", engine.worker_id, "move"),
+                                         command, CommandReply, WAIT_S)
+            out_of_store = await worker_move(location=LOCAL_DISK, target=LOCAL_CPU, keep_source=False)
+            assert not out_of_store.ok and "shared" in (out_of_store.error or "")
+            no_target = await worker_move(location=LOCAL_DISK, target="Elsewhere")
+            assert not no_target.ok and "Elsewhere" in (no_target.error or "")
+            assert await asyncio.to_thread(held, LOCAL_DISK) == 128  # nothing lost
+        finally:
+            await asyncio.to_thread(engine.close)
 
 
 @pytest.mark.parametrize("local_cpu", [True, False])
@@ -279,7 +372,7 @@ def test_nats_outage_gives_misses_at_once_and_the_engine_reconnects(kv: PagedKV,
 
             async def answer() -> CommandReply | None:
                 try:
-                    return await bus.request(nc, Subjects.worker("outage", "outage", "lookup"),
+                    return await bus.request(nc, Subjects.worker("outage", engine.worker_id, "lookup"),
                                              WorkerCommand(op="lookup", location=LOCAL_CPU, tokens=b.tolist()),
                                              CommandReply, WAIT_S)
                 except MeshUnavailable:
@@ -447,3 +540,26 @@ def test_a_chunk_whose_meta_is_not_what_its_key_holds_is_a_miss(disk_mesh: Local
         assert engine.storage.stats["fetched_LocalDiskBackend"] == 6 + 4 + 3 + 2 + 1
     finally:
         engine.close()
+
+
+def test_a_restarted_engine_clears_what_its_previous_process_put_in_the_disk_store(
+        disk_mesh: LocalMesh, kv: PagedKV, tmp_path: Path) -> None:
+    def engine() -> CacheEngine:
+        started = engine_on(str(disk_mesh.nats_url), kv, local_disk=str(tmp_path / "disk"), max_local_disk_size=0.05)
+        wait_until(lambda: started.storage.lower(LOCAL_DISK) is not None, what="the disk store client")
+        return started
+
+    tokens = random_tokens(96, seed=32)
+    before = engine()
+    try:
+        _store_and_settle(before, tokens, kv, kv.slots(96))
+        first_worker_id = before.worker_id
+    finally:
+        before.close()
+    after = engine()  # the same instance and rank in a new process: a new worker id, the same claims
+    try:
+        assert after.worker_id != first_worker_id and after.store_caller == before.store_caller
+        assert after.clear(LOCAL_DISK) == 96
+        assert after.lookup(tokens, search_range=[LOCAL_DISK]) == 0
+    finally:
+        after.close()

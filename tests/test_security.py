@@ -114,6 +114,24 @@ def test_credentials_are_private_files(mesh: LocalMesh) -> None:
     assert auth is not None and auth.user == "engine.late" and auth.inbox_prefix == "_INBOX.engine.late"
 
 
+def test_a_mesh_directory_left_for_a_port_does_not_speak_for_another_nats_now_on_that_port() -> None:
+    from kvmesh.shared.credentials import PID_FILE
+    from kvmesh.shared.embedded_nats import EmbeddedNats
+
+    with EmbeddedNats(token="tok-" + os.urandom(8).hex()) as other:  # not KVMesh's: its own token, no user list
+        stale = MeshCredentials(local_mesh_dir(other.port))  # what a mesh that ran on this port before left
+        try:
+            stale.server_config(f"127.0.0.1:{other.port}")
+            assert other.process is not None
+            (stale.root / PID_FILE).write_text(str(other.process.pid))  # even the pid of a live nats-server
+            assert stale.server_pid() is None and not stale.reload_server()
+            assert provision(other.url, Principal.store("late").path) is None  # so a client says "no credentials"
+        finally:
+            for file in stale.root.iterdir():
+                file.unlink()
+            stale.root.rmdir()
+
+
 def test_a_credentials_directory_others_could_write_is_refused_one_they_could_read_is_closed(
         tmp_path: Path) -> None:
     shared = tmp_path / "creds"
@@ -203,14 +221,14 @@ async def test_an_instance_cannot_be_hijacked_and_forged_admissions_are_ignored(
             assert service.feed is not None
             forged_before = service.feed.forged_messages
 
-            # tenant-b registers "tenant-a" from its own path: the body disagrees with the subject
-            own_path = Principal.engine("tenant-b").producer("tenant-a")
+            # tenant-b registers tenant-a's worker from its own path: the body disagrees with the subject
+            own_path = Principal.engine("tenant-b").producer(victim.worker_id)
             registration = victim._registration()
             await attacker.nc.publish(Subjects.register(own_path), protocol.encode(registration))
             # ...and reports chunks no one holds: as the victim, and as a store
             ghost = random_tokens(2 * CHUNK, seed=12)
             ghost_keys = victim.hasher.keys(ghost.tolist())
-            for producer_id, location in (("tenant-a", LOCAL_CPU), ("disk-x", protocol.LOCAL_DISK)):
+            for producer_id, location in ((victim.worker_id, LOCAL_CPU), ("disk-x", protocol.LOCAL_DISK)):
                 await attacker.nc.publish(
                     Subjects.events(Principal.engine("tenant-b").producer(producer_id)),
                     protocol.encode(protocol.AdmissionBatch(producer_id=producer_id, location=location, seq=99,

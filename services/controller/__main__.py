@@ -1,5 +1,6 @@
 """Entry point: `lmcache_controller --host localhost --port 9000 --monitor-port 9001` (also `kvmesh controller`,
-`python -m kvmesh.services.controller`).
+`python -m kvmesh.services.controller`; LMCache's --monitor-ports, --config, --health-check-interval and
+--lmcache-worker-timeout too: config.py).
 
 Main thread, one event loop (uvloop when installed): reads flags, starts a ControllerService (embedded NATS
 unless --nats-url, NATS subscriptions, uvicorn), and waits for SIGTERM/SIGINT to stop it cleanly.
@@ -59,6 +60,8 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     configure_logging(config.log_level)
+    for notice in config.notices:  # LMCache settings that mean nothing here, once each
+        log.warning("%s", notice)
     with asyncio.Runner(loop_factory=_new_loop) as runner:
         code = runner.run(_run(config))
     if code:

@@ -1,7 +1,9 @@
 """The controller's REST API (FastAPI; served by uvicorn on the controller's event loop, see service.py).
 
 LMCache's controller endpoints, all POST with JSON bodies: /lookup, /pin, /clear, /check_finish, /health,
-/query_worker_info; ours in addition: POST /unpin, GET /instances, GET /metrics (Prometheus text),
+/query_worker_info (instance_id "all": every instance), /query_instance, /move (within an instance; between
+instances 501); /compress and /decompress check their body and answer 501 naming what KVMesh lacks; ours in
+addition: POST /unpin, GET /instances, GET /metrics (Prometheus text),
 GET /healthz (the REST server itself; always open), OpenAPI at /openapi.json and /docs.
 
 Input rules: malformed bodies are 422 naming the field, token lists longer than `max_tokens` are 413 (bodies
@@ -50,6 +52,8 @@ TokenId = Annotated[int, Strict(), Field(ge=0, le=MAX_TOKEN_ID, description="a t
 Location = Literal["LocalCPUBackend", "LocalDiskBackend", "RemoteBackend"]
 InstanceId = Annotated[str, Field(min_length=1, max_length=256, examples=["lmcache_default_instance"],
                                   description="lmcache_instance_id of an engine instance")]
+CODEC_UNSUPPORTED = ("/{op} is not supported by KVMesh: chunks are kept in the KV layout vLLM gives them (LMCache's "
+                     "remote_serde 'naive'); there is no codec (cachegen, kivi) to {op} them with")
 EXAMPLE_TOKENS = [128000, 849, 21435, 279, 26431, 315, 85748, 6636, 304, 4221, 4211, 13]
 # Optional key inputs (LMCache's JSON stays valid without them): the chunks of a request sent with vLLM's
 # `cache_salt`, or with a LoRA adapter, are keyed with it, so a lookup or pin of them must name it too.
@@ -137,22 +141,28 @@ class HealthResponse(BaseModel):
     instance_id: str
     healthy: bool
     world_size: int
-    error_codes: dict[int, int] = Field(description="rank -> 0 alive, 1 down")
+    error_codes: dict[int, int] = Field(description="rank -> 0 healthy; 1 no heartbeat within --liveness-timeout; "
+                                                    "2 not registered")
     workers: dict[str, WorkerHealth]
     stores: dict[str, StoreHealth]
 
 
 class QueryWorkerInfoRequest(BaseModel):
-    instance_id: InstanceId
+    instance_id: InstanceId = Field(description='an instance id, or "all" for every instance')
     worker_ids: list[Annotated[int, Strict(), Field(ge=0, le=1_000_000), BeforeValidator(_integral_float_to_int)]] | None = Field(
-        default=None, description="ranks to report (default: all registered)")
+        default=None, description="ranks to report (default, or []: all registered)")
 
 
 class WorkerInfo(BaseModel):
     model_config = ConfigDict(protected_namespaces=())
     instance_id: str
     worker_id: int = Field(description="the worker's rank")
-    worker_name: str
+    ip: str | None = Field(description="the address the worker reaches the mesh from")
+    port: int | None = Field(description="always null: the controller reaches workers over NATS, not a port")
+    peer_init_url: str | None = Field(description="always null: KVMesh shares chunks through its stores, not P2P")
+    registration_time: float | None = Field(description="Unix time of the worker's latest registration")
+    last_heartbeat_time: float = Field(description="Unix time the worker was last heard from")
+    worker_name: str = Field(description="the worker's producer id on the mesh (unique per engine process)")
     host: str | None
     model: str
     kv_format: str
@@ -175,11 +185,46 @@ class QueryWorkerInfoResponse(BaseModel):
     worker_infos: list[WorkerInfo]
 
 
+class QueryInstanceRequest(BaseModel):
+    ip: str = Field(min_length=1, max_length=255, examples=["127.0.0.1"])
+
+
+class QueryInstanceResponse(BaseModel):
+    event_id: str
+    res: str = Field(description="the instance id of the workers at that ip")
+
+
+# [instance_id, location] (the command checks the location, and names what is wrong)
+_PositionPart = Annotated[str, Field(min_length=1, max_length=256)]
+Position = Annotated[tuple[_PositionPart, _PositionPart], WithJsonSchema({
+    "type": "array", "minItems": 2, "maxItems": 2, "description": "[instance_id, location]",
+    "items": {"type": "string", "minLength": 1, "maxLength": 256}})]
+
+
+class MoveRequest(BaseModel):
+    old_position: Position
+    new_position: Position
+    tokens: list[TokenId] = Field(default_factory=list, examples=[EXAMPLE_TOKENS])
+    should_copy: bool = False
+    cache_salt: CacheSalt = None
+    lora_name: LoraName = None
+
+
+class CompressRequest(BaseModel):
+    instance_id: InstanceId
+    method: str = Field(min_length=1, max_length=64)
+    location: Location
+    tokens: list[TokenId] = Field(default_factory=list)
+
+
 class InstanceInfo(BaseModel):
     instance_id: str
     alive: bool
     locations: list[str]
-    workers: list[WorkerInfo]
+    workers: list[WorkerInfo] = Field(description="the workers serving the instance id, one per rank")
+    duplicate_workers: list[WorkerInfo] = Field(
+        description="other live workers claiming this instance id and rank (replicas sharing an "
+                    "lmcache_instance_id): reported, never merged; the instance id is not served from them")
 
 
 class StoreInfo(BaseModel):
@@ -525,6 +570,39 @@ def create_app(core: ControllerCore, lookup_fast_path: bool = True) -> FastAPI:
         """Registration and liveness of an instance's workers (all, or the ranks in worker_ids)."""
         infos = core.query_worker_info(req.instance_id, req.worker_ids)
         return {"event_id": core.events.new("query_worker_info", status="finished"), "worker_infos": infos}
+
+    @app.post("/query_instance", response_model=QueryInstanceResponse, responses={404: errors[404]})
+    async def query_instance(req: QueryInstanceRequest) -> Any:
+        """The instance whose engine workers report this ip."""
+        instance_id = core.query_instance(req.ip)
+        return {"event_id": core.events.new("query_instance", status="finished"), "res": instance_id}
+
+    not_implemented = {501: {"model": ErrorResponse, "description": "not supported by KVMesh (the detail says why)"}}
+
+    @app.post("/move", response_model=CommandResponse, responses={
+        **command_errors, 409: {"model": ErrorResponse, "description": "a move to the same location, or out of a "
+                                                                         "shared store (copy instead)"},
+        **not_implemented})
+    async def move(req: MoveRequest) -> Any:
+        """Copy (should_copy) or move the instance's chunks of `tokens` from one of its locations to another;
+        num_tokens: the contiguous prefix that arrived (minimum over ranks). Only the CPU tier can be moved out
+        of (a store is shared); between instances: 501."""
+        refused = too_many(len(req.tokens))
+        if refused is not None:
+            return refused
+        result = await core.move(req.old_position, req.new_position, req.tokens, req.should_copy,
+                                 KeyRequest(req.cache_salt, req.lora_name))
+        return CommandResponse(event_id=result.event_id, num_tokens=result.num_tokens)
+
+    @app.post("/compress", status_code=501, responses=not_implemented)
+    async def compress(req: CompressRequest) -> JSONResponse:
+        """LMCache's compression of stored chunks: not supported."""
+        return too_many(len(req.tokens)) or _error(501, CODEC_UNSUPPORTED.format(op="compress"))
+
+    @app.post("/decompress", status_code=501, responses=not_implemented)
+    async def decompress(req: CompressRequest) -> JSONResponse:
+        """LMCache's decompression of stored chunks: not supported."""
+        return too_many(len(req.tokens)) or _error(501, CODEC_UNSUPPORTED.format(op="decompress"))
 
     @app.get("/instances", response_model=InstancesResponse)
     async def instances() -> Any:

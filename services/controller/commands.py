@@ -25,7 +25,7 @@ from kvmesh.services.controller.producers import Producer, ProducerTable
 
 log = logging.getLogger(__name__)
 
-COMMAND_OPS = ("pin", "unpin", "clear")
+COMMAND_OPS = ("pin", "unpin", "clear", "move")
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class CommandRouter:
         return CommandTarget(instance_id, location, workers, holders)
 
     async def run(self, op: str, target: CommandTarget, tokens: list[int],
-                  key_request: KeyRequest = KeyRequest()) -> int:
+                  key_request: KeyRequest = KeyRequest(), move_to: str = "", keep_source: bool = True) -> int:
         """Send `op` to every worker of the target; the minimum num_tokens over ranks.
 
         Raises NotFound (a LoRA adapter the instance never served), CommandTimeout (no answer / no
@@ -76,7 +76,8 @@ class CommandRouter:
         if op not in COMMAND_OPS:
             raise ValueError(f"unknown command {op!r}")
         payloads = [protocol.encode(protocol.WorkerCommand(op=op, location=target.location, tokens=tokens,
-                                                           extras=self._extras(worker, target, key_request)))
+                                                           extras=self._extras(worker, target, key_request),
+                                                           target=move_to, keep_source=keep_source))
                     for worker in target.workers]
         nc = self.nc
         if nc is None or not nc.is_connected:

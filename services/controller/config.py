@@ -1,12 +1,24 @@
-"""Controller settings and the command line that sets them (`lmcache_controller` / `kvmesh controller`)."""
+"""Controller settings and the command line that sets them (`lmcache_controller` / `kvmesh controller`).
+
+LMCache's own controller flags are accepted too (docs/compatibility.md): `--monitor-ports` (its "pull" port is
+our NATS port), `--config` (LMCache's controller YAML: controller_host, controller_port,
+controller_monitor_ports, health_check_interval, lmcache_worker_timeout), `--health-check-interval`,
+`--lmcache-worker-timeout` (= --producer-expiry-secs). What maps onto ours takes effect; what does not is
+accepted with one WARNING each saying what KVMesh does instead. A flag given on the command line wins over the
+same setting in the --config file.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
 
 from kvmesh.shared.bus import NatsAuth
 from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
@@ -40,6 +52,7 @@ class ControllerConfig:
     heartbeat_grace_s: float = 1.0  # a heartbeat's seq claim must be met by batches within this
     tick_interval_s: float = 0.25  # maintenance pass period
     log_level: str | None = None  # None: $KVMESH_LOG_LEVEL, else info
+    notices: tuple[str, ...] = ()  # WARNINGs about LMCache settings that mean nothing here (logged at start)
 
     def resolved_controller_id(self) -> str:
         return self.controller_id or f"controller-{socket.gethostname()}-{os.getpid()}"
@@ -64,11 +77,28 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lmcache_controller",
         description="KVMesh controller: the LMCache controller REST API (lookup, pin, unpin, clear, "
                     "check_finish, health, query_worker_info) backed by a chunk index built from NATS events.")
-    parser.add_argument("--host", default="localhost", help="REST bind address (default: localhost)")
-    parser.add_argument("--port", type=int, default=9000, help="REST port (default: 9000)")
-    parser.add_argument("--monitor-port", type=int, default=9001,
+    # host, port, monitor ports and --producer-expiry-secs default to None: "not given", so a --config file
+    # value can apply (resolved in parse_args).
+    parser.add_argument("--host", default=None, help=f"REST bind address (default: {DEFAULTS['host']})")
+    parser.add_argument("--port", type=int, default=None, help=f"REST port (default: {DEFAULTS['port']})")
+    parser.add_argument("--monitor-port", type=int, default=None,
                         help="port of the NATS server the controller embeds when --nats-url is not given; "
-                             "engines reach it as controller_url (default: 9001)")
+                             f"engines reach it as controller_url (default: {DEFAULTS['monitor_port']})")
+    parser.add_argument("--monitor-ports", type=_monitor_ports, default=None,
+                        help="LMCache's JSON of named monitor ports, e.g. '{\"pull\": 9001}': the \"pull\" port is "
+                             "the embedded NATS port (as --monitor-port); KVMesh needs no other (\"reply\", "
+                             "\"heartbeat\": accepted with a warning). Wins over --monitor-port")
+    parser.add_argument("--config", type=Path, default=None,
+                        help="LMCache's controller config file (YAML): controller_host, controller_port, "
+                             "controller_monitor_ports, health_check_interval and lmcache_worker_timeout apply "
+                             "as their flags; any other key is named in a warning and ignored. Flags given on "
+                             "the command line win")
+    parser.add_argument("--health-check-interval", type=int, default=None,
+                        help="LMCache's worker health check period; accepted with a warning: KVMesh checks "
+                             "liveness continuously from heartbeats (--liveness-timeout, --producer-expiry-secs)")
+    parser.add_argument("--lmcache-worker-timeout", type=_positive(float), default=None,
+                        help="LMCache's name for --producer-expiry-secs: seconds a silent worker is kept "
+                             "before it is forgotten")
     parser.add_argument("--nats-url", default=None,
                         help="join this NATS (e.g. nats://host:4222) instead of embedding a server")
     parser.add_argument("--nats-host", default="127.0.0.1",
@@ -78,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--liveness-timeout", type=_positive(float), default=6.0,
                         help="seconds without a heartbeat before a producer is down (default: 6)")
     parser.add_argument("--command-timeout", type=_positive(float), default=5.0,
-                        help="seconds to wait for a worker's answer to pin/unpin/clear (default: 5)")
+                        help="seconds to wait for a worker's answer to pin/unpin/clear/move (default: 5)")
     parser.add_argument("--max-tokens", type=_positive(int), default=1_000_000,
                         help="longest token list accepted; longer gets 413 (default: 1000000)")
     parser.add_argument("--auth-token", default=None,
@@ -91,13 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how many recent lookup event ids /check_finish remembers, apart from the "
                              "pin/unpin/clear ones (default: 100000)")
     parser.add_argument("--max-commands", type=_positive(int), default=64,
-                        help="pin/unpin/clear requests in flight at once; more get 429 (default: 64)")
+                        help="pin/unpin/clear/move requests in flight at once; more get 429 (default: 64)")
     parser.add_argument("--max-producers", type=_positive(int), default=4096,
                         help="most producers (engine workers and stores) known at once; a registration of a "
                              "new one past it is refused and counted (default: 4096)")
-    parser.add_argument("--producer-expiry-secs", type=_positive(float), default=600.0,
+    parser.add_argument("--producer-expiry-secs", type=_positive(float), default=None,
                         help="seconds a producer stays down before it is forgotten: its keys are dropped and "
-                             "its slot reused (default: 600)")
+                             f"its slot reused (default: {DEFAULTS['producer_expiry_secs']:g}; "
+                             "also --lmcache-worker-timeout)")
     parser.add_argument("--min-chunk-size", type=_positive(int), default=16,
                         help="smallest chunk_size an engine may register with (default: 16)")
     parser.add_argument("--max-chunk-size", type=_positive(int), default=65536,
@@ -113,7 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> ControllerConfig:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        notices = _resolve_lmcache_settings(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     return ControllerConfig(
         host=args.host, port=args.port, monitor_port=args.monitor_port, nats_url=args.nats_url,
         controller_id=args.controller_id, liveness_timeout_s=args.liveness_timeout,
@@ -125,4 +161,102 @@ def parse_args(argv: list[str] | None = None) -> ControllerConfig:
         min_chunk_size=args.min_chunk_size, max_chunk_size=args.max_chunk_size,
         max_key_param_sets=args.max_key_param_sets,
         log_level=args.log_level, nats_host=args.nats_host, nats_auth=nats_auth_from_args(args).or_none(),
+        notices=tuple(notices),
     )
+
+
+# -------------------------------------------------------------------------------------------------------
+# LMCache's controller settings
+
+DEFAULTS: dict[str, Any] = {"host": "localhost", "port": 9000, "monitor_port": 9001, "producer_expiry_secs": 600.0}
+# LMCache's controller config keys -> our argparse dest (each also a flag of LMCache's lmcache_controller).
+CONFIG_KEYS = {"controller_host": "host", "controller_port": "port", "controller_monitor_ports": "monitor_ports",
+               "health_check_interval": "health_check_interval", "lmcache_worker_timeout": "lmcache_worker_timeout"}
+HEALTH_CHECK_NOTICE = ("health_check_interval={value}: ignored; KVMesh needs no periodic health check: every "
+                       "worker heartbeats (every 2 s), one silent for --liveness-timeout is down (out of lookups), "
+                       "and one down for --producer-expiry-secs (LMCache's lmcache_worker_timeout) is forgotten")
+
+
+def _monitor_ports(text: str | dict[str, Any]) -> dict[str, int]:
+    """LMCache's --monitor-ports: a JSON object of named ports."""
+    try:
+        ports = json.loads(text) if isinstance(text, str) else text
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}); expected e.g. '{{\"pull\": 9001}}'") from None
+    if not isinstance(ports, dict) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 < v < 65536 for v in ports.values()):
+        raise argparse.ArgumentTypeError(f"expected a JSON object of port numbers, e.g. '{{\"pull\": 9001}}', "
+                                         f"got {text!r}")
+    if "pull" not in ports:
+        raise argparse.ArgumentTypeError(f"needs a \"pull\" port (the embedded NATS port), got {text!r}")
+    return ports
+
+
+def _load_lmcache_config(path: Path) -> dict[str, Any]:
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"--config {path}: cannot read it as YAML ({exc})") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ValueError(f"--config {path}: expected a mapping of LMCache controller keys, got a "
+                         f"{type(loaded).__name__}")
+    return loaded
+
+
+def _from_config(key: str, value: Any) -> Any:
+    """A --config value, checked as its flag would be (ValueError naming the key otherwise)."""
+    try:
+        if key == "controller_monitor_ports":
+            return _monitor_ports(value if isinstance(value, dict) else str(value))
+        if key == "controller_host":
+            if not isinstance(value, str) or not value:
+                raise ValueError("expected a host name")
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                key == "controller_port" and not isinstance(value, int)):
+            raise ValueError("expected a number")
+        if key == "lmcache_worker_timeout" and value <= 0:
+            raise ValueError("must be positive")
+        return value
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise ValueError(f"--config: {key}={value!r}: {exc}") from None
+
+
+def _resolve_lmcache_settings(args: argparse.Namespace) -> list[str]:
+    """Fold --config and LMCache's flags into ours (flags win over the file); the WARNINGs to log."""
+    notices: list[str] = []
+    if args.config is not None:
+        ignored = []
+        for key, value in _load_lmcache_config(args.config).items():
+            dest = CONFIG_KEYS.get(str(key))
+            if dest is None:
+                ignored.append(str(key))
+            elif getattr(args, dest) is None and not (dest == "monitor_ports" and args.monitor_port is not None):
+                setattr(args, dest, _from_config(key, value))  # (a flag, --monitor-port too, wins over the file)
+        if ignored:
+            notices.append(f"--config {args.config}: key(s) {', '.join(sorted(ignored))} mean nothing to the KVMesh "
+                           f"controller and are ignored (it reads {', '.join(CONFIG_KEYS)})")
+    if args.monitor_ports is not None:
+        if args.monitor_port is not None and args.monitor_port != args.monitor_ports["pull"]:
+            notices.append(f"--monitor-port {args.monitor_port} and --monitor-ports pull "
+                           f"{args.monitor_ports['pull']} differ: using the pull port, as LMCache does")
+        args.monitor_port = args.monitor_ports["pull"]
+        others = sorted(name for name in args.monitor_ports if name != "pull")
+        if others:
+            notices.append(f"monitor port(s) {', '.join(others)} ignored: KVMesh's workers reach the controller "
+                           f"over the one NATS port ({args.monitor_port}, the pull port), replies and heartbeats "
+                           "included")
+    if args.health_check_interval is not None:
+        notices.append(HEALTH_CHECK_NOTICE.format(value=args.health_check_interval))
+    if args.lmcache_worker_timeout is not None:
+        if args.producer_expiry_secs is not None and args.producer_expiry_secs != args.lmcache_worker_timeout:
+            notices.append(f"lmcache_worker_timeout {args.lmcache_worker_timeout:g} ignored: "
+                           f"--producer-expiry-secs {args.producer_expiry_secs:g} is given")
+        elif args.producer_expiry_secs is None:
+            args.producer_expiry_secs = float(args.lmcache_worker_timeout)
+    for dest, default in DEFAULTS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
+    return notices

@@ -15,12 +15,19 @@ import numpy as np
 from kvmesh.shared.protocol import LOCAL_CPU
 from kvmesh.services.controller.commands import CommandRouter
 from kvmesh.services.controller.config import ControllerConfig
-from kvmesh.services.controller.errors import ControllerError, NotFound, TooManyCommands
+from kvmesh.services.controller.errors import ControllerError, NotFound, NotSupported, Refused, TooManyCommands
 from kvmesh.services.controller.holder_index import HolderIndex
 from kvmesh.services.controller.lookup import KeyRequest, LookupEngine
 from kvmesh.services.controller.metrics import Metrics
 from kvmesh.services.controller.ops import EventLog, EventRecord
 from kvmesh.services.controller.producers import Limits, Producer, ProducerTable
+
+
+# /health error codes per rank (LMCache's convention: 0 healthy, anything else an error).
+HEALTH_OK = 0
+HEALTH_SILENT = 1  # no heartbeat within --liveness-timeout
+HEALTH_MISSING = 2  # a rank of the instance's world_size that has not registered
+ALL_INSTANCES = "all"  # /query_worker_info's instance_id for every instance (LMCache's)
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,9 @@ class ControllerCore:
     def forged_messages(self) -> int:
         return self.feed.forged_messages if self.feed is not None else 0
 
+    def instance_conflicts(self) -> int:
+        return self.feed.conflicts_reported if self.feed is not None else 0
+
     # -- operations --------------------------------------------------------------------------------------
 
     def lookup(self, tokens: Sequence[int] | np.ndarray,
@@ -90,8 +100,11 @@ class ControllerCore:
         return event_id, layout
 
     async def command(self, op: str, instance_id: str, location: str, tokens: list[int],
-                      key_request: KeyRequest = KeyRequest()) -> CommandResult:
-        """pin / unpin / clear, synchronously: the result carries num_tokens; the event id records the outcome.
+                      key_request: KeyRequest = KeyRequest(), move_to: str = "",
+                      keep_source: bool = True) -> CommandResult:
+        """pin / unpin / clear / move, synchronously: the result carries num_tokens; the event id records the
+        outcome. A move copies the instance's chunks of `tokens` from `location` to `move_to` (and, unless
+        `keep_source`, they leave `location`: the CPU tier only, a store is shared).
 
         Raises CommandError (with the event id) for unknown instances/locations, timeouts and worker errors,
         TooManyCommands (no event id) past `max_commands` in flight: each one holds its token list until its
@@ -106,7 +119,9 @@ class ControllerCore:
         self.commands_in_flight += 1
         try:
             target = self.router.resolve(instance_id, location)
-            num_tokens = await self.router.run(op, target, tokens, key_request)
+            if op == "move":
+                self.router.resolve(instance_id, move_to)  # it has the target location too
+            num_tokens = await self.router.run(op, target, tokens, key_request, move_to, keep_source)
         except ControllerError as exc:
             self.events.fail(event_id, exc.message)
             self.metrics.commands[(op, type(exc).__name__)] += 1
@@ -127,6 +142,22 @@ class ControllerCore:
                     self.feed.request_sync(producer_id, "confirm after clear")
         return CommandResult(event_id, num_tokens)
 
+    async def move(self, source: tuple[str, str], target: tuple[str, str], tokens: list[int], keep_source: bool,
+                   key_request: KeyRequest = KeyRequest()) -> CommandResult:
+        """LMCache's /move: (instance_id, location) -> (instance_id, location), a copy unless not `keep_source`."""
+        (instance_id, location), (target_instance, target_location) = source, target
+        if target_instance != instance_id:
+            self.router.resolve(instance_id, location)  # an unknown instance or location is named first
+            raise NotSupported(f"/move between instances ({instance_id} -> {target_instance}) is not supported: "
+                               "an instance's workers reach only their own tiers. Instances that share a store "
+                               "(the same remote_url) read each other's chunks from it already")
+        if location == target_location:
+            raise Refused(f"/move from {location} to itself (instance {instance_id})")
+        if not keep_source and location != LOCAL_CPU:
+            raise Refused(f"{location} is shared with other instances: moving out of it would remove their "
+                          "chunks too; copy instead (should_copy: true)")
+        return await self.command("move", instance_id, location, tokens, key_request, target_location, keep_source)
+
     def check_finish(self, event_id: str) -> EventRecord:
         record = self.events.get(event_id) or self.lookup_events.get(event_id)
         if record is None:
@@ -146,13 +177,21 @@ class ControllerCore:
     def _age(self, producer: Producer) -> float:
         return round(max(0.0, self.clock() - producer.last_seen), 3)
 
+    def _wall(self, moment: float | None) -> float | None:
+        """A time of `self.clock` as a Unix time (LMCache reports those)."""
+        return None if moment is None else round(time.time() - (self.clock() - moment), 3)
+
     def worker_info(self, producer: Producer) -> dict[str, Any]:
         reg = producer.engine
         assert reg is not None
         return {
-            "instance_id": reg.instance_id, "worker_id": reg.rank, "worker_name": producer.producer_id,
-            "host": None,  # RegisterEngine does not carry the worker's address
-            "model": reg.model, "kv_format": reg.kv_format, "world_size": reg.world_size, "rank": reg.rank,
+            # LMCache's WorkerInfo fields (no worker port here: the controller reaches workers over NATS)...
+            "instance_id": reg.instance_id, "worker_id": reg.rank, "ip": reg.ip or None, "port": None,
+            "peer_init_url": None, "registration_time": self._wall(producer.registered_at),
+            "last_heartbeat_time": self._wall(producer.last_seen),
+            # ...and ours.
+            "worker_name": producer.producer_id, "host": reg.host or None, "model": reg.model,
+            "kv_format": reg.kv_format, "world_size": reg.world_size, "rank": reg.rank,
             "chunk_size": reg.chunk_size, "save_unfull_chunk": reg.save_unfull_chunk,
             "disk_store": reg.disk_store, "remote_stores": list(reg.remote_stores),
             "started_at": reg.started_at, "last_heartbeat_age_s": self._age(producer),
@@ -161,12 +200,27 @@ class ControllerCore:
         }
 
     def query_worker_info(self, instance_id: str, worker_ids: list[int] | None) -> list[dict[str, Any]]:
+        """The workers (ranks) `worker_ids` of an instance (None or []: all of them); instance_id "all" (as in
+        LMCache): those ranks of every instance, each instance's workers by rank."""
+        if instance_id == ALL_INSTANCES:
+            return [self.worker_info(w) for iid in sorted(self.table.instances) for w in self.table.workers_of(iid)
+                    if w.engine is not None and (not worker_ids or w.engine.rank in worker_ids)]
         workers = {w.engine.rank: w for w in self._workers(instance_id) if w.engine is not None}
-        ranks = sorted(workers) if worker_ids is None else worker_ids
+        ranks = sorted(workers) if not worker_ids else worker_ids
         missing = [rank for rank in ranks if rank not in workers]
         if missing:
             raise NotFound(f"instance {instance_id} has no worker(s) {missing}; registered ranks: {sorted(workers)}")
         return [self.worker_info(workers[rank]) for rank in ranks]
+
+    def query_instance(self, ip: str) -> str:
+        """The instance whose workers report `ip` (LMCache's /query_instance); with several, the first by id."""
+        found = sorted(iid for iid in self.table.instances
+                       if any(w.engine is not None and w.engine.ip == ip for w in self.table.workers_of(iid)))
+        if not found:
+            known = sorted({w.engine.ip for iid in self.table.instances for w in self.table.workers_of(iid)
+                            if w.engine is not None and w.engine.ip})
+            raise NotFound(f"no registered engine worker reports ip {ip!r}; known: {known[:20]}")
+        return found[0]
 
     def health(self, instance_id: str) -> dict[str, Any]:
         workers = self._workers(instance_id)
@@ -180,10 +234,12 @@ class ControllerCore:
                     store = self.table.producer(store_id)
                     stores[store_id] = {"location": location, "registered": store is not None and store.store is not None,
                                         "alive": bool(store is not None and store.alive)}
-        healthy = len(workers) == world_size and all(w.alive for w in workers)
-        return {"instance_id": instance_id, "healthy": healthy, "world_size": world_size,
-                "error_codes": {w.engine.rank if w.engine else i: 0 if w.alive else 1 for i, w in enumerate(workers)},
-                "workers": infos, "stores": stores}
+        # (world_size comes from registrations: bounded like the producers themselves)
+        codes = {rank: HEALTH_MISSING for rank in range(min(world_size, self.config.max_producers))}
+        codes.update({w.engine.rank if w.engine else i: HEALTH_OK if w.alive else HEALTH_SILENT
+                      for i, w in enumerate(workers)})
+        return {"instance_id": instance_id, "healthy": not any(codes.values()), "world_size": world_size,
+                "error_codes": codes, "workers": infos, "stores": stores}
 
     def instances(self) -> dict[str, Any]:
         table = self.table
@@ -195,7 +251,9 @@ class ControllerCore:
             instances.append({"instance_id": instance_id,
                               "alive": all(w.alive for w in workers),
                               "locations": locations,
-                              "workers": [self.worker_info(w) for w in workers]})
+                              "workers": [self.worker_info(w) for w in workers],
+                              # live workers claiming the same instance id and rank, not serving it
+                              "duplicate_workers": [self.worker_info(w) for w in table.duplicates_of(instance_id)]})
         stores = [{"store_id": p.producer_id, "location": p.location, "alive": p.alive,
                    "registered": p.store is not None, "num_keys": table.index.count(p.slot),
                    "last_heartbeat_age_s": self._age(p), "in_sync": not p.needs_sync}

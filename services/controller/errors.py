@@ -39,6 +39,19 @@ class MeshDown(ControllerError):
     status_code = 503
 
 
+class Refused(ControllerError):
+    """A well-formed request the controller will not carry out as asked (409), e.g. a move out of a shared
+    store; the message says why."""
+
+    status_code = 409
+
+
+class NotSupported(ControllerError):
+    """An operation KVMesh does not have (501); the message names what is missing."""
+
+    status_code = 501
+
+
 class TooManyCommands(ControllerError):
     """More pin/unpin/clear requests in flight than `--max-commands` (429): retry once some are answered."""
 

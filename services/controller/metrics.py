@@ -90,8 +90,12 @@ def render(core: "ControllerCore") -> str:
     metric("kvmesh_controller_forged_messages_total", "counter",
            "NATS messages refused because their body disagrees with their sender (docs/security.md).",
            [("", core.forged_messages())])
+    metric("kvmesh_controller_instance_conflicts_total", "counter",
+           "Registrations that found another live worker claiming the same instance id and rank (reported).",
+           [("", core.instance_conflicts())])
     metric("kvmesh_controller_registrations_refused_total", "counter",
-           "Registrations refused for a limit (--max-producers, --min/--max-chunk-size, --max-key-param-sets).",
+           "Registrations refused for a limit (--max-producers, --min/--max-chunk-size, --max-key-param-sets, "
+           "host/ip length).",
            [(f'reason="{reason}"', n) for reason, n in sorted(stats.registrations_refused.items())])
     metric("kvmesh_controller_producers_forgotten_total", "counter",
            "Producers forgotten after --producer-expiry-secs down (keys dropped, slot reused).",

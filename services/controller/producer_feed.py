@@ -15,8 +15,11 @@ there, docs/security.md); the body must agree with it. A registration binds a pr
 worker's id is derived from its instance, a store's is its principal's name) unless another live path owns that
 id; events and heartbeats count only from the path their producer registered from. Anything else is dropped and
 counted in `forged_messages`; a heartbeat of an unknown producer makes it announce itself again. A registration
-past a limit (`ProducerTable.refusal`: producer count, chunk_size, key parameter sets) is refused with a
-WARNING and counted in `registrations_refused`.
+past a limit (`ProducerTable.refusal`: producer count, chunk_size, key parameter sets, host/ip length) is refused
+with a WARNING and counted in `registrations_refused`. Engine worker ids end in a per-process tag
+(`protocol.worker_id_for`), so replicas sharing an instance id are distinct producers on distinct paths; when
+several live ones claim the same instance id and rank, the controller logs a WARNING and sends each an
+`InstanceConflict` (they log one too); the instance id is served by one of them (`ProducerTable` docs).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from nats.aio.subscription import Subscription
 from kvmesh.shared.aio import cancel_and_wait
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.errors import MeshUnavailable, ProtocolError
-from kvmesh.shared.protocol import ProducerPath, Subjects, worker_id_for
+from kvmesh.shared.protocol import ProducerPath, Subjects, is_worker_id_of
 from kvmesh.services.controller.producers import ProducerTable
 
 log = logging.getLogger(__name__)
@@ -73,6 +76,7 @@ class ProducerFeed:
         self.sync_requests_sent = 0
         self.bad_messages = 0
         self.forged_messages = 0
+        self.conflicts_reported = 0
 
     async def start(self) -> None:
         limits = dict(pending_msgs_limit=bus.PENDING_MSGS_LIMIT, pending_bytes_limit=bus.PENDING_BYTES_LIMIT)
@@ -146,9 +150,11 @@ class ProducerFeed:
             log.warning("controller: refused %s", message)
             return
         if isinstance(reg, protocol.RegisterEngine):
-            self.table.on_register_engine(reg, self.clock(), path)
-            log.info("registered engine worker %s (instance %s, rank %d/%d)", reg.worker_id, reg.instance_id,
-                     reg.rank, reg.world_size)
+            claimants = self.table.on_register_engine(reg, self.clock(), path)
+            log.info("registered engine worker %s (instance %s, rank %d/%d, host %s)", reg.worker_id,
+                     reg.instance_id, reg.rank, reg.world_size, reg.host or "?")
+            if claimants:
+                await self._report_conflict(reg.instance_id, reg.rank, claimants)
         else:
             self.table.on_register_store(reg, self.clock(), path)
             log.info("registered store %s (%s)", reg.store_id, reg.location)
@@ -159,7 +165,7 @@ class ProducerFeed:
         if isinstance(reg, protocol.RegisterEngine):
             producer_id, role = reg.worker_id, "engine"
             valid = sender is not None and sender.owns(reg.instance_id, reg.worker_id) and (
-                reg.worker_id == worker_id_for(reg.instance_id, reg.world_size, reg.rank))
+                is_worker_id_of(reg.worker_id, reg.instance_id, reg.world_size, reg.rank))
         else:
             producer_id, role = reg.store_id, "store"
             valid = sender is not None and sender.owns(reg.store_id, reg.store_id)
@@ -172,6 +178,25 @@ class ProducerFeed:
             self._forged(f"{sender.path} registering {producer_id!r}, which {owner} holds while alive")
             return None
         return sender.path
+
+    async def _report_conflict(self, instance_id: str, rank: int, claimants: list[str]) -> None:
+        """Several live workers claim one instance id and rank: a WARNING here, and one on each of them."""
+        serving = self.table.instances.get(instance_id, {}).get(rank, "")
+        names = [self._describe(worker_id) for worker_id in claimants]
+        self.conflicts_reported += 1
+        log.warning("controller: instance id %r rank %d is claimed by %d live workers: %s; not merged: the "
+                    "instance id is served by %s only (see duplicate_workers in GET /instances). Give each vLLM "
+                    "replica its own lmcache_instance_id", instance_id, rank, len(names), "; ".join(names), serving)
+        notice = protocol.InstanceConflict(instance_id=instance_id, rank=rank, serving=serving, others=names)
+        for worker_id in claimants:
+            await bus.publish(self.nc, Subjects.worker(instance_id, worker_id, protocol.CONFLICT_OP), notice)
+
+    def _describe(self, worker_id: str) -> str:
+        producer = self.table.producer(worker_id)
+        reg = producer.engine if producer is not None else None
+        if reg is None or not (reg.host or reg.ip):
+            return worker_id
+        return f"{worker_id} on {reg.host or '?'} ({reg.ip or '?'})"
 
     def _from_registered(self, msg: Msg, wildcard: str, producer_id: str) -> bool:
         """Whether `msg` came from the path `producer_id` registered from; else it is dropped and counted."""

@@ -7,6 +7,11 @@ A *producer* is an engine worker (one per vLLM rank; its CPU tier, location Loca
 (LocalDiskBackend / RemoteBackend), named by `producer_id` (worker_id or store_id). Each owns one slot of the
 HolderIndex. An *instance* is the set of engine workers sharing an `instance_id`, one per rank.
 
+Several live workers may claim the same instance id and rank (vLLM replicas started with the same, usually the
+default, lmcache_instance_id; each engine process has its own worker_id). They are never merged: the instance id
+is served (lookups, commands, health) by one claimant per rank, the latest registered of the live ones (so a
+restarted engine takes over from its silent predecessor at once), and `conflicts()` reports the others.
+
 Consistency, per producer: batches are numbered 1, 2, 3, ...; the controller applies batch `last_seq + 1`.
 A gap (a higher seq, a heartbeat still claiming a higher seq after a grace period, a seq that went back to 1
 or below ours: a restarted producer) sets `needs_sync`, and a SyncRequest goes out. A full sync is the
@@ -27,6 +32,7 @@ from kvmesh.shared.keys import ChunkKey, KeyParams
 
 log = logging.getLogger(__name__)
 
+MAX_HOST_LEN = 255  # a DNS name's limit: longer host / ip fields in a registration are refused
 MAX_CONCURRENT_SYNCS = 4  # per producer; more means parts are being lost, and older ones are dropped
 
 KeySpec = tuple[KeyParams, int, bool]  # (params, chunk_size, save_unfull_chunk): one ChunkHasher per lookup
@@ -121,7 +127,8 @@ class ProducerTable:
         self.sync_retry_s = sync_retry_s
         self.heartbeat_grace_s = heartbeat_grace_s
         self.producers: dict[str, Producer] = {}
-        self.instances: dict[str, dict[int, str]] = {}  # instance_id -> rank -> worker_id
+        self.instances: dict[str, dict[int, str]] = {}  # instance_id -> rank -> the worker_id serving it
+        self.claims: dict[str, dict[int, list[str]]] = {}  # instance_id -> rank -> claimants, latest last
         self.version = 0
         self.stats = IngestStats()
         self._alive_mask = 0
@@ -190,6 +197,7 @@ class ProducerTable:
             producer.alive = True
             self._alive_mask |= 1 << producer.slot
             self.version += 1
+            self._elect_for(producer)
             log.info("producer %s is back", producer.producer_id)
 
     def _registered(self, producer: Producer, started_at: float, previous_started_at: float | None,
@@ -230,6 +238,8 @@ class ProducerTable:
                                      f"the limit (--max-producers {limits.max_producers})")
         if not isinstance(reg, protocol.RegisterEngine):
             return None
+        if len(reg.host) > MAX_HOST_LEN or len(reg.ip) > MAX_HOST_LEN:
+            return "host", (f"registration of {producer_id!r}: host or ip longer than {MAX_HOST_LEN} characters")
         if not limits.min_chunk_size <= reg.chunk_size <= limits.max_chunk_size:
             return "chunk_size", (f"registration of {producer_id!r}: chunk_size {reg.chunk_size} is outside "
                                   f"[{limits.min_chunk_size}, {limits.max_chunk_size}] (--min/--max-chunk-size)")
@@ -244,44 +254,100 @@ class ProducerTable:
         return None
 
     def _set_spec(self, producer: Producer, reg: protocol.RegisterEngine | None) -> None:
-        if producer.engine is not None:
-            old = key_spec(producer.engine)
+        self._set_spec_of(producer.engine, reg)
+
+    def _set_spec_of(self, old_reg: protocol.RegisterEngine | None, reg: protocol.RegisterEngine | None) -> None:
+        if old_reg is not None:
+            old = key_spec(old_reg)
             self.key_specs[old] -= 1
             if not self.key_specs[old]:
                 del self.key_specs[old]
         if reg is not None:
             self.key_specs[key_spec(reg)] += 1
 
-    def on_register_engine(self, reg: protocol.RegisterEngine, now: float, path: str | None = None) -> None:
+    def on_register_engine(self, reg: protocol.RegisterEngine, now: float, path: str | None = None) -> list[str]:
+        """Take an engine worker's registration; returns the live workers claiming its instance id and rank
+        when there is more than one (a conflict to report), else []."""
         producer = self._get_or_create(reg.worker_id, now, LOCAL_CPU)
         producer.path = path
         self._set_spec(producer, reg)
-        previous = producer.engine.started_at if producer.engine is not None else None
-        if producer.engine is not None and producer.engine.instance_id != reg.instance_id:
-            self._forget_rank(producer.engine.instance_id, producer.engine.rank, reg.worker_id)
-        if producer.engine is not None and producer.engine.rank != reg.rank:
-            self._forget_rank(reg.instance_id, producer.engine.rank, reg.worker_id)
+        old = producer.engine
+        previous = old.started_at if old is not None else None
+        if old is not None and (old.instance_id, old.rank) != (reg.instance_id, reg.rank):
+            self._unclaim(old.instance_id, old.rank, reg.worker_id)
         producer.engine, producer.store, producer.location = reg, None, LOCAL_CPU
-        self.instances.setdefault(reg.instance_id, {})[reg.rank] = reg.worker_id
         self._registered(producer, reg.started_at, previous, now)
+        self._claim(reg.instance_id, reg.rank, reg.worker_id, fresh=previous != reg.started_at)
+        return self.conflicts(reg.instance_id).get(reg.rank, [])
 
     def on_register_store(self, reg: protocol.RegisterStore, now: float, path: str | None = None) -> None:
         producer = self._get_or_create(reg.store_id, now, reg.location)
         producer.path = path
         if producer.engine is not None:  # the id was an engine worker's: it is one no more
-            self._forget_rank(producer.engine.instance_id, producer.engine.rank, producer.producer_id)
-            self._set_spec(producer, None)
-            producer.engine = None
+            old, producer.engine = producer.engine, None
+            self._unclaim(old.instance_id, old.rank, producer.producer_id)
+            self._set_spec_of(old, None)
         previous = producer.store.started_at if producer.store is not None else None
         producer.store, producer.location = reg, reg.location
         self._registered(producer, reg.started_at, previous, now)
 
-    def _forget_rank(self, instance_id: str, rank: int, worker_id: str) -> None:
-        ranks = self.instances.get(instance_id)
-        if ranks is not None and ranks.get(rank) == worker_id:
+    # ---------------------------------------------------------------------------------------------------
+    # Instance ids: who claims them, who serves them
+
+    def _claim(self, instance_id: str, rank: int, worker_id: str, fresh: bool) -> None:
+        """`worker_id` claims `instance_id`'s `rank`; a new or restarted claimant goes last (the latest)."""
+        claimants = self.claims.setdefault(instance_id, {}).setdefault(rank, [])
+        if worker_id in claimants and fresh:
+            claimants.remove(worker_id)
+        if worker_id not in claimants:
+            claimants.append(worker_id)
+        self._elect(instance_id, rank)
+
+    def _unclaim(self, instance_id: str, rank: int, worker_id: str) -> None:
+        ranks = self.claims.get(instance_id, {})
+        claimants = ranks.get(rank, [])
+        if worker_id in claimants:
+            claimants.remove(worker_id)
+            if not claimants:
+                del ranks[rank]
+                if not ranks:
+                    del self.claims[instance_id]
+        self._elect(instance_id, rank)
+
+    def _elect(self, instance_id: str, rank: int) -> None:
+        """Serve `instance_id`'s `rank` from its latest live claimant (else its latest claimant)."""
+        claimants = self.claims.get(instance_id, {}).get(rank, [])
+        live = [w for w in claimants if self.producers[w].alive]
+        serving = (live or claimants or [None])[-1]
+        ranks = self.instances.get(instance_id, {})
+        if ranks.get(rank) == serving:
+            return
+        if serving is None:
             del ranks[rank]
             if not ranks:
                 del self.instances[instance_id]
+        else:
+            self.instances.setdefault(instance_id, {})[rank] = serving
+        self.version += 1
+
+    def _elect_for(self, producer: Producer) -> None:
+        if producer.engine is not None:
+            self._elect(producer.engine.instance_id, producer.engine.rank)
+
+    def conflicts(self, instance_id: str) -> dict[int, list[str]]:
+        """rank -> its live claimants, for every rank of `instance_id` that more than one live worker claims."""
+        found: dict[int, list[str]] = {}
+        for rank, claimants in self.claims.get(instance_id, {}).items():
+            live = [w for w in claimants if self.producers[w].alive]
+            if len(live) > 1:
+                found[rank] = live
+        return found
+
+    def duplicates_of(self, instance_id: str) -> list[Producer]:
+        """The live workers claiming `instance_id` that do not serve it (a conflict), by rank."""
+        serving = set(self.instances.get(instance_id, {}).values())
+        return [self.producers[w] for rank, live in sorted(self.conflicts(instance_id).items())
+                for w in live if w not in serving]
 
     # ---------------------------------------------------------------------------------------------------
     # Events
@@ -401,10 +467,10 @@ class ProducerTable:
 
     def forget(self, producer: Producer) -> None:
         """Drop a producer: its keys, its registration and its slot (reused by the next new producer)."""
-        if producer.engine is not None:
-            self._forget_rank(producer.engine.instance_id, producer.engine.rank, producer.producer_id)
-            self._set_spec(producer, None)
         del self.producers[producer.producer_id]
+        if producer.engine is not None:
+            self._unclaim(producer.engine.instance_id, producer.engine.rank, producer.producer_id)
+            self._set_spec(producer, None)
         self._alive_mask &= ~(1 << producer.slot)
         self.index.release_slot(producer.slot)
         self.stats.producers_forgotten += 1
@@ -424,6 +490,7 @@ class ProducerTable:
                 producer.alive = False
                 self._alive_mask &= ~(1 << producer.slot)
                 self.version += 1
+                self._elect_for(producer)
                 log.warning("producer %s silent for %.1fs: marked down; its keys leave lookups until it returns",
                             producer.producer_id, now - producer.last_seen)
             if producer.claimed_seq:

@@ -31,7 +31,6 @@ import asyncio
 import logging
 import socket
 import time
-import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,26 +50,9 @@ from kvmesh.services.remote_store.stream_server import StreamServer
 log = logging.getLogger(__name__)
 
 
-def route_address(nats_url: str) -> str | None:
-    """The local address this host uses to reach the (first) NATS server: clients of NATS can reach it too.
-
-    A UDP `connect` only asks the kernel for a route; no packet is sent.
-    """
-    parsed = urllib.parse.urlsplit(bus.normalize_url(nats_url.split(",")[0]))
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(parsed.hostname or "127.0.0.1", parsed.port or 4222,
-                                                             type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.connect(address)
-            return probe.getsockname()[0]
-    except OSError as exc:
-        log.warning("could not find the route to NATS %s (%s)", nats_url, exc)
-        return None
-
-
 def stream_addresses(options: RemoteStoreOptions) -> tuple[str, str]:
     """(listen host, advertised host) of the stream."""
-    route = route_address(options.nats_url)
+    route = bus.route_address(options.nats_url)
     listen = options.stream_host or route or "0.0.0.0"
     wildcard = listen in ("0.0.0.0", "::", "")
     advertise = options.advertise_host or (route or socket.gethostname() if wildcard else listen)

@@ -20,6 +20,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import secrets
+import socket
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -38,7 +41,7 @@ from kvmesh.services.engine.core.paged_copy import PagedCopier
 from kvmesh.services.engine.core.storage_manager import RateLimitedLog, StorageManager
 from kvmesh.services.engine.mesh.worker_agent import WorkerAgent
 from kvmesh.services.remote_store.client import RemoteStoreClient
-from kvmesh.shared import protocol
+from kvmesh.shared import bus, protocol
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.eviction import Clock
 from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyExtras, KeyParams, chunk_spans
@@ -67,7 +70,9 @@ class CacheEngine:
         self.key_params = key_params
         # The worker's place in its instance; key_params may name another shard (MLA: one for all ranks).
         self.world_size, self.rank = key_params.world_size, key_params.rank
-        self.worker_id = worker_id_for(config.lmcache_instance_id, self.world_size, self.rank)
+        # Tagged with this process (and engine): replicas keeping the same lmcache_instance_id stay distinct.
+        self.worker_id = worker_id_for(config.lmcache_instance_id, self.world_size, self.rank,
+                                       f"{os.getpid()}-{secrets.token_hex(3)}")
         self.writes_lower_tiers = True  # False on ranks > 0 of a replicated (MLA) cache: rank 0 writes them
         self.lora_adapters: dict[str, str] = {}  # LoRA name -> identity, as seen in requests (registration)
         self.use_mesh = use_mesh
@@ -78,6 +83,7 @@ class CacheEngine:
         self._rlog = RateLimitedLog(log)
         self._closed = False
         self._started_at = time.time()
+        self._ip = ""  # the address this host reaches NATS from (registration)
         self.layout: KVLayout | None = None
         self.hasher: ChunkHasher | None = None
         self.pool: MemoryPool | None = None
@@ -148,12 +154,14 @@ class CacheEngine:
                         "loads what the tiers hold")
         if self.nats_loop is not None and self._connection is not None:
             self.agent = WorkerAgent(config.lmcache_instance_id, self.worker_id, self.hasher, self.storage,
-                                     self._registration, heartbeat_interval=config.heartbeat_interval_secs)
+                                     self._registration, self._meta_mismatch,
+                                     heartbeat_interval=config.heartbeat_interval_secs)
             self.nats_loop.submit(self.storage.start()).result(5.0)
             self.nats_loop.on_connected(self._on_connected)
             self.nats_loop.on_close(self.agent.stop)
             self.nats_loop.on_close(self.storage.stop)
             url = self._connection.url
+            self._ip = bus.route_address(url) or ""
             principal = protocol.Principal.engine(config.lmcache_instance_id)
             self.nats_loop.connect(url, credentials_for(url, principal, auth_from_config(config)))
         log.info("cache engine %s: chunk %d tokens = %.1f MiB (%s), CPU pool %d chunks%s%s", self.worker_id,
@@ -163,9 +171,11 @@ class CacheEngine:
 
     @property
     def store_caller(self) -> str:
-        """This rank's path towards the stores, `engine.<instance_id>.<worker_id>`: its puts are claimed under it,
-        and the controller's `/clear` (through this rank's `clear`) takes back only those claims."""
-        return protocol.Principal.engine(self.config.lmcache_instance_id).producer(self.worker_id)
+        """This rank's path towards the stores, `engine.<instance_id>.<instance_id>[.r<rank>]`: its puts are claimed
+        under it, and the controller's `/clear` (through this rank's `clear`) takes back only those claims. It
+        leaves out the process tag of `worker_id`, so a restarted vLLM still clears what it put before."""
+        rank_id = worker_id_for(self.config.lmcache_instance_id, self.world_size, self.rank)
+        return protocol.Principal.engine(self.config.lmcache_instance_id).producer(rank_id)
 
     def _registration(self) -> protocol.RegisterEngine:
         assert self.plan is not None
@@ -174,7 +184,8 @@ class CacheEngine:
             kv_format=self.key_params.kv_format, world_size=self.world_size, rank=self.rank,
             chunk_size=self.config.chunk_size, save_unfull_chunk=self.config.save_unfull_chunk,
             disk_store=self.plan.disk_store, remote_stores=list(self.plan.remote_stores), started_at=self._started_at,
-            kv_replicated=self.key_params.world_size != self.world_size, lora_adapters=dict(self.lora_adapters))
+            kv_replicated=self.key_params.world_size != self.world_size, lora_adapters=dict(self.lora_adapters),
+            host=socket.gethostname(), ip=self._ip)
 
     def note_lora(self, lora_name: str, lora_id: str) -> None:
         """A request used this LoRA adapter: register it, so /lookup, /pin and /unpin can name it."""

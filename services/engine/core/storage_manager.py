@@ -10,7 +10,8 @@ One walk: `locate` finds where the held prefix of some chunks lives, as consecut
 tier checked first at every position, then each lower tier in order with one `contains` for all the keys
 still to place). A lookup sums the runs; a fetch (`fetch`, used by retrieves and prefetches) then reads the
 lower runs into pool slots without asking the stores again. One dispatch: `command` runs the controller's
-pin / unpin / clear / lookup on whichever tier the location names (`Tier` in shared/tier.py).
+pin / unpin / clear / lookup on whichever tier the location names (`Tier` in shared/tier.py), and move / copy
+from one tier to another (`move`).
 
 Data path of one chunk: pool slot (filled by the paged gather) -> CPU tier -> write-behind queue -> checksum of
 the slot's bytes (a worker thread; every store put carries one and the stores refuse bytes that do not match it)
@@ -50,7 +51,8 @@ log = logging.getLogger(__name__)
 LOCATION_ALIASES = {"Hot": LOCAL_CPU, "LocalCPUBackend": LOCAL_CPU, "LocalDiskBackend": LOCAL_DISK,
                     "RemoteBackend": REMOTE}
 ALL_LOCATIONS = frozenset(LOCATIONS)
-COMMAND_OPS = ("pin", "unpin", "clear", "lookup")
+TIER_OPS = ("pin", "unpin", "clear", "lookup")  # `command`: one tier
+COMMAND_OPS = (*TIER_OPS, "move")  # what the worker agent answers (`move`: from one tier to another)
 # what a loaded chunk's meta says differently from what its span's key must hold; None when it matches
 CheckMeta = Callable[[ChunkSpan, ChunkMeta], "str | None"]
 
@@ -449,8 +451,8 @@ class StorageManager:
         Raises ValueError for an unknown op or location and LookupError for a location this engine does not
         have (or whose client is not connected yet).
         """
-        if op not in COMMAND_OPS:
-            raise ValueError(f"unknown op {op!r} (known: {', '.join(COMMAND_OPS)})")
+        if op not in TIER_OPS:
+            raise ValueError(f"unknown op {op!r} (known: {', '.join(TIER_OPS)})")
         if location not in LOCATIONS:
             raise ValueError(f"unknown location {location!r} (known: {', '.join(LOCATIONS)})")
         tier = self.tier(location)
@@ -465,6 +467,57 @@ class StorageManager:
         if op == "clear":
             return await tier.clear()
         return sum(span.num_tokens for span in spans[:await tier.contains(keys)])
+
+    async def move(self, spans: Sequence[ChunkSpan], source: str, target: str, keep_source: bool,
+                   check: CheckMeta) -> int:
+        """Copy the contiguous prefix of `spans` held at `source` to `target` (both this worker's tiers), one
+        chunk at a time through a pool slot; unless `keep_source`, the copied chunks then leave `source`. The
+        tokens copied. Only the CPU tier may be left: a store is shared, and removing a chunk there would take
+        it from every instance (ValueError)."""
+        for location in (source, target):
+            if location not in LOCATIONS:
+                raise ValueError(f"unknown location {location!r} (known: {', '.join(LOCATIONS)})")
+            if self.tier(location) is None:
+                raise LookupError(f"no {location} configured here (or its store client is not connected)")
+        if source == target:
+            raise ValueError(f"source and target are both {source}")
+        if not keep_source and source != LOCAL_CPU:
+            raise ValueError(f"{source} is shared with other instances: moving out of it would remove their "
+                             "chunks too; copy instead (should_copy)")
+        moved: list[ChunkSpan] = []
+        for span in spans:
+            ref = await self._read(source, span, check)
+            if ref is None or not await self._write_to(target, ref):
+                break
+            moved.append(span)
+        if not keep_source:
+            for span in moved:
+                self.cpu.remove(span.key)
+        return sum(span.num_tokens for span in moved)
+
+    async def _read(self, location: str, span: ChunkSpan, check: CheckMeta) -> ChunkRef | None:
+        """One chunk of `location` in a slot the caller owns a reference of; None on a miss."""
+        if location == LOCAL_CPU:
+            return self.cpu.acquire(span.key)
+        slot = self.cpu.allocate()
+        if slot is None:
+            return None
+        meta = await self._get_one(self._lower[location], span, slot, check)
+        if meta is None:
+            slot.release()
+            return None
+        return ChunkRef(meta, slot)
+
+    async def _write_to(self, location: str, ref: ChunkRef) -> bool:
+        """Hand `ref` (and its slot reference) to `location`: True once it holds the chunk."""
+        if location == LOCAL_CPU:
+            return self.cpu.put(ref.meta, ref.slot) or ref.meta.key in self.cpu
+        try:
+            buffer = ref.slot.chunk_buffer(ref.meta.nbytes)
+            digest = await asyncio.to_thread(checksum, buffer.view[:ref.meta.nbytes])
+            return await self._lower[location].put(dataclasses.replace(ref.meta, checksum=digest), buffer) is True
+        finally:
+            ref.release()
 
     # ---- known-held: chunks every lower tier has (so a store does not gather and send them again) ------------
     def known_held(self, key: ChunkKey) -> bool:

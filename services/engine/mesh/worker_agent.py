@@ -4,10 +4,13 @@ Runs entirely on the engine's NATS loop thread, started once NATS is first reach
   * registers the worker (`RegisterEngine` on `Subjects.register(path)`), heartbeats, publishes batched
     admission/eviction events of the CPU tier with sequence numbers and answers full-sync requests (all
     through `AdmissionReporter`, producer_id = worker_id, location LocalCPUBackend);
-  * answers `WorkerCommand`s on `Subjects.worker(instance_id, worker_id, op)` for op in pin / unpin / clear / lookup at any
-    location, through the storage manager's one dispatch (`StorageManager.command`; tokens are hashed with
-    the engine's ChunkHasher and the command's extras), replying `CommandReply(num_tokens=...)`;
-  * answers health requests as service "engine".
+  * answers `WorkerCommand`s on `Subjects.worker(instance_id, worker_id, op)` for op in pin / unpin / clear /
+    lookup at any location, through the storage manager's one dispatch (`StorageManager.command`), and move
+    (`StorageManager.move`: a copy from `location` to `target`); tokens are hashed with the engine's
+    ChunkHasher and the command's extras; the reply is `CommandReply(num_tokens=...)`;
+  * answers health requests as service "engine";
+  * logs a WARNING when the controller says other live workers claim this worker's instance id and rank
+    (`InstanceConflict`: replicas started with the same lmcache_instance_id).
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ import time
 from typing import Callable
 
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from kvmesh.services.engine.core.storage_manager import COMMAND_OPS, StorageManager
+from kvmesh.services.engine.core.storage_manager import COMMAND_OPS, CheckMeta, StorageManager
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.admissions import AdmissionReporter
 from kvmesh.shared.keys import ChunkHasher
@@ -28,23 +32,27 @@ from kvmesh.shared.service import serve_health
 
 log = logging.getLogger(__name__)
 
+MAX_CONFLICT_NAMES = 8  # a conflict notice is untrusted input: log this many claimants at most
+
 
 class WorkerAgent:
     """Registration, events and controller commands of one engine worker."""
 
     def __init__(self, instance_id: str, worker_id: str, hasher: ChunkHasher, storage: StorageManager,
-                 registration: Callable[[], protocol.RegisterEngine], heartbeat_interval: float = 2.0,
-                 flush_interval: float = 0.05) -> None:
+                 registration: Callable[[], protocol.RegisterEngine], check_meta: CheckMeta,
+                 heartbeat_interval: float = 2.0, flush_interval: float = 0.05) -> None:
         self.instance_id = instance_id
         self.worker_id = worker_id
         self.path = protocol.Principal.engine(instance_id).producer(worker_id)
         self.hasher = hasher
         self.storage = storage
+        self.check_meta = check_meta  # a chunk read from a store for a move must be what its key holds
         self.cpu = storage.cpu
         self.reporter = AdmissionReporter(worker_id, self.path, LOCAL_CPU, self.cpu.held_keys, registration,
                                           flush_interval=flush_interval, heartbeat_interval=heartbeat_interval)
         self._subs: list[Subscription] = []
         self._started = False
+        self._last_conflict: tuple[str, tuple[str, ...]] | None = None
 
     async def start(self, nc: NatsClient) -> None:
         # Report events from now on; the reporter's first full sync covers what was admitted before.
@@ -52,6 +60,8 @@ class WorkerAgent:
         for op in COMMAND_OPS:
             self._subs.append(await bus.serve(nc, protocol.Subjects.worker(self.instance_id, self.worker_id, op),
                                               WorkerCommand, self._make_handler(op)))
+        self._subs.append(await nc.subscribe(
+            protocol.Subjects.worker(self.instance_id, self.worker_id, protocol.CONFLICT_OP), cb=self._on_conflict))
         await serve_health(nc, "engine", self.worker_id, self.path, self._health)
         await self.reporter.start(nc)
         self._started = True
@@ -74,6 +84,22 @@ class WorkerAgent:
         self._subs = []
         self._started = False
 
+    async def _on_conflict(self, msg: Msg) -> None:
+        try:
+            notice = protocol.decode(msg.data, protocol.InstanceConflict)
+        except protocol.ProtocolError as exc:
+            log.debug("worker %s: dropped a bad conflict notice: %s", self.worker_id, exc)
+            return
+        seen = (notice.serving, tuple(notice.others[:MAX_CONFLICT_NAMES]))
+        if seen == self._last_conflict:
+            return  # said once already
+        self._last_conflict = seen
+        role = "this worker" if notice.serving == self.worker_id else f"worker {notice.serving!r}"
+        log.warning("instance id %r (rank %d) is claimed by %d live workers: %s. They are not merged: the "
+                    "controller serves the instance id from %s only. Give each vLLM replica its own "
+                    "lmcache_instance_id", notice.instance_id, notice.rank, len(notice.others),
+                    "; ".join(notice.others[:MAX_CONFLICT_NAMES]), role)
+
     def _health(self) -> dict[str, object]:
         return {"worker_id": self.worker_id, "cpu_chunks": len(self.cpu), "cpu_used_bytes": self.cpu.used_bytes,
                 "write_behind_queue": self.storage.queue_depth, "time": time.time()}
@@ -90,7 +116,11 @@ class WorkerAgent:
         """Run one command; the reply's num_tokens is what actually happened (tokens pinned, cleared, found)."""
         spans = self.hasher.spans(command.tokens, extras=command.extras) if command.op != "clear" else []
         try:
-            num_tokens = await self.storage.command(command.op, command.location, spans, command.ttl_secs)
+            if command.op == "move":
+                num_tokens = await self.storage.move(spans, command.location, command.target, command.keep_source,
+                                                     self.check_meta)
+            else:
+                num_tokens = await self.storage.command(command.op, command.location, spans, command.ttl_secs)
         except (ValueError, LookupError) as exc:
             return CommandReply(ok=False, error=f"worker {self.worker_id}: {exc}")
         except Exception as exc:
