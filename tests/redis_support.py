@@ -90,14 +90,15 @@ class RedisServer:
 
 
 class RedisClusterServers:
-    """A Redis Cluster of `primaries` redis-servers (no replicas) on free loopback ports, slots spread by
-    `redis-cli --cluster create`; `url` is a redis-cluster:// URL naming two of them as startup nodes."""
+    """A Redis Cluster of `primaries` redis-servers, each with `replicas` replicas, on free loopback ports, slots
+    spread by `redis-cli --cluster create`; `url` is a redis-cluster:// URL naming two of them as startup nodes."""
 
-    def __init__(self, primaries: int = 3) -> None:
+    def __init__(self, primaries: int = 3, replicas: int = 0) -> None:
+        self.replicas = replicas
         # the cluster bus port is given (by default it is the port + 10000, which a free port may not allow)
         self.nodes = [RedisServer("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                                   "--cluster-node-timeout", "5000", "--cluster-port", str(_free_port()))
-                      for _ in range(primaries)]
+                      for _ in range(primaries * (1 + replicas))]
 
     @property
     def url(self) -> str:
@@ -107,17 +108,29 @@ class RedisClusterServers:
         for node in self.nodes:
             node.start()
         subprocess.run([shutil.which("redis-cli") or "/usr/bin/redis-cli", "--cluster", "create",
-                        *[f"127.0.0.1:{node.port}" for node in self.nodes], "--cluster-replicas", "0",
+                        *[f"127.0.0.1:{node.port}" for node in self.nodes], "--cluster-replicas", str(self.replicas),
                         "--cluster-yes"], check=True, stdout=subprocess.DEVNULL, timeout=WAIT_S)
         wait_until(self._ok, WAIT_S, what="cluster_state:ok on every node", interval=0.1)
         return self
 
     def _ok(self) -> bool:
         for node in self.nodes:
+            if node.proc is None:  # killed by the test
+                continue
             with node.client() as client:
                 if client.cluster("info").get("cluster_state") != "ok":
                     return False
         return True
+
+    def primaries(self) -> list[RedisServer]:
+        """The running nodes that serve slots now (a promoted replica among them after a failover)."""
+        out = []
+        for node in self.nodes:
+            if node.proc is not None:
+                with node.client() as client:
+                    if client.info("replication")["role"] == "master":
+                        out.append(node)
+        return out
 
     def stop(self) -> None:
         for node in self.nodes:

@@ -280,6 +280,32 @@ async def test_sentinel_failover_keeps_the_chunks() -> None:
             await tier.close()
 
 
+async def test_a_cluster_primary_dies_and_its_replica_takes_over() -> None:
+    """Three primaries with a replica each: one primary killed, its replica promoted; reads during the failover
+    are hits with the right bytes or misses, never a wrong value, and every chunk is served again after it."""
+    with RedisClusterServers(3, replicas=1) as cluster:
+        tier = RedisTier(parse_redis_url(cluster.url), "engine.one.one", timeout=1.0, retry_interval=0.0)
+        try:
+            items = [chunk(80 + i) for i in range(12)]
+            for meta, data in items:
+                assert await put(tier, meta, data)
+            victim = cluster.primaries()[0]
+            with victim.client() as client:
+                on_victim = client.keys("kvmesh:chunk:*")  # this shard's chunks only
+                client.wait(1, int(WAIT_S * 1000))  # its replica has every write
+            assert on_victim
+            victim.kill()
+            for meta, data in items:  # during the failover: right bytes or a miss
+                assert await get(tier, meta) in (None, data)
+            wait_until(lambda: len(cluster.primaries()) == 3, what="the replica promoted")
+
+            async def all_served() -> bool:
+                return all([await get(tier, meta) == data for meta, data in items])
+            await wait_until_async(all_served, what="every chunk served after the failover")
+        finally:
+            await tier.close()
+
+
 # ---- through the cache engine ----------------------------------------------------------------------------------
 def test_two_engines_share_a_chunk_through_redis(redis_server: RedisServer) -> None:
     """Engine one stores; engine two (another instance, its own CPU tier and KV cache) retrieves it bit-exact
