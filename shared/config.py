@@ -28,6 +28,8 @@ import yaml
 from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.eviction import POLICY_NAMES
 from kvmesh.shared.lmcache_keys import IGNORED, LMCACHE_KEYS, remote_url_problem, warn_ignored
+from kvmesh.shared.redis_keys import PREFIX_RULE, prefix_ok
+from kvmesh.shared.redis_url import RedisTarget, is_redis_url, parse_redis_url
 
 GB = 1024**3
 ENV_PREFIX = "LMCACHE_"
@@ -103,6 +105,10 @@ class EngineConfig:
     remote_stream_connections: int = 4  # open stream connections per remote partition
     # LMCACHE_FORCE_SKIP_SAVE (LMCache reads it only as a variable): the engine stores nothing while it is true
     force_skip_save: bool = False
+    # the remote tier on Redis / Valkey (remote_url redis://..., shared/redis_url.py; docs/config.md)
+    redis_key_prefix: str = "kvmesh"  # namespace of every key KVMesh writes, so deployments can share one Redis
+    redis_timeout_secs: float = 2.0  # a Redis connect or command (plus nbytes / remote_min_transfer_mb_per_s)
+    redis_chunk_ttl_secs: float = 604800.0  # TTL of unpinned chunks: makes them volatile (evictable), pins not
 
     def __post_init__(self) -> None:
         for key, (kind, optional) in _KINDS.items():
@@ -167,6 +173,14 @@ class EngineConfig:
     def remote_size_bytes(self) -> int:
         return int(self.remote_size * GB)
 
+    @property
+    def redis_target(self) -> RedisTarget | None:
+        """The Redis / Valkey a `redis://`-family `remote_url` names (extra_config's `valkey_mode` says whether a
+        `valkey://` one is a cluster); None for any other remote_url. ConfigError when it is malformed."""
+        if self.remote_url is None or not is_redis_url(self.remote_url):
+            return None
+        return parse_redis_url(self.remote_url, self.extra_config)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -175,6 +189,7 @@ class EngineConfig:
         if self.local_disk is not None and self.max_local_disk_size <= 0:
             raise ConfigError(f"max_local_disk_size: must be > 0 when local_disk is set ({self.local_disk!r}); "
                               f"got {self.max_local_disk_size!r}, a disk that could hold nothing")
+        self.redis_target  # a malformed Redis URL raises; it needs extra_config too, so all sources must be in
 
     # ---- internals --------------------------------------------------------------------------------------------
     def _with_file(self, path: str | os.PathLike[str]) -> "EngineConfig":
@@ -245,6 +260,9 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "remote_min_transfer_mb_per_s": _POSITIVE,
     "remote_retry_interval_secs": _NON_NEGATIVE,
     "remote_stream_connections": _AT_LEAST_ONE,
+    "redis_timeout_secs": _POSITIVE,
+    "redis_chunk_ttl_secs": (lambda v: v >= 1, "must be >= 1 (Redis expiries are in whole milliseconds)"),
+    "redis_key_prefix": (prefix_ok, PREFIX_RULE),
     "blend_min_tokens": _NON_NEGATIVE,
     "min_retrieve_tokens": _NON_NEGATIVE,
     "blend_recompute_ratio": (lambda v: 0 <= v <= 1, "must be between 0 and 1"),

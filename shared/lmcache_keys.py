@@ -11,6 +11,8 @@ checks that it does.
 
 import logging
 
+from kvmesh.shared.redis_url import SCHEMES as REDIS_SCHEMES, VALKEY_MODE_KEY
+
 log = logging.getLogger("kvmesh.config")
 
 HONOURED = None  # the table's value for a key KVMesh acts on (docs/config.md, "Engine keys")
@@ -52,7 +54,7 @@ LMCACHE_KEYS: dict[str, str | None] = {
     "priority_limit": "KVMesh stores the chunks of every request, whatever its priority",
     "retrieve_buffer_size": "KVMesh copies chunks from its CPU pool straight into vLLM's paged cache; there is "
                             "no retrieve buffer",
-    "extra_config": "KVMesh reads no extra_config sub-key",
+    "extra_config": "KVMesh reads no extra_config sub-key but valkey_mode",
     "plugin_locations": "KVMesh loads no plugins",
     "audit_actual_remote_url": "KVMesh has no audit backend",
     "error_handling": "KVMesh always turns a failure into a miss or a recompute, never a failed request",
@@ -133,9 +135,8 @@ IGNORED: dict[str, str] = {key: note for key, note in LMCACHE_KEYS.items() if no
 # remote_url: scheme -> what KVMesh makes of it. The NATS schemes name the NATS whose remote stores to use;
 # "lm" (LMCache's own server) and "kvmesh" mean KVMesh's remote store, embedded when no NATS is configured.
 NATS_SCHEMES = frozenset({"nats", "tls", "ws", "wss"})
-REMOTE_SCHEMES = NATS_SCHEMES | {"lm", "kvmesh"}
-# LMCache's other remote backends: redis and valkey are planned, the rest are not.
-NOT_YET_SCHEMES = frozenset({"redis", "rediss", "valkey", "unix", "redis-sentinel", "redis-cluster"})
+# NATS (the mesh's remote stores), KVMesh's own remote store, and Redis / Valkey (shared/redis_url.py)
+REMOTE_SCHEMES = NATS_SCHEMES | {"lm", "kvmesh"} | REDIS_SCHEMES
 
 _warned: set[str] = set()  # keys warned about in this process
 
@@ -152,8 +153,6 @@ def remote_url_problem(url: str) -> str | None:
     if scheme in REMOTE_SCHEMES:
         return None
     supported = ", ".join(f"{s}://" for s in sorted(REMOTE_SCHEMES))
-    if scheme in NOT_YET_SCHEMES:
-        return f"the {scheme}:// backend is not supported yet (supported: {supported})"
     shown = f"scheme {scheme}://" if scheme else "no scheme"
     return f"{url!r} has {shown}, which KVMesh does not serve (supported: {supported})"
 
@@ -162,7 +161,8 @@ def warn_ignored(key: str, value: object, where: str) -> None:
     """The one warning of an LMCache key KVMesh does not act on; extra_config warns once per sub-key."""
     if key == "extra_config" and isinstance(value, dict):
         for sub in value:
-            _warn_once(f"extra_config.{sub}", where, IGNORED[key])
+            if sub != VALKEY_MODE_KEY:  # read with a valkey:// remote_url (shared/redis_url.py)
+                _warn_once(f"extra_config.{sub}", where, IGNORED[key])
     elif key != "extra_config":
         _warn_once(key, where, IGNORED[key])
 

@@ -206,6 +206,11 @@ def remote_store_id(partition: int) -> str:
     return f"remote-{partition}"
 
 
+def redis_store_id(key_prefix: str) -> str:
+    """The id of a Redis / Valkey remote tier: one per key namespace (`redis_key_prefix`), whatever the server."""
+    return f"redis-{Subjects.token(key_prefix)}"
+
+
 M = TypeVar("M")
 _REGISTRY: dict[str, type] = {}
 _TAGS: dict[type, str] = {}

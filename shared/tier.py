@@ -45,6 +45,12 @@ class ChunkBuffer:
     pool_offset: int = 0  # offset of `view` inside that pool
 
 
+def byte_view(view: memoryview) -> memoryview:
+    """`view` as flat bytes (a slot's view may be typed or shaped)."""
+    view = memoryview(view)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
 class Tier(Protocol):
     location: str  # protocol.LOCAL_CPU, LOCAL_DISK or REMOTE
 

@@ -14,7 +14,8 @@ from kvmesh.services.engine.mesh.embedded import EMBED, JOIN, plan_mesh
 from kvmesh.shared import lmcache_keys
 from kvmesh.shared.config import EngineConfig, load_engine_config
 from kvmesh.shared.errors import ConfigError
-from kvmesh.shared.lmcache_keys import IGNORED, LMCACHE_KEYS, NOT_YET_SCHEMES, REMOTE_SCHEMES
+from kvmesh.shared.lmcache_keys import IGNORED, LMCACHE_KEYS
+from kvmesh.shared.redis_url import SCHEMES as REDIS_SCHEMES
 
 DATA = Path(__file__).resolve().parent / "data" / "lmcache"
 FILES = sorted(DATA.glob("*.yaml"))
@@ -43,8 +44,8 @@ def file_keys(path: Path) -> dict[str, object]:
 def expected_warnings(data: dict[str, object]) -> list[str]:
     names = []
     for key, value in data.items():
-        if key == "extra_config":
-            names += [f"extra_config.{sub}" for sub in value]  # type: ignore[union-attr]
+        if key == "extra_config":  # valkey_mode is read (a valkey:// remote_url): no warning
+            names += [f"extra_config.{sub}" for sub in value if sub != "valkey_mode"]  # type: ignore[union-attr]
         elif key in IGNORED:
             names.append(key)
     return names
@@ -172,14 +173,13 @@ def test_supported_remote_url_schemes_work(url: str) -> None:
         assert plan.mode == JOIN and plan.nats_url == url
 
 
-@pytest.mark.parametrize("scheme", sorted(NOT_YET_SCHEMES))
-def test_redis_family_is_not_supported_yet(scheme: str) -> None:
-    with pytest.raises(ConfigError) as exc:
-        load_engine_config(environ={"LMCACHE_REMOTE_URL": f"{scheme}://cache-host:6379"})
-    message = str(exc.value)
-    assert message.startswith("LMCACHE_REMOTE_URL: ")
-    assert f"the {scheme}:// backend is not supported yet" in message
-    assert all(f"{s}://" in message for s in REMOTE_SCHEMES)
+@pytest.mark.parametrize("scheme", sorted(REDIS_SCHEMES))
+def test_redis_family_is_the_engines_own_tier(scheme: str) -> None:
+    url = {"unix": "unix:///run/redis.sock", "redis-sentinel": "redis-sentinel://cache-host:26379/mymaster"}.get(
+        scheme, f"{scheme}://cache-host:6379")
+    config = load_engine_config(environ={"LMCACHE_REMOTE_URL": url})
+    plan = plan_mesh(config)
+    assert plan.redis and plan.remote_stores == ["redis-kvmesh"] and not plan.services
 
 
 @pytest.mark.parametrize("url", ["mooncakestore://host:50051/", "infinistore://host:12345", "s3://bucket/kv",
@@ -191,9 +191,10 @@ def test_other_remote_urls_are_refused_naming_the_supported_schemes(url: str, tm
         load_engine_config(environ={"LMCACHE_CONFIG_FILE": str(path)})
     message = str(exc.value)
     assert f"config file {path}: remote_url: {url!r}" in message
-    assert "does not serve (supported: kvmesh://, lm://, nats://, tls://, ws://, wss://)" in message
+    assert ("does not serve (supported: kvmesh://, lm://, nats://, redis://, redis-cluster://, redis-sentinel://, "
+            "rediss://, tls://, unix://, valkey://, valkeys://, ws://, wss://)") in message
 
 
 def test_direct_construction_checks_the_scheme_too() -> None:
-    with pytest.raises(ConfigError, match="not supported yet"):
-        EngineConfig(remote_url="redis://localhost:6379")
+    with pytest.raises(ConfigError, match="does not serve"):
+        EngineConfig(remote_url="s3://bucket/kv")

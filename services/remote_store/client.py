@@ -25,7 +25,7 @@ from nats.aio.client import Client as NatsClient
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.errors import KVMeshError
 from kvmesh.shared.keys import ChunkKey
-from kvmesh.shared.tier import ChunkBuffer, StoreLink
+from kvmesh.shared.tier import ChunkBuffer, StoreLink, byte_view
 from kvmesh.services.remote_store.partition import partition_of
 from kvmesh.services.remote_store.stream_client import StreamConnection, StreamPool
 
@@ -82,7 +82,7 @@ class RemoteStoreClient:
     # ---- StoreTier: bytes -------------------------------------------------------------------------
     async def put(self, meta: protocol.ChunkMeta, buffer: ChunkBuffer) -> bool:
         replica = self._replicas[self.partition(meta.key)]
-        data = _bytes_view(buffer.view)[: meta.nbytes]
+        data = byte_view(buffer.view)[: meta.nbytes]
         if len(data) != meta.nbytes:
             log.error("remote put of %s: buffer holds %d bytes, the meta says %d", meta.key.hex(), len(data),
                       meta.nbytes)
@@ -98,7 +98,7 @@ class RemoteStoreClient:
 
     async def get_into(self, key: ChunkKey, buffer: ChunkBuffer) -> protocol.ChunkMeta | None:
         replica = self._replicas[self.partition(key)]
-        view = _bytes_view(buffer.view)
+        view = byte_view(buffer.view)
         reply = await self._on_stream(replica, len(view), lambda conn: conn.get_into(key, view))
         if reply is None or not reply.found:
             if reply is not None and reply.error:
@@ -231,11 +231,6 @@ class RemoteStoreClient:
             link.answered()
             return result
         return None
-
-
-def _bytes_view(view: memoryview) -> memoryview:
-    view = memoryview(view)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def _first_missing(positions: list[int], held: int, total: int) -> int:

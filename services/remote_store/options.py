@@ -3,6 +3,7 @@
     python -m kvmesh.services.remote_store --nats-url URL --max-size-gb F --partition I --partitions N \
         --store-id ID [--cache-policy LRU|LFU|FIFO|MRU] [--persist-dir DIR] \
         [--nats-token T | --nats-user U --nats-password P | --nats-nkey-seed F]
+    python -m kvmesh.services.remote_store --nats-url URL --redis-url redis://HOST:PORT [--redis-key-prefix P]
 
 One definition both ways: `build_parser` + `options_from_args` read the flags, `RemoteStoreOptions.to_args`
 writes them for whoever starts a store process (`kvmesh up`, the engine's embedded mesh). Credentials are
@@ -21,7 +22,9 @@ from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.eviction import POLICY_NAMES
 from kvmesh.shared.local_mesh import ServiceSpec
 from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
-from kvmesh.shared.protocol import remote_store_id
+from kvmesh.shared.protocol import redis_store_id, remote_store_id
+from kvmesh.shared.redis_keys import PREFIX_RULE, prefix_ok
+from kvmesh.shared.redis_url import CLUSTER, parse_redis_url
 from kvmesh.shared.store_bounds import StoreBounds, add_store_bound_flags, store_bounds_from_args
 
 DEFAULT_MAX_CHUNK_BYTES = 256 * 1024 * 1024
@@ -49,6 +52,10 @@ class RemoteStoreOptions:
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES  # the largest chunk a put may announce (stream or inline)
     bounds: StoreBounds = field(default_factory=StoreBounds)  # what NATS clients can push on (shared/store_bounds.py)
     heartbeat_interval: float = 2.0
+    # Redis mode (redis_watch.py): report what a Redis remote tier holds instead of holding chunks
+    redis_url: str | None = None
+    redis_key_prefix: str = "kvmesh"
+    redis_timeout: float = 2.0
 
     def to_args(self) -> list[str]:
         """The flags that start a store with these options (`--nats-url` and credentials excepted)."""
@@ -113,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-chunk-bytes", type=int, default=DEFAULT_MAX_CHUNK_BYTES,
                         help="largest chunk a put may announce; a larger one is refused before its bytes are read")
     add_store_bound_flags(parser)
+    parser.add_argument("--redis-url", help="Redis mode: report to the controller what this Redis / Valkey remote "
+                                            "tier holds (an engine remote_url form, standalone or sentinel) "
+                                            "instead of holding chunks")
+    parser.add_argument("--redis-key-prefix", default="kvmesh",
+                        help="Redis mode: the engines' redis_key_prefix (default kvmesh; store id redis-<prefix>)")
+    parser.add_argument("--redis-timeout", type=float, default=2.0,
+                        help="Redis mode: seconds a Redis connect or command may take (default 2)")
     parser.add_argument("--log-level", help="log level (default: $KVMESH_LOG_LEVEL, else INFO)")
     add_nats_auth_flags(parser)
     return parser
@@ -133,8 +147,17 @@ def options_from_args(args: argparse.Namespace) -> RemoteStoreOptions:
                         ("--max-chunk-bytes", args.max_chunk_bytes)):
         if value <= 0:
             raise ConfigError(f"{flag}: must be > 0, got {value}")
+    if args.redis_timeout <= 0:
+        raise ConfigError(f"--redis-timeout: must be > 0, got {args.redis_timeout}")
+    if not prefix_ok(args.redis_key_prefix):
+        raise ConfigError(f"--redis-key-prefix: {PREFIX_RULE}, got {args.redis_key_prefix!r}")
+    if args.redis_url is not None:
+        target = parse_redis_url(args.redis_url)  # a ConfigError naming what is wrong with the URL
+        if target.mode == CLUSTER:
+            raise ConfigError("--redis-url: Redis mode watches one server (standalone or sentinel), not a cluster")
+    default_id = redis_store_id(args.redis_key_prefix) if args.redis_url else remote_store_id(args.partition)
     return RemoteStoreOptions(
-        store_id=args.store_id or remote_store_id(args.partition), capacity_bytes=round(args.max_size_gb * GB),
+        store_id=args.store_id or default_id, capacity_bytes=round(args.max_size_gb * GB),
         nats_url=normalize_url(args.nats_url), auth=nats_auth_from_args(args), partition=args.partition,
         num_partitions=args.partitions, cache_policy=args.cache_policy,
         persist_dir=Path(args.persist_dir) if args.persist_dir else None,
@@ -142,4 +165,5 @@ def options_from_args(args: argparse.Namespace) -> RemoteStoreOptions:
         advertise_host=args.advertise_host, transfer_timeout=args.transfer_timeout,
         max_stream_connections=args.max_stream_connections, stream_hello_timeout=args.stream_hello_timeout,
         stream_hello_max_bytes=args.stream_hello_max_bytes, stream_idle_timeout=args.stream_idle_timeout,
-        max_chunk_bytes=args.max_chunk_bytes, bounds=store_bounds_from_args(args))
+        max_chunk_bytes=args.max_chunk_bytes, bounds=store_bounds_from_args(args),
+        redis_url=args.redis_url, redis_key_prefix=args.redis_key_prefix, redis_timeout=args.redis_timeout)

@@ -42,6 +42,8 @@ from kvmesh.shared.admissions import AdmissionReporter
 from kvmesh.shared.bus import NatsAuth
 from kvmesh.shared.store_service import Handler, IndexOps, StoreEndpoint
 from kvmesh.services.remote_store.options import RemoteStoreOptions
+from kvmesh.services.remote_store.redis_watch import run_redis_watch
+from kvmesh.shared.redis_url import parse_redis_url
 from kvmesh.services.remote_store.store import MemoryStore, PutRefused
 from kvmesh.services.remote_store.stream_server import StreamServer
 
@@ -166,7 +168,13 @@ class RemoteStoreService:
 
 
 async def run_remote_store(options: RemoteStoreOptions, stop: asyncio.Event) -> None:
-    """Serve until `stop` is set (the body given to shared.service.run_until_signalled)."""
+    """Serve until `stop` is set (the body given to shared.service.run_until_signalled); with `redis_url`, the
+    Redis mode instead (redis_watch.py)."""
+    if options.redis_url is not None:
+        await run_redis_watch(parse_redis_url(options.redis_url), options.store_id, options.redis_key_prefix,
+                              options.nats_url, options.auth, options.redis_timeout, options.heartbeat_interval,
+                              stop)
+        return
     service = RemoteStoreService(options)
     try:
         await service.start()

@@ -32,6 +32,7 @@ from nats.aio.client import Client as NatsClient
 
 from kvmesh.services.disk_store.client import DiskStoreClient
 from kvmesh.services.engine.tiers.cpu import LocalCPUBackend
+from kvmesh.services.engine.tiers.redis import RedisTier
 from kvmesh.services.engine.mesh.embedded import MeshConnection, MeshPlan, plan_mesh
 from kvmesh.services.engine.core.kv_layout import KVLayout, detect_layout
 from kvmesh.services.engine.core.memory_pool import MemoryPool, Slot
@@ -204,7 +205,10 @@ class CacheEngine:
             clients[LOCAL_DISK] = DiskStoreClient(nc, self.plan.disk_store, caller,
                                                   request_timeout=config.request_timeout_secs,
                                                   data_timeout=config.disk_data_timeout_secs)
-        if self.plan.remote_stores:
+        if self.plan.redis:  # the engine's own client of Redis / Valkey: no remote store on the mesh
+            clients[REMOTE] = redis = RedisTier.from_config(config, caller)
+            redis.start()
+        elif self.plan.remote_stores:
             clients[REMOTE] = RemoteStoreClient(
                 nc, list(self.plan.remote_stores), caller, request_timeout=config.request_timeout_secs,
                 min_transfer_rate=config.remote_min_transfer_mb_per_s * 1e6,

@@ -8,6 +8,9 @@ Decision (`plan_mesh`), first match wins:
      process when `local_disk` is set, and `remote_partitions` remote-store processes when `remote_url` names
      another supported scheme (LMCache's "lm://localhost:65432", "kvmesh://"): served by embedded remote stores
      of `remote_size` (config.py refuses the schemes KVMesh cannot serve).
+A Redis / Valkey `remote_url` (shared/redis_url.py) is no remote store on the mesh: the engine talks to Redis
+itself (services/engine/tiers/redis.py), so no remote-store process is started or expected (`redis` is set;
+`remote_stores` names the tier `redis-<redis_key_prefix>`, so the controller sends RemoteBackend commands).
 When joining, nothing is spawned: the mesh's own disk store (`disk-<hostname>`) and remote stores
 (`remote-0..n-1`) are expected there.
 
@@ -38,7 +41,8 @@ from kvmesh.shared.bus import normalize_url
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.lmcache_keys import NATS_SCHEMES, url_scheme
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
-from kvmesh.shared.protocol import disk_store_id, remote_store_id
+from kvmesh.shared.protocol import disk_store_id, redis_store_id, remote_store_id
+from kvmesh.shared.redis_url import is_redis_url
 from kvmesh.services.disk_store.options import DiskStoreOptions
 from kvmesh.services.remote_store.options import partitions as remote_partitions
 
@@ -58,6 +62,7 @@ class MeshPlan:
     remote_stores: list[str] = field(default_factory=list)  # remote partitions' store ids, if remote_url is set
     services: list[ServiceSpec] = field(default_factory=list)  # EMBED: processes to run
     reason: str = ""
+    redis: bool = False  # remote_url is Redis / Valkey: the remote tier is the engine's own RedisTier
 
 
 def is_nats_url(url: str) -> bool:
@@ -66,11 +71,14 @@ def is_nats_url(url: str) -> bool:
 
 def plan_mesh(config: EngineConfig) -> MeshPlan:
     disk = disk_store_id() if config.local_disk else None
-    remotes = [remote_store_id(i) for i in range(config.remote_partitions)] if config.remote_url else []
+    redis = is_redis_url(config.remote_url)
+    remotes = ([redis_store_id(config.redis_key_prefix)] if redis else
+               [remote_store_id(i) for i in range(config.remote_partitions)] if config.remote_url else [])
     if config.nats_url:
-        return MeshPlan(JOIN, normalize_url(config.nats_url), disk, remotes, reason="nats_url")
+        return MeshPlan(JOIN, normalize_url(config.nats_url), disk, remotes, redis=redis, reason="nats_url")
     if config.controller_url:
-        return MeshPlan(JOIN, normalize_url(config.controller_url), disk, remotes, reason="controller_url")
+        return MeshPlan(JOIN, normalize_url(config.controller_url), disk, remotes, redis=redis,
+                        reason="controller_url")
     if config.remote_url and is_nats_url(config.remote_url):
         return MeshPlan(JOIN, config.remote_url, disk, remotes, reason="remote_url is a NATS URL")
     services: list[ServiceSpec] = []
@@ -78,10 +86,11 @@ def plan_mesh(config: EngineConfig) -> MeshPlan:
         assert config.local_disk_path is not None
         services.append(DiskStoreOptions(root=config.local_disk_path, capacity_bytes=config.max_local_disk_bytes,
                                          store_id=disk, cache_policy=config.cache_policy).service_spec())
-    if remotes:
+    if remotes and not redis:
         services += [options.service_spec() for options in
                      remote_partitions(config.remote_size_bytes, config.remote_partitions, config.cache_policy)]
-    return MeshPlan(EMBED, None, disk, remotes, services, reason="no nats_url, controller_url or NATS remote_url")
+    return MeshPlan(EMBED, None, disk, remotes, services, redis=redis,
+                    reason="no nats_url, controller_url or NATS remote_url")
 
 
 class EmbeddedMesh:

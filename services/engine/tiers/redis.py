@@ -1,0 +1,385 @@
+"""The remote tier on Redis / Valkey: `RedisTier`, a StoreTier whose bytes go engine <-> Redis directly.
+
+Runs on the engine's NATS loop thread (all methods are coroutines), with a redis-py async client made from
+`remote_url` (shared/redis_url.py: standalone, TLS, unix socket, sentinel or cluster).
+
+Keys (shared/redis_keys.py): the value `<p>:chunk:{<h>}` is the chunk-file header (shared/chunk_file.py:
+ChunkMeta, data checksum, the header's own check) then the bytes; a value that is truncated, foreign (another
+key, another format version) or fails a checksum is a miss with one WARNING, and is deleted. `<p>:owners:{<h>}`
+(the callers that put the chunk) and `<p>:claims:<caller>` let a `clear` take back only its caller's claims and
+delete a chunk once nobody claims it; `<p>:pins:{<h>}` counts pins. A put is written to `<p>:tmp:{<h>}:<n>` and
+moved into place by a script, so no reader ever sees half a value.
+
+Eviction is Redis's own (`maxmemory` + a `volatile-*` policy). Unpinned chunks carry a TTL
+(`redis_chunk_ttl_secs`, refreshed by puts and hits), which makes them volatile, i.e. evictable; a pin removes
+the TTL (PERSIST), so `volatile-lru` / `volatile-lfu` never evict it; the last unpin puts the TTL back. `start`
+checks `maxmemory-policy` (CONFIG GET, where the server allows it) and warns when it would evict pinned chunks
+(`allkeys-*`) or refuse writes once full (`noeviction`). A timed pin (`ttl_secs`) holds until unpinned.
+
+Failures never fail a request: every call is bounded (`redis_timeout_secs`, plus `nbytes /
+remote_min_transfer_mb_per_s` for a chunk's bytes) and answers a miss / False / 0 on any error. Reachability
+changes are logged once each (StoreLink); after a failure Redis is not asked for `remote_retry_interval_secs`,
+and the client reconnects by itself when it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import itertools
+import logging
+from typing import Any, Awaitable, Callable, TypeVar
+
+from redis.asyncio import RedisCluster
+from redis.exceptions import ResponseError
+
+from kvmesh.services.engine.core.storage_manager import RateLimitedLog
+from kvmesh.shared import chunk_file, protocol
+from kvmesh.shared.config import EngineConfig
+from kvmesh.shared.keys import ChunkKey
+from kvmesh.shared.redis_keys import RedisKeys
+from kvmesh.shared.redis_url import CLUSTER, RedisTarget
+from kvmesh.shared.tier import ChunkBuffer, StoreLink, byte_view
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# KEYS: tmp, chunk. The bytes are written; move them into place unless another put got there first (its
+# value may be pinned by now: replacing it would drop the pin's PERSIST).
+_FINISH_PUT = """
+if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('DEL', KEYS[1]) return 0 end
+redis.call('RENAME', KEYS[1], KEYS[2])
+return 1
+"""
+# KEYS: chunk, owners. ARGV: caller, ttl ms. Record the claim; 1 if the chunk is already held (refreshed).
+_CLAIM = """
+redis.call('SADD', KEYS[2], ARGV[1])
+if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('PEXPIRE', KEYS[2], ARGV[2]) return 0 end
+if redis.call('PTTL', KEYS[1]) >= 0 then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2]) redis.call('PEXPIRE', KEYS[2], ARGV[2])
+else
+  redis.call('PERSIST', KEYS[2])
+end
+return 1
+"""
+# KEYS: chunk, pins, owners.
+_PIN = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('INCR', KEYS[2]) redis.call('PERSIST', KEYS[1]) redis.call('PERSIST', KEYS[3])
+return 1
+"""
+# KEYS: chunk, pins, owners. ARGV: ttl ms. The last unpin makes the chunk volatile again, or deletes it when a
+# clear left it to its pin (nobody claims it).
+_UNPIN = """
+local n = tonumber(redis.call('GET', KEYS[2]) or '0')
+if n <= 0 then return 0 end
+if n > 1 then redis.call('DECR', KEYS[2]) return 1 end
+redis.call('DEL', KEYS[2])
+if redis.call('SCARD', KEYS[3]) == 0 then
+  redis.call('DEL', KEYS[1])
+else
+  redis.call('PEXPIRE', KEYS[1], ARGV[1]) redis.call('PEXPIRE', KEYS[3], ARGV[1])
+end
+return 1
+"""
+# KEYS: chunk, pins, owners. ARGV: caller. Take back the caller's claim; the chunk goes when nobody claims it
+# and no pin holds it. 1 if the caller had claimed it.
+_CLEAR = """
+if redis.call('SREM', KEYS[3], ARGV[1]) == 0 then return 0 end
+if redis.call('SCARD', KEYS[3]) == 0 and redis.call('EXISTS', KEYS[2]) == 0 then redis.call('DEL', KEYS[1]) end
+return 1
+"""
+MAX_HEADER_BYTES = 64 * 1024  # a chunk-file header is one DATA_ALIGN page; more is not a value of ours
+CLEAR_BATCH = 1000  # claims taken back per round trip of a clear
+EVICTS_PINNED = frozenset({"allkeys-lru", "allkeys-lfu", "allkeys-random"})
+EVICTS_VOLATILE = frozenset({"volatile-lru", "volatile-lfu", "volatile-random", "volatile-ttl"})
+
+
+class CorruptValue(chunk_file.CorruptChunkFile):
+    """A Redis value that is not a whole, verified chunk of the asked key."""
+
+
+class RedisTier:
+    """StoreTier on Redis / Valkey for `caller` (an engine rank's path, as for our own stores: its puts are
+    claimed by it, its `clear` takes back only them)."""
+
+    location = protocol.REMOTE
+
+    def __init__(self, target: RedisTarget, caller: str, *, key_prefix: str = "kvmesh", timeout: float = 2.0,
+                 chunk_ttl: float = 604800.0, min_transfer_rate: float = 100e6, retry_interval: float = 1.0) -> None:
+        self.target = target
+        self.caller = caller
+        self.store_ids = [protocol.redis_store_id(key_prefix)]
+        self.keys = RedisKeys(key_prefix)
+        self.timeout = timeout
+        self.ttl_ms = int(chunk_ttl * 1000)
+        self.min_transfer_rate = min_transfer_rate
+        self.client = target.client(timeout)
+        self.link = StoreLink(self.store_ids[0], target.describe(), log, caller, retry_interval)
+        self._tmp_ids = itertools.count()
+        self._rlog = RateLimitedLog(log)  # one WARNING per bad value, not a flood when many are
+        self._check: asyncio.Task[None] | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, caller: str) -> "RedisTier":
+        target = config.redis_target
+        assert target is not None, "remote_url is no Redis URL"
+        return cls(target, caller,
+                   key_prefix=config.redis_key_prefix, timeout=config.redis_timeout_secs,
+                   chunk_ttl=config.redis_chunk_ttl_secs,
+                   min_transfer_rate=config.remote_min_transfer_mb_per_s * 1e6,
+                   retry_interval=config.remote_retry_interval_secs)
+
+    # ---- keys ------------------------------------------------------------------------------------------------
+    def chunk_key(self, key: ChunkKey) -> str:
+        return self.keys.chunk(key)
+
+    def _keys(self, key: ChunkKey) -> list[str]:
+        return self.keys.of_chunk(key)
+
+    @property
+    def claims_key(self) -> str:
+        return self.keys.claims(self.caller)
+
+    # ---- start-up check ----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Loop thread: check the server's eviction settings in the background (serving does not wait)."""
+        self._check = asyncio.get_running_loop().create_task(self.check_settings(), name="kvmesh-redis-check")
+
+    async def check_settings(self) -> None:
+        """Check the server's eviction settings once (a WARNING where they would hurt); never raises."""
+        reply = await self._call("config check", lambda: self.client.config_get("maxmemory*"))
+        if reply is None:
+            return
+        if not reply:  # managed services often disable CONFIG
+            log.info("%s: cannot read maxmemory-policy (CONFIG GET refused); make sure it is volatile-lru or "
+                     "volatile-lfu (docs/config.md)", self.target.describe())
+            return
+        settings = {_text(k): _text(v) for k, v in reply.items()}
+        policy, maxmemory = settings.get("maxmemory-policy", "?"), settings.get("maxmemory", "0")
+        where = self.target.describe()
+        if policy in EVICTS_PINNED:
+            log.warning("%s: maxmemory-policy %s evicts pinned chunks too; set volatile-lru or volatile-lfu so "
+                        "only unpinned (expiring) chunks are evicted", where, policy)
+        elif policy == "noeviction" and maxmemory != "0":
+            log.warning("%s: maxmemory-policy noeviction refuses every write once maxmemory is reached (puts "
+                        "are then skipped); set volatile-lru or volatile-lfu", where)
+        elif policy not in EVICTS_VOLATILE and policy != "noeviction":
+            log.warning("%s: unknown maxmemory-policy %s; volatile-lru or volatile-lfu is expected", where, policy)
+        if maxmemory == "0":
+            log.info("%s: no maxmemory set: Redis grows until the host's memory is exhausted; set maxmemory and "
+                     "maxmemory-policy volatile-lru", where)
+
+    # ---- StoreTier: bytes ----------------------------------------------------------------------------------------
+    async def put(self, meta: protocol.ChunkMeta, buffer: ChunkBuffer) -> bool:
+        data = byte_view(buffer.view)[: meta.nbytes]
+        if len(data) != meta.nbytes or meta.checksum == 0:
+            log.error("Redis put of %s: buffer holds %d bytes for %d, checksum %d: not stored", meta.key.hex(),
+                      len(data), meta.nbytes, meta.checksum)
+            return False
+        chunk, _, owners = self._keys(meta.key)
+        tmp = self.keys.tmp(meta.key, next(self._tmp_ids))
+
+        async def write() -> bool:
+            held = await self.client.eval(_CLAIM, 2, chunk, owners, self.caller, self.ttl_ms)
+            if not held:
+                await self._write_value(tmp, chunk_file.encode_header(meta), data)
+                await self.client.eval(_FINISH_PUT, 2, tmp, chunk)
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hset(self.claims_key, meta.key.hex(), meta.num_tokens)
+            pipe.pexpire(self.claims_key, self.ttl_ms)
+            await pipe.execute()
+            return True
+
+        ok = await self._call("put", write, meta.nbytes)
+        if ok:
+            self.link.accepted()
+        return bool(ok)
+
+    async def _write_value(self, name: str, header: bytes, data: memoryview) -> None:
+        """SET `name` to header + data with the chunk TTL, without joining them into one 32 MiB buffer.
+
+        redis-py's SET takes one buffer; joining costs a copy of the chunk (here, or in Redis with SET + APPEND:
+        0.75x the speed of a bare SET on the benchmark). So for one server (standalone, sentinel) the command
+        is packed here and its parts written as they are; a cluster, where redis-py routes each key, gets SET of
+        the header then APPEND of the bytes.
+        """
+        if isinstance(self.client, RedisCluster):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.set(name, header, px=self.ttl_ms)
+            pipe.append(name, data)
+            await pipe.execute()
+            return
+        key, ttl = name.encode(), str(self.ttl_ms).encode()
+        head = b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, len(header) + len(data))
+        tail = b"\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)
+        pool = self.client.connection_pool
+        connection = await pool.get_connection()
+        try:
+            await connection.send_packed_command([head, header, data, tail])
+            await connection.read_response()  # OK, or raises the error reply
+        except BaseException:
+            await connection.disconnect()  # cut short mid-command: the connection's protocol state is lost
+            raise
+        finally:
+            await pool.release(connection)
+
+    async def get_into(self, key: ChunkKey, buffer: ChunkBuffer) -> protocol.ChunkMeta | None:
+        view = byte_view(buffer.view)
+        # GETRANGE, not GET: a value larger than a chunk could be (someone else's) never costs more memory than
+        # the slot plus a header; it arrives cut short and fails the length check
+        last = len(view) + MAX_HEADER_BYTES - 1
+        value = await self._call("get", lambda: self.client.getrange(self.chunk_key(key), 0, last), len(view))
+        if not value:  # b"": no such key
+            return None
+        try:  # checksum and copy off the loop: 32 MiB would stall every other request on it
+            return await asyncio.to_thread(_decode_into, key, value, view)
+        except chunk_file.CorruptChunkFile as exc:  # bad header, another key, truncated, checksum
+            self._rlog.warning("corrupt", "%s: %s; treated as a miss and deleted", self.target.describe(), exc)
+            await self._call("delete corrupt", lambda: self.client.delete(*self._keys(key)))
+            return None
+
+    # ---- StoreTier: control ------------------------------------------------------------------------------------
+    async def contains(self, keys: list[ChunkKey]) -> int:
+        if not keys:
+            return 0
+        held = await self._pipelined("contains", [("exists", (self.chunk_key(k),)) for k in keys])
+        return _prefix(held or [])
+
+    async def pin(self, keys: list[ChunkKey], num_tokens: list[int], ttl_secs: float | None = None) -> int:
+        """Pin the held prefix (pins past the first chunk not held are taken back); tokens pinned."""
+        if not keys:
+            return 0
+        done = await self._pipelined("pin", [("eval", (_PIN, 3, *self._keys(k))) for k in keys]) or []
+        prefix = _prefix(done)
+        extras = [k for k, ok in list(zip(keys, done))[prefix:] if ok]
+        if extras:
+            await self._pipelined("unpin", [("eval", (_UNPIN, 3, *self._keys(k), self.ttl_ms)) for k in extras])
+        return sum(num_tokens[:prefix])
+
+    async def unpin(self, keys: list[ChunkKey], num_tokens: list[int]) -> int:
+        if not keys:
+            return 0
+        done = await self._pipelined("unpin", [("eval", (_UNPIN, 3, *self._keys(k), self.ttl_ms)) for k in keys])
+        return sum(n for n, ok in zip(num_tokens, done or []) if ok)
+
+    async def touch(self, keys: list[ChunkKey]) -> None:
+        """A hit: refresh the chunks' LRU clock, and the TTL of the unpinned ones (XX: only keys that expire)."""
+        ops: list[tuple[str, tuple[Any, ...]]] = []
+        for key in keys:
+            chunk, _, owners = self._keys(key)
+            ops += [("touch", (chunk,)), ("pexpire", (chunk, self.ttl_ms, False, True)),
+                    ("pexpire", (owners, self.ttl_ms, False, True))]
+        if ops:
+            await self._pipelined("touch", ops)
+
+    async def remove(self, keys: list[ChunkKey]) -> int:
+        if not keys:
+            return 0
+        done = await self._pipelined("remove", [("delete", tuple(self._keys(k))) for k in keys])
+        return sum(1 for n in done or [] if n)
+
+    async def clear(self) -> int:
+        """Take back this caller's claims; the tokens of the chunks whose claim it took back (as our stores).
+
+        In batches of `CLEAR_BATCH` claims, each bounded like any call: a long claim list never needs one long
+        wait, and a clear cut short by a failure leaves the rest claimed for the next clear."""
+        tokens, cursor = 0, 0
+        while True:
+            page = await self._call("clear", lambda: self.client.hscan(self.claims_key, cursor, count=CLEAR_BATCH))
+            if page is None:
+                return tokens
+            cursor, claims = page
+            entries = [(_text(h), int(n)) for h, n in claims.items()]
+            if entries:
+                done = await self._pipelined("clear", [("eval", (_CLEAR, 3, *self._keys(bytes.fromhex(h)),
+                                                                 self.caller)) for h, _ in entries])
+                if done is None:
+                    return tokens
+                tokens += sum(n for (_, n), ok in zip(entries, done) if ok)
+                await self._call("clear", lambda: self.client.hdel(self.claims_key, *[h for h, _ in entries]))
+            if cursor == 0:
+                return tokens
+
+    async def stats(self) -> list[protocol.StatsReply]:
+        """The server's memory use and maxmemory (num_chunks is not counted here: that would take a SCAN)."""
+        info = await self._call("stats", lambda: self.client.info("memory"))
+        if not info:
+            return []
+        if self.target.mode == CLUSTER:  # one dict per node
+            info = {"used_memory": sum(v.get("used_memory", 0) for v in info.values() if isinstance(v, dict)),
+                    "maxmemory": sum(v.get("maxmemory", 0) for v in info.values() if isinstance(v, dict))}
+        return [protocol.StatsReply(self.store_ids[0], num_chunks=0, used_bytes=int(info.get("used_memory", 0)),
+                                    capacity_bytes=int(info.get("maxmemory", 0)),
+                                    details={"target": self.target.describe()})]
+
+    async def close(self) -> None:
+        if self._check is not None:
+            self._check.cancel()
+        try:
+            await self.client.aclose()
+        except Exception as exc:  # closing a client of a dead server
+            log.debug("closing the Redis client: %s", exc)
+
+    # ---- plumbing ------------------------------------------------------------------------------------------------
+    async def _call(self, what: str, op: Callable[[], Awaitable[T]], nbytes: int = 0) -> T | None:
+        """`op()` within the bound (timeout plus the bytes at the minimum rate); None on any failure."""
+        if self.link.resting:
+            return None
+        limit = self.timeout + nbytes / self.min_transfer_rate
+        try:
+            async with asyncio.timeout(limit):
+                result = await op()
+        except TimeoutError:
+            self.link.failed(f"{what}: no answer within {limit:.1f}s")
+            return None
+        except Exception as exc:  # connection refused or reset, an error reply (OOM under noeviction, ...)
+            if _is_refusal(exc):
+                self.link.refused(f"{what}: {exc}")
+            else:
+                self.link.failed(f"{what}: {type(exc).__name__}: {exc}")
+            return None
+        self.link.answered()
+        return result
+
+    async def _pipelined(self, what: str, ops: list[tuple[str, tuple[Any, ...]]]) -> list[Any] | None:
+        """One round trip for many commands (routed per key on a cluster); their replies, or None."""
+        async def run() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for name, args in ops:
+                getattr(pipe, name)(*args)
+            return await pipe.execute()
+        return await self._call(what, run)
+
+
+def _decode_into(key: ChunkKey, value: bytes, out: memoryview) -> protocol.ChunkMeta:
+    """Check a stored value (header, key, length, checksum) and copy its bytes into `out`; its meta."""
+    stream = io.BytesIO(value)
+    stream.name = f"value of chunk {key.hex()}"  # type: ignore[misc]  # read_header names the source by it
+    meta, offset = chunk_file.read_header(stream)
+    if meta.key != key:
+        raise CorruptValue(f"value of chunk {key.hex()} holds chunk {meta.key.hex()!s:.32}")
+    if len(value) != offset + meta.nbytes:
+        raise CorruptValue(f"value of chunk {key.hex()}: {len(value)} bytes, expected {offset + meta.nbytes} "
+                           "(truncated or padded)")
+    if len(out) < meta.nbytes:
+        raise CorruptValue(f"chunk {key.hex()}: {meta.nbytes} bytes do not fit a buffer of {len(out)}")
+    data = memoryview(value)[offset:]
+    if chunk_file.checksum(data) != meta.checksum:
+        raise CorruptValue(f"value of chunk {key.hex()}: checksum mismatch")
+    out[: meta.nbytes] = data
+    return meta
+
+
+def _prefix(flags: list[Any]) -> int:
+    return next((i for i, flag in enumerate(flags) if not flag), len(flags))
+
+
+def _is_refusal(exc: Exception) -> bool:
+    """An error reply saying the server is full (noeviction), not that it is gone."""
+    return isinstance(exc, ResponseError) and str(exc).startswith("OOM")
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
