@@ -798,3 +798,28 @@ async def test_without_the_pool_socket_a_client_sends_bytes_inline_and_says_why_
     assert len(warnings) == 1 and "no pool socket" in warnings[0]
     details = (await harness.client.stats())[0].details
     assert details["puts_inline"] == 2 and details["puts_pool"] == 0 and details["pools"] == 0
+
+
+async def test_a_second_store_with_the_same_id_never_takes_the_live_stores_pool_socket() -> None:
+    from kvmesh.services.disk_store.pools import PoolRegistry
+
+    store_id = f"disk-twin-{uuid.uuid4().hex[:8]}"
+    first = PoolRegistry(store_id, max_pools=4, hello_max_bytes=4096, hello_timeout=WAIT_S)
+    second = PoolRegistry(store_id, max_pools=4, hello_max_bytes=4096, hello_timeout=WAIT_S)
+    await first.start()
+    try:
+        assert first.path is not None
+        inode = first.path.stat().st_ino
+        await second.start()
+        assert second.path is None, "the twin serves without pools (inline bytes)"
+        await second.close()
+        assert first.path.stat().st_ino == inode, "and its close leaves the live store's socket alone"
+    finally:
+        await first.close()
+    assert not first.path.exists()
+    third = PoolRegistry(store_id, max_pools=4, hello_max_bytes=4096, hello_timeout=WAIT_S)
+    await third.start()  # the first is gone: its socket is free again
+    try:
+        assert third.path is not None
+    finally:
+        await third.close()

@@ -49,6 +49,7 @@ class PoolRegistry:
         self.counters: dict[str, int] = dict.fromkeys(("pools_registered", "pools_refused", "pools_dropped"), 0)
         self._pools: dict[str, LentPool] = {}  # token -> pool
         self._listener: socket.socket | None = None
+        self._bound_inode: int | None = None  # the socket file we made (close removes it only if still ours)
         self._tasks: set[asyncio.Task[None]] = set()
         self._connections = 0
 
@@ -56,6 +57,9 @@ class PoolRegistry:
         """Listen; without a usable socket directory the store serves on, without pools (logged)."""
         try:
             path = socket_path(self.store_id)
+            if _answers(path):  # never take the socket of a live store: its engines' pools would come to us
+                raise OSError(f"another disk store with id {self.store_id} serves {path}; give each store of a "
+                              "host its own --store-id")
             path.unlink(missing_ok=True)  # a previous run's socket, in our own private directory
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             listener.bind(str(path))
@@ -63,6 +67,7 @@ class PoolRegistry:
             log.warning("disk store %s: no pool socket (%s); engines will send chunk bytes inline", self.store_id, exc)
             return
         os.chmod(path, 0o600)
+        self._bound_inode = _inode(path)
         listener.listen(16)
         listener.setblocking(False)
         self._listener, self.path = listener, path
@@ -90,8 +95,8 @@ class PoolRegistry:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-        if self.path is not None:
-            self.path.unlink(missing_ok=True)
+        if self.path is not None and self._bound_inode is not None and _inode(self.path) == self._bound_inode:
+            self.path.unlink()  # ours still: a store started since with the same id keeps its own
         for pool in self._pools.values():
             pool.segment.close()
         self._pools.clear()
@@ -194,3 +199,22 @@ async def _readable(sock: socket.socket) -> None:
         await ready
     finally:
         loop.remove_reader(sock.fileno())
+
+
+def _answers(path: Path) -> bool:
+    """Whether a process listens on the Unix socket at `path` now."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except OSError:
+        return None
