@@ -31,7 +31,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError, SlowConsumerError, TimeoutError as NatsTimeoutError
 
-from kvmesh.shared import protocol
+from kvmesh.shared import nats_url, protocol
 from kvmesh.shared.errors import ConfigError, MeshUnavailable, ProtocolError
 from kvmesh.shared.nats_permissions import inbox_prefix, permissions
 
@@ -159,7 +159,7 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None, connect_tim
     without. After the first success the client reconnects for ever if `allow_reconnect`.
     """
     auth = auth or NatsAuth()
-    servers = [u.strip() for u in url.split(",")]
+    servers = nats_url.split(url)
     if first_connect_wait is None:
         first_connect_wait = math.inf if allow_reconnect else 0.0
     deadline = time.monotonic() + first_connect_wait
@@ -253,17 +253,16 @@ def _reason(exc: BaseException, connect_timeout: float) -> str:
 
 
 def normalize_url(address: str) -> str:
-    """'localhost:9001' or 'nats://h:p' -> a NATS URL."""
-    address = address.strip()
-    return address if "://" in address else f"nats://{address}"
+    """'localhost:9001' or 'nats://h:p' -> a NATS URL (each of several comma-separated ones: shared/nats_url.py)."""
+    return nats_url.normalize(address)
 
 
-def route_address(nats_url: str) -> str | None:
+def route_address(url: str) -> str | None:
     """The local address this host uses to reach the (first) NATS server: clients of NATS can reach it too.
 
     A UDP `connect` only asks the kernel for a route; no packet is sent.
     """
-    parsed = urllib.parse.urlsplit(normalize_url(nats_url.split(",")[0]))
+    parsed = urllib.parse.urlsplit(nats_url.split(url)[0])
     try:
         family, kind, proto, _, address = socket.getaddrinfo(parsed.hostname or "127.0.0.1", parsed.port or 4222,
                                                              type=socket.SOCK_DGRAM)[0]
@@ -271,7 +270,7 @@ def route_address(nats_url: str) -> str | None:
             probe.connect(address)
             return probe.getsockname()[0]
     except OSError as exc:
-        log.warning("could not find the route to NATS %s (%s)", nats_url, exc)
+        log.warning("could not find the route to NATS %s (%s)", url, exc)
         return None
 
 
