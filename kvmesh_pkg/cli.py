@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="run NATS, the controller and the stores on this machine")
-    up.add_argument("--nats-url", type=nats_url_argument, help="use this NATS instead of embedding one")
+    up.add_argument("--nats-url", type=nats_url_argument, help="use this NATS (a cluster's servers comma-separated) instead of embedding one")
     up.add_argument("--nats-port", type=int, default=4222, help="port of the embedded NATS (default 4222)")
     up.add_argument("--host", default="localhost", help="controller REST host")
     up.add_argument("--port", type=int, default=9000, help="controller REST port")

@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="LMCache's name for --producer-expiry-secs: seconds a silent worker is kept "
                              "before it is forgotten")
     parser.add_argument("--nats-url", type=nats_url_argument, default=None,
-                        help="join this NATS (e.g. nats://host:4222) instead of embedding a server")
+                        help="join this NATS (e.g. nats://host:4222; a cluster's servers comma-separated) "
+                             "instead of embedding a server")
     parser.add_argument("--nats-host", default="127.0.0.1",
                         help="address the embedded NATS listens on (default: loopback, whatever --host is); "
                              "engines on other hosts need it reachable and their credentials (docs/security.md)")
