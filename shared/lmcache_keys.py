@@ -11,7 +11,7 @@ checks that it does.
 
 import logging
 
-from kvmesh.shared.nats_url import NATS_SCHEMES
+from kvmesh.shared.nats_url import NATS_SCHEMES, problem as nats_url_problem
 from kvmesh.shared.redis_url import SCHEMES as REDIS_SCHEMES, VALKEY_MODE_KEY
 
 log = logging.getLogger("kvmesh.config")
@@ -150,6 +150,8 @@ def url_scheme(url: str) -> str | None:
 def remote_url_problem(url: str) -> str | None:
     """Why KVMesh cannot serve `url` as `remote_url`, or None when it can."""
     scheme = url_scheme(url)
+    if scheme in NATS_SCHEMES:  # the NATS to join, maybe a cluster's servers
+        return nats_url_problem(url)
     if scheme in REMOTE_SCHEMES:
         return None
     supported = ", ".join(f"{s}://" for s in sorted(REMOTE_SCHEMES))

@@ -132,10 +132,21 @@ async def test_the_mesh_survives_the_death_of_its_nats_server(tmp_path: Path, mo
     ("nats://127.0.0.1:4222,http://127.0.0.1:4223", "'http://127.0.0.1:4223': the scheme must be one of"),
     ("127.0.0.1:99999", "the port is not a number"),
 ])
-def test_a_bad_nats_url_list_is_a_config_error_naming_the_entry(url: str, problem: str) -> None:
-    with pytest.raises(ConfigError, match="nats_url") as error:
-        load_engine_config({"nats_url": url}, environ={})
+@pytest.mark.parametrize("key", ["nats_url", "controller_url", "remote_url"])
+def test_a_bad_nats_url_list_is_a_config_error_naming_the_entry(url: str, problem: str, key: str) -> None:
+    if key == "remote_url" and "://" not in url.split(",")[0]:
+        url = f"nats://{url}"  # a remote_url names its scheme
+    with pytest.raises(ConfigError, match=key) as error:
+        load_engine_config({key: url}, environ={})
     assert problem in str(error.value)
+
+
+def test_a_cluster_s_urls_are_accepted_and_normalised() -> None:
+    config = load_engine_config({"nats_url": "127.0.0.1:4222, nats://127.0.0.1:4223,tls://127.0.0.1:4224"},
+                                environ={})
+    assert bus.normalize_url(str(config.nats_url)) == \
+        "nats://127.0.0.1:4222,nats://127.0.0.1:4223,tls://127.0.0.1:4224"
+    assert load_engine_config({"remote_url": "nats://127.0.0.1:4222,nats://127.0.0.1:4223"}, environ={}).remote_url
 
 
 def test_services_take_a_list_of_nats_urls(tmp_path: Path) -> None:
