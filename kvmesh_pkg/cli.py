@@ -32,6 +32,7 @@ from kvmesh.shared.errors import ConfigError, KVMeshError, MeshUnavailable
 from kvmesh.shared.eviction import POLICY_NAMES
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
 from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
+from kvmesh.shared.nats_url import argument as nats_url_argument
 from kvmesh.shared.protocol import CONTROLLER, OPERATOR, Subjects, disk_store_id
 from kvmesh.shared.service import configure_logging, ping_all
 from kvmesh.shared.supervisor import Backoff, Supervisor
@@ -175,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="run NATS, the controller and the stores on this machine")
-    up.add_argument("--nats-url", help="use this NATS instead of embedding one")
+    up.add_argument("--nats-url", type=nats_url_argument, help="use this NATS (a cluster's servers comma-separated) instead of embedding one")
     up.add_argument("--nats-port", type=int, default=4222, help="port of the embedded NATS (default 4222)")
     up.add_argument("--host", default="localhost", help="controller REST host")
     up.add_argument("--port", type=int, default=9000, help="controller REST port")
@@ -194,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cap of the restart delay, seconds")
     up.add_argument("--no-restart", action="store_true", help="stop the whole mesh when a service exits")
     health = sub.add_parser("health", help="ask every service on a NATS for its health")
-    health.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    health.add_argument("--nats-url", type=nats_url_argument, default="nats://127.0.0.1:4222")
     health.add_argument("--wait", type=float, default=0.5)
     health.add_argument("--expect", type=int, default=1, help="exit 1 unless at least this many answer")
     add_nats_auth_flags(health)
@@ -211,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "/clear) removes only that engine's own chunks. Prints one JSON line per store.")
     wipe.add_argument("--store", action="append", required=True, metavar="STORE_ID",
                       help="the store to wipe, e.g. disk-<host> or remote-0 (repeat for several)")
-    wipe.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    wipe.add_argument("--nats-url", type=nats_url_argument, default="nats://127.0.0.1:4222")
     wipe.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each store's answer")
     add_nats_auth_flags(wipe)
     for name in SERVICE_MODULES:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import json
 import logging
 import math
@@ -31,7 +32,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError, SlowConsumerError, TimeoutError as NatsTimeoutError
 
-from kvmesh.shared import protocol
+from kvmesh.shared import nats_url, protocol
 from kvmesh.shared.errors import ConfigError, MeshUnavailable, ProtocolError
 from kvmesh.shared.nats_permissions import inbox_prefix, permissions
 
@@ -156,10 +157,11 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None, connect_tim
     credentials (retrying cannot help), and when no server answers within `first_connect_wait` seconds (a NATS
     that is still starting is waited for). `first_connect_wait=None` waits as long as reconnecting is allowed:
     for ever with `allow_reconnect` (the engine connects in the background and may be cancelled), not at all
-    without. After the first success the client reconnects for ever if `allow_reconnect`.
+    without. After the first success the client reconnects for ever if `allow_reconnect`. Of several servers,
+    a first connect tries each before it gives up (nats-py alone tries one when it may not reconnect).
     """
     auth = auth or NatsAuth()
-    servers = [u.strip() for u in url.split(",")]
+    servers = nats_url.split(url)
     if first_connect_wait is None:
         first_connect_wait = math.inf if allow_reconnect else 0.0
     deadline = time.monotonic() + first_connect_wait
@@ -192,8 +194,11 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None, connect_tim
         state["connected"] = True
         log.info("%s: reconnected to NATS %s", name, url)
 
+    # Without reconnects nats-py tries only one server of a list: each attempt here gets the next one instead.
+    turn = None if allow_reconnect else itertools.cycle(servers)
+    tried = 1
     settings: dict[str, Any] = dict(
-        servers=servers, name=name, connect_timeout=connect_timeout, allow_reconnect=allow_reconnect,
+        servers=servers if turn is None else [next(turn)], name=name, connect_timeout=connect_timeout, allow_reconnect=allow_reconnect,
         max_reconnect_attempts=-1, reconnect_time_wait=RETRY_INTERVAL, disconnected_cb=on_disconnected,
         reconnected_cb=on_reconnected, error_cb=on_error, pending_size=64 * 1024 * 1024,
         **auth.connect_options(), **options)
@@ -216,11 +221,17 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None, connect_tim
                 f"NATS {url} rejected {name} ({auth.describe()}): {error}; pass the server's credentials "
                 "(--nats-credentials, --nats-token, --nats-user/--nats-password, --nats-nkey-seed or --nats-creds-file, "
                 "or $KVMESH_NATS_*; docs/security.md)")
-        if time.monotonic() >= deadline:
+        if time.monotonic() >= deadline and (turn is None or tried >= len(servers)):
             waited = f" within {first_connect_wait:g}s" if first_connect_wait > 0 else ""
             raise MeshUnavailable(f"cannot reach NATS at {url} for {name}{waited}: {_reason(error, connect_timeout)}")
         # Without reconnects nats-py gave up after one failed handshake: a fresh client tries again.
         nc = MeshClient()
+        if turn is not None:
+            settings["servers"] = [next(turn)]
+            verdict = loop.create_future()  # the last server's error says nothing of this one
+            tried += 1
+            if (tried - 1) % len(servers):  # the next server of this round, at once
+                continue
         await asyncio.sleep(RETRY_INTERVAL)
 
 
@@ -253,17 +264,16 @@ def _reason(exc: BaseException, connect_timeout: float) -> str:
 
 
 def normalize_url(address: str) -> str:
-    """'localhost:9001' or 'nats://h:p' -> a NATS URL."""
-    address = address.strip()
-    return address if "://" in address else f"nats://{address}"
+    """'localhost:9001' or 'nats://h:p' -> a NATS URL (each of several comma-separated ones: shared/nats_url.py)."""
+    return nats_url.normalize(address)
 
 
-def route_address(nats_url: str) -> str | None:
+def route_address(url: str) -> str | None:
     """The local address this host uses to reach the (first) NATS server: clients of NATS can reach it too.
 
     A UDP `connect` only asks the kernel for a route; no packet is sent.
     """
-    parsed = urllib.parse.urlsplit(normalize_url(nats_url.split(",")[0]))
+    parsed = urllib.parse.urlsplit(nats_url.split(url)[0])
     try:
         family, kind, proto, _, address = socket.getaddrinfo(parsed.hostname or "127.0.0.1", parsed.port or 4222,
                                                              type=socket.SOCK_DGRAM)[0]
@@ -271,7 +281,7 @@ def route_address(nats_url: str) -> str | None:
             probe.connect(address)
             return probe.getsockname()[0]
     except OSError as exc:
-        log.warning("could not find the route to NATS %s (%s)", nats_url, exc)
+        log.warning("could not find the route to NATS %s (%s)", url, exc)
         return None
 
 

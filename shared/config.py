@@ -27,6 +27,7 @@ import yaml
 
 from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.eviction import POLICY_NAMES
+from kvmesh.shared.nats_url import problem as nats_url_problem
 from kvmesh.shared.lmcache_keys import IGNORED, LMCACHE_KEYS, remote_url_problem, warn_ignored
 from kvmesh.shared.redis_keys import PREFIX_RULE, prefix_ok
 from kvmesh.shared.redis_url import RedisTarget, is_redis_url, parse_redis_url
@@ -272,7 +273,8 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "local_disk": (lambda v: "://" not in v or v.startswith("file://"), "must be a path or a file:// URL"),
 }
 # key -> why a value is refused (None: it is fine), for checks with more to say than one rule
-_EXPLAINED: dict[str, Callable[[Any], str | None]] = {"remote_url": remote_url_problem}
+_EXPLAINED: dict[str, Callable[[Any], str | None]] = {
+    "remote_url": remote_url_problem, "nats_url": nats_url_problem, "controller_url": nats_url_problem}
 # key -> (allowed values, normalisation); matching is case-insensitive
 _CHOICES: dict[str, tuple[frozenset[str], Callable[[str], str]]] = {
     "remote_serde": (REMOTE_SERDES, str.lower),

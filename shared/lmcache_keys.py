@@ -11,6 +11,7 @@ checks that it does.
 
 import logging
 
+from kvmesh.shared.nats_url import NATS_SCHEMES, problem as nats_url_problem
 from kvmesh.shared.redis_url import SCHEMES as REDIS_SCHEMES, VALKEY_MODE_KEY
 
 log = logging.getLogger("kvmesh.config")
@@ -134,7 +135,6 @@ IGNORED: dict[str, str] = {key: note for key, note in LMCACHE_KEYS.items() if no
 
 # remote_url: scheme -> what KVMesh makes of it. The NATS schemes name the NATS whose remote stores to use;
 # "lm" (LMCache's own server) and "kvmesh" mean KVMesh's remote store, embedded when no NATS is configured.
-NATS_SCHEMES = frozenset({"nats", "tls", "ws", "wss"})
 # NATS (the mesh's remote stores), KVMesh's own remote store, and Redis / Valkey (shared/redis_url.py)
 REMOTE_SCHEMES = NATS_SCHEMES | {"lm", "kvmesh"} | REDIS_SCHEMES
 
@@ -150,6 +150,8 @@ def url_scheme(url: str) -> str | None:
 def remote_url_problem(url: str) -> str | None:
     """Why KVMesh cannot serve `url` as `remote_url`, or None when it can."""
     scheme = url_scheme(url)
+    if scheme in NATS_SCHEMES:  # the NATS to join, maybe a cluster's servers
+        return nats_url_problem(url)
     if scheme in REMOTE_SCHEMES:
         return None
     supported = ", ".join(f"{s}://" for s in sorted(REMOTE_SCHEMES))

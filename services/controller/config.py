@@ -22,6 +22,7 @@ import yaml
 
 from kvmesh.shared.bus import NatsAuth
 from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
+from kvmesh.shared.nats_url import argument as nats_url_argument
 
 TOKEN_ENV = "KVMESH_CONTROLLER_TOKEN"
 
@@ -99,8 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lmcache-worker-timeout", type=_positive(float), default=None,
                         help="LMCache's name for --producer-expiry-secs: seconds a silent worker is kept "
                              "before it is forgotten")
-    parser.add_argument("--nats-url", default=None,
-                        help="join this NATS (e.g. nats://host:4222) instead of embedding a server")
+    parser.add_argument("--nats-url", type=nats_url_argument, default=None,
+                        help="join this NATS (e.g. nats://host:4222; a cluster's servers comma-separated) "
+                             "instead of embedding a server")
     parser.add_argument("--nats-host", default="127.0.0.1",
                         help="address the embedded NATS listens on (default: loopback, whatever --host is); "
                              "engines on other hosts need it reachable and their credentials (docs/security.md)")

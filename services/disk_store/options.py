@@ -24,6 +24,7 @@ from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.eviction import POLICY_NAMES
 from kvmesh.shared.local_mesh import ServiceSpec
 from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
+from kvmesh.shared.nats_url import argument as nats_url_argument
 from kvmesh.shared.protocol import disk_store_id
 from kvmesh.shared.store_bounds import StoreBounds, add_store_bound_flags, store_bounds_from_args
 
@@ -71,7 +72,7 @@ class DiskStoreOptions:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kvmesh.services.disk_store",
                                      description="KVMesh disk store (LocalDiskBackend) of this host")
-    parser.add_argument("--nats-url", help=f"NATS to join (default: the config's nats_url/controller_url, "
+    parser.add_argument("--nats-url", type=nats_url_argument, help=f"NATS to join, a cluster's servers comma-separated (default: the config's nats_url/controller_url, "
                                            f"else {DEFAULT_NATS_URL})")
     parser.add_argument("--dir", help="chunk directory, a path or file:// URL (default: the config's local_disk)")
     parser.add_argument("--max-size-gb", type=float, help="size cap in GB (default: max_local_disk_size)")

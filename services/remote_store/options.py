@@ -22,6 +22,7 @@ from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.eviction import POLICY_NAMES
 from kvmesh.shared.local_mesh import ServiceSpec
 from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
+from kvmesh.shared.nats_url import argument as nats_url_argument
 from kvmesh.shared.protocol import redis_store_id, remote_store_id
 from kvmesh.shared.redis_keys import PREFIX_RULE, prefix_ok
 from kvmesh.shared.redis_url import CLUSTER, parse_redis_url
@@ -94,7 +95,8 @@ def partitions(capacity_bytes: int, num_partitions: int, cache_policy: str = "LR
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kvmesh.services.remote_store",
                                      description="KVMesh remote store (RemoteBackend): one key partition")
-    parser.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="NATS to join")
+    parser.add_argument("--nats-url", type=nats_url_argument, default="nats://127.0.0.1:4222",
+                        help="NATS to join (several servers of a cluster: comma-separated)")
     parser.add_argument("--max-size-gb", type=float, default=4.0, help="memory cap in GB (default 4)")
     parser.add_argument("--partition", type=int, default=0, help="this replica's partition (0-based)")
     parser.add_argument("--partitions", type=int, default=1, help="number of partitions (replicas)")

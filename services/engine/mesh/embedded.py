@@ -80,7 +80,7 @@ def plan_mesh(config: EngineConfig) -> MeshPlan:
         return MeshPlan(JOIN, normalize_url(config.controller_url), disk, remotes, redis=redis,
                         reason="controller_url")
     if config.remote_url and is_nats_url(config.remote_url):
-        return MeshPlan(JOIN, config.remote_url, disk, remotes, reason="remote_url is a NATS URL")
+        return MeshPlan(JOIN, normalize_url(config.remote_url), disk, remotes, reason="remote_url is a NATS URL")
     services: list[ServiceSpec] = []
     if disk is not None:
         assert config.local_disk_path is not None

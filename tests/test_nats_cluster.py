@@ -1,0 +1,175 @@
+"""The mesh on a three-node NATS cluster: the server everyone is connected to dies, the mesh goes on.
+
+A real cluster (tests/nats_cluster.py), a real controller, a real disk store process and two CacheEngines, all
+given the three servers' URLs. Node 0 starts alone, so every client's first connection lands on it; nodes 1 and 2
+join the cluster after. Node 0 is then SIGKILLed: every client reconnects to node 1 or 2 (the cluster's monitoring
+shows them there), both engines keep storing and hitting through the disk store (engine B loads what engine A
+stored, and the other way round), and the controller's /lookup index sees what was stored before and after.
+Every node requires a token, which every client has (docs/security.md: on a NATS cluster that KVMesh does not
+start, clients bring their own credentials); a reconnect to another node presents it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.shared import bus
+from kvmesh.shared.bus import NatsAuth
+from kvmesh.shared.config import load_engine_config
+from kvmesh.shared.embedded_nats import EmbeddedNats, free_port
+from kvmesh.shared.errors import ConfigError, MeshUnavailable
+from kvmesh.shared.keys import KeyParams
+from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
+from kvmesh.shared.protocol import LOCAL_DISK, disk_store_id
+
+from nats_cluster import NatsCluster
+from test_controller import running_controller
+from test_engine_support import PagedKV, engine_config, random_tokens
+from waiting import WAIT_S, wait_until, wait_until_async
+
+PARAMS = KeyParams(model="test-model", kv_format="")
+TOKEN = "cluster-test-token"
+TOKENS = 128
+
+
+def _engine(url: str, kv: PagedKV, disk: Path, instance_id: str) -> CacheEngine:
+    engine = CacheEngine(engine_config(nats_url=url, nats_token=TOKEN, local_disk=str(disk),
+                                       lmcache_instance_id=instance_id), PARAMS, kv.layout)
+    assert engine.wait_connected(WAIT_S), f"engine {instance_id} did not reach NATS"
+    wait_until(lambda: engine.storage.lower(LOCAL_DISK) is not None, what=f"{instance_id}'s disk store client")
+    return engine
+
+
+def _store_on_disk(engine: CacheEngine, kv: PagedKV, tokens: torch.Tensor) -> torch.Tensor:
+    """Store `tokens` from fresh slots, written through to the disk store; their K/V."""
+    slots = kv.slots(TOKENS)
+    engine.store(tokens, **kv.kv(slots))
+    assert engine.wait_write_behind(WAIT_S)
+    client = engine.storage.lower(LOCAL_DISK)
+    assert client is not None
+    assert engine.nats_loop.call(client.wait_written(WAIT_S), WAIT_S + 2, default=False)
+    return kv.token_kv(slots)
+
+
+def _loads(engine: CacheEngine, kv: PagedKV, tokens: torch.Tensor, expected: torch.Tensor) -> bool:
+    """A full hit with exactly the expected K/V, into fresh slots."""
+    slots = kv.slots(TOKENS)
+    return bool(engine.retrieve(tokens, **kv.kv(slots)).all()) and torch.equal(kv.token_kv(slots), expected)
+
+
+async def test_the_mesh_survives_the_death_of_its_nats_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster = NatsCluster(token=TOKEN)
+    monkeypatch.setenv("KVMESH_NATS_TOKEN", TOKEN)  # the disk store's (and LocalMesh's health check's) credentials
+    disk = tmp_path / "disk"
+    store_id = disk_store_id()
+    mesh = LocalMesh([ServiceSpec("kvmesh.services.disk_store", ["--dir", str(disk), "--max-size-gb", "0.05",
+                                                                 "--store-id", store_id], store_id)],
+                     nats_url=cluster.url)
+    kv_a, kv_b = PagedKV(num_blocks=128, seed=1), PagedKV(num_blocks=128, seed=2)
+    engines: list[CacheEngine] = []
+    try:
+        await asyncio.to_thread(cluster.start, 0)
+        await asyncio.to_thread(mesh.start, WAIT_S)
+        async with running_controller(cluster.url, nats_auth=NatsAuth(token=TOKEN)) as (_, client):
+            for name, kv in (("cluster-a", kv_a), ("cluster-b", kv_b)):
+                engines.append(await asyncio.to_thread(_engine, cluster.url, kv, disk, name))
+            a, b = engines
+            await asyncio.to_thread(cluster.start, 1, 2)
+            on_node0 = await asyncio.to_thread(cluster.clients, 0)
+            # the disk store, the controller and both engines are on node 0 (named as they connect)
+            for prefix in ("disk_store:", "kvmesh-controller-test", "cluster-a@", "cluster-b@"):
+                assert any(name.startswith(prefix) for name in on_node0), (prefix, on_node0)
+            assert await asyncio.to_thread(cluster.clients, 1) == [] == await asyncio.to_thread(cluster.clients, 2)
+
+            async def listed(tokens: torch.Tensor, instance_id: str) -> bool:
+                response = await client.post("/lookup", json={"tokens": tokens.tolist()})
+                assert response.status_code == 200, response.text
+                entry = response.json()["layout_info"].get(instance_id)
+                return bool(entry) and entry[1] == TOKENS
+
+            before = random_tokens(TOKENS, seed=70)
+            expected_before = await asyncio.to_thread(_store_on_disk, a, kv_a, before)
+            assert await asyncio.to_thread(_loads, b, kv_b, before, expected_before)  # from the disk store
+            await wait_until_async(lambda: listed(before, "cluster-a"), what="/lookup listing cluster-a")
+
+            await asyncio.to_thread(cluster.kill, 0)
+
+            def moved() -> bool:  # every client of node 0 reconnected to a surviving node
+                return set(on_node0) <= set(cluster.clients(1) + cluster.clients(2))
+
+            await asyncio.to_thread(wait_until, moved, WAIT_S, what="the clients on nodes 1 and 2", interval=0.1)
+            for engine in engines:  # each engine reaches the disk store again (what A stored before the kill)
+                await asyncio.to_thread(
+                    wait_until, lambda: engine.lookup(before, search_range=[LOCAL_DISK]) == TOKENS, WAIT_S,
+                    what="an engine's disk store lookup after the failover", interval=0.1)
+
+            after = random_tokens(TOKENS, seed=71)
+            expected_after = await asyncio.to_thread(_store_on_disk, b, kv_b, after)
+            assert await asyncio.to_thread(_loads, a, kv_a, after, expected_after)  # B stored, A hits
+            assert await asyncio.to_thread(_loads, a, kv_a, before, expected_before)
+            also = random_tokens(TOKENS, seed=72)
+            expected_also = await asyncio.to_thread(_store_on_disk, a, kv_a, also)
+            assert await asyncio.to_thread(_loads, b, kv_b, also, expected_also)  # A stored, B hits
+
+            # the controller's index: what was stored before the kill and after it, by either engine
+            await wait_until_async(lambda: listed(after, "cluster-b"), what="/lookup listing cluster-b's chunks")
+            await wait_until_async(lambda: listed(also, "cluster-a"), what="/lookup listing cluster-a's new chunks")
+            assert await listed(before, "cluster-a")
+    finally:
+        for engine in engines:
+            await asyncio.to_thread(engine.close)
+        await asyncio.to_thread(mesh.stop)
+        cluster.stop()
+
+
+@pytest.mark.parametrize("url, problem", [
+    ("nats://127.0.0.1:4222,,nats://127.0.0.1:4223", "an empty entry"),
+    ("nats://127.0.0.1:4222,http://127.0.0.1:4223", "'http://127.0.0.1:4223': the scheme must be one of"),
+    ("127.0.0.1:99999", "the port is not a number"),
+])
+@pytest.mark.parametrize("key", ["nats_url", "controller_url", "remote_url"])
+def test_a_bad_nats_url_list_is_a_config_error_naming_the_entry(url: str, problem: str, key: str) -> None:
+    if key == "remote_url" and "://" not in url.split(",")[0]:
+        url = f"nats://{url}"  # a remote_url names its scheme
+    with pytest.raises(ConfigError, match=key) as error:
+        load_engine_config({key: url}, environ={})
+    assert problem in str(error.value)
+
+
+def test_a_cluster_s_urls_are_accepted_and_normalised() -> None:
+    config = load_engine_config({"nats_url": "127.0.0.1:4222, nats://127.0.0.1:4223,tls://127.0.0.1:4224"},
+                                environ={})
+    assert bus.normalize_url(str(config.nats_url)) == \
+        "nats://127.0.0.1:4222,nats://127.0.0.1:4223,tls://127.0.0.1:4224"
+    assert load_engine_config({"remote_url": "nats://127.0.0.1:4222,nats://127.0.0.1:4223"}, environ={}).remote_url
+
+
+def test_services_take_a_list_of_nats_urls(tmp_path: Path) -> None:
+    from kvmesh.services.disk_store.options import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["--nats-url", "127.0.0.1:4222, nats://127.0.0.1:4223", "--dir", str(tmp_path)])
+    assert args.nats_url == "nats://127.0.0.1:4222,nats://127.0.0.1:4223"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--nats-url", "nats://127.0.0.1:4222,", "--dir", str(tmp_path)])
+
+
+async def test_a_connection_without_reconnects_tries_every_server_of_the_list(nats_server: EmbeddedNats) -> None:
+    """`kvmesh health`, `kvmesh wipe` and LocalMesh's health check connect once, without reconnects: a dead server
+    in the list, wherever it stands, is skipped (nats-py alone would try one server only)."""
+    dead = [f"nats://127.0.0.1:{free_port()}" for _ in range(2)]
+    for servers in (dead + [nats_server.url], [dead[0], nats_server.url, dead[1]], [nats_server.url] + dead):
+        nc = await bus.connect(",".join(servers), name="one-shot", allow_reconnect=False)
+        try:
+            assert nc.is_connected and nc.connected_url is not None
+            assert nc.connected_url.port == nats_server.port
+        finally:
+            await nc.close()
+    with pytest.raises(MeshUnavailable, match="cannot reach NATS at"):
+        await bus.connect(",".join(dead), name="one-shot", allow_reconnect=False)
