@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from e2e_support import VLLMServer, clean_env, free_port, kv_transfer_config, start_vllm
+from test_lmcache_keys import expected_warnings
 
 pytestmark = pytest.mark.vllm
 
@@ -22,8 +23,6 @@ WARNING = re.compile(r"LMCache key (?P<key>[\w.]+) \(")
 @pytest.mark.parametrize("name", sorted(p.stem for p in DATA.glob("*.yaml")))
 def test_vllm_starts_with_each_lmcache_yaml_and_names_each_ignored_key_once_per_process(
         name: str, tmp_path: Path, demo_model: Path) -> None:
-    from kvmesh.shared.lmcache_keys import IGNORED
-
     settings = yaml.safe_load((DATA / f"{name}.yaml").read_text())
     settings["max_local_cpu_size"] = 0.25  # every vLLM of the suite reserves its pool for real: keep it small
     if "local_disk" in settings:
@@ -40,7 +39,5 @@ def test_vllm_starts_with_each_lmcache_yaml_and_names_each_ignored_key_once_per_
     finally:
         server.stop()
     warned = Counter(m["key"] for m in WARNING.finditer(log))
-    expected = {key for key in settings if key in IGNORED} | {
-        f"extra_config.{sub}" for sub in settings.get("extra_config") or {}}
-    assert set(warned) == expected, "each ignored key, and only those, is named"
+    assert set(warned) == set(expected_warnings(settings)), "each ignored key, and only those, is named"
     assert len(set(warned.values())) == 1, f"every key is named once per process that read the config: {warned}"
