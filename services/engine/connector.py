@@ -319,6 +319,8 @@ class KVMeshConnector(KVConnectorBase_V1):
             events_config = getattr(vllm_config, "kv_events_config", None)
             if getattr(events_config, "enable_kv_cache_events", False) and self.config.kv_event_chunks > 0:
                 self._kv_events = KVEventLog(self.config.kv_event_chunks, self.chunk_size)
+                log.info("KV events: the CPU tier's admissions and evictions are published as BlockStored / "
+                         "BlockRemoved (medium CPU; %d chunks remembered)", self.config.kv_event_chunks)
         log.info("KVMeshConnector (%s, %s) for vLLM %s: chunk_size %d, block_size %d, local_cpu %s, local_disk "
                  "%s, remote_url %s, instance %s", role.name.lower(), transfer.kv_role, self.vllm_version,
                  self.chunk_size, self.block_size, self.config.local_cpu, self.config.local_disk,

@@ -19,6 +19,7 @@ would be useless to a router. Only rank 0's events are used: every rank holds it
 
 from __future__ import annotations
 
+import logging
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
 from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents
 from kvmesh.shared.keys import ChunkKey, ChunkSpan, KeyExtras, KeyParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -86,18 +89,22 @@ class KVEventLog:
 
     def apply(self, update: CpuTierEvents) -> None:
         """Turn rank 0's admissions and evictions of one step into vLLM events."""
+        unknown = 0
         for admitted, key in update.events.get(0, ()):
             if not admitted:
                 self._events.append(BlockRemoved(block_hashes=[external_hash(key)], medium=MEDIUM_CPU))
                 continue
             info = self._chunks.get(key)
             if info is None:
+                unknown += 1
                 continue
             self._events.append(BlockStored(
                 block_hashes=[external_hash(key)],
                 parent_block_hash=external_hash(info.parent) if info.parent is not None else None,
                 token_ids=info.token_ids.tolist(), block_size=self.chunk_size, lora_id=None, medium=MEDIUM_CPU,
                 lora_name=info.lora_name, extra_keys=[info.extra_keys] if info.extra_keys is not None else None))
+        if unknown:
+            log.debug("%d CPU-tier admission(s) of chunks no longer remembered: not published", unknown)
 
     def take(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []
