@@ -37,8 +37,9 @@ def test_cpu_tier_admissions_reach_vllms_kv_event_stream(tmp_path: Path, demo_mo
     events_config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
                      "topic": TOPIC}
     env = clean_env(LMCACHE_CONFIG_FILE=str(tmp_path / "kvmesh.yaml"))
-    server = VLLMServer("vllm-kv-events", demo_model, free_port(), tmp_path / "vllm.log", kv_config=kv_transfer_config(),
-                        env=env, extra_args=["--kv-events-config", json.dumps(events_config)])
+    server = VLLMServer("vllm-kv-events", demo_model, free_port(), tmp_path / "vllm.log",
+                        kv_config=kv_transfer_config(), env=env,
+                        extra_args=["--kv-events-config", json.dumps(events_config)])
     decoder = msgspec.msgpack.Decoder(type=kv_events.KVEventBatch)
     stored: list[Any] = []
 
