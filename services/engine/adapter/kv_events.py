@@ -15,6 +15,8 @@ its parent key, tokens, LoRA name and extras (a bounded LRU map, `kv_event_chunk
 
 An admission of a chunk the map no longer (or never) knew is not published: a BlockStored without tokens
 would be useless to a router. Only rank 0's events are used: every rank holds its shard of the same chunks.
+A clear of the CPU tier arrives as evictions, so it is one BlockRemoved per chunk; AllBlocksCleared names no
+medium and would tell a router that vLLM's GPU blocks are gone too.
 """
 
 from __future__ import annotations
