@@ -99,6 +99,7 @@ class EngineConfig:
     write_behind_workers: int = 2  # concurrent write-behind jobs to the lower tiers
     fetch_concurrency: int = 4  # concurrent chunk reads from one store during a fetch
     known_held_keys: int = 200_000  # chunks remembered as in every lower tier (not sent again; ~40 B each)
+    kv_event_chunks: int = 10_000  # chunks whose tokens the scheduler keeps for KV events (~8 B a token)
     touch_interval_secs: float = 1.0  # how often hits refresh the chunks' recency in the lower tiers
     disk_data_timeout_secs: float = 10.0  # a put or get at the disk store (it may wait for the disk)
     remote_min_transfer_mb_per_s: float = 100.0  # a remote transfer slower than this is abandoned
@@ -256,6 +257,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "write_behind_workers": _AT_LEAST_ONE,
     "fetch_concurrency": _AT_LEAST_ONE,
     "known_held_keys": _NON_NEGATIVE,
+    "kv_event_chunks": _NON_NEGATIVE,
     "touch_interval_secs": _POSITIVE,
     "disk_data_timeout_secs": _POSITIVE,
     "remote_min_transfer_mb_per_s": _POSITIVE,

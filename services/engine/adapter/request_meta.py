@@ -22,7 +22,7 @@ Token arithmetic, with C = chunk_size and B = vLLM's block size (C is a multiple
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -123,11 +123,23 @@ class RequestTracker:
     block_ids: list[int] = field(default_factory=list)
     saved_upto: int = 0
 
-    def chain_keys(self, hasher: ChunkHasher, end: int) -> list[ChunkKey]:
-        """Chain keys of the chunks covering tokens [0, end), hashing only chunks not hashed before."""
+    def chain_keys(self, hasher: ChunkHasher, end: int,
+                   on_hashed: "Callable[[list[ChunkSpan], list[int], ChunkKey | None], None] | None" = None
+                   ) -> list[ChunkKey]:
+        """Chain keys of the chunks covering tokens [0, end), hashing only chunks not hashed before.
+
+        `on_hashed(spans, tokens, parent)` is told of the spans hashed now (with the tokens from 0 and the chain
+        key before the first of them, None at the start): the KV events' chunk metadata."""
         if not self.chain or self.chain[-1].end < end:
             tokens = list(self.request.all_token_ids[:end])
-            self.chain = hasher.chain(tokens, extras=self.extras, known=self.chain)
+            known = self.chain
+            self.chain = hasher.chain(tokens, extras=self.extras, known=known)
+            if on_hashed is not None:
+                reused = 0  # the known spans hasher.chain kept (the same objects)
+                while reused < min(len(known), len(self.chain)) and self.chain[reused] is known[reused]:
+                    reused += 1
+                if reused < len(self.chain):
+                    on_hashed(self.chain[reused:], tokens, self.chain[reused - 1].key if reused else None)
         return [span.key for span in self.chain if span.start < end]
 
     def take_load(self, chunk_size: int) -> LoadSpec | None:

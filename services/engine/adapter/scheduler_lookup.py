@@ -341,6 +341,10 @@ class SchedulerLookup:
         self._nats = NatsLoop(self._nats_name)
         self._nats.connect(url, credentials_for(url, principal, self._auth))
 
+    def key_params(self, rank: int) -> KeyParams | None:
+        """The keying parameters of rank `rank`'s worker (its shard keys); None while it is not known."""
+        return next((w.key_params for w in self._workers if w.rank == rank), None)
+
     # ---- lookups ------------------------------------------------------------------------------------------------
     def update(self, events: CpuTierEvents) -> None:
         self.mirror.apply(events)

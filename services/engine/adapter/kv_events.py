@@ -1,0 +1,118 @@
+"""KV events for routers: KVMesh's CPU-tier admissions and evictions as vLLM's BlockStored / BlockRemoved.
+
+vLLM's scheduler asks the connector for events each step (`take_events`) and publishes them with its own on
+its KV event stream (`--kv-events-config`). The workers already report their CPU tier's changes each step
+(`CpuTierEvents`, keyed by shard keys); a router also needs each stored block's parent and token ids, which
+only the scheduler knows. So `KVEventLog` remembers, for every chunk whose chain key the scheduler computes,
+its parent key, tokens, LoRA name and extras (a bounded LRU map, `kv_event_chunks` entries), and turns rank
+0's admissions into BlockStored and its evictions into BlockRemoved, one chunk per event:
+
+  * block_hashes: [the chunk's key] and parent_block_hash: its parent's key (None for the first chunk), both
+    rank 0's shard key (the chain key itself unless tensor-parallel ranks shard the KV), in the form vLLM
+    publishes its own hashes (`maybe_convert_block_hash`): by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1)
+    the key's last 8 bytes as a big-endian int, else the 16 key bytes;
+  * block_size: chunk_size (a partial last chunk has fewer token_ids), medium "CPU".
+
+An admission of a chunk the map no longer (or never) knew is not published: a BlockStored without tokens
+would be useless to a router. Only rank 0's events are used: every rank holds its shard of the same chunks.
+A clear of the CPU tier arrives as evictions, so it is one BlockRemoved per chunk; AllBlocksCleared names no
+medium and would tell a router that vLLM's GPU blocks are gone too.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+
+from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents
+from kvmesh.shared.keys import ChunkKey, ChunkSpan, KeyExtras, KeyParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """What a router needs about one chunk besides its key."""
+
+    parent: ChunkKey | None
+    token_ids: array  # int64: 8 bytes a token, not a Python int each
+    lora_name: str | None
+    extra_keys: tuple[object, ...] | None
+
+
+def extra_keys_of(extras: KeyExtras | None, lora_name: str | None, span: ChunkSpan) -> tuple[object, ...] | None:
+    """The untagged parts that `span`'s key mixes in besides its tokens (vLLM's `extra_keys` order: LoRA name,
+    (multimodal identifier, offset in the chunk) pairs, cache salt, prompt-embedding digest); None for none."""
+    parts: list[object] = [lora_name] if lora_name else []
+    if extras is not None:
+        items = extras.chunk_items(span.start, span.end)
+        parts += [(identifier, offset - span.start) for identifier, offset, _ in items]
+        if span.index == 0 and extras.cache_salt:
+            parts.append(extras.cache_salt)
+        if span.index < len(extras.embeds_digests):
+            parts.append(extras.embeds_digests[span.index])
+    return tuple(parts) or None
+
+
+class KVEventLog:
+    """Scheduler side: chunk metadata noted as chain keys are computed, and the events of the steps since the
+    last `take()`."""
+
+    def __init__(self, capacity: int, chunk_size: int) -> None:
+        self.capacity = capacity
+        self.chunk_size = chunk_size
+        self._chunks: OrderedDict[ChunkKey, ChunkInfo] = OrderedDict()  # rank 0's key -> info, LRU order
+        self._events: list[KVCacheEvent] = []
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def note(self, spans: Sequence[ChunkSpan], tokens: Sequence[int], params: KeyParams,
+             extras: KeyExtras | None, lora_name: str | None, parent: ChunkKey | None) -> None:
+        """Remember newly hashed chain spans (in order; `parent` is the chain key before the first of them, if
+        any). `tokens` are the request's tokens from 0; `params` rank 0's keying parameters."""
+        if self.capacity <= 0:
+            return
+        for span in spans:
+            key = params.shard_key(span.key)
+            self._chunks[key] = ChunkInfo(params.shard_key(parent) if parent is not None else None,
+                                          array("q", tokens[span.start:span.end]), lora_name,
+                                          extra_keys_of(extras, lora_name, span))
+            self._chunks.move_to_end(key)
+            parent = span.key
+        while len(self._chunks) > self.capacity:
+            self._chunks.popitem(last=False)
+
+    def apply(self, update: CpuTierEvents) -> None:
+        """Turn rank 0's admissions and evictions of one step into vLLM events."""
+        unknown = 0
+        for admitted, key in update.events.get(0, ()):
+            if not admitted:
+                self._events.append(BlockRemoved(block_hashes=[external_hash(key)], medium=MEDIUM_CPU))
+                continue
+            info = self._chunks.get(key)
+            if info is None:
+                unknown += 1
+                continue
+            self._events.append(BlockStored(
+                block_hashes=[external_hash(key)],
+                parent_block_hash=external_hash(info.parent) if info.parent is not None else None,
+                token_ids=info.token_ids.tolist(), block_size=self.chunk_size, lora_id=None, medium=MEDIUM_CPU,
+                lora_name=info.lora_name, extra_keys=[info.extra_keys] if info.extra_keys is not None else None))
+        if unknown:
+            log.debug("%d CPU-tier admission(s) of chunks no longer remembered: not published", unknown)
+
+    def take(self) -> list[KVCacheEvent]:
+        events, self._events = self._events, []
+        return events
+
+
+def external_hash(key: ChunkKey) -> bytes | int:
+    """A chunk key in the form vLLM publishes block hashes (see the module's docstring)."""
+    return maybe_convert_block_hash(BlockHash(key))
