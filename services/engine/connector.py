@@ -77,6 +77,7 @@ from kvmesh.services.engine.adapter.request_meta import (
     floor_to,
 )
 from kvmesh.services.engine.adapter.request_extras import lora_name_of, request_extras
+from kvmesh.services.engine.adapter.async_loads import IDLE_WAIT_SECS, AsyncLoads, PendingLoad, loads_asynchronously
 from kvmesh.services.engine.adapter.connector_stats import (
     STORAGE_COUNTERS,
     GaugeClock,
@@ -296,6 +297,9 @@ class KVMeshConnector(KVConnectorBase_V1):
         self._lookup_server: LookupServer | None = None
         self._rendezvous: Path | None = None
         self._load_errors: set[int] = set()
+        self._async_starting: list[str] = []  # scheduler: requests whose async load the next step carries
+        self._async_loads = AsyncLoads(self.config.blocking_timeout_secs)  # worker: loads between steps
+        self._finished_recving: set[str] = set()  # worker: async loads done this step, reported to vLLM
         self._cpu_events = StepEventLog()
         # metrics (both sides): what happened since vLLM last asked (get_kv_connector_stats)
         self._stats = KVMeshStats()
@@ -366,7 +370,12 @@ class KVMeshConnector(KVConnectorBase_V1):
         tracker.num_to_load = to_load
         log.info("Reqid: %s, Total tokens %d, hit tokens %d, need to load %d", request.request_id, total, hit,
                  to_load)
-        return to_load, False
+        cpu_tokens = self._lookup.cpu_tokens(tracker.chain[:len(chain_keys)]) if to_load else 0
+        tracker.load_async = loads_asynchronously(self.config.enable_async_loading, to_load, need, cpu_tokens)
+        if tracker.load_async:
+            log.info("Reqid: %s loads asynchronously: %d of its %d tokens to load are in the CPU tier",
+                     request.request_id, max(min(cpu_tokens, need) - num_computed_tokens, 0), to_load)
+        return to_load, tracker.load_async
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         if self.unsupported is not None:
@@ -378,10 +387,21 @@ class KVMeshConnector(KVConnectorBase_V1):
             # vLLM adjusted the load (e.g. kept a local partial block): load what it counts on, nothing else
             tracker.num_to_load = num_external_tokens
         tracker.load_pending = num_external_tokens > 0
+        tracker.load_async = tracker.load_async and tracker.load_pending
+        if tracker.load_async:
+            # vLLM schedules the request only once its load is done: the next step's metadata carries the load
+            # to the blocks allocated now
+            tracker.block_ids = list(blocks.get_block_ids()[0])
+            self._async_starting.append(request.request_id)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = KVMeshConnectorMetadata()
+        meta = KVMeshConnectorMetadata(idle=scheduler_output.total_num_scheduled_tokens == 0)
         num_scheduled = scheduler_output.num_scheduled_tokens
+        starting, self._async_starting = self._async_starting, []
+        for req_id in starting:
+            tracker = self._trackers.get(req_id)
+            if tracker is not None:
+                self._add_step(meta, tracker, None)
         for new in scheduler_output.scheduled_new_reqs:
             tracker = self._trackers.get(new.req_id)
             if tracker is None:
@@ -400,13 +420,15 @@ class KVMeshConnector(KVConnectorBase_V1):
             self._trackers.pop(req_id, None)
         return meta
 
-    def _add_step(self, meta: KVMeshConnectorMetadata, tracker: RequestTracker, num_computed_after: int) -> None:
+    def _add_step(self, meta: KVMeshConnectorMetadata, tracker: RequestTracker, num_computed_after: int | None
+                  ) -> None:
+        """The request's load and save in this step (`num_computed_after` None: an async load only)."""
         hasher = self._lookup.hasher() if self._lookup is not None else None
         if not tracker.cacheable or hasher is None:
             return
         load = tracker.take_load(self.chunk_size)
         save = None
-        if self.can_save:
+        if self.can_save and num_computed_after is not None:
             save = tracker.take_save(num_computed_after, self.chunk_size, self.config.save_unfull_chunk,
                                      self.config.save_decode_cache)
         if load is None and save is None:
@@ -472,7 +494,13 @@ class KVMeshConnector(KVConnectorBase_V1):
         for req in metadata.requests:
             if req.lora_name and req.lora_id:
                 self.engine.note_lora(req.lora_name, req.lora_id)
-            if req.load is not None:
+            if req.load is None:
+                continue
+            if req.load.asynchronous:
+                if not self._start_async_load(req):  # no lower tier to fetch from now: load at once
+                    self._load(req)
+                    self._finished_recving.add(req.req_id)
+            else:
                 self._load(req)
 
     def _load(self, req: ReqMeta) -> None:
@@ -488,6 +516,43 @@ class KVMeshConnector(KVConnectorBase_V1):
         except Exception as exc:
             log.warning("loading KV for request %s failed (%s: %s); vLLM recomputes it", req.req_id,
                         type(exc).__name__, exc)
+        self._account_load(req, loaded_upto, started)
+
+    def _start_async_load(self, req: ReqMeta) -> bool:
+        """Hand the load's fetch to the NATS loop (async_loads.py); False when it cannot start."""
+        load = req.load
+        assert load is not None
+        try:
+            spans = self.engine.chunk_spans(req.chunk_keys, load.end, load.mask_start // self.chunk_size)
+            future = self.engine.fetch_chunks(spans)
+        except Exception as exc:
+            log.warning("cannot start loading KV for request %s asynchronously (%s: %s); loading it now",
+                        req.req_id, type(exc).__name__, exc)
+            return False
+        if future is None:
+            return False
+        self._async_loads.add(req, spans, future)
+        log.info("Loading %d tokens for request %s asynchronously", load.need - load.skip_prefix, req.req_id)
+        return True
+
+    def _finish_async_load(self, pending: PendingLoad, refs: list[Any]) -> None:
+        """Worker thread, between forwards: scatter what the fetch brought into the request's blocks."""
+        req, load = pending.req, pending.req.load
+        assert load is not None
+        loaded_upto = load.mask_start
+        try:
+            loaded = self.engine.scatter_chunks(pending.spans, refs, self._kv_caches,
+                                                req.slot_mapping(load.end, self.block_size), load.skip_prefix)
+            loaded_upto = pending.spans[loaded - 1].end if loaded else load.mask_start
+        except Exception as exc:
+            log.warning("loading KV for request %s failed (%s: %s); vLLM recomputes it", req.req_id,
+                        type(exc).__name__, exc)
+        self._account_load(req, loaded_upto, pending.started)
+
+    def _account_load(self, req: ReqMeta, loaded_upto: int, started: float) -> None:
+        """Metrics, the log line, and load errors for what a load did not bring (vLLM recomputes those)."""
+        load = req.load
+        assert load is not None
         seconds = time.perf_counter() - started
         retrieved = max(min(loaded_upto, load.need) - load.skip_prefix, 0)
         self._stats.count("lmcache:num_retrieve_requests")
@@ -561,6 +626,20 @@ class KVMeshConnector(KVConnectorBase_V1):
                            per_engine_labelvalues: dict[int, list[object]]) -> KVMeshPromMetrics:
         return KVMeshPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(None: saves never outlive the step; the async loads done this step, scattered here between
+        forwards). Called after start_load_kv and wait_for_save in every step, forward or not."""
+        if self.engine is None:
+            return None, None
+        metadata = self._connector_metadata if self.has_connector_metadata() else None
+        if len(self._async_loads) and isinstance(metadata, KVMeshConnectorMetadata) and metadata.idle:
+            self._async_loads.wait(IDLE_WAIT_SECS)  # nothing else to run: do not spin through empty steps
+        for pending, refs in self._async_loads.take_ready():
+            self._finish_async_load(pending, refs)
+            self._finished_recving.add(pending.req.req_id)
+        done, self._finished_recving = self._finished_recving, set()
+        return None, done or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
@@ -582,6 +661,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         if self._rendezvous is not None:
             self._rendezvous.unlink(missing_ok=True)
             self._rendezvous = None
+        self._async_loads.abandon_all()
         engine, self.engine = self.engine, None
         if engine is not None:
             engines.remove(engine)
