@@ -14,7 +14,9 @@ Where each method runs (vLLM V1 creates one connector per role):
                                 hold (SchedulerLookup: the CPU tiers from a mirror fed by the workers' step
                                 outputs, the lower tiers by one asynchronous lookup per rank, answering
                                 None, "ask again", while it is in flight); answer how many to load beyond
-                                vLLM's own computed tokens, one fewer on a full hit.
+                                vLLM's own computed tokens, one fewer on a full hit; asynchronously when
+                                `enable_async_loading` and the hit is not all in the CPU tiers
+                                (adapter/async_loads.py).
                                 Logs "Reqid: <id>, Total tokens N, hit tokens H, need to load L".
     update_state_after_alloc    confirm the load once vLLM has allocated blocks for it.
     build_connector_meta        per scheduled request: load spec, save spec, chain keys, block ids.
@@ -28,6 +30,9 @@ Where each method runs (vLLM V1 creates one connector per role):
                                 scheduler, answer the scheduler's lower-tier lookups.
     start_load_kv               retrieve every loaded prefix, all layers at once, into the paged cache before
                                 the forward; chunks that cannot be loaded become load errors -> recomputed.
+                                An asynchronous load only starts its fetch on the NATS loop.
+    get_finished                scatter the asynchronous loads whose fetch ended (between forwards) and report
+                                them in finished_recving; what they lack is reported as load errors.
     wait_for_layer_load         no-op: everything was loaded in start_load_kv (see LAYERWISE_NOTE).
     save_kv_layer               no-op: saving per layer would gather each layer separately.
     wait_for_save               after the forward: gather newly computed chunks into the CPU tier (synchronous
