@@ -356,6 +356,8 @@ class KVMeshConnector(KVConnectorBase_V1):
             return 0, False
         started = time.perf_counter()
         chain_keys = tracker.chain_keys(hasher, total)  # hashed once per request
+        if tracker.lower is None:  # not yet asked below: what the CPU tiers hold as the request arrives
+            tracker.cpu_tokens = self._lookup.cpu_tokens(tracker.chain[:len(chain_keys)])
         hit, tracker.lower = self._lookup.held(tracker.chain[:len(chain_keys)], total, tracker.lower)
         if hit is None:
             return None, False  # the lower tiers have not answered yet: vLLM asks again next step
@@ -375,11 +377,13 @@ class KVMeshConnector(KVConnectorBase_V1):
         tracker.num_to_load = to_load
         log.info("Reqid: %s, Total tokens %d, hit tokens %d, need to load %d", request.request_id, total, hit,
                  to_load)
-        cpu_tokens = self._lookup.cpu_tokens(tracker.chain[:len(chain_keys)]) if to_load else 0
-        tracker.load_async = loads_asynchronously(self.config.enable_async_loading, to_load, need, cpu_tokens)
+        # Decided on the CPU tiers before the lower-tier lookup: its prefetch may have filled them since, but a
+        # load behind it would still wait for that prefetch, stalling the batch.
+        tracker.load_async = loads_asynchronously(self.config.enable_async_loading, to_load, need,
+                                                  tracker.cpu_tokens)
         if tracker.load_async:
-            log.info("Reqid: %s loads asynchronously: %d of its %d tokens to load are in the CPU tier",
-                     request.request_id, max(min(cpu_tokens, need) - num_computed_tokens, 0), to_load)
+            log.info("Reqid: %s loads asynchronously: %d of its %d tokens to load were in the CPU tier",
+                     request.request_id, max(min(tracker.cpu_tokens, need) - num_computed_tokens, 0), to_load)
         return to_load, tracker.load_async
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:

@@ -1,7 +1,7 @@
 """Loads that run between vLLM's steps (LMCache's `enable_async_loading`).
 
-Scheduler side: a request whose hit is not all in the workers' CPU tiers (some chunks must come from the disk
-or remote store) is answered `load_kv_async=True` (`loads_asynchronously`); vLLM allocates its blocks, parks
+Scheduler side: a request whose hit is not all in the workers' CPU tiers when it is first looked up (some
+chunks must come from the disk or remote store) is answered `load_kv_async=True` (`loads_asynchronously`); vLLM allocates its blocks, parks
 it in WAITING_FOR_REMOTE_KVS and keeps running the other requests. The next step's metadata carries its load.
 
 Worker side (`AsyncLoads`): `start_load_kv` hands the load's fetch to the NATS loop (the storage manager's

@@ -119,6 +119,7 @@ class RequestTracker:
     chain: list[ChunkSpan] = field(default_factory=list)  # chain keys of its tokens so far (hashed once)
     lower: "LowerLookup | None" = None  # its lookup in the workers' lower tiers, once asked
     hit: int = 0  # tokens the cache held at lookup
+    cpu_tokens: int = 0  # of those, in the CPU tiers before the lower tiers were asked (the async decision)
     local: int = 0  # tokens vLLM had computed itself (its prefix cache) when we looked up
     num_to_load: int = 0  # what get_num_new_matched_tokens answered (tokens beyond `local`)
     load_pending: bool = False  # update_state_after_alloc confirmed the load; the next step carries it
