@@ -45,6 +45,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from demo import Child, wait_http  # noqa: E402
 from make_demo_model import ensure_model, long_text  # noqa: E402
+from kvmesh.shared.config import EngineConfig  # noqa: E402
 
 PEERS = ["no-connector", "vllm-prefix-cache", "ExampleConnector", "LMCache", "kvmesh"]
 KVMESH = {"kv_connector": "KVMeshConnector", "kv_connector_module_path": "kvmesh.services.engine.connector",
@@ -172,7 +173,7 @@ def warm_up(server: Server, prompts: Prompts, max_len: int) -> None:
 
 
 def run_kvmesh(model: Path, work: Path, sizes: list[int], prompts: Prompts, env: dict[str, str], max_len: int,
-               cold_repeats: int, warm_repeats: int) -> tuple[dict[str, Any], dict[str, Any]]:
+               cold_repeats: int, warm_repeats: int, async_loading: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """KVMesh: CPU-tier warm, then disk warm after clearing the CPU tier through the controller."""
     import httpx
 
@@ -187,7 +188,8 @@ def run_kvmesh(model: Path, work: Path, sizes: list[int], prompts: Prompts, env:
     (work / "kvmesh.yaml").write_text(
         "chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 2\n"
         f'local_disk: "file://{work / "kvmesh-disk"}"\nmax_local_disk_size: 8\n'
-        f'enable_controller: true\nlmcache_instance_id: "{instance}"\ncontroller_url: "127.0.0.1:{nats_port}"\n')
+        f'enable_controller: true\nlmcache_instance_id: "{instance}"\ncontroller_url: "127.0.0.1:{nats_port}"\n'
+        f'enable_async_loading: {str(async_loading).lower()}\n')
     server = None
     try:
         wait_http(mesh, f"{controller}/healthz", 60, "kvmesh up")
@@ -312,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cold-repeats", type=int, default=2)
     parser.add_argument("--warm-repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--kvmesh-async-loading", choices=["true", "false"],
+                        default=str(EngineConfig().enable_async_loading).lower(),
+                        help="KVMesh's enable_async_loading (default: KVMesh's default)")
     args = parser.parse_args(argv)
 
     model = args.model or ensure_model(Path.home() / ".cache" / "kvmesh-tests" / "models" / "bench", "bench")
@@ -361,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     if "kvmesh" in args.peers:
         print("== kvmesh", flush=True)
         peers["kvmesh-cpu"], peers["kvmesh-disk"] = run_kvmesh(model, work, args.sizes, prompts, env, max_len,
-                                                               args.cold_repeats, args.warm_repeats)
+                                                               args.cold_repeats, args.warm_repeats,
+                                                               args.kvmesh_async_loading == "true")
 
     ratios: dict[str, Any] = {}
     for size in map(str, args.sizes):
@@ -398,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
                   "max_num_batched_tokens": max_len, "VLLM_CPU_OMP_THREADS_BIND": "0",
                   "VLLM_CPU_KVCACHE_SPACE_GiB": env["VLLM_CPU_KVCACHE_SPACE"], "chunk_size": CHUNK,
                   "cold_repeats": args.cold_repeats, "warm_repeats": args.warm_repeats,
+                  "kvmesh_async_loading": args.kvmesh_async_loading,
                   "statistic": "median", "disk_warm_page_cache": "not dropped"},
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()},
         "command": " ".join([sys.executable, *sys.argv]), "wall_s": round(time.time() - started, 1),

@@ -122,7 +122,7 @@ LMCACHE_KEYS: dict[str, str | None] = {
     "blend_check_layers": _BLEND,
     "blend_special_str": _BLEND,
     # asynchronous loading and events
-    "enable_async_loading": "KVMesh's lower-tier lookups and loads are always asynchronous",
+    "enable_async_loading": HONOURED,
     "enable_kv_events": "KVMesh publishes no vLLM KV events; the controller's index follows the engines over NATS",
     # internal API server
     "internal_api_server_enabled": _API_SERVER,

@@ -14,7 +14,9 @@ Where each method runs (vLLM V1 creates one connector per role):
                                 hold (SchedulerLookup: the CPU tiers from a mirror fed by the workers' step
                                 outputs, the lower tiers by one asynchronous lookup per rank, answering
                                 None, "ask again", while it is in flight); answer how many to load beyond
-                                vLLM's own computed tokens, one fewer on a full hit.
+                                vLLM's own computed tokens, one fewer on a full hit; asynchronously when
+                                `enable_async_loading` and the hit is not all in the CPU tiers
+                                (adapter/async_loads.py).
                                 Logs "Reqid: <id>, Total tokens N, hit tokens H, need to load L".
     update_state_after_alloc    confirm the load once vLLM has allocated blocks for it.
     build_connector_meta        per scheduled request: load spec, save spec, chain keys, block ids.
@@ -30,6 +32,9 @@ Where each method runs (vLLM V1 creates one connector per role):
                                 scheduler, answer the scheduler's lower-tier lookups.
     start_load_kv               retrieve every loaded prefix, all layers at once, into the paged cache before
                                 the forward; chunks that cannot be loaded become load errors -> recomputed.
+                                An asynchronous load only starts its fetch on the NATS loop.
+    get_finished                scatter the asynchronous loads whose fetch ended (between forwards) and report
+                                them in finished_recving; what they lack is reported as load errors.
     wait_for_layer_load         no-op: everything was loaded in start_load_kv (see LAYERWISE_NOTE).
     save_kv_layer               no-op: saving per layer would gather each layer separately.
     wait_for_save               after the forward: gather newly computed chunks into the CPU tier (synchronous
@@ -80,6 +85,7 @@ from kvmesh.services.engine.adapter.request_meta import (
 )
 from kvmesh.services.engine.adapter.request_extras import lora_name_of, request_extras
 from kvmesh.services.engine.adapter.kv_events import KVEventLog
+from kvmesh.services.engine.adapter.async_loads import IDLE_WAIT_SECS, AsyncLoads, PendingLoad, loads_asynchronously
 from kvmesh.services.engine.adapter.connector_stats import (
     STORAGE_COUNTERS,
     GaugeClock,
@@ -300,6 +306,9 @@ class KVMeshConnector(KVConnectorBase_V1):
         self._lookup_server: LookupServer | None = None
         self._rendezvous: Path | None = None
         self._load_errors: set[int] = set()
+        self._async_starting: list[str] = []  # scheduler: requests whose async load the next step carries
+        self._async_loads = AsyncLoads(self.config.blocking_timeout_secs)  # worker: loads between steps
+        self._finished_recving: set[str] = set()  # worker: async loads done this step, reported to vLLM
         self._cpu_events = StepEventLog()
         # metrics (both sides): what happened since vLLM last asked (get_kv_connector_stats)
         self._stats = KVMeshStats()
@@ -356,6 +365,8 @@ class KVMeshConnector(KVConnectorBase_V1):
             return 0, False
         started = time.perf_counter()
         chain_keys = self._chain_keys(tracker, hasher, total)  # hashed once per request
+        if tracker.lower is None:  # not yet asked below: what the CPU tiers hold as the request arrives
+            tracker.cpu_tokens = self._lookup.cpu_tokens(tracker.chain[:len(chain_keys)])
         hit, tracker.lower = self._lookup.held(tracker.chain[:len(chain_keys)], total, tracker.lower)
         if hit is None:
             return None, False  # the lower tiers have not answered yet: vLLM asks again next step
@@ -375,7 +386,14 @@ class KVMeshConnector(KVConnectorBase_V1):
         tracker.num_to_load = to_load
         log.info("Reqid: %s, Total tokens %d, hit tokens %d, need to load %d", request.request_id, total, hit,
                  to_load)
-        return to_load, False
+        # Decided on the CPU tiers before the lower-tier lookup: its prefetch may have filled them since, but a
+        # load behind it would still wait for that prefetch, stalling the batch.
+        tracker.load_async = loads_asynchronously(self.config.enable_async_loading, to_load, need,
+                                                  tracker.cpu_tokens)
+        if tracker.load_async:
+            log.info("Reqid: %s loads asynchronously: %d of its %d tokens to load were in the CPU tier",
+                     request.request_id, max(min(tracker.cpu_tokens, need) - num_computed_tokens, 0), to_load)
+        return to_load, tracker.load_async
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         if self.unsupported is not None:
@@ -387,10 +405,21 @@ class KVMeshConnector(KVConnectorBase_V1):
             # vLLM adjusted the load (e.g. kept a local partial block): load what it counts on, nothing else
             tracker.num_to_load = num_external_tokens
         tracker.load_pending = num_external_tokens > 0
+        tracker.load_async = tracker.load_async and tracker.load_pending
+        if tracker.load_async:
+            # vLLM schedules the request only once its load is done: the next step's metadata carries the load
+            # to the blocks allocated now
+            tracker.block_ids = list(blocks.get_block_ids()[0])
+            self._async_starting.append(request.request_id)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = KVMeshConnectorMetadata()
+        meta = KVMeshConnectorMetadata(idle=scheduler_output.total_num_scheduled_tokens == 0)
         num_scheduled = scheduler_output.num_scheduled_tokens
+        starting, self._async_starting = self._async_starting, []
+        for req_id in starting:
+            tracker = self._trackers.get(req_id)
+            if tracker is not None:
+                self._add_step(meta, tracker, None)
         for new in scheduler_output.scheduled_new_reqs:
             tracker = self._trackers.get(new.req_id)
             if tracker is None:
@@ -409,13 +438,15 @@ class KVMeshConnector(KVConnectorBase_V1):
             self._trackers.pop(req_id, None)
         return meta
 
-    def _add_step(self, meta: KVMeshConnectorMetadata, tracker: RequestTracker, num_computed_after: int) -> None:
+    def _add_step(self, meta: KVMeshConnectorMetadata, tracker: RequestTracker, num_computed_after: int | None
+                  ) -> None:
+        """The request's load and save in this step (`num_computed_after` None: an async load only)."""
         hasher = self._lookup.hasher() if self._lookup is not None else None
         if not tracker.cacheable or hasher is None:
             return
         load = tracker.take_load(self.chunk_size)
         save = None
-        if self.can_save:
+        if self.can_save and num_computed_after is not None:
             save = tracker.take_save(num_computed_after, self.chunk_size, self.config.save_unfull_chunk,
                                      self.config.save_decode_cache)
         if load is None and save is None:
@@ -501,7 +532,13 @@ class KVMeshConnector(KVConnectorBase_V1):
         for req in metadata.requests:
             if req.lora_name and req.lora_id:
                 self.engine.note_lora(req.lora_name, req.lora_id)
-            if req.load is not None:
+            if req.load is None:
+                continue
+            if req.load.asynchronous:
+                if not self._start_async_load(req):  # no lower tier to fetch from now: load at once
+                    self._load(req)
+                    self._finished_recving.add(req.req_id)
+            else:
                 self._load(req)
 
     def _load(self, req: ReqMeta) -> None:
@@ -517,6 +554,43 @@ class KVMeshConnector(KVConnectorBase_V1):
         except Exception as exc:
             log.warning("loading KV for request %s failed (%s: %s); vLLM recomputes it", req.req_id,
                         type(exc).__name__, exc)
+        self._account_load(req, loaded_upto, started)
+
+    def _start_async_load(self, req: ReqMeta) -> bool:
+        """Hand the load's fetch to the NATS loop (async_loads.py); False when it cannot start."""
+        load = req.load
+        assert load is not None
+        try:
+            spans = self.engine.chunk_spans(req.chunk_keys, load.end, load.mask_start // self.chunk_size)
+            future = self.engine.fetch_chunks(spans)
+        except Exception as exc:
+            log.warning("cannot start loading KV for request %s asynchronously (%s: %s); loading it now",
+                        req.req_id, type(exc).__name__, exc)
+            return False
+        if future is None:
+            return False
+        self._async_loads.add(req, spans, future)
+        log.info("Loading %d tokens for request %s asynchronously", load.need - load.skip_prefix, req.req_id)
+        return True
+
+    def _finish_async_load(self, pending: PendingLoad, refs: list[Any]) -> None:
+        """Worker thread, between forwards: scatter what the fetch brought into the request's blocks."""
+        req, load = pending.req, pending.req.load
+        assert load is not None
+        loaded_upto = load.mask_start
+        try:
+            loaded = self.engine.scatter_chunks(pending.spans, refs, self._kv_caches,
+                                                req.slot_mapping(load.end, self.block_size), load.skip_prefix)
+            loaded_upto = pending.spans[loaded - 1].end if loaded else load.mask_start
+        except Exception as exc:
+            log.warning("loading KV for request %s failed (%s: %s); vLLM recomputes it", req.req_id,
+                        type(exc).__name__, exc)
+        self._account_load(req, loaded_upto, pending.started)
+
+    def _account_load(self, req: ReqMeta, loaded_upto: int, started: float) -> None:
+        """Metrics, the log line, and load errors for what a load did not bring (vLLM recomputes those)."""
+        load = req.load
+        assert load is not None
         seconds = time.perf_counter() - started
         retrieved = max(min(loaded_upto, load.need) - load.skip_prefix, 0)
         self._stats.count("lmcache:num_retrieve_requests")
@@ -590,6 +664,20 @@ class KVMeshConnector(KVConnectorBase_V1):
                            per_engine_labelvalues: dict[int, list[object]]) -> KVMeshPromMetrics:
         return KVMeshPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(None: saves never outlive the step; the async loads done this step, scattered here between
+        forwards). Called after start_load_kv and wait_for_save in every step, forward or not."""
+        if self.engine is None:
+            return None, None
+        metadata = self._connector_metadata if self.has_connector_metadata() else None
+        if len(self._async_loads) and isinstance(metadata, KVMeshConnectorMetadata) and metadata.idle:
+            self._async_loads.wait(IDLE_WAIT_SECS)  # nothing else to run: do not spin through empty steps
+        for pending, refs in self._async_loads.take_ready():
+            self._finish_async_load(pending, refs)
+            self._finished_recving.add(pending.req.req_id)
+        done, self._finished_recving = self._finished_recving, set()
+        return None, done or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
@@ -611,6 +699,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         if self._rendezvous is not None:
             self._rendezvous.unlink(missing_ok=True)
             self._rendezvous = None
+        self._async_loads.abandon_all()
         engine, self.engine = self.engine, None
         if engine is not None:
             engines.remove(engine)

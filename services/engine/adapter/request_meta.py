@@ -50,6 +50,7 @@ class LoadSpec:
     need: int
     mask_start: int
     skip_prefix: int
+    asynchronous: bool = False  # between steps (async_loads.py): vLLM waits for it in finished_recving
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class ReqMeta:
 @dataclass
 class KVMeshConnectorMetadata(KVConnectorMetadata):
     requests: list[ReqMeta] = field(default_factory=list)
+    idle: bool = False  # the step runs no forward (every request waits for its load, or none is left)
 
     def __repr__(self) -> str:  # vLLM may log it: never dump token lists
         return (f"KVMeshConnectorMetadata(loads={sum(r.load is not None for r in self.requests)}, "
@@ -117,9 +119,11 @@ class RequestTracker:
     chain: list[ChunkSpan] = field(default_factory=list)  # chain keys of its tokens so far (hashed once)
     lower: "LowerLookup | None" = None  # its lookup in the workers' lower tiers, once asked
     hit: int = 0  # tokens the cache held at lookup
+    cpu_tokens: int = 0  # of those, in the CPU tiers before the lower tiers were asked (the async decision)
     local: int = 0  # tokens vLLM had computed itself (its prefix cache) when we looked up
     num_to_load: int = 0  # what get_num_new_matched_tokens answered (tokens beyond `local`)
     load_pending: bool = False  # update_state_after_alloc confirmed the load; the next step carries it
+    load_async: bool = False  # the load runs between steps (get_num_new_matched_tokens said load_kv_async)
     block_ids: list[int] = field(default_factory=list)
     saved_upto: int = 0
 
@@ -150,7 +154,8 @@ class RequestTracker:
         self.load_pending = False
         need = self.local + self.num_to_load
         end = self.hit if self.hit > need else need
-        return LoadSpec(end=end, need=need, mask_start=floor_to(self.local, chunk_size), skip_prefix=self.local)
+        return LoadSpec(end=end, need=need, mask_start=floor_to(self.local, chunk_size), skip_prefix=self.local,
+                        asynchronous=self.load_async)
 
     def take_save(self, num_computed_after: int, chunk_size: int, save_unfull_chunk: bool,
                   save_decode_cache: bool) -> SaveSpec | None:

@@ -356,9 +356,8 @@ class SchedulerLookup:
         if not workers or not chain:
             return 0, lower
         keys = [span.key for span in chain]
-        in_cpu = min(self.mirror.prefix(w.rank, [w.key_params.shard_key(k) for k in keys]) for w in workers)
-        cpu_tokens = chain[in_cpu - 1].end if in_cpu else 0
-        if in_cpu == len(chain) or not any(w.has_lower for w in workers):
+        cpu_tokens = self.cpu_tokens(chain)
+        if cpu_tokens == chain[-1].end or not any(w.has_lower for w in workers):
             return cpu_tokens, lower
         if lower is None:
             lower = self._ask_lower(keys, num_tokens)
@@ -368,6 +367,14 @@ class SchedulerLookup:
         if answer is None:
             return None, lower
         return max(answer, cpu_tokens), lower
+
+    def cpu_tokens(self, chain: Sequence[ChunkSpan]) -> int:
+        """Tokens of `chain` held in every rank's CPU tier (as the mirror says)."""
+        if not self._workers or not chain:
+            return 0
+        keys = [span.key for span in chain]
+        in_cpu = min(self.mirror.prefix(w.rank, [w.key_params.shard_key(k) for k in keys]) for w in self._workers)
+        return chain[in_cpu - 1].end if in_cpu else 0
 
     def _ask_lower(self, keys: list[ChunkKey], num_tokens: int) -> LowerLookup | None:
         local = engines.all()

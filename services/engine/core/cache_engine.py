@@ -18,6 +18,7 @@ back: store --get_into--> pool slot --> CPU tier --scatter--> vLLM paged cache.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -31,7 +32,7 @@ import torch
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.services.disk_store.client import DiskStoreClient
-from kvmesh.services.engine.tiers.cpu import LocalCPUBackend
+from kvmesh.services.engine.tiers.cpu import ChunkRef, LocalCPUBackend
 from kvmesh.services.engine.tiers.redis import RedisTier
 from kvmesh.services.engine.mesh.embedded import MeshConnection, MeshPlan, plan_mesh
 from kvmesh.services.engine.core.kv_layout import KVLayout, detect_layout
@@ -288,6 +289,24 @@ class CacheEngine:
         """`retrieve` for spans the caller already has; how many leading spans were loaded."""
         return self._retrieve_spans(spans, _layers(kv_caches), slot_mapping, skip_prefix)
 
+    def fetch_chunks(self, spans: Sequence[ChunkSpan]) -> "concurrent.futures.Future[list[ChunkRef]] | None":
+        """Start fetching the held prefix of `spans` (CPU tier, then the lower tiers) on the NATS loop; the
+        future answers references the caller owns (`scatter_chunks` releases them). None without a connected
+        lower tier: the caller loads synchronously."""
+        _, _, _, storage, _ = self._ready()
+        if not spans or not storage.lower_ready():
+            return None
+        assert storage.loop is not None
+        return storage.loop.submit(storage.fetch(spans, self._meta_mismatch))
+
+    def scatter_chunks(self, spans: Sequence[ChunkSpan], refs: Sequence[ChunkRef], kv_caches: KVCaches,
+                       slot_mapping: torch.Tensor, skip_prefix: int = 0) -> int:
+        """Copy fetched chunks (the leading `len(refs)` of `spans`) into vLLM's paged cache and release them;
+        how many were copied."""
+        storage = self._ready()[3]
+        storage.note_hits([ref.meta.key for ref in refs])
+        return self._scatter(spans, refs, _layers(kv_caches), slot_mapping, skip_prefix)
+
     async def lookup_and_prefetch(self, spans: Sequence[ChunkSpan]) -> int:
         """NATS loop: the held prefix of `spans` over every tier, in tokens; what a lower tier holds starts
         moving into the CPU tier at once (the scheduler's lower-tier lookup, then the load one step later)."""
@@ -335,12 +354,19 @@ class CacheEngine:
 
     def _retrieve_spans(self, spans: Sequence[ChunkSpan], kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
                         skip_prefix: int) -> int:
-        layout, _, _, storage, copier = self._ready()
+        storage = self._ready()[3]
         if not spans:
             return 0
         _check_slot_count(slot_mapping, spans[-1].end)
-        refs = storage.acquire_prefix(spans, self._meta_mismatch)
+        return self._scatter(spans, storage.acquire_prefix(spans, self._meta_mismatch), kv_caches, slot_mapping,
+                             skip_prefix)
+
+    def _scatter(self, spans: Sequence[ChunkSpan], refs: Sequence[ChunkRef], kv_caches: list[torch.Tensor],
+                 slot_mapping: torch.Tensor, skip_prefix: int) -> int:
+        layout, _, _, _, copier = self._ready()
         try:
+            if refs:
+                _check_slot_count(slot_mapping, spans[len(refs) - 1].end)
             for span, ref in zip(spans, refs):
                 chunk = ref.slot.view(layout.dtype, layout.chunk_shape(span.num_tokens))
                 skip = min(max(skip_prefix - span.start, 0), span.num_tokens)

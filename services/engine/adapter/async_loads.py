@@ -1,0 +1,112 @@
+"""Loads that run between vLLM's steps (LMCache's `enable_async_loading`).
+
+Scheduler side: a request whose hit is not all in the workers' CPU tiers when it is first looked up (some
+chunks must come from the disk or remote store) is answered `load_kv_async=True` (`loads_asynchronously`); vLLM allocates its blocks, parks
+it in WAITING_FOR_REMOTE_KVS and keeps running the other requests. The next step's metadata carries its load.
+
+Worker side (`AsyncLoads`): `start_load_kv` hands the load's fetch to the NATS loop (the storage manager's
+fetch: chunks the scheduler's lookup is already prefetching are waited for, not read twice) and returns.
+Every step, `get_finished` (vLLM's worker thread, between forwards) takes the loads whose fetch has ended or
+whose deadline (`blocking_timeout_secs`) has passed, scatters what arrived into the request's blocks (which
+no other request uses while it waits) and reports the request in finished_recving; what did not arrive is
+reported as load errors in the same step, so vLLM recomputes it. A fetch that ends after its deadline only
+releases its chunks: its request's blocks may by then hold recomputed KV.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+from kvmesh.shared.keys import ChunkSpan
+
+if TYPE_CHECKING:
+    from kvmesh.services.engine.adapter.request_meta import ReqMeta
+    from kvmesh.services.engine.tiers.cpu import ChunkRef
+
+log = logging.getLogger(__name__)
+
+# How long a step that runs no forward (every scheduled request is waiting for its load) waits for a fetch to
+# end before it returns: vLLM would otherwise spin through empty steps on the cores the fetch needs.
+IDLE_WAIT_SECS = 0.01
+
+
+def loads_asynchronously(enabled: bool, to_load: int, need: int, cpu_tokens: int) -> bool:
+    """Whether the scheduler answers load_kv_async: the load is switched on, there is something to load, and
+    the CPU tiers do not hold all `need` tokens (the rest comes from a slower tier)."""
+    return enabled and to_load > 0 and cpu_tokens < need
+
+
+@dataclass
+class PendingLoad:
+    req: "ReqMeta"
+    spans: Sequence[ChunkSpan]
+    future: "concurrent.futures.Future[list[ChunkRef]]"
+    started: float  # time.perf_counter()
+    deadline: float  # time.monotonic()
+
+
+class AsyncLoads:
+    """Worker side: the asynchronous loads in flight, by request id (vLLM's worker thread only)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._pending: dict[str, PendingLoad] = {}
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, req: "ReqMeta", spans: Sequence[ChunkSpan],
+            future: "concurrent.futures.Future[list[ChunkRef]]") -> None:
+        self._pending[req.req_id] = PendingLoad(req, spans, future, time.perf_counter(),
+                                                time.monotonic() + self.timeout)
+
+    def wait(self, timeout: float) -> None:
+        """Wait until one fetch ends, at most `timeout` seconds."""
+        if self._pending:
+            concurrent.futures.wait([p.future for p in self._pending.values()], timeout,
+                                    concurrent.futures.FIRST_COMPLETED)
+
+    def take_ready(self) -> list[tuple[PendingLoad, list["ChunkRef"]]]:
+        """The loads whose fetch ended (with the chunks it got: a prefix of their spans, maybe none) or whose
+        deadline passed (with none), removed from the pending ones."""
+        now = time.monotonic()
+        ready: list[tuple[PendingLoad, list[ChunkRef]]] = []
+        for req_id, pending in list(self._pending.items()):
+            if pending.future.done():
+                ready.append((pending, _refs_of(pending)))
+            elif now >= pending.deadline:
+                log.warning("loading KV for request %s took longer than %.1fs (blocking_timeout_secs); vLLM "
+                            "recomputes it", req_id, self.timeout)
+                pending.future.add_done_callback(_release_late)
+                ready.append((pending, []))
+            else:
+                continue
+            del self._pending[req_id]
+        return ready
+
+    def abandon_all(self) -> None:
+        """Shutdown: whatever the fetches still bring is released."""
+        for pending in self._pending.values():
+            pending.future.add_done_callback(_release_late)
+        self._pending.clear()
+
+
+def _refs_of(pending: PendingLoad) -> list["ChunkRef"]:
+    try:
+        return list(pending.future.result())
+    except Exception as exc:  # a broken fetch is a miss: vLLM recomputes
+        log.warning("loading KV for request %s failed (%s: %s); vLLM recomputes it", pending.req.req_id,
+                    type(exc).__name__, exc)
+        return []
+
+
+def _release_late(future: "concurrent.futures.Future[Any]") -> None:
+    """A fetch whose load was given up: its chunks stay in the CPU tier (which holds its own references)."""
+    if future.cancelled() or future.exception() is not None:
+        return
+    for ref in future.result():
+        ref.release()
