@@ -12,6 +12,7 @@ import socket
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -89,7 +90,27 @@ class RedisServer:
         self.stop()
 
 
-class RedisClusterServers:
+class _StartedTogether:
+    """A context manager over `start()` / `stop()` of several servers: a start that fails stops what it started."""
+
+    def start(self) -> Any:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+
+class RedisClusterServers(_StartedTogether):
     """A Redis Cluster of `primaries` redis-servers, each with `replicas` replicas, on free loopback ports, slots
     spread by `redis-cli --cluster create`; `url` is a redis-cluster:// URL naming two of them as startup nodes."""
 
@@ -136,18 +157,9 @@ class RedisClusterServers:
         for node in self.nodes:
             node.stop()
 
-    def __enter__(self) -> "RedisClusterServers":
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *_: object) -> None:
-        self.stop()
 
 
-class RedisSentinelSetup:
+class RedisSentinelSetup(_StartedTogether):
     """A primary, one replica and one sentinel (quorum 1, the primary counted down after 1 s) monitoring them as
     `mymaster`; `url` is the redis-sentinel:// URL of the sentinel."""
 
@@ -176,15 +188,6 @@ class RedisSentinelSetup:
         for server in (self.sentinel, self.replica, self.primary):
             server.stop()
 
-    def __enter__(self) -> "RedisSentinelSetup":
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *_: object) -> None:
-        self.stop()
 
 
 class _Sentinel(RedisServer):
