@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import itertools
 import json
 import logging
@@ -261,6 +262,13 @@ def _reason(exc: BaseException, connect_timeout: float) -> str:
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
         return f"no answer within {connect_timeout:g}s"
     return f"{type(exc).__name__}: {text}"
+
+
+def server_scope(nc: NatsClient) -> str:
+    """A short name of the NATS server `nc` is connected to ("" when unknown): clients of one server share it,
+    so a host-local resource keyed by it (a disk store's pool socket) is never another mesh's."""
+    server_id = str(getattr(nc, "_server_info", {}).get("server_id") or "")
+    return hashlib.blake2b(server_id.encode(), digest_size=6).hexdigest() if server_id else ""
 
 
 def normalize_url(address: str) -> str:

@@ -112,7 +112,8 @@ class Harness:
     async def lend(self, segment: SharedSegment, caller: str = ENGINE) -> Registration:
         """Lend `segment` to the running store as `caller`, as an engine's client does on its first put; the
         connection closes with the test's end (then the store drops the pool)."""
-        registration = await asyncio.to_thread(register, self.store_id, caller, segment, WAIT_S)
+        registration = await asyncio.to_thread(register, self.store_id, caller, segment, WAIT_S,
+                                               bus.server_scope(self.nc))
         self.lent.append(registration)
         return registration
 
@@ -718,7 +719,7 @@ def offer(path: Path, hello: bytes, fds: list[int]) -> dict[str, Any]:
 async def test_the_store_takes_only_a_sealed_memfd_with_a_small_hello(harness: Harness, segment: SharedSegment,
                                                                        tmp_path: Path) -> None:
     await harness.start(pool_hello_max_bytes=256, pool_hello_timeout_secs=1.0)
-    path = socket_path(harness.store_id)
+    path = socket_path(harness.store_id, bus.server_scope(harness.nc))
     hello = json.dumps({"caller": ENGINE}).encode()
     unsealed = os.memfd_create("unsealed", os.MFD_CLOEXEC)
     grow_only = os.memfd_create("grow-only", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -823,3 +824,35 @@ async def test_a_second_store_with_the_same_id_never_takes_the_live_stores_pool_
         assert third.path is not None
     finally:
         await third.close()
+
+
+async def test_two_meshes_on_one_host_with_stores_of_the_same_id_each_get_their_own_engines_pools(
+        tmp_path: Path) -> None:
+    """Two vLLMs on one host, each embedding its own mesh, both name their disk store after the host: each
+    engine must lend its pool to its own store, never to the other mesh's (its puts would all be refused)."""
+    from kvmesh.shared.embedded_nats import EmbeddedNats
+
+    harnesses: list[Harness] = []
+    with EmbeddedNats() as first_nats, EmbeddedNats() as second_nats:
+        try:
+            for i, server in enumerate((first_nats, second_nats)):
+                nc = await bus.connect(server.url, f"mesh-{i}", first_connect_wait=WAIT_S)
+                harness = Harness(nc, tmp_path / f"disk-{i}")
+                harness.store_id = harnesses[0].store_id if harnesses else harness.store_id  # the same id
+                harness.client = DiskStoreClient(nc, harness.store_id, ENGINE, request_timeout=WAIT_S)
+                harnesses.append(harness)
+                await harness.start()
+            for i, harness in enumerate(harnesses):
+                with SharedSegment.create(2 * CHUNK) as segment:
+                    meta, data = chunk(i)
+                    segment.buf[:CHUNK] = data
+                    buffer = ChunkBuffer(view=segment.buf[:CHUNK], pool=segment, pool_offset=0)
+                    assert await harness.client.put(meta, buffer), f"mesh {i}: its store refused its own pool"
+                    assert await harness.client.wait_written(WAIT_S)
+                    details = (await harness.client.stats())[0].details
+                    assert details["puts_pool"] == 1 and details["puts_inline"] == 0
+                    await harness.client.close()
+        finally:
+            for harness in harnesses:
+                await harness.stop()
+                await harness.nc.close()

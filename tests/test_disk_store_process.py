@@ -208,7 +208,7 @@ from kvmesh.shared.shm import SharedSegment
 from kvmesh.services.disk_store.pool_socket import register
 segment = SharedSegment.create({size})
 segment.buf[:{size}] = hashlib.shake_256(b"data-1").digest({size})
-lent = register({store_id!r}, {caller!r}, segment, 30.0)  # held: the loan lasts while its connection is open
+lent = register({store_id!r}, {caller!r}, segment, 30.0, {scope!r})  # held: the loan lasts while its connection is open
 print(lent.token, flush=True)
 sys.stdin.read()
 """
@@ -219,7 +219,7 @@ async def test_the_store_drops_a_pool_when_its_engine_process_dies(nc, store: St
     await store.wait_healthy(nc)
     client = DiskStoreClient(nc, store.store_id, ENGINE, request_timeout=WAIT_S)
     engine = subprocess.Popen([sys.executable, "-c", ENGINE_PROCESS.format(size=CHUNK, store_id=store.store_id,
-                                                                           caller=ENGINE)],
+                                                                           caller=ENGINE, scope=bus.server_scope(nc))],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, preexec_fn=_die_with_parent)
     try:
         token = (await asyncio.to_thread(engine.stdout.readline)).decode().strip()

@@ -21,7 +21,7 @@ from typing import TypeVar
 
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.shared import chunk_file, protocol
+from kvmesh.shared import bus, chunk_file, protocol
 from kvmesh.shared.keys import ChunkKey
 from kvmesh.shared.tier import ChunkBuffer, StoreLink
 from kvmesh.services.disk_store.pool_socket import PoolLink
@@ -46,7 +46,7 @@ class DiskStoreClient:
         self.request_timeout = request_timeout
         self.data_timeout = data_timeout if data_timeout is not None else max(request_timeout, 10.0)
         self._link = StoreLink(store_id, f"disk store {store_id}", log, caller)  # asked every time: on this host
-        self._pools = PoolLink(store_id, caller, request_timeout)
+        self._pools = PoolLink(store_id, caller, request_timeout, scope=lambda: bus.server_scope(nc))
 
     # ---- StoreTier ------------------------------------------------------------------------------
     async def put(self, meta: protocol.ChunkMeta, buffer: ChunkBuffer) -> bool:

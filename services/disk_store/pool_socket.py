@@ -22,6 +22,7 @@ import re
 import socket
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,12 +43,14 @@ class PoolUnavailable(Exception):
     """The pool cannot be lent to the store (the reason says why); chunk bytes then travel inline."""
 
 
-def socket_path(store_id: str) -> Path:
-    """The pool socket of store `store_id` on this host; its directory is made private first.
-    ConfigError when the id cannot be a file name or the directory is not ours alone."""
-    if not _STORE_ID.fullmatch(store_id):
+def socket_path(store_id: str, scope: str = "") -> Path:
+    """The pool socket of store `store_id` on this host, for the clients of the NATS server named `scope`
+    (`bus.server_scope`: two meshes on one host, each with a store of the host's default id, never share a
+    socket); its directory is made private first. ConfigError when the id cannot be a file name or the directory
+    is not ours alone."""
+    if not _STORE_ID.fullmatch(store_id) or (scope and not _STORE_ID.fullmatch(scope)):
         raise ConfigError(f"store id {store_id!r} cannot name a pool socket (letters, digits, '_', '.', '-')")
-    return private_dir(runtime_dir() / SOCKET_DIR) / f"{store_id}.sock"
+    return private_dir(runtime_dir() / SOCKET_DIR) / (f"{store_id}@{scope}.sock" if scope else f"{store_id}.sock")
 
 
 def peer_uid(sock: socket.socket) -> int:
@@ -95,12 +98,13 @@ class Registration:
         self.sock.close()
 
 
-def register(store_id: str, caller: str, segment: SharedSegment, timeout: float) -> Registration:
-    """Blocking: lend `segment` to the store `store_id` for `caller`; PoolUnavailable with the reason."""
+def register(store_id: str, caller: str, segment: SharedSegment, timeout: float, scope: str = "") -> Registration:
+    """Blocking: lend `segment` to the store `store_id` (on the NATS server `scope`) for `caller`;
+    PoolUnavailable with the reason."""
     if segment.fd is None:
         raise PoolUnavailable("the pool has no descriptor (closed)")
     try:
-        path = socket_path(store_id)
+        path = socket_path(store_id, scope)
     except (ConfigError, OSError) as exc:
         raise PoolUnavailable(str(exc)) from None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -136,10 +140,11 @@ class PoolLink:
     RETRY_SECS). A registration whose connection the store closed (it restarted) is made again on next use.
     """
 
-    def __init__(self, store_id: str, caller: str, timeout: float) -> None:
+    def __init__(self, store_id: str, caller: str, timeout: float, scope: Callable[[], str] = lambda: "") -> None:
         self.store_id = store_id
         self.caller = caller
         self.timeout = timeout
+        self.scope = scope  # the NATS server we share with the store (asked at each registration: it may change)
         self._registrations: dict[SharedSegment, Registration] = {}
         self._lock = asyncio.Lock()
         self._retry_at = 0.0
@@ -158,7 +163,7 @@ class PoolLink:
                 return None
             try:
                 registration = await asyncio.to_thread(register, self.store_id, self.caller, segment,
-                                                       self.timeout)
+                                                       self.timeout, self.scope())
             except PoolUnavailable as exc:
                 self._retry_at = time.monotonic() + RETRY_SECS
                 if str(exc) != self._reason:

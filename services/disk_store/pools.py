@@ -53,10 +53,11 @@ class PoolRegistry:
         self._tasks: set[asyncio.Task[None]] = set()
         self._connections = 0
 
-    async def start(self) -> None:
-        """Listen; without a usable socket directory the store serves on, without pools (logged)."""
+    async def start(self, scope: str = "") -> None:
+        """Listen for the engines on the NATS server `scope` (`bus.server_scope`); without a usable socket
+        directory the store serves on, without pools (logged)."""
         try:
-            path = socket_path(self.store_id)
+            path = socket_path(self.store_id, scope)
             if _answers(path):  # never take the socket of a live store: its engines' pools would come to us
                 raise OSError(f"another disk store with id {self.store_id} serves {path}; give each store of a "
                               "host its own --store-id")

@@ -34,7 +34,7 @@ from typing import Any
 
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.shared import protocol
+from kvmesh.shared import bus, protocol
 from kvmesh.shared.admissions import AdmissionReporter
 from kvmesh.shared.eviction import Clock
 from kvmesh.shared.store_service import Handler, IndexOps, StoreEndpoint
@@ -76,7 +76,7 @@ class DiskStoreService:
         handlers = [Handler("put", protocol.PutRequest, store.put),
                     Handler("get", protocol.GetRequest, store.get, max_concurrent=options.reader_threads),
                     *self.ops.handlers()]
-        await store.pools.start()
+        await store.pools.start(bus.server_scope(nc))
         await self.endpoint.serve(handlers, reporter, self._details)
         log.info("disk store %s serving %s on %s", options.store_id, options.root, options.nats_url)
 
