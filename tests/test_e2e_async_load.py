@@ -81,45 +81,51 @@ def test_a_disk_hit_loads_between_steps_while_another_request_decodes(tmp_path: 
     server = VLLMServer("vllm-async", demo_model, free_port(), tmp_path / "vllm-async.log",
                         kv_config=kv_transfer_config(), env=clean_env(LMCACHE_CONFIG_FILE="async.yaml"), cwd=tmp_path)
     ref = VLLMServer("vllm-async-ref", demo_model, free_port(), tmp_path / "vllm-async-ref.log")
-    start_vllm(server, ref)
-    first, second = prompt_of(long_text[20_000:], 9_000, "async-a"), prompt_of(long_text[40_000:], 9_000, "async-b")
-    sizes = [len(server.tokenize(p)) for p in (first, second)]
-    # each fits the 16-chunk CPU tier, both do not: storing the second evicts the first one's leading chunks
-    assert all(6 * CHUNK < n < 14 * CHUNK for n in sizes) and sum(sizes) > 16 * CHUNK, sizes
-    disk_dir = tmp_path / "local" / "disk"
+    try:
+        start_vllm(server, ref)
+        first = prompt_of(long_text[20_000:], 9_000, "async-a")
+        second = prompt_of(long_text[40_000:], 9_000, "async-b")
+        sizes = [len(server.tokenize(p)) for p in (first, second)]
+        # each fits the 16-chunk CPU tier, both do not: storing the second evicts the first one's leading chunks
+        assert all(6 * CHUNK < n < 14 * CHUNK for n in sizes) and sum(sizes) > 16 * CHUNK, sizes
+        disk_dir = tmp_path / "local" / "disk"
 
-    def chunk_files() -> int:
-        return sum(1 for p in disk_dir.rglob("*") if p.is_file()) if disk_dir.is_dir() else 0
+        def chunk_files() -> int:
+            return sum(1 for p in disk_dir.rglob("*") if p.is_file()) if disk_dir.is_dir() else 0
 
-    cold = server.complete(first, max_tokens=16)
-    assert server.hit_for(cold).hit == 0
-    wait_until(lambda: chunk_files() >= sizes[0] // CHUNK, WAIT_S, interval=0.2, what="the first prompt on disk")
-    server.complete(second, max_tokens=4)
-    wait_until(lambda: chunk_files() >= sum(sizes) // CHUNK, WAIT_S, interval=0.2, what="the second prompt on disk")
+        cold = server.complete(first, max_tokens=16)
+        assert server.hit_for(cold).hit == 0
+        wait_until(lambda: chunk_files() >= sizes[0] // CHUNK, WAIT_S, interval=0.2, what="the first prompt on disk")
+        server.complete(second, max_tokens=4)
+        wait_until(lambda: chunk_files() >= sum(sizes) // CHUNK, WAIT_S, interval=0.2, what="the second prompt on disk")
 
-    stream = DecodeStream(server)
-    stream.start()
-    wait_until(lambda: len(stream.times) >= 5 or stream.error is not None, WAIT_S, interval=0.05,
-               what="the decoding request producing tokens")
-    sent = time.time()
-    warm = server.complete(first, max_tokens=16)
-    answered = time.time()
-    stream.join(WAIT_S)
-    assert stream.error is None and not stream.is_alive(), stream.error
+        stream = DecodeStream(server)
+        stream.start()
+        wait_until(lambda: len(stream.times) >= 5 or stream.error is not None, WAIT_S, interval=0.05,
+                   what="the decoding request producing tokens")
+        sent = time.time()
+        warm = server.complete(first, max_tokens=16)
+        answered = time.time()
+        stream.join(WAIT_S)
+        assert stream.error is None and not stream.is_alive(), stream.error
 
-    hit = server.assert_loaded(warm)  # the worker retrieved what was promised, no load error
-    assert hit.hit >= sizes[0] - CHUNK, hit
-    log = server.log_text()
-    assert ASYNC_LINE.format(req=hit.request_id) in log, "the hit was not loaded asynchronously"
-    assert warm["choices"][0]["text"] == ref.complete(first, max_tokens=16)["choices"][0]["text"]
-    assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
-    assert len(stream.times) == DECODE_TOKENS
+        hit = server.assert_loaded(warm)  # the worker retrieved what was promised, no load error
+        assert hit.hit >= sizes[0] - CHUNK, hit
+        log = server.log_text()
+        assert ASYNC_LINE.format(req=hit.request_id) in log, "the hit was not loaded asynchronously"
+        assert warm["choices"][0]["text"] == ref.complete(first, max_tokens=16)["choices"][0]["text"]
+        assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+        assert len(stream.times) == DECODE_TOKENS
 
-    # the timeline, for the reader (not asserted)
-    events = [(m["when"], m["what"]) for m in KVMESH_TIME.finditer(log)
-              if (m["req"] or m["req2"] or "").startswith(warm["id"])]
-    assert any(what.startswith("Loading") for _, what in events), events  # the worker's side of the async path
-    during = [t for t in stream.times if sent <= t <= answered]
-    print(f"\nwarm request sent {clock(sent)}, answered {clock(answered)}; its load: {events}")
-    print(f"decoding request: {len(stream.times)} tokens from {clock(stream.times[0])} to {clock(stream.times[-1])}; "
-          f"{len(during)} of them while the warm request was in flight: {[clock(t) for t in during[:40]]}")
+        # the timeline, for the reader (not asserted)
+        events = [(m["when"], m["what"]) for m in KVMESH_TIME.finditer(log)
+                  if (m["req"] or m["req2"] or "").startswith(warm["id"])]
+        assert any(what.startswith("Loading") for _, what in events), events  # the worker's side of the async path
+        during = [t for t in stream.times if sent <= t <= answered]
+        print(f"\nwarm request sent {clock(sent)}, answered {clock(answered)}; its load: {events}")
+        print(f"decoding request: {len(stream.times)} tokens from {clock(stream.times[0])} to "
+              f"{clock(stream.times[-1])}; "
+              f"{len(during)} of them while the warm request was in flight: {[clock(t) for t in during[:40]]}")
+    finally:
+        for started in (server, ref):
+            started.stop()
