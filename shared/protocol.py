@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import string
 import types
 import typing
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ LOCAL_DISK = "LocalDiskBackend"
 REMOTE = "RemoteBackend"
 LOCATIONS = (LOCAL_CPU, LOCAL_DISK, REMOTE)
 
+
+_TOKEN_SAFE = frozenset(string.ascii_letters + string.digits + "-")  # kept as they are in a subject token
 
 ROLES = ("engine", "store", "controller", "operator")
 
@@ -135,11 +138,12 @@ class Subjects:
 
     @staticmethod
     def token(name: str) -> str:
-        """A NATS subject token from an id: no dots, spaces or wildcards."""
-        cleaned = "".join(c if (c.isalnum() or c in "-_") else "_" for c in name)
-        if not cleaned:
-            raise ValueError(f"empty subject token from {name!r}")
-        return cleaned
+        """A NATS subject token from an id: ASCII letters, digits and '-' as they are, every other character
+        (dots, spaces, wildcards, the escape '_' itself) as `_xx` per UTF-8 byte. Injective, so ids such as
+        `a.b` and `a_b` never share a token, nor the NATS user and subjects that derive from it."""
+        if not name:
+            raise ValueError("empty subject token")
+        return "".join(c if c in _TOKEN_SAFE else "".join(f"_{b:02x}" for b in c.encode()) for c in name)
 
     @classmethod
     def register(cls, producer_path: str) -> str:

@@ -1,5 +1,7 @@
 """Wire messages: round trips, and one exception type for every kind of bad input."""
 
+import re
+
 import msgpack
 import pytest
 
@@ -67,12 +69,21 @@ def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:
 
 
 def test_subjects_are_sanitised() -> None:
-    assert Subjects.worker("my.instance *>", "w.r0", "pin") == "kvmesh.worker.my_instance___.w_r0.pin"
+    assert Subjects.worker("my.instance *>", "w.r0", "pin") == "kvmesh.worker.my_2einstance_20_2a_3e.w_2er0.pin"
     caller = protocol.Principal.engine("a.b").producer("a.b")
-    assert Subjects.store("disk-host", "put", caller) == "kvmesh.store.disk-host.put.engine.a_b.a_b"
+    assert Subjects.store("disk-host", "put", caller) == "kvmesh.store.disk-host.put.engine.a_2eb.a_2eb"
     assert Subjects.caller_of_store_op(Subjects.store("disk-host", "put", caller)) == caller
     with pytest.raises(ValueError):
         Subjects.worker("", "w", "pin")
+
+
+def test_ids_that_differ_never_share_a_subject_token() -> None:
+    ids = ["a.b", "a_b", "a_2eb", "a b", "a*b", "a>b", "ä", "_c3_a4", "a@1", "a_401", "A", "a-b"]
+    tokens = [Subjects.token(name) for name in ids]
+    assert len(set(tokens)) == len(ids)
+    assert all(re.fullmatch(r"[A-Za-z0-9_-]+", token) for token in tokens)
+    # so two instances whose ids differ only there are two principals: two NATS users, two sets of subjects
+    assert protocol.Principal.engine("a.b").path != protocol.Principal.engine("a_b").path
 
 
 def test_principals_and_the_producer_path_a_subject_names() -> None:
@@ -84,7 +95,7 @@ def test_principals_and_the_producer_path_a_subject_names() -> None:
         protocol.Principal("root", "x")
     path = protocol.Principal.engine("tp").producer("tp.r1")
     sender = Subjects.producer_of(Subjects.register(path), Subjects.REGISTER_ALL)
-    assert sender is not None and sender.path == path == "engine.tp.tp_r1"
+    assert sender is not None and sender.path == path == "engine.tp.tp_2er1"
     assert sender.owns("tp", "tp.r1") and not sender.owns("other", "tp.r1") and not sender.owns("tp", "tp.r0")
     assert Subjects.producer_of(Subjects.events(protocol.store_path("disk-a")), Subjects.EVENTS_ALL).role == "store"
     # anything that is not <role>.<owner>.<producer> names no sender
