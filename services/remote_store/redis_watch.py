@@ -25,6 +25,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvmesh.shared import protocol
 from kvmesh.shared.admissions import AdmissionReporter
+from kvmesh.shared.aio import cancel_and_wait
 from kvmesh.shared.keys import ChunkKey
 from kvmesh.shared.redis_keys import RedisKeys
 from kvmesh.shared.redis_url import CLUSTER, RedisTarget
@@ -73,12 +74,7 @@ class RedisWatch:
                  self.keys.chunk_pattern)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait([self._task])
         await self.endpoint.close()
 
     # ---- the watch ------------------------------------------------------------------------------------------
