@@ -382,3 +382,39 @@ def test_a_credentials_file_others_can_read_or_that_is_missing_is_a_config_error
     loose.chmod(0o600)
     auth = auth_from_config(EngineConfig(nats_credentials=str(loose)))
     assert auth is not None and auth.user == "engine.x" and auth.connect_options()["inbox_prefix"] == "_INBOX.engine.x"
+
+
+def test_external_nats_credentials_that_cannot_work_are_config_errors_naming_the_option(tmp_path: Path) -> None:
+    """The flags (and engine keys) for an external NATS: a password without a user, an nkey seed or .creds file
+    that is not there, or one that needs the `nkeys` package where it is not installed, each name the option."""
+    import argparse
+    import importlib.util
+
+    from kvmesh.shared.config import EngineConfig
+    from kvmesh.shared.errors import ConfigError
+    from kvmesh.shared.nats_auth import add_nats_auth_flags, auth_from_config, nats_auth_from_args
+
+    parser = argparse.ArgumentParser()
+    add_nats_auth_flags(parser)
+
+    def from_flags(*argv: str, **environ: str) -> bus.NatsAuth:
+        return nats_auth_from_args(parser.parse_args(list(argv)), environ)
+
+    with pytest.raises(ConfigError, match="--nats-password is set but --nats-user is not"):
+        from_flags("--nats-password", "p")
+    with pytest.raises(ConfigError, match="--nats-password is set but --nats-user is not"):
+        from_flags(KVMESH_NATS_PASSWORD="p")
+    with pytest.raises(ConfigError, match="nats_password is set but nats_user is not"):
+        auth_from_config(EngineConfig(nats_password="p"))
+    for flag, key in (("--nats-nkey-seed", "nats_nkey_seed"), ("--nats-creds-file", "nats_creds_file")):
+        with pytest.raises(ConfigError, match=f"{flag}: no file at"):
+            from_flags(flag, str(tmp_path / "absent"))
+        with pytest.raises(ConfigError, match=f"{key}: no file at"):
+            auth_from_config(EngineConfig(**{key: str(tmp_path / "absent")}))
+        if importlib.util.find_spec("nkeys") is None:  # here the server's answer cannot be tested: say so clearly
+            present = tmp_path / "present"
+            present.write_text("not read: the missing package is found first\n")
+            with pytest.raises(ConfigError, match=f"{flag} needs the `nkeys` package"):
+                from_flags(flag, str(present))
+    assert from_flags("--nats-user", "u", KVMESH_NATS_PASSWORD="p") == bus.NatsAuth(user="u", password="p")
+    assert from_flags("--nats-token", "flag", KVMESH_NATS_TOKEN="env").token == "flag", "a flag wins over its variable"
