@@ -418,3 +418,24 @@ def test_external_nats_credentials_that_cannot_work_are_config_errors_naming_the
                 from_flags(flag, str(present))
     assert from_flags("--nats-user", "u", KVMESH_NATS_PASSWORD="p") == bus.NatsAuth(user="u", password="p")
     assert from_flags("--nats-token", "flag", KVMESH_NATS_TOKEN="env").token == "flag", "a flag wins over its variable"
+
+
+def test_no_password_is_on_a_command_line_or_in_a_child_s_environment_but_its_own(tmp_path: Path) -> None:
+    """A mesh that KVMesh starts hands out credentials by file: no process's command line holds a password, and
+    a service's environment names only its own credentials file (`ps` and /proc/<pid>/environ show nothing else)."""
+    import json
+
+    with disk_store_mesh(tmp_path / "disk") as mesh:
+        assert mesh.credentials is not None
+        passwords = {json.loads(file.read_text())["password"] for file in mesh.credentials.root.glob("*.json")}
+        assert len(passwords) >= 3, passwords  # the controller, the operator and the store at least
+        pids = mesh.pids
+        assert len(pids) == 2, "the NATS server and the disk store"
+        for pid in pids:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            assert not [p for p in passwords if p in cmdline], f"a password on the command line of {cmdline!r}"
+        store = mesh.processes[0]
+        environ = Path(f"/proc/{store.pid}/environ").read_bytes().decode(errors="replace").split("\0")
+        assert not [p for p in passwords if any(p in entry for entry in environ)]
+        named = [entry for entry in environ if entry.startswith("KVMESH_NATS_CREDENTIALS=")]
+        assert named == [f"KVMESH_NATS_CREDENTIALS={mesh.credentials.file(mesh.services[0].principal.path)}"]
