@@ -439,3 +439,37 @@ def test_no_password_is_on_a_command_line_or_in_a_child_s_environment_but_its_ow
         assert not [p for p in passwords if any(p in entry for entry in environ)]
         named = [entry for entry in environ if entry.startswith("KVMESH_NATS_CREDENTIALS=")]
         assert named == [f"KVMESH_NATS_CREDENTIALS={mesh.credentials.file(mesh.services[0].principal.path)}"]
+
+
+async def test_rotating_one_principal_disconnects_its_old_password_and_admits_the_new_one(mesh: LocalMesh) -> None:
+    """docs/security.md's rotation of one principal: delete its file, `kvmesh credentials --dir D <principal>`
+    makes a new password and reloads the server, which drops the client still on the old one."""
+    from kvmesh.shared.credentials import server_accepts
+
+    assert mesh.credentials is not None and mesh.nats_url is not None
+    host, port = "127.0.0.1", int(mesh.nats_url.rsplit(":", 1)[1])
+    principal = Principal.store("rotated")
+    old = await asyncio.to_thread(mesh.credentials.admit, principal.path, host, port)
+    closed = asyncio.Event()
+
+    async def on_closed() -> None:
+        closed.set()
+
+    client = await nats.connect(mesh.nats_url, allow_reconnect=False, closed_cb=on_closed, **old.connect_options())
+    try:
+        mesh.credentials.file(principal.path).unlink()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_NATS_")}
+        made = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "kvmesh.cli", "credentials", "--dir",
+                                                        str(mesh.credentials.root), principal.path],
+                                       env=env, capture_output=True, text=True, timeout=WAIT_S)
+        assert made.returncode == 0, made.stderr
+        new = bus.NatsAuth.from_file(mesh.credentials.file(principal.path))
+        assert new.password != old.password
+        await asyncio.wait_for(closed.wait(), WAIT_S)  # the reload dropped the old password's connection
+        await wait_until_async(lambda: server_accepts(host, port, new), what="the server to accept the new password")
+        assert not server_accepts(host, port, old)
+        nc = await bus.connect(mesh.nats_url, "rotated", new, first_connect_wait=WAIT_S)
+        await nc.close()
+    finally:
+        if not client.is_closed:
+            await client.close()
