@@ -1,4 +1,4 @@
-"""Benchmark of the paged KV copies (services/engine/paged_copy.py): store (gather) and retrieve (scatter).
+"""Benchmark of the paged KV copies (services/engine/core/paged_copy.py): store (gather) and retrieve (scatter).
 
 Llama-3.1-8B-shaped KV (32 layers, 8 KV heads, head size 128, bf16), 8k tokens, chunks of 256 tokens,
 blocks in a shuffled order (a request's blocks are rarely consecutive). Each figure is next to a plain

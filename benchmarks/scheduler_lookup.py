@@ -66,10 +66,12 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO / "tests"))  # the test suite's wait_until
 
 from demo import Child, wait_http  # noqa: E402
 from make_demo_model import ensure_model  # noqa: E402
 from ttft import Prompts, completion_events, cpu_name, free_port, pin_to  # noqa: E402
+from waiting import wait_until  # noqa: E402
 
 CHUNK = 256
 SIZE = 16384
@@ -265,17 +267,6 @@ def stream(url: str, model: str, prompt: list[int]) -> dict[str, Any]:
             "total_s": done - sent, "id": response_id, "text": "".join(text)}
 
 
-def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not within {timeout:.0f}s")
-        time.sleep(interval)
-
-
 def timed_line(path: Path, response_id: str) -> dict[str, Any]:
     def find() -> dict[str, Any] | None:
         if not path.exists():
@@ -286,7 +277,7 @@ def timed_line(path: Path, response_id: str) -> dict[str, Any]:
                 return record
         return None
 
-    return wait_for(find, 15, f"the timed connector's line for {response_id}")
+    return wait_until(find, 15, what=f"the timed connector's line for {response_id}", interval=0.1)
 
 
 def chunk_files(disk: Path) -> int:
@@ -409,8 +400,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         def clear_cpu(prompt: list[int]) -> None:
             post("/clear", {"instance_id": INSTANCE, "location": "LocalCPUBackend"})
-            wait_for(lambda: (entry := lookup(prompt)) and entry[0] == "LocalDiskBackend" and entry[1] >= SIZE - CHUNK,
-                     30, "the controller reporting the prompt on LocalDiskBackend after /clear")
+            wait_until(lambda: (entry := lookup(prompt)) and entry[0] == "LocalDiskBackend"
+                       and entry[1] >= SIZE - CHUNK,
+                       30, what="the controller reporting the prompt on LocalDiskBackend after /clear", interval=0.1)
 
         def measure(case: str, prompt: list[int]) -> dict[str, Any]:
             result = stream(url, str(model), prompt)
@@ -459,7 +451,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         warm = prompts.fresh(SIZE, "warmup")
         before = chunk_files(disk)
         stream(url, str(model), warm)
-        wait_for(lambda: chunk_files(disk) >= before + SIZE // CHUNK, 120, "the warm-up prompt's chunks on disk")
+        wait_until(lambda: chunk_files(disk) >= before + SIZE // CHUNK, 120, what="the warm-up prompt's chunks on disk",
+                   interval=0.1)
         clear_cpu(warm)
         stream(url, str(model), prompts.fresh(300, "nudge"))
         stream(url, str(model), warm)
@@ -471,7 +464,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             prompt = prompts.fresh(SIZE, f"p{index}")
             before = chunk_files(disk)
             samples.append(measure("cold", prompt))
-            wait_for(lambda: chunk_files(disk) >= before + SIZE // CHUNK, 120, "the prompt's chunks on disk")
+            wait_until(lambda: chunk_files(disk) >= before + SIZE // CHUNK, 120, what="the prompt's chunks on disk",
+                       interval=0.1)
             time.sleep(0.5)  # the last writes' renames
             clear_cpu(prompt)
             samples.append(measure("disk_idle", prompt))

@@ -32,6 +32,9 @@ import os
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, however this script is loaded
+from make_demo_model import digest  # noqa: E402  (one digest of a directory for both builders)
+
 MARKER_FILE = "kvmesh_lora.json"
 FORMAT_VERSION = 1  # bump when the build changes in a way that changes the files
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -144,15 +147,6 @@ def ensure_lora_adapter(outdir: str | os.PathLike[str], base_model_dir: str | os
     if not adapter_is_current(path, shapes, seed, rank, targets, strength):
         build(path, shapes, seed, rank, targets, strength)
     return path
-
-
-def digest(outdir: Path) -> str:
-    h = hashlib.sha256()
-    for path in sorted(Path(outdir).iterdir()):
-        if path.is_file():
-            h.update(path.name.encode())
-            h.update(path.read_bytes())
-    return h.hexdigest()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -76,4 +76,5 @@ def auth_from_config(config: "EngineConfig") -> NatsAuth | None:
             raise ConfigError(f"nats_credentials: {exc}") from None
     auth = NatsAuth(config.nats_user, config.nats_password, config.nats_token, config.nats_nkey_seed,
                     config.nats_creds_file)
-    return checked(auth, lambda name: f"nats_{name}") if auth.or_none() else None
+    # checked first: a password without a user names no credentials, yet it is a mistake to report
+    return checked(auth, lambda name: f"nats_{name}").or_none()

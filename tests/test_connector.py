@@ -11,7 +11,8 @@ import torch
 
 from kvmesh.services.engine.adapter.request_meta import KVMeshConnectorMetadata, LoadSpec, ReqMeta, RequestTracker, SaveSpec
 from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.keys import ChunkSpan, chunk_spans
+from kvmesh.services.engine.core.kv_layout import NHD_2X, KVLayout
+from kvmesh.shared.keys import ChunkHasher, ChunkSpan, KeyParams, chunk_spans
 
 connector = pytest.importorskip("kvmesh.services.engine.connector")
 
@@ -193,6 +194,28 @@ def test_per_token_kv_cache_dtypes_are_cached(cache_dtype: str) -> None:
 def test_kv_cache_dtypes_packed_per_block_are_refused_with_a_reason(cache_dtype: str) -> None:
     reason = connector.unsupported_cache_dtype(cache_dtype)
     assert reason is not None and cache_dtype in reason and "partial blocks" in reason
+
+
+def test_what_changes_kv_beyond_the_model_name_changes_every_key() -> None:
+    """The weight revision, the quantization and the KV cache dtype (fp8_e4m3 and fp8_e5m2 share torch's uint8)
+    each give other chunk keys; a model with none of them set keeps the keys of its bare name."""
+    def keys(model: str, cache_dtype: str = "auto", dtype: torch.dtype = torch.bfloat16) -> list[bytes]:
+        layout = KVLayout(NHD_2X, 4, 16, 2, 64, dtype, False, cache_dtype=cache_dtype)
+        return ChunkHasher(KeyParams(model, layout.chunk_format()), C).keys(list(range(2 * C)))
+
+    plain = SimpleNamespace(revision=None, quantization=None)
+    assert connector.model_identity("m", plain) == "m"
+    assert connector.model_identity("m", SimpleNamespace()) == "m"
+    revised = connector.model_identity("m", SimpleNamespace(revision="abc123", quantization=None))
+    quantized = connector.model_identity("m", SimpleNamespace(revision=None, quantization="awq"))
+    both = connector.model_identity("m", SimpleNamespace(revision="abc123", quantization="awq"))
+    assert len({"m", revised, quantized, both}) == 4
+    variants = [keys("m"), keys(revised), keys(quantized), keys(both), keys("m", "fp8_e4m3", torch.uint8),
+                keys("m", "fp8_e5m2", torch.uint8), keys("m", dtype=torch.uint8)]
+    for i, first in enumerate(variants):  # no two variants share a key, in any chunk
+        for second in variants[i + 1:]:
+            assert not set(first) & set(second)
+    assert keys("m", "bfloat16") == keys("m"), "a cache dtype that only names the model's dtype changes nothing"
 
 
 def test_layers_that_differ_turn_the_cache_off_instead_of_failing_vllms_start(

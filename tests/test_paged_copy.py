@@ -1,4 +1,4 @@
-"""Tests of services/engine/kv_layout.py and paged_copy.py on CPU (the CI check; no GPU needed).
+"""Tests of services/engine/core/kv_layout.py and paged_copy.py on CPU (the CI check; no GPU needed).
 
 * torch path: gather -> scatter round trips, bit-exact, for every per-token layout and the CPU per-block
   layout, against a naive per-token oracle written here from the layout definitions;

@@ -244,6 +244,28 @@ async def test_client_combines_partitions(nats_url: str) -> None:
             await service.stop()
 
 
+async def test_a_touch_reaches_each_keys_partition_and_refreshes_its_recency(nats_url: str) -> None:
+    """The engine's batched hits (`RemoteStoreClient.touch`): each key goes to its partition, where the chunk
+    becomes the most recent, so the next put evicts the other chunk, not the touched older one."""
+    services, nc = await start_stores(nats_url, "touch", partitions=2, capacity=2 * MiB)
+    client = RemoteStoreClient(nc, [s.options.store_id for s in services], ENGINE, request_timeout=WAIT_S)
+    try:
+        older, newer, later = ([chunk(MiB, seed, key=key_in(p, 2)) for p in range(2)] for seed in range(3))
+        for meta, data in older + newer:  # each partition full: its older chunk first in line for eviction
+            assert await client.put(meta, ChunkBuffer(memoryview(data)))
+        await client.touch([meta.key for meta, _ in older])
+        for meta, data in later:
+            assert await client.put(meta, ChunkBuffer(memoryview(data)))
+        for p in range(2):
+            held = [await client.contains([group[p][0].key]) for group in (older, newer, later)]
+            assert held == [1, 0, 1], f"partition {p}: {held}"
+    finally:
+        await client.close()
+        await nc.close()
+        for service in services:
+            await service.stop()
+
+
 async def test_store_refuses_keys_of_other_partitions(nats_url: str) -> None:
     services, nc = await start_stores(nats_url, "wrongpart", partitions=2)
     swapped = [services[1].options.store_id, services[0].options.store_id]

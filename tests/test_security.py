@@ -382,3 +382,94 @@ def test_a_credentials_file_others_can_read_or_that_is_missing_is_a_config_error
     loose.chmod(0o600)
     auth = auth_from_config(EngineConfig(nats_credentials=str(loose)))
     assert auth is not None and auth.user == "engine.x" and auth.connect_options()["inbox_prefix"] == "_INBOX.engine.x"
+
+
+def test_external_nats_credentials_that_cannot_work_are_config_errors_naming_the_option(tmp_path: Path) -> None:
+    """The flags (and engine keys) for an external NATS: a password without a user, an nkey seed or .creds file
+    that is not there, or one that needs the `nkeys` package where it is not installed, each name the option."""
+    import argparse
+    import importlib.util
+
+    from kvmesh.shared.config import EngineConfig
+    from kvmesh.shared.errors import ConfigError
+    from kvmesh.shared.nats_auth import add_nats_auth_flags, auth_from_config, nats_auth_from_args
+
+    parser = argparse.ArgumentParser()
+    add_nats_auth_flags(parser)
+
+    def from_flags(*argv: str, **environ: str) -> bus.NatsAuth:
+        return nats_auth_from_args(parser.parse_args(list(argv)), environ)
+
+    with pytest.raises(ConfigError, match="--nats-password is set but --nats-user is not"):
+        from_flags("--nats-password", "p")
+    with pytest.raises(ConfigError, match="--nats-password is set but --nats-user is not"):
+        from_flags(KVMESH_NATS_PASSWORD="p")
+    with pytest.raises(ConfigError, match="nats_password is set but nats_user is not"):
+        auth_from_config(EngineConfig(nats_password="p"))
+    for flag, key in (("--nats-nkey-seed", "nats_nkey_seed"), ("--nats-creds-file", "nats_creds_file")):
+        with pytest.raises(ConfigError, match=f"{flag}: no file at"):
+            from_flags(flag, str(tmp_path / "absent"))
+        with pytest.raises(ConfigError, match=f"{key}: no file at"):
+            auth_from_config(EngineConfig(**{key: str(tmp_path / "absent")}))
+        if importlib.util.find_spec("nkeys") is None:  # here the server's answer cannot be tested: say so clearly
+            present = tmp_path / "present"
+            present.write_text("not read: the missing package is found first\n")
+            with pytest.raises(ConfigError, match=f"{flag} needs the `nkeys` package"):
+                from_flags(flag, str(present))
+    assert from_flags("--nats-user", "u", KVMESH_NATS_PASSWORD="p") == bus.NatsAuth(user="u", password="p")
+    assert from_flags("--nats-token", "flag", KVMESH_NATS_TOKEN="env").token == "flag", "a flag wins over its variable"
+
+
+def test_no_password_is_on_a_command_line_or_in_a_child_s_environment_but_its_own(tmp_path: Path) -> None:
+    """A mesh that KVMesh starts hands out credentials by file: no process's command line holds a password, and
+    a service's environment names only its own credentials file (`ps` and /proc/<pid>/environ show nothing else)."""
+    import json
+
+    with disk_store_mesh(tmp_path / "disk") as mesh:
+        assert mesh.credentials is not None
+        passwords = {json.loads(file.read_text())["password"] for file in mesh.credentials.root.glob("*.json")}
+        assert len(passwords) >= 3, passwords  # the controller, the operator and the store at least
+        pids = mesh.pids
+        assert len(pids) == 2, "the NATS server and the disk store"
+        for pid in pids:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            assert not [p for p in passwords if p in cmdline], f"a password on the command line of {cmdline!r}"
+        store = mesh.processes[0]
+        environ = Path(f"/proc/{store.pid}/environ").read_bytes().decode(errors="replace").split("\0")
+        assert not [p for p in passwords if any(p in entry for entry in environ)]
+        named = [entry for entry in environ if entry.startswith("KVMESH_NATS_CREDENTIALS=")]
+        assert named == [f"KVMESH_NATS_CREDENTIALS={mesh.credentials.file(mesh.services[0].principal.path)}"]
+
+
+async def test_rotating_one_principal_disconnects_its_old_password_and_admits_the_new_one(mesh: LocalMesh) -> None:
+    """docs/security.md's rotation of one principal: delete its file, `kvmesh credentials --dir D <principal>`
+    makes a new password and reloads the server, which drops the client still on the old one."""
+    from kvmesh.shared.credentials import server_accepts
+
+    assert mesh.credentials is not None and mesh.nats_url is not None
+    host, port = "127.0.0.1", int(mesh.nats_url.rsplit(":", 1)[1])
+    principal = Principal.store("rotated")
+    old = await asyncio.to_thread(mesh.credentials.admit, principal.path, host, port)
+    closed = asyncio.Event()
+
+    async def on_closed() -> None:
+        closed.set()
+
+    client = await nats.connect(mesh.nats_url, allow_reconnect=False, closed_cb=on_closed, **old.connect_options())
+    try:
+        mesh.credentials.file(principal.path).unlink()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_NATS_")}
+        made = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "kvmesh.cli", "credentials", "--dir",
+                                                        str(mesh.credentials.root), principal.path],
+                                       env=env, capture_output=True, text=True, timeout=WAIT_S)
+        assert made.returncode == 0, made.stderr
+        new = bus.NatsAuth.from_file(mesh.credentials.file(principal.path))
+        assert new.password != old.password
+        await asyncio.wait_for(closed.wait(), WAIT_S)  # the reload dropped the old password's connection
+        await wait_until_async(lambda: server_accepts(host, port, new), what="the server to accept the new password")
+        assert not server_accepts(host, port, old)
+        nc = await bus.connect(mesh.nats_url, "rotated", new, first_connect_wait=WAIT_S)
+        await nc.close()
+    finally:
+        if not client.is_closed:
+            await client.close()

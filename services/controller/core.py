@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvmesh.shared.protocol import LOCAL_CPU
+from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, REMOTE
 from kvmesh.services.controller.commands import CommandRouter
 from kvmesh.services.controller.config import ControllerConfig
 from kvmesh.services.controller.errors import ControllerError, NotFound, NotSupported, Refused, TooManyCommands
@@ -229,7 +229,7 @@ class ControllerCore:
                                  "last_heartbeat_age_s": self._age(w)} for w in workers}
         stores: dict[str, dict[str, Any]] = {}
         for worker in workers:
-            for location in ("LocalDiskBackend", "RemoteBackend"):
+            for location in (LOCAL_DISK, REMOTE):
                 for store_id in self.table.stores_of(worker, location):
                     store = self.table.producer(store_id)
                     stores[store_id] = {"location": location, "registered": store is not None and store.store is not None,
@@ -246,7 +246,7 @@ class ControllerCore:
         instances = []
         for instance_id in sorted(table.instances):
             workers = table.workers_of(instance_id)
-            locations = [LOCAL_CPU] + [loc for loc in ("LocalDiskBackend", "RemoteBackend")
+            locations = [LOCAL_CPU] + [loc for loc in (LOCAL_DISK, REMOTE)
                                        if all(table.stores_of(w, loc) for w in workers)]
             instances.append({"instance_id": instance_id,
                               "alive": all(w.alive for w in workers),
