@@ -265,10 +265,13 @@ def _reason(exc: BaseException, connect_timeout: float) -> str:
 
 
 def server_scope(nc: NatsClient) -> str:
-    """A short name of the NATS server `nc` is connected to ("" when unknown): clients of one server share it,
-    so a host-local resource keyed by it (a disk store's pool socket) is never another mesh's."""
-    server_id = str(getattr(nc, "_server_info", {}).get("server_id") or "")
-    return hashlib.blake2b(server_id.encode(), digest_size=6).hexdigest() if server_id else ""
+    """A short name of the NATS mesh `nc` is connected to ("" when unknown): clients of one server, or of any
+    server of one NATS cluster, share it, so a host-local resource keyed by it (a disk store's pool socket) is
+    never another mesh's. A cluster is named by its cluster name, not by the server: its clients may sit on
+    different servers, and move to another when theirs dies (two clusters on one host need distinct names)."""
+    info = getattr(nc, "_server_info", {}) or {}
+    name = f"cluster:{info['cluster']}" if info.get("cluster") else str(info.get("server_id") or "")
+    return hashlib.blake2b(name.encode(), digest_size=6).hexdigest() if name else ""
 
 
 def normalize_url(address: str) -> str:

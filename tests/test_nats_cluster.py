@@ -5,8 +5,11 @@ given the three servers' URLs. Node 0 starts alone, so every client's first conn
 join the cluster after. Node 0 is then SIGKILLed: every client reconnects to node 1 or 2 (the cluster's monitoring
 shows them there), both engines keep storing and hitting through the disk store (engine B loads what engine A
 stored, and the other way round), and the controller's /lookup index sees what was stored before and after.
-Every node requires a token, which every client has (docs/security.md: on a NATS cluster that KVMesh does not
-start, clients bring their own credentials); a reconnect to another node presents it again.
+The cluster requires credentials (docs/security.md: on a NATS cluster, which KVMesh never starts, clients
+bring their own): one token on every node, or a user per principal on every node (the users `kvmesh
+credentials` makes, each process with its own file, the operator's for LocalMesh's health check); a reconnect
+to another node presents them again. The engines' CPU pools are lent to the disk store through a socket named
+by the cluster, so an engine and the store on different servers of one cluster share it.
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.shared import bus
 from kvmesh.shared.bus import NatsAuth
 from kvmesh.shared.config import load_engine_config
+from kvmesh.shared.credentials import MeshCredentials
 from kvmesh.shared.embedded_nats import EmbeddedNats, free_port
 from kvmesh.shared.errors import ConfigError, MeshUnavailable
 from kvmesh.shared.keys import KeyParams
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
-from kvmesh.shared.protocol import LOCAL_DISK, disk_store_id
+from kvmesh.shared.nats_auth import CREDENTIALS_ENV
+from kvmesh.shared.protocol import CONTROLLER, LOCAL_DISK, OPERATOR, Principal, disk_store_id
 
 from nats_cluster import NatsCluster
 from test_controller import running_controller
@@ -38,9 +43,47 @@ TOKEN = "cluster-test-token"
 TOKENS = 128
 
 
-def _engine(url: str, kv: PagedKV, disk: Path, instance_id: str) -> CacheEngine:
-    engine = CacheEngine(engine_config(nats_url=url, nats_token=TOKEN, local_disk=str(disk),
-                                       lmcache_instance_id=instance_id), PARAMS, kv.layout)
+class ClusterAuth:
+    """The credentials of a test's cluster: one token for everyone, or (`users`) a user per principal, made in
+    `root` for the principals named."""
+
+    def __init__(self, root: Path, users: bool, *principals: Principal) -> None:
+        self.credentials = MeshCredentials(root) if users else None
+        if self.credentials is not None:
+            self.credentials.ensure(CONTROLLER.path, OPERATOR.path, *(principal.path for principal in principals))
+
+    def cluster(self) -> NatsCluster:
+        return NatsCluster(credentials=self.credentials) if self.credentials else NatsCluster(token=TOKEN)
+
+    def of(self, principal: Principal) -> NatsAuth:
+        return NatsAuth.from_file(self.credentials.file(principal.path)) if self.credentials else NatsAuth(token=TOKEN)
+
+    def engine_keys(self, instance_id: str) -> dict[str, str]:
+        """The engine config keys of its credentials."""
+        if self.credentials is None:
+            return {"nats_token": TOKEN}
+        return {"nats_credentials": str(self.credentials.file(Principal.engine(instance_id).path))}
+
+    def store_flags(self, store_id: str) -> list[str]:
+        return ["--nats-credentials", str(self.credentials.file(Principal.store(store_id).path))] \
+            if self.credentials else []
+
+    def environ(self) -> tuple[str, str]:
+        """The variable LocalMesh's health check (and, with a token, its services) connect with."""
+        if self.credentials is None:
+            return "KVMESH_NATS_TOKEN", TOKEN
+        return CREDENTIALS_ENV, str(self.credentials.file(OPERATOR.path))
+
+
+def _disk_store_mesh(url: str, auth: ClusterAuth, disk: Path, store_id: str) -> LocalMesh:
+    return LocalMesh([ServiceSpec("kvmesh.services.disk_store",
+                                  ["--dir", str(disk), "--max-size-gb", "0.05", "--store-id", store_id,
+                                   *auth.store_flags(store_id)], store_id)], nats_url=url)
+
+
+def _engine(url: str, kv: PagedKV, disk: Path, instance_id: str, auth: ClusterAuth) -> CacheEngine:
+    engine = CacheEngine(engine_config(nats_url=url, local_disk=str(disk), lmcache_instance_id=instance_id,
+                                       **auth.engine_keys(instance_id)), PARAMS, kv.layout)
     assert engine.wait_connected(WAIT_S), f"engine {instance_id} did not reach NATS"
     wait_until(lambda: engine.storage.lower(LOCAL_DISK) is not None, what=f"{instance_id}'s disk store client")
     return engine
@@ -63,22 +106,24 @@ def _loads(engine: CacheEngine, kv: PagedKV, tokens: torch.Tensor, expected: tor
     return bool(engine.retrieve(tokens, **kv.kv(slots)).all()) and torch.equal(kv.token_kv(slots), expected)
 
 
-async def test_the_mesh_survives_the_death_of_its_nats_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    cluster = NatsCluster(token=TOKEN)
-    monkeypatch.setenv("KVMESH_NATS_TOKEN", TOKEN)  # the disk store's (and LocalMesh's health check's) credentials
+@pytest.mark.parametrize("users", [False, True], ids=["token", "user-per-principal"])
+async def test_the_mesh_survives_the_death_of_its_nats_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              users: bool) -> None:
     disk = tmp_path / "disk"
     store_id = disk_store_id()
-    mesh = LocalMesh([ServiceSpec("kvmesh.services.disk_store", ["--dir", str(disk), "--max-size-gb", "0.05",
-                                                                 "--store-id", store_id], store_id)],
-                     nats_url=cluster.url)
+    auth = ClusterAuth(tmp_path / "credentials", users, Principal.store(store_id),
+                       Principal.engine("cluster-a"), Principal.engine("cluster-b"))
+    cluster = auth.cluster()
+    monkeypatch.setenv(*auth.environ())
+    mesh = _disk_store_mesh(cluster.url, auth, disk, store_id)
     kv_a, kv_b = PagedKV(num_blocks=128, seed=1), PagedKV(num_blocks=128, seed=2)
     engines: list[CacheEngine] = []
     try:
         await asyncio.to_thread(cluster.start, 0)
         await asyncio.to_thread(mesh.start, WAIT_S)
-        async with running_controller(cluster.url, nats_auth=NatsAuth(token=TOKEN)) as (_, client):
+        async with running_controller(cluster.url, nats_auth=auth.of(CONTROLLER)) as (_, client):
             for name, kv in (("cluster-a", kv_a), ("cluster-b", kv_b)):
-                engines.append(await asyncio.to_thread(_engine, cluster.url, kv, disk, name))
+                engines.append(await asyncio.to_thread(_engine, cluster.url, kv, disk, name, auth))
             a, b = engines
             await asyncio.to_thread(cluster.start, 1, 2)
             on_node0 = await asyncio.to_thread(cluster.clients, 0)
@@ -125,6 +170,38 @@ async def test_the_mesh_survives_the_death_of_its_nats_server(tmp_path: Path, mo
         for engine in engines:
             await asyncio.to_thread(engine.close)
         await asyncio.to_thread(mesh.stop)
+        cluster.stop()
+
+
+async def test_an_engine_lends_its_pool_to_the_disk_store_on_another_server_of_the_cluster(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store on node 1, the engine on node 2: the pool socket is the cluster's, so the engine's chunk bytes
+    reach the store through its pool, not inline on NATS (a socket named by the server would differ)."""
+    disk = tmp_path / "disk"
+    store_id = disk_store_id()
+    auth = ClusterAuth(tmp_path / "credentials", False)
+    cluster = auth.cluster()
+    monkeypatch.setenv(*auth.environ())
+    kv = PagedKV(num_blocks=128, seed=3)
+    engine: CacheEngine | None = None
+    try:
+        await asyncio.to_thread(cluster.start)
+        mesh = await asyncio.to_thread(_disk_store_mesh(cluster.nodes[1].url, auth, disk, store_id).start, WAIT_S)
+        try:
+            engine = await asyncio.to_thread(_engine, cluster.nodes[2].url, kv, disk, "cluster-pool", auth)
+            assert any(name.startswith("disk_store:") for name in await asyncio.to_thread(cluster.clients, 1))
+            assert any(name.startswith("cluster-pool@") for name in await asyncio.to_thread(cluster.clients, 2))
+            await asyncio.to_thread(_store_on_disk, engine, kv, random_tokens(TOKENS, seed=73))
+            client = engine.storage.lower(LOCAL_DISK)
+            assert client is not None
+            details = engine.nats_loop.call(client.stats(), WAIT_S, default=[])[0].details
+            assert details["puts_inline"] == 0 and details["puts_pool"] == TOKENS // engine.config.chunk_size, \
+                details
+        finally:
+            await asyncio.to_thread(mesh.stop)
+    finally:
+        if engine is not None:
+            await asyncio.to_thread(engine.close)
         cluster.stop()
 
 
