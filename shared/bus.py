@@ -154,8 +154,9 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None, connect_tim
                   **options: Any) -> NatsClient:
     """Connect to NATS at `url` (comma-separated for a cluster) as `name`.
 
-    The first connect raises MeshUnavailable naming the URL and the reason: at once when the server rejects the
-    credentials (retrying cannot help), and when no server answers within `first_connect_wait` seconds (a NATS
+    The first connect raises MeshUnavailable naming the URL and the reason: as soon as every server of the list
+    has rejected the credentials (retrying cannot help; one server of a cluster that rejects them, e.g. not yet
+    reloaded with a new user, makes it try the others), and when no server answers within `first_connect_wait` seconds (a NATS
     that is still starting is waited for). `first_connect_wait=None` waits as long as reconnecting is allowed:
     for ever with `allow_reconnect` (the engine connects in the background and may be cancelled), not at all
     without. After the first success the client reconnects for ever if `allow_reconnect`. Of several servers,
@@ -170,13 +171,23 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None, connect_tim
     state = {"first": True, "connected": False, "waiting_logged": False}
     nc = MeshClient()
     verdict: asyncio.Future[Any] = loop.create_future()  # the error that makes the first connect give up
+    # Servers that rejected the credentials: retrying cannot help once every server of the list did, but one of a
+    # cluster may still lack a user the others have (not reloaded yet), so the others are tried first.
+    rejected: set[str] = set()
+
+    def rejected_by_all(exc: BaseException) -> bool:
+        if not _rejects_credentials(exc):
+            return False
+        server = getattr(nc, "_current_server", None)
+        rejected.add(str(server.uri.netloc) if server is not None else "")
+        return len(rejected) >= len(servers)
 
     async def on_error(exc: Exception) -> None:
         if isinstance(exc, SlowConsumerError):
             nc.count_drop(name, exc)
         elif not state["first"]:
             log.debug("%s: NATS client error: %s", name, exc)
-        elif not verdict.done() and (_rejects_credentials(exc) or time.monotonic() >= deadline):
+        elif not verdict.done() and (rejected_by_all(exc) or time.monotonic() >= deadline):
             verdict.set_result(exc)
         elif not state["waiting_logged"]:
             state["waiting_logged"] = True
@@ -217,7 +228,7 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None, connect_tim
         await _abandon(nc, attempt)
         error = verdict.result() if verdict.done() else attempt.exception()
         assert error is not None
-        if _rejects_credentials(error):
+        if _rejects_credentials(error) and len(rejected) >= len(servers):
             raise MeshUnavailable(
                 f"NATS {url} rejected {name} ({auth.describe()}): {error}; pass the server's credentials "
                 "(--nats-credentials, --nats-token, --nats-user/--nats-password, --nats-nkey-seed or --nats-creds-file, "

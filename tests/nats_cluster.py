@@ -3,7 +3,8 @@
 port (`/routez` says when the routes are up, `/connz` who is connected where).
 
 `url` is every node's client URL, comma-separated: what services and engines are given. A node can be started
-late (`start(i)`) and killed (`kill(i)`: SIGKILL, no goodbye to its clients).
+late (`start(i)`) and killed (`kill(i)`: SIGKILL, no goodbye to its clients). Every node requires the same
+credentials of its clients: one token, or a user per principal from a `MeshCredentials` directory.
 """
 
 from __future__ import annotations

@@ -250,3 +250,21 @@ async def test_a_connection_without_reconnects_tries_every_server_of_the_list(na
             await nc.close()
     with pytest.raises(MeshUnavailable, match="cannot reach NATS at"):
         await bus.connect(",".join(dead), name="one-shot", allow_reconnect=False)
+
+
+@pytest.mark.parametrize("allow_reconnect", [True, False])
+async def test_a_first_connect_goes_past_a_server_that_rejects_the_credentials(allow_reconnect: bool) -> None:
+    """One server of the list lacks the client's credentials (say, a cluster node not reloaded yet with a new
+    user): the first connect reaches the other, whichever order the list or nats-py's shuffle gives; it fails,
+    saying the credentials were rejected, only when every server rejects them."""
+    with EmbeddedNats(token="old") as stale, EmbeddedNats(token="new") as current:
+        for servers in ([stale.url, current.url], [current.url, stale.url]) * 3:
+            nc = await bus.connect(",".join(servers), name="past-a-rejection", auth=NatsAuth(token="new"),
+                                   allow_reconnect=allow_reconnect, first_connect_wait=WAIT_S)
+            try:
+                assert nc.connected_url is not None and nc.connected_url.port == current.port
+            finally:
+                await nc.close()
+        with pytest.raises(MeshUnavailable, match="rejected past-a-rejection"):
+            await bus.connect(f"{stale.url},{current.url}", name="past-a-rejection", auth=NatsAuth(token="wrong"),
+                              allow_reconnect=allow_reconnect, first_connect_wait=WAIT_S)
