@@ -124,7 +124,8 @@ class MeshClient(NatsClient):
     """nats-py's client, knowing when its owner closes it: a close or drain asked for is not a lost connection.
 
     `dropped` counts, per subscription, the messages nats-py dropped because that subscription's queue was
-    full (its pending limits): the connection itself stays up and keeps reading.
+    full (its pending limits): the connection itself stays up and keeps reading. `reconnect_hooks` run after
+    each reconnection (the server may be another one now: `server_scope` may have changed).
     """
 
     closing = False
@@ -132,6 +133,7 @@ class MeshClient(NatsClient):
     def __init__(self) -> None:
         super().__init__()
         self.dropped: collections.Counter[Subscription] = collections.Counter()
+        self.reconnect_hooks: list[Callable[[], Awaitable[None]]] = []
 
     def count_drop(self, name: str, error: SlowConsumerError) -> None:
         self.dropped[error.sub] += 1
@@ -205,6 +207,11 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None, connect_tim
     async def on_reconnected() -> None:
         state["connected"] = True
         log.info("%s: reconnected to NATS %s", name, url)
+        for hook in nc.reconnect_hooks:
+            try:
+                await hook()
+            except Exception:  # a hook's failure must not break the connection's callbacks
+                log.exception("%s: a reconnection hook failed", name)
 
     # Without reconnects nats-py tries only one server of a list: each attempt here gets the next one instead.
     turn = None if allow_reconnect else itertools.cycle(servers)
