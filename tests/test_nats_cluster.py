@@ -1,10 +1,12 @@
 """The mesh on a three-node NATS cluster: the server everyone is connected to dies, the mesh goes on.
 
-A real cluster (tests/nats_cluster.py), a real controller, a real disk store process and two CacheEngines, all
-given the three servers' URLs. Node 0 starts alone, so every client's first connection lands on it; nodes 1 and 2
-join the cluster after. Node 0 is then SIGKILLed: every client reconnects to node 1 or 2 (the cluster's monitoring
-shows them there), both engines keep storing and hitting through the disk store (engine B loads what engine A
-stored, and the other way round), and the controller's /lookup index sees what was stored before and after.
+A real cluster (tests/nats_cluster.py), a real controller, real disk store and remote store processes and two
+CacheEngines, all given the three servers' URLs. Node 0 starts alone, so every client's first connection lands
+on it; nodes 1 and 2 join the cluster after. Node 0 is then SIGKILLed: every client reconnects to node 1 or 2
+(the cluster's monitoring shows them there), both engines keep storing and hitting through the disk store
+(engine B loads what engine A stored, and the other way round; B also from the remote store, over a stream whose
+ticket came over the new server), and the controller's /lookup index sees what was stored before and after.
+
 The cluster requires credentials (docs/security.md: on a NATS cluster, which KVMesh never starts, clients
 bring their own): one token on every node, or a user per principal on every node (the users `kvmesh
 credentials` makes, each process with its own file, the operator's for LocalMesh's health check); a reconnect
@@ -31,14 +33,15 @@ from kvmesh.shared.errors import ConfigError, MeshUnavailable
 from kvmesh.shared.keys import KeyParams
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
 from kvmesh.shared.nats_auth import CREDENTIALS_ENV
-from kvmesh.shared.protocol import CONTROLLER, LOCAL_DISK, OPERATOR, Principal, disk_store_id
+from kvmesh.shared.protocol import CONTROLLER, LOCAL_DISK, OPERATOR, REMOTE, Principal, disk_store_id
 
 from nats_cluster import NatsCluster
 from test_controller import running_controller
-from test_engine_support import PagedKV, engine_config, random_tokens
+from test_engine_support import CHUNK, PagedKV, engine_config, random_tokens
 from waiting import WAIT_S, wait_until, wait_until_async
 
 PARAMS = KeyParams(model="test-model", kv_format="")
+REMOTE_ID = "remote-0"
 TOKEN = "cluster-test-token"
 TOKENS = 128
 
@@ -75,17 +78,24 @@ class ClusterAuth:
         return CREDENTIALS_ENV, str(self.credentials.file(OPERATOR.path))
 
 
-def _disk_store_mesh(url: str, auth: ClusterAuth, disk: Path, store_id: str) -> LocalMesh:
-    return LocalMesh([ServiceSpec("kvmesh.services.disk_store",
-                                  ["--dir", str(disk), "--max-size-gb", "0.05", "--store-id", store_id,
-                                   *auth.store_flags(store_id)], store_id)], nats_url=url)
+def _stores_mesh(url: str, auth: ClusterAuth, disk: Path, store_id: str, remote: bool = False) -> LocalMesh:
+    """A disk store with id `store_id` and, with `remote`, a remote store (`REMOTE_ID`) on the NATS at `url`."""
+    services = [ServiceSpec("kvmesh.services.disk_store", ["--dir", str(disk), "--max-size-gb", "0.05", "--store-id",
+                                                           store_id, *auth.store_flags(store_id)], store_id)]
+    if remote:
+        services.append(ServiceSpec("kvmesh.services.remote_store", ["--max-size-gb", "0.05", "--store-id", REMOTE_ID,
+                                                                     *auth.store_flags(REMOTE_ID)], REMOTE_ID))
+    return LocalMesh(services, nats_url=url)
 
 
-def _engine(url: str, kv: PagedKV, disk: Path, instance_id: str, auth: ClusterAuth) -> CacheEngine:
+def _engine(url: str, kv: PagedKV, disk: Path, instance_id: str, auth: ClusterAuth,
+            remote: bool = False) -> CacheEngine:
     engine = CacheEngine(engine_config(nats_url=url, local_disk=str(disk), lmcache_instance_id=instance_id,
+                                       **({"remote_url": "lm://localhost:65432"} if remote else {}),
                                        **auth.engine_keys(instance_id)), PARAMS, kv.layout)
     assert engine.wait_connected(WAIT_S), f"engine {instance_id} did not reach NATS"
-    wait_until(lambda: engine.storage.lower(LOCAL_DISK) is not None, what=f"{instance_id}'s disk store client")
+    for tier in (LOCAL_DISK, REMOTE) if remote else (LOCAL_DISK,):
+        wait_until(lambda: engine.storage.lower(tier) is not None, what=f"{instance_id}'s {tier} client")
     return engine
 
 
@@ -111,11 +121,11 @@ async def test_the_mesh_survives_the_death_of_its_nats_server(tmp_path: Path, mo
                                                               users: bool) -> None:
     disk = tmp_path / "disk"
     store_id = disk_store_id()
-    auth = ClusterAuth(tmp_path / "credentials", users, Principal.store(store_id),
+    auth = ClusterAuth(tmp_path / "credentials", users, Principal.store(store_id), Principal.store(REMOTE_ID),
                        Principal.engine("cluster-a"), Principal.engine("cluster-b"))
     cluster = auth.cluster()
     monkeypatch.setenv(*auth.environ())
-    mesh = _disk_store_mesh(cluster.url, auth, disk, store_id)
+    mesh = _stores_mesh(cluster.url, auth, disk, store_id, remote=True)
     kv_a, kv_b = PagedKV(num_blocks=128, seed=1), PagedKV(num_blocks=128, seed=2)
     engines: list[CacheEngine] = []
     try:
@@ -123,12 +133,12 @@ async def test_the_mesh_survives_the_death_of_its_nats_server(tmp_path: Path, mo
         await asyncio.to_thread(mesh.start, WAIT_S)
         async with running_controller(cluster.url, nats_auth=auth.of(CONTROLLER)) as (_, client):
             for name, kv in (("cluster-a", kv_a), ("cluster-b", kv_b)):
-                engines.append(await asyncio.to_thread(_engine, cluster.url, kv, disk, name, auth))
+                engines.append(await asyncio.to_thread(_engine, cluster.url, kv, disk, name, auth, True))
             a, b = engines
             await asyncio.to_thread(cluster.start, 1, 2)
             on_node0 = await asyncio.to_thread(cluster.clients, 0)
-            # the disk store, the controller and both engines are on node 0 (named as they connect)
-            for prefix in ("disk_store:", "kvmesh-controller-test", "cluster-a@", "cluster-b@"):
+            # the stores, the controller and both engines are on node 0 (named as they connect)
+            for prefix in ("disk_store:", "remote_store:", "kvmesh-controller-test", "cluster-a@", "cluster-b@"):
                 assert any(name.startswith(prefix) for name in on_node0), (prefix, on_node0)
             assert await asyncio.to_thread(cluster.clients, 1) == [] == await asyncio.to_thread(cluster.clients, 2)
 
@@ -160,7 +170,16 @@ async def test_the_mesh_survives_the_death_of_its_nats_server(tmp_path: Path, mo
             assert await asyncio.to_thread(_loads, a, kv_a, before, expected_before)
             also = random_tokens(TOKENS, seed=72)
             expected_also = await asyncio.to_thread(_store_on_disk, a, kv_a, also)
-            assert await asyncio.to_thread(_loads, b, kv_b, also, expected_also)  # A stored, B hits
+            # A stored, B hits from the remote store (its tickets issued over NATS after the failover): the
+            # chunks are taken off the disk store first
+            await asyncio.to_thread(wait_until, lambda: b.lookup(also, search_range=[REMOTE]) == TOKENS, WAIT_S,
+                                    what="the remote store holding A's chunks", interval=0.1)
+            disk_b = b.storage.lower(LOCAL_DISK)
+            assert disk_b is not None
+            assert b.nats_loop.call(disk_b.remove(b.hasher.keys(also)), WAIT_S, default=0) == TOKENS // CHUNK
+            fetched = b.storage.stats["fetched_RemoteBackend"]
+            assert await asyncio.to_thread(_loads, b, kv_b, also, expected_also)
+            assert b.storage.stats["fetched_RemoteBackend"] == fetched + TOKENS // CHUNK
 
             # the controller's index: what was stored before the kill and after it, by either engine
             await wait_until_async(lambda: listed(after, "cluster-b"), what="/lookup listing cluster-b's chunks")
@@ -186,7 +205,7 @@ async def test_an_engine_lends_its_pool_to_the_disk_store_on_another_server_of_t
     engine: CacheEngine | None = None
     try:
         await asyncio.to_thread(cluster.start)
-        mesh = await asyncio.to_thread(_disk_store_mesh(cluster.nodes[1].url, auth, disk, store_id).start, WAIT_S)
+        mesh = await asyncio.to_thread(_stores_mesh(cluster.nodes[1].url, auth, disk, store_id).start, WAIT_S)
         try:
             engine = await asyncio.to_thread(_engine, cluster.nodes[2].url, kv, disk, "cluster-pool", auth)
             assert any(name.startswith("disk_store:") for name in await asyncio.to_thread(cluster.clients, 1))
