@@ -158,11 +158,12 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None, connect_tim
 
     The first connect raises MeshUnavailable naming the URL and the reason: as soon as every server of the list
     has rejected the credentials (retrying cannot help; one server of a cluster that rejects them, e.g. not yet
-    reloaded with a new user, makes it try the others), and when no server answers within `first_connect_wait` seconds (a NATS
-    that is still starting is waited for). `first_connect_wait=None` waits as long as reconnecting is allowed:
-    for ever with `allow_reconnect` (the engine connects in the background and may be cancelled), not at all
-    without. After the first success the client reconnects for ever if `allow_reconnect`. Of several servers,
-    a first connect tries each before it gives up (nats-py alone tries one when it may not reconnect).
+    reloaded with a new user, makes it try the others), and when no server answers within `first_connect_wait`
+    seconds (a NATS that is still starting is waited for). `first_connect_wait=None` waits as long as
+    reconnecting is allowed: for ever with `allow_reconnect` (the engine connects in the background and may be
+    cancelled), not at all without. After the first success the client reconnects for ever if
+    `allow_reconnect`. Of several servers, a first connect tries each before it gives up (nats-py alone tries
+    one when it may not reconnect).
     """
     auth = auth or NatsAuth()
     servers = nats_url.split(url)
