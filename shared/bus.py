@@ -124,7 +124,8 @@ class MeshClient(NatsClient):
     """nats-py's client, knowing when its owner closes it: a close or drain asked for is not a lost connection.
 
     `dropped` counts, per subscription, the messages nats-py dropped because that subscription's queue was
-    full (its pending limits): the connection itself stays up and keeps reading.
+    full (its pending limits): the connection itself stays up and keeps reading. `reconnect_hooks` run after
+    each reconnection (the server may be another one now: `server_scope` may have changed).
     """
 
     closing = False
@@ -132,6 +133,7 @@ class MeshClient(NatsClient):
     def __init__(self) -> None:
         super().__init__()
         self.dropped: collections.Counter[Subscription] = collections.Counter()
+        self.reconnect_hooks: list[Callable[[], Awaitable[None]]] = []
 
     def count_drop(self, name: str, error: SlowConsumerError) -> None:
         self.dropped[error.sub] += 1
@@ -154,12 +156,14 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None, connect_tim
                   **options: Any) -> NatsClient:
     """Connect to NATS at `url` (comma-separated for a cluster) as `name`.
 
-    The first connect raises MeshUnavailable naming the URL and the reason: at once when the server rejects the
-    credentials (retrying cannot help), and when no server answers within `first_connect_wait` seconds (a NATS
-    that is still starting is waited for). `first_connect_wait=None` waits as long as reconnecting is allowed:
-    for ever with `allow_reconnect` (the engine connects in the background and may be cancelled), not at all
-    without. After the first success the client reconnects for ever if `allow_reconnect`. Of several servers,
-    a first connect tries each before it gives up (nats-py alone tries one when it may not reconnect).
+    The first connect raises MeshUnavailable naming the URL and the reason: as soon as every server of the list
+    has rejected the credentials (retrying cannot help; one server of a cluster that rejects them, e.g. not yet
+    reloaded with a new user, makes it try the others), and when no server answers within `first_connect_wait`
+    seconds (a NATS that is still starting is waited for). `first_connect_wait=None` waits as long as
+    reconnecting is allowed: for ever with `allow_reconnect` (the engine connects in the background and may be
+    cancelled), not at all without. After the first success the client reconnects for ever if
+    `allow_reconnect`. Of several servers, a first connect tries each before it gives up (nats-py alone tries
+    one when it may not reconnect).
     """
     auth = auth or NatsAuth()
     servers = nats_url.split(url)
@@ -170,13 +174,23 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None, connect_tim
     state = {"first": True, "connected": False, "waiting_logged": False}
     nc = MeshClient()
     verdict: asyncio.Future[Any] = loop.create_future()  # the error that makes the first connect give up
+    # Servers that rejected the credentials: retrying cannot help once every server of the list did, but one of a
+    # cluster may still lack a user the others have (not reloaded yet), so the others are tried first.
+    rejected: set[str] = set()
+
+    def rejected_by_all(exc: BaseException) -> bool:
+        if not _rejects_credentials(exc):
+            return False
+        server = getattr(nc, "_current_server", None)
+        rejected.add(str(server.uri.netloc) if server is not None else "")
+        return len(rejected) >= len(servers)
 
     async def on_error(exc: Exception) -> None:
         if isinstance(exc, SlowConsumerError):
             nc.count_drop(name, exc)
         elif not state["first"]:
             log.debug("%s: NATS client error: %s", name, exc)
-        elif not verdict.done() and (_rejects_credentials(exc) or time.monotonic() >= deadline):
+        elif not verdict.done() and (rejected_by_all(exc) or time.monotonic() >= deadline):
             verdict.set_result(exc)
         elif not state["waiting_logged"]:
             state["waiting_logged"] = True
@@ -194,6 +208,11 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None, connect_tim
     async def on_reconnected() -> None:
         state["connected"] = True
         log.info("%s: reconnected to NATS %s", name, url)
+        for hook in nc.reconnect_hooks:
+            try:
+                await hook()
+            except Exception:  # a hook's failure must not break the connection's callbacks
+                log.exception("%s: a reconnection hook failed", name)
 
     # Without reconnects nats-py tries only one server of a list: each attempt here gets the next one instead.
     turn = None if allow_reconnect else itertools.cycle(servers)
@@ -217,7 +236,7 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None, connect_tim
         await _abandon(nc, attempt)
         error = verdict.result() if verdict.done() else attempt.exception()
         assert error is not None
-        if _rejects_credentials(error):
+        if _rejects_credentials(error) and len(rejected) >= len(servers):
             raise MeshUnavailable(
                 f"NATS {url} rejected {name} ({auth.describe()}): {error}; pass the server's credentials "
                 "(--nats-credentials, --nats-token, --nats-user/--nats-password, --nats-nkey-seed or --nats-creds-file, "
@@ -265,10 +284,13 @@ def _reason(exc: BaseException, connect_timeout: float) -> str:
 
 
 def server_scope(nc: NatsClient) -> str:
-    """A short name of the NATS server `nc` is connected to ("" when unknown): clients of one server share it,
-    so a host-local resource keyed by it (a disk store's pool socket) is never another mesh's."""
-    server_id = str(getattr(nc, "_server_info", {}).get("server_id") or "")
-    return hashlib.blake2b(server_id.encode(), digest_size=6).hexdigest() if server_id else ""
+    """A short name of the NATS mesh `nc` is connected to ("" when unknown): clients of one server, or of any
+    server of one NATS cluster, share it, so a host-local resource keyed by it (a disk store's pool socket) is
+    never another mesh's. A cluster is named by its cluster name, not by the server: its clients may sit on
+    different servers, and move to another when theirs dies (two clusters on one host need distinct names)."""
+    info = getattr(nc, "_server_info", {}) or {}
+    name = f"cluster:{info['cluster']}" if info.get("cluster") else str(info.get("server_id") or "")
+    return hashlib.blake2b(name.encode(), digest_size=6).hexdigest() if name else ""
 
 
 def normalize_url(address: str) -> str:

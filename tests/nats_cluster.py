@@ -3,7 +3,8 @@
 port (`/routez` says when the routes are up, `/connz` who is connected where).
 
 `url` is every node's client URL, comma-separated: what services and engines are given. A node can be started
-late (`start(i)`) and killed (`kill(i)`: SIGKILL, no goodbye to its clients).
+late (`start(i)`) and killed (`kill(i)`: SIGKILL, no goodbye to its clients). Every node requires the same
+credentials of its clients: one token, or a user per principal from a `MeshCredentials` directory.
 """
 
 from __future__ import annotations
@@ -12,20 +13,29 @@ import signal
 
 import httpx
 
+from kvmesh.shared.credentials import AUTHORIZATION_FILE, MeshCredentials
 from kvmesh.shared.embedded_nats import EmbeddedNats, free_port
 from waiting import WAIT_S, wait_until
 
 
 class NatsCluster:
-    def __init__(self, size: int = 3, name: str = "kvmesh-test", token: str | None = None) -> None:
-        """`token`: every node requires it of its clients (the routes between the nodes need none)."""
+    def __init__(self, size: int = 3, name: str | None = None, token: str | None = None,
+                 credentials: MeshCredentials | None = None) -> None:
+        """`token`: every node requires it of its clients (the routes between the nodes need none).
+        `credentials`: every node has that directory's users, a user per principal with its permissions (the
+        directory's `authorization.conf`, written into each node's config), as `kvmesh credentials` makes them.
+        The cluster's name is its own (unique on this host unless `name` is given): clients of one cluster on
+        this host share resources keyed by it (`bus.server_scope`)."""
         self.cluster_ports = [free_port() for _ in range(size)]
         self.monitor_ports = [free_port() for _ in range(size)]
+        name = name or f"kvmesh-test-{self.cluster_ports[0]}"
         routes = ", ".join(f"nats-route://127.0.0.1:{port}" for port in self.cluster_ports)
+        users = (credentials.root / AUTHORIZATION_FILE).read_text() if credentials is not None else ""
         self.nodes = [EmbeddedNats(token=token, extra_config=(
             f"server_name: node{i}\n"
             f"http: \"127.0.0.1:{self.monitor_ports[i]}\"\n"
-            f"cluster {{\n  name: {name}\n  listen: \"127.0.0.1:{self.cluster_ports[i]}\"\n  routes: [{routes}]\n}}"))
+            f"cluster {{\n  name: {name}\n  listen: \"127.0.0.1:{self.cluster_ports[i]}\"\n  routes: [{routes}]\n}}\n"
+            f"{users}"))
             for i in range(size)]
 
     @property

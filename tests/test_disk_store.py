@@ -856,3 +856,40 @@ async def test_two_meshes_on_one_host_with_stores_of_the_same_id_each_get_their_
             for harness in harnesses:
                 await harness.stop()
                 await harness.nc.close()
+
+
+async def test_the_pool_socket_follows_the_store_to_a_restarted_nats_server(tmp_path: Path) -> None:
+    """A NATS server restarted on its port is another server (a new id, so another pool socket name): the store,
+    reconnected, listens where that server's engines look, so an engine that connects now lends its pool."""
+    from kvmesh.shared.embedded_nats import EmbeddedNats, free_port
+
+    port = free_port()
+    server = EmbeddedNats(port=port).start()
+    nc = await bus.connect(server.url, "store-side", first_connect_wait=WAIT_S)
+    harness = Harness(nc, tmp_path / "disk")
+    engine_nc = None
+    try:
+        service = await harness.start()
+        before = bus.server_scope(nc)
+        assert service.store.pools.path == socket_path(harness.store_id, before)
+        server.stop()
+        server = EmbeddedNats(port=port).start()
+        await wait_until_async(lambda: nc.is_connected and bus.server_scope(nc) != before
+                               and service.store.pools.path == socket_path(harness.store_id, bus.server_scope(nc)),
+                               what="the store's pool socket named by the restarted server")
+        engine_nc = await bus.connect(server.url, "engine-side", first_connect_wait=WAIT_S)
+        client = DiskStoreClient(engine_nc, harness.store_id, ENGINE, request_timeout=WAIT_S)
+        with SharedSegment.create(2 * CHUNK) as segment:
+            meta, data = chunk(7)
+            segment.buf[:CHUNK] = data
+            assert await client.put(meta, ChunkBuffer(view=segment.buf[:CHUNK], pool=segment, pool_offset=0))
+            assert await client.wait_written(WAIT_S)
+            details = (await client.stats())[0].details
+            assert details["puts_pool"] == 1 and details["puts_inline"] == 0, details
+            await client.close()
+    finally:
+        await harness.stop()
+        await nc.close()
+        if engine_nc is not None:
+            await engine_nc.close()
+        server.stop()

@@ -51,11 +51,14 @@ class PoolRegistry:
         self._listener: socket.socket | None = None
         self._bound_inode: int | None = None  # the socket file we made (close removes it only if still ours)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._accepting: asyncio.Task[None] | None = None
         self._connections = 0
+        self.scope = ""
 
     async def start(self, scope: str = "") -> None:
         """Listen for the engines on the NATS server `scope` (`bus.server_scope`); without a usable socket
         directory the store serves on, without pools (logged)."""
+        self.scope = scope
         try:
             path = socket_path(self.store_id, scope)
             if _answers(path):  # never take the socket of a live store: its engines' pools would come to us
@@ -72,8 +75,18 @@ class PoolRegistry:
         listener.listen(16)
         listener.setblocking(False)
         self._listener, self.path = listener, path
-        self._spawn(self._accept())
+        self._accepting = self._spawn(self._accept())
         log.info("disk store %s: engines lend their pools on %s", self.store_id, path)
+
+    async def follow(self, scope: str) -> None:
+        """The store is now on the NATS server `scope` (it reconnected to a restarted server, which has a new id):
+        listen where the engines of that server look. Pools lent before stay lent."""
+        if scope == self.scope:
+            return  # the same server, or another server of the same cluster
+        log.info("disk store %s: now on another NATS server; moving the pool socket", self.store_id)
+        await self._stop_listening()
+        self.path = None
+        await self.start(scope)
 
     def view(self, token: str, caller: str, offset: int, nbytes: int) -> memoryview:
         """`nbytes` bytes at `offset` of the pool `caller` lent as `token`; StoreError saying what is wrong."""
@@ -93,14 +106,22 @@ class PoolRegistry:
             task.cancel()
         if self._tasks:
             await asyncio.wait(list(self._tasks))
+        await self._stop_listening()
+        for pool in self._pools.values():
+            pool.segment.close()
+        self._pools.clear()
+
+    async def _stop_listening(self) -> None:
+        if self._accepting is not None:
+            self._accepting.cancel()
+            await asyncio.wait([self._accepting])
+            self._accepting = None
         if self._listener is not None:
             self._listener.close()
             self._listener = None
         if self.path is not None and self._bound_inode is not None and _inode(self.path) == self._bound_inode:
             self.path.unlink()  # ours still: a store started since with the same id keeps its own
-        for pool in self._pools.values():
-            pool.segment.close()
-        self._pools.clear()
+        self._bound_inode = None
 
     # ---- connections ---------------------------------------------------------------------------------------
     async def _accept(self) -> None:
@@ -185,10 +206,11 @@ class PoolRegistry:
         except OSError:
             pass  # the peer is gone or not reading: the log has it
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
 
 async def _readable(sock: socket.socket) -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from nats.aio.client import Client as NatsClient
 
@@ -56,6 +56,7 @@ class DiskStoreService:
                             settle=self.store.settle, persist=self.store.state.save_now, bounds=options.bounds)
         self.endpoint = StoreEndpoint("disk_store", options.store_id, options.bounds.request_queue_bytes)
         self._heartbeat_interval = heartbeat_interval
+        self._follow: Callable[[], Awaitable[None]] | None = None  # moves the pool socket when the server changes
 
     @property
     def nc(self) -> NatsClient | None:
@@ -77,6 +78,9 @@ class DiskStoreService:
                     Handler("get", protocol.GetRequest, store.get, max_concurrent=options.reader_threads),
                     *self.ops.handlers()]
         await store.pools.start(bus.server_scope(nc))
+        if isinstance(nc, bus.MeshClient):  # a restarted NATS server has a new id: engines then look elsewhere
+            self._follow = lambda: store.pools.follow(bus.server_scope(nc))
+            nc.reconnect_hooks.append(self._follow)
         await self.endpoint.serve(handlers, reporter, self._details)
         log.info("disk store %s serving %s on %s", options.store_id, options.root, options.nats_url)
 
@@ -88,6 +92,9 @@ class DiskStoreService:
                                       capacity_bytes=self.options.capacity_bytes, started_at=self.store.started_at)
 
     async def stop(self) -> None:
+        if self._follow is not None and isinstance(self.nc, bus.MeshClient):
+            self.nc.reconnect_hooks.remove(self._follow)
+            self._follow = None
         await self.endpoint.stop_serving()
         await self.store.close()  # finishes accepted writes: their admissions still go out
         await self.endpoint.close()
