@@ -200,3 +200,25 @@ def test_prefault_is_a_flag_that_round_trips_and_stays_within_the_capacity() -> 
             options_from_args(build_parser().parse_args(["--max-size-gb", "4", "--prefault-gb", value]))
     with pytest.raises(ValueError, match="prefault"):
         MemoryStore(capacity_bytes=MiB, prefault_bytes=2 * MiB)
+
+
+async def test_persisted_chunks_load_into_the_arena_and_the_rest_stays_within_the_capacity(tmp_path: Path) -> None:
+    capacity = 8 * MiB
+    first = MemoryStore(capacity_bytes=capacity, persist_dir=tmp_path, fsync=False)
+    await first.open()
+    chunks = [chunk(3 * MiB, seed) for seed in range(2)]
+    for meta, data in chunks:
+        await first.put_bytes(meta, memoryview(data), ENGINE)
+    await first.close()  # the chunk files are written
+
+    second = MemoryStore(capacity_bytes=capacity, persist_dir=tmp_path, fsync=False, prefault_bytes=capacity)
+    try:
+        assert await second.open() == len(chunks)
+        assert second.pool.allocated == 0 and second.pool.arena_bytes == capacity - 6 * MiB
+        assert held_memory(second) <= capacity
+        for meta, data in chunks:
+            held = second.acquire(meta.key)
+            assert held is not None and np.array_equal(held.data(), data)
+            second.release(held)
+    finally:
+        await second.close()
