@@ -6,11 +6,12 @@ the same bytes in the same chunks over TCP with `loop.sock_sendall` / `loop.sock
 preallocated buffer, one request and a 1-byte answer per chunk, as the store does. Rounds alternate raw and
 store (the machine's speed drifts); raw figures are medians over its rounds.
 
-    python benchmarks/remote_store.py --total-gib 1 --chunk-mib 32
+    python benchmarks/remote_store.py --total-gib 1 --chunk-mib 32 [--prefault-gb 1]
 
-Store puts are timed twice: "cold" into a fresh store (every buffer is page-faulted for the first time, 16-25 ms
-per 32 MiB here) and "warm" with new keys into the full store (each put evicts the LRU chunk and reuses its buffer:
-the steady state of a cache). A timed put includes computing the chunk's checksum, as the engine's write-behind
+Store puts are timed twice: "cold" into a fresh store (every buffer is page-faulted for the first time, unless the
+store was started with `--prefault-gb`: then they are carved from memory it faulted in before serving) and "warm"
+with new keys into the full store (each put evicts the LRU chunk and reuses its buffer: the steady state of a
+cache). A timed put includes computing the chunk's checksum, as the engine's write-behind
 does once per chunk before it puts (the store verifies the bytes against it). Gets go into a preallocated
 destination; every byte is compared with the source after the run. With `--nats-mib N` the raw peer also moves N
 MiB through NATS in frames of 1 and 8 MiB, the alternative data path (the reason the store uses a stream: see

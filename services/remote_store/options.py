@@ -176,5 +176,6 @@ def options_from_args(args: argparse.Namespace) -> RemoteStoreOptions:
         advertise_host=args.advertise_host, transfer_timeout=args.transfer_timeout,
         max_stream_connections=args.max_stream_connections, stream_hello_timeout=args.stream_hello_timeout,
         stream_hello_max_bytes=args.stream_hello_max_bytes, stream_idle_timeout=args.stream_idle_timeout,
-        max_chunk_bytes=args.max_chunk_bytes, prefault_bytes=round(args.prefault_gb * GB), bounds=store_bounds_from_args(args),
+        max_chunk_bytes=args.max_chunk_bytes, prefault_bytes=round(args.prefault_gb * GB),
+        bounds=store_bounds_from_args(args),
         redis_url=args.redis_url, redis_key_prefix=args.redis_key_prefix, redis_timeout=args.redis_timeout)
