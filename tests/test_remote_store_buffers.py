@@ -183,6 +183,7 @@ async def test_the_arena_hands_pages_back_when_the_pool_lets_a_buffer_go_or_the_
     assert pool.spare_bytes == 1 * MiB and (kept == 1).all()
     assert not dropped.any()  # (the test kept a view the pool thinks is gone) its pages were handed back: zeros
     address = pool.arena.address
+    assert "nh" in mapping_of(address)[1]["VmFlags"].split()  # khugepaged never fills handed-back pages in again
     rss_before = int(mapping_of(address)[1]["Rss"].split()[0])
     pool.trim(3 * MiB)  # free room shrank to 3 MiB: the spare (1 MiB) and 3 of the 6 uncarved MiB go
     assert pool.spare_bytes == 0 and pool.arena_bytes == 3 * MiB

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 PAGE = 4096
 HUGE_PAGES: int | None = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
+NO_HUGE_PAGES: int | None = getattr(mmap, "MADV_NOHUGEPAGE", None)
 
 
 def size_class(nbytes: int) -> int:
@@ -69,6 +70,9 @@ class Arena:
 
     def __init__(self, size: int) -> None:
         self.region, self.array = _map(size)
+        if NO_HUGE_PAGES is not None:  # faulted on huge pages; from now on khugepaged must not fill handed-back
+            with contextlib.suppress(OSError):  # pages in again (it would, around pages still in use)
+                self.region.madvise(NO_HUGE_PAGES)
         self.address = address_of(self.array)
         self.next = 0  # the first uncarved byte
         self.end = size  # pages from here on were handed back
