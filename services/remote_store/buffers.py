@@ -144,7 +144,7 @@ class BufferPool:
         return buffer
 
     async def get(self, nbytes: int) -> np.ndarray:
-        """A spare buffer if there is one, else a new one faulted in a worker thread."""
+        """A spare or arena buffer if there is one, else a new one faulted in a worker thread."""
         buffer = self.take(nbytes)
         filling = self._filling
         if buffer is None and filling is not None and self._filling_size == size_class(nbytes):
@@ -169,7 +169,7 @@ class BufferPool:
         limit = max(0, limit)
         for size in sorted(self._spares, reverse=True):
             spares = self._spares[size]
-            while spares and self.spare_bytes + self.arena_bytes > limit and self.spare_bytes > 0:
+            while spares and self.spare_bytes + self.arena_bytes > limit:
                 self._let_go(spares.pop())
                 self.spare_bytes -= size
         if self.arena is not None and self.spare_bytes + self.arena_bytes > limit:
