@@ -6,11 +6,12 @@ the same bytes in the same chunks over TCP with `loop.sock_sendall` / `loop.sock
 preallocated buffer, one request and a 1-byte answer per chunk, as the store does. Rounds alternate raw and
 store (the machine's speed drifts); raw figures are medians over its rounds.
 
-    python benchmarks/remote_store.py --total-gib 1 --chunk-mib 32
+    python benchmarks/remote_store.py --total-gib 1 --chunk-mib 32 [--prefault-gb 1]
 
-Store puts are timed twice: "cold" into a fresh store (every buffer is page-faulted for the first time, 16-25 ms
-per 32 MiB here) and "warm" with new keys into the full store (each put evicts the LRU chunk and reuses its buffer:
-the steady state of a cache). A timed put includes computing the chunk's checksum, as the engine's write-behind
+Store puts are timed twice: "cold" into a fresh store (every buffer is page-faulted for the first time, unless the
+store was started with `--prefault-gb`: then they are carved from memory it faulted in before serving) and "warm"
+with new keys into the full store (each put evicts the LRU chunk and reuses its buffer: the steady state of a
+cache). A timed put includes computing the chunk's checksum, as the engine's write-behind
 does once per chunk before it puts (the store verifies the bytes against it). Gets go into a preallocated
 destination; every byte is compared with the source after the run. With `--nats-mib N` the raw peer also moves N
 MiB through NATS in frames of 1 and 8 MiB, the alternative data path (the reason the store uses a stream: see
@@ -157,7 +158,8 @@ async def run(args: argparse.Namespace) -> dict:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         store = subprocess.Popen(
             [sys.executable, "-m", "kvmesh.services.remote_store", "--nats-url", nats_server.url,
-             "--max-size-gb", str(total / GiB), "--store-id", STORE_ID, "--log-level", "WARNING"],
+             "--max-size-gb", str(total / GiB), "--store-id", STORE_ID, "--log-level", "WARNING",
+             *(["--prefault-gb", str(args.prefault_gb)] if args.prefault_gb else [])],
             stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
         peer = subprocess.Popen(
             [sys.executable, __file__, "--raw-peer", "--nats-url", nats_server.url, "--chunk-mib", str(args.chunk_mib)],
@@ -249,6 +251,7 @@ async def run(args: argparse.Namespace) -> dict:
         "ratio_put_warm": round(raw_put / put_warm, 3), "ratio_put_cold": round(raw_put / put_cold, 3),
         "ratio_get": round(raw_get / get, 3),
         "store_buffers_allocated": stats.details.get("buffers_allocated"),
+        "store_prefaulted_bytes": stats.details.get("prefaulted_bytes", 0),
         **nats_frames,
     }
 
@@ -294,6 +297,8 @@ def main() -> None:
     parser.add_argument("--total-gib", type=float, default=1.0)
     parser.add_argument("--chunk-mib", type=float, default=32.0)
     parser.add_argument("--nats-mib", type=float, default=128.0, help="MiB moved through NATS frames (0: skip)")
+    parser.add_argument("--prefault-gb", type=float, default=0.0,
+                        help="the store's --prefault-gb (memory faulted in at start; up to --total-gib)")
     parser.add_argument("--raw-peer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--nats-url", help=argparse.SUPPRESS)
     args = parser.parse_args()

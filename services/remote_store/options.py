@@ -51,6 +51,7 @@ class RemoteStoreOptions:
     stream_hello_max_bytes: int = 4096  # the largest hello read before its ticket is checked
     stream_idle_timeout: float = 300.0  # seconds a greeted connection may go without a request
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES  # the largest chunk a put may announce (stream or inline)
+    prefault_bytes: int = 0  # memory faulted in at start, new buffers carved from it (buffers.Arena); <= capacity
     bounds: StoreBounds = field(default_factory=StoreBounds)  # what NATS clients can push on (shared/store_bounds.py)
     heartbeat_interval: float = 2.0
     # Redis mode (redis_watch.py): report what a Redis remote tier holds instead of holding chunks
@@ -68,6 +69,8 @@ class RemoteStoreOptions:
                 "--stream-hello-max-bytes", str(self.stream_hello_max_bytes),
                 "--stream-idle-timeout", repr(self.stream_idle_timeout),
                 "--max-chunk-bytes", str(self.max_chunk_bytes), *self.bounds.to_args()]
+        if self.prefault_bytes:
+            args += ["--prefault-gb", repr(self.prefault_bytes / GB)]
         if self.persist_dir is not None:
             args += ["--persist-dir", str(self.persist_dir)]
         if not self.fsync:
@@ -121,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds a stream connection may go without a request before it is closed")
     parser.add_argument("--max-chunk-bytes", type=int, default=DEFAULT_MAX_CHUNK_BYTES,
                         help="largest chunk a put may announce; a larger one is refused before its bytes are read")
+    parser.add_argument("--prefault-gb", type=float, default=0.0,
+                        help="GB of memory faulted in at start (at most --max-size-gb), so puts into an empty store "
+                             "need no page faults (default 0: memory is faulted as chunks arrive)")
     add_store_bound_flags(parser)
     parser.add_argument("--redis-url", help="Redis mode: report to the controller what this Redis / Valkey remote "
                                             "tier holds (an engine remote_url form, standalone or sentinel) "
@@ -149,6 +155,9 @@ def options_from_args(args: argparse.Namespace) -> RemoteStoreOptions:
                         ("--max-chunk-bytes", args.max_chunk_bytes)):
         if value <= 0:
             raise ConfigError(f"{flag}: must be > 0, got {value}")
+    if not 0 <= args.prefault_gb <= args.max_size_gb:
+        raise ConfigError(f"--prefault-gb: must be between 0 and --max-size-gb ({args.max_size_gb:g}), "
+                          f"got {args.prefault_gb:g}")
     if args.redis_timeout <= 0:
         raise ConfigError(f"--redis-timeout: must be > 0, got {args.redis_timeout}")
     if not prefix_ok(args.redis_key_prefix):
@@ -167,5 +176,6 @@ def options_from_args(args: argparse.Namespace) -> RemoteStoreOptions:
         advertise_host=args.advertise_host, transfer_timeout=args.transfer_timeout,
         max_stream_connections=args.max_stream_connections, stream_hello_timeout=args.stream_hello_timeout,
         stream_hello_max_bytes=args.stream_hello_max_bytes, stream_idle_timeout=args.stream_idle_timeout,
-        max_chunk_bytes=args.max_chunk_bytes, bounds=store_bounds_from_args(args),
+        max_chunk_bytes=args.max_chunk_bytes, prefault_bytes=round(args.prefault_gb * GB),
+        bounds=store_bounds_from_args(args),
         redis_url=args.redis_url, redis_key_prefix=args.redis_key_prefix, redis_timeout=args.redis_timeout)

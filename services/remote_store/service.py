@@ -70,7 +70,8 @@ class RemoteStoreService:
                                           min_sync_interval=options.bounds.min_sync_interval)
         self.store = MemoryStore(options.capacity_bytes, options.partition, options.num_partitions,
                                  options.persist_dir, options.fsync, cache_policy=options.cache_policy,
-                                 on_admit=self.reporter.admit, on_evict=self.reporter.evict)
+                                 on_admit=self.reporter.admit, on_evict=self.reporter.evict,
+                                 prefault_bytes=options.prefault_bytes)
         listen, self.advertise_host = stream_addresses(options)
         self.stream = StreamServer(self.store, listen, options.stream_port, options.transfer_timeout,
                                    max_connections=options.max_stream_connections,

@@ -91,9 +91,12 @@ class MemoryStore:
     def __init__(self, capacity_bytes: int, partition: int = 0, num_partitions: int = 1,
                  persist_dir: Path | None = None, fsync: bool = True, cache_policy: str = "LRU",
                  on_admit: Callable[[ChunkKey], None] | None = None,
-                 on_evict: Callable[[ChunkKey], None] | None = None) -> None:
+                 on_evict: Callable[[ChunkKey], None] | None = None, prefault_bytes: int = 0) -> None:
         if not 0 <= partition < num_partitions:
             raise ValueError(f"partition {partition} is not in 0..{num_partitions - 1}")
+        if not 0 <= prefault_bytes <= capacity_bytes:
+            raise ValueError(f"prefault of {prefault_bytes} bytes: must be between 0 and the capacity "
+                             f"({capacity_bytes})")
         self.capacity_bytes = capacity_bytes
         self.partition = partition
         self.num_partitions = num_partitions
@@ -103,14 +106,16 @@ class MemoryStore:
         if on_evict is not None:
             self.index.on_evict = on_evict
         self.pool = BufferPool(max_spare_bytes=min(capacity_bytes // 8, MAX_SPARE_BYTES))
+        self.prefault_bytes = prefault_bytes
         self.persister = persistence.Persister(persist_dir, self.release, fsync) if persist_dir else None
         self.state = StoreState(persist_dir, self.index) if persist_dir is not None else None
         self.counters = StoreCounters()
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     async def open(self) -> int:
-        """Load the persisted chunks, their pins and their claims (if any) and start persisting; the number of
-        chunks loaded."""
+        """Fault in the prefault arena, load the persisted chunks, their pins and their claims (if any) and start
+        persisting; the number of chunks loaded."""
+        await self.pool.prefault(self.prefault_bytes)  # counted as free room until carved (`_free_room`, trim)
         loaded = 0
         if self.persister is not None and self.state is not None:
             loaded = await self._load(self.persister.root)
@@ -160,6 +165,7 @@ class MemoryStore:
                 dropped += 1
                 continue
             self.index.load(meta.key, StoredChunk(meta, len(buffer), buffer))
+        self.pool.trim(self._free_room())  # what the chunks did not take of the arena stays within the capacity
         if found:
             log.info("loaded %d persisted chunks (%d bytes) from %s; dropped %d", len(self.index),
                      self.index.used_bytes, root, dropped)
@@ -310,6 +316,7 @@ class MemoryStore:
             "partition": self.partition, "num_partitions": self.num_partitions,
             "reserved_bytes": self.index.reserved_bytes, "puts_in_flight": self.index.in_flight_count,
             "spare_bytes": self.pool.spare_bytes, "buffers_allocated": self.pool.allocated,
+            "prefaulted_bytes": self.pool.prefaulted_bytes, "arena_bytes": self.pool.arena_bytes,
             "persist_dir": str(self.persister.root) if self.persister else None,
             "pending_writes": self.persister.pending if self.persister else 0,
             "persist_failures": self.persister.failures if self.persister else 0,
