@@ -90,6 +90,7 @@ class EngineConfig:
     nats_credentials: str | None = None  # path to a KVMesh credentials file (shared/credentials.py)
     nats_creds_file: str | None = None  # path to a NATS .creds file (JWT + nkey)
     remote_size: float = 4.0  # GB, memory cap of the remote store when the engine embeds one
+    remote_prefault_size: float = 1.0  # GB of each embedded remote store faulted in at start (<= remote_size)
     remote_partitions: int = 1  # remote-store replicas that keys are partitioned over
     store_queue_size: int = 64  # write-behind queue depth (chunks) to the disk/remote stores
     request_timeout_secs: float = 2.0  # NATS request timeout for control messages
@@ -176,6 +177,11 @@ class EngineConfig:
         return int(self.remote_size * GB)
 
     @property
+    def remote_prefault_bytes(self) -> int:
+        """What each embedded remote store faults in at start: `remote_prefault_size`, at most its memory cap."""
+        return min(int(self.remote_prefault_size * GB), self.remote_size_bytes)
+
+    @property
     def redis_target(self) -> RedisTarget | None:
         """The Redis / Valkey a `redis://`-family `remote_url` names (extra_config's `valkey_mode` says whether a
         `valkey://` one is a cluster); None for any other remote_url. ConfigError when it is malformed."""
@@ -248,6 +254,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_local_cpu_size": _NON_NEGATIVE,
     "max_local_disk_size": _NON_NEGATIVE,
     "remote_size": _POSITIVE,
+    "remote_prefault_size": _NON_NEGATIVE,
     "blocking_timeout_secs": _POSITIVE,
     "request_timeout_secs": _POSITIVE,
     "heartbeat_interval_secs": _POSITIVE,

@@ -47,7 +47,8 @@ CODE_DIRS = ("services", "shared", "kvmesh_pkg")
 
 # keys the code reads through a derived property of EngineConfig
 DERIVED = {"max_local_cpu_size": "max_local_cpu_bytes", "max_local_disk_size": "max_local_disk_bytes",
-           "remote_size": "remote_size_bytes", "local_disk": "local_disk_path"}
+           "remote_size": "remote_size_bytes", "remote_prefault_size": "remote_prefault_bytes",
+           "local_disk": "local_disk_path"}
 OPTIONAL_DEPENDENCIES = ("torch", "vllm", "cupy")
 
 

@@ -55,6 +55,11 @@ def test_plan_joins_a_configured_mesh_and_embeds_otherwise() -> None:
                              disk_store_id(), "--cache-policy", "LFU"]  # the engine's cache_policy reaches the stores
     assert plan.services[2].args[:10] == ["--max-size-gb", "1.5", "--partition", "1", "--partitions", "2",
                                           "--store-id", "remote-1", "--cache-policy", "LFU"]
+    assert plan.services[2].args[-2:] == ["--prefault-gb", "1.0"]  # remote_prefault_size's default
+    small = plan_mesh(EngineConfig(remote_url="lm://localhost:65432", remote_size=0.5, remote_prefault_size=2.0))
+    assert small.services[0].args[-2:] == ["--prefault-gb", "0.5"]  # never more than the store's memory
+    none = plan_mesh(EngineConfig(remote_url="lm://localhost:65432", remote_prefault_size=0))
+    assert "--prefault-gb" not in none.services[0].args
 
 
 def test_seed_002_embeds_nats_and_a_disk_store_shared_by_workers(tmp_path: Path) -> None:

@@ -88,10 +88,12 @@ class RemoteStoreOptions:
         return ServiceSpec("kvmesh.services.remote_store", self.to_args(), self.store_id)
 
 
-def partitions(capacity_bytes: int, num_partitions: int, cache_policy: str = "LRU") -> list[RemoteStoreOptions]:
-    """The options of every partition of a remote store, each with `capacity_bytes` of memory."""
+def partitions(capacity_bytes: int, num_partitions: int, cache_policy: str = "LRU",
+               prefault_bytes: int = 0) -> list[RemoteStoreOptions]:
+    """The options of every partition of a remote store, each with `capacity_bytes` of memory of which
+    `prefault_bytes` are faulted in at start."""
     return [RemoteStoreOptions(store_id=remote_store_id(i), capacity_bytes=capacity_bytes, partition=i,
-                               num_partitions=num_partitions, cache_policy=cache_policy)
+                               num_partitions=num_partitions, cache_policy=cache_policy, prefault_bytes=prefault_bytes)
             for i in range(num_partitions)]
 
 

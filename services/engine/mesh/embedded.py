@@ -88,7 +88,8 @@ def plan_mesh(config: EngineConfig) -> MeshPlan:
                                          store_id=disk, cache_policy=config.cache_policy).service_spec())
     if remotes and not redis:
         services += [options.service_spec() for options in
-                     remote_partitions(config.remote_size_bytes, config.remote_partitions, config.cache_policy)]
+                     remote_partitions(config.remote_size_bytes, config.remote_partitions, config.cache_policy,
+                                       config.remote_prefault_bytes)]
     return MeshPlan(EMBED, None, disk, remotes, services, redis=redis,
                     reason="no nats_url, controller_url or NATS remote_url")
 
