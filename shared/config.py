@@ -77,6 +77,7 @@ class EngineConfig:
     enable_blending: bool = False
     blend_recompute_ratio: float = 0.15
     blend_min_tokens: int = 256
+    use_layerwise: bool = False  # CUDA: scatter loads layer by layer on a side stream (docs/connector.md)
     enable_async_loading: bool = True  # True here: a disk hit measured 2x faster loaded between steps (docs/connector.md)
     internal_api_server_enabled: bool = False
     min_retrieve_tokens: int = 0

@@ -19,8 +19,6 @@ log = logging.getLogger("kvmesh.config")
 HONOURED = None  # the table's value for a key KVMesh acts on (docs/config.md, "Engine keys")
 
 # What KVMesh does instead, for the groups of keys that share an answer.
-_LAYERWISE = ("KVMesh loads all layers before the forward on CPU and stores them after it, in one copy each; "
-              "see docs/connector.md")
 _LAZY_POOL = "KVMesh maps its whole CPU pool (max_local_cpu_size, in /dev/shm when it fits) at start"
 _GDS = "KVMesh has no GPUDirect Storage backend; local_disk (the host's disk store) is its disk tier"
 _CONTROLLER_LINK = "engines and the controller talk over NATS (controller_url or nats_url); no port is opened"
@@ -45,7 +43,7 @@ LMCACHE_KEYS: dict[str, str | None] = {
     "blocking_timeout_secs": HONOURED,
     "min_retrieve_tokens": HONOURED,
     "cache_policy": HONOURED,
-    "use_layerwise": _LAYERWISE,
+    "use_layerwise": HONOURED,
     "pre_caching_hash_algorithm": "KVMesh's chunk keys use its own hash (shared/keys.py), the same in every "
                                   "process",
     "py_enable_gc": "KVMesh leaves Python's garbage collector as vLLM set it",

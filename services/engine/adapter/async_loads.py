@@ -88,6 +88,14 @@ class AsyncLoads:
             del self._pending[req_id]
         return ready
 
+    def discard(self, req_ids: "set[str] | frozenset[str]") -> list[PendingLoad]:
+        """Give up the loads of these requests (preempted, or ended while loading): nothing is scattered into
+        their blocks; whatever their fetches bring is released. The loads given up."""
+        dropped = [self._pending.pop(req_id) for req_id in req_ids if req_id in self._pending]
+        for pending in dropped:
+            pending.future.add_done_callback(_release_late)
+        return dropped
+
     def abandon_all(self) -> None:
         """Shutdown: whatever the fetches still bring is released."""
         for pending in self._pending.values():

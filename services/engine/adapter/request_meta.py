@@ -92,6 +92,8 @@ class ReqMeta:
 class KVMeshConnectorMetadata(KVConnectorMetadata):
     requests: list[ReqMeta] = field(default_factory=list)
     idle: bool = False  # the step runs no forward (every request waits for its load, or none is left)
+    # vLLM preempted these since the last step and freed their blocks, which this step may reuse
+    preempted: set[str] = field(default_factory=set)
 
     def __repr__(self) -> str:  # vLLM may log it: never dump token lists
         return (f"KVMeshConnectorMetadata(loads={sum(r.load is not None for r in self.requests)}, "
@@ -126,6 +128,13 @@ class RequestTracker:
     load_async: bool = False  # the load runs between steps (get_num_new_matched_tokens said load_kv_async)
     block_ids: list[int] = field(default_factory=list)
     saved_upto: int = 0
+    saves_held: bool = False  # a save ran off the forward's path: vLLM keeps its blocks after it ends
+
+    def preempted(self) -> None:
+        """vLLM freed the request's blocks (it resumes later with new ones): forget them and any load planned
+        into them; what was saved stays saved."""
+        self.block_ids = []
+        self.load_pending = self.load_async = False
 
     def chain_keys(self, hasher: ChunkHasher, end: int,
                    on_hashed: "Callable[[list[ChunkSpan], list[int], ChunkKey | None], None] | None" = None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
@@ -289,6 +290,20 @@ class CacheEngine:
         """`retrieve` for spans the caller already has; how many leading spans were loaded."""
         return self._retrieve_spans(spans, _layers(kv_caches), slot_mapping, skip_prefix)
 
+    def acquire_chunks(self, spans: Sequence[ChunkSpan], slot_mapping: torch.Tensor) -> list[ChunkRef]:
+        """The held prefix of `spans` (`retrieve_chunks` without the copy, for the layer-wise loader), as
+        references the caller releases once its copies have read them; `chunk_view` gives their tensors."""
+        storage = self._ready()[3]
+        if not spans:
+            return []
+        _check_slot_count(slot_mapping, spans[-1].end)
+        return storage.acquire_prefix(spans, self._meta_mismatch)
+
+    def chunk_view(self, span: ChunkSpan, ref: ChunkRef) -> torch.Tensor:
+        """`ref`'s pool slot as `span`'s chunk tensor."""
+        layout = self._ready()[0]
+        return ref.slot.view(layout.dtype, layout.chunk_shape(span.num_tokens))
+
     def fetch_chunks(self, spans: Sequence[ChunkSpan]) -> "concurrent.futures.Future[list[ChunkRef]] | None":
         """Start fetching the held prefix of `spans` (CPU tier, then the lower tiers) on the NATS loop; the
         future answers references the caller owns (`scatter_chunks` releases them). None without a connected
@@ -316,41 +331,76 @@ class CacheEngine:
 
     def _store_spans(self, spans: Sequence[ChunkSpan], kv_caches: list[torch.Tensor],
                      slot_mapping: torch.Tensor) -> None:
+        job = self._gather_spans(spans, kv_caches, slot_mapping, None)
+        if job is not None:
+            self.admit(job)
+
+    def gather_chunks(self, spans: Sequence[ChunkSpan], kv_caches: KVCaches, slot_mapping: torch.Tensor,
+                      stream: "torch.cuda.Stream | None" = None) -> "StoreJob | None":
+        """Start `store_chunks`' copies and return at once; `admit(job)` once `job.done()`.
+
+        On CUDA with `stream`, the gather runs on `stream` after everything already queued on the current
+        stream (the forward that wrote the KV), and `job.event` marks its end: vLLM's blocks must stay
+        untouched until then. Elsewhere the copy is done when this returns. None: nothing to copy."""
+        return self._gather_spans(spans, _layers(kv_caches), slot_mapping, stream)
+
+    def _gather_spans(self, spans: Sequence[ChunkSpan], kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
+                      stream: "torch.cuda.Stream | None") -> "StoreJob | None":
         layout, _, cpu, storage, copier = self._ready()
         write_lower = storage.has_lower and self.writes_lower_tiers
         if not spans or (not cpu.keep and not write_lower) or self.config.force_skip_save:
-            return
+            return None
         _check_slot_count(slot_mapping, spans[-1].end)
         first_bad = _first_negative(slot_mapping, spans[-1].end)
+        on_side = stream is not None and bool(kv_caches) and kv_caches[0].is_cuda
+        if on_side:
+            assert stream is not None
+            stream.wait_stream(torch.cuda.current_stream(kv_caches[0].device))  # after the forward's writes
         filled: list[tuple[ChunkSpan, Slot]] = []
         try:
-            for span in spans:
-                if span.key in cpu or storage.known_held(span.key):
-                    continue
-                if span.end > first_bad:  # tokens without a cache slot: nothing valid to copy from here on
-                    break
-                slot = cpu.allocate()
-                if slot is None:
-                    self._rlog.warning("store_pool_full", "CPU pool full (%d chunks, all pinned or in use): "
-                                       "skipped storing %d tokens from token %d", cpu.pool.num_slots,
-                                       spans[-1].end - span.start, span.start)
-                    break
-                filled.append((span, slot))
-                out = slot.view(layout.dtype, layout.chunk_shape(span.num_tokens))
-                copier.gather(kv_caches, slot_mapping[span.start:span.end], out)
-            _synchronize(kv_caches)  # GPU copies into pinned memory are asynchronous
+            with torch.cuda.stream(stream) if on_side else contextlib.nullcontext():
+                for span in spans:
+                    if span.key in cpu or storage.known_held(span.key):
+                        continue
+                    if span.end > first_bad:  # tokens without a cache slot: nothing valid to copy from here on
+                        break
+                    slot = cpu.allocate()
+                    if slot is None:
+                        self._rlog.warning("store_pool_full", "CPU pool full (%d chunks, all pinned or in use): "
+                                           "skipped storing %d tokens from token %d", cpu.pool.num_slots,
+                                           spans[-1].end - span.start, span.start)
+                        break
+                    filled.append((span, slot))
+                    out = slot.view(layout.dtype, layout.chunk_shape(span.num_tokens))
+                    copier.gather(kv_caches, slot_mapping[span.start:span.end], out)
+                event = torch.cuda.Event() if on_side else None
+                if event is not None:
+                    event.record()
+            if not on_side:
+                _synchronize(kv_caches)  # GPU copies into pinned memory are asynchronous
         except BaseException:
-            _release_after_copies(kv_caches, [slot for _, slot in filled])
+            if on_side:
+                _release_after_stream(stream, [slot for _, slot in filled])
+            else:
+                _release_after_copies(kv_caches, [slot for _, slot in filled])
             raise
-        for span, slot in filled:
+        return StoreJob(filled, write_lower, event) if filled else None
+
+    def admit(self, job: "StoreJob") -> None:
+        """Put a finished gather's chunks into the CPU tier and queue them for the lower tiers (write-behind).
+        Waits for the copies if they are still running."""
+        _, _, cpu, storage, _ = self._ready()
+        job.wait()
+        for span, slot in job.filled:
             meta = self._chunk_meta(span)
-            behind = slot.ref() if write_lower else None
+            behind = slot.ref() if job.write_lower else None
             if not cpu.put(meta, slot):  # resident already (a concurrent store) or no room
                 if behind is not None:
                     behind.release()
                 continue
             if behind is not None:
                 storage.enqueue_write_behind(meta, behind)
+        job.filled = []
 
     def _retrieve_spans(self, spans: Sequence[ChunkSpan], kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
                         skip_prefix: int) -> int:
@@ -473,6 +523,36 @@ class CacheEngine:
         self.close()
 
 
+@dataclasses.dataclass
+class StoreJob:
+    """A store whose gather was started (`CacheEngine.gather_chunks`): the pool slots it fills, one per span,
+    and, on CUDA, the event that marks the end of its copies (None: already done)."""
+
+    filled: list[tuple[ChunkSpan, Slot]]
+    write_lower: bool
+    event: "torch.cuda.Event | None" = None
+
+    def done(self) -> bool:
+        return self.event is None or bool(self.event.query())
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def order_before(self, stream: "torch.cuda.Stream") -> None:
+        """Make work queued on `stream` from now on wait for this job's copies, without blocking the host
+        (a preempted request's blocks may be rewritten by the next forward)."""
+        if self.event is not None:
+            stream.wait_event(self.event)
+
+    def abandon(self) -> None:
+        """Give the slots back without admitting them (after the copies, which may still write them)."""
+        self.wait()
+        for _, slot in self.filled:
+            slot.release()
+        self.filled = []
+
+
 def _layers(kv_caches: KVCaches) -> list[torch.Tensor]:
     return list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
 
@@ -534,4 +614,17 @@ def _release_after_copies(kv_caches: list[torch.Tensor], held: Sequence[_Releasa
         item.release()
 
 
-__all__ = ["CacheEngine"]
+def _release_after_stream(stream: "torch.cuda.Stream | None", held: Sequence[_Releasable]) -> None:
+    """`_release_after_copies` for copies queued on a side stream."""
+    try:
+        if stream is not None:
+            stream.synchronize()
+    except BaseException as exc:
+        log.error("cannot wait for the KV copies of %d pool slots (%s: %s): leaving them allocated", len(held),
+                  type(exc).__name__, exc)
+        return
+    for item in held:
+        item.release()
+
+
+__all__ = ["CacheEngine", "StoreJob"]

@@ -1,0 +1,123 @@
+"""Saves off the forward's critical path (GPU), and what preemption and request ends must wait for.
+
+On a CUDA vLLM (`saves_off_forward`), `wait_for_save` only queues each save's gather (vLLM's paged cache ->
+pinned pool slots) on a dedicated CUDA stream, ordered after the forward by the stream's wait; the chunks
+enter the CPU tier (and the write-behind) once the copy's event has fired, checked in every step's
+`get_finished`. The copy reads vLLM's blocks after `wait_for_save` returned, so those blocks must not be
+reused before it ends:
+  * a request that ends: the scheduler's `request_finished` answers True for a request that had a save
+    (vLLM keeps its blocks), and the workers report it in `finished_sending` once its copies are done;
+  * a preempted request (vLLM frees its blocks at once, without `request_finished`): `handle_preemptions`, run
+    before the next forward, makes the forward's stream wait for the request's copies, so nothing the forward
+    writes into the freed blocks can overtake them (no host wait).
+On CPU the copy is a memcpy by the cores that run the forward: it stays synchronous in `wait_for_save`, so
+nothing is held (a second thread was measured only on a contended machine, see docs/connector.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Iterable
+
+import torch
+
+if TYPE_CHECKING:
+    from kvmesh.services.engine.core.cache_engine import CacheEngine, StoreJob
+
+log = logging.getLogger(__name__)
+
+
+def saves_off_forward(vllm_config: Any) -> bool:
+    """Whether saves run on a side stream (and blocks are held until their copy ends): a CUDA vLLM. Both the
+    scheduler and the workers decide it from the same config, so they agree on which requests are held."""
+    device_config = getattr(vllm_config, "device_config", None)
+    return str(getattr(device_config, "device_type", "cpu")) == "cuda"
+
+
+class AsyncSaves:
+    """Worker side: the saves whose copies may still run, and the requests whose blocks vLLM holds for them
+    (vLLM's worker thread only)."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, list["StoreJob"]] = {}
+        self._held: set[str] = set()  # request_finished told vLLM to keep their blocks: report them once
+        self._finished: set[str] = set()  # held requests vLLM has finished, waiting for their copies
+        self._stream: "torch.cuda.Stream | None" = None
+
+    def __len__(self) -> int:
+        return sum(len(jobs) for jobs in self._jobs.values())
+
+    def stream(self, device: torch.device) -> "torch.cuda.Stream | None":
+        """The side stream the gathers run on (None off CUDA)."""
+        if device.type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
+
+    def hold(self, req_id: str) -> None:
+        """The scheduler planned a save for `req_id`: it keeps the request's blocks after it ends, until it is
+        reported in finished_sending (whatever became of the save)."""
+        self._held.add(req_id)
+
+    def unhold(self, req_id: str) -> None:
+        """The request waits for an asynchronous load (WAITING_FOR_REMOTE_KVS): vLLM keeps its blocks until the
+        load is reported, and the scheduler answers False from request_finished; reporting it in
+        finished_sending as well would free its blocks twice. Its earlier copies were ordered before its
+        preemption's reuse of their blocks."""
+        self._held.discard(req_id)
+        self._finished.discard(req_id)
+
+    def add(self, req_id: str, job: "StoreJob") -> None:
+        self._jobs.setdefault(req_id, []).append(job)
+
+    def admit_done(self, engine: "CacheEngine") -> None:
+        """Admit the chunks of every save whose copies have ended (in each request's order)."""
+        for req_id in list(self._jobs):
+            jobs = self._jobs[req_id]
+            while jobs and jobs[0].done():
+                _admit(engine, req_id, jobs.pop(0))
+            if not jobs:
+                del self._jobs[req_id]
+
+    def order_before_reuse(self, req_ids: Iterable[str], device: torch.device | None) -> int:
+        """Preempted requests: work queued on `device`'s current stream from now on (the next forward, which may
+        write into their freed blocks) waits for their copies. How many saves it waits for."""
+        jobs = [job for req_id in req_ids for job in self._jobs.get(req_id, [])]
+        if jobs and device is not None and device.type == "cuda":
+            current = torch.cuda.current_stream(device)
+            for job in jobs:
+                job.order_before(current)
+        return len(jobs)
+
+    def finished_sending(self, finished_req_ids: Iterable[str], engine: "CacheEngine | None") -> set[str]:
+        """The held requests vLLM has finished (now or in an earlier step) whose copies have all ended: their
+        blocks may be freed. Reported once each."""
+        self._finished |= self._held.intersection(finished_req_ids)
+        if engine is not None:
+            self.admit_done(engine)
+        done = {req_id for req_id in self._finished if req_id not in self._jobs}
+        self._finished -= done
+        self._held -= done
+        return done
+
+    def drain(self, engine: "CacheEngine | None") -> None:
+        """Shutdown: wait for every copy; admit what ended well."""
+        for req_id, jobs in self._jobs.items():
+            for job in jobs:
+                if engine is not None:
+                    _admit(engine, req_id, job)
+                else:
+                    job.abandon()
+        self._jobs.clear()
+
+
+def _admit(engine: "CacheEngine", req_id: str, job: "StoreJob") -> None:
+    try:
+        engine.admit(job)
+    except Exception as exc:  # a failed copy stores nothing; vLLM's request is unaffected
+        log.warning("storing KV for request %s failed (%s: %s); skipped", req_id, type(exc).__name__, exc)
+        try:
+            job.abandon()
+        except Exception:  # the wait itself fails (broken CUDA context): leave the slots allocated
+            pass

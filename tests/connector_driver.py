@@ -1,0 +1,124 @@
+"""Drive KVMeshConnector's two halves the way vLLM does, without vLLM's engine: the scheduler half as vLLM's
+scheduler calls it (lookup, allocation, one `SchedulerOutput` per step, request ends) and the worker half in
+the order vLLM's GPU model runner calls it in one step (handle_preemptions, bind, start_load_kv, per layer
+wait_for_layer_load / forward / save_kv_layer, wait_for_save, get_finished, load errors, worker meta, clear).
+
+Both halves are real connector objects over a real CacheEngine in this process (vLLM's single-process case);
+what vLLM's forward would compute is written by the test (`Step.forward`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import torch
+
+from kvmesh.services.engine.adapter.async_loads import AsyncLoads
+from kvmesh.services.engine.adapter.async_saves import AsyncSaves
+from kvmesh.services.engine.adapter.scheduler_lookup import SchedulerLookup, StepEventLog
+from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.shared.config import EngineConfig
+
+from waiting import WAIT_S
+
+import kvmesh.services.engine.connector as connector
+
+
+def scheduler_half(config: EngineConfig, block_size: int, saves_off_forward: bool) -> Any:
+    """The scheduler half as vLLM creates it (without a VllmConfig); close it with `.shutdown()`."""
+    conn = connector.KVMeshConnector.__new__(connector.KVMeshConnector)
+    conn.config, conn.chunk_size, conn.block_size = config, config.chunk_size, block_size
+    conn.unsupported, conn.can_load, conn.can_save = None, True, True
+    conn._trackers, conn._stats, conn._async_starting, conn._kv_events = {}, connector.KVMeshStats(), [], None
+    conn._lookup = SchedulerLookup(world_size=1, timeout=WAIT_S, nats_name="test-scheduler")
+    conn.saves_off_forward = saves_off_forward
+    return conn
+
+
+def worker_half(engine: CacheEngine, caches: dict[str, torch.Tensor], block_size: int, saves_off_forward: bool,
+                load_timeout: float = WAIT_S) -> Any:
+    """The worker half after register_kv_caches created `engine` for `caches`."""
+    conn = connector.KVMeshConnector.__new__(connector.KVMeshConnector)
+    conn.engine, conn.block_size, conn.chunk_size, conn._kv_caches = engine, block_size, engine.config.chunk_size, caches
+    conn._load_errors, conn._finished_recving, conn._async_loads = set(), set(), AsyncLoads(load_timeout)
+    conn._stats, conn._connector_metadata = connector.KVMeshStats(), None
+    conn.saves_off_forward, conn._async_saves = saves_off_forward, AsyncSaves()
+    conn.config = engine.config
+    conn._layerwise = None  # use_layerwise: set a LayerwiseLoader (the connector does on CUDA)
+    conn._cpu_events = StepEventLog()
+    engine.cpu.listen(conn._cpu_events)  # the CPU tier's admissions reach the scheduler's mirror
+    return conn
+
+
+def request(req_id: str, tokens: list[int]) -> SimpleNamespace:
+    """What the connector reads of vLLM's Request."""
+    return SimpleNamespace(request_id=req_id, num_tokens=len(tokens), num_prompt_tokens=len(tokens),
+                           all_token_ids=tokens, lora_request=None, mm_features=[], prompt_embeds=None,
+                           cache_salt=None)
+
+
+def blocks(ids: list[int]) -> SimpleNamespace:
+    """vLLM's KVCacheBlocks, as update_state_after_alloc reads it."""
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+@dataclass
+class Step:
+    """One SchedulerOutput, as build_connector_meta reads it."""
+
+    new: list[tuple[str, list[int], int, int]] = field(default_factory=list)  # id, blocks, computed, scheduled
+    cached: list[tuple[str, list[int], int, int, bool]] = field(default_factory=list)  # + resumed
+    finished: set[str] = field(default_factory=set)
+    preempted: set[str] = field(default_factory=set)
+
+    def output(self) -> SimpleNamespace:
+        scheduled = {r: n for r, _, _, n in self.new} | {r: n for r, _, _, n, _ in self.cached}
+        return SimpleNamespace(
+            total_num_scheduled_tokens=sum(scheduled.values()), num_scheduled_tokens=scheduled,
+            scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=c)
+                                for r, b, c, _ in self.new],
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=[r for r, *_ in self.cached], new_block_ids=[(b,) if b else None for _, b, *_ in self.cached],
+                num_computed_tokens=[c for _, _, c, _, _ in self.cached],
+                resumed_req_ids={r for r, _, _, _, resumed in self.cached if resumed}),
+            finished_req_ids=set(self.finished), preempted_req_ids=set(self.preempted))
+
+
+@dataclass
+class StepResult:
+    finished_sending: set[str]
+    finished_recving: set[str]
+    load_errors: set[int]
+    worker_meta: Any = None  # what the scheduler's update_connector_output receives
+
+
+def run_worker_step(worker: Any, metadata: Any, finished: set[str],
+                    forward: Callable[[int, str], None] | None = None) -> StepResult:
+    """The worker half through one step, in vLLM's GPU model runner's order. `forward(i, layer_name)` stands
+    for layer i's attention writing its KV (after wait_for_layer_load, before save_kv_layer)."""
+    worker.handle_preemptions(metadata)
+    worker.bind_connector_metadata(metadata)
+    worker.start_load_kv(None)
+    if not metadata.idle:
+        for i, (name, cache) in enumerate(worker._kv_caches.items()):
+            worker.wait_for_layer_load(name)
+            if forward is not None:
+                forward(i, name)
+            worker.save_kv_layer(name, cache, None)
+    worker.wait_for_save()
+    sending, recving = worker.get_finished(finished)
+    errors = worker.get_block_ids_with_load_errors()
+    worker_meta = worker.build_connector_worker_meta()
+    worker.clear_connector_metadata()
+    return StepResult(set(sending or ()), set(recving or ()), errors, worker_meta)
+
+
+def run_step(scheduler: Any, worker: Any, step: Step,
+             forward: Callable[[int, str], None] | None = None) -> StepResult:
+    """One engine step: the scheduler's metadata, the worker's step, its output back to the scheduler."""
+    metadata = scheduler.build_connector_meta(step.output())
+    result = run_worker_step(worker, metadata, step.finished, forward)
+    scheduler.update_connector_output(SimpleNamespace(kv_connector_worker_meta=result.worker_meta))
+    return result

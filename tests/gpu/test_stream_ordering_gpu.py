@@ -1,0 +1,86 @@
+"""Stream ordering of the off-critical-path copies on CUDA (skipped elsewhere): the layer-wise loader's per-layer
+scatters on its side stream against the torch path, each layer read on the forward's stream right after
+`wait(layer)` while the side stream is held back by a sleep kernel (a missing wait reads zeros); and a save's
+gather on a side stream ordered after the forward's writes (needs the engine's dependencies, else skipped).
+The CPU variant of the same call sequence is tests/test_connector_harness.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("CUDA is not available", allow_module_level=True)
+
+from kvmesh.services.engine.core.kv_layout import detect_layout  # noqa: E402
+from kvmesh.services.engine.core.layerwise_load import ChunkCopy, LayerwiseLoader  # noqa: E402
+from kvmesh.services.engine.core.paged_copy import scatter  # noqa: E402
+
+DEVICE = torch.device("cuda", torch.cuda.current_device())
+LAYERS, NB, BS, HEADS, D, CHUNK = 4, 32, 16, 2, 64, 32
+SLEEP_CYCLES = 200_000_000  # ~0.1 s on an H100: long enough for the host to run ahead of the side stream
+
+
+def paged() -> tuple[dict[str, torch.Tensor], object]:
+    buffer = torch.zeros(LAYERS, 2, NB, BS, HEADS, D, dtype=torch.bfloat16, device=DEVICE)
+    caches = {f"layer.{i}": buffer[i] for i in range(LAYERS)}
+    return caches, detect_layout(caches, BS, "FLASH_ATTN")
+
+
+def test_each_layer_read_after_its_wait_holds_the_loaded_kv() -> None:
+    caches, layout = paged()
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randperm(NB, generator=gen)[:4]
+    slots = (blocks.repeat_interleave(BS) * BS + torch.arange(BS).repeat(4))
+    chunks = [torch.randn(layout.chunk_shape(CHUNK), generator=gen).to(layout.dtype).pin_memory() for _ in range(2)]
+    copies = [ChunkCopy(chunks[c], slots[c * CHUNK:(c + 1) * CHUNK].to(DEVICE), skip=3 if c == 0 else 0)
+              for c in range(2)]
+    oracle = {name: torch.zeros_like(cache) for name, cache in caches.items()}
+    for c in copies:
+        scatter(c.chunk.to(DEVICE), oracle, layout, c.slots, c.skip)
+    loader = LayerwiseLoader(layout, DEVICE)
+    with torch.cuda.stream(loader.stream):
+        torch.cuda._sleep(SLEEP_CYCLES)  # the side stream's copies start late
+    loader.start(caches, copies, [])
+    seen = {}
+    for name, cache in caches.items():
+        loader.wait(name)
+        seen[name] = cache.clone()  # on the forward's stream, right after the wait
+    loader.finish()
+    torch.cuda.synchronize()
+    for name in caches:
+        assert torch.equal(seen[name], oracle[name]), name
+
+
+def test_a_saves_gather_on_a_side_stream_reads_what_the_forward_wrote() -> None:
+    pytest.importorskip("nats")
+    from kvmesh.services.engine.core.cache_engine import CacheEngine
+    from kvmesh.shared.config import EngineConfig
+    from kvmesh.shared.keys import KeyParams
+
+    caches, layout = paged()
+    engine = CacheEngine(EngineConfig(chunk_size=CHUNK, max_local_cpu_size=0.05), KeyParams("m", ""), layout,
+                         use_mesh=False, device=DEVICE)
+    try:
+        tokens = list(range(2 * CHUNK))
+        spans = engine.hasher.spans(tokens)
+        slots = torch.arange(2 * CHUNK, dtype=torch.int64)  # blocks 0..3
+        torch.cuda._sleep(SLEEP_CYCLES)  # the forward is still running when the save is queued...
+        for cache in caches.values():
+            cache.fill_(1.5)  # ...and writes the KV last
+        side = torch.cuda.Stream(DEVICE)
+        job = engine.gather_chunks(spans, caches, slots, side)
+        assert job is not None
+        engine.admit(job)  # waits for the copy's event
+        for span in spans:
+            ref = engine.cpu.acquire(span.key)
+            assert ref is not None
+            try:
+                assert bool((engine.chunk_view(span, ref) == 1.5).all())
+            finally:
+                ref.release()
+    finally:
+        engine.close()
