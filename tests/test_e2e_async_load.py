@@ -6,7 +6,9 @@ all in the CPU tier and the scheduler answers load_kv_async. What is checked: th
 ("loads asynchronously", the worker's "Loading ... asynchronously" and "Retrieved N tokens" equal to what the
 scheduler promised, no load error), and the output equals a vLLM without the connector. A request that only
 decodes runs meanwhile: the timestamps of its tokens around the load are logged (not asserted: the machine's
-timing is not the test's business), and it must produce every token it was asked for.
+timing is not the test's business), and it must produce every token it was asked for. Then the chunk files go
+from the disk store: a load the scheduler promised fails, the worker reports load errors, and vLLM's recompute
+gives the same output as a vLLM without the connector.
 """
 
 from __future__ import annotations
@@ -116,6 +118,16 @@ def test_a_disk_hit_loads_between_steps_while_another_request_decodes(tmp_path: 
         assert warm["choices"][0]["text"] == ref.complete(first, max_tokens=16)["choices"][0]["text"]
         assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
         assert len(stream.times) == DECODE_TOKENS
+
+        # A load that fails is recomputed: the warm load put the first prompt back in the CPU tier, so the second
+        # prompt's leading chunks are on disk only; their files go (the store still lists them), so the scheduler
+        # promises a load that the store cannot serve. The worker reports load errors, vLLM recomputes them.
+        removed = [path.unlink() for path in disk_dir.rglob("*.kvc")]
+        assert removed
+        broken = server.complete(second, max_tokens=16)
+        assert server.hit_for(broken).load > 0, "the scheduler promised no load: nothing was tried"
+        wait_until(lambda: server.load_errors(broken), WAIT_S, interval=0.2, what="the load errors of the lost chunks")
+        assert broken["choices"][0]["text"] == ref.complete(second, max_tokens=16)["choices"][0]["text"]
 
         # the timeline, for the reader (not asserted)
         events = [(m["when"], m["what"]) for m in KVMESH_TIME.finditer(log)
