@@ -142,6 +142,16 @@ class MeshClient(NatsClient):
             log.warning("%s: dropped a message on %s: the subscription's queue is full (%d dropped so far)",
                         name, error.subject, count)
 
+    async def flush(self, timeout: int = 10) -> None:
+        """Wait until the server has processed everything sent so far, subscriptions just made included.
+
+        nats-py 2.16 writes flush's PING straight to the socket, ahead of the commands still in its pending
+        buffer, so the PONG could come back before the server had seen a SUB sent just before (a store that
+        "served" then answered no-responders to the first request): the buffer is written out first."""
+        if self.is_connected:
+            await asyncio.wait_for(self._flush_pending(force_flush=True), timeout)
+        await super().flush(timeout)
+
     async def close(self) -> None:
         self.closing = True
         await super().close()

@@ -29,6 +29,24 @@ async def test_serve_answers_typed_requests_and_survives_garbage(nc) -> None:
     assert reply.num_tokens == 2
 
 
+async def test_a_flush_right_after_subscribing_means_the_server_has_the_subscriptions(nats_server, nc) -> None:
+    """A request sent once a new connection's subscribe + flush returned finds its responder, every time (nats-py's
+    own flush could let its PING overtake the SUBs still buffered: ~1 in 10 such requests got no responders)."""
+
+    async def answer(msg) -> None:
+        await msg.respond(b"ok")
+
+    for i in range(50):
+        responder = await bus.connect(nats_server.url, f"responder-{i}")
+        try:
+            for op in ("put", "get", "stats"):
+                await responder.subscribe(f"t.flush.{i}.{op}", cb=answer)
+            await responder.flush()
+            assert (await nc.request(f"t.flush.{i}.stats", b"", timeout=WAIT_S)).data == b"ok"
+        finally:
+            await responder.close()
+
+
 async def test_request_without_responder_or_in_time_is_mesh_unavailable(nc) -> None:
     with pytest.raises(MeshUnavailable, match="no responder"):
         await bus.request(nc, "nobody.here", protocol.StatsRequest(), protocol.StatsReply, WAIT_S)
