@@ -379,10 +379,7 @@ class CacheEngine:
             if not on_side:
                 _synchronize(kv_caches)  # GPU copies into pinned memory are asynchronous
         except BaseException:
-            if on_side:
-                _release_after_stream(stream, [slot for _, slot in filled])
-            else:
-                _release_after_copies(kv_caches, [slot for _, slot in filled])
+            _release_after_copies(kv_caches, [slot for _, slot in filled], stream if on_side else None)
             raise
         return StoreJob(filled, write_lower, event) if filled else None
 
@@ -599,26 +596,17 @@ class _Releasable(Protocol):
     def release(self) -> None: ...
 
 
-def _release_after_copies(kv_caches: list[torch.Tensor], held: Sequence[_Releasable]) -> None:
-    """Hand pool slots back only once the copies queued on them are done, on success and on error alike: a
-    gather still queued behind the forward would otherwise write into a slot the mesh has since refilled (a
-    prefetched chunk, later served as valid). If even the wait fails (a broken CUDA context), the slots are
-    leaked, never released under a copy that may still run."""
-    try:
-        _synchronize(kv_caches)
-    except BaseException as exc:
-        log.error("cannot wait for the KV copies of %d pool slots (%s: %s): leaving them allocated", len(held),
-                  type(exc).__name__, exc)
-        return
-    for item in held:
-        item.release()
-
-
-def _release_after_stream(stream: "torch.cuda.Stream | None", held: Sequence[_Releasable]) -> None:
-    """`_release_after_copies` for copies queued on a side stream."""
+def _release_after_copies(kv_caches: list[torch.Tensor], held: Sequence[_Releasable],
+                          stream: "torch.cuda.Stream | None" = None) -> None:
+    """Hand pool slots back only once the copies queued on them (on `stream`, else on the current stream) are
+    done, on success and on error alike: a gather still queued behind the forward would otherwise write into a
+    slot the mesh has since refilled (a prefetched chunk, later served as valid). If even the wait fails (a
+    broken CUDA context), the slots are leaked, never released under a copy that may still run."""
     try:
         if stream is not None:
             stream.synchronize()
+        else:
+            _synchronize(kv_caches)
     except BaseException as exc:
         log.error("cannot wait for the KV copies of %d pool slots (%s: %s): leaving them allocated", len(held),
                   type(exc).__name__, exc)
