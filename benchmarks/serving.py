@@ -19,12 +19,12 @@ the longest prompt + answer), same prompts:
 
   vllm-prefix-cache  vLLM alone, its KV space small (below)
   LMCache            LMCache 0.5.6 in multiprocess mode: `lmcache.v1.multiprocess.server` (L1 CPU cache of
-                     --lmcache-l1-gib) and vLLM's LMCacheMPConnector, small KV space. LMCache may live outside
+                     --lmcache-l1-gb) and vLLM's LMCacheMPConnector, small KV space. LMCache may live outside
                      the venv (--lmcache-site, put on PYTHONPATH for its server and its vLLM only); the peer goes
                      to "not_run" with the reason when it cannot be imported
   kvmesh-cpu         KVMeshConnector on a fresh `kvmesh up` mesh, small KV space, a CPU tier large enough for
-                     the working set (--kvmesh-cpu-gib)
-  kvmesh-disk        the same with a CPU tier too small for it (--kvmesh-disk-cpu-gib, default: a fraction of the
+                     the working set (--kvmesh-cpu-gb)
+  kvmesh-disk        the same with a CPU tier too small for it (--kvmesh-disk-cpu-gb, default: a fraction of the
                      working set, at least the in-flight requests), so the disk store serves (OS page cache not
                      dropped)
   floor              vLLM alone with a KV space large enough for the whole working set: its prefix cache holds
@@ -32,7 +32,8 @@ the longest prompt + answer), same prompts:
 
 vLLM's KV space is set in blocks with `--num-gpu-blocks-override`, which the CPU build honours
 (`may_override_num_blocks` in vllm/v1/core/kv_cache_utils.py caps the block count whatever the memory budget, and
-the KV tensors are allocated for that count). VLLM_CPU_KVCACHE_SPACE cannot do it: it is whole GiB, at least 1,
+the KV tensors are allocated for that count; the server logs "Overriding num_gpu_blocks=... with
+num_gpu_blocks_override=..."). VLLM_CPU_KVCACHE_SPACE cannot do it: it is a whole number of GiB, so at least 1,
 and 1 GiB already holds ~350k tokens of this model, ten times the working set. The small space is
 (--concurrency + 1) requests of the longest prompt (--small-kv-blocks to change it); the floor's is the whole
 working set plus that.
@@ -58,6 +59,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Callable
 
@@ -228,24 +230,24 @@ def serve(setup: Setup, name: str, kv_blocks: int, extra: list[str], env: dict[s
     return {**summarize(samples, walls), "kv_blocks": kv_blocks, "samples": [asdict(s) for s in samples]}
 
 
-def run_kvmesh(setup: Setup, name: str, kv_blocks: int, cpu_gib: float, disk_gib: float, async_loading: bool
+def run_kvmesh(setup: Setup, name: str, kv_blocks: int, cpu_gb: float, disk_gb: float, async_loading: bool
                ) -> dict[str, Any]:
-    mesh = start_mesh(setup.work, disk_gib, name=f"{name}-mesh")
+    mesh = start_mesh(setup.work, disk_gb, name=f"{name}-mesh")
     try:
-        config = mesh.engine_yaml(setup.work / f"{name}.yaml", name, cpu_gib, disk_gib, async_loading)
+        config = mesh.engine_yaml(setup.work / f"{name}.yaml", name, cpu_gb, disk_gb, async_loading)
         result = serve(setup, name, kv_blocks, ["--kv-transfer-config", json.dumps(KVMESH)],
                        {**setup.env, "LMCACHE_CONFIG_FILE": str(config)})
-        return {**result, "cpu_tier_gb": cpu_gib, "disk_gb": disk_gib}
+        return {**result, "cpu_tier_gb": cpu_gb, "disk_gb": disk_gb}
     finally:
         mesh.stop()
 
 
-def run_lmcache(setup: Setup, kv_blocks: int, env: dict[str, str], l1_gib: float) -> dict[str, Any]:
-    lmcache, port = start_lmcache_server(setup.work, env, l1_gib)
+def run_lmcache(setup: Setup, kv_blocks: int, env: dict[str, str], l1_gb: float) -> dict[str, Any]:
+    lmcache, port = start_lmcache_server(setup.work, env, l1_gb)
     try:
         result = serve(setup, "LMCache", kv_blocks,
                        ["--kv-transfer-config", json.dumps(lmcache_connector(port))], env)
-        return {**result, "l1_gib": l1_gib}
+        return {**result, "l1_gb": l1_gb}
     finally:
         lmcache.stop()
 
@@ -335,14 +337,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--small-kv-blocks", type=int,
                         help=f"vLLM's KV space in {BLOCK}-token blocks for all but the floor (default: "
                              "concurrency + 1 requests of the longest prompt)")
-    parser.add_argument("--kvmesh-cpu-gib", type=float, default=2.0, help="kvmesh-cpu's CPU tier, GB")
-    parser.add_argument("--kvmesh-disk-cpu-gib", type=float,
+    parser.add_argument("--kvmesh-cpu-gb", type=float, default=2.0, help="kvmesh-cpu's CPU tier, GB")
+    parser.add_argument("--kvmesh-disk-cpu-gb", type=float,
                         help="kvmesh-disk's CPU tier, GB (default: a quarter of the working set, at least the "
                              "requests in flight)")
-    parser.add_argument("--kvmesh-disk-gib", type=float, default=4.0, help="the disk store's size, GB")
+    parser.add_argument("--kvmesh-disk-gb", type=float, default=4.0, help="the disk store's size, GB")
     parser.add_argument("--kvmesh-async-loading", choices=["true", "false"], default="true",
                         help="KVMesh's enable_async_loading")
-    parser.add_argument("--lmcache-l1-gib", type=float, default=2.0, help="LMCache server's L1 CPU cache, GiB")
+    parser.add_argument("--lmcache-l1-gb", type=float, default=2.0,
+                        help="the LMCache server's L1 CPU cache (its --l1-size-gb)")
     parser.add_argument("--lmcache-site", type=Path, default=LMCACHE_SITE,
                         help="a pip --target directory holding lmcache, put on PYTHONPATH for LMCache only")
     parser.add_argument("--out", type=Path, default=HERE / "results")
@@ -377,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: the small KV space ({small} blocks) holds the working set ({blocks(working)} blocks): "
               "vLLM's prefix cache will not miss", flush=True)
     token_bytes = bytes_per_token(model)
-    disk_cpu_gb = args.kvmesh_disk_cpu_gib or round(max(working * token_bytes / 4,
+    disk_cpu_gb = args.kvmesh_disk_cpu_gb or round(max(working * token_bytes / 4,
                                                         (args.concurrency + 1) * max_len * token_bytes) / GB, 4)
     warmup = [tokenizer.bos_token_id, *encode("[warm-up] "), *corpus[-args.context:]]
 
@@ -394,7 +397,35 @@ def main(argv: list[str] | None = None) -> int:
 
     peers: dict[str, dict[str, Any]] = {}
     not_run: dict[str, str] = {}
-    lmcache_version: str | None = None
+    summary: dict[str, Any] = {
+        "benchmark": "serving",
+        "workload": {**asdict(shape), "concurrency": args.concurrency, "longest_prompt": longest,
+                     "working_set_tokens": working, "working_set_mb": working * token_bytes / 1e6},
+        "peers": peers, "ratios": {}, "not_run": not_run,
+        "model": {"name": "kvmesh demo --bench (Llama, 6 layers, hidden 512, 8 heads, 2 KV heads x 64, bf16)",
+                  "path": str(model), "kv_bytes_per_token": token_bytes},
+        "setup": {"vllm": version("vllm"), "torch": version("torch"), "lmcache": None,
+                  "max_model_len": max_len, "max_num_batched_tokens": max_len, "block_size": BLOCK,
+                  "small_kv_blocks": small, "floor_kv_blocks": floor_blocks, "prefix_caching": True,
+                  "VLLM_CPU_OMP_THREADS_BIND": "0", "chunk_size": CHUNK, "kvmesh_cpu_gb": args.kvmesh_cpu_gb,
+                  "kvmesh_disk_cpu_gb": disk_cpu_gb, "kvmesh_async_loading": args.kvmesh_async_loading,
+                  "lmcache_l1_gb": args.lmcache_l1_gb, "disk_page_cache": "not dropped"},
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
+                    "load_average_start": load_start},
+        "command": " ".join([sys.executable, *sys.argv]), "logs": str(work / "logs"),
+    }
+
+    def save() -> None:
+        """serving.json as it stands: written after every peer, so a run cut short keeps what it measured."""
+        floor_texts = {(s["round"], s["user"]): s["text"] for s in peers.get("floor", {}).get("samples", [])}
+        for result in peers.values():  # a hint, not a check: bf16 sums in another order may flip a greedy token
+            result["answers_equal_to_floor"] = sum(floor_texts.get((s["round"], s["user"])) == s["text"]
+                                                   for s in result["samples"]) if floor_texts else None
+        summary["ratios"] = ratios(peers)
+        summary["machine"]["load_average_end"] = os.getloadavg()
+        summary["wall_s"] = round(time.time() - started, 1)
+        (args.out / "serving.json").write_text(json.dumps(summary, indent=2) + "\n")
+
     for name in PEERS:
         if name not in args.peers:
             continue
@@ -408,52 +439,29 @@ def main(argv: list[str] | None = None) -> int:
                     not_run[name] = found
                     print(f"  not run: {found}", flush=True)
                     continue
-                lmcache_version = found
-                peers[name] = run_lmcache(setup, small, lm_env, args.lmcache_l1_gib)
+                summary["setup"]["lmcache"] = found
+                peers[name] = run_lmcache(setup, small, lm_env, args.lmcache_l1_gb)
             elif name == "kvmesh-cpu":
-                peers[name] = run_kvmesh(setup, name, small, args.kvmesh_cpu_gib, args.kvmesh_disk_gib,
+                peers[name] = run_kvmesh(setup, name, small, args.kvmesh_cpu_gb, args.kvmesh_disk_gb,
                                          args.kvmesh_async_loading == "true")
             elif name == "kvmesh-disk":
-                peers[name] = run_kvmesh(setup, name, small, disk_cpu_gb, args.kvmesh_disk_gib,
+                peers[name] = run_kvmesh(setup, name, small, disk_cpu_gb, args.kvmesh_disk_gb,
                                          args.kvmesh_async_loading == "true")
             else:
                 peers[name] = serve(setup, name, floor_blocks, [])
         except (Exception, SystemExit) as error:  # one peer failing must not lose the others' figures
             not_run[name] = f"failed: {error}"
             print(f"  {name} failed: {error}", flush=True)
+        save()
 
-    floor_texts = {(s["round"], s["user"]): s["text"] for s in peers.get("floor", {}).get("samples", [])}
-    for result in peers.values():  # a hint, not a check: bf16 sums in another order may flip a greedy token
-        result["answers_equal_to_floor"] = sum(floor_texts.get((s["round"], s["user"])) == s["text"]
-                                               for s in result["samples"]) if floor_texts else None
-
-    import torch
-    import vllm
-
-    summary = {
-        "benchmark": "serving",
-        "workload": {**asdict(shape), "concurrency": args.concurrency, "longest_prompt": longest,
-                     "working_set_tokens": working, "working_set_mb": working * token_bytes / 1e6},
-        "peers": peers, "ratios": ratios(peers), "not_run": not_run,
-        "model": {"name": "kvmesh demo --bench (Llama, 6 layers, hidden 512, 8 heads, 2 KV heads x 64, bf16)",
-                  "path": str(model), "kv_bytes_per_token": token_bytes},
-        "setup": {"vllm": vllm.__version__, "torch": torch.__version__, "lmcache": lmcache_version,
-                  "max_model_len": max_len, "max_num_batched_tokens": max_len, "block_size": BLOCK,
-                  "small_kv_blocks": small, "floor_kv_blocks": floor_blocks, "prefix_caching": True,
-                  "VLLM_CPU_OMP_THREADS_BIND": "0", "chunk_size": CHUNK, "kvmesh_cpu_gb": args.kvmesh_cpu_gib,
-                  "kvmesh_disk_cpu_gb": disk_cpu_gb, "kvmesh_async_loading": args.kvmesh_async_loading,
-                  "lmcache_l1_gib": args.lmcache_l1_gib, "disk_page_cache": "not dropped"},
-        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
-                    "load_average_start": load_start, "load_average_end": os.getloadavg()},
-        "command": " ".join([sys.executable, *sys.argv]), "wall_s": round(time.time() - started, 1),
-        "logs": str(work / "logs"),
-    }
-    (args.out / "serving.json").write_text(json.dumps(summary, indent=2) + "\n")
+    save()
     if plot(summary, args.out / "serving.png"):
         print(f"plot: {args.out / 'serving.png'}")
     print(table(peers))
-    print(json.dumps({"ratios": summary["ratios"], "not_run": not_run,
-                      "load_average": [load_start, summary["machine"]["load_average_end"]]}, indent=2))
+    loads = [summary["machine"][k] for k in ("load_average_start", "load_average_end")]
+    print(json.dumps({"ratios": summary["ratios"], "not_run": not_run}, indent=2))
+    print("load average (1/5/15 min) at start {:.1f}/{:.1f}/{:.1f}, at end {:.1f}/{:.1f}/{:.1f}".format(*loads[0],
+                                                                                                     *loads[1]))
     return 0
 
 

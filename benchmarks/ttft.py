@@ -110,10 +110,10 @@ def run_kvmesh(model: Path, work: Path, sizes: list[int], prompts: Prompts, env:
     """KVMesh: CPU-tier warm, then disk warm after clearing the CPU tier through the controller."""
     import httpx
 
-    mesh = start_mesh(work, disk_gib=8)
+    mesh = start_mesh(work, disk_gb=8)
     controller = mesh.controller
     instance = "bench"
-    config = mesh.engine_yaml(work / "kvmesh.yaml", instance, cpu_gib=2, disk_gib=8, async_loading=async_loading)
+    config = mesh.engine_yaml(work / "kvmesh.yaml", instance, cpu_gb=2, disk_gb=8, async_loading=async_loading)
     server = None
     try:
         server = Server("kvmesh", model, free_port(), work / "logs", max_len,
@@ -162,7 +162,7 @@ def run_kvmesh(model: Path, work: Path, sizes: list[int], prompts: Prompts, env:
 def run_lmcache(model: Path, work: Path, sizes: list[int], prompts: Prompts, env: dict[str, str], max_len: int,
                 cold_repeats: int, warm_repeats: int) -> dict[str, Any]:
     """LMCache's multiprocess server (CPU L1) + vLLM's LMCacheMPConnector."""
-    server_proc, port = start_lmcache_server(work, env, l1_gib=2)
+    server_proc, port = start_lmcache_server(work, env, l1_gb=2)
     config = lmcache_connector(port)
     server = None
     try:

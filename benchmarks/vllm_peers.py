@@ -142,12 +142,12 @@ def lmcache_env(env: dict[str, str], site: Path | None = LMCACHE_SITE) -> tuple[
     return out, check.stdout.strip()
 
 
-def start_lmcache_server(work: Path, env: dict[str, str], l1_gib: float) -> tuple[Child, int]:
+def start_lmcache_server(work: Path, env: dict[str, str], l1_gb: float) -> tuple[Child, int]:
     """LMCache's multiprocess server (CPU L1, LRU) on the side cores, ready; (child, port)."""
     port = free_port()
     child = Child("lmcache-server", ["taskset", "-c", side_cores(), sys.executable, "-m",
                                      "lmcache.v1.multiprocess.server", "--port", str(port), "--chunk-size",
-                                     str(CHUNK), "--l1-size-gb", str(l1_gib), "--eviction-policy", "LRU",
+                                     str(CHUNK), "--l1-size-gb", str(l1_gb), "--eviction-policy", "LRU",
                                      "--disable-observability", "--disable-metrics",
                                      "--supported-transfer-mode", "auto"],
                   work / "logs" / "lmcache-server.log", env=env)
@@ -174,11 +174,11 @@ class Mesh:
     controller: str  # http://127.0.0.1:PORT
     disk_dir: Path
 
-    def engine_yaml(self, path: Path, instance: str, cpu_gib: float, disk_gib: float, async_loading: bool) -> Path:
+    def engine_yaml(self, path: Path, instance: str, cpu_gb: float, disk_gb: float, async_loading: bool) -> Path:
         """An LMCache-style config file for one vLLM's KVMeshConnector on this mesh."""
         path.write_text(
-            f"chunk_size: {CHUNK}\nlocal_cpu: true\nmax_local_cpu_size: {cpu_gib}\n"
-            f'local_disk: "file://{self.disk_dir}"\nmax_local_disk_size: {disk_gib}\n'
+            f"chunk_size: {CHUNK}\nlocal_cpu: true\nmax_local_cpu_size: {cpu_gb}\n"
+            f'local_disk: "file://{self.disk_dir}"\nmax_local_disk_size: {disk_gb}\n'
             f'enable_controller: true\nlmcache_instance_id: "{instance}"\n'
             f'controller_url: "127.0.0.1:{self.nats_port}"\nenable_async_loading: {str(async_loading).lower()}\n')
         return path
@@ -187,12 +187,12 @@ class Mesh:
         self.child.stop()
 
 
-def start_mesh(work: Path, disk_gib: float, name: str = "kvmesh-up") -> Mesh:
+def start_mesh(work: Path, disk_gb: float, name: str = "kvmesh-up") -> Mesh:
     nats_port, controller_port = free_port(), free_port()
     disk_dir = work / f"{name}-disk"
     child = Child(name, ["taskset", "-c", side_cores(), sys.executable, "-m", "kvmesh.cli", "up",
                          "--nats-port", str(nats_port), "--port", str(controller_port), "--host", "127.0.0.1",
-                         "--disk-dir", str(disk_dir), "--disk-size", str(disk_gib), "--no-remote",
+                         "--disk-dir", str(disk_dir), "--disk-size", str(disk_gb), "--no-remote",
                          "--log-dir", str(work / "logs" / name)], work / "logs" / f"{name}.log")
     mesh = Mesh(child, nats_port, f"http://127.0.0.1:{controller_port}", disk_dir)
     try:
