@@ -72,6 +72,10 @@ from vllm_peers import (CHUNK, KVMESH, LMCACHE_SITE, Completion, Server, cpu_nam
 PEERS = ["vllm-prefix-cache", "LMCache", "kvmesh-cpu", "kvmesh-disk", "floor"]
 BLOCK = 128  # vLLM CPU's default block size, passed explicitly so the KV space in blocks means the same tokens
 GB = 1_000_000_000  # KVMesh's sizes are in GB (shared/config.py)
+# counters read from each vLLM's /metrics around the rounds: where its prompt tokens came from, preemptions, and
+# KVMesh's own (LMCache's names: disk reads, failed loads)
+COUNTERS = ("vllm:prefix_cache_", "vllm:external_prefix_cache_", "vllm:num_preemptions", "vllm:prompt_tokens",
+            "lmcache:")
 
 
 # ---- the workload -----------------------------------------------------------------------------------------
@@ -224,10 +228,25 @@ def serve(setup: Setup, name: str, kv_blocks: int, extra: list[str], env: dict[s
     try:
         for _ in range(2):
             server.complete(setup.warmup, 2)
+        before = server.counters(COUNTERS)
         samples, walls = run_rounds(server, setup.prompts, setup.answer, setup.concurrency)
+        after = server.counters(COUNTERS)
     finally:
         server.stop()
-    return {**summarize(samples, walls), "kv_blocks": kv_blocks, "samples": [asdict(s) for s in samples]}
+    counted = {name: after[name] - before.get(name, 0.0) for name in sorted(after)}
+    return {**summarize(samples, walls), **hit_rates(counted), "kv_blocks": kv_blocks, "counters": counted,
+            "samples": [asdict(s) for s in samples]}
+
+
+def hit_rates(counted: dict[str, float]) -> dict[str, float | None]:
+    """Where the prompt tokens of the rounds came from, by vLLM's own counters: its prefix cache, or a connector
+    (outside vLLM); None where the server did not count it."""
+    queries = counted.get("vllm:prefix_cache_queries_total")
+    inside = counted.get("vllm:prefix_cache_hits_total")
+    outside = counted.get("vllm:external_prefix_cache_hits_total")
+    external_queries = counted.get("vllm:external_prefix_cache_queries_total")
+    return {"vllm_prefix_cache_hit_rate": inside / queries if queries and inside is not None else None,
+            "connector_hit_rate": outside / external_queries if external_queries and outside is not None else None}
 
 
 def run_kvmesh(setup: Setup, name: str, kv_blocks: int, cpu_gb: float, disk_gb: float, async_loading: bool
@@ -270,15 +289,20 @@ def ratios(peers: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def share(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate:.0%}"
+
+
 def table(peers: dict[str, dict[str, Any]]) -> str:
     head = (f"{'peer':<18} {'TTFT p50':>9} {'p90':>7} {'p99':>7} {'e2e p50':>8} {'p90':>7} {'req/s':>6} "
-            f"{'tok/s':>7}  round wall (s)")
+            f"{'tok/s':>7} {'vLLM hit':>8} {'conn hit':>8}  round wall (s)")
     lines = [head, "-" * len(head)]
     for name, r in peers.items():
         walls = " ".join(f"{w:.2f}" for w in r["round_wall_s"])
         lines.append(f"{name:<18} {r['ttft_p50_s']:9.3f} {r['ttft_p90_s']:7.3f} {r['ttft_p99_s']:7.3f} "
                      f"{r['e2e_p50_s']:8.3f} {r['e2e_p90_s']:7.3f} {r['requests_per_s']:6.2f} "
-                     f"{r['generated_tokens_per_s']:7.1f}  {walls}")
+                     f"{r['generated_tokens_per_s']:7.1f} {share(r.get('vllm_prefix_cache_hit_rate')):>8} "
+                     f"{share(r.get('connector_hit_rate')):>8}  {walls}")
     return "\n".join(lines)
 
 

@@ -75,6 +75,18 @@ class Server:
         ended = time.perf_counter()
         return Completion((first or ended) - started, ended - started, "".join(pieces), tokens)
 
+    def counters(self, prefixes: tuple[str, ...]) -> dict[str, float]:
+        """vLLM's Prometheus counters (`*_total`) whose names start with one of `prefixes`, summed over labels."""
+        import httpx
+
+        totals: dict[str, float] = {}
+        for line in httpx.get(f"{self.url}/metrics", timeout=60).text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if line.startswith("#") or not name.endswith("_total") or not name.startswith(prefixes):
+                continue
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return totals
+
     def stream(self, prompt: list[int], max_tokens: int = 8) -> tuple[float, str]:
         """(TTFT in seconds, generated text) of one greedy streaming completion."""
         done = self.complete(prompt, max_tokens)
