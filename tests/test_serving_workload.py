@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from serving import (Sample, Shape, build_prompts, percentile, ratios, summarize,  # noqa: E402
+from serving import (Sample, Shape, build_prompts, hit_rates, percentile, ratios, summarize,  # noqa: E402
                      working_set_tokens)
 
 CORPUS = list(range(1000, 1300))  # shorter than the run needs: pieces wrap around it
@@ -84,3 +84,14 @@ def test_summary_rates_are_over_the_rounds_wall_time() -> None:
     assert out["kvmesh-cpu_p50_ttft_over_LMCache"] == pytest.approx(0.5)
     assert out["kvmesh-cpu_round_wall_over_floor"] == [1.5, 0.5]
     assert "kvmesh-disk_p50_ttft_over_LMCache" not in out
+
+
+def test_hit_rates_say_where_prompt_tokens_came_from() -> None:
+    counted = {"vllm:prefix_cache_queries_total": 4000.0, "vllm:prefix_cache_hits_total": 1000.0,
+               "vllm:external_prefix_cache_queries_total": 3000.0, "vllm:external_prefix_cache_hits_total": 2400.0}
+    assert hit_rates(counted) == {"vllm_prefix_cache_hit_rate": 0.25, "connector_hit_rate": 0.8}
+    # vLLM alone counts no connector queries: no rate rather than a division by zero
+    alone = {"vllm:prefix_cache_queries_total": 4000.0, "vllm:prefix_cache_hits_total": 0.0,
+             "vllm:external_prefix_cache_queries_total": 0.0, "vllm:external_prefix_cache_hits_total": 0.0}
+    assert hit_rates(alone) == {"vllm_prefix_cache_hit_rate": 0.0, "connector_hit_rate": None}
+    assert hit_rates({}) == {"vllm_prefix_cache_hit_rate": None, "connector_hit_rate": None}
