@@ -2,7 +2,7 @@
 """Multi-user, multi-round serving: KVMesh next to vLLM's prefix cache and LMCache when vLLM's own KV space is
 smaller than the working set, so reuse has to come from outside vLLM (issue 16, "The benchmark").
 
-    python benchmarks/serving.py [--users 8] [--rounds 3] [--concurrency 2] [--context 3072] [--peers ...]
+    python benchmarks/serving.py [--users 6] [--rounds 3] [--concurrency 2] [--context 2048] [--peers ...]
                                  [--out benchmarks/results]
 
 The workload: U users, each with a document of --context tokens behind one shared system prompt, ask R
@@ -348,11 +348,11 @@ def bytes_per_token(model: Path) -> int:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--users", type=int, default=8)
+    parser.add_argument("--users", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=2, help="requests in flight at most")
     parser.add_argument("--system", type=int, default=512, help="shared system prompt, tokens")
-    parser.add_argument("--context", type=int, default=3072, help="each user's document, tokens")
+    parser.add_argument("--context", type=int, default=2048, help="each user's document, tokens")
     parser.add_argument("--question", type=int, default=64, help="each question, tokens")
     parser.add_argument("--answer", type=int, default=16, help="generated tokens per request")
     parser.add_argument("--peers", nargs="+", default=PEERS, choices=PEERS)
