@@ -222,9 +222,9 @@ def serve(setup: Setup, name: str, kv_blocks: int, extra: list[str], env: dict[s
     """Start one vLLM for a peer, warm it up, run the rounds, stop it."""
     args = ["--enable-prefix-caching", "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(kv_blocks),
             *extra]
-    server = Server(name, setup.model, free_port(), setup.work / "logs", setup.max_len, args,
-                    env or setup.env).ready()
+    server = Server(name, setup.model, free_port(), setup.work / "logs", setup.max_len, args, env or setup.env)
     try:
+        server.ready()  # inside the try: a server that never comes up is stopped too
         for _ in range(2):
             server.complete(setup.warmup, 2)
         before = server.counters(COUNTERS)
