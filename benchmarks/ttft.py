@@ -16,7 +16,8 @@ longest prompt so every prompt is one prefill step, which ExampleConnector needs
   LMCache            LMCache 0.5.6 in multiprocess mode (its CPU path): `lmcache.v1.multiprocess.server` (L1 CPU
                      cache, pinned next to the mesh) and vLLM's LMCacheMPConnector; skipped (listed under
                      "not_run") when lmcache is not installed (pip install --no-deps lmcache sortedcontainers
-                     aiofile caio aiofiles)
+                     aiofile caio aiofiles; or with pip --target into /work/lmcache-site, put on PYTHONPATH for
+                     the LMCache server and its vLLM only)
 
 Compute is pinned: vLLM's OpenMP threads on core 0 (VLLM_CPU_OMP_THREADS_BIND=0), this client and the mesh
 services (`kvmesh up`: NATS, controller, disk store) on the other cores. Each cold sample uses a fresh prompt (a
@@ -32,73 +33,20 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(REPO / "scripts"))
 
-from demo import Child, wait_http  # noqa: E402
+from vllm_peers import (CHUNK, KVMESH, Server, cpu_name, free_port, lmcache_connector, lmcache_env,  # noqa: E402
+                        pin_to, start_lmcache_server, start_mesh)
 from make_demo_model import ensure_model, long_text  # noqa: E402
 from kvmesh.shared.config import EngineConfig  # noqa: E402
 
 PEERS = ["no-connector", "vllm-prefix-cache", "ExampleConnector", "LMCache", "kvmesh"]
-KVMESH = {"kv_connector": "KVMeshConnector", "kv_connector_module_path": "kvmesh.services.engine.connector",
-          "kv_role": "kv_both"}
-CHUNK = 256
-
-
-class Server:
-    """One vLLM OpenAI server for one peer."""
-
-    def __init__(self, name: str, model: Path, port: int, log_dir: Path, max_len: int, args: list[str],
-                 env: dict[str, str]) -> None:
-        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port",
-                str(port), "--host", "127.0.0.1", "--max-model-len", str(max_len), "--max-num-batched-tokens",
-                str(max_len), *args]
-        self.name = name
-        self.model = str(model)
-        self.url = f"http://127.0.0.1:{port}"
-        self.child = Child(name, argv, log_dir / f"{name}.log", env=env)
-
-    def ready(self) -> "Server":
-        wait_http(self.child, f"{self.url}/v1/models", 900, self.name)
-        return self
-
-    def stream(self, prompt: list[int], max_tokens: int = 8) -> tuple[float, str]:
-        """(TTFT in seconds, generated text) of one greedy streaming completion."""
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "ignore_eos": True}
-        started = time.perf_counter()
-        first = None
-        pieces = []
-        for event in completion_events(self.url, body, self.name):
-            if not event.get("choices"):
-                continue
-            if first is None:
-                first = time.perf_counter()
-            pieces.append(event["choices"][0].get("text") or "")
-        return (first or time.perf_counter()) - started, "".join(pieces)
-
-    def stop(self) -> None:
-        self.child.stop(60)
-
-
-def completion_events(url: str, body: dict[str, Any], name: str = "vLLM") -> Iterator[dict[str, Any]]:
-    """The server-sent events of one streaming `/v1/completions` request, decoded, as they arrive."""
-    import httpx
-
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{name}: HTTP {response.status_code}: {response.read()[:500]!r}")
-        for line in response.iter_lines():
-            if line.startswith("data:") and line.strip() != "data: [DONE]":
-                yield json.loads(line[5:])
 
 
 class Prompts:
@@ -120,21 +68,6 @@ class Prompts:
         while len(body) < need:
             body = body + self.body
         return ids + body[:need]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def pin_to(cores: set[int]) -> None:
-    try:
-        os.sched_setaffinity(0, cores)
-    except (AttributeError, OSError):
-        pass
 
 
 def measure(server: Server, prompts: Prompts, sizes: list[int], cold_repeats: int, warm_repeats: int,
@@ -177,25 +110,15 @@ def run_kvmesh(model: Path, work: Path, sizes: list[int], prompts: Prompts, env:
     """KVMesh: CPU-tier warm, then disk warm after clearing the CPU tier through the controller."""
     import httpx
 
-    nats_port, controller_port = free_port(), free_port()
-    controller = f"http://127.0.0.1:{controller_port}"
-    mesh_cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0) - {0})) or "0"
-    mesh = Child("kvmesh-up", ["taskset", "-c", mesh_cores, sys.executable, "-m", "kvmesh.cli", "up",
-                               "--nats-port", str(nats_port), "--port", str(controller_port), "--host", "127.0.0.1",
-                               "--disk-dir", str(work / "kvmesh-disk"), "--disk-size", "8", "--no-remote",
-                               "--log-dir", str(work / "logs")], work / "logs" / "kvmesh-up.log")
+    mesh = start_mesh(work, disk_gb=8)
+    controller = mesh.controller
     instance = "bench"
-    (work / "kvmesh.yaml").write_text(
-        "chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 2\n"
-        f'local_disk: "file://{work / "kvmesh-disk"}"\nmax_local_disk_size: 8\n'
-        f'enable_controller: true\nlmcache_instance_id: "{instance}"\ncontroller_url: "127.0.0.1:{nats_port}"\n'
-        f'enable_async_loading: {str(async_loading).lower()}\n')
+    config = mesh.engine_yaml(work / "kvmesh.yaml", instance, cpu_gb=2, disk_gb=8, async_loading=async_loading)
     server = None
     try:
-        wait_http(mesh, f"{controller}/healthz", 60, "kvmesh up")
         server = Server("kvmesh", model, free_port(), work / "logs", max_len,
                         ["--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(KVMESH)],
-                        {**env, "LMCACHE_CONFIG_FILE": str(work / "kvmesh.yaml")}).ready()
+                        {**env, "LMCACHE_CONFIG_FILE": str(config)}).ready()
         warm_up(server, prompts, max_len)
 
         def lookup(prompt: list[int]) -> list[Any] | None:
@@ -239,23 +162,10 @@ def run_kvmesh(model: Path, work: Path, sizes: list[int], prompts: Prompts, env:
 def run_lmcache(model: Path, work: Path, sizes: list[int], prompts: Prompts, env: dict[str, str], max_len: int,
                 cold_repeats: int, warm_repeats: int) -> dict[str, Any]:
     """LMCache's multiprocess server (CPU L1) + vLLM's LMCacheMPConnector."""
-    port = free_port()
-    side_cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0) - {0})) or "0"
-    server_proc = Child("lmcache-server", ["taskset", "-c", side_cores, sys.executable, "-m",
-                                           "lmcache.v1.multiprocess.server", "--port", str(port), "--chunk-size",
-                                           str(CHUNK), "--l1-size-gb", "2", "--eviction-policy", "LRU",
-                                           "--disable-observability", "--disable-metrics",
-                                           "--supported-transfer-mode", "auto"],
-                        work / "logs" / "lmcache-server.log", env=env)
-    config = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-              "kv_connector_extra_config": {"lmcache.mp.port": port}}
+    server_proc, port = start_lmcache_server(work, env, l1_gb=2)
+    config = lmcache_connector(port)
     server = None
     try:
-        deadline = time.monotonic() + 60
-        while "cache server is running" not in server_proc.log.read_text(errors="replace"):
-            if not server_proc.alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"LMCache server did not start:\n{server_proc.tail()}")
-            time.sleep(0.5)
         server = Server("LMCache", model, free_port(), work / "logs", max_len,
                         ["--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(config)], env).ready()
         warm_up(server, prompts, max_len)
@@ -294,16 +204,6 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,15 +253,15 @@ def main(argv: list[str] | None = None) -> int:
         peers["ExampleConnector"] = simple("ExampleConnector", ["--no-enable-prefix-caching",
                                                                 "--kv-transfer-config", json.dumps(config)])
     not_run: dict[str, str] = {}
+    lmcache_version: str | None = None
     if "LMCache" in args.peers:
-        import importlib.util
-
-        if importlib.util.find_spec("lmcache") is None:
-            not_run["LMCache"] = "lmcache is not installed (pip install --no-deps lmcache sortedcontainers aiofile " \
-                                 "caio aiofiles)"
+        lm_env, lmcache_version = lmcache_env(env)
+        if lm_env is None:
+            not_run["LMCache"] = lmcache_version
+            lmcache_version = None
         else:
             print("== LMCache", flush=True)
-            peers["LMCache"] = run_lmcache(model, work, args.sizes, prompts, env, max_len, args.cold_repeats,
+            peers["LMCache"] = run_lmcache(model, work, args.sizes, prompts, lm_env, max_len, args.cold_repeats,
                                            args.warm_repeats)
     if "kvmesh" in args.peers:
         print("== kvmesh", flush=True)
@@ -385,15 +285,8 @@ def main(argv: list[str] | None = None) -> int:
             if not name.startswith("kvmesh") and ours:
                 row[f"kvmesh_cpu_warm_over_{name}_warm"] = ours["warm_median_s"] / result[size]["warm_median_s"]
         ratios[size] = row
-    import importlib.metadata
-
     import torch
     import vllm
-
-    try:
-        lmcache_version = importlib.metadata.version("lmcache")
-    except importlib.metadata.PackageNotFoundError:
-        lmcache_version = None
 
     summary = {
         "benchmark": "ttft", "sizes": args.sizes, "peers": peers, "ratios": ratios,
