@@ -3,7 +3,7 @@
 smaller than the working set, so reuse has to come from outside vLLM (issue 16, "The benchmark").
 
     python benchmarks/serving.py [--users 6] [--rounds 3] [--concurrency 2] [--context 2048] [--peers ...]
-                                 [--out benchmarks/results]
+                                 [--dtype auto|float32|...] [--out benchmarks/results]
 
 The workload: U users, each with a document of --context tokens behind one shared system prompt, ask R
 questions in turn. Round r sends every user's prompt "system + document + (question, answer) x (r-1) + question
@@ -215,12 +215,14 @@ class Setup:
     warmup: list[int]
     answer: int
     concurrency: int
+    dtype: str
 
 
 def serve(setup: Setup, name: str, kv_blocks: int, extra: list[str], env: dict[str, str] | None = None
           ) -> dict[str, Any]:
     """Start one vLLM for a peer, warm it up, run the rounds, stop it."""
-    args = ["--enable-prefix-caching", "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(kv_blocks),
+    args = ["--dtype", setup.dtype, "--enable-prefix-caching", "--block-size", str(BLOCK),
+            "--num-gpu-blocks-override", str(kv_blocks),
             *extra]
     server = Server(name, setup.model, free_port(), setup.work / "logs", setup.max_len, args, env or setup.env)
     try:
@@ -338,11 +340,12 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def bytes_per_token(model: Path) -> int:
-    """KV bytes one token takes in this model (all layers, K and V), from its config.json."""
+def bytes_per_token(model: Path, dtype: str = "auto") -> int:
+    """KV bytes one token takes in this model (all layers, K and V) served in `dtype` ("auto": its config's)."""
     config = json.loads((model / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    width = {"bfloat16": 2, "float16": 2, "float32": 4}[config.get("dtype") or config.get("torch_dtype")]
+    served = config.get("dtype") or config.get("torch_dtype") if dtype == "auto" else dtype
+    width = {"bfloat16": 2, "float16": 2, "float32": 4}[served]
     return config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * width
 
 
@@ -357,6 +360,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--answer", type=int, default=16, help="generated tokens per request")
     parser.add_argument("--peers", nargs="+", default=PEERS, choices=PEERS)
     parser.add_argument("--model", type=Path, help="model dir (default: build the --bench demo model)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                        help="vLLM's --dtype for every peer (float32 on a CPU without AVX-512, where bf16 "
+                             "prefill is ~10x slower)")
     parser.add_argument("--small-kv-blocks", type=int,
                         help=f"vLLM's KV space in {BLOCK}-token blocks for all but the floor (default: "
                              "concurrency + 1 requests of the longest prompt)")
@@ -402,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     if small >= blocks(working):
         print(f"warning: the small KV space ({small} blocks) holds the working set ({blocks(working)} blocks): "
               "vLLM's prefix cache will not miss", flush=True)
-    token_bytes = bytes_per_token(model)
+    token_bytes = bytes_per_token(model, args.dtype)
     disk_cpu_gb = args.kvmesh_disk_cpu_gb or round(max(working * token_bytes / 4,
                                                         (args.concurrency + 1) * max_len * token_bytes) / GB, 4)
     warmup = [tokenizer.bos_token_id, *encode("[warm-up] "), *corpus[-args.context:]]
@@ -412,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     pin_to((os.sched_getaffinity(0) - {0}) or {0})
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
     env.update(VLLM_CPU_OMP_THREADS_BIND="0", VLLM_CPU_KVCACHE_SPACE="1")  # the block override sizes the KV space
-    setup = Setup(model, work, env, max_len, prompts, warmup, args.answer, args.concurrency)
+    setup = Setup(model, work, env, max_len, prompts, warmup, args.answer, args.concurrency, args.dtype)
     print(f"workload: {args.users} users x {args.rounds} rounds, prompts up to {longest} tokens, working set "
           f"{working} tokens ({blocks(working)} blocks, {working * token_bytes / 1e6:.0f} MB of KV); vLLM KV space "
           f"{small} blocks (floor {floor_blocks}); kvmesh-disk CPU tier {disk_cpu_gb} GB; logs {work / 'logs'}",
@@ -431,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": {"name": "kvmesh demo --bench (Llama, 6 layers, hidden 512, 8 heads, 2 KV heads x 64, bf16)",
                   "path": str(model), "kv_bytes_per_token": token_bytes},
         "setup": {"vllm": vllm.__version__, "torch": torch.__version__, "lmcache": None,
-                  "max_model_len": max_len, "max_num_batched_tokens": max_len, "block_size": BLOCK,
+                  "dtype": args.dtype, "max_model_len": max_len, "max_num_batched_tokens": max_len, "block_size": BLOCK,
                   "small_kv_blocks": small, "floor_kv_blocks": floor_blocks, "prefix_caching": True,
                   "VLLM_CPU_OMP_THREADS_BIND": "0", "chunk_size": CHUNK, "kvmesh_cpu_gb": args.kvmesh_cpu_gb,
                   "kvmesh_disk_cpu_gb": disk_cpu_gb, "kvmesh_async_loading": args.kvmesh_async_loading,
