@@ -120,5 +120,6 @@ def run_step(scheduler: Any, worker: Any, step: Step,
     """One engine step: the scheduler's metadata, the worker's step, its output back to the scheduler."""
     metadata = scheduler.build_connector_meta(step.output())
     result = run_worker_step(worker, metadata, step.finished, forward)
-    scheduler.update_connector_output(SimpleNamespace(kv_connector_worker_meta=result.worker_meta))
+    scheduler.update_connector_output(SimpleNamespace(kv_connector_worker_meta=result.worker_meta,
+                                                      invalid_block_ids=set(result.load_errors)))
     return result

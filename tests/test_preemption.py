@@ -10,6 +10,7 @@ reports it once in finished_sending; on CPU nothing is held."""
 from __future__ import annotations
 
 import zlib
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 import pytest
@@ -183,5 +184,32 @@ def test_a_request_that_waits_for_an_async_load_is_not_held_for_its_earlier_save
         tracker.num_to_load, tracker.load_async = 2 * CHUNK - 1, True  # resumed with a load from the disk
         sched.update_state_after_alloc(req, blocks([1, 2, 3, 4]), 2 * CHUNK - 1)
         assert sched.request_finished(req, [1, 2, 3, 4]) == (False, None)
+    finally:
+        sched._lookup.close()
+
+
+def test_a_request_whose_load_failed_is_offered_no_more_loads(engine: tuple[CacheEngine, PagedKV]) -> None:
+    # vLLM sends an async-loading request whose load failed back to waiting and looks it up again: promising
+    # the same chunks again (a lower tier may still list what it cannot serve) would fail again, for ever
+    worker, kv = engine
+    sched = scheduler_half(worker.config, BLOCK, saves_off_forward=False)
+    work = worker_half(worker, kv.caches, BLOCK, saves_off_forward=False)
+    forward = Forward(kv)
+    try:
+        tokens = random_tokens(2 * CHUNK + 1, seed=8).tolist()
+        stored, stored_blocks = request("a", tokens), [1, 2, 3, 4, 5]
+        assert sched.get_num_new_matched_tokens(stored, 0) == (0, False)
+        sched.update_state_after_alloc(stored, blocks(stored_blocks), 0)
+        forward.compute("a", stored_blocks, 0, 5)
+        run_step(sched, work, Step(new=[("a", stored_blocks, 0, len(tokens))]), forward)
+
+        again, again_blocks = request("b", tokens), [10, 11, 12, 13, 14]
+        assert sched.get_num_new_matched_tokens(again, 0) == (2 * CHUNK, False)
+        sched.update_state_after_alloc(again, blocks(again_blocks), 2 * CHUNK)
+        run_step(sched, work, Step(new=[("b", again_blocks, 2 * CHUNK, 1)]))
+        # had its load failed, the workers would have reported its blocks: vLLM reschedules it and asks again
+        sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=None, invalid_block_ids={11}))
+        assert sched.get_num_new_matched_tokens(again, 0) == (0, False)  # recomputed, not promised again
+        assert sched.get_num_new_matched_tokens(request("c", tokens), 0) == (2 * CHUNK, False)  # others still load
     finally:
         sched._lookup.close()

@@ -379,7 +379,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         total = request.num_tokens
         tracker = self._track(request, num_computed_tokens)
         hasher = self._lookup.hasher()
-        if not self.can_load or hasher is None or total == 0 or not tracker.cacheable:
+        if not self.can_load or hasher is None or total == 0 or not tracker.cacheable or tracker.load_failed:
             return 0, False
         started = time.perf_counter()
         chain_keys = self._chain_keys(tracker, hasher, total)  # hashed once per request
@@ -501,6 +501,16 @@ class KVMeshConnector(KVConnectorBase_V1):
         return tracker.chain_keys(hasher, end, note)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        # A failed load sends an async-loading request back to waiting, and vLLM looks it up again: its lookup
+        # would promise the same chunks (the tiers may still list what they cannot serve), fail again, and
+        # again. A request whose load failed recomputes and is offered no more loads.
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if invalid:
+            for tracker in self._trackers.values():
+                if not tracker.load_failed and not invalid.isdisjoint(tracker.block_ids):
+                    tracker.load_failed = True
+                    log.info("Reqid: %s: its load failed; vLLM recomputes it and it is offered no more loads",
+                             tracker.req_id)
         events = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(events, CpuTierEvents) and self._lookup is not None:
             self._lookup.update(events)

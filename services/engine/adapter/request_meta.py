@@ -129,6 +129,7 @@ class RequestTracker:
     block_ids: list[int] = field(default_factory=list)
     saved_upto: int = 0
     saves_held: bool = False  # a save ran off the forward's path: vLLM keeps its blocks after it ends
+    load_failed: bool = False  # a load into its blocks failed (vLLM recomputes): it is offered no more loads
 
     def preempted(self) -> None:
         """vLLM freed the request's blocks (it resumes later with new ones): forget them and any load planned
