@@ -8,11 +8,12 @@ from kvmesh.shared.aio import cancel_and_wait
 
 
 async def test_a_task_that_swallows_a_cancellation_is_cancelled_again() -> None:
-    never = asyncio.Event()
+    never, started = asyncio.Event(), asyncio.Event()
     swallowed = 0
 
     async def stubborn() -> None:
         nonlocal swallowed
+        started.set()
         while True:
             try:
                 await never.wait()
@@ -26,6 +27,6 @@ async def test_a_task_that_swallows_a_cancellation_is_cancelled_again() -> None:
         raise RuntimeError("ended with an error")
 
     tasks = [asyncio.create_task(stubborn()), asyncio.create_task(failing()), None]
-    await asyncio.sleep(0)  # one loop turn: both tasks start
+    await started.wait()
     await cancel_and_wait(tasks)
     assert swallowed == 2 and all(task.done() for task in tasks if task is not None)
