@@ -118,7 +118,8 @@ def run_kvmesh(model: Path, work: Path, sizes: list[int], prompts: Prompts, env:
     try:
         server = Server("kvmesh", model, free_port(), work / "logs", max_len,
                         ["--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(KVMESH)],
-                        {**env, "LMCACHE_CONFIG_FILE": str(config)}).ready()
+                        {**env, "LMCACHE_CONFIG_FILE": str(config)})
+        server.ready()  # inside the try: a server that never comes up is stopped too
         warm_up(server, prompts, max_len)
 
         def lookup(prompt: list[int]) -> list[Any] | None:
@@ -167,7 +168,8 @@ def run_lmcache(model: Path, work: Path, sizes: list[int], prompts: Prompts, env
     server = None
     try:
         server = Server("LMCache", model, free_port(), work / "logs", max_len,
-                        ["--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(config)], env).ready()
+                        ["--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(config)], env)
+        server.ready()
         warm_up(server, prompts, max_len)
         return measure(server, prompts, sizes, cold_repeats, warm_repeats)
     finally:
@@ -233,8 +235,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def simple(name: str, args_: list[str], warm_equals_cold: bool = False) -> dict[str, Any]:
         print(f"== {name}", flush=True)
-        server = Server(name, model, free_port(), work / "logs", max_len, args_, env).ready()
+        server = Server(name, model, free_port(), work / "logs", max_len, args_, env)
         try:
+            server.ready()
             warm_up(server, prompts, max_len)
             return measure(server, prompts, args.sizes, args.cold_repeats, 1 if warm_equals_cold else
                            args.warm_repeats, warm_equals_cold=warm_equals_cold)
