@@ -9,21 +9,37 @@ what vLLM's forward would compute is written by the test (`Step.forward`).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from kvmesh.services.engine.adapter.async_loads import AsyncLoads
 from kvmesh.services.engine.adapter.async_saves import AsyncSaves
-from kvmesh.services.engine.adapter.scheduler_lookup import SchedulerLookup, StepEventLog
+from kvmesh.services.engine.adapter.scheduler_lookup import SchedulerLookup, StepEventLog, engines
 from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.core.kv_layout import KVLayout
 from kvmesh.shared.config import EngineConfig
+from kvmesh.shared.keys import KeyParams
 
+from test_engine_support import engine_config
 from waiting import WAIT_S
 
 import kvmesh.services.engine.connector as connector
+
+
+@contextmanager
+def rank0_engine(layout: KVLayout, device: Any = None) -> Iterator[CacheEngine]:
+    """A CacheEngine for `layout`, registered as rank 0 so the scheduler half's lookups reach it; closed after."""
+    worker = CacheEngine(engine_config(), KeyParams(model="test-model", kv_format=""), layout, device=device)
+    engines.add(0, worker)
+    try:
+        yield worker
+    finally:
+        engines.remove(worker)
+        worker.close()
 
 
 def scheduler_half(config: EngineConfig, block_size: int, saves_off_forward: bool) -> Any:

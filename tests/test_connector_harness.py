@@ -18,20 +18,18 @@ from typing import Iterator
 import pytest
 import torch
 
-from kvmesh.services.engine.adapter.scheduler_lookup import engines
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.core.kv_layout import KVLayout, detect_layout
 from kvmesh.services.engine.core.layerwise_load import LayerwiseLoader
 from kvmesh.services.engine.core.paged_copy import gather
-from kvmesh.shared.keys import KeyParams
 from kvmesh.shared.protocol import LOCAL_CPU
 
-from test_engine_support import BLOCK, CHUNK, HEAD_SIZE, HEADS, LAYERS, engine_config, random_tokens
+from test_engine_support import BLOCK, CHUNK, HEAD_SIZE, HEADS, LAYERS, random_tokens
 
 pytest.importorskip("kvmesh.services.engine.connector")
-from connector_driver import Step, blocks, request, run_step, scheduler_half, worker_half  # noqa: E402
+from connector_driver import (  # noqa: E402
+    Step, blocks, rank0_engine, request, run_step, scheduler_half, worker_half)
 
-PARAMS = KeyParams(model="test-model", kv_format="")
 NUM_BLOCKS = 64
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                 reason="CUDA is not available"))]
@@ -84,13 +82,8 @@ class Forward:
 @pytest.fixture(params=DEVICES)
 def paged_engine(request: pytest.FixtureRequest) -> Iterator[tuple[CacheEngine, Paged]]:
     paged = Paged(request.param)
-    worker = CacheEngine(engine_config(), PARAMS, paged.layout, device=paged.device)
-    engines.add(0, worker)
-    try:
+    with rank0_engine(paged.layout, paged.device) as worker:
         yield worker, paged
-    finally:
-        engines.remove(worker)
-        worker.close()
 
 
 def slots_of(block_ids: list[int], num_tokens: int) -> torch.Tensor:

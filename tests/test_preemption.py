@@ -16,17 +16,14 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from kvmesh.services.engine.adapter.scheduler_lookup import engines
 from kvmesh.services.engine.core.cache_engine import CacheEngine
-from kvmesh.shared.keys import KeyParams
 from kvmesh.shared.protocol import LOCAL_CPU
 
-from test_engine_support import BLOCK, CHUNK, PagedKV, engine_config, random_tokens
+from test_engine_support import BLOCK, CHUNK, PagedKV, random_tokens
 
 pytest.importorskip("kvmesh.services.engine.connector")
-from connector_driver import Step, blocks, request, run_step, scheduler_half, worker_half  # noqa: E402
-
-PARAMS = KeyParams(model="test-model", kv_format="")
+from connector_driver import (  # noqa: E402
+    Step, blocks, rank0_engine, request, run_step, scheduler_half, worker_half)
 
 
 class Forward:
@@ -69,13 +66,8 @@ class Forward:
 @pytest.fixture
 def engine() -> Iterator[tuple[CacheEngine, PagedKV]]:
     kv = PagedKV(num_blocks=64)
-    worker = CacheEngine(engine_config(), PARAMS, kv.layout)
-    engines.add(0, worker)
-    try:
+    with rank0_engine(kv.layout) as worker:
         yield worker, kv
-    finally:
-        engines.remove(worker)
-        worker.close()
 
 
 def cached_correctly(worker: CacheEngine, kv: PagedKV, forward: Forward, req_id: str, tokens: list[int],
