@@ -216,6 +216,7 @@ class Setup:
     answer: int
     concurrency: int
     dtype: str
+    chunk: int  # the connectors' chunk size, tokens
 
 
 def serve(setup: Setup, name: str, kv_blocks: int, extra: list[str], env: dict[str, str] | None = None
@@ -254,7 +255,7 @@ def run_kvmesh(setup: Setup, name: str, kv_blocks: int, cpu_gb: float, disk_gb: 
                ) -> dict[str, Any]:
     mesh = start_mesh(setup.work, disk_gb, name=f"{name}-mesh")
     try:
-        config = mesh.engine_yaml(setup.work / f"{name}.yaml", name, cpu_gb, disk_gb, async_loading)
+        config = mesh.engine_yaml(setup.work / f"{name}.yaml", name, cpu_gb, disk_gb, async_loading, setup.chunk)
         result = serve(setup, name, kv_blocks, ["--kv-transfer-config", json.dumps(KVMESH)],
                        {**setup.env, "LMCACHE_CONFIG_FILE": str(config)})
         return {**result, "cpu_tier_gb": cpu_gb, "disk_gb": disk_gb}
@@ -263,7 +264,7 @@ def run_kvmesh(setup: Setup, name: str, kv_blocks: int, cpu_gb: float, disk_gb: 
 
 
 def run_lmcache(setup: Setup, kv_blocks: int, env: dict[str, str], l1_gb: float) -> dict[str, Any]:
-    lmcache, port = start_lmcache_server(setup.work, env, l1_gb)
+    lmcache, port = start_lmcache_server(setup.work, env, l1_gb, setup.chunk)
     try:
         result = serve(setup, "LMCache", kv_blocks,
                        ["--kv-transfer-config", json.dumps(lmcache_connector(port))], env)
@@ -360,6 +361,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--answer", type=int, default=16, help="generated tokens per request")
     parser.add_argument("--peers", nargs="+", default=PEERS, choices=PEERS)
     parser.add_argument("--model", type=Path, help="model dir (default: build the --bench demo model)")
+    parser.add_argument("--chunk-size", type=int, default=CHUNK,
+                        help="the chunk size of KVMesh and LMCache, tokens (vLLM's blocks stay 128)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="vLLM's --dtype for every peer (float32 on a CPU without AVX-512, where bf16 "
                              "prefill is ~10x slower)")
@@ -418,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     pin_to((os.sched_getaffinity(0) - {0}) or {0})
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
     env.update(VLLM_CPU_OMP_THREADS_BIND="0", VLLM_CPU_KVCACHE_SPACE="1")  # the block override sizes the KV space
-    setup = Setup(model, work, env, max_len, prompts, warmup, args.answer, args.concurrency, args.dtype)
+    setup = Setup(model, work, env, max_len, prompts, warmup, args.answer, args.concurrency, args.dtype,
+                  args.chunk_size)
     print(f"workload: {args.users} users x {args.rounds} rounds, prompts up to {longest} tokens, working set "
           f"{working} tokens ({blocks(working)} blocks, {working * token_bytes / 1e6:.0f} MB of KV); vLLM KV space "
           f"{small} blocks (floor {floor_blocks}); kvmesh-disk CPU tier {disk_cpu_gb} GB; logs {work / 'logs'}",
@@ -439,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         "setup": {"vllm": vllm.__version__, "torch": torch.__version__, "lmcache": None,
                   "dtype": args.dtype, "max_model_len": max_len, "max_num_batched_tokens": max_len, "block_size": BLOCK,
                   "small_kv_blocks": small, "floor_kv_blocks": floor_blocks, "prefix_caching": True,
-                  "VLLM_CPU_OMP_THREADS_BIND": "0", "chunk_size": CHUNK, "kvmesh_cpu_gb": args.kvmesh_cpu_gb,
+                  "VLLM_CPU_OMP_THREADS_BIND": "0", "chunk_size": args.chunk_size, "kvmesh_cpu_gb": args.kvmesh_cpu_gb,
                   "kvmesh_disk_cpu_gb": disk_cpu_gb, "kvmesh_async_loading": args.kvmesh_async_loading,
                   "lmcache_l1_gb": args.lmcache_l1_gb, "disk_page_cache": "not dropped"},
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),

@@ -154,12 +154,13 @@ def lmcache_env(env: dict[str, str], site: Path | None = LMCACHE_SITE) -> tuple[
     return out, check.stdout.strip()
 
 
-def start_lmcache_server(work: Path, env: dict[str, str], l1_gb: float) -> tuple[Child, int]:
-    """LMCache's multiprocess server (CPU L1, LRU) on the side cores, ready; (child, port)."""
+def start_lmcache_server(work: Path, env: dict[str, str], l1_gb: float, chunk: int = CHUNK) -> tuple[Child, int]:
+    """LMCache's multiprocess server (CPU L1, LRU, chunks of `chunk` tokens) on the side cores, ready; (child,
+    port)."""
     port = free_port()
     child = Child("lmcache-server", ["taskset", "-c", side_cores(), sys.executable, "-m",
                                      "lmcache.v1.multiprocess.server", "--port", str(port), "--chunk-size",
-                                     str(CHUNK), "--l1-size-gb", str(l1_gb), "--eviction-policy", "LRU",
+                                     str(chunk), "--l1-size-gb", str(l1_gb), "--eviction-policy", "LRU",
                                      "--disable-observability", "--disable-metrics",
                                      "--supported-transfer-mode", "auto"],
                   work / "logs" / "lmcache-server.log", env=env)
@@ -186,10 +187,11 @@ class Mesh:
     controller: str  # http://127.0.0.1:PORT
     disk_dir: Path
 
-    def engine_yaml(self, path: Path, instance: str, cpu_gb: float, disk_gb: float, async_loading: bool) -> Path:
+    def engine_yaml(self, path: Path, instance: str, cpu_gb: float, disk_gb: float, async_loading: bool,
+                    chunk: int = CHUNK) -> Path:
         """An LMCache-style config file for one vLLM's KVMeshConnector on this mesh."""
         path.write_text(
-            f"chunk_size: {CHUNK}\nlocal_cpu: true\nmax_local_cpu_size: {cpu_gb}\n"
+            f"chunk_size: {chunk}\nlocal_cpu: true\nmax_local_cpu_size: {cpu_gb}\n"
             f'local_disk: "file://{self.disk_dir}"\nmax_local_disk_size: {disk_gb}\n'
             f'enable_controller: true\nlmcache_instance_id: "{instance}"\n'
             f'controller_url: "127.0.0.1:{self.nats_port}"\nenable_async_loading: {str(async_loading).lower()}\n')
