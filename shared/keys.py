@@ -222,21 +222,43 @@ class ChunkHasher:
     def keys(self, tokens: Sequence[int] | np.ndarray | "object", extras: KeyExtras | None = None) -> list[ChunkKey]:
         return [span.key for span in self.spans(tokens, extras=extras)]
 
+    def prefix_span(self, tokens: Sequence[int] | np.ndarray | "object", chain: Sequence[ChunkSpan], end: int,
+                    extras: KeyExtras | None = None) -> ChunkSpan:
+        """The span of tokens [i*C, end) of chunk i = (end - 1) // C: the key a sequence of `end` tokens names its
+        partial last chunk with (a "block prefix" of the longer chunk i of `tokens`). `chain` holds the chain
+        spans of `tokens` up to at least chunk i - 1 (its key is the prefix hash this one continues)."""
+        index = (end - 1) // self.chunk_size
+        array = tokens_as_array(tokens)
+        if not 0 < end <= len(array) or len(chain) < index:
+            raise ValueError(f"a prefix of {end} tokens needs {end} tokens and {index} chain spans, got "
+                             f"{len(array)} and {len(chain)}")
+        if extras is not None and extras.empty:
+            extras = None
+        previous = chain[index - 1].key if index else self._root
+        start = index * self.chunk_size
+        key = self._chunk_key(previous, index, start, end, memoryview(array).cast("B"), extras)
+        return ChunkSpan(index, start, end, key)
+
     def _iter_spans(self, array: np.ndarray, extras: KeyExtras | None, first_index: int = 0,
                     previous: ChunkKey | None = None) -> Iterator[ChunkSpan]:
         data = memoryview(array).cast("B")
         limit = len(array) if self.save_unfull_chunk else len(array) - len(array) % self.chunk_size
         previous = previous if previous is not None else self._root
-        blake2b = hashlib.blake2b
         for index, start in enumerate(range(first_index * self.chunk_size, limit, self.chunk_size), first_index):
             end = min(start + self.chunk_size, limit)
-            chunk_extras = extras.chunk_extras(index, start, end) if extras is not None else None
-            if chunk_extras is None:
-                digest = blake2b(previous, digest_size=KEY_BYTES)
-            else:
-                digest = blake2b(previous, digest_size=KEY_BYTES, person=EXTRAS_PERSON)
-                digest.update(len(chunk_extras).to_bytes(4, "little"))
-                digest.update(chunk_extras)
-            digest.update(data[start * 8 : end * 8])
-            previous = digest.digest()
+            previous = self._chunk_key(previous, index, start, end, data, extras)
             yield ChunkSpan(index, start, end, previous)
+
+    @staticmethod
+    def _chunk_key(previous: ChunkKey, index: int, start: int, end: int, data: memoryview,
+                   extras: KeyExtras | None) -> ChunkKey:
+        """Chunk `index` (tokens [start, end) of `data`, int64 little-endian bytes) after the chain key `previous`."""
+        chunk_extras = extras.chunk_extras(index, start, end) if extras is not None else None
+        if chunk_extras is None:
+            digest = hashlib.blake2b(previous, digest_size=KEY_BYTES)
+        else:
+            digest = hashlib.blake2b(previous, digest_size=KEY_BYTES, person=EXTRAS_PERSON)
+            digest.update(len(chunk_extras).to_bytes(4, "little"))
+            digest.update(chunk_extras)
+        digest.update(data[start * 8 : end * 8])
+        return digest.digest()

@@ -316,6 +316,24 @@ def test_prefill_on_one_instance_is_a_hit_on_the_other(servers: dict[str, Any], 
     assert output_text(warm) == expected
 
 
+def test_a_prompt_extending_an_earlier_one_loads_its_blocks_inside_the_last_chunk(servers: dict[str, Any],
+                                                                                    long_text: str) -> None:
+    """A chat's next turn: the prompt extends the last one, which ended inside a chunk. The whole blocks of that
+    chunk the two share are loaded (a block-prefix hit, block_prefix.py), not recomputed."""
+    a: VLLMServer = servers["a"]
+    ref: VLLMServer = servers["ref"]
+    ids = a.tokenize(prompt_of(long_text[60_000:], 6_000, "turns"))
+    first = ids[: CHUNK + CHUNK // 2 + 50]  # ends 50 tokens past a block boundary of its second chunk
+    second = ids[: len(first) + 200]
+    assert len(second) > 2 * CHUNK, len(ids)
+    a.complete(first, max_tokens=4)
+    expected = output_text(ref.complete(second, max_tokens=16))
+    warm = a.complete(second, max_tokens=16)
+    hit = a.assert_loaded(warm)
+    assert CHUNK < hit.hit <= len(first), hit  # beyond the whole chunks the two prompts share
+    assert output_text(warm) == expected
+
+
 def test_lora_adapters_never_share_kv(servers: dict[str, Any], long_text: str) -> None:
     """The same prompt with adapter a, then b (a miss: a's KV was computed under other K/V weights), then a
     again (a load); each answer is that of vLLM alone with the same adapter. /lookup finds the chunks only

@@ -94,6 +94,7 @@ from kvmesh.services.engine.adapter.request_meta import (
     RequestTracker,
     floor_to,
 )
+from kvmesh.services.engine.adapter.block_prefix import BlockPrefixProbe
 from kvmesh.services.engine.adapter.request_extras import lora_name_of, request_extras
 from kvmesh.services.engine.adapter.kv_events import KVEventLog
 from kvmesh.services.engine.adapter.async_loads import IDLE_WAIT_SECS, AsyncLoads, PendingLoad, loads_asynchronously
@@ -388,6 +389,9 @@ class KVMeshConnector(KVConnectorBase_V1):
         hit, tracker.lower = self._lookup.held(tracker.chain[:len(chain_keys)], total, tracker.lower)
         if hit is None:
             return None, False  # the lower tiers have not answered yet: vLLM asks again next step
+        hit, tracker.hit_key = self._block_prefix_hit(tracker, hasher, hit, total)
+        if hit is None:
+            return None, False
         log.debug("lookup of %d tokens for %s took %.2f ms", total, request.request_id,
                   (time.perf_counter() - started) * 1e3)
         if hit < self.config.min_retrieve_tokens:
@@ -412,6 +416,26 @@ class KVMeshConnector(KVConnectorBase_V1):
             log.info("Reqid: %s loads asynchronously: %d of its %d tokens to load were in the CPU tier",
                      request.request_id, max(min(tracker.cpu_tokens, need) - num_computed_tokens, 0), to_load)
         return to_load, tracker.load_async
+
+    def _block_prefix_hit(self, tracker: RequestTracker, hasher: ChunkHasher, hit: int, total: int
+                          ) -> tuple[int | None, ChunkKey | None]:
+        """`hit` extended by the longest held block prefix of the chunk after it (block_prefix.py), with that
+        prefix's key; (None, None) while a lower tier is asked."""
+        if hit % self.chunk_size or hit >= total or self._lookup is None:
+            return hit, None
+        probe = tracker.probe
+        if probe is None or probe.after != hit:
+            tokens = list(tracker.request.all_token_ids[:min(hit + self.chunk_size, total)])
+            probe = tracker.probe = BlockPrefixProbe.of(hasher, tokens, tracker.chain, hit, self.block_size,
+                                                        tracker.extras)
+        answered, span = probe.held(self._lookup)
+        if not answered:
+            return None, None
+        if span is None:
+            return hit, None
+        if tracker.cpu_tokens == hit and self._lookup.in_cpu(span):  # for the async decision, as the chain's
+            tracker.cpu_tokens = span.end
+        return span.end, span.key
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         if self.unsupported is not None:
@@ -476,7 +500,12 @@ class KVMeshConnector(KVConnectorBase_V1):
         save = None
         if self.can_save and num_computed_after is not None:
             save = tracker.take_save(num_computed_after, self.chunk_size, self.config.save_unfull_chunk,
-                                     self.config.save_decode_cache)
+                                     self.config.save_decode_cache, self.block_size)
+            if save is not None and save.prefix_end:
+                tokens = list(tracker.request.all_token_ids[:save.prefix_end])
+                self._chain_keys(tracker, hasher, save.end)
+                save = dataclasses.replace(save, prefix_key=hasher.prefix_span(tokens, tracker.chain, save.prefix_end,
+                                                                               tracker.extras).key)
         if load is None and save is None:
             return
         if save is not None and self.saves_off_forward:
@@ -614,7 +643,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         assert load is not None
         started = time.perf_counter()
         try:
-            spans = self.engine.chunk_spans(req.chunk_keys, load.end, load.mask_start // self.chunk_size)
+            spans = self._load_spans(req)
             slots = req.slot_mapping(load.end, self.block_size)
             refs = self.engine.acquire_chunks(spans, slots)
             device = next(iter(self._kv_caches.values())).device
@@ -644,13 +673,20 @@ class KVMeshConnector(KVConnectorBase_V1):
                 assert req.load is not None
                 self._load_errors |= req.block_ids_for(req.load.skip_prefix, req.load.need, self.block_size)
 
+    def _load_spans(self, req: ReqMeta) -> list[ChunkSpan]:
+        """This worker's spans of the request's load (the last one a block prefix's when `last_key` is set)."""
+        load = req.load
+        assert load is not None
+        keys = req.keys_ending_with(load.last_key, load.end, self.chunk_size)
+        return self.engine.chunk_spans(keys, load.end, load.mask_start // self.chunk_size)
+
     def _load(self, req: ReqMeta) -> None:
         load = req.load
         assert load is not None
         started = time.perf_counter()
         loaded_upto = load.mask_start
         try:
-            spans = self.engine.chunk_spans(req.chunk_keys, load.end, load.mask_start // self.chunk_size)
+            spans = self._load_spans(req)
             loaded = self.engine.retrieve_chunks(spans, self._kv_caches, req.slot_mapping(load.end, self.block_size),
                                                  load.skip_prefix)
             loaded_upto = spans[loaded - 1].end if loaded else load.mask_start
@@ -664,7 +700,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         load = req.load
         assert load is not None
         try:
-            spans = self.engine.chunk_spans(req.chunk_keys, load.end, load.mask_start // self.chunk_size)
+            spans = self._load_spans(req)
             future = self.engine.fetch_chunks(spans)
         except Exception as exc:
             log.warning("cannot start loading KV for request %s asynchronously (%s: %s); loading it now",
@@ -746,6 +782,10 @@ class KVMeshConnector(KVConnectorBase_V1):
                          save.end, req.req_id)
                 started = time.perf_counter()
                 spans = self.engine.chunk_spans(req.chunk_keys, save.end, save.mask_start // self.chunk_size)
+                if save.prefix_end and save.prefix_key is not None:  # the last chunk's block prefix too, before
+                    # it (the spans' last end is how far the slot mapping is read)
+                    prefix_keys = req.keys_ending_with(save.prefix_key, save.prefix_end, self.chunk_size)
+                    spans[-1:-1] = self.engine.chunk_spans(prefix_keys, save.prefix_end, len(prefix_keys) - 1)
                 slots = req.slot_mapping(save.end, self.block_size)
                 if stream is None:
                     self.engine.store_chunks(spans, self._kv_caches, slots)

@@ -8,15 +8,18 @@ worker (vLLM's worker process) receives `KVMeshConnectorMetadata` pickled with t
 executes it.
 
 Token arithmetic, with C = chunk_size and B = vLLM's block size (C is a multiple of B on CPU):
-  * `hit` is what the cache holds: a multiple of C, or the whole sequence when its partial last chunk is held.
+  * `hit` is what the cache holds: a multiple of C, the whole sequence when its partial last chunk is held, or
+    a block boundary inside a chunk when only that chunk's block prefix is held (block_prefix.py: the load
+    reads the last span under `LoadSpec.last_key`).
   * vLLM must compute at least the last token, so a full hit loads `len - 1` tokens (`num_to_load`), yet the
     retrieve asks for all `hit` tokens: the last chunk is named by all its tokens, and the extra token's slot
     is overwritten by the forward with the same values.
   * `local` tokens vLLM already holds (its own prefix cache, block-aligned) are not written again: the
     retrieve's mask starts at floor(local / C) * C and `skip_prefix = local` leaves the rest untouched.
   * Saves move only finished chunks: during a chunked prefill, up to floor(computed / C) * C; once the prompt
-    is complete, the prompt's end (with its partial last chunk, if `save_unfull_chunk`); during decode only
-    with `save_decode_cache`, whole chunks. `saved_upto` never moves back, so no chunk is stored twice.
+    is complete, the prompt's end (with its partial last chunk, if `save_unfull_chunk`, and that chunk's block
+    prefix, `SaveSpec.prefix_end`); during decode only with `save_decode_cache`, whole chunks. `saved_upto`
+    never moves back, so no chunk is stored twice.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from kvmesh.services.engine.adapter.block_prefix import saved_prefix_end
 from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyExtras
 
 if TYPE_CHECKING:
+    from kvmesh.services.engine.adapter.block_prefix import BlockPrefixProbe
     from kvmesh.services.engine.adapter.scheduler_lookup import LowerLookup
 
 try:  # the base class exists wherever vLLM does; the module stays importable (and testable) without it
@@ -51,14 +56,18 @@ class LoadSpec:
     mask_start: int
     skip_prefix: int
     asynchronous: bool = False  # between steps (async_loads.py): vLLM waits for it in finished_recving
+    last_key: ChunkKey | None = None  # the last span's key when it is a block prefix of its chunk (ends at `end`)
 
 
 @dataclass(frozen=True)
 class SaveSpec:
-    """Store the chunks covering tokens [mask_start, end) (mask_start is a multiple of chunk_size)."""
+    """Store the chunks covering tokens [mask_start, end) (mask_start is a multiple of chunk_size), and, when
+    `prefix_end` is set, the block prefix of the last chunk up to it under `prefix_key` (block_prefix.py)."""
 
     end: int
     mask_start: int
+    prefix_end: int = 0
+    prefix_key: ChunkKey | None = None
 
 
 @dataclass
@@ -80,6 +89,13 @@ class ReqMeta:
         blocks = torch.as_tensor(self.block_ids[: -(-num_tokens // block_size)], dtype=torch.int64)
         offsets = torch.arange(block_size, dtype=torch.int64)
         return (blocks.unsqueeze(1) * block_size + offsets).flatten()[:num_tokens]
+
+    def keys_ending_with(self, key: ChunkKey | None, end: int, chunk_size: int) -> list[ChunkKey]:
+        """The chain keys of tokens [0, end) with the last one replaced by `key` (a block prefix's own key)."""
+        if key is None:
+            return self.chunk_keys
+        last = (end - 1) // chunk_size
+        return [*self.chunk_keys[:last], key]
 
     def block_ids_for(self, start: int, end: int, block_size: int) -> set[int]:
         """The block ids holding tokens [start, end)."""
@@ -108,8 +124,9 @@ def floor_to(value: int, multiple: int) -> int:
 class RequestTracker:
     """Scheduler-side state of one request, from lookup to finish.
 
-    Invariant: `saved_upto` is a multiple of chunk_size, or the end of a sequence whose partial last chunk is
-    stored; every token below it is in the cache (or was handed to the worker to store), so it never goes down.
+    Invariant: `saved_upto` is a multiple of chunk_size, the end of a sequence whose partial last chunk is
+    stored, or the end of a block-prefix hit; every token below it is in the cache (or was handed to the worker
+    to store), so it never goes down.
     """
 
     req_id: str
@@ -121,6 +138,8 @@ class RequestTracker:
     chain: list[ChunkSpan] = field(default_factory=list)  # chain keys of its tokens so far (hashed once)
     lower: "LowerLookup | None" = None  # its lookup in the workers' lower tiers, once asked
     hit: int = 0  # tokens the cache held at lookup
+    hit_key: ChunkKey | None = None  # the key of the hit's last span when it is a block prefix (block_prefix.py)
+    probe: "BlockPrefixProbe | None" = None  # its lookup of block prefixes, once asked
     cpu_tokens: int = 0  # of those, in the CPU tiers before the lower tiers were asked (the async decision)
     local: int = 0  # tokens vLLM had computed itself (its prefix cache) when we looked up
     num_to_load: int = 0  # what get_num_new_matched_tokens answered (tokens beyond `local`)
@@ -165,11 +184,13 @@ class RequestTracker:
         need = self.local + self.num_to_load
         end = self.hit if self.hit > need else need
         return LoadSpec(end=end, need=need, mask_start=floor_to(self.local, chunk_size), skip_prefix=self.local,
-                        asynchronous=self.load_async)
+                        asynchronous=self.load_async, last_key=self.hit_key if end == self.hit else None)
 
     def take_save(self, num_computed_after: int, chunk_size: int, save_unfull_chunk: bool,
-                  save_decode_cache: bool) -> SaveSpec | None:
-        """The chunks completed by a step after which `num_computed_after` tokens have KV in vLLM's cache."""
+                  save_decode_cache: bool, block_size: int = 0) -> SaveSpec | None:
+        """The chunks completed by a step after which `num_computed_after` tokens have KV in vLLM's cache.
+        At the prompt's end, `prefix_end` marks its last chunk's block prefix to store too (vLLM's block size
+        `block_size`; 0: none); the caller names it (`prefix_key`)."""
         if num_computed_after >= self.prompt_len:
             in_decode = num_computed_after > self.prompt_len
             if in_decode and not save_decode_cache:
@@ -183,8 +204,13 @@ class RequestTracker:
         start = floor_to(self.saved_upto, chunk_size)
         if end <= self.saved_upto or end <= start:
             return None
+        prefix_end = 0
+        if end == self.prompt_len and save_unfull_chunk:
+            prefix_end = saved_prefix_end(self.prompt_len, chunk_size, block_size)
+            if prefix_end <= self.hit:  # loaded from the cache: held already
+                prefix_end = 0
         self.saved_upto = end
-        return SaveSpec(end=end, mask_start=start)
+        return SaveSpec(end=end, mask_start=start, prefix_end=prefix_end)
 
     def extend_blocks(self, new_block_ids: Sequence[int] | None, replace: bool) -> None:
         if new_block_ids is None:

@@ -279,6 +279,11 @@ class LowerLookup:
             return 0
 
 
+def _alone(span: ChunkSpan) -> ChunkSpan:
+    """`span` as the first chunk of a sequence of its length: how a chunk is looked up by its key alone."""
+    return ChunkSpan(0, 0, span.num_tokens, span.key)
+
+
 class SchedulerLookup:
     """The scheduler's view of its workers' caches: `held(...)` -> tokens, or None for "ask again"."""
 
@@ -367,6 +372,17 @@ class SchedulerLookup:
         if answer is None:
             return None, lower
         return max(answer, cpu_tokens), lower
+
+    def held_one(self, span: ChunkSpan, lower: LowerLookup | None) -> tuple[bool | None, LowerLookup | None]:
+        """Whether every rank holds the one chunk `span` names in some tier (None: "ask again"), with the lower-tier
+        lookup in flight or done. The chunk is looked up alone, as the first chunk of a sequence of its length:
+        tiers know keys and token counts, not positions (block_prefix.py)."""
+        tokens, lower = self.held([_alone(span)], span.num_tokens, lower)
+        return (None if tokens is None else tokens == span.num_tokens), lower
+
+    def in_cpu(self, span: ChunkSpan) -> bool:
+        """Whether every rank's CPU tier holds the one chunk `span` names (as the mirror says)."""
+        return self.cpu_tokens([_alone(span)]) == span.num_tokens
 
     def cpu_tokens(self, chain: Sequence[ChunkSpan]) -> int:
         """Tokens of `chain` held in every rank's CPU tier (as the mirror says)."""
