@@ -78,11 +78,13 @@ def test_summary_rates_are_over_the_rounds_wall_time() -> None:
     assert figures["requests_per_s"] == 1.0 and figures["generated_tokens_per_s"] == 16.0
     assert figures["ttft_p50_s"] == pytest.approx(0.65) and figures["e2e_p50_s"] == pytest.approx(1.65)
     assert figures["round_ttft_p50_s"] == pytest.approx([1.5, 0.2])
-    peers = {"LMCache": {**figures, "ttft_p50_s": 1.3}, "kvmesh-cpu": figures, "floor": {**figures,
-                                                                                          "round_wall_s": [2.0, 2.0]}}
+    assert figures["warm_ttft_p50_s"] == pytest.approx(0.2)  # rounds 2.. only
+    peers = {"LMCache": {**figures, "ttft_p50_s": 1.3}, "kvmesh-cpu": figures,
+             "floor": {**figures, "round_wall_s": [2.0, 2.0], "warm_ttft_p50_s": 0.16}}
     out = ratios(peers)
     assert out["kvmesh-cpu_p50_ttft_over_LMCache"] == pytest.approx(0.5)
     assert out["kvmesh-cpu_round_wall_over_floor"] == [1.5, 0.5]
+    assert out["kvmesh-cpu_warm_p50_ttft_over_floor"] == pytest.approx(1.25)
     assert "kvmesh-disk_p50_ttft_over_LMCache" not in out
 
 
