@@ -10,23 +10,23 @@ the "ask again" lookup), saves its own chunk under the chain key, and never load
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Iterator
 
 import pytest
 
 from kvmesh.services.engine.adapter.block_prefix import BlockPrefixProbe, probe_ends, saved_prefix_end
-from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, SchedulerLookup, StepEventLog, engines
+from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, SchedulerLookup, StepEventLog
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.shared.keys import ChunkHasher, KeyExtras, KeyParams
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
 
-from test_engine_support import BLOCK, CHUNK, PagedKV, disk_store_mesh, engine_config, random_tokens
+from test_engine_support import BLOCK, CHUNK, PagedKV, random_tokens
 from waiting import WAIT_S, wait_until
 
 pytest.importorskip("kvmesh.services.engine.connector")
 from connector_driver import Step, blocks, rank0_engine, request, run_step, scheduler_half, worker_half  # noqa: E402
 from test_preemption import Forward  # noqa: E402
+from test_scheduler_lookup import disk_mesh, engine  # noqa: E402,F401  (fixtures)
 
 
 def test_probes_are_the_block_boundaries_strictly_inside_the_next_chunk_longest_first() -> None:
@@ -113,27 +113,9 @@ def test_an_extended_prompt_loads_the_earlier_prompts_kv_up_to_its_last_whole_bl
         sched._lookup.close()
 
 
-@pytest.fixture
-def disk_engine(tmp_path: Path) -> Iterator[tuple[CacheEngine, PagedKV, StepEventLog]]:
-    with disk_store_mesh(tmp_path / "disk") as mesh:
-        kv = PagedKV(num_blocks=64)
-        worker = CacheEngine(engine_config(nats_url=mesh.nats_url, local_disk=str(tmp_path / "disk")),
-                             KeyParams(model="test-model", kv_format=""), kv.layout)
-        events = StepEventLog()
-        worker.cpu.listen(events)
-        engines.add(0, worker)
-        try:
-            assert worker.wait_connected(WAIT_S)
-            wait_until(lambda: worker.storage.lower(LOCAL_DISK), what="the disk store found")
-            yield worker, kv, events
-        finally:
-            engines.remove(worker)
-            worker.close()
-
-
 def test_a_block_prefix_only_on_disk_is_found_by_asking_again(
-        disk_engine: tuple[CacheEngine, PagedKV, StepEventLog]) -> None:
-    worker, kv, events = disk_engine
+        engine: tuple[CacheEngine, PagedKV, StepEventLog]) -> None:
+    worker, kv, events = engine  # a worker engine with a real NATS and disk store (test_scheduler_lookup.py)
     lookup = SchedulerLookup(world_size=1, timeout=WAIT_S, nats_name="test-scheduler")
     hasher = lookup.hasher()
     assert hasher is not None
