@@ -92,6 +92,7 @@ from kvmesh.services.engine.adapter.request_meta import (
     KVMeshConnectorMetadata,
     ReqMeta,
     RequestTracker,
+    SaveSpec,
     floor_to,
 )
 from kvmesh.services.engine.adapter.block_prefix import BlockPrefixProbe
@@ -502,10 +503,7 @@ class KVMeshConnector(KVConnectorBase_V1):
             save = tracker.take_save(num_computed_after, self.chunk_size, self.config.save_unfull_chunk,
                                      self.config.save_decode_cache, self.block_size)
             if save is not None and save.prefix_end:
-                tokens = list(tracker.request.all_token_ids[:save.prefix_end])
-                self._chain_keys(tracker, hasher, save.end)
-                save = dataclasses.replace(save, prefix_key=hasher.prefix_span(tokens, tracker.chain, save.prefix_end,
-                                                                               tracker.extras).key)
+                save = dataclasses.replace(save, prefix_key=self._block_prefix_key(tracker, hasher, save))
         if load is None and save is None:
             return
         if save is not None and self.saves_off_forward:
@@ -518,16 +516,27 @@ class KVMeshConnector(KVConnectorBase_V1):
 
     def _chain_keys(self, tracker: RequestTracker, hasher: ChunkHasher, end: int) -> list[ChunkKey]:
         """The request's chain keys up to `end`; newly hashed chunks are noted for the KV events."""
-        events, lookup = self._kv_events, self._lookup
-        if events is None or lookup is None:
+        if self._kv_events is None:
             return tracker.chain_keys(hasher, end)
-        params = lookup.key_params(0)
+        return tracker.chain_keys(hasher, end, lambda spans, tokens, parent: self._note_events(tracker, spans,
+                                                                                                tokens, parent))
 
-        def note(spans: list[ChunkSpan], tokens: list[int], parent: ChunkKey | None) -> None:
-            if params is not None:
-                events.note(spans, tokens, params, tracker.extras, tracker.lora_name, parent)
+    def _block_prefix_key(self, tracker: RequestTracker, hasher: ChunkHasher, save: SaveSpec) -> ChunkKey:
+        """The key of the block prefix `save` stores beside the prompt's last chunk, noted for the KV events like
+        the partial last chunk of a prompt ending there (block_prefix.py)."""
+        self._chain_keys(tracker, hasher, save.end)
+        tokens = list(tracker.request.all_token_ids[:save.prefix_end])
+        span = hasher.prefix_span(tokens, tracker.chain, save.prefix_end, tracker.extras)
+        self._note_events(tracker, [span], tokens, tracker.chain[span.index - 1].key if span.index else None)
+        return span.key
 
-        return tracker.chain_keys(hasher, end, note)
+    def _note_events(self, tracker: RequestTracker, spans: list[ChunkSpan], tokens: list[int],
+                     parent: ChunkKey | None) -> None:
+        """Remember hashed spans' tokens and parent for the KV events of their admission (if events are on)."""
+        events, lookup = self._kv_events, self._lookup
+        params = lookup.key_params(0) if lookup is not None else None
+        if events is not None and params is not None:
+            events.note(spans, tokens, params, tracker.extras, tracker.lora_name, parent)
 
     def update_connector_output(self, connector_output: Any) -> None:
         # A failed load sends an async-loading request back to waiting, and vLLM looks it up again: its lookup
