@@ -96,6 +96,7 @@ from kvmesh.services.engine.adapter.request_meta import (
     floor_to,
 )
 from kvmesh.services.engine.adapter.block_prefix import BlockPrefixProbe
+from kvmesh.services.engine.mesh import side_cpus
 from kvmesh.services.engine.adapter.request_extras import lora_name_of, request_extras
 from kvmesh.services.engine.adapter.kv_events import KVEventLog
 from kvmesh.services.engine.adapter.async_loads import IDLE_WAIT_SECS, AsyncLoads, PendingLoad, loads_asynchronously
@@ -595,6 +596,8 @@ class KVMeshConnector(KVConnectorBase_V1):
         log.info("registered %d KV cache layers: shape %s, dtype %s, backend %s -> layout %s (chunk format %s)",
                  len(kv_caches), tuple(first.shape), first.dtype, backend, layout.name, layout.chunk_format())
         params = KeyParams(self.model_name, layout.chunk_format(), self.world_size, rank)
+        if first.device.type == "cpu":
+            side_cpus.enable()  # the engine's threads keep off the cores vLLM bound its compute to
         self.engine = CacheEngine(self.config, params, layout=layout, device=first.device)
         self.engine.cpu.listen(self._cpu_events)  # reported to the scheduler's mirror with every step's output
         if self.config.use_layerwise:

@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvmesh.services.engine.mesh.side_cpus import move_to_side_cpus
 from kvmesh.shared.bus import normalize_url
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.lmcache_keys import NATS_SCHEMES, url_scheme
@@ -120,6 +121,7 @@ class EmbeddedMesh:
         return self.url
 
     def _run(self) -> None:
+        move_to_side_cpus()  # NATS and the stores it starts inherit this thread's CPUs
         mesh = LocalMesh(self.services)
         try:
             self.url = mesh.start_nats()

@@ -22,6 +22,7 @@ from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
 from nats.aio.client import Client as NatsClient
 
+from kvmesh.services.engine.mesh.side_cpus import move_to_side_cpus
 from kvmesh.shared import bus
 from kvmesh.shared.errors import MeshUnavailable
 
@@ -56,6 +57,7 @@ class NatsLoop:
             raise RuntimeError(f"{name}: NATS loop thread did not start")
 
     def _run(self) -> None:
+        move_to_side_cpus()  # before any I/O thread or process is started from here
         asyncio.set_event_loop(self.loop)
         self.loop.call_soon(self._ready.set)
         try:
