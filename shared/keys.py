@@ -228,16 +228,15 @@ class ChunkHasher:
         partial last chunk with (a "block prefix" of the longer chunk i of `tokens`). `chain` holds the chain
         spans of `tokens` up to at least chunk i - 1 (its key is the prefix hash this one continues)."""
         index = (end - 1) // self.chunk_size
-        array = tokens_as_array(tokens)
-        if not 0 < end <= len(array) or len(chain) < index:
+        if not 0 < end <= len(tokens) or len(chain) < index:
             raise ValueError(f"a prefix of {end} tokens needs {end} tokens and {index} chain spans, got "
-                             f"{len(array)} and {len(chain)}")
+                             f"{len(tokens)} and {len(chain)}")
         if extras is not None and extras.empty:
             extras = None
         previous = chain[index - 1].key if index else self._root
         start = index * self.chunk_size
-        key = self._chunk_key(previous, index, start, end, memoryview(array).cast("B"), extras)
-        return ChunkSpan(index, start, end, key)
+        chunk = memoryview(tokens_as_array(tokens[start:end])).cast("B")  # only this chunk's tokens are packed
+        return ChunkSpan(index, start, end, self._chunk_key(previous, index, start, end, chunk, extras))
 
     def _iter_spans(self, array: np.ndarray, extras: KeyExtras | None, first_index: int = 0,
                     previous: ChunkKey | None = None) -> Iterator[ChunkSpan]:
@@ -246,13 +245,14 @@ class ChunkHasher:
         previous = previous if previous is not None else self._root
         for index, start in enumerate(range(first_index * self.chunk_size, limit, self.chunk_size), first_index):
             end = min(start + self.chunk_size, limit)
-            previous = self._chunk_key(previous, index, start, end, data, extras)
+            previous = self._chunk_key(previous, index, start, end, data[start * 8 : end * 8], extras)
             yield ChunkSpan(index, start, end, previous)
 
     @staticmethod
-    def _chunk_key(previous: ChunkKey, index: int, start: int, end: int, data: memoryview,
+    def _chunk_key(previous: ChunkKey, index: int, start: int, end: int, chunk: memoryview,
                    extras: KeyExtras | None) -> ChunkKey:
-        """Chunk `index` (tokens [start, end) of `data`, int64 little-endian bytes) after the chain key `previous`."""
+        """Chunk `index` (tokens [start, end), `chunk` their int64 little-endian bytes) after the chain key
+        `previous`."""
         chunk_extras = extras.chunk_extras(index, start, end) if extras is not None else None
         if chunk_extras is None:
             digest = hashlib.blake2b(previous, digest_size=KEY_BYTES)
@@ -260,5 +260,5 @@ class ChunkHasher:
             digest = hashlib.blake2b(previous, digest_size=KEY_BYTES, person=EXTRAS_PERSON)
             digest.update(len(chunk_extras).to_bytes(4, "little"))
             digest.update(chunk_extras)
-        digest.update(data[start * 8 : end * 8])
+        digest.update(chunk)
         return digest.digest()

@@ -23,11 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
-from kvmesh.shared.keys import ChunkHasher, ChunkSpan, KeyExtras, tokens_as_array
+from kvmesh.shared.keys import ChunkHasher, ChunkSpan, KeyExtras
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from kvmesh.services.engine.adapter.scheduler_lookup import LowerLookup, SchedulerLookup
 
 
@@ -61,11 +59,10 @@ class BlockPrefixProbe:
     lowers: list["LowerLookup | None"] = field(default_factory=list)
 
     @classmethod
-    def of(cls, hasher: ChunkHasher, tokens: "Sequence[int] | np.ndarray", chain: Sequence[ChunkSpan], hit: int, block_size: int,
+    def of(cls, hasher: ChunkHasher, tokens: Sequence[int], chain: Sequence[ChunkSpan], hit: int, block_size: int,
            extras: KeyExtras | None) -> "BlockPrefixProbe":
         ends = probe_ends(hit, len(tokens), hasher.chunk_size, block_size)
-        packed = tokens_as_array(tokens) if ends else tokens  # once for every candidate
-        spans = [hasher.prefix_span(packed, chain, end, extras) for end in ends]
+        spans = [hasher.prefix_span(tokens, chain, end, extras) for end in ends]
         return cls(hit, spans, [None] * len(spans))
 
     def held(self, lookup: "SchedulerLookup") -> tuple[bool, ChunkSpan | None]:
