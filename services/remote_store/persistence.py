@@ -39,11 +39,13 @@ class Persister:
         self._done = done
         self._queue: asyncio.Queue[tuple[str, ChunkKey, PersistableChunk | None]] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
+        self._unfinished = 0  # queued plus the one being written: the queue's size misses that one
         self.failures = 0
 
     @property
     def pending(self) -> int:
-        return self._queue.qsize()
+        """File operations not finished yet, the one in progress included."""
+        return self._unfinished
 
     def start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -51,9 +53,11 @@ class Persister:
 
     def write(self, chunk: PersistableChunk) -> None:
         """Queue a chunk's file; the caller keeps the chunk's bytes alive until `done(chunk)`."""
+        self._unfinished += 1
         self._queue.put_nowait(("write", chunk.meta.key, chunk))
 
     def delete(self, key: ChunkKey) -> None:
+        self._unfinished += 1
         self._queue.put_nowait(("delete", key, None))
 
     async def stop(self, timeout: float = 30.0) -> None:
@@ -85,4 +89,5 @@ class Persister:
                 self.failures += 1
                 log.warning("persistence of %s: %s of chunk %s failed: %s", self.root, op, key.hex(), exc)
             finally:
+                self._unfinished -= 1
                 self._queue.task_done()
