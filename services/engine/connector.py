@@ -61,7 +61,8 @@ logged.
 
 Never the wrong KV: chunk keys mix in everything besides the token ids that changes a request's KV (LoRA
 adapter, cache_salt, multimodal items, prompt embeddings: `request_extras.py`; the KV cache dtype, weight
-quantization and revision: `model_identity` and the layout's chunk format). A model whose KV cache this
+quantization and revision, RoPE scaling and any --hf-overrides, and with a quantized KV cache the weights' dtype
+and per-instance KV scales: `model_identity` and the layout's chunk format). A model whose KV cache this
 connector cannot copy whole (several KV cache groups, sliding-window or other non-full attention:
 `unsupported_kv_cache`) gets one WARNING at start and no loads or stores at all.
 """
@@ -98,6 +99,7 @@ from kvmesh.services.engine.adapter.request_meta import (
 from kvmesh.services.engine.adapter.block_prefix import BlockPrefixProbe
 from kvmesh.services.engine.mesh import side_cpus
 from kvmesh.services.engine.adapter.request_extras import lora_name_of, request_extras
+from kvmesh.services.engine.adapter.model_identity import instance_of, model_identity
 from kvmesh.services.engine.adapter.kv_events import KVEventLog
 from kvmesh.services.engine.adapter.async_loads import IDLE_WAIT_SECS, AsyncLoads, PendingLoad, loads_asynchronously
 from kvmesh.services.engine.adapter.async_saves import AsyncSaves, saves_off_forward
@@ -269,13 +271,6 @@ def unsupported_kv_cache(kv_cache_config: "KVCacheConfig | None") -> str | None:
     return None
 
 
-def model_identity(name: str, model_config: Any) -> str:
-    """The model part of chunk keys: its name, plus the weight revision and quantization when set."""
-    revision = getattr(model_config, "revision", None)
-    quantization = getattr(model_config, "quantization", None)
-    return name + (f"@{revision}" if revision else "") + (f"+{quantization}" if quantization else "")
-
-
 def split_extra_config(extra: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """kv_connector_extra_config -> (EngineConfig overrides, connector-only settings)."""
     engine_keys: dict[str, Any] = {}
@@ -308,7 +303,8 @@ class KVMeshConnector(KVConnectorBase_V1):
         # LMCACHE_FORCE_SKIP_SAVE: the scheduler plans no saves (the engine would drop them anyway)
         self.can_save = transfer.kv_role in ("kv_both", "kv_producer") and not self.config.force_skip_save
         self.model_name = model_identity(str(self.settings.get("model_name") or vllm_config.model_config.model),
-                                         vllm_config.model_config)
+                                         vllm_config.model_config, vllm_config.cache_config,
+                                         instance_of(vllm_config, self.config.lmcache_instance_id))
         self.cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
         self.world_size = vllm_config.parallel_config.world_size
         # Why this model's KV is not cached at all (None: it is); see unsupported_kv_cache.
