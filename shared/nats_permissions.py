@@ -20,7 +20,8 @@ from kvmesh.shared.protocol import ROLES, Subjects
 
 P = Subjects.PREFIX
 # Store ops an engine worker sends (never `wipe`: an operator's).
-ENGINE_STORE_OPS = ("put", "get", "contains", "touch", "pin", "unpin", "remove", "clear", "stats", "stream")
+ENGINE_STORE_OPS = ("put", "get", "cancel_get", "contains", "touch", "pin", "unpin", "remove", "clear", "stats",
+                    "stream")
 OPERATOR_STORE_OPS = ("wipe", "stats")
 
 

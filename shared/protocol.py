@@ -11,6 +11,7 @@ tag, missing or mistyped field). Services log that and drop the message; they ne
 from __future__ import annotations
 
 import dataclasses
+import math
 import socket
 import string
 import types
@@ -176,8 +177,8 @@ class Subjects:
 
     @classmethod
     def store(cls, store_id: str, op: str, caller_path: str) -> str:
-        """A chunk-store operation (op: put, get, contains, touch, remove, clear, pin, unpin, stats, stream, wipe)
-        sent by `caller_path` (an engine worker's producer path, `controller` or `operator`)."""
+        """A chunk-store operation (op: put, get, cancel_get, contains, touch, remove, clear, pin, unpin, stats,
+        stream, wipe) sent by `caller_path` (an engine worker's producer path, `controller` or `operator`)."""
         return f"{cls.PREFIX}.store.{cls.token(store_id)}.{op}.{caller_path}"
 
     @classmethod
@@ -589,13 +590,56 @@ class PutRequest:
     producer: str = ""
 
 
+MAX_GET_ID = 2**63 - 1  # get ids are the client's counter: positive, and never near wrapping
+
+
 @message("get_request")
 @dataclass(frozen=True)
 class GetRequest:
+    """A chunk into the caller's lent pool (or inline). A pooled get names a `get_id` (> 0, unique per client)
+    and the engine's `time.monotonic()` `deadline` (pools are lent on one host, which shares CLOCK_MONOTONIC):
+    the store refuses it, writing nothing, when it arrives after the deadline or after a `CancelGet` of its id.
+    get_id 0 (an engine from before get ids): served as before, without either check."""
+
     key: bytes
     pool: str | None = None  # token of the caller's lent pool, where the store should write the bytes
     pool_offset: int = 0
     capacity: int = 0  # bytes available at pool_offset
+    get_id: int = 0
+    deadline: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_get_id(self.get_id, allow_zero=True)
+        _check_deadline(self.deadline)
+
+
+@message("cancel_get")
+@dataclass(frozen=True)
+class CancelGet:
+    """Engine -> disk store: the engine gave up on the pooled get `get_id` (of its pool `pool`, sent with
+    `deadline`). Answered Ack(ok=True) only once that get can never write into the pool any more: its write
+    finished, or it has not arrived and will be refused when it does. ok=False (the store does not know the
+    pool, or holds too many cancels) promises nothing."""
+
+    pool: str
+    get_id: int
+    deadline: float
+
+    def __post_init__(self) -> None:
+        if not self.pool:
+            raise ValueError("pool: empty token")
+        _check_get_id(self.get_id, allow_zero=False)
+        _check_deadline(self.deadline)
+
+
+def _check_get_id(get_id: int, allow_zero: bool) -> None:
+    if not (0 if allow_zero else 1) <= get_id <= MAX_GET_ID:
+        raise ValueError(f"get_id {get_id} is out of range")
+
+
+def _check_deadline(deadline: float) -> None:
+    if not (math.isfinite(deadline) and deadline >= 0):
+        raise ValueError(f"deadline {deadline!r} is not a finite monotonic time")
 
 
 @message("get_reply")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
 from nats.aio.client import Client as NatsClient
 
@@ -36,6 +36,21 @@ from kvmesh.shared.protocol import ChunkMeta, StatsReply, Subjects
 from kvmesh.shared.shm import SharedSegment
 
 T = TypeVar("T")
+
+
+class StoreMayWrite(Exception):
+    """`get_into` got no answer from a store that writes into the buffer in place (the disk store, through the
+    lent pool): the request may still be served later, so the buffer must not be reused yet. `settled()`
+    resolves once the store can no longer write into it: True (reuse it), or False when that can no longer be
+    known (the client closed): keep the buffer out of use for good."""
+
+    def __init__(self, reason: str, settled: Callable[[], Awaitable[bool]]) -> None:
+        super().__init__(reason)
+        self.settled = settled
+
+
+class Unanswered(Exception):
+    """`StoreLink.exchange`: the request was sent and no proper reply came back (it may still be acted upon)."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +94,9 @@ class StoreTier(Tier, Protocol):
         the bytes and they match the checksum (it may still be writing them)."""
 
     async def get_into(self, key: ChunkKey, buffer: ChunkBuffer) -> ChunkMeta | None:
-        """Fill `buffer` with the chunk's bytes (checksum verified); None on a miss or any failure."""
+        """Fill `buffer` with the chunk's bytes (checksum verified); None on a miss or any failure after which
+        nothing writes into `buffer` any more. Raises StoreMayWrite when a store may still write into it later
+        (only a client whose store writes in place: the disk store's)."""
 
     async def remove(self, keys: list[ChunkKey]) -> int:
         """Remove chunks; how many were removed."""
@@ -115,17 +132,25 @@ class StoreLink:
     async def request(self, nc: NatsClient, op: str, message: Any, reply_type: type[T], timeout: float) -> T | None:
         """The store's reply to `message` on its `op` subject; None (never an exception) when it does not answer
         properly or is resting."""
+        try:
+            return await self.exchange(nc, op, message, reply_type, timeout)
+        except Unanswered:
+            return None
+
+    async def exchange(self, nc: NatsClient, op: str, message: Any, reply_type: type[T], timeout: float) -> T | None:
+        """`request`, telling apart what was never sent (None: resting) from what was sent and got no proper
+        reply (Unanswered: the store may yet act on it; a request during a reconnect may even go out later)."""
         if self.resting:
             return None
         try:
             reply = await bus.request(nc, self.subject(op), message, reply_type, timeout)
         except KVMeshError as exc:  # MeshUnavailable (no responder, timeout, error reply), ProtocolError (bad reply)
             self.failed(exc)
-            return None
+            raise Unanswered(str(exc)) from None
         except Exception as exc:  # never let a store problem reach vLLM
             self._log.exception("%s: unexpected error on %s", self.label, op)
             self.failed(exc)
-            return None
+            raise Unanswered(str(exc)) from None
         self.answered()
         return reply
 

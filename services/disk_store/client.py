@@ -9,7 +9,11 @@ store that takes no pool: on another host, or older; limited by NATS max_payload
 A put returns True once the store holds the bytes and has verified them against meta.checksum (which every
 put must carry): the buffer may be reused immediately, and the chunk becomes visible to contains/get when its
 file is complete, shortly after. Nothing here raises on a dead or slow store: it logs once per change of
-reachability (a shared StoreLink, as the remote store's client) and answers miss / False / 0.
+reachability (a shared StoreLink, as the remote store's client) and answers miss / False / 0, with one
+exception. A get into the pool that gets no answer (`data_timeout`) may still be served by a store that was
+only stalled, into a slot the engine would by then have reused: `get_into` raises StoreMayWrite instead, whose
+`settled()` resolves once that store can no longer write there (it acked `cancel_get` for the get's id, or its
+end of the pool socket closed). The caller keeps the slot out of use until then (storage_manager.py).
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ from nats.aio.client import Client as NatsClient
 
 from kvmesh.shared import bus, chunk_file, protocol
 from kvmesh.shared.keys import ChunkKey
-from kvmesh.shared.tier import ChunkBuffer, StoreLink
-from kvmesh.services.disk_store.pool_socket import PoolLink
+from kvmesh.shared.tier import ChunkBuffer, StoreLink, StoreMayWrite, Unanswered
+from kvmesh.services.disk_store.pool_socket import PoolLink, Registration
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +51,8 @@ class DiskStoreClient:
         self.data_timeout = data_timeout if data_timeout is not None else max(request_timeout, 10.0)
         self._link = StoreLink(store_id, f"disk store {store_id}", log, caller)  # asked every time: on this host
         self._pools = PoolLink(store_id, caller, request_timeout, scope=lambda: bus.server_scope(nc))
+        self._next_get_id = 0  # get ids: unique per client (the store keys its gets by caller and pool)
+        self._closed = False
 
     # ---- StoreTier ------------------------------------------------------------------------------
     async def put(self, meta: protocol.ChunkMeta, buffer: ChunkBuffer) -> bool:
@@ -69,13 +75,23 @@ class DiskStoreClient:
         return reply.ok
 
     async def get_into(self, key: ChunkKey, buffer: ChunkBuffer) -> protocol.ChunkMeta | None:
-        token = await self._pool_token(buffer)
-        if token is not None:
-            request = protocol.GetRequest(key=key, pool=token, pool_offset=buffer.pool_offset,
-                                          capacity=len(buffer.view))
+        """The chunk into `buffer`; None on a miss. A pooled get that got no answer raises StoreMayWrite (the
+        store may still serve it into the pool later): its `settled()` says when the buffer is safe again."""
+        registration = await self._pools.registration(buffer.pool) if buffer.pool is not None else None
+        token = registration.token if registration is not None else None
+        if registration is not None:
+            self._next_get_id += 1
+            get_id, deadline = self._next_get_id, time.monotonic() + self.data_timeout
+            request = protocol.GetRequest(key=key, pool=registration.token, pool_offset=buffer.pool_offset,
+                                          capacity=len(buffer.view), get_id=get_id, deadline=deadline)
+            try:
+                reply = await self._link.exchange(self.nc, "get", request, protocol.GetReply, self.data_timeout)
+            except Unanswered as exc:
+                raise StoreMayWrite(f"disk store {self.store_id}: get {get_id} of {key.hex()} unanswered ({exc})",
+                                    lambda: self._settled(registration, get_id, deadline)) from None
         else:
             request = protocol.GetRequest(key=key, capacity=len(buffer.view))
-        reply = await self._request("get", request, protocol.GetReply, self.data_timeout)
+            reply = await self._request("get", request, protocol.GetReply, self.data_timeout)
         if reply is None or not reply.found or reply.meta is None:
             if reply is not None and reply.error:
                 log.debug("disk store %s: get %s: %s", self.store_id, key.hex(), reply.error)
@@ -137,8 +153,43 @@ class DiskStoreClient:
         return False
 
     async def close(self) -> None:
-        """Take the lent pools back (the store unmaps them)."""
+        """Take the lent pools back (the store unmaps them). Gets still unsettled stay so for good (their
+        buffers are never reused: the engine is stopping)."""
+        self._closed = True
         self._pools.close()
+
+    async def _settled(self, registration: Registration, get_id: int, deadline: float) -> bool:
+        """Once the store can no longer write into the pool for get `get_id`: True when it acked our cancel_get,
+        or when its end of the pool connection closed (it exited, or dropped the pool after its last write).
+        Asks again every request_timeout meanwhile. False if this client closes first (nothing can be known
+        then). A refusal is no ack: a store that does not know the token (another process with the same id)
+        cannot promise anything about what the one we lent it to does."""
+        cancel = protocol.CancelGet(pool=registration.token, get_id=get_id, deadline=deadline)
+        gone = asyncio.ensure_future(registration.gone.wait())
+        try:
+            while not self._closed:
+                if registration.peer_closed():
+                    return True
+                asked_at = time.monotonic()
+                ask = asyncio.ensure_future(self._link.exchange(self.nc, "cancel_get", cancel, protocol.Ack,
+                                                                self.request_timeout))
+                await asyncio.wait([ask, gone], return_when=asyncio.FIRST_COMPLETED)
+                if gone.done():
+                    ask.cancel()
+                    return True
+                try:
+                    reply = ask.result()
+                    why = reply.error if reply is not None else "the store is resting"
+                except Unanswered as exc:
+                    reply, why = None, str(exc)
+                if reply is not None and reply.ok:
+                    return True
+                log.debug("disk store %s: cancel of get %d not acked (%s); asking again", self.store_id, get_id, why)
+                # at most once per request_timeout (a store with no responder answers at once)
+                await asyncio.wait([gone], timeout=max(0.0, asked_at + self.request_timeout - time.monotonic()))
+            return False
+        finally:
+            gone.cancel()
 
     # ---- plumbing --------------------------------------------------------------------------------------
     async def _pool_token(self, buffer: ChunkBuffer) -> str | None:

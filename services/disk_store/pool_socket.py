@@ -8,6 +8,8 @@ the other's uid (SO_PEERCRED: the same user, or root). The store maps the descri
 file and answers `{"token": <random hex>, "size": <bytes>}` (or `{"error": ...}`); puts and gets then name
 that token and an offset, and the store honours the token only on requests from the caller path that
 registered it. The connection stays open: when it closes (the engine is gone) the store drops the mapping.
+The store closes its end only after its last write into the pool (or by exiting), so an engine that sees the
+store's end close (`Registration.store_gone`) knows that store writes nothing more into the pool.
 
 This module is the engine's side (`PoolLink`) plus what both sides share; the store's is pools.py.
 """
@@ -23,7 +25,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmesh.shared.credentials import private_dir, runtime_dir
@@ -92,6 +94,29 @@ class Registration:
     token: str
     size: int
     alive: bool = True
+    # The store's end closed (EOF or reset): the store process exited, or it dropped the pool after its last
+    # write into it (pools.py). Either way nothing of that store writes into the pool any more. Set once.
+    store_gone: bool = False
+    gone: asyncio.Event = field(default_factory=asyncio.Event)  # set with store_gone (on the client's loop)
+
+    def peer_closed(self) -> bool:
+        """Non-blocking: whether the store's end has closed (peeks; reads nothing). False while the connection is
+        open and quiet, and for a connection this side closed (then nothing can be told from it)."""
+        if self.store_gone:
+            return True
+        if not self.alive:
+            return False
+        try:
+            data = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:  # reset: the store's end is gone
+            data = b""
+        if data:
+            return False  # the store sent something (it never does): not a close
+        self.store_gone = True
+        self.gone.set()
+        return True
 
     def close(self) -> None:
         self.alive = False
@@ -152,13 +177,18 @@ class PoolLink:
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop watching the connections
 
     async def token(self, segment: SharedSegment) -> str | None:
+        registration = await self.registration(segment)
+        return registration.token if registration is not None else None
+
+    async def registration(self, segment: SharedSegment) -> Registration | None:
+        """`segment`'s live registration (made now if needed), or None when the pool cannot be lent."""
         registration = self._registrations.get(segment)
         if registration is not None and registration.alive:
-            return registration.token
+            return registration
         async with self._lock:  # one registration at a time: concurrent first puts share it
             registration = self._registrations.get(segment)
             if registration is not None and registration.alive:
-                return registration.token
+                return registration
             if time.monotonic() < self._retry_at:
                 return None
             try:
@@ -176,10 +206,11 @@ class PoolLink:
         self._registrations[segment] = registration
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(registration.sock.fileno(), self._closed_by_store, registration)
-        return registration.token
+        return registration
 
     def _closed_by_store(self, registration: Registration) -> None:
         """The store never writes after its answer: readable means it closed the connection (or misbehaves)."""
+        registration.peer_closed()  # records a close (only a real one) before our end goes too
         self._forget(registration)
         log.info("disk store %s closed its pool connection; the pool is lent again on next use", self.store_id)
 

@@ -2,7 +2,9 @@
 of this host lend their CPU pools, and the table of pools they lent, by token.
 
 Runs on the store's event loop. A pool stays mapped while its engine's connection is open; when it closes, the
-pool is dropped (views an I/O thread still uses keep the mapping until they are released: shared/shm.py).
+pool is dropped (views an I/O thread still uses keep the mapping until they are released: shared/shm.py). The
+store's end of a connection closes only after every get writing into its pool has finished (or with the
+process): so an engine that sees it close knows nothing of this store writes into that pool any more.
 Bounds: at most `max_pools` connections at once (registered or still saying hello), a hello of at most
 `hello_max_bytes` that must arrive within `hello_timeout` seconds. Nothing a peer sends can stop the store:
 every failure refuses that one connection, with the reason in the answer and the log.
@@ -15,7 +17,7 @@ import logging
 import os
 import secrets
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,11 @@ class PoolRefused(Exception):
 class LentPool:
     caller: str  # the caller path that registered it: only its requests may name the token
     segment: SharedSegment
+    # pooled gets that may write into the segment now (accepted, their readinto not returned yet), by get id;
+    # each future resolves when that write is over (store.py)
+    writing: dict[int, "asyncio.Future[None]"] = field(default_factory=dict)
+    # get ids the engine cancelled before they arrived -> their deadline (store's clock): refused on arrival
+    cancelled: dict[int, float] = field(default_factory=dict)
 
 
 class PoolRegistry:
@@ -88,12 +95,17 @@ class PoolRegistry:
         self.path = None
         await self.start(scope)
 
-    def view(self, token: str, caller: str, offset: int, nbytes: int) -> memoryview:
-        """`nbytes` bytes at `offset` of the pool `caller` lent as `token`; StoreError saying what is wrong."""
+    def lent(self, token: str, caller: str) -> LentPool:
+        """The pool `caller` lent as `token`; StoreError when there is none."""
         pool = self._pools.get(token)
         if pool is None or pool.caller != caller:
             raise StoreError(f"pool {token[:8]!r}... is not lent by {caller} on this store (unknown token, or its "
                              "engine's connection closed)")
+        return pool
+
+    def view(self, token: str, caller: str, offset: int, nbytes: int) -> memoryview:
+        """`nbytes` bytes at `offset` of the pool `caller` lent as `token`; StoreError saying what is wrong."""
+        pool = self.lent(token, caller)
         if offset < 0 or nbytes < 0 or offset + nbytes > pool.segment.size:
             raise StoreError(f"range [{offset}, {offset + nbytes}) is outside the pool's {pool.segment.size} bytes")
         return pool.segment.buf[offset:offset + nbytes]
@@ -163,8 +175,14 @@ class PoolRegistry:
             log.debug("disk store %s: pool connection failed: %s", self.store_id, exc)
         finally:
             self._connections -= 1
-            conn.close()
-            pool = self._pools.pop(token, None) if token is not None else None
+            pool = self._pools.pop(token, None) if token is not None else None  # no new get can name it
+            try:
+                if pool is not None and pool.writing:
+                    # Our end of the connection closes only once no get writes into the pool: an engine that sees
+                    # it close knows its slots are safe to reuse (client.py).
+                    await asyncio.wait(list(pool.writing.values()))
+            finally:
+                conn.close()
             if pool is not None:
                 pool.segment.close()
                 self.counters["pools_dropped"] += 1

@@ -5,7 +5,10 @@ path ends the subject (`engine.<instance>.<worker>`, `operator`). Request -> rep
     put       PutRequest  -> Ack            accepted once the bytes are staged (see writer.py), with
                                             --durable-puts once the file is durable; ok=False + reason;
                                             records the caller's claim (also on a chunk already held)
-    get       GetRequest  -> GetReply       bytes into the pool the caller lent (pool_socket.py), or inline `data`
+    get       GetRequest  -> GetReply       bytes into the pool the caller lent (pool_socket.py), or inline `data`;
+                                            a pooled get past its deadline or cancelled writes nothing
+    cancel_get CancelGet  -> Ack            ok once that get of the caller's pool can never write any more
+                                            (its write is over, or it will be refused); see store.py
     contains  ChunkKeys   -> ContainsReply  how many leading keys are held (complete files)
     touch     ChunkKeys   -> Ack            an engine's hits: these chunks count as just used
     remove    ChunkKeys   -> CommandReply   num_tokens / num_chunks removed, whoever put them
@@ -19,9 +22,9 @@ same as the remote store's; put and get are DiskStore's own. Claims and pins per
 (files.py): pin, unpin, remove, clear and wipe are answered once the files hold their effect. Also: health (`serve_health(service="disk_store")` on the store's path), and admission/eviction
 batches plus full syncs on `Subjects.events(<store's path>)` through AdmissionReporter (location
 LocalDiskBackend, producer_id = store_id).
-Gets are handled up to `reader_threads` at a time; pin, unpin, remove, clear and wipe up to STATE_OPS_AT_ONCE
-(each applies its change at once, in arrival order, then waits for the shared write of the state files); every
-other op one request at a time, in arrival order.
+Gets are handled up to `reader_threads` at a time, cancel_get up to CANCELS_AT_ONCE; pin, unpin, remove, clear
+and wipe up to STATE_OPS_AT_ONCE (each applies its change at once, in arrival order, then waits for the shared
+write of the state files); every other op one request at a time, in arrival order.
 The slow parts (copies, file I/O) run on DiskStore's threads so other ops and health keep answering meanwhile.
 """
 
@@ -43,6 +46,8 @@ from kvmesh.services.disk_store.store import DiskStore
 from kvmesh.services.disk_store.writer import WriteFaults
 
 log = logging.getLogger(__name__)
+
+CANCELS_AT_ONCE = 16  # cancel_get requests handled at once (each may wait for one get's write)
 
 
 class DiskStoreService:
@@ -76,6 +81,8 @@ class DiskStoreService:
         # read; every other op is handled in arrival order.
         handlers = [Handler("put", protocol.PutRequest, store.put),
                     Handler("get", protocol.GetRequest, store.get, max_concurrent=options.reader_threads),
+                    # a cancel may wait for its get's write: several at once, so one slow read holds up no other
+                    Handler("cancel_get", protocol.CancelGet, store.cancel_get, max_concurrent=CANCELS_AT_ONCE),
                     *self.ops.handlers()]
         await store.pools.start(bus.server_scope(nc))
         if isinstance(nc, bus.MeshClient):  # a restarted NATS server has a new id: engines then look elsewhere

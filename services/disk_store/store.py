@@ -18,6 +18,11 @@ Every put records its caller's claim on the chunk, also when the chunk is alread
 only the claim is new); the claims file follows within a second (files.py).
 A get: index hit -> I/O thread `readinto` straight into the engine's pool slice, checksum verified ->
 answer with the chunk's meta. Inline `data` replaces the pool for small chunks or clients without a lent pool.
+A pooled get carries the engine's get id and deadline: on arrival it is refused, writing nothing, if it is past
+its deadline or was cancelled (`cancel_get`, a tombstone kept on the lent pool until the deadline); else it is
+registered as writing into the pool until its readinto returns, and a `cancel_get` of it is answered only then.
+So once the engine has its cancel acked, that get never writes into the slot again (services/engine/core/
+storage_manager.py quarantines the slot until then).
 A request names a pool by the token its engine got when lending it, never by a path: the store opens no file
 that a message names.
 """
@@ -41,12 +46,15 @@ from kvmesh.shared.state_file import StoreState
 from kvmesh.services.disk_store import files
 from kvmesh.services.disk_store.index import Entry
 from kvmesh.services.disk_store.options import DiskStoreOptions
-from kvmesh.services.disk_store.pools import PoolRegistry
+from kvmesh.services.disk_store.pools import LentPool, PoolRegistry
 from kvmesh.services.disk_store.writer import ChunkWriter, StagingBuffer, StagingPool, WriteFaults
 
 log = logging.getLogger(__name__)
 
 PIN_WAIT_SECS = 5.0  # a pin waits this long for chunks of the request that are still being written
+# cancelled gets remembered per lent pool until their deadline; a cancel past it is refused (the engine then
+# keeps its slot out of use and asks again): a bound on what a caller can make the store hold
+MAX_CANCELLED_GETS = 4096
 
 
 class DiskStore:
@@ -68,7 +76,7 @@ class DiskStore:
         self.counters: dict[str, int] = dict.fromkeys(
             ("puts_accepted", "puts_duplicate", "puts_refused", "writes_done", "write_errors", "gets", "hits",
              "corrupt_dropped", "checksum_failures", "evicted", "puts_pool", "puts_inline", "gets_pool",
-             "gets_inline"), 0)
+             "gets_inline", "gets_late", "gets_cancelled", "get_cancels", "get_cancels_refused"), 0)
         self.last_write_error: str | None = None
         self.scan_report: chunk_file.ScanReport | None = None
         self._lock_fd: int | None = None
@@ -292,11 +300,17 @@ class DiskStore:
         if entry is None:
             return protocol.GetReply(found=False)
         inline: bytearray | None = None
+        pool: LentPool | None = None
         try:
             if request.pool:
                 if request.capacity < entry.nbytes:
                     raise StoreError(f"buffer of {request.capacity} bytes is too small for {entry.nbytes}")
                 out = self.pools.view(request.pool, caller, request.pool_offset, entry.nbytes)
+                if request.get_id:
+                    pool = self.pools.lent(request.pool, caller)
+                    refusal = self._admit_get(pool, request)
+                    if refusal is not None:
+                        return protocol.GetReply(found=False, error=refusal)
                 self.counters["gets_pool"] += 1
             else:
                 if entry.nbytes > self.max_inline_bytes:
@@ -309,7 +323,10 @@ class DiskStore:
             return protocol.GetReply(found=False, error=str(exc))
         self.index.touch(key)
         try:
-            meta = await self._in_io(_read_chunk, self.root, key, out)
+            if pool is not None:  # admitted above, with no await since: registered as it starts
+                meta = await self._write_into(pool, request.get_id, _read_chunk, self.root, key, out)
+            else:
+                meta = await self._in_io(_read_chunk, self.root, key, out)
         except chunk_file.CorruptChunkFile as exc:
             self.counters["corrupt_dropped"] += 1
             log.warning("disk store: dropping corrupt chunk %s: %s", key.hex(), exc)
@@ -323,6 +340,76 @@ class DiskStore:
             return protocol.GetReply(found=False, error=f"read of {key.hex()} failed: {exc}")
         self.counters["hits"] += 1
         return protocol.GetReply(found=True, meta=meta, data=bytes(inline) if inline is not None else None)
+
+    def _admit_get(self, pool: LentPool, request: protocol.GetRequest) -> str | None:
+        """Why a pooled get may not write into `pool`, or None. The caller registers it (`_write_into`) with no
+        await in between, so no cancel_get can come between the checks and the registration: a cancel either
+        finds the get registered (and waits for its write) or leaves a tombstone that this check finds."""
+        get_id = request.get_id
+        if pool.cancelled.pop(get_id, None) is not None:
+            self.counters["gets_cancelled"] += 1
+            return f"get {get_id} was cancelled by its engine before it arrived"
+        if time.monotonic() > request.deadline:
+            self.counters["gets_late"] += 1
+            return f"get {get_id} arrived after its deadline (the engine has given up on it)"
+        if get_id in pool.writing:
+            return f"get {get_id} is already being served (get ids must be unique)"
+        return None
+
+    async def _write_into(self, pool: LentPool, get_id: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn` (which writes into `pool`) on the I/O pool, registered in `pool.writing[get_id]` from the
+        call (before its first await) until the thread is done with it, not until this coroutine ends: a
+        cancelled handler leaves a thread that may still be writing."""
+        assert self._io is not None
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        pool.writing[get_id] = done
+
+        def ended() -> None:
+            if pool.writing.get(get_id) is done:
+                del pool.writing[get_id]
+            if not done.done():
+                done.set_result(None)
+
+        def ended_in_thread(_: object) -> None:
+            try:
+                loop.call_soon_threadsafe(ended)
+            except RuntimeError:  # the loop is closed: the process is ending
+                pass
+
+        try:
+            work = self._io.submit(fn, *args)
+        except BaseException:
+            ended()
+            raise
+        work.add_done_callback(ended_in_thread)
+        return await asyncio.wrap_future(work)
+
+    async def cancel_get(self, request: protocol.CancelGet, caller: str) -> protocol.Ack:
+        """The engine gave up on its get `request.get_id`: answer ok only once that get can no longer write into
+        the pool (its write is over, or it will be refused on arrival). Scoped to the caller's own pool."""
+        self.counters["get_cancels"] += 1
+        try:
+            pool = self.pools.lent(request.pool, caller)
+        except StoreError as exc:  # not our pool (another store process lent it, or it was taken back)
+            self.counters["get_cancels_refused"] += 1
+            return protocol.Ack(ok=False, error=f"disk store {self.options.store_id}: {exc}")
+        writing = pool.writing.get(request.get_id)
+        if writing is not None:
+            await asyncio.shield(writing)  # its readinto is over when this resolves
+            return protocol.Ack()
+        now = time.monotonic()
+        if now > request.deadline:  # should it still arrive, the deadline check refuses it
+            return protocol.Ack()
+        for get_id, deadline in list(pool.cancelled.items()):
+            if now > deadline:
+                del pool.cancelled[get_id]
+        if len(pool.cancelled) >= MAX_CANCELLED_GETS:
+            self.counters["get_cancels_refused"] += 1
+            return protocol.Ack(ok=False, error=(f"disk store {self.options.store_id}: {len(pool.cancelled)} "
+                                                 "cancelled gets of this pool pending already; ask again later"))
+        pool.cancelled[request.get_id] = request.deadline
+        return protocol.Ack()
 
     def _drop(self, key: ChunkKey, entry: Entry, delete: bool) -> None:
         """Forget a key whose file turned out bad or gone, unless a newer write replaced it meanwhile."""

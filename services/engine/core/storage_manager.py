@@ -16,7 +16,9 @@ from one tier to another (`move`).
 Data path of one chunk: pool slot (filled by the paged gather) -> CPU tier -> write-behind queue -> checksum of
 the slot's bytes (a worker thread; every store put carries one and the stores refuse bytes that do not match it)
 -> each lower store's `put` (the disk store reads the slot in place through shared memory). Back: a lower
-store's `get_into` fills a fresh slot (the bytes verified against their checksum on the way) -> the meta checked
+store's `get_into` fills a fresh slot (the bytes verified against their checksum on the way; a get the disk
+store did not answer in time raises StoreMayWrite, and the slot is quarantined, never reused, until the store
+can no longer write into it: `_quarantine`, docs/architecture.md "A slot lent to a store") -> the meta checked
 against what the key must hold (`CheckMeta`: key, token count, KV format, dtype, size, shape; else a miss, one
 rate-limited WARNING naming the difference, counted in `stats["fetch_bad_meta"]`, recomputed) -> CPU
 tier (when `local_cpu`) -> paged scatter into vLLM's cache. A hit, in any tier, refreshes the chunk's recency
@@ -43,7 +45,7 @@ from kvmesh.services.engine.tiers.cpu import ChunkRef, LocalCPUBackend
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.keys import ChunkKey, ChunkSpan
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE, ChunkMeta
-from kvmesh.shared.tier import StoreTier, Tier
+from kvmesh.shared.tier import StoreMayWrite, StoreTier, Tier
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,8 @@ ALL_LOCATIONS = frozenset(LOCATIONS)
 TOUCH_BATCH = 10_000  # keys per touch request
 TIER_OPS = ("pin", "unpin", "clear", "lookup")  # `command`: one tier
 COMMAND_OPS = (*TIER_OPS, "move")  # what the worker agent answers (`move`: from one tier to another)
+# a store holding this many quarantined slots (it may still write into them) is lent no more: misses at once
+MAX_QUARANTINED_SLOTS = 8
 # what a loaded chunk's meta says differently from what its span's key must hold; None when it matches
 CheckMeta = Callable[[ChunkSpan, ChunkMeta], "str | None"]
 
@@ -136,6 +140,9 @@ class StorageManager:
         self._hits_lock = threading.Lock()
         self._rlog = RateLimitedLog(log)
         self.stats = collections.Counter[str]()
+        # slots a store may still write into (StoreMayWrite), per location: out of use until settled (loop thread)
+        self._quarantined: collections.Counter[str] = collections.Counter()
+        self._quarantines: set[asyncio.Task[None]] = set()
 
     # ---- the tiers (loop thread) -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -394,10 +401,14 @@ class StorageManager:
                 for slot, result in zip(slots, results):
                     if failed or not isinstance(result, ChunkMeta):
                         failed = True
-                        if isinstance(result, ChunkMeta) or result is None:
-                            slot.release()
-                        else:  # an exception or a timeout: the store may still write late; free the slot later
-                            self._release_later(slot)
+                        if isinstance(result, BaseException) and not isinstance(result, Exception):
+                            raise result  # cancelled: the slots stay held (never reused), we are stopping
+                        # A miss, or a client's exception: nothing writes into the slot after either. A store that
+                        # may (the disk store, through the lent pool) raised StoreMayWrite, and _get_one holds
+                        # the slot for that. The remote store's stream reads with loop.sock_recv_into on this loop
+                        # (a read that is cancelled or timed out cannot land later: the kernel copies only inside
+                        # that loop callback), and the Redis tier awaits its decode thread to the end.
+                        slot.release()
                         continue
                     got.append(ChunkRef(result, slot))
                     if self.cpu.keep:
@@ -411,7 +422,19 @@ class StorageManager:
         return got
 
     async def _get_one(self, client: StoreTier, span: ChunkSpan, slot: Slot, check: CheckMeta) -> ChunkMeta | None:
-        meta = await client.get_into(span.key, slot.chunk_buffer())
+        """`span`'s chunk into `slot`; None on a miss. The caller releases its slot reference on None as always:
+        when the store may still write into the slot, the quarantine holds a reference of its own."""
+        location = client.location
+        if self._quarantined[location] >= MAX_QUARANTINED_SLOTS:  # a stalled store must not drain the pool
+            self.stats["fetch_store_stalled"] += 1
+            self._rlog.warning("store_stalled", "%s holds %d slots it may still write into: answering misses "
+                               "from it until it settles them", location, self._quarantined[location])
+            return None
+        try:
+            meta = await client.get_into(span.key, slot.chunk_buffer())
+        except StoreMayWrite as exc:
+            self._quarantine(location, slot.ref(), exc)
+            return None
         if meta is None:
             return None
         mismatch = check(span, meta)
@@ -422,9 +445,30 @@ class StorageManager:
             return None
         return meta
 
-    def _release_later(self, slot: Slot) -> None:
-        # A store that missed our deadline may still be writing into this slot through shared memory.
-        asyncio.get_running_loop().call_later(max(self.config.request_timeout_secs, 1.0), slot.release)
+    def _quarantine(self, location: str, slot: Slot, exc: StoreMayWrite) -> None:
+        """Hold `slot` (one reference, taken by the caller) until the store that may write into it has settled:
+        then release it. Not a time limit: a store stopped now may resume at any later time."""
+        self._quarantined[location] += 1
+        self.stats["slots_quarantined"] += 1
+        self.stats["slots_quarantined_now"] += 1
+        self._rlog.warning("quarantined", "%s; its pool slot stays out of use until the store can no longer "
+                           "write into it (%d slots so)", exc, self.stats["slots_quarantined_now"])
+
+        async def end() -> None:
+            try:
+                settled = await exc.settled()
+            except Exception:  # a bug: the slot stays held (safe), and we say so
+                log.exception("waiting for %s to settle a get failed; its slot stays out of use", location)
+                return
+            if settled:
+                self._quarantined[location] -= 1
+                self.stats["slots_quarantined_now"] -= 1
+                slot.release()
+            # else: the client closed first (the engine is stopping): the slot stays held for good
+
+        task = asyncio.get_running_loop().create_task(end(), name="kvmesh-slot-quarantine")
+        self._quarantines.add(task)
+        task.add_done_callback(self._quarantines.discard)
 
     # ---- recency: hits refresh the lower tiers (batched, off the hot path) ---------------------------------------
     def note_hits(self, keys: Sequence[ChunkKey]) -> None:
