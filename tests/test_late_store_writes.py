@@ -9,15 +9,19 @@ stopped with SIGSTOP, resumed with SIGCONT or killed with SIGKILL.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
+import msgpack
 import pytest
 import torch
 
+from kvmesh.services.disk_store import store as store_module
 from kvmesh.services.disk_store.client import DiskStoreClient
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.core.storage_manager import Run
@@ -27,6 +31,7 @@ from kvmesh.shared.local_mesh import LocalMesh
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
 from kvmesh.shared.shm import SharedSegment
 
+from test_disk_store import CHUNK as H_CHUNK, Harness, chunk, harness  # noqa: F401 (harness: a fixture)
 from test_disk_store_process import CHUNK as STORE_CHUNK, ENGINE, SLOTS, StoreProcess, data_of, key_of, put_pool, slot
 from test_engine_mesh import _store_and_settle, engine_on
 from test_engine_support import CHUNK, PagedKV, disk_store_mesh, random_tokens
@@ -205,3 +210,81 @@ async def test_an_old_get_without_an_id_is_still_served(nc, store: StoreProcess)
             assert reply.found and bytes(buffer.view) == data_of(1)
         finally:
             await client.close()
+
+
+# ---- the same, in process: a write in progress, the tombstone bound, the messages' checks --------------------
+
+async def test_a_cancel_is_answered_only_once_its_get_has_written(harness: Harness, monkeypatch) -> None:
+    """A cancel that finds its get registered (its read under way) waits for the read to return."""
+    release = threading.Event()
+    read_chunk = store_module._read_chunk
+
+    def slow_read(*args: Any) -> Any:  # the read thread, held until the test lets it go
+        release.wait(WAIT_S)
+        return read_chunk(*args)
+
+    monkeypatch.setattr(store_module, "_read_chunk", slow_read)
+    service = await harness.start()
+    assert await harness.put(1)
+    with SharedSegment.create(4 * H_CHUNK) as segment:
+        registration = await harness.lend(segment)
+        pool = service.store.pools.lent(registration.token, ENGINE)
+        deadline = time.monotonic() + WAIT_S
+        get = asyncio.ensure_future(harness.request("get", protocol.GetRequest(
+            key=key_of(1), pool=registration.token, capacity=H_CHUNK, get_id=5, deadline=deadline), protocol.GetReply))
+        try:
+            await wait_until_async(lambda: 5 in pool.writing, what="the get registered as writing")
+            cancel = asyncio.ensure_future(harness.request("cancel_get", protocol.CancelGet(
+                pool=registration.token, get_id=5, deadline=deadline), protocol.Ack))
+            await wait_until_async(lambda: service.store.counters["get_cancels"] == 1, what="the cancel arrived")
+            assert not cancel.done(), "a cancel must not be acked while its get may still write"
+            release.set()
+            assert (await cancel).ok
+            assert bytes(segment.buf[:H_CHUNK]) == chunk(1)[1]  # the write was over before the ack
+            assert 5 not in pool.writing and (await get).found
+        finally:
+            release.set()
+            await asyncio.wait([get])
+
+
+async def test_cancels_past_the_bound_are_refused_until_tombstones_expire(harness: Harness, monkeypatch) -> None:
+    """The tombstones a pool may hold are bounded; past the bound a cancel is refused (the engine keeps its slot
+    and asks again), and expired tombstones make room."""
+    monkeypatch.setattr(store_module, "MAX_CANCELLED_GETS", 2)
+    await harness.start()
+    with SharedSegment.create(4 * H_CHUNK) as segment:
+        token = (await harness.lend(segment)).token
+        now = time.monotonic()
+
+        async def cancel(get_id: int, deadline: float) -> protocol.Ack:
+            return await harness.request("cancel_get", protocol.CancelGet(pool=token, get_id=get_id,
+                                                                          deadline=deadline), protocol.Ack)
+
+        assert (await cancel(1, now + 0.2)).ok  # expires soon
+        assert (await cancel(2, now + WAIT_S)).ok
+        refused = await cancel(3, now + WAIT_S)
+        assert not refused.ok and "cancelled gets" in (refused.error or "")
+        await wait_until_async(lambda: time.monotonic() > now + 0.2, what="the first tombstone's deadline")
+        assert (await cancel(3, now + WAIT_S)).ok
+        # a past deadline needs no tombstone: the deadline check refuses that get anyway
+        assert (await cancel(4, time.monotonic() - 1)).ok
+
+
+@pytest.mark.parametrize("fields", [{"get_id": -1}, {"get_id": 2**63}, {"deadline": float("nan")},
+                                    {"deadline": float("inf")}, {"deadline": -1.0}, {"get_id": True}])
+def test_get_ids_and_deadlines_are_checked_on_decode(fields: dict[str, Any]) -> None:
+    body = protocol._fields_of(protocol.GetRequest(key=b"k" * 16, pool="ab", get_id=1, deadline=1.0))
+    body.update(fields, v=protocol.PROTOCOL_VERSION, t="get_request")
+    with pytest.raises(protocol.ProtocolError):
+        protocol.decode(msgpack.packb(body), protocol.GetRequest)
+    cancel = {"pool": "ab", "get_id": 1, "deadline": 1.0, **fields, "v": protocol.PROTOCOL_VERSION, "t": "cancel_get"}
+    with pytest.raises(protocol.ProtocolError):
+        protocol.decode(msgpack.packb(cancel), protocol.CancelGet)
+
+
+def test_a_get_without_id_still_decodes_and_a_cancel_needs_one() -> None:
+    old = {"key": b"k" * 16, "pool": "ab", "capacity": 4, "v": protocol.PROTOCOL_VERSION, "t": "get_request"}
+    assert protocol.decode(msgpack.packb(old), protocol.GetRequest).get_id == 0
+    no_id = {"pool": "ab", "get_id": 0, "deadline": 1.0, "v": protocol.PROTOCOL_VERSION, "t": "cancel_get"}
+    with pytest.raises(protocol.ProtocolError):
+        protocol.decode(msgpack.packb(no_id), protocol.CancelGet)
