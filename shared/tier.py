@@ -15,7 +15,8 @@ pool (a sealed memfd, shared/shm.py), that pool and the offset, so the disk stor
 pool is lent to it, can read or write the bytes in place (no bytes through NATS). The disk store and the
 remote store each provide a `StoreTier` client (`services/disk_store/client.py`, `services/remote_store/client.py`). All methods are coroutines on the
 engine's NATS loop; none raises on a dead store: they log and answer a miss / False / 0 (a failing store never
-fails vLLM). `StoreLink` is how both clients do that: one per store, it sends the requests on subjects ending
+fails vLLM). One exception, which the storage manager handles: `get_into` raises `StoreMayWrite` when a store
+that writes into the buffer in place did not answer, so the buffer stays out of use until the store settles. `StoreLink` is how both clients do that: one per store, it sends the requests on subjects ending
 in the client's caller path (`Principal.engine(instance_id).producer(worker_id)` for an engine worker: who
 puts, and whose claims a `clear` takes back) and logs each change of the store's state once.
 """
