@@ -5,6 +5,8 @@
 #   make test          install, then python -m pytest -q (unit tests and the vLLM end-to-end tests)
 #   make test-unit     install, then the tests without a vLLM (-m "not vllm")
 #   make test-e2e      install, then only the vLLM end-to-end tests (-m vllm)
+#   make fuzz          install, then tests/fuzz.py: random simulation seeds for SECONDS (default 60) seconds;
+#                      SEED=n replays one seed (tests/sim_harness.py)
 #   make bench         install, then benchmarks/ttft.py (cold/warm TTFT at 2k/8k/16k vs the CPU peers)
 #   make model         build the demo model into $(DEMO_DIR)/model
 #   make clean-demo    remove $(DEMO_DIR)
@@ -21,7 +23,7 @@ MODEL ?=
 DEMO_DIR ?= .demo
 STAMP := $(VENV)/.kvmesh-installed
 
-.PHONY: install demo test test-unit test-e2e bench model clean-demo
+.PHONY: install demo test test-unit test-e2e fuzz bench model clean-demo
 
 install: $(STAMP)
 
@@ -47,6 +49,9 @@ test-unit: install
 
 test-e2e: install
 	$(PY) -m pytest -q -m vllm
+
+fuzz: install
+	$(PY) tests/fuzz.py $(if $(SEED),--seed $(SEED),--seconds $(or $(SECONDS),60))
 
 bench: install
 	$(PY) benchmarks/ttft.py

@@ -42,13 +42,15 @@ def rank0_engine(layout: KVLayout, device: Any = None) -> Iterator[CacheEngine]:
         worker.close()
 
 
-def scheduler_half(config: EngineConfig, block_size: int, saves_off_forward: bool) -> Any:
-    """The scheduler half as vLLM creates it (without a VllmConfig); close it with `.shutdown()`."""
+def scheduler_half(config: EngineConfig, block_size: int, saves_off_forward: bool, world_size: int = 1) -> Any:
+    """The scheduler half as vLLM creates it (without a VllmConfig); close it with `.shutdown()`. With
+    `world_size` > 1 its lookups take the minimum over that many ranks' engines (simulated TP)."""
     conn = connector.KVMeshConnector.__new__(connector.KVMeshConnector)
     conn.config, conn.chunk_size, conn.block_size = config, config.chunk_size, block_size
     conn.unsupported, conn.can_load, conn.can_save = None, True, True
     conn._trackers, conn._stats, conn._async_starting, conn._kv_events = {}, connector.KVMeshStats(), [], None
-    conn._lookup = SchedulerLookup(world_size=1, timeout=WAIT_S, nats_name="test-scheduler")
+    conn._lookup = SchedulerLookup(world_size=world_size, timeout=WAIT_S, nats_name="test-scheduler")
+    conn.world_size = world_size
     conn.saves_off_forward = saves_off_forward
     return conn
 
@@ -59,6 +61,7 @@ def worker_half(engine: CacheEngine, caches: dict[str, torch.Tensor], block_size
     conn = connector.KVMeshConnector.__new__(connector.KVMeshConnector)
     conn.engine, conn.block_size, conn.chunk_size, conn._kv_caches = engine, block_size, engine.config.chunk_size, caches
     conn._load_errors, conn._finished_recving, conn._async_loads = set(), set(), AsyncLoads(load_timeout)
+    conn._failed_from = {}
     conn._stats, conn._connector_metadata = connector.KVMeshStats(), None
     conn.saves_off_forward, conn._async_saves = saves_off_forward, AsyncSaves()
     conn.config = engine.config
@@ -68,11 +71,13 @@ def worker_half(engine: CacheEngine, caches: dict[str, torch.Tensor], block_size
     return conn
 
 
-def request(req_id: str, tokens: list[int]) -> SimpleNamespace:
-    """What the connector reads of vLLM's Request."""
+def request(req_id: str, tokens: list[int], cache_salt: str | None = None,
+            lora_request: Any = None) -> SimpleNamespace:
+    """What the connector reads of vLLM's Request (`lora_request`: an object with lora_name / lora_path /
+    lora_int_id, as vLLM's LoRARequest)."""
     return SimpleNamespace(request_id=req_id, num_tokens=len(tokens), num_prompt_tokens=len(tokens),
-                           all_token_ids=tokens, lora_request=None, mm_features=[], prompt_embeds=None,
-                           cache_salt=None)
+                           all_token_ids=tokens, lora_request=lora_request, mm_features=[], prompt_embeds=None,
+                           cache_salt=cache_salt)
 
 
 def blocks(ids: list[int]) -> SimpleNamespace:
@@ -111,9 +116,13 @@ class StepResult:
 
 
 def run_worker_step(worker: Any, metadata: Any, finished: set[str],
-                    forward: Callable[[int, str], None] | None = None) -> StepResult:
+                    forward: Callable[[int, str], None] | None = None,
+                    before_finished: Callable[[], None] | None = None) -> StepResult:
     """The worker half through one step, in vLLM's GPU model runner's order. `forward(i, layer_name)` stands
-    for layer i's attention writing its KV (after wait_for_layer_load, before save_kv_layer)."""
+    for layer i's attention writing its KV (after wait_for_layer_load, before save_kv_layer).
+    `before_finished()` runs between wait_for_save and get_finished (a simulation waits there, by condition,
+    for the asynchronous fetches started in this step, so that what get_finished reports does not depend on
+    timing)."""
     worker.handle_preemptions(metadata)
     worker.bind_connector_metadata(metadata)
     worker.start_load_kv(None)
@@ -124,6 +133,8 @@ def run_worker_step(worker: Any, metadata: Any, finished: set[str],
                 forward(i, name)
             worker.save_kv_layer(name, cache, None)
     worker.wait_for_save()
+    if before_finished is not None:
+        before_finished()
     sending, recving = worker.get_finished(finished)
     errors = worker.get_block_ids_with_load_errors()
     worker_meta = worker.build_connector_worker_meta()
