@@ -130,6 +130,7 @@ class CacheEngine:
         self.layout = layout
         self._fmt = fmt
         self._dtype_name = str(layout.dtype).removeprefix("torch.")
+        self._expected: dict[int, tuple[tuple[str, object], ...]] = {}  # num_tokens -> (field, value)
         self.hasher = ChunkHasher(self.key_params, config.chunk_size, config.save_unfull_chunk)
         self.pool = MemoryPool(config.max_local_cpu_bytes, layout.chunk_nbytes(config.chunk_size),
                                use_shm=self._use_shm)
@@ -458,19 +459,31 @@ class CacheEngine:
                          dtype=self._dtype_name, fmt=self._fmt, nbytes=layout.chunk_nbytes(span.num_tokens))
 
     def _meta_mismatch(self, span: ChunkSpan, meta: ChunkMeta) -> str | None:
-        """How a chunk loaded from a lower tier differs from what `span`'s key must hold here (None: it matches).
-        A chunk of another key, token count, KV format, dtype, byte size or shape is never scattered into vLLM's
-        blocks."""
-        expected = self._chunk_meta(span)
-        for name in ("key", "num_tokens", "fmt", "dtype", "nbytes", "shape"):
-            got, want = getattr(meta, name), getattr(expected, name)
-            if name == "key":
-                got, want = got.hex(), want.hex()
-            elif name == "shape":
-                got, want = list(got), list(want)
+        """How a chunk about to be loaded (from any tier, the CPU tier included) differs from what `span`'s key
+        must hold here (None: it matches). A chunk of another key, token count, KV format, dtype, byte size or
+        shape is never scattered into vLLM's blocks. On every loaded chunk: the per-token-count part of the
+        expectation is built once (`_expected_meta`)."""
+        if meta.key != span.key:
+            return f"key {meta.key.hex()!r} where this engine expects {span.key.hex()!r}"
+        if meta.num_tokens != span.num_tokens:
+            return f"num_tokens {meta.num_tokens!r} where this engine expects {span.num_tokens!r}"
+        expected = self._expected_meta(span.num_tokens)
+        for name, want in expected:
+            got = getattr(meta, name)
+            if name == "shape":
+                got = tuple(got)
             if got != want:
                 return f"{name} {got!r} where this engine expects {want!r}"
         return None
+
+    def _expected_meta(self, num_tokens: int) -> tuple[tuple[str, object], ...]:
+        """(field, value) of what a chunk of `num_tokens` tokens holds in this engine's layout, besides its key."""
+        expected = self._expected.get(num_tokens)
+        if expected is None:
+            meta = self._chunk_meta(ChunkSpan(0, 0, num_tokens, b""))
+            expected = self._expected[num_tokens] = (("fmt", meta.fmt), ("dtype", meta.dtype),
+                                                     ("nbytes", meta.nbytes), ("shape", tuple(meta.shape)))
+        return expected
 
     @property
     def nats_url(self) -> str | None:

@@ -276,7 +276,7 @@ class StorageManager:
         """
         refs: list[ChunkRef] = []
         for span in spans:
-            ref = self.cpu.acquire(span.key)
+            ref = self._checked(span, self.cpu.acquire(span.key), check)
             if ref is None:
                 break
             refs.append(ref)
@@ -331,7 +331,7 @@ class StorageManager:
             for run in runs if runs is not None else await self.locate(spans):
                 pos = run.begin
                 while pos < run.end:  # what is (or is about to be) resident needs no store
-                    ref = await self._resident(spans[pos].key, owner)
+                    ref = await self._resident(spans[pos], owner, check)
                     if ref is None:
                         break
                     refs.append(ref)
@@ -353,14 +353,29 @@ class StorageManager:
         finally:
             self._settle(owner, [span.key for span in spans])
 
-    async def _resident(self, key: ChunkKey, owner: object) -> ChunkRef | None:
-        """The chunk from the CPU tier, after waiting for another fetch of it that is in flight."""
+    async def _resident(self, span: ChunkSpan, owner: object, check: CheckMeta) -> ChunkRef | None:
+        """The chunk from the CPU tier, after waiting for another fetch of it that is in flight; checked."""
+        key = span.key
         ref = self.cpu.acquire(key)
         claim = self._inflight.get(key)
         if ref is None and claim is not None and claim[0] is not owner and self.cpu.keep:
             await asyncio.shield(claim[1])
             ref = self.cpu.acquire(key)
-        return ref
+        return self._checked(span, ref, check)
+
+    def _checked(self, span: ChunkSpan, ref: ChunkRef | None, check: CheckMeta) -> ChunkRef | None:
+        """`ref`, a CPU-tier chunk, if it is what `span` must hold here; else None (released, counted in
+        `stats["cpu_bad_meta"]`, logged once per cause): no pairing of a key with the wrong span is scattered."""
+        if ref is None:
+            return None
+        mismatch = check(span, ref.meta)
+        if mismatch is None:
+            return ref
+        ref.release()
+        self.stats["cpu_bad_meta"] += 1
+        self._rlog.warning(f"cpu_bad_meta {mismatch.split(' ', 1)[0]}", "the CPU tier's chunk %s has %s: treated "
+                           "as a miss (load error, recomputed)", span.key.hex(), mismatch)
+        return None
 
     def _claim(self, owner: object, keys: Sequence[ChunkKey]) -> None:
         loop = asyncio.get_running_loop()
