@@ -83,6 +83,7 @@ def worker_connector(worker: CacheEngine, kv: PagedKV, timeout: float = WAIT_S) 
     conn = connector.KVMeshConnector.__new__(connector.KVMeshConnector)
     conn.engine, conn.block_size, conn.chunk_size, conn._kv_caches = worker, BLOCK, CHUNK, kv.caches
     conn._load_errors, conn._finished_recving, conn._async_loads = set(), set(), AsyncLoads(timeout)
+    conn._failed_from = {}
     conn._stats = connector.KVMeshStats()
     conn._connector_metadata = None
     conn.saves_off_forward, conn._async_saves, conn._layerwise = False, connector.AsyncSaves(), None

@@ -131,6 +131,7 @@ class FakeEngine:
 def worker(engine: FakeEngine) -> Any:
     conn = connector.KVMeshConnector.__new__(connector.KVMeshConnector)
     conn.engine, conn.block_size, conn.chunk_size, conn._kv_caches, conn._load_errors = engine, B, C, {}, set()
+    conn._failed_from = {}
     conn._stats = connector.KVMeshStats()
     conn.saves_off_forward, conn._async_saves, conn._layerwise = False, connector.AsyncSaves(), None
     return conn

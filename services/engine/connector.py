@@ -319,6 +319,8 @@ class KVMeshConnector(KVConnectorBase_V1):
         self._lookup_server: LookupServer | None = None
         self._rendezvous: Path | None = None
         self._load_errors: set[int] = set()
+        # worker: request -> its first token whose KV a failed load left wrong (and everything computed after it)
+        self._failed_from: dict[str, int] = {}
         self._async_starting: list[str] = []  # scheduler: requests whose async load the next step carries
         self._async_loads = AsyncLoads(self.config.blocking_timeout_secs)  # worker: loads between steps
         self._finished_recving: set[str] = set()  # worker: async loads done this step, reported to vLLM
@@ -381,6 +383,9 @@ class KVMeshConnector(KVConnectorBase_V1):
         if not self.can_load or hasher is None or total == 0 or not tracker.cacheable or tracker.load_failed:
             return 0, False
         started = time.perf_counter()
+        if tracker.lookup_tokens != total:  # a new or longer chain (resumed after preemption): ask anew
+            tracker.forget_lookup()
+            tracker.lookup_tokens = total
         chain_keys = self._chain_keys(tracker, hasher, total)  # hashed once per request
         if tracker.lower is None:  # not yet asked below: what the CPU tiers hold as the request arrives
             tracker.cpu_tokens = self._lookup.cpu_tokens(tracker.chain[:len(chain_keys)])
@@ -395,7 +400,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         if hit < self.config.min_retrieve_tokens:
             hit = 0
         tracker.hit = hit
-        tracker.saved_upto = hit  # what the cache holds is never stored again
+        tracker.saved_upto = max(tracker.saved_upto, hit)  # what the cache holds is never stored again
         need = min(hit, total - 1)  # vLLM computes at least the last token
         to_load = max(need - num_computed_tokens, 0)
         self._stats.count("lmcache:num_lookup_requests")
@@ -509,7 +514,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         lora_id = tracker.extras.lora_id if tracker.extras is not None else None
         keys = self._chain_keys(tracker, hasher, end)
         meta.requests.append(ReqMeta(tracker.req_id, keys, list(tracker.block_ids), load, save, tracker.lora_name,
-                                     lora_id))
+                                     lora_id, tracker.load_failed))
 
     def _chain_keys(self, tracker: RequestTracker, hasher: ChunkHasher, end: int) -> list[ChunkKey]:
         """The request's chain keys up to `end`; newly hashed chunks are noted for the KV events."""
@@ -539,13 +544,13 @@ class KVMeshConnector(KVConnectorBase_V1):
         # A failed load sends an async-loading request back to waiting, and vLLM looks it up again: its lookup
         # would promise the same chunks (the tiers may still list what they cannot serve), fail again, and
         # again. A request whose load failed recomputes and is offered no more loads.
+        # Its chunks from the first failed block on are saved again once vLLM has recomputed them.
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if invalid:
             for tracker in self._trackers.values():
-                if not tracker.load_failed and not invalid.isdisjoint(tracker.block_ids):
-                    tracker.load_failed = True
-                    log.info("Reqid: %s: its load failed; vLLM recomputes it and it is offered no more loads",
-                             tracker.req_id)
+                if not tracker.load_failed and tracker.load_failed_in(invalid, self.block_size, self.chunk_size):
+                    log.info("Reqid: %s: its load failed; vLLM recomputes it from token %d, which is saved again, "
+                             "and it is offered no more loads", tracker.req_id, tracker.saved_upto)
         events = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(events, CpuTierEvents) and self._lookup is not None:
             self._lookup.update(events)
@@ -633,17 +638,27 @@ class KVMeshConnector(KVConnectorBase_V1):
                 self.engine.note_lora(req.lora_name, req.lora_id)
             if req.load is None:
                 continue
-            if req.load.asynchronous:
-                self._async_saves.unhold(req.req_id)  # vLLM holds its blocks for the load (see unhold)
-                if not self._start_async_load(req):  # no lower tier to fetch from now: load at once
-                    self._load(req)
-                    self._finished_recving.add(req.req_id)
-            elif self._layerwise is not None:
-                layerwise.append(self._acquire_for_layers(req))
-            else:
-                self._load(req)
+            try:
+                self._start_load(req, layerwise)
+            except Exception as exc:  # never into vLLM's model runner: the whole load is recomputed
+                log.warning("loading KV for request %s failed (%s: %s); vLLM recomputes it", req.req_id,
+                            type(exc).__name__, exc)
+                self._fail_load(req, req.load.skip_prefix)
         if layerwise:
             self._start_layerwise(layerwise)
+
+    def _start_load(self, req: ReqMeta, layerwise: list[tuple[ReqMeta, list[ChunkCopy], list[Any]]]) -> None:
+        load = req.load
+        assert load is not None
+        if load.asynchronous:
+            self._async_saves.unhold(req.req_id)  # vLLM holds its blocks for the load (see unhold)
+            if not self._start_async_load(req):  # no lower tier to fetch from now: load at once
+                self._load(req)
+                self._finished_recving.add(req.req_id)
+        elif self._layerwise is not None:
+            layerwise.append(self._acquire_for_layers(req))
+        else:
+            self._load(req)
 
     def _acquire_for_layers(self, req: ReqMeta) -> tuple[ReqMeta, list[ChunkCopy], list[Any]]:
         """A load's chunks for the layer-wise loader: (the request, its copies, the references they read)."""
@@ -654,16 +669,20 @@ class KVMeshConnector(KVConnectorBase_V1):
             spans = self._load_spans(req)
             slots = req.slot_mapping(load.end, self.block_size)
             refs = self.engine.acquire_chunks(spans, slots)
-            device = next(iter(self._kv_caches.values())).device
-            slots = slots.to(device)  # once, not once per layer
         except Exception as exc:
             log.warning("loading KV for request %s failed (%s: %s); vLLM recomputes it", req.req_id,
                         type(exc).__name__, exc)
             self._account_load(req, load.mask_start, started)
             return req, [], []
-        copies = [ChunkCopy(self.engine.chunk_view(span, ref), slots[span.start:span.end],
-                            min(max(load.skip_prefix - span.start, 0), span.num_tokens))
-                  for span, ref in zip(spans, refs)]
+        try:
+            slots = slots.to(next(iter(self._kv_caches.values())).device)  # once, not once per layer
+            copies = [ChunkCopy(self.engine.chunk_view(span, ref), slots[span.start:span.end],
+                                min(max(load.skip_prefix - span.start, 0), span.num_tokens))
+                      for span, ref in zip(spans, refs)]
+        except BaseException:
+            for ref in refs:
+                ref.release()
+            raise
         self._account_load(req, spans[len(refs) - 1].end if refs else load.mask_start, started)
         return req, copies, refs
 
@@ -679,13 +698,13 @@ class KVMeshConnector(KVConnectorBase_V1):
                         type(exc).__name__, exc, len(loads))
             for req, _, _ in loads:
                 assert req.load is not None
-                self._load_errors |= req.block_ids_for(req.load.skip_prefix, req.load.need, self.block_size)
+                self._fail_load(req, req.load.skip_prefix)
 
     def _load_spans(self, req: ReqMeta) -> list[ChunkSpan]:
         """This worker's spans of the request's load (the last one a block prefix's when `last_key` is set)."""
         load = req.load
         assert load is not None
-        keys = req.keys_ending_with(load.last_key, load.end, self.chunk_size)
+        keys = req.keys_upto(load.end, self.chunk_size, load.last_key)
         return self.engine.chunk_spans(keys, load.end, load.mask_start // self.chunk_size)
 
     def _load(self, req: ReqMeta) -> None:
@@ -746,8 +765,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         if retrieved and seconds > 0:
             self._stats.observe("lmcache:retrieve_speed", retrieved / seconds)
         if loaded_upto < load.need:
-            bad = req.block_ids_for(max(loaded_upto, load.skip_prefix), load.need, self.block_size)
-            self._load_errors |= bad
+            bad = self._fail_load(req, max(loaded_upto, load.skip_prefix))
             self._stats.count("lmcache:num_failed_retrieve_blocks", len(bad))
             log.warning("request %s: loaded %d of %d tokens; %d blocks from token %d are recomputed", req.req_id,
                         max(loaded_upto - load.skip_prefix, 0), load.need - load.skip_prefix, len(bad),
@@ -755,6 +773,26 @@ class KVMeshConnector(KVConnectorBase_V1):
         else:
             log.info("Retrieved %d tokens for request %s in %.1f ms", load.need - load.skip_prefix, req.req_id,
                      (time.perf_counter() - started) * 1e3)
+
+    def _fail_load(self, req: ReqMeta, first_bad: int) -> set[int]:
+        """Tokens [first_bad, need) of the request's load are not its KV: their blocks are load errors (vLLM
+        recomputes them), and until the scheduler has heard of it no save of the request reaches past
+        `first_bad` (what this step's forward computes after it is computed over the wrong KV). The blocks."""
+        load = req.load
+        assert load is not None
+        bad = req.block_ids_for(first_bad, load.need, self.block_size)
+        self._load_errors |= bad
+        self._failed_from[req.req_id] = min(first_bad, self._failed_from.get(req.req_id, first_bad))
+        return bad
+
+    def _save_limit(self, req: ReqMeta) -> int | None:
+        """How far the request's saves may reach: None for no bound, else the first token a failed load of this
+        or an earlier step left wrong, until the step metadata says the scheduler knows (it then plans saves
+        from vLLM's recompute)."""
+        if req.load_failed:
+            self._failed_from.pop(req.req_id, None)
+            return None
+        return self._failed_from.get(req.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._layerwise is not None:  # CUDA with use_layerwise: this layer's copies, on the forward's stream
@@ -786,25 +824,38 @@ class KVMeshConnector(KVConnectorBase_V1):
             save = req.save
             assert save is not None
             try:
-                log.info("Storing KV cache for %d out of %d tokens for request %s", save.end - save.mask_start,
-                         save.end, req.req_id)
                 started = time.perf_counter()
-                spans = self.engine.chunk_spans(req.chunk_keys, save.end, save.mask_start // self.chunk_size)
-                if save.prefix_end and save.prefix_key is not None:  # the last chunk's block prefix too, before
-                    # it (the spans' last end is how far the slot mapping is read)
-                    prefix_keys = req.keys_ending_with(save.prefix_key, save.prefix_end, self.chunk_size)
-                    spans[-1:-1] = self.engine.chunk_spans(prefix_keys, save.prefix_end, len(prefix_keys) - 1)
-                slots = req.slot_mapping(save.end, self.block_size)
+                spans = self._save_spans(req, save)
+                end = max((span.end for span in spans), default=save.mask_start)
+                if end < save.end:
+                    log.warning("request %s: not storing tokens %d to %d: a load into its blocks failed and vLLM "
+                                "recomputes them (stored once recomputed)", req.req_id, end, save.end)
+                if not spans:
+                    continue
+                log.info("Storing KV cache for %d out of %d tokens for request %s", end - save.mask_start, end,
+                         req.req_id)
+                slots = req.slot_mapping(end, self.block_size)
                 if stream is None:
                     self.engine.store_chunks(spans, self._kv_caches, slots)
                 else:  # queued on the side stream; admitted by get_finished once copied
                     job = self.engine.gather_chunks(spans, self._kv_caches, slots, stream)
                     if job is not None:
                         self._async_saves.add(req.req_id, job)
-                self._count_store(save.end - save.mask_start, time.perf_counter() - started)
+                self._count_store(end - save.mask_start, time.perf_counter() - started)
             except Exception as exc:
                 log.warning("storing KV for request %s failed (%s: %s); skipped", req.req_id, type(exc).__name__,
                             exc)
+
+    def _save_spans(self, req: ReqMeta, save: SaveSpec) -> list[ChunkSpan]:
+        """This worker's spans of the request's save: its chunks, the last chunk's block prefix before the last
+        one (block_prefix.py), none reaching past a failed load's first wrong token (`_save_limit`)."""
+        spans = self.engine.chunk_spans(req.keys_upto(save.end, self.chunk_size), save.end,
+                                        save.mask_start // self.chunk_size)
+        if save.prefix_end and save.prefix_key is not None:
+            prefix_keys = req.keys_upto(save.prefix_end, self.chunk_size, save.prefix_key)
+            spans[-1:-1] = self.engine.chunk_spans(prefix_keys, save.prefix_end, len(prefix_keys) - 1)
+        limit = self._save_limit(req)
+        return spans if limit is None else [span for span in spans if span.end <= limit]
 
     def _count_store(self, num_tokens: int, seconds: float) -> None:
         self._stats.count("lmcache:num_store_requests")
@@ -844,6 +895,8 @@ class KVMeshConnector(KVConnectorBase_V1):
             return sending, None
         for pending in self._async_loads.discard(finished_req_ids):  # aborted while loading: no scatter
             self._finished_recving.add(pending.req.req_id)
+        for req_id in finished_req_ids:
+            self._failed_from.pop(req_id, None)
         metadata = self._connector_metadata if self.has_connector_metadata() else None
         if len(self._async_loads) and isinstance(metadata, KVMeshConnectorMetadata) and metadata.idle:
             self._async_loads.wait(IDLE_WAIT_SECS)  # nothing else to run: do not spin through empty steps

@@ -19,7 +19,9 @@ Token arithmetic, with C = chunk_size and B = vLLM's block size (C is a multiple
   * Saves move only finished chunks: during a chunked prefill, up to floor(computed / C) * C; once the prompt
     is complete, the prompt's end (with its partial last chunk, if `save_unfull_chunk`, and that chunk's block
     prefix, `SaveSpec.prefix_end`); during decode only with `save_decode_cache`, whole chunks. `saved_upto`
-    never moves back, so no chunk is stored twice.
+    moves back only when a load failed: vLLM recomputes from the first failed block, and that KV is then
+    saved (the worker never stored the failed load's blocks nor what the same step computed after them).
+  * Every key list is cut at the span it is for (`ReqMeta.keys_upto`): a load never names chunks past its hit.
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ class ReqMeta:
     save: SaveSpec | None = None
     lora_name: str | None = None
     lora_id: str | None = None
+    # the scheduler has learned that a load into this request's blocks failed (it has rewound `saved_upto` to
+    # what vLLM recomputes): the worker's saves of it no longer need to stop at the failed position
+    load_failed: bool = False
 
     def slot_mapping(self, num_tokens: int, block_size: int) -> torch.Tensor:
         """Slot of each of the first `num_tokens` tokens: block_ids[i // B] * B + i % B (int64, CPU)."""
@@ -90,12 +95,14 @@ class ReqMeta:
         offsets = torch.arange(block_size, dtype=torch.int64)
         return (blocks.unsqueeze(1) * block_size + offsets).flatten()[:num_tokens]
 
-    def keys_ending_with(self, key: ChunkKey | None, end: int, chunk_size: int) -> list[ChunkKey]:
-        """The chain keys of tokens [0, end) with the last one replaced by `key` (a block prefix's own key)."""
-        if key is None:
-            return self.chunk_keys
-        last = (end - 1) // chunk_size
-        return [*self.chunk_keys[:last], key]
+    def keys_upto(self, end: int, chunk_size: int, last_key: ChunkKey | None = None) -> list[ChunkKey]:
+        """The chain keys of tokens [0, end), never of chunks past it (`chunk_keys` may cover more: the same
+        step's save, or a longer hit on this rank than every rank agrees on), with the last one replaced by
+        `last_key` when set (a block prefix's own key)."""
+        count = -(-end // chunk_size)
+        if last_key is None:
+            return self.chunk_keys[:count]
+        return [*self.chunk_keys[:count - 1], last_key]
 
     def block_ids_for(self, start: int, end: int, block_size: int) -> set[int]:
         """The block ids holding tokens [start, end)."""
@@ -126,7 +133,8 @@ class RequestTracker:
 
     Invariant: `saved_upto` is a multiple of chunk_size, the end of a sequence whose partial last chunk is
     stored, or the end of a block-prefix hit; every token below it is in the cache (or was handed to the worker
-    to store), so it never goes down.
+    to store), so it goes down only to a failed load's first block (`load_failed_in`), whose KV vLLM
+    recomputes.
     """
 
     req_id: str
@@ -150,11 +158,33 @@ class RequestTracker:
     saves_held: bool = False  # a save ran off the forward's path: vLLM keeps its blocks after it ends
     load_failed: bool = False  # a load into its blocks failed (vLLM recomputes): it is offered no more loads
 
+    lookup_tokens: int = 0  # the request's length when `lower`, `probe` and `cpu_tokens` were asked for
+
     def preempted(self) -> None:
         """vLLM freed the request's blocks (it resumes later with new ones): forget them and any load planned
         into them; what was saved stays saved."""
         self.block_ids = []
         self.load_pending = self.load_async = False
+        self.forget_lookup()
+
+    def forget_lookup(self) -> None:
+        """Drop the lookup answers: they belong to the chain they were asked for (a resumed request's chain is
+        longer, and its last chunks' keys differ)."""
+        self.lower = None
+        self.probe = None
+        self.cpu_tokens = 0
+        self.lookup_tokens = 0
+
+    def load_failed_in(self, invalid_block_ids: set[int], block_size: int, chunk_size: int) -> bool:
+        """Note a failed load if any of `invalid_block_ids` is this request's: vLLM recomputes from the first
+        of them, and the chunks from there on are saved again once recomputed (`saved_upto` goes back to that
+        chunk's start; the worker never stored what the failed load left behind). Whether it was ours."""
+        first = next((i for i, block in enumerate(self.block_ids) if block in invalid_block_ids), None)
+        if first is None:
+            return False
+        self.load_failed = True
+        self.saved_upto = min(self.saved_upto, floor_to(first * block_size, chunk_size))
+        return True
 
     def chain_keys(self, hasher: ChunkHasher, end: int,
                    on_hashed: "Callable[[list[ChunkSpan], list[int], ChunkKey | None], None] | None" = None
