@@ -170,6 +170,7 @@ class SimConfig:
     p_evict_hit: float = 0.0  # per hit: one of its chunks leaves a rank's CPU tier between lookup and load
     p_abort: float = 0.02
     p_unlink: float = 0.0  # per step: a random chunk file of the disk store is deleted
+    p_clear: float = 0.0  # per step: a rank's CPU tier is emptied (what follows loads from the disk store)
     pause_at: int | None = None  # SIGSTOP the disk store at this step, SIGCONT `pause_steps` later
     pause_steps: int = 3
     kill_at: int | None = None  # kill the disk store at this step; restarted `kill_steps` later
@@ -196,9 +197,10 @@ class SimConfig:
         # the same draws whether or not processes are allowed: a seed's other knobs never change with it
         disk, async_loading = r.random() < 0.3, r.random() < 0.5
         p_unlink = r.choice([0.0, 0.05, 0.15])
-        fault, at = r.random(), r.randint(5, max(6, c.max_steps // 2))
+        fault, at = r.random(), r.randint(3, 20)
+        p_clear = r.choice([0.0, 0.05, 0.15])
         if disk and allow_processes:
-            c.disk, c.async_loading, c.p_unlink = True, async_loading, p_unlink
+            c.disk, c.async_loading, c.p_unlink, c.p_clear = True, async_loading, p_unlink, p_clear
             if fault < 0.2:
                 c.pause_at = at
             elif fault < 0.35:
@@ -280,7 +282,7 @@ class Simulation:
             overrides.update(nats_url=self.mesh.nats_url, local_disk=str(self.disk_dir))
             if c.pause_at is not None or c.kill_at is not None or c.nats_down_at is not None:
                 # short deadlines: a store that does not answer costs a few seconds per step, not minutes
-                overrides.update(request_timeout_secs=1.0, blocking_timeout_secs=2.0)
+                overrides.update(request_timeout_secs=1.0, blocking_timeout_secs=2.0, disk_data_timeout_secs=1.0)
         config = engine_config(**overrides)
         self.pageds = [Paged(c.num_blocks, c.seed * 31 + rank) for rank in range(c.world_size)]
         self.engines: list[CacheEngine] = []
@@ -669,6 +671,10 @@ class Simulation:
                 self.result.faults.append(f"step {self.step_no}: rank {rank} lost a CPU-tier chunk")
         if not c.disk:
             return
+        if r.random() < c.p_clear:
+            rank = r.randrange(c.world_size)
+            self.engines[rank].cpu.clear_all()
+            self.result.faults.append(f"step {self.step_no}: rank {rank}'s CPU tier emptied")
         if r.random() < c.p_unlink and self.disk_dir is not None:
             files = sorted(self.disk_dir.rglob("*" + chunk_file.SUFFIX))
             if files:
@@ -680,6 +686,7 @@ class Simulation:
             self.paused = True
             self.result.faults.append(f"step {self.step_no}: disk store paused")
         if c.pause_at is not None and c.pause_at + c.pause_steps == self.step_no:
+            self._stalled_past_timeout()
             store.send_signal(signal.SIGCONT)
             self.paused = False
             self._store_answers()
@@ -701,6 +708,21 @@ class Simulation:
                 wait_until(lambda e=engine: e.connected, timeout=30.0, what="the engine reconnected to NATS")
             self._store_answers()
             self.result.faults.append(f"step {self.step_no}: NATS started again")
+
+    def _stalled_past_timeout(self) -> None:
+        """Before a paused store resumes: the engines gave up on what they asked it (their fetches ended and
+        the slots they lent it are free again, or kept back for good), so its late answers meet reused slots."""
+        def given_up() -> bool:
+            for engine in self.engines:
+                pool, cpu = engine.pool, engine.cpu
+                if engine.storage._inflight or pool.num_slots - pool.num_free != len(cpu):
+                    return False
+            return True
+
+        try:
+            wait_until(given_up, timeout=15.0, what="the engines gave up on the paused store")
+        except TimeoutError:  # slots kept out of use until the store settles them (the fix for finding 2)
+            pass
 
     def _store_answers(self) -> None:
         """Wait until the disk store answers this engine again (it has worked off what queued meanwhile)."""

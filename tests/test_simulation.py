@@ -19,14 +19,17 @@ from sim_harness import SimConfig, run_seed  # noqa: E402
 
 # CPU tiers only (no processes): fast, the bulk of the schedules
 CPU_SEEDS = [1, 2, 4, 5, 7, 8, 9, 10, 11, 12, 13, 15, 16, 17]
-# with NATS and a real disk store process (and, per seed, chunk files deleted, the store paused / killed,
-# NATS stopped)
-DISK_SEEDS: list[int] = []
+# with NATS and a real disk store process (and, per seed, chunk files deleted, CPU tiers emptied, the store
+# paused (2, 21), killed (15), NATS stopped (12)). Their schedules depend a little on timing (write-behind and
+# prefetches race with lookups), and on the committed code finding 1 breaks some of them some of the time:
+# not strict until its fix lands, then plain seeds.
+DISK_SEEDS = [pytest.param(seed, marks=pytest.mark.xfail(reason="finding 1 (timing-dependent)", strict=False))
+              for seed in (2, 12, 15, 16, 21)]
 # seeds that found a bug whose fix has not landed yet: they may pass or fail (xfail, not strict); once the fix
 # is in, they join the lists above
 FINDING_1 = "finding 1: a failed load's blocks are saved by the same step's wait_for_save"
 KNOWN_BUGS = [pytest.param(seed, processes, id=f"seed{seed}", marks=pytest.mark.xfail(reason=finding, strict=False))
-              for seed, processes, finding in [(0, False, FINDING_1), (6, False, FINDING_1)]]
+              for seed, processes, finding in [(0, False, FINDING_1), (6, False, FINDING_1), (36, True, FINDING_1)]]
 
 
 @pytest.fixture(autouse=True)
