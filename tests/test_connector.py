@@ -223,7 +223,7 @@ def test_what_changes_kv_beyond_the_model_name_changes_every_key() -> None:
 def test_layers_that_differ_turn_the_cache_off_instead_of_failing_vllms_start(
         caplog: pytest.LogCaptureFixture) -> None:
     conn = connector.KVMeshConnector.__new__(connector.KVMeshConnector)
-    conn.unsupported, conn.block_size, conn.cache_dtype, conn.engine = None, 16, "auto", None
+    conn.unsupported, conn.block_size, conn.cache_dtype, conn.engine, conn.world_size = None, 16, "auto", None, 1
     conn._vllm_config = SimpleNamespace(model_config=SimpleNamespace(model="draft-with-other-heads"))
     caches = {"model.layers.0": torch.zeros(2, 4, 16, 8, 64), "draft.layers.0": torch.zeros(2, 4, 16, 4, 64)}
     with caplog.at_level("WARNING"):

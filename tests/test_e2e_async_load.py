@@ -8,7 +8,8 @@ scheduler promised, no load error), and the output equals a vLLM without the con
 decodes runs meanwhile: the timestamps of its tokens around the load are logged (not asserted: the machine's
 timing is not the test's business), and it must produce every token it was asked for. Then the chunk files go
 from the disk store: a load the scheduler promised fails, the worker reports load errors, and vLLM's recompute
-gives the same output as a vLLM without the connector.
+gives the same output as a vLLM without the connector; the recomputed KV is stored, so the same prompt once more
+is a proven load of the whole prompt, with the same output.
 """
 
 from __future__ import annotations
@@ -127,7 +128,17 @@ def test_a_disk_hit_loads_between_steps_while_another_request_decodes(tmp_path: 
         broken = server.complete(second, max_tokens=16)
         assert server.hit_for(broken).load > 0, "the scheduler promised no load: nothing was tried"
         wait_until(lambda: server.load_errors(broken), WAIT_S, interval=0.2, what="the load errors of the lost chunks")
-        assert broken["choices"][0]["text"] == ref.complete(second, max_tokens=16)["choices"][0]["text"]
+        expected = ref.complete(second, max_tokens=16)["choices"][0]["text"]
+        assert broken["choices"][0]["text"] == expected
+
+        # What vLLM recomputed is stored (never what the failed load left), so the same prompt again is a proven
+        # load of the whole prompt with the same output.
+        wait_until(lambda: server.stored_tokens(broken) >= sizes[1] - CHUNK, WAIT_S, interval=0.2,
+                   what="the recomputed chunks stored")
+        again = server.complete(second, max_tokens=16)
+        hit = server.assert_loaded(again)
+        assert hit.hit >= sizes[1] - CHUNK, hit
+        assert again["choices"][0]["text"] == expected
 
         # the timeline, for the reader (not asserted)
         events = [(m["when"], m["what"]) for m in KVMESH_TIME.finditer(log)

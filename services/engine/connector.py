@@ -36,8 +36,10 @@ Where each method runs (vLLM V1 creates one connector per role):
     handle_preemptions          before the forward: the preempted requests' saves still copying are ordered
                                 before it (it may rewrite their blocks); their loads are dropped.
     start_load_kv               retrieve every loaded prefix, all layers at once, into the paged cache before
-                                the forward; chunks that cannot be loaded become load errors -> recomputed.
-                                An asynchronous load only starts its fetch on the NATS loop.
+                                the forward; chunks that cannot be loaded become load errors -> recomputed,
+                                and no save of the request reaches past them. With several ranks, all take
+                                the minimum of how far each load got (load_agreement.py). An asynchronous
+                                load only starts its fetch on the NATS loop.
     get_finished                scatter the asynchronous loads whose fetch ended (between forwards) and report
                                 them in finished_recving; what they lack is reported as load errors. CUDA:
                                 admit the saves whose copies ended; report ended requests whose copies
@@ -101,6 +103,7 @@ from kvmesh.services.engine.mesh import side_cpus
 from kvmesh.services.engine.adapter.request_extras import lora_name_of, request_extras
 from kvmesh.services.engine.adapter.model_identity import instance_of, model_identity
 from kvmesh.services.engine.adapter.kv_events import KVEventLog
+from kvmesh.services.engine.adapter.load_agreement import CollectiveAgreement, RankAgreement
 from kvmesh.services.engine.adapter.async_loads import IDLE_WAIT_SECS, AsyncLoads, PendingLoad, loads_asynchronously
 from kvmesh.services.engine.adapter.async_saves import AsyncSaves, saves_off_forward
 from kvmesh.services.engine.core.layerwise_load import ChunkCopy, LayerwiseLoader
@@ -286,6 +289,8 @@ def split_extra_config(extra: dict[str, Any] | None) -> tuple[dict[str, Any], di
 
 class KVMeshConnector(KVConnectorBase_V1):
     """The scheduler-side and worker-side halves of KVMesh in vLLM (one instance per role and process)."""
+
+    _agreement: RankAgreement | None = None  # worker, several ranks: how far every rank's loads got
 
     if CacheHitSource is not None:
         _cache_hit_source = CacheHitSource.HOST
@@ -582,6 +587,8 @@ class KVMeshConnector(KVConnectorBase_V1):
         if self.unsupported is not None:
             log.info("KVMesh is off for this model (%s)", self.unsupported)
             return
+        if self.world_size > 1:  # before anything that may fail: every rank takes part (load_agreement.py)
+            self._agreement = CollectiveAgreement.of_replica()
         self._kv_caches = dict(kv_caches)
         first = next(iter(kv_caches.values()))
         backend = self._attention_backend_name()
@@ -628,10 +635,16 @@ class KVMeshConnector(KVConnectorBase_V1):
                      len(preempted), waited, len(dropped))
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        if self.engine is None or not self.has_connector_metadata():
+        if not self.has_connector_metadata():
             return
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, KVMeshConnectorMetadata)
+        in_step = [req for req in metadata.requests if req.load is not None and not req.load.asynchronous]
+        if self.engine is None:  # nothing to load from: recomputed (still agreed on with the other ranks)
+            for req in in_step:
+                self._fail_load(req, req.load.skip_prefix)  # type: ignore[union-attr]
+            self._agree_on_loads(in_step)
+            return
         layerwise: list[tuple[ReqMeta, list[ChunkCopy], list[Any]]] = []
         for req in metadata.requests:
             if req.lora_name and req.lora_id:
@@ -646,6 +659,26 @@ class KVMeshConnector(KVConnectorBase_V1):
                 self._fail_load(req, req.load.skip_prefix)
         if layerwise:
             self._start_layerwise(layerwise)
+        self._agree_on_loads(in_step)
+
+    def _agree_on_loads(self, loads: list[ReqMeta]) -> None:
+        """With several ranks, every rank cuts its saves (and reports load errors) at the first wrong token any
+        rank's load of this step left: the forward computes over it on every rank (load_agreement.py). Loads
+        between steps (asynchronous) run no forward in their step: vLLM hears of their failures first."""
+        if self._agreement is None or not loads:
+            return
+        mine = [self._failed_from.get(req.req_id, req.load.need) for req in loads]  # type: ignore[union-attr]
+        try:
+            agreed = self._agreement.min_over_ranks(mine)
+        except Exception as exc:  # unknown: as if every rank's load had failed
+            log.warning("the ranks could not agree on this step's %d loads (%s: %s); vLLM recomputes them",
+                        len(loads), type(exc).__name__, exc)
+            agreed = [req.load.skip_prefix for req in loads]  # type: ignore[union-attr]
+        for req, own, first_bad in zip(loads, mine, agreed):
+            if first_bad < own:
+                log.warning("request %s: another rank's load stopped at token %d; recomputed from there",
+                            req.req_id, first_bad)
+                self._fail_load(req, first_bad)
 
     def _start_load(self, req: ReqMeta, layerwise: list[tuple[ReqMeta, list[ChunkCopy], list[Any]]]) -> None:
         load = req.load
