@@ -20,16 +20,11 @@ from sim_harness import SimConfig, run_seed  # noqa: E402
 # CPU tiers only (no processes): fast, the bulk of the schedules
 CPU_SEEDS = [1, 2, 4, 5, 7, 8, 9, 10, 11, 12, 13, 15, 16, 17]
 # with NATS and a real disk store process (and, per seed, chunk files deleted, CPU tiers emptied, the store
-# paused (2, 21), killed (15), NATS stopped (12)). Their schedules depend a little on timing (write-behind and
-# prefetches race with lookups), and on the committed code finding 1 breaks some of them some of the time:
-# not strict until its fix lands, then plain seeds.
-DISK_SEEDS = [pytest.param(seed, marks=pytest.mark.xfail(reason="finding 1 (timing-dependent)", strict=False))
-              for seed in (2, 12, 15, 16, 21)]
-# seeds that found a bug whose fix has not landed yet: they may pass or fail (xfail, not strict); once the fix
-# is in, they join the lists above
-FINDING_1 = "finding 1: a failed load's blocks are saved by the same step's wait_for_save"
-KNOWN_BUGS = [pytest.param(seed, processes, id=f"seed{seed}", marks=pytest.mark.xfail(reason=finding, strict=False))
-              for seed, processes, finding in [(0, False, FINDING_1), (6, False, FINDING_1), (36, True, FINDING_1)]]
+# paused (2, 21), killed (15), NATS stopped (12)); 36 found finding 1 before its fix
+DISK_SEEDS = [2, 12, 15, 16, 21, 36]
+# seeds that found findings on d1dcce4 (before their fixes, b5db6f2 / 7705a38): finding 1 (a failed load's
+# blocks saved by the same step's wait_for_save)
+FOUND_SEEDS = [0, 3, 6, 14]
 
 
 @pytest.fixture(autouse=True)
@@ -51,6 +46,6 @@ def test_a_seeded_schedule_with_a_disk_store_never_serves_or_stores_wrong_kv(see
     run_seed(seed)
 
 
-@pytest.mark.parametrize("seed, processes", KNOWN_BUGS)
-def test_seeds_that_found_a_bug(seed: int, processes: bool) -> None:
-    run_seed(seed, allow_processes=processes)
+@pytest.mark.parametrize("seed", FOUND_SEEDS)
+def test_the_seeds_that_found_wrong_kv_before_its_fix(seed: int) -> None:
+    run_seed(seed, allow_processes=False)
