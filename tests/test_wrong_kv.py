@@ -236,3 +236,43 @@ def test_a_resumed_request_looks_up_its_new_chain(engine: tuple[CacheEngine, Pag
         assert oracle.holds(tokens, resumed, len(tokens))
     finally:
         sched._lookup.close()
+
+
+def test_a_request_sharing_a_block_whose_load_failed_does_not_save_past_it(
+        paged: tuple[CacheEngine, PagedKV]) -> None:
+    """vLLM's prefix cache gives y the blocks x is loading in the same step; x's load fails from its second
+    chunk, so y's forward computes its third chunk over the blocks the load left wrong: y stores nothing from
+    there either (the worker cuts the saves of every request of the step that holds a failed block)."""
+    worker, kv = paged
+    sched = scheduler_half(worker.config, BLOCK, saves_off_forward=False)
+    work = worker_half(worker, kv.caches, BLOCK, saves_off_forward=False)
+    oracle = ContextForward(kv, SCRATCH)
+    try:
+        shared = random_tokens(2 * CHUNK, seed=81).tolist()
+        oracle.run(shared, [1, 2, 3, 4], 0, len(shared))
+        worker.store(shared, kv_caches=kv.caches, slot_mapping=oracle._slots([1, 2, 3, 4], 0, len(shared)))
+        run_step(sched, work, Step())  # the mirror hears of it
+        t_x = shared + random_tokens(CHUNK, seed=82).tolist()
+        t_y = shared + random_tokens(CHUNK, seed=83).tolist()
+        x, y = request("x", t_x), request("y", t_y)
+        assert sched.get_num_new_matched_tokens(x, 0) == (2 * CHUNK, False)
+        assert worker.cpu.remove(worker.hasher.spans(t_x)[1].key)  # gone between lookup and load
+        x_blocks, y_blocks = [10, 11, 12, 13, 14, 15], [10, 11, 12, 13, 20, 21]  # y: vLLM's prefix-cache hit
+        for block in x_blocks:
+            for cache in kv.caches.values():
+                cache[block].normal_()
+        sched.update_state_after_alloc(x, blocks(x_blocks), 2 * CHUNK)
+        assert sched.get_num_new_matched_tokens(y, 2 * CHUNK) == (0, False)
+        sched.update_state_after_alloc(y, blocks(y_blocks), 0)
+
+        def forward(layer: int, name: str) -> None:
+            if layer == 0:
+                oracle.run(t_x, x_blocks, 2 * CHUNK, len(t_x))
+                oracle.run(t_y, y_blocks, 2 * CHUNK, len(t_y))
+        result = run_step(sched, work, Step(new=[("x", x_blocks, 2 * CHUNK, CHUNK), ("y", y_blocks, 2 * CHUNK, CHUNK)]),
+                          forward)
+        assert result.load_errors == {12, 13}
+        assert stored_chunks_are_the_oracles(worker, oracle, t_x) == []
+        assert stored_chunks_are_the_oracles(worker, oracle, t_y) == [], "y stored a chunk computed over x's failed load"
+    finally:
+        sched._lookup.close()

@@ -660,6 +660,19 @@ class KVMeshConnector(KVConnectorBase_V1):
         if layerwise:
             self._start_layerwise(layerwise)
         self._agree_on_loads(in_step)
+        self._cut_sharers(metadata.requests, self._load_errors)
+
+    def _cut_sharers(self, requests: list[ReqMeta], bad_blocks: set[int]) -> None:
+        """vLLM's prefix cache may give a block whose load failed in this step to another request of the step,
+        whose forward then reads it: that request's saves stop at the block too. (`_load_errors` holds only this
+        step's blocks here: vLLM takes them after every step.)"""
+        if not bad_blocks:
+            return
+        for req in requests:
+            first = next((i for i, block in enumerate(req.block_ids) if block in bad_blocks), None)
+            if first is not None:
+                start = first * self.block_size
+                self._failed_from[req.req_id] = min(start, self._failed_from.get(req.req_id, start))
 
     def _agree_on_loads(self, loads: list[ReqMeta]) -> None:
         """With several ranks, every rank cuts its saves (and reports load errors) at the first wrong token any
