@@ -8,8 +8,13 @@ token budget, preemption, aborts, decode, async loads through WAITING_FOR_REMOTE
 policy for load errors: `_update_requests_with_invalid_blocks`) and the model's forward.
 
 The forward writes each computed token's KV as a function of (token id, position, rank, layer, the request's
-key extras) and a digest of the KV actually present in the paged cache for the token before it: one wrong
+key extras) and a digest of the KV actually present in the paged caches for the token before it: one wrong
 block makes every later token differ from the oracle, which computes the same function from the true inputs.
+With two ranks that digest covers the token before's KV on *every* rank (tensor parallelism all-reduces the
+hidden states after each layer), so a wrong block on one rank makes the other rank's later KV wrong too. The
+ranks' worker steps run on threads that meet where vLLM's ranks meet: in the connector's load agreement
+(`ThreadAgreement`, installed as each worker half's `_agreement`) and before each layer's forward (which reads
+every rank's cache).
 
 Invariants, after every step:
   1. every block vLLM will read (the computed tokens of every request that holds blocks, after load errors are
@@ -31,14 +36,16 @@ import pickle
 import random
 import signal
 import tempfile
+import threading
 import time
 import traceback
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -62,6 +69,9 @@ VOCAB = 1000
 _LUT = torch.arange(-64, 64, dtype=torch.float32).to(torch.bfloat16).view(torch.int16).numpy().copy()
 _MULT = (np.arange(1, HEADS * 2 * HEAD_SIZE + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)) | np.uint64(1)
 _START = b"\0" * 8  # the digest before a sequence's first token
+# how long a rank waits for the others at a meeting point: past any load deadline a schedule sets, so it is
+# reached only when a rank never comes (then the step fails instead of hanging)
+_RANK_WAIT_S = 120.0
 
 
 class SimFailure(AssertionError):
@@ -80,41 +90,91 @@ def _digest(bits: np.ndarray) -> bytes:
 
 def token_kv(rank: int, layer: int, tag: str, pos: int, token: int, prev: bytes) -> np.ndarray:
     """One token's KV in one layer ([heads, 2, head_size] bf16 bits), from its inputs and the digest of the KV
-    of the token before it (`prev`)."""
+    of the token before it (`prev`: every rank's, see `joint_digest`)."""
     seed = hashlib.blake2b(f"{rank}|{layer}|{tag}|{pos}|{token}".encode() + prev, digest_size=8).digest()
     h = np.uint64(int.from_bytes(seed, "little"))
     ints = ((_MULT * h) >> np.uint64(57)).astype(np.int64)  # 0..127
     return _LUT[ints].reshape(HEADS, 2, HEAD_SIZE)
 
 
-class Oracle:
-    """The KV every token of a sequence must have, from scratch (memoized per token and prefix digest)."""
+def joint_digest(values: list[np.ndarray]) -> bytes:
+    """What the next token's KV depends on: the digests of this token's KV on every rank, in rank order (one
+    rank: its own digest, so single-rank schedules compute what they always did)."""
+    return b"".join(_digest(v) for v in values)
 
-    def __init__(self) -> None:
-        self._memo: dict[tuple[int, int, str, int, int, bytes], tuple[np.ndarray, bytes]] = {}
-        self._seqs: dict[tuple[int, str, tuple[int, ...]], np.ndarray] = {}
+
+def step_kv(world_size: int, layer: int, tag: str, pos: int, token: int, prev: bytes) -> list[np.ndarray]:
+    """One token's KV in one layer on every rank, from the same joint context `prev` (as after an all-reduce)."""
+    return [token_kv(rank, layer, tag, pos, token, prev) for rank in range(world_size)]
+
+
+class Oracle:
+    """The KV every token of a sequence must have on every rank, from scratch (memoized per token and prefix
+    digest)."""
+
+    def __init__(self, world_size: int = 1) -> None:
+        self.world_size = world_size
+        self._memo: dict[tuple[int, str, int, int, bytes], tuple[list[np.ndarray], bytes]] = {}
+        self._seqs: dict[tuple[str, tuple[int, ...]], np.ndarray] = {}
 
     def kv(self, rank: int, tag: str, tokens: tuple[int, ...]) -> np.ndarray:
-        """[len(tokens), layers, heads, 2, head_size] bf16 bits."""
-        key = (rank, tag, tokens)
+        """[len(tokens), layers, heads, 2, head_size] bf16 bits of `rank`."""
+        key = (tag, tokens)
         got = self._seqs.get(key)
         if got is not None:
-            return got
-        out = np.empty((len(tokens), LAYERS, HEADS, 2, HEAD_SIZE), dtype=np.int16)
+            return got[rank]
+        out = np.empty((self.world_size, len(tokens), LAYERS, HEADS, 2, HEAD_SIZE), dtype=np.int16)
         for layer in range(LAYERS):
             prev = _START
             for pos, token in enumerate(tokens):
-                m = (rank, layer, tag, pos, token, prev)
+                m = (layer, tag, pos, token, prev)
                 hit = self._memo.get(m)
                 if hit is None:
-                    value = token_kv(rank, layer, tag, pos, token, prev)
-                    hit = self._memo[m] = (value, _digest(value))
-                out[pos, layer] = hit[0]
+                    values = step_kv(self.world_size, layer, tag, pos, token, prev)
+                    hit = self._memo[m] = (values, joint_digest(values))
+                for r, value in enumerate(hit[0]):
+                    out[r, pos, layer] = value
                 prev = hit[1]
         if len(self._seqs) > 4096:
             self._seqs.clear()
         self._seqs[key] = out
-        return out
+        return out[rank]
+
+
+class ThreadAgreement:
+    """The connector's RankAgreement (load_agreement.py) for ranks simulated on threads of one process: an
+    element-wise minimum over `world_size` callers that meet at a barrier, as the gloo all-reduce does. One
+    instance per schedule, shared by its ranks' worker halves. A call whose list differs in length from the
+    other ranks' (the connector broke the protocol: every rank must pass the same loads) is recorded in
+    `errors`, since the connector swallows what `min_over_ranks` raises."""
+
+    def __init__(self, world_size: int, timeout: float = _RANK_WAIT_S) -> None:
+        self.world_size = world_size
+        self.calls = 0  # rounds completed
+        self.errors: list[str] = []
+        self._lock = threading.Lock()
+        self._pending: list[list[int]] = []
+        self._result: list[int] = []
+        self._barrier = threading.Barrier(world_size, action=self._reduce, timeout=timeout)
+
+    def _reduce(self) -> None:  # run by one thread once every rank arrived, before any is released
+        pending, self._pending = self._pending, []
+        if len({len(v) for v in pending}) != 1:
+            self.errors.append(f"min_over_ranks called with lists of lengths {[len(v) for v in pending]}")
+            raise ValueError(self.errors[-1])
+        self._result = [min(col) for col in zip(*pending)]
+        self.calls += 1
+
+    def min_over_ranks(self, values: Sequence[int]) -> list[int]:
+        with self._lock:
+            self._pending.append(list(values))
+        self._barrier.wait()
+        # safe to read: the next round's _reduce needs this thread at the barrier again
+        return list(self._result)
+
+    def abort(self) -> None:
+        """A rank failed: the others stop waiting for it (BrokenBarrierError) instead of hanging."""
+        self._barrier.abort()
 
 
 class Paged:
@@ -177,6 +237,9 @@ class SimConfig:
     kill_steps: int = 3
     nats_down_at: int | None = None  # stop NATS at this step; started again `nats_steps` later
     nats_steps: int = 3
+    # two ranks: the worker halves agree on their in-step loads (ThreadAgreement); False leaves the connector's
+    # agreement out (as before it existed), to show what it prevents. Never drawn: a seed means the same either way
+    agreement: bool = True
 
     @classmethod
     def draw(cls, seed: int, allow_processes: bool = True) -> "SimConfig":
@@ -241,6 +304,7 @@ class SimResult:
     load_errors: int = 0
     preemptions: int = 0
     checked_chunks: int = 0
+    agreements: int = 0  # steps whose ranks agreed on their in-step loads (two ranks)
     faults: list[str] = field(default_factory=list)
 
 
@@ -252,7 +316,10 @@ class Simulation:
         self.r = random.Random(config.seed * 7919 + 1)  # the schedule (the knobs used Random(seed))
         self.log = log or (lambda _: None)
         self.step_no = 0
-        self.oracle = Oracle()
+        self.oracle = Oracle(config.world_size)
+        self.agreement: ThreadAgreement | None = None
+        self.layer_barrier: threading.Barrier | None = None  # the ranks' forwards of a layer start together
+        self.pool: ThreadPoolExecutor | None = None
         self.requests: dict[str, SimRequest] = {}
         self.running: list[SimRequest] = []
         self.waiting: deque[SimRequest] = deque()
@@ -309,6 +376,14 @@ class Simulation:
                 stack.callback(work._layerwise.close)
             stack.callback(work._async_loads.abandon_all)
             self.workers.append(work)
+        if c.world_size > 1:
+            # each rank's worker step on its own thread, as vLLM's ranks run in their own processes
+            self.pool = stack.enter_context(ThreadPoolExecutor(c.world_size, thread_name_prefix="sim-rank"))
+            self.layer_barrier = threading.Barrier(c.world_size, timeout=_RANK_WAIT_S)
+            if c.agreement:
+                self.agreement = ThreadAgreement(c.world_size)
+                for work in self.workers:
+                    work._agreement = self.agreement
 
     # ---- the run ------------------------------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -325,6 +400,7 @@ class Simulation:
                 self._step()
                 self._check()
             self.result.steps = self.step_no
+            self.result.agreements = self.agreement.calls if self.agreement is not None else 0
             self.result.requests = self.created
         return self.result
 
@@ -552,10 +628,7 @@ class Simulation:
         invalid: set[int] = set()
         worker_meta: CpuTierEvents | None = None
         recving: list[str] = []
-        for rank, work in enumerate(self.workers):
-            forward = self._forward(rank, scheduled, starts)
-            result = self.call(f"worker step (rank {rank})", run_worker_step, work, pickle.loads(wire),
-                               set(step.finished), forward, lambda w=work: self._wait_async_loads(w))
+        for result in self._worker_steps(wire, set(step.finished), scheduled, starts):
             invalid |= result.load_errors
             recving += result.finished_recving
             if result.worker_meta is not None:
@@ -563,22 +636,62 @@ class Simulation:
         self._quiesce()
         self._update_from_output(scheduled, invalid, recving, worker_meta)
 
+    def _worker_steps(self, wire: bytes, finished: set[str], scheduled: dict[str, int],
+                      starts: dict[str, int]) -> list[Any]:
+        """Every rank's worker step; with several ranks concurrently, on one thread each, joined here. What they
+        compute does not depend on thread timing: they meet in the load agreement and before each layer."""
+        def one(rank: int) -> Any:
+            work = self.workers[rank]
+            forward = self._forward(rank, scheduled, starts)
+            try:
+                return self.call(f"worker step (rank {rank})", run_worker_step, work, pickle.loads(wire),
+                                 set(finished), forward, lambda: self._wait_async_loads(work))
+            except BaseException:
+                self._abort_ranks()  # the other ranks would wait for this one at a barrier
+                raise
+
+        if self.pool is None:
+            return [one(0)]
+        futures = [self.pool.submit(one, rank) for rank in range(self.c.world_size)]
+        outcomes: list[tuple[Any, BaseException | None]] = []
+        for future in futures:
+            exc = future.exception()
+            outcomes.append((None if exc is not None else future.result(), exc))
+        errors = [exc for _, exc in outcomes if exc is not None]
+        if errors:  # the rank that failed first, not one that only saw a broken barrier because of it
+            raise min(errors, key=lambda e: "BrokenBarrierError" in str(e))
+        if self.agreement is not None and self.agreement.errors:
+            raise self.fail(3, f"the ranks' load agreement: {self.agreement.errors[0]}")
+        return [result for result, _ in outcomes]
+
+    def _abort_ranks(self) -> None:
+        if self.layer_barrier is not None:
+            self.layer_barrier.abort()
+        if self.agreement is not None:
+            self.agreement.abort()
+
     def _forward(self, rank: int, scheduled: dict[str, int], starts: dict[str, int]) -> Callable[[int, str], None]:
-        paged = self.pageds[rank]
+        paged, pageds, world = self.pageds[rank], self.pageds, self.c.world_size
 
         def forward(layer: int, name: str) -> None:
+            if self.layer_barrier is not None:
+                # every rank has loaded this layer (start_load_kv, or its layer-wise copies) before any rank's
+                # forward reads it; the reads (the token before each scheduled one) and the writes (the scheduled
+                # tokens) touch different tokens, so no rank's writes race another's reads
+                self.layer_barrier.wait()
             for rid, n in scheduled.items():
                 req = self.requests[rid]
                 start = starts[rid]
                 if start:
                     p = start - 1
-                    prev = _digest(paged.token(layer, req.block_ids[p // BLOCK], p % BLOCK))
+                    block, off = req.block_ids[p // BLOCK], p % BLOCK
+                    prev = joint_digest([other.token(layer, block, off) for other in pageds])
                 else:
                     prev = _START
                 for pos in range(start, start + n):
-                    value = token_kv(rank, layer, req.tag, pos, req.tokens[pos], prev)
-                    paged.write(layer, req.block_ids[pos // BLOCK], pos % BLOCK, value)
-                    prev = _digest(value)
+                    values = step_kv(world, layer, req.tag, pos, req.tokens[pos], prev)
+                    paged.write(layer, req.block_ids[pos // BLOCK], pos % BLOCK, values[rank])
+                    prev = joint_digest(values)
 
         return forward
 
@@ -830,4 +943,5 @@ def run_seed(seed: int, allow_processes: bool = True, log: Callable[[str], None]
     return Simulation(config, log).run()
 
 
-__all__ = ["SimConfig", "SimFailure", "SimResult", "Simulation", "run_seed", "Oracle", "token_kv"]
+__all__ = ["SimConfig", "SimFailure", "SimResult", "Simulation", "ThreadAgreement", "run_seed", "Oracle",
+           "joint_digest", "step_kv", "token_kv"]
