@@ -276,3 +276,22 @@ def test_a_request_sharing_a_block_whose_load_failed_does_not_save_past_it(
         assert stored_chunks_are_the_oracles(worker, oracle, t_y) == [], "y stored a chunk computed over x's failed load"
     finally:
         sched._lookup.close()
+
+
+def test_a_save_ending_inside_a_chunk_hashed_for_more_tokens_uses_the_shorter_sequences_key(
+        paged: tuple[CacheEngine, PagedKV]) -> None:
+    """Found by the simulation (tests/fuzz.py): a request that grew past its prompt (decode) and then recomputes
+    from a failed load's block saves up to its prompt's end, inside a chunk its chain already names for the
+    longer sequence. That save must use the key a sequence ending there gives its partial chunk, never the
+    longer chunk's key with fewer tokens."""
+    worker, _ = paged
+    from kvmesh.services.engine.adapter.request_meta import RequestTracker
+    from kvmesh.shared.keys import ChunkHasher, KeyParams
+
+    hasher = ChunkHasher(KeyParams("test-model", worker.key_params.kv_format), CHUNK)
+    tokens = random_tokens(CHUNK + 8, seed=91).tolist()
+    tracker = RequestTracker("r", request("r", tokens), prompt_len=CHUNK - 2)
+    assert tracker.chain_keys(hasher, len(tokens)) == [s.key for s in hasher.chain(tokens)]
+    assert tracker.chain_keys(hasher, CHUNK - 2) == [s.key for s in hasher.chain(tokens[:CHUNK - 2])]
+    assert tracker.chain_keys(hasher, CHUNK + 3) == [s.key for s in hasher.chain(tokens[:CHUNK + 3])]
+    assert tracker.chain_keys(hasher, CHUNK) == [s.key for s in hasher.chain(tokens[:CHUNK])]

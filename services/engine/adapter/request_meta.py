@@ -189,7 +189,8 @@ class RequestTracker:
     def chain_keys(self, hasher: ChunkHasher, end: int,
                    on_hashed: "Callable[[list[ChunkSpan], list[int], ChunkKey | None], None] | None" = None
                    ) -> list[ChunkKey]:
-        """Chain keys of the chunks covering tokens [0, end), hashing only chunks not hashed before.
+        """Chain keys of a sequence of tokens [0, end), hashing only chunks not hashed before (the last one is the
+        key of a partial chunk ending at `end` when the chain covers more of it).
 
         `on_hashed(spans, tokens, parent)` is told of the spans hashed now (with the tokens from 0 and the chain
         key before the first of them, None at the start): the KV events' chunk metadata."""
@@ -203,7 +204,13 @@ class RequestTracker:
                     reused += 1
                 if reused < len(self.chain):
                     on_hashed(self.chain[reused:], tokens, self.chain[reused - 1].key if reused else None)
-        return [span.key for span in self.chain if span.start < end]
+        keys = [span.key for span in self.chain if span.start < end]
+        if keys and self.chain[len(keys) - 1].end > end:
+            # `end` falls inside a chunk hashed for the longer sequence (a resumed or rewound request that had
+            # grown past its prompt saves up to the prompt's end): that chunk's key for a sequence ending at `end`
+            tokens = list(self.request.all_token_ids[:end])
+            keys[-1] = hasher.prefix_span(tokens, self.chain, end, self.extras).key
+        return keys
 
     def take_load(self, chunk_size: int) -> LoadSpec | None:
         """The load for the step that schedules this request after allocation (once)."""
