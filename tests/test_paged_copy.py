@@ -504,7 +504,10 @@ def test_real_vllm_cpu_layout(vllm_cpu: types.SimpleNamespace, dtype: torch.dtyp
     assert tuple(first.shape) == (nb, heads, bs, 2 * d) and first.is_contiguous()
     layout = detect_layout(caches, bs, v.CPUAttentionBackend.get_name())
     isa = v._get_attn_isa(dtype, bs, d)
-    assert layout.name == LBHNC and layout.per_block and layout.cpu_isa == isa and isa in ("vec", "vec16")
+    assert layout.name == LBHNC and layout.per_block and layout.cpu_isa == isa
+    if isa not in ("vec", "vec16"):  # e.g. "amx" for bf16 on a CPU with AMX: tiled pages, copied whole blocks only
+        assert not layout.knows_token_arrangement and layout.chunk_format().endswith(f"-{isa}")
+        pytest.skip(f"vLLM picks the {isa!r} ISA on this CPU: its pages are tiled, not read per token")
 
     # vLLM writes known K/V for the slots of two blocks (block 4 full, block 1 partly) of every layer.
     num_tokens = bs + bs // 2
