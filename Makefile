@@ -6,7 +6,8 @@
 #   make test-unit     install, then the tests without a vLLM (-m "not vllm")
 #   make test-e2e      install, then only the vLLM end-to-end tests (-m vllm)
 #   make fuzz          install, then tests/fuzz.py: random simulation seeds for SECONDS (default 60) seconds;
-#                      SEED=n replays one seed (tests/sim_harness.py)
+#                      SEED=n replays one seed (tests/sim_harness.py); FUZZ_ARGS passes more flags
+#                      (e.g. FUZZ_ARGS=--no-processes)
 #   make bench         install, then benchmarks/ttft.py (cold/warm TTFT at 2k/8k/16k vs the CPU peers)
 #   make model         build the demo model into $(DEMO_DIR)/model
 #   make clean-demo    remove $(DEMO_DIR)
@@ -51,7 +52,7 @@ test-e2e: install
 	$(PY) -m pytest -q -m vllm
 
 fuzz: install
-	$(PY) tests/fuzz.py $(if $(SEED),--seed $(SEED),--seconds $(or $(SECONDS),60))
+	$(PY) tests/fuzz.py $(if $(SEED),--seed $(SEED),--seconds $(or $(SECONDS),60)) $(FUZZ_ARGS)
 
 bench: install
 	$(PY) benchmarks/ttft.py
