@@ -10,12 +10,13 @@ stopped with SIGSTOP, resumed with SIGCONT or killed with SIGKILL.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 import msgpack
 import pytest
@@ -142,9 +143,10 @@ def store(nats_server: EmbeddedNats, tmp_path: Path) -> Iterator[StoreProcess]:
     process.stop(signal.SIGKILL)
 
 
-async def test_a_cancelled_or_late_get_writes_nothing(nc, store: StoreProcess) -> None:
-    """A cancel that arrives before its get leaves a tombstone that refuses the get; a get that arrives after its
-    deadline is refused; neither touches the buffer. A cancel naming a pool the caller did not lend is no ack."""
+@contextlib.asynccontextmanager
+async def lent_pool_holding_chunk_1(nc: Any, store: StoreProcess) -> AsyncIterator[tuple[DiskStoreClient,
+                                                                                     SharedSegment, str]]:
+    """The store started; a client that lent it a pool and put chunk 1 from it (on disk): (client, pool, token)."""
     store.start()
     await store.wait_healthy(nc)
     client = DiskStoreClient(nc, store.store_id, ENGINE, request_timeout=WAIT_S)
@@ -154,62 +156,60 @@ async def test_a_cancelled_or_late_get_writes_nothing(nc, store: StoreProcess) -
             assert await client.wait_written(WAIT_S)
             token = await client._pools.token(segment)
             assert token is not None
-            buffer = slot(segment, 2)
-            zeros = bytes(STORE_CHUNK)
-            buffer.view[:] = zeros
-
-            async def get(get_id: int, deadline: float) -> protocol.GetReply:
-                request = protocol.GetRequest(key=key_of(1), pool=token, pool_offset=buffer.pool_offset,
-                                              capacity=STORE_CHUNK, get_id=get_id, deadline=deadline)
-                return await bus.request(nc, protocol.Subjects.store(store.store_id, "get", ENGINE), request,
-                                         protocol.GetReply, WAIT_S)
-
-            async def cancel(get_id: int, deadline: float, pool: str = token) -> protocol.Ack:
-                return await bus.request(nc, protocol.Subjects.store(store.store_id, "cancel_get", ENGINE),
-                                         protocol.CancelGet(pool=pool, get_id=get_id, deadline=deadline),
-                                         protocol.Ack, WAIT_S)
-
-            # cancelled before it arrived: the late get is refused, nothing written
-            assert (await cancel(7, time.monotonic() + WAIT_S)).ok
-            reply = await get(7, time.monotonic() + WAIT_S)
-            assert not reply.found and "cancelled" in (reply.error or "")
-            assert bytes(buffer.view) == zeros
-            # past its deadline: refused, nothing written
-            reply = await get(8, time.monotonic() - 0.001)
-            assert not reply.found and "deadline" in (reply.error or "")
-            assert bytes(buffer.view) == zeros
-            # neither: served (same pool, same slot)
-            reply = await get(9, time.monotonic() + WAIT_S)
-            assert reply.found and bytes(buffer.view) == data_of(1)
-            # its cancel after the fact is an ack: it will not write again
-            assert (await cancel(9, time.monotonic() + WAIT_S)).ok
-            # a store that does not know the pool cannot promise anything about it
-            refused = await cancel(10, time.monotonic() + WAIT_S, pool="0" * 32)
-            assert not refused.ok and "not lent" in (refused.error or "")
-            details = (await client.stats())[0].details
-            assert (details["gets_cancelled"], details["gets_late"], details["get_cancels"]) == (1, 1, 3)
+            yield client, segment, token
         finally:
             await client.close()
+
+
+async def test_a_cancelled_or_late_get_writes_nothing(nc, store: StoreProcess) -> None:
+    """A cancel that arrives before its get leaves a tombstone that refuses the get; a get that arrives after its
+    deadline is refused; neither touches the buffer. A cancel naming a pool the caller did not lend is no ack."""
+    async with lent_pool_holding_chunk_1(nc, store) as (client, segment, token):
+        buffer = slot(segment, 2)
+        zeros = bytes(STORE_CHUNK)
+        buffer.view[:] = zeros
+
+        async def get(get_id: int, deadline: float) -> protocol.GetReply:
+            request = protocol.GetRequest(key=key_of(1), pool=token, pool_offset=buffer.pool_offset,
+                                          capacity=STORE_CHUNK, get_id=get_id, deadline=deadline)
+            return await bus.request(nc, protocol.Subjects.store(store.store_id, "get", ENGINE), request,
+                                     protocol.GetReply, WAIT_S)
+
+        async def cancel(get_id: int, deadline: float, pool: str = token) -> protocol.Ack:
+            return await bus.request(nc, protocol.Subjects.store(store.store_id, "cancel_get", ENGINE),
+                                     protocol.CancelGet(pool=pool, get_id=get_id, deadline=deadline),
+                                     protocol.Ack, WAIT_S)
+
+        # cancelled before it arrived: the late get is refused, nothing written
+        assert (await cancel(7, time.monotonic() + WAIT_S)).ok
+        reply = await get(7, time.monotonic() + WAIT_S)
+        assert not reply.found and "cancelled" in (reply.error or "")
+        assert bytes(buffer.view) == zeros
+        # past its deadline: refused, nothing written
+        reply = await get(8, time.monotonic() - 0.001)
+        assert not reply.found and "deadline" in (reply.error or "")
+        assert bytes(buffer.view) == zeros
+        # neither: served (same pool, same slot)
+        reply = await get(9, time.monotonic() + WAIT_S)
+        assert reply.found and bytes(buffer.view) == data_of(1)
+        # its cancel after the fact is an ack: it will not write again
+        assert (await cancel(9, time.monotonic() + WAIT_S)).ok
+        # a store that does not know the pool cannot promise anything about it
+        refused = await cancel(10, time.monotonic() + WAIT_S, pool="0" * 32)
+        assert not refused.ok and "not lent" in (refused.error or "")
+        details = (await client.stats())[0].details
+        assert (details["gets_cancelled"], details["gets_late"], details["get_cancels"]) == (1, 1, 3)
 
 
 async def test_an_old_get_without_an_id_is_still_served(nc, store: StoreProcess) -> None:
     """Backwards readable: a pooled get from an engine that sends no get id nor deadline is served as before."""
-    store.start()
-    await store.wait_healthy(nc)
-    client = DiskStoreClient(nc, store.store_id, ENGINE, request_timeout=WAIT_S)
-    with SharedSegment.create(SLOTS * STORE_CHUNK) as segment:
-        try:
-            assert await put_pool(client, segment, 1)
-            assert await client.wait_written(WAIT_S)
-            token = await client._pools.token(segment)
-            buffer = slot(segment, 3)
-            request = protocol.GetRequest(key=key_of(1), pool=token, pool_offset=buffer.pool_offset,
-                                          capacity=STORE_CHUNK)
-            reply = await bus.request(nc, protocol.Subjects.store(store.store_id, "get", ENGINE), request,
-                                      protocol.GetReply, WAIT_S)
-            assert reply.found and bytes(buffer.view) == data_of(1)
-        finally:
-            await client.close()
+    async with lent_pool_holding_chunk_1(nc, store) as (_, segment, token):
+        buffer = slot(segment, 3)
+        request = protocol.GetRequest(key=key_of(1), pool=token, pool_offset=buffer.pool_offset,
+                                      capacity=STORE_CHUNK)
+        reply = await bus.request(nc, protocol.Subjects.store(store.store_id, "get", ENGINE), request,
+                                  protocol.GetReply, WAIT_S)
+        assert reply.found and bytes(buffer.view) == data_of(1)
 
 
 # ---- the same, in process: a write in progress, the tombstone bound, the messages' checks --------------------
