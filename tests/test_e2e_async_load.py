@@ -49,25 +49,30 @@ def prompt_of(text: str, num_chars: int, salt: str) -> str:
 
 
 class DecodeStream(threading.Thread):
-    """A streamed completion of a short prompt: the wall time of each token as it arrives."""
+    """A streamed completion of a short prompt: the wall time of each streamed piece as it arrives (one piece may
+    carry several tokens when the client reads late), and the tokens generated in all (the stream's usage)."""
 
     def __init__(self, server: VLLMServer) -> None:
         super().__init__(daemon=True)
         self.server = server
         self.times: list[float] = []
+        self.generated = 0
         self.error: BaseException | None = None
 
     def run(self) -> None:
         import httpx
 
         body = {"model": self.server.model, "prompt": "Count from one:", "max_tokens": DECODE_TOKENS,
-                "temperature": 0, "ignore_eos": True, "stream": True}
+                "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         try:
             with httpx.stream("POST", f"{self.server.url}/v1/completions", json=body, timeout=300) as response:
                 response.raise_for_status()
                 for line in response.iter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
-                        if json.loads(line[6:])["choices"][0]["text"] is not None:
+                        piece = json.loads(line[6:])
+                        if piece.get("usage"):
+                            self.generated = piece["usage"]["completion_tokens"]
+                        if piece["choices"] and piece["choices"][0]["text"] is not None:
                             self.times.append(time.time())
         except BaseException as exc:  # reported by the test
             self.error = exc
@@ -118,7 +123,7 @@ def test_a_disk_hit_loads_between_steps_while_another_request_decodes(tmp_path: 
         assert ASYNC_LINE.format(req=hit.request_id) in log, "the hit was not loaded asynchronously"
         assert warm["choices"][0]["text"] == ref.complete(first, max_tokens=16)["choices"][0]["text"]
         assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
-        assert len(stream.times) == DECODE_TOKENS
+        assert stream.generated == DECODE_TOKENS
 
         # A load that fails is recomputed: the warm load put the first prompt back in the CPU tier, so the second
         # prompt's leading chunks are on disk only; their files go (the store still lists them), so the scheduler
@@ -146,8 +151,8 @@ def test_a_disk_hit_loads_between_steps_while_another_request_decodes(tmp_path: 
         assert any(what.startswith("Loading") for _, what in events), events  # the worker's side of the async path
         during = [t for t in stream.times if sent <= t <= answered]
         print(f"\nwarm request sent {clock(sent)}, answered {clock(answered)}; its load: {events}")
-        print(f"decoding request: {len(stream.times)} tokens from {clock(stream.times[0])} to "
-              f"{clock(stream.times[-1])}; "
+        print(f"decoding request: {stream.generated} tokens in {len(stream.times)} pieces from "
+              f"{clock(stream.times[0])} to {clock(stream.times[-1])}; "
               f"{len(during)} of them while the warm request was in flight: {[clock(t) for t in during[:40]]}")
     finally:
         for started in (server, ref):
