@@ -26,7 +26,7 @@ from nats.aio.client import Client as NatsClient
 
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.config import GB
-from kvmesh.shared.credentials import MeshCredentials, credentials_for
+from kvmesh.shared.credentials import MeshCredentials, check_domain_name, credentials_for
 from kvmesh.shared.embedded_nats import server_settings
 from kvmesh.shared.errors import ConfigError, KVMeshError, MeshUnavailable
 from kvmesh.shared.eviction import POLICY_NAMES
@@ -116,8 +116,14 @@ def cmd_credentials(args: argparse.Namespace) -> int:
         mesh = MeshCredentials(Path(args.dir))
     except ConfigError as exc:
         raise SystemExit(f"kvmesh credentials: {exc}") from None
+    if args.domain is not None:
+        try:
+            check_domain_name(args.domain)
+        except ValueError as exc:
+            raise SystemExit(f"kvmesh credentials: --domain: {exc}") from None
     try:
-        if mesh.ensure(*principals) and mesh.reload_server():
+        # --domain moves the named engines (only those) into it; without it each keeps the domain it had
+        if mesh.ensure(*principals, domain=args.domain) and mesh.reload_server():
             log.info("the NATS server running with %s loaded the new users", mesh.root)
     except ValueError as exc:
         raise SystemExit(f"kvmesh credentials: {exc}; principals are engine.<instance_id>, store.<store_id>, "
@@ -203,6 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
         "credentials", help="make NATS credentials for a mesh (one 0600 file per principal) and a server config")
     credentials.add_argument("--dir", required=True, help="the credentials directory (created 0700)")
     credentials.add_argument("--listen", help="also write nats-server.conf listening here (e.g. 0.0.0.0:4222)")
+    credentials.add_argument(
+        "--domain", default=None, metavar="DOMAIN",
+        help="put the named engine principals in this sharing domain (default: 'default', or the one they are "
+             "in): stores show an engine only its domain's chunks; recorded in domains.json, which each store "
+             "reads beside its own credentials file, and in each engine's file with the domain's secret")
     credentials.add_argument("principals", nargs="*", metavar="PRINCIPAL",
                              help="engine.<instance_id> or store.<store_id> (controller and operator always)")
     wipe = sub.add_parser(

@@ -1,7 +1,11 @@
 """A mesh's NATS credentials: one user per principal, in a private directory, and the server config they make.
 
 Layout of a credentials directory (mode 0700, every file 0600, owned by the user who made it):
-    <path>.json            one principal's credentials: {"user", "password", "inbox_prefix"} (`NatsAuth.from_file`)
+    <path>.json            one principal's credentials: {"user", "password", "inbox_prefix"} (`NatsAuth.from_file`);
+                           an engine's also {"domain", "domain_secret"}: its sharing domain (`sharing_domain`)
+    domains.json           engine principal (user) -> sharing domain, for those not in "default" (not secret:
+                           stores read it beside their own credentials file; `kvmesh credentials --domain`)
+    domain-<name>.secret   each domain's random 32-byte secret (hex), copied into its engines' files
     authorization.conf     the NATS server's users and permissions, generated from the JSON files
     nats-server.conf       the server config KVMesh's embedded NATS runs with (includes authorization.conf)
     nats-server.pid        that server's pid: adding a principal rewrites authorization.conf and reloads it
@@ -27,6 +31,7 @@ import socket
 import stat
 import time
 import urllib.parse
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -40,6 +45,67 @@ log = logging.getLogger(__name__)
 AUTHORIZATION_FILE = "authorization.conf"
 SERVER_CONFIG_FILE = "nats-server.conf"
 PID_FILE = "nats-server.pid"
+DOMAINS_FILE = "domains.json"
+DEFAULT_DOMAIN = "default"
+_DOMAIN_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+MAX_DOMAIN_LENGTH = 64
+
+
+@dataclass(frozen=True)
+class SharingDomain:
+    """The sharing domain an engine belongs to (the administrator's choice, recorded in its credentials file):
+    stores show an engine only its own domain's chunks, engines mix a non-default name into their chunk keys,
+    and `secret` (32 bytes; None where the credentials carry none) authenticates what the domain writes to a
+    shared external store (Redis)."""
+
+    name: str = DEFAULT_DOMAIN
+    secret: bytes | None = None
+
+
+def check_domain_name(name: str) -> str:
+    """`name` if it can name a sharing domain (1 to 64 of letters, digits, `_`, `-`: it also names a file);
+    ValueError naming the problem otherwise."""
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_DOMAIN_LENGTH or not set(name) <= _DOMAIN_CHARS:
+        raise ValueError(f"sharing domain {name!r}: expected 1 to {MAX_DOMAIN_LENGTH} letters, digits, '_' or '-'")
+    return name
+
+
+def sharing_domain(credentials: str | Path | None) -> SharingDomain:
+    """The sharing domain recorded in a KVMesh credentials file (`"domain"`, `"domain_secret"` in hex): the
+    default domain without a secret when `credentials` is None or the file records none (credentials made before
+    domains existed, or not by KVMesh). ConfigError naming the file when it cannot be read or holds bad values."""
+    if credentials is None:
+        return SharingDomain()
+    file = Path(credentials)
+    try:
+        entry = json.loads(file.read_text())
+        name = check_domain_name(entry.get("domain", DEFAULT_DOMAIN))
+        secret_hex = entry.get("domain_secret")
+        secret = None if secret_hex is None else bytes.fromhex(secret_hex)
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"sharing domain of credentials file {file}: {type(exc).__name__}: {exc}") from None
+    if secret is not None and len(secret) < 16:
+        raise ConfigError(f"sharing domain of credentials file {file}: domain_secret is {len(secret)} bytes, "
+                          "expected 32")
+    return SharingDomain(name, secret)
+
+
+def read_domains(file: str | Path) -> dict[str, str]:
+    """A domains map (principal user -> domain) from `file`; {} when it does not exist. ConfigError naming the
+    file and the problem when it cannot be read or is not a JSON object of valid names."""
+    path = Path(file)
+    try:
+        entries = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"domains file {path}: {type(exc).__name__}: {exc}") from None
+    if not isinstance(entries, dict) or not all(isinstance(user, str) for user in entries):
+        raise ConfigError(f"domains file {path}: expected a JSON object of principal -> domain")
+    try:
+        return {user: check_domain_name(domain) for user, domain in entries.items()}
+    except ValueError as exc:
+        raise ConfigError(f"domains file {path}: {exc}") from None
 
 
 def runtime_dir() -> Path:
@@ -74,6 +140,48 @@ def private_dir(path: Path) -> Path:
     return path
 
 
+class DomainMap:
+    """A store's view of which sharing domain each engine principal is in: the domains file (`read_domains`),
+    re-read whenever its mtime or size changes, so `kvmesh credentials --domain` takes effect without a restart.
+    No file (or `file` None): every caller is in the default domain. A file that turns bad keeps the last good
+    map (logged once per change)."""
+
+    def __init__(self, file: str | Path | None) -> None:
+        self.file = None if file is None else Path(file)
+        self._stamp: tuple[int, int] | None = None
+        self._domains: dict[str, str] = {}
+        if self.file is not None:
+            self._domains = read_domains(self.file)  # a bad file at start: ConfigError, the store does not start
+            self._stamp = self._current_stamp()
+
+    def _current_stamp(self) -> tuple[int, int] | None:
+        try:
+            info = os.stat(self.file)  # type: ignore[arg-type]
+        except OSError:
+            return None
+        return info.st_mtime_ns, info.st_size
+
+    def domain_of(self, caller: str) -> str:
+        """The domain of the principal a caller path belongs to (`engine.<instance>[.<worker>]`); the default
+        domain for any other caller (store, controller, operator) and any engine the map does not name."""
+        if self.file is not None:
+            stamp = self._current_stamp()
+            if stamp != self._stamp:
+                self._stamp = stamp
+                try:
+                    self._domains = read_domains(self.file)
+                except ConfigError as exc:
+                    log.error("%s; keeping the sharing domains read before", exc)
+        if not self._domains or not caller.startswith("engine."):
+            return DEFAULT_DOMAIN
+        return self._domains.get(".".join(caller.split(".", 2)[:2]), DEFAULT_DOMAIN)
+
+
+def domains_file_beside(credentials: str | Path | None) -> Path | None:
+    """Where a store finds the domains map: `domains.json` in the directory of its own credentials file."""
+    return None if credentials is None else Path(credentials).parent / DOMAINS_FILE
+
+
 def _write_private(path: Path, text: str) -> None:
     """Write `text` to `path` atomically, readable by us alone."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -103,21 +211,71 @@ class MeshCredentials:
         finally:
             os.close(fd)
 
-    def ensure(self, *paths: str) -> bool:
+    def ensure(self, *paths: str, domain: str | None = None) -> bool:
         """Create credentials for every principal in `paths` that has none; True when any was added (the
-        authorization file is then rewritten: a running server needs `reload_server()`)."""
+        authorization file is then rewritten: a running server needs `reload_server()`).
+
+        An engine's file also records its sharing domain and that domain's secret: `domain` when given (the
+        engines in `paths` are then moved to it, in domains.json too), else the one domains.json gives it, else
+        the default domain. A store's or the controller's file records none."""
+        if domain is not None:
+            check_domain_name(domain)
         with self._locked():
             missing = [path for path in paths if not self.file(path).exists()]
             for path in missing:
                 _write_private(self.file(path), json.dumps({
                     "user": path, "password": secrets.token_urlsafe(32), "inbox_prefix": inbox_prefix(path)}))
+            engines = [path for path in paths if path.startswith("engine.")]
+            if engines:
+                self._record_domains(engines, domain)
             if missing or not (self.root / AUTHORIZATION_FILE).exists():
                 _write_private(self.root / AUTHORIZATION_FILE, authorization_block(self._users()))
         return bool(missing)
 
+    @property
+    def domains_file(self) -> Path:
+        return self.root / DOMAINS_FILE
+
+    def domain_secret(self, domain: str) -> bytes:
+        """The secret of `domain`, made (32 random bytes, 0600) the first time it is asked for."""
+        file = self.root / f"domain-{check_domain_name(domain)}.secret"
+        try:
+            return bytes.fromhex(file.read_text().strip())
+        except FileNotFoundError:
+            secret = secrets.token_bytes(32)
+            _write_private(file, secret.hex() + "\n")
+            return secret
+
+    def _record_domains(self, engines: list[str], domain: str | None) -> None:
+        """Write each engine's domain (and the domain's secret) into its file; `domain` given: into domains.json
+        too (the default domain is the absence of an entry). Called under the lock."""
+        domains = read_domains(self.domains_file)
+        if domain is not None:
+            changed = False
+            for path in engines:
+                if domains.get(path, DEFAULT_DOMAIN) != domain:
+                    changed = True
+                    if domain == DEFAULT_DOMAIN:
+                        del domains[path]
+                    else:
+                        domains[path] = domain
+            if changed or not self.domains_file.exists():
+                # not secret (stores read it beside their own file), yet written the same atomic way
+                _write_private(self.domains_file, json.dumps(domains, indent=2, sort_keys=True) + "\n")
+        for path in engines:
+            name = domains.get(path, DEFAULT_DOMAIN)
+            file = self.file(path)
+            entry = json.loads(file.read_text())
+            secret = self.domain_secret(name).hex()
+            if entry.get("domain") != name or entry.get("domain_secret") != secret:
+                entry.update(domain=name, domain_secret=secret)
+                _write_private(file, json.dumps(entry))
+
     def _users(self) -> list[tuple[str, str]]:
         users = []
         for file in sorted(self.root.glob("*.json")):
+            if file.name == DOMAINS_FILE:
+                continue
             entry = json.loads(file.read_text())
             users.append((entry["user"], entry["password"]))
         return users
@@ -167,6 +325,16 @@ def credentials_for(url: str, principal: Principal, given: NatsAuth | None) -> N
     """The credentials a client acting as `principal` connects to `url` with: `given` ones, else its own from
     a KVMesh-started NATS on this host (`provision`), else none."""
     return given if given is not None else provision(url, principal.path)
+
+
+def local_credentials_file(url: str, path: str) -> Path | None:
+    """The credentials file `provision` gives the principal at `path` for a KVMesh-started NATS at `url` on this
+    host, if there is one."""
+    address = _loopback_address(url)
+    if address is None:
+        return None
+    file = local_mesh_dir(address[1]) / f"{path}.json"
+    return file if file.is_file() else None
 
 
 def provision(url: str, path: str, timeout: float = 10.0) -> NatsAuth | None:
