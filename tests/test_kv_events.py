@@ -52,10 +52,10 @@ def scheduler(capacity: int = 1000) -> Any:
     return conn
 
 
-def request(req_id: str, tokens: list[int]) -> SimpleNamespace:
+def request(req_id: str, tokens: list[int], cache_salt: str | None = None) -> SimpleNamespace:
     return SimpleNamespace(request_id=req_id, num_tokens=len(tokens), num_prompt_tokens=len(tokens),
                            all_token_ids=tokens, lora_request=None, mm_features=[], prompt_embeds=None,
-                           cache_salt=None)
+                           cache_salt=cache_salt)
 
 
 def step(conn: Any, events: StepEventLog) -> list[Any]:
@@ -152,5 +152,33 @@ def test_sharded_ranks_publish_rank_0s_keys_and_extras_untagged() -> None:
     first, second = wire(log.take())
     assert first.block_hashes == [kv_events.external_hash(rank0.shard_key(a))]
     assert second.parent_block_hash == kv_events.external_hash(rank0.shard_key(a))
-    assert first.extra_keys == [("my-lora", "salt")] and first.lora_name == "my-lora"
-    assert second.extra_keys == [("my-lora", ["img", 40 - CHUNK])]  # (identifier, offset in the chunk)
+    lora, salt, img = (kv_events.event_digest(kind, value)
+                       for kind, value in ((b"lora", "my-lora"), (b"salt", "salt"), (b"mm", "img")))
+    assert first.extra_keys == [(lora, salt)] and first.lora_name == "my-lora"
+    assert second.extra_keys == [(lora, [img, 40 - CHUNK])]  # (identifier's digest, offset in the chunk)
+
+
+def test_the_cache_salt_is_published_only_as_a_digest_equal_for_equal_salts(
+        worker: tuple[CacheEngine, PagedKV, StepEventLog]) -> None:
+    """Issue 24, finding 2: the event stream is unauthenticated, so a salt in clear would let anyone recompute
+    the salted keys of the published tokens. Requests of one salt still carry equal digests, so a router can
+    tell tenants apart."""
+    engine, kv, events = worker
+    conn = scheduler()
+    salts = {"a1": "tenant-a-secret-salt-7f3e", "a2": "tenant-a-secret-salt-7f3e", "b": "tenant-b-secret-salt-91c2"}
+    first_chunks: dict[str, Any] = {}
+    for seed, (req_id, salt) in enumerate(salts.items(), start=10):
+        tokens = random_tokens(2 * CHUNK, seed=seed).tolist()
+        conn.get_num_new_matched_tokens(request(req_id, tokens, cache_salt=salt), 0)
+        engine.store(tokens, **kv.kv(kv.slots(len(tokens))), extras=KeyExtras(cache_salt=salt))
+        batch = step(conn, events)
+        payload = msgspec.msgpack.encode(vllm_events.KVEventBatch(ts=0.0, events=batch))
+        assert salt.encode() not in payload, "the salt is on the wire in clear"
+        stored = wire(batch)
+        assert [type(e).__name__ for e in stored] == ["BlockStored"] * 2
+        assert stored[1].extra_keys is None  # the salt is mixed into the first chunk only
+        first_chunks[req_id] = stored[0]
+    digest = {req_id: event.extra_keys for req_id, event in first_chunks.items()}
+    assert digest["a1"] == digest["a2"] == [(kv_events.event_digest(b"salt", salts["a1"]),)]
+    assert digest["b"] != digest["a1"] and digest["b"] is not None
+    conn._lookup.close()

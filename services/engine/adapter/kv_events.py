@@ -11,7 +11,16 @@ its parent key, tokens, LoRA name and extras (a bounded LRU map, `kv_event_chunk
     rank 0's shard key (the chain key itself unless tensor-parallel ranks shard the KV), in the form vLLM
     publishes its own hashes (`maybe_convert_block_hash`): by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1)
     the key's last 8 bytes as a big-endian int, else the 16 key bytes;
-  * block_size: chunk_size (a partial last chunk has fewer token_ids), medium "CPU".
+  * block_size: chunk_size (a partial last chunk has fewer token_ids), medium "CPU";
+  * extra_keys: vLLM's untagged shapes (LoRA name, (multimodal identifier, offset) pairs, cache salt, prompt-
+    embedding digest), each value replaced by its digest (`event_digest`), never in clear: the event stream is
+    unauthenticated ZMQ, and a salt in clear lets anyone recompute the salted keys of the published token ids.
+    Equal values give equal digests on every instance, so a router can still tell requests of one salt (or
+    adapter, or image) from another's. A guessable salt stays guessable: the block hash and token ids of a
+    first chunk already let anyone test a guess, so the salt must be unguessable (random) to isolate a tenant.
+    token_ids stay: routers (llm-d's KV-cache indexer, Dynamo's KV router) hash them into their own block keys
+    to match incoming prompts, and they are the requester's own prompt. lora_name stays in clear too: it is the
+    served adapter's name (public on /v1/models), which routers use to pick instances that serve it.
 
 An admission of a chunk the map no longer (or never) knew is not published: a BlockStored without tokens
 would be useless to a router. Only rank 0's events are used: every rank holds its shard of the same chunks.
@@ -21,6 +30,7 @@ medium and would tell a router that vLLM's GPU blocks are gone too.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from array import array
 from collections import OrderedDict
@@ -46,17 +56,25 @@ class ChunkInfo:
     extra_keys: tuple[object, ...] | None
 
 
+def event_digest(kind: bytes, value: str | bytes) -> str:
+    """What KV events publish for an extra key `value` of `kind` (b"salt", b"lora", b"mm", b"embeds"): a 128-bit
+    BLAKE2b digest, hex; the kind keeps a salt's digest from equalling an adapter's of the same text."""
+    data = value.encode() if isinstance(value, str) else value
+    return hashlib.blake2b(data, digest_size=16, person=b"kvmesh-kv-" + kind).hexdigest()
+
+
 def extra_keys_of(extras: KeyExtras | None, lora_name: str | None, span: ChunkSpan) -> tuple[object, ...] | None:
-    """The untagged parts that `span`'s key mixes in besides its tokens (vLLM's `extra_keys` order: LoRA name,
-    (multimodal identifier, offset in the chunk) pairs, cache salt, prompt-embedding digest); None for none."""
-    parts: list[object] = [lora_name] if lora_name else []
+    """The untagged parts that `span`'s key mixes in besides its tokens, each as its `event_digest` (vLLM's
+    `extra_keys` order: LoRA name, (multimodal identifier, offset in the chunk) pairs, cache salt,
+    prompt-embedding digest); None for none."""
+    parts: list[object] = [event_digest(b"lora", lora_name)] if lora_name else []
     if extras is not None:
         items = extras.chunk_items(span.start, span.end)
-        parts += [(identifier, offset - span.start) for identifier, offset, _ in items]
+        parts += [(event_digest(b"mm", identifier), offset - span.start) for identifier, offset, _ in items]
         if span.index == 0 and extras.cache_salt:
-            parts.append(extras.cache_salt)
+            parts.append(event_digest(b"salt", extras.cache_salt))
         if span.index < len(extras.embeds_digests):
-            parts.append(extras.embeds_digests[span.index])
+            parts.append(event_digest(b"embeds", extras.embeds_digests[span.index]))
     return tuple(parts) or None
 
 
