@@ -200,9 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--restart-backoff-max", type=float, default=Backoff.maximum,
                     help="cap of the restart delay, seconds")
     up.add_argument("--no-restart", action="store_true", help="stop the whole mesh when a service exits")
-    health = sub.add_parser("health", help="ask every service on a NATS for its health")
+    health = sub.add_parser("health", help="ask every service on a NATS for its health; each ping-all reply is "
+                                           "confirmed on the replier's own health subject and shown as what its "
+                                           "path is (an engine that claims to be a store shows as an engine)")
     health.add_argument("--nats-url", type=nats_url_argument, default="nats://127.0.0.1:4222")
-    health.add_argument("--wait", type=float, default=0.5)
+    health.add_argument("--wait", type=float, default=0.5,
+                        help="seconds to collect ping-all replies; confirming them takes at most max(wait, 1) more")
     health.add_argument("--expect", type=int, default=1, help="exit 1 unless at least this many answer")
     add_nats_auth_flags(health)
     credentials = sub.add_parser(

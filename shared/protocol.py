@@ -357,6 +357,9 @@ class HealthReply:
     service_id: str
     status: str = "ok"
     details: dict[str, Any] = field(default_factory=dict)
+    # The replier's path (a producer path, or `controller`): only that principal may subscribe to
+    # `Subjects.health(path)`, so a ping-all reply is believed once a request there is answered (service.ping_all).
+    path: str = ""
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -48,7 +48,11 @@ class ControllerConfig:
     producer_expiry_s: float = 600.0  # a producer down this long is forgotten: keys dropped, slot reused
     min_chunk_size: int = 16  # registrations with a chunk_size outside [min, max] are refused...
     max_chunk_size: int = 65536  # ...(a tiny chunk makes every lookup hash and probe per few tokens)
-    max_key_param_sets: int = 64  # distinct (model, kv_format, ranks, chunk_size, ...) sets a lookup hashes for
+    max_key_param_sets: int = 128  # distinct (model, kv_format, ranks, chunk_size, ...) sets a lookup hashes for
+    # Each principal's share of the two tables above (at most half of each, checked by parse_args): one
+    # principal's registrations never refuse another's. TP/PP with 64 ranks and a few incarnations fits.
+    max_workers_per_principal: int = 256
+    max_key_param_sets_per_principal: int = 64
     sync_retry_s: float = 3.0  # re-ask a producer for a full sync after this long without one
     heartbeat_grace_s: float = 1.0  # a heartbeat's seq claim must be met by batches within this
     tick_interval_s: float = 0.25  # maintenance pass period
@@ -135,14 +139,34 @@ def build_parser() -> argparse.ArgumentParser:
                         help="smallest chunk_size an engine may register with (default: 16)")
     parser.add_argument("--max-chunk-size", type=_positive(int), default=65536,
                         help="largest chunk_size an engine may register with (default: 65536)")
-    parser.add_argument("--max-key-param-sets", type=_positive(int), default=64,
+    parser.add_argument("--max-key-param-sets", type=_positive(int), default=128,
                         help="most distinct key parameter sets (model, kv_format, world_size, rank, chunk_size, "
                              "save_unfull_chunk) a lookup hashes for; a registration adding one past it is "
-                             "refused and counted (default: 64)")
+                             "refused and counted (default: 128)")
+    parser.add_argument("--max-workers-per-principal", type=_positive(int), default=256,
+                        help="most producers one principal (engine.<instance_id>: its workers, every rank and "
+                             "incarnation; store.<id>) has registered at once; past it the principal's own down "
+                             "workers are forgotten, else the registration is refused and counted. At most half "
+                             "of --max-producers (default: 256)")
+    parser.add_argument("--max-key-param-sets-per-principal", type=_positive(int), default=64,
+                        help="most distinct key parameter sets one principal's workers register (a TP/PP "
+                             "instance has one per rank); past it as --max-workers-per-principal. At most half "
+                             "of --max-key-param-sets (default: 64)")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                         help="log level (default: $KVMESH_LOG_LEVEL, else info)")
     add_nats_auth_flags(parser)
     return parser
+
+
+def _check_shares(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A principal's share may be at most half its global bound: else one principal fills the table alone."""
+    for share, bound in (("max_workers_per_principal", "max_producers"),
+                         ("max_key_param_sets_per_principal", "max_key_param_sets")):
+        if getattr(args, share) * 2 > getattr(args, bound):
+            flag = "--" + share.replace("_", "-")
+            parser.error(f"{flag} {getattr(args, share)} is more than half of --{bound.replace('_', '-')} "
+                         f"{getattr(args, bound)}: one principal could fill it and refuse every other; lower "
+                         f"{flag} or raise --{bound.replace('_', '-')}")
 
 
 def parse_args(argv: list[str] | None = None) -> ControllerConfig:
@@ -152,6 +176,7 @@ def parse_args(argv: list[str] | None = None) -> ControllerConfig:
         notices = _resolve_lmcache_settings(args)
     except ValueError as exc:
         parser.error(str(exc))
+    _check_shares(parser, args)
     return ControllerConfig(
         host=args.host, port=args.port, monitor_port=args.monitor_port, nats_url=args.nats_url,
         controller_id=args.controller_id, liveness_timeout_s=args.liveness_timeout,
@@ -161,7 +186,8 @@ def parse_args(argv: list[str] | None = None) -> ControllerConfig:
         lookup_window_size=args.lookup_window_size, max_commands=args.max_commands,
         max_producers=args.max_producers, producer_expiry_s=args.producer_expiry_secs,
         min_chunk_size=args.min_chunk_size, max_chunk_size=args.max_chunk_size,
-        max_key_param_sets=args.max_key_param_sets,
+        max_key_param_sets=args.max_key_param_sets, max_workers_per_principal=args.max_workers_per_principal,
+        max_key_param_sets_per_principal=args.max_key_param_sets_per_principal,
         log_level=args.log_level, nats_host=args.nats_host, nats_auth=nats_auth_from_args(args).or_none(),
         notices=tuple(notices),
     )

@@ -18,8 +18,11 @@ counted in `forged_messages`; a heartbeat of an unknown producer makes it announ
 past a limit (`ProducerTable.refusal`: producer count, chunk_size, key parameter sets, host/ip length) is refused
 with a WARNING and counted in `registrations_refused`. Engine worker ids end in a per-process tag
 (`protocol.worker_id_for`), so replicas sharing an instance id are distinct producers on distinct paths; when
-several live ones claim the same instance id and rank, the controller logs a WARNING and sends each an
-`InstanceConflict` (they log one too); the instance id is served by one of them (`ProducerTable` docs).
+several live ones claim the same instance id and rank, the controller logs a WARNING and sends an
+`InstanceConflict` to the newcomer and to the worker that served the rank before it (they log one too; O(1)
+notices per registration); the instance id is served by one of them (`ProducerTable` docs). A principal at its
+share of producers or key parameter sets makes room by forgetting its own down producers
+(`ProducerTable.room_for`); past that it is refused, never another principal.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from kvmesh.services.controller.producers import ProducerTable
 log = logging.getLogger(__name__)
 
 SYNC_REQUEST_TIMEOUT_S = 2.0
+MAX_CONFLICT_NAMES = 8  # claimants named in one InstanceConflict notice and its WARNING
 # protocol.encode() writes the "t" tag last: a payload ending in this is a SyncChunk (a hint only; decoding
 # falls back to trying the other type, so a producer encoding differently still works).
 _SYNC_CHUNK_SUFFIX = b"\xa1t\xaasync_chunk"
@@ -77,6 +81,7 @@ class ProducerFeed:
         self.bad_messages = 0
         self.forged_messages = 0
         self.conflicts_reported = 0
+        self.conflict_notices_sent = 0
 
     async def start(self) -> None:
         limits = dict(pending_msgs_limit=bus.PENDING_MSGS_LIMIT, pending_bytes_limit=bus.PENDING_BYTES_LIMIT)
@@ -143,18 +148,20 @@ class ProducerFeed:
         path = self._registration_path(sender, reg)
         if path is None:
             return
-        refused = self.table.refusal(reg)
+        refused = self.table.room_for(reg, path, self.clock())
         if refused is not None:
             reason, message = refused
             self.table.stats.registrations_refused[reason] += 1
             log.warning("controller: refused %s", message)
             return
         if isinstance(reg, protocol.RegisterEngine):
+            serving_before = self.table.instances.get(reg.instance_id, {}).get(reg.rank)
             claimants = self.table.on_register_engine(reg, self.clock(), path)
             log.info("registered engine worker %s (instance %s, rank %d/%d, host %s)", reg.worker_id,
                      reg.instance_id, reg.rank, reg.world_size, reg.host or "?")
             if claimants:
-                await self._report_conflict(reg.instance_id, reg.rank, claimants)
+                await self._report_conflict(reg.instance_id, reg.rank, claimants,
+                                            {reg.worker_id, serving_before} & set(claimants))
         else:
             self.table.on_register_store(reg, self.clock(), path)
             log.info("registered store %s (%s)", reg.store_id, reg.location)
@@ -179,16 +186,24 @@ class ProducerFeed:
             return None
         return sender.path
 
-    async def _report_conflict(self, instance_id: str, rank: int, claimants: list[str]) -> None:
-        """Several live workers claim one instance id and rank: a WARNING here, and one on each of them."""
+    async def _report_conflict(self, instance_id: str, rank: int, claimants: list[str], involved: set[str]) -> None:
+        """Several live workers claim one instance id and rank: a WARNING here, and a notice to the workers
+        this registration involves (`involved`: the newcomer and the one that served the rank before it) and
+        the one serving now. Each claimant hears of the conflict when it registers into it or loses the rank,
+        so N registrations cost O(N) notices, not one per claimant each (N²/2); a notice and the WARNING name
+        the latest MAX_CONFLICT_NAMES claimants only."""
         serving = self.table.instances.get(instance_id, {}).get(rank, "")
-        names = [self._describe(worker_id) for worker_id in claimants]
+        named = claimants[-MAX_CONFLICT_NAMES:]
+        names = [self._describe(worker_id) for worker_id in named]
+        more = f" and {len(claimants) - len(named)} more" if len(claimants) > len(named) else ""
         self.conflicts_reported += 1
-        log.warning("controller: instance id %r rank %d is claimed by %d live workers: %s; not merged: the "
+        log.warning("controller: instance id %r rank %d is claimed by %d live workers: %s%s; not merged: the "
                     "instance id is served by %s only (see duplicate_workers in GET /instances). Give each vLLM "
-                    "replica its own lmcache_instance_id", instance_id, rank, len(names), "; ".join(names), serving)
+                    "replica its own lmcache_instance_id", instance_id, rank, len(claimants), "; ".join(names),
+                    more, serving)
         notice = protocol.InstanceConflict(instance_id=instance_id, rank=rank, serving=serving, others=names)
-        for worker_id in claimants:
+        for worker_id in sorted(involved | {serving} - {""}):
+            self.conflict_notices_sent += 1
             await bus.publish(self.nc, Subjects.worker(instance_id, worker_id, protocol.CONFLICT_OP), notice)
 
     def _describe(self, worker_id: str) -> str:
@@ -231,7 +246,7 @@ class ProducerFeed:
 
     async def _on_health(self, _request: protocol.HealthRequest) -> protocol.HealthReply:
         return protocol.HealthReply(service="controller", service_id=self.controller_id, status="ok",
-                                    details=self._health_details())
+                                    details=self._health_details(), path=protocol.CONTROLLER.path)
 
     def _bad(self, msg: Msg, exc: Exception) -> None:
         self.bad_messages += 1

@@ -12,6 +12,14 @@ default, lmcache_instance_id; each engine process has its own worker_id). They a
 is served (lookups, commands, health) by one claimant per rank, the latest registered of the live ones (so a
 restarted engine takes over from its silent predecessor at once), and `conflicts()` reports the others.
 
+Quotas per principal (`engine.<instance>` or `store.<id>`: the producer path's first two tokens, which the NATS
+permissions bind to one user): every table a registration grows is bounded globally (`Limits.max_producers`,
+`max_key_param_sets`) and per principal (`max_workers_per_principal`, `max_key_param_sets_per_principal`), and
+the command line keeps each share at most half its global bound, so one principal filling its share never
+refuses another. A principal at its share makes room by forgetting its own down workers first (a restarted
+engine's old incarnations), never anyone else's. The other tables keyed by what a principal sends (instance ids,
+ranks, claimants) have one entry per worker, so the worker share bounds them too.
+
 Consistency, per producer: batches are numbered 1, 2, 3, ...; the controller applies batch `last_seq + 1`.
 A gap (a higher seq, a heartbeat still claiming a higher seq after a grace period, a seq that went back to 1
 or below ours: a restarted producer) sets `needs_sync`, and a SyncRequest goes out. A full sync is the
@@ -51,7 +59,22 @@ class Limits:
     producer_expiry_s: float = 600.0
     min_chunk_size: int = 16
     max_chunk_size: int = 65536
-    max_key_param_sets: int = 64
+    max_key_param_sets: int = 128
+    max_workers_per_principal: int = 256
+    max_key_param_sets_per_principal: int = 64
+
+
+def principal_of(path: str) -> str:
+    """The principal (`engine.<instance>` / `store.<id>`) of a producer path `role.<owner>.<producer>`."""
+    return path.rsplit(".", 1)[0]
+
+
+@dataclass
+class PrincipalUsage:
+    """What one principal's registrations hold in the controller's tables (its quotas count these)."""
+
+    producers: set[str] = field(default_factory=set)
+    key_specs: Counter[KeySpec] = field(default_factory=Counter)  # spec -> its engine workers with it
 
 
 @dataclass
@@ -133,6 +156,7 @@ class ProducerTable:
         self.stats = IngestStats()
         self._alive_mask = 0
         self.key_specs: Counter[KeySpec] = Counter()  # spec -> engine workers registered with it
+        self.usage: dict[str, PrincipalUsage] = {}  # principal -> what its producers hold
 
     # ---------------------------------------------------------------------------------------------------
     # Queries
@@ -228,11 +252,19 @@ class ProducerTable:
         producer = self.producers.get(producer_id)
         return producer is not None and producer.path == path
 
-    def refusal(self, reg: protocol.RegisterEngine | protocol.RegisterStore) -> tuple[str, str] | None:
-        """(reason, message) when a registration must be refused for a limit it would pass, else None."""
+    def refusal(self, reg: protocol.RegisterEngine | protocol.RegisterStore,
+                path: str | None = None) -> tuple[str, str] | None:
+        """(reason, message) when a registration from producer path `path` must be refused for a limit it would
+        pass, else None. The per-principal shares are checked before the global bounds they protect."""
         limits = self.limits
         producer_id = reg.worker_id if isinstance(reg, protocol.RegisterEngine) else reg.store_id
         known = self.producers.get(producer_id)
+        usage = self.usage.get(principal_of(path)) if path is not None else None
+        mine = usage is not None and producer_id in usage.producers
+        if usage is not None and not mine and len(usage.producers) >= limits.max_workers_per_principal:
+            return "principal_producers", (
+                f"registration of {producer_id!r}: {principal_of(path or '')} has {len(usage.producers)} producers "
+                f"registered, its share (--max-workers-per-principal {limits.max_workers_per_principal})")
         if known is None and len(self.producers) >= limits.max_producers:
             return "max_producers", (f"registration of {producer_id!r}: {len(self.producers)} producers are known, "
                                      f"the limit (--max-producers {limits.max_producers})")
@@ -244,8 +276,16 @@ class ProducerTable:
             return "chunk_size", (f"registration of {producer_id!r}: chunk_size {reg.chunk_size} is outside "
                                   f"[{limits.min_chunk_size}, {limits.max_chunk_size}] (--min/--max-chunk-size)")
         spec = key_spec(reg)
+        old_spec = key_spec(known.engine) if known is not None and known.engine is not None else None
+        if usage is not None and spec not in usage.key_specs:
+            held = len(usage.key_specs) - (mine and old_spec is not None and usage.key_specs[old_spec] == 1)
+            if held >= limits.max_key_param_sets_per_principal:
+                return "principal_key_param_sets", (
+                    f"registration of {producer_id!r}: {principal_of(path or '')} has {len(usage.key_specs)} "
+                    f"distinct key parameter sets registered, its share "
+                    f"(--max-key-param-sets-per-principal {limits.max_key_param_sets_per_principal})")
         specs = len(self.key_specs)
-        if known is not None and known.engine is not None and self.key_specs[key_spec(known.engine)] == 1:
+        if old_spec is not None and self.key_specs[old_spec] == 1:
             specs -= 1  # its own old spec goes away with this registration
         if spec not in self.key_specs and specs >= limits.max_key_param_sets:
             return "key_param_sets", (f"registration of {producer_id!r}: {len(self.key_specs)} distinct key "
@@ -253,8 +293,60 @@ class ProducerTable:
                                       f"(--max-key-param-sets {limits.max_key_param_sets})")
         return None
 
+    def room_for(self, reg: protocol.RegisterEngine | protocol.RegisterStore, path: str,
+                 now: float) -> tuple[str, str] | None:
+        """`refusal(reg, path)`, after forgetting the principal's own down producers, longest silent first, while
+        only its share is in the way (a restarted engine's old incarnations give way to the new one)."""
+        refused = self.refusal(reg, path)
+        while refused is not None and refused[0].startswith("principal_"):
+            usage = self.usage[principal_of(path)]
+            down = [p for p in map(self.producers.__getitem__, usage.producers) if not p.alive]
+            if not down:
+                break
+            oldest = min(down, key=lambda p: p.last_seen)
+            log.info("producer %s (down for %.0fs) forgotten to make room in %s's share", oldest.producer_id,
+                     now - oldest.last_seen, principal_of(path))
+            self.forget(oldest)
+            refused = self.refusal(reg, path)
+        return refused
+
+    def _bind(self, producer: Producer, path: str | None) -> None:
+        """Count `producer` in the share of `path`'s principal (and out of its previous one's)."""
+        if producer.path == path:
+            return
+        if producer.path is not None:
+            self._usage_of(producer).producers.discard(producer.producer_id)
+            self._count_spec(producer, producer.engine, -1)
+            self._drop_unused(producer.path)
+        producer.path = path
+        if path is not None:
+            self.usage.setdefault(principal_of(path), PrincipalUsage()).producers.add(producer.producer_id)
+            self._count_spec(producer, producer.engine, +1)
+
+    def _usage_of(self, producer: Producer) -> PrincipalUsage:
+        assert producer.path is not None
+        return self.usage.setdefault(principal_of(producer.path), PrincipalUsage())
+
+    def _drop_unused(self, path: str) -> None:
+        principal = principal_of(path)
+        usage = self.usage.get(principal)
+        if usage is not None and not usage.producers:
+            del self.usage[principal]
+
+    def _count_spec(self, producer: Producer, reg: protocol.RegisterEngine | None, delta: int) -> None:
+        """Add `delta` to the principal's count of `reg`'s key spec (a producer without a path counts nowhere)."""
+        if reg is None or producer.path is None:
+            return
+        specs = self._usage_of(producer).key_specs
+        spec = key_spec(reg)
+        specs[spec] += delta
+        if specs[spec] <= 0:
+            del specs[spec]
+
     def _set_spec(self, producer: Producer, reg: protocol.RegisterEngine | None) -> None:
         self._set_spec_of(producer.engine, reg)
+        self._count_spec(producer, producer.engine, -1)
+        self._count_spec(producer, reg, +1)
 
     def _set_spec_of(self, old_reg: protocol.RegisterEngine | None, reg: protocol.RegisterEngine | None) -> None:
         if old_reg is not None:
@@ -269,7 +361,7 @@ class ProducerTable:
         """Take an engine worker's registration; returns the live workers claiming its instance id and rank
         when there is more than one (a conflict to report), else []."""
         producer = self._get_or_create(reg.worker_id, now, LOCAL_CPU)
-        producer.path = path
+        self._bind(producer, path)
         self._set_spec(producer, reg)
         old = producer.engine
         previous = old.started_at if old is not None else None
@@ -282,11 +374,12 @@ class ProducerTable:
 
     def on_register_store(self, reg: protocol.RegisterStore, now: float, path: str | None = None) -> None:
         producer = self._get_or_create(reg.store_id, now, reg.location)
-        producer.path = path
+        self._bind(producer, path)
         if producer.engine is not None:  # the id was an engine worker's: it is one no more
-            old, producer.engine = producer.engine, None
+            old = producer.engine
+            self._set_spec(producer, None)
+            producer.engine = None
             self._unclaim(old.instance_id, old.rank, producer.producer_id)
-            self._set_spec_of(old, None)
         previous = producer.store.started_at if producer.store is not None else None
         producer.store, producer.location = reg, reg.location
         self._registered(producer, reg.started_at, previous, now)
@@ -470,7 +563,8 @@ class ProducerTable:
         del self.producers[producer.producer_id]
         if producer.engine is not None:
             self._unclaim(producer.engine.instance_id, producer.engine.rank, producer.producer_id)
-            self._set_spec(producer, None)
+            self._set_spec_of(producer.engine, None)
+        self._bind(producer, None)  # (its spec leaves its principal's count here)
         self._alive_mask &= ~(1 << producer.slot)
         self.index.release_slot(producer.slot)
         self.stats.producers_forgotten += 1
