@@ -29,7 +29,7 @@ from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.eviction import POLICY_NAMES
 from kvmesh.shared.nats_url import problem as nats_url_problem
 from kvmesh.shared.lmcache_keys import IGNORED, LMCACHE_KEYS, remote_url_problem, warn_ignored
-from kvmesh.shared.redis_keys import PREFIX_RULE, prefix_ok
+from kvmesh.shared.redis_keys import PREFIX_RULE, prefix_ok, secret_file_problem
 from kvmesh.shared.redis_url import RedisTarget, is_redis_url, parse_redis_url
 
 GB = 1024**3
@@ -113,6 +113,9 @@ class EngineConfig:
     redis_key_prefix: str = "kvmesh"  # namespace of every key KVMesh writes, so deployments can share one Redis
     redis_timeout_secs: float = 2.0  # a Redis connect or command (plus nbytes / remote_min_transfer_mb_per_s)
     redis_chunk_ttl_secs: float = 604800.0  # TTL of unpinned chunks: makes them volatile (evictable), pins not
+    # a file holding the secret that MACs the Redis tier's values, pins and owners (shared/redis_keys.py); None:
+    # the sharing domain's secret from the engine's NATS credentials file, else none (a WARNING at start)
+    remote_auth_secret_file: str | None = None
 
     def __post_init__(self) -> None:
         for key, (kind, optional) in _KINDS.items():
@@ -284,7 +287,8 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 # key -> why a value is refused (None: it is fine), for checks with more to say than one rule
 _EXPLAINED: dict[str, Callable[[Any], str | None]] = {
-    "remote_url": remote_url_problem, "nats_url": nats_url_problem, "controller_url": nats_url_problem}
+    "remote_url": remote_url_problem, "nats_url": nats_url_problem, "controller_url": nats_url_problem,
+    "remote_auth_secret_file": secret_file_problem}
 # key -> (allowed values, normalisation); matching is case-insensitive
 _CHOICES: dict[str, tuple[frozenset[str], Callable[[str], str]]] = {
     "remote_serde": (REMOTE_SERDES, str.lower),

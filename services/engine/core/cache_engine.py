@@ -34,7 +34,7 @@ from nats.aio.client import Client as NatsClient
 
 from kvmesh.services.disk_store.client import DiskStoreClient
 from kvmesh.services.engine.tiers.cpu import ChunkRef, LocalCPUBackend
-from kvmesh.services.engine.tiers.redis import RedisTier
+from kvmesh.services.engine.tiers.redis import RedisTier, resolve_auth
 from kvmesh.services.engine.mesh.embedded import MeshConnection, MeshPlan, plan_mesh
 from kvmesh.services.engine.core.kv_layout import KVLayout, detect_layout
 from kvmesh.services.engine.core.memory_pool import MemoryPool, Slot
@@ -49,6 +49,7 @@ from kvmesh.shared.eviction import Clock
 from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyExtras, KeyParams, chunk_spans
 from kvmesh.shared.credentials import credentials_for
 from kvmesh.shared.nats_auth import auth_from_config
+from kvmesh.shared.redis_keys import RedisAuth
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE, ChunkMeta, worker_id_for
 from kvmesh.shared.tier import StoreTier
 
@@ -94,6 +95,7 @@ class CacheEngine:
         self.copier: PagedCopier | None = None
         self.nats_loop: NatsLoop | None = None  # the engine's NATS thread (None without the mesh)
         self.agent: WorkerAgent | None = None
+        self._redis_auth: RedisAuth | None = None  # the Redis tier's MAC key (resolve_auth)
         self._connection: MeshConnection | None = None
         if layout is not None:
             self._setup(layout)
@@ -166,7 +168,10 @@ class CacheEngine:
             url = self._connection.url
             self._ip = bus.route_address(url) or ""
             principal = protocol.Principal.engine(config.lmcache_instance_id)
-            self.nats_loop.connect(url, credentials_for(url, principal, auth_from_config(config)))
+            auth = credentials_for(url, principal, auth_from_config(config))
+            # after credentials_for: the credentials file it provisions may hold the Redis tier's secret
+            self._redis_auth = resolve_auth(config, url) if self.plan.redis else None
+            self.nats_loop.connect(url, auth)
         log.info("cache engine %s: chunk %d tokens = %.1f MiB (%s), CPU pool %d chunks%s%s", self.worker_id,
                  config.chunk_size, layout.chunk_nbytes(config.chunk_size) / 2**20, fmt, self.pool.num_slots,
                  " (shared memory)" if self.pool.segment is not None else "",
@@ -209,7 +214,7 @@ class CacheEngine:
                                                   request_timeout=config.request_timeout_secs,
                                                   data_timeout=config.disk_data_timeout_secs)
         if self.plan.redis:  # the engine's own client of Redis / Valkey: no remote store on the mesh
-            clients[REMOTE] = redis = RedisTier.from_config(config, caller)
+            clients[REMOTE] = redis = RedisTier.from_config(config, caller, self._redis_auth)
             redis.start()
         elif self.plan.remote_stores:
             clients[REMOTE] = RemoteStoreClient(

@@ -3,12 +3,20 @@
 Runs on the engine's NATS loop thread (all methods are coroutines), with a redis-py async client made from
 `remote_url` (shared/redis_url.py: standalone, TLS, unix socket, sentinel or cluster).
 
-Keys (shared/redis_keys.py): the value `<p>:chunk:{<h>}` is the chunk-file header (shared/chunk_file.py:
-ChunkMeta, data checksum, the header's own check) then the bytes; a value that is truncated, foreign (another
-key, another format version) or fails a checksum is a miss with one WARNING, and is deleted. `<p>:owners:{<h>}`
-(the callers that put the chunk) and `<p>:claims:<caller>` let a `clear` take back only its caller's claims and
-delete a chunk once nobody claims it; `<p>:pins:{<h>}` counts pins. A put is written to `<p>:tmp:{<h>}:<n>` and
-moved into place by a script, so no reader ever sees half a value.
+Keys (shared/redis_keys.py): the value `<p>:chunk:{<h>}` is VALUE_MAGIC, a MAC, then the chunk-file header
+(shared/chunk_file.py: ChunkMeta, data checksum, the header's own check) and the bytes; a value that is truncated,
+foreign (another key, another format version), fails its MAC or a checksum is a miss with one (rate-limited)
+WARNING, is counted (`values_rejected` in stats) and deleted. `<p>:owners:{<h>}` (entries of the callers that put
+the chunk) and `<p>:claims:<caller>` let a `clear` take back only its caller's claims and delete a chunk once
+nobody claims it; `<p>:pins:{<h>}` holds one entry per pin. A put is written to `<p>:tmp:{<h>}:<n>` and moved
+into place by a script, so no reader ever sees half a value.
+
+Authentication (`RedisAuth`, keyed by `resolve_auth`: `remote_auth_secret_file`, else the sharing domain's secret
+in the engine's NATS credentials file): the MAC covers the value's key name, header and bytes, so a value written
+without the secret, or moved from another key, is a miss. Pin and owner entries carry a MAC too; the ones that
+fail it are ignored and removed (`entries_rejected`) whenever a pin, unpin or clear reads the set, so an entry
+forged by a party without the secret never keeps a chunk unevictable or uncleared past an honest unpin or clear.
+With no secret the MACs are keyed by nothing secret (one WARNING at start).
 
 Eviction is Redis's own (`maxmemory` + a `volatile-*` policy). Unpinned chunks carry a TTL
 (`redis_chunk_ttl_secs`, refreshed by puts and hits), which makes them volatile, i.e. evictable; a pin removes
@@ -25,9 +33,12 @@ and the client reconnects by itself when it is back.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import io
 import itertools
 import logging
+import secrets
+from pathlib import Path
 from typing import Any, Awaitable, Callable, TypeVar
 
 from redis.asyncio import RedisCluster
@@ -36,8 +47,11 @@ from redis.exceptions import ResponseError
 from kvmesh.services.engine.core.storage_manager import RateLimitedLog
 from kvmesh.shared import chunk_file, protocol
 from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.keys import ChunkKey
-from kvmesh.shared.redis_keys import RedisKeys
+from kvmesh.shared.credentials import local_credentials_file, sharing_domain
+from kvmesh.shared.keys import KEY_BYTES, ChunkKey
+from kvmesh.shared.nats_auth import auth_from_config
+from kvmesh.shared.redis_keys import (SECRET_FILE_KEY, VALUE_MAGIC, VALUE_PREFIX_BYTES, RedisAuth, RedisKeys,
+                                      read_secret_file)
 from kvmesh.shared.redis_url import CLUSTER, RedisTarget
 from kvmesh.shared.tier import ChunkBuffer, StoreLink, byte_view
 
@@ -52,8 +66,18 @@ if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('DEL', KEYS[1]) return 0 e
 redis.call('RENAME', KEYS[1], KEYS[2])
 return 1
 """
-# KEYS: chunk, owners. ARGV: caller, ttl ms. Record the claim; 1 if the chunk is already held (refreshed).
-_CLAIM = """
+# A set key holding anything but a set (an older format's pin count, a forgery) is dropped, so that set commands
+# on it cannot fail (and make the tier think Redis is down).
+_SETS_ONLY = """
+local function set_only(name)
+  local kind = redis.call('TYPE', name)['ok']
+  if kind ~= 'set' and kind ~= 'none' then redis.call('DEL', name) end
+end
+"""
+# KEYS: chunk, owners. ARGV: the caller's owner entry, ttl ms. Record the claim; 1 if the chunk is already held
+# (refreshed).
+_CLAIM = _SETS_ONLY + """
+set_only(KEYS[2])
 redis.call('SADD', KEYS[2], ARGV[1])
 if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('PEXPIRE', KEYS[2], ARGV[2]) return 0 end
 if redis.call('PTTL', KEYS[1]) >= 0 then
@@ -63,31 +87,52 @@ else
 end
 return 1
 """
-# KEYS: chunk, pins, owners.
-_PIN = """
+# KEYS: chunk, pins, owners. ARGV: a new pin entry.
+_PIN = _SETS_ONLY + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('INCR', KEYS[2]) redis.call('PERSIST', KEYS[1]) redis.call('PERSIST', KEYS[3])
+set_only(KEYS[2])
+redis.call('SADD', KEYS[2], ARGV[1]) redis.call('PERSIST', KEYS[1]) redis.call('PERSIST', KEYS[3])
 return 1
 """
-# KEYS: chunk, pins, owners. ARGV: ttl ms. The last unpin makes the chunk volatile again, or deletes it when a
-# clear left it to its pin (nobody claims it).
-_UNPIN = """
-local n = tonumber(redis.call('GET', KEYS[2]) or '0')
-if n <= 0 then return 0 end
-if n > 1 then redis.call('DECR', KEYS[2]) return 1 end
-redis.call('DEL', KEYS[2])
+# KEYS: chunk, pins, owners. ARGV: ttl ms, the pin entry to take back ('' for none), the number n of bad pin
+# entries, n bad pin entries, bad owner entries (bad: they failed their MAC when the caller read the sets).
+# Removes them; when that leaves no pin, the chunk is volatile again, or deleted when a clear left it to its pin
+# (nobody claims it). An entry added since the caller read the sets counts as good: a concurrent pin holds.
+# 1 if the entry was taken back.
+_UNPIN = _SETS_ONLY + """
+set_only(KEYS[2]) set_only(KEYS[3])
+local taken = 0
+if ARGV[2] ~= '' then taken = redis.call('SREM', KEYS[2], ARGV[2]) end
+local nbad = tonumber(ARGV[3])
+local dropped = 0
+for i = 4, 3 + nbad do dropped = dropped + redis.call('SREM', KEYS[2], ARGV[i]) end
+for i = 4 + nbad, #ARGV do redis.call('SREM', KEYS[3], ARGV[i]) end
+if (taken == 0 and dropped == 0) or redis.call('SCARD', KEYS[2]) > 0 or redis.call('EXISTS', KEYS[1]) == 0 then
+  return taken
+end
 if redis.call('SCARD', KEYS[3]) == 0 then
   redis.call('DEL', KEYS[1])
 else
   redis.call('PEXPIRE', KEYS[1], ARGV[1]) redis.call('PEXPIRE', KEYS[3], ARGV[1])
 end
-return 1
+return taken
 """
-# KEYS: chunk, pins, owners. ARGV: caller. Take back the caller's claim; the chunk goes when nobody claims it
-# and no pin holds it. 1 if the caller had claimed it.
-_CLEAR = """
-if redis.call('SREM', KEYS[3], ARGV[1]) == 0 then return 0 end
-if redis.call('SCARD', KEYS[3]) == 0 and redis.call('EXISTS', KEYS[2]) == 0 then redis.call('DEL', KEYS[1]) end
+# KEYS: chunk, pins, owners. ARGV: ttl ms, the caller's owner entry, the number n of bad owner entries, n bad
+# owner entries, bad pin entries (as for _UNPIN). Take back the caller's claim; the chunk goes when nobody
+# claims it and no pin holds it, and is volatile again when only bad pins held it. 1 if the caller had claimed it.
+_CLEAR = _SETS_ONLY + """
+set_only(KEYS[2]) set_only(KEYS[3])
+if redis.call('SREM', KEYS[3], ARGV[2]) == 0 then return 0 end
+local nbad = tonumber(ARGV[3])
+for i = 4, 3 + nbad do redis.call('SREM', KEYS[3], ARGV[i]) end
+for i = 4 + nbad, #ARGV do redis.call('SREM', KEYS[2], ARGV[i]) end
+if redis.call('SCARD', KEYS[2]) == 0 then
+  if redis.call('SCARD', KEYS[3]) == 0 then
+    redis.call('DEL', KEYS[1])
+  elseif redis.call('PTTL', KEYS[1]) == -1 then
+    redis.call('PEXPIRE', KEYS[1], ARGV[1]) redis.call('PEXPIRE', KEYS[3], ARGV[1])
+  end
+end
 return 1
 """
 MAX_HEADER_BYTES = 64 * 1024  # a chunk-file header is one DATA_ALIGN page; more is not a value of ours
@@ -107,9 +152,13 @@ class RedisTier:
     location = protocol.REMOTE
 
     def __init__(self, target: RedisTarget, caller: str, *, key_prefix: str = "kvmesh", timeout: float = 2.0,
-                 chunk_ttl: float = 604800.0, min_transfer_rate: float = 100e6, retry_interval: float = 1.0) -> None:
+                 chunk_ttl: float = 604800.0, min_transfer_rate: float = 100e6, retry_interval: float = 1.0,
+                 auth: RedisAuth | None = None) -> None:
         self.target = target
         self.caller = caller
+        self.auth = auth if auth is not None else RedisAuth(None)
+        self.values_rejected = 0  # values that were not a whole, authentic chunk of their key (deleted)
+        self.entries_rejected = 0  # pin and owner entries that failed their MAC (removed)
         self.store_ids = [protocol.redis_store_id(key_prefix)]
         self.keys = RedisKeys(key_prefix)
         self.timeout = timeout
@@ -122,14 +171,15 @@ class RedisTier:
         self._check: asyncio.Task[None] | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig, caller: str) -> "RedisTier":
+    def from_config(cls, config: EngineConfig, caller: str, auth: RedisAuth | None = None) -> "RedisTier":
+        """The tier `config` describes; `auth` from `resolve_auth` (None: no secret)."""
         target = config.redis_target
         assert target is not None, "remote_url is no Redis URL"
         return cls(target, caller,
                    key_prefix=config.redis_key_prefix, timeout=config.redis_timeout_secs,
                    chunk_ttl=config.redis_chunk_ttl_secs,
                    min_transfer_rate=config.remote_min_transfer_mb_per_s * 1e6,
-                   retry_interval=config.remote_retry_interval_secs)
+                   retry_interval=config.remote_retry_interval_secs, auth=auth)
 
     # ---- keys ------------------------------------------------------------------------------------------------
     def chunk_key(self, key: ChunkKey) -> str:
@@ -142,9 +192,21 @@ class RedisTier:
     def claims_key(self) -> str:
         return self.keys.claims(self.caller)
 
+    def _owner_entry(self, owners: str) -> str:
+        return self.auth.entry(owners, self.caller)
+
     # ---- start-up check ----------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Loop thread: check the server's eviction settings in the background (serving does not wait)."""
+        """Loop thread: say whether values are authenticated; check the server's eviction settings in the
+        background (serving does not wait)."""
+        if self.auth.keyed:
+            log.info("%s: values, pins and owners under %s:* authenticated with the secret of %s",
+                     self.target.describe(), self.keys.prefix, self.auth.source)
+        else:
+            log.warning("%s: no secret to authenticate Redis values with (no %s, and the engine's NATS credentials "
+                        "file records no sharing-domain secret): anyone who can write under %s:* can plant values "
+                        "this engine loads; set %s (docs/config.md)", self.target.describe(), SECRET_FILE_KEY,
+                        self.keys.prefix, SECRET_FILE_KEY)
         self._check = asyncio.get_running_loop().create_task(self.check_settings(), name="kvmesh-redis-check")
 
     async def check_settings(self) -> None:
@@ -182,9 +244,12 @@ class RedisTier:
         tmp = self.keys.tmp(meta.key, next(self._tmp_ids))
 
         async def write() -> bool:
-            held = await self.client.eval(_CLAIM, 2, chunk, owners, self.caller, self.ttl_ms)
+            held = await self.client.eval(_CLAIM, 2, chunk, owners, self._owner_entry(owners), self.ttl_ms)
             if not held:
-                await self._write_value(tmp, chunk_file.encode_header(meta), data)
+                header = chunk_file.encode_header(meta)
+                # the MAC names the final key, not tmp; off the loop: it reads every byte of the chunk
+                prefix = await asyncio.to_thread(self.auth.value_prefix, chunk, header, data)
+                await self._write_value(tmp, prefix + header, data)
                 await self.client.eval(_FINISH_PUT, 2, tmp, chunk)
             pipe = self.client.pipeline(transaction=False)
             pipe.hset(self.claims_key, meta.key.hex(), meta.num_tokens)
@@ -229,13 +294,15 @@ class RedisTier:
         view = byte_view(buffer.view)
         # GETRANGE, not GET: a value larger than a chunk could be (someone else's) never costs more memory than
         # the slot plus a header; it arrives cut short and fails the length check
-        last = len(view) + MAX_HEADER_BYTES - 1
-        value = await self._call("get", lambda: self.client.getrange(self.chunk_key(key), 0, last), len(view))
+        last = len(view) + VALUE_PREFIX_BYTES + MAX_HEADER_BYTES - 1
+        name = self.chunk_key(key)
+        value = await self._call("get", lambda: self.client.getrange(name, 0, last), len(view))
         if not value:  # b"": no such key
             return None
-        try:  # checksum and copy off the loop: 32 MiB would stall every other request on it
-            return await asyncio.to_thread(_decode_into, key, value, view)
-        except chunk_file.CorruptChunkFile as exc:  # bad header, another key, truncated, checksum
+        try:  # MAC, checksum and copy off the loop: 32 MiB would stall every other request on it
+            return await asyncio.to_thread(_decode_into, self.auth, name, key, value, view)
+        except chunk_file.CorruptChunkFile as exc:  # MAC, bad header, another key, truncated, checksum
+            self.values_rejected += 1
             self._rlog.warning("corrupt", "%s: %s; treated as a miss and deleted", self.target.describe(), exc)
             await self._call("delete corrupt", lambda: self.client.delete(*self._keys(key)))
             return None
@@ -251,18 +318,59 @@ class RedisTier:
         """Pin the held prefix (pins past the first chunk not held are taken back); tokens pinned."""
         if not keys:
             return 0
-        done = await self._pipelined("pin", [("eval", (_PIN, 3, *self._keys(k))) for k in keys]) or []
+        entries = [self.auth.entry(self._keys(k)[1], secrets.token_hex(8)) for k in keys]
+        done = await self._pipelined("pin", [("eval", (_PIN, 3, *self._keys(k), entry))
+                                             for k, entry in zip(keys, entries)]) or []
         prefix = _prefix(done)
-        extras = [k for k, ok in list(zip(keys, done))[prefix:] if ok]
-        if extras:
-            await self._pipelined("unpin", [("eval", (_UNPIN, 3, *self._keys(k), self.ttl_ms)) for k in extras])
+        extras = [(k, entry) for k, entry, ok in list(zip(keys, entries, done))[prefix:] if ok]
+        if extras:  # exactly the pins just made
+            await self._pipelined("unpin", [("eval", (_UNPIN, 3, *self._keys(k), self.ttl_ms, entry, 0))
+                                            for k, entry in extras])
         return sum(num_tokens[:prefix])
 
     async def unpin(self, keys: list[ChunkKey], num_tokens: list[int]) -> int:
+        """Take back one authentic pin of each chunk (any caller's: pins are counted, as at our stores); a chunk
+        held only by pins that fail their MAC is made volatile again, and counts no tokens."""
         if not keys:
             return 0
-        done = await self._pipelined("unpin", [("eval", (_UNPIN, 3, *self._keys(k), self.ttl_ms)) for k in keys])
+        sets = await self._entries("unpin", keys)
+        if sets is None:
+            return 0
+        ops = []
+        for key, (good_pins, bad_pins, _, bad_owners) in zip(keys, sets):
+            # a random one of the good pins: two unpins at once seldom pick the same
+            entry = secrets.choice(good_pins) if good_pins else ""
+            ops.append(("eval", (_UNPIN, 3, *self._keys(key), self.ttl_ms, entry, len(bad_pins), *bad_pins,
+                                 *bad_owners)))
+        done = await self._pipelined("unpin", ops)
         return sum(n for n, ok in zip(num_tokens, done or []) if ok)
+
+    async def _entries(self, what: str, keys: list[ChunkKey]) -> list[tuple[list[bytes], ...]] | None:
+        """Per chunk, its pin and owner entries, sorted: (good pins, bad pins, good owners, bad owners); bad ones
+        (failing their MAC: forged, moved from another chunk, an older format) are counted and logged."""
+        ops: list[tuple[str, tuple[Any, ...]]] = []
+        for key in keys:
+            _, pins, owners = self._keys(key)
+            ops += [("smembers", (pins,)), ("smembers", (owners,))]
+        replies = await self._pipelined(what, ops)
+        if replies is None:
+            return None
+        result = []
+        for i, key in enumerate(keys):
+            _, pins, owners = self._keys(key)
+            sorted_sets: list[list[bytes]] = []
+            for name, members in ((pins, replies[2 * i]), (owners, replies[2 * i + 1])):
+                members = members if isinstance(members, (set, list)) else []  # WRONGTYPE: the script drops it
+                good = [m for m in members if self.auth.entry_ok(name, m)]
+                sorted_sets += [good, [m for m in members if m not in good]]
+            bad = len(sorted_sets[1]) + len(sorted_sets[3])
+            if bad:
+                self.entries_rejected += bad
+                self._rlog.warning("bad entry", "%s: chunk %s: %d pin or owner entries fail their MAC (written "
+                                   "without the secret, or by an older KVMesh); ignored and removed",
+                                   self.target.describe(), key.hex(), bad)
+            result.append(tuple(sorted_sets))
+        return result
 
     async def touch(self, keys: list[ChunkKey]) -> None:
         """A hit: refresh the chunks' LRU clock, and the TTL of the unpinned ones (XX: only keys that expire)."""
@@ -291,14 +399,23 @@ class RedisTier:
             if page is None:
                 return tokens
             cursor, claims = page
-            entries = [(_text(h), int(n)) for h, n in claims.items()]
-            if entries:
-                done = await self._pipelined("clear", [("eval", (_CLEAR, 3, *self._keys(bytes.fromhex(h)),
-                                                                 self.caller)) for h, _ in entries])
+            entries = [(h, *_claim(h, n)) for h, n in claims.items()]
+            held = [(key, n) for _, key, n in entries if key is not None]
+            if held:
+                sets = await self._entries("clear", [key for key, _ in held])
+                if sets is None:
+                    return tokens
+                ops = []
+                for (key, _), (_, bad_pins, _, bad_owners) in zip(held, sets):
+                    chunk, pins, owners = self._keys(key)
+                    ops.append(("eval", (_CLEAR, 3, chunk, pins, owners, self.ttl_ms, self._owner_entry(owners),
+                                         len(bad_owners), *bad_owners, *bad_pins)))
+                done = await self._pipelined("clear", ops)
                 if done is None:
                     return tokens
-                tokens += sum(n for (_, n), ok in zip(entries, done) if ok)
-                await self._call("clear", lambda: self.client.hdel(self.claims_key, *[h for h, _ in entries]))
+                tokens += sum(n for (_, n), ok in zip(held, done) if ok)
+            if entries:
+                await self._call("clear", lambda: self.client.hdel(self.claims_key, *[h for h, _, _ in entries]))
             if cursor == 0:
                 return tokens
 
@@ -312,7 +429,9 @@ class RedisTier:
                     "maxmemory": sum(v.get("maxmemory", 0) for v in info.values() if isinstance(v, dict))}
         return [protocol.StatsReply(self.store_ids[0], num_chunks=0, used_bytes=int(info.get("used_memory", 0)),
                                     capacity_bytes=int(info.get("maxmemory", 0)),
-                                    details={"target": self.target.describe()})]
+                                    details={"target": self.target.describe(), "authenticated": self.auth.keyed,
+                                             "values_rejected": self.values_rejected,
+                                             "entries_rejected": self.entries_rejected})]
 
     async def close(self) -> None:
         if self._check is not None:
@@ -353,23 +472,55 @@ class RedisTier:
         return await self._call(what, run)
 
 
-def _decode_into(key: ChunkKey, value: bytes, out: memoryview) -> protocol.ChunkMeta:
-    """Check a stored value (header, key, length, checksum) and copy its bytes into `out`; its meta."""
-    stream = io.BytesIO(value)
+def resolve_auth(config: EngineConfig, mesh_url: str | None) -> RedisAuth:
+    """The Redis tier's MAC key: `remote_auth_secret_file`, else the sharing domain's secret in the engine's NATS
+    credentials file (`nats_credentials`, or the one provisioned for it by a KVMesh-started NATS at `mesh_url`),
+    else none. ConfigError naming the file when one is unreadable."""
+    if config.remote_auth_secret_file:
+        return RedisAuth(read_secret_file(config.remote_auth_secret_file),
+                         f"{SECRET_FILE_KEY} {config.remote_auth_secret_file}")
+    credentials: str | Path | None = config.nats_credentials
+    if credentials is None and mesh_url and auth_from_config(config) is None:
+        credentials = local_credentials_file(mesh_url, protocol.Principal.engine(config.lmcache_instance_id).path)
+    domain = sharing_domain(credentials)
+    if domain.secret is None:
+        return RedisAuth(None)
+    return RedisAuth(domain.secret, f"sharing domain {domain.name} ({credentials})")
+
+
+def _decode_into(auth: RedisAuth, name: str, key: ChunkKey, value: bytes, out: memoryview) -> protocol.ChunkMeta:
+    """Check a stored value (MAC, header, key, length, checksum) and copy its bytes into `out`; its meta."""
+    if value[: len(VALUE_MAGIC)] != VALUE_MAGIC:
+        raise CorruptValue(f"value of chunk {key.hex()}: not a KVMesh Redis value of this version (no MAC: "
+                           "written by an older KVMesh, or not by KVMesh)")
+    body = memoryview(value)[VALUE_PREFIX_BYTES:]
+    if not hmac.compare_digest(auth.value_tag(name, b"", body), value[len(VALUE_MAGIC): VALUE_PREFIX_BYTES]):
+        raise CorruptValue(f"value of chunk {key.hex()}: MAC mismatch (written without this engine's secret, "
+                           "moved from another key, truncated or damaged)")
+    stream = io.BytesIO(body)
     stream.name = f"value of chunk {key.hex()}"  # type: ignore[misc]  # read_header names the source by it
     meta, offset = chunk_file.read_header(stream)
     if meta.key != key:
         raise CorruptValue(f"value of chunk {key.hex()} holds chunk {meta.key.hex()!s:.32}")
-    if len(value) != offset + meta.nbytes:
-        raise CorruptValue(f"value of chunk {key.hex()}: {len(value)} bytes, expected {offset + meta.nbytes} "
+    if len(body) != offset + meta.nbytes:
+        raise CorruptValue(f"value of chunk {key.hex()}: {len(body)} bytes, expected {offset + meta.nbytes} "
                            "(truncated or padded)")
     if len(out) < meta.nbytes:
         raise CorruptValue(f"chunk {key.hex()}: {meta.nbytes} bytes do not fit a buffer of {len(out)}")
-    data = memoryview(value)[offset:]
+    data = body[offset:]
     if chunk_file.checksum(data) != meta.checksum:
         raise CorruptValue(f"value of chunk {key.hex()}: checksum mismatch")
     out[: meta.nbytes] = data
     return meta
+
+
+def _claim(field: bytes, tokens: bytes) -> tuple[ChunkKey | None, int]:
+    """A claims-hash entry (chunk hex -> tokens) as (chunk key, tokens); (None, 0) for one that is not ours."""
+    try:
+        key, n = bytes.fromhex(_text(field)), int(tokens)
+    except ValueError:
+        return None, 0
+    return (key, n) if len(key) == KEY_BYTES else (None, 0)
 
 
 def _prefix(flags: list[Any]) -> int:

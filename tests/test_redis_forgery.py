@@ -1,0 +1,264 @@
+"""Authenticated Redis values (issue 24, finding 4), on a real redis-server: whoever can write under the key
+prefix but lacks the engines' secret cannot make them load its bytes (planted, replaced, moved from another
+deployment's keys, or left by an older KVMesh), nor keep a chunk unevictable or uncleared with forged pin or
+owner entries; honest round trips still work, and the secret comes from `remote_auth_secret_file`, else the
+sharing domain's secret in the engine's credentials file.
+
+The attacker is KVMesh's own tier run with another secret: it writes values and entries in exactly the format
+the engines use (a valid header, the right checksum over its own bytes), only its MACs are keyed wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from kvmesh.services.engine.tiers.redis import RedisTier, resolve_auth
+from kvmesh.shared import chunk_file, protocol
+from kvmesh.shared.config import EngineConfig, load_engine_config
+from kvmesh.shared.credentials import MeshCredentials
+from kvmesh.shared.errors import ConfigError
+from kvmesh.shared.redis_keys import VALUE_MAGIC, RedisAuth
+from kvmesh.shared.redis_url import parse_redis_url
+from kvmesh.shared.tier import ChunkBuffer
+
+from redis_support import RedisServer
+from test_redis_tier import TIER_LOG, chunk, get, put
+from waiting import WAIT_S
+
+SECRET = b"the engines' shared secret, 32 b"
+ATTACKER_SECRET = b"a secret that is not the engines'"
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+def make_tier(server: RedisServer, caller: str = "engine.a.a", secret: bytes | None = SECRET,
+              **options: object) -> RedisTier:
+    options = {"timeout": WAIT_S / 3, "retry_interval": 0.0, **options}
+    return RedisTier(parse_redis_url(server.url), caller, auth=RedisAuth(secret, "test"),  # type: ignore[arg-type]
+                     **options)
+
+
+def evil_twin(meta: protocol.ChunkMeta, seed: int = 999) -> tuple[protocol.ChunkMeta, bytes]:
+    """Other bytes under `meta`'s key, with a meta (and so a header) whose checksum is right for them."""
+    data = random.Random(seed).randbytes(meta.nbytes)
+    return protocol.ChunkMeta(**{**meta.__dict__, "checksum": chunk_file.checksum(data)}), data
+
+
+async def test_an_honest_round_trip_works_and_carries_a_mac(redis_server: RedisServer) -> None:
+    writer, reader = make_tier(redis_server, "engine.one.one"), make_tier(redis_server, "engine.two.two")
+    try:
+        meta, data = chunk(1, nbytes=2 * 1024 * 1024 + 3)
+        assert await put(writer, meta, data)
+        assert await get(reader, meta) == data  # another engine with the same secret
+        with redis_server.client() as client:
+            assert client.getrange(writer.chunk_key(meta.key), 0, len(VALUE_MAGIC) - 1) == VALUE_MAGIC
+        assert await reader.pin([meta.key], [32]) == 32 and await writer.unpin([meta.key], [32]) == 32
+        assert await writer.clear() == 32 and await reader.contains([meta.key]) == 0
+        assert reader.values_rejected == 0 and reader.entries_rejected == 0
+    finally:
+        await writer.close()
+        await reader.close()
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["pre-planted", "replaced"])
+async def test_a_forged_value_is_a_miss_and_deleted(redis_server: RedisServer, held: bool,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A value with a valid header and the right checksum over other bytes, under a key nobody stored yet or in
+    place of the engines' value: a miss, deleted, one WARNING, counted; the next honest put is served."""
+    tier, attacker = make_tier(redis_server), make_tier(redis_server, "engine.evil.evil", ATTACKER_SECRET)
+    try:
+        meta, data = chunk(2)
+        forged, forged_data = evil_twin(meta)
+        if held:
+            assert await put(tier, meta, data)
+            assert await attacker.remove([meta.key]) == 1
+        assert await put(attacker, forged, forged_data)
+        caplog.set_level(logging.WARNING, TIER_LOG)
+        out = bytearray(meta.nbytes)
+        assert await tier.get_into(meta.key, ChunkBuffer(memoryview(out))) is None
+        assert bytes(out) != forged_data  # not even copied out
+        with redis_server.client() as client:
+            assert not client.exists(tier.chunk_key(meta.key))  # deleted
+        warnings = [r for r in caplog.records if r.name == TIER_LOG and r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "MAC" in warnings[0].getMessage()
+        assert tier.values_rejected == 1
+        stats = await tier.stats()
+        assert stats[0].details["values_rejected"] == 1 and stats[0].details["authenticated"] is True
+        assert await put(tier, meta, data) and await get(tier, meta) == data
+    finally:
+        await tier.close()
+        await attacker.close()
+
+
+async def test_a_value_moved_from_another_key_is_a_miss(redis_server: RedisServer) -> None:
+    """Another deployment's valid value of the same chunk (same header key, its own bytes), copied under this
+    prefix, is a miss, even with the same secret: the MAC covers the key name. So is a value of another chunk."""
+    tier, other = make_tier(redis_server), make_tier(redis_server, key_prefix="other-deployment")
+    try:
+        meta, data = chunk(3)
+        theirs, their_data = evil_twin(meta)
+        second, second_data = chunk(4)
+        assert await put(other, theirs, their_data) and await put(tier, second, second_data)
+        with redis_server.client() as client:
+            client.set(tier.chunk_key(meta.key), client.get(other.chunk_key(meta.key)))
+        assert await get(tier, meta) is None
+        assert await tier.contains([meta.key]) == 0
+        with redis_server.client() as client:
+            client.set(tier.chunk_key(meta.key), client.get(tier.chunk_key(second.key)))
+        assert await get(tier, meta) is None and await tier.contains([meta.key]) == 0
+        assert await get(other, theirs) == their_data and await get(tier, second) == second_data
+    finally:
+        await tier.close()
+        await other.close()
+
+
+async def test_a_value_of_the_old_format_is_a_miss_and_deleted(redis_server: RedisServer) -> None:
+    """Values written before values carried a MAC (header and bytes only) are misses: old caches are cold once."""
+    tier = make_tier(redis_server)
+    try:
+        meta, data = chunk(5)
+        with redis_server.client() as client:
+            client.set(tier.chunk_key(meta.key), chunk_file.encode_header(meta) + data)
+            client.set(tier.keys.of_chunk(meta.key)[1], 3)  # an old pin count
+        assert await get(tier, meta) is None
+        with redis_server.client() as client:
+            assert not client.exists(*tier.keys.of_chunk(meta.key))
+        assert await put(tier, meta, data) and await get(tier, meta) == data
+    finally:
+        await tier.close()
+
+
+async def test_forged_pins_keep_no_chunk_unevictable(redis_server: RedisServer) -> None:
+    """Pins written without the secret do not count: after the engines' last unpin the chunk is volatile (and
+    evictable) again; a chunk only a forged pin holds is made volatile by the next unpin, which counts none."""
+    tier, attacker = make_tier(redis_server), make_tier(redis_server, "engine.evil.evil", ATTACKER_SECRET)
+    try:
+        (a, da), (b, db) = chunk(10), chunk(11)
+        assert await put(tier, a, da) and await put(tier, b, db)
+        assert await tier.pin([a.key], [32]) == 32
+        for _ in range(3):
+            assert await attacker.pin([a.key, b.key], [32, 32]) == 64
+        with redis_server.client() as client:
+            assert client.pttl(tier.chunk_key(a.key)) == -1 and client.pttl(tier.chunk_key(b.key)) == -1
+        assert await tier.unpin([a.key], [32]) == 32  # the one honest pin
+        with redis_server.client() as client:
+            assert 0 < client.pttl(tier.chunk_key(a.key)), "forged pins kept the chunk unevictable"
+        assert await tier.unpin([b.key], [32]) == 0  # no honest pin to take back
+        with redis_server.client() as client:
+            assert 0 < client.pttl(tier.chunk_key(b.key)), "a forged pin kept the chunk unevictable"
+            for key in (a.key, b.key):
+                assert not client.exists(tier.keys.of_chunk(key)[1])  # the forged entries are gone
+        assert await tier.unpin([a.key], [32]) == 0
+        assert tier.entries_rejected >= 6
+        assert await get(tier, a) == da and await get(tier, b) == db
+    finally:
+        await tier.close()
+        await attacker.close()
+
+
+async def test_a_pin_moved_from_another_chunk_does_not_count(redis_server: RedisServer) -> None:
+    tier = make_tier(redis_server)
+    try:
+        (a, da), (b, db) = chunk(12), chunk(13)
+        assert await put(tier, a, da) and await put(tier, b, db)
+        assert await tier.pin([a.key], [32]) == 32
+        with redis_server.client() as client:
+            pins_a, pins_b = tier.keys.of_chunk(a.key)[1], tier.keys.of_chunk(b.key)[1]
+            client.copy(pins_a, pins_b, replace=True)  # chunk a's valid pin, now under chunk b
+            client.persist(tier.chunk_key(b.key))
+        assert await tier.unpin([b.key], [32]) == 0
+        with redis_server.client() as client:
+            assert 0 < client.pttl(tier.chunk_key(b.key)) and client.pttl(tier.chunk_key(a.key)) == -1
+        assert await tier.unpin([a.key], [32]) == 32
+    finally:
+        await tier.close()
+
+
+async def test_forged_owners_do_not_keep_a_chunk_from_being_cleared(redis_server: RedisServer) -> None:
+    """A claim written without the secret is no claim: the engines' last clear deletes the chunk."""
+    one, two = make_tier(redis_server, "engine.one.one"), make_tier(redis_server, "engine.two.two")
+    attacker = make_tier(redis_server, "engine.evil.evil", ATTACKER_SECRET)
+    try:
+        (a, da), (b, db) = chunk(20), chunk(21)
+        for tier, items in ((one, [(a, da), (b, db)]), (two, [(b, db)]), (attacker, [(a, da), (b, db)])):
+            for meta, data in items:
+                assert await put(tier, meta, data)
+        assert await one.clear() == 64
+        assert await two.contains([a.key]) == 0, "a forged claim kept the chunk"
+        assert await two.contains([b.key]) == 1  # two's honest claim holds it
+        assert await two.clear() == 32
+        assert await one.contains([b.key]) == 0
+        assert one.entries_rejected + two.entries_rejected >= 2
+    finally:
+        await one.close()
+        await two.close()
+        await attacker.close()
+
+
+async def test_without_a_secret_the_tier_works_and_says_so(redis_server: RedisServer,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """No secret: one WARNING at start naming the key that fixes it; the MAC (keyed by nothing secret) still
+    catches values moved between keys."""
+    caplog.set_level(logging.INFO, TIER_LOG)
+    tier, other = make_tier(redis_server, secret=None), make_tier(redis_server, secret=None, key_prefix="other")
+    try:
+        tier.start()
+        warnings = [r.getMessage() for r in caplog.records if r.name == TIER_LOG and r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "remote_auth_secret_file" in warnings[0]
+        meta, data = chunk(30)
+        theirs, their_data = evil_twin(meta)
+        assert await put(tier, meta, data) and await get(tier, meta) == data
+        assert await put(other, theirs, their_data)
+        with redis_server.client() as client:
+            client.set(tier.chunk_key(meta.key), client.get(other.chunk_key(meta.key)))
+        assert await get(tier, meta) is None
+        assert (await tier.stats())[0].details["authenticated"] is False
+    finally:
+        await tier.close()
+        await other.close()
+
+
+# ---- where the secret comes from -----------------------------------------------------------------------------
+def test_the_secret_comes_from_the_file_else_the_sharing_domain(tmp_path: Path) -> None:
+    mesh = MeshCredentials(tmp_path / "mesh")
+    mesh.ensure("engine.a", "engine.b")
+    mesh.ensure("engine.c", domain="tenant-c")
+    secret_file = tmp_path / "redis.secret"
+    secret_file.write_text("0123456789abcdef0123456789abcdef\n")
+    secret_file.chmod(0o600)
+
+    def tag(config: EngineConfig) -> bytes:
+        return resolve_auth(config, None).value_tag("k", b"header", b"bytes")
+
+    a, b, c = (EngineConfig(nats_credentials=str(mesh.file(f"engine.{n}"))) for n in "abc")
+    assert resolve_auth(a, None).keyed and tag(a) == tag(b) != tag(c)  # one secret per domain
+    assert tag(a) != tag(EngineConfig())  # no credentials: no secret
+    assert not resolve_auth(EngineConfig(), None).keyed
+    from_file = EngineConfig(nats_credentials=str(mesh.file("engine.a")), remote_auth_secret_file=str(secret_file))
+    assert resolve_auth(from_file, None).keyed and tag(from_file) not in (tag(a), tag(c))  # the file wins
+    assert tag(from_file) == tag(EngineConfig(remote_auth_secret_file=str(secret_file)))
+    env = {"LMCACHE_REMOTE_AUTH_SECRET_FILE": str(secret_file)}
+    assert load_engine_config(environ=env).remote_auth_secret_file == str(secret_file)
+
+
+@pytest.mark.parametrize(("content", "mode", "problem"), [
+    (None, 0o600, "cannot read"), ("short", 0o600, "at least 16"),
+    ("0123456789abcdef0123456789abcdef", 0o644, "chmod 600")])
+def test_a_bad_secret_file_is_a_config_error_naming_the_key(tmp_path: Path, content: str | None, mode: int,
+                                                           problem: str) -> None:
+    path = tmp_path / "redis.secret"
+    if content is not None:
+        path.write_text(content)
+        path.chmod(mode)
+    with pytest.raises(ConfigError, match=rf"remote_auth_secret_file.*{problem}"):
+        EngineConfig(remote_auth_secret_file=str(path))
+
