@@ -16,19 +16,26 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+import torch
 
+from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.tiers.redis import RedisTier, resolve_auth
 from kvmesh.shared import chunk_file, protocol
 from kvmesh.shared.config import EngineConfig, load_engine_config
-from kvmesh.shared.credentials import MeshCredentials
+from kvmesh.shared.credentials import MeshCredentials, local_mesh_dir, provision
+from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.errors import ConfigError
+from kvmesh.shared.keys import KeyParams
+from kvmesh.shared.local_mesh import LocalMesh
+from kvmesh.shared.protocol import REMOTE, Principal
 from kvmesh.shared.redis_keys import VALUE_MAGIC, RedisAuth
 from kvmesh.shared.redis_url import parse_redis_url
 from kvmesh.shared.tier import ChunkBuffer
 
 from redis_support import RedisServer
+from test_engine_support import PagedKV, engine_config, random_tokens
 from test_redis_tier import TIER_LOG, chunk, get, put
-from waiting import WAIT_S
+from waiting import WAIT_S, wait_until
 
 SECRET = b"the engines' shared secret, 32 b"
 ATTACKER_SECRET = b"a secret that is not the engines'"
@@ -250,6 +257,28 @@ def test_the_secret_comes_from_the_file_else_the_sharing_domain(tmp_path: Path) 
     assert load_engine_config(environ=env).remote_auth_secret_file == str(secret_file)
 
 
+def test_an_engine_on_a_kvmesh_started_nats_uses_its_provisioned_domain_secret() -> None:
+    """No nats_credentials given: the file a KVMesh-started NATS on this host provisions for the engine is where
+    its domain secret comes from (what cache_engine passes: the mesh URL)."""
+    mesh = LocalMesh([])
+    url = mesh.start_nats()
+    try:
+        mesh_dir = MeshCredentials(local_mesh_dir(int(url.rsplit(":", 1)[1])))
+        mesh_dir.ensure(Principal.engine("tenant-b").path, domain="b")
+        for instance in ("tenant-a", "tenant-b"):
+            assert provision(url, Principal.engine(instance).path) is not None  # as the engine does at start
+        config_a, config_b = (EngineConfig(lmcache_instance_id=i) for i in ("tenant-a", "tenant-b"))
+        a, b = resolve_auth(config_a, url), resolve_auth(config_b, url)
+        assert a.keyed and b.keyed and "sharing domain default" in a.source and "sharing domain b" in b.source
+        explicit = resolve_auth(EngineConfig(nats_credentials=str(mesh_dir.file("engine.tenant-a"))), None)
+        assert a.value_tag("k", b"", b"x") == explicit.value_tag("k", b"", b"x") != b.value_tag("k", b"", b"x")
+        assert not resolve_auth(config_a, None).keyed  # no mesh URL, no credentials: no secret
+        token_only = EngineConfig(lmcache_instance_id="tenant-a", nats_token="a token")
+        assert not resolve_auth(token_only, url).keyed  # credentials that are no KVMesh file: no secret
+    finally:
+        mesh.stop()
+
+
 @pytest.mark.parametrize(("content", "mode", "problem"), [
     (None, 0o600, "cannot read"), ("short", 0o600, "at least 16"),
     ("0123456789abcdef0123456789abcdef", 0o644, "chmod 600")])
@@ -262,3 +291,41 @@ def test_a_bad_secret_file_is_a_config_error_naming_the_key(tmp_path: Path, cont
     with pytest.raises(ConfigError, match=rf"remote_auth_secret_file.*{problem}"):
         EngineConfig(remote_auth_secret_file=str(path))
 
+
+
+def test_engines_share_chunks_only_with_the_same_secret(redis_server: RedisServer, tmp_path: Path) -> None:
+    """Through cache engines on one Redis and one prefix: an engine with the writer's secret loads the chunks
+    bit-exact; one with another `remote_auth_secret_file` misses them (vLLM recomputes) and deletes them."""
+    files = []
+    for name in ("ours", "theirs"):
+        files.append(tmp_path / f"{name}.secret")
+        files[-1].write_text(f"{name} secret: thirty-two bytes!\n")
+        files[-1].chmod(0o600)
+    with EmbeddedNats() as nats:
+        kvs = [PagedKV(num_blocks=64, seed=i) for i in range(3)]
+        secrets_of = [files[0], files[0], files[1]]
+        engines = [CacheEngine(engine_config(nats_url=nats.url, remote_url=redis_server.url, local_cpu=False,
+                                             lmcache_instance_id=f"e{i}", remote_auth_secret_file=str(secret)),
+                               KeyParams(model="test-model", kv_format=""), kv.layout)
+                   for i, (kv, secret) in enumerate(zip(kvs, secrets_of))]
+        try:
+            for engine in engines:
+                assert engine.wait_connected(WAIT_S)
+                wait_until(lambda: engine.storage.lower(REMOTE) is not None, what="the Redis tier")
+                assert engine.storage.lower(REMOTE).auth.keyed  # type: ignore[union-attr]
+            writer, same, other = engines
+            tokens = random_tokens(96, seed=7)
+            src = kvs[0].slots(96)
+            writer.store(tokens, **kvs[0].kv(src))
+            assert writer.wait_write_behind(WAIT_S)
+            assert same.lookup(tokens) == 96
+            dst = kvs[1].slots(96)
+            assert bool(same.retrieve(tokens, **kvs[1].kv(dst)).all())
+            assert torch.equal(kvs[1].token_kv(dst), kvs[0].token_kv(src))
+            dst = kvs[2].slots(96)
+            assert not bool(other.retrieve(tokens, **kvs[2].kv(dst)).any())  # another secret: a miss
+            assert other.storage.lower(REMOTE).values_rejected >= 1  # type: ignore[union-attr]
+            assert same.lookup(tokens) == 0  # deleted: the values failed the other engine's MAC
+        finally:
+            for engine in engines:
+                engine.close()
