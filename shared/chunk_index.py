@@ -6,18 +6,29 @@ store's memory, the disk store's files; shared/store_service.py answers their co
 contains / pin / unpin / remove / clear mean the same thing everywhere:
 
   * contains(keys)  -> how many leading keys are held (a put still in flight is not held);
-  * pin(keys)       -> the contiguous held prefix gets one more pin (pins nest, optional TTL);
-  * unpin(keys)     -> the contiguous pinned prefix loses one pin;
-  * remove(key)     -> forgets a held key (pinned or not) and discards a put of it in flight;
+  * pin(keys)       -> the contiguous held prefix gets one more pin of the owner (pins nest, optional TTL);
+  * unpin(keys)     -> the contiguous prefix the owner pinned loses one of the owner's pins;
+  * release(key, p) -> takes back principal p's claims on a key (the store's `remove`; see Claims);
+  * remove(key)     -> forgets a held key (pinned or not) and discards a put of it in flight (in-process only);
   * clear(caller)   -> drops the caller's claims; forgets what nobody claims or pins any more (see Claims);
-  * wipe()          -> forgets every unpinned key and discards every put in flight, whoever claims them.
+  * wipe()          -> forgets every unpinned key (and those only unowned pins hold) and discards every put in
+                       flight, whoever claims them.
+
+Sharing domains: every chunk belongs to the domain of the put that brought it (`reserve(..., domain=)`; stored
+sparsely: only non-default ones). Reads, pins and unpins take the asker's domain and treat another domain's chunk
+as absent; a put of a key held or in flight in another domain raises ForeignChunk and changes nothing, so one
+domain never replaces, nor lands in, another's chunk. The store maps callers to domains (its DomainMap).
+
+Pins have owners (the principal, `engine.<instance>`, that took them; "" for unowned ones: pins persisted before
+owners, or taken in process): an unpin drops only the owner's own. A pin's TTL still expires it as a whole.
 
 Claims: a put records who sent it (the caller's path, `engine.<instance>.<worker>`), also when the chunk is
 already held or in flight (the first writer's bytes stay: a key names its content). `clear(caller)` takes back
-only that caller's claims, so one tenant's clear never removes what another still uses. A chunk nobody claims
-any more is forgotten, unless pinned: then it lives until its last pin goes (`forget_orphans`). A chunk that
-never had a claim (found on disk from before claims existed, or put without a caller) is kept until evicted or
-wiped. Claims do not protect from eviction, and any caller may still read, pin or remove any chunk.
+only that caller's claims, `release(key, principal)` only that principal's (every worker of it), so one tenant's
+clear or remove never removes what another still uses. A chunk nobody claims any more is forgotten, unless
+pinned: then it lives until its last pin goes (`forget_orphans`). A chunk that never had a claim (found on disk
+from before claims existed, or put without a caller) is kept until evicted or wiped. Claims do not protect from
+eviction.
 
 Every change of what is held is reported through `on_admit` / `on_evict` (an AdmissionReporter's methods).
 An entry's `charge` is what it counts against the capacity: the remote store's buffer size class, the disk
@@ -55,12 +66,27 @@ class SpaceRefused(StoreError):
     """No room for a chunk even after evicting every unpinned one; nothing was changed."""
 
 
+class ForeignChunk(StoreError):
+    """A put of a key that another sharing domain holds or is putting; nothing was changed."""
+
+
+DEFAULT_DOMAIN = "default"  # the same name as shared/credentials.py's (which this module may not import)
+UNOWNED = ""  # the owner of pins taken without one (persisted before pins had owners, or in process)
+
+
+def principal_of(caller: str) -> str:
+    """The principal path of a caller path: `engine.<instance>` of `engine.<instance>.<worker>`; other callers
+    (`operator`, `controller`, `store.<id>...`) are their own."""
+    return ".".join(caller.split(".", 2)[:2]) if caller.startswith(("engine.", "store.")) else caller
+
+
 @dataclass
 class _InFlight(Generic[E]):
     entry: E
     reserved: int = 0  # bytes counted in `reserved_bytes` for it: its charge, or less while its bytes arrive
     discard: bool = False  # removed or cleared while in flight: do not hold it when it lands
     claims: int = 0  # who put it (a `_Callers` mask)
+    domain: str = DEFAULT_DOMAIN  # the sharing domain of who put it
 
 
 @dataclass
@@ -89,6 +115,7 @@ class ClaimTable:
     callers: list[str]
     masks: dict[ChunkKey, int]
     orphans: list[ChunkKey] = field(default_factory=list)
+    domains: dict[ChunkKey, str] = field(default_factory=dict)  # the held chunks not in the default domain
 
 
 class _Callers:
@@ -142,6 +169,14 @@ class _Callers:
     def paths(self, mask: int) -> list[str]:
         return [path for index, path in enumerate(self._paths) if mask >> index & 1]
 
+    def mask_of(self, principal: str) -> int:
+        """The bits of every caller path of `principal` (itself, or its workers `<principal>.<worker>`)."""
+        mask = 0
+        for path, index in self._ids.items():
+            if path == principal or path.startswith(principal + "."):
+                mask |= 1 << index
+        return mask
+
     def table(self) -> list[str]:
         return list(self._paths)
 
@@ -180,6 +215,8 @@ class ChunkIndex(Generic[E]):
         self._claims: dict[ChunkKey, int] = {}
         self._orphans: set[ChunkKey] = set()
         self._claims_version = 0
+        self._domains: dict[ChunkKey, str] = {}  # held key -> its domain, when not the default one
+        self._pin_owners: dict[ChunkKey, dict[str, int]] = {}  # pinned key -> owner -> pins it holds
 
     # ---- queries -----------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -229,6 +266,18 @@ class ChunkIndex(Generic[E]):
         """The entry of a held key, without changing its recency."""
         return self._held.get(key)
 
+    def domain_of(self, key: ChunkKey) -> str | None:
+        """The sharing domain of a held key, or of a put of it in flight (even a discarded one); None if neither."""
+        if key in self._held:
+            return self._domains.get(key, DEFAULT_DOMAIN)
+        flight = self._in_flight.get(key)
+        return flight.domain if flight is not None else None
+
+    def visible(self, key: ChunkKey, domain: str = DEFAULT_DOMAIN) -> E | None:
+        """The entry of a held key of `domain` (another domain's chunk is absent to it), recency unchanged."""
+        entry = self._held.get(key)
+        return entry if entry is not None and self._domains.get(key, DEFAULT_DOMAIN) == domain else None
+
     def is_known(self, key: ChunkKey) -> bool:
         """Held, or in flight and still wanted."""
         return key in self._held or self.in_flight(key) is not None
@@ -248,28 +297,30 @@ class ChunkIndex(Generic[E]):
     def keys(self) -> list[ChunkKey]:
         return list(self._held)
 
-    def contains_prefix(self, keys: Iterable[ChunkKey]) -> int:
+    def contains_prefix(self, keys: Iterable[ChunkKey], domain: str = DEFAULT_DOMAIN) -> int:
+        """How many leading keys are held in `domain`."""
         count = 0
         for key in keys:
-            if key not in self._held:
+            if self.visible(key, domain) is None:
                 break
             count += 1
         return count
 
     # ---- reads -------------------------------------------------------------------------------------------
-    def touch(self, key: ChunkKey) -> E | None:
-        """The entry of a held key, counted as a hit by the policy (LRU: now the most recent); None if not held."""
-        entry = self._held.get(key)
+    def touch(self, key: ChunkKey, domain: str = DEFAULT_DOMAIN) -> E | None:
+        """The entry of a key held in `domain`, counted as a hit by the policy (LRU: now the most recent); None if
+        not held there."""
+        entry = self.visible(key, domain)
         if entry is not None:
             self._policy.touch(key)
         return entry
 
     # ---- puts --------------------------------------------------------------------------------------------
     def reserve(self, key: ChunkKey, entry: E, caller: str | None = None,
-                nbytes: int | None = None) -> list[tuple[ChunkKey, E]]:
-        """Accept a put from `caller` (its claim; None: an unclaimed chunk): evict the policy's victims to make
-        room and count `nbytes` of the entry's charge (all of it when None) as reserved; `grow` reserves the
-        rest as the bytes arrive (all of it by `commit`).
+                nbytes: int | None = None, domain: str = DEFAULT_DOMAIN) -> list[tuple[ChunkKey, E]]:
+        """Accept a put from `caller` (its claim; None: an unclaimed chunk) of sharing domain `domain`: evict the
+        policy's victims to make room and count `nbytes` of the entry's charge (all of it when None) as
+        reserved; `grow` reserves the rest as the bytes arrive (all of it by `commit`).
 
         Returns the evicted (key, entry) pairs, whose bytes the store frees. Raises SpaceRefused, changing
         nothing, when pinned chunks and puts in flight leave no room. The key must not be known.
@@ -282,7 +333,7 @@ class ChunkIndex(Generic[E]):
         if stale is not None:
             self.reserved_bytes -= stale.reserved
         self._in_flight[key] = _InFlight(entry, nbytes, claims=self._callers.add(0, caller) if caller is not None
-                                         else 0)
+                                         else 0, domain=domain)
         self.reserved_bytes += nbytes
         return evicted
 
@@ -309,9 +360,11 @@ class ChunkIndex(Generic[E]):
                                f"{self.capacity_bytes}, pinned {pinned}, in flight {self.reserved_bytes}")
         return [(victim, self._forget(victim)) for victim in victims]
 
-    def claim(self, key: ChunkKey, caller: str) -> bool:
-        """A put from `caller` of a key already held or in flight (and wanted): add its claim; False if the key
-        is neither (the caller then reserves it)."""
+    def claim(self, key: ChunkKey, caller: str, domain: str = DEFAULT_DOMAIN) -> bool:
+        """A put from `caller` (of `domain`) of a key already held or in flight (and wanted): add its claim; False
+        if the key is neither (the caller then reserves it). ForeignChunk, changing nothing, when another domain
+        holds it or is putting it (even a put a removal discarded: its bytes may still land)."""
+        self.check_domain(key, domain)
         if key in self._held:
             self._claims[key] = self._callers.add(self._claims.get(key, 0), caller)
             self._orphans.discard(key)
@@ -323,8 +376,16 @@ class ChunkIndex(Generic[E]):
         flight.claims = self._callers.add(flight.claims, caller)
         return True
 
-    def revive(self, key: ChunkKey) -> bool:
-        """A new put of a key whose put is in flight (even one discarded by a removal): keep that one.
+    def check_domain(self, key: ChunkKey, domain: str) -> None:
+        """ForeignChunk when `key` is held, or a put of it is in flight, in a domain other than `domain`."""
+        owner = self.domain_of(key)
+        if owner is not None and owner != domain:
+            raise ForeignChunk(f"chunk {key.hex()} is held by another sharing domain; the put is refused and "
+                               "that chunk is unchanged")
+
+    def revive(self, key: ChunkKey, domain: str = DEFAULT_DOMAIN) -> bool:
+        """A new put (of `domain`) of a key whose put is in flight (even one discarded by a removal): keep that
+        one. ForeignChunk, changing nothing, when that put is another domain's.
 
         True if there is one, which will now be held when it lands; the new put then has nothing to do. For a
         store whose put in flight already has the bytes (the disk store's staged write); the remote store lets
@@ -333,6 +394,7 @@ class ChunkIndex(Generic[E]):
         flight = self._in_flight.get(key)
         if flight is None:
             return False
+        self.check_domain(key, domain)
         flight.discard = False
         return True
 
@@ -352,6 +414,9 @@ class ChunkIndex(Generic[E]):
         self._held[key] = flight.entry
         if flight.claims:
             self._claims[key] = flight.claims
+            self._claims_version += 1
+        if flight.domain != DEFAULT_DOMAIN:
+            self._domains[key] = flight.domain
             self._claims_version += 1
         self._policy.add(key, flight.entry.charge)
         self.on_admit(key)
@@ -385,6 +450,37 @@ class ChunkIndex(Generic[E]):
         if flight is not None:
             self._discard(flight)
         return self._forget(key) if key in self._held else None
+
+    def release(self, key: ChunkKey, principal: str) -> Cleared[E]:
+        """Take back every claim of `principal` (all its caller paths) on `key`, held or in flight: the store's
+        `remove`. The key goes when its last claim goes (a pinned one when its last pin goes: `forget_orphans`);
+        another principal's claims, and unclaimed chunks, stay. `released` is empty when it held no claim."""
+        cleared: Cleared[E] = Cleared()
+        bits = self._callers.mask_of(principal)
+        if not bits:
+            return cleared
+        mask = self._claims.get(key, 0)
+        if mask & bits:
+            cleared.released.append(self._held[key])
+            self._callers.drop(mask & bits)
+            self._claims_version += 1
+            if mask & ~bits:
+                self._claims[key] = mask & ~bits
+            else:
+                del self._claims[key]
+                if self._policy.is_pinned(key):
+                    self._orphans.add(key)
+                else:
+                    cleared.forgotten.append((key, self._forget(key)))
+        flight = self._in_flight.get(key)
+        if flight is not None and flight.claims & bits:
+            cleared.released.append(flight.entry)
+            self._callers.drop(flight.claims & bits)
+            flight.claims &= ~bits
+            if not flight.claims:
+                flight.discard = True
+                cleared.discarded.append(flight.entry)
+        return cleared
 
     def drop(self, key: ChunkKey, entry: E) -> bool:
         """Forget `key` only if it still holds `entry` (its bytes turned out bad or gone; a newer put of the key
@@ -429,11 +525,26 @@ class ChunkIndex(Generic[E]):
         return [(key, self._forget(key)) for key in list(self._orphans) if not self._policy.is_pinned(key)]
 
     def wipe(self) -> list[tuple[ChunkKey, E]]:
-        """Forget every unpinned held key and discard every put in flight, whoever claims them; the removed
-        (key, entry) pairs. Pinned chunks keep their claims."""
+        """Forget every held key no owner pins (unpinned, or held only by unowned pins: the operator's to drop)
+        and discard every put in flight, whoever claims them; the removed (key, entry) pairs. Chunks pinned by
+        an owner keep their claims."""
         for flight in self._in_flight.values():
             self._discard(flight)
-        return [(key, self._forget(key)) for key in list(self._held) if not self._policy.is_pinned(key)]
+        return [(key, self._forget(key)) for key in list(self._held) if not self._owned_pins(key)]
+
+    def _owned_pins(self, key: ChunkKey) -> bool:
+        """Whether an owner (not just unowned pins) pins `key` now."""
+        return any(owner != UNOWNED for owner in self._live_owners(key))
+
+    def _live_owners(self, key: ChunkKey) -> dict[str, int]:
+        """Who holds how many pins of `key` now (nothing once the policy dropped its pins: a TTL expired)."""
+        owners = self._pin_owners.get(key)
+        if owners is None:
+            return {}
+        if not self._policy.is_pinned(key):
+            del self._pin_owners[key]
+            return {}
+        return owners
 
     def _discard(self, flight: _InFlight[E]) -> None:
         flight.discard = True
@@ -450,26 +561,45 @@ class ChunkIndex(Generic[E]):
             self._callers.drop(mask)
             self._claims_version += 1
         self._orphans.discard(key)
+        self._pin_owners.pop(key, None)
+        if self._domains.pop(key, None) is not None:
+            self._claims_version += 1
         self.on_evict(key)
         return entry
 
     # ---- pins --------------------------------------------------------------------------------------------
-    def pin(self, keys: Iterable[ChunkKey], ttl_secs: float | None = None) -> list[ChunkKey]:
-        """Pin the contiguous held prefix of `keys` (pins nest); the keys pinned."""
+    def pin(self, keys: Iterable[ChunkKey], ttl_secs: float | None = None, owner: str = UNOWNED,
+            domain: str = DEFAULT_DOMAIN) -> list[ChunkKey]:
+        """Pin, as `owner`, the contiguous prefix of `keys` held in `domain` (pins nest); the keys pinned."""
         pinned: list[ChunkKey] = []
         for key in keys:
-            if key not in self._held or not self._policy.pin(key, ttl_secs):
+            if self.visible(key, domain) is None:
                 break
+            owners = self._live_owners(key)  # first: stale owners of an expired pin go before it is re-taken
+            if not self._policy.pin(key, ttl_secs):
+                break
+            if not owners:
+                owners = self._pin_owners[key] = {}
+            owners[owner] = owners.get(owner, 0) + 1
             pinned.append(key)
         self._pins_version += bool(pinned)
         return pinned
 
-    def unpin(self, keys: Iterable[ChunkKey]) -> list[ChunkKey]:
-        """Drop one pin from each key of the contiguous pinned prefix of `keys`; the keys unpinned."""
+    def unpin(self, keys: Iterable[ChunkKey], owner: str = UNOWNED,
+              domain: str = DEFAULT_DOMAIN) -> list[ChunkKey]:
+        """Drop one of `owner`'s pins from each key of the contiguous prefix of `keys` that `owner` pins (in
+        `domain`); the keys unpinned. Another owner's pins are never touched."""
         unpinned: list[ChunkKey] = []
         for key in keys:
-            if not self._policy.unpin(key):
+            owners = self._live_owners(key)
+            if not owners.get(owner) or self.visible(key, domain) is None:
                 break
+            owners[owner] -= 1
+            if not owners[owner]:
+                del owners[owner]
+            if not owners:
+                del self._pin_owners[key]
+            self._policy.unpin(key)
             unpinned.append(key)
         self._pins_version += bool(unpinned)
         return unpinned
@@ -478,10 +608,14 @@ class ChunkIndex(Generic[E]):
         """Live pins, to persist: key -> (nesting count, seconds left, None = until unpinned)."""
         return {key: (count, left) for key, count, left in self._policy.pins()}
 
+    def pin_owners(self, key: ChunkKey) -> dict[str, int]:
+        """owner -> how many of the live pins of `key` it holds ("" for unowned ones); a copy."""
+        return dict(self._live_owners(key))
+
     # ---- claims, persisted ---------------------------------------------------------------------------------
     def claim_table(self) -> ClaimTable:
         """The held chunks' claims, to persist (a copy: the store writes it on another thread)."""
-        return ClaimTable(self._callers.table(), dict(self._claims), list(self._orphans))
+        return ClaimTable(self._callers.table(), dict(self._claims), list(self._orphans), dict(self._domains))
 
     def restore_claims(self, table: ClaimTable) -> int:
         """Re-take persisted claims on the held keys (keys no longer held are skipped); how many keys got some."""
@@ -498,6 +632,8 @@ class ChunkIndex(Generic[E]):
                 self._orphans.discard(key)
                 restored += 1
         self._orphans.update(key for key in table.orphans if key in self._held and key not in self._claims)
+        self._domains.update((key, domain) for key, domain in table.domains.items()
+                             if key in self._held and domain != DEFAULT_DOMAIN)
         self._claims_version += 1
         return restored
 

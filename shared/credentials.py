@@ -33,10 +33,14 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:
+    import argparse
 
 from kvmesh.shared.bus import NatsAuth
 from kvmesh.shared.errors import ConfigError
+from kvmesh.shared.nats_auth import CREDENTIALS_ENV
 from kvmesh.shared.nats_permissions import authorization_block, inbox_prefix, permissions
 from kvmesh.shared.protocol import OPERATOR, Principal
 
@@ -177,6 +181,35 @@ class DomainMap:
         return self._domains.get(".".join(caller.split(".", 2)[:2]), DEFAULT_DOMAIN)
 
 
+DOMAINS_FILE_ENV = "KVMESH_DOMAINS_FILE"
+
+
+def add_domains_flag(parser: "argparse.ArgumentParser") -> None:
+    """A store's `--domains-file` flag (also $KVMESH_DOMAINS_FILE)."""
+    parser.add_argument("--domains-file", help=(
+        "the sharing domains map (engine principal -> domain, `kvmesh credentials --domain`; re-read when it "
+        f"changes; also ${DOMAINS_FILE_ENV}); default: domains.json beside the store's credentials file"))
+
+
+def domains_file_from_args(args: "argparse.Namespace", environ: dict[str, str]) -> Path | None:
+    """The domains file a store's flags or environment name: --domains-file, else beside its credentials file
+    (--nats-credentials / $KVMESH_NATS_CREDENTIALS), else None (`store_domains_file` then looks beside the
+    credentials a KVMesh-started NATS on this host gives it)."""
+    explicit = getattr(args, "domains_file", None) or environ.get(DOMAINS_FILE_ENV)
+    if explicit:
+        return Path(explicit)
+    return domains_file_beside(getattr(args, "nats_credentials", None) or environ.get(CREDENTIALS_ENV))
+
+
+def store_domains(domains_file: Path | None, url: str, principal_path: str) -> DomainMap:
+    """A store's DomainMap: `domains_file`, else domains.json beside the credentials a KVMesh-started NATS at
+    `url` gave the store (`provision`), else none (every engine in the default domain). ConfigError naming the
+    file when it is malformed."""
+    if domains_file is None:
+        domains_file = domains_file_beside(local_credentials_file(url, principal_path))
+    return DomainMap(domains_file)
+
+
 def domains_file_beside(credentials: str | Path | None) -> Path | None:
     """Where a store finds the domains map: `domains.json` in the directory of its own credentials file."""
     return None if credentials is None else Path(credentials).parent / DOMAINS_FILE
@@ -250,18 +283,16 @@ class MeshCredentials:
         """Write each engine's domain (and the domain's secret) into its file; `domain` given: into domains.json
         too (the default domain is the absence of an entry). Called under the lock."""
         domains = read_domains(self.domains_file)
-        if domain is not None:
-            changed = False
-            for path in engines:
-                if domains.get(path, DEFAULT_DOMAIN) != domain:
-                    changed = True
-                    if domain == DEFAULT_DOMAIN:
-                        del domains[path]
-                    else:
-                        domains[path] = domain
-            if changed or not self.domains_file.exists():
-                # not secret (stores read it beside their own file), yet written the same atomic way
-                _write_private(self.domains_file, json.dumps(domains, indent=2, sort_keys=True) + "\n")
+        changed = not self.domains_file.exists()  # always one once an engine exists: compose copies it to stores
+        for path in engines if domain is not None else []:
+            if domains.get(path, DEFAULT_DOMAIN) != domain:
+                changed = True
+                if domain == DEFAULT_DOMAIN:
+                    del domains[path]
+                else:
+                    domains[path] = domain
+        if changed:  # not secret (stores read it beside their own file), yet written the same atomic way
+            _write_private(self.domains_file, json.dumps(domains, indent=2, sort_keys=True) + "\n")
         for path in engines:
             name = domains.get(path, DEFAULT_DOMAIN)
             file = self.file(path)

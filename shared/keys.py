@@ -43,10 +43,14 @@ class KeyParams:
     kv_format: str  # dtype and layout tag, e.g. "bfloat16/LBHNC-128"
     world_size: int = 1
     rank: int = 0
+    domain: str = "default"  # the engine's sharing domain (shared/credentials.py): two domains never share a key
 
     def root(self) -> ChunkKey:
-        """The chain's root: the model and its KV format (the shard is applied per key, `shard_key`)."""
+        """The chain's root: the model and its KV format (the shard is applied per key, `shard_key`), and the
+        sharing domain when it is not the default one (so default keys are the same bytes as before domains)."""
         text = f"kvmesh/1|{self.model}|{self.kv_format}|1|0"
+        if self.domain != "default":
+            text += f"|domain={self.domain}"
         return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
 
     @property

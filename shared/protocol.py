@@ -386,12 +386,13 @@ class RegisterEngine:
     lora_adapters: dict[str, str] = field(default_factory=dict)  # LoRA name -> identity (KeyExtras.lora_id)
     host: str = ""  # the worker's host name ("": not reported, an older engine)
     ip: str = ""  # the address it reaches the mesh from (LMCache's worker `ip`; /query_instance looks it up)
+    domain: str = "default"  # its sharing domain, mixed into its keys ("default": an older engine, or none set)
 
     def key_params(self) -> KeyParams:
         """How this worker names its chunks."""
         if self.kv_replicated:
-            return KeyParams(self.model, self.kv_format, 1, 0)
-        return KeyParams(self.model, self.kv_format, self.world_size, self.rank)
+            return KeyParams(self.model, self.kv_format, 1, 0, self.domain)
+        return KeyParams(self.model, self.kv_format, self.world_size, self.rank, self.domain)
 
 
 @message("instance_conflict")

@@ -10,13 +10,14 @@ claims of the last second's puts (those chunks are then unclaimed: kept until ev
 `CoalescedSave` runs on the store's event loop: it snapshots the state there (the index has no locks) and writes
 the file on a thread. Reads happen once, at start, before the store serves.
 
-The pins file (`save_pins` / `load_pins`) is `{key: [count, expires_at]}`, `expires_at` a wall-clock time or
-None (until unpinned): wall-clock, because the index's pins expire on the monotonic clock, which restarts with
-the machine.
+The pins file (`save_pins` / `load_pins`) is `{key: [count, expires_at, {owner: count}]}`, `expires_at` a
+wall-clock time or None (until unpinned): wall-clock, because the index's pins expire on the monotonic clock,
+which restarts with the machine. A file from before pins had owners (`[count, expires_at]`) loads its pins as
+unowned (the operator's: a wipe drops them; no engine's unpin does).
 
 The claims file (`save_claims` / `load_claims`) is `{"callers": [path, ...], "masks": {key: mask}, "orphans":
-[key, ...]}`: bit i of a key's mask is `callers[i]`, so a chunk costs its key and a small int, however many
-callers claim it.
+[key, ...], "domains": {key: domain}}`: bit i of a key's mask is `callers[i]`, so a chunk costs its key and a
+small int, however many callers claim it; `domains` names the sharing domain of the chunks not in the default one.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any, Callable, Generic, TypeVar
 import msgpack
 
 from kvmesh.shared.chunk_file import fsync_directory
-from kvmesh.shared.chunk_index import ChunkIndex, ClaimTable
+from kvmesh.shared.chunk_index import UNOWNED, ChunkIndex, ClaimTable
 from kvmesh.shared.keys import ChunkKey
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,8 @@ def read_msgpack(path: Path, what: str) -> Any | None:
 
 
 def save_claims(path: Path, table: ClaimTable) -> None:
-    write_atomically(path, {"callers": table.callers, "masks": table.masks, "orphans": table.orphans})
+    write_atomically(path, {"callers": table.callers, "masks": table.masks, "orphans": table.orphans,
+                            "domains": table.domains})
 
 
 def load_claims(path: Path) -> ClaimTable:
@@ -80,7 +82,8 @@ def load_claims(path: Path) -> ClaimTable:
     try:
         if raw is not None:
             return ClaimTable([str(c) for c in raw["callers"]], {bytes(k): int(m) for k, m in raw["masks"].items()},
-                              [bytes(k) for k in raw.get("orphans", [])])
+                              [bytes(k) for k in raw.get("orphans", [])],
+                              {bytes(k): str(d) for k, d in raw.get("domains", {}).items()})
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         log.warning("%s: malformed claims file, starting without claims (%s)", path, exc)
     return ClaimTable([], {})
@@ -92,12 +95,16 @@ class PinRecord:
 
     count: int
     expires_at: float | None
+    owners: dict[str, int] | None = None  # owner -> its pins; None: all `count` unowned (a file from before owners)
+
+    def owner_counts(self) -> dict[str, int]:
+        return self.owners if self.owners else {UNOWNED: max(1, self.count)}
 
 
 def pin_records(index: ChunkIndex[Any]) -> dict[ChunkKey, PinRecord]:
     """The index's live pins, to persist."""
     now = time.time()
-    return {key: PinRecord(count, None if left is None else now + left)
+    return {key: PinRecord(count, None if left is None else now + left, index.pin_owners(key))
             for key, (count, left) in index.pins().items()}
 
 
@@ -109,21 +116,26 @@ def restore_pins(index: ChunkIndex[Any], records: dict[ChunkKey, PinRecord]) -> 
         if key not in index or (record.expires_at is not None and record.expires_at <= now):
             continue
         ttl = None if record.expires_at is None else record.expires_at - now
-        for _ in range(max(1, record.count)):
-            index.pin([key], ttl)
+        domain = index.domain_of(key)  # held: restored with the claims, before the pins (StoreState.restore)
+        assert domain is not None
+        for owner, count in record.owner_counts().items():
+            for _ in range(count):
+                index.pin([key], ttl, owner=owner, domain=domain)
         restored += 1
     return restored
 
 
 def save_pins(path: Path, records: dict[ChunkKey, PinRecord]) -> None:
-    write_atomically(path, {k: [r.count, r.expires_at] for k, r in records.items()})
+    write_atomically(path, {k: [r.count, r.expires_at, r.owner_counts()] for k, r in records.items()})
 
 
 def load_pins(path: Path) -> dict[ChunkKey, PinRecord]:
     """The persisted pins; none when the file is missing or damaged (logged: the chunks are then unpinned)."""
     raw = read_msgpack(path, "pins")
     try:
-        return {bytes(k): PinRecord(int(c), None if e is None else float(e)) for k, (c, e) in (raw or {}).items()}
+        return {bytes(k): PinRecord(int(c), None if e is None else float(e),
+                                    {str(o): int(n) for o, n in rest[0].items() if int(n) > 0} if rest else None)
+                for k, (c, e, *rest) in (raw or {}).items()}
     except Exception as exc:  # a damaged pins file must not stop the store
         log.warning("%s: malformed pins file, starting without pins (%s)", path, exc)
         return {}
@@ -241,8 +253,9 @@ class StoreState:
 
     def restore(self) -> tuple[int, int]:
         """Re-take the persisted pins and claims on the held keys; how many keys got pins, and claims."""
-        pinned = restore_pins(self.index, load_pins(self.root / PINS_NAME))
+        # claims first: they carry each chunk's sharing domain, which a pin is taken in
         claimed = self.index.restore_claims(load_claims(self.root / CLAIMS_NAME))
+        pinned = restore_pins(self.index, load_pins(self.root / PINS_NAME))
         self._pins.mark_saved()  # the files already say so
         self._claims.mark_saved()
         return pinned, claimed

@@ -9,10 +9,12 @@ Runs on the store's one asyncio event loop, like the store itself:
     answers (on `Subjects.health(<store's path>)` and the ping-all subject); `stop_serving()` then `close()` undo
     it.
 
-Who calls matters for puts (each records its caller's claim), `clear` (takes back the caller's claims only) and
-`wipe` (the operator's alone); see shared/chunk_index.py. Every other op answers any caller the same: an engine
-may read, pin or remove any chunk of the store (keys name a model's KV, so a chunk is only of use to engines of
-that model; a limitation, not a boundary between tenants).
+Who calls matters for every op but stats (see shared/chunk_index.py): the caller's principal
+(`engine.<instance>`) is in one sharing domain (the store's DomainMap, from the administrator's domains file,
+never from the message), and sees only that domain's chunks (another's is a miss); a put records the caller's
+claim and never lands in another domain's chunk; `pin` / `unpin` take and drop the principal's own pins only;
+`remove` and `clear` take back its own claims only (a chunk goes with its last claim); `wipe` is the operator's
+alone.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from nats.aio.subscription import Subscription
 
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.admissions import AdmissionReporter
-from kvmesh.shared.credentials import credentials_for
-from kvmesh.shared.chunk_index import ChunkIndex, IndexEntry
+from kvmesh.shared.credentials import DomainMap, credentials_for
+from kvmesh.shared.chunk_index import ChunkIndex, Cleared, IndexEntry, principal_of
 from kvmesh.shared.keys import ChunkKey
 from kvmesh.shared.service import serve_health
 from kvmesh.shared.store_bounds import StoreBounds
@@ -78,9 +80,9 @@ class IndexOps(Generic[E]):
     waiting at once share writes (STATE_OPS_AT_ONCE). `details()` is the store's own part of the stats.
 
     Counts (`CommandReply.num_tokens` / `num_chunks`): pin and unpin answer the stored token counts of the
-    chunks they pinned or unpinned. remove and wipe count the chunks they forgot and the puts in flight they
-    discarded (puts that may already have been answered ok, and that the removal undoes). clear counts what
-    left the caller's view: every chunk, held, pinned or in flight, whose claim by this caller it took back,
+    chunks they pinned or unpinned. wipe counts the chunks it forgot and the puts in flight it discarded (puts
+    that may already have been answered ok, and that the wipe undoes). remove (the caller's principal) and clear
+    (the caller path) count what left the caller's view: every chunk, held, pinned or in flight, whose claim it took back,
     whether or not another caller's claim or a pin keeps it in the store. So the controller's `/clear` of
     LocalDiskBackend for instance A (each rank clears its own claims, the reply is the minimum over the ranks)
     reports A's tokens, never B's, and the same whether or not B put the same chunks.
@@ -94,11 +96,13 @@ class IndexOps(Generic[E]):
     def __init__(self, store_id: str, index: ChunkIndex[E], free: Callable[[list[tuple[ChunkKey, E]]], None],
                  details: Callable[[], dict[str, Any]],
                  settle: Callable[[list[ChunkKey]], Awaitable[None]] | None = None,
-                 persist: Callable[[], Awaitable[None]] = _nothing, bounds: StoreBounds = StoreBounds()) -> None:
+                 persist: Callable[[], Awaitable[None]] = _nothing, bounds: StoreBounds = StoreBounds(),
+                 domains: DomainMap | None = None) -> None:
         self.store_id = store_id
         self.index = index
         self._free = free
         self._details = details
+        self.domains = domains if domains is not None else DomainMap(None)
         self._settle = settle
         self._persist = persist
         self._bounds = bounds
@@ -107,23 +111,27 @@ class IndexOps(Generic[E]):
     def handlers(self) -> list[Handler]:
         keys = protocol.ChunkKeys
         at_once = STATE_OPS_AT_ONCE
-        return [Handler.anyone("contains", keys, self._bounded(self.contains)),
-                Handler.anyone("touch", keys, self._bounded(self.touch)),
-                Handler.anyone("pin", keys, self._bounded(self.pin), at_once),
-                Handler.anyone("unpin", keys, self._bounded(self.unpin), at_once),
-                Handler.anyone("remove", keys, self._bounded(self.remove), at_once),
+        return [Handler("contains", keys, self._bounded(self.contains)),
+                Handler("touch", keys, self._bounded(self.touch)),
+                Handler("pin", keys, self._bounded(self.pin), at_once),
+                Handler("unpin", keys, self._bounded(self.unpin), at_once),
+                Handler("remove", keys, self._bounded(self.remove), at_once),
                 Handler("clear", protocol.ClearRequest, self.clear, at_once),
                 Handler("wipe", protocol.WipeRequest, self.wipe, at_once),
                 Handler.anyone("stats", protocol.StatsRequest, self.stats)]
 
-    def _bounded(self, handle: Callable[[protocol.ChunkKeys], Awaitable[Any]]
-                 ) -> Callable[[protocol.ChunkKeys], Awaitable[Any]]:
+    def domain_of(self, caller: str) -> str:
+        """The sharing domain of `caller`'s principal (the store's domains map)."""
+        return self.domains.domain_of(caller)
+
+    def _bounded(self, handle: Callable[[protocol.ChunkKeys, str], Awaitable[Any]]
+                 ) -> Callable[[protocol.ChunkKeys, str], Awaitable[Any]]:
         """`handle`, refusing a request with more keys than the bound before any of them is looked at."""
 
-        async def bounded(request: protocol.ChunkKeys) -> Any:
+        async def bounded(request: protocol.ChunkKeys, caller: str) -> Any:
             error = self._bounds.too_many_keys(len(request.keys))
             if error is None:
-                return await handle(request)
+                return await handle(request, caller)
             self.too_many_keys += 1
             log.warning("store %s: refused a request of %d keys (--max-keys-per-request %d)", self.store_id,
                         len(request.keys), self._bounds.max_keys_per_request)
@@ -131,42 +139,49 @@ class IndexOps(Generic[E]):
 
         return bounded
 
-    async def contains(self, request: protocol.ChunkKeys) -> protocol.ContainsReply:
-        return protocol.ContainsReply(prefix=self.index.contains_prefix(request.keys))
+    async def contains(self, request: protocol.ChunkKeys, caller: str) -> protocol.ContainsReply:
+        return protocol.ContainsReply(prefix=self.index.contains_prefix(request.keys, self.domain_of(caller)))
 
-    async def touch(self, request: protocol.ChunkKeys) -> protocol.Ack:
+    async def touch(self, request: protocol.ChunkKeys, caller: str) -> protocol.Ack:
         """Hits an engine served: these chunks count as just used (the eviction policy decides what that means)."""
         for key in _distinct(request.keys):
-            self.index.touch(key)
+            self.index.touch(key, domain)
         return protocol.Ack()
+        domain = self.domain_of(caller)
 
-    async def pin(self, request: protocol.ChunkKeys) -> protocol.CommandReply:
+    async def pin(self, request: protocol.ChunkKeys, caller: str) -> protocol.CommandReply:
+        """One more pin of the caller's principal on the contiguous prefix of the keys held in its domain."""
         if request.ttl_secs is not None and not request.ttl_secs > 0:
             return protocol.CommandReply(ok=False, error=f"ttl_secs must be > 0 (or absent), got {request.ttl_secs}")
         keys = _distinct(request.keys)
         if self._settle is not None:
             await self._settle(keys)
-        pinned = self.index.pin(keys, request.ttl_secs)
+        pinned = self.index.pin(keys, request.ttl_secs, owner=principal_of(caller), domain=self.domain_of(caller))
         return await self._persisted("pin", protocol.CommandReply(
             ok=True, num_tokens=self.index.tokens_of(pinned), num_chunks=len(pinned)))
 
-    async def unpin(self, request: protocol.ChunkKeys) -> protocol.CommandReply:
-        unpinned = self.index.unpin(_distinct(request.keys))
+    async def unpin(self, request: protocol.ChunkKeys, caller: str) -> protocol.CommandReply:
+        """Drop one of the caller's principal's own pins from the contiguous prefix it pins (0: it pins none)."""
+        unpinned = self.index.unpin(_distinct(request.keys), owner=principal_of(caller),
+                                    domain=self.domain_of(caller))
         reply = protocol.CommandReply(ok=True, num_tokens=self.index.tokens_of(unpinned), num_chunks=len(unpinned))
         self._free(self.index.forget_orphans())  # chunks a clear left to their pins: the last pin went
         return await self._persisted("unpin", reply)
 
-    async def remove(self, request: protocol.ChunkKeys) -> protocol.CommandReply:
-        removed: list[tuple[ChunkKey, E]] = []
-        discarded: list[E] = []
+    async def remove(self, request: protocol.ChunkKeys, caller: str) -> protocol.CommandReply:
+        """Take back the caller's principal's claims (every worker's) on the keys: a chunk goes with its last
+        claim (a pinned one with its last pin). Counts what left the caller's view, as `clear` does: 0 for chunks
+        it holds no claim on, whoever else holds them."""
+        principal = principal_of(caller)
+        removed: Cleared[E] = Cleared()
         for key in _distinct(request.keys):
-            in_flight = self.index.in_flight(key)
-            entry = self.index.remove(key)  # discards the put in flight too
-            if entry is not None:
-                removed.append((key, entry))
-            if in_flight is not None:
-                discarded.append(in_flight)
-        return await self._removed("remove", removed, discarded)
+            released = self.index.release(key, principal)
+            removed.released += released.released
+            removed.forgotten += released.forgotten
+            removed.discarded += released.discarded
+        self._free(removed.forgotten)
+        return await self._persisted("remove", protocol.CommandReply(
+            ok=True, num_tokens=removed.num_tokens, num_chunks=len(removed.released)))
 
     async def clear(self, request: protocol.ClearRequest, caller: str) -> protocol.CommandReply:
         """Take back `caller`'s claims; see the class docstring for what the reply counts."""

@@ -5,10 +5,13 @@ test_remote_store.py)."""
 
 from __future__ import annotations
 
-from kvmesh.shared.chunk_index import ChunkIndex, ClaimTable
+import pytest
+
+from kvmesh.shared.chunk_index import ChunkIndex, ClaimTable, ForeignChunk
 
 A = "engine.tenant-a.w0"
 B = "engine.tenant-b.w0"
+PA, PB = "engine.tenant-a", "engine.tenant-b"  # their principals (pins and removals count per principal)
 
 
 class _Entry:
@@ -70,9 +73,9 @@ def test_chunks_without_a_claim_stay_until_wiped_and_a_wipe_spares_pins() -> Non
     index.clear(A)
     index.clear(B)
     assert index.keys() == [key(3)]
-    index.pin([key(3)])
-    assert index.wipe() == [] and key(3) in index  # pinned: kept
-    index.unpin([key(3)])
+    index.pin([key(3)], owner=PA)
+    assert index.wipe() == [] and key(3) in index  # pinned by an owner: kept
+    index.unpin([key(3)], owner=PA)
     assert [k for k, _ in index.wipe()] == [key(3)] and len(index) == 0
 
 
@@ -128,3 +131,81 @@ def test_the_claim_table_restores_onto_the_held_chunks() -> None:
     assert [e.num_tokens for e in fresh.clear(B).released] == [102, 103]
     assert fresh.unpin([key(4)]) == [key(4)] and [k for k, _ in fresh.forget_orphans()] == [key(4)]
     assert sorted(fresh.keys()) == [key(5), key(6), key(7)]  # 5 never had a claim: kept
+
+
+# ---- issue 24: owned pins, removal of one's own claims, sharing domains -----------------------------------------
+
+def test_an_unpin_drops_only_the_owners_pins() -> None:
+    index, _ = index_with([(1, A), (2, A)])
+    assert index.pin([key(1), key(2)], owner=PA) == [key(1), key(2)]
+    assert index.unpin([key(1), key(2)], owner=PB) == []  # B holds none of these pins
+    assert index.is_pinned(key(1)) and index.pin_owners(key(1)) == {PA: 1}
+    index.pin([key(1)], owner=PB)
+    assert index.unpin([key(1)], owner=PB) == [key(1)] and index.unpin([key(1)], owner=PB) == []
+    assert index.pin_owners(key(1)) == {PA: 1} and index.is_pinned(key(1))
+    assert index.unpin([key(1), key(2)], owner=PA) == [key(1), key(2)] and index.pinned_count == 0
+
+
+def test_unowned_pins_are_the_operators_a_wipe_drops_them() -> None:
+    index, _ = index_with([(1, A), (2, A)])
+    index.pin([key(1)])  # unowned: as pins persisted before owners
+    index.pin([key(2)], owner=PA)
+    assert index.unpin([key(1)], owner=PA) == []
+    assert [k for k, _ in index.wipe()] == [key(1)] and index.keys() == [key(2)]
+
+
+def test_a_remove_takes_back_only_the_principals_claims() -> None:
+    index, evicted = index_with([(1, A), (1, "engine.tenant-a.w1"), (1, B), (2, A)])
+    released = index.release(key(1), PB)
+    assert len(released.released) == 1 and released.forgotten == [] and key(1) in index
+    assert index.claimed_by(key(1)) == [A, "engine.tenant-a.w1"]
+    assert index.release(key(1), PB).released == []  # nothing of B's left: answers nothing
+    released = index.release(key(1), PA)  # every worker of A: the last claims, so the chunk goes
+    assert len(released.released) == 1 and [k for k, _ in released.forgotten] == [key(1)] and evicted == [key(1)]
+    index.pin([key(2)], owner=PB)  # pinned: it outlives A's claim until the pin goes
+    assert index.release(key(2), PA).forgotten == [] and key(2) in index
+    index.unpin([key(2)], owner=PB)
+    assert [k for k, _ in index.forget_orphans()] == [key(2)]
+
+
+def test_a_remove_of_a_put_in_flight_discards_it_only_with_its_last_claim() -> None:
+    index: ChunkIndex[_Entry] = ChunkIndex(1000)
+    index.reserve(key(1), _Entry(), A)
+    assert index.claim(key(1), B)
+    assert index.release(key(1), PA).discarded == [] and index.in_flight(key(1)) is not None
+    assert len(index.release(key(1), PB).discarded) == 1 and index.in_flight(key(1)) is None
+
+
+def test_another_domains_chunk_is_absent_and_cannot_be_replaced() -> None:
+    index: ChunkIndex[_Entry] = ChunkIndex(1000)
+    index.reserve(key(1), _Entry(101), A, domain="tenant-a")
+    with pytest.raises(ForeignChunk, match="another sharing domain"):  # in flight: B cannot land in it
+        index.claim(key(1), B, domain="tenant-b")
+    assert index.commit(key(1)) and index.domain_of(key(1)) == "tenant-a"
+    with pytest.raises(ForeignChunk):
+        index.claim(key(1), B)  # the default domain is another domain too
+    assert index.claimed_by(key(1)) == [A]
+    assert index.contains_prefix([key(1)], "tenant-b") == 0 and index.contains_prefix([key(1)], "tenant-a") == 1
+    assert index.touch(key(1), "tenant-b") is None and index.visible(key(1), "tenant-b") is None
+    assert index.pin([key(1)], owner=PB, domain="tenant-b") == [] and not index.is_pinned(key(1))
+    assert index.pin([key(1)], owner=PA, domain="tenant-a") == [key(1)]
+    assert index.unpin([key(1)], owner=PA, domain="tenant-b") == []
+    table = index.claim_table()
+    assert table.domains == {key(1): "tenant-a"}
+    copy: ChunkIndex[_Entry] = ChunkIndex(1000)
+    copy.load(key(1), _Entry(101))
+    copy.restore_claims(table)
+    assert copy.domain_of(key(1)) == "tenant-a" and copy.contains_prefix([key(1)]) == 0
+    index.unpin([key(1)], owner=PA, domain="tenant-a")
+    index.release(key(1), PA)
+    assert key(1) not in index and index.claim_table().domains == {}
+    assert not index.claim(key(1), B, domain="tenant-b")  # gone: any domain may put it anew
+
+
+def test_a_discarded_put_of_another_domain_is_not_revived() -> None:
+    index: ChunkIndex[_Entry] = ChunkIndex(1000)
+    index.reserve(key(1), _Entry(), A, domain="tenant-a")
+    index.release(key(1), PA)  # discarded, but its bytes may still land
+    with pytest.raises(ForeignChunk):
+        index.revive(key(1), "tenant-b")
+    assert index.revive(key(1), "tenant-a")

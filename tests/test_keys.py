@@ -1,5 +1,6 @@
 """Chunk keys: deterministic across processes, prefix-chained, mask rules of the cache engine API (docs/compatibility.md)."""
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvmesh.shared.keys import ChunkHasher, KeyExtras, KeyParams, num_masked_prefix
+from kvmesh.shared.keys import KEY_BYTES, ChunkHasher, KeyExtras, KeyParams, num_masked_prefix
 
 PARAMS = KeyParams(model="meta-llama/Llama-3.1-8B-Instruct", kv_format="bfloat16/LBHNC-128")
 
@@ -189,3 +190,13 @@ def test_extras_round_trip_the_wire_and_bad_ones_are_protocol_errors() -> None:
     body["extras"] = {"mm_offsets": "x"}
     with pytest.raises(ProtocolError):
         protocol.decode(msgpack.packb(body), protocol.WorkerCommand)
+
+
+def test_a_sharing_domain_other_than_the_default_changes_every_key() -> None:
+    """Issue 24: two honest tenants in different domains never share a key; the default domain's keys are the
+    same bytes as before domains existed."""
+    default = KeyParams(model="m", kv_format="f")
+    assert KeyParams(model="m", kv_format="f", domain="default").root() == default.root()
+    assert default.root() == hashlib.blake2b(b"kvmesh/1|m|f|1|0", digest_size=KEY_BYTES).digest()
+    roots = {KeyParams(model="m", kv_format="f", domain=name).root() for name in ("default", "tenant-a", "tenant-b")}
+    assert len(roots) == 3

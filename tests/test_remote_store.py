@@ -359,11 +359,11 @@ def test_chunk_index_puts_in_flight_removals_and_supersession() -> None:
     index.reserve(b, eb2)  # a new put of the same key supersedes the discarded one
     assert not index.commit(b, eb) and index.commit(b, eb2) and b in index
     assert index.reserved_bytes == 0 and index.used_bytes == 50
-    index.pin([b])
+    index.pin([b], owner="engine.test")
     with pytest.raises(SpaceRefused):
         index.reserve(c, _Entry(60))
-    assert index.wipe() == [] and b in index  # pinned survives a wipe
-    assert index.unpin([b]) == [b] and [k for k, _ in index.wipe()] == [b]
+    assert index.wipe() == [] and b in index  # pinned (by an owner) survives a wipe
+    assert index.unpin([b], owner="engine.test") == [b] and [k for k, _ in index.wipe()] == [b]
 
 
 @pytest.mark.parametrize(("policy", "victim"), [("LRU", 1), ("FIFO", 0), ("MRU", 0), ("LFU", 1)])

@@ -218,7 +218,7 @@ async def test_persisted_chunks_load_into_the_arena_and_the_rest_stays_within_th
         assert second.pool.allocated == 0 and second.pool.arena_bytes == capacity - 6 * MiB
         assert held_memory(second) <= capacity
         for meta, data in chunks:
-            held = second.acquire(meta.key)
+            held = second.acquire(meta.key, ENGINE)
             assert held is not None and np.array_equal(held.data(), data)
             second.release(held)
     finally:

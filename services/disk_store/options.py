@@ -20,6 +20,7 @@ from pathlib import Path
 
 from kvmesh.shared.bus import NatsAuth, normalize_url
 from kvmesh.shared.config import CONFIG_FILE_VAR, GB, EngineConfig
+from kvmesh.shared.credentials import add_domains_flag, domains_file_from_args
 from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.eviction import POLICY_NAMES
 from kvmesh.shared.local_mesh import ServiceSpec
@@ -50,6 +51,7 @@ class DiskStoreOptions:
     pool_hello_timeout_secs: float = 5.0  # how long a new pool connection may take to send its hello
     durable_puts: bool = False  # answer a put only once its file is durable (fsync'd, renamed, directory fsync'd)
     bounds: StoreBounds = field(default_factory=StoreBounds)  # what NATS clients can push on (shared/store_bounds.py)
+    domains_file: Path | None = None  # the sharing domains map (None: beside the store's credentials, if any)
 
     def to_args(self) -> list[str]:
         """The flags that start a store with these options (`--nats-url` and credentials excepted)."""
@@ -62,6 +64,8 @@ class DiskStoreOptions:
             args.append("--no-fsync")
         if self.durable_puts:
             args.append("--durable-puts")
+        if self.domains_file is not None:
+            args += ["--domains-file", str(self.domains_file)]
         return args
 
     def service_spec(self) -> ServiceSpec:
@@ -96,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="answer a put only once its chunk file is written, fsync'd and renamed into place "
                              "(directory fsync'd); default: once the bytes are staged in memory")
     add_store_bound_flags(parser)
+    add_domains_flag(parser)
     parser.add_argument("--log-level", help="log level (default: $KVMESH_LOG_LEVEL, else INFO)")
     add_nats_auth_flags(parser)
     return parser
@@ -139,4 +144,4 @@ def options_from_args(args: argparse.Namespace, environ: dict[str, str] | None =
         writer_threads=args.writer_threads, reader_threads=args.reader_threads,
         staging_bytes=round(args.staging_mb * 2**20), max_pools=args.max_pools,
         pool_hello_max_bytes=args.pool_hello_max_bytes, pool_hello_timeout_secs=args.pool_hello_timeout,
-        bounds=store_bounds_from_args(args))
+        bounds=store_bounds_from_args(args), domains_file=domains_file_from_args(args, env))

@@ -39,6 +39,7 @@ from nats.aio.client import Client as NatsClient
 
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.admissions import AdmissionReporter
+from kvmesh.shared.credentials import store_domains
 from kvmesh.shared.eviction import Clock
 from kvmesh.shared.store_service import Handler, IndexOps, StoreEndpoint
 from kvmesh.services.disk_store.options import DiskStoreOptions
@@ -71,6 +72,8 @@ class DiskStoreService:
         store, options = self.store, self.options
         await asyncio.get_running_loop().run_in_executor(None, store.open)
         nc = await self.endpoint.connect(nc, options.nats_url, options.auth)
+        store.domains = self.ops.domains = store_domains(
+            options.domains_file, options.nats_url, protocol.Principal.store(options.store_id).path)
         store.max_inline_bytes = max(0, nc.max_payload - protocol.INLINE_HEADROOM)
         reporter = AdmissionReporter(options.store_id, protocol.store_path(options.store_id), protocol.LOCAL_DISK,
                                      held_keys=store.index.keys,

@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvmesh.shared import chunk_file, protocol
-from kvmesh.shared.chunk_index import ChunkIndex, SpaceRefused
+from kvmesh.shared.chunk_index import ChunkIndex, ForeignChunk, SpaceRefused
+from kvmesh.shared.credentials import DomainMap
 from kvmesh.shared.errors import StoreError
 from kvmesh.shared.eviction import Clock
 from kvmesh.shared.keys import KEY_BYTES, ChunkKey
@@ -89,6 +90,7 @@ class DiskStore:
         self._deleting: dict[ChunkKey, asyncio.Future[Any]] = {}  # key -> its file deletion in flight
         self._background: set[asyncio.Future[Any]] = set()
         self.state = StoreState(self.root, self.index)
+        self.domains = DomainMap(None)  # callers' sharing domains (the service sets the store's map)
 
     # ---- life cycle ------------------------------------------------------------------------------------
     def open(self) -> chunk_file.ScanReport:
@@ -160,9 +162,12 @@ class DiskStore:
         except (StoreError, ValueError) as exc:
             return self._refuse(meta.key, str(exc))
         key = meta.key
-        if self._known(key, caller):
-            self.counters["puts_duplicate"] += 1
-            return protocol.Ack()
+        try:
+            if self._known(key, caller):
+                self.counters["puts_duplicate"] += 1
+                return protocol.Ack()
+        except ForeignChunk as exc:  # never lands in, nor replaces, another domain's chunk
+            return self._refuse(key, str(exc))
 
         staging: StagingBuffer | None = None
         # Inline data is staged too (one memory bound, one behaviour); a chunk bigger than all of the staging
@@ -203,22 +208,26 @@ class DiskStore:
             self.counters["checksum_failures"] += 1
             return self._refuse(key, f"the bytes do not match their checksum (the meta says {meta.checksum:#x}, "
                                      f"the bytes hash to {digest:#x})")
-        if self._known(key, caller):  # another put of the key won while these bytes were staged
-            return protocol.Ack()
         try:
+            if self._known(key, caller):  # another put of the key won while these bytes were staged
+                return protocol.Ack()
             self._check_free_space(entry.file_bytes)
-            victims = self.index.reserve(key, entry, caller)  # on_evict tells the reporter; files deleted below
-        except (SpaceRefused, StoreError, OSError) as exc:
+            # on_evict tells the reporter; files deleted below
+            victims = self.index.reserve(key, entry, caller, domain=self.domains.domain_of(caller))
+        except (SpaceRefused, StoreError, OSError) as exc:  # ForeignChunk is a StoreError
             return self._refuse(key, str(exc))
         self._evicted([victim for victim, _ in victims])
         return None
 
     def _known(self, key: ChunkKey, caller: str) -> bool:
         """Whether the key is held or being written: the same key is the same bytes, so one file, and the put
-        only adds `caller`'s claim. A write in flight is kept even if a removal meanwhile had discarded it."""
-        if self.index.touch(key) is None and not self.index.revive(key):
+        only adds `caller`'s claim. A write in flight is kept even if a removal meanwhile had discarded it.
+        ForeignChunk when another sharing domain holds or writes the key."""
+        domain = self.domains.domain_of(caller)
+        self.index.check_domain(key, domain)
+        if self.index.touch(key, domain) is None and not self.index.revive(key, domain):
             return False
-        self.index.claim(key, caller)
+        self.index.claim(key, caller, domain)
         self.save_soon()
         return True
 
@@ -296,8 +305,9 @@ class DiskStore:
             _check_key(key)
         except StoreError as exc:
             return protocol.GetReply(found=False, error=str(exc))
-        entry = self.index.held(key)
-        if entry is None:
+        domain = self.domains.domain_of(caller)
+        entry = self.index.visible(key, domain)
+        if entry is None:  # also another domain's chunk: a miss, as if absent
             return protocol.GetReply(found=False)
         inline: bytearray | None = None
         pool: LentPool | None = None
@@ -321,7 +331,7 @@ class DiskStore:
                 self.counters["gets_inline"] += 1
         except StoreError as exc:
             return protocol.GetReply(found=False, error=str(exc))
-        self.index.touch(key)
+        self.index.touch(key, domain)
         try:
             if pool is not None:  # admitted above, with no await since: registered as it starts
                 meta = await self._write_into(pool, request.get_id, _read_chunk, self.root, key, out)

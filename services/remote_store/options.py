@@ -13,11 +13,13 @@ never flags written by `to_args`: they travel in the environment (shared/nats_au
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmesh.shared.bus import NatsAuth, normalize_url
 from kvmesh.shared.config import GB
+from kvmesh.shared.credentials import add_domains_flag, domains_file_from_args
 from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.eviction import POLICY_NAMES
 from kvmesh.shared.local_mesh import ServiceSpec
@@ -53,6 +55,7 @@ class RemoteStoreOptions:
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES  # the largest chunk a put may announce (stream or inline)
     prefault_bytes: int = 0  # memory faulted in at start, new buffers carved from it (buffers.Arena); <= capacity
     bounds: StoreBounds = field(default_factory=StoreBounds)  # what NATS clients can push on (shared/store_bounds.py)
+    domains_file: Path | None = None  # the sharing domains map (None: beside the store's credentials, if any)
     heartbeat_interval: float = 2.0
     # Redis mode (redis_watch.py): report what a Redis remote tier holds instead of holding chunks
     redis_url: str | None = None
@@ -81,6 +84,8 @@ class RemoteStoreOptions:
             args += ["--stream-port", str(self.stream_port)]
         if self.advertise_host:
             args += ["--advertise-host", self.advertise_host]
+        if self.domains_file is not None:
+            args += ["--domains-file", str(self.domains_file)]
         return args
 
     def service_spec(self) -> ServiceSpec:
@@ -130,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="GB of memory faulted in at start (at most --max-size-gb), so puts into an empty store "
                              "need no page faults (default 0: memory is faulted as chunks arrive)")
     add_store_bound_flags(parser)
+    add_domains_flag(parser)
     parser.add_argument("--redis-url", help="Redis mode: report to the controller what this Redis / Valkey remote "
                                             "tier holds (an engine remote_url form, standalone or sentinel) "
                                             "instead of holding chunks")
@@ -179,5 +185,5 @@ def options_from_args(args: argparse.Namespace) -> RemoteStoreOptions:
         max_stream_connections=args.max_stream_connections, stream_hello_timeout=args.stream_hello_timeout,
         stream_hello_max_bytes=args.stream_hello_max_bytes, stream_idle_timeout=args.stream_idle_timeout,
         max_chunk_bytes=args.max_chunk_bytes, prefault_bytes=round(args.prefault_gb * GB),
-        bounds=store_bounds_from_args(args),
+        bounds=store_bounds_from_args(args), domains_file=domains_file_from_args(args, dict(os.environ)),
         redis_url=args.redis_url, redis_key_prefix=args.redis_key_prefix, redis_timeout=args.redis_timeout)

@@ -40,6 +40,7 @@ from nats.aio.client import Client as NatsClient
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.admissions import AdmissionReporter
 from kvmesh.shared.bus import NatsAuth
+from kvmesh.shared.credentials import store_domains
 from kvmesh.shared.store_service import Handler, IndexOps, StoreEndpoint
 from kvmesh.services.remote_store.options import RemoteStoreOptions
 from kvmesh.services.remote_store.redis_watch import run_redis_watch
@@ -92,9 +93,11 @@ class RemoteStoreService:
         await self.store.open()
         await self.stream.start()
         nc = await self.endpoint.connect(nc, options.nats_url, options.auth)
+        self.store.domains = self.ops.domains = store_domains(
+            options.domains_file, options.nats_url, protocol.Principal.store(options.store_id).path)
         handlers = [Handler("stream", protocol.StreamRequest, self._on_stream),
                     Handler("put", protocol.PutRequest, self._on_put),
-                    Handler.anyone("get", protocol.GetRequest, self._on_get), *self.ops.handlers()]
+                    Handler("get", protocol.GetRequest, self._on_get), *self.ops.handlers()]
         await self.endpoint.serve(handlers, self.reporter, self._health_details)
         await nc.flush()
         log.info("remote store %s (partition %d of %d, %.2f GB, %s eviction) serving on NATS %s, stream %s:%d%s",
@@ -148,8 +151,8 @@ class RemoteStoreService:
             return protocol.Ack(ok=False, error=str(exc))
         return protocol.Ack()
 
-    async def _on_get(self, request: protocol.GetRequest) -> protocol.GetReply:
-        chunk = self.store.acquire(request.key)
+    async def _on_get(self, request: protocol.GetRequest, caller: str) -> protocol.GetReply:
+        chunk = self.store.acquire(request.key, caller)
         if chunk is None:
             return protocol.GetReply(found=False)
         try:

@@ -31,7 +31,8 @@ from typing import Any, Callable
 import numpy as np
 
 from kvmesh.shared import chunk_file, protocol
-from kvmesh.shared.chunk_index import ChunkIndex, SpaceRefused
+from kvmesh.shared.chunk_index import ChunkIndex, ForeignChunk, SpaceRefused
+from kvmesh.shared.credentials import DomainMap
 from kvmesh.shared.errors import StoreError
 from kvmesh.shared.keys import KEY_BYTES, ChunkKey
 from kvmesh.shared.state_file import StoreState
@@ -101,6 +102,7 @@ class MemoryStore:
         self.partition = partition
         self.num_partitions = num_partitions
         self.index: ChunkIndex[StoredChunk] = ChunkIndex(capacity_bytes, policy=cache_policy)
+        self.domains = DomainMap(None)  # callers' sharing domains (the service sets the store's map)
         if on_admit is not None:
             self.index.on_admit = on_admit
         if on_evict is not None:
@@ -196,14 +198,20 @@ class MemoryStore:
         Raises PutRefused. On success the caller fills `chunk.data()` and calls commit_put or abort_put.
         """
         self.check_put(meta)
-        if self.index.claim(meta.key, caller):
-            self.index.touch(meta.key)
-            self.counters.duplicate_puts += 1
-            self.save_soon()
-            return None
+        domain = self.domains.domain_of(caller)
+        try:
+            if self.index.claim(meta.key, caller, domain):
+                self.index.touch(meta.key, domain)
+                self.counters.duplicate_puts += 1
+                self.save_soon()
+                return None
+        except ForeignChunk as exc:  # never lands in, nor replaces, another domain's chunk
+            self.counters.refused_puts += 1
+            raise PutRefused(f"remote store: put refused: {exc}") from None
         chunk = StoredChunk(meta, size_class(meta.nbytes))
         try:
-            evicted = self.index.reserve(meta.key, chunk, caller, None if ahead is None else min(ahead, chunk.charge))
+            evicted = self.index.reserve(meta.key, chunk, caller, None if ahead is None else min(ahead, chunk.charge),
+                                         domain)
         except SpaceRefused as exc:
             self.counters.refused_puts += 1
             raise PutRefused(str(exc)) from None
@@ -287,10 +295,11 @@ class MemoryStore:
                           f"says {meta.checksum:#x}, the bytes hash to {digest:#x})")
 
     # ---- gets --------------------------------------------------------------------------------------------
-    def acquire(self, key: ChunkKey) -> StoredChunk | None:
-        """A held chunk, marked in use (call `release` when its bytes are sent); None on a miss."""
+    def acquire(self, key: ChunkKey, caller: str) -> StoredChunk | None:
+        """A chunk held in `caller`'s sharing domain, marked in use (call `release` when its bytes are sent); None
+        on a miss (another domain's chunk is one)."""
         self.counters.gets += 1
-        chunk = self.index.touch(key)
+        chunk = self.index.touch(key, self.domains.domain_of(caller))
         if chunk is None:
             return None
         chunk.users += 1

@@ -160,7 +160,7 @@ class StreamServer:
                     if op == OP_PUT:
                         await self._put(sock, await recv_message(sock, size, protocol.PutRequest), caller)
                     elif op == OP_GET:
-                        await self._get(sock, await recv_message(sock, size, protocol.GetRequest))
+                        await self._get(sock, await recv_message(sock, size, protocol.GetRequest), caller)
                     else:
                         raise StreamError(f"unknown op {op!r}")
         except _Refused as exc:
@@ -240,8 +240,8 @@ class StreamServer:
             return
         await send_reply(sock, protocol.Ack())
 
-    async def _get(self, sock: socket.socket, request: protocol.GetRequest) -> None:
-        chunk = self.store.acquire(request.key)
+    async def _get(self, sock: socket.socket, request: protocol.GetRequest, caller: str) -> None:
+        chunk = self.store.acquire(request.key, caller)
         if chunk is None:
             await send_reply(sock, protocol.GetReply(found=False))
             return
