@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -27,6 +28,7 @@ from nats.aio.client import Client as NatsClient
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.config import GB
 from kvmesh.shared.credentials import MeshCredentials, check_domain_name, credentials_for
+from kvmesh.shared.credentials import controller_token_file, local_mesh_dir, runtime_dir
 from kvmesh.shared.embedded_nats import server_settings
 from kvmesh.shared.errors import ConfigError, KVMeshError, MeshUnavailable
 from kvmesh.shared.eviction import POLICY_NAMES
@@ -36,6 +38,7 @@ from kvmesh.shared.nats_url import argument as nats_url_argument
 from kvmesh.shared.protocol import CONTROLLER, OPERATOR, Subjects, disk_store_id
 from kvmesh.shared.service import configure_logging, ping_all
 from kvmesh.shared.supervisor import Backoff, Supervisor
+from kvmesh.services.controller.config import TOKEN_ENV, TOKEN_FILE_ENV, is_loopback
 from kvmesh.services.disk_store.options import DiskStoreOptions
 from kvmesh.services.remote_store.options import partitions as remote_partitions
 
@@ -48,9 +51,26 @@ SERVICE_MODULES = {
 }
 
 
-def mesh_services(args: argparse.Namespace) -> list[ServiceSpec]:
-    services = [ServiceSpec("kvmesh.services.controller",
-                            ["--host", args.host, "--port", str(args.port)], "controller", role="controller")]
+def controller_token(args: argparse.Namespace) -> Path | None:
+    """The token file `kvmesh up` makes for a controller reachable beyond loopback (in the mesh's credentials
+    directory; kept across runs); None on loopback (the quickstarts' curl needs none), with --insecure-no-auth, or
+    when $KVMESH_CONTROLLER_TOKEN / $KVMESH_CONTROLLER_TOKEN_FILE already give the controller one."""
+    if is_loopback(args.host) or args.insecure_no_auth or os.environ.get(TOKEN_ENV) or os.environ.get(TOKEN_FILE_ENV):
+        return None
+    directory = runtime_dir() / f"controller-{args.port}" if args.nats_url else local_mesh_dir(args.nats_port)
+    try:
+        return controller_token_file(directory)
+    except ConfigError as exc:
+        raise SystemExit(f"kvmesh up: cannot make the controller's token: {exc}") from None
+
+
+def mesh_services(args: argparse.Namespace, token_file: Path | None = None) -> list[ServiceSpec]:
+    controller_args = ["--host", args.host, "--port", str(args.port)]
+    if token_file is not None:
+        controller_args += ["--auth-token-file", str(token_file)]
+    if args.insecure_no_auth:
+        controller_args.append("--insecure-no-auth")
+    services = [ServiceSpec("kvmesh.services.controller", controller_args, "controller", role="controller")]
     if not args.no_disk:
         services.append(DiskStoreOptions(root=Path(args.disk_dir), capacity_bytes=round(args.disk_size * GB),
                                          store_id=disk_store_id(), cache_policy=args.cache_policy).service_spec())
@@ -63,15 +83,20 @@ def mesh_services(args: argparse.Namespace) -> list[ServiceSpec]:
 def cmd_up(args: argparse.Namespace) -> int:
     if not 0 < args.restart_backoff <= args.restart_backoff_max:  # a zero delay would restart in a tight loop
         raise SystemExit("kvmesh up: needs 0 < --restart-backoff <= --restart-backoff-max")
-    mesh = LocalMesh(mesh_services(args), nats_url=args.nats_url, nats_port=args.nats_port,
+    token_file = controller_token(args)
+    mesh = LocalMesh(mesh_services(args, token_file), nats_url=args.nats_url, nats_port=args.nats_port,
                      log_dir=Path(args.log_dir) if args.log_dir else None)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     mesh.start()
     print(json.dumps({"nats_url": mesh.nats_url, "controller": f"http://{args.host}:{args.port}",
+                      "controller_token_file": str(token_file) if token_file else None,
                       "services": [s.service_id for s in mesh.services]}), flush=True)
     log.info("mesh up: NATS %s, controller http://%s:%d; Ctrl-C stops it", mesh.nats_url, args.host, args.port)
+    if token_file is not None:
+        log.info("the controller's REST API needs its token: curl -H \"Authorization: Bearer $(cat %s)\" ...",
+                 token_file)
     backoff = Backoff(initial=args.restart_backoff, maximum=args.restart_backoff_max)
     supervisor = Supervisor(mesh, None if args.no_restart else backoff)
     try:
@@ -184,7 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run NATS, the controller and the stores on this machine")
     up.add_argument("--nats-url", type=nats_url_argument, help="use this NATS (a cluster's servers comma-separated) instead of embedding one")
     up.add_argument("--nats-port", type=int, default=4222, help="port of the embedded NATS (default 4222)")
-    up.add_argument("--host", default="localhost", help="controller REST host")
+    up.add_argument("--host", default="localhost",
+                    help="controller REST host; beyond loopback, kvmesh up gives the controller a token (a 0600 file "
+                         "in the mesh's credentials directory, printed at start)")
+    up.add_argument("--insecure-no-auth", action="store_true",
+                    help="no token for a controller beyond loopback (its WARNING at every start)")
     up.add_argument("--port", type=int, default=9000, help="controller REST port")
     up.add_argument("--disk-dir", default="local/kvmesh_disk", help="disk store directory")
     up.add_argument("--disk-size", type=float, default=5.0, help="disk store size cap, GB")

@@ -224,6 +224,18 @@ def _write_private(path: Path, text: str) -> None:
     os.replace(temporary, path)
 
 
+CONTROLLER_TOKEN_FILE = "controller-token"
+
+
+def controller_token_file(directory: Path) -> Path:
+    """The controller's REST token in the credentials directory `directory` (`kvmesh up` beyond loopback): made
+    0600 with a random token when missing, kept when present (clients keep theirs across restarts)."""
+    path = private_dir(directory) / CONTROLLER_TOKEN_FILE
+    if not path.is_file() or not path.read_text().strip():
+        _write_private(path, secrets.token_urlsafe(32) + "\n")
+    return path
+
+
 class MeshCredentials:
     """The credentials directory of one mesh (see the module docstring)."""
 

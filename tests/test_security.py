@@ -254,7 +254,7 @@ async def test_an_instance_cannot_be_hijacked_and_forged_admissions_are_ignored(
 def test_the_controller_s_embedded_nats_listens_on_loopback_whatever_host_the_api_uses() -> None:
     from kvmesh.services.controller.config import parse_args
 
-    config = parse_args(["--host", "0.0.0.0", "--port", "0", "--monitor-port", "0"])
+    config = parse_args(["--host", "0.0.0.0", "--port", "0", "--monitor-port", "0", "--insecure-no-auth"])
     assert config.host == "0.0.0.0" and config.nats_host == "127.0.0.1"
 
     async def run() -> str:

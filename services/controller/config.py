@@ -11,9 +11,11 @@ same setting in the --config file.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import socket
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -25,6 +27,8 @@ from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
 from kvmesh.shared.nats_url import argument as nats_url_argument
 
 TOKEN_ENV = "KVMESH_CONTROLLER_TOKEN"
+TOKEN_FILE_ENV = "KVMESH_CONTROLLER_TOKEN_FILE"
+MiB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,10 @@ class ControllerConfig:
     command_timeout_s: float = 5.0  # pin / unpin / clear: per-worker NATS request timeout
     max_tokens: int = 1_000_000  # longer token lists are refused with 413
     auth_token: str | None = None  # bearer token required on the API when set
+    insecure_no_auth: bool = False  # allow a REST API beyond loopback without a token (WARNING at every start)
+    large_body_bytes: int = MiB  # a request body over this many bytes is "large"...
+    max_large_bodies: int = 2  # ...and at most this many are read, parsed and served at once...
+    large_body_queue: int = 32  # ...while at most this many more wait (unread) for a turn; the rest get 503
     nats_host: str = "127.0.0.1"  # where the embedded NATS listens (whatever `host` the REST API uses)
     nats_auth: NatsAuth | None = None  # credentials for --nats-url (None: those of a KVMesh-started NATS here)
     event_window_size: int = 100_000  # /check_finish remembers at most this many pin/unpin/clear event ids...
@@ -65,6 +73,27 @@ class ControllerConfig:
     def max_body_bytes(self) -> int:
         """Largest request body accepted before parsing: max_tokens ids of up to 20 characters, plus slack."""
         return self.max_tokens * 21 + 65536
+
+    def exposure_error(self) -> str | None:
+        """Why this REST API must not start open (bound beyond loopback, no token, no --insecure-no-auth)."""
+        if self.auth_token or self.insecure_no_auth or is_loopback(self.host):
+            return None
+        return (f"the REST API would listen on {self.host!r} (--host, or controller_host in --config), beyond "
+                f"loopback, with no token: anyone who reaches it could look up, pin, unpin, move and clear. Give "
+                f"--auth-token-file FILE or --auth-token (or ${TOKEN_FILE_ENV} / ${TOKEN_ENV}), bind --host "
+                "127.0.0.1, or pass --insecure-no-auth to serve it open anyway")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address only listens on this machine: localhost, 127.0.0.0/8 or ::1 (a wildcard such as
+    0.0.0.0 or "", any other name or address, is not)."""
+    name = host.strip().strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False  # another host name: it may resolve to anything
 
 
 def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
@@ -118,7 +147,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=_positive(int), default=1_000_000,
                         help="longest token list accepted; longer gets 413 (default: 1000000)")
     parser.add_argument("--auth-token", default=None,
-                        help=f"require 'Authorization: Bearer <token>' on the API (or set ${TOKEN_ENV})")
+                        help=f"require 'Authorization: Bearer <token>' on the API (or set ${TOKEN_ENV}); "
+                             "every endpoint but /healthz and the OpenAPI pages needs it")
+    parser.add_argument("--auth-token-file", type=Path, default=None,
+                        help=f"read the token from this file (its first line; or set ${TOKEN_FILE_ENV}); keeps it "
+                             "out of ps and the environment")
+    parser.add_argument("--insecure-no-auth", action="store_true",
+                        help="serve the API without a token although --host is not loopback (logged as a WARNING "
+                             "at every start); without it such a controller refuses to start")
+    parser.add_argument("--large-body-bytes", type=_positive(int), default=MiB,
+                        help=f"a request body over this many bytes counts as large (default: {MiB})")
+    parser.add_argument("--max-large-bodies", type=_positive(int), default=2,
+                        help="large bodies read, parsed and served at once; each holds its token list until "
+                             "answered (default: 2)")
+    parser.add_argument("--large-body-queue", type=_non_negative_int, default=32,
+                        help="large bodies that wait, unread, for a turn; one more gets 503 with Retry-After "
+                             "(default: 32)")
     parser.add_argument("--event-window-size", type=_positive(int), default=100_000,
                         help="how many recent pin/unpin/clear event ids /check_finish remembers (default: 100000)")
     parser.add_argument("--event-window-secs", type=_positive(float), default=3600.0,
@@ -158,6 +202,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _auth_token(parser: argparse.ArgumentParser, args: argparse.Namespace, notices: list[str]) -> str | None:
+    """The API token: --auth-token, --auth-token-file, $KVMESH_CONTROLLER_TOKEN, $KVMESH_CONTROLLER_TOKEN_FILE (the
+    first given); a file that cannot be read or holds no token is an error naming it."""
+    if args.auth_token and args.auth_token_file:
+        parser.error("give --auth-token or --auth-token-file, not both")
+    if args.auth_token:
+        return args.auth_token
+    path = args.auth_token_file
+    source = "--auth-token-file"
+    if path is None:
+        if os.environ.get(TOKEN_ENV):
+            return os.environ[TOKEN_ENV]
+        if not os.environ.get(TOKEN_FILE_ENV):
+            return None
+        path, source = Path(os.environ[TOKEN_FILE_ENV]), f"${TOKEN_FILE_ENV}"
+    try:
+        token = path.read_text().strip()
+        mode = path.stat().st_mode
+    except (OSError, UnicodeDecodeError) as exc:
+        parser.error(f"{source} {path}: cannot read the controller token ({exc})")
+    if not token or len(token.splitlines()) != 1 or any(c.isspace() for c in token):
+        parser.error(f"{source} {path}: expected one line holding the token (no spaces), got "
+                     f"{'an empty file' if not token else 'more'}")
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        notices.append(f"{source} {path}: the controller token file is open to other users (mode "
+                       f"{mode & 0o777:o}); make it 0600")
+    return token
+
+
 def _check_shares(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """A principal's share may be at most half its global bound: else one principal fills the table alone."""
     for share, bound in (("max_workers_per_principal", "max_producers"),
@@ -181,7 +261,9 @@ def parse_args(argv: list[str] | None = None) -> ControllerConfig:
         host=args.host, port=args.port, monitor_port=args.monitor_port, nats_url=args.nats_url,
         controller_id=args.controller_id, liveness_timeout_s=args.liveness_timeout,
         command_timeout_s=args.command_timeout, max_tokens=args.max_tokens,
-        auth_token=args.auth_token or os.environ.get(TOKEN_ENV) or None,
+        auth_token=_auth_token(parser, args, notices), insecure_no_auth=args.insecure_no_auth,
+        large_body_bytes=args.large_body_bytes, max_large_bodies=args.max_large_bodies,
+        large_body_queue=args.large_body_queue,
         event_window_size=args.event_window_size, event_window_s=args.event_window_secs,
         lookup_window_size=args.lookup_window_size, max_commands=args.max_commands,
         max_producers=args.max_producers, producer_expiry_s=args.producer_expiry_secs,

@@ -1,6 +1,7 @@
 """The controller process: one asyncio event loop running the NATS client, the maintenance task and uvicorn.
 
-`ControllerService.start()` (in this order): start the embedded nats-server when no NATS URL is given (a
+`ControllerService.start()` (in this order): refuse a REST API beyond loopback without a token (unless
+--insecure-no-auth, then a WARNING), start the embedded nats-server when no NATS URL is given (a
 child process on `monitor_port`, started from the calling thread, which must outlive it), connect to NATS,
 subscribe (`ProducerFeed.start()`, which also says hello so producers re-register and full-sync), then serve the
 REST API with `uvicorn.Server.serve()` as a task on the same loop. `stop()` undoes it in reverse. Signals
@@ -23,7 +24,7 @@ from kvmesh.shared import bus
 from kvmesh.shared.credentials import credentials_for
 from kvmesh.shared.local_mesh import LocalMesh
 from kvmesh.shared.protocol import CONTROLLER
-from kvmesh.shared.errors import KVMeshError
+from kvmesh.shared.errors import ConfigError, KVMeshError
 from kvmesh.services.controller.api import create_app
 from kvmesh.services.controller.config import ControllerConfig
 from kvmesh.services.controller.core import ControllerCore
@@ -85,6 +86,13 @@ class ControllerService:
 
     async def _start(self) -> None:
         config = self.config
+        # Before anything listens: an API open beyond loopback is refused unless the operator says so, every time.
+        exposure = config.exposure_error()
+        if exposure is not None:
+            raise ConfigError(f"controller not started: {exposure}")
+        if config.insecure_no_auth and not config.auth_token:
+            log.warning("--insecure-no-auth: the REST API on %s has no token; anyone who reaches it can look up, "
+                        "pin, unpin, move and clear", config.host)
         if not config.nats_url:
             # Blocking for the ~0.1 s the server takes to listen; it must be started from this (long-lived)
             # thread, since the child dies with the thread that started it.
