@@ -140,6 +140,16 @@ async def test_a_value_of_the_old_format_is_a_miss_and_deleted(redis_server: Red
         with redis_server.client() as client:
             assert not client.exists(*tier.keys.of_chunk(meta.key))
         assert await put(tier, meta, data) and await get(tier, meta) == data
+        with redis_server.client() as client:  # an old pin count beside a current value: no pin, no failure
+            client.set(tier.keys.of_chunk(meta.key)[1], 3)
+            client.persist(tier.chunk_key(meta.key))
+        assert await tier.unpin([meta.key], [32]) == 0
+        with redis_server.client() as client:
+            assert 0 < client.pttl(tier.chunk_key(meta.key))  # no pin holds it: volatile again
+        assert await tier.pin([meta.key], [32]) == 32 and await tier.unpin([meta.key], [32]) == 32
+        with redis_server.client() as client:
+            assert 0 < client.pttl(tier.chunk_key(meta.key))
+        assert await tier.contains([meta.key]) == 1  # Redis was never taken for down
     finally:
         await tier.close()
 

@@ -71,7 +71,8 @@ return 1
 _SETS_ONLY = """
 local function set_only(name)
   local kind = redis.call('TYPE', name)['ok']
-  if kind ~= 'set' and kind ~= 'none' then redis.call('DEL', name) end
+  if kind ~= 'set' and kind ~= 'none' then redis.call('DEL', name) return 1 end
+  return 0
 end
 """
 # KEYS: chunk, owners. ARGV: the caller's owner entry, ttl ms. Record the claim; 1 if the chunk is already held
@@ -100,11 +101,11 @@ return 1
 # (nobody claims it). An entry added since the caller read the sets counts as good: a concurrent pin holds.
 # 1 if the entry was taken back.
 _UNPIN = _SETS_ONLY + """
-set_only(KEYS[2]) set_only(KEYS[3])
+local dropped = set_only(KEYS[2])
+set_only(KEYS[3])
 local taken = 0
 if ARGV[2] ~= '' then taken = redis.call('SREM', KEYS[2], ARGV[2]) end
 local nbad = tonumber(ARGV[3])
-local dropped = 0
 for i = 4, 3 + nbad do dropped = dropped + redis.call('SREM', KEYS[2], ARGV[i]) end
 for i = 4 + nbad, #ARGV do redis.call('SREM', KEYS[3], ARGV[i]) end
 if (taken == 0 and dropped == 0) or redis.call('SCARD', KEYS[2]) > 0 or redis.call('EXISTS', KEYS[1]) == 0 then
@@ -352,7 +353,7 @@ class RedisTier:
         for key in keys:
             _, pins, owners = self._keys(key)
             ops += [("smembers", (pins,)), ("smembers", (owners,))]
-        replies = await self._pipelined(what, ops)
+        replies = await self._pipelined(what, ops, raise_on_error=False)  # a key of the wrong type is no failure
         if replies is None:
             return None
         result = []
@@ -360,7 +361,7 @@ class RedisTier:
             _, pins, owners = self._keys(key)
             sorted_sets: list[list[bytes]] = []
             for name, members in ((pins, replies[2 * i]), (owners, replies[2 * i + 1])):
-                members = members if isinstance(members, (set, list)) else []  # WRONGTYPE: the script drops it
+                members = members if isinstance(members, (set, list)) else []  # WRONGTYPE: the scripts drop it
                 good = [m for m in members if self.auth.entry_ok(name, m)]
                 sorted_sets += [good, [m for m in members if m not in good]]
             bad = len(sorted_sets[1]) + len(sorted_sets[3])
@@ -462,13 +463,15 @@ class RedisTier:
         self.link.answered()
         return result
 
-    async def _pipelined(self, what: str, ops: list[tuple[str, tuple[Any, ...]]]) -> list[Any] | None:
-        """One round trip for many commands (routed per key on a cluster); their replies, or None."""
+    async def _pipelined(self, what: str, ops: list[tuple[str, tuple[Any, ...]]],
+                         raise_on_error: bool = True) -> list[Any] | None:
+        """One round trip for many commands (routed per key on a cluster); their replies, or None. Without
+        `raise_on_error`, a command's error reply is its reply (an exception object) instead of a failure."""
         async def run() -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
             for name, args in ops:
                 getattr(pipe, name)(*args)
-            return await pipe.execute()
+            return await pipe.execute(raise_on_error=raise_on_error)
         return await self._call(what, run)
 
 
