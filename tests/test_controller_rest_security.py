@@ -251,3 +251,44 @@ async def test_24_concurrent_million_token_pins_keep_the_controller_under_its_me
             assert (await client.post("/lookup", json={"tokens": [1, 2, 3]})).status_code == 200
         finally:
             await worker.nc.close()
+
+
+# ---- kvmesh up: a token beyond loopback, none on loopback -------------------------------------------------------
+@contextlib.contextmanager
+def kvmesh_up(tmp_path: Path, host: str) -> Iterator[tuple[dict, int]]:
+    """`kvmesh up` with only its controller, its runtime directory in tmp_path; (the line it printed, REST port)."""
+    port = free_port()
+    env = {**os.environ, "KVMESH_RUNTIME_DIR": str(tmp_path / "run"), "KVMESH_CONTROLLER_TOKEN": "",
+           "KVMESH_CONTROLLER_TOKEN_FILE": ""}
+    up = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "up", "--host", host, "--port", str(port),
+                           "--nats-port", str(free_port()), "--no-disk", "--no-remote"],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path, env=env)
+    try:
+        assert up.stdout is not None
+        line = up.stdout.readline()
+        assert line, "kvmesh up printed nothing"
+        yield json.loads(line), port
+    finally:
+        up.send_signal(signal.SIGTERM)
+        try:
+            up.wait(timeout=WAIT_S)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait(timeout=5)
+        if up.stdout:
+            up.stdout.close()
+
+
+def test_kvmesh_up_beyond_loopback_makes_a_token_and_on_loopback_none(tmp_path: Path) -> None:
+    with kvmesh_up(tmp_path, HOST) as (info, port):
+        token_file = Path(info["controller_token_file"])
+        assert token_file.parent.parent == tmp_path / "run" and token_file.stat().st_mode & 0o777 == 0o600
+        token = token_file.read_text().strip()
+        url = f"http://{CLIENT_HOST}:{port}/lookup"
+        assert httpx.post(url, json={"tokens": [1, 2]}, timeout=WAIT_S).status_code == 401
+        answer = httpx.post(url, json={"tokens": [1, 2]}, headers={"Authorization": f"Bearer {token}"}, timeout=WAIT_S)
+        assert answer.status_code == 200, answer.text
+    with kvmesh_up(tmp_path, "localhost") as (info, port):  # the quickstarts' curl: no token on loopback
+        assert info["controller_token_file"] is None
+        answer = httpx.post(f"http://localhost:{port}/lookup", json={"tokens": [1, 2]}, timeout=WAIT_S)
+        assert answer.status_code == 200, answer.text
