@@ -214,6 +214,8 @@ def test_kvmesh_health_shows_who_really_answered() -> None:
         replies = asyncio.run(run())
     finally:
         mesh.stop()
+    impostors = [reply for reply in replies if reply["details"]["pid"] == 1]
+    assert [reply["service"] for reply in impostors] == ["engine"], replies  # never shown as a store
     by_path = {reply["path"]: reply for reply in replies}
     assert sorted(by_path) == sorted([store_path, Principal.engine("rogue-own").producer("rogue-own")]), replies
     assert len(replies) == 2  # the real store once, though an impostor named its path too
