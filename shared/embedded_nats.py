@@ -64,7 +64,12 @@ def _die_with_parent() -> None:
 
 
 def server_settings(max_payload: int = DEFAULT_MAX_PAYLOAD) -> str:
-    """The server settings KVMesh needs (NATS config lines): inline chunk payloads up to `max_payload`."""
+    """The server settings KVMesh needs (NATS config lines): inline chunk payloads up to `max_payload`.
+
+    max_pending (what the server buffers for one connection before it cuts it off as a slow consumer) stays at
+    NATS's 64 MiB: a larger one only delays the cut-off under a sustained flood and costs the server that much
+    memory per slow connection. Stores keep bulk inline puts on a connection of their own (StoreEndpoint), so
+    the connection that can be cut off carries no control op."""
     return (f"max_payload: {max_payload}\n"
             f"max_pending: {max(max_payload, 64 * 1024 * 1024)}\n"
             "write_deadline: \"10s\"\n")

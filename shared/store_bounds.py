@@ -9,9 +9,14 @@ docs/security.md says what each guards against):
                             memory or the remote store's stream)
     --request-queue-mb      bytes of requests queued per op subscription; past it nats-py drops what arrives
                             (counted: `requests_dropped`) instead of the store's memory growing (it was 1 GiB
-                            per op). This does not make nats-py read faster: a publisher faster than the store's
-                            reader (~0.1-0.4 GB/s) still gets it cut off by nats-server as a slow consumer once
-                            64 MiB wait for it there; it reconnects (docs/security.md, "Not covered yet")
+                            per op). This does not make nats-py read faster: publishers faster than the store's
+                            reader (~0.1-0.4 GB/s) still get a connection cut off by nats-server as a slow
+                            consumer once 64 MiB wait for it there; it reconnects. Puts (the only requests with
+                            bytes inline) come on the store's bulk connection, so only that one can be cut off:
+                            every other op keeps its own connection and pending budget (shared/store_service.py,
+                            StoreEndpoint). A lower --max-inline-bytes does not help: the server delivers a put
+                            whole before the store can refuse it, and a flood of 8 MiB puts got the store cut off
+                            more often than one of 40 MiB
     --min-sync-interval     seconds between two full syncs the store publishes (shared/admissions.py)
 """
 

@@ -43,6 +43,9 @@ E = TypeVar("E", bound=IndexEntry)
 # its change, and the ones waiting together share one write (more wait in NATS's queue meanwhile)
 STATE_OPS_AT_ONCE = 64
 
+# Ops whose requests carry chunk bytes inline: served on the store's bulk connection (StoreEndpoint)
+BULK_OPS = frozenset({"put"})
+
 
 @dataclass(frozen=True)
 class Handler:
@@ -240,6 +243,13 @@ class StoreEndpoint:
     `service` names the kind of store ("disk_store", "remote_store"): in health replies and the connection name.
     Each op's subscription queues at most `queue_bytes` of requests (--request-queue-mb); what arrives past it is
     dropped by nats-py and counted in `dropped`, so a flood costs the store no more memory than that.
+
+    Two connections of its own (issue 24, finding 5): `bulk_nc` (named `<service>:<store_id>:bulk`) takes the
+    ops that carry chunk bytes inline (BULK_OPS: put), `nc` everything else (gets, contains, pins, clears,
+    stats, health, admissions). nats-server keeps a pending budget per connection (max_pending) and cuts off a
+    connection whose reader falls behind it; a reader in Python can always be outrun by enough publishers of
+    large messages, so a flood of inline puts can still get the bulk connection cut off (it reconnects by
+    itself, and puts sent meanwhile fail), never the control one. A lent connection serves both.
     """
 
     def __init__(self, service: str, store_id: str, queue_bytes: int = bus.PENDING_BYTES_LIMIT) -> None:
@@ -247,12 +257,14 @@ class StoreEndpoint:
         self.store_id = store_id
         self.queue_bytes = queue_bytes
         self.nc: NatsClient | None = None
+        self.bulk_nc: NatsClient | None = None
         self.reporter: AdmissionReporter | None = None
         self._own_nc = False
         self._subscriptions: list[Subscription] = []
 
     async def connect(self, nc: NatsClient | None, url: str, auth: bus.NatsAuth | None = None) -> NatsClient:
-        """`nc` if given (lent: `close` leaves it open), else a connection of our own.
+        """`nc` if given (lent: `close` leaves it open, and it carries bulk ops too), else two connections of our
+        own, control and bulk (see the class docstring); the control one is returned.
 
         Our own waits up to `bus.SERVICE_CONNECT_WAIT` for a NATS still starting and raises MeshUnavailable,
         naming the URL, when none answers or it rejects `auth`. Without `auth`, a store started by hand next to a
@@ -263,8 +275,18 @@ class StoreEndpoint:
             nc = await bus.connect(url, f"{self.service}:{self.store_id}", auth,
                                    first_connect_wait=bus.SERVICE_CONNECT_WAIT)
             self._own_nc = True
+            try:
+                self.bulk_nc = await bus.connect(url, f"{self.service}:{self.store_id}:bulk", auth,
+                                                 first_connect_wait=bus.SERVICE_CONNECT_WAIT)
+            except BaseException:
+                await nc.close()
+                raise
         self.nc = nc
         return nc
+
+    def connections(self) -> list[NatsClient]:
+        """The store's connections: control first, then bulk if it has its own."""
+        return [nc for nc in (self.nc, self.bulk_nc) if nc is not None]
 
     async def serve(self, handlers: list[Handler], reporter: AdmissionReporter,
                     health_details: Callable[[], dict[str, Any]]) -> None:
@@ -272,20 +294,22 @@ class StoreEndpoint:
         that answers health is registered and serving."""
         assert self.nc is not None, "connect() first"
         for handler in handlers:
+            nc = self.bulk_nc if handler.op in BULK_OPS and self.bulk_nc is not None else self.nc
             self._subscriptions.append(await bus.serve_from(
-                self.nc, protocol.Subjects.store_op(self.store_id, handler.op), handler.request_type,
+                nc, protocol.Subjects.store_op(self.store_id, handler.op), handler.request_type,
                 _from_caller(handler), max_concurrent=handler.max_concurrent, pending_bytes_limit=self.queue_bytes))
         self.reporter = reporter
         await reporter.start(self.nc)
         await serve_health(self.nc, self.service, self.store_id, protocol.store_path(self.store_id),
                            details=health_details)
-        await self.nc.flush()  # the server has every subscription: a request sent from now on finds its op
+        for nc in self.connections():  # the server has every subscription: a request sent from now on finds its op
+            await nc.flush()
 
     @property
     def dropped(self) -> int:
         """Requests dropped so far because their op's queue was full (0 on a connection not made by bus.connect)."""
-        counts = getattr(self.nc, "dropped", None)
-        return sum(counts[subscription] for subscription in self._subscriptions) if counts is not None else 0
+        return sum(counts[subscription] for nc in self.connections()
+                   if (counts := getattr(nc, "dropped", None)) is not None for subscription in self._subscriptions)
 
     def counters(self) -> dict[str, int]:
         """For the store's stats details: requests dropped, full syncs published and the asks they served."""
@@ -308,11 +332,12 @@ class StoreEndpoint:
         if self.reporter is not None:
             await self.reporter.stop()
             self.reporter = None
-        if self.nc is not None and self._own_nc:
-            try:
-                await self.nc.drain()
-            except Exception as exc:
-                log.debug("%s %s: NATS drain failed: %s", self.service, self.store_id, exc)
+        if self._own_nc:
+            for nc in self.connections():
+                try:
+                    await nc.drain()
+                except Exception as exc:
+                    log.debug("%s %s: NATS drain failed: %s", self.service, self.store_id, exc)
 
 
 def _distinct(keys: list[ChunkKey]) -> list[ChunkKey]:
