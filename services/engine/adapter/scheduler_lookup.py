@@ -73,10 +73,11 @@ class WorkerInfo:
     chunk_size: int
     save_unfull_chunk: bool
     has_lower: bool  # a disk or remote store behind its CPU tier
+    domain: str = "default"  # what its sharing domain mixes into the key root (KeyParams.domain)
 
     @property
     def key_params(self) -> KeyParams:
-        return KeyParams(self.model, self.kv_format, self.key_world_size, self.key_rank)
+        return KeyParams(self.model, self.kv_format, self.key_world_size, self.key_rank, self.domain)
 
     @classmethod
     def of(cls, engine: "CacheEngine", lookup_id: str) -> "WorkerInfo":
@@ -85,7 +86,7 @@ class WorkerInfo:
                    nats_url=engine.nats_url,
                    model=params.model, kv_format=params.kv_format, key_world_size=params.world_size,
                    key_rank=params.rank, chunk_size=config.chunk_size, save_unfull_chunk=config.save_unfull_chunk,
-                   has_lower=engine.storage is not None and engine.storage.has_lower)
+                   has_lower=engine.storage is not None and engine.storage.has_lower, domain=params.domain)
 
 
 def lookup_id_for(worker_id: str) -> str:
@@ -332,7 +333,8 @@ class SchedulerLookup:
     def _use(self, workers: list[WorkerInfo]) -> None:
         first = workers[0]
         self._workers = workers
-        self._hasher = ChunkHasher(KeyParams(first.model, first.kv_format), first.chunk_size, first.save_unfull_chunk)
+        self._hasher = ChunkHasher(KeyParams(first.model, first.kv_format, domain=first.domain), first.chunk_size,
+                                   first.save_unfull_chunk)
         log.info("scheduler: %d worker(s) found; keys for %s (%s), chunk %d", len(workers), first.model,
                  first.kv_format, first.chunk_size)
 

@@ -47,7 +47,9 @@ from kvmesh.shared import bus, protocol
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.eviction import Clock
 from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyExtras, KeyParams, chunk_spans
-from kvmesh.shared.credentials import credentials_for
+from kvmesh.services.engine.mesh.domain import engine_domain, key_domain
+from kvmesh.shared.credentials import DEFAULT_DOMAIN, SharingDomain, credentials_for
+from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.nats_auth import auth_from_config
 from kvmesh.shared.redis_keys import RedisAuth
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE, ChunkMeta, worker_id_for
@@ -133,7 +135,6 @@ class CacheEngine:
         self._fmt = fmt
         self._dtype_name = str(layout.dtype).removeprefix("torch.")
         self._expected: dict[int, tuple[tuple[str, object], ...]] = {}  # num_tokens -> (field, value)
-        self.hasher = ChunkHasher(self.key_params, config.chunk_size, config.save_unfull_chunk)
         self.pool = MemoryPool(config.max_local_cpu_bytes, layout.chunk_nbytes(config.chunk_size),
                                use_shm=self._use_shm)
         self.cpu = LocalCPUBackend(self.pool, keep=config.local_cpu, policy=config.cache_policy, clock=self._clock)
@@ -146,6 +147,21 @@ class CacheEngine:
                 log.error("cache engine %s: no mesh (%s: %s); serving from the CPU tier only", self.worker_id,
                           type(exc).__name__, exc)
                 self.plan = None
+        auth = None
+        if self._connection is not None:
+            url = self._connection.url
+            auth = credentials_for(url, protocol.Principal.engine(config.lmcache_instance_id),
+                                   auth_from_config(config))
+            # after credentials_for: the credentials file it provisions records the engine's sharing domain
+            try:
+                domain = engine_domain(config, url)
+            except ConfigError as exc:
+                log.error("cache engine %s: %s; keys and stores of the default sharing domain", self.worker_id, exc)
+                domain = SharingDomain()
+            self.key_params = dataclasses.replace(self.key_params, domain=key_domain(domain))
+            if domain.name != DEFAULT_DOMAIN:
+                log.info("cache engine %s: sharing domain %s", self.worker_id, domain.name)
+        self.hasher = ChunkHasher(self.key_params, config.chunk_size, config.save_unfull_chunk)
         lower: list[str] = []
         if self._connection is not None and self.plan is not None:
             lower = ([LOCAL_DISK] if self.plan.disk_store else []) + ([REMOTE] if self.plan.remote_stores else [])
@@ -167,8 +183,6 @@ class CacheEngine:
             self.nats_loop.on_close(self.storage.stop)
             url = self._connection.url
             self._ip = bus.route_address(url) or ""
-            principal = protocol.Principal.engine(config.lmcache_instance_id)
-            auth = credentials_for(url, principal, auth_from_config(config))
             # after credentials_for: the credentials file it provisions may hold the Redis tier's secret
             self._redis_auth = resolve_auth(config, url) if self.plan.redis else None
             self.nats_loop.connect(url, auth)
@@ -193,7 +207,7 @@ class CacheEngine:
             chunk_size=self.config.chunk_size, save_unfull_chunk=self.config.save_unfull_chunk,
             disk_store=self.plan.disk_store, remote_stores=list(self.plan.remote_stores), started_at=self._started_at,
             kv_replicated=self.key_params.world_size != self.world_size, lora_adapters=dict(self.lora_adapters),
-            host=socket.gethostname(), ip=self._ip)
+            host=socket.gethostname(), ip=self._ip, domain=self.key_params.domain)
 
     def note_lora(self, lora_name: str, lora_id: str) -> None:
         """A request used this LoRA adapter: register it, so /lookup, /pin and /unpin can name it."""
