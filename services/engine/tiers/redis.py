@@ -38,18 +38,17 @@ import io
 import itertools
 import logging
 import secrets
-from pathlib import Path
 from typing import Any, Awaitable, Callable, TypeVar
 
 from redis.asyncio import RedisCluster
 from redis.exceptions import ResponseError
 
 from kvmesh.services.engine.core.storage_manager import RateLimitedLog
+from kvmesh.services.engine.mesh.domain import engine_credentials_file
 from kvmesh.shared import chunk_file, protocol
 from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.credentials import local_credentials_file, sharing_domain
+from kvmesh.shared.credentials import sharing_domain
 from kvmesh.shared.keys import KEY_BYTES, ChunkKey
-from kvmesh.shared.nats_auth import auth_from_config
 from kvmesh.shared.redis_keys import (SECRET_FILE_KEY, VALUE_MAGIC, VALUE_PREFIX_BYTES, RedisAuth, RedisKeys,
                                       read_secret_file)
 from kvmesh.shared.redis_url import CLUSTER, RedisTarget
@@ -482,9 +481,7 @@ def resolve_auth(config: EngineConfig, mesh_url: str | None) -> RedisAuth:
     if config.remote_auth_secret_file:
         return RedisAuth(read_secret_file(config.remote_auth_secret_file),
                          f"{SECRET_FILE_KEY} {config.remote_auth_secret_file}")
-    credentials: str | Path | None = config.nats_credentials
-    if credentials is None and mesh_url and auth_from_config(config) is None:
-        credentials = local_credentials_file(mesh_url, protocol.Principal.engine(config.lmcache_instance_id).path)
+    credentials = engine_credentials_file(config, mesh_url)
     domain = sharing_domain(credentials)
     if domain.secret is None:
         return RedisAuth(None)
