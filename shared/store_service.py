@@ -102,10 +102,10 @@ class IndexOps(Generic[E]):
                  persist: Callable[[], Awaitable[None]] = _nothing, bounds: StoreBounds = StoreBounds(),
                  domains: DomainMap | None = None) -> None:
         self.store_id = store_id
+        self.domains = domains if domains is not None else DomainMap(None)
         self.index = index
         self._free = free
         self._details = details
-        self.domains = domains if domains is not None else DomainMap(None)
         self._settle = settle
         self._persist = persist
         self._bounds = bounds
@@ -147,10 +147,10 @@ class IndexOps(Generic[E]):
 
     async def touch(self, request: protocol.ChunkKeys, caller: str) -> protocol.Ack:
         """Hits an engine served: these chunks count as just used (the eviction policy decides what that means)."""
+        domain = self.domain_of(caller)
         for key in _distinct(request.keys):
             self.index.touch(key, domain)
         return protocol.Ack()
-        domain = self.domain_of(caller)
 
     async def pin(self, request: protocol.ChunkKeys, caller: str) -> protocol.CommandReply:
         """One more pin of the caller's principal on the contiguous prefix of the keys held in its domain."""
