@@ -116,6 +116,7 @@ class ClaimTable:
     masks: dict[ChunkKey, int]
     orphans: list[ChunkKey] = field(default_factory=list)
     domains: dict[ChunkKey, str] = field(default_factory=dict)  # the held chunks not in the default domain
+    unclaimed: list[ChunkKey] = field(default_factory=list)  # held with no claim (put without a caller, or old)
 
 
 class _Callers:
@@ -615,7 +616,9 @@ class ChunkIndex(Generic[E]):
     # ---- claims, persisted ---------------------------------------------------------------------------------
     def claim_table(self) -> ClaimTable:
         """The held chunks' claims, to persist (a copy: the store writes it on another thread)."""
-        return ClaimTable(self._callers.table(), dict(self._claims), list(self._orphans), dict(self._domains))
+        unclaimed = [key for key in self._held if key not in self._claims and key not in self._orphans]
+        return ClaimTable(self._callers.table(), dict(self._claims), list(self._orphans), dict(self._domains),
+                          unclaimed)
 
     def restore_claims(self, table: ClaimTable) -> int:
         """Re-take persisted claims on the held keys (keys no longer held are skipped); how many keys got some."""
@@ -636,6 +639,14 @@ class ChunkIndex(Generic[E]):
                              if key in self._held and domain != DEFAULT_DOMAIN)
         self._claims_version += 1
         return restored
+
+    def forget_unrecorded(self, table: ClaimTable) -> list[tuple[ChunkKey, E]]:
+        """Forget the held keys a persisted claims table does not name (not claimed, orphaned, unclaimed, in a domain):
+        the file is rewritten at most once a CLAIMS_SAVE_INTERVAL, so such a chunk was put just before a crash and
+        its sharing domain is unknown; kept, it would come back in the default domain, readable there. The
+        forgotten (key, entry) pairs, whose bytes the store frees."""
+        known = table.masks.keys() | set(table.orphans) | table.domains.keys() | set(table.unclaimed)
+        return [(key, self._forget(key)) for key in list(self._held) if key not in known]
 
     def tokens_of(self, keys: Iterable[ChunkKey]) -> int:
         return sum(entry.num_tokens for key in keys if (entry := self._held.get(key)) is not None)

@@ -16,8 +16,10 @@ which restarts with the machine. A file from before pins had owners (`[count, ex
 unowned (the operator's: a wipe drops them; no engine's unpin does).
 
 The claims file (`save_claims` / `load_claims`) is `{"callers": [path, ...], "masks": {key: mask}, "orphans":
-[key, ...], "domains": {key: domain}}`: bit i of a key's mask is `callers[i]`, so a chunk costs its key and a
-small int, however many callers claim it; `domains` names the sharing domain of the chunks not in the default one.
+[key, ...], "domains": {key: domain}, "unclaimed": [key, ...]}`: bit i of a key's mask is `callers[i]`, so a
+chunk costs its key and a small int, however many callers claim it; `domains` names the sharing domain of the
+chunks not in the default one; `unclaimed` the held chunks nobody claims. A chunk file the claims file does not
+name at all is dropped at start (`StoreState.restore`): its domain is unknown.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def read_msgpack(path: Path, what: str) -> Any | None:
 
 def save_claims(path: Path, table: ClaimTable) -> None:
     write_atomically(path, {"callers": table.callers, "masks": table.masks, "orphans": table.orphans,
-                            "domains": table.domains})
+                            "domains": table.domains, "unclaimed": table.unclaimed})
 
 
 def load_claims(path: Path) -> ClaimTable:
@@ -83,7 +85,8 @@ def load_claims(path: Path) -> ClaimTable:
         if raw is not None:
             return ClaimTable([str(c) for c in raw["callers"]], {bytes(k): int(m) for k, m in raw["masks"].items()},
                               [bytes(k) for k in raw.get("orphans", [])],
-                              {bytes(k): str(d) for k, d in raw.get("domains", {}).items()})
+                              {bytes(k): str(d) for k, d in raw.get("domains", {}).items()},
+                              [bytes(k) for k in raw.get("unclaimed", [])])
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         log.warning("%s: malformed claims file, starting without claims (%s)", path, exc)
     return ClaimTable([], {})
@@ -226,6 +229,16 @@ class CoalescedSave(Generic[T]):
                 log.warning("could not save %s: %s", self.what, exc)
 
 
+@dataclass(frozen=True)
+class Restored:
+    """What `StoreState.restore` did: keys that got pins, keys that got claims, and the chunks it forgot (the
+    store frees their bytes)."""
+
+    pinned: int
+    claimed: int
+    strays: list[tuple[ChunkKey, Any]]
+
+
 class StoreState:
     """A store's pins file and claims file in `root`, in step with its `index`.
 
@@ -251,14 +264,26 @@ class StoreState:
     def executor(self, executor: Executor | None) -> None:
         self._pins.executor = self._claims.executor = executor
 
-    def restore(self) -> tuple[int, int]:
-        """Re-take the persisted pins and claims on the held keys; how many keys got pins, and claims."""
+    def restore(self) -> Restored:
+        """Re-take the persisted pins and claims on the held keys.
+
+        Held chunks the claims file does not name are forgotten (`ChunkIndex.forget_unrecorded`: put in the last
+        moments before a crash, their sharing domain unknown); the store frees what `Restored.strays` lists. A
+        directory without a claims file (a store from before claims, or a first start) keeps every chunk, in
+        the default domain, and gets a claims file now, so that from here on the rule holds."""
+        claims_file = self.root / CLAIMS_NAME
+        recorded = claims_file.exists()
+        table = load_claims(claims_file)
         # claims first: they carry each chunk's sharing domain, which a pin is taken in
-        claimed = self.index.restore_claims(load_claims(self.root / CLAIMS_NAME))
+        claimed = self.index.restore_claims(table)
+        strays = self.index.forget_unrecorded(table) if recorded else []
         pinned = restore_pins(self.index, load_pins(self.root / PINS_NAME))
+        if not recorded or strays:
+            self.root.mkdir(parents=True, exist_ok=True)  # a first start: the store makes it after restoring
+            save_claims(claims_file, self.index.claim_table())
         self._pins.mark_saved()  # the files already say so
         self._claims.mark_saved()
-        return pinned, claimed
+        return Restored(pinned, claimed, strays)
 
     def save_soon(self) -> None:
         self._pins.soon()

@@ -7,7 +7,9 @@ import threading
 from pathlib import Path
 
 
-from kvmesh.shared.state_file import CoalescedSave, read_msgpack, write_atomically
+from kvmesh.shared.chunk_index import ChunkIndex
+from kvmesh.shared.state_file import (CLAIMS_NAME, CoalescedSave, StoreState, read_msgpack, save_claims,
+                                      write_atomically)
 
 from waiting import WAIT_S, wait_until_async
 
@@ -75,3 +77,48 @@ async def test_a_failed_write_is_raised_to_every_caller_and_the_next_one_retries
     (tmp_path / "state.msgpack.tmp").rmdir()
     await asyncio.wait_for(saver.save_now(), WAIT_S)
     assert read_msgpack(state.path, "counter") == 1
+
+
+class _Entry:
+    """A chunk index entry: what it charges and holds."""
+
+    def __init__(self, charge: int = 100, num_tokens: int = 16) -> None:
+        self.charge, self.num_tokens = charge, num_tokens
+
+
+def _held_after_restart(root: Path, keys: list[bytes]) -> tuple[ChunkIndex[_Entry], StoreState]:
+    """A restarted store: its files give back `keys` (oldest first), then the pins and claims files are read."""
+    index: ChunkIndex[_Entry] = ChunkIndex(10_000)
+    for key in keys:
+        index.load(key, _Entry())
+    return index, StoreState(root, index)
+
+
+def test_a_chunk_the_claims_file_does_not_name_is_dropped_at_start_never_kept_in_the_default_domain(
+        tmp_path: Path) -> None:
+    """Tenant B's chunk put just before a crash (the claims file, rewritten at most once a second, does not name
+    it yet) must not come back in the default domain, where default engines would read what B wrote."""
+    index: ChunkIndex[_Entry] = ChunkIndex(10_000)
+    saved, unsaved = b"s" * 16, b"u" * 16
+    index.reserve(saved, _Entry(), "engine.b.w0", domain="tenant-b")
+    index.commit(saved)
+    save_claims(tmp_path / CLAIMS_NAME, index.claim_table())  # a background save, then the crash
+    index.reserve(unsaved, _Entry(), "engine.b.w0", domain="tenant-b")
+    index.commit(unsaved)
+
+    restarted, state = _held_after_restart(tmp_path, [saved, unsaved])
+    restored = state.restore()
+    assert [key for key, _ in restored.strays] == [unsaved]
+    assert unsaved not in restarted and restarted.domain_of(saved) == "tenant-b"
+    assert restarted.contains_prefix([saved], "tenant-b") == 1 and restarted.contains_prefix([saved], "default") == 0
+
+
+def test_a_directory_without_a_claims_file_keeps_its_chunks_and_gets_one(tmp_path: Path) -> None:
+    """A store from before claims (or a first start): its chunks are the default domain's, and from now on the
+    claims file says what is known."""
+    key = b"k" * 16
+    restarted, state = _held_after_restart(tmp_path, [key])
+    assert state.restore().strays == [] and key in restarted
+    assert (tmp_path / CLAIMS_NAME).exists()
+    again, state = _held_after_restart(tmp_path, [key])
+    assert state.restore().strays == [] and key in again  # unclaimed, yet named: it was held when the file was made
