@@ -3,8 +3,10 @@
 Layout of a credentials directory (mode 0700, every file 0600, owned by the user who made it):
     <path>.json            one principal's credentials: {"user", "password", "inbox_prefix"} (`NatsAuth.from_file`);
                            an engine's also {"domain", "domain_secret"}: its sharing domain (`sharing_domain`)
-    domains.json           engine principal (user) -> sharing domain, for those not in "default" (not secret:
-                           stores read it beside their own credentials file; `kvmesh credentials --domain`)
+    domains.json           engine principal (user) -> sharing domain, every engine made here ("default" too; an
+                           older file lists only the others: absent means "default"). Not secret: stores read it
+                           beside their own credentials file (`kvmesh credentials --domain`) and serve each engine
+                           it lists on a NATS connection of its own (shared/store_service.py, StoreEndpoint)
     domain-<name>.secret   each domain's random 32-byte secret (hex), copied into its engines' files
     authorization.conf     the NATS server's users and permissions, generated from the JSON files
     nats-server.conf       the server config KVMesh's embedded NATS runs with (includes authorization.conf)
@@ -165,9 +167,8 @@ class DomainMap:
             return None
         return info.st_mtime_ns, info.st_size
 
-    def domain_of(self, caller: str) -> str:
-        """The domain of the principal a caller path belongs to (`engine.<instance>[.<worker>]`); the default
-        domain for any other caller (store, controller, operator) and any engine the map does not name."""
+    def _refresh(self) -> None:
+        """Read the file again if its mtime or size changed."""
         if self.file is not None:
             stamp = self._current_stamp()
             if stamp != self._stamp:
@@ -176,6 +177,16 @@ class DomainMap:
                     self._domains = read_domains(self.file)
                 except ConfigError as exc:
                     log.error("%s; keeping the sharing domains read before", exc)
+
+    def engines(self) -> list[str]:
+        """The engine principals (`engine.<instance token>`) the map lists, whatever their domain, sorted."""
+        self._refresh()
+        return sorted(user for user in self._domains if user.startswith("engine."))
+
+    def domain_of(self, caller: str) -> str:
+        """The domain of the principal a caller path belongs to (`engine.<instance>[.<worker>]`); the default
+        domain for any other caller (store, controller, operator) and any engine the map does not name."""
+        self._refresh()
         if not self._domains or not caller.startswith("engine."):
             return DEFAULT_DOMAIN
         return self._domains.get(".".join(caller.split(".", 2)[:2]), DEFAULT_DOMAIN)
@@ -261,8 +272,8 @@ class MeshCredentials:
         authorization file is then rewritten: a running server needs `reload_server()`).
 
         An engine's file also records its sharing domain and that domain's secret: `domain` when given (the
-        engines in `paths` are then moved to it, in domains.json too), else the one domains.json gives it, else
-        the default domain. A store's or the controller's file records none."""
+        engines in `paths` are then moved to it), else the one domains.json gives it, else the default domain;
+        domains.json lists every engine (`_record_domains`). A store's or the controller's file records none."""
         if domain is not None:
             check_domain_name(domain)
         with self._locked():
@@ -270,9 +281,8 @@ class MeshCredentials:
             for path in missing:
                 _write_private(self.file(path), json.dumps({
                     "user": path, "password": secrets.token_urlsafe(32), "inbox_prefix": inbox_prefix(path)}))
-            engines = [path for path in paths if path.startswith("engine.")]
-            if engines:
-                self._record_domains(engines, domain)
+            # every call, so that adding any principal also completes an older domains.json
+            self._record_domains([path for path in paths if path.startswith("engine.")], domain)
             if missing or not (self.root / AUTHORIZATION_FILE).exists():
                 _write_private(self.root / AUTHORIZATION_FILE, authorization_block(self._users()))
         return bool(missing)
@@ -292,17 +302,19 @@ class MeshCredentials:
             return secret
 
     def _record_domains(self, engines: list[str], domain: str | None) -> None:
-        """Write each engine's domain (and the domain's secret) into its file; `domain` given: into domains.json
-        too (the default domain is the absence of an entry). Called under the lock."""
+        """Write each engine's domain (and the domain's secret) into its file and into domains.json: `domain`
+        when given, else the one it has (new ones: the default domain). domains.json lists every engine that has a
+        file here, default ones as "default" (stores serve each listed engine on a connection of its own, and an
+        engine a listing map leaves out on none); engines of an older file, which left default ones out, are
+        added. Called under the lock."""
         domains = read_domains(self.domains_file)
-        changed = not self.domains_file.exists()  # always one once an engine exists: compose copies it to stores
-        for path in engines if domain is not None else []:
-            if domains.get(path, DEFAULT_DOMAIN) != domain:
+        made = [file.name.removesuffix(".json") for file in self.root.glob("engine.*.json")]
+        changed = bool(made) and not self.domains_file.exists()  # one once an engine exists: compose copies it
+        for path in (*made, *engines):
+            wanted = domain if domain is not None and path in engines else domains.get(path, DEFAULT_DOMAIN)
+            if domains.get(path) != wanted:
                 changed = True
-                if domain == DEFAULT_DOMAIN:
-                    del domains[path]
-                else:
-                    domains[path] = domain
+                domains[path] = wanted
         if changed:  # not secret (stores read it beside their own file), yet written the same atomic way
             _write_private(self.domains_file, json.dumps(domains, indent=2, sort_keys=True) + "\n")
         for path in engines:

@@ -187,6 +187,12 @@ class Subjects:
         return f"{cls.PREFIX}.store.{cls.token(store_id)}.{op}.>"
 
     @classmethod
+    def store_op_from(cls, store_id: str, op: str, principal_path: str) -> str:
+        """What a store subscribes for `op` from one principal alone: any producer of the principal at
+        `principal_path` (`engine.<instance>`: `engine.<instance>.<worker>` callers), no other caller."""
+        return f"{cls.PREFIX}.store.{cls.token(store_id)}.{op}.{principal_path}.*"
+
+    @classmethod
     def caller_of_store_op(cls, subject: str) -> str:
         """The caller path at the end of a store-op subject (`store()`)."""
         return subject.split(".", 4)[4]

@@ -11,12 +11,15 @@ docs/security.md says what each guards against):
                             (counted: `requests_dropped`) instead of the store's memory growing (it was 1 GiB
                             per op). This does not make nats-py read faster: publishers faster than the store's
                             reader (~0.1-0.4 GB/s) still get a connection cut off by nats-server as a slow
-                            consumer once 64 MiB wait for it there; it reconnects. Puts (the only requests with
-                            bytes inline) come on the store's bulk connection, so only that one can be cut off:
-                            every other op keeps its own connection and pending budget (shared/store_service.py,
-                            StoreEndpoint). A lower --max-inline-bytes does not help: the server delivers a put
-                            whole before the store can refuse it, and a flood of 8 MiB puts got the store cut off
-                            more often than one of 40 MiB
+                            consumer once 64 MiB wait for it there; it reconnects. Each engine principal the
+                            domains map lists is served on a connection of its own (a lane), so what one principal
+                            floods, puts or 40 MiB of garbage on any op, cuts off its own lane only
+                            (shared/store_service.py, StoreEndpoint); the queue bound applies per lane. A lower
+                            --max-inline-bytes does not help: the server delivers a put whole before the store can
+                            refuse it, and a flood of 8 MiB puts got the store cut off more often than one of 40 MiB
+    --max-lanes             engine principals served on a connection of their own (each one TCP connection and
+                            one subscription per op); those past it share one overflow connection, where one's
+                            flood can cut off the others
     --min-sync-interval     seconds between two full syncs the store publishes (shared/admissions.py)
 """
 
@@ -38,12 +41,13 @@ class StoreBounds:
     max_inline_bytes: int = 8 * MiB
     request_queue_bytes: int = 128 * MiB  # nats-py's own default per subscription (ours was 1 GiB)
     min_sync_interval: float = 1.0
+    max_lanes: int = 64
 
     def to_args(self) -> list[str]:
         return ["--max-keys-per-request", str(self.max_keys_per_request),
                 "--max-inline-bytes", str(self.max_inline_bytes),
                 "--request-queue-mb", repr(self.request_queue_bytes / MiB),
-                "--min-sync-interval", repr(self.min_sync_interval)]
+                "--min-sync-interval", repr(self.min_sync_interval), "--max-lanes", str(self.max_lanes)]
 
     def check(self) -> None:
         """Raise ConfigError naming the flag of a bound that makes no sense."""
@@ -55,6 +59,8 @@ class StoreBounds:
         if self.max_inline_bytes >= self.request_queue_bytes:  # such a put would always be dropped unread
             raise ConfigError(f"--max-inline-bytes {self.max_inline_bytes} must be below --request-queue-mb "
                               f"({self.request_queue_bytes} bytes)")
+        if self.max_lanes < 0:
+            raise ConfigError(f"--max-lanes: must be >= 0, got {self.max_lanes}")
         if self.min_sync_interval < 0:
             raise ConfigError(f"--min-sync-interval: must be >= 0, got {self.min_sync_interval}")
 
@@ -84,12 +90,15 @@ def add_store_bound_flags(parser: argparse.ArgumentParser) -> None:
                              "counted (requests_dropped)")
     parser.add_argument("--min-sync-interval", type=float, default=default.min_sync_interval,
                         help="seconds between two full syncs; requests within it are served when it ends")
+    parser.add_argument("--max-lanes", type=int, default=default.max_lanes,
+                        help="engine principals of the domains map served on a NATS connection of their own (so "
+                             "one's flood cuts off only its own); those past it share one (0: all share one)")
 
 
 def store_bounds_from_args(args: argparse.Namespace) -> StoreBounds:
     """The bounds the flags name; ConfigError if one makes no sense."""
     bounds = StoreBounds(max_keys_per_request=args.max_keys_per_request, max_inline_bytes=args.max_inline_bytes,
                          request_queue_bytes=round(args.request_queue_mb * MiB),
-                         min_sync_interval=args.min_sync_interval)
+                         min_sync_interval=args.min_sync_interval, max_lanes=args.max_lanes)
     bounds.check()
     return bounds

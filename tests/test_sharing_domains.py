@@ -1,6 +1,7 @@
 """Sharing domains in a credentials directory (shared/credentials.py): `kvmesh credentials --domain` records
 engines in a domain (domains.json, each engine's file), every domain has its own secret, locally provisioned
-engines are in the default domain, and a store's DomainMap follows the file as it changes."""
+engines are in the default domain, domains.json lists every engine (default ones too: stores serve each listed
+engine on a lane of its own), and a store's DomainMap follows the file as it changes."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def test_engines_get_their_domain_and_its_secret(tmp_path: Path) -> None:
     assert kvmesh_credentials(directory, "engine.c1").returncode == 0
 
     assert json.loads((directory / "domains.json").read_text()) == {
-        "engine.a1": "tenant-a", "engine.a2": "tenant-a", "engine.b1": "tenant-b"}
+        "engine.a1": "tenant-a", "engine.a2": "tenant-a", "engine.b1": "tenant-b", "engine.c1": DEFAULT_DOMAIN}
     a1, a2, b1, c1 = (sharing_domain(directory / f"engine.{name}.json") for name in ("a1", "a2", "b1", "c1"))
     assert (a1.name, b1.name, c1.name) == ("tenant-a", "tenant-b", DEFAULT_DOMAIN)
     assert a1 == a2 and a1.secret is not None and len(a1.secret) == 32
@@ -52,7 +53,7 @@ def test_moving_an_engine_to_another_domain(tmp_path: Path) -> None:
     mesh.ensure("engine.a1", domain="tenant-a")
     first = sharing_domain(mesh.file("engine.a1"))
     mesh.ensure("engine.a1", domain=DEFAULT_DOMAIN)
-    assert json.loads(mesh.domains_file.read_text()) == {}
+    assert json.loads(mesh.domains_file.read_text()) == {"engine.a1": DEFAULT_DOMAIN}
     moved = sharing_domain(mesh.file("engine.a1"))
     assert moved.name == DEFAULT_DOMAIN and moved.secret != first.secret
     mesh.ensure("engine.a1")  # no --domain: stays where it is (a provisioning engine adding itself again)
@@ -65,6 +66,21 @@ def test_a_provisioned_engine_is_in_the_default_domain(tmp_path: Path) -> None:
     mesh.ensure("engine.local")  # what `provision` / `admit` do for a vLLM on the host
     assert sharing_domain(mesh.file("engine.local")) == SharingDomain(DEFAULT_DOMAIN,
                                                                        mesh.domain_secret(DEFAULT_DOMAIN))
+    assert json.loads(mesh.domains_file.read_text()) == {"engine.other": "tenant-a", "engine.local": DEFAULT_DOMAIN}
+    assert DomainMap(mesh.domains_file).engines() == ["engine.local", "engine.other"]
+
+
+def test_an_older_domains_file_gets_its_default_engines_listed(tmp_path: Path) -> None:
+    """A domains.json of before every engine was listed names only the non-default ones; any principal added
+    then (a store provisioning itself included) lists the others as "default", so a store serves them too."""
+    mesh = MeshCredentials(tmp_path / "creds")
+    mesh.ensure("engine.a1", "engine.old", domain="tenant-a")
+    mesh.ensure("engine.old", domain=DEFAULT_DOMAIN)
+    mesh.domains_file.write_text(json.dumps({"engine.a1": "tenant-a"}))  # as the older code left it
+    assert DomainMap(mesh.domains_file).domain_of("engine.old.w0") == DEFAULT_DOMAIN  # absent: default, as before
+    mesh.ensure("store.s")
+    assert json.loads(mesh.domains_file.read_text()) == {"engine.a1": "tenant-a", "engine.old": DEFAULT_DOMAIN}
+    assert sharing_domain(mesh.file("engine.old")).name == DEFAULT_DOMAIN
 
 
 @pytest.mark.parametrize("name", ["", "a.b", "x" * 65, "a/b", "ü"])

@@ -1,6 +1,6 @@
-"""Data floods never starve control (issue 24, finding 5): one principal's flood of the largest inline puts its
-credentials let it send must neither get a store cut off by nats-server as a slow consumer nor fail another
-principal's requests.
+"""Floods cut off only the flooder (issue 24, finding 5): one principal's flood of the largest messages its
+credentials let it send, inline puts and as much garbage on a control op, must neither get a store cut off by
+nats-server as a slow consumer nor fail another principal's requests.
 
 Real parts only: the NATS that KVMesh starts (its generated settings, users and per-principal permissions), a
 disk store and a remote store in this test's event loop on their own connections, tenant B flooding from another
@@ -8,16 +8,21 @@ process (so it publishes as fast as a process can, whatever this loop does), ten
 this loop while the flood runs. The flood runs from before A's first request until after its last, by
 construction: B stops only when told to.
 
-A Python reader can be outrun by enough publishers of large messages, so the flood may still get a store's bulk
-connection (its puts) cut off; the test asserts what the stores promise: A's gets, contains, pins, unpins and
-stats all answered, their control connections never cut off, and puts taken again once the flood is over.
+A Python reader can be outrun by enough publishers of large messages, so the flood may get B's own lane (the
+store's connection that serves B alone) cut off; the test asserts what the stores promise: every request of A's
+(puts, gets with their bytes, contains, pins, unpins, stats) answered, no store connection but B's lane cut off,
+and B served again once its flood is over. Then how lanes follow the domains map: principals past --max-lanes
+share one connection by their own subjects, lanes open and close as principals come and go, and a store whose map
+lists no engine serves every engine on one shared connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
@@ -31,6 +36,7 @@ from kvmesh.shared import bus, protocol
 from kvmesh.shared.config import GB
 from kvmesh.shared.local_mesh import LocalMesh
 from kvmesh.shared.protocol import Principal
+from kvmesh.shared.store_bounds import StoreBounds
 
 from test_remote_store import MiB, chunk
 from waiting import WAIT_S, wait_until_async
@@ -40,8 +46,9 @@ FLOOD_BYTES = 40 * MiB  # the issue's flood; B sends less if its connection's ma
 FLOOD_CONNECTIONS = 4  # B's connections, each publishing as fast as it can
 ROUNDS = 100  # tenant A's rounds of contains / get / pin / unpin / stats at each store
 
-# Tenant B: the largest inline puts NATS lets it publish (up to 40 MiB), to every store named, round robin, until
-# its stdin closes. It prints "flooding" once its first puts are out, and at the end how many it published.
+# Tenant B: the largest inline puts NATS lets it publish (up to 40 MiB), and as many bytes of garbage on `get`, to
+# every store named, round robin, until its stdin closes. It prints "flooding" once its first messages are out,
+# and at the end how many it published.
 FLOOD = """
 import asyncio, os, sys
 import numpy as np
@@ -55,7 +62,9 @@ async def flood(url, caller, store_ids):
     data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
     meta = protocol.ChunkMeta(key=os.urandom(16), num_tokens=256, shape=[nbytes], dtype="uint8", fmt="test",
                               nbytes=nbytes, checksum=chunk_file.checksum(data))
-    payload = protocol.encode(protocol.PutRequest(meta=meta, data=data.tobytes()))  # one put, sent again and again
+    put = protocol.encode(protocol.PutRequest(meta=meta, data=data.tobytes()))  # one put, sent again and again
+    garbage = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+    messages = [("put", put), ("get", garbage)]
     stop = asyncio.Event()
     asyncio.get_running_loop().add_reader(sys.stdin, stop.set)  # EOF on stdin: the test is done
     sent = [0]
@@ -67,13 +76,14 @@ async def flood(url, caller, store_ids):
         inbox = nc.new_inbox()
         await nc.subscribe(inbox, cb=ignore)
         while not stop.is_set():
-            await nc.publish(protocol.Subjects.store(store_ids[sent[0] % len(store_ids)], "put", caller), payload,
+            op, payload = messages[(sent[0] // len(store_ids)) % len(messages)]
+            await nc.publish(protocol.Subjects.store(store_ids[sent[0] % len(store_ids)], op, caller), payload,
                              reply=inbox)
             sent[0] += 1
             await asyncio.sleep(0)
 
     tasks = [asyncio.create_task(publish(nc)) for nc in connections]
-    while sent[0] < 2 * len(connections) * len(store_ids):
+    while sent[0] < 2 * len(connections) * len(store_ids) * len(messages):
         await asyncio.sleep(0.01)
     print("flooding", nbytes, flush=True)
     await asyncio.gather(*tasks)
@@ -105,15 +115,23 @@ def lost(nc: Any) -> int:
     return nc.stats["reconnects"] + (0 if nc.is_connected else 1)
 
 
-@pytest.fixture
-async def stores(mesh: LocalMesh, tmp_path: Path) -> AsyncIterator[tuple[DiskStoreService, RemoteStoreService]]:
+TENANT_A, TENANT_B = Principal.engine("tenant-a"), Principal.engine("tenant-b")
+
+
+@asynccontextmanager
+async def both_stores(mesh: LocalMesh, tmp_path: Path, bounds: StoreBounds = StoreBounds(),
+                      domains_file: Path | None = None) -> AsyncIterator[tuple[DiskStoreService, RemoteStoreService]]:
+    """A disk store and a remote store on their own connections to `mesh`'s NATS (their domains map: the one
+    beside the credentials the mesh provisions them, unless `domains_file` names another)."""
     assert mesh.nats_url is not None
     suffix = os.urandom(3).hex()
     disk = DiskStoreService(DiskStoreOptions(root=tmp_path / "disk", capacity_bytes=GB, store_id=f"disk-fl{suffix}",
-                                             nats_url=mesh.nats_url, fsync=False), heartbeat_interval=60.0)
+                                             nats_url=mesh.nats_url, fsync=False, bounds=bounds,
+                                             domains_file=domains_file), heartbeat_interval=60.0)
     remote = RemoteStoreService(RemoteStoreOptions(store_id=f"remote-fl{suffix}", capacity_bytes=GB,
                                                    nats_url=mesh.nats_url, stream_host="127.0.0.1",
-                                                   heartbeat_interval=60.0))
+                                                   heartbeat_interval=60.0, bounds=bounds,
+                                                   domains_file=domains_file))
     await disk.start()
     try:
         await remote.start()
@@ -123,6 +141,14 @@ async def stores(mesh: LocalMesh, tmp_path: Path) -> AsyncIterator[tuple[DiskSto
             await remote.stop()
     finally:
         await disk.stop()
+
+
+@pytest.fixture
+async def stores(mesh: LocalMesh, tmp_path: Path) -> AsyncIterator[tuple[DiskStoreService, RemoteStoreService]]:
+    """Both stores, started once tenants A and B have their credentials (so the domains map lists them)."""
+    mesh.auth(TENANT_A), mesh.auth(TENANT_B)
+    async with both_stores(mesh, tmp_path) as started:
+        yield started
 
 
 async def start_flood(mesh: LocalMesh, store_ids: list[str]) -> tuple[asyncio.subprocess.Process, int]:
@@ -150,13 +176,12 @@ async def stop_flood(process: asyncio.subprocess.Process) -> int:
     return int(out[-1])
 
 
-async def test_a_flood_of_the_largest_inline_puts_fails_no_other_request_and_cuts_off_no_store(
+async def test_a_flood_of_the_largest_messages_fails_no_other_principals_request_and_cuts_off_only_its_lane(
         mesh: LocalMesh, stores: tuple[DiskStoreService, RemoteStoreService]) -> None:
     disk, remote = stores
     store_ids = [disk.options.store_id, remote.options.store_id]
-    tenant_a = Principal.engine("tenant-a")
-    caller_a = tenant_a.producer("tenant-a")
-    nc = await bus.connect(str(mesh.nats_url), "tenant-a", mesh.auth(tenant_a), first_connect_wait=WAIT_S)
+    caller_a = TENANT_A.producer("tenant-a")
+    nc = await bus.connect(str(mesh.nats_url), "tenant-a", mesh.auth(TENANT_A), first_connect_wait=WAIT_S)
 
     async def ask(store_id: str, op: str, message: object, reply_type: type) -> Any:
         return await bus.request(nc, protocol.Subjects.store(store_id, op, caller_a), message, reply_type, WAIT_S)
@@ -177,9 +202,16 @@ async def test_a_flood_of_the_largest_inline_puts_fails_no_other_request_and_cut
     flooder, flood_bytes = await start_flood(mesh, store_ids)
     try:
         for round_ in range(ROUNDS):
+            if len(failures) >= 3:  # failing already (each failure may cost a timeout): enough to tell
+                break
             for store_id in store_ids:
                 meta, data = held[store_id]
                 try:
+                    new_meta, new_data = chunk(64 * KiB, seed=1000 + round_)
+                    put = await ask(store_id, "put", protocol.PutRequest(meta=new_meta, data=new_data.tobytes()),
+                                    protocol.Ack)
+                    if not put.ok:
+                        failures.append(f"{store_id} put: {put}")
                     contains = await ask(store_id, "contains", protocol.ChunkKeys(keys=[meta.key]),
                                          protocol.ContainsReply)
                     if contains.prefix != 1:
@@ -198,30 +230,121 @@ async def test_a_flood_of_the_largest_inline_puts_fails_no_other_request_and_cut
                     failures.append(f"{store_id} round {round_}: {type(exc).__name__}: {exc}")
     finally:
         published = await stop_flood(flooder)
-        await nc.close()
-    assert published > 2 * len(store_ids), "B's flood ran the whole time"
-    assert failures == [], f"tenant A's requests failed during B's flood of {flood_bytes}-byte puts"
-    # The flood may outrun the stores' bulk connections (nats-server then cuts one off; it reconnects), never
-    # the connections that carry every other op
-    control = [f'"{service}:{store_id}"' for service, store_id in (("disk_store", store_ids[0]),
-                                                                  ("remote_store", store_ids[1]))]
-    assert [line for line in slow_consumers(mesh) if any(name in line for name in control)] == []
-    assert [lost(disk.nc), lost(remote.nc)] == [0, 0], "a store's control connection was cut off"
-    # and the bulk connections serve puts again once the flood is over
-    for store_id in store_ids:
-        meta, data = chunk(16 * KiB, seed=77)
+    assert published > 4 * len(store_ids), "B's flood ran the whole time"
+    assert failures == [], f"tenant A's requests failed during B's flood of {flood_bytes}-byte messages"
+    # The flood may outrun B's lanes (nats-server then cuts one off; it reconnects), never another connection
+    cut_off = [line for line in slow_consumers(mesh) if any(store_id in line for store_id in store_ids)]
+    assert [line for line in cut_off if f':{TENANT_B.name}"' not in line] == []
+    for service in (disk, remote):
+        endpoint = service.endpoint
+        assert sorted(endpoint.lanes) == [TENANT_A.path, TENANT_B.path] and endpoint.shared is None
+        assert [lost(endpoint.nc), lost(endpoint.lanes[TENANT_A.path].nc)] == [0, 0], "a store connection not B's"
+        stats = await ask(service.options.store_id, "stats", protocol.StatsRequest(), protocol.StatsReply)
+        assert stats.details["lanes"] == 2 and set(stats.details["lane_disconnects"]) <= {TENANT_B.path}
+    await nc.close()
+    # and B is served again once its flood is over
+    nc_b = await bus.connect(str(mesh.nats_url), "tenant-b-after", mesh.auth(TENANT_B), first_connect_wait=WAIT_S)
+    caller_b = TENANT_B.producer("tenant-b")
+    try:
+        for store_id in store_ids:
+            meta, data = chunk(16 * KiB, seed=77)
 
-        async def put_ok(store_id: str = store_id) -> bool:
-            try:
-                reply = await bus.request(nc_after, protocol.Subjects.store(store_id, "put", caller_a),
-                                          protocol.PutRequest(meta=meta, data=data.tobytes()), protocol.Ack, WAIT_S)
-            except Exception:  # the bulk connection still reconnecting
-                return False
-            return reply.ok
+            async def served(store_id: str = store_id) -> bool:
+                try:
+                    put = await bus.request(nc_b, protocol.Subjects.store(store_id, "put", caller_b),
+                                            protocol.PutRequest(meta=meta, data=data.tobytes()), protocol.Ack, WAIT_S)
+                    got = await bus.request(nc_b, protocol.Subjects.store(store_id, "get", caller_b),
+                                            protocol.GetRequest(key=meta.key), protocol.GetReply, WAIT_S)
+                except Exception:  # B's lane still reconnecting
+                    return False
+                return put.ok and got.found and got.data == data.tobytes()
 
-        nc_after = await bus.connect(str(mesh.nats_url), "tenant-a-after", mesh.auth(tenant_a),
-                                     first_connect_wait=WAIT_S)
+            await wait_until_async(served, what=f"{store_id} serving B after its flood")
+    finally:
+        await nc_b.close()
+
+
+async def answered(nc: Any, store_id: str, caller: str) -> bool:
+    """Whether `store_id` answers a contains from `caller` (False: no responder, no reply)."""
+    try:
+        reply = await bus.request(nc, protocol.Subjects.store(store_id, "contains", caller),
+                                  protocol.ChunkKeys(keys=[os.urandom(16)]), protocol.ContainsReply, WAIT_S)
+    except Exception:
+        return False
+    return reply.prefix == 0
+
+
+async def test_lanes_follow_the_domains_map(mesh: LocalMesh, tmp_path: Path) -> None:
+    """--max-lanes 1: the first principal gets a lane, the others share one connection, each subscribed by its own
+    subjects (a wildcard there would also take the laned principal's flood); a principal added later is served
+    once the map lists it; one removed loses its lane, and the next takes it."""
+    tenants = [Principal.engine(f"tenant-{name}") for name in "acde"]
+    clients = {}
+    for tenant in tenants[:3]:
+        mesh.auth(tenant)
+    async with both_stores(mesh, tmp_path, StoreBounds(max_lanes=1)) as (disk, remote):
+        store_ids = [disk.options.store_id, remote.options.store_id]
+        endpoints = [disk.endpoint, remote.endpoint]
+        for endpoint in endpoints:
+            assert list(endpoint.lanes) == [tenants[0].path]
+            assert endpoint.shared is not None and sorted(endpoint.shared.subscriptions) == [tenants[1].path,
+                                                                                            tenants[2].path]
+            subjects = [sub.subject for subs in endpoint.shared.subscriptions.values() for sub in subs]
+            assert subjects and all(subject.endswith((f".{tenants[1].path}.*", f".{tenants[2].path}.*"))
+                                    for subject in subjects)
         try:
-            await wait_until_async(put_ok, what=f"{store_id} taking A's put after the flood")
+            for tenant in tenants:
+                clients[tenant] = await bus.connect(str(mesh.nats_url), tenant.name, mesh.auth(tenant),
+                                                    first_connect_wait=WAIT_S)  # tenant-e is added here
+            for tenant, client in clients.items():
+                for store_id in store_ids:
+                    await wait_until_async(lambda: answered(client, store_id, tenant.producer("w0")),
+                                           what=f"{store_id} answering {tenant.path}")
+            operator = await bus.connect(str(mesh.nats_url), "operator", mesh.auth(protocol.OPERATOR),
+                                         first_connect_wait=WAIT_S)
+            try:  # the operator's ops come on the store's main connection
+                for store_id in store_ids:
+                    stats = await bus.request(operator, protocol.Subjects.store(store_id, "stats",
+                                                                                protocol.OPERATOR.path),
+                                              protocol.StatsRequest(), protocol.StatsReply, WAIT_S)
+                    assert (stats.details["lanes"], stats.details["lane_shared_principals"]) == (1, 3)
+            finally:
+                await operator.close()
+            # the administrator takes tenant-a out of the map: its lane closes, tenant-c's opens
+            assert mesh.credentials is not None
+            domains_file = mesh.credentials.domains_file
+            domains = json.loads(domains_file.read_text())
+            del domains[tenants[0].path]
+            domains_file.write_text(json.dumps(domains))
+            for endpoint in endpoints:
+                await wait_until_async(lambda: list(endpoint.lanes) == [tenants[1].path] and endpoint.shared
+                                       is not None and sorted(endpoint.shared.subscriptions) == [
+                                           tenants[2].path, tenants[3].path], what="tenant-c's lane")
+            for store_id in store_ids:
+                assert not await answered(clients[tenants[0]], store_id, tenants[0].producer("w0"))
+                for tenant in tenants[1:]:
+                    await wait_until_async(lambda: answered(clients[tenant], store_id, tenant.producer("w0")),
+                                           what=f"{store_id} answering {tenant.path}")
         finally:
-            await nc_after.close()
+            for client in clients.values():
+                await client.close()
+
+
+async def test_a_store_whose_map_lists_no_engine_serves_every_engine_on_one_shared_connection(
+        mesh: LocalMesh, tmp_path: Path) -> None:
+    """A NATS whose users were made by hand: no domains map (or one that lists no engine). Every engine is served,
+    by wildcard, on one connection apart from the store's main one (a flood there can cut off the others)."""
+    async with both_stores(mesh, tmp_path, domains_file=tmp_path / "no-domains.json") as (disk, remote):
+        nc = await bus.connect(str(mesh.nats_url), "tenant-a", mesh.auth(TENANT_A), first_connect_wait=WAIT_S)
+        try:
+            for service in (disk, remote):
+                endpoint = service.endpoint
+                assert endpoint.lanes == {} and endpoint.shared is not None
+                assert list(endpoint.shared.subscriptions) == ["engine.>"]  # every engine's path
+                assert await answered(nc, service.options.store_id, TENANT_A.producer("w0"))
+                stats = await bus.request(nc, protocol.Subjects.store(service.options.store_id, "stats",
+                                                                      TENANT_A.producer("w0")),
+                                          protocol.StatsRequest(), protocol.StatsReply, WAIT_S)
+                assert (stats.details["lanes"], stats.details["lane_shared_principals"]) == (0, -1)
+        finally:
+            await nc.close()

@@ -60,7 +60,8 @@ class DiskStoreService:
         self.store = DiskStore(options, faults, clock)
         self.ops = IndexOps(options.store_id, self.store.index, free=self.store.free, details=self._details,
                             settle=self.store.settle, persist=self.store.state.save_now, bounds=options.bounds)
-        self.endpoint = StoreEndpoint("disk_store", options.store_id, options.bounds.request_queue_bytes)
+        self.endpoint = StoreEndpoint("disk_store", options.store_id, options.bounds.request_queue_bytes,
+                                      max_lanes=options.bounds.max_lanes)
         self._heartbeat_interval = heartbeat_interval
         self._follow: Callable[[], Awaitable[None]] | None = None  # moves the pool socket when the server changes
 
@@ -91,7 +92,7 @@ class DiskStoreService:
         if isinstance(nc, bus.MeshClient):  # a restarted NATS server has a new id: engines then look elsewhere
             self._follow = lambda: store.pools.follow(bus.server_scope(nc))
             nc.reconnect_hooks.append(self._follow)
-        await self.endpoint.serve(handlers, reporter, self._details)
+        await self.endpoint.serve(handlers, reporter, self._details, self.ops.domains)
         log.info("disk store %s serving %s on %s", options.store_id, options.root, options.nats_url)
 
     def _details(self) -> dict[str, Any]:

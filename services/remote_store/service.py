@@ -81,7 +81,8 @@ class RemoteStoreService:
                                    idle_timeout=options.stream_idle_timeout, max_chunk_bytes=options.max_chunk_bytes)
         self.ops = IndexOps(options.store_id, self.store.index, free=self.store.free, details=self._stats_details,
                             persist=self.store.save_now, bounds=options.bounds)
-        self.endpoint = StoreEndpoint("remote_store", options.store_id, options.bounds.request_queue_bytes)
+        self.endpoint = StoreEndpoint("remote_store", options.store_id, options.bounds.request_queue_bytes,
+                                      max_lanes=options.bounds.max_lanes)
         self._started_at = time.time()
 
     @property
@@ -98,7 +99,7 @@ class RemoteStoreService:
         handlers = [Handler("stream", protocol.StreamRequest, self._on_stream),
                     Handler("put", protocol.PutRequest, self._on_put),
                     Handler("get", protocol.GetRequest, self._on_get), *self.ops.handlers()]
-        await self.endpoint.serve(handlers, self.reporter, self._health_details)
+        await self.endpoint.serve(handlers, self.reporter, self._health_details, self.ops.domains)
         await nc.flush()
         log.info("remote store %s (partition %d of %d, %.2f GB, %s eviction) serving on NATS %s, stream %s:%d%s",
                  options.store_id, options.partition, options.num_partitions, options.capacity_bytes / 1024**3,
