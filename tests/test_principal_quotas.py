@@ -145,6 +145,43 @@ async def test_same_rank_registrations_cost_linear_conflict_notices(nats_server:
         assert service.core.feed.conflict_notices_sent == len(notices)
 
 
+async def test_one_principals_admissions_stop_at_its_key_share_and_never_crowd_out_another(
+        nats_server: EmbeddedNats) -> None:
+    """A flooding principal reports 30,000 keys (in batches and in a full sync) against --max-keys-per-principal
+    10,000: the controller indexes 10,000 of them, counts the rest, and another principal's keys still index."""
+    share = 10_000
+    async with running_controller(nats_server.url, ManualClock(), max_keys_per_principal=share) as (service, _), \
+            Tenant(nats_server.url, "flood") as flood, Tenant(nats_server.url, "honest") as honest:
+        table = service.core.table
+        for tenant in (flood, honest):
+            await tenant.register(tenant.instance_id)
+        await wait_until_async(lambda: _registered(service, "flood") and _registered(service, "honest"),
+                               what="both registered")
+        keys = [i.to_bytes(16, "little") for i in range(30_000)]
+
+        async def admit(tenant: Tenant, seq: int, batch: list[bytes]) -> None:
+            await bus.publish(tenant.nc, Subjects.events(tenant.principal.producer(tenant.instance_id)),
+                              protocol.AdmissionBatch(producer_id=tenant.instance_id, location=protocol.LOCAL_CPU,
+                                                      seq=seq, admitted=batch))
+
+        for seq, start in enumerate(range(0, 20_000, 5_000), start=1):
+            await admit(flood, seq, keys[start:start + 5_000])
+        await wait_until_async(lambda: table.stats.batches >= 4, what="the flood's batches")
+        flood_slot = table.producer("flood").slot
+        assert table.index.count(flood_slot) == share and table.stats.keys_refused == 10_000
+        sync_id = "s1"  # a full sync of 30,000 keys: its buffer stops at the share too
+        for part, start in enumerate(range(0, 30_000, 10_000)):
+            await bus.publish(flood.nc, Subjects.events(flood.principal.producer("flood")), protocol.SyncChunk(
+                producer_id="flood", location=protocol.LOCAL_CPU, sync_id=sync_id, seq=4, part=part,
+                keys=keys[start:start + 10_000], final=start + 10_000 == 30_000))
+        await wait_until_async(lambda: table.stats.syncs_completed >= 1, what="the flood's sync")
+        assert table.index.count(flood_slot) == share and table.stats.keys_refused == 30_000
+
+        await admit(honest, 1, keys[:100])
+        await wait_until_async(lambda: table.index.count(table.producer("honest").slot) == 100,
+                               what="the honest principal's keys indexed")
+
+
 def test_per_principal_shares_are_flags_at_most_half_their_global_bound() -> None:
     config = parse_args(["--max-workers-per-principal", "8", "--max-producers", "16",
                          "--max-key-param-sets-per-principal", "3", "--max-key-param-sets", "6"])

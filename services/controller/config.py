@@ -61,6 +61,7 @@ class ControllerConfig:
     # principal's registrations never refuse another's. TP/PP with 64 ranks and a few incarnations fits.
     max_workers_per_principal: int = 256
     max_key_param_sets_per_principal: int = 64
+    max_keys_per_principal: int = 4_000_000  # chunk keys one principal's producers may have indexed (~200 B each)
     sync_retry_s: float = 3.0  # re-ask a producer for a full sync after this long without one
     heartbeat_grace_s: float = 1.0  # a heartbeat's seq claim must be met by batches within this
     tick_interval_s: float = 0.25  # maintenance pass period
@@ -196,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most distinct key parameter sets one principal's workers register (a TP/PP "
                              "instance has one per rank); past it as --max-workers-per-principal. At most half "
                              "of --max-key-param-sets (default: 64)")
+    parser.add_argument("--max-keys-per-principal", type=_positive(int), default=4_000_000,
+                        help="most chunk keys one principal's producers have indexed together (about 200 bytes "
+                             "each); admissions past it are dropped and counted, lookups miss them "
+                             "(default: 4000000)")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                         help="log level (default: $KVMESH_LOG_LEVEL, else info)")
     add_nats_auth_flags(parser)
@@ -270,6 +275,7 @@ def parse_args(argv: list[str] | None = None) -> ControllerConfig:
         min_chunk_size=args.min_chunk_size, max_chunk_size=args.max_chunk_size,
         max_key_param_sets=args.max_key_param_sets, max_workers_per_principal=args.max_workers_per_principal,
         max_key_param_sets_per_principal=args.max_key_param_sets_per_principal,
+        max_keys_per_principal=args.max_keys_per_principal,
         log_level=args.log_level, nats_host=args.nats_host, nats_auth=nats_auth_from_args(args).or_none(),
         notices=tuple(notices),
     )

@@ -61,7 +61,8 @@ class ControllerCore:
                                                  max_key_param_sets=config.max_key_param_sets,
                                                  max_workers_per_principal=config.max_workers_per_principal,
                                                  max_key_param_sets_per_principal=(
-                                                     config.max_key_param_sets_per_principal)))
+                                                     config.max_key_param_sets_per_principal),
+                                                 max_keys_per_principal=config.max_keys_per_principal))
         self.lookups = LookupEngine(self.table)
         # Two windows, so that a flood of lookups never pushes a pin or clear id out of /check_finish.
         self.events = EventLog(config.event_window_size, config.event_window_s, clock)

@@ -97,6 +97,9 @@ def render(core: "ControllerCore") -> str:
            "Registrations refused for a limit (--max-producers, --min/--max-chunk-size, --max-key-param-sets, "
            "host/ip length).",
            [(f'reason="{reason}"', n) for reason, n in sorted(stats.registrations_refused.items())])
+    metric("kvmesh_controller_keys_refused_total", "counter",
+           "Admitted chunk keys not indexed: their principal's producers hold --max-keys-per-principal.",
+           [("", stats.keys_refused)])
     metric("kvmesh_controller_producers_forgotten_total", "counter",
            "Producers forgotten after --producer-expiry-secs down (keys dropped, slot reused).",
            [("", stats.producers_forgotten)])

@@ -18,7 +18,10 @@ permissions bind to one user): every table a registration grows is bounded globa
 the command line keeps each share at most half its global bound, so one principal filling its share never
 refuses another. A principal at its share makes room by forgetting its own down workers first (a restarted
 engine's old incarnations), never anyone else's. The other tables keyed by what a principal sends (instance ids,
-ranks, claimants) have one entry per worker, so the worker share bounds them too.
+ranks, claimants) have one entry per worker, so the worker share bounds them too. The holder index and the full
+syncs being received grow with the keys a principal's producers report: at most `max_keys_per_principal` keys
+each (its producers' held keys together; each sync buffer at most that), admissions past it dropped and counted
+(`keys_refused`), so a lookup may miss them, never crediting a key nobody reported.
 
 Consistency, per producer: batches are numbered 1, 2, 3, ...; the controller applies batch `last_seq + 1`.
 A gap (a higher seq, a heartbeat still claiming a higher seq after a grace period, a seq that went back to 1
@@ -30,8 +33,11 @@ are folded into it, and when the final part arrives the producer's bits become e
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Collection
 
 from kvmesh.shared import protocol
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, REMOTE
@@ -62,6 +68,7 @@ class Limits:
     max_key_param_sets: int = 128
     max_workers_per_principal: int = 256
     max_key_param_sets_per_principal: int = 64
+    max_keys_per_principal: int = 4_000_000
 
 
 def principal_of(path: str) -> str:
@@ -132,6 +139,7 @@ class IngestStats:
     syncs_broken: int = 0
     stale_keys_dropped: int = 0
     producers_forgotten: int = 0
+    keys_refused: int = 0  # admitted keys dropped past --max-keys-per-principal
     registrations_refused: Counter[str] = field(default_factory=Counter)  # reason -> count
 
 
@@ -157,6 +165,7 @@ class ProducerTable:
         self._alive_mask = 0
         self.key_specs: Counter[KeySpec] = Counter()  # spec -> engine workers registered with it
         self.usage: dict[str, PrincipalUsage] = {}  # principal -> what its producers hold
+        self._keys_refused_logged_at = -math.inf
 
     # ---------------------------------------------------------------------------------------------------
     # Queries
@@ -456,8 +465,8 @@ class ProducerTable:
                 if seq != sync.folded_seq + 1:
                     sync.broken = True
                 sync.folded_seq = max(sync.folded_seq, seq)
-                sync.keys.update(batch.admitted)
                 sync.keys.difference_update(batch.evicted)
+                self._fold(producer, sync.keys, batch.admitted)
         last = producer.last_seq
         gap = False
         if last is not None and seq <= last:
@@ -477,7 +486,10 @@ class ProducerTable:
 
     def _apply(self, producer: Producer, batch: protocol.AdmissionBatch) -> None:
         if batch.admitted:
-            self.index.admit(producer.slot, batch.admitted)
+            room = self._key_room(producer, include_own=True)
+            admitted = batch.admitted if len(batch.admitted) <= room else self._refuse_keys(
+                producer, batch.admitted, room)
+            self.index.admit(producer.slot, admitted)
         if batch.evicted:
             self.index.evict(producer.slot, batch.evicted)
 
@@ -501,7 +513,7 @@ class ProducerTable:
             log.info("producer %s: sync %s part %d after %d; asking again", producer.producer_id,
                      chunk.sync_id, chunk.part, sync.next_part - 1)
             return self._sync_failed(producer, now)
-        sync.keys.update(chunk.keys)
+        self._fold(producer, sync.keys, chunk.keys)
         sync.next_part += 1
         sync.last_part_at = now
         if not chunk.final:
@@ -519,6 +531,35 @@ class ProducerTable:
         log.info("producer %s: full sync at seq %d: %d keys (%d stale dropped)", producer.producer_id,
                  sync.seq, len(sync.keys), dropped)
         return False
+
+    def _key_room(self, producer: Producer, include_own: bool) -> int:
+        """How many more keys `producer` may report under its principal's `max_keys_per_principal`: counting its
+        own held keys (a batch adds to them) or not (a full sync replaces them). Unbounded without a path."""
+        if producer.path is None:
+            return self.limits.max_keys_per_principal
+        held = sum(self.index.count(other.slot) for pid in self._usage_of(producer).producers
+                   if (other := self.producers.get(pid)) is not None and (include_own or other is not producer))
+        return max(0, self.limits.max_keys_per_principal - held)
+
+    def _fold(self, producer: Producer, keys: set[ChunkKey], new: Collection[ChunkKey]) -> None:
+        """Add `new` to a sync's `keys`, up to the principal's room for a sync of this producer."""
+        room = self._key_room(producer, include_own=False) - len(keys)
+        if len(new) <= room:
+            keys.update(new)
+        else:
+            keys.update(self._refuse_keys(producer, list(new), room))
+
+    def _refuse_keys(self, producer: Producer, keys: list[ChunkKey], room: int) -> list[ChunkKey]:
+        """The first `room` of `keys`; the rest are dropped, counted and logged (at most once a minute)."""
+        room = max(0, room)
+        self.stats.keys_refused += len(keys) - room
+        now = time.monotonic()
+        if now - self._keys_refused_logged_at >= 60.0:
+            self._keys_refused_logged_at = now
+            log.warning("producer %s: %s reports more than --max-keys-per-principal %d keys; the rest are not "
+                        "indexed (lookups miss them)", producer.producer_id, principal_of(producer.path or ""),
+                        self.limits.max_keys_per_principal)
+        return keys[:room]
 
     def _sync_failed(self, producer: Producer, now: float) -> bool:
         self.stats.syncs_broken += 1
