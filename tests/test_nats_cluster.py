@@ -170,13 +170,15 @@ async def test_the_mesh_survives_the_death_of_its_nats_server(tmp_path: Path, mo
             assert await asyncio.to_thread(_loads, a, kv_a, before, expected_before)
             also = random_tokens(TOKENS, seed=72)
             expected_also = await asyncio.to_thread(_store_on_disk, a, kv_a, also)
-            # A stored, B hits from the remote store (its tickets issued over NATS after the failover): the
-            # chunks are taken off the disk store first
+            # A stored, B hits from the remote store (its tickets issued over NATS after the failover): A takes
+            # its chunks off the disk store first (a remove takes back only the caller's own claims)
             await asyncio.to_thread(wait_until, lambda: b.lookup(also, search_range=[REMOTE]) == TOKENS, WAIT_S,
                                     what="the remote store holding A's chunks", interval=0.1)
-            disk_b = b.storage.lower(LOCAL_DISK)
-            assert disk_b is not None
-            assert b.nats_loop.call(disk_b.remove(b.hasher.keys(also)), WAIT_S, default=0) == TOKENS // CHUNK
+            disk_a = a.storage.lower(LOCAL_DISK)
+            assert disk_a is not None
+            assert a.nats_loop.call(disk_a.remove(a.hasher.keys(also)), WAIT_S, default=0) == TOKENS // CHUNK
+            await asyncio.to_thread(wait_until, lambda: b.lookup(also, search_range=[LOCAL_DISK]) == 0, WAIT_S,
+                                    what="the disk store without A's chunks", interval=0.1)
             fetched = b.storage.stats["fetched_RemoteBackend"]
             assert await asyncio.to_thread(_loads, b, kv_b, also, expected_also)
             assert b.storage.stats["fetched_RemoteBackend"] == fetched + TOKENS // CHUNK
