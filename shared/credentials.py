@@ -183,6 +183,11 @@ class DomainMap:
         self._refresh()
         return sorted(user for user in self._domains if user.startswith("engine."))
 
+    def names_other_domains(self) -> bool:
+        """Whether the map puts any engine in a domain other than the default one."""
+        self._refresh()
+        return any(domain != DEFAULT_DOMAIN for domain in self._domains.values())
+
     def domain_of(self, caller: str) -> str:
         """The domain of the principal a caller path belongs to (`engine.<instance>[.<worker>]`); the default
         domain for any other caller (store, controller, operator) and any engine the map does not name."""
@@ -292,14 +297,28 @@ class MeshCredentials:
         return self.root / DOMAINS_FILE
 
     def domain_secret(self, domain: str) -> bytes:
-        """The secret of `domain`, made (32 random bytes, 0600) the first time it is asked for."""
-        file = self.root / f"domain-{check_domain_name(domain)}.secret"
+        """The secret of `domain`, made (32 random bytes, 0600) the first time it is asked for.
+
+        The meshes KVMesh starts on this host (directories in the runtime directory) share one secret per domain,
+        kept in the runtime directory: their user's engines trust each other anyway (each can add principals to
+        any of them), and two vLLMs that each embed a mesh then still share a Redis tier's values."""
+        folder = self.root.parent if self.root.parent == runtime_dir() else self.root
+        file = folder / f"domain-{check_domain_name(domain)}.secret"
         try:
             return bytes.fromhex(file.read_text().strip())
         except FileNotFoundError:
-            secret = secrets.token_bytes(32)
-            _write_private(file, secret.hex() + "\n")
-            return secret
+            pass
+        made = folder / f".domain-{domain}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        fd = os.open(made, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_bytes(32).hex() + "\n")
+        try:
+            os.link(made, file)  # the first of two meshes making it at once wins; the other reads the winner's
+        except FileExistsError:
+            pass
+        finally:
+            made.unlink()
+        return bytes.fromhex(file.read_text().strip())
 
     def _record_domains(self, engines: list[str], domain: str | None) -> None:
         """Write each engine's domain (and the domain's secret) into its file and into domains.json: `domain`

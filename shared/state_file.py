@@ -18,8 +18,9 @@ unowned (the operator's: a wipe drops them; no engine's unpin does).
 The claims file (`save_claims` / `load_claims`) is `{"callers": [path, ...], "masks": {key: mask}, "orphans":
 [key, ...], "domains": {key: domain}, "unclaimed": [key, ...]}`: bit i of a key's mask is `callers[i]`, so a
 chunk costs its key and a small int, however many callers claim it; `domains` names the sharing domain of the
-chunks not in the default one; `unclaimed` the held chunks nobody claims. A chunk file the claims file does not
-name at all is dropped at start (`StoreState.restore`): its domain is unknown.
+chunks not in the default one; `unclaimed` the held chunks nobody claims. Where several domains use the store, a
+chunk file the claims file does not name at all is dropped at start (`StoreState.restore`): its domain is
+unknown.
 """
 
 from __future__ import annotations
@@ -264,19 +265,23 @@ class StoreState:
     def executor(self, executor: Executor | None) -> None:
         self._pins.executor = self._claims.executor = executor
 
-    def restore(self) -> Restored:
+    def restore(self, several_domains: bool = False) -> Restored:
         """Re-take the persisted pins and claims on the held keys.
 
-        Held chunks the claims file does not name are forgotten (`ChunkIndex.forget_unrecorded`: put in the last
-        moments before a crash, their sharing domain unknown); the store frees what `Restored.strays` lists. A
-        directory without a claims file (a store from before claims, or a first start) keeps every chunk, in
-        the default domain, and gets a claims file now, so that from here on the rule holds."""
+        A held chunk the claims file does not name was put in the last moments before a crash (the file is
+        rewritten at most once a CLAIMS_SAVE_INTERVAL), so its sharing domain is unknown. Where only the default
+        domain can have put it, it is kept (in the default domain, unclaimed: a crash of a single-tenant store,
+        or of an engine's embedded one, loses nothing). Where another domain could have (`several_domains`: the
+        store's map names one, or the claims file holds chunks of one), it is forgotten
+        (`ChunkIndex.forget_unrecorded`), never kept readable by the default domain; the store frees what
+        `Restored.strays` lists. A directory without a claims file (a store from before claims, or a first
+        start) keeps every chunk and gets a claims file now."""
         claims_file = self.root / CLAIMS_NAME
         recorded = claims_file.exists()
         table = load_claims(claims_file)
         # claims first: they carry each chunk's sharing domain, which a pin is taken in
         claimed = self.index.restore_claims(table)
-        strays = self.index.forget_unrecorded(table) if recorded else []
+        strays = self.index.forget_unrecorded(table) if recorded and (several_domains or table.domains) else []
         pinned = restore_pins(self.index, load_pins(self.root / PINS_NAME))
         if not recorded or strays:
             self.root.mkdir(parents=True, exist_ok=True)  # a first start: the store makes it after restoring

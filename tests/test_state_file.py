@@ -122,3 +122,18 @@ def test_a_directory_without_a_claims_file_keeps_its_chunks_and_gets_one(tmp_pat
     assert (tmp_path / CLAIMS_NAME).exists()
     again, state = _held_after_restart(tmp_path, [key])
     assert state.restore().strays == [] and key in again  # unclaimed, yet named: it was held when the file was made
+
+
+def test_a_store_of_the_default_domain_alone_keeps_a_chunk_put_just_before_a_crash(tmp_path: Path) -> None:
+    """Only the default domain can have put it: kept (unclaimed), so an engine's embedded store that dies with
+    vLLM loses nothing. Once the map names another domain, the same chunk is dropped."""
+    index: ChunkIndex[_Entry] = ChunkIndex(10_000)
+    saved, unsaved = b"s" * 16, b"u" * 16
+    index.reserve(saved, _Entry(), "engine.a.w0")
+    index.commit(saved)
+    save_claims(tmp_path / CLAIMS_NAME, index.claim_table())
+    restarted, state = _held_after_restart(tmp_path, [saved, unsaved])
+    assert state.restore().strays == [] and unsaved in restarted and restarted.domain_of(unsaved) == "default"
+    restarted, state = _held_after_restart(tmp_path, [saved, unsaved])
+    save_claims(tmp_path / CLAIMS_NAME, index.claim_table())  # the file from before the crash again
+    assert [key for key, _ in state.restore(several_domains=True).strays] == [unsaved]

@@ -71,10 +71,12 @@ class DiskStoreService:
 
     async def start(self, nc: NatsClient | None = None) -> None:
         store, options = self.store, self.options
-        await asyncio.get_running_loop().run_in_executor(None, store.open)
         nc = await self.endpoint.connect(nc, options.nats_url, options.auth)
+        # after connecting (a KVMesh-started NATS provisions the store's credentials, beside which the map is),
+        # before opening: the map tells whether a chunk the claims file does not name can be kept
         store.domains = self.ops.domains = store_domains(
             options.domains_file, options.nats_url, protocol.Principal.store(options.store_id).path)
+        await asyncio.get_running_loop().run_in_executor(None, store.open)
         store.max_inline_bytes = max(0, nc.max_payload - protocol.INLINE_HEADROOM)
         reporter = AdmissionReporter(options.store_id, protocol.store_path(options.store_id), protocol.LOCAL_DISK,
                                      held_keys=store.index.keys,

@@ -13,12 +13,13 @@ hashing each piece) staging buffer -> checksum verified against the meta's -> ro
 event. A put without a checksum, or whose
 bytes do not match it, is refused before anything is reserved: it evicts nothing and is never admitted.
 With `durable_puts` the answer waits for the file instead: written, fsync'd, renamed into place, directory
-fsync'd (write-through, staging unused), and the claims file saved, so an accepted put survives a crash or
-power loss.
+fsync'd (write-through, staging unused), and, when the map names several sharing domains, the claims file
+saved, so an accepted put survives a crash or power loss.
 Every put records its caller's claim on the chunk, also when the chunk is already held or being written (then
-only the claim is new); the claims file follows within a second (files.py). A chunk file the claims file does
-not name at start (put in that second before a crash) is deleted: the claim names the chunk's sharing domain,
-and a chunk of unknown domain must not come back readable by the default one.
+only the claim is new); the claims file follows within a second (files.py). Where several sharing domains use
+the store, a chunk file the claims file does not name at start (put in that second before a crash) is deleted:
+the claim names the chunk's sharing domain, and a chunk of unknown domain must not come back readable by the
+default one.
 A get: index hit -> I/O thread `readinto` straight into the engine's pool slice, checksum verified ->
 answer with the chunk's meta. Inline `data` replaces the pool for small chunks or clients without a lent pool.
 A pooled get carries the engine's get id and deadline: on arrival it is refused, writing nothing, if it is past
@@ -103,7 +104,7 @@ class DiskStore:
         for found in report.chunks:  # least recently used first
             meta = found.meta
             self.index.load(meta.key, Entry(meta.nbytes, file_bytes=found.file_bytes, num_tokens=meta.num_tokens))
-        restored = self.state.restore()
+        restored = self.state.restore(several_domains=self.domains.names_other_domains())
         for key, _ in restored.strays:  # put just before a crash: its sharing domain is unknown
             chunk_file.unlink_chunk(self.root, key)
         for key, _ in self.index.trim_to_capacity():  # the cap shrank since the last run (never drops a pin;
@@ -205,9 +206,9 @@ class DiskStore:
             self._spawn(self._write(meta, entry, staging.view, staging, done))
             return protocol.Ack()
         error = await self._write(meta, entry, source, None, done)  # write-through: answer once the file is complete
-        if error is None and self.options.durable_puts:
-            # and its claim, which names its sharing domain: a chunk the claims file does not know is dropped at
-            # start (StoreState.restore)
+        if error is None and self.options.durable_puts and self.domains.names_other_domains():
+            # and its claim, which names its sharing domain: with several domains, a chunk the claims file does
+            # not name is dropped at start (StoreState.restore)
             try:
                 await self.state.save_now()
             except OSError as exc:

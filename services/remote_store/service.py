@@ -91,11 +91,13 @@ class RemoteStoreService:
 
     async def start(self, nc: NatsClient | None = None) -> None:
         options = self.options
-        await self.store.open()
-        await self.stream.start()
         nc = await self.endpoint.connect(nc, options.nats_url, options.auth)
+        # after connecting (a KVMesh-started NATS provisions the store's credentials, beside which the map is),
+        # before opening: the map tells whether a chunk the claims file does not name can be kept
         self.store.domains = self.ops.domains = store_domains(
             options.domains_file, options.nats_url, protocol.Principal.store(options.store_id).path)
+        await self.store.open()
+        await self.stream.start()
         handlers = [Handler("stream", protocol.StreamRequest, self._on_stream),
                     Handler("put", protocol.PutRequest, self._on_put),
                     Handler("get", protocol.GetRequest, self._on_get), *self.ops.handlers()]

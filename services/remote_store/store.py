@@ -121,7 +121,7 @@ class MemoryStore:
         loaded = 0
         if self.persister is not None and self.state is not None:
             loaded = await self._load(self.persister.root)
-            restored = await asyncio.to_thread(self.state.restore)
+            restored = await asyncio.to_thread(self.state.restore, self.domains.names_other_domains())
             self.free(restored.strays)  # put just before a crash: their sharing domain is unknown
             loaded = len(self.index)
             self.persister.start()
