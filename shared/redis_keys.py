@@ -2,7 +2,7 @@
 
 `<p>` is `redis_key_prefix`, `<h>` a chunk key in hex (which already encodes the model and the KV format). The
 braces are a cluster hash tag: one chunk's keys live on one shard, so one script can touch them all.
-  * `<p>:chunk:{<h>}`        the value: VALUE_MAGIC, its MAC, the chunk-file header, then the bytes
+  * `<p>:chunk:{<h>}`        the value: VALUE_MAGIC, the MAC key's id, its MAC, the chunk-file header, the bytes
   * `<p>:pins:{<h>}`         set of pin entries `<random id>|<MAC>` (absent: not pinned)
   * `<p>:owners:{<h>}`       set of owner entries `<caller>|<MAC>`, the callers that put the chunk
   * `<p>:tmp:{<h>}:<n>`      a put being written
@@ -14,6 +14,12 @@ carries an HMAC-SHA256 over (its key name, the header, the bytes), and each pin 
 (the set's key name, the entry): a value or entry that fails it is not ours. The MAC key derives from the
 engine's secret (`remote_auth_secret_file`, else its sharing domain's secret); without one the MAC is keyed by
 nothing secret, which still catches corruption, values moved between keys and old formats, not forgery.
+
+A value also names the id of the key its MAC is under (`RedisAuth.key_id`: a digest of the MAC key, which tells
+nothing of the key). A value under another key id was written by engines with another secret (another sharing
+domain, or instances that do not share one) on the same prefix: not ours, so a miss, but left alone (deleting it
+would make such engines delete each other's values forever). A value under our key id that fails its MAC is
+forged or damaged, and is deleted.
 """
 
 from __future__ import annotations
@@ -27,9 +33,10 @@ from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.keys import KEY_BYTES, ChunkKey
 
 
-VALUE_MAGIC = b"KVMRV\x01\x00\x00"  # a KVMesh Redis value, version 1 (MAC'd); older values do not match
-VALUE_TAG_BYTES = 32  # the value's MAC, right after VALUE_MAGIC
-VALUE_PREFIX_BYTES = len(VALUE_MAGIC) + VALUE_TAG_BYTES
+VALUE_MAGIC = b"KVMRV\x02\x00\x00"  # a KVMesh Redis value, version 2 (key id, MAC); older values do not match
+KEY_ID_BYTES = 8  # the id of the MAC key, right after VALUE_MAGIC
+VALUE_TAG_BYTES = 32  # the value's MAC, after the key id
+VALUE_PREFIX_BYTES = len(VALUE_MAGIC) + KEY_ID_BYTES + VALUE_TAG_BYTES
 ENTRY_TAG_BYTES = 16  # a pin or owner entry's MAC (hex in the entry)
 MIN_SECRET_BYTES = 16
 SECRET_FILE_KEY = "remote_auth_secret_file"
@@ -87,6 +94,7 @@ class RedisAuth:
         self.source = source if self.keyed else "no secret"
         # derived, so a secret used elsewhere (the domain's) never keys these MACs directly
         self._key = b"" if secret is None else hmac.digest(secret, b"kvmesh redis tier MAC key", "sha256")
+        self.key_id = hmac.digest(self._key, b"kvmesh redis tier key id", "sha256")[:KEY_ID_BYTES]
 
     def value_tag(self, name: str, header: bytes | memoryview, data: bytes | memoryview) -> bytes:
         """The MAC of the value at key `name`: chunk-file header `header` then the chunk's bytes `data`.
@@ -98,8 +106,8 @@ class RedisAuth:
         return mac.digest()
 
     def value_prefix(self, name: str, header: bytes, data: bytes | memoryview) -> bytes:
-        """What a value starts with: VALUE_MAGIC and its MAC (the header and the bytes follow)."""
-        return VALUE_MAGIC + self.value_tag(name, header, data)
+        """What a value starts with: VALUE_MAGIC, the key id and its MAC (the header and the bytes follow)."""
+        return VALUE_MAGIC + self.key_id + self.value_tag(name, header, data)
 
     def entry(self, set_name: str, member: str) -> str:
         """`member` as an entry of the set at `set_name` (a pin id, an owner caller): `<member>|<MAC>`."""

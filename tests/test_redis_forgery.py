@@ -77,10 +77,14 @@ async def test_an_honest_round_trip_works_and_carries_a_mac(redis_server: RedisS
 
 
 @pytest.mark.parametrize("held", [False, True], ids=["pre-planted", "replaced"])
-async def test_a_forged_value_is_a_miss_and_deleted(redis_server: RedisServer, held: bool,
-                                                    caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("our_key_id", [True, False], ids=["posing-as-ours", "its-own-key-id"])
+async def test_a_forged_value_is_a_miss(redis_server: RedisServer, held: bool, our_key_id: bool,
+                                        caplog: pytest.LogCaptureFixture) -> None:
     """A value with a valid header and the right checksum over other bytes, under a key nobody stored yet or in
-    place of the engines' value: a miss, deleted, one WARNING, counted; the next honest put is served."""
+    place of the engines' value: a miss, one WARNING, counted; the next honest put is served. Posing as ours (our
+    key id copied from one of our values) it fails the MAC and is deleted; under its own key id it is another
+    secret's value, left alone on reads (engines of two secrets on one prefix must not delete each other's) and
+    replaced by the honest put."""
     tier, attacker = make_tier(redis_server), make_tier(redis_server, "engine.evil.evil", ATTACKER_SECRET)
     try:
         meta, data = chunk(2)
@@ -89,17 +93,22 @@ async def test_a_forged_value_is_a_miss_and_deleted(redis_server: RedisServer, h
             assert await put(tier, meta, data)
             assert await attacker.remove([meta.key]) == 1
         assert await put(attacker, forged, forged_data)
+        name = tier.chunk_key(meta.key)
+        if our_key_id:
+            with redis_server.client() as client:
+                client.setrange(name, len(VALUE_MAGIC), tier.auth.key_id)
         caplog.set_level(logging.WARNING, TIER_LOG)
         out = bytearray(meta.nbytes)
         assert await tier.get_into(meta.key, ChunkBuffer(memoryview(out))) is None
         assert bytes(out) != forged_data  # not even copied out
         with redis_server.client() as client:
-            assert not client.exists(tier.chunk_key(meta.key))  # deleted
+            assert bool(client.exists(name)) is not our_key_id  # deleted only when it fails our MAC
         warnings = [r for r in caplog.records if r.name == TIER_LOG and r.levelno == logging.WARNING]
-        assert len(warnings) == 1 and "MAC" in warnings[0].getMessage()
-        assert tier.values_rejected == 1
-        stats = await tier.stats()
-        assert stats[0].details["values_rejected"] == 1 and stats[0].details["authenticated"] is True
+        assert len(warnings) == 1
+        assert ("MAC mismatch" if our_key_id else "another secret") in warnings[0].getMessage()
+        stats = (await tier.stats())[0].details
+        assert (stats["values_rejected"], stats["values_foreign"]) == ((1, 0) if our_key_id else (0, 1))
+        assert stats["authenticated"] is True
         assert await put(tier, meta, data) and await get(tier, meta) == data
     finally:
         await tier.close()
@@ -302,10 +311,10 @@ def test_a_bad_secret_file_is_a_config_error_naming_the_key(tmp_path: Path, cont
         EngineConfig(remote_auth_secret_file=str(path))
 
 
-
 def test_engines_share_chunks_only_with_the_same_secret(redis_server: RedisServer, tmp_path: Path) -> None:
     """Through cache engines on one Redis and one prefix: an engine with the writer's secret loads the chunks
-    bit-exact; one with another `remote_auth_secret_file` misses them (vLLM recomputes) and deletes them."""
+    bit-exact; one with another `remote_auth_secret_file` misses them (vLLM recomputes) and leaves them to the
+    writer's group (no deleting each other's values on reads)."""
     files = []
     for name in ("ours", "theirs"):
         files.append(tmp_path / f"{name}.secret")
@@ -334,8 +343,10 @@ def test_engines_share_chunks_only_with_the_same_secret(redis_server: RedisServe
             assert torch.equal(kvs[1].token_kv(dst), kvs[0].token_kv(src))
             dst = kvs[2].slots(96)
             assert not bool(other.retrieve(tokens, **kvs[2].kv(dst)).any())  # another secret: a miss
-            assert other.storage.lower(REMOTE).values_rejected >= 1  # type: ignore[union-attr]
-            assert same.lookup(tokens) == 0  # deleted: the values failed the other engine's MAC
+            assert other.storage.lower(REMOTE).values_foreign >= 1  # type: ignore[union-attr]
+            dst = kvs[1].slots(96)
+            assert bool(same.retrieve(tokens, **kvs[1].kv(dst)).all())  # still there for the writer's group
+            assert torch.equal(kvs[1].token_kv(dst), kvs[0].token_kv(src))
         finally:
             for engine in engines:
                 engine.close()

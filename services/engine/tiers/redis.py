@@ -3,10 +3,12 @@
 Runs on the engine's NATS loop thread (all methods are coroutines), with a redis-py async client made from
 `remote_url` (shared/redis_url.py: standalone, TLS, unix socket, sentinel or cluster).
 
-Keys (shared/redis_keys.py): the value `<p>:chunk:{<h>}` is VALUE_MAGIC, a MAC, then the chunk-file header
-(shared/chunk_file.py: ChunkMeta, data checksum, the header's own check) and the bytes; a value that is truncated,
-foreign (another key, another format version), fails its MAC or a checksum is a miss with one (rate-limited)
-WARNING, is counted (`values_rejected` in stats) and deleted. `<p>:owners:{<h>}` (entries of the callers that put
+Keys (shared/redis_keys.py): the value `<p>:chunk:{<h>}` is VALUE_MAGIC, the MAC key's id, a MAC, then the
+chunk-file header (shared/chunk_file.py: ChunkMeta, data checksum, the header's own check) and the bytes; a value
+that is truncated, foreign (another key, another format version), fails its MAC or a checksum is a miss with one
+(rate-limited) WARNING, is counted (`values_rejected` in stats) and deleted. A value under another key id
+(engines with another secret on the prefix) is a miss too, counted (`values_foreign`) and left alone, so two such
+groups never delete each other's values on reads; a put of ours replaces it. `<p>:owners:{<h>}` (entries of the callers that put
 the chunk) and `<p>:claims:<caller>` let a `clear` take back only its caller's claims and delete a chunk once
 nobody claims it; `<p>:pins:{<h>}` holds one entry per pin. A put is written to `<p>:tmp:{<h>}:<n>` and moved
 into place by a script, so no reader ever sees half a value.
@@ -49,8 +51,8 @@ from kvmesh.shared import chunk_file, protocol
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.credentials import sharing_domain
 from kvmesh.shared.keys import KEY_BYTES, ChunkKey
-from kvmesh.shared.redis_keys import (SECRET_FILE_KEY, VALUE_MAGIC, VALUE_PREFIX_BYTES, RedisAuth, RedisKeys,
-                                      read_secret_file)
+from kvmesh.shared.redis_keys import (KEY_ID_BYTES, SECRET_FILE_KEY, VALUE_MAGIC, VALUE_PREFIX_BYTES, RedisAuth,
+                                      RedisKeys, read_secret_file)
 from kvmesh.shared.redis_url import CLUSTER, RedisTarget
 from kvmesh.shared.tier import ChunkBuffer, StoreLink, byte_view
 
@@ -58,10 +60,17 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# KEYS: tmp, chunk. The bytes are written; move them into place unless another put got there first (its
-# value may be pinned by now: replacing it would drop the pin's PERSIST).
-_FINISH_PUT = """
-if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('DEL', KEYS[1]) return 0 end
+# ARGV[n]: what a value of ours starts with (VALUE_MAGIC and our key id). A value that starts otherwise (another
+# secret's, an older format's, a forgery) is not held for us: a put replaces it.
+_OURS = """
+local function ours(name, prefix)
+  return redis.call('GETRANGE', name, 0, string.len(prefix) - 1) == prefix
+end
+"""
+# KEYS: tmp, chunk. ARGV: our value prefix. The bytes are written; move them into place unless another put of
+# ours got there first (its value may be pinned by now: replacing it would drop the pin's PERSIST).
+_FINISH_PUT = _OURS + """
+if ours(KEYS[2], ARGV[1]) then redis.call('DEL', KEYS[1]) return 0 end
 redis.call('RENAME', KEYS[1], KEYS[2])
 return 1
 """
@@ -74,12 +83,12 @@ local function set_only(name)
   return 0
 end
 """
-# KEYS: chunk, owners. ARGV: the caller's owner entry, ttl ms. Record the claim; 1 if the chunk is already held
-# (refreshed).
-_CLAIM = _SETS_ONLY + """
+# KEYS: chunk, owners. ARGV: the caller's owner entry, ttl ms, our value prefix. Record the claim; 1 if the chunk
+# is already held as a value of ours (refreshed).
+_CLAIM = _SETS_ONLY + _OURS + """
 set_only(KEYS[2])
 redis.call('SADD', KEYS[2], ARGV[1])
-if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('PEXPIRE', KEYS[2], ARGV[2]) return 0 end
+if not ours(KEYS[1], ARGV[3]) then redis.call('PEXPIRE', KEYS[2], ARGV[2]) return 0 end
 if redis.call('PTTL', KEYS[1]) >= 0 then
   redis.call('PEXPIRE', KEYS[1], ARGV[2]) redis.call('PEXPIRE', KEYS[2], ARGV[2])
 else
@@ -145,6 +154,11 @@ class CorruptValue(chunk_file.CorruptChunkFile):
     """A Redis value that is not a whole, verified chunk of the asked key."""
 
 
+class ForeignValue(Exception):
+    """A Redis value MAC'd under another key (engines with another secret on the same prefix): not ours to load,
+    nor to delete."""
+
+
 class RedisTier:
     """StoreTier on Redis / Valkey for `caller` (an engine rank's path, as for our own stores: its puts are
     claimed by it, its `clear` takes back only them)."""
@@ -158,6 +172,8 @@ class RedisTier:
         self.caller = caller
         self.auth = auth if auth is not None else RedisAuth(None)
         self.values_rejected = 0  # values that were not a whole, authentic chunk of their key (deleted)
+        self.values_foreign = 0  # values under another secret's key id (misses, left alone; a put replaces them)
+        self._value_start = VALUE_MAGIC + self.auth.key_id  # what each value of ours starts with
         self.entries_rejected = 0  # pin and owner entries that failed their MAC (removed)
         self.store_ids = [protocol.redis_store_id(key_prefix)]
         self.keys = RedisKeys(key_prefix)
@@ -244,13 +260,14 @@ class RedisTier:
         tmp = self.keys.tmp(meta.key, next(self._tmp_ids))
 
         async def write() -> bool:
-            held = await self.client.eval(_CLAIM, 2, chunk, owners, self._owner_entry(owners), self.ttl_ms)
+            held = await self.client.eval(_CLAIM, 2, chunk, owners, self._owner_entry(owners), self.ttl_ms,
+                                          self._value_start)
             if not held:
                 header = chunk_file.encode_header(meta)
                 # the MAC names the final key, not tmp; off the loop: it reads every byte of the chunk
                 prefix = await asyncio.to_thread(self.auth.value_prefix, chunk, header, data)
                 await self._write_value(tmp, prefix + header, data)
-                await self.client.eval(_FINISH_PUT, 2, tmp, chunk)
+                await self.client.eval(_FINISH_PUT, 2, tmp, chunk, self._value_start)
             pipe = self.client.pipeline(transaction=False)
             pipe.hset(self.claims_key, meta.key.hex(), meta.num_tokens)
             pipe.pexpire(self.claims_key, self.ttl_ms)
@@ -301,6 +318,12 @@ class RedisTier:
             return None
         try:  # MAC, checksum and copy off the loop: 32 MiB would stall every other request on it
             return await asyncio.to_thread(_decode_into, self.auth, name, key, value, view)
+        except ForeignValue as exc:
+            self.values_foreign += 1
+            self._rlog.warning("foreign", "%s: %s; a miss. Instances that should share values need one secret "
+                               "(%s, or credentials of one sharing domain); others, their own redis_key_prefix",
+                               self.target.describe(), exc, SECRET_FILE_KEY)
+            return None
         except chunk_file.CorruptChunkFile as exc:  # MAC, bad header, another key, truncated, checksum
             self.values_rejected += 1
             self._rlog.warning("corrupt", "%s: %s; treated as a miss and deleted", self.target.describe(), exc)
@@ -431,6 +454,7 @@ class RedisTier:
                                     capacity_bytes=int(info.get("maxmemory", 0)),
                                     details={"target": self.target.describe(), "authenticated": self.auth.keyed,
                                              "values_rejected": self.values_rejected,
+                                             "values_foreign": self.values_foreign,
                                              "entries_rejected": self.entries_rejected})]
 
     async def close(self) -> None:
@@ -493,8 +517,11 @@ def _decode_into(auth: RedisAuth, name: str, key: ChunkKey, value: bytes, out: m
     if value[: len(VALUE_MAGIC)] != VALUE_MAGIC:
         raise CorruptValue(f"value of chunk {key.hex()}: not a KVMesh Redis value of this version (no MAC: "
                            "written by an older KVMesh, or not by KVMesh)")
+    key_id_end = len(VALUE_MAGIC) + KEY_ID_BYTES
+    if len(value) >= key_id_end and value[len(VALUE_MAGIC): key_id_end] != auth.key_id:
+        raise ForeignValue(f"value of chunk {key.hex()} is MAC'd under another secret")
     body = memoryview(value)[VALUE_PREFIX_BYTES:]
-    if not hmac.compare_digest(auth.value_tag(name, b"", body), value[len(VALUE_MAGIC): VALUE_PREFIX_BYTES]):
+    if not hmac.compare_digest(auth.value_tag(name, b"", body), value[key_id_end: VALUE_PREFIX_BYTES]):
         raise CorruptValue(f"value of chunk {key.hex()}: MAC mismatch (written without this engine's secret, "
                            "moved from another key, truncated or damaged)")
     stream = io.BytesIO(body)
