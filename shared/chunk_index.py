@@ -458,29 +458,14 @@ class ChunkIndex(Generic[E]):
         another principal's claims, and unclaimed chunks, stay. `released` is empty when it held no claim."""
         cleared: Cleared[E] = Cleared()
         bits = self._callers.mask_of(principal)
-        if not bits:
-            return cleared
-        mask = self._claims.get(key, 0)
-        if mask & bits:
-            cleared.released.append(self._held[key])
-            self._callers.drop(mask & bits)
-            self._claims_version += 1
-            if mask & ~bits:
-                self._claims[key] = mask & ~bits
-            else:
-                del self._claims[key]
-                if self._policy.is_pinned(key):
-                    self._orphans.add(key)
-                else:
-                    cleared.forgotten.append((key, self._forget(key)))
-        flight = self._in_flight.get(key)
-        if flight is not None and flight.claims & bits:
-            cleared.released.append(flight.entry)
-            self._callers.drop(flight.claims & bits)
-            flight.claims &= ~bits
-            if not flight.claims:
-                flight.discard = True
-                cleared.discarded.append(flight.entry)
+        if bits:
+            mask = self._claims.get(key, 0)
+            if mask & bits:
+                self._take_back_held(key, mask, bits, cleared)
+                self._claims_version += 1
+            flight = self._in_flight.get(key)
+            if flight is not None and flight.claims & bits:
+                self._take_back_in_flight(flight, bits, cleared)
         return cleared
 
     def drop(self, key: ChunkKey, entry: E) -> bool:
@@ -499,26 +484,35 @@ class ChunkIndex(Generic[E]):
         if not bit:
             return cleared
         for key, mask in [(key, mask) for key, mask in self._claims.items() if mask & bit]:
-            cleared.released.append(self._held[key])
-            self._callers.drop(bit)
-            if mask != bit:
-                self._claims[key] = mask & ~bit
-            else:
-                del self._claims[key]
-                if self._policy.is_pinned(key):
-                    self._orphans.add(key)
-                else:
-                    cleared.forgotten.append((key, self._forget(key)))
+            self._take_back_held(key, mask, bit, cleared)
         self._claims_version += bool(cleared.released)
         for flight in self._in_flight.values():
             if flight.claims & bit:
-                cleared.released.append(flight.entry)
-                self._callers.drop(bit)
-                flight.claims &= ~bit
-                if not flight.claims:
-                    flight.discard = True
-                    cleared.discarded.append(flight.entry)
+                self._take_back_in_flight(flight, bit, cleared)
         return cleared
+
+    def _take_back_held(self, key: ChunkKey, mask: int, bits: int, cleared: Cleared[E]) -> None:
+        """Drop the claims `bits` (some of them in `mask`, the held key's) on a held key: it is forgotten once
+        nobody claims it, or orphaned while pinned."""
+        cleared.released.append(self._held[key])
+        self._callers.drop(mask & bits)
+        if mask & ~bits:
+            self._claims[key] = mask & ~bits
+            return
+        del self._claims[key]
+        if self._policy.is_pinned(key):
+            self._orphans.add(key)
+        else:
+            cleared.forgotten.append((key, self._forget(key)))
+
+    def _take_back_in_flight(self, flight: _InFlight[E], bits: int, cleared: Cleared[E]) -> None:
+        """Drop the claims `bits` (some of them the put's) on a put in flight: discarded once nobody claims it."""
+        cleared.released.append(flight.entry)
+        self._callers.drop(flight.claims & bits)
+        flight.claims &= ~bits
+        if not flight.claims:
+            flight.discard = True
+            cleared.discarded.append(flight.entry)
 
     def forget_orphans(self) -> list[tuple[ChunkKey, E]]:
         """Forget the chunks a clear left unclaimed but pinned whose pins are gone (unpinned, or expired); the

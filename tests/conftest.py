@@ -8,6 +8,8 @@
   layers; Mistral with every layer windowed), built offline and cached.
 * `vision_model`: an Idefics3 that takes images (a tiny vision tower in front of a demo-sized Llama, 64 tokens
   per image), with its processor and chat template, built offline and cached.
+* `nats_mesh`: a KVMesh-started NATS with its credentials directory and no service processes (tests add their
+  own principals and services).
 * every process started through `e2e_support` (vLLM servers, `kvmesh up`) is stopped at the end of the session.
 Helpers (free ports, process classes) live in tests/e2e_support.py.
 """
@@ -20,12 +22,21 @@ from typing import AsyncIterator, Iterator
 import pytest
 
 from e2e_support import make_demo_model, make_lora_adapters, model_cache_dir, stop_all
+from kvmesh.shared.local_mesh import LocalMesh
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _stop_processes_at_exit() -> Iterator[None]:
     yield
     stop_all()
+
+
+@pytest.fixture
+def nats_mesh() -> Iterator[LocalMesh]:
+    local = LocalMesh([])
+    local.start_nats()
+    yield local
+    local.stop()
 
 
 @pytest.fixture(scope="session")

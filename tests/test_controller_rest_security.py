@@ -34,6 +34,19 @@ from waiting import WAIT_S, wait_until_async
 FLOOD_PEAK_RSS_MIB = 512
 
 
+def stop(process: subprocess.Popen[str]) -> None:
+    """SIGTERM a process we started, SIGKILL it if it outlives WAIT_S, and close its output."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=WAIT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
+    if process.stdout:
+        process.stdout.close()
+
+
 def _outside_address() -> str:
     """An address of this machine that is not loopback (the one a default route leaves from), else 0.0.0.0."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
@@ -60,15 +73,7 @@ def controller_process(*flags: str, env: dict[str, str] | None = None) -> Iterat
     try:
         yield process, port, nats_port
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=WAIT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=5)
-        if process.stdout:
-            process.stdout.close()
+        stop(process)
 
 
 def _output(process: subprocess.Popen[bytes]) -> str:
@@ -269,14 +274,7 @@ def kvmesh_up(tmp_path: Path, host: str) -> Iterator[tuple[dict, int]]:
         assert line, "kvmesh up printed nothing"
         yield json.loads(line), port
     finally:
-        up.send_signal(signal.SIGTERM)
-        try:
-            up.wait(timeout=WAIT_S)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            up.wait(timeout=5)
-        if up.stdout:
-            up.stdout.close()
+        stop(up)
 
 
 def test_kvmesh_up_beyond_loopback_makes_a_token_and_on_loopback_none(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator
 
 import httpx
 import nats
@@ -36,13 +36,10 @@ from waiting import WAIT_S, wait_until_async
 PARAMS = KeyParams(model="test-model", kv_format="")
 
 
+
 @pytest.fixture
-def mesh() -> Iterator[LocalMesh]:
-    """A KVMesh-started NATS with its credentials (no service processes: the tests bring their own)."""
-    local = LocalMesh([])
-    local.start_nats()
-    yield local
-    local.stop()
+def mesh(nats_mesh: LocalMesh) -> LocalMesh:
+    return nats_mesh
 
 
 class Attacker:

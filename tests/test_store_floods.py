@@ -24,7 +24,7 @@ import os
 import sys
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator
 
 import pytest
 
@@ -95,12 +95,10 @@ asyncio.run(flood(sys.argv[1], sys.argv[2], sys.argv[3:]))
 """
 
 
+
 @pytest.fixture
-def mesh() -> Iterator[LocalMesh]:
-    local = LocalMesh([])
-    local.start_nats()
-    yield local
-    local.stop()
+def mesh(nats_mesh: LocalMesh) -> LocalMesh:
+    return nats_mesh
 
 
 def slow_consumers(mesh: LocalMesh) -> list[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator
 
 import pytest
 
@@ -34,13 +34,10 @@ MiB = 1024 * 1024
 NBYTES = 64 * 1024
 
 
+
 @pytest.fixture
-def mesh() -> Iterator[LocalMesh]:
-    """A KVMesh-started NATS with its credentials directory; tenants are added to it below."""
-    local = LocalMesh([])
-    local.start_nats()
-    yield local
-    local.stop()
+def mesh(nats_mesh: LocalMesh) -> LocalMesh:
+    return nats_mesh
 
 
 def add_tenant(mesh: LocalMesh, instance: str, domain: str) -> bus.NatsAuth:
