@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import socket
 import string
 import types
@@ -34,6 +35,7 @@ LOCATIONS = (LOCAL_CPU, LOCAL_DISK, REMOTE)
 
 
 _TOKEN_SAFE = frozenset(string.ascii_letters + string.digits + "-")  # kept as they are in a subject token
+_TOKEN_PATTERN = re.compile(r"(?:[A-Za-z0-9-]|_[0-9a-f]{2})+")  # what `Subjects.token` makes
 
 ROLES = ("engine", "store", "controller", "operator")
 
@@ -145,6 +147,11 @@ class Subjects:
         if not name:
             raise ValueError("empty subject token")
         return "".join(c if c in _TOKEN_SAFE else "".join(f"_{b:02x}" for b in c.encode()) for c in name)
+
+    @staticmethod
+    def is_token(text: str) -> bool:
+        """Whether `text` is a token `token()` can make (so it matches the subjects of that one id alone)."""
+        return _TOKEN_PATTERN.fullmatch(text) is not None
 
     @classmethod
     def register(cls, producer_path: str) -> str:

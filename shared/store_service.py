@@ -425,10 +425,7 @@ class StoreEndpoint:
         wildcard, no dot), so that its subjects match its callers alone; another entry is logged (once) and
         served nowhere."""
         role, _, name = path.partition(".")
-        try:
-            ok = role == "engine" and protocol.Subjects.token(name) == name
-        except ValueError:
-            ok = False
+        ok = role == "engine" and protocol.Subjects.is_token(name)
         if not ok and path not in self._bad_entries:
             self._bad_entries.add(path)
             log.warning("%s %s: domains map entry %r is not an engine principal (engine.<instance token>): "
@@ -528,12 +525,12 @@ class StoreEndpoint:
         if self.reporter is not None:
             await self.reporter.stop()
             self.reporter = None
-        if self._own_nc:
-            for path in list(self.lanes):
-                await self._retire(self.lanes.pop(path), path)
+        if self._own_nc:  # every lane at once: a store serving many principals still stops within moments
+            retiring = [self._retire(self.lanes.pop(path), path) for path in list(self.lanes)]
             if self.shared is not None:
-                await self._retire(self.shared, SHARED_LANE)
+                retiring.append(self._retire(self.shared, SHARED_LANE))
                 self.shared = None
+            await asyncio.gather(*retiring)
             try:
                 await self.nc.drain()
             except Exception as exc:

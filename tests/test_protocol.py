@@ -102,3 +102,14 @@ def test_principals_and_the_producer_path_a_subject_names() -> None:
     for subject in ("kvmesh.events.engine.tp", "kvmesh.events.controller.x.y", "kvmesh.events.engine.a.b.c",
                     "kvmesh.ctrl.register.engine.a.b"):
         assert Subjects.producer_of(subject, Subjects.EVENTS_ALL) is None
+
+
+def test_a_token_is_what_token_makes() -> None:
+    """Store lanes subscribe `engine.<token>` by the domains map: an instance id with underscores (the default one)
+    is a token too, while a dot or a wildcard would match other principals' subjects."""
+    from kvmesh.shared.protocol import Subjects
+
+    for name in ("lmcache_default_instance", "vllm-0", "a.b", "a_b", "x y", "*", "é"):
+        assert Subjects.is_token(Subjects.token(name)), name
+    for text in ("a.b", "*", ">", "a b", "", "a_zz", "a_5"):
+        assert not Subjects.is_token(text), text
