@@ -34,7 +34,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError, SlowConsumerError, TimeoutError as NatsTimeoutError
 
 from kvmesh.shared import nats_url, protocol
-from kvmesh.shared.errors import ConfigError, MeshUnavailable, ProtocolError
+from kvmesh.shared.errors import ConfigError, MeshUnavailable, NoResponder, ProtocolError
 from kvmesh.shared.nats_permissions import inbox_prefix, permissions
 
 log = logging.getLogger(__name__)
@@ -400,7 +400,7 @@ async def request(nc: NatsClient, subject: str, message: Any, reply_type: type[R
     except (NatsTimeoutError, asyncio.TimeoutError):
         raise MeshUnavailable(f"no reply on {subject} within {timeout:g}s") from None
     except NoRespondersError:
-        raise MeshUnavailable(f"no responder on {subject}") from None
+        raise NoResponder(f"no responder on {subject}") from None
     except Exception as exc:  # connection closed / reconnecting
         raise MeshUnavailable(f"request on {subject} failed: {type(exc).__name__}: {exc}") from None
     if reply_type is not protocol.Ack:

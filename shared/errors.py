@@ -21,5 +21,9 @@ class MeshUnavailable(KVMeshError):
     """NATS or a service did not answer in time; callers fall back to running without the cache."""
 
 
+class NoResponder(MeshUnavailable):
+    """Nobody subscribes to a request's subject (NATS said so at once): the request was delivered to no one."""
+
+
 class NatsServerError(KVMeshError):
     """The embedded nats-server could not be found or started."""

@@ -23,6 +23,7 @@ puts, and whose claims a `clear` takes back) and logs each change of the store's
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from typing import Any, Awaitable, Callable, Protocol, TypeVar
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.shared import bus
-from kvmesh.shared.errors import KVMeshError
+from kvmesh.shared.errors import KVMeshError, NoResponder
 from kvmesh.shared.keys import ChunkKey
 from kvmesh.shared.protocol import ChunkMeta, StatsReply, Subjects
 from kvmesh.shared.shm import SharedSegment
@@ -106,12 +107,18 @@ class StoreTier(Tier, Protocol):
         """One StatsReply per store behind the client (missing entries for unreachable stores)."""
 
 
+NO_RESPONDER_GRACE_S = 1.0  # how long a reachable store's "no responder" is taken for a moment's gap
+
+
 class StoreLink:
     """A client's view of one store: whether it answers and whether it takes puts, each logged once per change
     (not once per call) on the client's own logger, as "<label> unreachable ..." / "... reachable again".
 
     After a failure the store is not asked again for `retry_interval` seconds (`resting`), so a vanished host
-    costs one timeout, not one per call; 0 asks every time. Requests go to `Subjects.store(store_id, op, caller)`:
+    costs one timeout, not one per call; 0 asks every time. A request of a reachable store that finds no
+    responder is sent again for up to NO_RESPONDER_GRACE_S first (nobody got it, so resending is safe): a store
+    subscribes an engine principal it newly serves within a moment (its lanes follow the domains map, which the
+    engine's own provisioning just wrote; shared/store_service.py), and a restarting store does the same. Requests go to `Subjects.store(store_id, op, caller)`:
     `caller` is the client's path, the only one its NATS credentials may publish store ops on.
     """
 
@@ -144,7 +151,7 @@ class StoreLink:
         if self.resting:
             return None
         try:
-            reply = await bus.request(nc, self.subject(op), message, reply_type, timeout)
+            reply = await self._request(nc, op, message, reply_type, timeout)
         except KVMeshError as exc:  # MeshUnavailable (no responder, timeout, error reply), ProtocolError (bad reply)
             self.failed(exc)
             raise Unanswered(str(exc)) from None
@@ -154,6 +161,18 @@ class StoreLink:
             raise Unanswered(str(exc)) from None
         self.answered()
         return reply
+
+    async def _request(self, nc: NatsClient, op: str, message: Any, reply_type: type[T], timeout: float) -> T:
+        waited, pause = 0.0, 0.05
+        while True:
+            try:
+                return await bus.request(nc, self.subject(op), message, reply_type, timeout)
+            except NoResponder:
+                if not self.reachable or waited >= NO_RESPONDER_GRACE_S:
+                    raise
+            await asyncio.sleep(pause)
+            waited += pause
+            pause = min(pause * 2, 0.25)
 
     def subject(self, op: str) -> str:
         return Subjects.store(self.store_id, op, self.caller)

@@ -104,3 +104,40 @@ async def test_reporter_numbers_batches_and_answers_sync(nc) -> None:
     syncs = [m for m in received if isinstance(m, protocol.SyncChunk)]
     assert syncs[0].keys == [] and syncs[0].seq == 0  # the start-up sync, before any admission
     assert set(syncs[-1].keys) == held and syncs[-1].seq == 4 and syncs[-1].final
+
+
+async def test_a_store_that_subscribes_a_moment_late_still_gets_the_request(nc, monkeypatch) -> None:
+    """A store opens a newly listed principal's lane within a moment (shared/store_service.py): a reachable
+    store's "no responder" is taken for that gap and the request sent again (nobody got it), not a store down."""
+    import logging
+
+    from kvmesh.shared.errors import NoResponder
+    from kvmesh.shared.tier import StoreLink
+
+    link = StoreLink("late", "store late", logging.getLogger("test"), "engine.a.w0", retry_interval=60.0)
+    tries: list[str] = []
+    request = bus.request
+
+    async def answer(msg) -> None:
+        await msg.respond(protocol.encode(protocol.ContainsReply(prefix=0)))
+
+    async def subscribing_after_the_first_miss(*args, **kwargs):  # type: ignore[no-untyped-def]
+        try:
+            return await request(*args, **kwargs)
+        except NoResponder:
+            tries.append("no responder")
+            if len(tries) == 1:
+                await nc.subscribe(link.subject("contains"), cb=answer)
+                await nc.flush()
+            raise
+
+    monkeypatch.setattr(bus, "request", subscribing_after_the_first_miss)
+    reply = await link.request(nc, "contains", protocol.ChunkKeys(keys=[]), protocol.ContainsReply, WAIT_S)
+    assert reply == protocol.ContainsReply(prefix=0) and tries == ["no responder"] and link.reachable
+
+    gone = StoreLink("gone", "store gone", logging.getLogger("test"), "engine.a.w0", retry_interval=60.0)
+    tries.clear()
+    assert await gone.request(nc, "contains", protocol.ChunkKeys(keys=[]), protocol.ContainsReply, WAIT_S) is None
+    assert not gone.reachable and 1 < len(tries) <= 10  # retried for a moment, then taken for down
+    assert await gone.request(nc, "contains", protocol.ChunkKeys(keys=[]), protocol.ContainsReply, WAIT_S) is None
+    assert len(tries) <= 10  # resting: not even sent
