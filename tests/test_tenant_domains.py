@@ -28,7 +28,8 @@ from kvmesh.shared.local_mesh import LocalMesh
 from kvmesh.shared.protocol import Principal, Subjects
 from kvmesh.shared.tier import ChunkBuffer
 
-from waiting import WAIT_S, wait_until
+from test_store_floods import answered
+from waiting import WAIT_S, wait_until, wait_until_async
 
 MiB = 1024 * 1024
 NBYTES = 64 * 1024
@@ -107,13 +108,18 @@ async def store_on(mesh: LocalMesh, kind: str, root: Path) -> AsyncIterator[str]
 
 @contextlib.asynccontextmanager
 async def tenants(mesh: LocalMesh, store_id: str, *specs: tuple[str, str]) -> AsyncIterator[list[Tenant]]:
-    """One connected Tenant per (instance, domain), each with its own credentials."""
+    """One connected Tenant per (instance, domain), each with its own credentials, once the store serves it (a
+    store opens a principal's lane when its domains map lists it: within a moment of `kvmesh credentials`)."""
     connections = []
     try:
         for instance, domain in specs:
             auth = add_tenant(mesh, instance, domain)
             connections.append((await bus.connect(mesh.nats_url, f"tenant-{instance}", auth), instance))
-        yield [Tenant(nc, instance, store_id) for nc, instance in connections]
+        connected = [Tenant(nc, instance, store_id) for nc, instance in connections]
+        for tenant in connected:
+            await wait_until_async(lambda: answered(tenant.nc, store_id, tenant.caller),
+                                   what=f"{store_id} serving {tenant.caller}")
+        yield connected
     finally:
         for nc, _ in connections:
             await nc.close()
