@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -312,6 +311,7 @@ class StoreEndpoint:
         self._subscriptions: list[Subscription] = []  # on `nc`
         self._arranging = asyncio.Lock()
         self._watch: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
         self._closed_lost: collections.Counter[str] = collections.Counter()  # cut-offs of lanes closed since
         self._closed_dropped = 0  # requests dropped on lanes closed since
         self._bad_entries: set[str] = set()  # domains map entries that name no engine principal (logged once)
@@ -470,8 +470,15 @@ class StoreEndpoint:
             log.debug("%s %s: NATS drain of %s failed: %s", self.service, self.store_id, lane.name, exc)
 
     async def _watch_domains(self) -> None:
+        """Arrange the lanes every `check_interval` until `stop_serving`. It is asked to stop, never cancelled: a
+        cancel that lands in nats-py's drain (a lane closing) is swallowed there, and the task would go on
+        forever while `stop_serving` waited for it."""
         while True:
-            await asyncio.sleep(self.check_interval)
+            try:
+                await asyncio.wait_for(self._stopping.wait(), self.check_interval)
+                return
+            except TimeoutError:
+                pass
             try:
                 await self.arrange()
             except Exception:  # a failed look must not end the watch: the next one tries again
@@ -507,9 +514,8 @@ class StoreEndpoint:
     async def stop_serving(self) -> None:
         """Take no more requests (the store may then finish its work and close)."""
         if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
+            self._stopping.set()
+            await self._watch  # ends after the look under way, if any
             self._watch = None
         async with self._arranging:
             await _unsubscribe(self._subscriptions, f"{self.service} {self.store_id}")
