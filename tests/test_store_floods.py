@@ -65,9 +65,10 @@ async def flood(url, caller, store_ids):
     put = protocol.encode(protocol.PutRequest(meta=meta, data=data.tobytes()))  # one put, sent again and again
     garbage = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
     messages = [("put", put), ("get", garbage)]
-    stop = asyncio.Event()
+    stop, flooding = asyncio.Event(), asyncio.Event()
     asyncio.get_running_loop().add_reader(sys.stdin, stop.set)  # EOF on stdin: the test is done
     sent = [0]
+    under_way = 2 * len(connections) * len(store_ids) * len(messages)  # every kind of message sent twice
 
     async def ignore(msg):  # the stores' answers: read and dropped
         pass
@@ -80,11 +81,12 @@ async def flood(url, caller, store_ids):
             await nc.publish(protocol.Subjects.store(store_ids[sent[0] % len(store_ids)], op, caller), payload,
                              reply=inbox)
             sent[0] += 1
-            await asyncio.sleep(0)
+            if sent[0] >= under_way:
+                flooding.set()
+            await asyncio.sleep(0)  # let the other connections publish too
 
     tasks = [asyncio.create_task(publish(nc)) for nc in connections]
-    while sent[0] < 2 * len(connections) * len(store_ids) * len(messages):
-        await asyncio.sleep(0.01)
+    await flooding.wait()
     print("flooding", nbytes, flush=True)
     await asyncio.gather(*tasks)
     for nc in connections:
