@@ -10,7 +10,8 @@ The NATS it starts requires credentials, with permissions per principal (shared/
 credentials directory `local_mesh_dir(port)` (shared/credentials.py) holds a user for the controller, the
 operator and each store; each service gets its own file through $KVMESH_NATS_CREDENTIALS (never on its command
 line); engines on this host add their own (`credentials.provision`). The directory outlives the mesh, so a
-mesh restarted on the same port takes back the same users (delete it to rotate them).
+mesh restarted on the same port takes back the same users (delete it to rotate them); a mesh on a port it
+picks itself is new, and starts with an empty directory.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,7 +87,9 @@ class LocalMesh:
         """Start the embedded NATS (once; nothing when `nats_url` was given); the URL services connect to."""
         if self.nats_url is None:
             port = self.nats_port or free_port(self.nats_host)
-            # Kept across restarts of a mesh on this port, so engines that outlive it reconnect with what they have.
+            if self.nats_port is None:  # a new mesh: what an earlier one on this port left is not its own
+                shutil.rmtree(local_mesh_dir(port), ignore_errors=True)
+            # Kept across restarts of a mesh on a given port, so engines that outlive it reconnect with what they have.
             self.credentials = MeshCredentials(local_mesh_dir(port))
             self.credentials.ensure(protocol.CONTROLLER.path, protocol.OPERATOR.path,
                                     *(spec.principal.path for spec in self.services))

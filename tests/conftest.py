@@ -16,6 +16,7 @@ Helpers (free ports, process classes) live in tests/e2e_support.py.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import AsyncIterator, Iterator
 
@@ -33,10 +34,13 @@ def _stop_processes_at_exit() -> Iterator[None]:
 
 @pytest.fixture
 def nats_mesh() -> Iterator[LocalMesh]:
+    """A KVMesh-started NATS with no services (its credentials directory new, and removed after)."""
     local = LocalMesh([])
     local.start_nats()
     yield local
     local.stop()
+    if local.credentials is not None:
+        shutil.rmtree(local.credentials.root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -276,26 +276,22 @@ def test_the_secret_comes_from_the_file_else_the_sharing_domain(tmp_path: Path) 
     assert load_engine_config(environ=env).remote_auth_secret_file == str(secret_file)
 
 
-def test_an_engine_on_a_kvmesh_started_nats_uses_its_provisioned_domain_secret() -> None:
+def test_an_engine_on_a_kvmesh_started_nats_uses_its_provisioned_domain_secret(nats_mesh: LocalMesh) -> None:
     """No nats_credentials given: the file a KVMesh-started NATS on this host provisions for the engine is where
     its domain secret comes from (what cache_engine passes: the mesh URL)."""
-    mesh = LocalMesh([])
-    url = mesh.start_nats()
-    try:
-        mesh_dir = MeshCredentials(local_mesh_dir(int(url.rsplit(":", 1)[1])))
-        mesh_dir.ensure(Principal.engine("tenant-b").path, domain="b")
-        for instance in ("tenant-a", "tenant-b"):
-            assert provision(url, Principal.engine(instance).path) is not None  # as the engine does at start
-        config_a, config_b = (EngineConfig(lmcache_instance_id=i) for i in ("tenant-a", "tenant-b"))
-        a, b = resolve_auth(config_a, url), resolve_auth(config_b, url)
-        assert a.keyed and b.keyed and "sharing domain default" in a.source and "sharing domain b" in b.source
-        explicit = resolve_auth(EngineConfig(nats_credentials=str(mesh_dir.file("engine.tenant-a"))), None)
-        assert a.value_tag("k", b"", b"x") == explicit.value_tag("k", b"", b"x") != b.value_tag("k", b"", b"x")
-        assert not resolve_auth(config_a, None).keyed  # no mesh URL, no credentials: no secret
-        token_only = EngineConfig(lmcache_instance_id="tenant-a", nats_token="a token")
-        assert not resolve_auth(token_only, url).keyed  # credentials that are no KVMesh file: no secret
-    finally:
-        mesh.stop()
+    url = nats_mesh.start_nats()
+    mesh_dir = MeshCredentials(local_mesh_dir(int(url.rsplit(":", 1)[1])))
+    mesh_dir.ensure(Principal.engine("tenant-b").path, domain="b")
+    for instance in ("tenant-a", "tenant-b"):
+        assert provision(url, Principal.engine(instance).path) is not None  # as the engine does at start
+    config_a, config_b = (EngineConfig(lmcache_instance_id=i) for i in ("tenant-a", "tenant-b"))
+    a, b = resolve_auth(config_a, url), resolve_auth(config_b, url)
+    assert a.keyed and b.keyed and "sharing domain default" in a.source and "sharing domain b" in b.source
+    explicit = resolve_auth(EngineConfig(nats_credentials=str(mesh_dir.file("engine.tenant-a"))), None)
+    assert a.value_tag("k", b"", b"x") == explicit.value_tag("k", b"", b"x") != b.value_tag("k", b"", b"x")
+    assert not resolve_auth(config_a, None).keyed  # no mesh URL, no credentials: no secret
+    token_only = EngineConfig(lmcache_instance_id="tenant-a", nats_token="a token")
+    assert not resolve_auth(token_only, url).keyed  # credentials that are no KVMesh file: no secret
 
 
 @pytest.mark.parametrize(("content", "mode", "problem"), [

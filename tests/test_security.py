@@ -111,6 +111,31 @@ def test_credentials_are_private_files(mesh: LocalMesh) -> None:
     assert auth is not None and auth.user == "engine.late" and auth.inbox_prefix == "_INBOX.engine.late"
 
 
+def test_a_mesh_on_a_port_it_picked_starts_without_what_an_earlier_mesh_there_left(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The directory outlives its mesh (a restart on a given port takes its users back), but a new mesh that drew
+    the same free port must not inherit the earlier one's engines and domains map (a store would open lanes for
+    them and see several sharing domains)."""
+    import kvmesh.shared.local_mesh as local_mesh
+
+    earlier = LocalMesh([])
+    earlier.start_nats()
+    assert earlier.credentials is not None and earlier._nats is not None
+    port = earlier._nats.port
+    earlier.credentials.ensure(Principal.engine("left-behind").path, domain="theirs")
+    earlier.stop()
+    assert "engine.left-behind" in earlier.credentials.domains_file.read_text()
+    monkeypatch.setattr(local_mesh, "free_port", lambda host: port)
+    later = LocalMesh([])
+    later.start_nats()
+    try:
+        assert later.credentials is not None and later.credentials.root == earlier.credentials.root
+        assert not later.credentials.file("engine.left-behind").exists()
+        assert not later.credentials.domains_file.exists()
+    finally:
+        later.stop()
+
+
 def test_a_mesh_directory_left_for_a_port_does_not_speak_for_another_nats_now_on_that_port() -> None:
     from kvmesh.shared.credentials import PID_FILE
     from kvmesh.shared.embedded_nats import EmbeddedNats
