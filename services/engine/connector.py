@@ -83,14 +83,12 @@ import torch
 
 from kvmesh.services.engine.adapter.scheduler_lookup import (
     CpuTierEvents,
-    LookupServer,
     SchedulerLookup,
     StepEventLog,
-    WorkerInfo,
     engines,
-    lookup_id_for,
-    publish_worker,
 )
+from kvmesh.services.engine.mesh.lookup_server import LookupServer, lookup_id_for
+from kvmesh.services.engine.mesh.rendezvous import PublishedWorker, publish_worker
 from kvmesh.services.engine.adapter.request_meta import (
     KVMeshConnectorMetadata,
     ReqMeta,
@@ -618,7 +616,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         lookup_id = lookup_id_for(self.engine.worker_id)
         if self.engine.nats_loop is not None:
             self._lookup_server = LookupServer(self.engine, self.engine.nats_loop, lookup_id)
-        self._rendezvous = publish_worker(WorkerInfo.of(self.engine, lookup_id))
+        self._rendezvous = publish_worker(PublishedWorker.of(self.engine, lookup_id))
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Worker, before the step's forward: vLLM freed the preempted requests' blocks, and this step may

@@ -19,24 +19,24 @@ Keys: the scheduler hashes a request's tokens once into chain keys (`ChunkHasher
 extras) and sends them with the step's metadata; each rank derives its own shard keys (`KeyParams.shard_key`),
 so no worker hashes tokens. What the scheduler needs to hash (model, chunk format, chunk size) and how to
 reach each rank comes from a small rendezvous file each worker writes when its KV caches are registered
-(`publish_worker`, named after the EngineCore pid), or, in one process, from the engine itself
-(`EngineRegistry`).
+(mesh/rendezvous.py), or, in one process, from the engine itself (`EngineRegistry`). The worker's end of the
+lower-tier lookup is `LookupServer` (mesh/lookup_server.py).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import logging
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
 
+from kvmesh.services.engine.mesh.lookup_server import PREFIX_LOOKUP_OP
+from kvmesh.services.engine.mesh.rendezvous import PublishedWorker, find_workers, remove_published
 from kvmesh.shared import bus, protocol
-from kvmesh.shared.credentials import credentials_for, private_dir, runtime_dir
+from kvmesh.shared.credentials import credentials_for
 from kvmesh.shared.errors import KVMeshError
 from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyParams
 from kvmesh.shared.processes import pid_alive
@@ -53,49 +53,8 @@ except Exception:  # pragma: no cover - only without vLLM
 
 log = logging.getLogger(__name__)
 
-PREFIX_LOOKUP_OP = "prefix_lookup"  # the op of the scheduler's lower-tier lookup on a worker's lookup subject
 
-
-# ---- what a worker tells the scheduler ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class WorkerInfo:
-    """One rank's keying parameters and where it answers lookups (`nats_url` None: it has no mesh)."""
-
-    rank: int
-    pid: int
-    instance_id: str
-    lookup_id: str
-    nats_url: str | None
-    model: str
-    kv_format: str
-    key_world_size: int  # the shard its keys name (1 of 1 for a replicated MLA cache)
-    key_rank: int
-    chunk_size: int
-    save_unfull_chunk: bool
-    has_lower: bool  # a disk or remote store behind its CPU tier
-    domain: str = "default"  # what its sharing domain mixes into the key root (KeyParams.domain)
-
-    @property
-    def key_params(self) -> KeyParams:
-        return KeyParams(self.model, self.kv_format, self.key_world_size, self.key_rank, self.domain)
-
-    @classmethod
-    def of(cls, engine: "CacheEngine", lookup_id: str) -> "WorkerInfo":
-        params, config = engine.key_params, engine.config
-        return cls(rank=engine.rank, pid=os.getpid(), instance_id=config.lmcache_instance_id, lookup_id=lookup_id,
-                   nats_url=engine.nats_url,
-                   model=params.model, kv_format=params.kv_format, key_world_size=params.world_size,
-                   key_rank=params.rank, chunk_size=config.chunk_size, save_unfull_chunk=config.save_unfull_chunk,
-                   has_lower=engine.storage is not None and engine.storage.has_lower, domain=params.domain)
-
-
-def lookup_id_for(worker_id: str) -> str:
-    """This worker process's lookup address: the worker id plus the pid, so two vLLM instances with the same
-    instance id on one NATS (e.g. two disk-offload servers sharing a host's embedded mesh) never answer each
-    other's lookups."""
-    return f"{worker_id}-p{os.getpid()}"
-
-
+# ---- the CPU tiers: what each step's output tells the scheduler ----------------------------------------------
 class StepEventLog:
     """Worker side: the CPU tier's admissions and evictions since the last step's output (a TierListener)."""
 
@@ -180,87 +139,6 @@ class EngineRegistry:
 engines = EngineRegistry()
 
 
-# ---- rendezvous files -----------------------------------------------------------------------------------------------
-def rendezvous_dir() -> Path:
-    return runtime_dir()
-
-
-def rendezvous_path(scheduler_pid: int, rank: int) -> Path:
-    return rendezvous_dir() / f"engine-{scheduler_pid}-r{rank}.json"
-
-
-def publish_worker(info: WorkerInfo) -> Path:
-    """Worker side: this worker's keying parameters and lookup address, for the scheduler (our parent)."""
-    path = rendezvous_path(os.getppid(), info.rank)
-    private_dir(path.parent)  # nobody else may plant a worker (and the NATS it names) for our scheduler
-    prune_stale()
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(asdict(info)))
-    tmp.replace(path)
-    return path
-
-
-def prune_stale() -> None:
-    """Remove rendezvous files whose scheduler process is gone (a vLLM killed before its shutdown ran)."""
-    for path in rendezvous_dir().glob("engine-*-r*.json"):
-        try:
-            scheduler_pid = int(path.name.split("-")[1])
-        except (IndexError, ValueError):
-            continue
-        if not pid_alive(scheduler_pid):
-            path.unlink(missing_ok=True)
-
-
-def remove_published(scheduler_pid: int | None = None) -> None:
-    """Scheduler side, at shutdown: the files its workers published (they may have been killed first)."""
-    for path in rendezvous_dir().glob(f"engine-{scheduler_pid or os.getpid()}-r*.json"):
-        path.unlink(missing_ok=True)
-
-
-def find_workers(world_size: int) -> list[WorkerInfo]:
-    """Scheduler side: the published workers that are our children (stale files of dead pids are ignored)."""
-    found = []
-    for rank in range(world_size):
-        try:
-            info = WorkerInfo(**json.loads(rendezvous_path(os.getpid(), rank).read_text()))
-        except (OSError, ValueError, TypeError):
-            continue
-        if pid_alive(info.pid) and _parent_of(info.pid) == os.getpid():  # not a stale file of a reused pid
-            found.append(info)
-    return found
-
-
-def _parent_of(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-# ---- worker side: answering the scheduler's lower-tier lookups -----------------------------------------------------
-class LookupServer:
-    """Answers `PrefixLookup` on the worker's lookup subject, on the engine's NATS loop (no thread hop)."""
-
-    def __init__(self, engine: "CacheEngine", nats_loop: "NatsLoop", lookup_id: str) -> None:
-        self.engine = engine
-        self.nats_loop = nats_loop
-        self.subject = protocol.Subjects.worker(engine.config.lmcache_instance_id, lookup_id, PREFIX_LOOKUP_OP)
-        self._subscription: Any = None
-        nats_loop.on_connected(self._serve)
-
-    async def _serve(self, nc: Any) -> None:
-        self._subscription = await bus.serve(nc, self.subject, protocol.PrefixLookup, self._handle)
-        log.info("answering prefix lookups on %s", self.subject)
-
-    async def _handle(self, request: protocol.PrefixLookup) -> protocol.CommandReply:
-        try:
-            spans = self.engine.chunk_spans(request.keys, request.num_tokens)
-            return protocol.CommandReply(ok=True, num_tokens=await self.engine.lookup_and_prefetch(spans))
-        except Exception as exc:  # a broken lookup is a miss, never a failed request
-            log.warning("prefix lookup failed (%s: %s); answering a miss", type(exc).__name__, exc)
-            return protocol.CommandReply(ok=False, error=f"{type(exc).__name__}: {exc}")
-
-
 # ---- scheduler side ---------------------------------------------------------------------------------------------------
 @dataclass
 class LowerLookup:
@@ -295,7 +173,7 @@ class SchedulerLookup:
         self.mirror = CpuTierMirror()
         self._nats_name = nats_name
         self._nats: "NatsLoop | None" = None
-        self._workers: list[WorkerInfo] = []
+        self._workers: list[PublishedWorker] = []
         self._hasher: ChunkHasher | None = None
         self._last_search = 0.0
         self._warned = False
@@ -310,7 +188,7 @@ class SchedulerLookup:
         local = engines.all()
         if local:
             if len(self._workers) != len(local):
-                self._use([WorkerInfo.of(engine, "") for engine in local])
+                self._use([PublishedWorker.of(engine, "") for engine in local])
             return
         if len(self._workers) == self.world_size and all(pid_alive(w.pid) for w in self._workers):
             return
@@ -330,7 +208,7 @@ class SchedulerLookup:
         if url and any(w.has_lower for w in workers):
             self._connect(url, protocol.Principal.engine(workers[0].instance_id))  # it asks its own workers
 
-    def _use(self, workers: list[WorkerInfo]) -> None:
+    def _use(self, workers: list[PublishedWorker]) -> None:
         first = workers[0]
         self._workers = workers
         self._hasher = ChunkHasher(KeyParams(first.model, first.kv_format, domain=first.domain), first.chunk_size,
@@ -411,7 +289,7 @@ class SchedulerLookup:
         request = protocol.PrefixLookup(keys=keys, num_tokens=num_tokens)
         return LowerLookup([nats.submit(self._ask(nats, w, request)) for w in self._workers], time.monotonic())
 
-    async def _ask(self, nats: "NatsLoop", worker: WorkerInfo, request: protocol.PrefixLookup) -> int:
+    async def _ask(self, nats: "NatsLoop", worker: PublishedWorker, request: protocol.PrefixLookup) -> int:
         if not await nats.first_connection(self.timeout):
             return 0
         assert nats.nc is not None
