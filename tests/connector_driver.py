@@ -17,8 +17,10 @@ from typing import Any, Callable, Iterator
 import torch
 
 from kvmesh.services.engine.adapter.async_loads import AsyncLoads
-from kvmesh.services.engine.adapter.async_saves import AsyncSaves
-from kvmesh.services.engine.adapter.scheduler_lookup import SchedulerLookup, StepEventLog, engines
+from kvmesh.services.engine.adapter.kv_events import KVEventLog
+from kvmesh.services.engine.adapter.scheduler_lookup import SchedulerLookup, engines
+from kvmesh.services.engine.adapter.scheduler_side import SchedulerSide
+from kvmesh.services.engine.adapter.worker_side import WorkerSide
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.core.kv_layout import KVLayout
 from kvmesh.shared.config import EngineConfig
@@ -42,33 +44,25 @@ def rank0_engine(layout: KVLayout, device: Any = None) -> Iterator[CacheEngine]:
         worker.close()
 
 
-def scheduler_half(config: EngineConfig, block_size: int, saves_off_forward: bool, world_size: int = 1) -> Any:
+def scheduler_half(config: EngineConfig, block_size: int, saves_off_forward: bool, world_size: int = 1,
+                   kv_events: KVEventLog | None = None) -> connector.KVMeshConnector:
     """The scheduler half as vLLM creates it (without a VllmConfig); close it with `.shutdown()`. With
-    `world_size` > 1 its lookups take the minimum over that many ranks' engines (simulated TP)."""
-    conn = connector.KVMeshConnector.__new__(connector.KVMeshConnector)
-    conn.config, conn.chunk_size, conn.block_size = config, config.chunk_size, block_size
-    conn.unsupported, conn.can_load, conn.can_save = None, True, True
-    conn._trackers, conn._stats, conn._async_starting, conn._kv_events = {}, connector.KVMeshStats(), [], None
-    conn._lookup = SchedulerLookup(world_size=world_size, timeout=WAIT_S, nats_name="test-scheduler")
-    conn.world_size = world_size
-    conn.saves_off_forward = saves_off_forward
-    return conn
+    `world_size` > 1 its lookups take the minimum over that many ranks' engines (simulated TP). `kv_events`:
+    as with vLLM's --kv-events-config."""
+    lookup = SchedulerLookup(world_size=world_size, timeout=WAIT_S, nats_name="test-scheduler")
+    side = SchedulerSide(config, block_size, lookup, saves_off_forward=saves_off_forward, kv_events=kv_events)
+    return connector.KVMeshConnector.from_sides(scheduler_side=side)
 
 
 def worker_half(engine: CacheEngine, caches: dict[str, torch.Tensor], block_size: int, saves_off_forward: bool,
-                load_timeout: float = WAIT_S) -> Any:
-    """The worker half after register_kv_caches created `engine` for `caches`."""
-    conn = connector.KVMeshConnector.__new__(connector.KVMeshConnector)
-    conn.engine, conn.block_size, conn.chunk_size, conn._kv_caches = engine, block_size, engine.config.chunk_size, caches
-    conn._load_errors, conn._finished_recving, conn._async_loads = set(), set(), AsyncLoads(load_timeout)
-    conn._failed_from = {}
-    conn._stats, conn._connector_metadata = connector.KVMeshStats(), None
-    conn.saves_off_forward, conn._async_saves = saves_off_forward, AsyncSaves()
-    conn.config = engine.config
-    conn._layerwise = None  # use_layerwise: set a LayerwiseLoader (the connector does on CUDA)
-    conn._cpu_events = StepEventLog()
-    engine.cpu.listen(conn._cpu_events)  # the CPU tier's admissions reach the scheduler's mirror
-    return conn
+                load_timeout: float = WAIT_S) -> connector.KVMeshConnector:
+    """The worker half after register_kv_caches created `engine` for `caches` (its `worker_side.layerwise`:
+    set a LayerwiseLoader for use_layerwise, as the connector does on CUDA)."""
+    side = WorkerSide(engine.config, block_size, saves_off_forward=saves_off_forward)
+    side.engine, side.kv_caches = engine, caches
+    side.async_loads = AsyncLoads(load_timeout)
+    engine.cpu.listen(side.cpu_events)  # the CPU tier's admissions reach the scheduler's mirror
+    return connector.KVMeshConnector.from_sides(worker_side=side)
 
 
 def request(req_id: str, tokens: list[int], cache_salt: str | None = None,
@@ -127,7 +121,7 @@ def run_worker_step(worker: Any, metadata: Any, finished: set[str],
     worker.bind_connector_metadata(metadata)
     worker.start_load_kv(None)
     if not metadata.idle:
-        for i, (name, cache) in enumerate(worker._kv_caches.items()):
+        for i, (name, cache) in enumerate(worker.worker_side.kv_caches.items()):
             worker.wait_for_layer_load(name)
             if forward is not None:
                 forward(i, name)

@@ -170,7 +170,7 @@ def model_cache_dir() -> Path:
 HIT_LINE = re.compile(r"Reqid: (?P<req>\S+), Total tokens (?P<total>\d+), hit tokens (?P<hit>\d+), "
                       r"need to load (?P<load>\d+)")
 STORE_LINE = re.compile(r"Storing KV cache for (?P<stored>\d+) out of (?P<total>\d+) tokens for request (?P<req>\S+)")
-# The worker side's proof that a load happened, or did not (connector.py `_load`).
+# The worker side's proof that a load happened, or did not (adapter/worker_side.py `WorkerSide._load`).
 RETRIEVED_LINE = re.compile(r"Retrieved (?P<tokens>\d+) tokens for request (?P<req>\S+) in ")
 LOAD_ERROR_LINE = re.compile(r"(?:request (?P<req>\S+): loaded \d+ of \d+ tokens;|loading KV for request "
                              r"(?P<req2>\S+) failed)")

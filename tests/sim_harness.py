@@ -366,15 +366,15 @@ class Simulation:
         fmt = self.engines[0].key_params.kv_format
         self.hashers = [ChunkHasher(KeyParams(MODEL, fmt, c.world_size, r), CHUNK) for r in range(c.world_size)]
         self.sched = scheduler_half(config, BLOCK, saves_off_forward=False, world_size=c.world_size)
-        stack.callback(self.sched._lookup.close)
+        stack.callback(self.sched.shutdown)
         self.workers = []
         for engine, paged in zip(self.engines, self.pageds):
             work = worker_half(engine, paged.caches, BLOCK, saves_off_forward=False,
                                load_timeout=config.blocking_timeout_secs)
             if c.layerwise:  # what register_kv_caches sets up on CUDA with use_layerwise; here on CPU
-                work._layerwise = LayerwiseLoader(paged.layout, torch.device("cpu"))
-                stack.callback(work._layerwise.close)
-            stack.callback(work._async_loads.abandon_all)
+                work.worker_side.layerwise = LayerwiseLoader(paged.layout, torch.device("cpu"))
+                stack.callback(work.worker_side.layerwise.close)
+            stack.callback(work.worker_side.async_loads.abandon_all)
             self.workers.append(work)
         if c.world_size > 1:
             # each rank's worker step on its own thread, as vLLM's ranks run in their own processes
@@ -383,7 +383,7 @@ class Simulation:
             if c.agreement:
                 self.agreement = ThreadAgreement(c.world_size)
                 for work in self.workers:
-                    work._agreement = self.agreement
+                    work.worker_side.agreement = self.agreement
 
     # ---- the run ------------------------------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -613,11 +613,11 @@ class Simulation:
         req.status = PREEMPTED if req.num_preemptions else WAITING
 
     def _wait_lookup(self, req: SimRequest) -> None:
-        tracker = self.sched._trackers.get(req.rid)
+        tracker = self.sched.scheduler_side.tracker(req.rid)
         lookups = [tracker.lower] if tracker is not None and tracker.lower is not None else []
         if tracker is not None and tracker.probe is not None:
             lookups += [lower for lower in tracker.probe.lowers if lower is not None]
-        timeout = self.sched._lookup.timeout
+        timeout = self.sched.scheduler_side.lookup.timeout
         wait_until(lambda: all(lower.result(timeout) is not None for lower in lookups),
                    timeout=timeout + 5, what=f"{req.rid}'s lower-tier lookup")
 
@@ -697,9 +697,10 @@ class Simulation:
 
     def _wait_async_loads(self, work: Any) -> None:
         """Before get_finished: every fetch started so far has ended or passed its deadline (no timing races)."""
-        pending = list(work._async_loads._pending.values())
+        loads = work.worker_side.async_loads
+        pending = loads.pending()
         wait_until(lambda: all(p.future.done() or time.monotonic() >= p.deadline for p in pending),
-                   timeout=work._async_loads.timeout + 10, what="the async fetches")
+                   timeout=loads.timeout + 10, what="the async fetches")
 
     def _quiesce(self) -> None:
         """Write-behind and prefetches of every engine settled, so the next step does not depend on timing."""
@@ -763,7 +764,7 @@ class Simulation:
         """Between the lookup and the load: one chunk of the hit leaves one rank's (or every) CPU tier."""
         if self.r.random() >= self.c.p_evict_hit:
             return
-        tracker = self.sched._trackers.get(req.rid)
+        tracker = self.sched.scheduler_side.tracker(req.rid)
         if tracker is None or not tracker.chain:
             return
         span = self.r.choice([s for s in tracker.chain if s.start < ext] or tracker.chain)

@@ -22,6 +22,7 @@ from test_engine_support import BLOCK, CHUNK, PagedKV, disk_store_mesh, engine_c
 from waiting import WAIT_S, wait_until
 
 connector = pytest.importorskip("kvmesh.services.engine.connector")
+worker_side = pytest.importorskip("kvmesh.services.engine.adapter.worker_side")
 
 PARAMS = KeyParams(model="test-model", kv_format="")
 
@@ -80,14 +81,10 @@ def on_disk_only(worker: CacheEngine, kv: PagedKV, tokens: torch.Tensor) -> torc
 
 
 def worker_connector(worker: CacheEngine, kv: PagedKV, timeout: float = WAIT_S) -> Any:
-    conn = connector.KVMeshConnector.__new__(connector.KVMeshConnector)
-    conn.engine, conn.block_size, conn.chunk_size, conn._kv_caches = worker, BLOCK, CHUNK, kv.caches
-    conn._load_errors, conn._finished_recving, conn._async_loads = set(), set(), AsyncLoads(timeout)
-    conn._failed_from = {}
-    conn._stats = connector.KVMeshStats()
-    conn._connector_metadata = None
-    conn.saves_off_forward, conn._async_saves, conn._layerwise = False, connector.AsyncSaves(), None
-    return conn
+    side = worker_side.WorkerSide(worker.config, BLOCK)
+    side.engine, side.kv_caches = worker, kv.caches
+    side.async_loads = AsyncLoads(timeout)  # a deadline blocking_timeout_secs may not take (0: passed at once)
+    return connector.KVMeshConnector.from_sides(worker_side=side)
 
 
 def request(worker: CacheEngine, tokens: torch.Tensor, blocks: list[int], need: int) -> ReqMeta:
@@ -201,13 +198,13 @@ def test_a_load_given_up_never_scatters_into_its_blocks_and_releases_its_chunks(
     conn.bind_connector_metadata(KVMeshConnectorMetadata([req]))
     conn.start_load_kv(None)
     conn.clear_connector_metadata()
-    wait_until(lambda: all(p.future.done() for p in conn._async_loads._pending.values()),
+    wait_until(lambda: all(p.future.done() for p in conn.worker_side.async_loads.pending()),
                what="the fetch ended (its chunks are ready to scatter)")
     if how == "ended":  # aborted while it waits: vLLM holds its blocks until the load is reported
         assert conn.get_finished({"r"}) == (None, {"r"})
     else:  # preempted (vLLM frees its blocks, which this step may give to another request): never reported
         conn.handle_preemptions(KVMeshConnectorMetadata(preempted={"r"}))
         assert conn.get_finished(set()) == (None, None)
-    assert len(conn._async_loads) == 0 and conn.get_block_ids_with_load_errors() == set()
+    assert len(conn.worker_side.async_loads) == 0 and conn.get_block_ids_with_load_errors() == set()
     assert torch.equal(kv.token_kv(slots), before), "nothing was scattered into the blocks"
     wait_until(lambda: worker.pool.num_free == worker.pool.num_slots - 4, what="the load's chunks released")

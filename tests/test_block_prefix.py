@@ -110,25 +110,25 @@ def test_an_extended_prompt_loads_the_earlier_prompts_kv_up_to_its_last_whole_bl
         t4 = t1[: 2 * CHUNK + 3] + random_tokens(50, seed=4).tolist()
         assert sched.get_num_new_matched_tokens(request("r4", t4), 0) == (2 * CHUNK, False)
     finally:
-        sched._lookup.close()
+        sched.shutdown()
 
 
 def test_a_block_prefix_is_published_to_routers_like_a_partial_last_chunk(paged: tuple[CacheEngine, PagedKV]) -> None:
     kv_events = pytest.importorskip("kvmesh.services.engine.adapter.kv_events")
     worker, kv = paged
-    sched = scheduler_half(worker.config, BLOCK, saves_off_forward=False)
-    sched._kv_events = kv_events.KVEventLog(1000, CHUNK)  # vLLM's --kv-events-config
+    sched = scheduler_half(worker.config, BLOCK, saves_off_forward=False,
+                           kv_events=kv_events.KVEventLog(1000, CHUNK))  # vLLM's --kv-events-config
     work = worker_half(worker, kv.caches, BLOCK, saves_off_forward=False)
     try:
         tokens = random_tokens(2 * CHUNK + BLOCK + 5, seed=6).tolist()
         prefill(sched, work, Forward(kv), "r1", tokens, [1, 2, 3, 4, 5, 6])
-        chain = sched._trackers["r1"].chain
+        chain = sched.scheduler_side.tracker("r1").chain
         stored = {tuple(e.token_ids): e for e in sched.take_events() if type(e).__name__ == "BlockStored"}
         assert len(stored) == 4, "two whole chunks, the partial last one and its block prefix"
         prefix = stored[tuple(tokens[2 * CHUNK: 2 * CHUNK + BLOCK])]
         assert prefix.parent_block_hash == kv_events.external_hash(chain[1].key)
     finally:
-        sched._lookup.close()
+        sched.shutdown()
 
 
 def test_a_block_prefix_only_on_disk_is_found_by_asking_again(

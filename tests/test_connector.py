@@ -15,6 +15,8 @@ from kvmesh.services.engine.core.kv_layout import NHD_2X, KVLayout
 from kvmesh.shared.keys import ChunkHasher, ChunkSpan, KeyParams, chunk_spans
 
 connector = pytest.importorskip("kvmesh.services.engine.connector")
+worker_side = pytest.importorskip("kvmesh.services.engine.adapter.worker_side")
+model_identity = pytest.importorskip("kvmesh.services.engine.adapter.model_identity").model_identity
 
 C = 256  # chunk_size
 B = 128  # block_size
@@ -129,12 +131,9 @@ class FakeEngine:
 
 
 def worker(engine: FakeEngine) -> Any:
-    conn = connector.KVMeshConnector.__new__(connector.KVMeshConnector)
-    conn.engine, conn.block_size, conn.chunk_size, conn._kv_caches, conn._load_errors = engine, B, C, {}, set()
-    conn._failed_from = {}
-    conn._stats = connector.KVMeshStats()
-    conn.saves_off_forward, conn._async_saves, conn._layerwise = False, connector.AsyncSaves(), None
-    return conn
+    side = worker_side.WorkerSide(EngineConfig(chunk_size=C), B)
+    side.engine = engine
+    return side
 
 
 KEYS = [bytes([i]) * 16 for i in range(4)]  # chain keys of the 4 chunks of a 1000-token request
@@ -144,7 +143,7 @@ KEYS = [bytes([i]) * 16 for i in range(4)]  # chain keys of the 4 chunks of a 10
 def test_failed_loads_become_load_errors(held: int | None, bad: set[int]) -> None:
     conn = worker(FakeEngine(held))
     req = ReqMeta("r", KEYS, [1, 2, 3, 4, 5, 6, 7, 8], LoadSpec(end=1000, need=999, mask_start=0, skip_prefix=0))
-    conn._load(req)
+    conn.start_load_kv(KVMeshConnectorMetadata([req]))
     assert conn.get_block_ids_with_load_errors() == bad
     assert conn.get_block_ids_with_load_errors() == set()  # reported once
 
@@ -152,7 +151,7 @@ def test_failed_loads_become_load_errors(held: int | None, bad: set[int]) -> Non
 def test_blocks_vllm_computed_itself_are_never_reported() -> None:
     conn = worker(FakeEngine(None))
     req = ReqMeta("r", KEYS, [1, 2, 3, 4, 5, 6, 7, 8], LoadSpec(end=768, need=768, mask_start=256, skip_prefix=384))
-    conn._load(req)
+    conn.start_load_kv(KVMeshConnectorMetadata([req]))
     assert conn.get_block_ids_with_load_errors() == {4, 5, 6}
 
 
@@ -160,10 +159,9 @@ def test_failed_store_is_skipped() -> None:
     engine = FakeEngine(None)
     conn = worker(engine)
     meta = KVMeshConnectorMetadata([ReqMeta("r", KEYS[:3], [1, 2, 3, 4, 5], save=SaveSpec(600, 256))])
-    conn._connector_metadata = meta
-    conn.wait_for_save()  # logs, does not raise
+    conn.wait_for_save(meta)  # logs, does not raise
     engine.held = 0
-    conn.wait_for_save()
+    conn.wait_for_save(meta)
     assert engine.stored == [(256, 600)]
 
 
@@ -173,7 +171,7 @@ def test_a_data_parallel_replica_keys_and_looks_up_by_its_rank_inside_the_replic
         world_rank: int, world_size: int, expected: int) -> None:
     # vLLM's distributed groups are not initialised here: the world rank (dp_rank × world_size + rank) is used
     vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(world_size=world_size, rank=world_rank))
-    assert connector.replica_rank(vllm_config) == expected
+    assert worker_side.replica_rank(vllm_config) == expected
 
 
 def test_block_size_comes_from_the_kv_cache_groups_spec() -> None:
@@ -206,11 +204,11 @@ def test_what_changes_kv_beyond_the_model_name_changes_every_key() -> None:
         return ChunkHasher(KeyParams(model, layout.chunk_format()), C).keys(list(range(2 * C)))
 
     plain = SimpleNamespace(revision=None, quantization=None)
-    assert connector.model_identity("m", plain) == "m"
-    assert connector.model_identity("m", SimpleNamespace()) == "m"
-    revised = connector.model_identity("m", SimpleNamespace(revision="abc123", quantization=None))
-    quantized = connector.model_identity("m", SimpleNamespace(revision=None, quantization="awq"))
-    both = connector.model_identity("m", SimpleNamespace(revision="abc123", quantization="awq"))
+    assert model_identity("m", plain) == "m"
+    assert model_identity("m", SimpleNamespace()) == "m"
+    revised = model_identity("m", SimpleNamespace(revision="abc123", quantization=None))
+    quantized = model_identity("m", SimpleNamespace(revision=None, quantization="awq"))
+    both = model_identity("m", SimpleNamespace(revision="abc123", quantization="awq"))
     assert len({"m", revised, quantized, both}) == 4
     variants = [keys("m"), keys(revised), keys(quantized), keys(both), keys("m", "fp8_e4m3", torch.uint8),
                 keys("m", "fp8_e5m2", torch.uint8), keys("m", dtype=torch.uint8)]
@@ -222,11 +220,10 @@ def test_what_changes_kv_beyond_the_model_name_changes_every_key() -> None:
 
 def test_layers_that_differ_turn_the_cache_off_instead_of_failing_vllms_start(
         caplog: pytest.LogCaptureFixture) -> None:
-    conn = connector.KVMeshConnector.__new__(connector.KVMeshConnector)
-    conn.unsupported, conn.block_size, conn.cache_dtype, conn.engine, conn.world_size = None, 16, "auto", None, 1
-    conn._vllm_config = SimpleNamespace(model_config=SimpleNamespace(model="draft-with-other-heads"))
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(model="draft-with-other-heads"))
+    conn = worker_side.WorkerSide(EngineConfig(), 16, vllm_config=vllm_config)
     caches = {"model.layers.0": torch.zeros(2, 4, 16, 8, 64), "draft.layers.0": torch.zeros(2, 4, 16, 4, 64)}
     with caplog.at_level("WARNING"):
         conn.register_kv_caches(caches)
-    assert conn.engine is None and conn._kv_caches == {}
+    assert conn.engine is None and conn.kv_caches == {}
     assert any("loads and stores nothing for model draft-with-other-heads" in r.getMessage() for r in caplog.records)

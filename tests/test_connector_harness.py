@@ -98,7 +98,7 @@ def test_the_model_runners_call_sequence_loads_and_saves_the_right_kv(
     sched = scheduler_half(worker.config, BLOCK, off_forward)
     work = worker_half(worker, paged.caches, BLOCK, off_forward)
     if layerwise:  # what register_kv_caches sets up on CUDA with use_layerwise
-        work._layerwise = LayerwiseLoader(paged.layout, paged.device)
+        work.worker_side.layerwise = LayerwiseLoader(paged.layout, paged.device)
     forward = Forward(paged)
     try:
         # request a: its 4-chunk prompt is computed and saved
@@ -139,7 +139,7 @@ def test_the_model_runners_call_sequence_loads_and_saves_the_right_kv(
         assert worker.lookup(tokens_b, search_range=[LOCAL_CPU]) == 5 * CHUNK
         assert worker.pool.num_free == worker.pool.num_slots - 5, "the loads' references were released"
     finally:
-        if work._layerwise is not None:
-            work._layerwise.close()
-        work._async_saves.drain(worker)
-        sched._lookup.close()
+        if work.worker_side.layerwise is not None:
+            work.worker_side.layerwise.close()
+        work.worker_side.async_saves.drain(worker)
+        sched.shutdown()

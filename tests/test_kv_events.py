@@ -21,6 +21,7 @@ from test_engine_support import CHUNK, PagedKV, engine_config, random_tokens
 
 connector = pytest.importorskip("kvmesh.services.engine.connector")
 kv_events = pytest.importorskip("kvmesh.services.engine.adapter.kv_events")
+scheduler_side = pytest.importorskip("kvmesh.services.engine.adapter.scheduler_side")
 vllm_events = pytest.importorskip("vllm.distributed.kv_events")
 
 PARAMS = KeyParams(model="test-model", kv_format="")
@@ -41,15 +42,13 @@ def worker() -> Iterator[tuple[CacheEngine, PagedKV, StepEventLog]]:
         engine.close()
 
 
-def scheduler(capacity: int = 1000) -> Any:
-    """The connector's scheduler side as vLLM builds it with --kv-events-config (without a VllmConfig)."""
-    conn = connector.KVMeshConnector.__new__(connector.KVMeshConnector)
-    conn.config = engine_config()
-    conn.chunk_size, conn.block_size, conn.unsupported, conn.can_load, conn.can_save = CHUNK, 16, None, True, True
-    conn._trackers, conn._stats = {}, connector.KVMeshStats()
-    conn._lookup = SchedulerLookup(world_size=1, timeout=5.0, nats_name="test-scheduler")
-    conn._kv_events = kv_events.KVEventLog(capacity, CHUNK)
-    return conn
+def scheduler(capacity: int | None = 1000) -> Any:
+    """The connector's scheduler side as vLLM builds it with --kv-events-config (without a VllmConfig);
+    `capacity` None: without it."""
+    lookup = SchedulerLookup(world_size=1, timeout=5.0, nats_name="test-scheduler")
+    events = kv_events.KVEventLog(capacity, CHUNK) if capacity is not None else None
+    side = scheduler_side.SchedulerSide(engine_config(), 16, lookup, kv_events=events)
+    return connector.KVMeshConnector.from_sides(scheduler_side=side)
 
 
 def request(req_id: str, tokens: list[int], cache_salt: str | None = None) -> SimpleNamespace:
@@ -76,7 +75,7 @@ def test_admitted_chunks_are_published_as_blocks_with_their_tokens_and_parents(
     conn = scheduler()
     tokens = random_tokens(3 * CHUNK + 5, seed=1).tolist()  # three full chunks and a partial one
     assert conn.get_num_new_matched_tokens(request("r1", tokens), 0) == (0, False)
-    chain = conn._trackers["r1"].chain
+    chain = conn.scheduler_side.tracker("r1").chain
     assert len(chain) == 4
 
     engine.store(tokens, **kv.kv(kv.slots(len(tokens))))
@@ -94,7 +93,7 @@ def test_admitted_chunks_are_published_as_blocks_with_their_tokens_and_parents(
     removed = wire(step(conn, events))
     assert all(type(e).__name__ == "BlockRemoved" and e.medium == "CPU" for e in removed)
     assert sorted(h for e in removed for h in e.block_hashes) == sorted(hashes)
-    conn._lookup.close()
+    conn.shutdown()
 
 
 def test_a_request_that_shares_a_prefix_publishes_only_its_new_chunks_under_the_shared_parent(
@@ -109,7 +108,7 @@ def test_a_request_that_shares_a_prefix_publishes_only_its_new_chunks_under_the_
     conn.get_num_new_matched_tokens(request("b", second), 0)
     engine.store(second, **kv.kv(kv.slots(len(second))))  # the prefix is held: only the last chunk is admitted
     stored = step(conn, events)
-    chain = conn._trackers["b"].chain
+    chain = conn.scheduler_side.tracker("b").chain
     assert len(stored) == 1
     assert stored[0].parent_block_hash == kv_events.external_hash(chain[1].key)
     assert stored[0].token_ids == second[2 * CHUNK:]
@@ -121,7 +120,7 @@ def test_chunks_beyond_the_bound_are_forgotten_and_their_admissions_not_publishe
     conn = scheduler(capacity=2)
     tokens = random_tokens(4 * CHUNK, seed=5).tolist()
     conn.get_num_new_matched_tokens(request("r", tokens), 0)
-    assert len(conn._kv_events) == 2
+    assert len(conn.scheduler_side.kv_events) == 2
     engine.store(tokens, **kv.kv(kv.slots(len(tokens))))
     stored = step(conn, events)
     assert [e.token_ids for e in stored] == [tokens[2 * CHUNK:3 * CHUNK], tokens[3 * CHUNK:]]
@@ -129,13 +128,13 @@ def test_chunks_beyond_the_bound_are_forgotten_and_their_admissions_not_publishe
 
 def test_without_kv_events_the_connector_returns_none(worker: tuple[CacheEngine, PagedKV, StepEventLog]) -> None:
     engine, kv, events = worker
-    conn = scheduler()
-    conn._kv_events = None  # vLLM started without --kv-events-config
+    conn = scheduler(capacity=None)  # vLLM started without --kv-events-config
     tokens = random_tokens(2 * CHUNK, seed=6).tolist()
     conn.get_num_new_matched_tokens(request("r", tokens), 0)
     engine.store(tokens, **kv.kv(kv.slots(len(tokens))))
     assert step(conn, events) == []
-    assert conn._lookup.mirror.prefix(0, [s.key for s in conn._trackers["r"].chain]) == 2  # the mirror still works
+    chain = conn.scheduler_side.tracker("r").chain
+    assert conn.scheduler_side.lookup.mirror.prefix(0, [s.key for s in chain]) == 2  # the mirror still works
 
 
 def test_sharded_ranks_publish_rank_0s_keys_and_extras_untagged() -> None:
@@ -181,4 +180,4 @@ def test_the_cache_salt_is_published_only_as_a_digest_equal_for_equal_salts(
     digest = {req_id: event.extra_keys for req_id, event in first_chunks.items()}
     assert digest["a1"] == digest["a2"] == [(kv_events.event_digest(b"salt", salts["a1"]),)]
     assert digest["b"] != digest["a1"] and digest["b"] is not None
-    conn._lookup.close()
+    conn.shutdown()

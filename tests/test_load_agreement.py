@@ -44,7 +44,7 @@ def rank_step(rank: int, init_file: str, agree: bool, results: Any) -> None:
                              use_mesh=False)
         work = worker_half(engine, kv.caches, BLOCK, saves_off_forward=False)
         if agree:
-            work._agreement = CollectiveAgreement([dist.group.WORLD])
+            work.worker_side.agreement = CollectiveAgreement([dist.group.WORLD])
         oracle = ContextForward(kv, list(range(20, 32)))
         tokens = random_tokens(TOKENS, seed=71).tolist()
         first = [1, 2, 3, 4]

@@ -101,7 +101,7 @@ def test_a_preempted_requests_blocks_are_reused_and_it_resumes_with_its_own_kv(
         sched.update_state_after_alloc(r2, blocks(first_blocks), 0)
         forward.compute("r2", first_blocks, 0, 4)
         run_step(sched, work, Step(new=[("r2", first_blocks, 0, 2 * CHUNK)], preempted={"r1"}), forward)
-        assert sched._trackers["r1"].block_ids == []
+        assert sched.scheduler_side.tracker("r1").block_ids == []
 
         # r1 resumes in new blocks: its saved half is loaded (from the CPU tier), the rest computed and saved
         resumed = [20, 21, 22, 23, 24, 25, 26, 27]
@@ -114,7 +114,7 @@ def test_a_preempted_requests_blocks_are_reused_and_it_resumes_with_its_own_kv(
         assert cached_correctly(worker, kv, forward, "r1", t1, [40 + i for i in range(8)])
         assert cached_correctly(worker, kv, forward, "r2", t2, [50 + i for i in range(4)])
     finally:
-        sched._lookup.close()
+        sched.shutdown()
 
 
 def test_an_ended_requests_blocks_are_held_until_its_saves_are_reported_once(
@@ -141,7 +141,7 @@ def test_an_ended_requests_blocks_are_held_until_its_saves_are_reported_once(
         assert sched.request_finished(other, []) == (False, None)
         assert run_step(sched, work, Step(finished={"n"})).finished_sending == set()
     finally:
-        sched._lookup.close()
+        sched.shutdown()
 
 
 def test_on_cpu_an_ended_request_frees_its_blocks_at_once(engine: tuple[CacheEngine, PagedKV]) -> None:
@@ -158,7 +158,7 @@ def test_on_cpu_an_ended_request_frees_its_blocks_at_once(engine: tuple[CacheEng
         assert sched.request_finished(req, ids) == (False, None)
         assert run_step(sched, work, Step(finished={"r"})).finished_sending == set()
     finally:
-        sched._lookup.close()
+        sched.shutdown()
 
 
 def test_a_request_that_waits_for_an_async_load_is_not_held_for_its_earlier_saves(
@@ -171,13 +171,13 @@ def test_a_request_that_waits_for_an_async_load_is_not_held_for_its_earlier_save
         tokens = random_tokens(2 * CHUNK, seed=6).tolist()
         req = request("r", tokens)
         sched.get_num_new_matched_tokens(req, 0)
-        tracker: Any = sched._trackers["r"]
+        tracker: Any = sched.scheduler_side.tracker("r")
         tracker.saves_held = True  # it saved before a preemption
         tracker.num_to_load, tracker.load_async = 2 * CHUNK - 1, True  # resumed with a load from the disk
         sched.update_state_after_alloc(req, blocks([1, 2, 3, 4]), 2 * CHUNK - 1)
         assert sched.request_finished(req, [1, 2, 3, 4]) == (False, None)
     finally:
-        sched._lookup.close()
+        sched.shutdown()
 
 
 def test_a_request_whose_load_failed_is_offered_no_more_loads(engine: tuple[CacheEngine, PagedKV]) -> None:
@@ -204,4 +204,4 @@ def test_a_request_whose_load_failed_is_offered_no_more_loads(engine: tuple[Cach
         assert sched.get_num_new_matched_tokens(again, 0) == (0, False)  # recomputed, not promised again
         assert sched.get_num_new_matched_tokens(request("c", tokens), 0) == (2 * CHUNK, False)  # others still load
     finally:
-        sched._lookup.close()
+        sched.shutdown()

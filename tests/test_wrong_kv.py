@@ -112,7 +112,7 @@ def test_a_failed_load_is_never_saved_and_the_recomputed_kv_is(paged: tuple[Cach
         assert result.load_errors == set()
         assert oracle.holds(t_b, c_blocks, len(t_b) - 1)
     finally:
-        sched._lookup.close()
+        sched.shutdown()
 
 
 @pytest.mark.parametrize("layerwise", [False, True])
@@ -125,7 +125,7 @@ def test_a_rank_holding_more_than_the_hit_loads_the_hit_cleanly(paged: tuple[Cac
     sched = scheduler_half(worker.config, BLOCK, saves_off_forward=False)
     work = worker_half(worker, kv.caches, BLOCK, saves_off_forward=False)
     if layerwise:
-        work._layerwise = LayerwiseLoader(kv.layout, torch.device("cpu"))
+        work.worker_side.layerwise = LayerwiseLoader(kv.layout, torch.device("cpu"))
     oracle = ContextForward(kv, SCRATCH)
     try:
         t = random_tokens(3 * CHUNK + 8, seed=41).tolist()
@@ -148,7 +148,7 @@ def test_a_rank_holding_more_than_the_hit_loads_the_hit_cleanly(paged: tuple[Cac
         assert oracle.holds(t, b_blocks, len(t))
         assert stored_chunks_are_the_oracles(worker, oracle, t) == []
     finally:
-        sched._lookup.close()
+        sched.shutdown()
 
 
 def test_a_cpu_tier_chunk_that_does_not_fit_its_span_is_a_miss(paged: tuple[CacheEngine, PagedKV]) -> None:
@@ -235,7 +235,7 @@ def test_a_resumed_request_looks_up_its_new_chain(engine: tuple[CacheEngine, Pag
         assert result.load_errors == set()
         assert oracle.holds(tokens, resumed, len(tokens))
     finally:
-        sched._lookup.close()
+        sched.shutdown()
 
 
 def test_a_request_sharing_a_block_whose_load_failed_does_not_save_past_it(
@@ -275,7 +275,7 @@ def test_a_request_sharing_a_block_whose_load_failed_does_not_save_past_it(
         assert stored_chunks_are_the_oracles(worker, oracle, t_x) == []
         assert stored_chunks_are_the_oracles(worker, oracle, t_y) == [], "y stored a chunk computed over x's failed load"
     finally:
-        sched._lookup.close()
+        sched.shutdown()
 
 
 def test_a_save_ending_inside_a_chunk_hashed_for_more_tokens_uses_the_shorter_sequences_key(

@@ -59,6 +59,10 @@ class AsyncLoads:
     def __len__(self) -> int:
         return len(self._pending)
 
+    def pending(self) -> list[PendingLoad]:
+        """The loads in flight, oldest first."""
+        return list(self._pending.values())
+
     def add(self, req: "ReqMeta", spans: Sequence[ChunkSpan],
             future: "concurrent.futures.Future[list[ChunkRef]]") -> None:
         self._pending[req.req_id] = PendingLoad(req, spans, future, time.perf_counter(),

@@ -1,10 +1,11 @@
 """The model part of chunk keys: everything about the model and its KV cache that changes K/V besides the
 tokens and the KV layout (the layout's chunk format already holds the KV dtype and shape).
 
-Computed in `KVMeshConnector.__init__` on both sides from the same `VllmConfig` (the workers get a pickled copy
-of the scheduler's); the scheduler hashes with the identity its workers publish (`publish_worker`), so every
-rank of one instance must compute the same string. It reads like `name@revision+quantization~part~part`, and a
-model with none of the inputs below keeps exactly `name@revision+quantization`, so its keys never change:
+Computed in `KVMeshConnector.__init__` for each worker half from the same `VllmConfig` (the workers get a
+pickled copy of the scheduler's); the scheduler hashes with the identity its workers publish (`publish_worker`,
+mesh/rendezvous.py), so every rank of one instance must compute the same string. It reads like
+`name@revision+quantization~part~part`, and a model with none of the inputs below keeps exactly
+`name@revision+quantization`, so its keys never change:
 
   * `~rope:<digest>`: the RoPE settings of `hf_text_config` (`rope_parameters`; `rope_scaling`/`rope_theta`
     on older transformers), only when a scaling is in effect (a `rope_type` other than "default"). K is stored

@@ -1,0 +1,312 @@
+"""KVMeshConnector's scheduler half (vLLM's EngineCore process, its busy-loop thread; never blocks on NATS).
+
+It keeps one `RequestTracker` per request (adapter/request_meta.py): hashes the request once into chain keys,
+asks `SchedulerLookup` how many prefix tokens the workers hold (adapter/scheduler_lookup.py), and plans each
+step's loads and saves into `KVMeshConnectorMetadata` for the workers (worker half: adapter/worker_side.py).
+connector.py (the facade vLLM loads) says which vLLM call lands where.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvmesh.services.engine.adapter.async_loads import loads_asynchronously
+from kvmesh.services.engine.adapter.block_prefix import BlockPrefixProbe
+from kvmesh.services.engine.adapter.connector_stats import KVMeshStats
+from kvmesh.services.engine.adapter.kv_events import KVEventLog
+from kvmesh.services.engine.adapter.request_extras import lora_name_of, request_extras
+from kvmesh.services.engine.adapter.request_meta import (
+    KVMeshConnectorMetadata,
+    ReqMeta,
+    RequestTracker,
+    SaveSpec,
+)
+from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, SchedulerLookup
+from kvmesh.shared.config import EngineConfig
+from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan
+from kvmesh.shared.nats_auth import auth_from_config
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvmesh.connector")
+
+
+class SchedulerSide:
+    """The connector's scheduler-side state and calls: the requests' trackers, the lookup, the KV events."""
+
+    def __init__(self, config: EngineConfig, block_size: int, lookup: SchedulerLookup | None, *,
+                 can_load: bool = True, can_save: bool = True, saves_off_forward: bool = False,
+                 kv_events: KVEventLog | None = None, unsupported: str | None = None) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.chunk_size = config.chunk_size
+        self.can_load = can_load
+        self.can_save = can_save
+        # on CUDA saves are gathered on a side stream and vLLM holds their blocks (async_saves.py)
+        self.saves_off_forward = saves_off_forward
+        # Why this model's KV is not cached at all (None: it is); see connector.unsupported_kv_cache.
+        self.unsupported = unsupported
+        self.lookup = lookup  # None when the model's KV is not cached
+        self.kv_events = kv_events  # only when vLLM publishes KV events
+        self._trackers: dict[str, RequestTracker] = {}
+        self._async_starting: list[str] = []  # requests whose async load the next step carries
+        self._stats = KVMeshStats()  # what happened since vLLM last asked (get_kv_connector_stats)
+
+    @classmethod
+    def for_vllm(cls, vllm_config: "VllmConfig", config: EngineConfig, block_size: int, unsupported: str | None,
+                 saves_off_forward: bool) -> "SchedulerSide":
+        """The scheduler half vLLM's EngineCore gets (its kv_transfer_config's role and load-failure policy, its
+        KV events config)."""
+        transfer = vllm_config.kv_transfer_config
+        lookup = None
+        kv_events = None
+        if unsupported is not None:
+            log.warning("KVMesh loads and stores nothing for model %s: %s", vllm_config.model_config.model,
+                        unsupported)
+        else:
+            lookup = SchedulerLookup(vllm_config.parallel_config.world_size, config.lookup_timeout_secs,
+                                     f"{config.lmcache_instance_id}-scheduler", auth_from_config(config))
+            if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
+                # The scheduler reads the policy right after creating this connector.
+                log.info("kv_load_failure_policy %r -> 'recompute': a chunk that cannot be loaded is recomputed, "
+                         "never a failed request", transfer.kv_load_failure_policy)
+                transfer.kv_load_failure_policy = "recompute"
+            events_config = getattr(vllm_config, "kv_events_config", None)
+            if getattr(events_config, "enable_kv_cache_events", False) and config.kv_event_chunks > 0:
+                kv_events = KVEventLog(config.kv_event_chunks, config.chunk_size)
+                log.info("KV events: the CPU tier's admissions and evictions are published as BlockStored / "
+                         "BlockRemoved (medium CPU; %d chunks remembered)", config.kv_event_chunks)
+        # LMCACHE_FORCE_SKIP_SAVE: the scheduler plans no saves (the engine would drop them anyway)
+        can_save = transfer.kv_role in ("kv_both", "kv_producer") and not config.force_skip_save
+        return cls(config, block_size, lookup, can_load=transfer.kv_role in ("kv_both", "kv_consumer"),
+                   can_save=can_save, saves_off_forward=saves_off_forward, kv_events=kv_events,
+                   unsupported=unsupported)
+
+    def tracker(self, req_id: str) -> RequestTracker | None:
+        """The tracker of a request in flight (looked up, not finished), or None."""
+        return self._trackers.get(req_id)
+
+    def _track(self, request: "Request", num_computed_tokens: int = 0) -> RequestTracker:
+        """The tracker of `request` (new for a new or resumed request), with the extras its chunk keys need."""
+        tracker = self._trackers.get(request.request_id)
+        if tracker is not None and tracker.request is request:
+            tracker.local = num_computed_tokens
+            return tracker
+        tracker = RequestTracker(request.request_id, request, prompt_len=request.num_prompt_tokens,
+                                 local=num_computed_tokens, lora_name=lora_name_of(request))
+        try:
+            tracker.extras = request_extras(request, self.chunk_size)
+        except Exception as exc:  # e.g. an unreadable LoRA adapter file: never a wrong key, never a crash
+            log.warning("request %s: cannot read what its KV depends on besides the tokens (%s: %s); it is "
+                        "neither loaded nor stored", request.request_id, type(exc).__name__, exc)
+            tracker.cacheable = False
+        self._trackers[request.request_id] = tracker
+        return tracker
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.unsupported is not None or self.lookup is None:
+            return 0, False
+        total = request.num_tokens
+        tracker = self._track(request, num_computed_tokens)
+        hasher = self.lookup.hasher()
+        if not self.can_load or hasher is None or total == 0 or not tracker.cacheable or tracker.load_failed:
+            return 0, False
+        started = time.perf_counter()
+        if tracker.lookup_tokens != total:  # a new or longer chain (resumed after preemption): ask anew
+            tracker.forget_lookup()
+            tracker.lookup_tokens = total
+        chain_keys = self._chain_keys(tracker, hasher, total)  # hashed once per request
+        if tracker.lower is None:  # not yet asked below: what the CPU tiers hold as the request arrives
+            tracker.cpu_tokens = self.lookup.cpu_tokens(tracker.chain[:len(chain_keys)])
+        hit, tracker.lower = self.lookup.held(tracker.chain[:len(chain_keys)], total, tracker.lower)
+        if hit is None:
+            return None, False  # the lower tiers have not answered yet: vLLM asks again next step
+        hit, tracker.hit_key = self._block_prefix_hit(tracker, hasher, hit, total)
+        if hit is None:
+            return None, False
+        log.debug("lookup of %d tokens for %s took %.2f ms", total, request.request_id,
+                  (time.perf_counter() - started) * 1e3)
+        if hit < self.config.min_retrieve_tokens:
+            hit = 0
+        tracker.hit = hit
+        tracker.saved_upto = max(tracker.saved_upto, hit)  # what the cache holds is never stored again
+        need = min(hit, total - 1)  # vLLM computes at least the last token
+        to_load = max(need - num_computed_tokens, 0)
+        self._stats.count("lmcache:num_lookup_requests")
+        self._stats.count("lmcache:num_requested_tokens", total)
+        self._stats.count("lmcache:num_hit_tokens", hit)
+        self._stats.count("lmcache:num_vllm_hit_tokens", num_computed_tokens)
+        self._stats.observe("lmcache:time_to_lookup", time.perf_counter() - started)
+        tracker.num_to_load = to_load
+        log.info("Reqid: %s, Total tokens %d, hit tokens %d, need to load %d", request.request_id, total, hit,
+                 to_load)
+        # Decided on the CPU tiers before the lower-tier lookup: its prefetch may have filled them since, but a
+        # load behind it would still wait for that prefetch, stalling the batch.
+        tracker.load_async = loads_asynchronously(self.config.enable_async_loading, to_load, need,
+                                                  tracker.cpu_tokens)
+        if tracker.load_async:
+            log.info("Reqid: %s loads asynchronously: %d of its %d tokens to load were in the CPU tier",
+                     request.request_id, max(min(tracker.cpu_tokens, need) - num_computed_tokens, 0), to_load)
+        return to_load, tracker.load_async
+
+    def _block_prefix_hit(self, tracker: RequestTracker, hasher: ChunkHasher, hit: int, total: int
+                          ) -> tuple[int | None, ChunkKey | None]:
+        """`hit` extended by the longest held block prefix of the chunk after it (block_prefix.py), with that
+        prefix's key; (None, None) while a lower tier is asked."""
+        if hit % self.chunk_size or hit >= total or self.lookup is None:
+            return hit, None
+        probe = tracker.probe
+        if probe is None or probe.after != hit:
+            tokens = list(tracker.request.all_token_ids[:min(hit + self.chunk_size, total)])
+            probe = tracker.probe = BlockPrefixProbe.of(hasher, tokens, tracker.chain, hit, self.block_size,
+                                                        tracker.extras)
+        answered, span = probe.held(self.lookup)
+        if not answered:
+            return None, None
+        if span is None:
+            return hit, None
+        if tracker.cpu_tokens == hit and self.lookup.in_cpu(span):  # for the async decision, as the chain's
+            tracker.cpu_tokens = span.end
+        return span.end, span.key
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        if self.unsupported is not None:
+            return
+        tracker = self._trackers.get(request.request_id)
+        if tracker is None:  # never looked up (e.g. resumed with computed tokens): track it from here
+            tracker = self._track(request)
+        if num_external_tokens != tracker.num_to_load:
+            # vLLM adjusted the load (e.g. kept a local partial block): load what it counts on, nothing else
+            tracker.num_to_load = num_external_tokens
+        tracker.load_pending = num_external_tokens > 0
+        tracker.load_async = tracker.load_async and tracker.load_pending
+        if tracker.load_async:
+            # vLLM schedules the request only once its load is done: the next step's metadata carries the load
+            # to the blocks allocated now. vLLM holds those blocks until the load is reported, so
+            # request_finished must not ask to hold them again for a save (AsyncSaves.unhold).
+            tracker.block_ids = list(blocks.get_block_ids()[0])
+            tracker.saves_held = False
+            self._async_starting.append(request.request_id)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVMeshConnectorMetadata:
+        meta = KVMeshConnectorMetadata(idle=scheduler_output.total_num_scheduled_tokens == 0)
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        # Preempted requests lost their blocks (this step may reuse them): the workers' handle_preemptions
+        # orders the saves still reading them before the forward, and nothing is loaded into them any more.
+        meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        for req_id in meta.preempted:
+            tracker = self._trackers.get(req_id)
+            if tracker is not None:
+                tracker.preempted()
+        starting = [req_id for req_id in self._async_starting if req_id not in meta.preempted]
+        self._async_starting = []
+        for req_id in starting:
+            tracker = self._trackers.get(req_id)
+            if tracker is not None:
+                self._add_step(meta, tracker, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            tracker = self._trackers.get(new.req_id)
+            if tracker is None:
+                continue
+            tracker.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            self._add_step(meta, tracker, new.num_computed_tokens + num_scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracker = self._trackers.get(req_id)
+            if tracker is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            tracker.extend_blocks(new_blocks[0] if new_blocks else None, replace=req_id in cached.resumed_req_ids)
+            self._add_step(meta, tracker, cached.num_computed_tokens[i] + num_scheduled.get(req_id, 0))
+        for req_id in scheduler_output.finished_req_ids:
+            self._trackers.pop(req_id, None)
+        return meta
+
+    def _add_step(self, meta: KVMeshConnectorMetadata, tracker: RequestTracker, num_computed_after: int | None
+                  ) -> None:
+        """The request's load and save in this step (`num_computed_after` None: an async load only)."""
+        hasher = self.lookup.hasher() if self.lookup is not None else None
+        if not tracker.cacheable or hasher is None:
+            return
+        load = tracker.take_load(self.chunk_size)
+        save = None
+        if self.can_save and num_computed_after is not None:
+            save = tracker.take_save(num_computed_after, self.chunk_size, self.config.save_unfull_chunk,
+                                     self.config.save_decode_cache, self.block_size)
+            if save is not None and save.prefix_end:
+                save = dataclasses.replace(save, prefix_key=self._block_prefix_key(tracker, hasher, save))
+        if load is None and save is None:
+            return
+        if save is not None and self.saves_off_forward:
+            tracker.saves_held = True  # its copy may outlive the step: request_finished holds the blocks
+        end = max(load.end if load else 0, save.end if save else 0)
+        lora_id = tracker.extras.lora_id if tracker.extras is not None else None
+        keys = self._chain_keys(tracker, hasher, end)
+        meta.requests.append(ReqMeta(tracker.req_id, keys, list(tracker.block_ids), load, save, tracker.lora_name,
+                                     lora_id, tracker.load_failed))
+
+    def _chain_keys(self, tracker: RequestTracker, hasher: ChunkHasher, end: int) -> list[ChunkKey]:
+        """The request's chain keys up to `end`; newly hashed chunks are noted for the KV events."""
+        if self.kv_events is None:
+            return tracker.chain_keys(hasher, end)
+        return tracker.chain_keys(hasher, end, lambda spans, tokens, parent: self._note_events(tracker, spans,
+                                                                                                tokens, parent))
+
+    def _block_prefix_key(self, tracker: RequestTracker, hasher: ChunkHasher, save: SaveSpec) -> ChunkKey:
+        """The key of the block prefix `save` stores beside the prompt's last chunk, noted for the KV events like
+        the partial last chunk of a prompt ending there (block_prefix.py)."""
+        self._chain_keys(tracker, hasher, save.end)
+        tokens = list(tracker.request.all_token_ids[:save.prefix_end])
+        span = hasher.prefix_span(tokens, tracker.chain, save.prefix_end, tracker.extras)
+        self._note_events(tracker, [span], tokens, tracker.chain[span.index - 1].key if span.index else None)
+        return span.key
+
+    def _note_events(self, tracker: RequestTracker, spans: list[ChunkSpan], tokens: list[int],
+                     parent: ChunkKey | None) -> None:
+        """Remember hashed spans' tokens and parent for the KV events of their admission (if events are on)."""
+        events, lookup = self.kv_events, self.lookup
+        params = lookup.key_params(0) if lookup is not None else None
+        if events is not None and params is not None:
+            events.note(spans, tokens, params, tracker.extras, tracker.lora_name, parent)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        # A failed load sends an async-loading request back to waiting, and vLLM looks it up again: its lookup
+        # would promise the same chunks (the tiers may still list what they cannot serve), fail again, and
+        # again. A request whose load failed recomputes and is offered no more loads.
+        # Its chunks from the first failed block on are saved again once vLLM has recomputed them.
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if invalid:
+            for tracker in self._trackers.values():
+                if not tracker.load_failed and tracker.load_failed_in(invalid, self.block_size, self.chunk_size):
+                    log.info("Reqid: %s: its load failed; vLLM recomputes it from token %d, which is saved again, "
+                             "and it is offered no more loads", tracker.req_id, tracker.saved_upto)
+        events = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(events, CpuTierEvents) and self.lookup is not None:
+            self.lookup.update(events)
+            if self.kv_events is not None:
+                self.kv_events.apply(events)
+
+    def take_events(self) -> list[Any]:
+        """KVMesh's CPU-tier admissions and evictions as vLLM KV events (adapter/kv_events.py)."""
+        return self.kv_events.take() if self.kv_events is not None else []
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # On CPU saves are gathered synchronously in wait_for_save, so vLLM may free the blocks now. On CUDA a
+        # request that had a save keeps its blocks until the workers report its copies done (finished_sending).
+        tracker = self._trackers.pop(request.request_id, None)
+        return bool(tracker is not None and tracker.saves_held), None
+
+    def get_kv_connector_stats(self) -> KVMeshStats | None:
+        return self._stats.take()
+
+    def shutdown(self) -> None:
+        if self.lookup is not None:
+            self.lookup.close()
+            self.lookup = None
