@@ -46,11 +46,10 @@ class Flag:
         return self.name.removeprefix("--").replace("-", "_")
 
 
-def option(flag: str, help: str, default: Any = MISSING, *, default_factory: Any = MISSING,
-           **how: Any) -> Any:
-    """A dataclass field set by `flag` (the rest of `how`: `Flag`'s fields)."""
-    return dataclasses.field(default=default, default_factory=default_factory,
-                             metadata={_FLAG: Flag(flag, help, **how)})
+def option(flag: str, help: str, default: Any = MISSING, **how: Any) -> Any:
+    """A dataclass field set by `flag` (the rest of `how`: `Flag`'s fields); no default: the service must be
+    given it, or computes it."""
+    return dataclasses.field(default=default, metadata={_FLAG: Flag(flag, help, **how)})
 
 
 def group(options: type) -> Any:
@@ -69,14 +68,6 @@ def _default(field: dataclasses.Field[Any]) -> Any:
 def _flag_value(flag: Flag, value: Any) -> Any:
     """A field value in the flag's unit."""
     return value / flag.scale if flag.scale != 1 and value is not None else value
-
-
-def _flags(options: type) -> list[tuple[dataclasses.Field[Any], Flag]]:
-    return [(f, f.metadata[_FLAG]) for f in dataclasses.fields(options) if _FLAG in f.metadata]
-
-
-def _groups(options: type) -> list[tuple[dataclasses.Field[Any], type]]:
-    return [(f, f.metadata[_GROUP]) for f in dataclasses.fields(options) if _GROUP in f.metadata]
 
 
 def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, options: type) -> None:
@@ -102,7 +93,12 @@ def values(options: type, args: argparse.Namespace, environ: Mapping[str, str] |
     `environ`, else the field default (None where there is none); groups as their built dataclass."""
     env = environ or {}
     result: dict[str, Any] = {}
-    for f, flag in _flags(options):
+    for f in dataclasses.fields(options):
+        if _GROUP in f.metadata:
+            result[f.name] = f.metadata[_GROUP](**values(f.metadata[_GROUP], args, environ))
+        if _FLAG not in f.metadata:
+            continue
+        flag: Flag = f.metadata[_FLAG]
         raw = getattr(args, flag.dest)
         if isinstance(raw, bool):
             result[f.name] = raw != flag.negated
@@ -114,8 +110,6 @@ def values(options: type, args: argparse.Namespace, environ: Mapping[str, str] |
             continue
         value = round(raw * flag.scale) if flag.scale != 1 else raw
         result[f.name] = flag.convert(value) if flag.convert else value
-    for f, nested in _groups(options):
-        result[f.name] = nested(**values(nested, args, environ))
     return result
 
 

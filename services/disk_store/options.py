@@ -89,9 +89,9 @@ def options_from_args(args: argparse.Namespace, environ: dict[str, str] | None =
     env = dict(os.environ if environ is None else environ)
     values = options_cli.values(DiskStoreOptions, args, env)
     if values["root"] is None:
-        raise ConfigError("disk store: no directory: pass --dir")
+        raise ConfigError("disk store: no directory: pass --dir (a store reads no LMCache config)")
     if args.max_size_gb is None:
-        raise ConfigError("disk store: no size: pass --max-size-gb")
+        raise ConfigError("disk store: no size: pass --max-size-gb (a store reads no LMCache config)")
     if args.max_size_gb <= 0:
         raise ConfigError(f"--max-size-gb: must be > 0, got {args.max_size_gb}")
     if args.writer_threads < 1 or args.reader_threads < 1 or args.staging_mb < 0:
