@@ -34,20 +34,19 @@ from kvmesh.shared.errors import ConfigError, KVMeshError, MeshUnavailable
 from kvmesh.shared.eviction import POLICY_NAMES
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
 from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
-from kvmesh.shared.nats_url import argument as nats_url_argument
+from kvmesh.shared.nats_url import DEFAULT_PORT, DEFAULT_URL, argument as nats_url_argument
 from kvmesh.shared.protocol import CONTROLLER, OPERATOR, Subjects, disk_store_id
 from kvmesh.shared.service import configure_logging, ping_all
+from kvmesh.shared.store_commands import DISK_STORE, REMOTE_STORE, disk_store, remote_stores
 from kvmesh.shared.supervisor import Backoff, Supervisor
 from kvmesh.services.controller.config import TOKEN_ENV, TOKEN_FILE_ENV, is_loopback
-from kvmesh.services.disk_store.options import DiskStoreOptions
-from kvmesh.services.remote_store.options import partitions as remote_partitions
 
 log = logging.getLogger("kvmesh")
 
 SERVICE_MODULES = {
     "controller": "kvmesh.services.controller",
-    "disk-store": "kvmesh.services.disk_store",
-    "remote-store": "kvmesh.services.remote_store",
+    "disk-store": DISK_STORE,
+    "remote-store": REMOTE_STORE,
 }
 
 
@@ -72,11 +71,10 @@ def mesh_services(args: argparse.Namespace, token_file: Path | None = None) -> l
         controller_args.append("--insecure-no-auth")
     services = [ServiceSpec("kvmesh.services.controller", controller_args, "controller", role="controller")]
     if not args.no_disk:
-        services.append(DiskStoreOptions(root=Path(args.disk_dir), capacity_bytes=round(args.disk_size * GB),
-                                         store_id=disk_store_id(), cache_policy=args.cache_policy).service_spec())
+        services.append(disk_store(Path(args.disk_dir), round(args.disk_size * GB), disk_store_id(),
+                                   args.cache_policy))
     if not args.no_remote:
-        services += [options.service_spec() for options in
-                     remote_partitions(round(args.remote_size * GB), args.remote_partitions, args.cache_policy)]
+        services += remote_stores(round(args.remote_size * GB), args.remote_partitions, args.cache_policy)
     return services
 
 
@@ -208,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="run NATS, the controller and the stores on this machine")
     up.add_argument("--nats-url", type=nats_url_argument, help="use this NATS (a cluster's servers comma-separated) instead of embedding one")
-    up.add_argument("--nats-port", type=int, default=4222, help="port of the embedded NATS (default 4222)")
+    up.add_argument("--nats-port", type=int, default=DEFAULT_PORT,
+                    help=f"port of the embedded NATS (default {DEFAULT_PORT})")
     up.add_argument("--host", default="localhost",
                     help="controller REST host; beyond loopback, kvmesh up gives the controller a token (a 0600 file "
                          "in the mesh's credentials directory, printed at start)")
@@ -232,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     health = sub.add_parser("health", help="ask every service on a NATS for its health; each ping-all reply is "
                                            "confirmed on the replier's own health subject and shown as what its "
                                            "path is (an engine that claims to be a store shows as an engine)")
-    health.add_argument("--nats-url", type=nats_url_argument, default="nats://127.0.0.1:4222")
+    health.add_argument("--nats-url", type=nats_url_argument, default=DEFAULT_URL)
     health.add_argument("--wait", type=float, default=0.5,
                         help="seconds to collect ping-all replies; confirming them takes at most max(wait, 1) more")
     health.add_argument("--expect", type=int, default=1, help="exit 1 unless at least this many answer")
@@ -255,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "/clear) removes only that engine's own chunks. Prints one JSON line per store.")
     wipe.add_argument("--store", action="append", required=True, metavar="STORE_ID",
                       help="the store to wipe, e.g. disk-<host> or remote-0 (repeat for several)")
-    wipe.add_argument("--nats-url", type=nats_url_argument, default="nats://127.0.0.1:4222")
+    wipe.add_argument("--nats-url", type=nats_url_argument, default=DEFAULT_URL)
     wipe.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each store's answer")
     add_nats_auth_flags(wipe)
     for name in SERVICE_MODULES:

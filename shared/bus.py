@@ -315,8 +315,8 @@ def route_address(url: str) -> str | None:
     """
     parsed = urllib.parse.urlsplit(nats_url.split(url)[0])
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(parsed.hostname or "127.0.0.1", parsed.port or 4222,
-                                                             type=socket.SOCK_DGRAM)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(
+            parsed.hostname or "127.0.0.1", parsed.port or nats_url.DEFAULT_PORT, type=socket.SOCK_DGRAM)[0]
         with socket.socket(family, kind, proto) as probe:
             probe.connect(address)
             return probe.getsockname()[0]

@@ -35,7 +35,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 if TYPE_CHECKING:
     import argparse
@@ -44,6 +44,8 @@ from kvmesh.shared.bus import NatsAuth
 from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.nats_auth import CREDENTIALS_ENV
 from kvmesh.shared.nats_permissions import authorization_block, inbox_prefix, permissions
+from kvmesh.shared.nats_url import DEFAULT_PORT
+from kvmesh.shared.options_cli import option
 from kvmesh.shared.protocol import OPERATOR, Principal
 
 log = logging.getLogger(__name__)
@@ -200,20 +202,20 @@ class DomainMap:
 DOMAINS_FILE_ENV = "KVMESH_DOMAINS_FILE"
 
 
-def add_domains_flag(parser: "argparse.ArgumentParser") -> None:
-    """A store's `--domains-file` flag (also $KVMESH_DOMAINS_FILE)."""
-    parser.add_argument("--domains-file", help=(
+def domains_file_option() -> Any:
+    """A store's `domains_file` field, set by `--domains-file` (also $KVMESH_DOMAINS_FILE; shared/options_cli.py)."""
+    return option("--domains-file", (
         "the sharing domains map (engine principal -> domain, `kvmesh credentials --domain`; re-read when it "
-        f"changes; also ${DOMAINS_FILE_ENV}); default: domains.json beside the store's credentials file"))
+        f"changes; also ${DOMAINS_FILE_ENV}); default: domains.json beside the store's credentials file"),
+        None, env=DOMAINS_FILE_ENV, convert=Path)
 
 
-def domains_file_from_args(args: "argparse.Namespace", environ: dict[str, str]) -> Path | None:
-    """The domains file a store's flags or environment name: --domains-file, else beside its credentials file
-    (--nats-credentials / $KVMESH_NATS_CREDENTIALS), else None (`store_domains_file` then looks beside the
-    credentials a KVMesh-started NATS on this host gives it)."""
-    explicit = getattr(args, "domains_file", None) or environ.get(DOMAINS_FILE_ENV)
-    if explicit:
-        return Path(explicit)
+def domains_file_of(given: Path | None, args: "argparse.Namespace", environ: Mapping[str, str]) -> Path | None:
+    """The domains file of a store: `given` (its --domains-file or $KVMESH_DOMAINS_FILE), else beside its
+    credentials file (--nats-credentials / $KVMESH_NATS_CREDENTIALS), else None (`store_domains` then looks
+    beside the credentials a KVMesh-started NATS on this host gives it)."""
+    if given is not None:
+        return given
     return domains_file_beside(getattr(args, "nats_credentials", None) or environ.get(CREDENTIALS_ENV))
 
 
@@ -436,7 +438,7 @@ def _loopback_address(url: str) -> tuple[str, int] | None:
     host = parsed.hostname or ""
     if host != "localhost" and not (_is_ip(host) and ipaddress.ip_address(host).is_loopback):
         return None
-    return host, parsed.port or 4222
+    return host, parsed.port or DEFAULT_PORT
 
 
 def _is_ip(host: str) -> bool:

@@ -11,6 +11,8 @@ import argparse
 import urllib.parse
 
 NATS_SCHEMES = frozenset({"nats", "tls", "ws", "wss"})
+DEFAULT_PORT = 4222  # NATS's own default port
+DEFAULT_URL = f"nats://127.0.0.1:{DEFAULT_PORT}"  # where a service or command joins NATS when told nowhere else
 
 
 def _normalize_one(address: str) -> str:

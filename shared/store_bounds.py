@@ -1,7 +1,7 @@
 """Bounds a NATS client can push on at a chunk store, the same for the disk store and the remote store.
 
-`StoreBounds` is one set of them; `add_store_bound_flags` / `store_bounds_from_args` / `StoreBounds.to_args` are
-their command-line flags, shared by both stores' options modules (docs/config.md lists them per store,
+`StoreBounds` is one set of them; its fields declare their command-line flags (shared/options_cli.py), which both
+stores' options take in through `group(StoreBounds)` (docs/config.md lists them per store,
 docs/security.md says what each guards against):
 
     --max-keys-per-request  keys in one contains / touch / pin / unpin / remove request; more: an error reply
@@ -25,29 +25,33 @@ docs/security.md says what each guards against):
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 from kvmesh.shared.errors import ConfigError
+from kvmesh.shared.options_cli import option
 
 MiB = 1024 * 1024
 
 
 @dataclass(frozen=True)
 class StoreBounds:
-    max_keys_per_request: int = 100_000  # a 1M-token prompt in chunks of 16 tokens is 62,500 keys
+    # a 1M-token prompt in chunks of 16 tokens is 62,500 keys
+    max_keys_per_request: int = option(
+        "--max-keys-per-request",
+        "most keys in one contains / touch / pin / unpin / remove request; more get an error", 100_000)
     # NATS discourages payloads over 8 MB; measured here, a flood of 20 MB inline puts from another process got a
     # store cut off by nats-server as a slow consumer (its 64 MiB max_pending), one of 8 MB did not
-    max_inline_bytes: int = 8 * MiB
-    request_queue_bytes: int = 128 * MiB  # nats-py's own default per subscription (ours was 1 GiB)
-    min_sync_interval: float = 1.0
-    max_lanes: int = 64
-
-    def to_args(self) -> list[str]:
-        return ["--max-keys-per-request", str(self.max_keys_per_request),
-                "--max-inline-bytes", str(self.max_inline_bytes),
-                "--request-queue-mb", repr(self.request_queue_bytes / MiB),
-                "--min-sync-interval", repr(self.min_sync_interval), "--max-lanes", str(self.max_lanes)]
+    max_inline_bytes: int = option("--max-inline-bytes",
+                                   "largest inline `data` of one put; a larger put gets an error", 8 * MiB)
+    # nats-py's own default per subscription (ours was 1 GiB)
+    request_queue_bytes: int = option(
+        "--request-queue-mb", "requests queued per NATS subscription, in MiB; past it new ones are dropped and "
+        "counted (requests_dropped)", 128 * MiB, scale=MiB)
+    min_sync_interval: float = option(
+        "--min-sync-interval", "seconds between two full syncs; requests within it are served when it ends", 1.0)
+    max_lanes: int = option(
+        "--max-lanes", "engine principals of the domains map served on a NATS connection of their own (so one's "
+        "flood cuts off only its own); those past it share one (0: all share one)", 64)
 
     def check(self) -> None:
         """Raise ConfigError naming the flag of a bound that makes no sense."""
@@ -77,28 +81,3 @@ class StoreBounds:
             return None
         return (f"inline put of {nbytes} bytes; this store takes at most {self.max_inline_bytes} inline "
                 "(--max-inline-bytes): send the bytes by shared memory or the remote store's stream")
-
-
-def add_store_bound_flags(parser: argparse.ArgumentParser) -> None:
-    default = StoreBounds()
-    parser.add_argument("--max-keys-per-request", type=int, default=default.max_keys_per_request,
-                        help="most keys in one contains / touch / pin / unpin / remove request; more get an error")
-    parser.add_argument("--max-inline-bytes", type=int, default=default.max_inline_bytes,
-                        help="largest inline `data` of one put; a larger put gets an error")
-    parser.add_argument("--request-queue-mb", type=float, default=default.request_queue_bytes / MiB,
-                        help="requests queued per NATS subscription, in MiB; past it new ones are dropped and "
-                             "counted (requests_dropped)")
-    parser.add_argument("--min-sync-interval", type=float, default=default.min_sync_interval,
-                        help="seconds between two full syncs; requests within it are served when it ends")
-    parser.add_argument("--max-lanes", type=int, default=default.max_lanes,
-                        help="engine principals of the domains map served on a NATS connection of their own (so "
-                             "one's flood cuts off only its own); those past it share one (0: all share one)")
-
-
-def store_bounds_from_args(args: argparse.Namespace) -> StoreBounds:
-    """The bounds the flags name; ConfigError if one makes no sense."""
-    bounds = StoreBounds(max_keys_per_request=args.max_keys_per_request, max_inline_bytes=args.max_inline_bytes,
-                         request_queue_bytes=round(args.request_queue_mb * MiB),
-                         min_sync_interval=args.min_sync_interval, max_lanes=args.max_lanes)
-    bounds.check()
-    return bounds

@@ -21,6 +21,7 @@ from kvmesh.shared.credentials import credentials_for
 from kvmesh.shared.embedded_nats import free_port
 from kvmesh.shared.protocol import OPERATOR
 from kvmesh.shared.service import ping_all
+from kvmesh.shared.store_commands import disk_store, remote_stores
 
 from processes import pid_alive, wait_dead
 from waiting import WAIT_S, wait_until_async
@@ -159,5 +160,14 @@ def test_store_options_round_trip_through_their_flags(tmp_path: Path) -> None:
                                     staging_bytes=7 * 2**20)
     read = disk.options_from_args(disk.build_parser().parse_args(written.to_args()), environ={})
     assert read == written
-    for options in remote.partitions(987_654_321, 3, "MRU"):
+    for options in (remote.RemoteStoreOptions(store_id=f"remote-{i}", capacity_bytes=987_654_321, partition=i,
+                                              num_partitions=3, cache_policy="MRU") for i in range(3)):
         assert remote.options_from_args(remote.build_parser().parse_args(options.to_args())) == options
+    # and what `kvmesh up` / the embedded mesh pass (shared/store_commands.py) reads as the store's own options
+    for i, spec in enumerate(remote_stores(987_654_321, 3, "MRU", prefault_bytes=2**20)):
+        assert remote.options_from_args(remote.build_parser().parse_args(spec.args)) == remote.RemoteStoreOptions(
+            store_id=spec.service_id, capacity_bytes=987_654_321, partition=i, num_partitions=3,
+            cache_policy="MRU", prefault_bytes=2**20)
+    spec = disk_store(tmp_path / "d", 123_456_789, "disk-x", "LFU")
+    assert disk.options_from_args(disk.build_parser().parse_args(spec.args), environ={}) == disk.DiskStoreOptions(
+        root=tmp_path / "d", capacity_bytes=123_456_789, store_id="disk-x", cache_policy="LFU")

@@ -523,34 +523,34 @@ async def test_a_put_in_flight_is_discarded_by_its_callers_clear(harness: Harnes
     await wait_until_async(lambda: len(chunk_files(harness.root)) == 2, what="the file of 1 never kept")
 
 
-def test_options_from_flags_and_from_the_lmcache_config(tmp_path: Path) -> None:
+def test_options_from_flags_only(tmp_path: Path) -> None:
+    """A store takes flags (and its own variables), never the engine's LMCache config."""
     config = tmp_path / "disk-offload.yaml"
     config.write_text('chunk_size: 256\nlocal_disk: "file://local/disk_test/local_disk/"\nmax_local_disk_size: 5.0\n')
-    options = options_from_args(build_parser().parse_args(["--config", str(config), "--store-id", "d1"]), {})
-    assert options.root == Path("local/disk_test/local_disk") and options.capacity_bytes == 5 * 1024**3
-    env = {"LMCACHE_LOCAL_DISK": str(tmp_path / "x"), "LMCACHE_MAX_LOCAL_DISK_SIZE": "0.5"}
-    options = options_from_args(build_parser().parse_args(["--store-id", "d1"]), env)
-    assert options.root == tmp_path / "x" and options.capacity_bytes == 1024**3 // 2
+    env = {"LMCACHE_CONFIG_FILE": str(config), "LMCACHE_LOCAL_DISK": str(tmp_path / "x"),
+           "LMCACHE_MAX_LOCAL_DISK_SIZE": "0.5", "LMCACHE_NATS_URL": "nats://elsewhere:4222"}
+    with pytest.raises(ConfigError, match="pass --dir"):
+        options_from_args(build_parser().parse_args(["--store-id", "d1"]), env)
+    with pytest.raises(ConfigError, match="pass --max-size-gb"):
+        options_from_args(build_parser().parse_args(["--dir", str(tmp_path), "--store-id", "d1"]), env)
+    options = options_from_args(build_parser().parse_args(
+        ["--dir", "file:///data/kv", "--max-size-gb", "2", "--store-id", "d1"]), env)
+    assert options.root == Path("/data/kv") and options.capacity_bytes == 2 * 1024**3
+    assert options.nats_url == "nats://127.0.0.1:4222"  # the default, not the engine's nats_url
     options = options_from_args(build_parser().parse_args(
         ["--dir", "file:///data/kv", "--max-size-gb", "2", "--store-id", "d1", "--nats-url", "h:4222"]), {})
     assert options.root == Path("/data/kv") and options.nats_url == "nats://h:4222"
 
 
-def test_cache_policy_from_the_flag_else_the_lmcache_config(tmp_path: Path,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_cache_policy_from_the_flag_else_lru(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     flags = ["--dir", str(tmp_path), "--max-size-gb", "1", "--store-id", "d1", "--nats-url", "h:4222"]
 
     def policy(*extra: str, env: dict[str, str] | None = None) -> str:
         return options_from_args(build_parser().parse_args([*flags, *extra]), env or {}).cache_policy
 
     assert policy() == "LRU"
-    assert policy(env={"LMCACHE_CACHE_POLICY": "lfu"}) == "LFU"
-    config = tmp_path / "lmcache.yaml"
-    config.write_text("cache_policy: mru\n")
-    assert policy("--config", str(config)) == "MRU"
-    assert policy("--cache-policy", "fifo", env={"LMCACHE_CACHE_POLICY": "lfu"}) == "FIFO"  # the flag wins
-    with pytest.raises(ConfigError, match="LMCACHE_CACHE_POLICY: must be one of FIFO, LFU, LRU, MRU"):
-        policy(env={"LMCACHE_CACHE_POLICY": "arc"})
+    assert policy(env={"LMCACHE_CACHE_POLICY": "lfu"}) == "LRU"  # the engine's variable is the engine's
+    assert policy("--cache-policy", "fifo") == "FIFO"
     with pytest.raises(SystemExit):
         policy("--cache-policy", "arc")
     assert "--cache-policy: invalid choice: 'ARC'" in capsys.readouterr().err

@@ -23,6 +23,7 @@ from kvmesh.shared import bus, chunk_file, protocol
 from kvmesh.shared.embedded_nats import EmbeddedNats, _die_with_parent
 from kvmesh.shared.errors import MeshUnavailable
 from kvmesh.shared.shm import SharedSegment
+from kvmesh.shared.store_commands import disk_store
 from kvmesh.shared.tier import ChunkBuffer
 from kvmesh.services.disk_store.client import DiskStoreClient
 
@@ -205,6 +206,7 @@ async def test_cache_policy_flag_reaches_the_store(nc, store: StoreProcess, segm
 ENGINE_PROCESS = """
 import hashlib, sys
 from kvmesh.shared.shm import SharedSegment
+from kvmesh.shared.store_commands import disk_store
 from kvmesh.services.disk_store.pool_socket import register
 segment = SharedSegment.create({size})
 segment.buf[:{size}] = hashlib.shake_256(b"data-1").digest({size})
@@ -303,17 +305,17 @@ async def test_a_second_store_on_the_same_directory_is_refused(nc, store: StoreP
     assert second.returncode == 2 and b"another disk store" in second.stderr
 
 
-async def test_started_from_the_lmcache_config_file(nc, nats_server: EmbeddedNats, tmp_path: Path) -> None:
-    config = tmp_path / "disk-offload.yaml"
+async def test_started_with_the_flags_an_engine_passes(nc, nats_server: EmbeddedNats, tmp_path: Path) -> None:
+    """The engine's embedded mesh starts its disk store with the flags shared/store_commands.py writes from the
+    engine config (local_disk, max_local_disk_size, cache_policy): the store reads no LMCACHE_CONFIG_FILE."""
     disk = tmp_path / "not" / "yet" / "there"
-    config.write_text(f'chunk_size: 256\nlocal_disk: "file://{disk}/"\nmax_local_disk_size: 0.5\n')
     process = StoreProcess(nats_server.url, disk, tmp_path)
     process.start = lambda *extra: None  # type: ignore[method-assign]  # started by hand below
+    spec = disk_store(disk, 1024**3 // 2, process.store_id, "LRU")
     log = open(tmp_path / "store-1.log", "wb")
     process.process = subprocess.Popen(
-        [sys.executable, "-m", "kvmesh.services.disk_store", "--nats-url", nats_server.url, "--store-id",
-         process.store_id], stdout=log, stderr=log, preexec_fn=_die_with_parent,
-        env={**os.environ, "LMCACHE_CONFIG_FILE": str(config)})
+        [sys.executable, "-m", spec.module, "--nats-url", nats_server.url, *spec.args], stdout=log, stderr=log,
+        preexec_fn=_die_with_parent, env={**os.environ, "LMCACHE_CONFIG_FILE": str(tmp_path / "ignored.yaml")})
     log.close()
     try:
         await process.wait_healthy(nc)

@@ -1,8 +1,8 @@
 """`python -m kvmesh.services.disk_store`: the disk store of this host, until SIGTERM/SIGINT.
 
 Process: one asyncio event loop (NATS handlers, index) on the main thread, plus the store's writer, staging
-and I/O threads. Flags: see options.py (`--dir`, `--max-size-gb`, `--store-id`, `--nats-url`, `--config`, and
-the NATS credentials `--nats-token | --nats-user/--nats-password | --nats-nkey-seed`).
+and I/O threads. Flags: see options.py (`--dir`, `--max-size-gb`, `--store-id`, `--nats-url`, and the NATS
+credentials `--nats-token | --nats-user/--nats-password | --nats-nkey-seed`).
 """
 
 from __future__ import annotations

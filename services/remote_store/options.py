@@ -1,13 +1,14 @@
-"""The remote store's settings: `RemoteStoreOptions`, its command-line flags, and the flags that start one.
+"""The remote store's settings: `RemoteStoreOptions`, whose fields declare their command-line flags
+(shared/options_cli.py).
 
     python -m kvmesh.services.remote_store --nats-url URL --max-size-gb F --partition I --partitions N \
         --store-id ID [--cache-policy LRU|LFU|FIFO|MRU] [--persist-dir DIR] \
         [--nats-token T | --nats-user U --nats-password P | --nats-nkey-seed F]
     python -m kvmesh.services.remote_store --nats-url URL --redis-url redis://HOST:PORT [--redis-key-prefix P]
 
-One definition both ways: `build_parser` + `options_from_args` read the flags, `RemoteStoreOptions.to_args`
-writes them for whoever starts a store process (`kvmesh up`, the engine's embedded mesh). Credentials are
-never flags written by `to_args`: they travel in the environment (shared/nats_auth.py).
+Whoever starts a store passes what it decides as flags (shared/store_commands.py: `kvmesh up`, the engine's
+embedded mesh); `build_parser` + `options_from_args` read them, `RemoteStoreOptions.to_args` writes them.
+Credentials are never flags written by `to_args`: they travel in the environment (shared/nats_auth.py).
 """
 
 from __future__ import annotations
@@ -17,132 +18,87 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvmesh.shared import options_cli
 from kvmesh.shared.bus import NatsAuth, normalize_url
 from kvmesh.shared.config import GB
-from kvmesh.shared.credentials import add_domains_flag, domains_file_from_args
+from kvmesh.shared.credentials import domains_file_of, domains_file_option
 from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.eviction import POLICY_NAMES
-from kvmesh.shared.local_mesh import ServiceSpec
 from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
-from kvmesh.shared.nats_url import argument as nats_url_argument
+from kvmesh.shared.nats_url import DEFAULT_URL, argument as nats_url_argument
+from kvmesh.shared.options_cli import DEFAULT, group, option
 from kvmesh.shared.protocol import redis_store_id, remote_store_id
 from kvmesh.shared.redis_keys import PREFIX_RULE, prefix_ok
 from kvmesh.shared.redis_url import CLUSTER, parse_redis_url
-from kvmesh.shared.store_bounds import StoreBounds, add_store_bound_flags, store_bounds_from_args
+from kvmesh.shared.store_bounds import StoreBounds
 
 DEFAULT_MAX_CHUNK_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True)
 class RemoteStoreOptions:
-    store_id: str
-    capacity_bytes: int
-    nats_url: str = "nats://127.0.0.1:4222"
+    store_id: str = option("--store-id", "store id (default remote-<partition>)")
+    capacity_bytes: int = option("--max-size-gb", f"memory cap in GB (default {DEFAULT})", 4 * GB, scale=GB)
+    nats_url: str = option("--nats-url", "NATS to join (several servers of a cluster: comma-separated)",
+                           DEFAULT_URL, type=nats_url_argument, written=False)  # the starter adds it
     auth: NatsAuth = field(default_factory=NatsAuth)
-    partition: int = 0
-    num_partitions: int = 1
-    cache_policy: str = "LRU"  # which chunks go first when the cap is reached (shared/eviction/)
-    persist_dir: Path | None = None
-    fsync: bool = True
-    stream_host: str | None = None  # where the stream listens; None = the address this host reaches NATS from
-    stream_port: int = 0  # 0 = any free port (it is advertised in the StreamOffer)
-    advertise_host: str | None = None  # the address clients connect to; None = the listening one (or the route)
-    transfer_timeout: float = 30.0  # seconds one chunk's transfer may take before its connection is closed
-    max_stream_connections: int = 256  # open stream connections at once; past it new ones are closed at once
-    stream_hello_timeout: float = 10.0  # seconds a new connection has to present a valid ticket
-    stream_hello_max_bytes: int = 4096  # the largest hello read before its ticket is checked
-    stream_idle_timeout: float = 300.0  # seconds a greeted connection may go without a request
-    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES  # the largest chunk a put may announce (stream or inline)
-    prefault_bytes: int = 0  # memory faulted in at start, new buffers carved from it (buffers.Arena); <= capacity
-    bounds: StoreBounds = field(default_factory=StoreBounds)  # what NATS clients can push on (shared/store_bounds.py)
-    domains_file: Path | None = None  # the sharing domains map (None: beside the store's credentials, if any)
+    partition: int = option("--partition", "this replica's partition (0-based)", 0)
+    num_partitions: int = option("--partitions", "number of partitions (replicas)", 1)
+    # which chunks go first when the cap is reached (shared/eviction/)
+    cache_policy: str = option("--cache-policy", f"eviction order under the cap (default {DEFAULT})", "LRU",
+                               type=str.upper, choices=POLICY_NAMES)
+    persist_dir: Path | None = option("--persist-dir", "keep chunk files here so a restart keeps the data", None,
+                                      convert=Path)
+    fsync: bool = option("--no-fsync", "do not fsync persisted files (faster, less durable)", True, negated=True)
+    # where the stream listens; None = the address this host reaches NATS from
+    stream_host: str | None = option(
+        "--stream-host", "address the chunk stream listens on (default: the address this host reaches NATS from)",
+        None)
+    # 0 = any free port (it is advertised in the StreamOffer)
+    stream_port: int = option("--stream-port", "stream port (default: any free port)", 0)
+    # the address clients connect to; None = the listening one (or the route)
+    advertise_host: str | None = option(
+        "--advertise-host", "address clients should connect to (default: the listening one)", None)
+    transfer_timeout: float = option(
+        "--transfer-timeout", "seconds one chunk transfer may take before its connection is dropped", 30.0)
+    max_stream_connections: int = option(
+        "--max-stream-connections", "stream connections open at once; past it new ones are closed at once", 256)
+    stream_hello_timeout: float = option(
+        "--stream-hello-timeout", "seconds a new stream connection has to present a valid ticket", 10.0)
+    stream_hello_max_bytes: int = option(
+        "--stream-hello-max-bytes", "largest hello (ticket message) read before the ticket is checked", 4096)
+    stream_idle_timeout: float = option(
+        "--stream-idle-timeout", "seconds a stream connection may go without a request before it is closed", 300.0)
+    max_chunk_bytes: int = option(  # the largest chunk a put may announce (stream or inline)
+        "--max-chunk-bytes", "largest chunk a put may announce; a larger one is refused before its bytes are read",
+        DEFAULT_MAX_CHUNK_BYTES)
+    # memory faulted in at start, new buffers carved from it (buffers.Arena); <= capacity
+    prefault_bytes: int = option(
+        "--prefault-gb", "GB of memory faulted in at start (at most --max-size-gb), so puts into an empty store "
+        "need no page faults (default 0: memory is faulted as chunks arrive)", 0, scale=GB)
+    bounds: StoreBounds = group(StoreBounds)  # what NATS clients can push on (shared/store_bounds.py)
+    # the sharing domains map (None: beside the store's credentials, if any)
+    domains_file: Path | None = domains_file_option()
     heartbeat_interval: float = 2.0
     # Redis mode (redis_watch.py): report what a Redis remote tier holds instead of holding chunks
-    redis_url: str | None = None
-    redis_key_prefix: str = "kvmesh"
-    redis_timeout: float = 2.0
+    redis_url: str | None = option(
+        "--redis-url", "Redis mode: report to the controller what this Redis / Valkey remote tier holds (an engine "
+        "remote_url form, standalone or sentinel) instead of holding chunks", None)
+    redis_key_prefix: str = option(
+        "--redis-key-prefix", f"Redis mode: the engines' redis_key_prefix (default {DEFAULT}; store id "
+        "redis-<prefix>)", "kvmesh")
+    redis_timeout: float = option(
+        "--redis-timeout", f"Redis mode: seconds a Redis connect or command may take (default {DEFAULT})", 2.0)
 
     def to_args(self) -> list[str]:
         """The flags that start a store with these options (`--nats-url` and credentials excepted)."""
-        args = ["--max-size-gb", repr(self.capacity_bytes / GB), "--partition", str(self.partition),
-                "--partitions", str(self.num_partitions), "--store-id", self.store_id,
-                "--cache-policy", self.cache_policy, "--transfer-timeout", repr(self.transfer_timeout),
-                "--max-stream-connections", str(self.max_stream_connections),
-                "--stream-hello-timeout", repr(self.stream_hello_timeout),
-                "--stream-hello-max-bytes", str(self.stream_hello_max_bytes),
-                "--stream-idle-timeout", repr(self.stream_idle_timeout),
-                "--max-chunk-bytes", str(self.max_chunk_bytes), *self.bounds.to_args()]
-        if self.prefault_bytes:
-            args += ["--prefault-gb", repr(self.prefault_bytes / GB)]
-        if self.persist_dir is not None:
-            args += ["--persist-dir", str(self.persist_dir)]
-        if not self.fsync:
-            args.append("--no-fsync")
-        if self.stream_host:
-            args += ["--stream-host", self.stream_host]
-        if self.stream_port:
-            args += ["--stream-port", str(self.stream_port)]
-        if self.advertise_host:
-            args += ["--advertise-host", self.advertise_host]
-        if self.domains_file is not None:
-            args += ["--domains-file", str(self.domains_file)]
-        return args
-
-    def service_spec(self) -> ServiceSpec:
-        """How `kvmesh up` and the engine's embedded mesh start this store."""
-        return ServiceSpec("kvmesh.services.remote_store", self.to_args(), self.store_id)
-
-
-def partitions(capacity_bytes: int, num_partitions: int, cache_policy: str = "LRU",
-               prefault_bytes: int = 0) -> list[RemoteStoreOptions]:
-    """The options of every partition of a remote store, each with `capacity_bytes` of memory of which
-    `prefault_bytes` are faulted in at start."""
-    return [RemoteStoreOptions(store_id=remote_store_id(i), capacity_bytes=capacity_bytes, partition=i,
-                               num_partitions=num_partitions, cache_policy=cache_policy, prefault_bytes=prefault_bytes)
-            for i in range(num_partitions)]
+        return options_cli.to_args(self)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kvmesh.services.remote_store",
                                      description="KVMesh remote store (RemoteBackend): one key partition")
-    parser.add_argument("--nats-url", type=nats_url_argument, default="nats://127.0.0.1:4222",
-                        help="NATS to join (several servers of a cluster: comma-separated)")
-    parser.add_argument("--max-size-gb", type=float, default=4.0, help="memory cap in GB (default 4)")
-    parser.add_argument("--partition", type=int, default=0, help="this replica's partition (0-based)")
-    parser.add_argument("--partitions", type=int, default=1, help="number of partitions (replicas)")
-    parser.add_argument("--store-id", help="store id (default remote-<partition>)")
-    parser.add_argument("--cache-policy", type=str.upper, choices=POLICY_NAMES, default="LRU",
-                        help="eviction order under the cap (default LRU)")
-    parser.add_argument("--persist-dir", help="keep chunk files here so a restart keeps the data")
-    parser.add_argument("--no-fsync", action="store_true", help="do not fsync persisted files (faster, less durable)")
-    parser.add_argument("--stream-host", help="address the chunk stream listens on (default: the address this "
-                                              "host reaches NATS from)")
-    parser.add_argument("--stream-port", type=int, default=0, help="stream port (default: any free port)")
-    parser.add_argument("--advertise-host", help="address clients should connect to (default: the listening one)")
-    parser.add_argument("--transfer-timeout", type=float, default=30.0,
-                        help="seconds one chunk transfer may take before its connection is dropped")
-    parser.add_argument("--max-stream-connections", type=int, default=256,
-                        help="stream connections open at once; past it new ones are closed at once")
-    parser.add_argument("--stream-hello-timeout", type=float, default=10.0,
-                        help="seconds a new stream connection has to present a valid ticket")
-    parser.add_argument("--stream-hello-max-bytes", type=int, default=4096,
-                        help="largest hello (ticket message) read before the ticket is checked")
-    parser.add_argument("--stream-idle-timeout", type=float, default=300.0,
-                        help="seconds a stream connection may go without a request before it is closed")
-    parser.add_argument("--max-chunk-bytes", type=int, default=DEFAULT_MAX_CHUNK_BYTES,
-                        help="largest chunk a put may announce; a larger one is refused before its bytes are read")
-    parser.add_argument("--prefault-gb", type=float, default=0.0,
-                        help="GB of memory faulted in at start (at most --max-size-gb), so puts into an empty store "
-                             "need no page faults (default 0: memory is faulted as chunks arrive)")
-    add_store_bound_flags(parser)
-    add_domains_flag(parser)
-    parser.add_argument("--redis-url", help="Redis mode: report to the controller what this Redis / Valkey remote "
-                                            "tier holds (an engine remote_url form, standalone or sentinel) "
-                                            "instead of holding chunks")
-    parser.add_argument("--redis-key-prefix", default="kvmesh",
-                        help="Redis mode: the engines' redis_key_prefix (default kvmesh; store id redis-<prefix>)")
-    parser.add_argument("--redis-timeout", type=float, default=2.0,
-                        help="Redis mode: seconds a Redis connect or command may take (default 2)")
+    options_cli.add_flags(parser, RemoteStoreOptions)
     parser.add_argument("--log-level", help="log level (default: $KVMESH_LOG_LEVEL, else INFO)")
     add_nats_auth_flags(parser)
     return parser
@@ -174,16 +130,10 @@ def options_from_args(args: argparse.Namespace) -> RemoteStoreOptions:
         target = parse_redis_url(args.redis_url)  # a ConfigError naming what is wrong with the URL
         if target.mode == CLUSTER:
             raise ConfigError("--redis-url: Redis mode watches one server (standalone or sentinel), not a cluster")
+    env = dict(os.environ)
+    values = options_cli.values(RemoteStoreOptions, args, env)
+    values["bounds"].check()
     default_id = redis_store_id(args.redis_key_prefix) if args.redis_url else remote_store_id(args.partition)
-    return RemoteStoreOptions(
-        store_id=args.store_id or default_id, capacity_bytes=round(args.max_size_gb * GB),
-        nats_url=normalize_url(args.nats_url), auth=nats_auth_from_args(args), partition=args.partition,
-        num_partitions=args.partitions, cache_policy=args.cache_policy,
-        persist_dir=Path(args.persist_dir) if args.persist_dir else None,
-        fsync=not args.no_fsync, stream_host=args.stream_host, stream_port=args.stream_port,
-        advertise_host=args.advertise_host, transfer_timeout=args.transfer_timeout,
-        max_stream_connections=args.max_stream_connections, stream_hello_timeout=args.stream_hello_timeout,
-        stream_hello_max_bytes=args.stream_hello_max_bytes, stream_idle_timeout=args.stream_idle_timeout,
-        max_chunk_bytes=args.max_chunk_bytes, prefault_bytes=round(args.prefault_gb * GB),
-        bounds=store_bounds_from_args(args), domains_file=domains_file_from_args(args, dict(os.environ)),
-        redis_url=args.redis_url, redis_key_prefix=args.redis_key_prefix, redis_timeout=args.redis_timeout)
+    return RemoteStoreOptions(**{
+        **values, "store_id": values["store_id"] or default_id, "nats_url": normalize_url(values["nats_url"]),
+        "auth": nats_auth_from_args(args), "domains_file": domains_file_of(values["domains_file"], args, env)})

@@ -44,8 +44,7 @@ from kvmesh.shared.lmcache_keys import NATS_SCHEMES, url_scheme
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
 from kvmesh.shared.protocol import disk_store_id, redis_store_id, remote_store_id
 from kvmesh.shared.redis_url import is_redis_url
-from kvmesh.services.disk_store.options import DiskStoreOptions
-from kvmesh.services.remote_store.options import partitions as remote_partitions
+from kvmesh.shared.store_commands import disk_store, remote_stores
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +84,10 @@ def plan_mesh(config: EngineConfig) -> MeshPlan:
     services: list[ServiceSpec] = []
     if disk is not None:
         assert config.local_disk_path is not None
-        services.append(DiskStoreOptions(root=config.local_disk_path, capacity_bytes=config.max_local_disk_bytes,
-                                         store_id=disk, cache_policy=config.cache_policy).service_spec())
+        services.append(disk_store(config.local_disk_path, config.max_local_disk_bytes, disk, config.cache_policy))
     if remotes and not redis:
-        services += [options.service_spec() for options in
-                     remote_partitions(config.remote_size_bytes, config.remote_partitions, config.cache_policy,
-                                       config.remote_prefault_bytes)]
+        services += remote_stores(config.remote_size_bytes, config.remote_partitions, config.cache_policy,
+                                  config.remote_prefault_bytes)
     return MeshPlan(EMBED, None, disk, remotes, services, redis=redis,
                     reason="no nats_url, controller_url or NATS remote_url")
 
