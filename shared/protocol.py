@@ -671,7 +671,7 @@ class GetReply:
 # ---------------------------------------------------------------------------------------------------------
 # Direct streams (remote store): negotiated on NATS, then chunk bytes on a TCP connection kept by the client.
 # On the stream every request is one op byte, a u32 length, one of these messages (or PutRequest/GetRequest)
-# and, for puts and found gets, the chunk's raw bytes; see services/remote_store/stream_wire.py.
+# and, for puts and found gets, the chunk's raw bytes; see shared/stream_wire.py.
 
 
 @message("stream_request")

@@ -39,6 +39,6 @@ def test_the_connector_loads_no_server_code() -> None:
 
 def test_the_cache_engine_loads_no_server_code() -> None:
     loaded = loaded_after("import kvmesh.services.engine.core.cache_engine")
-    assert "kvmesh.services.remote_store.stream_client" in loaded  # the clients, yes
+    assert "kvmesh.services.engine.tiers.remote_stream" in loaded  # the clients, yes
     leaked = sorted(m for m in loaded if m.startswith(SERVER_MODULES))
     assert not leaked, f"the cache engine pulls in server code: {leaked}"

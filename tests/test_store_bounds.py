@@ -24,7 +24,7 @@ from kvmesh.services.disk_store import options as disk_options
 from kvmesh.services.disk_store.options import DiskStoreOptions
 from kvmesh.services.disk_store.service import DiskStoreService
 from kvmesh.services.remote_store import options as remote_options
-from kvmesh.services.remote_store.client import RemoteStoreClient
+from kvmesh.services.engine.tiers.remote import RemoteStoreClient
 from kvmesh.services.remote_store.options import RemoteStoreOptions
 from kvmesh.services.remote_store.service import RemoteStoreService
 

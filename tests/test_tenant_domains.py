@@ -19,7 +19,7 @@ import pytest
 
 from kvmesh.services.disk_store.options import DiskStoreOptions
 from kvmesh.services.disk_store.service import DiskStoreService
-from kvmesh.services.remote_store.client import RemoteStoreClient
+from kvmesh.services.engine.tiers.remote import RemoteStoreClient
 from kvmesh.services.remote_store.options import RemoteStoreOptions
 from kvmesh.services.remote_store.service import RemoteStoreService
 from kvmesh.shared import bus, chunk_file, protocol

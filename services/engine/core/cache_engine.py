@@ -32,17 +32,17 @@ from typing import Any, Protocol
 import torch
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.services.disk_store.client import DiskStoreClient
+from kvmesh.services.engine.tiers.disk import DiskStoreClient
 from kvmesh.services.engine.tiers.cpu import ChunkRef, LocalCPUBackend
 from kvmesh.services.engine.tiers.redis import RedisTier, resolve_auth
 from kvmesh.services.engine.mesh.embedded import MeshConnection, MeshPlan, plan_mesh
 from kvmesh.services.engine.core.kv_layout import KVLayout, detect_layout
-from kvmesh.services.engine.core.memory_pool import MemoryPool, Slot
+from kvmesh.services.engine.tiers.memory_pool import MemoryPool, Slot
 from kvmesh.services.engine.mesh.nats_loop import NatsLoop
 from kvmesh.services.engine.core.paged_copy import PagedCopier
 from kvmesh.services.engine.core.storage_manager import RateLimitedLog, StorageManager
 from kvmesh.services.engine.mesh.worker_agent import WorkerAgent
-from kvmesh.services.remote_store.client import RemoteStoreClient
+from kvmesh.services.engine.tiers.remote import RemoteStoreClient
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.eviction import Clock

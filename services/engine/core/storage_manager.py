@@ -39,7 +39,7 @@ from typing import Callable, Sequence
 
 from kvmesh.shared.aio import cancel_and_wait
 from kvmesh.shared.chunk_file import checksum
-from kvmesh.services.engine.core.memory_pool import Slot
+from kvmesh.services.engine.tiers.memory_pool import Slot
 from kvmesh.services.engine.mesh.nats_loop import NatsLoop
 from kvmesh.services.engine.tiers.cpu import ChunkRef, LocalCPUBackend
 from kvmesh.shared.config import EngineConfig

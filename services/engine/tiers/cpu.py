@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Protocol
 
-from kvmesh.services.engine.core.memory_pool import MemoryPool, Slot
+from kvmesh.services.engine.tiers.memory_pool import MemoryPool, Slot
 from kvmesh.shared.eviction import Clock, EvictionPolicy, make_policy
 from kvmesh.shared.keys import ChunkKey
 from kvmesh.shared.protocol import LOCAL_CPU, ChunkMeta
