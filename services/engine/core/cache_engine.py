@@ -40,7 +40,7 @@ from kvmesh.services.engine.core.kv_layout import KVLayout, detect_layout
 from kvmesh.services.engine.tiers.memory_pool import MemoryPool, Slot
 from kvmesh.services.engine.mesh.nats_loop import NatsLoop
 from kvmesh.services.engine.core.paged_copy import PagedCopier
-from kvmesh.services.engine.core.storage_manager import RateLimitedLog, StorageManager
+from kvmesh.services.engine.core.storage_manager import StorageManager
 from kvmesh.services.engine.mesh.worker_agent import WorkerAgent
 from kvmesh.services.engine.tiers.remote import RemoteStoreClient
 from kvmesh.shared import bus, protocol
@@ -51,6 +51,7 @@ from kvmesh.services.engine.mesh.domain import engine_domain, key_domain
 from kvmesh.shared.credentials import DEFAULT_DOMAIN, SharingDomain, credentials_for
 from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.nats_auth import auth_from_config
+from kvmesh.shared.rate_limited_log import RateLimitedLog
 from kvmesh.shared.redis_keys import RedisAuth
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE, ChunkMeta, worker_id_for
 from kvmesh.shared.tier import StoreTier

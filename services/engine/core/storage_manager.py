@@ -45,6 +45,7 @@ from kvmesh.services.engine.tiers.cpu import ChunkRef, LocalCPUBackend
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.keys import ChunkKey, ChunkSpan
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE, ChunkMeta
+from kvmesh.shared.rate_limited_log import RateLimitedLog
 from kvmesh.shared.tier import StoreMayWrite, StoreTier, Tier
 
 log = logging.getLogger(__name__)
@@ -60,28 +61,6 @@ COMMAND_OPS = (*TIER_OPS, "move")  # what the worker agent answers (`move`: from
 MAX_QUARANTINED_SLOTS = 8
 # what a loaded chunk's meta says differently from what its span's key must hold; None when it matches
 CheckMeta = Callable[[ChunkSpan, ChunkMeta], "str | None"]
-
-
-class RateLimitedLog:
-    """Logs a message at most once per `interval` seconds per key, counting what it held back."""
-
-    def __init__(self, logger: logging.Logger, interval: float = 10.0) -> None:
-        self._log = logger
-        self._interval = interval
-        self._last: dict[str, float] = {}
-        self._suppressed: collections.Counter[str] = collections.Counter()
-        self._lock = threading.Lock()
-
-    def warning(self, key: str, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last.get(key, -1e9) < self._interval:
-                self._suppressed[key] += 1
-                return
-            self._last[key] = now
-            held_back = self._suppressed.pop(key, 0)
-        suffix = f" ({held_back} more like this since the last report)" if held_back else ""
-        self._log.warning(msg + suffix, *args)
 
 
 @dataclass(frozen=True)
