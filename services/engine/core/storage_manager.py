@@ -44,7 +44,7 @@ from kvmesh.services.engine.mesh.nats_loop import NatsLoop
 from kvmesh.services.engine.tiers.cpu import ChunkRef, LocalCPUBackend
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.keys import ChunkKey, ChunkSpan
-from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE, ChunkMeta
+from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE, TIER_OPS, ChunkMeta
 from kvmesh.shared.rate_limited_log import RateLimitedLog
 from kvmesh.shared.tier import StoreMayWrite, StoreTier, Tier
 
@@ -55,8 +55,6 @@ LOCATION_ALIASES = {"Hot": LOCAL_CPU, "LocalCPUBackend": LOCAL_CPU, "LocalDiskBa
                     "RemoteBackend": REMOTE}
 ALL_LOCATIONS = frozenset(LOCATIONS)
 TOUCH_BATCH = 10_000  # keys per touch request
-TIER_OPS = ("pin", "unpin", "clear", "lookup")  # `command`: one tier
-COMMAND_OPS = (*TIER_OPS, "move")  # what the worker agent answers (`move`: from one tier to another)
 # a store holding this many quarantined slots (it may still write into them) is lent no more: misses at once
 MAX_QUARANTINED_SLOTS = 8
 # what a loaded chunk's meta says differently from what its span's key must hold; None when it matches
