@@ -98,7 +98,7 @@ def _install(engine: CacheEngine, fake: FakeStore) -> None:
     fake.put_gate, fake.get_gate = asyncio.Event(), asyncio.Event()  # created on the engine's loop
     fake.put_gate.set()
     fake.get_gate.set()
-    engine.storage.set_lower({LOCAL_DISK: fake})
+    engine.storage.set_lower([fake])
 
 
 def on_loop(engine: CacheEngine, fn: Callable[[], object]) -> None:

@@ -7,4 +7,5 @@
     remote.py         the remote store (`RemoteStoreClient`), over every partition
     remote_stream.py  its bulk data path: kept TCP streams (the client end; shared/stream_wire.py)
     redis.py          or instead of the remote store, Redis / Valkey itself (`RedisTier`)
+    build.py          the lower tiers an engine's config names, in walk order (`lower_tiers`)
 """
