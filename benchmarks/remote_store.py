@@ -36,7 +36,7 @@ import numpy as np
 from kvmesh.shared import bus, chunk_file, protocol
 from kvmesh.shared.embedded_nats import EmbeddedNats, _die_with_parent
 from kvmesh.shared.keys import KEY_BYTES
-from kvmesh.shared.tier import ChunkBuffer
+from kvmesh.services.engine.tiers.base import ChunkBuffer
 from kvmesh.services.engine.tiers.remote import RemoteStoreClient
 
 MiB = 1024 * 1024

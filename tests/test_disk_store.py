@@ -27,7 +27,7 @@ from kvmesh.shared import bus, chunk_file, protocol
 from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.pool_wire import socket_path
 from kvmesh.shared.shm import SharedSegment
-from kvmesh.shared.tier import ChunkBuffer
+from kvmesh.services.engine.tiers.base import ChunkBuffer
 from kvmesh.services.engine.tiers.disk import DiskStoreClient
 from kvmesh.services.disk_store.index import Entry, SpaceRefused
 from kvmesh.shared.chunk_index import ChunkIndex

@@ -23,7 +23,7 @@ from kvmesh.shared import bus, chunk_file, protocol
 from kvmesh.shared.embedded_nats import EmbeddedNats, _die_with_parent
 from kvmesh.shared.errors import MeshUnavailable
 from kvmesh.shared.shm import SharedSegment
-from kvmesh.shared.tier import ChunkBuffer
+from kvmesh.services.engine.tiers.base import ChunkBuffer
 from kvmesh.services.engine.tiers.disk import DiskStoreClient
 
 from waiting import WAIT_S, wait_until_async

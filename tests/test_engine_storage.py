@@ -15,7 +15,7 @@ from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.keys import ChunkKey, KeyParams
 from kvmesh.shared.protocol import LOCAL_DISK, ChunkMeta, StatsReply
-from kvmesh.shared.tier import ChunkBuffer
+from kvmesh.services.engine.tiers.base import ChunkBuffer
 
 from test_engine_support import CHUNK, PagedKV, engine_config, random_tokens
 from waiting import WAIT_S, finishes, wait_until

@@ -26,7 +26,7 @@ from kvmesh.shared import bus, chunk_file, protocol, stream_wire
 from kvmesh.shared.embedded_nats import EmbeddedNats, _die_with_parent
 from kvmesh.shared.errors import MeshUnavailable
 from kvmesh.shared.partition import partition_of
-from kvmesh.shared.tier import ChunkBuffer
+from kvmesh.services.engine.tiers.base import ChunkBuffer
 from kvmesh.services.engine.tiers import remote_stream
 from kvmesh.services.engine.tiers.remote import RemoteStoreClient
 
@@ -124,7 +124,7 @@ import asyncio, sys
 import numpy as np
 from kvmesh.shared import bus, chunk_file, protocol
 from kvmesh.shared.keys import ChunkHasher, KeyParams
-from kvmesh.shared.tier import ChunkBuffer
+from kvmesh.services.engine.tiers.base import ChunkBuffer
 from kvmesh.services.engine.tiers.remote import RemoteStoreClient
 
 async def main(url, store_ids, mode):

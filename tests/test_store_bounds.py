@@ -19,7 +19,7 @@ from kvmesh.shared.config import GB
 from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.errors import ConfigError, MeshUnavailable
 from kvmesh.shared.store_bounds import StoreBounds
-from kvmesh.shared.tier import ChunkBuffer
+from kvmesh.services.engine.tiers.base import ChunkBuffer
 from kvmesh.services.disk_store import options as disk_options
 from kvmesh.services.disk_store.options import DiskStoreOptions
 from kvmesh.services.disk_store.service import DiskStoreService

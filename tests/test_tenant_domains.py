@@ -26,7 +26,7 @@ from kvmesh.shared import bus, chunk_file, protocol
 from kvmesh.shared.credentials import MeshCredentials, local_mesh_dir, server_accepts
 from kvmesh.shared.local_mesh import LocalMesh
 from kvmesh.shared.protocol import Principal, Subjects
-from kvmesh.shared.tier import ChunkBuffer
+from kvmesh.services.engine.tiers.base import ChunkBuffer
 
 from test_store_floods import answered
 from waiting import WAIT_S, wait_until, wait_until_async

@@ -10,8 +10,8 @@ One walk: `locate` finds where the held prefix of some chunks lives, as consecut
 tier checked first at every position, then each lower tier in order with one `contains` for all the keys
 still to place). A lookup sums the runs; a fetch (`fetch`, used by retrieves and prefetches) then reads the
 lower runs into pool slots without asking the stores again. One dispatch: `command` runs the controller's
-pin / unpin / clear / lookup on whichever tier the location names (`Tier` in shared/tier.py), and move / copy
-from one tier to another (`move`).
+pin / unpin / clear / lookup on whichever tier the location names (`Tier` in services/engine/tiers/base.py), and
+move / copy from one tier to another (`move`).
 
 Data path of one chunk: pool slot (filled by the paged gather) -> CPU tier -> write-behind queue -> checksum of
 the slot's bytes (a worker thread; every store put carries one and the stores refuse bytes that do not match it)
@@ -46,7 +46,7 @@ from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.keys import ChunkKey, ChunkSpan
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE, TIER_OPS, ChunkMeta
 from kvmesh.shared.rate_limited_log import RateLimitedLog
-from kvmesh.shared.tier import StoreMayWrite, StoreTier, Tier
+from kvmesh.services.engine.tiers.base import StoreMayWrite, StoreTier, Tier
 
 log = logging.getLogger(__name__)
 

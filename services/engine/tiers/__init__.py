@@ -1,5 +1,6 @@
-"""Every tier the engine reaches, each a `Tier` (shared/tier.py), walked in this order by the storage manager:
+"""Every tier the engine reaches, walked in this order by the storage manager:
 
+    base.py           what every tier answers (`Tier`), and the data part of a store's client (`StoreTier`)
     cpu.py            the engine's own tier: chunks resident in its memory pool (`LocalCPUBackend`)
     memory_pool.py    that pool: the chunk slots every tier copy goes through (shared memory, reference counted)
     disk.py           the disk store of the host (`DiskStoreClient`), over NATS

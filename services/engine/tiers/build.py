@@ -12,7 +12,7 @@ from kvmesh.services.engine.tiers.redis import RedisTier
 from kvmesh.services.engine.tiers.remote import RemoteStoreClient
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.redis_keys import RedisAuth
-from kvmesh.shared.tier import StoreTier
+from kvmesh.services.engine.tiers.base import StoreTier
 
 if TYPE_CHECKING:
     from kvmesh.services.engine.mesh.embedded import MeshPlan

@@ -27,7 +27,7 @@ from nats.aio.client import Client as NatsClient
 
 from kvmesh.shared import bus, chunk_file, protocol
 from kvmesh.shared.keys import ChunkKey
-from kvmesh.shared.tier import ChunkBuffer, StoreLink, StoreMayWrite, Unanswered
+from kvmesh.services.engine.tiers.base import ChunkBuffer, StoreLink, StoreMayWrite, Unanswered
 from kvmesh.services.engine.tiers.pool_lending import PoolLink, Registration
 
 log = logging.getLogger(__name__)

@@ -54,7 +54,7 @@ from kvmesh.shared.rate_limited_log import RateLimitedLog
 from kvmesh.shared.redis_keys import (KEY_ID_BYTES, SECRET_FILE_KEY, VALUE_MAGIC, VALUE_PREFIX_BYTES, RedisAuth,
                                       RedisKeys, read_secret_file)
 from kvmesh.shared.redis_url import CLUSTER, RedisTarget
-from kvmesh.shared.tier import ChunkBuffer, StoreLink, byte_view
+from kvmesh.services.engine.tiers.base import ChunkBuffer, StoreLink, byte_view
 
 log = logging.getLogger(__name__)
 

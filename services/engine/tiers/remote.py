@@ -26,7 +26,7 @@ from kvmesh.shared import bus, protocol
 from kvmesh.shared.errors import KVMeshError
 from kvmesh.shared.keys import ChunkKey
 from kvmesh.shared.partition import partition_of
-from kvmesh.shared.tier import ChunkBuffer, StoreLink, byte_view
+from kvmesh.services.engine.tiers.base import ChunkBuffer, StoreLink, byte_view
 from kvmesh.services.engine.tiers.remote_stream import StreamConnection, StreamPool
 
 log = logging.getLogger(__name__)
