@@ -33,8 +33,8 @@ from kvmesh.shared import bus, chunk_file, protocol
 from kvmesh.shared.embedded_nats import EmbeddedNats, _die_with_parent
 from kvmesh.shared.keys import KEY_BYTES
 from kvmesh.shared.shm import SharedSegment
-from kvmesh.shared.tier import ChunkBuffer
-from kvmesh.services.disk_store.client import DiskStoreClient
+from kvmesh.services.engine.tiers.base import ChunkBuffer
+from kvmesh.services.engine.tiers.disk import DiskStoreClient
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB

@@ -30,7 +30,7 @@ from redis_support import RedisServer  # noqa: E402
 from kvmesh.services.engine.tiers.redis import RedisTier  # noqa: E402
 from kvmesh.shared import chunk_file, protocol  # noqa: E402
 from kvmesh.shared.redis_url import parse_redis_url  # noqa: E402
-from kvmesh.shared.tier import ChunkBuffer  # noqa: E402
+from kvmesh.services.engine.tiers.base import ChunkBuffer  # noqa: E402
 
 
 def chunks(count: int, nbytes: int) -> list[tuple[protocol.ChunkMeta, bytearray]]:

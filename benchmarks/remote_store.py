@@ -15,7 +15,7 @@ cache). A timed put includes computing the chunk's checksum, as the engine's wri
 does once per chunk before it puts (the store verifies the bytes against it). Gets go into a preallocated
 destination; every byte is compared with the source after the run. With `--nats-mib N` the raw peer also moves N
 MiB through NATS in frames of 1 and 8 MiB, the alternative data path (the reason the store uses a stream: see
-services/remote_store/stream_wire.py).
+shared/stream_wire.py).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import numpy as np
 from kvmesh.shared import bus, chunk_file, protocol
 from kvmesh.shared.embedded_nats import EmbeddedNats, _die_with_parent
 from kvmesh.shared.keys import KEY_BYTES
-from kvmesh.shared.tier import ChunkBuffer
-from kvmesh.services.remote_store.client import RemoteStoreClient
+from kvmesh.services.engine.tiers.base import ChunkBuffer
+from kvmesh.services.engine.tiers.remote import RemoteStoreClient
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB

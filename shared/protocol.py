@@ -78,6 +78,10 @@ class Principal:
 
 MAX_INCARNATION = 64  # the longest process tag a worker id may end in
 CONFLICT_OP = "conflict"  # `Subjects.worker(..., CONFLICT_OP)`: InstanceConflict notices to a worker
+# The op vocabulary of `WorkerCommand` (`Subjects.worker(..., op)`), by who answers or sends it:
+TIER_OPS = ("pin", "unpin", "clear", "lookup")  # what one tier of a worker answers (StorageManager.command)
+WORKER_COMMAND_OPS = (*TIER_OPS, "move")  # what an engine worker answers (`move`: from one of its tiers to another)
+CONTROLLER_COMMAND_OPS = ("pin", "unpin", "clear", "move")  # what the controller sends (its lookups use its index)
 
 
 def worker_id_for(instance_id: str, world_size: int, rank: int, incarnation: str = "") -> str:
@@ -671,7 +675,7 @@ class GetReply:
 # ---------------------------------------------------------------------------------------------------------
 # Direct streams (remote store): negotiated on NATS, then chunk bytes on a TCP connection kept by the client.
 # On the stream every request is one op byte, a u32 length, one of these messages (or PutRequest/GetRequest)
-# and, for puts and found gets, the chunk's raw bytes; see services/remote_store/stream_wire.py.
+# and, for puts and found gets, the chunk's raw bytes; see shared/stream_wire.py.
 
 
 @message("stream_request")

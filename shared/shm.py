@@ -3,7 +3,7 @@
 The engine's buffer pool is one `SharedSegment.create(size)`: a memfd (no name anywhere, so nothing is left
 behind when the engine dies), sized once and sealed against shrinking and growing, so a process that maps it
 can never see its pages vanish (no SIGBUS). Its descriptor is the only way to reach it: the engine hands it to
-the disk store of its host over a Unix socket (services/disk_store/pool_socket.py), and the store maps it with
+the disk store of its host over a Unix socket (shared/pool_wire.py), and the store maps it with
 `SharedSegment.adopt(fd)`, which refuses a descriptor that is not a sealed regular file.
 
 Not thread-safe to create/close concurrently; views may be used from any thread while the segment is open.

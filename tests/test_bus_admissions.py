@@ -112,7 +112,7 @@ async def test_a_store_that_subscribes_a_moment_late_still_gets_the_request(nc, 
     import logging
 
     from kvmesh.shared.errors import NoResponder
-    from kvmesh.shared.tier import StoreLink
+    from kvmesh.services.engine.tiers.base import StoreLink
 
     link = StoreLink("late", "store late", logging.getLogger("test"), "engine.a.w0", retry_interval=60.0)
     tries: list[str] = []

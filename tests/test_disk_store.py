@@ -25,13 +25,14 @@ import pytest
 
 from kvmesh.shared import bus, chunk_file, protocol
 from kvmesh.shared.errors import ConfigError
+from kvmesh.shared.pool_wire import socket_path
 from kvmesh.shared.shm import SharedSegment
-from kvmesh.shared.tier import ChunkBuffer
-from kvmesh.services.disk_store.client import DiskStoreClient
+from kvmesh.services.engine.tiers.base import ChunkBuffer
+from kvmesh.services.engine.tiers.disk import DiskStoreClient
 from kvmesh.services.disk_store.index import Entry, SpaceRefused
 from kvmesh.shared.chunk_index import ChunkIndex
 from kvmesh.services.disk_store.options import DiskStoreOptions, build_parser, options_from_args
-from kvmesh.services.disk_store.pool_socket import PoolUnavailable, Registration, register, socket_path
+from kvmesh.services.engine.tiers.pool_lending import PoolUnavailable, Registration, register
 from kvmesh.services.disk_store.service import DiskStoreService
 from kvmesh.services.disk_store.writer import WriteFaults
 from kvmesh.shared.state_file import CLAIMS_NAME
@@ -398,7 +399,7 @@ async def test_remove_and_stats(harness: Harness) -> None:
 async def test_client_of_a_dead_store_answers_misses_and_logs_once(nc, caplog) -> None:
     client = DiskStoreClient(nc, "disk-nobody", ENGINE, request_timeout=0.2)
     meta, data = chunk(1)
-    caplog.set_level(logging.WARNING, logger="kvmesh.services.disk_store.client")
+    caplog.set_level(logging.WARNING, logger="kvmesh.services.engine.tiers.disk")
     for _ in range(3):
         assert await client.put(meta, ChunkBuffer(view=memoryview(data))) is False
         assert await client.get_into(meta.key, ChunkBuffer(view=memoryview(bytearray(CHUNK)))) is None
@@ -644,7 +645,7 @@ async def test_a_checksum_of_0_is_refused_at_put_and_a_file_claiming_one_is_corr
     assert await harness.held(3, 4) == [False, False] and chunk_files(harness.root) == []
 
 
-# ---- pools lent over the pool socket (pool_socket.py, pools.py) ------------------------------------------------
+# ---- pools lent over the pool socket (shared/pool_wire.py, engine/tiers/pool_lending.py, pools.py) ------------
 
 async def test_a_pool_token_serves_only_the_caller_that_lent_it_and_only_inside_the_pool(
         harness: Harness, segment: SharedSegment) -> None:
@@ -786,7 +787,7 @@ async def test_without_the_pool_socket_a_client_sends_bytes_inline_and_says_why_
     elsewhere = tempfile.mkdtemp(prefix="kvrt-")  # the client looks for the socket where there is none
     monkeypatch.setenv("KVMESH_RUNTIME_DIR", elsewhere)
     try:
-        with caplog.at_level(logging.WARNING, logger="kvmesh.services.disk_store.pool_socket"):
+        with caplog.at_level(logging.WARNING, logger="kvmesh.services.engine.tiers.pool_lending"):
             for i in (1, 2):
                 meta, data = chunk(i)
                 segment.buf[:CHUNK] = data

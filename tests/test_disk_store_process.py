@@ -24,8 +24,8 @@ from kvmesh.shared.embedded_nats import EmbeddedNats, _die_with_parent
 from kvmesh.shared.errors import MeshUnavailable
 from kvmesh.shared.shm import SharedSegment
 from kvmesh.shared.store_commands import disk_store
-from kvmesh.shared.tier import ChunkBuffer
-from kvmesh.services.disk_store.client import DiskStoreClient
+from kvmesh.services.engine.tiers.base import ChunkBuffer
+from kvmesh.services.engine.tiers.disk import DiskStoreClient
 
 from waiting import WAIT_S, wait_until_async
 
@@ -206,8 +206,7 @@ async def test_cache_policy_flag_reaches_the_store(nc, store: StoreProcess, segm
 ENGINE_PROCESS = """
 import hashlib, sys
 from kvmesh.shared.shm import SharedSegment
-from kvmesh.shared.store_commands import disk_store
-from kvmesh.services.disk_store.pool_socket import register
+from kvmesh.services.engine.tiers.pool_lending import register
 segment = SharedSegment.create({size})
 segment.buf[:{size}] = hashlib.shake_256(b"data-1").digest({size})
 lent = register({store_id!r}, {caller!r}, segment, 30.0, {scope!r})  # held: the loan lasts while its connection is open

@@ -262,7 +262,7 @@ def test_the_pool_is_reserved_for_real_and_a_pool_memory_cannot_back_is_a_clean_
     import errno
     import os
 
-    from kvmesh.services.engine.core.memory_pool import MemoryPool
+    from kvmesh.services.engine.tiers.memory_pool import MemoryPool
 
     reserved: list[tuple[int, int]] = []
     fallocate = os.posix_fallocate
@@ -290,7 +290,7 @@ def test_pool_is_a_sealed_memfd_that_leaves_nothing_in_dev_shm() -> None:
     import fcntl
     import os
 
-    from kvmesh.services.engine.core.memory_pool import MemoryPool
+    from kvmesh.services.engine.tiers.memory_pool import MemoryPool
 
     before = set(os.listdir("/dev/shm"))
     pool = MemoryPool(4 * 8192, 8192)
@@ -330,7 +330,8 @@ def test_pool_is_a_sealed_memfd_that_leaves_nothing_in_dev_shm() -> None:
 # ---- error paths: pool slots go back only after the copies queued on them (checked on CPU, where the wait is the
 # same call that synchronises the CUDA stream on a GPU) ---------------------------------------------------------
 def _record_waits_and_releases(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    from kvmesh.services.engine.core import cache_engine, memory_pool
+    from kvmesh.services.engine.core import cache_engine
+    from kvmesh.services.engine.tiers import memory_pool
 
     events: list[str] = []
     wait, release = cache_engine._synchronize, memory_pool.Slot.release

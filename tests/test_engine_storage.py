@@ -15,7 +15,7 @@ from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.keys import ChunkKey, KeyParams
 from kvmesh.shared.protocol import LOCAL_DISK, ChunkMeta, StatsReply
-from kvmesh.shared.tier import ChunkBuffer
+from kvmesh.services.engine.tiers.base import ChunkBuffer
 
 from test_engine_support import CHUNK, PagedKV, engine_config, random_tokens
 from waiting import WAIT_S, finishes, wait_until
@@ -98,7 +98,7 @@ def _install(engine: CacheEngine, fake: FakeStore) -> None:
     fake.put_gate, fake.get_gate = asyncio.Event(), asyncio.Event()  # created on the engine's loop
     fake.put_gate.set()
     fake.get_gate.set()
-    engine.storage.set_lower({LOCAL_DISK: fake})
+    engine.storage.set_lower([fake])
 
 
 def on_loop(engine: CacheEngine, fn: Callable[[], object]) -> None:

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from kvmesh.services.disk_store import store as store_module
-from kvmesh.services.disk_store.client import DiskStoreClient
+from kvmesh.services.engine.tiers.disk import DiskStoreClient
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.core.storage_manager import Run
 from kvmesh.shared import bus, protocol

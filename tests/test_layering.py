@@ -24,6 +24,10 @@ SERVER_MODULES = (
     "kvmesh.services.remote_store.persistence",
 )
 
+# Packages the engine imports nothing of: its tiers (services/engine/tiers/) are the stores' clients.
+SERVER_PACKAGES = ("kvmesh.cli", "kvmesh.services.controller", "kvmesh.services.disk_store",
+                   "kvmesh.services.remote_store")
+
 
 def loaded_after(statement: str) -> set[str]:
     code = f"import json, sys\n{statement}\nprint(json.dumps(sorted(m for m in sys.modules if m.startswith('kvmesh'))))"
@@ -39,6 +43,16 @@ def test_the_connector_loads_no_server_code() -> None:
 
 def test_the_cache_engine_loads_no_server_code() -> None:
     loaded = loaded_after("import kvmesh.services.engine.core.cache_engine")
-    assert "kvmesh.services.remote_store.stream_client" in loaded  # the clients, yes
+    assert "kvmesh.services.engine.tiers.remote_stream" in loaded  # the clients, yes
     leaked = sorted(m for m in loaded if m.startswith(SERVER_MODULES))
     assert not leaked, f"the cache engine pulls in server code: {leaked}"
+
+
+def server_package_modules(loaded: set[str]) -> list[str]:
+    return sorted(m for m in loaded if any(m == p or m.startswith(p + ".") for p in SERVER_PACKAGES))
+
+
+def test_the_connector_and_the_tiers_load_no_module_of_a_server_package() -> None:
+    loaded = loaded_after("import kvmesh.services.engine.connector, kvmesh.services.engine.tiers.build, "
+                          "kvmesh.services.engine.core.storage_manager, kvmesh.services.engine.mesh.worker_agent")
+    assert not server_package_modules(loaded)

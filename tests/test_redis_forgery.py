@@ -30,7 +30,7 @@ from kvmesh.shared.local_mesh import LocalMesh
 from kvmesh.shared.protocol import REMOTE, Principal
 from kvmesh.shared.redis_keys import VALUE_MAGIC, RedisAuth
 from kvmesh.shared.redis_url import parse_redis_url
-from kvmesh.shared.tier import ChunkBuffer
+from kvmesh.services.engine.tiers.base import ChunkBuffer
 
 from redis_support import RedisServer
 from test_engine_support import PagedKV, engine_config, random_tokens

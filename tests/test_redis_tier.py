@@ -21,7 +21,7 @@ from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.keys import KEY_BYTES, KeyParams
 from kvmesh.shared.protocol import LOCAL_CPU, REMOTE
 from kvmesh.shared.redis_url import parse_redis_url
-from kvmesh.shared.tier import ChunkBuffer
+from kvmesh.services.engine.tiers.base import ChunkBuffer
 
 from redis_support import RedisClusterServers, RedisSentinelSetup, RedisServer
 from test_engine_support import PagedKV, engine_config, random_tokens

@@ -18,10 +18,10 @@ from kvmesh.shared import bus, chunk_file, protocol
 from kvmesh.shared.config import GB
 from kvmesh.shared.chunk_index import ChunkIndex, SpaceRefused
 from kvmesh.shared.embedded_nats import EmbeddedNats
-from kvmesh.shared.tier import ChunkBuffer
+from kvmesh.services.engine.tiers.base import ChunkBuffer
 from kvmesh.services.remote_store.options import RemoteStoreOptions, build_parser, options_from_args
-from kvmesh.services.remote_store.client import RemoteStoreClient
-from kvmesh.services.remote_store.partition import partition_of
+from kvmesh.services.engine.tiers.remote import RemoteStoreClient
+from kvmesh.shared.partition import partition_of
 from kvmesh.services.remote_store.service import RemoteStoreService
 
 from store_events import admission_batches

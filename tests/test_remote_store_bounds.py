@@ -17,12 +17,12 @@ import pytest
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.errors import ConfigError
-from kvmesh.shared.tier import ChunkBuffer
-from kvmesh.services.remote_store.client import RemoteStoreClient
+from kvmesh.services.engine.tiers.base import ChunkBuffer
+from kvmesh.services.engine.tiers.remote import RemoteStoreClient
 from kvmesh.services.remote_store.options import RemoteStoreOptions, build_parser, options_from_args
 from kvmesh.services.remote_store.service import RemoteStoreService
 from kvmesh.services.remote_store.store import RESERVE_STEP
-from kvmesh.services.remote_store.stream_wire import (
+from kvmesh.shared.stream_wire import (
     OP_HELLO,
     OP_PUT,
     REQUEST_HEAD,

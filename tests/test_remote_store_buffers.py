@@ -15,9 +15,9 @@ import pytest
 
 from kvmesh.shared.config import GB
 from kvmesh.shared.errors import ConfigError
-from kvmesh.shared.tier import ChunkBuffer
+from kvmesh.services.engine.tiers.base import ChunkBuffer
 from kvmesh.services.remote_store.buffers import PAGE, BufferPool, address_of, size_class
-from kvmesh.services.remote_store.client import RemoteStoreClient
+from kvmesh.services.engine.tiers.remote import RemoteStoreClient
 from kvmesh.services.remote_store.options import RemoteStoreOptions, build_parser, options_from_args
 from kvmesh.services.remote_store.store import MemoryStore, PutRefused
 

@@ -22,13 +22,13 @@ import msgpack
 import numpy as np
 import pytest
 
-from kvmesh.shared import bus, chunk_file, protocol
+from kvmesh.shared import bus, chunk_file, protocol, stream_wire
 from kvmesh.shared.embedded_nats import EmbeddedNats, _die_with_parent
 from kvmesh.shared.errors import MeshUnavailable
-from kvmesh.shared.tier import ChunkBuffer
-from kvmesh.services.remote_store import stream_client, stream_wire
-from kvmesh.services.remote_store.client import RemoteStoreClient
-from kvmesh.services.remote_store.partition import partition_of
+from kvmesh.shared.partition import partition_of
+from kvmesh.services.engine.tiers.base import ChunkBuffer
+from kvmesh.services.engine.tiers import remote_stream
+from kvmesh.services.engine.tiers.remote import RemoteStoreClient
 
 from waiting import WAIT_S, wait_until_async
 
@@ -124,8 +124,8 @@ import asyncio, sys
 import numpy as np
 from kvmesh.shared import bus, chunk_file, protocol
 from kvmesh.shared.keys import ChunkHasher, KeyParams
-from kvmesh.shared.tier import ChunkBuffer
-from kvmesh.services.remote_store.client import RemoteStoreClient
+from kvmesh.services.engine.tiers.base import ChunkBuffer
+from kvmesh.services.engine.tiers.remote import RemoteStoreClient
 
 async def main(url, store_ids, mode):
     nc = await bus.connect(url, "engine-" + mode)
@@ -438,7 +438,7 @@ async def test_garbage_on_every_subject_and_the_stream_port_leaves_it_serving(na
             sock.close()
         # bytes that do not match their checksum are refused, and the stream stays usable
         sock = await _greeted_socket(nc, "junk-0")
-        connection = stream_client.StreamConnection(sock, "junk")
+        connection = remote_stream.StreamConnection(sock, "junk")
         meta, data = make_chunk(100_000, 2)
         bad = protocol.ChunkMeta(**{**meta.__dict__, "checksum": chunk_file.checksum(memoryview(data)) ^ 1})
         ack = await asyncio.wait_for(connection.put(bad, memoryview(data)), WAIT_S)

@@ -19,12 +19,12 @@ from kvmesh.shared.config import GB
 from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.errors import ConfigError, MeshUnavailable
 from kvmesh.shared.store_bounds import StoreBounds
-from kvmesh.shared.tier import ChunkBuffer
+from kvmesh.services.engine.tiers.base import ChunkBuffer
 from kvmesh.services.disk_store import options as disk_options
 from kvmesh.services.disk_store.options import DiskStoreOptions
 from kvmesh.services.disk_store.service import DiskStoreService
 from kvmesh.services.remote_store import options as remote_options
-from kvmesh.services.remote_store.client import RemoteStoreClient
+from kvmesh.services.engine.tiers.remote import RemoteStoreClient
 from kvmesh.services.remote_store.options import RemoteStoreOptions
 from kvmesh.services.remote_store.service import RemoteStoreService
 

@@ -18,14 +18,12 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 from kvmesh.shared import protocol
 from kvmesh.shared.errors import ProtocolError
 from kvmesh.shared.keys import KeyExtras
-from kvmesh.shared.protocol import LOCAL_CPU, LOCATIONS, Subjects
+from kvmesh.shared.protocol import CONTROLLER_COMMAND_OPS, LOCAL_CPU, LOCATIONS, Subjects
 from kvmesh.services.controller.errors import CommandFailed, CommandTimeout, MeshDown, NotFound
 from kvmesh.services.controller.lookup import KeyRequest, UnknownAdapter, worker_extras
 from kvmesh.services.controller.producers import Producer, ProducerTable
 
 log = logging.getLogger(__name__)
-
-COMMAND_OPS = ("pin", "unpin", "clear", "move")
 
 
 @dataclass(frozen=True)
@@ -73,7 +71,7 @@ class CommandRouter:
         responder: the worker is down), CommandFailed (an error reply) or MeshDown (the controller is not
         connected to NATS).
         """
-        if op not in COMMAND_OPS:
+        if op not in CONTROLLER_COMMAND_OPS:
             raise ValueError(f"unknown command {op!r}")
         payloads = [protocol.encode(protocol.WorkerCommand(op=op, location=target.location, tokens=tokens,
                                                            extras=self._extras(worker, target, key_request),

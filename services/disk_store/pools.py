@@ -1,5 +1,5 @@
-"""The disk store's side of pool lending (pool_socket.py has the protocol): a Unix socket where engine workers
-of this host lend their CPU pools, and the table of pools they lent, by token.
+"""The disk store's side of pool lending (shared/pool_wire.py has the protocol): a Unix socket where engine
+workers of this host lend their CPU pools, and the table of pools they lent, by token.
 
 Runs on the store's event loop. A pool stays mapped while its engine's connection is open; when it closes, the
 pool is dropped (views an I/O thread still uses keep the mapping until they are released: shared/shm.py). The
@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.shared.errors import ConfigError, StoreError
+from kvmesh.shared.pool_wire import decode_hello, encode_reply, peer_uid, socket_path, trusted_uid
 from kvmesh.shared.shm import SharedSegment
-from kvmesh.services.disk_store.pool_socket import (decode_hello, encode_reply, peer_uid, socket_path,
-                                                    trusted_uid)
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +178,7 @@ class PoolRegistry:
             try:
                 if pool is not None and pool.writing:
                     # Our end of the connection closes only once no get writes into the pool: an engine that sees
-                    # it close knows its slots are safe to reuse (client.py).
+                    # it close knows its slots are safe to reuse (services/engine/tiers/disk.py).
                     await asyncio.wait(list(pool.writing.values()))
             finally:
                 conn.close()

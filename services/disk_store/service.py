@@ -5,7 +5,7 @@ path ends the subject (`engine.<instance>.<worker>`, `operator`). Request -> rep
     put       PutRequest  -> Ack            accepted once the bytes are staged (see writer.py), with
                                             --durable-puts once the file is durable; ok=False + reason;
                                             records the caller's claim (also on a chunk already held)
-    get       GetRequest  -> GetReply       bytes into the pool the caller lent (pool_socket.py), or inline `data`;
+    get       GetRequest  -> GetReply       bytes into the pool the caller lent (shared/pool_wire.py), or inline `data`;
                                             a pooled get past its deadline or cancelled writes nothing
     cancel_get CancelGet  -> Ack            ok once that get of the caller's pool can never write any more
                                             (its write is over, or it will be refused); see store.py

@@ -35,10 +35,10 @@ from kvmesh.shared.chunk_index import ChunkIndex, ForeignChunk, SpaceRefused
 from kvmesh.shared.credentials import DomainMap
 from kvmesh.shared.errors import StoreError
 from kvmesh.shared.keys import KEY_BYTES, ChunkKey
+from kvmesh.shared.partition import partition_of
 from kvmesh.shared.state_file import StoreState
 from kvmesh.services.remote_store import persistence
 from kvmesh.services.remote_store.buffers import BufferPool, size_class
-from kvmesh.services.remote_store.partition import partition_of
 
 log = logging.getLogger(__name__)
 

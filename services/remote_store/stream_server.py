@@ -1,4 +1,4 @@
-"""The store end of the stream data path (see stream_wire.py): puts and gets of a MemoryStore over TCP.
+"""The store end of the stream data path (see shared/stream_wire.py): puts and gets of a MemoryStore over TCP.
 
 A connection acts for the caller that asked for its ticket on NATS (`Subjects.store(store_id, "stream", caller)`):
 its puts record that caller's claims, as puts on NATS do.
@@ -19,7 +19,7 @@ from kvmesh.shared.aio import cancel_and_wait
 from kvmesh.shared import protocol
 from kvmesh.shared.errors import ProtocolError
 from kvmesh.services.remote_store.store import RESERVE_STEP, MemoryStore, PutRefused
-from kvmesh.services.remote_store.stream_wire import (
+from kvmesh.shared.stream_wire import (
     OP_GET,
     OP_HELLO,
     OP_PUT,

@@ -229,7 +229,7 @@ def test_a_store_failing_mid_way_releases_its_slots_only_after_the_queued_copies
     import sys
 
     cache_engine = pytest.importorskip("kvmesh.services.engine.core.cache_engine", reason="needs the full install")
-    from kvmesh.services.engine.core import memory_pool
+    from kvmesh.services.engine.tiers import memory_pool
     from kvmesh.shared.keys import KeyParams
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the engine tests' helpers

@@ -32,17 +32,16 @@ from typing import Any, Protocol
 import torch
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.services.disk_store.client import DiskStoreClient
+from kvmesh.services.engine.tiers.build import lower_tiers
 from kvmesh.services.engine.tiers.cpu import ChunkRef, LocalCPUBackend
-from kvmesh.services.engine.tiers.redis import RedisTier, resolve_auth
+from kvmesh.services.engine.tiers.memory_pool import MemoryPool, Slot
+from kvmesh.services.engine.tiers.redis import resolve_auth
 from kvmesh.services.engine.mesh.embedded import MeshConnection, MeshPlan, plan_mesh
 from kvmesh.services.engine.core.kv_layout import KVLayout, detect_layout
-from kvmesh.services.engine.core.memory_pool import MemoryPool, Slot
 from kvmesh.services.engine.mesh.nats_loop import NatsLoop
 from kvmesh.services.engine.core.paged_copy import PagedCopier
-from kvmesh.services.engine.core.storage_manager import RateLimitedLog, StorageManager
+from kvmesh.services.engine.core.storage_manager import StorageManager
 from kvmesh.services.engine.mesh.worker_agent import WorkerAgent
-from kvmesh.services.remote_store.client import RemoteStoreClient
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.eviction import Clock
@@ -51,9 +50,9 @@ from kvmesh.services.engine.mesh.domain import engine_domain, key_domain
 from kvmesh.shared.credentials import DEFAULT_DOMAIN, SharingDomain, credentials_for
 from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.nats_auth import auth_from_config
+from kvmesh.shared.rate_limited_log import RateLimitedLog
 from kvmesh.shared.redis_keys import RedisAuth
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE, ChunkMeta, worker_id_for
-from kvmesh.shared.tier import StoreTier
 
 log = logging.getLogger(__name__)
 
@@ -220,22 +219,7 @@ class CacheEngine:
     async def _on_connected(self, nc: NatsClient) -> None:
         """Loop thread, once NATS is first reached: store clients, then the worker agent."""
         assert self.plan is not None and self.storage is not None and self.agent is not None
-        config = self.config
-        clients: dict[str, StoreTier] = {}
-        caller = self.store_caller  # the stores record this rank's claims under it (and clear only those)
-        if self.plan.disk_store:
-            clients[LOCAL_DISK] = DiskStoreClient(nc, self.plan.disk_store, caller,
-                                                  request_timeout=config.request_timeout_secs,
-                                                  data_timeout=config.disk_data_timeout_secs)
-        if self.plan.redis:  # the engine's own client of Redis / Valkey: no remote store on the mesh
-            clients[REMOTE] = redis = RedisTier.from_config(config, caller, self._redis_auth)
-            redis.start()
-        elif self.plan.remote_stores:
-            clients[REMOTE] = RemoteStoreClient(
-                nc, list(self.plan.remote_stores), caller, request_timeout=config.request_timeout_secs,
-                min_transfer_rate=config.remote_min_transfer_mb_per_s * 1e6,
-                retry_interval=config.remote_retry_interval_secs, max_connections=config.remote_stream_connections)
-        self.storage.set_lower(clients)
+        self.storage.set_lower(lower_tiers(nc, self.plan, self.config, self.store_caller, self._redis_auth))
         await self.agent.start(nc)
 
     def _ready(self) -> tuple[KVLayout, ChunkHasher, LocalCPUBackend, StorageManager, PagedCopier]:

@@ -10,8 +10,8 @@ One walk: `locate` finds where the held prefix of some chunks lives, as consecut
 tier checked first at every position, then each lower tier in order with one `contains` for all the keys
 still to place). A lookup sums the runs; a fetch (`fetch`, used by retrieves and prefetches) then reads the
 lower runs into pool slots without asking the stores again. One dispatch: `command` runs the controller's
-pin / unpin / clear / lookup on whichever tier the location names (`Tier` in shared/tier.py), and move / copy
-from one tier to another (`move`).
+pin / unpin / clear / lookup on whichever tier the location names (`Tier` in services/engine/tiers/base.py), and
+move / copy from one tier to another (`move`).
 
 Data path of one chunk: pool slot (filled by the paged gather) -> CPU tier -> write-behind queue -> checksum of
 the slot's bytes (a worker thread; every store put carries one and the stores refuse bytes that do not match it)
@@ -39,13 +39,14 @@ from typing import Callable, Sequence
 
 from kvmesh.shared.aio import cancel_and_wait
 from kvmesh.shared.chunk_file import checksum
-from kvmesh.services.engine.core.memory_pool import Slot
+from kvmesh.services.engine.tiers.memory_pool import Slot
 from kvmesh.services.engine.mesh.nats_loop import NatsLoop
 from kvmesh.services.engine.tiers.cpu import ChunkRef, LocalCPUBackend
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.keys import ChunkKey, ChunkSpan
-from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE, ChunkMeta
-from kvmesh.shared.tier import StoreMayWrite, StoreTier, Tier
+from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE, TIER_OPS, ChunkMeta
+from kvmesh.shared.rate_limited_log import RateLimitedLog
+from kvmesh.services.engine.tiers.base import StoreMayWrite, StoreTier, Tier
 
 log = logging.getLogger(__name__)
 
@@ -54,34 +55,10 @@ LOCATION_ALIASES = {"Hot": LOCAL_CPU, "LocalCPUBackend": LOCAL_CPU, "LocalDiskBa
                     "RemoteBackend": REMOTE}
 ALL_LOCATIONS = frozenset(LOCATIONS)
 TOUCH_BATCH = 10_000  # keys per touch request
-TIER_OPS = ("pin", "unpin", "clear", "lookup")  # `command`: one tier
-COMMAND_OPS = (*TIER_OPS, "move")  # what the worker agent answers (`move`: from one tier to another)
 # a store holding this many quarantined slots (it may still write into them) is lent no more: misses at once
 MAX_QUARANTINED_SLOTS = 8
 # what a loaded chunk's meta says differently from what its span's key must hold; None when it matches
 CheckMeta = Callable[[ChunkSpan, ChunkMeta], "str | None"]
-
-
-class RateLimitedLog:
-    """Logs a message at most once per `interval` seconds per key, counting what it held back."""
-
-    def __init__(self, logger: logging.Logger, interval: float = 10.0) -> None:
-        self._log = logger
-        self._interval = interval
-        self._last: dict[str, float] = {}
-        self._suppressed: collections.Counter[str] = collections.Counter()
-        self._lock = threading.Lock()
-
-    def warning(self, key: str, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last.get(key, -1e9) < self._interval:
-                self._suppressed[key] += 1
-                return
-            self._last[key] = now
-            held_back = self._suppressed.pop(key, 0)
-        suffix = f" ({held_back} more like this since the last report)" if held_back else ""
-        self._log.warning(msg + suffix, *args)
 
 
 @dataclass(frozen=True)
@@ -125,7 +102,8 @@ class StorageManager:
         self.loop = loop
         self.config = config
         self.expect_lower = tuple(expect_lower)  # locations configured (clients appear once NATS is up)
-        self._lower: dict[str, StoreTier] = {}  # location -> client, disk before remote
+        # The walk order: the CPU tier, then the stores below it (disk before remote; `set_lower`, once NATS is up).
+        self._tiers: tuple[LocalCPUBackend, *tuple[StoreTier, ...]] = (cpu,)
         self._queue: collections.deque[_WriteJob] = collections.deque()
         self._queue_lock = threading.Lock()
         self._wake: asyncio.Event | None = None
@@ -152,28 +130,34 @@ class StorageManager:
                        for i in range(self.config.write_behind_workers)]
         self._tasks.append(asyncio.create_task(self._refresh_recency(), name="kvmesh-touch"))
 
-    def set_lower(self, clients: dict[str, StoreTier]) -> None:
-        """The lower tiers' clients, each sending as this rank (`CacheEngine.store_caller`)."""
-        self._lower = {location: clients[location] for location in (LOCAL_DISK, REMOTE) if location in clients}
+    def set_lower(self, stores: Sequence[StoreTier]) -> None:
+        """The tiers below the CPU tier, in walk order (`tiers.build.lower_tiers`), each sending as this rank
+        (`CacheEngine.store_caller`)."""
+        self._tiers = (self.cpu, *stores)
+
+    @property
+    def _stores(self) -> tuple[StoreTier, ...]:
+        """The tiers after the CPU tier in the walk: stores, whose data path copies (`put`, `get_into`)."""
+        return self._tiers[1:]
 
     def lower(self, location: str) -> StoreTier | None:
-        return self._lower.get(location)
+        return next((store for store in self._stores if store.location == location), None)
 
     def tier(self, location: str) -> Tier | None:
-        return self.cpu if location == LOCAL_CPU else self._lower.get(location)
+        return next((tier for tier in self._tiers if tier.location == location), None)
 
     @property
     def has_lower(self) -> bool:
         return bool(self.expect_lower)
 
     def lower_ready(self) -> bool:
-        return bool(self._lower) and self.loop is not None and self.loop.connected
+        return bool(self._stores) and self.loop is not None and self.loop.connected
 
     async def stop(self) -> None:
         await cancel_and_wait(self._tasks)
         self._tasks = []
         self._drain_queue()
-        for client in self._lower.values():
+        for client in self._stores:
             close = getattr(client, "close", None)  # the remote client keeps stream connections open
             if close is not None:
                 try:
@@ -189,27 +173,25 @@ class StorageManager:
 
     # ---- the walk (loop thread) ------------------------------------------------------------------------------
     async def locate(self, spans: Sequence[ChunkSpan], wanted: frozenset[str] = ALL_LOCATIONS) -> list[Run]:
-        """Where the held prefix of `spans` lives, as consecutive runs (CPU first at every position, then the
-        lower tiers in order, each asked once per position it is tried at)."""
+        """Where the held prefix of `spans` lives, as consecutive runs (the tiers in walk order at every
+        position: the CPU tier every time, each lower tier once per position it is tried at)."""
         runs: list[Run] = []
         keys = [span.key for span in spans]
         exhausted: dict[str, int] = {}  # location -> position at which it said it does not hold the key
         pos = 0
         while pos < len(keys):
-            if LOCAL_CPU in wanted:
-                held = self._cpu_prefix(keys, pos)
-                if held:
-                    runs.append(Run(LOCAL_CPU, pos, pos + held))
-                    pos += held
-                    continue
             progressed = False
-            for location, client in list(self._lower.items()):
+            for tier in self._tiers:
+                location = tier.location
                 if location not in wanted or exhausted.get(location) == pos:
                     continue
-                held = await client.contains(keys[pos:])
-                exhausted[location] = pos + held
-                if held < len(keys) - pos:
-                    self._forget_held(keys[pos + held:])  # a store dropped some: the next put sends them again
+                if tier is self.cpu:  # no NATS, and chunks a fetch in flight is bringing count as held
+                    held = self._cpu_prefix(keys, pos)
+                else:
+                    held = await tier.contains(keys[pos:])
+                    exhausted[location] = pos + held
+                    if held < len(keys) - pos:
+                        self._forget_held(keys[pos + held:])  # a store dropped some: the next put sends them again
                 if held:
                     runs.append(Run(location, pos, pos + held))
                     pos += held
@@ -338,7 +320,7 @@ class StorageManager:
                     pos += 1
                 if pos == run.end:
                     continue
-                client = self._lower.get(run.location)
+                client = self.lower(run.location)
                 if client is None:  # a CPU run whose chunk is gone (evicted, or its fetch failed): ask below once
                     if runs is None:
                         lower = [Run(r.location, r.begin + pos, r.end + pos)
@@ -488,7 +470,7 @@ class StorageManager:
     # ---- recency: hits refresh the lower tiers (batched, off the hot path) ---------------------------------------
     def note_hits(self, keys: Sequence[ChunkKey]) -> None:
         """Any thread: these chunks were just served; the lower tiers hear of it at the next refresh."""
-        if keys and self._lower:
+        if keys and self._stores:
             with self._hits_lock:
                 self._hits.update(keys)
 
@@ -505,7 +487,7 @@ class StorageManager:
             # in parts well under the stores' keys-per-request bound (--max-keys-per-request, 100,000 by default)
             for start in range(0, len(keys), TOUCH_BATCH):
                 part = keys[start:start + TOUCH_BATCH]
-                await asyncio.gather(*(client.touch(part) for client in self._lower.values()), return_exceptions=True)
+                await asyncio.gather(*(client.touch(part) for client in self._stores), return_exceptions=True)
 
     # ---- the controller's commands (loop thread) -----------------------------------------------------------------
     async def command(self, op: str, location: str, spans: Sequence[ChunkSpan], ttl_secs: float | None = None) -> int:
@@ -565,7 +547,9 @@ class StorageManager:
         slot = self.cpu.allocate()
         if slot is None:
             return None
-        meta = await self._get_one(self._lower[location], span, slot, check)
+        store = self.lower(location)
+        assert store is not None  # move checked it
+        meta = await self._get_one(store, span, slot, check)
         if meta is None:
             slot.release()
             return None
@@ -578,7 +562,9 @@ class StorageManager:
         try:
             buffer = ref.slot.chunk_buffer(ref.meta.nbytes)
             digest = await asyncio.to_thread(checksum, buffer.view[:ref.meta.nbytes])
-            return await self._lower[location].put(dataclasses.replace(ref.meta, checksum=digest), buffer) is True
+            store = self.lower(location)
+            assert store is not None  # move checked it
+            return await store.put(dataclasses.replace(ref.meta, checksum=digest), buffer) is True
         finally:
             ref.release()
 
@@ -657,7 +643,7 @@ class StorageManager:
                 job.slot.release()
 
     async def _write(self, job: _WriteJob) -> None:
-        clients = list(self._lower.values())
+        clients = self._stores
         if not clients or self.loop is None or not self.loop.connected:
             self.stats["write_behind_dropped_offline"] += 1
             return
@@ -677,7 +663,7 @@ class StorageManager:
         else:
             self.stats["write_behind_failed"] += 1
             self._rlog.warning("put_failed", "write-behind of a chunk to %s failed (%s)",
-                               ", ".join(loc for loc, r in zip(self._lower, results) if r is not True),
+                               ", ".join(c.location for c, r in zip(clients, results) if r is not True),
                                "; ".join(str(r) for r in results if r is not True))
 
     async def wait_idle(self, timeout: float) -> bool:

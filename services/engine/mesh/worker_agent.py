@@ -23,11 +23,11 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from kvmesh.services.engine.core.storage_manager import COMMAND_OPS, CheckMeta, StorageManager
+from kvmesh.services.engine.core.storage_manager import CheckMeta, StorageManager
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.admissions import AdmissionReporter
 from kvmesh.shared.keys import ChunkHasher
-from kvmesh.shared.protocol import LOCAL_CPU, CommandReply, WorkerCommand
+from kvmesh.shared.protocol import LOCAL_CPU, WORKER_COMMAND_OPS, CommandReply, WorkerCommand
 from kvmesh.shared.service import serve_health
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class WorkerAgent:
     async def start(self, nc: NatsClient) -> None:
         # Report events from now on; the reporter's first full sync covers what was admitted before.
         self.cpu.listen(self.reporter)
-        for op in COMMAND_OPS:
+        for op in WORKER_COMMAND_OPS:
             self._subs.append(await bus.serve(nc, protocol.Subjects.worker(self.instance_id, self.worker_id, op),
                                               WorkerCommand, self._make_handler(op)))
         self._subs.append(await nc.subscribe(

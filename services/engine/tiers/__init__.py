@@ -1,5 +1,12 @@
-"""The engine's own tier: chunks resident in its memory pool (`LocalCPUBackend`, cpu.py).
+"""Every tier the engine reaches, walked in this order by the storage manager:
 
-The lower tiers are the disk and remote stores, reached through their clients
-(services/disk_store/client.py, services/remote_store/client.py).
+    base.py           what every tier answers (`Tier`), and the data part of a store's client (`StoreTier`)
+    cpu.py            the engine's own tier: chunks resident in its memory pool (`LocalCPUBackend`)
+    memory_pool.py    that pool: the chunk slots every tier copy goes through (shared memory, reference counted)
+    disk.py           the disk store of the host (`DiskStoreClient`), over NATS
+    pool_lending.py   how the disk client lends the pool to its store (the engine's side; shared/pool_wire.py)
+    remote.py         the remote store (`RemoteStoreClient`), over every partition
+    remote_stream.py  its bulk data path: kept TCP streams (the client end; shared/stream_wire.py)
+    redis.py          or instead of the remote store, Redis / Valkey itself (`RedisTier`)
+    build.py          the lower tiers an engine's config names, in walk order (`lower_tiers`)
 """

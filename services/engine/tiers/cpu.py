@@ -7,7 +7,7 @@ completions and controller commands. Nothing here touches NATS: admissions and e
 listeners (cheap, thread-safe appends): the `AdmissionReporter` that publishes them to the controller from
 the loop, and the connector's step events that tell vLLM's scheduler what this tier holds.
 
-It is a `Tier` (shared/tier.py) for lookups and the controller's commands; its data path hands out slot
+It is a `Tier` (base.py) for lookups and the controller's commands; its data path hands out slot
 references (`acquire`, `put`) instead of copying, since its chunks already live in the memory pool.
 
 With `keep=False` (config `local_cpu: false`) the tier is a staging area: chunks stay only until their
@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Protocol
 
-from kvmesh.services.engine.core.memory_pool import MemoryPool, Slot
+from kvmesh.services.engine.tiers.memory_pool import MemoryPool, Slot
 from kvmesh.shared.eviction import Clock, EvictionPolicy, make_policy
 from kvmesh.shared.keys import ChunkKey
 from kvmesh.shared.protocol import LOCAL_CPU, ChunkMeta

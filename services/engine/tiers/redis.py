@@ -45,16 +45,16 @@ from typing import Any, Awaitable, Callable, TypeVar
 from redis.asyncio import RedisCluster
 from redis.exceptions import ResponseError
 
-from kvmesh.services.engine.core.storage_manager import RateLimitedLog
 from kvmesh.services.engine.mesh.domain import engine_credentials_file
 from kvmesh.shared import chunk_file, protocol
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.credentials import sharing_domain
 from kvmesh.shared.keys import KEY_BYTES, ChunkKey
+from kvmesh.shared.rate_limited_log import RateLimitedLog
 from kvmesh.shared.redis_keys import (KEY_ID_BYTES, SECRET_FILE_KEY, VALUE_MAGIC, VALUE_PREFIX_BYTES, RedisAuth,
                                       RedisKeys, read_secret_file)
 from kvmesh.shared.redis_url import CLUSTER, RedisTarget
-from kvmesh.shared.tier import ChunkBuffer, StoreLink, byte_view
+from kvmesh.services.engine.tiers.base import ChunkBuffer, StoreLink, byte_view
 
 log = logging.getLogger(__name__)
 

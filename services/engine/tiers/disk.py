@@ -1,7 +1,7 @@
 """The engine's client of its host's disk store: `DiskStoreClient`, a `StoreTier` over NATS.
 
 Runs on the engine's NATS event loop (all methods are coroutines). Bulk bytes: when the ChunkBuffer lies in the
-engine's shared pool, the pool is lent to the store once over its Unix socket (pool_socket.py), then only
+engine's shared pool, the pool is lent to the store once over its Unix socket (pool_lending.py), then only
 (pool token, offset) travel on NATS and the store copies the bytes out (put) or reads the file straight into
 the pool (get). Otherwise the bytes go inline in the message (small chunks, a pool in process memory, or a
 store that takes no pool: on another host, or older; limited by NATS max_payload).
@@ -27,8 +27,8 @@ from nats.aio.client import Client as NatsClient
 
 from kvmesh.shared import bus, chunk_file, protocol
 from kvmesh.shared.keys import ChunkKey
-from kvmesh.shared.tier import ChunkBuffer, StoreLink, StoreMayWrite, Unanswered
-from kvmesh.services.disk_store.pool_socket import PoolLink, Registration
+from kvmesh.services.engine.tiers.base import ChunkBuffer, StoreLink, StoreMayWrite, Unanswered
+from kvmesh.services.engine.tiers.pool_lending import PoolLink, Registration
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """The engine's client of the remote store: `RemoteStoreClient`, a StoreTier over every partition.
 
 Runs on the engine's NATS event loop thread (all methods are coroutines). Each key goes to the replica that
-owns its partition (partition.py; `store_ids` in partition order). Control ops (contains, pin, unpin, remove,
+owns its partition (shared/partition.py; `store_ids` in partition order). Control ops (contains, pin, unpin, remove,
 clear, stats) are NATS requests, sent to the partitions concerned in parallel and combined. Chunk bytes
-go on direct TCP streams (stream_client.py): per replica a few connections, negotiated over NATS once and kept.
+go on direct TCP streams (remote_stream.py): per replica a few connections, negotiated over NATS once and kept.
 
 Nothing here raises on a store problem: a dead, unreachable or refusing replica answers miss / False / 0 for its own keys, is
 logged once per change of state, and is not asked again for `retry_interval` seconds (so a vanished host
@@ -25,9 +25,9 @@ from nats.aio.client import Client as NatsClient
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.errors import KVMeshError
 from kvmesh.shared.keys import ChunkKey
-from kvmesh.shared.tier import ChunkBuffer, StoreLink, byte_view
-from kvmesh.services.remote_store.partition import partition_of
-from kvmesh.services.remote_store.stream_client import StreamConnection, StreamPool
+from kvmesh.shared.partition import partition_of
+from kvmesh.services.engine.tiers.base import ChunkBuffer, StoreLink, byte_view
+from kvmesh.services.engine.tiers.remote_stream import StreamConnection, StreamPool
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ references (`LocalCPUBackend.acquire` / `put`) instead.
 `ChunkBuffer` names where chunk bytes live in the engine: a view, and if the view lies in the engine's shared
 pool (a sealed memfd, shared/shm.py), that pool and the offset, so the disk store on the same host, once the
 pool is lent to it, can read or write the bytes in place (no bytes through NATS). The disk store and the
-remote store each provide a `StoreTier` client (`services/disk_store/client.py`, `services/remote_store/client.py`). All methods are coroutines on the
+remote store each provide a `StoreTier` client (disk.py, remote.py here). All methods are coroutines on the
 engine's NATS loop; none raises on a dead store: they log and answer a miss / False / 0 (a failing store never
 fails vLLM). One exception, which the storage manager handles: `get_into` raises `StoreMayWrite` when a store
 that writes into the buffer in place did not answer, so the buffer stays out of use until the store settles. `StoreLink` is how both clients do that: one per store, it sends the requests on subjects ending

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmesh.shared.shm import SharedSegment
-from kvmesh.shared.tier import ChunkBuffer
+from kvmesh.services.engine.tiers.base import ChunkBuffer
 
 log = logging.getLogger(__name__)
 

@@ -19,11 +19,12 @@ The first request of a connection is a hello with its ticket. Messages are share
 The receiver computes the checksum piece by piece as the bytes land (`recv_exactly`), while each piece is
 still in the CPU cache: a separate pass over 32 MiB would read it back from memory.
 
-Store end: `stream_server.StreamServer`, on the store's event loop, one task per connection. Client end:
-`stream_client.StreamPool` of `StreamConnection`s per store, on the engine's NATS loop (the engine imports
-only the client end and this module, never the store). Nobody ever gets a truncated chunk: the receiver
-counts bytes against meta.nbytes and checks meta.checksum; a transfer that stalls past its deadline (a dead
-or too slow peer) closes the connection, and the other side sees an error, not short data.
+Store end: `StreamServer` (services/remote_store/stream_server.py), on the store's event loop, one task per
+connection. Client end: a `StreamPool` of `StreamConnection`s per store (services/engine/tiers/remote_stream.py),
+on the engine's NATS loop (the engine imports only the client end and this module, never the store). Nobody
+ever gets a truncated chunk: the receiver counts bytes against meta.nbytes and checks meta.checksum; a transfer
+that stalls past its deadline (a dead or too slow peer) closes the connection, and the other side sees an error,
+not short data.
 """
 
 from __future__ import annotations
