@@ -35,24 +35,13 @@ def loaded_after(statement: str) -> set[str]:
     return set(json.loads(result.stdout.strip().splitlines()[-1]))
 
 
-def test_the_connector_loads_no_server_code() -> None:
-    loaded = loaded_after("import kvmesh.services.engine.connector")
-    leaked = sorted(m for m in loaded if m.startswith(SERVER_MODULES))
-    assert not leaked, f"the connector pulls in server code: {leaked}"
-
-
-def test_the_cache_engine_loads_no_server_code() -> None:
-    loaded = loaded_after("import kvmesh.services.engine.core.cache_engine")
-    assert "kvmesh.services.engine.tiers.remote_stream" in loaded  # the clients, yes
-    leaked = sorted(m for m in loaded if m.startswith(SERVER_MODULES))
-    assert not leaked, f"the cache engine pulls in server code: {leaked}"
-
-
-def server_package_modules(loaded: set[str]) -> list[str]:
-    return sorted(m for m in loaded if any(m == p or m.startswith(p + ".") for p in SERVER_PACKAGES))
-
-
-def test_the_connector_and_the_tiers_load_no_module_of_a_server_package() -> None:
-    loaded = loaded_after("import kvmesh.services.engine.connector, kvmesh.services.engine.tiers.build, "
-                          "kvmesh.services.engine.core.storage_manager, kvmesh.services.engine.mesh.worker_agent")
-    assert not server_package_modules(loaded)
+def test_the_engine_loads_no_server_code() -> None:
+    """The connector (as vLLM imports it), the cache engine, its tiers, the worker agent and the embedded mesh load
+    no module of a server package, nor the server-side modules of shared/."""
+    loaded = loaded_after("import kvmesh.services.engine.connector, kvmesh.services.engine.core.cache_engine, "
+                          "kvmesh.services.engine.tiers.build, kvmesh.services.engine.mesh.worker_agent, "
+                          "kvmesh.services.engine.mesh.embedded")
+    assert "kvmesh.services.engine.tiers.remote_stream" in loaded  # the stores' clients, yes
+    leaked = sorted(m for m in loaded if m.startswith(SERVER_MODULES)
+                    or any(m == p or m.startswith(p + ".") for p in SERVER_PACKAGES))
+    assert not leaked, f"the engine pulls in server code: {leaked}"
