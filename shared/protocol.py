@@ -82,6 +82,7 @@ CONFLICT_OP = "conflict"  # `Subjects.worker(..., CONFLICT_OP)`: InstanceConflic
 TIER_OPS = ("pin", "unpin", "clear", "lookup")  # what one tier of a worker answers (StorageManager.command)
 WORKER_COMMAND_OPS = (*TIER_OPS, "move")  # what an engine worker answers (`move`: from one of its tiers to another)
 CONTROLLER_COMMAND_OPS = ("pin", "unpin", "clear", "move")  # what the controller sends (its lookups use its index)
+PREFIX_LOOKUP_OP = "prefix_lookup"  # the scheduler's lower-tier lookup, on a worker's lookup subject
 
 
 def worker_id_for(instance_id: str, world_size: int, rank: int, incarnation: str = "") -> str:

@@ -33,7 +33,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
-from kvmesh.services.engine.mesh.lookup_server import PREFIX_LOOKUP_OP
 from kvmesh.services.engine.mesh.rendezvous import PublishedWorker, find_workers, remove_published
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.credentials import credentials_for
@@ -293,7 +292,7 @@ class SchedulerLookup:
         if not await nats.first_connection(self.timeout):
             return 0
         assert nats.nc is not None
-        subject = protocol.Subjects.worker(worker.instance_id, worker.lookup_id, PREFIX_LOOKUP_OP)
+        subject = protocol.Subjects.worker(worker.instance_id, worker.lookup_id, protocol.PREFIX_LOOKUP_OP)
         try:
             reply = await bus.request(nats.nc, subject, request, protocol.CommandReply, self.timeout)
         except KVMeshError as exc:

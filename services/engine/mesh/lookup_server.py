@@ -15,8 +15,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PREFIX_LOOKUP_OP = "prefix_lookup"  # the op of the scheduler's lower-tier lookup on a worker's lookup subject
-
 
 def lookup_id_for(worker_id: str) -> str:
     """This worker process's lookup address: the worker id plus the pid, so two vLLM instances with the same
@@ -31,7 +29,7 @@ class LookupServer:
     def __init__(self, engine: "CacheEngine", nats_loop: "NatsLoop", lookup_id: str) -> None:
         self.engine = engine
         self.nats_loop = nats_loop
-        self.subject = protocol.Subjects.worker(engine.config.lmcache_instance_id, lookup_id, PREFIX_LOOKUP_OP)
+        self.subject = protocol.Subjects.worker(engine.config.lmcache_instance_id, lookup_id, protocol.PREFIX_LOOKUP_OP)
         self._subscription: Any = None
         nats_loop.on_connected(self._serve)
 
