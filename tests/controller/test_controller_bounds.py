@@ -2,7 +2,7 @@
 (HTTP 429/404, or a WARNING and a counter for NATS registrations), and the controller keeps serving.
 
 Real NATS (EmbeddedNats), the in-process ControllerService and the protocol-speaking producers of
-test_controller.py; time passes on a ManualClock where liveness matters.
+support/controller.py; time passes on a ManualClock where liveness matters.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.protocol import LOCAL_CPU, Subjects
 from kvmesh.services.controller.service import ControllerService
 
-from test_controller import FakeEngineWorker, RawProducer, _has_instance, running_controller, started, wait_layout
-from waiting import ManualClock, wait_until_async
+from support.controller import FakeEngineWorker, RawProducer, _has_instance, running_controller, started, wait_layout
+from support.waiting import ManualClock, wait_until_async
 
 
 def _refused(service: ControllerService, reason: str) -> int:

@@ -25,8 +25,8 @@ from kvmesh.shared.embedded_nats import EmbeddedNats, free_port
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
 from kvmesh.services.controller.config import parse_args
 
-from test_controller import FakeEngineWorker, FakeStore, running_controller, started, wait_layout
-from waiting import WAIT_S, wait_until_async
+from support.controller import FakeEngineWorker, FakeStore, running_controller, started, wait_layout
+from support.waiting import WAIT_S, wait_until_async
 
 LMCACHE_WORKER_INFO = {"instance_id", "worker_id", "ip", "port", "peer_init_url", "registration_time",
                        "last_heartbeat_time"}

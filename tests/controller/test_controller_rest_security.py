@@ -26,8 +26,8 @@ from kvmesh.shared import bus, protocol
 from kvmesh.shared.embedded_nats import free_port
 from kvmesh.shared.protocol import LOCAL_CPU, Subjects
 
-from test_controller import RawProducer
-from waiting import WAIT_S, wait_until_async
+from support.controller import RawProducer
+from support.waiting import WAIT_S, wait_until_async
 
 # The documented bound (docs/config.md, --max-large-bodies): 24 concurrent 1,000,000-token /pin bodies keep the
 # controller's peak RSS under this with the default body limits (about 80 MiB of its own, 80 MiB per large body).

@@ -30,7 +30,7 @@ from kvmesh.shared.protocol import LOCAL_CPU, Subjects  # noqa: E402
 from kvmesh.services.controller.config import ControllerConfig  # noqa: E402
 from kvmesh.services.controller.service import ControllerService  # noqa: E402
 
-from waiting import WAIT_S  # noqa: E402
+from support.waiting import WAIT_S  # noqa: E402
 
 INSTANCE = "lmcache_default_instance"
 TOKENS = [128000, 849, 21435, 279, 26431, 315, 85748, 6636, 304, 4221, 4211, 13]

@@ -27,8 +27,8 @@ from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
 from kvmesh.shared.protocol import Principal, Subjects
 
-from test_controller import running_controller
-from waiting import WAIT_S, ManualClock, wait_until_async
+from support.controller import running_controller
+from support.waiting import WAIT_S, ManualClock, wait_until_async
 
 
 class Tenant:

@@ -22,8 +22,8 @@ from kvmesh.shared.embedded_nats import free_port
 from kvmesh.shared.protocol import OPERATOR
 from kvmesh.shared.service import ping_all
 
-from processes import pid_alive, wait_dead
-from waiting import WAIT_S, wait_until_async
+from support.processes import pid_alive, wait_dead
+from support.waiting import WAIT_S, wait_until_async
 
 
 async def health_of_all(url: str, expect: int) -> list:

@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from e2e_support import VLLMServer, clean_env, free_port, kv_transfer_config, start_vllm
-from waiting import WAIT_S, wait_until
+from support.e2e import VLLMServer, clean_env, free_port, kv_transfer_config, start_vllm
+from support.waiting import WAIT_S, wait_until
 
 pytestmark = pytest.mark.vllm
 

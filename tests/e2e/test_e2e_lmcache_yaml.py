@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e_support import VLLMServer, clean_env, free_port, kv_transfer_config, start_vllm
-from test_lmcache_keys import expected_warnings
+from support.e2e import VLLMServer, clean_env, free_port, kv_transfer_config, start_vllm
+from support.lmcache_yaml import expected_warnings
 
 pytestmark = pytest.mark.vllm
 
-DATA = Path(__file__).parent / "data" / "lmcache"
+DATA = Path(__file__).parent.parent / "data" / "lmcache"
 WARNING = re.compile(r"LMCache key (?P<key>[\w.]+) \(")
 
 

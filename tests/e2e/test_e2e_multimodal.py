@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from e2e_support import VLLMServer, clean_env, free_port, kv_transfer_config, make_demo_model, start_vllm
+from support.e2e import VLLMServer, clean_env, free_port, kv_transfer_config, make_demo_model, start_vllm
 
 pytestmark = pytest.mark.vllm
 

@@ -1,7 +1,7 @@
 """End to end: two vLLM instances (the CPU build, the demo model) on a three-node NATS cluster whose server they
 are connected to dies while they serve.
 
-The cluster (tests/nats_cluster.py) runs with a user per principal on every node, made as `kvmesh credentials`
+The cluster (tests/support/nats_cluster.py) runs with a user per principal on every node, made as `kvmesh credentials`
 makes them: each process connects with its own file, so each authenticates to whichever server of the URL list
 it lands on, first and after the failover. Node 0 starts alone, so the controller, the disk store and both
 vLLMs ("a", "b": every connection of each, the worker's at start, the scheduler's on its first request) connect
@@ -28,14 +28,14 @@ import httpx
 import pytest
 import yaml
 
-from e2e_support import ManagedProcess, VLLMServer, clean_env, free_port, kv_transfer_config, start_vllm
-from nats_cluster import NatsCluster
+from support.e2e import ManagedProcess, VLLMServer, clean_env, free_port, kv_transfer_config, start_vllm
+from support.nats_cluster import NatsCluster
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.bus import NatsAuth
 from kvmesh.shared.credentials import MeshCredentials
 from kvmesh.shared.errors import MeshUnavailable
 from kvmesh.shared.nats_auth import CREDENTIALS_ENV
-from waiting import WAIT_S, wait_until
+from support.waiting import WAIT_S, wait_until
 
 pytestmark = pytest.mark.vllm
 

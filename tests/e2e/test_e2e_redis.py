@@ -15,9 +15,9 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from e2e_support import VLLMServer, clean_env, free_port, kv_transfer_config, start_vllm
-from redis_support import RedisServer
-from waiting import WAIT_S, wait_until
+from support.e2e import VLLMServer, clean_env, free_port, kv_transfer_config, start_vllm
+from support.redis_server import RedisServer
+from support.waiting import WAIT_S, wait_until
 
 pytestmark = pytest.mark.vllm
 

@@ -28,9 +28,9 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from e2e_support import MeshUp, VLLMServer, clean_env, free_port, kv_transfer_config, start_vllm
-from waiting import WAIT_S, wait_until
-from processes import pid_alive, wait_dead
+from support.e2e import MeshUp, VLLMServer, clean_env, free_port, kv_transfer_config, start_vllm
+from support.waiting import WAIT_S, wait_until
+from support.processes import pid_alive, wait_dead
 
 pytestmark = pytest.mark.vllm
 

@@ -32,9 +32,9 @@ from pathlib import Path
 
 import pytest
 
-from e2e_support import REPO, clean_env, free_port
-from processes import wait_dead
-from waiting import WAIT_S, wait_until
+from support.e2e import REPO, clean_env, free_port
+from support.processes import wait_dead
+from support.waiting import WAIT_S, wait_until
 
 DEFAULT_INDEX = "https://pypi.org/simple/"
 # What the base install must never bring (the engine's side: vLLM brings torch).

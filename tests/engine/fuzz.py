@@ -1,9 +1,9 @@
-"""Run random simulation schedules (tests/sim_harness.py) for a while, or replay one seed.
+"""Run random simulation schedules (tests/support/sim_harness.py) for a while, or replay one seed.
 
-    python tests/fuzz.py --seconds 300            # random seeds for 5 minutes (make fuzz SECONDS=300)
-    python tests/fuzz.py --seed 1234              # replay one schedule, logging its steps (make fuzz SEED=1234)
-    python tests/fuzz.py --seconds 60 --no-processes   # only schedules without NATS / disk store processes
-    python tests/fuzz.py --seed 1234 --no-agreement    # two ranks without the connector's load agreement
+    python tests/engine/fuzz.py --seconds 300            # random seeds for 5 minutes (make fuzz SECONDS=300)
+    python tests/engine/fuzz.py --seed 1234              # replay one schedule, logging its steps (make fuzz SEED=1234)
+    python tests/engine/fuzz.py --seconds 60 --no-processes   # only schedules without NATS / disk store processes
+    python tests/engine/fuzz.py --seed 1234 --no-agreement    # two ranks without the connector's load agreement
 
 Each failing seed is printed with its invariant and the command that replays it; at the end, the number of
 schedules run. Exit status 1 if any seed failed.
@@ -19,13 +19,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the helpers in support/
 
-from sim_harness import SimConfig, SimFailure, run_seed  # noqa: E402
+from support.sim_harness import SimConfig, SimFailure, run_seed  # noqa: E402
 
 
 def replay_command(seed: int, processes: bool, agreement: bool = True) -> str:
-    return (f"python tests/fuzz.py --seed {seed}" + ("" if processes else " --no-processes")
+    return (f"python tests/engine/fuzz.py --seed {seed}" + ("" if processes else " --no-processes")
             + ("" if agreement else " --no-agreement"))
 
 

@@ -18,8 +18,8 @@ from kvmesh.shared.keys import KeyParams
 from kvmesh.shared.local_mesh import LocalMesh
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
 
-from test_engine_support import BLOCK, CHUNK, PagedKV, disk_store_mesh, engine_config, random_tokens
-from waiting import WAIT_S, wait_until
+from support.engine import BLOCK, CHUNK, PagedKV, disk_store_mesh, engine_config, random_tokens
+from support.waiting import WAIT_S, wait_until
 
 connector = pytest.importorskip("kvmesh.services.engine.connector")
 

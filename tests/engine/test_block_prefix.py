@@ -20,13 +20,14 @@ from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.shared.keys import ChunkHasher, KeyExtras, KeyParams
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
 
-from test_engine_support import BLOCK, CHUNK, PagedKV, random_tokens
-from waiting import WAIT_S, wait_until
+from support.engine import BLOCK, CHUNK, PagedKV, random_tokens
+from support.engine_mesh import disk_mesh, engine  # noqa: F401 (fixtures)
+from support.kv_oracle import Forward
+from support.waiting import WAIT_S, wait_until
 
 pytest.importorskip("kvmesh.services.engine.connector")
-from connector_driver import Step, blocks, rank0_engine, request, run_step, scheduler_half, worker_half  # noqa: E402
-from test_preemption import Forward  # noqa: E402
-from test_scheduler_lookup import disk_mesh, engine  # noqa: E402,F401  (fixtures)
+from support.connector_driver import (  # noqa: E402
+    Step, blocks, rank0_engine, request, run_step, scheduler_half, worker_half)
 
 
 def test_probes_are_the_block_boundaries_strictly_inside_the_next_chunk_longest_first() -> None:
@@ -133,7 +134,7 @@ def test_a_block_prefix_is_published_to_routers_like_a_partial_last_chunk(paged:
 
 def test_a_block_prefix_only_on_disk_is_found_by_asking_again(
         engine: tuple[CacheEngine, PagedKV, StepEventLog]) -> None:
-    worker, kv, events = engine  # a worker engine with a real NATS and disk store (test_scheduler_lookup.py)
+    worker, kv, events = engine  # a worker engine with a real NATS and disk store (support/engine_mesh.py)
     lookup = SchedulerLookup(world_size=1, timeout=WAIT_S, nats_name="test-scheduler")
     hasher = lookup.hasher()
     assert hasher is not None

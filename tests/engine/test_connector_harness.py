@@ -1,4 +1,4 @@
-"""The connector driven exactly as vLLM's GPU model runner calls it (tests/connector_driver.py), on real paged
+"""The connector driven exactly as vLLM's GPU model runner calls it (tests/support/connector_driver.py), on real paged
 tensors: start_load_kv, per layer wait_for_layer_load / the layer's forward / save_kv_layer, wait_for_save,
 get_finished, with the scheduler half planning each step.
 
@@ -24,10 +24,10 @@ from kvmesh.services.engine.core.layerwise_load import LayerwiseLoader
 from kvmesh.services.engine.core.paged_copy import gather
 from kvmesh.shared.protocol import LOCAL_CPU
 
-from test_engine_support import BLOCK, CHUNK, HEAD_SIZE, HEADS, LAYERS, random_tokens
+from support.engine import BLOCK, CHUNK, HEAD_SIZE, HEADS, LAYERS, random_tokens
 
 pytest.importorskip("kvmesh.services.engine.connector")
-from connector_driver import (  # noqa: E402
+from support.connector_driver import (  # noqa: E402
     Step, blocks, rank0_engine, request, run_step, scheduler_half, worker_half)
 
 NUM_BLOCKS = 64

@@ -12,8 +12,8 @@ from kvmesh.shared.eviction import Clock
 from kvmesh.shared.keys import KeyParams
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
 
-from test_engine_support import CHUNK, PagedKV, engine_config, random_tokens
-from waiting import ManualClock, finishes
+from support.engine import BLOCK, CHUNK, PagedKV, engine_config, random_tokens
+from support.waiting import ManualClock, finishes
 
 PARAMS = KeyParams(model="test-model", kv_format="")
 
@@ -393,3 +393,13 @@ def test_slots_stay_allocated_when_even_the_wait_fails(kv: PagedKV, monkeypatch:
         with pytest.raises(torch.cuda.OutOfMemoryError):
             engine.store(random_tokens(2 * CHUNK, seed=62), **kv.kv(kv.slots(2 * CHUNK)))
         assert engine.pool.num_free == free_before - 2, "slots a copy may still write stay out of the pool"
+
+
+# The tests' own paged KV (support/engine.py): slot mappings shaped like vLLM's block tables.
+def test_slot_mappings_are_block_structured() -> None:
+    kv = PagedKV()
+    slots = kv.slots(70)
+    assert slots.numel() == 70 and len(set(slots.tolist())) == 70
+    assert torch.equal(slots[::BLOCK] % BLOCK, torch.zeros(5, dtype=torch.int64))
+    other = kv.slots(70, exclude=slots)
+    assert not set(other.tolist()) & set(slots.tolist())

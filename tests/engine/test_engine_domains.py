@@ -19,9 +19,9 @@ from kvmesh.shared.keys import ChunkHasher, KeyParams
 from kvmesh.shared.local_mesh import LocalMesh
 from kvmesh.shared.protocol import CONTROLLER, LOCAL_CPU, LOCAL_DISK, Principal
 
-from test_controller import running_controller
-from test_engine_support import CHUNK, PagedKV, disk_store_mesh, engine_config, random_tokens
-from waiting import WAIT_S, wait_until, wait_until_async
+from support.controller import running_controller
+from support.engine import CHUNK, PagedKV, disk_store_mesh, engine_config, random_tokens
+from support.waiting import WAIT_S, wait_until, wait_until_async
 
 
 @pytest.fixture

@@ -17,9 +17,9 @@ from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.keys import KeyParams
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
 
-from processes import pid_alive, wait_dead
-from test_engine_support import PagedKV, engine_config, random_tokens
-from waiting import WAIT_S, wait_until
+from support.processes import pid_alive, wait_dead
+from support.engine import PagedKV, engine_config, random_tokens
+from support.waiting import WAIT_S, wait_until
 
 PARAMS = KeyParams(model="test-model", kv_format="")
 JOIN_PROBE = """

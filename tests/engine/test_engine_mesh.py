@@ -29,11 +29,10 @@ from kvmesh.shared.lmcache_keys import IGNORED
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
 from kvmesh.shared.protocol import CONTROLLER, LOCAL_CPU, LOCAL_DISK, CommandReply, Subjects, WorkerCommand
 
-from test_controller import running_controller
-from test_engine_support import CHUNK, PagedKV, disk_store_mesh, engine_config, random_tokens
-from waiting import WAIT_S, wait_until, wait_until_async
-
-PARAMS = KeyParams(model="test-model", kv_format="")
+from support.controller import running_controller
+from support.engine import CHUNK, PagedKV, disk_store_mesh, engine_config, random_tokens
+from support.engine_mesh import PARAMS, _store_and_settle, disk_mesh, engine_on  # noqa: F401 (disk_mesh: a fixture)
+from support.waiting import WAIT_S, wait_until, wait_until_async
 
 
 @pytest.fixture
@@ -49,22 +48,10 @@ def nats_server() -> Iterator[EmbeddedNats]:
 
 
 @pytest.fixture
-def disk_mesh(tmp_path: Path) -> Iterator[LocalMesh]:
-    with disk_store_mesh(tmp_path / "disk") as mesh:
-        yield mesh
-
-
-@pytest.fixture
 async def nc(nats_server: EmbeddedNats) -> AsyncIterator[NatsClient]:
     client = await bus.connect(nats_server.url, name="test-observer", allow_reconnect=False)
     yield client
     await client.close()
-
-
-def engine_on(url: str, kv: PagedKV, **overrides: object) -> CacheEngine:
-    engine = CacheEngine(engine_config(nats_url=url, **overrides), PARAMS, kv.layout)
-    assert engine.wait_connected(WAIT_S), "engine did not reach NATS"
-    return engine
 
 
 async def test_worker_agent_registers_reports_and_answers_commands(nats_server: EmbeddedNats, nc: NatsClient,
@@ -160,14 +147,6 @@ def test_tensor_parallel_worker_ids(nats_server: EmbeddedNats, kv: PagedKV) -> N
         assert protocol.is_worker_id_of(engine.worker_id, "tp", 2, 1) and engine.worker_id.startswith("tp.r1@")
     finally:
         engine.close()
-
-
-def _store_and_settle(engine: CacheEngine, tokens: torch.Tensor, kv: PagedKV, slots: torch.Tensor) -> None:
-    engine.store(tokens, **kv.kv(slots))
-    assert engine.wait_write_behind(WAIT_S)
-    client = engine.storage.lower(LOCAL_DISK)
-    assert client is not None
-    assert engine.nats_loop.call(client.wait_written(WAIT_S), WAIT_S + 2, default=False)
 
 
 async def test_controller_move_copies_and_moves_between_an_engine_s_tiers(disk_mesh: LocalMesh, kv: PagedKV,

@@ -17,8 +17,8 @@ from kvmesh.shared.keys import ChunkKey, KeyParams
 from kvmesh.shared.protocol import LOCAL_DISK, ChunkMeta, StatsReply
 from kvmesh.shared.tier import ChunkBuffer
 
-from test_engine_support import CHUNK, PagedKV, engine_config, random_tokens
-from waiting import WAIT_S, finishes, wait_until
+from support.engine import CHUNK, PagedKV, engine_config, random_tokens
+from support.waiting import WAIT_S, finishes, wait_until
 
 PARAMS = KeyParams(model="test-model", kv_format="")
 

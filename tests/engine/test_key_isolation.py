@@ -29,8 +29,8 @@ from kvmesh.shared.keys import KeyExtras, KeyParams
 from kvmesh.shared.local_mesh import LocalMesh
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
 
-from test_engine_support import CHUNK, PagedKV, disk_store_mesh, engine_config, random_tokens
-from waiting import WAIT_S, wait_until, wait_until_async
+from support.engine import CHUNK, PagedKV, disk_store_mesh, engine_config, random_tokens
+from support.waiting import WAIT_S, wait_until, wait_until_async
 
 PARAMS = KeyParams(model="test-model", kv_format="")
 LORA_A = KeyExtras(lora_id="files:aaaa")

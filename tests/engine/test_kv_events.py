@@ -17,7 +17,7 @@ from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.shared.keys import ChunkSpan, KeyExtras, KeyParams
 from kvmesh.shared.protocol import LOCAL_CPU
 
-from test_engine_support import CHUNK, PagedKV, engine_config, random_tokens
+from support.engine import CHUNK, PagedKV, engine_config, random_tokens
 
 connector = pytest.importorskip("kvmesh.services.engine.connector")
 kv_events = pytest.importorskip("kvmesh.services.engine.adapter.kv_events")

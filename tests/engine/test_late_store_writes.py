@@ -32,11 +32,12 @@ from kvmesh.shared.local_mesh import LocalMesh
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
 from kvmesh.shared.shm import SharedSegment
 
-from test_disk_store import CHUNK as H_CHUNK, Harness, chunk, harness  # noqa: F401 (harness: a fixture)
-from test_disk_store_process import CHUNK as STORE_CHUNK, ENGINE, SLOTS, StoreProcess, data_of, key_of, put_pool, slot
-from test_engine_mesh import _store_and_settle, engine_on
-from test_engine_support import CHUNK, PagedKV, disk_store_mesh, random_tokens
-from waiting import WAIT_S, wait_until, wait_until_async
+from support.disk_store import CHUNK as H_CHUNK, Harness, chunk, harness  # noqa: F401 (harness: a fixture)
+from support.disk_store_process import (CHUNK as STORE_CHUNK, ENGINE, SLOTS, StoreProcess, data_of, key_of, put_pool,
+                                        slot)
+from support.engine import CHUNK, PagedKV, random_tokens
+from support.engine_mesh import _store_and_settle, disk_mesh, engine_on  # noqa: F401 (disk_mesh: a fixture)
+from support.waiting import WAIT_S, wait_until, wait_until_async
 
 DATA_TIMEOUT = 1.0  # the engine gives up on a disk get after this long (the stalled store answers much later)
 
@@ -44,12 +45,6 @@ DATA_TIMEOUT = 1.0  # the engine gives up on a disk get after this long (the sta
 @pytest.fixture
 def kv() -> PagedKV:
     return PagedKV(num_blocks=128)
-
-
-@pytest.fixture
-def disk_mesh(tmp_path: Path) -> Iterator[LocalMesh]:
-    with disk_store_mesh(tmp_path / "disk") as mesh:
-        yield mesh
 
 
 def store_details(engine: CacheEngine) -> dict[str, Any]:

@@ -10,6 +10,7 @@ errors. Without the agreement rank 1 stored them: the first copy of those keys w
 from __future__ import annotations
 
 import multiprocessing
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,11 @@ import pytest
 
 pytest.importorskip("kvmesh.services.engine.connector")
 
-from waiting import WAIT_S
+from support.waiting import WAIT_S
 
 TOKENS = 4 * 32  # four 32-token chunks
+# The spawned ranks import this module (for `rank_step`) and the test helpers (support/, under tests/).
+HELPERS_PATH = os.pathsep.join(str(folder) for folder in (Path(__file__).parent, Path(__file__).parents[1]))
 
 
 def rank_step(rank: int, init_file: str, agree: bool, results: Any) -> None:
@@ -33,9 +36,9 @@ def rank_step(rank: int, init_file: str, agree: bool, results: Any) -> None:
     from kvmesh.shared.keys import ChunkHasher, KeyParams
     from kvmesh.shared.protocol import LOCAL_CPU
 
-    from connector_driver import run_worker_step, worker_half
-    from kv_oracle import ContextForward
-    from test_engine_support import BLOCK, CHUNK, PagedKV, engine_config, random_tokens
+    from support.connector_driver import run_worker_step, worker_half
+    from support.kv_oracle import ContextForward
+    from support.engine import BLOCK, CHUNK, PagedKV, engine_config, random_tokens
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
@@ -88,7 +91,7 @@ def run_two_ranks(tmp_path: Path, agree: bool) -> dict[int, tuple[list[int], int
 
 
 def test_a_load_that_failed_on_one_rank_is_saved_by_no_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # the spawned ranks import the test helpers
+    monkeypatch.setenv("PYTHONPATH", HELPERS_PATH)
     by_rank = run_two_ranks(tmp_path, agree=True)
     # tokens 32..64 (blocks 12 and 13) were not loaded on rank 0: both ranks report them, neither stores
     # chunks 2 and 3, computed over them
@@ -99,7 +102,7 @@ def test_a_load_that_failed_on_one_rank_is_saved_by_no_rank(tmp_path: Path, monk
 def test_without_agreement_the_other_rank_stores_kv_computed_over_the_failed_load(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the agreement prevents (the test above would fail without it)."""
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
+    monkeypatch.setenv("PYTHONPATH", HELPERS_PATH)
     by_rank = run_two_ranks(tmp_path, agree=False)
     assert by_rank[0] == ([12, 13], 32)
     assert by_rank[1] == ([], TOKENS), "rank 1 stored its shard of the chunks computed over rank 0's failed load"

@@ -1,5 +1,5 @@
 """Preemption and request ends, with the connector's two halves driven as vLLM's scheduler and model runner drive
-them (tests/connector_driver.py) over a real cache engine and paged KV in this process.
+them (tests/support/connector_driver.py) over a real cache engine and paged KV in this process.
 
 What must hold: a preempted request's freed blocks are reused by another request, and neither request's chunks
 ever hold the other's KV; the preempted request resumes in new blocks, loads what it saved and saves the rest
@@ -9,7 +9,6 @@ reports it once in finished_sending; on CPU nothing is held."""
 
 from __future__ import annotations
 
-import zlib
 from types import SimpleNamespace
 from typing import Any, Iterator
 
@@ -19,48 +18,12 @@ import torch
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.shared.protocol import LOCAL_CPU
 
-from test_engine_support import BLOCK, CHUNK, PagedKV, random_tokens
+from support.engine import BLOCK, CHUNK, PagedKV, random_tokens
+from support.kv_oracle import Forward
 
 pytest.importorskip("kvmesh.services.engine.connector")
-from connector_driver import (  # noqa: E402
+from support.connector_driver import (  # noqa: E402
     Step, blocks, rank0_engine, request, run_step, scheduler_half, worker_half)
-
-
-class Forward:
-    """Stands for vLLM's forward: writes each computed block of a request with KV that depends only on the
-    request and the block's place in its sequence, so any chunk can be checked against what it must hold."""
-
-    def __init__(self, kv: PagedKV) -> None:
-        self.kv = kv
-        self._pending: tuple[str, list[int], int, int] = ("", [], 0, 0)
-
-    @staticmethod
-    def pattern(req_id: str, logical: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(zlib.crc32(f"{req_id}/{logical}".encode()))
-        return torch.randn(shape, generator=gen).to(dtype)
-
-    def compute(self, req_id: str, block_ids: list[int], first: int, count: int) -> None:
-        """The next forward computes logical blocks [first, first + count) of `req_id` into `block_ids`."""
-        self._pending = (req_id, block_ids, first, count)
-
-    def __call__(self, layer: int, name: str) -> None:
-        req_id, block_ids, first, count = self._pending
-        cache = self.kv.caches[name]
-        for logical in range(first, first + count):
-            cache[block_ids[logical]] = self._layer_pattern(req_id, logical, layer, cache)
-
-    def _layer_pattern(self, req_id: str, logical: int, layer: int, cache: torch.Tensor) -> torch.Tensor:
-        return self.pattern(f"{req_id}/L{layer}", logical, cache[0].shape, cache.dtype)
-
-    def expected(self, req_id: str, logical: int) -> list[torch.Tensor]:
-        """What block `logical` of `req_id` holds in each layer."""
-        return [self._layer_pattern(req_id, logical, i, cache) for i, cache in enumerate(self.kv.caches.values())]
-
-    def holds(self, req_id: str, block_ids: list[int], logical_blocks: range) -> bool:
-        return all(torch.equal(cache[block_ids[logical]], want[i])
-                   for logical in logical_blocks
-                   for want in [self.expected(req_id, logical)]
-                   for i, cache in enumerate(self.kv.caches.values()))
 
 
 @pytest.fixture

@@ -32,10 +32,10 @@ from kvmesh.shared.redis_keys import VALUE_MAGIC, RedisAuth
 from kvmesh.shared.redis_url import parse_redis_url
 from kvmesh.shared.tier import ChunkBuffer
 
-from redis_support import RedisServer
-from test_engine_support import PagedKV, engine_config, random_tokens
-from test_redis_tier import TIER_LOG, chunk, get, put
-from waiting import WAIT_S, wait_until
+from support.redis_server import RedisServer
+from support.engine import PagedKV, engine_config, random_tokens
+from support.redis_tier import TIER_LOG, chunk, get, put
+from support.waiting import WAIT_S, wait_until
 
 SECRET = b"the engines' shared secret, 32 b"
 ATTACKER_SECRET = b"a secret that is not the engines'"

@@ -1,14 +1,13 @@
 """The remote tier on a real redis-server: round trip, bad values, pins under memory pressure, clear per
 instance, Redis killed and restarted; and two cache engines sharing a chunk through Redis.
 
-Each test starts its own redis-server (tests/redis_support.py) on a free loopback port and stops it.
+Each test starts its own redis-server (tests/support/redis_server.py) on a free loopback port and stops it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from typing import Iterator
 
 import pytest
@@ -16,18 +15,15 @@ import torch
 
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.tiers.redis import RedisTier
-from kvmesh.shared import chunk_file, protocol
 from kvmesh.shared.embedded_nats import EmbeddedNats
-from kvmesh.shared.keys import KEY_BYTES, KeyParams
+from kvmesh.shared.keys import KeyParams
 from kvmesh.shared.protocol import LOCAL_CPU, REMOTE
 from kvmesh.shared.redis_url import parse_redis_url
-from kvmesh.shared.tier import ChunkBuffer
 
-from redis_support import RedisClusterServers, RedisSentinelSetup, RedisServer
-from test_engine_support import PagedKV, engine_config, random_tokens
-from waiting import WAIT_S, wait_until, wait_until_async
-
-TIER_LOG = "kvmesh.services.engine.tiers.redis"
+from support.redis_server import RedisClusterServers, RedisSentinelSetup, RedisServer
+from support.engine import PagedKV, engine_config, random_tokens
+from support.redis_tier import TIER_LOG, chunk, get, put
+from support.waiting import WAIT_S, wait_until, wait_until_async
 
 
 @pytest.fixture
@@ -39,27 +35,6 @@ def redis_server() -> Iterator[RedisServer]:
 def make_tier(server: RedisServer, caller: str = "engine.a.a", **options: object) -> RedisTier:
     options = {"timeout": WAIT_S / 3, "retry_interval": 0.0, **options}
     return RedisTier(parse_redis_url(server.url), caller, **options)  # type: ignore[arg-type]
-
-
-def chunk(seed: int, nbytes: int = 64 * 1024, tokens: int = 32) -> tuple[protocol.ChunkMeta, bytes]:
-    data = random.Random(seed).randbytes(nbytes)
-    key = seed.to_bytes(4, "little") * (KEY_BYTES // 4)
-    meta = protocol.ChunkMeta(key=key, num_tokens=tokens, shape=[nbytes], dtype="uint8", fmt="test",
-                              nbytes=nbytes, checksum=chunk_file.checksum(data))
-    return meta, data
-
-
-async def put(tier: RedisTier, meta: protocol.ChunkMeta, data: bytes) -> bool:
-    return await tier.put(meta, ChunkBuffer(memoryview(bytearray(data))))
-
-
-async def get(tier: RedisTier, meta: protocol.ChunkMeta) -> bytes | None:
-    out = bytearray(meta.nbytes + 100)  # a slot is at least as large as the chunk
-    got = await tier.get_into(meta.key, ChunkBuffer(memoryview(out)))
-    if got is None:
-        return None
-    assert got == meta
-    return bytes(out[: meta.nbytes])
 
 
 async def test_round_trip_is_bit_exact_and_namespaced(redis_server: RedisServer) -> None:

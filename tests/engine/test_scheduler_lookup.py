@@ -8,27 +8,20 @@ Real cache engines in this process (vLLM's single-process case: `engines`), a re
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Iterator
-
-import pytest
-
 from kvmesh.services.engine.adapter.scheduler_lookup import (
     CpuTierEvents,
     CpuTierMirror,
     SchedulerLookup,
     StepEventLog,
-    engines,
 )
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.shared.keys import KeyParams
 from kvmesh.shared.local_mesh import LocalMesh
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
 
-from test_engine_support import CHUNK, PagedKV, disk_store_mesh, engine_config, random_tokens
-from waiting import WAIT_S, wait_until
-
-PARAMS = KeyParams(model="test-model", kv_format="")
+from support.engine import CHUNK, PagedKV, random_tokens
+from support.engine_mesh import PARAMS, disk_mesh, engine  # noqa: F401 (fixtures)
+from support.waiting import WAIT_S, wait_until
 
 
 def test_step_events_aggregate_per_rank_and_feed_the_mirror() -> None:
@@ -42,30 +35,6 @@ def test_step_events_aggregate_per_rank_and_feed_the_mirror() -> None:
     log.admit(a)
     log.evict(a)
     assert log.take() == [(True, a), (False, a)] and log.take() == []
-
-
-@pytest.fixture
-def disk_mesh(tmp_path: Path) -> Iterator[LocalMesh]:
-    with disk_store_mesh(tmp_path / "disk") as mesh:
-        yield mesh
-
-
-@pytest.fixture
-def engine(disk_mesh: LocalMesh, tmp_path: Path) -> Iterator[tuple[CacheEngine, PagedKV, StepEventLog]]:
-    """A worker's engine registered in this process, reporting its CPU tier like the connector does."""
-    kv = PagedKV(num_blocks=128)
-    worker = CacheEngine(engine_config(nats_url=disk_mesh.nats_url, local_disk=str(tmp_path / "disk")), PARAMS,
-                         kv.layout)
-    events = StepEventLog()
-    worker.cpu.listen(events)
-    engines.add(0, worker)
-    try:
-        assert worker.wait_connected(WAIT_S)
-        wait_until(lambda: worker.storage.lower(LOCAL_DISK), what="the disk store found")
-        yield worker, kv, events
-    finally:
-        engines.remove(worker)
-        worker.close()
 
 
 def ask_until_answered(lookup: SchedulerLookup, chain: list, num_tokens: int) -> tuple[int, int]:

@@ -1,9 +1,9 @@
-"""Seeded simulations of vLLM driving the connector (tests/sim_harness.py), a fixed set of seeds for CI.
+"""Seeded simulations of vLLM driving the connector (tests/support/sim_harness.py), a fixed set of seeds for CI.
 
 Each seed is a whole schedule (requests that share, extend and diverge, chunked prefill, preemption, aborts,
 decode, evictions between lookup and load, TP ranks that diverge and whose KV depends on each other's; some
 with NATS and a disk store process, paused, killed or cut off) checked after every step against the KV oracle. A failure names its seed and
-replays with `python tests/fuzz.py --seed N` (`--no-processes` for the CPU-only seeds). `make fuzz` runs new
+replays with `python tests/engine/fuzz.py --seed N` (`--no-processes` for the CPU-only seeds). `make fuzz` runs new
 random seeds.
 """
 
@@ -15,7 +15,7 @@ from typing import Iterator
 import pytest
 
 pytest.importorskip("kvmesh.services.engine.connector")
-from sim_harness import SimConfig, SimFailure, run_seed  # noqa: E402
+from support.sim_harness import SimConfig, SimFailure, run_seed  # noqa: E402
 
 # CPU tiers only (no processes): fast, the bulk of the schedules
 CPU_SEEDS = [1, 2, 4, 5, 7, 8, 9, 10, 11, 12, 13, 15, 16, 17]
@@ -26,7 +26,7 @@ DISK_SEEDS = [2, 12, 15, 16, 21, 36]
 # blocks saved by the same step's wait_for_save)
 FOUND_SEEDS = [0, 3, 6, 14]
 # two ranks, one of which lost a chunk of a hit between lookup and load, so every rank's forward after it computed
-# over that rank's wrong KV. Without the connector's load agreement (`python tests/fuzz.py --seed N
+# over that rank's wrong KV. Without the connector's load agreement (`python tests/engine/fuzz.py --seed N
 # --no-agreement`) the rank whose own load succeeded stored its shard of the chunk computed next (invariant 2):
 #   18: step 4, rank 1 lost chunk 0 of r2's hit; rank 0 stored tokens [32, 64) wrong
 #   57: step 5, rank 0 lost chunk 0 of r1's hit; rank 1 stored tokens [64, 96) wrong

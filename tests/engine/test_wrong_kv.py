@@ -1,8 +1,8 @@
 """Never the wrong KV (issue 23): loads and saves that stay correct when a promised chunk is gone at load time, a
 request is resumed with a longer chain, a rank holds more than the hit, or a chunk does not fit its span.
 
-The connector's two halves are driven as vLLM drives them (tests/connector_driver.py) over a real cache engine,
-with a context-dependent KV oracle (tests/kv_oracle.py): a token's KV depends on the KV its earlier block holds,
+The connector's two halves are driven as vLLM drives them (tests/support/connector_driver.py) over a real cache engine,
+with a context-dependent KV oracle (tests/support/kv_oracle.py): a token's KV depends on the KV its earlier block holds,
 so a block that was never loaded poisons everything computed after it.
 """
 
@@ -20,13 +20,14 @@ from kvmesh.shared.keys import ChunkSpan
 from kvmesh.services.engine.adapter.scheduler_lookup import StepEventLog
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
 
-from kv_oracle import ContextForward
-from test_engine_support import BLOCK, CHUNK, PagedKV, random_tokens
-from waiting import WAIT_S, wait_until
+from support.kv_oracle import ContextForward
+from support.engine import BLOCK, CHUNK, PagedKV, random_tokens
+from support.engine_mesh import disk_mesh, engine  # noqa: F401 (fixtures: NATS + a disk store)
+from support.waiting import WAIT_S, wait_until
 
 pytest.importorskip("kvmesh.services.engine.connector")
-from connector_driver import Step, blocks, rank0_engine, request, run_step, scheduler_half, worker_half  # noqa: E402
-from test_scheduler_lookup import disk_mesh, engine  # noqa: E402,F401  (fixtures: NATS + a disk store)
+from support.connector_driver import (  # noqa: E402
+    Step, blocks, rank0_engine, request, run_step, scheduler_half, worker_half)
 
 SCRATCH = list(range(50, 64))  # the oracle's own blocks
 
@@ -174,7 +175,7 @@ def test_a_resumed_request_looks_up_its_new_chain(engine: tuple[CacheEngine, Pag
     third chunk is stored whole under its own chain key), is preempted and resumes with the CPU tier empty. Its
     first lookup's answer belonged to the 74-token chain; the resumed request asks the disk store anew and loads
     the oracle's KV of the 104-token chain, with no load error."""
-    worker, kv, _ = engine  # a real NATS and disk store (test_scheduler_lookup.py)
+    worker, kv, _ = engine  # a real NATS and disk store (support/engine_mesh.py)
     config = dataclasses.replace(worker.config, save_decode_cache=True, enable_async_loading=False)  # loads in-step
     sched = scheduler_half(config, BLOCK, saves_off_forward=False)
     work = worker_half(worker, kv.caches, BLOCK, saves_off_forward=False)
@@ -280,7 +281,7 @@ def test_a_request_sharing_a_block_whose_load_failed_does_not_save_past_it(
 
 def test_a_save_ending_inside_a_chunk_hashed_for_more_tokens_uses_the_shorter_sequences_key(
         paged: tuple[CacheEngine, PagedKV]) -> None:
-    """Found by the simulation (tests/fuzz.py): a request that grew past its prompt (decode) and then recomputes
+    """Found by the simulation (tests/engine/fuzz.py): a request that grew past its prompt (decode) and then recomputes
     from a failed load's block saves up to its prompt's end, inside a chunk its chain already names for the
     longer sequence. That save must use the key a sequence ending there gives its partial chunk, never the
     longer chunk's key with fewer tokens."""

@@ -8,7 +8,7 @@ from kvmesh.shared import bus, protocol
 from kvmesh.shared.admissions import AdmissionReporter
 from kvmesh.shared.errors import MeshUnavailable
 
-from waiting import WAIT_S, wait_until_async
+from support.waiting import WAIT_S, wait_until_async
 
 
 async def test_serve_answers_typed_requests_and_survives_garbage(nc) -> None:

@@ -128,7 +128,7 @@ def test_from_defaults_converts_and_normalises() -> None:
 def test_remote_url_is_kept_as_is() -> None:
     for url in ("nats://host:4222", "kvmesh://mesh/remote", "lm://localhost:65432"):
         assert EngineConfig.from_defaults(remote_url=url).remote_url == url
-    # schemes KVMesh does not serve: tests/test_lmcache_keys.py
+    # schemes KVMesh does not serve: tests/shared/test_lmcache_keys.py
 
 
 # ---- LMCache's YAML ------------------------------------------------------------------------------------------------

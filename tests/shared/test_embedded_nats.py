@@ -10,8 +10,8 @@ import pytest
 from kvmesh.shared.embedded_nats import EmbeddedNats, find_nats_server
 from kvmesh.shared.errors import NatsServerError
 
-from processes import pid_alive, wait_dead
-from waiting import WAIT_S
+from support.processes import pid_alive, wait_dead
+from support.waiting import WAIT_S
 
 
 async def test_start_publish_request_stop() -> None:

@@ -11,7 +11,7 @@ import pytest
 from kvmesh.shared.eviction import (POLICY_NAMES, EvictionPolicy, FIFOPolicy, LFUPolicy, LRUPolicy, MRUPolicy,
                                     make_policy)
 
-from waiting import ManualClock
+from support.waiting import ManualClock
 
 
 def filled(name: str, capacity: int, keys: str, size: int = 10, clock: ManualClock | None = None) -> EvictionPolicy:

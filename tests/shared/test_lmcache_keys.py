@@ -17,7 +17,9 @@ from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.lmcache_keys import IGNORED, LMCACHE_KEYS
 from kvmesh.shared.redis_url import SCHEMES as REDIS_SCHEMES
 
-DATA = Path(__file__).resolve().parent / "data" / "lmcache"
+from support.lmcache_yaml import expected_warnings
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "lmcache"
 FILES = sorted(DATA.glob("*.yaml"))
 
 
@@ -39,16 +41,6 @@ def file_keys(path: Path) -> dict[str, object]:
     data = yaml.safe_load(path.read_text())
     assert isinstance(data, dict)
     return data
-
-
-def expected_warnings(data: dict[str, object]) -> list[str]:
-    names = []
-    for key, value in data.items():
-        if key == "extra_config":  # valkey_mode is read (a valkey:// remote_url): no warning
-            names += [f"extra_config.{sub}" for sub in value if sub != "valkey_mode"]  # type: ignore[union-attr]
-        elif key in IGNORED:
-            names.append(key)
-    return names
 
 
 def test_the_data_files_set_every_lmcache_key() -> None:

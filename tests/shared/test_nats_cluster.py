@@ -1,6 +1,6 @@
 """The mesh on a three-node NATS cluster: the server everyone is connected to dies, the mesh goes on.
 
-A real cluster (tests/nats_cluster.py), a real controller, real disk store and remote store processes and two
+A real cluster (tests/support/nats_cluster.py), a real controller, real disk store and remote store processes and two
 CacheEngines, all given the three servers' URLs. Node 0 starts alone, so every client's first connection lands
 on it; nodes 1 and 2 join the cluster after. Node 0 is then SIGKILLed: every client reconnects to node 1 or 2
 (the cluster's monitoring shows them there), both engines keep storing and hitting through the disk store
@@ -35,10 +35,10 @@ from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
 from kvmesh.shared.nats_auth import CREDENTIALS_ENV
 from kvmesh.shared.protocol import CONTROLLER, LOCAL_DISK, OPERATOR, REMOTE, Principal, disk_store_id
 
-from nats_cluster import NatsCluster
-from test_controller import running_controller
-from test_engine_support import CHUNK, PagedKV, engine_config, random_tokens
-from waiting import WAIT_S, wait_until, wait_until_async
+from support.nats_cluster import NatsCluster
+from support.controller import running_controller
+from support.engine import CHUNK, PagedKV, engine_config, random_tokens
+from support.waiting import WAIT_S, wait_until, wait_until_async
 
 PARAMS = KeyParams(model="test-model", kv_format="")
 REMOTE_ID = "remote-0"

@@ -30,8 +30,8 @@ from kvmesh.shared.keys import KeyParams
 from kvmesh.shared.local_mesh import LocalMesh
 from kvmesh.shared.protocol import CONTROLLER, LOCAL_CPU, OPERATOR, Principal, Subjects
 
-from test_engine_support import CHUNK, PagedKV, disk_store_mesh, engine_config, random_tokens
-from waiting import WAIT_S, wait_until_async
+from support.engine import CHUNK, PagedKV, disk_store_mesh, engine_config, random_tokens
+from support.waiting import WAIT_S, wait_until_async
 
 PARAMS = KeyParams(model="test-model", kv_format="")
 
@@ -294,7 +294,7 @@ def test_the_controller_s_embedded_nats_listens_on_loopback_whatever_host_the_ap
 def test_compose_runs_nats_with_credentials_and_publishes_no_nats_port() -> None:
     import yaml
 
-    services = yaml.safe_load((Path(__file__).parent.parent / "compose.yaml").read_text())["services"]
+    services = yaml.safe_load((Path(__file__).parents[2] / "compose.yaml").read_text())["services"]
     assert "ports" not in services["nats"], "NATS must not be reachable from outside the compose network"
     assert services["nats"]["command"] == ["-c", "/nats/nats-server.conf"]
     assert services["controller"]["ports"] == ["127.0.0.1:9000:9000"]

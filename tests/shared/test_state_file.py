@@ -11,7 +11,7 @@ from kvmesh.shared.chunk_index import ChunkIndex
 from kvmesh.shared.state_file import (CLAIMS_NAME, CoalescedSave, StoreState, read_msgpack, save_claims,
                                       write_atomically)
 
-from waiting import WAIT_S, wait_until_async
+from support.waiting import WAIT_S, wait_until_async
 
 
 class Counter:

@@ -12,7 +12,7 @@ import pytest
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
 from kvmesh.shared.supervisor import Backoff, Supervisor, describe_exit
 
-from waiting import ManualClock
+from support.waiting import ManualClock
 
 
 class FakeProcess:

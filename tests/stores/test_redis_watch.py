@@ -23,12 +23,12 @@ from kvmesh.shared.protocol import LOCAL_CPU, REMOTE
 from kvmesh.shared.redis_keys import RedisKeys
 from kvmesh.shared.redis_url import parse_redis_url
 
-from redis_support import RedisServer
-from store_events import admission_batches
-from test_controller import running_controller, wait_layout
-from test_engine_support import PagedKV, engine_config, random_tokens
-from test_redis_tier import chunk, put
-from waiting import WAIT_S, wait_until_async
+from support.redis_server import RedisServer
+from support.store_events import admission_batches
+from support.controller import running_controller, wait_layout
+from support.engine import PagedKV, engine_config, random_tokens
+from support.redis_tier import chunk, put
+from support.waiting import WAIT_S, wait_until_async
 
 STORE_ID = protocol.redis_store_id("kvmesh")
 

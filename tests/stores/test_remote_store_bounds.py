@@ -31,8 +31,8 @@ from kvmesh.services.remote_store.stream_wire import (
     tune_socket,
 )
 
-from test_remote_store import ENGINE, MiB, chunk
-from waiting import WAIT_S, wait_until_async
+from support.remote_store import ENGINE, MiB, chunk
+from support.waiting import WAIT_S, wait_until_async
 
 Store = tuple[RemoteStoreService, RemoteStoreClient]
 

@@ -21,8 +21,8 @@ from kvmesh.services.remote_store.client import RemoteStoreClient
 from kvmesh.services.remote_store.options import RemoteStoreOptions, build_parser, options_from_args
 from kvmesh.services.remote_store.store import MemoryStore, PutRefused
 
-from test_remote_store import ENGINE, MiB, chunk, nats_url, one_store, start_stores  # noqa: F401 (fixtures)
-from waiting import WAIT_S, wait_until_async
+from support.remote_store import ENGINE, MiB, chunk, nats_url, one_store, start_stores  # noqa: F401 (fixtures)
+from support.waiting import WAIT_S, wait_until_async
 
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

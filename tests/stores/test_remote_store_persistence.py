@@ -15,7 +15,7 @@ import pytest
 from kvmesh.services.remote_store import persistence
 from kvmesh.shared import protocol
 
-from waiting import WAIT_S, wait_until_async
+from support.waiting import WAIT_S, wait_until_async
 
 
 @dataclass

@@ -30,7 +30,7 @@ from kvmesh.services.remote_store import stream_client, stream_wire
 from kvmesh.services.remote_store.client import RemoteStoreClient
 from kvmesh.services.remote_store.partition import partition_of
 
-from waiting import WAIT_S, wait_until_async
+from support.waiting import WAIT_S, wait_until_async
 
 MiB = 1024 * 1024
 ENGINE = protocol.Principal.engine("test").producer("w0")  # the caller path the tests' clients send as

@@ -28,9 +28,9 @@ from kvmesh.services.remote_store.client import RemoteStoreClient
 from kvmesh.services.remote_store.options import RemoteStoreOptions
 from kvmesh.services.remote_store.service import RemoteStoreService
 
-from test_controller import running_controller
-from test_remote_store import ENGINE, MiB, chunk
-from waiting import WAIT_S, wait_until_async
+from support.controller import running_controller
+from support.remote_store import ENGINE, MiB, chunk
+from support.waiting import WAIT_S, wait_until_async
 
 KiB = 1024
 

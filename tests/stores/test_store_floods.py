@@ -38,8 +38,9 @@ from kvmesh.shared.local_mesh import LocalMesh
 from kvmesh.shared.protocol import Principal
 from kvmesh.shared.store_bounds import StoreBounds
 
-from test_remote_store import MiB, chunk
-from waiting import WAIT_S, wait_until_async
+from support.remote_store import MiB, chunk
+from support.store_answers import answered
+from support.waiting import WAIT_S, wait_until_async
 
 KiB = 1024
 FLOOD_BYTES = 40 * MiB  # the issue's flood; B sends less if its connection's max_payload says so
@@ -262,16 +263,6 @@ async def test_a_flood_of_the_largest_messages_fails_no_other_principals_request
             await wait_until_async(served, what=f"{store_id} serving B after its flood")
     finally:
         await nc_b.close()
-
-
-async def answered(nc: Any, store_id: str, caller: str) -> bool:
-    """Whether `store_id` answers a contains from `caller` (False: no responder, no reply)."""
-    try:
-        reply = await bus.request(nc, protocol.Subjects.store(store_id, "contains", caller),
-                                  protocol.ChunkKeys(keys=[os.urandom(16)]), protocol.ContainsReply, WAIT_S)
-    except Exception:
-        return False
-    return reply.prefix == 0
 
 
 async def test_lanes_follow_the_domains_map(mesh: LocalMesh, tmp_path: Path) -> None:

@@ -28,8 +28,8 @@ from kvmesh.shared.local_mesh import LocalMesh
 from kvmesh.shared.protocol import Principal, Subjects
 from kvmesh.shared.tier import ChunkBuffer
 
-from test_store_floods import answered
-from waiting import WAIT_S, wait_until, wait_until_async
+from support.store_answers import answered
+from support.waiting import WAIT_S, wait_until, wait_until_async
 
 MiB = 1024 * 1024
 NBYTES = 64 * 1024

@@ -24,8 +24,8 @@ from kvmesh.services.engine.core.kv_layout import KVLayout
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.keys import KeyParams
 
-from test_engine_support import engine_config
-from waiting import WAIT_S
+from support.engine import engine_config
+from support.waiting import WAIT_S
 
 import kvmesh.services.engine.connector as connector
 

@@ -1,4 +1,4 @@
-"""Helpers of the end-to-end tests (imported by tests/conftest.py and tests/test_e2e_vllm.py).
+"""Helpers of the end-to-end tests (imported by tests/conftest.py and tests/e2e/test_e2e_vllm.py).
 
 * `free_port()`: a free loopback TCP port.
 * `ManagedProcess`: a child in its own session (process group), output to a log file; stopping it signals the
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from waiting import WAIT_S, wait_until
+from support.waiting import WAIT_S, wait_until
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONNECTOR_MODULE = "kvmesh.services.engine.connector"
 
 

@@ -17,7 +17,7 @@ from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
 from kvmesh.shared.protocol import disk_store_id
 
-from waiting import WAIT_S
+from support.waiting import WAIT_S
 
 LAYERS, HEADS, HEAD_SIZE, BLOCK, NUM_BLOCKS = 2, 2, 32, 16, 96
 CHUNK = 32  # two blocks per chunk
@@ -93,12 +93,3 @@ def disk_store_mesh(directory: Path, max_size_gb: float = 0.05) -> Iterator[Loca
 
 def random_tokens(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 50_000, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-def test_slot_mappings_are_block_structured() -> None:
-    kv = PagedKV()
-    slots = kv.slots(70)
-    assert slots.numel() == 70 and len(set(slots.tolist())) == 70
-    assert torch.equal(slots[::BLOCK] % BLOCK, torch.zeros(5, dtype=torch.int64))
-    other = kv.slots(70, exclude=slots)
-    assert not set(other.tolist()) & set(slots.tolist())

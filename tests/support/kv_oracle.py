@@ -4,8 +4,9 @@ earlier KV). One wrong block therefore shows up in every block computed after it
 such blocks differs from the oracle for its key.
 
 `ContextForward` writes the KV of tokens [start, end) of a sequence into its blocks (vLLM's CPU layout, as
-tests/test_engine_support.PagedKV makes it) and computes what they should hold (`expected_tokens`) in blocks
-the test reserves for it.
+support.engine.PagedKV makes it) and computes what they should hold (`expected_tokens`) in blocks
+the test reserves for it. `Forward` is the simpler oracle: a block's KV depends only on its request and its
+place in the sequence.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from kvmesh.services.engine.core.kv_layout import cpu_token_views
 from kvmesh.services.engine.core.paged_copy import gather
 
-from test_engine_support import PagedKV
+from support.engine import PagedKV
 
 
 class ContextForward:
@@ -89,3 +90,40 @@ class ContextForward:
 
     def _tokens(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
         return self.kv.token_kv(self._slots(block_ids, start, end))
+
+
+class Forward:
+    """Stands for vLLM's forward: writes each computed block of a request with KV that depends only on the
+    request and the block's place in its sequence, so any chunk can be checked against what it must hold."""
+
+    def __init__(self, kv: PagedKV) -> None:
+        self.kv = kv
+        self._pending: tuple[str, list[int], int, int] = ("", [], 0, 0)
+
+    @staticmethod
+    def pattern(req_id: str, logical: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{req_id}/{logical}".encode()))
+        return torch.randn(shape, generator=gen).to(dtype)
+
+    def compute(self, req_id: str, block_ids: list[int], first: int, count: int) -> None:
+        """The next forward computes logical blocks [first, first + count) of `req_id` into `block_ids`."""
+        self._pending = (req_id, block_ids, first, count)
+
+    def __call__(self, layer: int, name: str) -> None:
+        req_id, block_ids, first, count = self._pending
+        cache = self.kv.caches[name]
+        for logical in range(first, first + count):
+            cache[block_ids[logical]] = self._layer_pattern(req_id, logical, layer, cache)
+
+    def _layer_pattern(self, req_id: str, logical: int, layer: int, cache: torch.Tensor) -> torch.Tensor:
+        return self.pattern(f"{req_id}/L{layer}", logical, cache[0].shape, cache.dtype)
+
+    def expected(self, req_id: str, logical: int) -> list[torch.Tensor]:
+        """What block `logical` of `req_id` holds in each layer."""
+        return [self._layer_pattern(req_id, logical, i, cache) for i, cache in enumerate(self.kv.caches.values())]
+
+    def holds(self, req_id: str, block_ids: list[int], logical_blocks: range) -> bool:
+        return all(torch.equal(cache[block_ids[logical]], want[i])
+                   for logical in logical_blocks
+                   for want in [self.expected(req_id, logical)]
+                   for i, cache in enumerate(self.kv.caches.values()))

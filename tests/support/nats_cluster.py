@@ -15,7 +15,7 @@ import httpx
 
 from kvmesh.shared.credentials import AUTHORIZATION_FILE, MeshCredentials
 from kvmesh.shared.embedded_nats import EmbeddedNats, free_port
-from waiting import WAIT_S, wait_until
+from support.waiting import WAIT_S, wait_until
 
 
 class NatsCluster:

@@ -2,7 +2,7 @@
 
 import os
 
-from waiting import WAIT_S, wait_until
+from support.waiting import WAIT_S, wait_until
 
 
 def pid_alive(pid: int) -> bool:

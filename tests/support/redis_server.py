@@ -16,7 +16,7 @@ from typing import Any
 
 import redis
 
-from waiting import WAIT_S, wait_until
+from support.waiting import WAIT_S, wait_until
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 

@@ -1,7 +1,7 @@
 """A seeded simulation of vLLM driving KVMeshConnector (FoundationDB-style): one `random.Random(seed)` decides
 a whole schedule, invariants are checked after every step, and a failing seed replays exactly.
 
-What is real: the connector's two halves (tests/connector_driver.py), one CacheEngine per simulated TP rank
+What is real: the connector's two halves (tests/support/connector_driver.py), one CacheEngine per simulated TP rank
 with its own paged KV cache (CPU layout), and, where a schedule asks for it, NATS and a disk store process
 (`disk_store_mesh`). What is simulated: vLLM's scheduler (a block allocator with reuse, chunked prefill under a
 token budget, preemption, aborts, decode, async loads through WAITING_FOR_REMOTE_KVS, and the "recompute"
@@ -59,9 +59,9 @@ from kvmesh.shared import chunk_file
 from kvmesh.shared.keys import ChunkHasher, ChunkKey, KeyParams
 from kvmesh.shared.protocol import LOCAL_DISK
 
-from connector_driver import Step, blocks, request, run_worker_step, scheduler_half, worker_half
-from test_engine_support import BLOCK, CHUNK, HEAD_SIZE, HEADS, LAYERS, disk_store_mesh, engine_config
-from waiting import wait_until
+from support.connector_driver import Step, blocks, request, run_worker_step, scheduler_half, worker_half
+from support.engine import BLOCK, CHUNK, HEAD_SIZE, HEADS, LAYERS, disk_store_mesh, engine_config
+from support.waiting import wait_until
 
 MODEL = "test-model"
 VOCAB = 1000
@@ -80,7 +80,7 @@ class SimFailure(AssertionError):
     def __init__(self, seed: int, step: int, invariant: int, detail: str) -> None:
         self.seed, self.step, self.invariant, self.detail = seed, step, invariant, detail
         super().__init__(f"seed {seed}, step {step}: invariant {invariant} broken: {detail}\n"
-                         f"replay: python tests/fuzz.py --seed {seed}  (or: make fuzz SEED={seed})")
+                         f"replay: python tests/engine/fuzz.py --seed {seed}  (or: make fuzz SEED={seed})")
 
 
 # ---- the model: each token's KV, and the oracle --------------------------------------------------------------
