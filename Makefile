@@ -5,8 +5,8 @@
 #   make test          install, then python -m pytest -q (unit tests and the vLLM end-to-end tests)
 #   make test-unit     install, then the tests without a vLLM (-m "not vllm")
 #   make test-e2e      install, then only the vLLM end-to-end tests (-m vllm)
-#   make fuzz          install, then tests/fuzz.py: random simulation seeds for SECONDS (default 60) seconds;
-#                      SEED=n replays one seed (tests/sim_harness.py); FUZZ_ARGS passes more flags
+#   make fuzz          install, then tests/engine/fuzz.py: random simulation seeds for SECONDS (default 60) seconds;
+#                      SEED=n replays one seed (tests/support/sim_harness.py); FUZZ_ARGS passes more flags
 #                      (e.g. FUZZ_ARGS=--no-processes)
 #   make bench         install, then benchmarks/ttft.py (cold/warm TTFT at 2k/8k/16k vs the CPU peers)
 #   make model         build the demo model into $(DEMO_DIR)/model
@@ -52,7 +52,7 @@ test-e2e: install
 	$(PY) -m pytest -q -m vllm
 
 fuzz: install
-	$(PY) tests/fuzz.py $(if $(SEED),--seed $(SEED),--seconds $(or $(SECONDS),60)) $(FUZZ_ARGS)
+	$(PY) tests/engine/fuzz.py $(if $(SEED),--seed $(SEED),--seconds $(or $(SECONDS),60)) $(FUZZ_ARGS)
 
 bench: install
 	$(PY) benchmarks/ttft.py

@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test suite's redis-server helper
 
-from redis_support import RedisServer  # noqa: E402
+from support.redis_server import RedisServer  # noqa: E402
 
 from kvmesh.services.engine.tiers.redis import RedisTier  # noqa: E402
 from kvmesh.shared import chunk_file, protocol  # noqa: E402

@@ -10,8 +10,8 @@
   per image), with its processor and chat template, built offline and cached.
 * `nats_mesh`: a KVMesh-started NATS with its credentials directory and no service processes (tests add their
   own principals and services).
-* every process started through `e2e_support` (vLLM servers, `kvmesh up`) is stopped at the end of the session.
-Helpers (free ports, process classes) live in tests/e2e_support.py.
+* every process started through `support.e2e` (vLLM servers, `kvmesh up`) is stopped at the end of the session.
+Helpers (free ports, process classes) live in tests/support/e2e.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import AsyncIterator, Iterator
 
 import pytest
 
-from e2e_support import make_demo_model, make_lora_adapters, model_cache_dir, stop_all
+from support.e2e import make_demo_model, make_lora_adapters, model_cache_dir, stop_all
 from kvmesh.shared.local_mesh import LocalMesh
 
 

@@ -1,7 +1,7 @@
 """The CuPy kernels of services/engine/core/paged_copy_kernels.cu against the torch path (the oracle).
 
 Runs on a CUDA machine with CuPy (``python -m pytest tests/gpu -q``); skipped elsewhere. The torch path
-itself is checked against naive per-token indexing on CPU in tests/test_paged_copy.py.
+itself is checked against naive per-token indexing on CPU in tests/engine/test_paged_copy.py.
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ def test_a_store_failing_mid_way_releases_its_slots_only_after_the_queued_copies
     from kvmesh.shared.keys import KeyParams
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the engine tests' helpers
-    from test_engine_support import engine_config, random_tokens
+    from support.engine import engine_config, random_tokens
 
     CacheEngine = cache_engine.CacheEngine
 

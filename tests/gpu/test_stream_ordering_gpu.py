@@ -2,7 +2,7 @@
 scatters on its side stream against the torch path, each layer read on the forward's stream right after
 `wait(layer)` while the side stream is held back by a sleep kernel (a missing wait reads zeros); and a save's
 gather on a side stream ordered after the forward's writes (needs the engine's dependencies, else skipped).
-The CPU variant of the same call sequence is tests/test_connector_harness.py.
+The CPU variant of the same call sequence is tests/engine/test_connector_harness.py.
 """
 
 from __future__ import annotations

