@@ -21,9 +21,10 @@ from kvmesh.shared.keys import ChunkHasher, KeyExtras, KeyParams
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
 
 from support.engine import BLOCK, CHUNK, PagedKV, random_tokens
-from support.engine_mesh import disk_mesh, engine  # noqa: F401 (fixtures)
+from support.engine_mesh import disk_mesh  # noqa: F401 (a fixture)
 from support.kv_oracle import Forward
 from support.waiting import WAIT_S, wait_until
+from support.worker_engine import engine  # noqa: F401 (a fixture)
 
 pytest.importorskip("kvmesh.services.engine.connector")
 from support.connector_driver import (  # noqa: E402
@@ -134,7 +135,7 @@ def test_a_block_prefix_is_published_to_routers_like_a_partial_last_chunk(paged:
 
 def test_a_block_prefix_only_on_disk_is_found_by_asking_again(
         engine: tuple[CacheEngine, PagedKV, StepEventLog]) -> None:
-    worker, kv, events = engine  # a worker engine with a real NATS and disk store (support/engine_mesh.py)
+    worker, kv, events = engine  # a worker engine with a real NATS and disk store (support/worker_engine.py)
     lookup = SchedulerLookup(world_size=1, timeout=WAIT_S, nats_name="test-scheduler")
     hasher = lookup.hasher()
     assert hasher is not None

@@ -20,7 +20,8 @@ from kvmesh.shared.local_mesh import LocalMesh
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
 
 from support.engine import CHUNK, PagedKV, random_tokens
-from support.engine_mesh import PARAMS, disk_mesh, engine  # noqa: F401 (fixtures)
+from support.engine_mesh import PARAMS, disk_mesh  # noqa: F401 (disk_mesh: a fixture)
+from support.worker_engine import engine  # noqa: F401 (a fixture)
 from support.waiting import WAIT_S, wait_until
 
 

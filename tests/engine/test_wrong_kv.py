@@ -22,8 +22,9 @@ from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
 
 from support.kv_oracle import ContextForward
 from support.engine import BLOCK, CHUNK, PagedKV, random_tokens
-from support.engine_mesh import disk_mesh, engine  # noqa: F401 (fixtures: NATS + a disk store)
+from support.engine_mesh import disk_mesh  # noqa: F401 (a fixture: NATS + a disk store)
 from support.waiting import WAIT_S, wait_until
+from support.worker_engine import engine  # noqa: F401 (a fixture: an engine on it)
 
 pytest.importorskip("kvmesh.services.engine.connector")
 from support.connector_driver import (  # noqa: E402
@@ -175,7 +176,7 @@ def test_a_resumed_request_looks_up_its_new_chain(engine: tuple[CacheEngine, Pag
     third chunk is stored whole under its own chain key), is preempted and resumes with the CPU tier empty. Its
     first lookup's answer belonged to the 74-token chain; the resumed request asks the disk store anew and loads
     the oracle's KV of the 104-token chain, with no load error."""
-    worker, kv, _ = engine  # a real NATS and disk store (support/engine_mesh.py)
+    worker, kv, _ = engine  # a real NATS and disk store (support/worker_engine.py)
     config = dataclasses.replace(worker.config, save_decode_cache=True, enable_async_loading=False)  # loads in-step
     sched = scheduler_half(config, BLOCK, saves_off_forward=False)
     work = worker_half(worker, kv.caches, BLOCK, saves_off_forward=False)

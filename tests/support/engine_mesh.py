@@ -1,7 +1,6 @@
 """Cache engines on a real NATS with a disk store process, for the engine tests (tests/engine/): `disk_mesh` (NATS
-plus a disk store), `engine` (a worker's engine registered in this process as the connector's worker side
-registers it), `engine_on` (an engine connected to a URL) and `_store_and_settle` (a store that has reached the
-disk)."""
+plus a disk store), `engine_on` (an engine connected to a URL) and `_store_and_settle` (a store that has reached
+the disk). Nothing here imports vLLM (support/worker_engine.py does)."""
 
 from __future__ import annotations
 
@@ -11,14 +10,13 @@ from typing import Iterator
 import pytest
 import torch
 
-from kvmesh.services.engine.adapter.scheduler_lookup import StepEventLog, engines
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.shared.keys import KeyParams
 from kvmesh.shared.local_mesh import LocalMesh
 from kvmesh.shared.protocol import LOCAL_DISK
 
 from support.engine import PagedKV, disk_store_mesh, engine_config
-from support.waiting import WAIT_S, wait_until
+from support.waiting import WAIT_S
 
 PARAMS = KeyParams(model="test-model", kv_format="")
 
@@ -27,24 +25,6 @@ PARAMS = KeyParams(model="test-model", kv_format="")
 def disk_mesh(tmp_path: Path) -> Iterator[LocalMesh]:
     with disk_store_mesh(tmp_path / "disk") as mesh:
         yield mesh
-
-
-@pytest.fixture
-def engine(disk_mesh: LocalMesh, tmp_path: Path) -> Iterator[tuple[CacheEngine, PagedKV, StepEventLog]]:
-    """A worker's engine registered in this process, reporting its CPU tier like the connector does."""
-    kv = PagedKV(num_blocks=128)
-    worker = CacheEngine(engine_config(nats_url=disk_mesh.nats_url, local_disk=str(tmp_path / "disk")), PARAMS,
-                         kv.layout)
-    events = StepEventLog()
-    worker.cpu.listen(events)
-    engines.add(0, worker)
-    try:
-        assert worker.wait_connected(WAIT_S)
-        wait_until(lambda: worker.storage.lower(LOCAL_DISK), what="the disk store found")
-        yield worker, kv, events
-    finally:
-        engines.remove(worker)
-        worker.close()
 
 
 def engine_on(url: str, kv: PagedKV, **overrides: object) -> CacheEngine:
