@@ -30,16 +30,8 @@ from kvmesh.services.engine.tiers.base import ChunkBuffer
 from kvmesh.services.engine.tiers import remote_stream
 from kvmesh.services.engine.tiers.remote import RemoteStoreClient
 
+from support.remote_store import ENGINE, MiB, nats_url  # noqa: F401 (nats_url: a fixture)
 from support.waiting import WAIT_S, wait_until_async
-
-MiB = 1024 * 1024
-ENGINE = protocol.Principal.engine("test").producer("w0")  # the caller path the tests' clients send as
-
-
-@pytest.fixture(scope="module")
-def nats_url() -> str:
-    with EmbeddedNats() as server:
-        yield server.url
 
 
 class StoreProcesses:
