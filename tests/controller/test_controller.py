@@ -1,8 +1,8 @@
 """The controller end to end: a real nats-server (EmbeddedNats), the controller's real uvicorn on a free
 loopback port (in-process, or `python -m kvmesh.services.controller` as a subprocess), httpx over real HTTP,
-and producers that speak the real protocol: `FakeEngineWorker` (AdmissionReporter + WorkerCommand
-responder, like an engine worker), `FakeStore` (AdmissionReporter as a disk/remote store) and `RawProducer`
-(hand-numbered batches, to lose some on purpose).
+and producers that speak the real protocol (support/controller.py): `FakeEngineWorker` (AdmissionReporter +
+WorkerCommand responder, like an engine worker), `FakeStore` (AdmissionReporter as a disk/remote store) and
+`RawProducer` (hand-numbered batches, to lose some on purpose).
 """
 
 from __future__ import annotations
