@@ -70,7 +70,8 @@ sys.path.insert(0, str(REPO / "tests"))  # the test suite's wait_until
 
 from demo import Child, wait_http  # noqa: E402
 from make_demo_model import ensure_model  # noqa: E402
-from ttft import Prompts, completion_events, cpu_name, free_port, pin_to  # noqa: E402
+from ttft import Prompts  # noqa: E402
+from vllm_peers import completion_events, cpu_name, free_port, pin_to  # noqa: E402
 from support.waiting import wait_until  # noqa: E402
 
 CHUNK = 256
