@@ -23,6 +23,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import secrets
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Generic, TypeVar
 
@@ -288,7 +289,11 @@ class StoreEndpoint:
         connection serves every engine by wildcard, as one connection did before lanes: there one principal's
         flood can cut off the others' requests (list the principals to isolate them).
     The map is looked at every `check_interval` seconds (it is re-read when it changes): lanes open for new
-    principals and close for removed ones. An engine that a listing map leaves out is served nowhere.
+    principals and close for removed ones. An engine that a listing map leaves out is served nowhere. A principal
+    that moves (to its new lane, or back to the shared connection) is subscribed where it goes before its old
+    subscriptions drain, all of this endpoint's engine subscriptions in one queue group (`queue`): a request sent
+    meanwhile is answered exactly once, never twice (a pin taken twice) and never dropped (nats-py discards
+    what an unsubscribed subscription still holds; the engine would wait out its timeout and take a miss).
     A lent connection (`connect(nc=...)`) serves every op of every caller by itself, and `close` leaves it open.
     """
 
@@ -315,6 +320,8 @@ class StoreEndpoint:
         self._closed_lost: collections.Counter[str] = collections.Counter()  # cut-offs of lanes closed since
         self._closed_dropped = 0  # requests dropped on lanes closed since
         self._bad_entries: set[str] = set()  # domains map entries that name no engine principal (logged once)
+        # this endpoint's own group: another process with the same store id still gets every request, as before
+        self.queue = f"{service}.{store_id}.{secrets.token_hex(4)}"
 
     async def connect(self, nc: NatsClient | None, url: str, auth: bus.NatsAuth | None = None) -> NatsClient:
         """`nc` if given (lent: `close` leaves it open, and it serves everything), else the store's main
@@ -361,12 +368,13 @@ class StoreEndpoint:
             await nc.flush()
 
     async def _subscribe(self, nc: NatsClient, who: str, subject: Callable[[str], str]) -> list[Subscription]:
-        """One subscription per handler on `nc`, on `subject(op)`; `who` (for the log) is whose ops they are."""
+        """One subscription per handler on `nc`, on `subject(op)`, in the endpoint's queue group; `who` (for the
+        log) is whose ops they are."""
         subscriptions = []
         try:
             for handler in self._handlers:
                 subscriptions.append(await bus.serve_from(
-                    nc, subject(handler.op), handler.request_type, _from_caller(handler),
+                    nc, subject(handler.op), handler.request_type, _from_caller(handler), queue=self.queue,
                     max_concurrent=handler.max_concurrent, pending_bytes_limit=self.queue_bytes))
         except BaseException:
             await _unsubscribe(subscriptions, f"{self.service} {self.store_id}")
@@ -390,13 +398,7 @@ class StoreEndpoint:
             opened = dict(zip(new, await asyncio.gather(*(self._open_lane(path) for path in new))))
             laned = set(kept) | {path for path, lane in opened.items() if lane is not None}
             shared = [path for path in listed if path not in laned] if listed else [ENGINES]
-            # what moves or goes is unsubscribed before its new subscriptions are made: a request in between
-            # finds no responder (an error the engine retries or takes as a miss), never two (a pin taken twice)
-            for path in [path for path in self.lanes if path not in laned]:
-                await self._close_lane(path)
-            if self.shared is not None:
-                for path in [path for path in self.shared.subscriptions if path not in shared]:
-                    await _unsubscribe(self.shared.subscriptions.pop(path), self.shared.name)
+            # what moves is subscribed where it goes first, then drained where it was (see the class docstring)
             for path, lane in opened.items():
                 if lane is not None:
                     lane.subscriptions[path] = await self._subscribe(lane.nc, path, self._principal_subjects(path))
@@ -414,11 +416,16 @@ class StoreEndpoint:
                     log.warning("%s %s: %d engine principals past --max-lanes %d share one connection (%s): "
                                 "one's flood can cut off the others' requests", self.service, self.store_id,
                                 len(shared), self.max_lanes, self.shared.name)
+            for nc in self.connections():  # the server has the new subscriptions before the old ones go
+                await nc.flush()
+            for path in [path for path in self.lanes if path not in laned]:
+                await self._close_lane(path)
+            if self.shared is not None:
+                for path in [path for path in self.shared.subscriptions if path not in shared]:
+                    await _drain(self.shared.subscriptions.pop(path), self.shared.name)
                 if not self.shared.subscriptions:  # every principal has its lane now
                     await self._retire(self.shared, SHARED_LANE)
                     self.shared = None
-            for nc in self.connections():
-                await nc.flush()
 
     def _is_engine_principal(self, path: str) -> bool:
         """Whether a domains map entry names an engine principal, `engine.<instance token>` (a token: no
@@ -541,6 +548,15 @@ class StoreEndpoint:
                 await self.nc.drain()
             except Exception as exc:
                 log.debug("%s %s: NATS drain failed: %s", self.service, self.store_id, exc)
+
+
+async def _drain(subscriptions: list[Subscription], name: str) -> None:
+    """Unsubscribe, after answering what the subscriptions already hold."""
+    for subscription in subscriptions:
+        try:
+            await subscription.drain()
+        except Exception as exc:
+            log.debug("%s: drain failed: %s", name, exc)
 
 
 async def _unsubscribe(subscriptions: list[Subscription], name: str) -> None:

@@ -321,6 +321,43 @@ async def test_lanes_follow_the_domains_map(mesh: LocalMesh, tmp_path: Path) -> 
                 await client.close()
 
 
+async def test_a_principal_moving_to_its_own_lane_has_every_request_answered(mesh: LocalMesh, tmp_path: Path) -> None:
+    """--max-lanes 1: tenant-c is served on the shared connection until tenant-a leaves the map, then on a lane
+    of its own. Requests tenant-c keeps sending meanwhile (32 in flight at any time) are each answered: none
+    finds no responder between its two subscriptions, none is dropped with what the old one still held."""
+    tenant_a, tenant_c = Principal.engine("tenant-a"), Principal.engine("tenant-c")
+    for tenant in (tenant_a, tenant_c):
+        mesh.auth(tenant)
+    async with both_stores(mesh, tmp_path, StoreBounds(max_lanes=1)) as (disk, _remote):
+        store_id, endpoint, caller = disk.options.store_id, disk.endpoint, tenant_c.producer("w0")
+        nc = await bus.connect(str(mesh.nats_url), tenant_c.name, mesh.auth(tenant_c), first_connect_wait=WAIT_S)
+        try:
+            await wait_until_async(lambda: answered(nc, store_id, caller), what="the store answering tenant-c")
+            assert endpoint.shared is not None and list(endpoint.shared.subscriptions) == [tenant_c.path]
+            moved, unanswered, asked = asyncio.Event(), [], [0]
+
+            async def keep_asking() -> None:
+                while not moved.is_set():
+                    asked[0] += 1
+                    if not await answered(nc, store_id, caller):
+                        unanswered.append(asked[0])
+
+            askers = [asyncio.create_task(keep_asking()) for _ in range(32)]
+            assert mesh.credentials is not None
+            domains = json.loads(mesh.credentials.domains_file.read_text())
+            del domains[tenant_a.path]
+            mesh.credentials.domains_file.write_text(json.dumps(domains))
+            await wait_until_async(lambda: list(endpoint.lanes) == [tenant_c.path] and endpoint.shared is None,
+                                   what="tenant-c on its own lane, the shared connection retired")
+            before = asked[0]
+            await wait_until_async(lambda: asked[0] > before + 64, what="requests on the new lane")
+            moved.set()
+            await asyncio.gather(*askers)
+            assert not unanswered, f"{len(unanswered)} of {asked[0]} requests unanswered"
+        finally:
+            await nc.close()
+
+
 async def test_a_store_whose_map_lists_no_engine_serves_every_engine_on_one_shared_connection(
         mesh: LocalMesh, tmp_path: Path) -> None:
     """A NATS whose users were made by hand: no domains map (or one that lists no engine). Every engine is served,
