@@ -13,6 +13,7 @@ import ctypes
 import json
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -51,9 +52,33 @@ def find_nats_server() -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now, for a server to bind later. Taken below the kernel's ephemeral range where
+    there is room: a port the kernel hands out itself (bind to 0) can be given to an outgoing connection before
+    the server binds it ("address already in use"), and a cluster node restarted on its port meets the same."""
+    low = _ephemeral_low()
+    for _ in range(64 if low > 2 * LOW_PORT else 0):
+        port = _random.randrange(LOW_PORT, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+LOW_PORT = 10000  # free_port's ports: from here up to the ephemeral range
+_random = random.SystemRandom()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default when it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _die_with_parent() -> None:

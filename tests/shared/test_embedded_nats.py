@@ -69,3 +69,12 @@ def test_no_orphan_after_parent_is_sigkilled() -> None:
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_free_ports_come_from_below_the_ephemeral_range() -> None:
+    """The kernel hands ephemeral ports to outgoing connections: a port chosen there could be taken before the
+    server that was to bind it starts (a cluster node's route port was, once)."""
+    from kvmesh.shared.embedded_nats import LOW_PORT, _ephemeral_low, free_port
+
+    ports = {free_port() for _ in range(20)}
+    assert all(LOW_PORT <= port < _ephemeral_low() for port in ports) and len(ports) > 1
