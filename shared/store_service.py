@@ -422,7 +422,7 @@ class StoreEndpoint:
                 await self._close_lane(path)
             if self.shared is not None:
                 for path in [path for path in self.shared.subscriptions if path not in shared]:
-                    await _drain(self.shared.subscriptions.pop(path), self.shared.name)
+                    await _unsubscribe(self.shared.subscriptions.pop(path), self.shared.name, drain=True)
                 if not self.shared.subscriptions:  # every principal has its lane now
                     await self._retire(self.shared, SHARED_LANE)
                     self.shared = None
@@ -550,19 +550,11 @@ class StoreEndpoint:
                 log.debug("%s %s: NATS drain failed: %s", self.service, self.store_id, exc)
 
 
-async def _drain(subscriptions: list[Subscription], name: str) -> None:
-    """Unsubscribe, after answering what the subscriptions already hold."""
+async def _unsubscribe(subscriptions: list[Subscription], name: str, drain: bool = False) -> None:
+    """Unsubscribe (`drain`: after answering what the subscriptions already hold; else that is discarded)."""
     for subscription in subscriptions:
         try:
-            await subscription.drain()
-        except Exception as exc:
-            log.debug("%s: drain failed: %s", name, exc)
-
-
-async def _unsubscribe(subscriptions: list[Subscription], name: str) -> None:
-    for subscription in subscriptions:
-        try:
-            await subscription.unsubscribe()
+            await (subscription.drain() if drain else subscription.unsubscribe())
         except Exception as exc:
             log.debug("%s: unsubscribe failed: %s", name, exc)
 
