@@ -23,7 +23,13 @@ Compute is pinned: vLLM's OpenMP threads on core 0 (VLLM_CPU_OMP_THREADS_BIND=0)
 services (`kvmesh up`: NATS, controller, disk store) on the other cores. Each cold sample uses a fresh prompt (a
 unique first chunk, so no cache can hold it); warm samples repeat the prompt of the last cold sample. TTFT is
 the time from sending a streaming completion to its first token. Writes `ttft.json` (every sample, medians,
-ratios) and `ttft.png` (if matplotlib is installed) to --out, and prints the summary JSON.
+ratios) and `ttft.png` (if matplotlib is installed) to --out (`--name` changes "ttft"), and prints the summary JSON.
+
+Hybrid models (`--model` a directory built by `scripts/make_demo_model.py --preset hybrid`, Gemma2 with
+sliding-window and full layers): vLLM keeps its hybrid KV cache manager on with every peer here that supports it
+(KVMesh, its own prefix cache, LMCache's MP connector), so the figures compare the same KV memory layout:
+
+    python benchmarks/ttft.py --model ~/.cache/kvmesh-tests/models/hybrid --sizes 2048 8000 --name ttft-hybrid
 """
 
 from __future__ import annotations
@@ -208,6 +214,18 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def model_description(model: Path) -> str:
+    """What the model is: the demo builder's preset and shape when it built it, else its architecture."""
+    try:
+        marker = json.loads((model / "kvmesh_demo.json").read_text())["spec"]
+        return "kvmesh demo model " + ", ".join(f"{k} {v}" for k, v in marker.items())
+    except (OSError, ValueError, KeyError):
+        try:
+            return ", ".join(json.loads((model / "config.json").read_text()).get("architectures") or [str(model)])
+        except (OSError, ValueError):
+            return str(model)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[2048, 8192, 16384])
@@ -216,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cold-repeats", type=int, default=2)
     parser.add_argument("--warm-repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--name", default="ttft", help="file name of the results in --out (NAME.json, NAME.png)")
     parser.add_argument("--kvmesh-async-loading", choices=["true", "false"],
                         default=str(EngineConfig().enable_async_loading).lower(),
                         help="KVMesh's enable_async_loading (default: KVMesh's default)")
@@ -294,8 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "benchmark": "ttft", "sizes": args.sizes, "peers": peers, "ratios": ratios,
         "not_run": not_run,
-        "model": {"name": "kvmesh demo --bench (Llama, 6 layers, hidden 512, 8 heads, 2 KV heads x 64, bf16)",
-                  "path": str(model)},
+        "model": {"name": model_description(model), "path": str(model)},
         "setup": {"vllm": vllm.__version__, "torch": torch.__version__, "lmcache": lmcache_version, "max_model_len": max_len,
                   "max_num_batched_tokens": max_len, "VLLM_CPU_OMP_THREADS_BIND": "0",
                   "VLLM_CPU_KVCACHE_SPACE_GiB": env["VLLM_CPU_KVCACHE_SPACE"], "chunk_size": CHUNK,
@@ -306,9 +324,9 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([sys.executable, *sys.argv]), "wall_s": round(time.time() - started, 1),
         "logs": str(work / "logs"),
     }
-    (args.out / "ttft.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if plot(summary, args.out / "ttft.png"):
-        print(f"plot: {args.out / 'ttft.png'}")
+    (args.out / f"{args.name}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if plot(summary, args.out / f"{args.name}.png"):
+        print(f"plot: {args.out / (args.name + '.png')}")
     print(json.dumps({"ratios": ratios, "medians": {p: {s: (r[s]["cold_median_s"], r[s]["warm_median_s"])
                                                         for s in r} for p, r in peers.items()}}, indent=2))
     return 0

@@ -6,7 +6,7 @@ with every CPython (the language reference prose in `pydoc_data.topics` plus a f
 saved as a Hugging Face fast tokenizer with bos/eos tokens and a Llama-3-style chat template. The weights are
 `LlamaForCausalLM(LlamaConfig(...))` under `torch.manual_seed(seed)`, saved as safetensors.
 
-Two presets have sliding-window attention, for the hybrid KV cache manager (one KV cache group per kind of
+Two presets have sliding-window attention, for vLLM's hybrid KV cache manager (one KV cache group per kind of
 attention) and for connectors that must handle windowed layers; both are served by vLLM's CPU build:
 * "hybrid": `Gemma2ForCausalLM`, layers alternate sliding-window (even indices) and full attention
   (`layer_types`), window 128 tokens, so a 2k-token prompt crosses it many times. vLLM makes two KV cache
@@ -14,6 +14,9 @@ attention) and for connectors that must handle windowed layers; both are served 
   attention and the final logits are plain), everything else is Gemma2 as transformers builds it.
 * "swa": `MistralForCausalLM` with `sliding_window` 128: every layer windowed, one SlidingWindowSpec group.
   Its weights and tokenizer are those of "tiny" (same seed, same shapes), so only the window differs.
+* "qwen3next": `Qwen3NextForCausalLM`, three Gated DeltaNet (linear attention) layers and one full-attention
+  layer, a 4-expert MoE; bf16 (vLLM's CPU GDN kernels take nothing else). vLLM makes one MambaSpec group per
+  linear-attention layer (their recurrent state) and a FullAttentionSpec group.
 Both give the same logprobs in vLLM CPU as in transformers (eager attention), window included.
 Qwen2/Qwen3 configs with mixed `layer_types` are not usable: vLLM's Qwen2 model refuses them unless
 `max_window_layers == num_hidden_layers`, and then applies no per-layer window at all.
@@ -36,6 +39,7 @@ One preset takes images, for connectors that must key the KV of image tokens by 
     python scripts/make_demo_model.py OUTDIR --preset hybrid # Gemma2: sliding-window (128) and full layers, fp32
     python scripts/make_demo_model.py OUTDIR --preset swa    # Mistral: every layer sliding-window (128), fp32
     python scripts/make_demo_model.py OUTDIR --preset vision # Idefics3: images (64 tokens each) + text, fp32
+    python scripts/make_demo_model.py OUTDIR --preset qwen3next # Qwen3-Next: 3 GDN + 1 full layer, MoE, bf16
 
 The same arguments give byte-identical files (checked by `--verify`); a `kvmesh_demo.json` next to the weights
 records the arguments, so callers can reuse a built directory when the arguments match (`model_is_current`).
@@ -83,6 +87,12 @@ PRESETS: dict[str, dict[str, object]] = {
     # pure sliding window: Mistral (a Llama with `sliding_window`), every layer windowed
     "swa": dict(arch="mistral", layers=2, hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64,
                 vocab=4096, max_positions=8192, dtype="float32", sliding_window=128),
+    # Gated DeltaNet hybrid: Qwen3-Next, layers 0-2 linear attention (GDN), layer 3 full attention, a small MoE;
+    # vLLM makes MambaSpec groups (the recurrent conv + SSM state) and a FullAttentionSpec group. bf16: vLLM's
+    # CPU GDN kernels take nothing else (and head dims of 64 or more)
+    "qwen3next": dict(arch="qwen3next", layers=4, hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64,
+                      vocab=4096, max_positions=8192, dtype="bfloat16", full_every=4, linear_heads=4,
+                      linear_head_dim=64, experts=4, experts_per_tok=2, moe_intermediate=128),
     # images: Idefics3, "tiny"'s text model behind a tiny vision tower; (image_size / patch_size)^2 / scale^2
     # = 64 image tokens per image
     "vision": dict(arch="idefics3", layers=2, hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64,
@@ -92,7 +102,7 @@ PRESETS: dict[str, dict[str, object]] = {
 # "arch" (default "llama"), "sliding_window" and "full_every" appear only in the sliding-window presets' specs, and
 # the image keys only in "vision"'s, so the "tiny"/"bench" specs, markers and files are the same as before these
 # presets existed.
-ARCHS = ("llama", "gemma2", "mistral", "idefics3")
+ARCHS = ("llama", "gemma2", "mistral", "idefics3", "qwen3next")
 # The vision preset's special tokens, appended to the tokenizer in this order (ids vocab .. vocab + 3).
 VISION_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
 # "tiny"'s chat template, except that a content list (vLLM passes OpenAI-style parts through when the template
@@ -172,7 +182,7 @@ def _windowed_model(spec: dict[str, object], tokenizer):
                   num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
                   num_key_value_heads=spec["kv_heads"], head_dim=spec["head_dim"],
                   max_position_embeddings=spec["max_positions"], initializer_range=0.02,
-                  sliding_window=spec["sliding_window"], **_special_ids(tokenizer))
+                  sliding_window=spec.get("sliding_window"), **_special_ids(tokenizer))
     if arch == "gemma2":
         from transformers import Gemma2Config, Gemma2ForCausalLM
 
@@ -180,6 +190,19 @@ def _windowed_model(spec: dict[str, object], tokenizer):
                               query_pre_attn_scalar=spec["head_dim"], final_logit_softcapping=None,
                               attn_logit_softcapping=None, tie_word_embeddings=True)
         return Gemma2ForCausalLM(config)
+    if arch == "qwen3next":
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        types = ["linear_attention" if t == "sliding_attention" else t for t in layer_types(spec)]
+        config = Qwen3NextConfig(
+            **{k: v for k, v in common.items() if k != "sliding_window"}, layer_types=types, rope_theta=10000.0,
+            rms_norm_eps=1e-6, tie_word_embeddings=False, linear_num_key_heads=spec["linear_heads"],
+            linear_num_value_heads=spec["linear_heads"], linear_key_head_dim=spec["linear_head_dim"],
+            linear_value_head_dim=spec["linear_head_dim"], linear_conv_kernel_dim=4,
+            num_experts=spec["experts"], num_experts_per_tok=spec["experts_per_tok"],
+            moe_intermediate_size=spec["moe_intermediate"], shared_expert_intermediate_size=spec["moe_intermediate"],
+            decoder_sparse_step=1, partial_rotary_factor=0.25)
+        return Qwen3NextForCausalLM(config)
     if arch == "mistral":
         from transformers import MistralConfig, MistralForCausalLM
 
@@ -301,7 +324,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("outdir", type=Path)
     parser.add_argument("--bench", action="store_true", help="the benchmark preset (6 layers, hidden 512, bf16)")
-    parser.add_argument("--preset", choices=sorted(PRESETS), help="tiny (default), bench, hybrid, swa or vision")
+    parser.add_argument("--preset", choices=sorted(PRESETS),
+                        help="tiny (default), bench, hybrid, swa, vision or qwen3next")
     parser.add_argument("--layers", type=int)
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--intermediate", type=int)

@@ -6,6 +6,8 @@
 * `lora_adapters`: two seeded LoRA adapters of the demo model ("lora-a", "lora-b"), built offline and cached.
 * `hybrid_model` / `swa_model`: sliding-window variants of the demo model (Gemma2 with sliding-window and full
   layers; Mistral with every layer windowed), built offline and cached.
+* `gdn_model`: a tiny Qwen3-Next (Gated DeltaNet linear-attention layers and a full-attention layer, bf16), built
+  offline and cached.
 * `vision_model`: an Idefics3 that takes images (a tiny vision tower in front of a demo-sized Llama, 64 tokens
   per image), with its processor and chat template, built offline and cached.
 * `nats_mesh`: a KVMesh-started NATS with its credentials directory and no service processes (tests add their
@@ -64,6 +66,11 @@ def hybrid_model() -> Path:
 @pytest.fixture(scope="session")
 def swa_model() -> Path:
     return make_demo_model.ensure_model(model_cache_dir() / "models" / "swa", "swa")
+
+
+@pytest.fixture(scope="session")
+def gdn_model() -> Path:
+    return make_demo_model.ensure_model(model_cache_dir() / "models" / "qwen3next", "qwen3next")
 
 
 @pytest.fixture(scope="session")

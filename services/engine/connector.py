@@ -67,9 +67,11 @@ logged.
 Never the wrong KV: chunk keys mix in everything besides the token ids that changes a request's KV (LoRA
 adapter, cache_salt, multimodal items, prompt embeddings: `request_extras.py`; the KV cache dtype, weight
 quantization and revision, RoPE scaling and any --hf-overrides, and with a quantized KV cache the weights' dtype
-and per-instance KV scales: `model_identity` and the layout's chunk format). A model whose KV cache this
-connector cannot copy whole (several KV cache groups, sliding-window or other non-full attention:
-`unsupported_kv_cache`) gets one WARNING at start and no loads or stores at all.
+and per-instance KV scales: `model_identity` and the layout's chunk format). The connector supports vLLM's hybrid KV
+cache manager (SupportsHMA): chunks hold every KV cache group's KV, each group through its own block table
+(adapter/kv_groups.py; with groups every load is asynchronous, and a failed one is a failed receive). A model
+with a group kind it does not cache (Mamba / linear-attention state, chunked-local attention, ...;
+`unsupported_kv_cache`) starts and is served without the cache, after one WARNING naming the group.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ import torch
 
 from kvmesh.services.engine.adapter.async_saves import saves_off_forward
 from kvmesh.services.engine.adapter.connector_stats import KVMeshPromMetrics, KVMeshStats
+from kvmesh.services.engine.adapter.kv_groups import KVGroups
 from kvmesh.services.engine.adapter.model_identity import instance_of, model_identity
 from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents
 from kvmesh.services.engine.adapter.scheduler_side import SchedulerSide
@@ -95,6 +98,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 try:
@@ -164,10 +169,6 @@ def check_vllm_version(version: str | None = None) -> str:
     return version
 
 
-# KV cache specs whose blocks hold every token's KV, the same way in every layer of the group.
-FULL_ATTENTION_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
-
-
 # KV cache dtypes whose pages hold each token's K and V on their own (at most one scale for the whole tensor):
 # those copy token by token. The others pack values and scales per block or per group of tokens (NVFP4,
 # turboquant, ultraquant, per-token-head scales kept beside the page), where a partial block copied per token
@@ -186,37 +187,20 @@ def unsupported_cache_dtype(cache_dtype: str) -> str | None:
 
 
 def kv_block_size(vllm_config: Any, kv_cache_config: "KVCacheConfig | None") -> int:
-    """Tokens per KV block: the KV cache group's spec when vLLM gives one (it is what the blocks really hold,
-    e.g. after decode context parallel), else the cache config's, which only the engine core's process
-    updates."""
+    """Tokens per KV block: the KV cache groups' spec when vLLM gives one (it is what the blocks really hold,
+    e.g. after decode context parallel, or a hybrid model's block size unified across groups), else the cache
+    config's, which only the engine core's process updates."""
     groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
-    spec_block_size = getattr(groups[0].kv_cache_spec, "block_size", None) if len(groups) == 1 else None
+    sizes = {getattr(group.kv_cache_spec, "block_size", None) for group in groups}
+    spec_block_size = sizes.pop() if len(sizes) == 1 else None
     return int(spec_block_size or vllm_config.cache_config.block_size)
 
 
 def unsupported_kv_cache(kv_cache_config: "KVCacheConfig | None") -> str | None:
-    """Why this connector must not load or store this model's KV cache, or None when it can.
-
-    Chunks hold one KV cache group of full-attention layers. With our connector vLLM disables its hybrid KV
-    cache manager, which turns sliding-window layers of a mixed model into full attention (one group): those
-    are fine. What is left is refused: several groups (e.g. Mamba or linear-attention hybrids), groups whose
-    blocks drop tokens (a model made only of sliding-window or chunked-local attention layers), and
-    bidirectional (prefix-LM) layers, whose prefix KV depends on later tokens.
-    """
-    if kv_cache_config is None:
-        return None
-    groups = list(kv_cache_config.kv_cache_groups)
-    if len(groups) != 1:
-        kinds = ", ".join(sorted({type(g.kv_cache_spec).__name__ for g in groups})) or "none"
-        return (f"{len(groups)} KV cache groups ({kinds}); KVMesh stores one group of full-attention layers and "
-                f"never loads one group into a model that has several")
-    spec = groups[0].kv_cache_spec
-    kind = type(spec).__name__
-    if kind not in FULL_ATTENTION_SPECS:
-        return f"its KV cache spec is {kind}, not full attention: its blocks do not keep every token's KV"
-    if getattr(spec, "non_causal", False):
-        return "its attention is bidirectional (non_causal): a prefix's KV depends on the tokens after it"
-    return None
+    """Why this connector must not load or store this model's KV cache, or None when it can (see
+    adapter/kv_groups.py: full-attention and sliding-window groups are cached; any other group kind, a
+    bidirectional layer or groups of different block sizes leave the model uncached)."""
+    return KVGroups.of(kv_cache_config)[1]
 
 
 def split_extra_config(extra: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -232,9 +216,12 @@ def split_extra_config(extra: dict[str, Any] | None) -> tuple[dict[str, Any], di
     return engine_keys, connector
 
 
-class KVMeshConnector(KVConnectorBase_V1):
+class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
     """KVMesh in vLLM: one instance per role and process, over its role's half (`scheduler_side` in vLLM's
-    EngineCore, `worker_side` in each worker; the other is None)."""
+    EngineCore, `worker_side` in each worker; the other is None).
+
+    It supports vLLM's hybrid KV cache manager (`SupportsHMA`), so vLLM keeps it on: every KV cache group is
+    cached or, for a kind KVMesh does not cache, the model is served without the cache (adapter/kv_groups.py)."""
 
     if CacheHitSource is not None:
         _cache_hit_source = CacheHitSource.HOST
@@ -248,25 +235,27 @@ class KVMeshConnector(KVConnectorBase_V1):
         config = load_engine_config(engine_extra)
         block_size = kv_block_size(vllm_config, kv_cache_config)
         cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
-        # Why this model's KV is not cached at all (None: it is); see unsupported_kv_cache.
-        unsupported = unsupported_kv_cache(kv_cache_config) or unsupported_cache_dtype(cache_dtype)
+        # Why this model's KV is not cached at all (None: it is); see adapter/kv_groups.py.
+        groups, unsupported = KVGroups.of(kv_cache_config)
+        unsupported = unsupported or unsupported_cache_dtype(cache_dtype)
         # both sides: on CUDA saves are gathered on a side stream and vLLM holds their blocks (async_saves.py)
         off_forward = saves_off_forward(vllm_config)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = SchedulerSide.for_vllm(vllm_config, config, block_size, unsupported, off_forward)
+            self.scheduler_side = SchedulerSide.for_vllm(vllm_config, config, block_size, unsupported, off_forward,
+                                                         groups)
         else:
             model_name = model_identity(str(settings.get("model_name") or vllm_config.model_config.model),
                                         vllm_config.model_config, vllm_config.cache_config,
                                         instance_of(vllm_config, config.lmcache_instance_id))
             self.worker_side = WorkerSide(config, block_size, vllm_config=vllm_config, model_name=model_name,
                                           cache_dtype=cache_dtype, world_size=vllm_config.parallel_config.world_size,
-                                          unsupported=unsupported, saves_off_forward=off_forward)
-        log.info("KVMeshConnector (%s, %s) for vLLM %s: chunk_size %d, block_size %d, local_cpu %s, local_disk "
-                 "%s, remote_url %s, instance %s", role.name.lower(), transfer.kv_role, self.vllm_version,
-                 config.chunk_size, block_size, config.local_cpu, config.local_disk, config.remote_url,
-                 config.lmcache_instance_id)
+                                          unsupported=unsupported, saves_off_forward=off_forward, groups=groups)
+        log.info("KVMeshConnector (%s, %s) for vLLM %s: chunk_size %d, block_size %d, KV cache groups %s, "
+                 "local_cpu %s, local_disk %s, remote_url %s, instance %s", role.name.lower(), transfer.kv_role,
+                 self.vllm_version, config.chunk_size, block_size, groups.tag if groups else "-", config.local_cpu,
+                 config.local_disk, config.remote_url, config.lmcache_instance_id)
 
     @classmethod
     def from_sides(cls, scheduler_side: SchedulerSide | None = None,
@@ -306,6 +295,15 @@ class KVMeshConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
 
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids[0] if block_ids else [])
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.scheduler_side is not None:  # with groups, each step's block tables are read from it
+            self.scheduler_side.bind_block_tables(kv_cache_manager)
+
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[Any, int]:
         if num_external_tokens == 0 or CacheHitSource is None:
             return {}
@@ -333,6 +331,12 @@ class KVMeshConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker.get_finished(finished_req_ids, self._connector_metadata)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._worker.take_failed_recving()  # loads with groups fail per request (kv_groups.py)
+        return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                          finished_recving=set(recving or ()) | failed, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()

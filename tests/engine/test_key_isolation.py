@@ -215,7 +215,7 @@ def test_mla_is_keyed_once_for_all_ranks_and_stored_once(disk_mesh: LocalMesh, t
 
 
 # ---- models the connector refuses ------------------------------------------------------------------------------
-def test_unsupported_kv_caches_are_refused_with_a_reason() -> None:
+def test_kv_cache_groups_the_connector_does_not_cache_are_refused_with_a_reason() -> None:
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -241,10 +241,14 @@ def test_unsupported_kv_caches_are_refused_with_a_reason() -> None:
     assert unsupported_kv_cache(config(full)) is None
     assert unsupported_kv_cache(config(unified)) is None
     assert unsupported_kv_cache(config(mla)) is None
-    assert "2 KV cache groups" in unsupported_kv_cache(config(full, window))
-    assert "2 KV cache groups" in unsupported_kv_cache(config(full, mamba))
-    assert "SlidingWindowSpec" in unsupported_kv_cache(config(window))
+    # vLLM's hybrid manager on (adapter/kv_groups.py): full-attention and sliding-window groups are cached
+    assert unsupported_kv_cache(config(full, window)) is None
+    assert unsupported_kv_cache(config(window)) is None
+    assert "MambaSpec (l1)" in unsupported_kv_cache(config(full, mamba))
     assert "MambaSpec" in unsupported_kv_cache(config(mamba))
     assert "bidirectional" in unsupported_kv_cache(config(FullAttentionSpec(
         block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32, non_causal=True)))
-    assert "0 KV cache groups" in unsupported_kv_cache(config())
+    assert "no KV cache groups" in unsupported_kv_cache(config())
+    other_block = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32,
+                                    sliding_window=128)
+    assert "different block sizes" in unsupported_kv_cache(config(full, other_block))

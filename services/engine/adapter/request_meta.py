@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from kvmesh.services.engine.adapter.block_prefix import saved_prefix_end
+from kvmesh.services.engine.adapter.kv_groups import slot_rows
 from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyExtras
 
 if TYPE_CHECKING:
@@ -88,9 +89,14 @@ class ReqMeta:
     # the scheduler has learned that a load into this request's blocks failed (it has rewound `saved_upto` to
     # what vLLM recomputes): the worker's saves of it no longer need to stop at the failed position
     load_failed: bool = False
+    # with vLLM's KV cache groups (kv_groups.py): the request's block ids per group this step, -1 where freed
+    group_block_ids: list[list[int]] | None = None
 
     def slot_mapping(self, num_tokens: int, block_size: int) -> torch.Tensor:
-        """Slot of each of the first `num_tokens` tokens: block_ids[i // B] * B + i % B (int64, CPU)."""
+        """Slot of each of the first `num_tokens` tokens: block_ids[i // B] * B + i % B (int64, CPU); with
+        groups one row per group, ``[groups, num_tokens]``, -1 in freed blocks."""
+        if self.group_block_ids is not None:
+            return slot_rows(self.group_block_ids, num_tokens, block_size, -1)
         blocks = torch.as_tensor(self.block_ids[: -(-num_tokens // block_size)], dtype=torch.int64)
         offsets = torch.arange(block_size, dtype=torch.int64)
         return (blocks.unsqueeze(1) * block_size + offsets).flatten()[:num_tokens]

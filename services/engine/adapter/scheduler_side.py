@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from kvmesh.services.engine.adapter.async_loads import loads_asynchronously
 from kvmesh.services.engine.adapter.block_prefix import BlockPrefixProbe
 from kvmesh.services.engine.adapter.connector_stats import KVMeshStats
 from kvmesh.services.engine.adapter.kv_events import KVEventLog
+from kvmesh.services.engine.adapter.kv_groups import KVGroups
 from kvmesh.services.engine.adapter.request_extras import lora_name_of, request_extras
 from kvmesh.services.engine.adapter.request_meta import (
     KVMeshConnectorMetadata,
@@ -43,7 +44,8 @@ class SchedulerSide:
 
     def __init__(self, config: EngineConfig, block_size: int, lookup: SchedulerLookup | None, *,
                  can_load: bool = True, can_save: bool = True, saves_off_forward: bool = False,
-                 kv_events: KVEventLog | None = None, unsupported: str | None = None) -> None:
+                 kv_events: KVEventLog | None = None, unsupported: str | None = None,
+                 groups: KVGroups | None = None) -> None:
         self.config = config
         self.block_size = block_size
         self.chunk_size = config.chunk_size
@@ -55,13 +57,17 @@ class SchedulerSide:
         self.unsupported = unsupported
         self.lookup = lookup  # None when the model's KV is not cached
         self.kv_events = kv_events  # only when vLLM publishes KV events
+        # vLLM's KV cache groups when copies need each group's block table (kv_groups.py), else None
+        self.groups = groups if groups is not None and groups.grouped else None
+        # req_id -> its block ids per group, null entries -1 (vLLM's KV cache manager, bind_block_tables)
+        self._block_tables: Callable[[str], list[list[int]]] | None = None
         self._trackers: dict[str, RequestTracker] = {}
         self._async_starting: list[str] = []  # requests whose async load the next step carries
         self._stats = KVMeshStats()  # what happened since vLLM last asked (get_kv_connector_stats)
 
     @classmethod
     def for_vllm(cls, vllm_config: "VllmConfig", config: EngineConfig, block_size: int, unsupported: str | None,
-                 saves_off_forward: bool) -> "SchedulerSide":
+                 saves_off_forward: bool, groups: KVGroups | None = None) -> "SchedulerSide":
         """The scheduler half vLLM's EngineCore gets (its kv_transfer_config's role and load-failure policy, its
         KV events config)."""
         transfer = vllm_config.kv_transfer_config
@@ -87,7 +93,18 @@ class SchedulerSide:
         can_save = transfer.kv_role in ("kv_both", "kv_producer") and not config.force_skip_save
         return cls(config, block_size, lookup, can_load=transfer.kv_role in ("kv_both", "kv_consumer"),
                    can_save=can_save, saves_off_forward=saves_off_forward, kv_events=kv_events,
-                   unsupported=unsupported)
+                   unsupported=unsupported, groups=groups)
+
+    def bind_block_tables(self, kv_cache_manager: Any) -> None:
+        """With groups, read each step's block tables from vLLM's KV cache manager: it is what the step's forward
+        uses, with the blocks a sliding window freed as the null block (kv_groups.py)."""
+        null = kv_cache_manager.block_pool.null_block.block_id
+
+        def tables(req_id: str) -> list[list[int]]:
+            return [[-1 if block == null else block for block in group]
+                    for group in kv_cache_manager.get_block_ids(req_id)]
+
+        self._block_tables = tables
 
     def tracker(self, req_id: str) -> RequestTracker | None:
         """The tracker of a request in flight (looked up, not finished), or None."""
@@ -149,8 +166,9 @@ class SchedulerSide:
                  to_load)
         # Decided on the CPU tiers before the lower-tier lookup: its prefetch may have filled them since, but a
         # load behind it would still wait for that prefetch, stalling the batch.
-        tracker.load_async = loads_asynchronously(self.config.enable_async_loading, to_load, need,
-                                                  tracker.cpu_tokens)
+        # with groups every load is asynchronous: vLLM takes a failed one only as a failed receive (kv_groups.py)
+        tracker.load_async = to_load > 0 if self.groups is not None else \
+            loads_asynchronously(self.config.enable_async_loading, to_load, need, tracker.cpu_tokens)
         if tracker.load_async:
             log.info("Reqid: %s loads asynchronously: %d of its %d tokens to load were in the CPU tier",
                      request.request_id, max(min(tracker.cpu_tokens, need) - num_computed_tokens, 0), to_load)
@@ -242,6 +260,11 @@ class SchedulerSide:
                                      self.config.save_decode_cache, self.block_size)
             if save is not None and save.prefix_end:
                 save = dataclasses.replace(save, prefix_key=self._block_prefix_key(tracker, hasher, save))
+        tables = None
+        if self.groups is not None and (load is not None or save is not None):
+            tables, save = self._group_tables(tracker, save)
+            if tables is None:
+                return
         if load is None and save is None:
             return
         if save is not None and self.saves_off_forward:
@@ -250,7 +273,32 @@ class SchedulerSide:
         lora_id = tracker.extras.lora_id if tracker.extras is not None else None
         keys = self._chain_keys(tracker, hasher, end)
         meta.requests.append(ReqMeta(tracker.req_id, keys, list(tracker.block_ids), load, save, tracker.lora_name,
-                                     lora_id, tracker.load_failed))
+                                     lora_id, tracker.load_failed, tables))
+
+    def _group_tables(self, tracker: RequestTracker, save: SaveSpec | None
+                      ) -> tuple[list[list[int]] | None, SaveSpec | None]:
+        """The request's block table per group for this step, and its save cut to the chunks whose blocks a hit
+        would load are all still held (kv_groups.py); (None, None) when vLLM has no table for it."""
+        assert self.groups is not None
+        try:
+            tables = self._block_tables(tracker.req_id) if self._block_tables is not None else None
+        except Exception as exc:  # not known to vLLM's manager (never expected): neither loaded nor saved
+            log.warning("Reqid: %s: no block tables (%s: %s); not loaded or saved this step", tracker.req_id,
+                        type(exc).__name__, exc)
+            tables = None
+        if tables is None:
+            return None, None
+        if save is not None:
+            start = self.groups.saveable_from(tables, save.mask_start, save.end, self.chunk_size, -1)
+            prefix_end = save.prefix_end
+            if prefix_end and not self.groups.held_for_hit(tables, prefix_end, -1):
+                prefix_end = 0
+            if start >= save.end:
+                save = None
+            elif start != save.mask_start or prefix_end != save.prefix_end:
+                save = dataclasses.replace(save, mask_start=start - start % self.chunk_size, prefix_end=prefix_end,
+                                           prefix_key=save.prefix_key if prefix_end else None)
+        return tables, save
 
     def _chain_keys(self, tracker: RequestTracker, hasher: ChunkHasher, end: int) -> list[ChunkKey]:
         """The request's chain keys up to `end`; newly hashed chunks are noted for the KV events."""
@@ -281,6 +329,13 @@ class SchedulerSide:
         # would promise the same chunks (the tiers may still list what they cannot serve), fail again, and
         # again. A request whose load failed recomputes and is offered no more loads.
         # Its chunks from the first failed block on are saved again once vLLM has recomputed them.
+        for req_id in getattr(connector_output, "failed_recving", None) or ():  # with groups (kv_groups.py)
+            tracker = self._trackers.get(req_id)
+            if tracker is not None and not tracker.load_failed:
+                tracker.load_failed = True
+                tracker.saved_upto = 0  # vLLM recomputes the whole request
+                log.info("Reqid: %s: its load failed; vLLM recomputes it, which is saved again, and it is offered "
+                         "no more loads", req_id)
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if invalid:
             for tracker in self._trackers.values():

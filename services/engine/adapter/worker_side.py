@@ -20,6 +20,7 @@ import torch
 from kvmesh.services.engine.adapter.async_loads import IDLE_WAIT_SECS, AsyncLoads, PendingLoad
 from kvmesh.services.engine.adapter.async_saves import AsyncSaves
 from kvmesh.services.engine.adapter.connector_stats import STORAGE_COUNTERS, GaugeClock, Increments, KVMeshStats
+from kvmesh.services.engine.adapter.kv_groups import KVGroups
 from kvmesh.services.engine.adapter.load_agreement import CollectiveAgreement, RankAgreement
 from kvmesh.services.engine.adapter.request_meta import KVMeshConnectorMetadata, ReqMeta, SaveSpec
 from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, StepEventLog, engines
@@ -71,7 +72,7 @@ class WorkerSide:
 
     def __init__(self, config: EngineConfig, block_size: int, *, vllm_config: Any = None, model_name: str = "",
                  cache_dtype: str = "auto", world_size: int = 1, unsupported: str | None = None,
-                 saves_off_forward: bool = False) -> None:
+                 saves_off_forward: bool = False, groups: KVGroups | None = None) -> None:
         self.config = config
         self.vllm_config = vllm_config
         self.block_size = block_size
@@ -81,6 +82,9 @@ class WorkerSide:
         self.world_size = world_size
         # Why this model's KV is not cached at all (None: it is); see connector.unsupported_kv_cache.
         self.unsupported = unsupported
+        # vLLM's KV cache groups when copies need each group's block table (kv_groups.py), else None
+        self.groups = groups if groups is not None and groups.grouped else None
+        self._failed_recving: set[str] = set()  # with groups: loads that failed since vLLM last asked
         self.engine: Any = None  # CacheEngine, created in register_kv_caches
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layerwise: LayerwiseLoader | None = None  # CUDA with use_layerwise: per-layer loads
@@ -110,27 +114,33 @@ class WorkerSide:
             return
         if self.world_size > 1:  # before anything that may fail: every rank takes part (load_agreement.py)
             self.agreement = CollectiveAgreement.of_replica()
-        self.kv_caches = dict(kv_caches)
-        first = next(iter(kv_caches.values()))
         backend = self._attention_backend_name()
         try:
+            self.kv_caches = self._in_chunk_order(kv_caches)
             layout = dataclasses.replace(detect_layout(self.kv_caches, self.block_size, backend),
                                          cache_dtype=self.cache_dtype)
+            if self.groups is not None:
+                layout = dataclasses.replace(layout, group_layers=self.groups.layers_per_group(),
+                                             groups_tag=self.groups.tag)
         except ValueError as exc:  # layers that differ, a shape we cannot copy: serve without the cache
             log.warning("KVMesh loads and stores nothing for model %s: its KV caches cannot be copied (%s)",
                         self.vllm_config.model_config.model, exc)
             self.kv_caches = {}
             return
+        first = next(iter(self.kv_caches.values()))
         rank = replica_rank(self.vllm_config)
         log.info("registered %d KV cache layers: shape %s, dtype %s, backend %s -> layout %s (chunk format %s)",
                  len(kv_caches), tuple(first.shape), first.dtype, backend, layout.name, layout.chunk_format())
+        if self.groups is not None:
+            log.info("KV cache groups per %d-token chunk: %s", self.chunk_size,
+                     self.groups.describe(layout.chunk_nbytes(self.chunk_size), layout.num_layers))
         params = KeyParams(self.model_name, layout.chunk_format(), self.world_size, rank)
         if first.device.type == "cpu":
             side_cpus.enable()  # the engine's threads keep off the cores vLLM bound its compute to
         self.engine = CacheEngine(self.config, params, layout=layout, device=first.device)
         self.engine.cpu.listen(self.cpu_events)  # reported to the scheduler's mirror with every step's output
         if self.config.use_layerwise:
-            if first.is_cuda:
+            if first.is_cuda and self.groups is None:
                 self.layerwise = LayerwiseLoader(layout, first.device)
                 log.info("use_layerwise: loads are copied layer by layer on a side CUDA stream")
             else:
@@ -140,6 +150,17 @@ class WorkerSide:
         if self.engine.nats_loop is not None:
             self._lookup_server = LookupServer(self.engine, self.engine.nats_loop, lookup_id)
         self._rendezvous = publish_worker(PublishedWorker.of(self.engine, lookup_id))
+
+    def _in_chunk_order(self, kv_caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The layers as chunks hold them: vLLM's order, or group by group (kv_groups.py)."""
+        if self.groups is None:
+            return dict(kv_caches)
+        order = self.groups.layer_order()
+        missing = [name for name in order if name not in kv_caches]
+        if missing or len(order) != len(kv_caches):
+            raise ValueError(f"the KV cache groups name layers {missing or order} that vLLM did not register as "
+                             f"{sorted(kv_caches)}")
+        return {name: kv_caches[name] for name in order}
 
     def handle_preemptions(self, kv_connector_metadata: "KVConnectorMetadata") -> None:
         """Worker, before the step's forward: vLLM freed the preempted requests' blocks, and this step may
@@ -348,7 +369,10 @@ class WorkerSide:
         load = req.load
         assert load is not None
         bad = req.block_ids_for(first_bad, load.need, self.block_size)
-        self._load_errors |= bad
+        if req.group_block_ids is not None:  # vLLM takes no block errors with groups: the request is recomputed
+            self._failed_recving.add(req.req_id)
+        else:
+            self._load_errors |= bad
         self._failed_from[req.req_id] = min(first_bad, self._failed_from.get(req.req_id, first_bad))
         return bad
 
@@ -456,6 +480,11 @@ class WorkerSide:
             self._finished_recving.add(pending.req.req_id)
         done, self._finished_recving = self._finished_recving, set()
         return sending, done or None
+
+    def take_failed_recving(self) -> set[str]:
+        """With groups: the requests whose load failed since the last call (vLLM recomputes them)."""
+        failed, self._failed_recving = self._failed_recving, set()
+        return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -376,7 +376,7 @@ class CacheEngine:
                         break
                     filled.append((span, slot))
                     out = slot.view(layout.dtype, layout.chunk_shape(span.num_tokens))
-                    copier.gather(kv_caches, slot_mapping[span.start:span.end], out)
+                    copier.gather(kv_caches, slot_mapping[..., span.start:span.end], out)
                 event = torch.cuda.Event() if on_side else None
                 if event is not None:
                     event.record()
@@ -421,7 +421,7 @@ class CacheEngine:
             for span, ref in zip(spans, refs):
                 chunk = ref.slot.view(layout.dtype, layout.chunk_shape(span.num_tokens))
                 skip = min(max(skip_prefix - span.start, 0), span.num_tokens)
-                copier.scatter(chunk, kv_caches, slot_mapping[span.start:span.end], skip)
+                copier.scatter(chunk, kv_caches, slot_mapping[..., span.start:span.end], skip)
         finally:  # the slots must not be reused before the copies queued so far have read them
             _release_after_copies(kv_caches, refs)
         return len(refs)
@@ -592,13 +592,16 @@ def _kv_args(kv: dict[str, Any], op: str) -> tuple[list[torch.Tensor], torch.Ten
 
 
 def _check_slot_count(slot_mapping: torch.Tensor, needed: int) -> None:
-    if slot_mapping.numel() < needed:
-        raise ValueError(f"slot_mapping has {slot_mapping.numel()} slots, the chunks need {needed} "
+    if slot_mapping.shape[-1] < needed:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[-1]} slots, the chunks need {needed} "
                          f"(one slot per token)")
 
 
 def _first_negative(slot_mapping: torch.Tensor, limit: int) -> int:
-    """Index of the first token without a cache slot (negative), or `limit` if there is none before it."""
+    """Index of the first token without a cache slot (negative), or `limit` if there is none before it. With KV
+    cache groups (one row each) a freed sliding-window block is negative and the scheduler chose what to save."""
+    if slot_mapping.dim() == 2:
+        return limit
     negative = (slot_mapping[:limit] < 0).nonzero()
     return int(negative[0, 0]) if negative.numel() else limit
 

@@ -66,7 +66,7 @@ Chunk formats
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -100,6 +100,10 @@ class KVLayout:
     kv_planes: int = 2  # 2 (K and V) or 1 (MLA latent)
     cpu_isa: str | None = None  # CPU layouts: the vLLM CPU attention ISA that arranged the pages
     cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype: "fp8_e4m3" and "fp8_e5m2" share a torch dtype
+    # vLLM's KV cache groups (adapter/kv_groups.py): layers per group, in chunk order, each group copied through
+    # its own row of slots; () for one group. `groups_tag` names them in the chunk format.
+    group_layers: tuple[int, ...] = ()
+    groups_tag: str = ""
 
     @property
     def itemsize(self) -> int:
@@ -147,12 +151,22 @@ class KVLayout:
         dtype = str(self.dtype).removeprefix("torch.")
         if self.cache_dtype not in ("auto", dtype):  # e.g. "uint8+fp8_e4m3": the bytes' meaning
             dtype = f"{dtype}+{self.cache_dtype}"
+        groups = f"/{self.groups_tag}" if self.groups_tag else ""
         if self.per_block:
             isa = "" if self.cpu_isa in CPU_KT_ISAS else f"-{self.cpu_isa or 'unknown'}"
-            return f"{dtype}/{self.name}-{self.block_size}{isa}"
+            return f"{dtype}/{self.name}-{self.block_size}{isa}{groups}"
         if self.kv_planes == 1:
-            return f"{dtype}/MLA-{self.head_size}"
-        return f"{dtype}/TOK-{self.num_kv_heads}x{self.head_size}"
+            return f"{dtype}/MLA-{self.head_size}{groups}"
+        return f"{dtype}/TOK-{self.num_kv_heads}x{self.head_size}{groups}"
+
+    def group_slices(self) -> list[tuple[slice, "KVLayout"]]:
+        """Each group's layers in a chunk and its layout (the layout of those layers alone)."""
+        slices, start = [], 0
+        for count in self.group_layers:
+            slices.append((slice(start, start + count),
+                           replace(self, num_layers=count, group_layers=(), groups_tag="")))
+            start += count
+        return slices
 
     @property
     def replicated_across_ranks(self) -> bool:

@@ -65,6 +65,14 @@ def _check_slots(slot_mapping: torch.Tensor) -> torch.Tensor:
     return slot_mapping
 
 
+def _group_rows(slot_mapping: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    """The per-group rows of slots of a grouped layout."""
+    if slot_mapping.dim() != 2 or slot_mapping.shape[0] != len(layout.group_layers):
+        raise ValueError(f"slot_mapping must have one row per KV cache group ({len(layout.group_layers)}), got "
+                         f"shape {tuple(slot_mapping.shape)}")
+    return slot_mapping
+
+
 def _check_chunk(chunk: torch.Tensor, layout: KVLayout, num_tokens: int, what: str) -> None:
     expected = layout.chunk_shape(num_tokens)
     if tuple(chunk.shape) != expected or chunk.dtype != layout.dtype:
@@ -325,8 +333,13 @@ def gather(kv_caches: KVCaches, layout: KVLayout, slot_mapping: torch.Tensor, ou
 
     Rows of tokens with negative slots (per-block layouts: blocks whose slots are all negative) are left as
     they are. `out` may be on another device than the caches (then a temporary on the caches' device is used).
+    With KV cache groups (`layout.group_layers`), `slot_mapping` has one row per group.
     """
     caches = _as_list(kv_caches)
+    if layout.group_layers:
+        for row, (layers, group) in zip(_group_rows(slot_mapping, layout), layout.group_slices()):
+            gather(caches[layers], group, row, out[layers])
+        return
     slots = _check_slots(slot_mapping)
     num_tokens = slots.numel()
     if num_tokens == 0:
@@ -357,9 +370,14 @@ def scatter(
 
     Per-block (CPU) layouts write whole blocks; a block straddling `skip_prefix` or a partial last block is
     written token by token where the in-block arrangement is known (vec/vec16), so no slot outside the
-    chunk's tokens ``[skip_prefix, T)`` changes.
+    chunk's tokens ``[skip_prefix, T)`` changes. With KV cache groups (`layout.group_layers`), `slot_mapping`
+    has one row per group.
     """
     caches = _as_list(kv_caches)
+    if layout.group_layers:
+        for row, (layers, group) in zip(_group_rows(slot_mapping, layout), layout.group_slices()):
+            scatter(chunk[layers], caches[layers], group, row, skip_prefix)
+        return
     slots = _check_slots(slot_mapping)
     num_tokens = slots.numel()
     if not 0 <= skip_prefix <= num_tokens:
@@ -540,7 +558,9 @@ class PagedCopier:
 
     def gather(self, kv_caches: KVCaches, slot_mapping: torch.Tensor, out: torch.Tensor) -> None:
         caches = _as_list(kv_caches)
-        kernels = self._kernels(caches[0].device.index) if caches[0].is_cuda else None
+        # KV cache groups copy group by group on the torch path (the kernels bind one set of layers)
+        kernels = self._kernels(caches[0].device.index) if caches[0].is_cuda and not self.layout.group_layers \
+            else None
         if kernels is not None:
             self._launch(kernels, True, caches, slot_mapping, out, 0)
         else:
@@ -550,7 +570,8 @@ class PagedCopier:
         self, chunk: torch.Tensor, kv_caches: KVCaches, slot_mapping: torch.Tensor, skip_prefix: int = 0
     ) -> None:
         caches = _as_list(kv_caches)
-        kernels = self._kernels(caches[0].device.index) if caches[0].is_cuda else None
+        kernels = self._kernels(caches[0].device.index) if caches[0].is_cuda and not self.layout.group_layers \
+            else None
         if kernels is not None:
             self._launch(kernels, False, caches, slot_mapping, chunk, skip_prefix)
         else:

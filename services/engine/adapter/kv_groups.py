@@ -1,0 +1,157 @@
+"""vLLM's KV cache groups (its hybrid KV cache manager) as KVMesh caches them.
+
+With the hybrid manager on (the connector implements vLLM's `SupportsHMA`), vLLM splits a model's layers into
+KV cache groups, one per kind of layer, each with its own block table: full attention, sliding window,
+Mamba / linear-attention state... A chunk holds the KV of its tokens for every layer of every cached group,
+layers in group order (`KVGroups.layer_order`), each group copied through its own block table
+(`ReqMeta.slot_mapping` gives one row of slots per group).
+
+What each kind needs:
+  * full attention (`FullAttentionSpec`, `MLAAttentionSpec`): every token's KV, as without groups.
+  * sliding window (`SlidingWindowSpec`): vLLM frees the blocks that fell out of the window (their table
+    entries become its null block). A load writes only the blocks vLLM allocated for the group: a null
+    entry's slots are -1, which the copies skip. A chunk is stored only when its group blocks that a hit at
+    the chunk's end would load are still held (`KVGroups.saveable_from`); the rest of a stored chunk may be
+    stale for that group, and no load ever writes it (vLLM allocates at most that window before a hit, and
+    less for a later hit: the skipped count only grows with the hit).
+  * anything else (Mamba / GDN state, chunked-local attention, cross attention, ...) is not cached yet: the
+    model is served without KVMesh, with one WARNING naming the group (`KVGroups.of`).
+
+vLLM refuses block-level load errors from a connector when there are several groups, so with groups every
+load runs asynchronously and a failed one is reported as a failed receive (vLLM recomputes the request).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+FULL = "full"
+SLIDING = "sliding"
+# KV cache specs whose blocks hold every token's KV, the same way in every layer of the group.
+FULL_ATTENTION_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+SLIDING_WINDOW_SPECS = ("SlidingWindowSpec",)
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One of vLLM's KV cache groups: its kind, its layers, and for sliding windows what vLLM keeps."""
+
+    kind: str  # FULL or SLIDING
+    layer_names: tuple[str, ...]
+    sliding_window: int = 0
+    extra_retained_tokens: int = 0
+
+    def skipped_tokens(self, num_computed: int) -> int:
+        """Tokens before the window of the token after `num_computed` (whose blocks vLLM frees); vLLM's
+        SlidingWindowManager.get_num_skipped_tokens."""
+        if self.kind != SLIDING:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1 - self.extra_retained_tokens)
+
+    @property
+    def tag(self) -> str:
+        return f"F{len(self.layer_names)}" if self.kind == FULL else \
+            f"S{len(self.layer_names)}w{self.sliding_window}+{self.extra_retained_tokens}"
+
+
+@dataclass(frozen=True)
+class KVGroups:
+    """The groups of one model, in vLLM's order (the order of its block tables)."""
+
+    groups: tuple[KVGroup, ...]
+    block_size: int
+
+    @classmethod
+    def of(cls, kv_cache_config: Any) -> "tuple[KVGroups | None, str | None]":
+        """(the groups, None) when KVMesh caches every group of this model; (None, why not) otherwise; (None,
+        None) without a kv_cache_config (tests, old vLLM: one full-attention group is assumed)."""
+        if kv_cache_config is None:
+            return None, None
+        specs = [(group, group.kv_cache_spec) for group in kv_cache_config.kv_cache_groups]
+        if not specs:
+            return None, "no KV cache groups"
+        groups = []
+        for group, spec in specs:
+            kind = type(spec).__name__
+            if getattr(spec, "non_causal", False):
+                return None, ("its attention is bidirectional (non_causal): a prefix's KV depends on the tokens "
+                              "after it")
+            if kind in FULL_ATTENTION_SPECS:  # with the hybrid manager off, windowed layers keep every block too
+                groups.append(KVGroup(FULL, tuple(group.layer_names)))
+            elif kind in SLIDING_WINDOW_SPECS:
+                groups.append(KVGroup(SLIDING, tuple(group.layer_names), int(spec.sliding_window),
+                                      int(getattr(spec, "extra_retained_tokens", 0) or 0)))
+            else:
+                layers = ", ".join(group.layer_names[:3]) + (", ..." if len(group.layer_names) > 3 else "")
+                return None, (f"its KV cache group of {kind} ({layers}) is not cached by KVMesh yet: only full "
+                              "attention and sliding-window groups are")
+        sizes = {int(spec.block_size) for _, spec in specs}
+        if len(sizes) != 1:
+            return None, f"its KV cache groups have different block sizes {sorted(sizes)}"
+        return cls(tuple(groups), sizes.pop()), None
+
+    @property
+    def grouped(self) -> bool:
+        """Whether copies need per-group block tables (anything but one full-attention group)."""
+        return len(self.groups) > 1 or self.groups[0].kind != FULL
+
+    def layer_order(self) -> list[str]:
+        """Every cached layer, in the order chunks hold them (group by group)."""
+        return [name for group in self.groups for name in group.layer_names]
+
+    def describe(self, chunk_bytes: int, num_layers: int) -> str:
+        """Each group with its share of a chunk's bytes (all layers of a chunk are the same size), for the log."""
+        per_layer = chunk_bytes / max(num_layers, 1)
+        return ", ".join(f"{group.kind} x{len(group.layer_names)}"
+                         f"{f' (window {group.sliding_window})' if group.kind == SLIDING else ''} "
+                         f"{per_layer * len(group.layer_names) / 2**20:.2f} MiB" for group in self.groups)
+
+    def layers_per_group(self) -> tuple[int, ...]:
+        return tuple(len(group.layer_names) for group in self.groups)
+
+    @property
+    def tag(self) -> str:
+        """What a chunk's bytes mean beyond the layout (part of the chunk format): the groups in order."""
+        return "g" + ",".join(group.tag for group in self.groups)
+
+    def saveable_from(self, tables: Sequence[Sequence[int]], start: int, end: int, chunk_size: int,
+                      null_block: int) -> int:
+        """The first chunk boundary in [start, end] from which every chunk (ending at min(its end, `end`)) has
+        every block a hit at its end would load still in every group's table (`tables`, vLLM's block ids per
+        group, `null_block` where freed). Chunks before it are not stored."""
+        first = start
+        boundary = start
+        while boundary < end:
+            chunk_end = min(boundary - boundary % chunk_size + chunk_size, end)
+            if not self.held_for_hit(tables, chunk_end, null_block):
+                first = chunk_end
+            boundary = chunk_end
+        return first
+
+    def held_for_hit(self, tables: Sequence[Sequence[int]], hit: int, null_block: int) -> bool:
+        """Whether every group holds the blocks vLLM would allocate for a hit of `hit` tokens."""
+        last = -(-hit // self.block_size)
+        for group, table in zip(self.groups, tables):
+            first = group.skipped_tokens(hit) // self.block_size
+            if len(table) < last or any(block == null_block for block in table[first:last]):
+                return False
+        return True
+
+
+def slot_rows(tables: Sequence[Sequence[int]], num_tokens: int, block_size: int, null_block: int) -> torch.Tensor:
+    """Slots of the first `num_tokens` tokens in each group, ``[groups, num_tokens]`` (int64), -1 for tokens in
+    a freed block (the copies skip them)."""
+    num_blocks = -(-num_tokens // block_size)
+    rows = []
+    for table in tables:
+        blocks = torch.as_tensor(list(table[:num_blocks]), dtype=torch.int64)
+        if blocks.numel() < num_blocks:
+            raise ValueError(f"a block table of {blocks.numel()} blocks for {num_tokens} tokens")
+        offsets = torch.arange(block_size, dtype=torch.int64)
+        slots = (blocks.unsqueeze(1) * block_size + offsets).flatten()[:num_tokens]
+        slots[(blocks == null_block).repeat_interleave(block_size)[:num_tokens]] = -1
+        rows.append(slots)
+    return torch.stack(rows)
