@@ -260,3 +260,41 @@ def test_a_store_failing_mid_way_releases_its_slots_only_after_the_queued_copies
         assert stream_idle_at_release and all(stream_idle_at_release)
     finally:
         engine.close()
+
+
+def test_kv_cache_groups_copy_each_group_through_its_own_slots_on_cuda() -> None:
+    """vLLM's hybrid manager (adapter/kv_groups.py): layers in groups, one row of slots per group, -1 for a
+    sliding window's freed blocks. The copier takes them on CUDA (group by group) as the CPU oracle does."""
+    import dataclasses
+
+    bs, nb, tokens = 16, 24, 64
+    caches = make_caches("BHNC-LBNHC", 4, nb, bs, 2, 64, torch.bfloat16, True)
+    layout = dataclasses.replace(detect_layout({str(i): c for i, c in enumerate(caches)}, bs, "FLASH_ATTN"),
+                                 group_layers=(2, 2), groups_tag="gS2w32+0,F2")
+    copier = PagedCopier(layout, DEVICE)
+    window_blocks = torch.tensor([-1, -1, 5, 6], dtype=torch.int64)  # the window's blocks, the others freed
+    full_blocks = torch.tensor([1, 2, 3, 4], dtype=torch.int64)
+    offsets = torch.arange(bs, dtype=torch.int64)
+
+    def row(blocks: torch.Tensor) -> torch.Tensor:
+        slots = (blocks.unsqueeze(1) * bs + offsets).flatten()
+        slots[(blocks < 0).repeat_interleave(bs)] = -1
+        return slots
+
+    slots = torch.stack([row(window_blocks), row(full_blocks)])
+    sentinel = torch.full(layout.chunk_shape(tokens), 7.0, dtype=layout.dtype, device=DEVICE)
+    ref = sentinel.cpu()
+    gather([c.cpu() for c in caches], layout, slots, ref)  # the CPU oracle
+    got = sentinel.clone()
+    copier.gather(caches, slots.to(DEVICE), got)
+    torch.cuda.synchronize()
+    assert torch.equal(bits(got.cpu()), bits(ref))
+    targets = [torch.zeros_like(c) for c in caches]
+    copier.scatter(got, targets, slots.to(DEVICE))
+    torch.cuda.synchronize()
+    for i, (target, cache) in enumerate(zip(targets, caches)):
+        blocks = window_blocks if i < 2 else full_blocks
+        for b in blocks.tolist():
+            if b >= 0:
+                assert torch.equal(bits(target[b]), bits(cache[b])), (i, b)
+        assert not target[0].any(), "a freed block (vLLM's null block 0) was written"
