@@ -140,7 +140,10 @@ class WorkerSide:
         self.engine = CacheEngine(self.config, params, layout=layout, device=first.device)
         self.engine.cpu.listen(self.cpu_events)  # reported to the scheduler's mirror with every step's output
         if self.config.use_layerwise:
-            if first.is_cuda and self.groups is None:
+            if self.groups is not None:  # every load runs between steps (kv_groups.py): no forward to overlap
+                log.info("use_layerwise is set, but with KV cache groups every load runs between steps; loading "
+                         "all layers at once")
+            elif first.is_cuda:
                 self.layerwise = LayerwiseLoader(layout, first.device)
                 log.info("use_layerwise: loads are copied layer by layer on a side CUDA stream")
             else:
