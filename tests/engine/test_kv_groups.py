@@ -147,3 +147,76 @@ def test_a_group_kind_kvmesh_does_not_cache_leaves_the_model_uncached_with_its_n
         KVCacheGroupSpec(["model.layers.0.linear_attn"], mamba), KVCacheGroupSpec(["model.layers.1.attn"], full)])
     groups, why = KVGroups.of(config)
     assert groups is None and why is not None and kind in why and "model.layers.0.linear_attn" in why
+
+
+def test_both_halves_store_a_prompt_prefilled_in_steps_and_load_it_into_the_window_only() -> None:
+    """The scheduler and worker halves, driven as vLLM drives them, with each step's block tables as vLLM's KV
+    cache manager gives them (the sliding-window group frees blocks as the prompt grows)."""
+    from kvmesh.services.engine.adapter.async_loads import AsyncLoads
+    from kvmesh.services.engine.adapter.scheduler_lookup import SchedulerLookup
+    from kvmesh.services.engine.adapter.worker_side import WorkerSide
+    from kvmesh.services.engine.connector import KVMeshConnector
+
+    from support.connector_driver import Step, blocks, request, run_step
+    from support.engine import random_tokens
+    from support.waiting import WAIT_S
+
+    kv, caches = grouped_kv(seed=5)
+    tables: dict[str, list[list[int]]] = {}
+    manager = SimpleNamespace(block_pool=SimpleNamespace(null_block=SimpleNamespace(block_id=0)),
+                              get_block_ids=lambda req_id: tuple([b if b >= 0 else 0 for b in t]
+                                                                 for t in tables[req_id]))
+    with rank0_engine(kv.layout) as engine:
+        side = SchedulerSide(engine.config, BLOCK, SchedulerLookup(1, WAIT_S, "test-scheduler"), groups=GROUPS)
+        side.bind_block_tables(manager)
+        sched = KVMeshConnector.from_sides(scheduler_side=side)
+        worker_side = WorkerSide(engine.config, BLOCK, groups=GROUPS)
+        worker_side.engine, worker_side.kv_caches, worker_side.async_loads = engine, caches, AsyncLoads(WAIT_S)
+        engine.cpu.listen(worker_side.cpu_events)
+        work = KVMeshConnector.from_sides(worker_side=worker_side)
+        try:
+            # a: 3 chunks, prefilled in two steps of 48 tokens; before the second, vLLM frees the window
+            # group's block 0 (tokens before 48 - 32 + 1)
+            t_a = random_tokens(3 * CHUNK, seed=41).tolist()
+            assert sched.get_num_new_matched_tokens(request("a", t_a), 0) == (0, False)
+            sched.update_state_after_alloc(request("a", t_a), blocks([10, 11, 12]), 0)
+            tables["a"] = [[10, 11, 12], [30, 31, 32]]
+            run_step(sched, work, Step(new=[("a", [10, 11, 12], 0, 48)]))
+            tables["a"] = [[-1, 11, 12, 13, 14, 15], [30, 31, 32, 33, 34, 35]]
+            run_step(sched, work, Step(cached=[("a", [13, 14, 15], 48, 48, False)]))
+            run_step(sched, work, Step(finished={"a"}))
+            assert engine.lookup(t_a, search_range=["LocalCPUBackend"]) == len(t_a)
+
+            # b: the same prompt, a whole-prompt hit loaded asynchronously; vLLM allocated the window group only
+            # the window before the hit (blocks 4 and 5)
+            b = request("b", t_a)
+            assert sched.get_num_new_matched_tokens(b, 0) == (len(t_a) - 1, True)
+            tables["b"] = [[-1, -1, -1, -1, 20, 21], [40, 41, 42, 43, 44, 45]]
+            sched.update_state_after_alloc(b, blocks(tables["b"][0]), len(t_a) - 1)
+            before = kv.buffer.clone()
+            result = run_step(sched, work, Step())
+            assert result.finished_recving == {"b"} and result.load_errors == set()
+            assert worker_side.take_failed_recving() == set()
+            names = list(caches)
+            for layer, name in enumerate(names):
+                pairs = [(14, 20), (15, 21)] if layer < 2 else [(30 + i, 40 + i) for i in range(6)]
+                for src, dst in pairs:
+                    assert torch.equal(caches[name][dst], caches[name][src]), (name, dst)
+            written = {20, 21, *range(40, 46)}
+            for layer in range(4):
+                for block in set(range(kv.num_blocks)) - written:
+                    assert torch.equal(kv.buffer[layer, block], before[layer, block]), (layer, block)
+            run_step(sched, work, Step(new=[("b", [], len(t_a) - 1, 1)], finished=set()))
+            run_step(sched, work, Step(finished={"b"}))
+
+            # c: vLLM's own prefix cache gave 64 tokens and had freed the window group's first blocks; chunk 0's
+            # window (blocks 0 and 1) is gone, so chunk 0 is not stored; chunks 1 and 2 are
+            t_c = random_tokens(3 * CHUNK, seed=42).tolist()
+            assert sched.get_num_new_matched_tokens(request("c", t_c), 64) == (0, False)
+            sched.update_state_after_alloc(request("c", t_c), blocks([]), 0)
+            tables["c"] = [[-1, -1, 52, 53, 54, 55], [60, 61, 62, 63, 64, 65]]
+            run_step(sched, work, Step(new=[("c", tables["c"][0], 64, 32)]))
+            keys = [span.key for span in engine.hasher.spans(t_c)]
+            assert [key in engine.cpu for key in keys] == [False, True, True]
+        finally:
+            sched.shutdown()
