@@ -69,8 +69,9 @@ adapter, cache_salt, multimodal items, prompt embeddings: `request_extras.py`; t
 quantization and revision, RoPE scaling and any --hf-overrides, and with a quantized KV cache the weights' dtype
 and per-instance KV scales: `model_identity` and the layout's chunk format). The connector supports vLLM's hybrid KV
 cache manager (SupportsHMA): chunks hold every KV cache group's KV, each group through its own block table
-(adapter/kv_groups.py; with groups every load is asynchronous, and a failed one is a failed receive). A model
-with a group kind it does not cache (Mamba / linear-attention state, chunked-local attention, ...;
+(adapter/kv_groups.py; with groups every load is asynchronous, and a failed one is a failed receive); a Mamba /
+linear-attention state is stored beside the chunk it follows, and a hit resumes where one was saved. A model with
+a group kind it does not cache (chunked-local attention, a state without vLLM's "align" mode, ...;
 `unsupported_kv_cache`) starts and is served without the cache, after one WARNING naming the group.
 """
 
@@ -221,7 +222,8 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
     EngineCore, `worker_side` in each worker; the other is None).
 
     It supports vLLM's hybrid KV cache manager (`SupportsHMA`), so vLLM keeps it on: every KV cache group is
-    cached or, for a kind KVMesh does not cache, the model is served without the cache (adapter/kv_groups.py)."""
+    cached (full attention, sliding window, recurrent state) or, for a kind KVMesh does not cache, the model is
+    served without the cache (adapter/kv_groups.py)."""
 
     if CacheHitSource is not None:
         _cache_hit_source = CacheHitSource.HOST

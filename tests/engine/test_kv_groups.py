@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
-from kvmesh.services.engine.adapter.kv_groups import FULL, SLIDING, KVGroup, KVGroups, slot_rows
+from kvmesh.services.engine.adapter.kv_groups import (FULL, SLIDING, KVGroup, KVGroups, page_view, slot_rows,
+                                                     state_key)
 from kvmesh.services.engine.adapter.request_meta import LoadSpec, ReqMeta, SaveSpec
 from kvmesh.services.engine.adapter.scheduler_side import SchedulerSide
 
@@ -138,7 +140,7 @@ def test_a_failed_grouped_load_is_a_failed_receive_never_a_block_error() -> None
 
 
 @pytest.mark.parametrize("kind", ["MambaSpec"])
-def test_a_group_kind_kvmesh_does_not_cache_leaves_the_model_uncached_with_its_name(kind: str) -> None:
+def test_a_state_group_without_states_at_block_ends_leaves_the_model_uncached_with_its_name(kind: str) -> None:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
     full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
@@ -220,3 +222,41 @@ def test_both_halves_store_a_prompt_prefilled_in_steps_and_load_it_into_the_wind
             assert [key in engine.cpu for key in keys] == [False, True, True]
         finally:
             sched.shutdown()
+
+
+def test_a_state_group_is_cached_only_in_align_mode_and_its_state_travels_beside_the_chunks() -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
+
+    def config(*specs: Any) -> KVCacheConfig:
+        return KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                             kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)])
+
+    align = MambaSpec(block_size=16, shapes=((4, 4),), dtypes=(torch.float32,), mamba_cache_mode="align")
+    groups, why = KVGroups.of(config(align, full))
+    assert why is None and groups is not None and groups.has_state and groups.tag == "gM1,F1"
+    assert "'none'" in KVGroups.of(config(MambaSpec(block_size=16, shapes=((4, 4),), dtypes=(torch.float32,)),
+                                          full))[1]
+    assert "no attention layer" in KVGroups.of(config(align))[1]
+
+    tables = [[-1, 7, -1, 9], [1, 2, 3, 4]]  # vLLM kept the states after 32 and 64 tokens (blocks 1 and 3)
+    assert [groups.state_held(tables, end) for end in (16, 32, 48, 64, 40)] == [False, True, False, True, False]
+    chunk = groups.chunk_slots(tables, 64)
+    assert (chunk[0] == -1).all() and chunk[1, 16] == 2 * 16  # the state group's pages travel as states only
+    state = groups.state_slots(tables, 64)
+    assert state.shape == (2, 64) and (state[1] == -1).all() and (state[0, :48] == -1).all()
+    assert state[0, 48:].tolist() == list(range(9 * 16, 10 * 16))
+    assert state_key(b"k" * 16) == state_key(b"k" * 16) != b"k" * 16 and len(state_key(b"k" * 16)) == 16
+
+
+def test_a_state_layers_pages_are_seen_as_attention_pages_over_the_same_memory() -> None:
+    pages = torch.zeros(8, 4096, dtype=torch.uint8)  # 8 blocks of 4 KiB, as vLLM's one buffer holds them
+    attention = pages.view(torch.bfloat16).view(8, 2, 16, 64)  # [blocks, heads, block_size, 2 * head_size]
+    state = pages.view(8, 1, 1, 4096)[:, :, :, :1000]  # vLLM's view of a state: the first bytes of each page
+    view = page_view(state, attention)
+    assert view.shape == attention.shape and view.dtype == attention.dtype and view.stride() == attention.stride()
+    view[3].fill_(1.0)
+    assert (state[3] != 0).all() and (state[2] == 0).all()
+    with pytest.raises(ValueError, match="pages"):
+        page_view(pages.view(16, 1, 1, 2048), attention)

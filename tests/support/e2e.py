@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from support.waiting import WAIT_S, wait_until
 
@@ -284,6 +284,41 @@ class VLLMServer(ManagedProcess):
         assert self.retrieved(completion) == [hit.load] * ranks, (hit, self.retrieved(completion))
         assert not self.load_errors(completion), self.load_errors(completion)
         return hit
+
+
+# The connector's WARNING for a model it does not cache, and vLLM's when it turns its hybrid manager off.
+REFUSED = "KVMesh loads and stores nothing for model"
+HMA_OFF = "Turning off hybrid kv cache manager"
+
+
+def _text(completion: dict[str, Any]) -> str:
+    return completion["choices"][0]["text"]
+
+
+def check_hits_with_identical_output(server: VLLMServer, ref: VLLMServer, prompt: str, extension: str,
+                                     between: Callable[[], None] = lambda: None, chunk: int = 256) -> None:
+    """Cold, warm (a proven load, at most a `chunk` short of the prompt) and a longer prompt (a proven partial
+    hit), 16 greedy tokens each: each answer equals `ref`'s (the same model without the connector), and the
+    connector neither refused the model nor had vLLM turn its hybrid KV cache manager off. `between` runs
+    before each warm request (e.g. emptying vLLM's own prefix cache)."""
+    expected = _text(ref.complete(prompt, max_tokens=16))
+    cold = server.complete(prompt, max_tokens=16)
+    assert server.hit_for(cold).hit == 0 and _text(cold) == expected
+    between()
+    warm = server.complete(prompt, max_tokens=16)
+    assert server.assert_loaded(warm).hit >= cold["usage"]["prompt_tokens"] - chunk
+    assert _text(warm) == expected
+    longer = prompt + extension
+    longer_expected = _text(ref.complete(longer, max_tokens=16))
+    between()
+    extended = server.complete(longer, max_tokens=16)
+    hit = server.assert_loaded(extended)
+    assert hit.hit >= cold["usage"]["prompt_tokens"] - chunk and hit.hit < extended["usage"]["prompt_tokens"]
+    assert _text(extended) == longer_expected
+    log = server.log_text()
+    assert REFUSED not in log and HMA_OFF not in log
+
+
 
 
 def start_vllm(*servers: VLLMServer, timeout: float = 400.0) -> None:

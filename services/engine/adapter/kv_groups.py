@@ -14,8 +14,16 @@ What each kind needs:
     the chunk's end would load are still held (`KVGroups.saveable_from`); the rest of a stored chunk may be
     stale for that group, and no load ever writes it (vLLM allocates at most that window before a hit, and
     less for a later hit: the skipped count only grows with the hit).
-  * anything else (Mamba / GDN state, chunked-local attention, cross attention, ...) is not cached yet: the
-    model is served without KVMesh, with one WARNING naming the group (`KVGroups.of`).
+  * recurrent state (`MambaSpec`: Mamba, Gated DeltaNet / linear attention): no KV per token, one state per
+    request, which vLLM's "align" mode (prefix caching on) keeps per block where a step ends: the state after
+    (i + 1) * B tokens is block i's page. It is stored beside the chunk that ends there, under the chunk's state
+    key (`state_key`), as one page per state layer (`page_view`: a state page copies like an attention page of
+    the same size), and a hit ends only at a chunk whose state every rank holds (the scheduler looks the
+    candidates up longest first). The load writes it into the block vLLM allocates for it (block hit / B - 1).
+    Chunks themselves carry no state pages (their state rows are -1). Without "align" mode there is no state to
+    resume from: the model is served without the cache.
+  * anything else (chunked-local attention, cross attention, ...) is not cached: the model is served without
+    KVMesh, with one WARNING naming the group (`KVGroups.of`).
 
 vLLM refuses block-level load errors from a connector when there are several groups, so with groups every
 load runs asynchronously and a failed one is reported as a failed receive (vLLM recomputes the request).
@@ -23,6 +31,7 @@ load runs asynchronously and a failed one is reported as a failed receive (vLLM 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -30,16 +39,19 @@ import torch
 
 FULL = "full"
 SLIDING = "sliding"
+STATE = "state"  # Mamba / linear attention (GDN): a recurrent state per request, not KV per token
 # KV cache specs whose blocks hold every token's KV, the same way in every layer of the group.
 FULL_ATTENTION_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
 SLIDING_WINDOW_SPECS = ("SlidingWindowSpec",)
+STATE_SPECS = ("MambaSpec",)
+STATE_PERSON = b"kvmesh-state"  # the personalisation of a state key's hash (state_key)
 
 
 @dataclass(frozen=True)
 class KVGroup:
     """One of vLLM's KV cache groups: its kind, its layers, and for sliding windows what vLLM keeps."""
 
-    kind: str  # FULL or SLIDING
+    kind: str  # FULL, SLIDING or STATE
     layer_names: tuple[str, ...]
     sliding_window: int = 0
     extra_retained_tokens: int = 0
@@ -53,6 +65,8 @@ class KVGroup:
 
     @property
     def tag(self) -> str:
+        if self.kind == STATE:
+            return f"M{len(self.layer_names)}"
         return f"F{len(self.layer_names)}" if self.kind == FULL else \
             f"S{len(self.layer_names)}w{self.sliding_window}+{self.extra_retained_tokens}"
 
@@ -84,14 +98,54 @@ class KVGroups:
             elif kind in SLIDING_WINDOW_SPECS:
                 groups.append(KVGroup(SLIDING, tuple(group.layer_names), int(spec.sliding_window),
                                       int(getattr(spec, "extra_retained_tokens", 0) or 0)))
+            elif kind in STATE_SPECS:
+                why = _uncached_state(spec)
+                if why is not None:
+                    return None, f"its KV cache group of {kind} ({_names(group.layer_names)}) {why}"
+                groups.append(KVGroup(STATE, tuple(group.layer_names)))
             else:
-                layers = ", ".join(group.layer_names[:3]) + (", ..." if len(group.layer_names) > 3 else "")
-                return None, (f"its KV cache group of {kind} ({layers}) is not cached by KVMesh yet: only full "
-                              "attention and sliding-window groups are")
+                return None, (f"its KV cache group of {kind} ({_names(group.layer_names)}) is not cached by KVMesh: "
+                              "full attention, sliding-window and Mamba state groups are")
         sizes = {int(spec.block_size) for _, spec in specs}
         if len(sizes) != 1:
             return None, f"its KV cache groups have different block sizes {sorted(sizes)}"
+        if all(group.kind == STATE for group in groups):
+            return None, "it has no attention layer (only recurrent state): KVMesh stores states beside KV"
         return cls(tuple(groups), sizes.pop()), None
+
+    @property
+    def has_state(self) -> bool:
+        """Whether a hit needs a recurrent state saved at its end (a Mamba / GDN group)."""
+        return any(group.kind == STATE for group in self.groups)
+
+    def state_held(self, tables: Sequence[Sequence[int]], end: int) -> bool:
+        """Whether every state group holds the state after `end` tokens in the step these tables are for: in
+        vLLM's "align" mode the state after (i + 1) * B tokens is block i's page, which vLLM fills only where a
+        step ended (a block that holds no state yet is its null block)."""
+        if end <= 0 or end % self.block_size:
+            return False
+        index = end // self.block_size - 1
+        return all(len(table) > index and table[index] != -1
+                   for group, table in zip(self.groups, tables) if group.kind == STATE)
+
+    def chunk_slots(self, tables: Sequence[Sequence[int]], num_tokens: int) -> torch.Tensor:
+        """A chunk's slots, one row per group (`slot_rows`); state groups get none (-1): their pages travel as
+        the state beside the chunk (`state_slots`)."""
+        rows = slot_rows(tables, num_tokens, self.block_size, -1)
+        for i, group in enumerate(self.groups):
+            if group.kind == STATE:
+                rows[i] = -1
+        return rows
+
+    def state_slots(self, tables: Sequence[Sequence[int]], end: int) -> torch.Tensor:
+        """The slots of the state after `end` tokens: for tokens [end - B, end), the state groups' block
+        end / B - 1 (one whole page per layer), nothing (-1) for the other groups."""
+        rows = torch.full((len(self.groups), end), -1, dtype=torch.int64)
+        block_rows = slot_rows(tables, end, self.block_size, -1)
+        for i, group in enumerate(self.groups):
+            if group.kind == STATE:
+                rows[i, end - self.block_size:] = block_rows[i, end - self.block_size:]
+        return rows
 
     @property
     def grouped(self) -> bool:
@@ -132,13 +186,51 @@ class KVGroups:
         return first
 
     def held_for_hit(self, tables: Sequence[Sequence[int]], hit: int, null_block: int) -> bool:
-        """Whether every group holds the blocks vLLM would allocate for a hit of `hit` tokens."""
+        """Whether every attention group holds the blocks vLLM would allocate for a hit of `hit` tokens (states
+        are stored beside the chunks where they exist: `state_held`)."""
         last = -(-hit // self.block_size)
         for group, table in zip(self.groups, tables):
+            if group.kind == STATE:
+                continue
             first = group.skipped_tokens(hit) // self.block_size
             if len(table) < last or any(block == null_block for block in table[first:last]):
                 return False
         return True
+
+
+def state_key(chain_key: bytes) -> bytes:
+    """The key of the recurrent state after the chunk whose chain key is `chain_key` (stored beside it)."""
+    return hashlib.blake2b(chain_key, digest_size=len(chain_key), person=STATE_PERSON).digest()
+
+
+def page_view(state: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
+    """A state layer's cache (vLLM's view of its state inside each page) as `template`'s shape, dtype and strides
+    over the same memory: with the hybrid manager every layer's page has one size, so a page of state copies
+    like a page of KV. ValueError when the pages differ."""
+    page_bytes = template.stride(0) * template.element_size()
+    if state.stride(0) * state.element_size() != page_bytes or state.shape[0] != template.shape[0]:
+        raise ValueError(f"a state layer's pages ({state.shape[0]} of {state.stride(0) * state.element_size()} "
+                         f"bytes) differ from the attention layers' ({template.shape[0]} of {page_bytes} bytes)")
+    offset = state.storage_offset() * state.element_size()
+    if offset % template.element_size():
+        raise ValueError(f"a state layer starts at byte {offset}, not a multiple of {template.element_size()}")
+    storage = torch.empty(0, dtype=template.dtype, device=state.device).set_(state.untyped_storage())
+    return storage.as_strided(template.shape, template.stride(), offset // template.element_size())
+
+
+def _uncached_state(spec: Any) -> str | None:
+    """Why KVMesh cannot cache this Mamba group's state, or None."""
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode != "align":
+        return (f"keeps its state in mamba_cache_mode {mode!r}: vLLM keeps states at block boundaries only in "
+                "'align' mode (--enable-prefix-caching, or --mamba-cache-mode align)")
+    if getattr(spec, "num_speculative_blocks", 0):
+        return "has speculative-decoding state blocks, which KVMesh does not follow"
+    return None
+
+
+def _names(layer_names: Sequence[str]) -> str:
+    return ", ".join(layer_names[:3]) + (", ..." if len(layer_names) > 3 else "")
 
 
 def slot_rows(tables: Sequence[Sequence[int]], num_tokens: int, block_size: int, null_block: int) -> torch.Tensor:

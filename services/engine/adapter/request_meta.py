@@ -60,6 +60,8 @@ class LoadSpec:
     skip_prefix: int
     asynchronous: bool = False  # between steps (async_loads.py): vLLM waits for it in finished_recving
     last_key: ChunkKey | None = None  # the last span's key when it is a block prefix of its chunk (ends at `end`)
+    # models with recurrent state (kv_groups.py): the chain key of the chunk ending at `end`, whose state is loaded
+    state_key: ChunkKey | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,8 @@ class SaveSpec:
     mask_start: int
     prefix_end: int = 0
     prefix_key: ChunkKey | None = None
+    # models with recurrent state (kv_groups.py): the chunk ends whose state this step left, stored beside them
+    state_ends: tuple[int, ...] = ()
 
 
 @dataclass
@@ -153,6 +157,7 @@ class RequestTracker:
     lower: "LowerLookup | None" = None  # its lookup in the workers' lower tiers, once asked
     hit: int = 0  # tokens the cache held at lookup
     hit_key: ChunkKey | None = None  # the key of the hit's last span when it is a block prefix (block_prefix.py)
+    state_key: ChunkKey | None = None  # models with recurrent state: the chain key of the chunk the hit ends with
     probe: "BlockPrefixProbe | None" = None  # its lookup of block prefixes, once asked
     cpu_tokens: int = 0  # of those, in the CPU tiers before the lower tiers were asked (the async decision)
     local: int = 0  # tokens vLLM had computed itself (its prefix cache) when we looked up
@@ -178,6 +183,7 @@ class RequestTracker:
         longer, and its last chunks' keys differ)."""
         self.lower = None
         self.probe = None
+        self.state_key = None
         self.cpu_tokens = 0
         self.lookup_tokens = 0
 
@@ -227,7 +233,8 @@ class RequestTracker:
         need = self.local + self.num_to_load
         end = self.hit if self.hit > need else need
         return LoadSpec(end=end, need=need, mask_start=floor_to(self.local, chunk_size), skip_prefix=self.local,
-                        asynchronous=self.load_async, last_key=self.hit_key if end == self.hit else None)
+                        asynchronous=self.load_async, last_key=self.hit_key if end == self.hit else None,
+                        state_key=self.state_key if end == self.hit else None)
 
     def take_save(self, num_computed_after: int, chunk_size: int, save_unfull_chunk: bool,
                   save_decode_cache: bool, block_size: int = 0) -> SaveSpec | None:

@@ -17,7 +17,7 @@ from kvmesh.services.engine.adapter.async_loads import loads_asynchronously
 from kvmesh.services.engine.adapter.block_prefix import BlockPrefixProbe
 from kvmesh.services.engine.adapter.connector_stats import KVMeshStats
 from kvmesh.services.engine.adapter.kv_events import KVEventLog
-from kvmesh.services.engine.adapter.kv_groups import KVGroups
+from kvmesh.services.engine.adapter.kv_groups import KVGroups, state_key
 from kvmesh.services.engine.adapter.request_extras import lora_name_of, request_extras
 from kvmesh.services.engine.adapter.request_meta import (
     KVMeshConnectorMetadata,
@@ -145,7 +145,10 @@ class SchedulerSide:
         hit, tracker.lower = self.lookup.held(tracker.chain[:len(chain_keys)], total, tracker.lower)
         if hit is None:
             return None, False  # the lower tiers have not answered yet: vLLM asks again next step
-        hit, tracker.hit_key = self._block_prefix_hit(tracker, hasher, hit, total)
+        if self.groups is not None and self.groups.has_state:
+            hit, tracker.state_key = self._state_hit(tracker, hit, total)
+        else:
+            hit, tracker.hit_key = self._block_prefix_hit(tracker, hasher, hit, total)
         if hit is None:
             return None, False
         log.debug("lookup of %d tokens for %s took %.2f ms", total, request.request_id,
@@ -193,6 +196,25 @@ class SchedulerSide:
         if tracker.cpu_tokens == hit and self.lookup.in_cpu(span):  # for the async decision, as the chain's
             tracker.cpu_tokens = span.end
         return span.end, span.key
+
+    def _state_hit(self, tracker: RequestTracker, hit: int, total: int) -> tuple[int | None, ChunkKey | None]:
+        """A model with recurrent state can resume only where a state was saved (kv_groups.py): the longest
+        chunk end within the chain's `hit` (and before the request's last token) whose state every rank holds,
+        with its chunk's chain key; (0, None) when there is none, (None, None) while a lower tier is asked.
+        The candidates are looked up like block prefixes (block_prefix.py), longest first."""
+        assert self.lookup is not None
+        last = min(hit, total - 1) // self.chunk_size
+        probe = tracker.probe
+        if probe is None or probe.after != hit:
+            spans = [ChunkSpan(k - 1, k * self.chunk_size - self.block_size, k * self.chunk_size,
+                               state_key(tracker.chain[k - 1].key)) for k in range(last, 0, -1)]
+            probe = tracker.probe = BlockPrefixProbe(hit, spans, [None] * len(spans))
+        answered, span = probe.held(self.lookup)
+        if not answered:
+            return None, None
+        if span is None:
+            return 0, None
+        return span.end, tracker.chain[span.end // self.chunk_size - 1].key
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         if self.unsupported is not None:
@@ -288,6 +310,11 @@ class SchedulerSide:
             tables = None
         if tables is None:
             return None, None
+        if save is not None and self.groups.has_state:  # the states this step left at chunk ends
+            first = save.mask_start - save.mask_start % self.chunk_size + self.chunk_size
+            ends = tuple(end for end in range(first, save.end + 1, self.chunk_size)
+                         if self.groups.state_held(tables, end))
+            save = dataclasses.replace(save, state_ends=ends)
         if save is not None:
             start = self.groups.saveable_from(tables, save.mask_start, save.end, self.chunk_size, -1)
             prefix_end = save.prefix_end

@@ -20,7 +20,7 @@ import torch
 from kvmesh.services.engine.adapter.async_loads import IDLE_WAIT_SECS, AsyncLoads, PendingLoad
 from kvmesh.services.engine.adapter.async_saves import AsyncSaves
 from kvmesh.services.engine.adapter.connector_stats import STORAGE_COUNTERS, GaugeClock, Increments, KVMeshStats
-from kvmesh.services.engine.adapter.kv_groups import KVGroups
+from kvmesh.services.engine.adapter.kv_groups import STATE, KVGroups, page_view, state_key
 from kvmesh.services.engine.adapter.load_agreement import CollectiveAgreement, RankAgreement
 from kvmesh.services.engine.adapter.request_meta import KVMeshConnectorMetadata, ReqMeta, SaveSpec
 from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, StepEventLog, engines
@@ -163,7 +163,11 @@ class WorkerSide:
         if missing or len(order) != len(kv_caches):
             raise ValueError(f"the KV cache groups name layers {missing or order} that vLLM did not register as "
                              f"{sorted(kv_caches)}")
-        return {name: kv_caches[name] for name in order}
+        states = {name for group in self.groups.groups if group.kind == STATE for name in group.layer_names}
+        template = next(kv_caches[name] for name in order if name not in states)
+        # a state layer's pages, seen as an attention layer's: one layout copies whole pages of both
+        return {name: page_view(kv_caches[name], template) if name in states else kv_caches[name]
+                for name in order}
 
     def handle_preemptions(self, kv_connector_metadata: "KVConnectorMetadata") -> None:
         """Worker, before the step's forward: vLLM freed the preempted requests' blocks, and this step may
@@ -241,6 +245,11 @@ class WorkerSide:
     def _start_load(self, req: ReqMeta, layerwise: list[tuple[ReqMeta, list[ChunkCopy], list[Any]]]) -> None:
         load = req.load
         assert load is not None
+        if self.groups is not None and self.groups.has_state and load.state_key is None:
+            # a load that does not end where a state was saved (vLLM changed it): nothing to resume from
+            self._fail_load(req, load.skip_prefix)
+            self._finished_recving.add(req.req_id)
+            return
         if load.asynchronous:
             self.async_saves.unhold(req.req_id)  # vLLM holds its blocks for the load (see unhold)
             if not self._start_async_load(req):  # no lower tier to fetch from now: load at once
@@ -291,6 +300,29 @@ class WorkerSide:
                 assert req.load is not None
                 self._fail_load(req, req.load.skip_prefix)
 
+    def _slots(self, req: ReqMeta, num_tokens: int) -> torch.Tensor:
+        """The slots of the request's first `num_tokens` tokens (with groups one row per group, none for the
+        state groups: kv_groups.py)."""
+        if self.groups is not None and req.group_block_ids is not None:
+            return self.groups.chunk_slots(req.group_block_ids, num_tokens)
+        return req.slot_mapping(num_tokens, self.block_size)
+
+    def _state_span(self, req: ReqMeta, end: int, chain_key: Any) -> tuple[ChunkSpan, torch.Tensor]:
+        """This worker's span of the recurrent state after `end` tokens (stored under `chain_key`'s state key),
+        and its slots (kv_groups.py)."""
+        assert self.groups is not None and req.group_block_ids is not None
+        chain_span = ChunkSpan((end - 1) // self.chunk_size, end - self.block_size, end, state_key(chain_key))
+        return self.engine.hasher.shard([chain_span])[0], self.groups.state_slots(req.group_block_ids, end)
+
+    def _load_state(self, req: ReqMeta, refs: list[Any] | None = None) -> bool:
+        """Write the state at the load's end (fetched in `refs`, else from the tiers now); whether it was."""
+        load = req.load
+        assert load is not None and load.state_key is not None
+        span, slots = self._state_span(req, load.end, load.state_key)
+        if refs is None:
+            return self.engine.retrieve_chunks([span], self.kv_caches, slots) == 1
+        return bool(refs) and self.engine.scatter_chunks([span], refs, self.kv_caches, slots) == 1
+
     def _load_spans(self, req: ReqMeta) -> list[ChunkSpan]:
         """This worker's spans of the request's load (the last one a block prefix's when `last_key` is set)."""
         load = req.load
@@ -305,9 +337,10 @@ class WorkerSide:
         loaded_upto = load.mask_start
         try:
             spans = self._load_spans(req)
-            loaded = self.engine.retrieve_chunks(spans, self.kv_caches, req.slot_mapping(load.end, self.block_size),
-                                                 load.skip_prefix)
+            loaded = self.engine.retrieve_chunks(spans, self.kv_caches, self._slots(req, load.end), load.skip_prefix)
             loaded_upto = spans[loaded - 1].end if loaded else load.mask_start
+            if load.state_key is not None and (loaded < len(spans) or not self._load_state(req)):
+                loaded_upto = load.mask_start  # KV without the state at its end is of no use
         except Exception as exc:
             log.warning("loading KV for request %s failed (%s: %s); vLLM recomputes it", req.req_id,
                         type(exc).__name__, exc)
@@ -319,6 +352,8 @@ class WorkerSide:
         assert load is not None
         try:
             spans = self._load_spans(req)
+            if load.state_key is not None:  # fetched last, behind the chunks (kv_groups.py)
+                spans = [*spans, self._state_span(req, load.end, load.state_key)[0]]
             future = self.engine.fetch_chunks(spans)
         except Exception as exc:
             log.warning("cannot start loading KV for request %s asynchronously (%s: %s); loading it now",
@@ -335,13 +370,25 @@ class WorkerSide:
         req, load = pending.req, pending.req.load
         assert load is not None
         loaded_upto = load.mask_start
+        spans = pending.spans
+        state_refs: list[Any] = []
+        if load.state_key is not None:  # the state was fetched last: the chunks before it, then the state
+            spans = spans[:-1]
+            refs, state_refs = refs[:len(spans)], refs[len(spans):]
         try:
-            loaded = self.engine.scatter_chunks(pending.spans, refs, self.kv_caches,
-                                                req.slot_mapping(load.end, self.block_size), load.skip_prefix)
-            loaded_upto = pending.spans[loaded - 1].end if loaded else load.mask_start
+            loaded = self.engine.scatter_chunks(spans, refs, self.kv_caches, self._slots(req, load.end),
+                                                load.skip_prefix)
+            loaded_upto = spans[loaded - 1].end if loaded else load.mask_start
+            if load.state_key is not None:
+                taken, state_refs = (state_refs, []) if loaded == len(spans) else ([], state_refs)
+                if not self._load_state(req, taken):
+                    loaded_upto = load.mask_start  # KV without the state at its end is of no use
         except Exception as exc:
             log.warning("loading KV for request %s failed (%s: %s); vLLM recomputes it", req.req_id,
                         type(exc).__name__, exc)
+        finally:
+            for ref in state_refs:  # a state behind chunks that were not all there
+                ref.release()
         self._account_load(req, loaded_upto, pending.started)
 
     def _account_load(self, req: ReqMeta, loaded_upto: int, started: float) -> None:
@@ -414,6 +461,7 @@ class WorkerSide:
             try:
                 started = time.perf_counter()
                 spans = self._save_spans(req, save)
+                self._store_states(req, save, stream)
                 end = max((span.end for span in spans), default=save.mask_start)
                 if end < save.end:
                     log.warning("request %s: not storing tokens %d to %d: a load into its blocks failed and vLLM "
@@ -422,7 +470,7 @@ class WorkerSide:
                     continue
                 log.info("Storing KV cache for %d out of %d tokens for request %s", end - save.mask_start, end,
                          req.req_id)
-                slots = req.slot_mapping(end, self.block_size)
+                slots = self._slots(req, end)
                 if stream is None:
                     self.engine.store_chunks(spans, self.kv_caches, slots)
                 else:  # queued on the side stream; admitted by get_finished once copied
@@ -433,6 +481,21 @@ class WorkerSide:
             except Exception as exc:
                 log.warning("storing KV for request %s failed (%s: %s); skipped", req.req_id, type(exc).__name__,
                             exc)
+
+    def _store_states(self, req: ReqMeta, save: SaveSpec, stream: Any) -> None:
+        """Store the recurrent states the step left at chunk ends (`SaveSpec.state_ends`, kv_groups.py), none
+        past a failed load's first wrong token."""
+        limit = self._save_limit(req)
+        for end in save.state_ends:
+            if limit is not None and end > limit:
+                continue
+            span, slots = self._state_span(req, end, req.chunk_keys[end // self.chunk_size - 1])
+            if stream is None:
+                self.engine.store_chunks([span], self.kv_caches, slots)
+            else:
+                job = self.engine.gather_chunks([span], self.kv_caches, slots, stream)
+                if job is not None:
+                    self.async_saves.add(req.req_id, job)
 
     def _save_spans(self, req: ReqMeta, save: SaveSpec) -> list[ChunkSpan]:
         """This worker's spans of the request's save: its chunks, the last chunk's block prefix before the last
