@@ -260,3 +260,19 @@ def test_a_state_layers_pages_are_seen_as_attention_pages_over_the_same_memory()
     assert (state[3] != 0).all() and (state[2] == 0).all()
     with pytest.raises(ValueError, match="pages"):
         page_view(pages.view(16, 1, 1, 2048), attention)
+
+
+def test_a_chunk_size_the_blocks_do_not_divide_serves_the_model_without_the_cache(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's hybrid manager may unify every group's block size past chunk_size (384 for a tiny Granite 4.0-H
+    here): the CPU layout copies whole blocks, so the model is served without the cache, never a failed start."""
+    from kvmesh.services.engine.adapter.worker_side import WorkerSide
+
+    kv = PagedKV()
+    side = WorkerSide(engine_config(chunk_size=40), BLOCK,
+                      vllm_config=SimpleNamespace(model_config=SimpleNamespace(model="granite-like")))
+    with caplog.at_level("WARNING", logger="kvmesh.connector"):
+        side.register_kv_caches(kv.caches)
+    assert side.engine is None and side.kv_caches == {}
+    assert any("granite-like" in r.message and "not a multiple of block_size 16" in r.message
+               for r in caplog.records), caplog.text

@@ -122,7 +122,8 @@ class WorkerSide:
             if self.groups is not None:
                 layout = dataclasses.replace(layout, group_layers=self.groups.layers_per_group(),
                                              groups_tag=self.groups.tag)
-        except ValueError as exc:  # layers that differ, a shape we cannot copy: serve without the cache
+            layout.check_chunk_size(self.chunk_size)  # e.g. a hybrid model's block size unified past it
+        except ValueError as exc:  # layers that differ, a shape or chunk size we cannot copy: serve uncached
             log.warning("KVMesh loads and stores nothing for model %s: its KV caches cannot be copied (%s)",
                         self.vllm_config.model_config.model, exc)
             self.kv_caches = {}
