@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import pytest
 
 from support.e2e import VLLMServer, check_hits_with_identical_output, clean_env, free_port, kv_transfer_config, \
-    start_vllm
+    serving
 
 pytestmark = pytest.mark.vllm
 
@@ -45,12 +45,8 @@ def model_servers(tmp_path_factory: pytest.TempPathFactory, hybrid_model: Path,
         "swa": server("swa", swa_model, True, extra_args=CHUNKED_PREFILL),
         "swa-ref": server("swa-ref", swa_model, False, extra_args=CHUNKED_PREFILL),
     }
-    try:
-        start_vllm(*servers.values())
+    with serving(servers):
         yield servers
-    finally:
-        for one in servers.values():
-            one.stop()
 
 
 def test_mixed_sliding_window_model_hits_with_identical_output(model_servers: dict[str, VLLMServer],

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import pytest
 
 from support.e2e import (HMA_OFF, REFUSED, VLLMServer, check_hits_with_identical_output, clean_env, free_port,
-                         kv_transfer_config, start_vllm)
+                         kv_transfer_config, serving)
 
 pytestmark = pytest.mark.vllm
 
@@ -46,12 +46,8 @@ def state_servers(tmp_path_factory: pytest.TempPathFactory, gdn_model: Path) -> 
 
     servers = {"gdn": server("gdn", True, *STATE_STEPS), "gdn-ref": server("gdn-ref", False, *STATE_STEPS),
                "gdn-none": server("gdn-none", True, prefix_caching=False)}
-    try:
-        start_vllm(*servers.values())
+    with serving(servers):
         yield servers
-    finally:
-        for one in servers.values():
-            one.stop()
 
 
 def test_a_linear_attention_hybrid_resumes_from_a_saved_state_with_identical_output(

@@ -23,9 +23,10 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from support.waiting import WAIT_S, wait_until
 
@@ -327,6 +328,17 @@ def start_vllm(*servers: VLLMServer, timeout: float = 400.0) -> None:
         server.start()
     for server in servers:
         server.wait_ready(timeout)
+
+
+@contextmanager
+def serving(servers: dict[str, VLLMServer]) -> Iterator[dict[str, VLLMServer]]:
+    """`servers` started together (`start_vllm`), and all stopped afterwards (a module fixture's body)."""
+    try:
+        start_vllm(*servers.values())
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
 
 
 class MeshUp(ManagedProcess):
