@@ -275,11 +275,16 @@ class VLLMServer(ManagedProcess):
         return [m.group(0) for m in LOAD_ERROR_LINE.finditer(self.log_text())
                 if (m["req"] or m["req2"]).startswith(prefix)]
 
+    def kvmesh_warnings(self, lines: int = 20) -> str:
+        """The last KVMesh WARNING and ERROR lines of the log: why a lookup or a load may have come up short."""
+        found = [line for line in self.log_text().splitlines() if re.match(r"KVMesh (WARNING|ERROR)", line)]
+        return "\n".join(found[-lines:])
+
     def assert_loaded(self, completion: dict[str, Any], ranks: int = 1, timeout: float = WAIT_S) -> HitLine:
         """The completion was a hit AND every rank's worker loaded exactly what the scheduler promised, with no
         load error: a hit that silently fell back to recompute fails here."""
         hit = self.hit_for(completion, timeout)
-        assert hit.load > 0, f"not a hit: {hit}"
+        assert hit.load > 0, f"not a hit: {hit}; the server's last KVMesh warnings:\n{self.kvmesh_warnings()}"
         wait_until(lambda: len(self.retrieved(completion)) >= ranks, timeout, interval=0.2,
                    what=f"{ranks} 'Retrieved' line(s) for {completion['id']}")
         assert self.retrieved(completion) == [hit.load] * ranks, (hit, self.retrieved(completion))
