@@ -33,6 +33,8 @@ ChunkKey = bytes  # 16 bytes
 KEY_BYTES = 16
 EXTRAS_PERSON = b"kvmesh-extras"  # blake2b personalisation of chunks hashed with extras
 SHARD_PERSON = b"kvmesh-shard"  # blake2b personalisation of a rank's key derived from the chain key
+STATE_PERSON = b"kvmesh-state"  # blake2b personalisation of a recurrent state's key (state_key)
+STATE_GROUP_TAG = "M"  # a state group's letter in a chunk format's groups tag (".../gM1,M1,F1": kv_groups.py)
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,19 @@ class KeyExtras:
         if index < len(self.embeds_digests):
             parts.append(["embeds", self.embeds_digests[index]])
         return msgpack.packb(parts, use_bin_type=True) if parts else None
+
+
+def state_key(chain_key: ChunkKey) -> ChunkKey:
+    """The chain key of the recurrent state after the chunk whose chain key is `chain_key` (a model with Mamba /
+    linear-attention layers stores it beside the chunk; sharded per rank like a chunk's)."""
+    return hashlib.blake2b(chain_key, digest_size=len(chain_key), person=STATE_PERSON).digest()
+
+
+def has_state_groups(kv_format: str) -> bool:
+    """Whether chunks of `kv_format` come with recurrent states: a prefix is usable only up to a chunk whose
+    state is held too. The groups tag is the format's last part (KVLayout.chunk_format)."""
+    tag = kv_format.rsplit("/", 1)[-1]
+    return tag.startswith("g") and any(group.startswith(STATE_GROUP_TAG) for group in tag[1:].split(","))
 
 
 @dataclass(frozen=True)
@@ -222,6 +237,19 @@ class ChunkHasher:
         if not params.sharded:
             return list(chain_spans)
         return [ChunkSpan(s.index, s.start, s.end, params.shard_key(s.key)) for s in chain_spans]
+
+    def state_spans(self, chain_spans: Sequence[ChunkSpan], block_size: int) -> list[ChunkSpan]:
+        """This shard's spans of the recurrent states after the full chunks of `chain_spans` (the state after a
+        chunk is the page of its last block)."""
+        return self.shard([ChunkSpan(s.index, s.end - block_size, s.end, state_key(s.key)) for s in chain_spans
+                           if s.num_tokens == self.chunk_size])
+
+    def spans_and_states(self, tokens: Sequence[int] | np.ndarray | "object", extras: KeyExtras | None,
+                         state_block: int) -> tuple[list[ChunkSpan], list[ChunkSpan]]:
+        """This shard's spans of `tokens` and, when `state_block` is set (KVLayout.state_block), of the states
+        after their full chunks: what a pin, unpin or move of the tokens covers."""
+        chain = self.chain(tokens, extras=extras)
+        return self.shard(chain), self.state_spans(chain, state_block) if state_block else []
 
     def keys(self, tokens: Sequence[int] | np.ndarray | "object", extras: KeyExtras | None = None) -> list[ChunkKey]:
         return [span.key for span in self.spans(tokens, extras=extras)]

@@ -9,7 +9,9 @@ name a `cache_salt` and a `lora_name` (`KeyRequest`): the keys then mix in the s
 identity as that worker registered it (`worker_extras`); an instance that never served the adapter holds
 nothing for it. An instance is
 credited, per location, with its own *contiguous* prefix from token 0: the end token of the last chunk
-before its first miss (a partial last chunk counts with its own length). With several ranks, a chunk counts
+before its first miss (a partial last chunk counts with its own length); for a model with recurrent state (a
+chunk format naming a state group), the end of the last of those chunks whose state is held there too, as only
+there can a load resume (engine adapter/kv_groups.py). With several ranks, a chunk counts
 only if every rank holds its shard. The answer per instance is its best location: longest prefix, ties to
 the faster tier (LocalCPUBackend > LocalDiskBackend > RemoteBackend); instances matching nothing are left out.
 
@@ -24,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvmesh.shared.keys import ChunkHasher, KeyExtras, tokens_as_array
+from kvmesh.shared.keys import ChunkHasher, KeyExtras, has_state_groups, state_key, tokens_as_array
 from kvmesh.shared.protocol import LOCATIONS, RegisterEngine
 from kvmesh.services.controller.producers import KeySpec as HasherSpec, ProducerTable, key_spec
 
@@ -133,8 +135,11 @@ class LookupEngine:
         # per instance: [min prefix over ranks per location..., ranks seen per location...]
         best: dict[str, list[int]] = {}
         for group in plan.groups:
-            # (holder masks, end token) per chunk, by the adapter the keys were made with
-            chunks_by_adapter: dict[str | None, tuple[list[int], list[int]]] = {}
+            hasher = group.hasher
+            with_states = has_state_groups(hasher.params.kv_format)
+            # (holder masks, end token, holder masks of the state after it) per chunk, by the adapter the keys
+            # were made with
+            chunks_by_adapter: dict[str | None, tuple[list[int], list[int], list[int] | None]] = {}
             for consumer in group.consumers:
                 try:
                     extras = worker_extras(consumer.registration, key_request)
@@ -143,9 +148,12 @@ class LookupEngine:
                 lora_id = extras.lora_id if extras is not None else None
                 chunks = chunks_by_adapter.get(lora_id)
                 if chunks is None:
-                    spans = group.hasher.spans(token_array, extras=extras)
-                    chunks = chunks_by_adapter[lora_id] = ([get(s.key, 0) for s in spans], [s.end for s in spans])
-                masks, ends = chunks
+                    chain = hasher.chain(token_array, extras=extras)
+                    states = [get(hasher.params.shard_key(state_key(s.key)), 0) if s.num_tokens == hasher.chunk_size
+                              else 0 for s in chain] if with_states else None
+                    chunks = chunks_by_adapter[lora_id] = ([get(s.key, 0) for s in hasher.shard(chain)],
+                                                           [s.end for s in chain], states)
+                masks, ends, states = chunks
                 if not masks:
                     continue
                 matched = best.get(consumer.instance_id)
@@ -157,6 +165,9 @@ class LookupEngine:
                         if not mask & location_mask:
                             break
                         n += 1
+                    if states is not None:  # a prefix is of use only up to a chunk whose state is held there too
+                        while n and not states[n - 1] & location_mask:
+                            n -= 1
                     prefix = ends[n - 1] if n else 0
                     seen = matched[num_locations + location_index]
                     matched[location_index] = prefix if not seen else min(matched[location_index], prefix)

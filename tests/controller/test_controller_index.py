@@ -243,6 +243,41 @@ def test_lookup_tensor_parallel_min_over_ranks_and_missing_rank() -> None:
     assert lookup.lookup(tokens) == {"tp": (LOCAL_CPU, 8)}
 
 
+def test_lookup_of_a_model_with_recurrent_state_ends_at_a_chunk_whose_state_is_held_there() -> None:
+    """A Mamba / GDN hybrid (its chunk format names a state group) resumes only where a state is held: the
+    prefix at each location ends at the last held chunk whose state that location holds too, per rank."""
+    fmt = f"{FMT}/gM1,F1"
+    tokens = list(range(14))  # chunks of 4: 4, 8, 12, and a partial one (no state after it)
+    table = ProducerTable()
+    table.on_register_store(protocol.RegisterStore(store_id="disk", location=LOCAL_DISK), 0.0)
+    for rank in range(2):
+        reg = engine(f"h.r{rank}", "h", rank=rank, world_size=2, disk="disk")
+        table.on_register_engine(protocol.RegisterEngine(**{**reg.__dict__, "kv_format": fmt}), 0.0)
+    lookup = LookupEngine(table)
+    hashers = [ChunkHasher(KeyParams(MODEL, fmt, 2, rank), 4) for rank in range(2)]
+    state_keys = [[span.key for span in hasher.state_spans(hasher.chain(tokens), 2)] for hasher in hashers]
+    assert all(len(keys) == 3 and not set(keys) & set(hasher.keys(tokens))
+               for keys, hasher in zip(state_keys, hashers))
+
+    def hold_with_states(producer_id: str, rank: int, chunks: list[int], states: list[int]) -> None:
+        keys = hashers[rank].keys(tokens)
+        table.index.admit(table.producer(producer_id).slot, [keys[i] for i in chunks] +
+                          [state_keys[rank][i] for i in states])
+
+    for rank in range(2):
+        hold_with_states(f"h.r{rank}", rank, [0, 1, 2, 3], [0, 2] if rank == 0 else [0, 1, 2])
+    assert lookup.lookup(tokens) == {"h": (LOCAL_CPU, 12)}  # every chunk and the state after 12 on both ranks
+    table.index.evict(table.producer("h.r0").slot, [state_keys[0][2]])
+    assert lookup.lookup(tokens) == {"h": (LOCAL_CPU, 4)}  # rank 0 lost the state after 12 and never held 8's
+    hold_with_states("disk", 0, [0, 1, 2, 3], [1])
+    hold_with_states("disk", 1, [0, 1, 2, 3], [1, 2])
+    assert lookup.lookup(tokens) == {"h": (LOCAL_DISK, 8)}
+    table.index.clear_slot(table.producer("disk").slot)
+    hold_with_states("disk", 0, [0, 1, 2, 3], [])
+    hold_with_states("disk", 1, [0, 1, 2, 3], [])
+    assert lookup.lookup(tokens) == {"h": (LOCAL_CPU, 4)}  # every chunk on disk, but no state there: of no use
+
+
 def test_lookup_save_unfull_chunk_false_ignores_partial_tail() -> None:
     tokens = list(range(10))
     table = ProducerTable()

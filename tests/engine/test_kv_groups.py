@@ -14,13 +14,12 @@ from typing import Any
 import pytest
 import torch
 
-from kvmesh.services.engine.adapter.kv_groups import (FULL, SLIDING, KVGroup, KVGroups, page_view, slot_rows,
-                                                     state_key)
+from kvmesh.services.engine.adapter.kv_groups import FULL, SLIDING, STATE, KVGroup, KVGroups, page_view, slot_rows
 from kvmesh.services.engine.adapter.request_meta import LoadSpec, ReqMeta, SaveSpec
 from kvmesh.services.engine.adapter.scheduler_side import SchedulerSide
 
 from kvmesh.services.engine.core.cache_engine import CacheEngine
-from kvmesh.shared.keys import KeyParams
+from kvmesh.shared.keys import KeyParams, has_state_groups, state_key
 
 from support.connector_driver import rank0_engine
 from support.engine import BLOCK, CHUNK, PagedKV, engine_config
@@ -248,6 +247,8 @@ def test_a_state_group_is_cached_only_in_align_mode_and_its_state_travels_beside
     assert state.shape == (2, 64) and (state[1] == -1).all() and (state[0, :48] == -1).all()
     assert state[0, 48:].tolist() == list(range(9 * 16, 10 * 16))
     assert state_key(b"k" * 16) == state_key(b"k" * 16) != b"k" * 16 and len(state_key(b"k" * 16)) == 16
+    assert has_state_groups(f"bfloat16/LBHNC-16/{groups.tag}")
+    assert not any(has_state_groups(fmt) for fmt in ("bfloat16/LBHNC-16/gS2w32+0,F2", "bfloat16/MLA-64", ""))
 
 
 def test_a_state_layers_pages_are_seen_as_attention_pages_over_the_same_memory() -> None:
@@ -276,3 +277,54 @@ def test_a_chunk_size_the_blocks_do_not_divide_serves_the_model_without_the_cach
     assert side.engine is None and side.kv_caches == {}
     assert any("granite-like" in r.message and "not a multiple of block_size 16" in r.message
                for r in caplog.records), caplog.text
+
+
+STATE_GROUPS = KVGroups((KVGroup(STATE, SW_LAYERS), KVGroup(FULL, FULL_LAYERS)), BLOCK)
+
+
+def test_each_tensor_parallel_rank_stores_loads_and_pins_its_own_shard_of_the_state_beside_the_chunks() -> None:
+    """A state group (layers 0 and 2 as Mamba / GDN layers) on two ranks: each rank stores its chunks (the
+    attention layers only) and its shard of the state after each chunk under its own key, a load into other
+    blocks restores both, and a pin of the tokens pins the states with the chunks."""
+    kv = PagedKV(layers=4, seed=0)
+    layout = dataclasses.replace(kv.layout, group_layers=STATE_GROUPS.layers_per_group(),
+                                 groups_tag=STATE_GROUPS.tag)
+    assert layout.state_block == BLOCK and layout.chunk_format().endswith("/gM2,F2")
+    engines = [CacheEngine(engine_config(), KeyParams("test-model", "", world_size=2, rank=rank), layout)
+               for rank in range(2)]
+    tokens = list(range(2 * CHUNK))
+    num_blocks = len(tokens) // BLOCK
+    # vLLM's align mode: the state group holds a page only where a step ended (here after each chunk)
+    state_pages = {CHUNK // BLOCK - 1: 40, num_blocks - 1: 41}
+    src_tables = [[state_pages.get(i, -1) for i in range(num_blocks)], list(range(10, 10 + num_blocks))]
+    dst_tables = [[-1] * (num_blocks - 1) + [45], list(range(20, 20 + num_blocks))]
+    try:
+        keys = [[span.key for span in engine.hasher.state_spans(engine.hasher.chain(tokens), BLOCK)]
+                for engine in engines]
+        assert keys[0] != keys[1] and len(keys[0]) == 2, "each rank keys its own shard of each state"
+        for rank, engine in enumerate(engines):
+            src = PagedKV(layers=4, seed=30 + rank)
+            dst = PagedKV(layers=4, seed=40 + rank)
+            src_caches = {name: src.caches[name] for name in STATE_GROUPS.layer_order()}
+            dst_caches = {name: dst.caches[name] for name in STATE_GROUPS.layer_order()}
+            chain = engine.hasher.chain(tokens)
+            spans, states = engine.hasher.shard(chain), engine.hasher.state_spans(chain, BLOCK)
+            engine.store_chunks(spans, src_caches, STATE_GROUPS.chunk_slots(src_tables, len(tokens)))
+            for state in states:
+                engine.store_chunks([state], src_caches, STATE_GROUPS.state_slots(src_tables, state.end))
+            assert engine.retrieve_chunks(spans, dst_caches,
+                                          STATE_GROUPS.chunk_slots(dst_tables, len(tokens))) == len(spans)
+            assert engine.retrieve_chunks([states[-1]], dst_caches,
+                                          STATE_GROUPS.state_slots(dst_tables, len(tokens))) == 1
+            for name in SW_LAYERS:  # the state after the prompt, in the one block vLLM allocated for it
+                assert torch.equal(dst_caches[name][45], src_caches[name][41]), name
+            for name in FULL_LAYERS:
+                for dst_block, src_block in zip(dst_tables[1], src_tables[1]):
+                    assert torch.equal(dst_caches[name][dst_block], src_caches[name][src_block]), name
+            assert engine.pin(tokens) == len(tokens)
+            assert all(engine.cpu.is_pinned(span.key) for span in [*spans, *states])
+            assert engine.unpin(tokens) == len(tokens)
+            assert not any(engine.cpu.is_pinned(span.key) for span in [*spans, *states])
+    finally:
+        for engine in engines:
+            engine.close()

@@ -17,7 +17,7 @@ What each kind needs:
   * recurrent state (`MambaSpec`: Mamba, Gated DeltaNet / linear attention): no KV per token, one state per
     request, which vLLM's "align" mode (prefix caching on) keeps per block where a step ends: the state after
     (i + 1) * B tokens is block i's page. It is stored beside the chunk that ends there, under the chunk's state
-    key (`state_key`), as one page per state layer (`page_view`: a state page copies like an attention page of
+    key (`shared.keys.state_key`), as one page per state layer (`page_view`: a state page copies like an attention page of
     the same size), and a hit ends only at a chunk whose state every rank holds (the scheduler looks the
     candidates up longest first). The load writes it into the block vLLM allocates for it (block hit / B - 1).
     Chunks themselves carry no state pages (their state rows are -1). Without "align" mode there is no state to
@@ -31,11 +31,12 @@ load runs asynchronously and a failed one is reported as a failed receive (vLLM 
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+
+from kvmesh.shared.keys import STATE_GROUP_TAG
 
 FULL = "full"
 SLIDING = "sliding"
@@ -44,7 +45,6 @@ STATE = "state"  # Mamba / linear attention (GDN): a recurrent state per request
 FULL_ATTENTION_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
 SLIDING_WINDOW_SPECS = ("SlidingWindowSpec",)
 STATE_SPECS = ("MambaSpec",)
-STATE_PERSON = b"kvmesh-state"  # the personalisation of a state key's hash (state_key)
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class KVGroup:
     @property
     def tag(self) -> str:
         if self.kind == STATE:
-            return f"M{len(self.layer_names)}"
+            return f"{STATE_GROUP_TAG}{len(self.layer_names)}"
         return f"F{len(self.layer_names)}" if self.kind == FULL else \
             f"S{len(self.layer_names)}w{self.sliding_window}+{self.extra_retained_tokens}"
 
@@ -156,12 +156,23 @@ class KVGroups:
         """Every cached layer, in the order chunks hold them (group by group)."""
         return [name for group in self.groups for name in group.layer_names]
 
-    def describe(self, chunk_bytes: int, num_layers: int) -> str:
-        """Each group with its share of a chunk's bytes (all layers of a chunk are the same size), for the log."""
+    def describe(self, chunk_bytes: int, num_layers: int, chunk_size: int) -> str:
+        """Each group with its share of a chunk's bytes (all layers of a chunk are the same size), for the log.
+        A state group's pages in a chunk are never written or read: its state travels beside the chunk, one page
+        per layer (stored as one block of every layer)."""
         per_layer = chunk_bytes / max(num_layers, 1)
-        return ", ".join(f"{group.kind} x{len(group.layer_names)}"
-                         f"{f' (window {group.sliding_window})' if group.kind == SLIDING else ''} "
-                         f"{per_layer * len(group.layer_names) / 2**20:.2f} MiB" for group in self.groups)
+        per_page = per_layer * self.block_size / chunk_size
+
+        def one(group: KVGroup) -> str:
+            layers = len(group.layer_names)
+            if group.kind == STATE:
+                return (f"{group.kind} x{layers} {per_page * layers / 2**20:.2f} MiB per state after each chunk "
+                        f"(stored as {per_page * num_layers / 2**20:.2f} MiB; its {per_layer * layers / 2**20:.2f} "
+                        "MiB in each chunk unused)")
+            window = f" (window {group.sliding_window})" if group.kind == SLIDING else ""
+            return f"{group.kind} x{layers}{window} {per_layer * layers / 2**20:.2f} MiB"
+
+        return ", ".join(one(group) for group in self.groups)
 
     def layers_per_group(self) -> tuple[int, ...]:
         return tuple(len(group.layer_names) for group in self.groups)
@@ -196,11 +207,6 @@ class KVGroups:
             if len(table) < last or any(block == null_block for block in table[first:last]):
                 return False
         return True
-
-
-def state_key(chain_key: bytes) -> bytes:
-    """The key of the recurrent state after the chunk whose chain key is `chain_key` (stored beside it)."""
-    return hashlib.blake2b(chain_key, digest_size=len(chain_key), person=STATE_PERSON).digest()
 
 
 def page_view(state: torch.Tensor, template: torch.Tensor) -> torch.Tensor:

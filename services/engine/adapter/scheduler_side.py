@@ -17,7 +17,7 @@ from kvmesh.services.engine.adapter.async_loads import loads_asynchronously
 from kvmesh.services.engine.adapter.block_prefix import BlockPrefixProbe
 from kvmesh.services.engine.adapter.connector_stats import KVMeshStats
 from kvmesh.services.engine.adapter.kv_events import KVEventLog
-from kvmesh.services.engine.adapter.kv_groups import KVGroups, state_key
+from kvmesh.services.engine.adapter.kv_groups import KVGroups
 from kvmesh.services.engine.adapter.request_extras import lora_name_of, request_extras
 from kvmesh.services.engine.adapter.request_meta import (
     KVMeshConnectorMetadata,
@@ -27,7 +27,7 @@ from kvmesh.services.engine.adapter.request_meta import (
 )
 from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, SchedulerLookup
 from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan
+from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, state_key
 from kvmesh.shared.nats_auth import auth_from_config
 
 if TYPE_CHECKING:

@@ -175,7 +175,7 @@ class CacheEngine:
         if self.nats_loop is not None and self._connection is not None:
             self.agent = WorkerAgent(config.lmcache_instance_id, self.worker_id, self.hasher, self.storage,
                                      self._registration, self._meta_mismatch,
-                                     heartbeat_interval=config.heartbeat_interval_secs)
+                                     heartbeat_interval=config.heartbeat_interval_secs, state_block=layout.state_block)
             self.nats_loop.submit(self.storage.start()).result(5.0)
             self.nats_loop.on_connected(self._on_connected)
             self.nats_loop.on_close(self.agent.stop)
@@ -442,13 +442,13 @@ class CacheEngine:
 
     def _command(self, op: str, location: str, tokens: torch.Tensor | Sequence[int],
                  ttl_secs: float | None = None, extras: KeyExtras | None = None) -> int:
-        _, hasher, _, storage, _ = self._ready()
+        layout, hasher, _, storage, _ = self._ready()
         if location not in LOCATIONS:
             raise ValueError(f"unknown location {location!r} (known: {', '.join(LOCATIONS)})")
-        spans = hasher.spans(tokens, extras=extras) if op != "clear" else []
+        spans, states = hasher.spans_and_states(tokens, extras, layout.state_block) if op != "clear" else ([], [])
         if location != LOCAL_CPU and not (storage.lower(location) is not None and storage.lower_ready()):
             return 0  # a lower tier that is not configured, or not reachable now (NATS down): at once
-        command = storage.command(op, location, spans, ttl_secs)
+        command = storage.command(op, location, spans, ttl_secs, states)
         if self.nats_loop is None:  # no mesh: only the CPU tier, whose commands never wait on anything
             return asyncio.run(command)
         return self.nats_loop.call(command, self.config.request_timeout_secs + 6.0, default=0)

@@ -70,6 +70,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvmesh.shared.keys import has_state_groups
+
 # Layout tags.
 NHD_2X = "NHD-2x"  # [2, nb, bs, H, D] per layer (vLLM 0.10-0.2x flash-attn / Triton)
 FI_2X = "FI-2x"  # [nb, 2, bs, H, D] per layer, NHD or HND strides (vLLM 0.10-0.2x FlashInfer)
@@ -104,6 +106,12 @@ class KVLayout:
     # its own row of slots; () for one group. `groups_tag` names them in the chunk format.
     group_layers: tuple[int, ...] = ()
     groups_tag: str = ""
+
+    @property
+    def state_block(self) -> int:
+        """Tokens a recurrent state's span covers (one block: the state is the page of a chunk's last block) when
+        the groups hold state, else 0."""
+        return self.block_size if has_state_groups(self.groups_tag) else 0
 
     @property
     def itemsize(self) -> int:

@@ -490,8 +490,11 @@ class StorageManager:
                 await asyncio.gather(*(client.touch(part) for client in self._stores), return_exceptions=True)
 
     # ---- the controller's commands (loop thread) -----------------------------------------------------------------
-    async def command(self, op: str, location: str, spans: Sequence[ChunkSpan], ttl_secs: float | None = None) -> int:
+    async def command(self, op: str, location: str, spans: Sequence[ChunkSpan], ttl_secs: float | None = None,
+                      states: Sequence[ChunkSpan] = ()) -> int:
         """pin / unpin / clear / lookup at `location`, for whichever tier it names; tokens affected (or held).
+        A pin or unpin covers the recurrent `states` after the chunks too (a model with Mamba / linear-attention
+        layers resumes only from one); the count is the chunks'.
 
         Raises ValueError for an unknown op or location and LookupError for a location this engine does not
         have (or whose client is not connected yet).
@@ -505,10 +508,18 @@ class StorageManager:
             raise LookupError(f"no {location} configured here (or its store client is not connected)")
         keys = [span.key for span in spans]
         num_tokens = [span.num_tokens for span in spans]
+        state_keys = [span.key for span in states]
+        state_tokens = [span.num_tokens for span in states]
         if op == "pin":
-            return await tier.pin(keys, num_tokens, ttl_secs)
+            pinned = await tier.pin(keys, num_tokens, ttl_secs)
+            if states:  # the held prefix of them, as for chunks: with align mode a state at every chunk end held
+                await tier.pin(state_keys, state_tokens, ttl_secs)
+            return pinned
         if op == "unpin":
-            return await tier.unpin(keys, num_tokens)
+            unpinned = await tier.unpin(keys, num_tokens)
+            if states:
+                await tier.unpin(state_keys, state_tokens)
+            return unpinned
         if op == "clear":
             return await tier.clear()
         return sum(span.num_tokens for span in spans[:await tier.contains(keys)])

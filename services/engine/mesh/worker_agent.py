@@ -40,8 +40,9 @@ class WorkerAgent:
 
     def __init__(self, instance_id: str, worker_id: str, hasher: ChunkHasher, storage: StorageManager,
                  registration: Callable[[], protocol.RegisterEngine], check_meta: CheckMeta,
-                 heartbeat_interval: float = 2.0, flush_interval: float = 0.05) -> None:
+                 heartbeat_interval: float = 2.0, flush_interval: float = 0.05, state_block: int = 0) -> None:
         self.instance_id = instance_id
+        self.state_block = state_block  # a model with recurrent state: commands cover the states too (KVLayout)
         self.worker_id = worker_id
         self.path = protocol.Principal.engine(instance_id).producer(worker_id)
         self.hasher = hasher
@@ -114,13 +115,19 @@ class WorkerAgent:
 
     async def execute(self, command: WorkerCommand) -> CommandReply:
         """Run one command; the reply's num_tokens is what actually happened (tokens pinned, cleared, found)."""
-        spans = self.hasher.spans(command.tokens, extras=command.extras) if command.op != "clear" else []
+        spans, states = self.hasher.spans_and_states(command.tokens, command.extras, self.state_block) \
+            if command.op != "clear" else ([], [])
         try:
             if command.op == "move":
                 num_tokens = await self.storage.move(spans, command.location, command.target, command.keep_source,
                                                      self.check_meta)
+                moved_states = [span for span in states if span.end <= num_tokens]  # those of the chunks moved
+                if moved_states:
+                    await self.storage.move(moved_states, command.location, command.target, command.keep_source,
+                                            self.check_meta)
             else:
-                num_tokens = await self.storage.command(command.op, command.location, spans, command.ttl_secs)
+                num_tokens = await self.storage.command(command.op, command.location, spans, command.ttl_secs,
+                                                        states)
         except (ValueError, LookupError) as exc:
             return CommandReply(ok=False, error=f"worker {self.worker_id}: {exc}")
         except Exception as exc:
