@@ -20,7 +20,7 @@ import torch
 from kvmesh.services.engine.adapter.async_loads import IDLE_WAIT_SECS, AsyncLoads, PendingLoad
 from kvmesh.services.engine.adapter.async_saves import AsyncSaves
 from kvmesh.services.engine.adapter.connector_stats import STORAGE_COUNTERS, GaugeClock, Increments, KVMeshStats
-from kvmesh.services.engine.adapter.kv_groups import STATE, KVGroups, page_view, state_key
+from kvmesh.services.engine.adapter.kv_groups import STATE, KVGroups, page_view
 from kvmesh.services.engine.adapter.load_agreement import CollectiveAgreement, RankAgreement
 from kvmesh.services.engine.adapter.request_meta import KVMeshConnectorMetadata, ReqMeta, SaveSpec
 from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, StepEventLog, engines
@@ -29,7 +29,7 @@ from kvmesh.services.engine.mesh import side_cpus
 from kvmesh.services.engine.mesh.lookup_server import LookupServer, lookup_id_for
 from kvmesh.services.engine.mesh.rendezvous import PublishedWorker, publish_worker
 from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.keys import ChunkSpan, KeyParams
+from kvmesh.shared.keys import ChunkSpan, KeyParams, state_key
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -134,7 +134,7 @@ class WorkerSide:
                  len(kv_caches), tuple(first.shape), first.dtype, backend, layout.name, layout.chunk_format())
         if self.groups is not None:
             log.info("KV cache groups per %d-token chunk: %s", self.chunk_size,
-                     self.groups.describe(layout.chunk_nbytes(self.chunk_size), layout.num_layers))
+                     self.groups.describe(layout.chunk_nbytes(self.chunk_size), layout.num_layers, self.chunk_size))
         params = KeyParams(self.model_name, layout.chunk_format(), self.world_size, rank)
         if first.device.type == "cpu":
             side_cpus.enable()  # the engine's threads keep off the cores vLLM bound its compute to
@@ -321,8 +321,11 @@ class WorkerSide:
         assert load is not None and load.state_key is not None
         span, slots = self._state_span(req, load.end, load.state_key)
         if refs is None:
-            return self.engine.retrieve_chunks([span], self.kv_caches, slots) == 1
-        return bool(refs) and self.engine.scatter_chunks([span], refs, self.kv_caches, slots) == 1
+            loaded = self.engine.retrieve_chunks([span], self.kv_caches, slots) == 1
+        else:
+            loaded = bool(refs) and self.engine.scatter_chunks([span], refs, self.kv_caches, slots) == 1
+        self._stats.count("lmcache:num_retrieved_states", int(loaded))
+        return loaded
 
     def _load_spans(self, req: ReqMeta) -> list[ChunkSpan]:
         """This worker's spans of the request's load (the last one a block prefix's when `last_key` is set)."""
@@ -497,6 +500,7 @@ class WorkerSide:
                 job = self.engine.gather_chunks([span], self.kv_caches, slots, stream)
                 if job is not None:
                     self.async_saves.add(req.req_id, job)
+            self._stats.count("lmcache:num_stored_states")
 
     def _save_spans(self, req: ReqMeta, save: SaveSpec) -> list[ChunkSpan]:
         """This worker's spans of the request's save: its chunks, the last chunk's block prefix before the last
