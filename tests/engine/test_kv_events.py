@@ -14,7 +14,7 @@ import pytest
 
 from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, SchedulerLookup, StepEventLog, engines
 from kvmesh.services.engine.core.cache_engine import CacheEngine
-from kvmesh.shared.keys import ChunkSpan, KeyExtras, KeyParams
+from kvmesh.shared.keys import ChunkSpan, KeyExtras, KeyParams, state_key
 from kvmesh.shared.protocol import LOCAL_CPU
 
 from support.engine import CHUNK, PagedKV, engine_config, random_tokens
@@ -124,6 +124,20 @@ def test_chunks_beyond_the_bound_are_forgotten_and_their_admissions_not_publishe
     engine.store(tokens, **kv.kv(kv.slots(len(tokens))))
     stored = step(conn, events)
     assert [e.token_ids for e in stored] == [tokens[2 * CHUNK:3 * CHUNK], tokens[3 * CHUNK:]]
+
+
+def test_only_a_published_block_is_published_as_removed() -> None:
+    """An eviction of a key whose BlockStored never went out (a recurrent state stored beside a chunk, a chunk
+    admitted before it was noted) is no event: a router never knew it."""
+    log = kv_events.KVEventLog(100, CHUNK)
+    params = KeyParams("m", "")
+    a, unknown = bytes([1]) * 16, bytes([3]) * 16
+    log.note([ChunkSpan(0, 0, CHUNK, a)], list(range(CHUNK)), params, None, None, None)
+    log.apply(CpuTierEvents({0: [(False, a), (True, a), (True, state_key(a)), (True, unknown)]}))
+    assert [type(e).__name__ for e in log.take()] == ["BlockStored"]
+    log.apply(CpuTierEvents({0: [(False, state_key(a)), (False, unknown), (False, a), (False, a)]}))
+    removed = log.take()
+    assert [(type(e).__name__, e.block_hashes) for e in removed] == [("BlockRemoved", [kv_events.external_hash(a)])]
 
 
 def test_without_kv_events_the_connector_returns_none(worker: tuple[CacheEngine, PagedKV, StepEventLog]) -> None:

@@ -23,7 +23,9 @@ its parent key, tokens, LoRA name and extras (a bounded LRU map, `kv_event_chunk
     served adapter's name (public on /v1/models), which routers use to pick instances that serve it.
 
 An admission of a chunk the map no longer (or never) knew is not published: a BlockStored without tokens
-would be useless to a router. Only rank 0's events are used: every rank holds its shard of the same chunks.
+would be useless to a router; nor is its eviction, nor a recurrent state's (a model with Mamba / linear-attention
+layers stores one beside each chunk, under a key no router knows): a BlockRemoved is published only for a block
+whose BlockStored was. Only rank 0's events are used: every rank holds its shard of the same chunks.
 A clear of the CPU tier arrives as evictions, so it is one BlockRemoved per chunk; AllBlocksCleared names no
 medium and would tell a router that vLLM's GPU blocks are gone too.
 """
@@ -87,6 +89,9 @@ class KVEventLog:
         self.chunk_size = chunk_size
         self._chunks: OrderedDict[ChunkKey, ChunkInfo] = OrderedDict()  # rank 0's key -> info, LRU order
         self._events: list[KVCacheEvent] = []
+        # rank 0's keys whose BlockStored was published and not yet removed (at most what its CPU tier holds): a
+        # removal of anything else (a recurrent state, a chunk admitted before it was noted) is not published
+        self._published: set[ChunkKey] = set()
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -112,12 +117,15 @@ class KVEventLog:
         unknown = 0
         for admitted, key in update.events.get(0, ()):
             if not admitted:
-                self._events.append(BlockRemoved(block_hashes=[external_hash(key)], medium=MEDIUM_CPU))
+                if key in self._published:
+                    self._published.discard(key)
+                    self._events.append(BlockRemoved(block_hashes=[external_hash(key)], medium=MEDIUM_CPU))
                 continue
             info = self._chunks.get(key)
             if info is None:
                 unknown += 1
                 continue
+            self._published.add(key)
             self._events.append(BlockStored(
                 block_hashes=[external_hash(key)],
                 parent_block_hash=external_hash(info.parent) if info.parent is not None else None,
