@@ -30,6 +30,13 @@ sliding-window and full layers): vLLM keeps its hybrid KV cache manager on with 
 (KVMesh, its own prefix cache, LMCache's MP connector), so the figures compare the same KV memory layout:
 
     python benchmarks/ttft.py --model ~/.cache/kvmesh-tests/models/hybrid --sizes 2048 8000 --name ttft-hybrid
+
+Models with recurrent state (`--preset qwen3next`: Gated DeltaNet and full-attention layers): vLLM keeps a state
+per block only with its prefix cache on ("align" mode) and only where a step ends, so KVMesh's server keeps its
+prefix cache on (emptied before each warm sample) and every peer prefills in chunk-sized steps:
+
+    python benchmarks/ttft.py --model ~/.cache/kvmesh-tests/models/qwen3next --sizes 2048 8000 --name ttft-gdn \
+        --max-num-batched-tokens 256 --kvmesh-prefix-caching --peers no-connector vllm-prefix-cache kvmesh
 """
 
 from __future__ import annotations
@@ -78,7 +85,8 @@ class Prompts:
 
 def measure(server: Server, prompts: Prompts, sizes: list[int], cold_repeats: int, warm_repeats: int,
             warm_equals_cold: bool = False, after_cold: Callable[[list[int]], None] | None = None,
-            extra_warm: Callable[[list[int], int], dict[str, Any]] | None = None) -> dict[str, Any]:
+            extra_warm: Callable[[list[int], int], dict[str, Any]] | None = None,
+            before_warm: Callable[[], None] = lambda: None) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for size in sizes:
         cold, warm, outputs = [], [], []
@@ -91,6 +99,7 @@ def measure(server: Server, prompts: Prompts, sizes: list[int], cold_repeats: in
         if after_cold is not None:
             after_cold(prompt)
         for _ in range(0 if warm_equals_cold else warm_repeats):
+            before_warm()
             seconds, text = server.stream(prompt)
             warm.append(seconds)
             outputs.append(text)
@@ -112,8 +121,11 @@ def warm_up(server: Server, prompts: Prompts, max_len: int) -> None:
 
 
 def run_kvmesh(model: Path, work: Path, sizes: list[int], prompts: Prompts, env: dict[str, str], max_len: int,
-               cold_repeats: int, warm_repeats: int, async_loading: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-    """KVMesh: CPU-tier warm, then disk warm after clearing the CPU tier through the controller."""
+               cold_repeats: int, warm_repeats: int, async_loading: bool, batched_tokens: int,
+               prefix_caching: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """KVMesh: CPU-tier warm, then disk warm after clearing the CPU tier through the controller. With
+    `prefix_caching` vLLM's own prefix cache stays on (a model with recurrent state needs it) and is emptied
+    before every warm sample, so each warm figure is a load by KVMesh."""
     import httpx
 
     mesh = start_mesh(work, disk_gb=8)
@@ -123,10 +135,15 @@ def run_kvmesh(model: Path, work: Path, sizes: list[int], prompts: Prompts, env:
     server = None
     try:
         server = Server("kvmesh", model, free_port(), work / "logs", max_len,
-                        ["--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(KVMESH)],
-                        {**env, "LMCACHE_CONFIG_FILE": str(config)})
+                        ["--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+                         "--kv-transfer-config", json.dumps(KVMESH)],
+                        {**env, "LMCACHE_CONFIG_FILE": str(config), "VLLM_SERVER_DEV_MODE": "1"}, batched_tokens)
         server.ready()  # inside the try: a server that never comes up is stopped too
         warm_up(server, prompts, max_len)
+
+        def empty_vllms_prefix_cache() -> None:
+            if prefix_caching:
+                httpx.post(f"{server.url}/reset_prefix_cache", timeout=60).raise_for_status()
 
         def lookup(prompt: list[int]) -> list[Any] | None:
             reply = httpx.post(f"{controller}/lookup", json={"tokens": prompt}, timeout=30).json()
@@ -148,13 +165,15 @@ def run_kvmesh(model: Path, work: Path, sizes: list[int], prompts: Prompts, env:
                     time.sleep(0.2)
                 else:
                     print(f"  disk store did not report the {size}-token prompt: {lookup(prompt)}", flush=True)
+                empty_vllms_prefix_cache()
                 seconds, text = server.stream(prompt)
                 samples.append(seconds)
                 texts.append(text)
             return {"disk_warm_s": samples, "disk_warm_median_s": statistics.median(samples),
                     "disk_output_equals_cold": len(set(texts)) == 1}
 
-        results = measure(server, prompts, sizes, cold_repeats, warm_repeats, extra_warm=disk_warm)
+        results = measure(server, prompts, sizes, cold_repeats, warm_repeats, extra_warm=disk_warm,
+                          before_warm=empty_vllms_prefix_cache)
         cpu = {size: {k: v for k, v in r.items() if not k.startswith("disk")} for size, r in results.items()}
         disk = {size: {"cold_s": r["cold_s"], "cold_median_s": r["cold_median_s"], "warm_s": r["disk_warm_s"],
                        "warm_median_s": r["disk_warm_median_s"],
@@ -167,14 +186,14 @@ def run_kvmesh(model: Path, work: Path, sizes: list[int], prompts: Prompts, env:
 
 
 def run_lmcache(model: Path, work: Path, sizes: list[int], prompts: Prompts, env: dict[str, str], max_len: int,
-                cold_repeats: int, warm_repeats: int) -> dict[str, Any]:
+                cold_repeats: int, warm_repeats: int, batched_tokens: int) -> dict[str, Any]:
     """LMCache's multiprocess server (CPU L1) + vLLM's LMCacheMPConnector."""
     server_proc, port = start_lmcache_server(work, env, l1_gb=2)
     config = lmcache_connector(port)
     server = None
     try:
         server = Server("LMCache", model, free_port(), work / "logs", max_len,
-                        ["--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(config)], env)
+                        ["--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(config)], env, batched_tokens)
         server.ready()
         warm_up(server, prompts, max_len)
         return measure(server, prompts, sizes, cold_repeats, warm_repeats)
@@ -238,10 +257,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kvmesh-async-loading", choices=["true", "false"],
                         default=str(EngineConfig().enable_async_loading).lower(),
                         help="KVMesh's enable_async_loading (default: KVMesh's default)")
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        help="vLLM's, for every peer (default: the longest prompt + 64, each prompt one prefill step)")
+    parser.add_argument("--kvmesh-prefix-caching", action="store_true",
+                        help="KVMesh's vLLM keeps its own prefix cache on, emptied before each warm sample (a model "
+                             "with recurrent state, e.g. Qwen3-Next, needs it: vLLM keeps states per block only then)")
     args = parser.parse_args(argv)
 
     model = args.model or ensure_model(Path.home() / ".cache" / "kvmesh-tests" / "models" / "bench", "bench")
     max_len = max(args.sizes) + 64
+    batched_tokens = args.max_num_batched_tokens or max_len
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="kvmesh-ttft-"))
     client_cores = os.sched_getaffinity(0) - {0}
@@ -254,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def simple(name: str, args_: list[str], warm_equals_cold: bool = False) -> dict[str, Any]:
         print(f"== {name}", flush=True)
-        server = Server(name, model, free_port(), work / "logs", max_len, args_, env)
+        server = Server(name, model, free_port(), work / "logs", max_len, args_, env, batched_tokens)
         try:
             server.ready()
             warm_up(server, prompts, max_len)
@@ -284,12 +309,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print("== LMCache", flush=True)
             peers["LMCache"] = run_lmcache(model, work, args.sizes, prompts, lm_env, max_len, args.cold_repeats,
-                                           args.warm_repeats)
+                                           args.warm_repeats, batched_tokens)
     if "kvmesh" in args.peers:
         print("== kvmesh", flush=True)
         peers["kvmesh-cpu"], peers["kvmesh-disk"] = run_kvmesh(model, work, args.sizes, prompts, env, max_len,
                                                                args.cold_repeats, args.warm_repeats,
-                                                               args.kvmesh_async_loading == "true")
+                                                               args.kvmesh_async_loading == "true", batched_tokens,
+                                                               args.kvmesh_prefix_caching)
 
     ratios: dict[str, Any] = {}
     for size in map(str, args.sizes):
@@ -315,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         "not_run": not_run,
         "model": {"name": model_description(model), "path": str(model)},
         "setup": {"vllm": vllm.__version__, "torch": torch.__version__, "lmcache": lmcache_version, "max_model_len": max_len,
-                  "max_num_batched_tokens": max_len, "VLLM_CPU_OMP_THREADS_BIND": "0",
+                  "max_num_batched_tokens": batched_tokens, "kvmesh_prefix_caching": args.kvmesh_prefix_caching,
+                  "VLLM_CPU_OMP_THREADS_BIND": "0",
                   "VLLM_CPU_KVCACHE_SPACE_GiB": env["VLLM_CPU_KVCACHE_SPACE"], "chunk_size": CHUNK,
                   "cold_repeats": args.cold_repeats, "warm_repeats": args.warm_repeats,
                   "kvmesh_async_loading": args.kvmesh_async_loading,

@@ -43,10 +43,11 @@ class Server:
     """One vLLM OpenAI server for one peer."""
 
     def __init__(self, name: str, model: Path, port: int, log_dir: Path, max_len: int, args: list[str],
-                 env: dict[str, str]) -> None:
+                 env: dict[str, str], batched_tokens: int | None = None) -> None:
+        """`batched_tokens`: vLLM's --max-num-batched-tokens (default `max_len`: every prompt one prefill step)."""
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port",
                 str(port), "--host", "127.0.0.1", "--max-model-len", str(max_len), "--max-num-batched-tokens",
-                str(max_len), *args]
+                str(batched_tokens or max_len), *args]
         self.name = name
         self.model = str(model)
         self.url = f"http://127.0.0.1:{port}"
