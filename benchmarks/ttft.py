@@ -245,6 +245,13 @@ def model_description(model: Path) -> str:
             return str(model)
 
 
+def _last_error(log_tail: str) -> str:
+    """The last line of a start-up log tail that names an error (else its last line)."""
+    lines = [line.strip() for line in log_tail.splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "error" in line]
+    return (errors or lines or ["no output"])[-1][:300]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[2048, 8192, 16384])
@@ -308,8 +315,12 @@ def main(argv: list[str] | None = None) -> int:
             lmcache_version = None
         else:
             print("== LMCache", flush=True)
-            peers["LMCache"] = run_lmcache(model, work, args.sizes, prompts, lm_env, max_len, args.cold_repeats,
-                                           args.warm_repeats, batched_tokens)
+            try:
+                peers["LMCache"] = run_lmcache(model, work, args.sizes, prompts, lm_env, max_len, args.cold_repeats,
+                                               args.warm_repeats, batched_tokens)
+            except SystemExit as exc:  # its vLLM did not start with this model: say why, measure the others
+                not_run["LMCache"] = f"vLLM with LMCacheMPConnector did not start: {_last_error(str(exc))}"
+                print(f"  LMCache not run: {not_run['LMCache']}", flush=True)
     if "kvmesh" in args.peers:
         print("== kvmesh", flush=True)
         peers["kvmesh-cpu"], peers["kvmesh-disk"] = run_kvmesh(model, work, args.sizes, prompts, env, max_len,

@@ -17,9 +17,9 @@ What each kind needs:
   * recurrent state (`MambaSpec`: Mamba, Gated DeltaNet / linear attention): no KV per token, one state per
     request, which vLLM's "align" mode (prefix caching on) keeps per block where a step ends: the state after
     (i + 1) * B tokens is block i's page. It is stored beside the chunk that ends there, under the chunk's state
-    key (`shared.keys.state_key`), as one page per state layer (`page_view`: a state page copies like an attention page of
-    the same size), and a hit ends only at a chunk whose state every rank holds (the scheduler looks the
-    candidates up longest first). The load writes it into the block vLLM allocates for it (block hit / B - 1).
+    key (`shared.keys.state_key`), as one page per state layer (`page_view`: a state page copies like an
+    attention page of the same size), and a hit ends only at a chunk whose state every rank holds (the scheduler
+    looks the candidates up longest first). The load writes it into the block vLLM allocates for it (block hit / B - 1).
     Chunks themselves carry no state pages (their state rows are -1). Without "align" mode there is no state to
     resume from: the model is served without the cache.
   * anything else (chunked-local attention, cross attention, ...) is not cached: the model is served without
