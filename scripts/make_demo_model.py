@@ -93,6 +93,15 @@ PRESETS: dict[str, dict[str, object]] = {
     "qwen3next": dict(arch="qwen3next", layers=4, hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64,
                       vocab=4096, max_positions=8192, dtype="bfloat16", full_every=4, linear_heads=4,
                       linear_head_dim=64, experts=4, experts_per_tok=2, moe_intermediate=128),
+    # Mamba2 hybrid: Nemotron-H, layers Mamba2 / MLP / Mamba2 / attention / Mamba2 / MLP (vLLM: MambaSpec groups
+    # and a FullAttentionSpec group). fp32: vLLM unifies the pages to 256-token blocks, the chunk size, and its
+    # CPU Mamba2 path needs every prefill step within one block (--max-num-batched-tokens 256): a longer step
+    # fails inside vLLM (`varlen_states[last_chunk_indices_p]`: IndexError) with or without a connector
+    "nemotronh": dict(arch="nemotronh", layers=6, hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64,
+                      vocab=4096, max_positions=8192, dtype="float32", mamba_heads=8, mamba_head_dim=64,
+                      ssm_state=64, expand=2, mamba_chunk=64,
+                      block_types=["linear_attention", "mlp", "linear_attention", "full_attention",
+                                   "linear_attention", "mlp"]),
     # images: Idefics3, "tiny"'s text model behind a tiny vision tower; (image_size / patch_size)^2 / scale^2
     # = 64 image tokens per image
     "vision": dict(arch="idefics3", layers=2, hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64,
@@ -102,7 +111,7 @@ PRESETS: dict[str, dict[str, object]] = {
 # "arch" (default "llama"), "sliding_window" and "full_every" appear only in the sliding-window presets' specs, and
 # the image keys only in "vision"'s, so the "tiny"/"bench" specs, markers and files are the same as before these
 # presets existed.
-ARCHS = ("llama", "gemma2", "mistral", "idefics3", "qwen3next")
+ARCHS = ("llama", "gemma2", "mistral", "idefics3", "qwen3next", "nemotronh")
 # The vision preset's special tokens, appended to the tokenizer in this order (ids vocab .. vocab + 3).
 VISION_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
 # "tiny"'s chat template, except that a content list (vLLM passes OpenAI-style parts through when the template
@@ -176,7 +185,8 @@ def _special_ids(tokenizer) -> dict[str, int]:
 
 
 def _windowed_model(spec: dict[str, object], tokenizer):
-    """The model of a sliding-window preset ("gemma2": hybrid layers, "mistral": every layer windowed)."""
+    """The model of a preset other than "tiny"/"bench"/"vision" ("gemma2": hybrid layers, "mistral": every layer
+    windowed, "qwen3next": GDN hybrid, "nemotronh": Mamba2 hybrid)."""
     arch = spec["arch"]
     common = dict(vocab_size=len(tokenizer), hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
                   num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
@@ -203,6 +213,17 @@ def _windowed_model(spec: dict[str, object], tokenizer):
             moe_intermediate_size=spec["moe_intermediate"], shared_expert_intermediate_size=spec["moe_intermediate"],
             decoder_sparse_step=1, partial_rotary_factor=0.25)
         return Qwen3NextForCausalLM(config)
+    if arch == "nemotronh":
+        from transformers import NemotronHConfig, NemotronHForCausalLM
+
+        config = NemotronHConfig(
+            vocab_size=len(tokenizer), hidden_size=spec["hidden"], layers_block_type=spec["block_types"],
+            num_attention_heads=spec["heads"], num_key_value_heads=spec["kv_heads"], head_dim=spec["head_dim"],
+            intermediate_size=spec["intermediate"], mlp_hidden_act="relu2", mamba_num_heads=spec["mamba_heads"],
+            mamba_head_dim=spec["mamba_head_dim"], n_groups=1, ssm_state_size=spec["ssm_state"], conv_kernel=4,
+            expand=spec["expand"], chunk_size=spec["mamba_chunk"], max_position_embeddings=spec["max_positions"],
+            tie_word_embeddings=False, **_special_ids(tokenizer))
+        return NemotronHForCausalLM(config)
     if arch == "mistral":
         from transformers import MistralConfig, MistralForCausalLM
 
@@ -325,7 +346,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("outdir", type=Path)
     parser.add_argument("--bench", action="store_true", help="the benchmark preset (6 layers, hidden 512, bf16)")
     parser.add_argument("--preset", choices=sorted(PRESETS),
-                        help="tiny (default), bench, hybrid, swa, vision or qwen3next")
+                        help="tiny (default), bench, hybrid, swa, vision, qwen3next or nemotronh")
     parser.add_argument("--layers", type=int)
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--intermediate", type=int)

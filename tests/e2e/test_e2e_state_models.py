@@ -69,17 +69,11 @@ def state_servers(tmp_path_factory: pytest.TempPathFactory, gdn_model: Path) -> 
         mesh.stop()
 
 
-def empty_vllms_own_prefix_cache(server: VLLMServer) -> None:
-    import httpx
-
-    httpx.post(f"{server.url}/reset_prefix_cache", timeout=60).raise_for_status()
-
-
 def test_a_linear_attention_hybrid_resumes_from_a_saved_state_with_identical_output(
         state_servers: dict[str, VLLMServer], long_text: str) -> None:
     server = state_servers["gdn"]
     check_hits_with_identical_output(server, state_servers["gdn-ref"], long_text[20_000:24_000],
-                                     long_text[24_000:25_000], lambda: empty_vllms_own_prefix_cache(server))
+                                     long_text[24_000:25_000], server.reset_prefix_cache)
     hits = server.hit_lines()
     assert all(hit.hit % CHUNK == 0 for hit in hits), "a hit ends only where a state was saved (chunk ends)"
     assert "KV cache groups gM1,M1,M1,F1" in server.log_text()
@@ -119,7 +113,7 @@ def test_a_linear_attention_hybrid_is_loaded_from_the_disk_store_after_a_clear_a
         return server.metrics().get("lmcache:num_retrieved_states_total", 0.0)
 
     def loaded_from_the_disk_store() -> None:
-        empty_vllms_own_prefix_cache(server)
+        server.reset_prefix_cache()
         before = states_loaded()
         warm = server.complete(prompt, max_tokens=16)
         assert server.assert_loaded(warm).hit == resumable  # every chunk and the state after the last

@@ -240,6 +240,13 @@ class VLLMServer(ManagedProcess):
                 values[name] = values.get(name, 0.0) + float(value)
         return values
 
+    def reset_prefix_cache(self) -> None:
+        """Empty vLLM's own prefix cache (POST /reset_prefix_cache: the server needs VLLM_SERVER_DEV_MODE=1), so
+        that the next hit is the connector's."""
+        import httpx
+
+        httpx.post(f"{self.url}/reset_prefix_cache", timeout=60).raise_for_status()
+
     def tokenize(self, prompt: str) -> list[int]:
         import httpx
 
