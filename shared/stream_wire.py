@@ -19,8 +19,8 @@ The first request of a connection is a hello with its ticket. Messages are share
 The receiver computes the checksum piece by piece as the bytes land (`recv_exactly`), while each piece is
 still in the CPU cache: a separate pass over 32 MiB would read it back from memory.
 
-Store end: `StreamServer` (services/remote_store/stream_server.py), on the store's event loop, one task per
-connection. Client end: a `StreamPool` of `StreamConnection`s per store (services/engine/tiers/remote_stream.py),
+Serving end: `StreamServer` (shared/stream_server.py; the remote store's adds puts), on the server's event loop,
+one task per connection. Client end: a `StreamPool` of `StreamConnection`s per store (services/engine/tiers/remote_stream.py),
 on the engine's NATS loop (the engine imports only the client end and this module, never the store). Nobody
 ever gets a truncated chunk: the receiver counts bytes against meta.nbytes and checks meta.checksum; a transfer
 that stalls past its deadline (a dead or too slow peer) closes the connection, and the other side sees an error,

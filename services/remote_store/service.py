@@ -46,7 +46,7 @@ from kvmesh.services.remote_store.options import RemoteStoreOptions
 from kvmesh.services.remote_store.redis_watch import run_redis_watch
 from kvmesh.shared.redis_url import parse_redis_url
 from kvmesh.services.remote_store.store import MemoryStore, PutRefused
-from kvmesh.services.remote_store.stream_server import StreamServer
+from kvmesh.services.remote_store.stream_server import StoreStreamServer
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +74,12 @@ class RemoteStoreService:
                                  on_admit=self.reporter.admit, on_evict=self.reporter.evict,
                                  prefault_bytes=options.prefault_bytes)
         listen, self.advertise_host = stream_addresses(options)
-        self.stream = StreamServer(self.store, listen, options.stream_port, options.transfer_timeout,
-                                   max_connections=options.max_stream_connections,
-                                   hello_timeout=options.stream_hello_timeout,
-                                   hello_max_bytes=options.stream_hello_max_bytes,
-                                   idle_timeout=options.stream_idle_timeout, max_chunk_bytes=options.max_chunk_bytes)
+        self.stream = StoreStreamServer(self.store, listen, options.stream_port, options.transfer_timeout,
+                                        max_connections=options.max_stream_connections,
+                                        hello_timeout=options.stream_hello_timeout,
+                                        hello_max_bytes=options.stream_hello_max_bytes,
+                                        idle_timeout=options.stream_idle_timeout,
+                                        max_chunk_bytes=options.max_chunk_bytes)
         self.ops = IndexOps(options.store_id, self.store.index, free=self.store.free, details=self._stats_details,
                             persist=self.store.save_now, bounds=options.bounds)
         self.endpoint = StoreEndpoint("remote_store", options.store_id, options.bounds.request_queue_bytes,
