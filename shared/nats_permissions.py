@@ -44,17 +44,19 @@ def permissions(path: str) -> Permissions:
     inbox = f"{inbox_prefix(path)}.>"
     listen_all = (Subjects.CONTROLLER_HELLO, Subjects.PING_ALL)
     produces = (f"{P}.ctrl.register.{path}.*", f"{P}.ctrl.heartbeat.{path}.*", f"{P}.events.{path}.*")
+    asks = (f"{P}.ctrl.peer_lookup.{path}.*",)  # an engine worker's P2P lookup (services/controller/peers.py)
     serves = (f"{P}.sync.{path}.*", f"{P}.health.{path}.*")
     if role == "engine":
         return Permissions(
-            publish=(*produces, f"{P}.worker.{name}.>", *(f"{P}.store.*.{op}.{path}.*" for op in ENGINE_STORE_OPS)),
+            publish=(*produces, *asks, f"{P}.worker.{name}.>",
+                     *(f"{P}.store.*.{op}.{path}.*" for op in ENGINE_STORE_OPS)),
             subscribe=(f"{P}.worker.{name}.>", *serves, *listen_all, inbox))
     if role == "store":
         return Permissions(publish=produces, subscribe=(f"{P}.store.{name}.>", *serves, *listen_all, inbox))
     if role == "controller":
         return Permissions(
             publish=(Subjects.CONTROLLER_HELLO, Subjects.PING_ALL, f"{P}.sync.>", f"{P}.worker.>", f"{P}.health.>"),
-            subscribe=(Subjects.REGISTER_ALL, Subjects.HEARTBEAT_ALL, Subjects.EVENTS_ALL,
+            subscribe=(Subjects.REGISTER_ALL, Subjects.HEARTBEAT_ALL, Subjects.EVENTS_ALL, Subjects.PEER_LOOKUP_ALL,
                        Subjects.health(path), Subjects.PING_ALL, inbox))
     return Permissions(  # operator: health, stats and wipe; it answers nothing
         publish=(Subjects.PING_ALL, f"{P}.health.>", *(f"{P}.store.*.{op}.{path}" for op in OPERATOR_STORE_OPS)),

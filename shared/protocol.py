@@ -143,6 +143,7 @@ class Subjects:
     REGISTER_ALL = f"{PREFIX}.ctrl.register.>"
     HEARTBEAT_ALL = f"{PREFIX}.ctrl.heartbeat.>"
     EVENTS_ALL = f"{PREFIX}.events.>"
+    PEER_LOOKUP_ALL = f"{PREFIX}.ctrl.peer_lookup.>"
 
     @staticmethod
     def token(name: str) -> str:
@@ -166,6 +167,11 @@ class Subjects:
     @classmethod
     def heartbeat(cls, producer_path: str) -> str:
         return f"{cls.PREFIX}.ctrl.heartbeat.{producer_path}"
+
+    @classmethod
+    def peer_lookup(cls, producer_path: str) -> str:
+        """PeerLookup of one engine worker to the controller (P2P hits): which peer's CPU tier holds these chunks."""
+        return f"{cls.PREFIX}.ctrl.peer_lookup.{producer_path}"
 
     @classmethod
     def events(cls, producer_path: str) -> str:
@@ -405,6 +411,7 @@ class RegisterEngine:
     host: str = ""  # the worker's host name ("": not reported, an older engine)
     ip: str = ""  # the address it reaches the mesh from (LMCache's worker `ip`; /query_instance looks it up)
     domain: str = "default"  # its sharing domain, mixed into its keys ("default": an older engine, or none set)
+    p2p: bool = False  # it serves its CPU tier to peers of its domain (enable_p2p)
 
     def key_params(self) -> KeyParams:
         """How this worker names its chunks."""
@@ -520,6 +527,25 @@ class PrefixLookup:
 
     keys: list[bytes]
     num_tokens: int
+
+
+@message("peer_lookup")
+@dataclass(frozen=True)
+class PeerLookup:
+    """Engine worker -> controller (`Subjects.peer_lookup`): which live worker of another instance, in the asker's
+    sharing domain, holds the longest prefix of `keys` (the asker's shard keys, in prefix order) in its CPU
+    tier. The reply is a PeerLookupReply. Its size is bounded by the NATS server's max_payload."""
+
+    worker_id: str  # the asker (the subject's producer path must be its own)
+    keys: list[bytes]
+
+
+@message("peer_lookup_reply")
+@dataclass(frozen=True)
+class PeerLookupReply:
+    instance_id: str = ""  # "" when no other instance holds the first key
+    worker_id: str = ""
+    num_chunks: int = 0  # how many leading keys that worker holds
 
 
 @message("command_reply")

@@ -4,6 +4,7 @@ Runs on the controller's one event loop (shared with uvicorn). Subscriptions, ea
 nats-py (one task per subscription, so there is no ordering *between* them):
   - `Subjects.EVENTS_ALL`       AdmissionBatch / SyncChunk from every producer -> ProducerTable / HolderIndex
   - `Subjects.REGISTER_ALL`     RegisterEngine / RegisterStore
+  - `Subjects.PEER_LOOKUP_ALL`  PeerLookup -> PeerLookupReply (P2P hits: peers.py)
   - `Subjects.HEARTBEAT_ALL`    Heartbeat (liveness; a seq claim may reveal a lost batch)
   - `Subjects.health("controller")`, `Subjects.PING_ALL`   HealthRequest -> HealthReply(service="controller")
 Sends: `ControllerHello` on start and after every NATS reconnect (producers register again and full-sync:
@@ -40,6 +41,7 @@ from kvmesh.shared.aio import cancel_and_wait
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.errors import MeshUnavailable, ProtocolError
 from kvmesh.shared.protocol import ProducerPath, Subjects, is_worker_id_of
+from kvmesh.services.controller.peers import peer_holder
 from kvmesh.services.controller.producers import ProducerTable
 
 log = logging.getLogger(__name__)
@@ -89,6 +91,7 @@ class ProducerFeed:
             await self.nc.subscribe(Subjects.EVENTS_ALL, cb=self._on_event, **limits),
             await self.nc.subscribe(Subjects.REGISTER_ALL, cb=self._on_register, **limits),
             await self.nc.subscribe(Subjects.HEARTBEAT_ALL, cb=self._on_heartbeat, **limits),
+            await bus.serve_from(self.nc, Subjects.PEER_LOOKUP_ALL, protocol.PeerLookup, self._on_peer_lookup),
             await bus.serve(self.nc, Subjects.health(protocol.CONTROLLER.path), protocol.HealthRequest,
                             self._on_health),
             await bus.serve(self.nc, Subjects.PING_ALL, protocol.HealthRequest, self._on_health),
@@ -243,6 +246,16 @@ class ProducerFeed:
             return
         if self.table.on_heartbeat(heartbeat, self.clock()):
             self.request_sync(heartbeat.producer_id, "unknown or behind")
+
+    async def _on_peer_lookup(self, request: protocol.PeerLookup, subject: str) -> protocol.PeerLookupReply:
+        """P2P: the peer whose CPU tier holds the most leading keys (peers.py); nothing for an asker that is not
+        the registered worker it names."""
+        sender = Subjects.producer_of(subject, Subjects.PEER_LOOKUP_ALL)
+        asker = self.table.producer(request.worker_id)
+        if sender is None or asker is None or not self.table.sender_is(request.worker_id, sender.path):
+            self._forged(f"a peer lookup of {request.worker_id!r} on {subject}")
+            return protocol.PeerLookupReply()
+        return peer_holder(self.table, asker, request.keys)
 
     async def _on_health(self, _request: protocol.HealthRequest) -> protocol.HealthReply:
         return protocol.HealthReply(service="controller", service_id=self.controller_id, status="ok",

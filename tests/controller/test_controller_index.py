@@ -10,6 +10,7 @@ from kvmesh.shared.keys import ChunkHasher, KeyParams
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, REMOTE
 from kvmesh.services.controller.holder_index import HolderIndex
 from kvmesh.services.controller.lookup import LookupEngine
+from kvmesh.services.controller.peers import peer_holder
 from kvmesh.shared.keys import tokens_as_array
 from kvmesh.services.controller.ops import EventLog
 from kvmesh.services.controller.producers import ProducerTable
@@ -276,6 +277,33 @@ def test_lookup_of_a_model_with_recurrent_state_ends_at_a_chunk_whose_state_is_h
     hold_with_states("disk", 0, [0, 1, 2, 3], [])
     hold_with_states("disk", 1, [0, 1, 2, 3], [])
     assert lookup.lookup(tokens) == {"h": (LOCAL_CPU, 4)}  # every chunk on disk, but no state there: of no use
+
+
+def test_a_peer_lookup_picks_a_live_p2p_worker_of_the_askers_domain_holding_the_most_leading_keys() -> None:
+    tokens = list(range(16))  # four chunks of 4
+    keys = ChunkHasher(KeyParams(MODEL, FMT), 4).keys(tokens)
+    table = ProducerTable()
+
+    def worker(name: str, chunks: list[int], **fields: object) -> None:
+        reg = engine(name)
+        table.on_register_engine(protocol.RegisterEngine(**{**reg.__dict__, "p2p": True, **fields}), 0.0)
+        table.index.admit(table.producer(name).slot, [keys[i] for i in chunks])
+
+    worker("asker", [0, 1, 2, 3])
+    worker("two", [0, 1])
+    worker("gap", [0, 2, 3])  # a chunk missing: only its first counts
+    worker("closed", [0, 1, 2, 3], p2p=False)
+    worker("other-domain", [0, 1, 2, 3], domain="tenant-b")
+    asker = table.producer("asker")
+    assert asker is not None
+    assert peer_holder(table, asker, keys) == protocol.PeerLookupReply("two", "two", 2)
+    worker("three", [0, 1, 2])
+    assert peer_holder(table, asker, keys) == protocol.PeerLookupReply("three", "three", 3)
+    table.producer("three").last_seen = -100.0  # silent past the liveness timeout
+    table.tick(0.0)
+    assert peer_holder(table, asker, keys) == protocol.PeerLookupReply("two", "two", 2)
+    assert peer_holder(table, asker, keys[2:]) == protocol.PeerLookupReply("gap", "gap", 2)
+    assert peer_holder(table, asker, [key(99)]) == protocol.PeerLookupReply()
 
 
 def test_lookup_save_unfull_chunk_false_ignores_partial_tail() -> None:
