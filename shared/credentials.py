@@ -275,8 +275,8 @@ class MeshCredentials:
             os.close(fd)
 
     def ensure(self, *paths: str, domain: str | None = None) -> bool:
-        """Create credentials for every principal in `paths` that has none; True when any was added (the
-        authorization file is then rewritten: a running server needs `reload_server()`).
+        """Create credentials for every principal in `paths` that has none; True when any was added or an engine
+        changed domain (the authorization file is then rewritten: a running server needs `reload_server()`).
 
         An engine's file also records its sharing domain and that domain's secret: `domain` when given (the
         engines in `paths` are then moved to it), else the one domains.json gives it, else the default domain;
@@ -290,9 +290,13 @@ class MeshCredentials:
                     "user": path, "password": secrets.token_urlsafe(32), "inbox_prefix": inbox_prefix(path)}))
             # every call, so that adding any principal also completes an older domains.json
             self._record_domains([path for path in paths if path.startswith("engine.")], domain)
-            if missing or not (self.root / AUTHORIZATION_FILE).exists():
-                _write_private(self.root / AUTHORIZATION_FILE, authorization_block(self._users()))
-        return bool(missing)
+            # an engine's NATS permissions follow its domain (P2P streams): a move rewrites them too
+            authorization = authorization_block(self._users())
+            file = self.root / AUTHORIZATION_FILE
+            rewritten = not file.exists() or file.read_text() != authorization
+            if rewritten:
+                _write_private(file, authorization)
+        return bool(missing) or rewritten
 
     @property
     def domains_file(self) -> Path:
@@ -347,13 +351,13 @@ class MeshCredentials:
                 entry.update(domain=name, domain_secret=secret)
                 _write_private(file, json.dumps(entry))
 
-    def _users(self) -> list[tuple[str, str]]:
+    def _users(self) -> list[tuple[str, str, str]]:
         users = []
         for file in sorted(self.root.glob("*.json")):
             if file.name == DOMAINS_FILE:
                 continue
             entry = json.loads(file.read_text())
-            users.append((entry["user"], entry["password"]))
+            users.append((entry["user"], entry["password"], entry.get("domain", DEFAULT_DOMAIN)))
         return users
 
     def server_config(self, listen: str, settings: str = "") -> Path:

@@ -7,8 +7,8 @@ the controller says hello or asks for a sync; only the operator wipes a store. R
 inboxes (`_INBOX.<path>.>`, nats-py's `inbox_prefix`), so no principal can read another's replies; responders
 answer through `allow_responses` (one reply per request received), not through a publish right on inboxes.
 
-`authorization_block(users)` renders the NATS server config for a list of (path, password); docs/security.md
-shows the same lists in prose.
+`authorization_block(users)` renders the NATS server config for a list of (path, password, domain);
+docs/security.md shows the same lists in prose.
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ def inbox_prefix(path: str) -> str:
     return f"_INBOX.{path}"
 
 
-def permissions(path: str) -> Permissions:
-    """The allow lists of the principal at `path` (`engine.<instance>`, `store.<id>`, `controller`, `operator`)."""
+def permissions(path: str, domain: str = "default") -> Permissions:
+    """The allow lists of the principal at `path` (`engine.<instance>`, `store.<id>`, `controller`, `operator`); an
+    engine's depend on its sharing domain too: it asks peers of `domain` only for streams (P2P), and only they ask
+    it."""
     role, _, name = path.partition(".")
     if role not in ROLES or bool(name) != (role in ("engine", "store")) or "." in name:
         raise ValueError(f"not a principal path: {path!r}")
@@ -47,10 +49,11 @@ def permissions(path: str) -> Permissions:
     asks = (f"{P}.ctrl.peer_lookup.{path}.*",)  # an engine worker's P2P lookup (services/controller/peers.py)
     serves = (f"{P}.sync.{path}.*", f"{P}.health.{path}.*")
     if role == "engine":
+        peers = f"{P}.p2p.{Subjects.token(domain)}"
         return Permissions(
-            publish=(*produces, *asks, f"{P}.worker.{name}.>",
+            publish=(*produces, *asks, f"{P}.worker.{name}.>", f"{peers}.*.*.{path}.*",
                      *(f"{P}.store.*.{op}.{path}.*" for op in ENGINE_STORE_OPS)),
-            subscribe=(f"{P}.worker.{name}.>", *serves, *listen_all, inbox))
+            subscribe=(f"{P}.worker.{name}.>", f"{peers}.{name}.>", *serves, *listen_all, inbox))
     if role == "store":
         return Permissions(publish=produces, subscribe=(f"{P}.store.{name}.>", *serves, *listen_all, inbox))
     if role == "controller":
@@ -63,11 +66,11 @@ def permissions(path: str) -> Permissions:
         subscribe=(inbox,))
 
 
-def authorization_block(users: list[tuple[str, str]]) -> str:
-    """The NATS server config's `authorization` block: one user per (principal path, password)."""
+def authorization_block(users: list[tuple[str, str, str]]) -> str:
+    """The NATS server config's `authorization` block: one user per (principal path, password, sharing domain)."""
     entries = []
-    for path, password in users:
-        allowed = permissions(path)
+    for path, password, domain in users:
+        allowed = permissions(path, domain)
         entries.append(json.dumps({"user": path, "password": password, "permissions": {
             "publish": {"allow": list(allowed.publish)}, "subscribe": {"allow": list(allowed.subscribe)},
             "allow_responses": True}}))

@@ -174,6 +174,12 @@ class Subjects:
         return f"{cls.PREFIX}.ctrl.peer_lookup.{producer_path}"
 
     @classmethod
+    def peer_stream(cls, domain: str, instance_id: str, worker_id: str, caller_path: str) -> str:
+        """StreamRequest of the engine worker at `caller_path` to a peer worker of its sharing domain `domain`, for a
+        stream of that worker's CPU tier (P2P hits); NATS lets an engine publish these only in its own domain."""
+        return f"{cls.PREFIX}.p2p.{cls.token(domain)}.{cls.token(instance_id)}.{cls.token(worker_id)}.{caller_path}"
+
+    @classmethod
     def events(cls, producer_path: str) -> str:
         """AdmissionBatch and SyncChunk messages of one producer."""
         return f"{cls.PREFIX}.events.{producer_path}"

@@ -292,8 +292,9 @@ def permissions_table() -> str:
 
     rows = ["| principal | may publish | may subscribe to |", "| --- | --- | --- |"]
     for path in PRINCIPAL_PATHS:
-        allowed = permissions(path)
-        rows.append(f"| `{path}` | {cell(allowed.publish)} | {cell(allowed.subscribe)} |")
+        allowed = permissions(path, "DOMAIN")
+        rows.append(f"| `{path}` | {cell(allowed.publish)} | {cell(allowed.subscribe)} |".replace(".DOMAIN.",
+                                                                                                  ".<domain>."))
     return "\n".join(rows)
 
 

@@ -24,7 +24,7 @@ from kvmesh.services.controller.config import ControllerConfig
 from kvmesh.services.controller.service import ControllerService
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.shared import bus, protocol
-from kvmesh.shared.credentials import MeshCredentials, local_mesh_dir, provision
+from kvmesh.shared.credentials import MeshCredentials, local_mesh_dir, provision, server_accepts
 from kvmesh.shared.errors import MeshUnavailable
 from kvmesh.shared.keys import KeyParams
 from kvmesh.shared.local_mesh import LocalMesh
@@ -199,6 +199,53 @@ async def test_an_engine_cannot_act_as_another_instance_a_store_or_the_controlle
             await attacker.refused(subject, "Subscription")
     finally:
         await attacker.close()
+
+
+async def test_engines_ask_peers_for_streams_only_within_their_sharing_domain(mesh: LocalMesh) -> None:
+    """P2P: an engine may request a stream of a peer's CPU tier only from engines of its own sharing domain, and
+    only in its own name; only the peer itself hears such requests. Another domain's engine is refused by NATS
+    and hears nothing."""
+    assert mesh.credentials is not None
+    port = int(str(mesh.nats_url).rsplit(":", 1)[1])
+    for instance, domain in (("red-a", "red"), ("red-b", "red"), ("blue-c", "blue")):
+        mesh.credentials.ensure(Principal.engine(instance).path, domain=domain)
+    mesh.credentials.reload_server()
+    auths = {instance: bus.NatsAuth.from_file(mesh.credentials.file(Principal.engine(instance).path))
+             for instance in ("red-a", "red-b", "blue-c")}
+    await wait_until_async(lambda: all(server_accepts("127.0.0.1", port, auth) for auth in auths.values()),
+                           what="the reloaded users")
+    url = str(mesh.nats_url)
+    server, peer, outsider = [await Attacker().connect(url, auths[name]) for name in ("red-a", "red-b", "blue-c")]
+    try:
+        heard = await server.nc.subscribe("kvmesh.p2p.red.red-a.>")
+        await server.nc.flush()
+        asked = Subjects.peer_stream("red", "red-a", "red-a", Principal.engine("red-b").producer("red-b"))
+        await peer.nc.publish(asked, b"stream please")
+        await peer.nc.flush()
+        message = await heard.next_msg(timeout=WAIT_S)
+        assert message.subject == asked
+        attempts = [
+            Subjects.peer_stream("red", "red-a", "red-a", Principal.engine("blue-c").producer("blue-c")),
+            Subjects.peer_stream("red", "red-a", "red-a", Principal.engine("red-b").producer("red-b")),  # not its own
+        ]
+        for subject in attempts:
+            await outsider.nc.publish(subject, b"x")
+        # its own domain's subject naming red-a goes out, but nobody of another domain listens there
+        await outsider.nc.publish(Subjects.peer_stream("blue", "red-a", "red-a",
+                                                       Principal.engine("blue-c").producer("blue-c")), b"x")
+        await peer.nc.publish(Subjects.peer_stream("red", "red-a", "red-a",
+                                                   Principal.engine("blue-c").producer("blue-c")), b"x")
+        await outsider.nc.subscribe("kvmesh.p2p.red.>")
+        await outsider.nc.flush()
+        for subject in attempts:
+            await outsider.refused(subject)
+        await outsider.refused("kvmesh.p2p.red.>", "Subscription")
+        await peer.refused(attempts[0])  # a peer of the domain asks in its own name only
+        await server.nc.flush()
+        assert heard.pending_msgs == 0 and not server.errors  # red-a heard only red-b's request
+    finally:
+        for connection in (server, peer, outsider):
+            await connection.close()
 
 
 async def test_a_store_and_the_operator_keep_to_their_roles(mesh: LocalMesh) -> None:
