@@ -16,8 +16,7 @@ from typing import Iterator
 
 import pytest
 
-from support.e2e import VLLMServer, check_hits_with_identical_output, clean_env, free_port, kv_transfer_config, serving
-from support.waiting import WAIT_S, wait_until
+from support.e2e import VLLMServer, check_state_model_hits, clean_env, free_port, kv_transfer_config, serving
 
 pytestmark = pytest.mark.vllm
 
@@ -41,11 +40,5 @@ def mamba2_servers(tmp_path_factory: pytest.TempPathFactory, mamba2_model: Path)
 
 def test_a_mamba2_hybrid_resumes_from_a_saved_state_with_identical_output(
         mamba2_servers: dict[str, VLLMServer], long_text: str) -> None:
-    server = mamba2_servers["mamba2"]
-    check_hits_with_identical_output(server, mamba2_servers["mamba2-ref"], long_text[40_000:44_000],
-                                     long_text[44_000:45_000], server.reset_prefix_cache)
-    hits = server.hit_lines()
-    assert hits and all(hit.hit % CHUNK == 0 for hit in hits), "a hit ends only where a state was saved"
-    assert "KV cache groups gM1,M1,M1,F1" in server.log_text()
-    wait_until(lambda: server.metrics().get("lmcache:num_retrieved_states_total", 0.0) == 2, WAIT_S, interval=0.5,
-               what="both warm loads' states counted")
+    check_state_model_hits(mamba2_servers["mamba2"], mamba2_servers["mamba2-ref"], long_text[40_000:44_000],
+                           long_text[44_000:45_000], "gM1,M1,M1,F1")

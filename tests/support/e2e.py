@@ -334,6 +334,23 @@ def check_hits_with_identical_output(server: VLLMServer, ref: VLLMServer, prompt
 
 
 
+def check_state_model_hits(server: VLLMServer, ref: VLLMServer, prompt: str, extension: str, groups_tag: str,
+                           chunk: int = 256) -> None:
+    """`check_hits_with_identical_output` for a model with recurrent state (Mamba / GDN layers), vLLM's own prefix
+    cache emptied before each warm request: every hit ends at a chunk end (where a state was saved), the log
+    names the groups, and each of the two warm loads resumed from a loaded state (`lmcache:num_retrieved_states`)."""
+
+    def states_loaded() -> float:
+        return server.metrics().get("lmcache:num_retrieved_states_total", 0.0)
+
+    before = states_loaded()
+    check_hits_with_identical_output(server, ref, prompt, extension, server.reset_prefix_cache, chunk)
+    hits = server.hit_lines()
+    assert hits and all(hit.hit % chunk == 0 for hit in hits), "a hit ends only where a state was saved"
+    assert f"KV cache groups {groups_tag}" in server.log_text()
+    wait_until(lambda: states_loaded() == before + 2, WAIT_S, interval=0.5, what="both warm loads' states counted")
+
+
 def start_vllm(*servers: VLLMServer, timeout: float = 400.0) -> None:
     """Start several servers at once (their start-ups overlap) and wait until all serve."""
     for server in servers:
