@@ -33,10 +33,10 @@ sliding-window and full layers): vLLM keeps its hybrid KV cache manager on with 
 
 Models with recurrent state (`--preset qwen3next`: Gated DeltaNet and full-attention layers): vLLM keeps a state
 per block only with its prefix cache on ("align" mode) and only where a step ends, so KVMesh's server keeps its
-prefix cache on (emptied before each warm sample) and every peer prefills in chunk-sized steps:
+prefix cache on (emptied before each warm sample), LMCache's too, and every peer prefills in chunk-sized steps:
 
     python benchmarks/ttft.py --model ~/.cache/kvmesh-tests/models/qwen3next --sizes 2048 8000 --name ttft-gdn \
-        --max-num-batched-tokens 256 --kvmesh-prefix-caching --peers no-connector vllm-prefix-cache kvmesh
+        --max-num-batched-tokens 256 --reset-prefix-cache
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -122,9 +123,9 @@ def warm_up(server: Server, prompts: Prompts, max_len: int) -> None:
 
 def run_kvmesh(model: Path, work: Path, sizes: list[int], prompts: Prompts, env: dict[str, str], max_len: int,
                cold_repeats: int, warm_repeats: int, async_loading: bool, batched_tokens: int,
-               prefix_caching: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+               reset_prefix_cache: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """KVMesh: CPU-tier warm, then disk warm after clearing the CPU tier through the controller. With
-    `prefix_caching` vLLM's own prefix cache stays on (a model with recurrent state needs it) and is emptied
+    `reset_prefix_cache` vLLM's own prefix cache stays on (a model with recurrent state needs it) and is emptied
     before every warm sample, so each warm figure is a load by KVMesh."""
     import httpx
 
@@ -135,15 +136,11 @@ def run_kvmesh(model: Path, work: Path, sizes: list[int], prompts: Prompts, env:
     server = None
     try:
         server = Server("kvmesh", model, free_port(), work / "logs", max_len,
-                        ["--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
-                         "--kv-transfer-config", json.dumps(KVMESH)],
+                        [*prefix_cache_flags(reset_prefix_cache), "--kv-transfer-config", json.dumps(KVMESH)],
                         {**env, "LMCACHE_CONFIG_FILE": str(config), "VLLM_SERVER_DEV_MODE": "1"}, batched_tokens)
         server.ready()  # inside the try: a server that never comes up is stopped too
         warm_up(server, prompts, max_len)
-
-        def empty_vllms_prefix_cache() -> None:
-            if prefix_caching:
-                httpx.post(f"{server.url}/reset_prefix_cache", timeout=60).raise_for_status()
+        empty_vllms_prefix_cache = reset_between(server, reset_prefix_cache)
 
         def lookup(prompt: list[int]) -> list[Any] | None:
             reply = httpx.post(f"{controller}/lookup", json={"tokens": prompt}, timeout=30).json()
@@ -185,18 +182,36 @@ def run_kvmesh(model: Path, work: Path, sizes: list[int], prompts: Prompts, env:
         mesh.stop()
 
 
+def prefix_cache_flags(reset: bool) -> list[str]:
+    """A connector peer's vLLM prefix cache: off, or on and emptied before each warm sample (`reset_between`)."""
+    return ["--enable-prefix-caching" if reset else "--no-enable-prefix-caching"]
+
+
+def reset_between(server: Server, reset: bool) -> Callable[[], None]:
+    """Empties the server's own prefix cache (VLLM_SERVER_DEV_MODE's POST /reset_prefix_cache) when `reset`."""
+    import httpx
+
+    def empty() -> None:
+        if reset:
+            httpx.post(f"{server.url}/reset_prefix_cache", timeout=60).raise_for_status()
+
+    return empty
+
+
 def run_lmcache(model: Path, work: Path, sizes: list[int], prompts: Prompts, env: dict[str, str], max_len: int,
-                cold_repeats: int, warm_repeats: int, batched_tokens: int) -> dict[str, Any]:
+                cold_repeats: int, warm_repeats: int, batched_tokens: int, reset_prefix_cache: bool) -> dict[str, Any]:
     """LMCache's multiprocess server (CPU L1) + vLLM's LMCacheMPConnector."""
     server_proc, port = start_lmcache_server(work, env, l1_gb=2)
     config = lmcache_connector(port)
     server = None
     try:
         server = Server("LMCache", model, free_port(), work / "logs", max_len,
-                        ["--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(config)], env, batched_tokens)
+                        [*prefix_cache_flags(reset_prefix_cache), "--kv-transfer-config", json.dumps(config)],
+                        {**env, "VLLM_SERVER_DEV_MODE": "1"}, batched_tokens)
         server.ready()
         warm_up(server, prompts, max_len)
-        return measure(server, prompts, sizes, cold_repeats, warm_repeats)
+        return measure(server, prompts, sizes, cold_repeats, warm_repeats,
+                       before_warm=reset_between(server, reset_prefix_cache))
     finally:
         if server is not None:
             server.stop()
@@ -245,11 +260,14 @@ def model_description(model: Path) -> str:
             return str(model)
 
 
-def _last_error(log_tail: str) -> str:
-    """The last line of a start-up log tail that names an error (else its last line)."""
-    lines = [line.strip() for line in log_tail.splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line or "error" in line]
-    return (errors or lines or ["no output"])[-1][:300]
+def _last_error(log: str) -> str:
+    """The first line of a start-up log that names an exception, vLLM's wrappers last (the root cause; else the
+    log's last line)."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    errors = [line for line in lines if re.search(r"\b[A-Z]\w*(Error|Exception): ", line) and "WARNING" not in line]
+    causes = [line for line in errors if "RuntimeError: Engine core initialization failed" not in line
+              and "RuntimeError: Worker failed" not in line]  # vLLM's wrappers name no cause
+    return (causes or errors or lines[-1:] or ["no output"])[0][:400]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,9 +284,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="KVMesh's enable_async_loading (default: KVMesh's default)")
     parser.add_argument("--max-num-batched-tokens", type=int,
                         help="vLLM's, for every peer (default: the longest prompt + 64, each prompt one prefill step)")
-    parser.add_argument("--kvmesh-prefix-caching", action="store_true",
-                        help="KVMesh's vLLM keeps its own prefix cache on, emptied before each warm sample (a model "
-                             "with recurrent state, e.g. Qwen3-Next, needs it: vLLM keeps states per block only then)")
+    parser.add_argument("--reset-prefix-cache", action="store_true",
+                        help="KVMesh's and LMCache's vLLM keep their own prefix cache on, emptied before each warm "
+                             "sample (a model with recurrent state, e.g. Qwen3-Next, needs it: vLLM keeps states per "
+                             "block only then)")
     args = parser.parse_args(argv)
 
     model = args.model or ensure_model(Path.home() / ".cache" / "kvmesh-tests" / "models" / "bench", "bench")
@@ -284,29 +303,32 @@ def main(argv: list[str] | None = None) -> int:
     peers: dict[str, Any] = {}
     started = time.time()
 
-    def simple(name: str, args_: list[str], warm_equals_cold: bool = False) -> dict[str, Any]:
+    not_run: dict[str, str] = {}
+
+    def simple(name: str, args_: list[str], warm_equals_cold: bool = False) -> None:
         print(f"== {name}", flush=True)
         server = Server(name, model, free_port(), work / "logs", max_len, args_, env, batched_tokens)
         try:
             server.ready()
             warm_up(server, prompts, max_len)
-            return measure(server, prompts, args.sizes, args.cold_repeats, 1 if warm_equals_cold else
-                           args.warm_repeats, warm_equals_cold=warm_equals_cold)
+            peers[name] = measure(server, prompts, args.sizes, args.cold_repeats, 1 if warm_equals_cold else
+                                  args.warm_repeats, warm_equals_cold=warm_equals_cold)
+        except SystemExit:  # it did not start with this model: say why, measure the others
+            not_run[name] = f"vLLM did not start: {_last_error(server.child.log.read_text(errors='replace'))}"
+            print(f"  {name} not run: {not_run[name]}", flush=True)
         finally:
             server.stop()
 
     if "no-connector" in args.peers:
-        peers["no-connector"] = simple("no-connector", ["--no-enable-prefix-caching"], warm_equals_cold=True)
+        simple("no-connector", ["--no-enable-prefix-caching"], warm_equals_cold=True)
     if "vllm-prefix-cache" in args.peers:
-        peers["vllm-prefix-cache"] = simple("vllm-prefix-cache", ["--enable-prefix-caching"])
+        simple("vllm-prefix-cache", ["--enable-prefix-caching"])
     if "ExampleConnector" in args.peers:
         storage = work / "example-connector"
         storage.mkdir()
         config = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                   "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
-        peers["ExampleConnector"] = simple("ExampleConnector", ["--no-enable-prefix-caching",
-                                                                "--kv-transfer-config", json.dumps(config)])
-    not_run: dict[str, str] = {}
+        simple("ExampleConnector", ["--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(config)])
     lmcache_version: str | None = None
     if "LMCache" in args.peers:
         lm_env, lmcache_version = lmcache_env(env)
@@ -317,16 +339,17 @@ def main(argv: list[str] | None = None) -> int:
             print("== LMCache", flush=True)
             try:
                 peers["LMCache"] = run_lmcache(model, work, args.sizes, prompts, lm_env, max_len, args.cold_repeats,
-                                               args.warm_repeats, batched_tokens)
-            except SystemExit as exc:  # its vLLM did not start with this model: say why, measure the others
-                not_run["LMCache"] = f"vLLM with LMCacheMPConnector did not start: {_last_error(str(exc))}"
+                                               args.warm_repeats, batched_tokens, args.reset_prefix_cache)
+            except SystemExit:  # its vLLM did not start with this model: say why, measure the others
+                log = (work / "logs" / "LMCache.log").read_text(errors="replace")
+                not_run["LMCache"] = f"vLLM with LMCacheMPConnector did not start: {_last_error(log)}"
                 print(f"  LMCache not run: {not_run['LMCache']}", flush=True)
     if "kvmesh" in args.peers:
         print("== kvmesh", flush=True)
         peers["kvmesh-cpu"], peers["kvmesh-disk"] = run_kvmesh(model, work, args.sizes, prompts, env, max_len,
                                                                args.cold_repeats, args.warm_repeats,
                                                                args.kvmesh_async_loading == "true", batched_tokens,
-                                                               args.kvmesh_prefix_caching)
+                                                               args.reset_prefix_cache)
 
     ratios: dict[str, Any] = {}
     for size in map(str, args.sizes):
@@ -352,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         "not_run": not_run,
         "model": {"name": model_description(model), "path": str(model)},
         "setup": {"vllm": vllm.__version__, "torch": torch.__version__, "lmcache": lmcache_version, "max_model_len": max_len,
-                  "max_num_batched_tokens": batched_tokens, "kvmesh_prefix_caching": args.kvmesh_prefix_caching,
+                  "max_num_batched_tokens": batched_tokens, "reset_prefix_cache": args.reset_prefix_cache,
                   "VLLM_CPU_OMP_THREADS_BIND": "0",
                   "VLLM_CPU_KVCACHE_SPACE_GiB": env["VLLM_CPU_KVCACHE_SPACE"], "chunk_size": CHUNK,
                   "cold_repeats": args.cold_repeats, "warm_repeats": args.warm_repeats,
