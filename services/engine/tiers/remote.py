@@ -23,11 +23,10 @@ from typing import Awaitable, Callable, TypeVar
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.shared import bus, protocol
-from kvmesh.shared.errors import KVMeshError
 from kvmesh.shared.keys import ChunkKey
 from kvmesh.shared.partition import partition_of
 from kvmesh.services.engine.tiers.base import ChunkBuffer, StoreLink, byte_view
-from kvmesh.services.engine.tiers.remote_stream import StreamConnection, StreamPool
+from kvmesh.services.engine.tiers.remote_stream import StreamConnection, StreamPool, on_stream
 
 log = logging.getLogger(__name__)
 
@@ -198,39 +197,7 @@ class RemoteStoreClient:
 
     async def _on_stream(self, replica: _Replica, nbytes: int,
                          op: Callable[[StreamConnection], Awaitable[T]]) -> T | None:
-        """Run `op` on a kept connection to `replica`, bounded in time; None on any failure.
-
-        A kept connection may point at a store that restarted since: a failure on one is retried once on a
-        fresh connection before the replica counts as down.
-        """
-        link = replica.link
-        if link.resting:
-            return None
-        timeout = self.request_timeout + nbytes / self.min_transfer_rate
-        for attempt in (1, 2):
-            reused = False
-            try:
-                async with asyncio.timeout(timeout):
-                    async with replica.pool.connection() as connection:
-                        reused = connection.uses > 0
-                        result = await op(connection)
-            except TimeoutError:
-                link.failed(f"no answer on the stream within {timeout:.1f}s")
-                return None
-            except (KVMeshError, OSError) as exc:  # StreamError, MeshUnavailable (negotiation), socket errors
-                if attempt == 1 and reused:
-                    log.debug("remote store %s: kept connection failed (%s); retrying on a new one",
-                              replica.store_id, exc)
-                    continue
-                link.failed(exc)
-                return None
-            except Exception as exc:  # never let a store problem reach vLLM
-                log.exception("remote store %s: unexpected stream error", replica.store_id)
-                link.failed(exc)
-                return None
-            link.answered()
-            return result
-        return None
+        return await on_stream(replica.pool, replica.link, self.request_timeout + nbytes / self.min_transfer_rate, op)
 
 
 def _first_missing(positions: list[int], held: int, total: int) -> int:

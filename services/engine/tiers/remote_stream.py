@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
-from typing import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, TypeVar
 
 import xxhash
 
 from kvmesh.shared import protocol
+from kvmesh.shared.errors import KVMeshError
 from kvmesh.shared.keys import ChunkKey
 from kvmesh.shared.stream_wire import (
     OP_GET,
@@ -25,6 +27,12 @@ from kvmesh.shared.stream_wire import (
     send_request,
     tune_socket,
 )
+
+if TYPE_CHECKING:
+    from kvmesh.services.engine.tiers.base import StoreLink
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class StreamConnection:
@@ -106,16 +114,19 @@ class StreamPool:
         self._closed = False
 
     @contextlib.asynccontextmanager
-    async def connection(self) -> AsyncIterator[StreamConnection]:
-        """A connection for one request; it returns to the pool only if the request completed."""
+    async def connection(self, timeout: float | None = None) -> AsyncIterator[StreamConnection]:
+        """A connection for one request; it returns to the pool only if the request completed. `timeout` bounds
+        the request from the moment a connection is free (opening it included), not the wait for one: the
+        requests ahead are each bounded themselves, and a queue behind a busy far end is not its failure."""
         async with self._slots:
-            connection = self._idle.pop() if self._idle else await self._open()
-            try:
-                yield connection
-            except BaseException:
-                connection.close()
-                self.reset()
-                raise
+            async with asyncio.timeout(timeout):
+                connection = self._idle.pop() if self._idle else await self._open()
+                try:
+                    yield connection
+                except BaseException:
+                    connection.close()
+                    self.reset()
+                    raise
             if self._closed:
                 connection.close()
             else:
@@ -133,3 +144,37 @@ class StreamPool:
     def close(self) -> None:
         self._closed = True
         self.reset()
+
+
+async def on_stream(pool: StreamPool, link: "StoreLink", timeout: float,
+                    op: Callable[[StreamConnection], Awaitable[T]]) -> T | None:
+    """Run `op` on a kept connection of `pool` within `timeout` seconds once a connection is free; None on any
+    failure (`link` records the far end's state: a failure rests it, an answer revives it).
+
+    A kept connection may point at a server that restarted since: a failure on one is retried once on a fresh
+    connection before the far end counts as down.
+    """
+    if link.resting:
+        return None
+    for attempt in (1, 2):
+        reused = False
+        try:
+            async with pool.connection(timeout) as connection:
+                reused = connection.uses > 0
+                result = await op(connection)
+        except TimeoutError:
+            link.failed(f"no answer on the stream within {timeout:.1f}s")
+            return None
+        except (KVMeshError, OSError) as exc:  # StreamError, MeshUnavailable (negotiation), socket errors
+            if attempt == 1 and reused:
+                log.debug("%s: kept connection failed (%s); retrying on a new one", link.label, exc)
+                continue
+            link.failed(exc)
+            return None
+        except Exception as exc:  # never let a store or peer problem reach vLLM
+            log.exception("%s: unexpected stream error", link.label)
+            link.failed(exc)
+            return None
+        link.answered()
+        return result
+    return None
