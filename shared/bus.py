@@ -124,7 +124,8 @@ class MeshClient(NatsClient):
     """nats-py's client, knowing when its owner closes it: a close or drain asked for is not a lost connection.
 
     `dropped` counts, per subscription, the messages nats-py dropped because that subscription's queue was
-    full (its pending limits): the connection itself stays up and keeps reading. `reconnect_hooks` run after
+    full (its pending limits): the connection itself stays up and keeps reading. `permission_violations`
+    counts what the server refused this client (its NATS permissions). `reconnect_hooks` run after
     each reconnection (the server may be another one now: `server_scope` may have changed).
     """
 
@@ -134,6 +135,14 @@ class MeshClient(NatsClient):
         super().__init__()
         self.dropped: collections.Counter[Subscription] = collections.Counter()
         self.reconnect_hooks: list[Callable[[], Awaitable[None]]] = []
+        self.permission_violations = 0  # publishes and subscriptions the server refused (`count_refusal`)
+
+    def count_refusal(self, name: str, error: Exception) -> None:
+        """The server refused a publish or subscription this client's permissions do not allow (it stays up)."""
+        self.permission_violations += 1
+        count = self.permission_violations
+        if count & (count - 1) == 0:  # the 1st, 2nd, 4th... refusal
+            log.warning("%s: NATS refused: %s (%d refusals so far)", name, error, count)
 
     def count_drop(self, name: str, error: SlowConsumerError) -> None:
         self.dropped[error.sub] += 1
@@ -198,6 +207,8 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None, connect_tim
     async def on_error(exc: Exception) -> None:
         if isinstance(exc, SlowConsumerError):
             nc.count_drop(name, exc)
+        elif "permissions violation" in str(exc).lower():
+            nc.count_refusal(name, exc)
         elif not state["first"]:
             log.debug("%s: NATS client error: %s", name, exc)
         elif not verdict.done() and (rejected_by_all(exc) or time.monotonic() >= deadline):

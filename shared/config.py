@@ -71,7 +71,13 @@ class EngineConfig:
     # case-insensitive, anything else is a ConfigError naming the key. Stores run apart take `--cache-policy`.
     cache_policy: str = "LRU"
     error_handling: bool = False
+    # P2P (docs/architecture.md "P2P hits"): serve this instance's CPU tier to peers of its sharing domain and load
+    # from theirs when the own tiers miss; the stream listens on p2p_host (default: the address NATS is reached
+    # from) and port p2p_init_ports[rank] (default: any free port)
     enable_p2p: bool = False
+    enable_pd: bool = False  # prefill/decode over the P2P streams (docs/connector.md): turns enable_p2p on
+    p2p_host: str | None = None
+    p2p_init_ports: list | None = None
     lookup_url: str | None = None
     extra_config: dict[str, Any] | None = None
     enable_blending: bool = False
@@ -107,6 +113,8 @@ class EngineConfig:
     remote_min_transfer_mb_per_s: float = 100.0  # a remote transfer slower than this is abandoned
     remote_retry_interval_secs: float = 1.0  # a remote partition that failed is not asked again for this long
     remote_stream_connections: int = 4  # open stream connections per remote partition
+    p2p_max_connections: int = 16  # peers' stream connections this worker serves at once (more are closed)
+    p2p_stream_connections: int = 4  # open stream connections to each peer this worker loads from
     # LMCACHE_FORCE_SKIP_SAVE (LMCache reads it only as a variable): the engine stores nothing while it is true
     force_skip_save: bool = False
     # the remote tier on Redis / Valkey (remote_url redis://..., shared/redis_url.py; docs/config.md)
@@ -122,6 +130,8 @@ class EngineConfig:
             where = f"EngineConfig: {key}"
             value = _check(key, _coerce(getattr(self, key), kind, optional, where), where)
             object.__setattr__(self, key, value)  # frozen: normalised values ("lru" -> "LRU") set once here
+        if self.enable_pd:  # a PD producer serves its chunks to the consumer, which reads them as a peer
+            object.__setattr__(self, "enable_p2p", True)
 
     # ---- constructors ----------------------------------------------------------------------------------------
     @classmethod
@@ -248,7 +258,8 @@ def load_engine_config(
 _TRUE = frozenset({"true", "1", "yes", "on"})
 _FALSE = frozenset({"false", "0", "no", "off"})
 _NONE_TEXT = frozenset({"none", "null", ""})  # LMCache's docs write "None if disabled"
-_EXPECTED = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", dict: "a JSON/YAML mapping"}
+_EXPECTED = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", dict: "a JSON/YAML mapping",
+             list: "a list of TCP ports (YAML list, JSON list or comma-separated)"}
 
 _POSITIVE = (lambda v: v > 0, "must be > 0")
 _NON_NEGATIVE = (lambda v: v >= 0, "must be >= 0")
@@ -263,6 +274,9 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "request_timeout_secs": _POSITIVE,
     "heartbeat_interval_secs": _POSITIVE,
     "remote_partitions": _AT_LEAST_ONE,
+    "p2p_max_connections": _AT_LEAST_ONE,
+    "p2p_stream_connections": _AT_LEAST_ONE,
+    "p2p_init_ports": (lambda v: all(0 < port < 65536 for port in v), "every port must be 1-65535"),
     "store_queue_size": _AT_LEAST_ONE,
     "lookup_timeout_secs": _POSITIVE,
     "write_behind_workers": _AT_LEAST_ONE,
@@ -349,6 +363,15 @@ def _coerce(value: object, kind: type, optional: bool, where: str) -> object:
                 raise ConfigError(f"{where}: expected a JSON object, got {value!r} ({exc.msg})") from exc
         if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
             return dict(value)
+    elif kind is list:  # of ports: "8200,8201", "[8200, 8201]" (env vars) or a YAML list
+        if text is not None:
+            try:
+                value = json.loads(text) if text.startswith("[") else [part for part in text.split(",") if part.strip()]
+            except json.JSONDecodeError:
+                pass
+        if isinstance(value, (list, tuple)):
+            ports = [_coerce(item, int, False, where) for item in value]
+            return ports
     shown = repr(value) if isinstance(value, str) else f"{value!r} ({type(value).__name__})"
     raise ConfigError(f"{where}: expected {_EXPECTED[kind]}, got {shown}")
 

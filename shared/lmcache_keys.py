@@ -22,9 +22,10 @@ HONOURED = None  # the table's value for a key KVMesh acts on (docs/config.md, "
 _LAZY_POOL = "KVMesh maps its whole CPU pool (max_local_cpu_size, in /dev/shm when it fits) at start"
 _GDS = "KVMesh has no GPUDirect Storage backend; local_disk (the host's disk store) is its disk tier"
 _CONTROLLER_LINK = "engines and the controller talk over NATS (controller_url or nats_url); no port is opened"
-_P2P = "instances share chunks through the disk and remote stores on NATS, not peer to peer"
-_PD = ("KVMesh has no prefill/decode transfer channel: a kv_producer stores chunks in the shared stores and a "
-       "kv_consumer loads them from there")
+_P2P = ("KVMesh finds peers through the controller over NATS and serves each worker's stream on p2p_host and "
+        "p2p_init_ports; there is no lookup port or transfer channel to choose")
+_PD = ("vLLM's kv_role (kv_producer / kv_consumer) gives the role; the consumer loads the producer's chunks over the "
+       "P2P streams (p2p_host / p2p_init_ports), from the producer its request's kv_transfer_params name")
 _BLEND = "KVMesh reuses exact prefixes only (no CacheBlend); the key is not used"
 _API_SERVER = "KVMesh opens no API server inside vLLM; the controller's REST API serves the cache"
 
@@ -86,16 +87,16 @@ LMCACHE_KEYS: dict[str, str | None] = {
     "lmcache_worker_url": _CONTROLLER_LINK,
     "distributed_url": _CONTROLLER_LINK,
     # peer to peer
-    "enable_p2p": _P2P,
+    "enable_p2p": HONOURED,
     "lookup_url": _P2P,
-    "p2p_host": _P2P,
-    "p2p_init_ports": _P2P,
+    "p2p_host": HONOURED,
+    "p2p_init_ports": HONOURED,
     "p2p_lookup_ports": _P2P,
     "peer_init_ports": _P2P,
     "peer_lookup_ports": _P2P,
     "transfer_channel": _P2P,
     # prefill/decode disaggregation (and its older nixl_* names)
-    "enable_pd": _PD,
+    "enable_pd": HONOURED,
     "pd_role": _PD,
     "pd_buffer_size": _PD,
     "pd_buffer_device": _PD,

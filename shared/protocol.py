@@ -32,6 +32,8 @@ LOCAL_CPU = "LocalCPUBackend"
 LOCAL_DISK = "LocalDiskBackend"
 REMOTE = "RemoteBackend"
 LOCATIONS = (LOCAL_CPU, LOCAL_DISK, REMOTE)
+# Another instance's CPU tier, read over P2P (enable_p2p): a place lookups and loads walk, never a command's target.
+PEER = "P2PBackend"
 
 
 _TOKEN_SAFE = frozenset(string.ascii_letters + string.digits + "-")  # kept as they are in a subject token
@@ -80,8 +82,10 @@ MAX_INCARNATION = 64  # the longest process tag a worker id may end in
 CONFLICT_OP = "conflict"  # `Subjects.worker(..., CONFLICT_OP)`: InstanceConflict notices to a worker
 # The op vocabulary of `WorkerCommand` (`Subjects.worker(..., op)`), by who answers or sends it:
 TIER_OPS = ("pin", "unpin", "clear", "lookup")  # what one tier of a worker answers (StorageManager.command)
-WORKER_COMMAND_OPS = (*TIER_OPS, "move")  # what an engine worker answers (`move`: from one of its tiers to another)
-CONTROLLER_COMMAND_OPS = ("pin", "unpin", "clear", "move")  # what the controller sends (its lookups use its index)
+# what an engine worker answers: `move` from one of its tiers to another, or from a peer's CPU tier (P2P) to one of
+# its own; `evict` drops chunks from its CPU tier (the source's part of a move between instances)
+WORKER_COMMAND_OPS = (*TIER_OPS, "move", "evict")
+CONTROLLER_COMMAND_OPS = ("pin", "unpin", "clear", "move", "evict")  # what the controller sends (its lookups use its index)
 PREFIX_LOOKUP_OP = "prefix_lookup"  # the scheduler's lower-tier lookup, on a worker's lookup subject
 
 
@@ -418,6 +422,7 @@ class RegisterEngine:
     ip: str = ""  # the address it reaches the mesh from (LMCache's worker `ip`; /query_instance looks it up)
     domain: str = "default"  # its sharing domain, mixed into its keys ("default": an older engine, or none set)
     p2p: bool = False  # it serves its CPU tier to peers of its domain (enable_p2p)
+    peer_endpoint: str = ""  # "host:port" of that stream ("" without P2P); /query_worker_info's peer_init_url
 
     def key_params(self) -> KeyParams:
         """How this worker names its chunks."""
@@ -520,6 +525,10 @@ class WorkerCommand:
     extras: KeyExtras | None = None  # what besides the tokens the chunks were keyed with (LoRA, cache_salt...)
     target: str = ""  # move: the location the chunks go to
     keep_source: bool = True  # move: a copy (True), or the chunks leave `location` (only the worker's own tier)
+    # move between instances: the worker of the source instance whose CPU tier the chunks are read from (P2P);
+    # `location` is then that worker's (LocalCPUBackend) and `target` this worker's
+    peer_instance: str = ""
+    peer_worker: str = ""
 
 
 @message("prefix_lookup")
@@ -533,6 +542,9 @@ class PrefixLookup:
 
     keys: list[bytes]
     num_tokens: int
+    # prefill/decode: the producer's worker of this rank that holds the chunks (adapter/pd.py); "" for none
+    peer_instance: str = ""
+    peer_worker: str = ""
 
 
 @message("peer_lookup")

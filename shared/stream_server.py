@@ -97,6 +97,10 @@ class StreamServer:
     def connection_count(self) -> int:
         return len(self._connections)
 
+    @property
+    def listening(self) -> bool:
+        return self._listener is not None
+
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         family, kind, proto, _, address = (await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM,

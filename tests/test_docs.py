@@ -48,7 +48,8 @@ CODE_DIRS = ("services", "shared", "kvmesh_pkg")
 # keys the code reads through a derived property of EngineConfig
 DERIVED = {"max_local_cpu_size": "max_local_cpu_bytes", "max_local_disk_size": "max_local_disk_bytes",
            "remote_size": "remote_size_bytes", "remote_prefault_size": "remote_prefault_bytes",
-           "local_disk": "local_disk_path"}
+           "local_disk": "local_disk_path",
+           "enable_pd": "enable_p2p"}  # a PD engine is a P2P one (EngineConfig.__post_init__)
 OPTIONAL_DEPENDENCIES = ("torch", "vllm", "cupy")
 
 
@@ -311,9 +312,9 @@ def test_every_engine_metric_is_in_the_readme_and_the_dashboard_uses_only_those(
 
     names = {m.name: m.kind for m in stats.METRICS}
     readme = (ROOT / "README.md").read_text()
-    rows = dict(re.findall(r"^\| `(lmcache:[a-z_]+)` \| (\w+) \|", readme, flags=re.M))
+    rows = dict(re.findall(r"^\| `(lmcache:[a-z0-9_]+)` \| (\w+) \|", readme, flags=re.M))
     assert rows == names, "README.md's metrics table must list exactly connector_stats.METRICS, with their types"
     dashboard = json.loads((ROOT / "docs" / "grafana" / "kvmesh-engine.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
-    used = {re.sub(r"_(total|bucket|sum|count)$", "", n) for e in exprs for n in re.findall(r"lmcache:[a-z_]+", e)}
+    used = {re.sub(r"_(total|bucket|sum|count)$", "", n) for e in exprs for n in re.findall(r"lmcache:[a-z0-9_]+", e)}
     assert used and used <= set(names), f"the dashboard names metrics that do not exist: {used - set(names)}"

@@ -1,8 +1,8 @@
 """The controller's REST API (FastAPI; served by uvicorn on the controller's event loop, see service.py).
 
 LMCache's controller endpoints, all POST with JSON bodies: /lookup, /pin, /clear, /check_finish, /health,
-/query_worker_info (instance_id "all": every instance), /query_instance, /move (within an instance; between
-instances 501); /compress and /decompress check their body and answer 501 naming what KVMesh lacks; ours in
+/query_worker_info (instance_id "all": every instance), /query_instance, /move (within an instance, or between
+two instances with enable_p2p over their peer streams); /compress and /decompress check their body and answer 501 naming what KVMesh lacks; ours in
 addition: POST /unpin, GET /instances, GET /metrics (Prometheus text),
 GET /healthz (the REST server itself; always open), OpenAPI at /openapi.json and /docs.
 
@@ -164,7 +164,8 @@ class WorkerInfo(BaseModel):
     worker_id: int = Field(description="the worker's rank")
     ip: str | None = Field(description="the address the worker reaches the mesh from")
     port: int | None = Field(description="always null: the controller reaches workers over NATS, not a port")
-    peer_init_url: str | None = Field(description="always null: KVMesh shares chunks through its stores, not P2P")
+    peer_init_url: str | None = Field(description="host:port of the worker's P2P stream (its CPU tier served to the "
+                                                  "peers of its sharing domain); null without enable_p2p")
     registration_time: float | None = Field(description="Unix time of the worker's latest registration")
     last_heartbeat_time: float = Field(description="Unix time the worker was last heard from")
     worker_name: str = Field(description="the worker's producer id on the mesh (unique per engine process)")
@@ -675,13 +676,14 @@ def create_app(core: ControllerCore, lookup_fast_path: bool = True) -> FastAPI:
     not_implemented = {501: {"model": ErrorResponse, "description": "not supported by KVMesh (the detail says why)"}}
 
     @app.post("/move", response_model=CommandResponse, responses={
-        **command_errors, 409: {"model": ErrorResponse, "description": "a move to the same location, or out of a "
-                                                                         "shared store (copy instead)"},
-        **not_implemented})
+        **command_errors, 409: {"model": ErrorResponse, "description": "a move to the same location, out of a "
+                                                                         "shared store (copy instead), or between "
+                                                                         "instances that cannot share over P2P"}})
     async def move(req: MoveRequest) -> Any:
         """Copy (should_copy) or move the instance's chunks of `tokens` from one of its locations to another;
         num_tokens: the contiguous prefix that arrived (minimum over ranks). Only the CPU tier can be moved out
-        of (a store is shared); between instances: 501."""
+        of (a store is shared). Between instances (both with enable_p2p, one sharing domain, the same ranks) the
+        target streams the chunks from the source's CPU tier, rank for rank."""
         refused = too_many(len(req.tokens))
         if refused is not None:
             return refused

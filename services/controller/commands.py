@@ -19,7 +19,7 @@ from kvmesh.shared import protocol
 from kvmesh.shared.errors import ProtocolError
 from kvmesh.shared.keys import KeyExtras
 from kvmesh.shared.protocol import CONTROLLER_COMMAND_OPS, LOCAL_CPU, LOCATIONS, Subjects
-from kvmesh.services.controller.errors import CommandFailed, CommandTimeout, MeshDown, NotFound
+from kvmesh.services.controller.errors import CommandFailed, CommandTimeout, MeshDown, NotFound, Refused
 from kvmesh.services.controller.lookup import KeyRequest, UnknownAdapter, worker_extras
 from kvmesh.services.controller.producers import Producer, ProducerTable
 
@@ -64,8 +64,10 @@ class CommandRouter:
         return CommandTarget(instance_id, location, workers, holders)
 
     async def run(self, op: str, target: CommandTarget, tokens: list[int],
-                  key_request: KeyRequest = KeyRequest(), move_to: str = "", keep_source: bool = True) -> int:
-        """Send `op` to every worker of the target; the minimum num_tokens over ranks.
+                  key_request: KeyRequest = KeyRequest(), move_to: str = "", keep_source: bool = True,
+                  peers: dict[str, Producer] | None = None) -> int:
+        """Send `op` to every worker of the target; the minimum num_tokens over ranks. `peers` (a move between
+        instances): for each target worker, the source instance's worker it reads the chunks from (P2P).
 
         Raises NotFound (a LoRA adapter the instance never served), CommandTimeout (no answer / no
         responder: the worker is down), CommandFailed (an error reply) or MeshDown (the controller is not
@@ -73,10 +75,11 @@ class CommandRouter:
         """
         if op not in CONTROLLER_COMMAND_OPS:
             raise ValueError(f"unknown command {op!r}")
-        payloads = [protocol.encode(protocol.WorkerCommand(op=op, location=target.location, tokens=tokens,
-                                                           extras=self._extras(worker, target, key_request),
-                                                           target=move_to, keep_source=keep_source))
-                    for worker in target.workers]
+        peers = peers or {}
+        payloads = [protocol.encode(protocol.WorkerCommand(
+            op=op, location=target.location, tokens=tokens, extras=self._extras(worker, target, key_request),
+            target=move_to, keep_source=keep_source,
+            **_peer_fields(peers.get(worker.producer_id)))) for worker in target.workers]
         nc = self.nc
         if nc is None or not nc.is_connected:
             raise MeshDown(f"controller is not connected to NATS; cannot {op} on instance {target.instance_id}")
@@ -92,6 +95,26 @@ class CommandRouter:
                 raise first
             raise CommandFailed(f"{op} on instance {target.instance_id} failed: {type(first).__name__}: {first}")
         return min(r for r in replies if isinstance(r, int))
+
+    def pair_ranks(self, source: CommandTarget, target: CommandTarget) -> dict[str, Producer]:
+        """For a move between instances: each target worker's source worker of the same rank (the chunk keys
+        name the rank). Refused when the instances' ranks differ or the source serves no peers."""
+        by_rank = {w.engine.rank: w for w in source.workers if w.engine is not None}
+        pairs: dict[str, Producer] = {}
+        for worker in target.workers:
+            assert worker.engine is not None
+            peer = by_rank.get(worker.engine.rank)
+            if peer is None or peer.engine is None or len(by_rank) != len(target.workers):
+                raise Refused(f"instances {source.instance_id} and {target.instance_id} have different ranks: "
+                              "a move between them would pair chunks of different shards")
+            if not peer.engine.p2p or not worker.engine.p2p:
+                raise Refused(f"a move between instances streams the chunks from {source.instance_id}'s CPU tier "
+                              "to the other (P2P): both need enable_p2p")
+            if peer.engine.domain != worker.engine.domain:
+                raise Refused(f"instances {source.instance_id} and {target.instance_id} are in different sharing "
+                              "domains: their chunks never meet")
+            pairs[worker.producer_id] = peer
+        return pairs
 
     @staticmethod
     def _extras(worker: Producer, target: CommandTarget, key_request: KeyRequest) -> KeyExtras | None:
@@ -128,3 +151,9 @@ class CommandRouter:
             raise CommandFailed(f"instance {instance_id}: worker {worker_id} failed {op}: "
                                 f"{reply.error or 'no reason given'}")
         return reply.num_tokens
+
+
+def _peer_fields(peer: Producer | None) -> dict[str, str]:
+    if peer is None or peer.engine is None:
+        return {}
+    return {"peer_instance": peer.engine.instance_id, "peer_worker": peer.producer_id}

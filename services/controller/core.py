@@ -15,7 +15,7 @@ import numpy as np
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, REMOTE
 from kvmesh.services.controller.commands import CommandRouter
 from kvmesh.services.controller.config import ControllerConfig
-from kvmesh.services.controller.errors import ControllerError, NotFound, NotSupported, Refused, TooManyCommands
+from kvmesh.services.controller.errors import ControllerError, NotFound, Refused, TooManyCommands
 from kvmesh.services.controller.holder_index import HolderIndex
 from kvmesh.services.controller.lookup import KeyRequest, LookupEngine
 from kvmesh.services.controller.metrics import Metrics
@@ -105,10 +105,11 @@ class ControllerCore:
 
     async def command(self, op: str, instance_id: str, location: str, tokens: list[int],
                       key_request: KeyRequest = KeyRequest(), move_to: str = "",
-                      keep_source: bool = True) -> CommandResult:
+                      keep_source: bool = True, move_from: str = "") -> CommandResult:
         """pin / unpin / clear / move, synchronously: the result carries num_tokens; the event id records the
         outcome. A move copies the instance's chunks of `tokens` from `location` to `move_to` (and, unless
-        `keep_source`, they leave `location`: the CPU tier only, a store is shared).
+        `keep_source`, they leave `location`: the CPU tier only, a store is shared); with `move_from`, another
+        instance, the chunks come from that instance's CPU tier instead, rank for rank (P2P).
 
         Raises CommandError (with the event id) for unknown instances/locations, timeouts and worker errors,
         TooManyCommands (no event id) past `max_commands` in flight: each one holds its token list until its
@@ -123,9 +124,12 @@ class ControllerCore:
         self.commands_in_flight += 1
         try:
             target = self.router.resolve(instance_id, location)
+            peers = None
             if op == "move":
                 self.router.resolve(instance_id, move_to)  # it has the target location too
-            num_tokens = await self.router.run(op, target, tokens, key_request, move_to, keep_source)
+                if move_from:
+                    peers = self.router.pair_ranks(self.router.resolve(move_from, LOCAL_CPU), target)
+            num_tokens = await self.router.run(op, target, tokens, key_request, move_to, keep_source, peers)
         except ControllerError as exc:
             self.events.fail(event_id, exc.message)
             self.metrics.commands[(op, type(exc).__name__)] += 1
@@ -148,13 +152,22 @@ class ControllerCore:
 
     async def move(self, source: tuple[str, str], target: tuple[str, str], tokens: list[int], keep_source: bool,
                    key_request: KeyRequest = KeyRequest()) -> CommandResult:
-        """LMCache's /move: (instance_id, location) -> (instance_id, location), a copy unless not `keep_source`."""
+        """LMCache's /move: (instance_id, location) -> (instance_id, location), a copy unless not `keep_source`.
+
+        Between two instances (both with enable_p2p, one sharing domain, the same ranks) the target's workers
+        stream the chunks from the source's CPU tier into their `target_location`, rank for rank; unless
+        `keep_source` the chunks that arrived then leave the source's CPU tier."""
         (instance_id, location), (target_instance, target_location) = source, target
         if target_instance != instance_id:
             self.router.resolve(instance_id, location)  # an unknown instance or location is named first
-            raise NotSupported(f"/move between instances ({instance_id} -> {target_instance}) is not supported: "
-                               "an instance's workers reach only their own tiers. Instances that share a store "
-                               "(the same remote_url) read each other's chunks from it already")
+            if location != LOCAL_CPU:
+                raise Refused(f"a move between instances reads the source's CPU tier ({LOCAL_CPU}), not {location}: "
+                              "instances that share a store read each other's chunks from it already")
+            moved = await self.command("move", target_instance, LOCAL_CPU, tokens, key_request, target_location,
+                                       True, move_from=instance_id)
+            if not keep_source and moved.num_tokens:
+                await self.command("evict", instance_id, LOCAL_CPU, tokens[:moved.num_tokens], key_request)
+            return moved
         if location == target_location:
             raise Refused(f"/move from {location} to itself (instance {instance_id})")
         if not keep_source and location != LOCAL_CPU:
@@ -191,7 +204,7 @@ class ControllerCore:
         return {
             # LMCache's WorkerInfo fields (no worker port here: the controller reaches workers over NATS)...
             "instance_id": reg.instance_id, "worker_id": reg.rank, "ip": reg.ip or None, "port": None,
-            "peer_init_url": None, "registration_time": self._wall(producer.registered_at),
+            "peer_init_url": reg.peer_endpoint or None, "registration_time": self._wall(producer.registered_at),
             "last_heartbeat_time": self._wall(producer.last_seen),
             # ...and ours.
             "worker_name": producer.producer_id, "host": reg.host or None, "model": reg.model,

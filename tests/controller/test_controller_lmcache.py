@@ -1,6 +1,6 @@
 """LMCache's controller surface on the KVMesh controller: its command line flags (`--monitor-ports`, `--config`,
 `--health-check-interval`, `--lmcache-worker-timeout`), its endpoints' JSON (/query_worker_info with "all",
-/query_instance, /health error codes, /move within an instance, /compress /decompress as a clear 501), and
+/query_instance, /health error codes, /move within an instance (between instances: tests/engine/test_p2p.py), /compress /decompress as a clear 501), and
 instance identity: replicas that keep the same lmcache_instance_id are reported, never merged.
 
 Real parts: a real nats-server, the controller's real uvicorn (in-process, or the `python -m
@@ -245,7 +245,7 @@ async def test_move_and_copy_within_an_instance(nats_server: EmbeddedNats) -> No
         no_remote = await client.post("/move", json=move(LOCAL_CPU, "RemoteBackend", copy=True))
         assert no_remote.status_code == 404 and "RemoteBackend" in no_remote.json()["detail"]
         between = await client.post("/move", json=move(LOCAL_CPU, LOCAL_CPU, copy=True, to="inst-o"))
-        assert between.status_code == 501 and "between instances" in between.json()["detail"]
+        assert between.status_code == 409 and "enable_p2p" in between.json()["detail"]  # neither serves peers
         unknown = await client.post("/move", json={"old_position": ["nope", LOCAL_CPU],
                                                    "new_position": ["inst-o", LOCAL_CPU]})
         assert unknown.status_code == 404 and "nope" in unknown.json()["detail"]

@@ -1,5 +1,5 @@
 """Schemathesis against the live controller's /openapi.json: generated requests (valid and invalid) to every
-operation must never get a 5xx (but the 501 of /compress, /decompress and /move between instances), and
+operation must never get a 5xx (but the 501 of /compress and /decompress), and
 responses must conform to the schema.
 
 The controller (real uvicorn on a free loopback port, real nats-server) runs on an event loop in a
@@ -38,7 +38,7 @@ MAX_EXAMPLES = 30
 INSTANCE_PATHS = {"/pin", "/unpin", "/clear", "/health", "/query_worker_info"}
 LOCATION_PATHS = {"/pin", "/unpin", "/clear"}
 NOT_IMPLEMENTED = {"/compress", "/decompress"}  # a valid body gets 501 naming what KVMesh lacks
-MAY_BE_501 = NOT_IMPLEMENTED | {"/move"}  # /move between instances
+MAY_BE_501 = NOT_IMPLEMENTED
 WORKER_IP = "127.0.0.1"
 
 

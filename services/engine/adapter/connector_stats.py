@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvmesh.shared.protocol import LOCAL_DISK, REMOTE
+from kvmesh.shared.protocol import LOCAL_DISK, PEER, REMOTE
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 
@@ -61,6 +61,12 @@ METRICS: tuple[Metric, ...] = (
     Metric("lmcache:num_local_disk_write_bytes", "counter", "Bytes written to the disk store"),
     Metric("lmcache:num_remote_read_bytes", "counter", "Bytes read from the remote tier"),
     Metric("lmcache:num_remote_write_bytes", "counter", "Bytes written to the remote tier"),
+    Metric("lmcache:num_p2p_read_chunks", "counter", "Chunks loaded from another instance's CPU tier (P2P)"),
+    Metric("lmcache:num_p2p_read_bytes", "counter", "Bytes loaded from another instance's CPU tier (P2P)"),
+    Metric("lmcache:num_p2p_failed_reads", "counter",
+           "P2P loads that failed (peer gone, slow, refused, bad checksum) or that the peer no longer held"),
+    Metric("lmcache:num_p2p_served_chunks", "counter", "Chunks this instance's CPU tier served to peers (P2P)"),
+    Metric("lmcache:num_p2p_served_bytes", "counter", "Bytes this instance's CPU tier served to peers (P2P)"),
     Metric("lmcache:local_cache_usage", "gauge", "Bytes held by the CPU tier (all ranks)"),
     Metric("lmcache:pinned_memory_objs_count", "gauge", "Chunks held by the CPU tier (all ranks)"),
     Metric("lmcache:lmcache_is_healthy", "gauge", "1 while every rank's engine reaches its mesh (or needs none)"),
@@ -179,6 +185,12 @@ STORAGE_COUNTERS = {
     f"written_bytes_{REMOTE}": "lmcache:num_remote_write_bytes",
     f"put_failed_{LOCAL_DISK}": "lmcache:put_failed_count",
     f"put_failed_{REMOTE}": "lmcache:put_failed_count",
+    f"fetched_{PEER}": "lmcache:num_p2p_read_chunks",
+    f"read_bytes_{PEER}": "lmcache:num_p2p_read_bytes",
+    "p2p_read_failed": "lmcache:num_p2p_failed_reads",
+    "p2p_read_missed": "lmcache:num_p2p_failed_reads",
+    "p2p_served_chunks": "lmcache:num_p2p_served_chunks",
+    "p2p_served_bytes": "lmcache:num_p2p_served_bytes",
 }
 
 

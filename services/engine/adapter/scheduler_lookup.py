@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
+from kvmesh.services.engine.adapter.pd import PeerHint
 from kvmesh.services.engine.mesh.rendezvous import PublishedWorker, find_workers, remove_published
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.credentials import credentials_for
@@ -233,9 +234,10 @@ class SchedulerLookup:
     def update(self, events: CpuTierEvents) -> None:
         self.mirror.apply(events)
 
-    def held(self, chain: Sequence[ChunkSpan], num_tokens: int, lower: LowerLookup | None
-             ) -> tuple[int | None, LowerLookup | None]:
-        """(tokens held on every rank, or None for "ask again"; the lower-tier lookup in flight or done)."""
+    def held(self, chain: Sequence[ChunkSpan], num_tokens: int, lower: LowerLookup | None,
+             peer: PeerHint | None = None) -> tuple[int | None, LowerLookup | None]:
+        """(tokens held on every rank, or None for "ask again"; the lower-tier lookup in flight or done). `peer`:
+        the PD producer the request names (adapter/pd.py), whose workers the ranks ask first."""
         workers = self._workers
         if not workers or not chain:
             return 0, lower
@@ -244,7 +246,7 @@ class SchedulerLookup:
         if cpu_tokens == chain[-1].end or not any(w.has_lower for w in workers):
             return cpu_tokens, lower
         if lower is None:
-            lower = self._ask_lower(keys, num_tokens)
+            lower = self._ask_lower(keys, num_tokens, peer)
             if lower is None:  # NATS is down: what the mirror says, at once
                 return cpu_tokens, None
         answer = lower.result(self.timeout)
@@ -271,7 +273,16 @@ class SchedulerLookup:
         in_cpu = min(self.mirror.prefix(w.rank, [w.key_params.shard_key(k) for k in keys]) for w in self._workers)
         return chain[in_cpu - 1].end if in_cpu else 0
 
-    def _ask_lower(self, keys: list[ChunkKey], num_tokens: int) -> LowerLookup | None:
+    def worker_ids(self) -> list[str]:
+        """This instance's workers' mesh ids, by rank ([] while they are not all known)."""
+        ids = [w.worker_id for w in sorted(self._workers, key=lambda w: w.rank)]
+        return ids if ids and all(ids) else []
+
+    def _ask_lower(self, keys: list[ChunkKey], num_tokens: int, peer: PeerHint | None) -> LowerLookup | None:
+        def peer_of(rank: int) -> tuple[str, str]:  # each rank asks the producer's worker of the same rank
+            worker = peer.worker_of(rank) if peer is not None else None
+            return (peer.instance_id, worker) if peer is not None and worker else ("", "")
+
         local = engines.all()
         if local:
             futures = []
@@ -279,14 +290,15 @@ class SchedulerLookup:
                 if engine.nats_loop is None or not engine.nats_loop.connected:
                     return None
                 spans = engine.chunk_spans(keys, num_tokens)
-                futures.append(engine.nats_loop.submit(engine.lookup_and_prefetch(spans)))
+                futures.append(engine.nats_loop.submit(engine.lookup_and_prefetch(spans, *peer_of(engine.rank))))
             return LowerLookup(futures, time.monotonic())
         nats = self._nats
         if nats is None or (nats.nc is not None and not nats.connected):
             return None  # no NATS, or it went down: answer from the CPU tiers at once
         # connected, or still making its first connection (just after the workers were found): ask
-        request = protocol.PrefixLookup(keys=keys, num_tokens=num_tokens)
-        return LowerLookup([nats.submit(self._ask(nats, w, request)) for w in self._workers], time.monotonic())
+        requests = [protocol.PrefixLookup(keys, num_tokens, *peer_of(w.rank)) for w in self._workers]
+        return LowerLookup([nats.submit(self._ask(nats, w, request)) for w, request in zip(self._workers, requests)],
+                           time.monotonic())
 
     async def _ask(self, nats: "NatsLoop", worker: PublishedWorker, request: protocol.PrefixLookup) -> int:
         if not await nats.first_connection(self.timeout):

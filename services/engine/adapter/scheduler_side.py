@@ -18,6 +18,7 @@ from kvmesh.services.engine.adapter.block_prefix import BlockPrefixProbe
 from kvmesh.services.engine.adapter.connector_stats import KVMeshStats
 from kvmesh.services.engine.adapter.kv_events import KVEventLog
 from kvmesh.services.engine.adapter.kv_groups import KVGroups
+from kvmesh.services.engine.adapter.pd import peer_hint, producer_params, wants_remote_decode
 from kvmesh.services.engine.adapter.request_extras import lora_name_of, request_extras
 from kvmesh.services.engine.adapter.request_meta import (
     KVMeshConnectorMetadata,
@@ -142,7 +143,8 @@ class SchedulerSide:
         chain_keys = self._chain_keys(tracker, hasher, total)  # hashed once per request
         if tracker.lower is None:  # not yet asked below: what the CPU tiers hold as the request arrives
             tracker.cpu_tokens = self.lookup.cpu_tokens(tracker.chain[:len(chain_keys)])
-        hit, tracker.lower = self.lookup.held(tracker.chain[:len(chain_keys)], total, tracker.lower)
+        hit, tracker.lower = self.lookup.held(tracker.chain[:len(chain_keys)], total, tracker.lower,
+                                              peer_hint(getattr(request, "kv_transfer_params", None)))
         if hit is None:
             return None, False  # the lower tiers have not answered yet: vLLM asks again next step
         if self.groups is not None and self.groups.has_state:
@@ -382,8 +384,20 @@ class SchedulerSide:
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # On CPU saves are gathered synchronously in wait_for_save, so vLLM may free the blocks now. On CUDA a
         # request that had a save keeps its blocks until the workers report its copies done (finished_sending).
+        # A PD producer's request (the proxy asked for do_remote_decode) names this instance's workers to the
+        # consumer, which loads the chunks from their CPU tiers (adapter/pd.py).
         tracker = self._trackers.pop(request.request_id, None)
-        return bool(tracker is not None and tracker.saves_held), None
+        held = bool(tracker is not None and tracker.saves_held)
+        if not wants_remote_decode(getattr(request, "kv_transfer_params", None)):
+            return held, None
+        workers = self.lookup.worker_ids() if self.lookup is not None else []
+        if not (self.can_save and self.config.enable_p2p and workers and tracker is not None):
+            log.warning("Reqid: %s asks for a remote decode, but this instance %s: the consumer will compute it",
+                        request.request_id, "does not serve peers (enable_p2p / enable_pd)" if not
+                        self.config.enable_p2p else "stores no KV for it (kv_role, an uncached model, or its "
+                        "workers not known yet)")
+            return held, None
+        return held, producer_params(self.config.lmcache_instance_id, workers, tracker.saved_upto)
 
     def get_kv_connector_stats(self) -> KVMeshStats | None:
         return self._stats.take()

@@ -41,7 +41,9 @@ from kvmesh.services.engine.core.kv_layout import KVLayout, detect_layout
 from kvmesh.services.engine.mesh.nats_loop import NatsLoop
 from kvmesh.services.engine.core.paged_copy import PagedCopier
 from kvmesh.services.engine.core.storage_manager import StorageManager
+from kvmesh.services.engine.mesh.peer_server import PeerServer
 from kvmesh.services.engine.mesh.worker_agent import WorkerAgent
+from kvmesh.services.engine.tiers.peer import PeerTier, PeerWorker
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.eviction import Clock
@@ -52,7 +54,7 @@ from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.nats_auth import auth_from_config
 from kvmesh.shared.rate_limited_log import RateLimitedLog
 from kvmesh.shared.redis_keys import RedisAuth
-from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE, ChunkMeta, worker_id_for
+from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, PEER, REMOTE, ChunkMeta, worker_id_for
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,8 @@ class CacheEngine:
         self.copier: PagedCopier | None = None
         self.nats_loop: NatsLoop | None = None  # the engine's NATS thread (None without the mesh)
         self.agent: WorkerAgent | None = None
+        self.peer_server: PeerServer | None = None  # this worker's CPU tier served to peers (enable_p2p)
+        self.domain_name = DEFAULT_DOMAIN  # its sharing domain (the credentials'); P2P stays inside it
         self._redis_auth: RedisAuth | None = None  # the Redis tier's MAC key (resolve_auth)
         self._connection: MeshConnection | None = None
         if layout is not None:
@@ -158,14 +162,20 @@ class CacheEngine:
                 log.error("cache engine %s: %s; keys and stores of the default sharing domain", self.worker_id, exc)
                 domain = SharingDomain()
             self.key_params = dataclasses.replace(self.key_params, domain=key_domain(domain))
+            self.domain_name = domain.name
             if domain.name != DEFAULT_DOMAIN:
                 log.info("cache engine %s: sharing domain %s", self.worker_id, domain.name)
         self.hasher = ChunkHasher(self.key_params, config.chunk_size, config.save_unfull_chunk)
         lower: list[str] = []
         if self._connection is not None and self.plan is not None:
             lower = ([LOCAL_DISK] if self.plan.disk_store else []) + ([REMOTE] if self.plan.remote_stores else [])
+            if config.enable_p2p:
+                lower.append(PEER)
             self.nats_loop = NatsLoop(self.worker_id)
         self.storage = StorageManager(self.cpu, self.nats_loop, config, lower)
+        if config.enable_p2p and PEER not in lower:
+            log.warning("enable_p2p is set but the engine has no mesh: no P2P (peers are found through the "
+                        "controller on NATS)")
         if not config.local_cpu and not lower:
             log.warning("local_cpu is false and no lower tier (local_disk / remote_url) is configured: the "
                         "engine stores nothing")
@@ -182,6 +192,9 @@ class CacheEngine:
             self.nats_loop.on_close(self.storage.stop)
             url = self._connection.url
             self._ip = bus.route_address(url) or ""
+            if config.enable_p2p:
+                self.peer_server = self._peer_server()
+                self.nats_loop.on_close(self.peer_server.stop)
             # after credentials_for: the credentials file it provisions may hold the Redis tier's secret
             self._redis_auth = resolve_auth(config, url) if self.plan.redis else None
             self.nats_loop.connect(url, auth)
@@ -189,6 +202,22 @@ class CacheEngine:
                  config.chunk_size, layout.chunk_nbytes(config.chunk_size) / 2**20, fmt, self.pool.num_slots,
                  " (shared memory)" if self.pool.segment is not None else "",
                  f", mesh {self._connection.url} ({self.plan.mode})" if self._connection and self.plan else "")
+
+    def _peer_server(self) -> PeerServer:
+        """The stream this worker serves its CPU tier on: `p2p_host` (default: the address NATS is reached from),
+        port `p2p_init_ports[rank]` (default: any free port)."""
+        config = self.config
+        assert self.cpu is not None and self.storage is not None and self.pool is not None
+        ports = config.p2p_init_ports or []
+        if ports and len(ports) <= self.rank:
+            log.warning("p2p_init_ports lists %d port(s), none for rank %d: that rank listens on any free port",
+                        len(ports), self.rank)
+        port = ports[self.rank] if len(ports) > self.rank else 0
+        host = config.p2p_host or self._ip or "127.0.0.1"
+        return PeerServer(self.cpu, self.storage.stats, config.lmcache_instance_id, self.worker_id, self.domain_name,
+                          host, host, port, max_connections=config.p2p_max_connections,
+                          transfer_timeout=config.request_timeout_secs
+                          + self.pool.slot_nbytes / (config.remote_min_transfer_mb_per_s * 1e6))
 
     @property
     def store_caller(self) -> str:
@@ -206,7 +235,9 @@ class CacheEngine:
             chunk_size=self.config.chunk_size, save_unfull_chunk=self.config.save_unfull_chunk,
             disk_store=self.plan.disk_store, remote_stores=list(self.plan.remote_stores), started_at=self._started_at,
             kv_replicated=self.key_params.world_size != self.world_size, lora_adapters=dict(self.lora_adapters),
-            host=socket.gethostname(), ip=self._ip, domain=self.key_params.domain)
+            host=socket.gethostname(), ip=self._ip, domain=self.key_params.domain,
+            p2p=self.peer_server is not None and self.peer_server.server.listening,
+            peer_endpoint=self.peer_server.endpoint if self.peer_server is not None else "")
 
     def note_lora(self, lora_name: str, lora_id: str) -> None:
         """A request used this LoRA adapter: register it, so /lookup, /pin and /unpin can name it."""
@@ -219,7 +250,20 @@ class CacheEngine:
     async def _on_connected(self, nc: NatsClient) -> None:
         """Loop thread, once NATS is first reached: store clients, then the worker agent."""
         assert self.plan is not None and self.storage is not None and self.agent is not None
-        self.storage.set_lower(lower_tiers(nc, self.plan, self.config, self.store_caller, self._redis_auth))
+        config = self.config
+        peers = PeerTier(nc, self.domain_name, self.worker_id, self.agent.path, self.storage.stats,
+                         request_timeout=config.request_timeout_secs,
+                         min_transfer_rate=config.remote_min_transfer_mb_per_s * 1e6,
+                         retry_interval=config.remote_retry_interval_secs,
+                         max_connections=config.p2p_stream_connections) if config.enable_p2p else None
+        self.storage.set_lower(lower_tiers(nc, self.plan, config, self.store_caller, self._redis_auth), peers)
+        if self.peer_server is not None:
+            try:
+                await self.peer_server.start(nc)
+            except OSError as exc:  # the port is taken, the host is not ours: serve without peers, say why
+                log.error("cache engine %s: cannot serve peers on %s (%s; p2p_host / p2p_init_ports): this worker "
+                          "loads from peers but serves none", self.worker_id, self.peer_server.endpoint, exc)
+                self.peer_server = None
         await self.agent.start(nc)
 
     def _ready(self) -> tuple[KVLayout, ChunkHasher, LocalCPUBackend, StorageManager, PagedCopier]:
@@ -326,10 +370,15 @@ class CacheEngine:
         storage.note_hits([ref.meta.key for ref in refs])
         return self._scatter(spans, refs, _layers(kv_caches), slot_mapping, skip_prefix)
 
-    async def lookup_and_prefetch(self, spans: Sequence[ChunkSpan]) -> int:
+    async def lookup_and_prefetch(self, spans: Sequence[ChunkSpan], peer_instance: str = "",
+                                  peer_worker: str = "") -> int:
         """NATS loop: the held prefix of `spans` over every tier, in tokens; what a lower tier holds starts
-        moving into the CPU tier at once (the scheduler's lower-tier lookup, then the load one step later)."""
+        moving into the CPU tier at once (the scheduler's lower-tier lookup, then the load one step later).
+        `peer_worker` of `peer_instance`: the PD producer whose CPU tier holds them (adapter/pd.py)."""
         _, _, _, storage, _ = self._ready()
+        peers = storage.lower(PEER)
+        if peer_worker and isinstance(peers, PeerTier):
+            peers.promise([span.key for span in spans], PeerWorker(peer_instance, peer_worker))
         held = await storage.lookup_and_prefetch(spans, self._meta_mismatch)
         return spans[held - 1].end if held else 0
 
@@ -351,7 +400,7 @@ class CacheEngine:
     def _gather_spans(self, spans: Sequence[ChunkSpan], kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
                       stream: "torch.cuda.Stream | None") -> "StoreJob | None":
         layout, _, cpu, storage, copier = self._ready()
-        write_lower = storage.has_lower and self.writes_lower_tiers
+        write_lower = storage.has_stores and self.writes_lower_tiers
         if not spans or (not cpu.keep and not write_lower) or self.config.force_skip_save:
             return None
         _check_slot_count(slot_mapping, spans[-1].end)

@@ -44,7 +44,7 @@ from kvmesh.services.engine.mesh.nats_loop import NatsLoop
 from kvmesh.services.engine.tiers.cpu import ChunkRef, LocalCPUBackend
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.keys import ChunkKey, ChunkSpan
-from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE, TIER_OPS, ChunkMeta
+from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, PEER, REMOTE, TIER_OPS, ChunkMeta
 from kvmesh.shared.rate_limited_log import RateLimitedLog
 from kvmesh.services.engine.tiers.base import StoreMayWrite, StoreTier, Tier
 
@@ -52,8 +52,8 @@ log = logging.getLogger(__name__)
 
 # The cache engine API names the CPU tier "Hot" in lookup's search_range (docs/compatibility.md).
 LOCATION_ALIASES = {"Hot": LOCAL_CPU, "LocalCPUBackend": LOCAL_CPU, "LocalDiskBackend": LOCAL_DISK,
-                    "RemoteBackend": REMOTE}
-ALL_LOCATIONS = frozenset(LOCATIONS)
+                    "RemoteBackend": REMOTE, "P2PBackend": PEER}
+ALL_LOCATIONS = frozenset((*LOCATIONS, PEER))
 TOUCH_BATCH = 10_000  # keys per touch request
 # a store holding this many quarantined slots (it may still write into them) is lent no more: misses at once
 MAX_QUARANTINED_SLOTS = 8
@@ -101,9 +101,12 @@ class StorageManager:
         self.cpu = cpu
         self.loop = loop
         self.config = config
-        self.expect_lower = tuple(expect_lower)  # locations configured (clients appear once NATS is up)
-        # The walk order: the CPU tier, then the stores below it (disk before remote; `set_lower`, once NATS is up).
+        # locations configured below the CPU tier (clients appear once NATS is up); PEER among them is no store
+        self.expect_lower = tuple(expect_lower)
+        # The walk order: the CPU tier, then the stores below it (disk before remote), then the peers' CPU tiers
+        # (`set_lower`, once NATS is up).
         self._tiers: tuple[LocalCPUBackend, *tuple[StoreTier, ...]] = (cpu,)
+        self._stores: tuple[StoreTier, ...] = ()  # the tiers writes go to: the walk's, less the peers
         self._queue: collections.deque[_WriteJob] = collections.deque()
         self._queue_lock = threading.Lock()
         self._wake: asyncio.Event | None = None
@@ -130,34 +133,37 @@ class StorageManager:
                        for i in range(self.config.write_behind_workers)]
         self._tasks.append(asyncio.create_task(self._refresh_recency(), name="kvmesh-touch"))
 
-    def set_lower(self, stores: Sequence[StoreTier]) -> None:
+    def set_lower(self, stores: Sequence[StoreTier], peers: StoreTier | None = None) -> None:
         """The tiers below the CPU tier, in walk order (`tiers.build.lower_tiers`), each sending as this rank
-        (`CacheEngine.store_caller`)."""
-        self._tiers = (self.cpu, *stores)
-
-    @property
-    def _stores(self) -> tuple[StoreTier, ...]:
-        """The tiers after the CPU tier in the walk: stores, whose data path copies (`put`, `get_into`)."""
-        return self._tiers[1:]
+        (`CacheEngine.store_caller`), and the peers' CPU tiers last (`tiers.peer.PeerTier`: read, never written)."""
+        self._stores = tuple(stores)
+        self._tiers = (self.cpu, *stores, *((peers,) if peers is not None else ()))
 
     def lower(self, location: str) -> StoreTier | None:
-        return next((store for store in self._stores if store.location == location), None)
+        """The client of a tier below the CPU tier (a store, or the peers)."""
+        return next((tier for tier in self._tiers[1:] if tier.location == location), None)
 
     def tier(self, location: str) -> Tier | None:
         return next((tier for tier in self._tiers if tier.location == location), None)
 
     @property
     def has_lower(self) -> bool:
+        """Something to look up below the CPU tier (a store, or peers)."""
         return bool(self.expect_lower)
 
+    @property
+    def has_stores(self) -> bool:
+        """A store to write chunks to below the CPU tier (peers take no writes)."""
+        return any(location != PEER for location in self.expect_lower)
+
     def lower_ready(self) -> bool:
-        return bool(self._stores) and self.loop is not None and self.loop.connected
+        return len(self._tiers) > 1 and self.loop is not None and self.loop.connected
 
     async def stop(self) -> None:
         await cancel_and_wait(self._tasks)
         self._tasks = []
         self._drain_queue()
-        for client in self._stores:
+        for client in self._tiers[1:]:
             close = getattr(client, "close", None)  # the remote client keeps stream connections open
             if close is not None:
                 try:
@@ -190,7 +196,7 @@ class StorageManager:
                 else:
                     held = await tier.contains(keys[pos:])
                     exhausted[location] = pos + held
-                    if held < len(keys) - pos:
+                    if held < len(keys) - pos and location != PEER:
                         self._forget_held(keys[pos + held:])  # a store dropped some: the next put sends them again
                 if held:
                     runs.append(Run(location, pos, pos + held))
@@ -526,15 +532,17 @@ class StorageManager:
 
     async def move(self, spans: Sequence[ChunkSpan], source: str, target: str, keep_source: bool,
                    check: CheckMeta) -> int:
-        """Copy the contiguous prefix of `spans` held at `source` to `target` (both this worker's tiers), one
+        """Copy the contiguous prefix of `spans` held at `source` to `target` (both this worker's tiers, or
+        `source` PEER: the peer's CPU tier the peer tier names for these keys, `PeerTier.assume_holder`), one
         chunk at a time through a pool slot; unless `keep_source`, the copied chunks then leave `source`. The
         tokens copied. Only the CPU tier may be left: a store is shared, and removing a chunk there would take
         it from every instance (ValueError)."""
         for location in (source, target):
-            if location not in LOCATIONS:
+            if location not in LOCATIONS and not (location == source == PEER):
                 raise ValueError(f"unknown location {location!r} (known: {', '.join(LOCATIONS)})")
             if self.tier(location) is None:
-                raise LookupError(f"no {location} configured here (or its store client is not connected)")
+                raise LookupError(f"no {location} configured here (or its store client is not connected)"
+                                  + (": P2P is off (enable_p2p)" if location == PEER else ""))
         if source == target:
             raise ValueError(f"source and target are both {source}")
         if not keep_source and source != LOCAL_CPU:
@@ -550,6 +558,10 @@ class StorageManager:
             for span in moved:
                 self.cpu.remove(span.key)
         return sum(span.num_tokens for span in moved)
+
+    def evict(self, spans: Sequence[ChunkSpan]) -> int:
+        """Drop these chunks from the CPU tier (pinned or not; the lower tiers keep theirs); the tokens dropped."""
+        return sum(span.num_tokens for span in spans if self.cpu.remove(span.key))
 
     async def _read(self, location: str, span: ChunkSpan, check: CheckMeta) -> ChunkRef | None:
         """One chunk of `location` in a slot the caller owns a reference of; None on a miss."""

@@ -40,7 +40,8 @@ class LookupServer:
     async def _handle(self, request: protocol.PrefixLookup) -> protocol.CommandReply:
         try:
             spans = self.engine.chunk_spans(request.keys, request.num_tokens)
-            return protocol.CommandReply(ok=True, num_tokens=await self.engine.lookup_and_prefetch(spans))
+            held = await self.engine.lookup_and_prefetch(spans, request.peer_instance, request.peer_worker)
+            return protocol.CommandReply(ok=True, num_tokens=held)
         except Exception as exc:  # a broken lookup is a miss, never a failed request
             log.warning("prefix lookup failed (%s: %s); answering a miss", type(exc).__name__, exc)
             return protocol.CommandReply(ok=False, error=f"{type(exc).__name__}: {exc}")

@@ -40,6 +40,7 @@ class PublishedWorker:
     save_unfull_chunk: bool
     has_lower: bool  # a disk or remote store behind its CPU tier
     domain: str = "default"  # what its sharing domain mixes into the key root (KeyParams.domain)
+    worker_id: str = ""  # its id on the mesh (a PD producer names its workers to the consumer: adapter/pd.py)
 
     @property
     def key_params(self) -> KeyParams:
@@ -52,7 +53,8 @@ class PublishedWorker:
                    nats_url=engine.nats_url,
                    model=params.model, kv_format=params.kv_format, key_world_size=params.world_size,
                    key_rank=params.rank, chunk_size=config.chunk_size, save_unfull_chunk=config.save_unfull_chunk,
-                   has_lower=engine.storage is not None and engine.storage.has_lower, domain=params.domain)
+                   has_lower=engine.storage is not None and engine.storage.has_lower, domain=params.domain,
+                   worker_id=engine.worker_id)
 
 
 # ---- rendezvous files -----------------------------------------------------------------------------------------------

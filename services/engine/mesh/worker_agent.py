@@ -5,9 +5,11 @@ Runs entirely on the engine's NATS loop thread, started once NATS is first reach
     admission/eviction events of the CPU tier with sequence numbers and answers full-sync requests (all
     through `AdmissionReporter`, producer_id = worker_id, location LocalCPUBackend);
   * answers `WorkerCommand`s on `Subjects.worker(instance_id, worker_id, op)` for op in pin / unpin / clear /
-    lookup at any location, through the storage manager's one dispatch (`StorageManager.command`), and move
-    (`StorageManager.move`: a copy from `location` to `target`); tokens are hashed with the engine's
-    ChunkHasher and the command's extras; the reply is `CommandReply(num_tokens=...)`;
+    lookup at any location, through the storage manager's one dispatch (`StorageManager.command`), move
+    (`StorageManager.move`: a copy from `location` to `target`, or from another instance's CPU tier over P2P
+    when the command names `peer_worker`) and evict (chunks leave the CPU tier: the source's part of a move
+    between instances); tokens are hashed with the engine's ChunkHasher and the command's extras; the reply
+    is `CommandReply(num_tokens=...)`;
   * answers health requests as service "engine";
   * logs a WARNING when the controller says other live workers claim this worker's instance id and rank
     (`InstanceConflict`: replicas started with the same lmcache_instance_id).
@@ -24,10 +26,11 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from kvmesh.services.engine.core.storage_manager import CheckMeta, StorageManager
+from kvmesh.services.engine.tiers.peer import PeerTier, PeerWorker
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.admissions import AdmissionReporter
-from kvmesh.shared.keys import ChunkHasher
-from kvmesh.shared.protocol import LOCAL_CPU, WORKER_COMMAND_OPS, CommandReply, WorkerCommand
+from kvmesh.shared.keys import ChunkHasher, ChunkSpan
+from kvmesh.shared.protocol import LOCAL_CPU, PEER, WORKER_COMMAND_OPS, CommandReply, WorkerCommand
 from kvmesh.shared.service import serve_health
 
 log = logging.getLogger(__name__)
@@ -105,6 +108,18 @@ class WorkerAgent:
         return {"worker_id": self.worker_id, "cpu_chunks": len(self.cpu), "cpu_used_bytes": self.cpu.used_bytes,
                 "write_behind_queue": self.storage.queue_depth, "time": time.time()}
 
+    def _from_peer(self, command: WorkerCommand, spans: list[ChunkSpan]) -> str:
+        """The source location of a move from the CPU tier of `command.peer_worker` (another instance of this
+        domain): the peer tier, told to read these chunks from that worker."""
+        if command.location != LOCAL_CPU:
+            raise ValueError(f"a move between instances reads the source's CPU tier ({LOCAL_CPU}), not "
+                             f"{command.location}")
+        peers = self.storage.lower(PEER)
+        if not isinstance(peers, PeerTier):
+            raise LookupError("P2P is off on this worker (enable_p2p): it cannot read another instance's chunks")
+        peers.assume_holder([span.key for span in spans], PeerWorker(command.peer_instance, command.peer_worker))
+        return PEER
+
     def _make_handler(self, op: str) -> Callable[[WorkerCommand], object]:
         async def handle(command: WorkerCommand) -> CommandReply:
             if command.op != op:
@@ -119,12 +134,18 @@ class WorkerAgent:
             if command.op != "clear" else ([], [])
         try:
             if command.op == "move":
-                num_tokens = await self.storage.move(spans, command.location, command.target, command.keep_source,
-                                                     self.check_meta)
+                source, keep_source = command.location, command.keep_source
+                if command.peer_worker:  # from another instance's CPU tier (P2P); its own part is the controller's
+                    source, keep_source = self._from_peer(command, spans + states), True
+                num_tokens = await self.storage.move(spans, source, command.target, keep_source, self.check_meta)
                 moved_states = [span for span in states if span.end <= num_tokens]  # those of the chunks moved
                 if moved_states:
-                    await self.storage.move(moved_states, command.location, command.target, command.keep_source,
-                                            self.check_meta)
+                    await self.storage.move(moved_states, source, command.target, keep_source, self.check_meta)
+            elif command.op == "evict":
+                if command.location != LOCAL_CPU:
+                    raise ValueError(f"evict drops chunks from the CPU tier ({LOCAL_CPU}) only, not {command.location}")
+                num_tokens = self.storage.evict(spans)
+                self.storage.evict(states)
             else:
                 num_tokens = await self.storage.command(command.op, command.location, spans, command.ttl_secs,
                                                         states)

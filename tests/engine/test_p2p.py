@@ -1,0 +1,243 @@
+"""P2P hits (issue 27): engines on a real NATS with a real controller and no store at all, each serving its CPU
+tier to its peers (enable_p2p). An engine that misses asks the controller once which peer holds the prefix and
+streams the chunks from that peer's CPU tier; the KV it loads is checked against an oracle in which every
+block's KV depends on the KV of the blocks before it."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import AsyncIterator, Iterator
+
+import pytest
+import torch
+
+from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.tiers.peer import PeerTier, PeerWorker
+from kvmesh.services.engine.tiers.base import ChunkBuffer
+from kvmesh.shared.credentials import MeshCredentials, local_mesh_dir
+from kvmesh.shared.embedded_nats import EmbeddedNats
+from kvmesh.shared.keys import KeyParams
+from kvmesh.shared.local_mesh import LocalMesh
+from kvmesh.shared.protocol import PEER, Principal
+
+from support.controller import running_controller
+from support.engine import CHUNK, PagedKV, engine_config, random_tokens
+from support.kv_oracle import ContextForward
+from support.waiting import WAIT_S, wait_until, wait_until_async
+
+PARAMS = KeyParams(model="test-model", kv_format="")
+BLOCKS = 64
+SCRATCH = list(range(BLOCKS - 16, BLOCKS))  # the oracle's own blocks
+TOKENS = 5 * CHUNK + 7  # five full chunks and a partial one
+
+
+@pytest.fixture
+def nats_url() -> Iterator[str]:
+    server = EmbeddedNats().start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture
+async def controller(nats_url: str) -> AsyncIterator[None]:
+    async with running_controller(nats_url):
+        yield
+
+
+def p2p_engine(url: str, instance: str, kv: PagedKV, **overrides: object) -> CacheEngine:
+    engine = CacheEngine(engine_config(nats_url=url, lmcache_instance_id=instance, enable_p2p=True, **overrides),
+                         PARAMS, kv.layout)
+    assert engine.wait_connected(WAIT_S), f"engine {instance} did not reach NATS"
+    wait_until(lambda: engine.storage.lower(PEER) is not None and engine.agent.started, what=f"{instance}'s peer tier")
+    return engine
+
+
+def computed(engine: CacheEngine, kv: PagedKV, tokens: list[int]) -> list[int]:
+    """vLLM's forward over `tokens` into fresh blocks of `kv`, then the engine stores them; the blocks."""
+    blocks = list(range(-(-len(tokens) // kv.block_size)))
+    ContextForward(kv, SCRATCH).run(tokens, blocks, 0, len(tokens))
+    engine.store(torch.tensor(tokens), **kv.kv(slots_of(blocks, len(tokens), kv.block_size)))
+    return blocks
+
+
+def slots_of(blocks: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
+    return torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(num_tokens)])
+
+
+async def finds_all(engine: CacheEngine, tokens: list[int]) -> bool:
+    return await asyncio.to_thread(engine.lookup, tokens) == len(tokens)
+
+
+def loaded(engine: CacheEngine, kv: PagedKV, tokens: list[int], blocks: list[int]) -> int:
+    """Retrieve `tokens` into `blocks` of `kv`; the tokens loaded."""
+    mask = engine.retrieve(torch.tensor(tokens), **kv.kv(slots_of(blocks, len(tokens), kv.block_size)))
+    return int(mask.sum())
+
+
+async def test_an_engine_that_misses_loads_the_prefix_from_a_peers_cpu_tier(nats_url: str, controller: None) -> None:
+    kv_a, kv_b = PagedKV(num_blocks=BLOCKS, seed=1), PagedKV(num_blocks=BLOCKS, seed=2)
+    a = await asyncio.to_thread(p2p_engine, nats_url, "peer-a", kv_a)
+    b = await asyncio.to_thread(p2p_engine, nats_url, "peer-b", kv_b)
+    try:
+        tokens = random_tokens(TOKENS, seed=7).tolist()
+        await asyncio.to_thread(computed, a, kv_a, tokens)
+        # B's own tiers hold nothing; the controller learns A's admissions, then B's lookup finds them at A
+        await wait_until_async(lambda: finds_all(b, tokens),
+                               what="B's lookup to find A's chunks")
+        blocks = list(range(10, 10 + -(-TOKENS // kv_b.block_size)))
+        assert await asyncio.to_thread(loaded, b, kv_b, tokens, blocks) == TOKENS
+        assert ContextForward(kv_b, SCRATCH).holds(tokens, blocks, TOKENS)  # every block as vLLM computes it
+        chunks = -(-TOKENS // CHUNK)
+        assert b.storage.stats[f"fetched_{PEER}"] == chunks and a.storage.stats["p2p_served_chunks"] == chunks
+        assert b.storage.stats["p2p_read_failed"] == 0
+        # the chunks are B's own now: a second load asks no peer
+        assert await asyncio.to_thread(loaded, b, kv_b, tokens, blocks) == TOKENS
+        assert a.storage.stats["p2p_served_chunks"] == chunks
+    finally:
+        await asyncio.to_thread(b.close)
+        await asyncio.to_thread(a.close)
+
+
+async def test_a_peer_that_dropped_the_chunks_or_died_is_a_miss_never_an_error(nats_url: str,
+                                                                              controller: None) -> None:
+    """After B's lookup named A, A evicts the chunks: B's load is a miss (A answers "not found"). Then A is gone
+    altogether: B's load is a miss again, bounded by its timeouts, and B keeps serving."""
+    kv_a, kv_b = PagedKV(num_blocks=BLOCKS, seed=1), PagedKV(num_blocks=BLOCKS, seed=2)
+    a = await asyncio.to_thread(p2p_engine, nats_url, "peer-a", kv_a)
+    b = await asyncio.to_thread(p2p_engine, nats_url, "peer-b", kv_b, local_cpu=False)  # nothing kept: asks again
+    try:
+        tokens = random_tokens(TOKENS, seed=8).tolist()
+        await asyncio.to_thread(computed, a, kv_a, tokens)
+        await wait_until_async(lambda: finds_all(b, tokens), what="B's lookup")
+        assert a.clear() > 0
+        blocks = list(range(10, 10 + -(-TOKENS // kv_b.block_size)))
+        assert await asyncio.to_thread(loaded, b, kv_b, tokens, blocks) == 0
+        assert b.storage.stats["p2p_read_missed"] == a.storage.stats["p2p_served_misses"] >= 1  # a batch's reads
+
+        await asyncio.to_thread(computed, a, kv_a, tokens)
+        await wait_until_async(lambda: finds_all(b, tokens), what="B's lookup")
+        await asyncio.to_thread(a.close)
+        assert await asyncio.to_thread(loaded, b, kv_b, tokens, blocks) == 0
+        assert b.storage.stats["p2p_read_failed"] >= 1
+    finally:
+        await asyncio.to_thread(b.close)
+        await asyncio.to_thread(a.close)
+
+
+def engine_in_domain(mesh: LocalMesh, instance: str, domain: str, kv: PagedKV) -> CacheEngine:
+    credentials = MeshCredentials(local_mesh_dir(int(mesh.nats_url.rsplit(":", 1)[1])))
+    path = Principal.engine(instance).path
+    credentials.ensure(path, domain=domain)
+    assert credentials.reload_server()
+    return p2p_engine(mesh.nats_url, instance, kv, nats_credentials=str(credentials.file(path)))
+
+
+async def test_p2p_stays_inside_a_sharing_domain(nats_mesh: LocalMesh) -> None:
+    """red-b loads red-a's chunks; blue-c, of another domain, learns nothing from the controller, and a stream
+    request of its own to red-a is refused by NATS (counted): red-a serves it nothing."""
+    mesh = nats_mesh
+    kvs = {name: PagedKV(num_blocks=BLOCKS, seed=seed) for seed, name in enumerate(("red-a", "red-b", "blue-c"))}
+    async with running_controller(mesh.nats_url):
+        engines = {name: await asyncio.to_thread(engine_in_domain, mesh, name, domain, kvs[name])
+                   for name, domain in (("red-a", "red"), ("red-b", "red"), ("blue-c", "blue"))}
+        try:
+            tokens = random_tokens(TOKENS, seed=9).tolist()
+            red_a = engines["red-a"]
+            await asyncio.to_thread(computed, red_a, kvs["red-a"], tokens)
+            await wait_until_async(lambda: finds_all(engines["red-b"], tokens),
+                                   what="red-b's lookup")
+            assert await asyncio.to_thread(engines["blue-c"].lookup, tokens) == 0
+
+            blue = engines["blue-c"]
+            key = red_a.hasher.keys(torch.tensor(tokens))[0]  # even knowing red-a's key
+            holder = PeerWorker("red-a", red_a.worker_id)
+            own = blue.storage.lower(PEER)  # asks on its own domain's subjects: nobody of red hears them
+            forged = PeerTier(blue.nats_loop.nc, "red", blue.worker_id, blue.agent.path, blue.storage.stats,
+                              request_timeout=2.0)  # asks on red's: NATS refuses
+            assert isinstance(own, PeerTier)
+            slot = blue.cpu.allocate()
+            assert slot is not None
+            try:
+                for peers in (own, forged):
+                    assert blue.nats_loop.call(peers.get_from(holder, key, slot.chunk_buffer()), WAIT_S,
+                                               default="timeout") is None
+            finally:
+                slot.release()
+            assert blue.storage.stats["p2p_refused"] == 1 and blue.nats_loop.nc.permission_violations >= 1
+            assert red_a.storage.stats["p2p_served_chunks"] == 0 and red_a.storage.stats["p2p_served_misses"] == 0
+        finally:
+            for engine in engines.values():
+                await asyncio.to_thread(engine.close)
+
+
+async def test_move_between_instances_streams_the_chunks_and_lookup_then_names_the_target(nats_url: str) -> None:
+    """/move from A's CPU tier to B's: B's workers stream the chunks from A (P2P), /lookup lists B, and B loads
+    them from its own CPU tier (no peer read). Without should_copy they then leave A."""
+    kv_a, kv_b = PagedKV(num_blocks=BLOCKS, seed=1), PagedKV(num_blocks=BLOCKS, seed=2)
+    async with running_controller(nats_url) as (_, client):
+        a = await asyncio.to_thread(p2p_engine, nats_url, "peer-a", kv_a)
+        b = await asyncio.to_thread(p2p_engine, nats_url, "peer-b", kv_b)
+        try:
+            tokens = random_tokens(TOKENS, seed=10).tolist()
+            await asyncio.to_thread(computed, a, kv_a, tokens)
+
+            async def layout() -> dict:
+                response = await client.post("/lookup", json={"tokens": tokens})
+                return response.json()["layout_info"]
+
+            await wait_until_async(lambda: _is(layout(), {"peer-a": ["LocalCPUBackend", TOKENS]}), what="A listed")
+            response = await client.post("/move", json={"old_position": ["peer-a", "LocalCPUBackend"],
+                                                         "new_position": ["peer-b", "LocalCPUBackend"],
+                                                         "tokens": tokens, "should_copy": False})
+            assert response.status_code == 200 and response.json()["num_tokens"] == TOKENS, response.text
+            await wait_until_async(lambda: _is(layout(), {"peer-b": ["LocalCPUBackend", TOKENS]}),
+                                   what="only B listed after the move")
+            chunks = -(-TOKENS // CHUNK)
+            assert a.storage.stats["p2p_served_chunks"] == chunks and len(a.cpu) == 0
+            blocks = list(range(10, 10 + -(-TOKENS // kv_b.block_size)))
+            assert await asyncio.to_thread(loaded, b, kv_b, tokens, blocks) == TOKENS
+            assert ContextForward(kv_b, SCRATCH).holds(tokens, blocks, TOKENS)
+            assert a.storage.stats["p2p_served_chunks"] == chunks  # loaded from B's own CPU tier
+
+            workers = (await client.post("/query_worker_info", json={"instance_id": "peer-b"})).json()
+            assert workers["worker_infos"][0]["peer_init_url"] == b.peer_server.endpoint
+            refused = await client.post("/move", json={"old_position": ["peer-b", "LocalCPUBackend"],
+                                                       "new_position": ["peer-b", "LocalDiskBackend"],
+                                                       "tokens": tokens})
+            assert refused.status_code == 404  # B has no disk tier
+        finally:
+            await asyncio.to_thread(b.close)
+            await asyncio.to_thread(a.close)
+
+
+async def _is(value: object, expected: object) -> bool:
+    return await value == expected  # type: ignore[misc]
+
+
+async def test_a_pd_consumer_loads_from_the_producer_its_request_names_with_no_controller(nats_url: str) -> None:
+    """Prefill/decode: the consumer's lookup carries the producer's worker (adapter/pd.py): it is asked directly,
+    with no controller on the mesh at all, and what arrives is checked like any chunk. A hint naming a worker that
+    holds nothing is a miss."""
+    kv_a, kv_b = PagedKV(num_blocks=BLOCKS, seed=1), PagedKV(num_blocks=BLOCKS, seed=2)
+    a = await asyncio.to_thread(p2p_engine, nats_url, "prefill-a", kv_a)
+    b = await asyncio.to_thread(p2p_engine, nats_url, "decode-b", kv_b)
+    try:
+        tokens = random_tokens(TOKENS, seed=11).tolist()
+        await asyncio.to_thread(computed, a, kv_a, tokens)
+        chain = b.hasher.chain(torch.tensor(tokens))
+        spans = b.chunk_spans([span.key for span in chain], TOKENS)
+        assert b.nats_loop.call(b.lookup_and_prefetch(spans), WAIT_S, default=-1) == 0  # no controller: no peer found
+        assert b.nats_loop.call(b.lookup_and_prefetch(spans, "prefill-a", a.worker_id), WAIT_S, default=-1) == TOKENS
+        blocks = list(range(10, 10 + -(-TOKENS // kv_b.block_size)))
+        assert await asyncio.to_thread(loaded, b, kv_b, tokens, blocks) == TOKENS
+        assert ContextForward(kv_b, SCRATCH).holds(tokens, blocks, TOKENS)
+        assert a.storage.stats["p2p_served_chunks"] == -(-TOKENS // CHUNK)
+
+        other = random_tokens(TOKENS, seed=12).tolist()  # A never computed these
+        other_spans = b.chunk_spans([span.key for span in b.hasher.chain(torch.tensor(other))], TOKENS)
+        assert b.nats_loop.call(b.lookup_and_prefetch(other_spans, "prefill-a", a.worker_id), WAIT_S, default=-1) == TOKENS
+        assert await asyncio.to_thread(loaded, b, kv_b, other, blocks) == 0  # the producer's word was wrong
+    finally:
+        await asyncio.to_thread(b.close)
+        await asyncio.to_thread(a.close)
