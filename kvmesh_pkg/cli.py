@@ -5,6 +5,7 @@
     kvmesh controller ...       the controller (also `lmcache_controller --host --port --monitor-port`)
     kvmesh disk-store ...       the disk store of this host
     kvmesh remote-store ...     one remote-store partition
+    kvmesh pd-proxy --prefill URL --decode URL   the OpenAI API in front of prefill and decode vLLMs (PD)
     kvmesh health --nats-url U  every service's health over NATS
     kvmesh credentials --dir D PRINCIPAL...   NATS users for a mesh whose NATS KVMesh does not start (compose)
     kvmesh wipe --store ID      as the operator: forget every unpinned chunk of a store, whoever put it (an
@@ -47,6 +48,7 @@ SERVICE_MODULES = {
     "controller": "kvmesh.services.controller",
     "disk-store": DISK_STORE,
     "remote-store": REMOTE_STORE,
+    "pd-proxy": "kvmesh.services.pd_proxy",
 }
 
 
