@@ -79,14 +79,21 @@ def _listed(mesh: MeshUp, tokens: list[int], instance: str) -> bool:
     return instance in layout and layout[instance][1] >= len(tokens) - CHUNK
 
 
-def test_a_prompt_one_instance_computed_is_a_proven_load_from_its_cpu_tier_on_the_other(
-        p2p: dict[str, Any], long_text: str) -> None:
-    a, b, ref, mesh = p2p["a"], p2p["b"], p2p["ref"], p2p["mesh"]
-    prompt = f"[p2p hit]\n{long_text[:5000]}"
+def _computed_by_a(p2p: dict[str, Any], prompt: str) -> tuple[str, list[int]]:
+    """A computes `prompt` (its output equal to ref's) and the controller lists A for it: ref's output, the tokens."""
+    a, ref, mesh = p2p["a"], p2p["ref"], p2p["mesh"]
     expected = _text(ref.complete(prompt, max_tokens=16))
     assert _text(a.complete(prompt, max_tokens=16)) == expected
     tokens = a.tokenize(prompt)
     wait_until(lambda: _listed(mesh, tokens, "p2p-a"), WAIT_S, interval=0.2, what="the controller to list A")
+    return expected, tokens
+
+
+def test_a_prompt_one_instance_computed_is_a_proven_load_from_its_cpu_tier_on_the_other(
+        p2p: dict[str, Any], long_text: str) -> None:
+    a, b, mesh = p2p["a"], p2p["b"], p2p["mesh"]
+    prompt = f"[p2p hit]\n{long_text[:5000]}"
+    expected, tokens = _computed_by_a(p2p, prompt)
     served_before = _counter(a, "lmcache:num_p2p_served_chunks")
     warm = b.complete(prompt, max_tokens=16)
     hit = b.assert_loaded(warm)  # B's worker loaded all it was promised, no load error
@@ -141,12 +148,9 @@ def _proxy_up(proxy: str) -> bool:
 
 
 def test_move_of_a_prefix_from_one_instance_to_the_other(p2p: dict[str, Any], long_text: str) -> None:
-    a, b, ref, mesh = p2p["a"], p2p["b"], p2p["ref"], p2p["mesh"]
+    b, mesh = p2p["b"], p2p["mesh"]
     prompt = f"[p2p move]\n{long_text[6000:11000]}"
-    expected = _text(ref.complete(prompt, max_tokens=16))
-    assert _text(a.complete(prompt, max_tokens=16)) == expected
-    tokens = a.tokenize(prompt)
-    wait_until(lambda: _listed(mesh, tokens, "p2p-a"), WAIT_S, interval=0.2, what="the controller to list A")
+    expected, tokens = _computed_by_a(p2p, prompt)
     moved = mesh.post("/move", {"old_position": ["p2p-a", "LocalCPUBackend"],
                                 "new_position": ["p2p-b", "LocalCPUBackend"], "tokens": tokens, "should_copy": True})
     assert moved["num_tokens"] >= len(tokens) - CHUNK, moved
@@ -159,12 +163,9 @@ def test_move_of_a_prefix_from_one_instance_to_the_other(p2p: dict[str, Any], lo
 
 def test_a_peer_that_freezes_and_dies_mid_load_costs_a_recompute_never_an_error(
         p2p: dict[str, Any], long_text: str) -> None:
-    a, b, ref, mesh = p2p["a"], p2p["b"], p2p["ref"], p2p["mesh"]
+    a, b = p2p["a"], p2p["b"]
     prompt = f"[p2p peer dies]\n{long_text[12000:17000]}"
-    expected = _text(ref.complete(prompt, max_tokens=16))
-    assert _text(a.complete(prompt, max_tokens=16)) == expected
-    tokens = a.tokenize(prompt)
-    wait_until(lambda: _listed(mesh, tokens, "p2p-a"), WAIT_S, interval=0.2, what="the controller to list A")
+    expected, tokens = _computed_by_a(p2p, prompt)
     frozen = [a.pid, *a.descendants()]
     for pid in frozen:  # A still registered and listed, its peer stream open, and it answers nothing
         os.kill(pid, signal.SIGSTOP)

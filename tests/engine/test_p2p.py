@@ -6,7 +6,7 @@ block's KV depends on the KV of the blocks before it."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
+import contextlib
 from typing import AsyncIterator, Iterator
 
 import pytest
@@ -14,7 +14,6 @@ import torch
 
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.tiers.peer import PeerTier, PeerWorker
-from kvmesh.services.engine.tiers.base import ChunkBuffer
 from kvmesh.shared.credentials import MeshCredentials, local_mesh_dir
 from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.keys import KeyParams
@@ -53,6 +52,22 @@ def p2p_engine(url: str, instance: str, kv: PagedKV, **overrides: object) -> Cac
     return engine
 
 
+@contextlib.asynccontextmanager
+async def two_engines(url: str, a_name: str, b_name: str, **b_overrides: object
+                      ) -> AsyncIterator[tuple[CacheEngine, PagedKV, CacheEngine, PagedKV]]:
+    """Engines A and B with P2P on the mesh at `url`, each over its own random paged KV; both closed after."""
+    kv_a, kv_b = PagedKV(num_blocks=BLOCKS, seed=1), PagedKV(num_blocks=BLOCKS, seed=2)
+    a = await asyncio.to_thread(p2p_engine, url, a_name, kv_a)
+    try:
+        b = await asyncio.to_thread(p2p_engine, url, b_name, kv_b, **b_overrides)
+        try:
+            yield a, kv_a, b, kv_b
+        finally:
+            await asyncio.to_thread(b.close)
+    finally:
+        await asyncio.to_thread(a.close)
+
+
 def computed(engine: CacheEngine, kv: PagedKV, tokens: list[int]) -> list[int]:
     """vLLM's forward over `tokens` into fresh blocks of `kv`, then the engine stores them; the blocks."""
     blocks = list(range(-(-len(tokens) // kv.block_size)))
@@ -76,10 +91,7 @@ def loaded(engine: CacheEngine, kv: PagedKV, tokens: list[int], blocks: list[int
 
 
 async def test_an_engine_that_misses_loads_the_prefix_from_a_peers_cpu_tier(nats_url: str, controller: None) -> None:
-    kv_a, kv_b = PagedKV(num_blocks=BLOCKS, seed=1), PagedKV(num_blocks=BLOCKS, seed=2)
-    a = await asyncio.to_thread(p2p_engine, nats_url, "peer-a", kv_a)
-    b = await asyncio.to_thread(p2p_engine, nats_url, "peer-b", kv_b)
-    try:
+    async with two_engines(nats_url, "peer-a", "peer-b") as (a, kv_a, b, kv_b):
         tokens = random_tokens(TOKENS, seed=7).tolist()
         await asyncio.to_thread(computed, a, kv_a, tokens)
         # B's own tiers hold nothing; the controller learns A's admissions, then B's lookup finds them at A
@@ -94,19 +106,14 @@ async def test_an_engine_that_misses_loads_the_prefix_from_a_peers_cpu_tier(nats
         # the chunks are B's own now: a second load asks no peer
         assert await asyncio.to_thread(loaded, b, kv_b, tokens, blocks) == TOKENS
         assert a.storage.stats["p2p_served_chunks"] == chunks
-    finally:
-        await asyncio.to_thread(b.close)
-        await asyncio.to_thread(a.close)
 
 
 async def test_a_peer_that_dropped_the_chunks_or_died_is_a_miss_never_an_error(nats_url: str,
                                                                               controller: None) -> None:
     """After B's lookup named A, A evicts the chunks: B's load is a miss (A answers "not found"). Then A is gone
     altogether: B's load is a miss again, bounded by its timeouts, and B keeps serving."""
-    kv_a, kv_b = PagedKV(num_blocks=BLOCKS, seed=1), PagedKV(num_blocks=BLOCKS, seed=2)
-    a = await asyncio.to_thread(p2p_engine, nats_url, "peer-a", kv_a)
-    b = await asyncio.to_thread(p2p_engine, nats_url, "peer-b", kv_b, local_cpu=False)  # nothing kept: asks again
-    try:
+    # B keeps nothing in its CPU tier: each load asks the peer again
+    async with two_engines(nats_url, "peer-a", "peer-b", local_cpu=False) as (a, kv_a, b, kv_b):
         tokens = random_tokens(TOKENS, seed=8).tolist()
         await asyncio.to_thread(computed, a, kv_a, tokens)
         await wait_until_async(lambda: finds_all(b, tokens), what="B's lookup")
@@ -120,9 +127,6 @@ async def test_a_peer_that_dropped_the_chunks_or_died_is_a_miss_never_an_error(n
         await asyncio.to_thread(a.close)
         assert await asyncio.to_thread(loaded, b, kv_b, tokens, blocks) == 0
         assert b.storage.stats["p2p_read_failed"] >= 1
-    finally:
-        await asyncio.to_thread(b.close)
-        await asyncio.to_thread(a.close)
 
 
 def engine_in_domain(mesh: LocalMesh, instance: str, domain: str, kv: PagedKV) -> CacheEngine:
@@ -174,11 +178,8 @@ async def test_p2p_stays_inside_a_sharing_domain(nats_mesh: LocalMesh) -> None:
 async def test_move_between_instances_streams_the_chunks_and_lookup_then_names_the_target(nats_url: str) -> None:
     """/move from A's CPU tier to B's: B's workers stream the chunks from A (P2P), /lookup lists B, and B loads
     them from its own CPU tier (no peer read). Without should_copy they then leave A."""
-    kv_a, kv_b = PagedKV(num_blocks=BLOCKS, seed=1), PagedKV(num_blocks=BLOCKS, seed=2)
     async with running_controller(nats_url) as (_, client):
-        a = await asyncio.to_thread(p2p_engine, nats_url, "peer-a", kv_a)
-        b = await asyncio.to_thread(p2p_engine, nats_url, "peer-b", kv_b)
-        try:
+        async with two_engines(nats_url, "peer-a", "peer-b") as (a, kv_a, b, kv_b):
             tokens = random_tokens(TOKENS, seed=10).tolist()
             await asyncio.to_thread(computed, a, kv_a, tokens)
 
@@ -206,9 +207,6 @@ async def test_move_between_instances_streams_the_chunks_and_lookup_then_names_t
                                                        "new_position": ["peer-b", "LocalDiskBackend"],
                                                        "tokens": tokens})
             assert refused.status_code == 404  # B has no disk tier
-        finally:
-            await asyncio.to_thread(b.close)
-            await asyncio.to_thread(a.close)
 
 
 async def _is(value: object, expected: object) -> bool:
@@ -219,10 +217,7 @@ async def test_a_pd_consumer_loads_from_the_producer_its_request_names_with_no_c
     """Prefill/decode: the consumer's lookup carries the producer's worker (adapter/pd.py): it is asked directly,
     with no controller on the mesh at all, and what arrives is checked like any chunk. A hint naming a worker that
     holds nothing is a miss."""
-    kv_a, kv_b = PagedKV(num_blocks=BLOCKS, seed=1), PagedKV(num_blocks=BLOCKS, seed=2)
-    a = await asyncio.to_thread(p2p_engine, nats_url, "prefill-a", kv_a)
-    b = await asyncio.to_thread(p2p_engine, nats_url, "decode-b", kv_b)
-    try:
+    async with two_engines(nats_url, "prefill-a", "decode-b") as (a, kv_a, b, kv_b):
         tokens = random_tokens(TOKENS, seed=11).tolist()
         await asyncio.to_thread(computed, a, kv_a, tokens)
         chain = b.hasher.chain(torch.tensor(tokens))
@@ -238,6 +233,3 @@ async def test_a_pd_consumer_loads_from_the_producer_its_request_names_with_no_c
         other_spans = b.chunk_spans([span.key for span in b.hasher.chain(torch.tensor(other))], TOKENS)
         assert b.nats_loop.call(b.lookup_and_prefetch(other_spans, "prefill-a", a.worker_id), WAIT_S, default=-1) == TOKENS
         assert await asyncio.to_thread(loaded, b, kv_b, other, blocks) == 0  # the producer's word was wrong
-    finally:
-        await asyncio.to_thread(b.close)
-        await asyncio.to_thread(a.close)

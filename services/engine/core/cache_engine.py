@@ -309,8 +309,9 @@ class CacheEngine:
                extras: KeyExtras | None = None) -> int:
         """How many prefix tokens are cached, across the tiers in `search_range` (all by default).
 
-        Tier names: "LocalCPUBackend" (the API's "Hot"), "LocalDiskBackend", "RemoteBackend". Chunks may sit
-        in different tiers; the answer is the contiguous prefix over all of them.
+        Tier names: "LocalCPUBackend" (the API's "Hot"), "LocalDiskBackend", "RemoteBackend", "P2PBackend"
+        (with enable_p2p: other instances' CPU tiers). Chunks may sit in different tiers; the answer is the
+        contiguous prefix over all of them.
         """
         _, hasher, _, storage, _ = self._ready()
         spans = hasher.spans(tokens, extras=extras)
