@@ -35,6 +35,7 @@ from kvmesh.shared.rate_limited_log import RateLimitedLog
 log = logging.getLogger(__name__)
 
 MAX_HOLDERS = 65_536  # keys whose holder the last lookups named, kept for the loads that follow them
+MAX_PEERS = 256  # peers with kept connections (a restarted peer is a new worker id: the oldest are closed)
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class PeerTier:
         self._name = f"{socket.gethostname()}:{os.getpid()}"
         self._holders: collections.OrderedDict[ChunkKey, PeerWorker] = collections.OrderedDict()
         self._promised: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()  # by a PD producer
-        self._peers: dict[PeerWorker, _Peer] = {}
+        self._peers: collections.OrderedDict[PeerWorker, _Peer] = collections.OrderedDict()
         self._rlog = RateLimitedLog(log)
 
     # ---- where: the controller's answer, or the producer's word -----------------------------------------------
@@ -146,7 +147,9 @@ class PeerTier:
 
     def _peer(self, holder: PeerWorker) -> _Peer:
         peer = self._peers.get(holder)
-        if peer is None:
+        if peer is not None:
+            self._peers.move_to_end(holder)
+        else:
             label = f"peer {holder.instance_id} (worker {holder.worker_id})"
             subject = Subjects.peer_stream(self.domain, holder.instance_id, holder.worker_id, self.caller)
 
@@ -163,6 +166,8 @@ class PeerTier:
             peer = _Peer(StoreLink(holder.worker_id, label, log, self.caller, self.retry_interval),
                          StreamPool(negotiate, self._name, self.max_connections))
             self._peers[holder] = peer
+            while len(self._peers) > MAX_PEERS:
+                self._peers.popitem(last=False)[1].pool.close()
         return peer
 
     # ---- a peer's chunks are the peer's: no writes, no commands ----------------------------------------------
@@ -191,4 +196,4 @@ class PeerTier:
         """Close the kept stream connections (the NATS connection is the caller's)."""
         for peer in self._peers.values():
             peer.pool.close()
-        self._peers = {}
+        self._peers.clear()
