@@ -49,6 +49,7 @@ def test_a_peer_gets_a_cpu_tier_chunk_checked_and_a_miss_for_anything_else() -> 
             assert not (await connection.get_into(b"z" * 16, buffer)).found
             slot_refs = cpu.acquire(b"a" * 16)
             assert slot_refs is not None and slot_refs.slot.refs == 2  # the tier's and ours: the get released its
+            assert slot_refs.meta.checksum == reply.meta.checksum  # computed once, kept for the next peer
             slot_refs.release()
             ack = await connection.put(reply.meta, buffer[:len(data)])  # gets only: refused, connection closed
             assert not ack.ok and "gets only" in ack.error

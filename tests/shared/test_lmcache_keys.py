@@ -93,10 +93,10 @@ def test_every_ignored_key_starts_as_a_variable_and_warns_once(key: str, warning
 
 
 def test_ignored_keys_with_the_lmcache_prefix_in_vllm_extra_config(warnings: pytest.LogCaptureFixture) -> None:
-    config = load_engine_config({"lmcache.numa_mode": "auto", "lmcache.enable_pd": True, "chunk_size": 64},
+    config = load_engine_config({"lmcache.numa_mode": "auto", "lmcache.pd_buffer_size": 1024, "chunk_size": 64},
                                 environ={})
     assert config.chunk_size == 64
-    assert warned_keys(warnings) == ["numa_mode", "enable_pd"]
+    assert warned_keys(warnings) == ["numa_mode", "pd_buffer_size"]
     assert "kv_connector_extra_config: lmcache.numa_mode" in warnings.records[0].getMessage()
 
 

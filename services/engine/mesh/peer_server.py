@@ -10,8 +10,9 @@ server's timeout costs its connection.
 
 A get holds the chunk's slot for the send (`LocalCPUBackend.acquire`): an eviction meanwhile frees nothing, so a
 peer receives the chunk's bytes as they were, or a miss, never another chunk's. A chunk only the CPU tier holds
-has no checksum yet (the write-behind computes it for the stores): it is computed on the way out, so the peer
-checks every chunk it receives like one from a store.
+has no checksum yet (the write-behind computes it for the stores): it is computed on the first way out and kept
+with the chunk (`LocalCPUBackend.note_checksum`), so the peer checks every chunk it receives like one from a
+store.
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ class CpuTierSource:
             self.stats["p2p_served_misses"] += 1
             return None
         meta = ref.meta
-        if not meta.checksum:
+        if not meta.checksum:  # computed once: the tier keeps it for the next peer
             meta = dataclasses.replace(meta, checksum=checksum(ref.slot.chunk_buffer(meta.nbytes).view))
+            self.cpu.note_checksum(ref, meta.checksum)
         self.stats["p2p_served_chunks"] += 1
         self.stats["p2p_served_bytes"] += meta.nbytes
         return _Held(meta, ref)

@@ -16,6 +16,7 @@ write-behind to the lower tiers completes (`drop_staged`), and nothing is report
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -113,6 +114,14 @@ class LocalCPUBackend:
                     break
                 count += 1
         return count
+
+    def note_checksum(self, ref: ChunkRef, digest: int) -> None:
+        """Keep a checksum computed over `ref`'s bytes with its entry, if the tier still holds that chunk in that
+        slot (a slot's bytes never change while it holds a chunk), so the next reader needs not compute it."""
+        with self._lock:
+            entry = self._entries.get(ref.meta.key)
+            if entry is not None and entry.slot is ref.slot and not entry.meta.checksum:
+                self._entries[ref.meta.key] = ChunkRef(dataclasses.replace(entry.meta, checksum=digest), entry.slot)
 
     def touch_keys(self, keys: Iterable[ChunkKey]) -> None:
         """Mark resident `keys` recently used (a hit served from another tier, or a batch of hits)."""
