@@ -88,6 +88,12 @@ class EvictionPolicy(ABC):
         self._expire_pins()
         return list(self._victim_order())
 
+    def first_victim(self, eligible: Callable[[Key], bool]) -> Key | None:
+        """The first unpinned key, in victim order, that `eligible` accepts (None when none does). Walks the
+        order lazily: the cost is the keys passed over, not the keys held (benchmarks/scale.py)."""
+        self._expire_pins()
+        return next((key for key in self._victim_order() if eligible(key)), None)
+
     def keys(self) -> list[Key]:
         """Every held key: the pinned ones first, then the unpinned ones in victim order."""
         self._expire_pins()

@@ -227,3 +227,21 @@ def test_random_operations_match_the_model(name: str) -> None:
         assert policy.evictable() == model.order(), (op, key)
         assert sorted(k for k, _, _ in policy.pins()) == sorted(model.pins)
         assert policy.used_bytes == len(model.uses)
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_the_first_eligible_victim_is_found_without_walking_the_whole_order(name: str) -> None:
+    """A full CPU tier makes room one victim at a time (LocalCPUBackend.allocate): each search stops at the first
+    key it may take, so an admission into a full pool costs the keys passed over, not the keys held."""
+    policy = make_policy(name, 10 ** 9)
+    for i in range(1000):
+        policy.add(i, 1)
+    order = policy.evictable()
+    asked: list[int] = []
+
+    def eligible(key: int) -> bool:
+        asked.append(key)
+        return key not in order[:3]  # the first three are busy (their slots held by readers)
+
+    assert policy.first_victim(eligible) == order[3] and asked == order[:4]
+    assert policy.first_victim(lambda key: False) is None

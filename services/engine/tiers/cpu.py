@@ -156,10 +156,10 @@ class LocalCPUBackend:
         if slot is not None:
             return slot
         with self._lock:
-            for key in self._policy.evictable():  # unpinned (expired pins released), first victim first
-                entry = self._entries[key]
-                if entry.slot.refs != 1:
-                    continue
+            while True:  # unpinned (expired pins released), first victim first, its slot not held elsewhere
+                key = self._policy.first_victim(lambda k: self._entries[k].slot.refs == 1)
+                if key is None:
+                    break
                 self._remove_locked(key)
                 slot = self.pool.allocate()
                 if slot is not None:
