@@ -495,3 +495,20 @@ def test_a_local_disk_needs_a_size_once_every_source_is_applied() -> None:
         load_engine_config(environ={"LMCACHE_LOCAL_DISK": "file:///tmp/kv"})
     config = load_engine_config({"max_local_disk_size": 2}, environ={"LMCACHE_LOCAL_DISK": "file:///tmp/kv"})
     assert config.max_local_disk_bytes == 2 * GB
+
+
+def test_p2p_keys_in_every_form_lmcache_takes_them(tmp_path: Path) -> None:
+    """p2p_init_ports: a YAML list, a JSON list or comma-separated text (LMCACHE_P2P_INIT_PORTS); enable_pd turns
+    P2P on; a port out of range or a word is a ConfigError naming the key."""
+    path = tmp_path / "pd.yaml"
+    path.write_text("enable_pd: true\np2p_host: 10.0.0.5\np2p_init_ports: [8200, 8201]\n")
+    from_file = load_engine_config(environ={"LMCACHE_CONFIG_FILE": str(path)})
+    from_env = load_engine_config(environ={"LMCACHE_ENABLE_PD": "true", "LMCACHE_P2P_HOST": "10.0.0.5",
+                                           "LMCACHE_P2P_INIT_PORTS": "8200,8201"})
+    for config in (from_file, from_env):
+        assert config.enable_p2p and config.p2p_host == "10.0.0.5" and config.p2p_init_ports == [8200, 8201]
+    assert EngineConfig.from_defaults(p2p_init_ports="[8300]").p2p_init_ports == [8300]
+    with pytest.raises(ConfigError, match="p2p_init_ports: every port must be 1-65535"):
+        EngineConfig.from_defaults(p2p_init_ports=[8200, 70000])
+    with pytest.raises(ConfigError, match="LMCACHE_P2P_INIT_PORTS: expected an integer, got 'eight'"):
+        load_engine_config(environ={"LMCACHE_P2P_INIT_PORTS": "eight"})

@@ -102,7 +102,8 @@ def test_ignored_keys_with_the_lmcache_prefix_in_vllm_extra_config(warnings: pyt
 
 def test_honoured_keys_do_not_warn(warnings: pytest.LogCaptureFixture) -> None:
     values = {"local_disk": "/var/tmp/kv", "remote_url": "nats://host:4222", "cache_policy": "FIFO",
-              "lmcache_instance_id": "inst", "controller_url": "localhost:9001"}
+              "lmcache_instance_id": "inst", "controller_url": "localhost:9001", "p2p_host": "127.0.0.1",
+              "p2p_init_ports": [8200, 8201]}
     load_engine_config({key: values.get(key, 1) for key, note in LMCACHE_KEYS.items() if note is None}, environ={})
     assert warned_keys(warnings) == []
 
