@@ -29,6 +29,7 @@ from kvmesh.shared.stream_wire import (
     recv_message,
     recv_request_head,
     send_reply,
+    send_reply_and_data,
     tune_socket,
 )
 
@@ -234,7 +235,6 @@ class StreamServer:
                     found=False, meta=chunk.meta,
                     error=f"chunk is {chunk.meta.nbytes} bytes, the buffer {request.capacity}"))
                 return
-            await send_reply(sock, protocol.GetReply(found=True, meta=chunk.meta))
-            await asyncio.get_running_loop().sock_sendall(sock, chunk.data())
+            await send_reply_and_data(sock, protocol.GetReply(found=True, meta=chunk.meta), chunk.data())
         finally:
             self.source.release(chunk)

@@ -111,6 +111,24 @@ async def send_reply(sock: socket.socket, message: object) -> None:
     await asyncio.get_running_loop().sock_sendall(sock, REPLY_HEAD.pack(len(body)) + body)
 
 
+async def send_reply_and_data(sock: socket.socket, message: object, data: memoryview) -> None:
+    """`send_reply`, then `data`, in one system call when the socket takes it all (a get's reply and its chunk:
+    one wake-up of the receiver, not two)."""
+    body = protocol.encode(message)
+    head = REPLY_HEAD.pack(len(body)) + body
+    data = data if data.format == "B" and data.ndim == 1 else data.cast("B")
+    try:
+        sent = sock.sendmsg([head, data])
+    except (BlockingIOError, InterruptedError):
+        sent = 0
+    loop = asyncio.get_running_loop()
+    if sent < len(head):
+        await loop.sock_sendall(sock, head[sent:])
+        sent = len(head)
+    if sent - len(head) < len(data):
+        await loop.sock_sendall(sock, data[sent - len(head):])
+
+
 async def recv_reply(sock: socket.socket, expected: type[M]) -> M:
     head = bytearray(REPLY_HEAD.size)
     await recv_exactly(sock, memoryview(head))
