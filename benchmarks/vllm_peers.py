@@ -155,15 +155,16 @@ def lmcache_env(env: dict[str, str], site: Path | None = LMCACHE_SITE) -> tuple[
     return out, check.stdout.strip()
 
 
-def start_lmcache_server(work: Path, env: dict[str, str], l1_gb: float, chunk: int = CHUNK) -> tuple[Child, int]:
+def start_lmcache_server(work: Path, env: dict[str, str], l1_gb: float, chunk: int = CHUNK,
+                         extra_args: list[str] | None = None) -> tuple[Child, int]:
     """LMCache's multiprocess server (CPU L1, LRU, chunks of `chunk` tokens) on the side cores, ready; (child,
-    port)."""
+    port). `extra_args` are appended to its command line (e.g. `--l2-adapter JSON`, an L2 behind the L1)."""
     port = free_port()
     child = Child("lmcache-server", ["taskset", "-c", side_cores(), sys.executable, "-m",
                                      "lmcache.v1.multiprocess.server", "--port", str(port), "--chunk-size",
                                      str(chunk), "--l1-size-gb", str(l1_gb), "--eviction-policy", "LRU",
                                      "--disable-observability", "--disable-metrics",
-                                     "--supported-transfer-mode", "auto"],
+                                     "--supported-transfer-mode", "auto", *(extra_args or [])],
                   work / "logs" / "lmcache-server.log", env=env)
     deadline = time.monotonic() + 120
     while "cache server is running" not in child.log.read_text(errors="replace"):
@@ -181,7 +182,8 @@ def lmcache_connector(port: int) -> dict[str, Any]:
 
 @dataclass
 class Mesh:
-    """A running `kvmesh up` (NATS, controller, disk store; no remote store) on the side cores."""
+    """A running `kvmesh up` (NATS, controller, disk store; a remote store only when started with `remote_gb`) on
+    the side cores."""
 
     child: Child
     nats_port: int
@@ -189,9 +191,11 @@ class Mesh:
     disk_dir: Path
 
     def engine_yaml(self, path: Path, instance: str, cpu_gb: float, disk_gb: float, async_loading: bool,
-                    chunk: int = CHUNK) -> Path:
-        """An LMCache-style config file for one vLLM's KVMeshConnector on this mesh."""
-        path.write_text(
+                    chunk: int = CHUNK, remote_url: str | None = None) -> Path:
+        """An LMCache-style config file for one vLLM's KVMeshConnector on this mesh; `remote_url` adds a remote tier
+        (e.g. "lm://localhost:65432": the mesh's own remote store, reached over its NATS; or "redis://host:port")."""
+        remote = f'remote_url: "{remote_url}"\n' if remote_url else ""
+        path.write_text(remote +
             f"chunk_size: {chunk}\nlocal_cpu: true\nmax_local_cpu_size: {cpu_gb}\n"
             f'local_disk: "file://{self.disk_dir}"\nmax_local_disk_size: {disk_gb}\n'
             f'enable_controller: true\nlmcache_instance_id: "{instance}"\n'
@@ -202,12 +206,15 @@ class Mesh:
         self.child.stop()
 
 
-def start_mesh(work: Path, disk_gb: float, name: str = "kvmesh-up") -> Mesh:
+def start_mesh(work: Path, disk_gb: float, name: str = "kvmesh-up", remote_gb: float | None = None) -> Mesh:
+    """`kvmesh up` on free ports: NATS, controller, a disk store of `disk_gb`, and a remote store of `remote_gb`
+    (one partition) when given (none by default)."""
+    remote = ["--no-remote"] if remote_gb is None else ["--remote-size", repr(remote_gb)]
     nats_port, controller_port = free_port(), free_port()
     disk_dir = work / f"{name}-disk"
     child = Child(name, ["taskset", "-c", side_cores(), sys.executable, "-m", "kvmesh.cli", "up",
                          "--nats-port", str(nats_port), "--port", str(controller_port), "--host", "127.0.0.1",
-                         "--disk-dir", str(disk_dir), "--disk-size", str(disk_gb), "--no-remote",
+                         "--disk-dir", str(disk_dir), "--disk-size", str(disk_gb), *remote,
                          "--log-dir", str(work / "logs" / name)], work / "logs" / f"{name}.log")
     mesh = Mesh(child, nats_port, f"http://127.0.0.1:{controller_port}", disk_dir)
     try:

@@ -18,7 +18,7 @@ import string
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 import msgpack
 
@@ -297,30 +297,54 @@ def decode(payload: bytes, expected: type[M]) -> M:
 
 def _fields_of(msg: Any) -> dict[str, Any]:
     """A dataclass as a plain dict; nested dataclasses (e.g. ChunkMeta) become dicts too."""
-    return {
-        f.name: _fields_of(value) if dataclasses.is_dataclass(value := getattr(msg, f.name)) else value
-        for f in dataclasses.fields(msg)
-    }
+    body: dict[str, Any] = {}
+    for spec in _plan(type(msg)):
+        value = getattr(msg, spec.name)
+        body[spec.name] = _fields_of(value) if spec.nested is not None and value is not None else value
+    return body
 
 
 def _from_fields(cls: type[M], body: dict[str, Any]) -> M:
-    hints = _hints(cls)
     kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.name in body:
-            value, hint = body[f.name], hints[f.name]
-            nested = _nested_dataclass(hint)
-            if nested is not None and isinstance(value, dict):
-                value = _from_fields(nested, value)
-            elif not _conforms(value, hint):
-                raise ProtocolError(f"{cls.__name__}.{f.name}: bad value of type {type(value).__name__}")
-            kwargs[f.name] = value
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ProtocolError(f"{cls.__name__}: missing field {f.name!r}")
+    for spec in _plan(cls):
+        if spec.name in body:
+            value = body[spec.name]
+            if spec.nested is not None and isinstance(value, dict):
+                value = _from_fields(spec.nested, value)
+            elif not spec.conforms(value):
+                raise ProtocolError(f"{cls.__name__}.{spec.name}: bad value of type {type(value).__name__}")
+            kwargs[spec.name] = value
+        elif spec.required:
+            raise ProtocolError(f"{cls.__name__}: missing field {spec.name!r}")
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:  # a message's own checks (__post_init__)
         raise ProtocolError(f"{cls.__name__}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class _FieldPlan:
+    """How one field of a message class is encoded and checked, worked out once per class (the hot path of
+    every message, e.g. a stream get's reply, only runs these)."""
+
+    name: str
+    required: bool
+    nested: type | None  # the dataclass inside the annotation (`X` or `X | None`), if any
+    conforms: Callable[[Any], bool]  # the annotation's type check for a decoded msgpack value
+
+
+_PLANS: dict[type, tuple[_FieldPlan, ...]] = {}
+
+
+def _plan(cls: type) -> tuple[_FieldPlan, ...]:
+    plan = _PLANS.get(cls)
+    if plan is None:
+        hints = typing.get_type_hints(cls)
+        plan = tuple(_FieldPlan(f.name, f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+                                _nested_dataclass(hints[f.name]), _checker(hints[f.name]))
+                     for f in dataclasses.fields(cls))
+        _PLANS[cls] = plan
+    return plan
 
 
 def _nested_dataclass(hint: Any) -> type | None:
@@ -332,37 +356,31 @@ def _nested_dataclass(hint: Any) -> type | None:
     return None
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINTS:
-        _HINTS[cls] = typing.get_type_hints(cls)
-    return _HINTS[cls]
-
-
-def _conforms(value: Any, hint: Any) -> bool:
+def _checker(hint: Any) -> Callable[[Any], bool]:
     """A shallow-but-useful type check of a decoded msgpack value against a field annotation."""
     origin = typing.get_origin(hint)
     if hint is Any:
-        return True
+        return lambda value: True
     if origin in (typing.Union, types.UnionType):
-        return any(_conforms(value, arg) for arg in typing.get_args(hint))
+        options = tuple(_checker(arg) for arg in typing.get_args(hint))
+        return lambda value: any(check(value) for check in options)
     if hint is type(None):
-        return value is None
+        return lambda value: value is None
     if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return lambda value: isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return lambda value: isinstance(value, int) and not isinstance(value, bool)
     if origin is list:
-        (item,) = typing.get_args(hint) or (Any,)
-        return isinstance(value, list) and all(_conforms(v, item) for v in value)
+        (item_hint,) = typing.get_args(hint) or (Any,)
+        item = _checker(item_hint)
+        return lambda value: isinstance(value, list) and all(item(v) for v in value)
     if origin is dict:
-        key_t, val_t = typing.get_args(hint) or (Any, Any)
-        return isinstance(value, dict) and all(_conforms(k, key_t) and _conforms(v, val_t) for k, v in value.items())
+        key_hint, value_hint = typing.get_args(hint) or (Any, Any)
+        key, val = _checker(key_hint), _checker(value_hint)
+        return lambda value: isinstance(value, dict) and all(key(k) and val(v) for k, v in value.items())
     if isinstance(hint, type):
-        return isinstance(value, hint)
-    return True
+        return lambda value: isinstance(value, hint)
+    return lambda value: True
 
 
 # ---------------------------------------------------------------------------------------------------------
