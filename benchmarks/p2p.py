@@ -14,15 +14,15 @@ loading engine names the holder, as a lookup answer would):
     holds (the write-behind computes it only for the stores).
   * the loading engine, this process: a CacheEngine with enable_p2p whose peer tier reads every chunk with
     `get_from` into slots of its own pool, on its NATS loop, the way a fetch does (`StorageManager._get_many`):
-    batches of `fetch_concurrency` (4) gathered, over the peer tier's kept stream connections
+    a sliding window of `fetch_concurrency` (4) reads in flight, over the peer tier's kept stream connections
     (`p2p_stream_connections`, 4). Also one chunk at a time.
 
 Ceiling ("raw"): the serving engine also runs a bare TCP server on its NATS loop that sends chunk i straight from
 the same pool slot on a 12-byte request (no ticket, no header message, no meta, no checksum on either end); the
 loading engine's NATS loop reads it with `recv_exactly` into the same destination slots, with the same
-concurrency (1 connection, or 4 connections in batches of 4). So raw and P2P move the same bytes between the same
-memory on the same two event loops; what differs is the P2P protocol: NATS-negotiated tickets (once per
-connection), msgpack headers, the xxh3 checksum on both ends, the stream pool.
+concurrency (1 connection, or 4 connections with a window of 4 reads). So raw and P2P move the same bytes
+between the same memory on the same two event loops; what differs is the P2P protocol: NATS-negotiated tickets
+(once per connection), msgpack headers, the xxh3 checksum on both ends, the stream pool.
 
 Rounds alternate raw and P2P (raw-1, P2P-1, raw-4, P2P-4) after one untimed warm-up round (connections,
 page faults); figures are medians over `--rounds`. Before every pass the destination slots are zeroed, and after
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import logging
 import os
@@ -45,7 +46,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable, TypeVar
 
 import numpy as np
 import torch
@@ -69,6 +70,7 @@ SEED = 7
 RAW_REQUEST = struct.Struct("<IQ")  # chunk index, bytes
 FETCH_CONCURRENCY = EngineConfig().fetch_concurrency
 GOAL = 0.7
+T = TypeVar("T")
 
 log = logging.getLogger("bench.p2p")
 
@@ -225,6 +227,7 @@ class Loader:
         self.raw_port = raw_port
         self.chunk_bytes = chunk_bytes
         self.raw: list[socket.socket] = []
+        self.free_raw: list[socket.socket] = []
 
     async def connect_raw(self, count: int) -> None:
         loop = asyncio.get_running_loop()
@@ -239,25 +242,40 @@ class Loader:
             sock.close()
         self.raw = []
 
-    async def _raw_get(self, sock: socket.socket, index: int) -> None:
-        await asyncio.get_running_loop().sock_sendall(sock, RAW_REQUEST.pack(index, self.chunk_bytes))
-        await recv_exactly(sock, self.buffers[index].view[:self.chunk_bytes])
+    async def _raw_get(self, index: int) -> None:
+        sock = self.free_raw.pop()  # one request at a time per connection, like a stream pool's
+        try:
+            await asyncio.get_running_loop().sock_sendall(sock, RAW_REQUEST.pack(index, self.chunk_bytes))
+            await recv_exactly(sock, self.buffers[index].view[:self.chunk_bytes])
+        finally:
+            self.free_raw.append(sock)
 
     async def raw_pass(self, concurrency: int) -> float:
+        self.free_raw = self.raw[:concurrency]
         start = time.perf_counter()
-        for first in range(0, len(self.keys), concurrency):
-            batch = range(first, min(first + concurrency, len(self.keys)))
-            await asyncio.gather(*(self._raw_get(self.raw[j], i) for j, i in enumerate(batch)))
+        await windowed(len(self.keys), concurrency, self._raw_get)
         return time.perf_counter() - start
 
     async def p2p_pass(self, concurrency: int) -> tuple[float, list[ChunkMeta | None]]:
-        metas: list[ChunkMeta | None] = []
         start = time.perf_counter()
-        for first in range(0, len(self.keys), concurrency):
-            batch = range(first, min(first + concurrency, len(self.keys)))
-            metas += await asyncio.gather(*(self.peers.get_from(self.holder, self.keys[i], self.buffers[i])
-                                            for i in batch))
+        metas = await windowed(len(self.keys), concurrency,
+                               lambda i: self.peers.get_from(self.holder, self.keys[i], self.buffers[i]))
         return time.perf_counter() - start, metas
+
+
+async def windowed(count: int, concurrency: int, read: Callable[[int], Awaitable[T]]) -> list[T]:
+    """`read(i)` for every i < count, `concurrency` in flight, the next one started as soon as the oldest ends:
+    the sliding window of `StorageManager._get_many`."""
+    loop = asyncio.get_running_loop()
+    window: collections.deque[asyncio.Task[T]] = collections.deque()
+    results: list[T] = []
+    for index in range(count):
+        if len(window) == concurrency:
+            results.append(await window.popleft())
+        window.append(loop.create_task(read(index)))
+    while window:
+        results.append(await window.popleft())
+    return results
 
 
 def read_line(process: subprocess.Popen[bytes], timeout: float, what: str) -> dict[str, Any]:

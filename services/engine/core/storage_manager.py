@@ -380,46 +380,57 @@ class StorageManager:
 
     async def _get_many(self, client: StoreTier, spans: Sequence[ChunkSpan], check: CheckMeta,
                         owner: object) -> list[ChunkRef]:
-        """Read `spans` from one store into fresh slots, a few at a time; the successful prefix."""
+        """Read `spans` from one store into fresh slots, `fetch_concurrency` reads in flight; the successful prefix.
+
+        A sliding window: the next read starts as soon as the oldest one ends, not when a whole batch has (a batch
+        waits for its slowest read, and the pipe to the store runs dry at every batch's end).
+        """
         got: list[ChunkRef] = []
-        step = self.config.fetch_concurrency
-        for start in range(0, len(spans), step):
-            batch = spans[start:start + step]
-            slots: list[Slot] = []
-            for _ in batch:
-                slot = self.cpu.allocate()
-                if slot is None:
+        window: collections.deque[tuple[ChunkSpan, Slot, asyncio.Task[ChunkMeta | None]]] = collections.deque()
+        loop = asyncio.get_running_loop()
+        started = 0
+        ended = False  # a miss, a failure or a full pool: no read starts after it, and the reads in flight are dropped
+        try:
+            while True:
+                while not ended and started < len(spans) and len(window) < self.config.fetch_concurrency:
+                    slot = self.cpu.allocate()
+                    if slot is None:
+                        ended = True
+                        self.stats["fetch_no_memory"] += 1
+                        self._rlog.warning("fetch_pool_full", "CPU pool full (every chunk pinned or in use): a "
+                                           "retrieve from %s returned a shorter hit", client.location)
+                        break
+                    span = spans[started]
+                    started += 1
+                    self._claim(owner, [span.key])
+                    window.append((span, slot, loop.create_task(self._get_one(client, span, slot, check))))
+                if not window:
                     break
-                slots.append(slot)
-            if len(slots) < len(batch):
-                self.stats["fetch_no_memory"] += 1
-                self._rlog.warning("fetch_pool_full", "CPU pool full (every chunk pinned or in use): a retrieve "
-                                   "from %s returned a shorter hit", client.location)
-            keys = [span.key for span in batch]
-            self._claim(owner, keys[:len(slots)])
-            try:
-                results = await asyncio.gather(*(self._get_one(client, span, slot, check)
-                                                 for span, slot in zip(batch, slots)), return_exceptions=True)
-                failed = False
-                for slot, result in zip(slots, results):
-                    if failed or not isinstance(result, ChunkMeta):
-                        failed = True
-                        if isinstance(result, BaseException) and not isinstance(result, Exception):
-                            raise result  # cancelled: the slots stay held (never reused), we are stopping
-                        # A miss, or a client's exception: nothing writes into the slot after either. A store that
-                        # may (the disk store, through the lent pool) raised StoreMayWrite, and _get_one holds
-                        # the slot for that. The remote store's stream reads with loop.sock_recv_into on this loop
-                        # (a read that is cancelled or timed out cannot land later: the kernel copies only inside
-                        # that loop callback), and the Redis tier awaits its decode thread to the end.
-                        slot.release()
-                        continue
+                span, slot, task = window[0]
+                await asyncio.wait((task,))  # never raises the read's error, and a cancel here leaves it running
+                window.popleft()
+                if task.cancelled():  # only a stop cancels a read: its slot stays held, like those below
+                    raise asyncio.CancelledError
+                result = None if task.exception() is not None else task.result()
+                if ended or result is None:
+                    # A miss, or a client's exception: nothing writes into the slot after either. A store that
+                    # may (the disk store, through the lent pool) raised StoreMayWrite, and _get_one holds the
+                    # slot for that. The remote store's stream reads with loop.sock_recv_into on this loop (a
+                    # read that is cancelled or timed out cannot land later: the kernel copies only inside that
+                    # loop callback), and the Redis tier awaits its decode thread to the end.
+                    ended = True
+                    slot.release()
+                else:
                     got.append(ChunkRef(result, slot))
                     if self.cpu.keep:
                         self.cpu.put(result, slot.ref())
-            finally:
-                self._settle(owner, keys)
-            if failed or len(slots) < len(batch):
-                break
+                self._settle(owner, [span.key])
+        except BaseException:  # cancelled: the reads in flight are cancelled and their slots stay held (never
+            for _, _, task in window:  # reused): we are stopping
+                task.cancel()
+            raise
+        finally:
+            self._settle(owner, [span.key for span, _, _ in window])
         self.stats[f"fetched_{client.location}"] += len(got)
         self.stats[f"read_bytes_{client.location}"] += sum(ref.meta.nbytes for ref in got)
         return got
