@@ -7,9 +7,11 @@ the engine's NATS loop, write-behind queue and fetch hand-over run for real.
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Callable, Iterator
 
 import pytest
+import torch
 
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.shared.embedded_nats import EmbeddedNats
@@ -34,6 +36,8 @@ class FakeStore:
         self.chunks: dict[ChunkKey, tuple[ChunkMeta, bytes]] = {}
         self.put_gate: asyncio.Event | None = None
         self.get_gate: asyncio.Event | None = None
+        self.key_gates: dict[ChunkKey, asyncio.Event] = {}  # gets of these keys wait for their event
+        self.gets_begun: list[ChunkKey] = []
         self.puts = 0
 
     async def put(self, meta: ChunkMeta, buffer: ChunkBuffer) -> bool:
@@ -44,8 +48,11 @@ class FakeStore:
         return True
 
     async def get_into(self, key: ChunkKey, buffer: ChunkBuffer) -> ChunkMeta | None:
+        self.gets_begun.append(key)
         if self.get_gate is not None:
             await self.get_gate.wait()
+        if key in self.key_gates:
+            await self.key_gates[key].wait()
         if key not in self.chunks:
             return None
         meta, data = self.chunks[key]
@@ -150,6 +157,61 @@ def test_a_slow_store_gives_a_shorter_hit_after_the_blocking_timeout(nats_url: s
         wait_until(lambda: engine.lookup(tokens, search_range=["LocalCPUBackend"]) == 128
                    and engine.pool.num_free == engine.pool.num_slots - 4, what="the abandoned fetch parked, no leak")
         assert bool(engine.retrieve(tokens, **kv.kv(kv.slots(128, exclude=src))).all())
+    finally:
+        engine.close()
+
+
+def _only_in_the_store(engine: CacheEngine, fake: FakeStore, kv: PagedKV, chunks: int, seed: int
+                        ) -> tuple[list[int], list[ChunkKey], torch.Tensor]:
+    """`chunks` chunks of fresh tokens stored, then dropped from the CPU tier: (tokens, keys, their slots)."""
+    tokens = random_tokens(chunks * CHUNK, seed=seed)
+    src = kv.slots(len(tokens))
+    engine.store(tokens, **kv.kv(src))
+    assert engine.wait_write_behind(WAIT_S) and fake.puts == chunks
+    keys = engine.hasher.keys(tokens)
+    for key in keys:
+        engine.cpu.remove(key)
+    return tokens, keys, src
+
+
+def test_a_slow_read_does_not_hold_back_the_reads_behind_it(nats_url: str) -> None:
+    """A fetch keeps fetch_concurrency reads in flight, starting the next as soon as the oldest ends: a slow read
+    holds only its own place in the prefix (batches would each wait for their slowest read)."""
+    kv = PagedKV(num_blocks=256)
+    engine, fake = engine_with_fake(nats_url, kv, cpu_chunks=16, fetch_concurrency=2, blocking_timeout_secs=WAIT_S)
+    try:
+        tokens, keys, src = _only_in_the_store(engine, fake, kv, 6, seed=6)
+        gate: list[asyncio.Event] = []
+        on_loop(engine, lambda: gate.append(fake.key_gates.setdefault(keys[1], asyncio.Event())))
+        fake.gets_begun.clear()
+        retrieved: list[torch.Tensor] = []
+        reader = threading.Thread(target=lambda: retrieved.append(
+            engine.retrieve(tokens, **kv.kv(kv.slots(len(tokens), exclude=src)))))
+        reader.start()
+        # chunk 0 landed, so chunk 2 started beside the held chunk 1; the window (2) is full: nothing more
+        wait_until(lambda: fake.gets_begun[:3] == keys[:3], what="the read after the slow one to start")
+        assert keys[3] not in fake.gets_begun
+        on_loop(engine, gate[0].set)
+        reader.join(WAIT_S)
+        assert retrieved and bool(retrieved[0].all())
+        assert fake.gets_begun == keys
+    finally:
+        engine.close()
+
+
+def test_a_miss_ends_the_fetch_and_frees_the_slots_of_the_reads_after_it(nats_url: str) -> None:
+    """The hit is the prefix before the first miss; the reads in flight behind it end, their slots freed."""
+    kv = PagedKV(num_blocks=256)
+    engine, fake = engine_with_fake(nats_url, kv, cpu_chunks=16, fetch_concurrency=3)
+    try:
+        tokens, keys, src = _only_in_the_store(engine, fake, kv, 6, seed=7)
+        del fake.chunks[keys[2]]
+        got = engine.retrieve(tokens, **kv.kv(kv.slots(len(tokens), exclude=src)))
+        assert int(got.sum()) == 2 * CHUNK  # the prefix before the miss
+        assert keys[5] not in fake.gets_begun  # the window was full up to the miss; nothing started after it
+        # chunks 0 and 1 stay in the CPU tier; the slots of the reads in flight behind the miss are free again
+        wait_until(lambda: engine.pool.num_free == engine.pool.num_slots - 2, what="the slots after the miss freed")
+        assert engine.lookup(tokens, search_range=["LocalCPUBackend"]) == 2 * CHUNK
     finally:
         engine.close()
 
