@@ -166,8 +166,9 @@ def _only_in_the_store(engine: CacheEngine, fake: FakeStore, kv: PagedKV, chunks
     """`chunks` chunks of fresh tokens stored, then dropped from the CPU tier: (tokens, keys, their slots)."""
     tokens = random_tokens(chunks * CHUNK, seed=seed)
     src = kv.slots(len(tokens))
-    engine.store(tokens, **kv.kv(src))
-    assert engine.wait_write_behind(WAIT_S) and fake.puts == chunks
+    for end in range(1, chunks + 1):  # a chunk at a time: a pool smaller than the prompt takes them all so
+        engine.store(tokens[:end * CHUNK], **kv.kv(src[:end * CHUNK]))
+        assert engine.wait_write_behind(WAIT_S) and fake.puts == end
     keys = engine.hasher.keys(tokens)
     for key in keys:
         engine.cpu.remove(key)
@@ -212,6 +213,19 @@ def test_a_miss_ends_the_fetch_and_frees_the_slots_of_the_reads_after_it(nats_ur
         # chunks 0 and 1 stay in the CPU tier; the slots of the reads in flight behind the miss are free again
         wait_until(lambda: engine.pool.num_free == engine.pool.num_slots - 2, what="the slots after the miss freed")
         assert engine.lookup(tokens, search_range=["LocalCPUBackend"]) == 2 * CHUNK
+    finally:
+        engine.close()
+
+
+def test_a_fetch_that_fills_the_pool_keeps_the_reads_already_in_flight(nats_url: str) -> None:
+    """Past the pool's last free slot no read starts, but those in flight land: the hit is every slot's chunk."""
+    kv = PagedKV(num_blocks=256)
+    engine, fake = engine_with_fake(nats_url, kv, cpu_chunks=4, fetch_concurrency=3)
+    try:
+        tokens, keys, src = _only_in_the_store(engine, fake, kv, 6, seed=8)
+        got = engine.retrieve(tokens, **kv.kv(kv.slots(len(tokens), exclude=src)))
+        assert int(got.sum()) == 4 * CHUNK  # the retrieve holds every fetched chunk until it is scattered
+        assert engine.storage.stats["fetch_no_memory"] == 1 and fake.gets_begun == keys[:4]
     finally:
         engine.close()
 

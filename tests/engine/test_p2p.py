@@ -196,10 +196,12 @@ async def test_move_between_instances_streams_the_chunks_and_lookup_then_names_t
                                    what="only B listed after the move")
             chunks = -(-TOKENS // CHUNK)
             assert a.storage.stats["p2p_served_chunks"] == chunks and len(a.cpu) == 0
+            assert b.storage.stats[f"fetched_{PEER}"] == chunks  # the move's reads count as P2P reads
             blocks = list(range(10, 10 + -(-TOKENS // kv_b.block_size)))
             assert await asyncio.to_thread(loaded, b, kv_b, tokens, blocks) == TOKENS
             assert ContextForward(kv_b, SCRATCH).holds(tokens, blocks, TOKENS)
             assert a.storage.stats["p2p_served_chunks"] == chunks  # loaded from B's own CPU tier
+            assert b.storage.stats[f"fetched_{PEER}"] == chunks
 
             workers = (await client.post("/query_worker_info", json={"instance_id": "peer-b"})).json()
             assert workers["worker_infos"][0]["peer_init_url"] == b.peer_server.endpoint

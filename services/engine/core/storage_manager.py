@@ -389,13 +389,15 @@ class StorageManager:
         window: collections.deque[tuple[ChunkSpan, Slot, asyncio.Task[ChunkMeta | None]]] = collections.deque()
         loop = asyncio.get_running_loop()
         started = 0
-        ended = False  # a miss, a failure or a full pool: no read starts after it, and the reads in flight are dropped
+        pool_full = False  # no read starts after it; those in flight still count
+        failed = False  # a miss or a failure: the prefix ends there, the reads in flight behind it are dropped
         try:
             while True:
-                while not ended and started < len(spans) and len(window) < self.config.fetch_concurrency:
+                while (not (failed or pool_full) and started < len(spans)
+                       and len(window) < self.config.fetch_concurrency):
                     slot = self.cpu.allocate()
                     if slot is None:
-                        ended = True
+                        pool_full = True
                         self.stats["fetch_no_memory"] += 1
                         self._rlog.warning("fetch_pool_full", "CPU pool full (every chunk pinned or in use): a "
                                            "retrieve from %s returned a shorter hit", client.location)
@@ -412,13 +414,13 @@ class StorageManager:
                 if task.cancelled():  # only a stop cancels a read: its slot stays held, like those below
                     raise asyncio.CancelledError
                 result = None if task.exception() is not None else task.result()
-                if ended or result is None:
+                if failed or result is None:
                     # A miss, or a client's exception: nothing writes into the slot after either. A store that
                     # may (the disk store, through the lent pool) raised StoreMayWrite, and _get_one holds the
                     # slot for that. The remote store's stream reads with loop.sock_recv_into on this loop (a
                     # read that is cancelled or timed out cannot land later: the kernel copies only inside that
                     # loop callback), and the Redis tier awaits its decode thread to the end.
-                    ended = True
+                    failed = True
                     slot.release()
                 else:
                     got.append(ChunkRef(result, slot))
@@ -431,9 +433,13 @@ class StorageManager:
             raise
         finally:
             self._settle(owner, [span.key for span, _, _ in window])
-        self.stats[f"fetched_{client.location}"] += len(got)
-        self.stats[f"read_bytes_{client.location}"] += sum(ref.meta.nbytes for ref in got)
+        self._count_reads(client.location, got)
         return got
+
+    def _count_reads(self, location: str, refs: Sequence[ChunkRef]) -> None:
+        """Chunks read from a lower tier (the metrics' per-tier read counts and bytes)."""
+        self.stats[f"fetched_{location}"] += len(refs)
+        self.stats[f"read_bytes_{location}"] += sum(ref.meta.nbytes for ref in refs)
 
     async def _get_one(self, client: StoreTier, span: ChunkSpan, slot: Slot, check: CheckMeta) -> ChunkMeta | None:
         """`span`'s chunk into `slot`; None on a miss. The caller releases its slot reference on None as always:
@@ -587,7 +593,9 @@ class StorageManager:
         if meta is None:
             slot.release()
             return None
-        return ChunkRef(meta, slot)
+        ref = ChunkRef(meta, slot)
+        self._count_reads(location, [ref])
+        return ref
 
     async def _write_to(self, location: str, ref: ChunkRef) -> bool:
         """Hand `ref` (and its slot reference) to `location`: True once it holds the chunk."""
