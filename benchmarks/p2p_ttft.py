@@ -68,10 +68,11 @@ class Sample:
     request_id: str
 
 
-def timed(server: Server, prompt: list[int], max_tokens: int) -> Sample:
-    """One greedy streaming completion: TTFT, its text and its request id (the response's)."""
+def timed(server: Server, prompt: list[int], max_tokens: int, extra: dict[str, Any] | None = None) -> Sample:
+    """One greedy streaming completion (`extra`: more fields of its body): TTFT, its text and its request id (the
+    response's)."""
     body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, **(extra or {})}
     started = time.perf_counter()
     first: float | None = None
     request_id = ""
@@ -124,10 +125,11 @@ def start_mesh(work: Path) -> tuple[Child, int, str]:
     return child, nats_port, controller
 
 
-def engine_yaml(path: Path, instance: str, nats_port: int, cpu_gb: float) -> Path:
+def engine_yaml(path: Path, instance: str, nats_port: int, cpu_gb: float, pd: bool = False) -> Path:
+    """A KVMesh config with P2P on (`pd`: with prefill/decode, enable_pd, too)."""
     path.write_text(f"chunk_size: {CHUNK}\nlocal_cpu: true\nmax_local_cpu_size: {cpu_gb}\n"
                     f'lmcache_instance_id: "{instance}"\ncontroller_url: "localhost:{nats_port}"\n'
-                    "enable_p2p: true\n")
+                    f"enable_p2p: true\n{'enable_pd: true' if pd else ''}\n")
     return path
 
 
