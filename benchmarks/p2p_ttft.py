@@ -45,7 +45,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 
@@ -147,6 +147,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds before each timed request, so that the other vLLM's OpenMP threads, which "
                              "spin on the shared core for a while after it computed, are asleep (default 1.5)")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
+    return run_and_print(parser, run, argv)
+
+
+def run_and_print(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], dict[str, Any]],
+                  argv: list[str] | None) -> int:
+    """Parse and check `argv` (--lengths, --repeats, --out), `run` with its progress on stderr, then its JSON
+    on stdout and in --out."""
     args = parser.parse_args(argv)
     if args.repeats < 1 or min(args.lengths) <= CHUNK:
         parser.error(f"--repeats must be at least 1 and every length above {CHUNK} tokens (one chunk)")
@@ -160,18 +167,35 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    import httpx
+@dataclass
+class Bench:
+    """What a run with two vLLMs starts from (this file's and benchmarks/pd_push_pull.py's)."""
 
+    model: Path
+    max_len: int  # the longest prompt + 64
+    work: Path  # logs and configs
+    env: dict[str, str]  # the vLLMs' environment, without the caller's LMCACHE_* / KVMESH_*
+    prompts: Prompts
+    started: float  # time.time()
+
+
+def prepare(args: argparse.Namespace, prefix: str) -> Bench:
+    """The bench demo model (built if missing, or --model), a work directory, and this process off core 0."""
     model = args.model or ensure_model(Path.home() / ".cache" / "kvmesh-tests" / "models" / "bench", "bench")
-    max_len = max(args.lengths) + 64
-    work = Path(tempfile.mkdtemp(prefix="kvmesh-p2p-ttft-"))
     pin_to(os.sched_getaffinity(0) - {0} or {0})
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_", "KVMESH_"))}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    prompts = Prompts(model)
-    started = time.time()
+    return Bench(model, max(args.lengths) + 64, Path(tempfile.mkdtemp(prefix=prefix)), env, Prompts(model),
+                 time.time())
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+
+    bench = prepare(args, "kvmesh-p2p-ttft-")
+    model, max_len, work, env, prompts, started = (bench.model, bench.max_len, bench.work, bench.env, bench.prompts,
+                                                   bench.started)
     mesh, nats_port, controller = start_mesh(work)
     servers: dict[str, Server] = {}
     try:

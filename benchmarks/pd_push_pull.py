@@ -34,23 +34,19 @@ the JSON).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-
-from vllm_peers import KVMESH, Server, cpu_name, free_port, pin_to  # noqa: E402
-from make_demo_model import ensure_model  # noqa: E402  (scripts/, on the path via vllm_peers)
-from ttft import Prompts, model_description, warm_up  # noqa: E402
-from p2p_ttft import (CHUNK, READ_CHUNKS, WAIT_S, counter, engine_yaml, loaded_tokens, start_mesh,  # noqa: E402
-                      timed)
+from vllm_peers import KVMESH, Server, cpu_name, free_port  # noqa: E402
+from ttft import model_description, warm_up  # noqa: E402
+from p2p_ttft import (CHUNK, READ_CHUNKS, WAIT_S, counter, engine_yaml, loaded_tokens, prepare,  # noqa: E402
+                      run_and_print, start_mesh, timed)
 
 PRODUCER_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}  # what kvmesh pd-proxy sends
 
@@ -67,31 +63,15 @@ parser.add_argument("--out", type=Path, help="also write the JSON here")
 
 def main(argv: list[str] | None = None) -> int:
     """Progress goes to stderr; stdout gets the JSON only."""
-    args = parser.parse_args(argv)
-    if args.repeats < 1 or min(args.lengths) <= CHUNK:
-        parser.error(f"--repeats must be at least 1 and every length above {CHUNK} tokens (one chunk)")
-    with contextlib.redirect_stdout(sys.stderr):
-        summary = run(args)
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    return 0
+    return run_and_print(parser, run, argv)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
-    model = args.model or ensure_model(Path.home() / ".cache" / "kvmesh-tests" / "models" / "bench", "bench")
-    max_len = max(args.lengths) + 64
-    work = Path(tempfile.mkdtemp(prefix="kvmesh-pd-push-pull-"))
-    pin_to(os.sched_getaffinity(0) - {0} or {0})
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_", "KVMESH_"))}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    prompts = Prompts(model)
-    started = time.time()
+    bench = prepare(args, "kvmesh-pd-push-pull-")
+    model, max_len, work, env, prompts, started = (bench.model, bench.max_len, bench.work, bench.env, bench.prompts,
+                                                   bench.started)
     mesh, nats_port, controller = start_mesh(work)
     servers: dict[str, Server] = {}
     try:
