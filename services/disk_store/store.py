@@ -34,6 +34,7 @@ that a message names.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -83,7 +84,7 @@ class DiskStore:
              "corrupt_dropped", "checksum_failures", "evicted", "puts_pool", "puts_inline", "gets_pool",
              "gets_inline", "gets_late", "gets_cancelled", "get_cancels", "get_cancels_refused"), 0)
         self.last_write_error: str | None = None
-        self.scan_report: chunk_file.ScanReport | None = None
+        self.scan_report: chunk_file.ScanReport | None = None  # the start-up scan's counts (not its chunk list)
         self._lock_fd: int | None = None
         self._writer: ChunkWriter | None = None
         self._io: ThreadPoolExecutor | None = None
@@ -110,7 +111,7 @@ class DiskStore:
         for key, _ in self.index.trim_to_capacity():  # the cap shrank since the last run (never drops a pin;
             chunk_file.unlink_chunk(self.root, key)  # claims of trimmed chunks are skipped at the next start)
             self.counters["evicted"] += 1
-        self.scan_report = report
+        self.scan_report = dataclasses.replace(report, chunks=[])  # the list, ~0.9 KB a chunk, is in the index now
         self._writer = ChunkWriter(self.root, self.options.writer_threads, self.options.fsync, self.faults,
                                    sync_directory=self.options.durable_puts)
         self._io = ThreadPoolExecutor(max_workers=self.options.reader_threads, thread_name_prefix="disk-io")
