@@ -64,8 +64,8 @@ lower bound). LMCache's L1/L2 split is not on vLLM's /metrics (its server runs w
 
 The sweep: a peer "holds" a QPS when that level's p90 TTFT is at most --ttft-bound (default 1.0 s: about 2.5x a
 cold prefill of the longest default prompt, ~1.5k tokens in bf16 on one core of this machine, so only queueing
-pushes past it) and no request failed; `max_qps_held` is the highest QPS held with every lower level held too. Once a peer misses the
-bound, its higher levels are skipped (they can only queue more) unless --full-sweep.
+pushes past it) and no request failed; `max_qps_held` is the highest QPS held with every lower level held
+too. Once a peer misses the bound, its higher levels are skipped (they can only queue more) unless --full-sweep.
 
 Writes `multi_round_qa-<regime>.json` and `multi_round_qa-<regime>.png` (TTFT p50 and p90, and requests/s and
 generated tokens/s, against QPS, one line per peer) to --out, and prints a table. Default sizes: one regime with

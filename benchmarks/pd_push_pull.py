@@ -22,13 +22,14 @@ Figures, medians over the repeats: prefill_s (A's request), transfer_s (push: th
 prefill is the same work) and total_s = prefill_s + after_prefill_s, the time from the proxy's first request to
 the client's first token when the transfer follows the prefill (a producer pushes its chunks once its forward
 stored them). The ratio push / pull of after_prefill_s says which is faster; a push could only win where its
-transfer overlaps something else (the prefill itself, or the time before the consumer's request arrives). Each vLLM's OpenMP threads keep spinning on the shared core after a forward, which instances on their own
+transfer overlaps something else (the prefill itself, or the time before the consumer's request arrives).
+Each vLLM's OpenMP threads keep spinning on the shared core after a forward, which instances on their own
 machines never see: each step waits `--settle` seconds first, not counted in any figure.
 
 Proof, per sample: B's log has a "Retrieved N tokens" line for its request, N at least the prompt less one
 chunk; /move answered at least as many tokens; B's lmcache:num_p2p_read_chunks counter grew by at least the
-chunks the pull requests loaded plus those the moves brought. Prints the JSON; `--out` also writes it. Logs stay in a temporary directory (named in
-the JSON).
+chunks the pull requests loaded plus those the moves brought. Prints the JSON; `--out` also writes it. Logs
+stay in a temporary directory (named in the JSON).
 """
 
 from __future__ import annotations
