@@ -51,8 +51,9 @@ prompt + answer), same prompts and arrival times:
            ceiling for reuse: no connector's TTFT can be below it)
 
 vLLM's compute is pinned to core 0 (VLLM_CPU_OMP_THREADS_BIND=0), this client, the mesh, Redis and the LMCache
-server to the other cores, as serving.py does. Two warm-up requests with an unrelated prompt pay one-time costs
-before the first level. Per peer and level: TTFT p50/p90/p99 (sent -> first token), inter-token latency (ITL)
+server to the other cores, as serving.py does. Before the first level every peer is warmed up alike (`warm_up`):
+two requests with an unrelated prompt, then --warmup-users users of their own through all their rounds, two at a
+time (a fresh vLLM's first forwards run up to 2x slower, which fell on the first level's cold requests). Per peer and level: TTFT p50/p90/p99 (sent -> first token), inter-token latency (ITL)
 p50/p90 over every gap between two streamed tokens of every request, requests/s and generated tokens/s over the
 level's wall time (first send -> last token), failures (an HTTP error, a broken stream or fewer tokens than asked),
 and hit rates from the server's /metrics counters read before and after the level: vLLM's prefix cache
@@ -276,6 +277,7 @@ class Setup:
     max_len: int
     levels: list[tuple[float, list[list[list[int]]]]]  # (qps, prompts[round][user])
     warmup: list[int]
+    warmup_users: list[list[list[int]]]  # prompts[round][user] of users no level has (warm_up)
     answer: int
     dtype: str
     chunk: int
@@ -284,6 +286,28 @@ class Setup:
     bound: float
     full_sweep: bool
     token_bytes: int
+
+
+def warm_up(server: Server, setup: Setup) -> None:
+    """Before any timed request, every peer alike: one prompt twice, then the warm-up users through all their
+    rounds, two at a time, at once. A fresh vLLM's first forwards of each batch shape run up to 2x slower (a
+    1,057-token prefill: 0.22-0.26 s in the first seconds, 0.11-0.12 s after), which otherwise lands on the
+    first level's cold requests of whichever peer it happens to."""
+    for _ in range(2):
+        server.complete(setup.warmup, 2)
+    prompts = setup.warmup_users  # prompts[round][user]
+    for first in range(0, len(prompts[0]) if prompts else 0, 2):
+        done: list[Request] = []
+        pair = [threading.Thread(target=run_user, args=(server, [r[u] for r in prompts], setup.answer, 0.0,
+                                                         [0.0] * (len(prompts) - 1), time.perf_counter(), done, u))
+                for u in range(first, min(first + 2, len(prompts[0])))]
+        for thread in pair:
+            thread.start()
+        for thread in pair:
+            thread.join()
+        failed = [r.error for r in done if r.error]
+        if failed:
+            raise RuntimeError(f"{server.name}: a warm-up request failed: {failed[0]}")
 
 
 def start_server(setup: Setup, name: str, kv_blocks: int, extra: list[str], env: dict[str, str] | None = None
@@ -301,8 +325,7 @@ def sweep(setup: Setup, name: str, kv_blocks: int, extra: list[str], env: dict[s
     skipped: list[float] = []
     try:
         server.ready()  # inside the try: a server that never comes up is stopped too
-        for _ in range(2):
-            server.complete(setup.warmup, 2)
+        warm_up(server, setup)
         for qps, prompts in setup.levels:
             if levels and not setup.full_sweep and not held(levels[-1], setup.bound):
                 skipped.append(qps)
@@ -625,8 +648,7 @@ def soak(args: argparse.Namespace, setup: Setup, shape: Shape, prompts: list[lis
 
     try:
         server.ready()
-        for _ in range(2):
-            server.complete(setup.warmup, 2)
+        warm_up(server, setup)
         t0 = time.perf_counter()
         deadline_box.append(t0 + args.soak)
         threads = [threading.Thread(target=slot, args=(i, t0), daemon=True) for i in range(shape.users)]
@@ -731,7 +753,8 @@ def parse_qps(text: str) -> list[float]:
     return values
 
 
-QUICK = {"users": 6, "rounds": 3, "system": 128, "context": 512, "question": 32, "answer": 8, "qps": [1.0, 2.0]}
+QUICK = {"users": 6, "rounds": 3, "system": 128, "context": 512, "question": 32, "answer": 8, "qps": [1.0, 2.0],
+         "warmup_users": 2}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -748,6 +771,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the request rates of the sweep, comma-separated (default 1,2,4,8)")
     parser.add_argument("--arrivals", choices=["poisson", "uniform"], default="poisson")
     parser.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
+    parser.add_argument("--warmup-users", type=int, default=4,
+                        help="users of their own run through all their rounds, two at a time, before any timed "
+                             "request, by every peer (default 4; 0: only one prompt twice)")
     parser.add_argument("--ttft-bound", type=float, default=TTFT_BOUND_S,
                         help=f"p90 TTFT a peer must stay under to hold a QPS, s (default {TTFT_BOUND_S})")
     parser.add_argument("--full-sweep", action="store_true",
@@ -781,6 +807,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for key in ("users", "rounds", "context", "question", "answer", "kv_requests"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be >= 1")
+    if args.warmup_users < 0:
+        parser.error("--warmup-users must be >= 0")
     if args.soak is not None and (args.soak <= 0 or args.soak_qps <= 0 or args.sample_secs <= 0):
         parser.error("--soak, --soak-qps and --sample-secs must be > 0")
     if args.ttft_bound <= 0:
@@ -808,9 +836,12 @@ def main(argv: list[str] | None = None) -> int:
     soak_mode = args.soak is not None
     qps_levels = [] if soak_mode else args.qps
     if soak_mode:  # users arriving without end: as many as the soak can start, plus the ones active at its end
-        everyone = make_prompts(int(args.soak * args.soak_qps / args.rounds) + 2 * args.users + 2)
+        everyone = make_prompts(int(args.soak * args.soak_qps / args.rounds) + 2 * args.users + 2 + args.warmup_users)
     else:
-        everyone = make_prompts(args.users * len(qps_levels))
+        everyone = make_prompts(args.users * len(qps_levels) + args.warmup_users)
+    kept = len(everyone[0]) - args.warmup_users  # the last users warm every peer up, the others are timed
+    warmup_users = [r[kept:] for r in everyone] if args.warmup_users else []
+    everyone = [r[:kept] for r in everyone]
     levels = [(q, [r[i * args.users:(i + 1) * args.users] for r in everyone]) for i, q in enumerate(qps_levels)]
     first = levels[0][1] if levels else [r[:args.users] for r in everyone]
     longest = max(len(p) for r in everyone for p in r)
@@ -832,14 +863,15 @@ def main(argv: list[str] | None = None) -> int:
     pin_to((os.sched_getaffinity(0) - {0}) or {0})
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
     env.update(VLLM_CPU_OMP_THREADS_BIND="0", VLLM_CPU_KVCACHE_SPACE="1")  # the block override sizes the KV space
-    setup = Setup(model, work, env, max_len, levels, warmup, args.answer, args.dtype, args.chunk_size, args.arrivals,
-                  args.seed, args.ttft_bound, args.full_sweep, token_bytes)
+    setup = Setup(model, work, env, max_len, levels, warmup, warmup_users, args.answer, args.dtype, args.chunk_size,
+                  args.arrivals, args.seed, args.ttft_bound, args.full_sweep, token_bytes)
 
     import torch
     import vllm
 
     base: dict[str, Any] = {
         "workload": {**asdict(shape), "qps": qps_levels, "arrivals": args.arrivals, "seed": args.seed,
+                     "warmup_users": args.warmup_users,
                      "longest_prompt": longest, "requests_per_level": args.users * args.rounds,
                      "working_set_tokens": working, "working_set_mb": working_bytes / 1e6},
         "model": {"name": "kvmesh demo --bench (Llama, 6 layers, hidden 512, 8 heads, 2 KV heads x 64, bf16)",
