@@ -53,25 +53,31 @@ prompt + answer), same prompts and arrival times:
 vLLM's compute is pinned to core 0 (VLLM_CPU_OMP_THREADS_BIND=0), this client, the mesh, Redis and the LMCache
 server to the other cores, as serving.py does. Before the first level every peer is warmed up alike (`warm_up`):
 two requests with an unrelated prompt, then --warmup-users users of their own through all their rounds, two at a
-time (a fresh vLLM's first forwards run up to 2x slower, which fell on the first level's cold requests). Per peer and level: TTFT p50/p90/p99 (sent -> first token), inter-token latency (ITL)
-p50/p90 over every gap between two streamed tokens of every request, requests/s and generated tokens/s over the
-level's wall time (first send -> last token), failures (an HTTP error, a broken stream or fewer tokens than asked),
-and hit rates from the server's /metrics counters read before and after the level: vLLM's prefix cache
-(prefix_cache_hits / queries), the connector's (external_prefix_cache_hits / queries), and for KVMesh by tier as
-shares of the level's prompt tokens: disk = lmcache:num_local_disk_read_bytes, remote = num_remote_read_bytes
-(each / KV bytes per token: tokens read from that tier, which counts chunks fetched and then not used and the
-chunk files' headers, so it can exceed the tier's hits), CPU = num_retrieved_tokens less those two, at least 0 (a
-lower bound). LMCache's L1/L2 split is not on vLLM's /metrics (its server runs with metrics off): None.
+time (a fresh vLLM's first forwards run up to 2x slower, which fell on the first level's cold requests). Per peer
+and level: TTFT p50/p90/p99 (sent -> first token), inter-token latency (ITL) p50/p90 over every gap between two
+streamed tokens of every request, requests/s and generated tokens/s over the level's wall time (first send -> last
+token), failures (an HTTP error, a broken stream or fewer tokens than asked), and hit rates from the server's
+/metrics counters read before and after the level: vLLM's prefix cache (prefix_cache_hits / queries), the
+connector's (external_prefix_cache_hits / queries), and for KVMesh by tier as shares of the level's prompt tokens:
+disk = lmcache:num_local_disk_read_bytes, remote = num_remote_read_bytes (each / KV bytes per token: tokens read
+from that tier, which counts chunks fetched and then not used and the chunk files' headers, so it can exceed the
+tier's hits), CPU = num_retrieved_tokens less those two, at least 0 (a lower bound). LMCache's L1/L2 split is not
+on vLLM's /metrics (its server runs with metrics off): None.
 
 The sweep: a peer "holds" a QPS when that level's p90 TTFT is at most --ttft-bound (default 1.0 s: about 2.5x a
 cold prefill of the longest default prompt, ~1.5k tokens in bf16 on one core of this machine, so only queueing
 pushes past it) and no request failed; `max_qps_held` is the highest QPS held with every lower level held
 too. Once a peer misses the bound, its higher levels are skipped (they can only queue more) unless --full-sweep.
+Every peer of a regime is started (and warmed up) first; then the levels run in rising QPS, the peers taking
+turns within each level, the first of them moving on by one each level (`interleave`). The machine's speed
+drifts over minutes on a shared VM (vLLM alone measured 0.23 s and then 0.45 s p50 at QPS 1 in two regimes run
+one after the other, its ITL 9 ms and then 17 ms): run peer after peer, that drift fell on whichever peer ran
+late, and comparisons within a level are what the goals ask.
 
 Writes `multi_round_qa-<regime>.json` and `multi_round_qa-<regime>.png` (TTFT p50 and p90, and requests/s and
 generated tokens/s, against QPS, one line per peer) to --out, and prints a table. Default sizes: one regime with
-the four peers and the sweep takes ~20-25 minutes on a 2-core machine (4 vLLM starts of ~1 minute, 4 levels of 48
-requests). --quick: 6 users x 3 rounds of short prompts at QPS 1,2 (~5 minutes a regime, mostly vLLM starts).
+the four peers and the sweep takes ~15 minutes on a 2-core machine (4 vLLM starts of ~1 minute, up to 4 levels
+of 48 requests each). --quick: 6 users x 3 rounds of short prompts at QPS 1,2 (~5 minutes a regime, mostly vLLM starts).
 
 Soak (--soak SECONDS): KVMesh alone on a fresh mesh (controller, disk store) at a steady --soak-qps, users
 arriving without end (each user of --rounds questions replaced by a new one, --users at a time), with a CPU tier
@@ -97,6 +103,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -114,6 +121,7 @@ PEERS = ["vllm", "lmcache", "kvmesh", "floor"]
 REGIMES = ["a", "b", "c"]
 BIG_GB = 4.0  # a disk store / remote store that holds every level of the run
 TTFT_BOUND_S = 1.0
+IDLE_BETWEEN_S = 2.0  # between two levels: the last one's vLLM goes idle
 
 
 # ---- one request -----------------------------------------------------------------------------------------
@@ -317,33 +325,65 @@ def start_server(setup: Setup, name: str, kv_blocks: int, extra: list[str], env:
     return Server(name, setup.model, free_port(), setup.work / "logs", setup.max_len, args, env or setup.env)
 
 
-def sweep(setup: Setup, name: str, kv_blocks: int, extra: list[str], env: dict[str, str] | None = None
-          ) -> dict[str, Any]:
-    """Start one vLLM for a peer, warm it up, run the levels in rising QPS, stop it."""
+def measure_level(setup: Setup, name: str, server: Server, qps: float, prompts: list[list[list[int]]]
+                  ) -> dict[str, Any]:
+    """One level on one peer's running server, with its counters read around it."""
+    before = server.counters(COUNTERS)
+    requests, wall = run_level(server, prompts, setup.answer, qps, setup.arrivals, setup.seed)
+    after = server.counters(COUNTERS)
+    counted = {k: after[k] - before.get(k, 0.0) for k in sorted(after)}
+    level = {"qps": qps, **summarize(requests, wall, setup.answer), **tier_rates(counted, setup.token_bytes),
+             "counters": counted, "requests_detail": [asdict(r) for r in requests]}
+    print(f"  {name} QPS {qps:g}: TTFT p50 {fmt(level['ttft_p50_s'])} p90 {fmt(level['ttft_p90_s'])}, "
+          f"ITL p50 {fmt(level['itl_p50_s'], 1000, 1)} ms, {fmt(level['requests_per_s'], 1, 2)} req/s, "
+          f"{level['failures']} failed, wall {wall:.1f}s", flush=True)
+    return level
+
+
+@dataclass
+class Peer:
+    """One peer's running vLLM (and whatever serves its tiers) and its levels so far."""
+
+    name: str
+    server: Server
+    kv_blocks: int
+    info: dict[str, Any]  # what the report says of its tiers
+    levels: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[float] = field(default_factory=list)
+    error: str | None = None  # a level that could not be measured: none after it is run
+
+    def result(self, bound: float) -> dict[str, Any]:
+        return {"kv_blocks": self.kv_blocks, "levels": self.levels, "skipped_qps": self.skipped,
+                "max_qps_held": max_qps_held(self.levels, bound), "error": self.error, **self.info}
+
+
+def start_peer(stack: ExitStack, setup: Setup, name: str, kv_blocks: int, extra: list[str],
+               env: dict[str, str] | None = None, info: dict[str, Any] | None = None) -> Peer:
+    """A peer's vLLM started, ready and warmed up; stopped when `stack` closes."""
     server = start_server(setup, name, kv_blocks, extra, env)
-    levels: list[dict[str, Any]] = []
-    skipped: list[float] = []
-    try:
-        server.ready()  # inside the try: a server that never comes up is stopped too
-        warm_up(server, setup)
-        for qps, prompts in setup.levels:
-            if levels and not setup.full_sweep and not held(levels[-1], setup.bound):
-                skipped.append(qps)
+    stack.callback(server.stop)
+    server.ready()
+    warm_up(server, setup)
+    return Peer(name, server, kv_blocks, info or {})
+
+
+def interleave(setup: Setup, peers: list[Peer]) -> None:
+    """Every level on every peer, the peers taking turns level by level (the first one moving on by one each
+    level), so that what the shared machine does over the run's minutes falls on all of them alike. A peer that
+    missed the bound (or failed a request) skips its higher levels unless --full-sweep; one whose level could not
+    be measured at all (its server died) stops there, with the error in its result."""
+    for index, (qps, prompts) in enumerate(setup.levels):
+        for peer in peers[index % len(peers):] + peers[:index % len(peers)] if peers else []:
+            if peer.error is not None or (peer.levels and not setup.full_sweep
+                                          and not held(peer.levels[-1], setup.bound)):
+                peer.skipped.append(qps)
                 continue
-            before = server.counters(COUNTERS)
-            requests, wall = run_level(server, prompts, setup.answer, qps, setup.arrivals, setup.seed)
-            after = server.counters(COUNTERS)
-            counted = {k: after[k] - before.get(k, 0.0) for k in sorted(after)}
-            level = {"qps": qps, **summarize(requests, wall, setup.answer), **tier_rates(counted, setup.token_bytes),
-                     "counters": counted, "requests_detail": [asdict(r) for r in requests]}
-            levels.append(level)
-            print(f"  {name} QPS {qps:g}: TTFT p50 {fmt(level['ttft_p50_s'])} p90 {fmt(level['ttft_p90_s'])}, "
-                  f"ITL p50 {fmt(level['itl_p50_s'], 1000, 1)} ms, {fmt(level['requests_per_s'], 1, 2)} req/s, "
-                  f"{level['failures']} failed, wall {wall:.1f}s", flush=True)
-    finally:
-        server.stop()
-    return {"kv_blocks": kv_blocks, "levels": levels, "skipped_qps": skipped,
-            "max_qps_held": max_qps_held(levels, setup.bound)}
+            time.sleep(IDLE_BETWEEN_S)  # the last peer's vLLM stops busy-waiting (it spins 1 s after a step)
+            try:
+                peer.levels.append(measure_level(setup, peer.name, peer.server, qps, prompts))
+            except Exception as error:  # noqa: BLE001 - the other peers' levels go on
+                peer.error = f"QPS {qps:g}: {type(error).__name__}: {error}"[:2000]
+                print(f"  {peer.name} failed: {peer.error}", flush=True)
 
 
 @dataclass
@@ -392,43 +432,33 @@ def start_redis(work: Path, max_gb: float) -> tuple[subprocess.Popen[bytes], int
     raise RuntimeError("redis-server did not answer PING within 30 s")
 
 
-def run_kvmesh(setup: Setup, name: str, kv_blocks: int, sizes: Sizes, remote_store: str) -> dict[str, Any]:
-    redis: subprocess.Popen[bytes] | None = None
+def start_kvmesh(stack: ExitStack, setup: Setup, kv_blocks: int, sizes: Sizes, remote_store: str) -> Peer:
     remote_url = None
     mesh_remote = None
     if sizes.remote_gb is not None:
         if remote_store == "redis":
             redis, port = start_redis(setup.work, sizes.remote_gb)
+            stack.callback(lambda: (redis.terminate(), redis.wait(30)))
             remote_url = f"redis://127.0.0.1:{port}"
         else:
             mesh_remote, remote_url = sizes.remote_gb, "lm://localhost:65432"  # the mesh's remote-0, over its NATS
-    try:
-        mesh = start_mesh(setup.work, sizes.disk_gb, name=f"{name}-mesh", remote_gb=mesh_remote)
-        try:
-            config = mesh.engine_yaml(setup.work / f"{name}.yaml", name, sizes.cpu_gb, sizes.disk_gb, True,
-                                      setup.chunk, remote_url)
-            result = sweep(setup, name, kv_blocks, ["--kv-transfer-config", json.dumps(KVMESH)],
-                           {**setup.env, "LMCACHE_CONFIG_FILE": str(config)})
-        finally:
-            mesh.stop()
-    finally:
-        if redis is not None:
-            redis.terminate()
-            redis.wait(30)
-    return {**result, "cpu_tier_gb": sizes.cpu_gb, "disk_gb": sizes.disk_gb, "remote_gb": sizes.remote_gb,
-            "remote_url": remote_url}
+    mesh = start_mesh(setup.work, sizes.disk_gb, name="kvmesh-mesh", remote_gb=mesh_remote)
+    stack.callback(mesh.stop)
+    config = mesh.engine_yaml(setup.work / "kvmesh.yaml", "kvmesh", sizes.cpu_gb, sizes.disk_gb, True, setup.chunk,
+                              remote_url)
+    return start_peer(stack, setup, "kvmesh", kv_blocks, ["--kv-transfer-config", json.dumps(KVMESH)],
+                      {**setup.env, "LMCACHE_CONFIG_FILE": str(config)},
+                      {"cpu_tier_gb": sizes.cpu_gb, "disk_gb": sizes.disk_gb, "remote_gb": sizes.remote_gb,
+                       "remote_url": remote_url})
 
 
-def run_lmcache(setup: Setup, kv_blocks: int, env: dict[str, str], l1_gb: float, l2: dict[str, Any] | None
-                ) -> dict[str, Any]:
+def start_lmcache(stack: ExitStack, setup: Setup, kv_blocks: int, env: dict[str, str], l1_gb: float,
+                  l2: dict[str, Any] | None) -> Peer:
     extra = ["--l2-adapter", json.dumps(l2)] if l2 else []
     server, port = start_lmcache_server(setup.work, env, l1_gb, setup.chunk, extra)
-    try:
-        result = sweep(setup, "lmcache", kv_blocks, ["--kv-transfer-config", json.dumps(lmcache_connector(port))],
-                       env)
-    finally:
-        server.stop()
-    return {**result, "l1_gb": l1_gb, "l2": l2}
+    stack.callback(server.stop)
+    return start_peer(stack, setup, "lmcache", kv_blocks,
+                      ["--kv-transfer-config", json.dumps(lmcache_connector(port))], env, {"l1_gb": l1_gb, "l2": l2})
 
 
 # ---- report ----------------------------------------------------------------------------------------------
@@ -926,29 +956,35 @@ def run_regime(args: argparse.Namespace, setup: Setup, regime: str, base: dict[s
         summary["wall_s"] = round(time.time() - started, 1)
         path.write_text(json.dumps(summary, indent=2) + "\n")
 
-    for name in PEERS:
-        if name not in args.peers:
-            continue
-        print(f"== {regime}: {name}", flush=True)
+    with ExitStack() as stack:
+        running: list[Peer] = []
+        for name in PEERS:
+            if name not in args.peers:
+                continue
+            print(f"== {regime}: starting {name}", flush=True)
+            try:
+                if name == "vllm":
+                    running.append(start_peer(stack, setup, name, small, []))
+                elif name == "lmcache":
+                    lm_env, found = lmcache_env(env, args.lmcache_site)
+                    if lm_env is None:
+                        not_run[name] = found
+                        print(f"  not run: {found}", flush=True)
+                        continue
+                    summary["setup"]["lmcache"] = found
+                    running.append(start_lmcache(stack, setup, small, lm_env, sizes.cpu_gb, l2))
+                elif name == "kvmesh":
+                    running.append(start_kvmesh(stack, setup, small, sizes, args.remote_store))
+                else:
+                    running.append(start_peer(stack, setup, name, floor_blocks, []))
+            except (Exception, SystemExit) as error:  # one peer failing must not lose the others' figures
+                not_run[name] = f"failed: {error}"[:2000]
+                print(f"  {name} failed: {error}", flush=True)
         try:
-            if name == "vllm":
-                peers[name] = sweep(setup, name, small, [])
-            elif name == "lmcache":
-                lm_env, found = lmcache_env(env, args.lmcache_site)
-                if lm_env is None:
-                    not_run[name] = found
-                    print(f"  not run: {found}", flush=True)
-                    continue
-                summary["setup"]["lmcache"] = found
-                peers[name] = run_lmcache(setup, small, lm_env, sizes.cpu_gb, l2)
-            elif name == "kvmesh":
-                peers[name] = run_kvmesh(setup, name, small, sizes, args.remote_store)
-            else:
-                peers[name] = sweep(setup, name, floor_blocks, [])
-        except (Exception, SystemExit) as error:  # one peer failing must not lose the others' figures
-            not_run[name] = f"failed: {error}"[:2000]
-            print(f"  {name} failed: {error}", flush=True)
-        save()
+            interleave(setup, running)
+        finally:
+            peers.update({peer.name: peer.result(args.ttft_bound) for peer in running})
+            save()
     save()
     if plot(summary, args.out / f"multi_round_qa-{regime}.png"):
         print(f"plot: {args.out / f'multi_round_qa-{regime}.png'}")
@@ -956,7 +992,7 @@ def run_regime(args: argparse.Namespace, setup: Setup, regime: str, base: dict[s
     if not_run:
         print(json.dumps({"not_run": not_run}, indent=2))
     failures = sum(lv["failures"] for p in peers.values() for lv in p["levels"])
-    return 1 if not_run or failures else 0
+    return 1 if not_run or failures or any(p.get("error") for p in peers.values()) else 0
 
 
 if __name__ == "__main__":
