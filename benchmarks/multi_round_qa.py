@@ -432,7 +432,8 @@ def start_redis(work: Path, max_gb: float) -> tuple[subprocess.Popen[bytes], int
     raise RuntimeError("redis-server did not answer PING within 30 s")
 
 
-def start_kvmesh(stack: ExitStack, setup: Setup, kv_blocks: int, sizes: Sizes, remote_store: str) -> Peer:
+def start_kvmesh(stack: ExitStack, setup: Setup, regime: str, kv_blocks: int, sizes: Sizes, remote_store: str
+                 ) -> Peer:
     remote_url = None
     mesh_remote = None
     if sizes.remote_gb is not None:
@@ -442,9 +443,11 @@ def start_kvmesh(stack: ExitStack, setup: Setup, kv_blocks: int, sizes: Sizes, r
             remote_url = f"redis://127.0.0.1:{port}"
         else:
             mesh_remote, remote_url = sizes.remote_gb, "lm://localhost:65432"  # the mesh's remote-0, over its NATS
-    mesh = start_mesh(setup.work, sizes.disk_gb, name="kvmesh-mesh", remote_gb=mesh_remote)
+    # a mesh (and disk store directory) of the regime's own: with --regime all, the next regime's disk store
+    # must not start out holding this one's chunks (the same prompts)
+    mesh = start_mesh(setup.work, sizes.disk_gb, name=f"kvmesh-mesh-{regime}", remote_gb=mesh_remote)
     stack.callback(mesh.stop)
-    config = mesh.engine_yaml(setup.work / "kvmesh.yaml", "kvmesh", sizes.cpu_gb, sizes.disk_gb, True, setup.chunk,
+    config = mesh.engine_yaml(setup.work / f"kvmesh-{regime}.yaml", "kvmesh", sizes.cpu_gb, sizes.disk_gb, True, setup.chunk,
                               remote_url)
     return start_peer(stack, setup, "kvmesh", kv_blocks, ["--kv-transfer-config", json.dumps(KVMESH)],
                       {**setup.env, "LMCACHE_CONFIG_FILE": str(config)},
@@ -974,7 +977,7 @@ def run_regime(args: argparse.Namespace, setup: Setup, regime: str, base: dict[s
                     summary["setup"]["lmcache"] = found
                     running.append(start_lmcache(stack, setup, small, lm_env, sizes.cpu_gb, l2))
                 elif name == "kvmesh":
-                    running.append(start_kvmesh(stack, setup, small, sizes, args.remote_store))
+                    running.append(start_kvmesh(stack, setup, regime, small, sizes, args.remote_store))
                 else:
                     running.append(start_peer(stack, setup, name, floor_blocks, []))
             except (Exception, SystemExit) as error:  # one peer failing must not lose the others' figures
