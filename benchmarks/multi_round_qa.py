@@ -447,8 +447,8 @@ def start_kvmesh(stack: ExitStack, setup: Setup, regime: str, kv_blocks: int, si
     # must not start out holding this one's chunks (the same prompts)
     mesh = start_mesh(setup.work, sizes.disk_gb, name=f"kvmesh-mesh-{regime}", remote_gb=mesh_remote)
     stack.callback(mesh.stop)
-    config = mesh.engine_yaml(setup.work / f"kvmesh-{regime}.yaml", "kvmesh", sizes.cpu_gb, sizes.disk_gb, True, setup.chunk,
-                              remote_url)
+    config = mesh.engine_yaml(setup.work / f"kvmesh-{regime}.yaml", "kvmesh", sizes.cpu_gb, sizes.disk_gb, True,
+                              setup.chunk, remote_url)
     return start_peer(stack, setup, "kvmesh", kv_blocks, ["--kv-transfer-config", json.dumps(KVMESH)],
                       {**setup.env, "LMCACHE_CONFIG_FILE": str(config)},
                       {"cpu_tier_gb": sizes.cpu_gb, "disk_gb": sizes.disk_gb, "remote_gb": sizes.remote_gb,

@@ -61,3 +61,29 @@ def test_the_qps_flag_names_what_is_wrong() -> None:
         parse_qps("1,fast")
     with pytest.raises(argparse.ArgumentTypeError, match="all > 0"):
         parse_qps("0,1")
+
+
+def test_the_levels_rotate_over_the_peers_and_skip_those_that_missed_or_broke(monkeypatch: pytest.MonkeyPatch
+                                                                               ) -> None:
+    import multi_round_qa as mrqa
+
+    runs: list[tuple[float, str]] = []
+    p90 = {"slow": 5.0, "fast": 0.1, "broken": 0.1}
+
+    def measure(setup: object, name: str, server: object, qps: float, prompts: object) -> dict[str, object]:
+        runs.append((qps, name))
+        if name == "broken" and qps > 1:
+            raise ConnectionError("the server died")
+        return {"qps": qps, "failures": 0, "ttft_p90_s": p90[name]}
+
+    monkeypatch.setattr(mrqa, "measure_level", measure)
+    monkeypatch.setattr(mrqa, "IDLE_BETWEEN_S", 0.0)
+    setup = argparse.Namespace(levels=[(1.0, []), (2.0, []), (4.0, [])], full_sweep=False, bound=1.0)
+    peers = [mrqa.Peer(name, server=None, kv_blocks=1, info={}) for name in ("fast", "slow", "broken")]
+    mrqa.interleave(setup, peers)  # type: ignore[arg-type]
+    # each level starts one peer further on; "slow" missed the bound at QPS 1, "broken" failed at QPS 2
+    assert runs == [(1.0, "fast"), (1.0, "slow"), (1.0, "broken"), (2.0, "broken"), (2.0, "fast"), (4.0, "fast")]
+    fast, slow, broken = peers
+    assert [level["qps"] for level in fast.levels] == [1.0, 2.0, 4.0] and fast.result(1.0)["max_qps_held"] == 4.0
+    assert slow.skipped == [2.0, 4.0] and slow.result(1.0)["max_qps_held"] is None
+    assert broken.skipped == [4.0] and broken.error is not None and "QPS 2: ConnectionError" in broken.error
