@@ -77,7 +77,7 @@ late, and comparisons within a level are what the goals ask.
 Writes `multi_round_qa-<regime>.json` and `multi_round_qa-<regime>.png` (TTFT p50 and p90, and requests/s and
 generated tokens/s, against QPS, one line per peer) to --out, and prints a table. Default sizes: one regime with
 the four peers and the sweep takes ~15 minutes on a 2-core machine (4 vLLM starts of ~1 minute, up to 4 levels
-of 48 requests each). --quick: 6 users x 3 rounds of short prompts at QPS 1,2 (~5 minutes a regime, mostly vLLM starts).
+of 48 requests each). --quick: 6 users x 3 rounds of short prompts at QPS 1,2 (~7 minutes a regime, mostly vLLM starts).
 
 Soak (--soak SECONDS): KVMesh alone on a fresh mesh (controller, disk store) at a steady --soak-qps, users
 arriving without end (each user of --rounds questions replaced by a new one, --users at a time), with a CPU tier
