@@ -50,12 +50,16 @@ PENDING_BYTES_LIMIT = 1024 * 1024 * 1024
 # How long a service process waits at start for a NATS that is still starting (compose, `kvmesh up`).
 SERVICE_CONNECT_WAIT = 30.0
 RETRY_INTERVAL = 0.5  # between connection attempts to one server (first connect and reconnects)
+# How long a first connect keeps trying credentials every server rejected: one just given them (`kvmesh
+# credentials`, an engine's provisioning) may not have loaded them yet (nats_auth_retry_secs, --nats-auth-retry-secs).
+AUTH_RETRY_SECS = 10.0
 
 
 @dataclass(frozen=True)
 class NatsAuth:
-    """Credentials, all optional: user/password, a token, an nkey seed file or a NATS .creds file (JWT), and
-    the inbox prefix replies come to (a mesh with per-principal permissions gives each its own)."""
+    """Credentials, all optional: user/password, a token, an nkey seed file or a NATS .creds file (JWT), the
+    inbox prefix replies come to (a mesh with per-principal permissions gives each its own), and how long a first
+    connect retries them while every server rejects them (`connect`)."""
 
     user: str | None = None
     password: str | None = None
@@ -63,6 +67,7 @@ class NatsAuth:
     nkey_seed: str | None = None
     creds_file: str | None = None
     inbox_prefix: str | None = None
+    auth_retry_secs: float = AUTH_RETRY_SECS
 
     @classmethod
     def from_file(cls, path: str | Path) -> "NatsAuth":
@@ -175,10 +180,11 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None, connect_tim
                   **options: Any) -> NatsClient:
     """Connect to NATS at `url` (comma-separated for a cluster) as `name`.
 
-    The first connect raises MeshUnavailable naming the URL and the reason: as soon as every server of the list
-    has rejected the credentials (retrying cannot help; one server of a cluster that rejects them, e.g. not yet
-    reloaded with a new user, makes it try the others), and when no server answers within `first_connect_wait`
-    seconds (a NATS that is still starting is waited for). `first_connect_wait=None` waits as long as
+    The first connect raises MeshUnavailable naming the URL and the reason: once every server of the list has
+    rejected the credentials for `auth.auth_retry_secs` (nats-server loads new users in the background after a
+    reload, so a principal just added may be refused a moment; one server of a cluster that rejects them makes
+    it try the others first; the first rejection is logged once), and when no server answers within
+    `first_connect_wait` seconds (a NATS that is still starting is waited for). `first_connect_wait=None` waits as long as
     reconnecting is allowed: for ever with `allow_reconnect` (the engine connects in the background and may be
     cancelled), not at all without. After the first success the client reconnects for ever if
     `allow_reconnect`. Of several servers, a first connect tries each before it gives up (nats-py alone tries
@@ -189,20 +195,32 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None, connect_tim
     if first_connect_wait is None:
         first_connect_wait = math.inf if allow_reconnect else 0.0
     deadline = time.monotonic() + first_connect_wait
+    auth_deadline = time.monotonic() + auth.auth_retry_secs
     loop = asyncio.get_running_loop()
-    state = {"first": True, "connected": False, "waiting_logged": False}
+    state = {"first": True, "connected": False, "waiting_logged": False, "refused_logged": False, "refused": False}
     nc = MeshClient()
     verdict: asyncio.Future[Any] = loop.create_future()  # the error that makes the first connect give up
     # Servers that rejected the credentials: retrying cannot help once every server of the list did, but one of a
     # cluster may still lack a user the others have (not reloaded yet), so the others are tried first.
     rejected: set[str] = set()
 
-    def rejected_by_all(exc: BaseException) -> bool:
+    def refused_for_good(exc: BaseException) -> bool:
+        """Whether `exc` rejects the credentials, every server has, and for `auth_retry_secs` now."""
         if not _rejects_credentials(exc):
             return False
         server = getattr(nc, "_current_server", None)
         rejected.add(str(server.uri.netloc) if server is not None else "")
-        return len(rejected) >= len(servers)
+        if len(rejected) < len(servers):
+            return False
+        if time.monotonic() >= auth_deadline:
+            state["refused"] = True
+            return True
+        rejected.clear()  # each server gets another round
+        if not state["refused_logged"]:
+            state["refused_logged"] = True
+            log.warning("%s: NATS %s rejected %s (%s); retrying for up to %gs in case the server has not loaded them "
+                        "yet (nats_auth_retry_secs)", name, url, auth.describe(), exc, auth.auth_retry_secs)
+        return False
 
     async def on_error(exc: Exception) -> None:
         if isinstance(exc, SlowConsumerError):
@@ -211,7 +229,8 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None, connect_tim
             nc.count_refusal(name, exc)
         elif not state["first"]:
             log.debug("%s: NATS client error: %s", name, exc)
-        elif not verdict.done() and (rejected_by_all(exc) or time.monotonic() >= deadline):
+        elif not verdict.done() and (refused_for_good(exc) or
+                                     (not _rejects_credentials(exc) and time.monotonic() >= deadline)):
             verdict.set_result(exc)
         elif not state["waiting_logged"]:
             state["waiting_logged"] = True
@@ -257,12 +276,13 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None, connect_tim
         await _abandon(nc, attempt)
         error = verdict.result() if verdict.done() else attempt.exception()
         assert error is not None
-        if _rejects_credentials(error) and len(rejected) >= len(servers):
+        if _rejects_credentials(error) and state["refused"]:
             raise MeshUnavailable(
-                f"NATS {url} rejected {name} ({auth.describe()}): {error}; pass the server's credentials "
-                "(--nats-credentials, --nats-token, --nats-user/--nats-password, --nats-nkey-seed or --nats-creds-file, "
-                "or $KVMESH_NATS_*; docs/security.md)")
-        if time.monotonic() >= deadline and (turn is None or tried >= len(servers)):
+                f"NATS {url} rejected {name} ({auth.describe()}) for {auth.auth_retry_secs:g}s: {error}; pass the "
+                "server's credentials (--nats-credentials, --nats-token, --nats-user/--nats-password, "
+                "--nats-nkey-seed or --nats-creds-file, or $KVMESH_NATS_*; docs/security.md)")
+        if (not _rejects_credentials(error) and time.monotonic() >= deadline
+                and (turn is None or tried >= len(servers))):
             waited = f" within {first_connect_wait:g}s" if first_connect_wait > 0 else ""
             raise MeshUnavailable(f"cannot reach NATS at {url} for {name}{waited}: {_reason(error, connect_timeout)}")
         # Without reconnects nats-py gave up after one failed handshake: a fresh client tries again.

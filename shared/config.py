@@ -96,6 +96,7 @@ class EngineConfig:
     nats_nkey_seed: str | None = None  # path to an nkey seed file
     nats_credentials: str | None = None  # path to a KVMesh credentials file (shared/credentials.py)
     nats_creds_file: str | None = None  # path to a NATS .creds file (JWT + nkey)
+    nats_auth_retry_secs: float = 10.0  # a first connect retries credentials every server rejects this long
     remote_size: float = 4.0  # GB, memory cap of the remote store when the engine embeds one
     remote_prefault_size: float = 1.0  # GB of each embedded remote store faulted in at start (<= remote_size)
     remote_partitions: int = 1  # remote-store replicas that keys are partitioned over
@@ -273,6 +274,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "blocking_timeout_secs": _POSITIVE,
     "request_timeout_secs": _POSITIVE,
     "heartbeat_interval_secs": _POSITIVE,
+    "nats_auth_retry_secs": _NON_NEGATIVE,
     "remote_partitions": _AT_LEAST_ONE,
     "p2p_max_connections": _AT_LEAST_ONE,
     "p2p_stream_connections": _AT_LEAST_ONE,

@@ -22,6 +22,7 @@ Passwords are random (32 bytes); they travel in files or environment variables, 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import ipaddress
 import json
@@ -41,9 +42,9 @@ if TYPE_CHECKING:
     import argparse
 
 from kvmesh.shared.bus import NatsAuth
-from kvmesh.shared.errors import ConfigError
+from kvmesh.shared.errors import ConfigError, MeshUnavailable
 from kvmesh.shared.nats_auth import CREDENTIALS_ENV
-from kvmesh.shared.nats_permissions import authorization_block, inbox_prefix, permissions
+from kvmesh.shared.nats_permissions import authorization_block, inbox_prefix, permissions, reload_probe
 from kvmesh.shared.nats_url import DEFAULT_PORT
 from kvmesh.shared.options_cli import option
 from kvmesh.shared.protocol import OPERATOR, Principal
@@ -368,14 +369,15 @@ class MeshCredentials:
                                f"{settings}include ./{AUTHORIZATION_FILE}\n")
         return config
 
-    def admit(self, path: str, host: str, port: int, timeout: float = 10.0) -> NatsAuth:
-        """The credentials of `path`, added if missing and then loaded into the running server at host:port
-        (waiting until it accepts them)."""
-        if self.ensure(path) and self.reload_server():
-            auth = NatsAuth.from_file(self.file(path))
-            deadline = time.monotonic() + timeout
-            while not server_accepts(host, port, auth) and time.monotonic() < deadline:
-                time.sleep(0.02)  # the reload takes a moment
+    def admit(self, path: str, timeout: float = 10.0) -> NatsAuth:
+        """The credentials of `path`, added if missing and then loaded into the running server (`reload_server`;
+        one that has not confirmed the reload within `timeout` s is logged, and the credentials returned anyway:
+        the client's connect keeps retrying a rejection for `nats_auth_retry_secs`)."""
+        if self.ensure(path):
+            try:
+                self.reload_server(timeout)
+            except MeshUnavailable as exc:
+                log.warning("%s; connecting as %s anyway", exc, path)
         return NatsAuth.from_file(self.file(path))
 
     def server_pid(self) -> int | None:
@@ -391,20 +393,60 @@ class MeshCredentials:
             return None
         return pid
 
-    def reload_server(self) -> bool:
-        """Make the NATS server running with this directory's config read its users again (SIGHUP); False when
-        no such server runs."""
+    def reload_server(self, timeout: float = 10.0) -> bool:
+        """Make the NATS server running with this directory's config read its users again (SIGHUP) and wait until
+        it runs them: nats-server reloads in the background, so a signal sent is not a user added. Confirmed
+        when the server accepts the reload probe of the authorization file as it is now (its password is a
+        digest of the users: shared/nats_permissions.py), on the address the config listens on. False when no
+        such server runs; MeshUnavailable when it has not loaded them within `timeout` s."""
         pid = self.server_pid()
         if pid is None:
             return False
         os.kill(pid, signal.SIGHUP)
+        address = self._listen_address()
+        deadline = time.monotonic() + timeout
+        while address is not None:
+            # read again each time: another process may have added a principal (and signalled) since
+            probe = reload_probe((self.root / AUTHORIZATION_FILE).read_text())
+            if probe is None:  # an authorization file from before the probe: nothing to confirm it by
+                break
+            if server_accepts(*address, NatsAuth(user=probe[0], password=probe[1])):
+                break
+            if time.monotonic() >= deadline:
+                raise MeshUnavailable(f"the NATS server of {self.root} (pid {pid}) did not load its new users "
+                                      f"within {timeout:g}s of a reload")
+            time.sleep(0.02)
         return True
+
+    def _listen_address(self) -> tuple[str, int] | None:
+        """Where a client on this host reaches the server of this directory's config (its `listen` line; a
+        wildcard address through loopback); None when the config names none."""
+        try:
+            lines = (self.root / SERVER_CONFIG_FILE).read_text().splitlines()
+        except OSError:
+            return None
+        for line in lines:
+            if line.startswith("listen:"):
+                host, _, port = line.removeprefix("listen:").strip().strip('"').rpartition(":")
+                host = host.strip("[]")
+                wildcard = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}
+                try:
+                    return wildcard.get(host, host), int(port)
+                except ValueError:
+                    return None
+        return None
 
 
 def credentials_for(url: str, principal: Principal, given: NatsAuth | None) -> NatsAuth | None:
-    """The credentials a client acting as `principal` connects to `url` with: `given` ones, else its own from
-    a KVMesh-started NATS on this host (`provision`), else none."""
-    return given if given is not None else provision(url, principal.path)
+    """The credentials a client acting as `principal` connects to `url` with: `given` ones where they name any,
+    else its own from a KVMesh-started NATS on this host (`provision`, with `given`'s auth_retry_secs), else
+    `given` (no credentials)."""
+    if given is not None and given.or_none() is not None:
+        return given
+    provisioned = provision(url, principal.path)
+    if provisioned is None or given is None:
+        return provisioned or given
+    return dataclasses.replace(provisioned, auth_retry_secs=given.auth_retry_secs)
 
 
 def local_credentials_file(url: str, path: str) -> Path | None:
@@ -428,7 +470,7 @@ def provision(url: str, path: str, timeout: float = 10.0) -> NatsAuth | None:
         credentials = MeshCredentials(local_mesh_dir(address[1]))
         if credentials.server_pid() is None:  # the directory of a mesh that ran on this port before: not this NATS
             return None
-        return credentials.admit(path, *address, timeout)
+        return credentials.admit(path, timeout)
     except (ConfigError, OSError) as exc:
         log.warning("cannot use the credentials of the local NATS %s (%s); connecting without", url, exc)
         return None

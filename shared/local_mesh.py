@@ -103,7 +103,7 @@ class LocalMesh:
         if self.credentials is None:
             return nats_auth_from_args(argparse.Namespace())
         assert self._nats is not None
-        return self.credentials.admit(principal.path, "127.0.0.1", self._nats.port)
+        return self.credentials.admit(principal.path)
 
     def start_services(self, ready_timeout: float = 30.0) -> None:
         """Spawn the service processes and wait until each answers health (on failure they are stopped again;

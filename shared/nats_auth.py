@@ -6,23 +6,26 @@ Flags (entry points add them with `add_nats_auth_flags`, read them with `nats_au
     --nats-token T                      token
     --nats-nkey-seed FILE               nkey seed file (needs the `nkeys` package: pip install 'nats-py[nkeys]')
     --nats-creds-file FILE              a NATS .creds file (JWT and nkey; needs `nkeys` too)
+    --nats-auth-retry-secs S            how long a first connect retries credentials every server rejects
 
 Each credential also comes from an environment variable (KVMESH_NATS_CREDENTIALS, KVMESH_NATS_USER,
-KVMESH_NATS_PASSWORD, KVMESH_NATS_TOKEN, KVMESH_NATS_NKEY_SEED, KVMESH_NATS_CREDS) so secrets need not show in
-`ps` (pass a password by its variable or a file, never by its flag, on a shared host); a flag wins over its
-variable. A server that rejects them makes `bus.connect` fail at once, saying so.
+KVMESH_NATS_PASSWORD, KVMESH_NATS_TOKEN, KVMESH_NATS_NKEY_SEED, KVMESH_NATS_CREDS, KVMESH_NATS_AUTH_RETRY_SECS) so
+secrets need not show in `ps` (pass a password by its variable or a file, never by its flag, on a shared host); a
+flag wins over its variable. A server that rejects them makes `bus.connect` fail once it has for
+--nats-auth-retry-secs (a user just added may not be loaded yet), saying so.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
 
-from kvmesh.shared.bus import NatsAuth
+from kvmesh.shared.bus import AUTH_RETRY_SECS, NatsAuth
 from kvmesh.shared.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
 ENV_VARS = {"user": "KVMESH_NATS_USER", "password": "KVMESH_NATS_PASSWORD", "token": "KVMESH_NATS_TOKEN",
             "nkey_seed": "KVMESH_NATS_NKEY_SEED", "creds_file": "KVMESH_NATS_CREDS"}
 CREDENTIALS_ENV = "KVMESH_NATS_CREDENTIALS"
+AUTH_RETRY_ENV = "KVMESH_NATS_AUTH_RETRY_SECS"
 
 
 def add_nats_auth_flags(parser: argparse.ArgumentParser) -> None:
@@ -42,16 +46,37 @@ def add_nats_auth_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--nats-token", help="authorization token")
     group.add_argument("--nats-nkey-seed", help="path of an nkey seed file")
     group.add_argument("--nats-creds-file", help="path of a NATS .creds file (JWT)")
+    group.add_argument("--nats-auth-retry-secs", type=float, help=(
+        "how long the first connect retries credentials every server rejects: one just given them may not have "
+        f"loaded them yet (default: {AUTH_RETRY_SECS:g})"))
 
 
 def nats_auth_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> NatsAuth:
     """The credentials given by flags or environment; ConfigError naming the flag when they cannot work."""
     env = os.environ if environ is None else environ
+    retry = auth_retry_from_args(args, env)
     credentials = getattr(args, "nats_credentials", None) or env.get(CREDENTIALS_ENV)
     if credentials:
-        return NatsAuth.from_file(credentials)
+        return dataclasses.replace(NatsAuth.from_file(credentials), auth_retry_secs=retry)
     values = {name: getattr(args, f"nats_{name}", None) or env.get(var) or None for name, var in ENV_VARS.items()}
-    return checked(NatsAuth(**values), lambda name: "--nats-" + name.replace("_", "-"))
+    return checked(NatsAuth(**values, auth_retry_secs=retry), lambda name: "--nats-" + name.replace("_", "-"))
+
+
+def auth_retry_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> float:
+    """--nats-auth-retry-secs, else $KVMESH_NATS_AUTH_RETRY_SECS, else the default; ConfigError naming the flag
+    when it is not a number >= 0."""
+    given = getattr(args, "nats_auth_retry_secs", None)
+    text = env.get(AUTH_RETRY_ENV) if given is None else given
+    if text is None or text == "":
+        return AUTH_RETRY_SECS
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ConfigError(f"--nats-auth-retry-secs (or ${AUTH_RETRY_ENV}): expected a number of seconds >= 0, "
+                          f"got {text!r}")
+    return value
 
 
 def checked(auth: NatsAuth, option: Callable[[str], str]) -> NatsAuth:
@@ -68,13 +93,20 @@ def checked(auth: NatsAuth, option: Callable[[str], str]) -> NatsAuth:
 
 def auth_from_config(config: "EngineConfig") -> NatsAuth | None:
     """The engine's NATS credentials from its config keys (nats_credentials, else nats_user / nats_password /
-    nats_token / nats_nkey_seed / nats_creds_file); None when it names none."""
+    nats_token / nats_nkey_seed / nats_creds_file; nats_auth_retry_secs); None when it names none."""
     if config.nats_credentials:
         try:
-            return NatsAuth.from_file(config.nats_credentials)
+            auth = NatsAuth.from_file(config.nats_credentials)
         except ConfigError as exc:
             raise ConfigError(f"nats_credentials: {exc}") from None
+        return dataclasses.replace(auth, auth_retry_secs=config.nats_auth_retry_secs)
     auth = NatsAuth(config.nats_user, config.nats_password, config.nats_token, config.nats_nkey_seed,
-                    config.nats_creds_file)
+                    config.nats_creds_file, auth_retry_secs=config.nats_auth_retry_secs)
     # checked first: a password without a user names no credentials, yet it is a mistake to report
     return checked(auth, lambda name: f"nats_{name}").or_none()
+
+
+def engine_auth(config: "EngineConfig") -> NatsAuth:
+    """What an engine connects with: `auth_from_config`, else no credentials (a KVMesh-started NATS on this
+    host provisions some: shared/credentials.py `credentials_for`), with its nats_auth_retry_secs either way."""
+    return auth_from_config(config) or NatsAuth(auth_retry_secs=config.nats_auth_retry_secs)

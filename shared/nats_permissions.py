@@ -7,13 +7,17 @@ the controller says hello or asks for a sync; only the operator wipes a store. R
 inboxes (`_INBOX.<path>.>`, nats-py's `inbox_prefix`), so no principal can read another's replies; responders
 answer through `allow_responses` (one reply per request received), not through a publish right on inboxes.
 
-`authorization_block(users)` renders the NATS server config for a list of (path, password, domain);
-docs/security.md shows the same lists in prose.
+`authorization_block(users)` renders the NATS server config for a list of (path, password, domain), with one
+more user that may do nothing at all: the reload probe, whose password is a digest of the block, so a server that
+accepts it runs this very block (`reload_probe`; MeshCredentials.reload_server waits for that). docs/security.md
+shows the same lists in prose.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from dataclasses import dataclass
 
 from kvmesh.shared.protocol import ROLES, Subjects
@@ -66,12 +70,27 @@ def permissions(path: str, domain: str = "default") -> Permissions:
         subscribe=(inbox,))
 
 
+RELOAD_PROBE_USER = "reload-probe"  # no principal path: no role is named so
+_PROBE_ENTRY = re.compile(r'\{"user": "' + RELOAD_PROBE_USER + r'", "password": "([0-9a-f]+)"')
+
+
 def authorization_block(users: list[tuple[str, str, str]]) -> str:
-    """The NATS server config's `authorization` block: one user per (principal path, password, sharing domain)."""
+    """The NATS server config's `authorization` block: one user per (principal path, password, sharing domain),
+    and the reload probe (denied every subject; its password the digest of the principals' entries)."""
     entries = []
     for path, password, domain in users:
         allowed = permissions(path, domain)
         entries.append(json.dumps({"user": path, "password": password, "permissions": {
             "publish": {"allow": list(allowed.publish)}, "subscribe": {"allow": list(allowed.subscribe)},
             "allow_responses": True}}))
+    digest = hashlib.sha256("\n".join(entries).encode()).hexdigest()[:32]
+    entries.append(json.dumps({"user": RELOAD_PROBE_USER, "password": digest, "permissions": {
+        "publish": {"deny": [">"]}, "subscribe": {"deny": [">"]}}}))
     return "authorization {\n  users: [\n    " + ",\n    ".join(entries) + "\n  ]\n}\n"
+
+
+def reload_probe(block: str) -> tuple[str, str] | None:
+    """The reload probe's (user, password) in an `authorization_block`; None in a block without one (made by a
+    KVMesh before the probe existed)."""
+    found = _PROBE_ENTRY.search(block)
+    return None if found is None else (RELOAD_PROBE_USER, found.group(1))

@@ -332,7 +332,7 @@ class StoreEndpoint:
         NATS that KVMesh started on this host adds its own user to it, as engines do.
         """
         if nc is None:
-            auth = credentials_for(url, protocol.Principal.store(self.store_id), auth.or_none() if auth else None)
+            auth = credentials_for(url, protocol.Principal.store(self.store_id), auth)
             nc = await bus.connect(url, f"{self.service}:{self.store_id}", auth,
                                    first_connect_wait=bus.SERVICE_CONNECT_WAIT)
             self._own_nc, self._url, self._auth = True, url, auth

@@ -268,7 +268,7 @@ def parse_args(argv: list[str] | None = None) -> ControllerConfig:
     _check_shares(parser, args)
     return ControllerConfig(**{
         **options_cli.values(ControllerConfig, args), "auth_token": _auth_token(parser, args, notices),
-        "nats_auth": nats_auth_from_args(args).or_none(), "notices": tuple(notices)})
+        "nats_auth": nats_auth_from_args(args), "notices": tuple(notices)})
 
 
 # -------------------------------------------------------------------------------------------------------

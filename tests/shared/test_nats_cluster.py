@@ -287,5 +287,5 @@ async def test_a_first_connect_goes_past_a_server_that_rejects_the_credentials(a
             finally:
                 await nc.close()
         with pytest.raises(MeshUnavailable, match="rejected past-a-rejection"):
-            await bus.connect(f"{stale.url},{current.url}", name="past-a-rejection", auth=NatsAuth(token="wrong"),
+            await bus.connect(f"{stale.url},{current.url}", name="past-a-rejection", auth=NatsAuth(token="wrong", auth_retry_secs=0),
                               allow_reconnect=allow_reconnect, first_connect_wait=WAIT_S)

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import logging
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -91,12 +94,67 @@ def tenant_engine(mesh: LocalMesh, instance_id: str, kv: PagedKV, **overrides: o
 async def test_without_credentials_or_with_wrong_ones_the_mesh_refuses(mesh: LocalMesh) -> None:
     assert mesh.nats_url is not None
     with pytest.raises(MeshUnavailable, match="Authorization Violation"):
-        await bus.connect(mesh.nats_url, "anonymous", first_connect_wait=WAIT_S)
+        await bus.connect(mesh.nats_url, "anonymous", bus.NatsAuth(auth_retry_secs=0), first_connect_wait=WAIT_S)
     with pytest.raises(MeshUnavailable, match="Authorization Violation"):
-        await bus.connect(mesh.nats_url, "guess", bus.NatsAuth(user="controller", password="guess"),
+        await bus.connect(mesh.nats_url, "guess", bus.NatsAuth(user="controller", password="guess", auth_retry_secs=0),
                           first_connect_wait=WAIT_S)
     nc = await bus.connect(mesh.nats_url, "operator", mesh.auth(OPERATOR), first_connect_wait=WAIT_S)
     await nc.close()
+
+
+def test_a_reload_returns_once_the_server_runs_the_new_users(mesh: LocalMesh) -> None:
+    """nats-server applies a reload in the background: `reload_server()` returns only once the server accepts the
+    reload probe of the users just written, so a principal added before it is accepted at once (an engine
+    started right after `kvmesh credentials` must not be refused)."""
+    assert mesh.credentials is not None
+    port = int(str(mesh.nats_url).rsplit(":", 1)[1])
+    for i in range(5):
+        path = Principal.engine(f"reloaded-{i}").path
+        assert mesh.credentials.ensure(path) and mesh.credentials.reload_server()
+        assert server_accepts("127.0.0.1", port, bus.NatsAuth.from_file(mesh.credentials.file(path)))
+    # a move to another domain rewrites permissions only: the probe's password changes with them
+    assert mesh.credentials.ensure(Principal.engine("reloaded-0").path, domain="elsewhere")
+    assert mesh.credentials.reload_server()
+
+
+def test_a_reload_the_server_does_not_carry_out_is_an_error_naming_it(mesh: LocalMesh) -> None:
+    assert mesh.credentials is not None and mesh.credentials.server_pid() is not None
+    pid = mesh.credentials.server_pid()
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)  # it can take the signal, not act on it
+    try:
+        mesh.credentials.ensure(Principal.engine("never-loaded").path)
+        with pytest.raises(MeshUnavailable, match=r"did not load its new users within 0\.5s"):
+            mesh.credentials.reload_server(timeout=0.5)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert mesh.credentials.reload_server()  # woken up: it loads them
+
+
+@pytest.mark.parametrize("allow_reconnect", [True, False])
+async def test_a_first_connect_retries_credentials_the_server_has_not_loaded_yet(
+        mesh: LocalMesh, allow_reconnect: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """An engine started right after its user was added, before the server loaded it, is refused at first: it
+    keeps trying for auth_retry_secs (logged once) and connects once the server has the user; with no retry
+    window it gives up at the first refusal, naming it."""
+    assert mesh.credentials is not None
+    path = Principal.engine(f"early-{allow_reconnect}").path
+    mesh.credentials.ensure(path)  # written, not yet loaded
+    auth = bus.NatsAuth.from_file(mesh.credentials.file(path))
+    with pytest.raises(MeshUnavailable, match=r"rejected early-bird .*for 0s"):
+        await bus.connect(str(mesh.nats_url), "early-bird", dataclasses.replace(auth, auth_retry_secs=0),
+                          allow_reconnect=allow_reconnect)
+    caplog.set_level(logging.WARNING, logger="kvmesh.shared.bus")
+    connecting = asyncio.ensure_future(bus.connect(
+        str(mesh.nats_url), "early-bird", dataclasses.replace(auth, auth_retry_secs=WAIT_S),
+        allow_reconnect=allow_reconnect, first_connect_wait=WAIT_S))
+    await wait_until_async(lambda: "retrying for up to" in caplog.text or connecting.done(),
+                           what="the first refusal logged")
+    assert not connecting.done()
+    await asyncio.to_thread(mesh.credentials.reload_server)
+    nc = await asyncio.wait_for(connecting, WAIT_S)
+    await nc.close()
+    assert caplog.text.count("retrying for up to") == 1
 
 
 def test_credentials_are_private_files(mesh: LocalMesh) -> None:
@@ -519,7 +577,7 @@ async def test_rotating_one_principal_disconnects_its_old_password_and_admits_th
     assert mesh.credentials is not None and mesh.nats_url is not None
     host, port = "127.0.0.1", int(mesh.nats_url.rsplit(":", 1)[1])
     principal = Principal.store("rotated")
-    old = await asyncio.to_thread(mesh.credentials.admit, principal.path, host, port)
+    old = await asyncio.to_thread(mesh.credentials.admit, principal.path)
     closed = asyncio.Event()
 
     async def on_closed() -> None:
@@ -535,9 +593,9 @@ async def test_rotating_one_principal_disconnects_its_old_password_and_admits_th
         assert made.returncode == 0, made.stderr
         new = bus.NatsAuth.from_file(mesh.credentials.file(principal.path))
         assert new.password != old.password
+        # `kvmesh credentials` returned once the server runs the new password: accepted at once, the old refused
+        assert server_accepts(host, port, new) and not server_accepts(host, port, old)
         await asyncio.wait_for(closed.wait(), WAIT_S)  # the reload dropped the old password's connection
-        await wait_until_async(lambda: server_accepts(host, port, new), what="the server to accept the new password")
-        assert not server_accepts(host, port, old)
         nc = await bus.connect(mesh.nats_url, "rotated", new, first_connect_wait=WAIT_S)
         await nc.close()
     finally:

@@ -452,8 +452,8 @@ async def test_credentials_required_work_when_given_and_fail_clearly_when_not(st
     token = "tok-" + os.urandom(8).hex()
     with EmbeddedNats(token=token) as server:
         with pytest.raises(MeshUnavailable, match="rejected .*Authorization Violation"):
-            await bus.connect(server.url, "no-token", first_connect_wait=WAIT_S)
-        refused = stores.spawn(server.url, "auth-x")  # a store without the token stops with a clear message
+            await bus.connect(server.url, "no-token", bus.NatsAuth(auth_retry_secs=0), first_connect_wait=WAIT_S)
+        refused = stores.spawn(server.url, "auth-x", "--nats-auth-retry-secs", "1")  # a store without the token stops with a clear message
         assert await asyncio.to_thread(refused.wait, WAIT_S) == 2
         assert "rejected remote_store:auth-x (no credentials)" in output_of(refused)
 

@@ -29,7 +29,7 @@ from kvmesh.shared.protocol import Principal, Subjects
 from kvmesh.services.engine.tiers.base import ChunkBuffer
 
 from support.store_answers import answered
-from support.waiting import WAIT_S, wait_until, wait_until_async
+from support.waiting import WAIT_S, wait_until_async
 
 MiB = 1024 * 1024
 NBYTES = 64 * 1024
@@ -46,10 +46,10 @@ def add_tenant(mesh: LocalMesh, instance: str, domain: str) -> bus.NatsAuth:
     credentials = MeshCredentials(local_mesh_dir(int(mesh.nats_url.rsplit(":", 1)[1])))
     path = Principal.engine(instance).path
     credentials.ensure(path, domain=domain)
-    assert credentials.reload_server()
+    assert credentials.reload_server()  # returns once the server runs the new user
     auth = bus.NatsAuth.from_file(credentials.file(path))
     host, port = mesh.nats_url.removeprefix("nats://").rsplit(":", 1)
-    wait_until(lambda: server_accepts(host, int(port), auth), what=f"NATS to accept {path}")
+    assert server_accepts(host, int(port), auth), f"NATS refuses {path} after its reload"
     return auth
 
 

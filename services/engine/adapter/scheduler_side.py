@@ -29,7 +29,7 @@ from kvmesh.services.engine.adapter.request_meta import (
 from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, SchedulerLookup
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, state_key
-from kvmesh.shared.nats_auth import auth_from_config
+from kvmesh.shared.nats_auth import engine_auth
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -79,7 +79,7 @@ class SchedulerSide:
                         unsupported)
         else:
             lookup = SchedulerLookup(vllm_config.parallel_config.world_size, config.lookup_timeout_secs,
-                                     f"{config.lmcache_instance_id}-scheduler", auth_from_config(config))
+                                     f"{config.lmcache_instance_id}-scheduler", engine_auth(config))
             if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
                 # The scheduler reads the policy right after creating this connector.
                 log.info("kv_load_failure_policy %r -> 'recompute': a chunk that cannot be loaded is recomputed, "

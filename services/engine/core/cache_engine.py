@@ -51,7 +51,7 @@ from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyExtras, KeyP
 from kvmesh.services.engine.mesh.domain import engine_domain, key_domain
 from kvmesh.shared.credentials import DEFAULT_DOMAIN, SharingDomain, credentials_for
 from kvmesh.shared.errors import ConfigError
-from kvmesh.shared.nats_auth import auth_from_config
+from kvmesh.shared.nats_auth import engine_auth
 from kvmesh.shared.rate_limited_log import RateLimitedLog
 from kvmesh.shared.redis_keys import RedisAuth
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, PEER, REMOTE, ChunkMeta, worker_id_for
@@ -153,8 +153,7 @@ class CacheEngine:
         auth = None
         if self._connection is not None:
             url = self._connection.url
-            auth = credentials_for(url, protocol.Principal.engine(config.lmcache_instance_id),
-                                   auth_from_config(config))
+            auth = credentials_for(url, protocol.Principal.engine(config.lmcache_instance_id), engine_auth(config))
             # after credentials_for: the credentials file it provisions records the engine's sharing domain
             try:
                 domain = engine_domain(config, url)

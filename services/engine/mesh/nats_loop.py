@@ -150,7 +150,7 @@ class NatsLoop:
             "background", self.name, url))
         try:
             nc = await bus.connect(url, name=self.name, auth=auth, connect_timeout=1.0)
-        except MeshUnavailable as exc:  # e.g. credentials rejected: retrying cannot help
+        except MeshUnavailable as exc:  # e.g. credentials rejected for nats_auth_retry_secs
             log.error("%s: %s; the engine serves without the mesh (CPU tier only)", self.name, exc)
             return
         finally:
