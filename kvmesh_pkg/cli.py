@@ -71,6 +71,8 @@ def mesh_services(args: argparse.Namespace, token_file: Path | None = None) -> l
         controller_args += ["--auth-token-file", str(token_file)]
     if args.insecure_no_auth:
         controller_args.append("--insecure-no-auth")
+    if args.liveness_timeout is not None:
+        controller_args += ["--liveness-timeout", str(args.liveness_timeout)]
     services = [ServiceSpec("kvmesh.services.controller", controller_args, "controller", role="controller")]
     if not args.no_disk:
         services.append(disk_store(Path(args.disk_dir), round(args.disk_size * GB), disk_store_id(),
@@ -116,7 +118,7 @@ async def connect_operator(args: argparse.Namespace, name: str) -> NatsClient:
     """A connection as the operator: credentials from the flags / $KVMESH_NATS_*, else from the KVMesh-started
     NATS on this host."""
     url = bus.normalize_url(args.nats_url)
-    auth = credentials_for(url, OPERATOR, nats_auth_from_args(args).or_none())
+    auth = credentials_for(url, OPERATOR, nats_auth_from_args(args))
     return await bus.connect(url, name=name, auth=auth, allow_reconnect=False)
 
 
@@ -150,6 +152,8 @@ def cmd_credentials(args: argparse.Namespace) -> int:
         # --domain moves the named engines (only those) into it; without it each keeps the domain it had
         if mesh.ensure(*principals, domain=args.domain) and mesh.reload_server():
             log.info("the NATS server running with %s loaded the new users", mesh.root)
+    except MeshUnavailable as exc:
+        raise SystemExit(f"kvmesh credentials: {exc}") from None
     except ValueError as exc:
         raise SystemExit(f"kvmesh credentials: {exc}; principals are engine.<instance_id>, store.<store_id>, "
                          "controller, operator") from None
@@ -216,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--insecure-no-auth", action="store_true",
                     help="no token for a controller beyond loopback (its WARNING at every start)")
     up.add_argument("--port", type=int, default=9000, help="controller REST port")
+    up.add_argument("--liveness-timeout", type=float, default=None,
+                    help="passed to the controller: seconds without a heartbeat before a producer is down")
     up.add_argument("--disk-dir", default="local/kvmesh_disk", help="disk store directory")
     up.add_argument("--disk-size", type=float, default=5.0, help="disk store size cap, GB")
     up.add_argument("--remote-size", type=float, default=4.0, help="remote store memory cap per partition, GB")

@@ -91,6 +91,10 @@ class ControllerCore:
     def instance_conflicts(self) -> int:
         return self.feed.conflicts_reported if self.feed is not None else 0
 
+    def peer_lookups(self, answer: str) -> int:
+        """P2P lookups answered with a peer (`answer` "peer") or with none ("none")."""
+        return self.feed.peer_lookups[answer] if self.feed is not None else 0
+
     # -- operations --------------------------------------------------------------------------------------
 
     def lookup(self, tokens: Sequence[int] | np.ndarray,

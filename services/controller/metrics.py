@@ -104,6 +104,9 @@ def render(core: "ControllerCore") -> str:
            "Producers forgotten after --producer-expiry-secs down (keys dropped, slot reused).",
            [("", stats.producers_forgotten)])
     metric("kvmesh_controller_lookups_total", "counter", "Lookups answered.", [("", m.lookups)])
+    metric("kvmesh_controller_peer_lookups_total", "counter",
+           "P2P lookups of engine workers answered, by whether a live peer was named.",
+           [(f'answer="{answer}"', core.peer_lookups(answer)) for answer in ("peer", "none")])
     metric("kvmesh_controller_lookup_hits_total", "counter", "Lookups matching at least one instance.",
            [("", m.lookup_hits)])
     out.append("# HELP kvmesh_controller_lookup_seconds Lookup time in the controller (hashing and index probes).")

@@ -29,6 +29,7 @@ share of producers or key parameter sets makes room by forgetting its own down p
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from typing import Any, Callable
@@ -82,6 +83,7 @@ class ProducerFeed:
         self.sync_requests_sent = 0
         self.bad_messages = 0
         self.forged_messages = 0
+        self.peer_lookups = collections.Counter[str]()  # answers to P2P lookups: "peer" (one named) or "none"
         self.conflicts_reported = 0
         self.conflict_notices_sent = 0
 
@@ -255,7 +257,9 @@ class ProducerFeed:
         if sender is None or asker is None or not self.table.sender_is(request.worker_id, sender.path):
             self._forged(f"a peer lookup of {request.worker_id!r} on {subject}")
             return protocol.PeerLookupReply()
-        return peer_holder(self.table, asker, request.keys)
+        reply = peer_holder(self.table, asker, request.keys)
+        self.peer_lookups["peer" if reply.num_chunks else "none"] += 1
+        return reply
 
     async def _on_health(self, _request: protocol.HealthRequest) -> protocol.HealthReply:
         return protocol.HealthReply(service="controller", service_id=self.controller_id, status="ok",

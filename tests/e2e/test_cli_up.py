@@ -150,6 +150,18 @@ def test_up_passes_the_cache_policy_to_both_stores() -> None:
         build_parser().parse_args(["up", "--cache-policy", "arc"])
 
 
+def test_up_passes_the_liveness_timeout_to_the_controller() -> None:
+    from kvmesh.cli import build_parser, mesh_services
+    from kvmesh.services.controller.config import parse_args
+
+    def liveness(*flags: str) -> float:
+        (controller,) = [s for s in mesh_services(build_parser().parse_args(["up", *flags])) if s.role == "controller"]
+        return parse_args(controller.args).liveness_timeout_s
+
+    assert liveness() == 6.0
+    assert liveness("--liveness-timeout", "120") == 120.0
+
+
 def test_store_options_round_trip_through_their_flags(tmp_path: Path) -> None:
     """One definition of each store's flags: what `to_args` writes, `options_from_args` reads back unchanged."""
     from kvmesh.services.disk_store import options as disk

@@ -43,7 +43,9 @@ def pd_yaml(path: Path, instance_id: str, nats_port: int) -> Path:
 @pytest.fixture(scope="module")
 def p2p(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Iterator[dict[str, Any]]:
     work = tmp_path_factory.mktemp("p2p")
-    mesh = MeshUp(work / "mesh", extra_args=["--no-disk", "--no-remote"])
+    # The controller keeps a silent producer listed for the module's whole run: a frozen A is still the peer B's
+    # lookups name, however long a loaded machine takes to get B's request to its lookup.
+    mesh = MeshUp(work / "mesh", extra_args=["--no-disk", "--no-remote", "--liveness-timeout", "3600"])
 
     def server(name: str, role: str) -> VLLMServer:
         config = pd_yaml(work / f"{name}.yaml", name, mesh.nats_port)
@@ -163,9 +165,19 @@ def test_move_of_a_prefix_from_one_instance_to_the_other(p2p: dict[str, Any], lo
     assert _counter(b, "lmcache:num_p2p_read_chunks") == reads_before + math.ceil(moved["num_tokens"] / CHUNK)
 
 
+def _peer_lookups_named(mesh: MeshUp) -> float:
+    """P2P lookups the controller answered with a peer (its /metrics)."""
+    import httpx
+
+    text = httpx.get(f"{mesh.controller}/metrics", timeout=10).text
+    line = next(line for line in text.splitlines()
+                if line.startswith('kvmesh_controller_peer_lookups_total{answer="peer"}'))
+    return float(line.rsplit(" ", 1)[1])
+
+
 def test_a_peer_that_freezes_and_dies_mid_load_costs_a_recompute_never_an_error(
         p2p: dict[str, Any], long_text: str) -> None:
-    a, b = p2p["a"], p2p["b"]
+    a, b, mesh = p2p["a"], p2p["b"], p2p["mesh"]
     prompt = f"[p2p peer dies]\n{long_text[12000:17000]}"
     expected, tokens = _computed_by_a(p2p, prompt)
     frozen = [a.pid, *a.descendants()]
@@ -173,8 +185,20 @@ def test_a_peer_that_freezes_and_dies_mid_load_costs_a_recompute_never_an_error(
         os.kill(pid, signal.SIGSTOP)
     try:
         failed_before = _counter(b, "lmcache:num_p2p_failed_reads")
-        answer = b.complete(prompt, max_tokens=16)  # B's lookup names A; its reads from A time out
-        assert _text(answer) == expected
+        # The premise: B's lookup reaches the controller, which names A (listed however long A is silent, see
+        # the fixture). A lookup the loaded controller answers too late names no one: B recomputes, stores
+        # nothing (a consumer), and the next request asks again.
+        for _ in range(3):
+            named_before = _peer_lookups_named(mesh)
+            lookups_failed_before = _counter(b, "lmcache:num_p2p_failed_lookups")
+            answer = b.complete(prompt, max_tokens=16)  # B's lookup names A; its reads from A time out
+            assert _text(answer) == expected
+            named = _peer_lookups_named(mesh) > named_before
+            if named and _counter(b, "lmcache:num_p2p_failed_lookups") == lookups_failed_before:
+                break
+        else:
+            pytest.fail(f"B's P2P lookups never named A in 3 requests (the controller named a peer: {named}; B's "
+                        f"failed lookups: {_counter(b, 'lmcache:num_p2p_failed_lookups')})")
         wait_until(lambda: _counter(b, "lmcache:num_p2p_failed_reads") > failed_before, WAIT_S, interval=0.5,
                    what="B's failed P2P reads counted")
     finally:

@@ -65,6 +65,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("lmcache:num_p2p_read_bytes", "counter", "Bytes loaded from another instance's CPU tier (P2P)"),
     Metric("lmcache:num_p2p_failed_reads", "counter",
            "P2P loads that failed (peer gone, slow, refused, bad checksum) or that the peer no longer held"),
+    Metric("lmcache:num_p2p_failed_lookups", "counter",
+           "P2P lookups the controller did not answer in time: no peer was asked (the tokens are recomputed)"),
     Metric("lmcache:num_p2p_served_chunks", "counter", "Chunks this instance's CPU tier served to peers (P2P)"),
     Metric("lmcache:num_p2p_served_bytes", "counter", "Bytes this instance's CPU tier served to peers (P2P)"),
     Metric("lmcache:local_cache_usage", "gauge", "Bytes held by the CPU tier (all ranks)"),
@@ -189,6 +191,7 @@ STORAGE_COUNTERS = {
     f"read_bytes_{PEER}": "lmcache:num_p2p_read_bytes",
     "p2p_read_failed": "lmcache:num_p2p_failed_reads",
     "p2p_read_missed": "lmcache:num_p2p_failed_reads",
+    "p2p_lookup_failed": "lmcache:num_p2p_failed_lookups",
     "p2p_served_chunks": "lmcache:num_p2p_served_chunks",
     "p2p_served_bytes": "lmcache:num_p2p_served_bytes",
 }
