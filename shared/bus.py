@@ -24,6 +24,7 @@ import os
 import socket
 import time
 import urllib.parse
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, TypeVar
@@ -409,8 +410,25 @@ async def serve_from(nc: NatsClient, subject: str, request_type: type[Req],
             task.add_done_callback(finished)
 
         callback = on_message_concurrently
-    return await nc.subscribe(subject, queue=queue, cb=callback,
-                              pending_msgs_limit=PENDING_MSGS_LIMIT, pending_bytes_limit=pending_bytes_limit)
+    subscription = await nc.subscribe(subject, queue=queue, cb=callback, pending_msgs_limit=PENDING_MSGS_LIMIT,
+                                      pending_bytes_limit=pending_bytes_limit)
+    if max_concurrent > 1:
+        _HANDLERS[subscription] = running
+    return subscription
+
+
+# The handler tasks still running for a subscription `serve_from` answers concurrently (its own drain does not
+# wait for them: it ends once the callback that started them returned).
+_HANDLERS: "weakref.WeakKeyDictionary[Subscription, set[asyncio.Task[None]]]" = weakref.WeakKeyDictionary()
+
+
+async def drain(subscription: Subscription) -> None:
+    """Stop `subscription` taking messages, answer those it already holds, and wait for its handlers still
+    running: once this returns, closing its connection loses no reply."""
+    await subscription.drain()
+    running = _HANDLERS.get(subscription)
+    if running:
+        await asyncio.gather(*running, return_exceptions=True)
 
 
 async def _respond(msg: Msg, reply: Any) -> None:

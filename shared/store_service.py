@@ -399,9 +399,11 @@ class StoreEndpoint:
             laned = set(kept) | {path for path, lane in opened.items() if lane is not None}
             shared = [path for path in listed if path not in laned] if listed else [ENGINES]
             # what moves is subscribed where it goes first, then drained where it was (see the class docstring)
+            subscribed: list[NatsClient] = []  # the connections that took new subscriptions
             for path, lane in opened.items():
                 if lane is not None:
                     lane.subscriptions[path] = await self._subscribe(lane.nc, path, self._principal_subjects(path))
+                    subscribed.append(lane.nc)
                     self.lanes[path] = lane
                     log.info("%s %s: %s served on a lane of its own (%s)", self.service, self.store_id, path,
                              lane.name)
@@ -412,11 +414,14 @@ class StoreEndpoint:
                 for path in missing:
                     self.shared.subscriptions[path] = await self._subscribe(self.shared.nc, path,
                                                                             self._principal_subjects(path))
+                    subscribed.append(self.shared.nc)
                 if missing and listed:
                     log.warning("%s %s: %d engine principals past --max-lanes %d share one connection (%s): "
                                 "one's flood can cut off the others' requests", self.service, self.store_id,
                                 len(shared), self.max_lanes, self.shared.name)
-            for nc in self.connections():  # the server has the new subscriptions before the old ones go
+            # The server has the new subscriptions before the old ones go. Only those connections: a look that
+            # changed nothing costs no round trip, and a lane being flooded (its flush may time out) holds up no one.
+            for nc in dict.fromkeys(subscribed):
                 await nc.flush()
             for path in [path for path in self.lanes if path not in laned]:
                 await self._close_lane(path)
@@ -468,9 +473,13 @@ class StoreEndpoint:
         await self._retire(lane, principal)
 
     async def _retire(self, lane: _Lane, key: str) -> None:
-        """Close `lane` (its handlers still running finish first); its counts stay in the stats."""
+        """Close `lane` (its handlers still running finish first, their replies sent); its counts stay in the
+        stats."""
         self._closed_lost[key] += lane.lost
         self._closed_dropped += lane.dropped
+        for subscriptions in lane.subscriptions.values():
+            await _unsubscribe(subscriptions, lane.name, drain=True)
+        lane.subscriptions.clear()
         try:
             await lane.nc.drain()
         except Exception as exc:
@@ -554,7 +563,7 @@ async def _unsubscribe(subscriptions: list[Subscription], name: str, drain: bool
     """Unsubscribe (`drain`: after answering what the subscriptions already hold; else that is discarded)."""
     for subscription in subscriptions:
         try:
-            await (subscription.drain() if drain else subscription.unsubscribe())
+            await (bus.drain(subscription) if drain else subscription.unsubscribe())
         except Exception as exc:
             log.debug("%s: unsubscribe failed: %s", name, exc)
 

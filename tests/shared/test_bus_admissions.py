@@ -47,6 +47,38 @@ async def test_a_flush_right_after_subscribing_means_the_server_has_the_subscrip
             await responder.close()
 
 
+async def test_a_drained_subscription_has_sent_the_replies_of_its_handlers_still_running(nats_server, nc) -> None:
+    """A store moving an engine to a lane of its own drains the old subscription, then closes that connection: a
+    request whose handler (one of several running at once) was still working must get its reply, not a timeout.
+    So `bus.drain` returns only once those handlers are done, not when nats-py's drain is."""
+    started, finish, nats_drained = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def handler(_: protocol.StatsRequest) -> protocol.Ack:
+        started.set()
+        await finish.wait()
+        return protocol.Ack(ok=True)
+
+    responder = await bus.connect(nats_server.url, "draining-responder")
+    subscription = await bus.serve(responder, "t.drained", protocol.StatsRequest, handler, max_concurrent=4)
+    await responder.flush()
+    asked = asyncio.ensure_future(bus.request(nc, "t.drained", protocol.StatsRequest(), protocol.Ack, WAIT_S))
+    await asyncio.wait_for(started.wait(), WAIT_S)
+    nats_drain = subscription.drain
+
+    async def drain_and_tell() -> None:
+        await nats_drain()
+        nats_drained.set()
+
+    subscription.drain = drain_and_tell  # type: ignore[method-assign]
+    drained = asyncio.ensure_future(bus.drain(subscription))
+    await asyncio.wait_for(nats_drained.wait(), WAIT_S)
+    assert not drained.done(), "bus.drain returned while a handler was still running"
+    finish.set()
+    await asyncio.wait_for(drained, WAIT_S)
+    await responder.drain()  # as a store retires a lane
+    assert (await asked).ok
+
+
 async def test_request_without_responder_or_in_time_is_mesh_unavailable(nc) -> None:
     with pytest.raises(MeshUnavailable, match="no responder"):
         await bus.request(nc, "nobody.here", protocol.StatsRequest(), protocol.StatsReply, WAIT_S)

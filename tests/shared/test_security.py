@@ -56,8 +56,11 @@ class Attacker:
         async def on_error(exc: Exception) -> None:
             self.errors.append(str(exc))
 
-        self.nc = await nats.connect(url, error_cb=on_error, allow_reconnect=False,
-                                     **(auth.connect_options() if auth else {}))
+        # bus.MeshClient: its flush() returns once the server has seen every SUB sent before it (nats-py's own
+        # can answer first, and a publish right after would reach no subscriber)
+        self.nc = bus.MeshClient()
+        await self.nc.connect(url, error_cb=on_error, allow_reconnect=False,
+                              **(auth.connect_options() if auth else {}))
         return self
 
     async def refused(self, subject: str, kind: str = "Publish") -> None:

@@ -163,7 +163,9 @@ async def start_flood(mesh: LocalMesh, store_ids: list[str]) -> tuple[asyncio.su
                                                    *store_ids, stdin=asyncio.subprocess.PIPE,
                                                    stdout=asyncio.subprocess.PIPE, env=env)
     assert process.stdout is not None
-    line = (await asyncio.wait_for(process.stdout.readline(), WAIT_S)).decode().split()
+    # Its start pushes 32 of the largest messages through NATS into stores served by this busy loop: on a loaded
+    # machine that alone can take longer than the usual deadline.
+    line = (await asyncio.wait_for(process.stdout.readline(), 4 * WAIT_S)).decode().split()
     assert line and line[0] == "flooding", f"the flooder did not start: {line}"
     return process, int(line[1])
 
