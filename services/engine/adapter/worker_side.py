@@ -96,9 +96,11 @@ class WorkerSide:
         self._failed_from: dict[str, int] = {}
         self.async_loads = AsyncLoads(config.blocking_timeout_secs)  # loads between steps
         self._finished_recving: set[str] = set()  # async loads done this step, reported to vLLM
-        # on CUDA saves are gathered on a side stream and vLLM holds their blocks (async_saves.py)
+        # on CUDA saves are gathered after the forward without a host wait and vLLM holds their blocks; with
+        # groups on the forward's stream, else on a side stream (async_saves.py)
         self.saves_off_forward = saves_off_forward
-        self.async_saves = AsyncSaves()  # those saves in flight, the requests whose blocks are held
+        # those saves in flight, the requests whose blocks are held
+        self.async_saves = AsyncSaves(on_forward_stream=self.groups is not None)
         self.cpu_events = StepEventLog()  # the CPU tier's admissions and evictions, for the scheduler's mirror
         # metrics: what happened since vLLM last asked (get_kv_connector_stats)
         self._stats = KVMeshStats()
