@@ -32,6 +32,7 @@ from kvmesh.shared.keys import ChunkSpan, state_key
 from support.engine import random_tokens
 
 pytest.importorskip("kvmesh.services.engine.connector")
+from vllm.model_executor.layers.mamba.checkpoint import compute_mamba_prefill_checkpoints  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from kvmesh.services.engine.adapter.async_saves import AsyncSaves  # noqa: E402
@@ -88,8 +89,8 @@ def pattern(req_id: str, layer: str, tokens: list[int], like: torch.Tensor) -> t
 
 class Forward:
     """Stands for the model's forward over the step's requests: each attention layer writes the blocks of the
-    step's tokens, each state layer the running state after the step (and the prefill checkpoint where vLLM
-    writes one, kv_groups.KVGroups.prefill_checkpoint)."""
+    step's tokens, each state layer the running state after the step and the prefill checkpoint where vLLM's
+    Mamba2 backend exports one (the call its metadata builder makes)."""
 
     def __init__(self, scenario: Scenario, caches: dict[str, torch.Tensor]) -> None:
         self.scenario, self.caches = scenario, caches
@@ -105,9 +106,13 @@ class Forward:
                     pages[table[column]] = pattern(req_id, name, tokens[:min((column + 1) * B, end)], pages[0])
                 continue
             pages[table[-(-end // B) - 1]] = pattern(req_id, name, tokens[:end], pages[0])
-            checkpoint = self.scenario.groups.prefill_checkpoint(start, end)
-            if checkpoint is not None and table[checkpoint[1]] != -1:
-                pages[table[checkpoint[1]]] = pattern(req_id, name, tokens[:checkpoint[0]], pages[0])
+            cache = self.scenario.cache
+            offsets, columns = compute_mamba_prefill_checkpoints(
+                [end], [end - start], hash_block_size=cache.hash_block_size, mamba_block_size=B,
+                checkpoint_alignment=1, drop_eagle_block=cache.drop_eagle_block,
+                cache_hit_alignment_tokens=int(cache.config.cache_hit_alignment_tokens))
+            if offsets[0] and table[columns[0]] != -1:
+                pages[table[columns[0]]] = pattern(req_id, name, tokens[:start + offsets[0]], pages[0])
 
 
 @pytest.fixture
@@ -214,10 +219,11 @@ def stored_page(scenario: Scenario, engine: Any, caches: dict[str, torch.Tensor]
 
 
 def want(scenario: Scenario, req_id: str, layer: str, like: torch.Tensor) -> torch.Tensor:
-    """What that page must hold: P's; what the forward of Q's first step writes into the block vLLM gave it."""
+    """What that page holds when it is P's (its window block 0: the KV of its first B tokens; its state after 32),
+    and what Q's forward writes into the block vLLM gave Q's attention group (Q's prompt fits in one block)."""
     if req_id == "p":
-        return pattern("p", layer, scenario.p_tokens[:B if not scenario.groups.has_state else 32], like)
-    return pattern("q", scenario.layer_names[1], scenario.q_tokens[:len(scenario.q_tokens)], like)
+        return pattern("p", layer, scenario.p_tokens[:32 if scenario.groups.has_state else B], like)
+    return pattern("q", scenario.layer_names[1], scenario.q_tokens, like)
 
 
 @pytest.mark.parametrize("halves", list(SCENARIOS), indirect=True)
