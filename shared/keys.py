@@ -239,8 +239,8 @@ class ChunkHasher:
         return [ChunkSpan(s.index, s.start, s.end, params.shard_key(s.key)) for s in chain_spans]
 
     def state_spans(self, chain_spans: Sequence[ChunkSpan], block_size: int) -> list[ChunkSpan]:
-        """This shard's spans of the recurrent states after the full chunks of `chain_spans` (the state after a
-        chunk is the page of its last block)."""
+        """This shard's spans of the recurrent states after the full chunks of `chain_spans` (a state travels as
+        one block's page, copied through the slots of the chunk's last block: KVGroups.state_slots)."""
         return self.shard([ChunkSpan(s.index, s.end - block_size, s.end, state_key(s.key)) for s in chain_spans
                            if s.num_tokens == self.chunk_size])
 

@@ -204,6 +204,14 @@ def unsupported_kv_cache(kv_cache_config: "KVCacheConfig | None") -> str | None:
     return KVGroups.of(kv_cache_config)[1]
 
 
+def eagle_drops_block(vllm_config: Any) -> bool:
+    """Whether vLLM drops the last hash block of prefix hits for an EAGLE draft (it moves Mamba prefill
+    checkpoints one hash block back: kv_groups.StateCheckpoints)."""
+    speculative = getattr(vllm_config, "speculative_config", None)
+    drops = getattr(speculative, "use_eagle_block_drop", None)
+    return bool(drops()) if callable(drops) else False
+
+
 def split_extra_config(extra: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """kv_connector_extra_config -> (EngineConfig overrides, connector-only settings)."""
     engine_keys: dict[str, Any] = {}
@@ -238,7 +246,7 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
         block_size = kv_block_size(vllm_config, kv_cache_config)
         cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
         # Why this model's KV is not cached at all (None: it is); see adapter/kv_groups.py.
-        groups, unsupported = KVGroups.of(kv_cache_config)
+        groups, unsupported = KVGroups.of(kv_cache_config, eagle_drops_block(vllm_config))
         unsupported = unsupported or unsupported_cache_dtype(cache_dtype)
         # both sides: on CUDA saves are gathered on a side stream and vLLM holds their blocks (async_saves.py)
         off_forward = saves_off_forward(vllm_config)

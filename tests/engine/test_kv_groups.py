@@ -113,12 +113,14 @@ def test_a_grouped_load_is_asynchronous_and_the_scheduler_saves_only_chunks_a_hi
                                                                  for t in tables[req_id]))
     side.bind_block_tables(manager)
     tracker = SimpleNamespace(req_id="r")
-    got, save = side._group_tables(tracker, SaveSpec(end=6 * BLOCK, mask_start=0))  # type: ignore[arg-type]
+    got, save = side._group_tables(tracker, SaveSpec(end=6 * BLOCK, mask_start=0),  # type: ignore[arg-type]
+                                   (0, 6 * BLOCK))
     assert got == tables["r"]
     assert save == SaveSpec(end=6 * BLOCK, mask_start=CHUNK)
     # a prompt whose every chunk lost its window is not stored at all
     tables["r"] = [[-1, -1, -1, -1, 9, 10], [1, 2, 3, 4, 5, 6]]
-    assert side._group_tables(tracker, SaveSpec(end=4 * BLOCK, mask_start=0))[1] is None  # type: ignore[arg-type]
+    assert side._group_tables(tracker, SaveSpec(end=4 * BLOCK, mask_start=0),  # type: ignore[arg-type]
+                              (0, 4 * BLOCK))[1] is None
 
 
 def test_a_failed_grouped_load_is_a_failed_receive_never_a_block_error() -> None:
@@ -239,8 +241,9 @@ def test_a_state_group_is_cached_only_in_align_mode_and_its_state_travels_beside
                                           full))[1]
     assert "no attention layer" in KVGroups.of(config(align))[1]
 
-    tables = [[-1, 7, -1, 9], [1, 2, 3, 4]]  # vLLM kept the states after 32 and 64 tokens (blocks 1 and 3)
-    assert [groups.state_held(tables, end) for end in (16, 32, 48, 64, 40)] == [False, True, False, True, False]
+    tables = [[-1, 7, -1, 9], [1, 2, 3, 4]]  # a step of tokens [32, 64): it started from block 1, runs in block 3
+    assert groups.state_pages(tables, 32, 64) == {64: 3}  # only the running state: block 1's page is never named
+    assert groups.state_pages(tables, 0, 40) == {}  # no block in the running column (never expected of vLLM)
     chunk = groups.chunk_slots(tables, 64)
     assert (chunk[0] == -1).all() and chunk[1, 16] == 2 * 16  # the state group's pages travel as states only
     state = groups.state_slots(tables, 64)

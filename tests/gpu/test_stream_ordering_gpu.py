@@ -1,11 +1,15 @@
 """Stream ordering of the off-critical-path copies on CUDA (skipped elsewhere): the layer-wise loader's per-layer
 scatters on its side stream against the torch path, each layer read on the forward's stream right after
-`wait(layer)` while the side stream is held back by a sleep kernel (a missing wait reads zeros); and a save's
-gather on a side stream ordered after the forward's writes (needs the engine's dependencies, else skipped).
-The CPU variant of the same call sequence is tests/engine/test_connector_harness.py.
+`wait(layer)` while the side stream is held back by a sleep kernel (a missing wait reads zeros); a save's
+gather on a side stream ordered after the forward's writes; and a grouped model's save read before the next
+forward rewrites its blocks (vLLM frees them mid-request) while the stream the worker gathers on is held back
+(the last two need the engine's dependencies, else skipped). The CPU variants of the same call sequences are
+tests/engine/test_connector_harness.py and tests/engine/test_async_saves.py.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -82,5 +86,49 @@ def test_a_saves_gather_on_a_side_stream_reads_what_the_forward_wrote() -> None:
                 assert bool((engine.chunk_view(span, ref) == 1.5).all())
             finally:
                 ref.release()
+    finally:
+        engine.close()
+
+
+def test_a_grouped_models_save_is_read_before_the_next_forward_rewrites_its_blocks() -> None:
+    """vLLM frees a sliding window's (or a state's) blocks while the request runs and may hand them to the next
+    step's forward at once (adapter/async_saves.py): the worker's gather must be ordered before that forward's
+    writes. The stream the worker gathers on is held back by a sleep kernel; the next forward's write is queued
+    on the forward's stream right after wait_for_save. A gather on an unordered side stream reads the new values."""
+    pytest.importorskip("nats")
+    worker_side = pytest.importorskip("kvmesh.services.engine.adapter.worker_side")
+    from kvmesh.services.engine.adapter.kv_groups import FULL, SLIDING, KVGroup, KVGroups
+    from kvmesh.services.engine.adapter.request_meta import KVMeshConnectorMetadata, ReqMeta, SaveSpec
+    from kvmesh.services.engine.core.cache_engine import CacheEngine
+    from kvmesh.shared.config import EngineConfig
+    from kvmesh.shared.keys import KeyParams
+
+    caches, layout = paged()
+    names = list(caches)
+    groups = KVGroups((KVGroup(SLIDING, tuple(names[:2]), 2 * BS), KVGroup(FULL, tuple(names[2:]))), BS)
+    layout = dataclasses.replace(layout, group_layers=groups.layers_per_group(), groups_tag=groups.tag)
+    engine = CacheEngine(EngineConfig(chunk_size=CHUNK, max_local_cpu_size=0.05), KeyParams("m", ""), layout,
+                         use_mesh=False, device=DEVICE)
+    side = worker_side.WorkerSide(engine.config, BS, saves_off_forward=True, groups=groups)
+    side.engine, side.kv_caches = engine, caches
+    try:
+        tokens = list(range(CHUNK))
+        spans = engine.hasher.spans(tokens)
+        save = ReqMeta("p", [span.key for span in spans], [0, 1], save=SaveSpec(end=CHUNK, mask_start=0),
+                       group_block_ids=[[0, 1], [2, 3]])
+        for cache in caches.values():
+            cache.fill_(1.5)  # the forward wrote the request's KV
+        with torch.cuda.stream(side.async_saves.stream(DEVICE)):
+            torch.cuda._sleep(SLEEP_CYCLES)  # the stream the gather goes on is busy for a while
+        side.wait_for_save(KVMeshConnectorMetadata(requests=[save]))
+        for cache in caches.values():
+            cache.fill_(2.5)  # the next forward writes another request's KV into the freed blocks
+        side.async_saves.drain(engine)  # waits for the copies, admits their chunks
+        ref = engine.cpu.acquire(spans[0].key)
+        assert ref is not None, "the save stored nothing"
+        try:
+            assert bool((engine.chunk_view(spans[0], ref) == 1.5).all()), "the save read the next forward's KV"
+        finally:
+            ref.release()
     finally:
         engine.close()

@@ -1,15 +1,32 @@
 """Saves off the forward's critical path (GPU), and what preemption and request ends must wait for.
 
 On a CUDA vLLM (`saves_off_forward`), `wait_for_save` only queues each save's gather (vLLM's paged cache ->
-pinned pool slots) on a dedicated CUDA stream, ordered after the forward by the stream's wait; the chunks
-enter the CPU tier (and the write-behind) once the copy's event has fired, checked in every step's
-`get_finished`. The copy reads vLLM's blocks after `wait_for_save` returned, so those blocks must not be
-reused before it ends:
-  * a request that ends: the scheduler's `request_finished` answers True for a request that had a save
-    (vLLM keeps its blocks), and the workers report it in `finished_sending` once its copies are done;
-  * a preempted request (vLLM frees its blocks at once, without `request_finished`): `handle_preemptions`, run
-    before the next forward, makes the forward's stream wait for the request's copies, so nothing the forward
-    writes into the freed blocks can overtake them (no host wait).
+pinned pool slots) on a CUDA stream, ordered after the forward that wrote the KV, and returns without waiting;
+the chunks enter the CPU tier (and the write-behind) once the copy's event has fired, checked in every step's
+`get_finished`. The copy reads vLLM's blocks after `wait_for_save` returned, so nothing may write those blocks
+before it has read them. Which stream (`AsyncSaves.stream`):
+  * a model with one full-attention KV cache group: a dedicated side stream, so the gather overlaps the next
+    forward. vLLM frees such a request's blocks only when it ends or is preempted:
+      - a request that ends: the scheduler's `request_finished` answers True for a request that had a save
+        (vLLM keeps its blocks), and the workers report it in `finished_sending` once its copies are done;
+      - a preempted request (vLLM frees its blocks at once, without `request_finished`): `handle_preemptions`,
+        run before the next forward, makes the forward's stream wait for the request's copies, so nothing the
+        forward writes into the freed blocks can overtake them (no host wait). Such a model has no Mamba layer
+        and one KV precision, so vLLM zeroes no reused block and copies none on write before that call.
+  * a model with KV cache groups (`on_forward_stream`: a sliding window, a Mamba / GDN state, several
+    attention groups): the forward's own stream, right behind the forward. vLLM frees such a request's blocks
+    while it still runs, with neither call above: blocks that left the window and retired state pages
+    (the previous running page, the prefill checkpoint) at its next schedule, which may hand them to another
+    request at once; and on vLLM's V2 model runner the next step zeroes reused blocks (Mamba, mixed
+    precision) and runs copy-on-write copies before the connector's `handle_preemptions` is even called. So no
+    hook of the next step can order the gather first. On the forward's stream no interleaving can break it:
+    nothing reaches the GPU when vLLM frees or reallocates a block (the scheduler only moves block ids), every
+    write into a block (the next step's zeroing, copy-on-write copies and forward, the drafter, KVMesh's own
+    load scatters) is queued by this worker's one model-runner thread after `wait_for_save` returned (vLLM
+    runs a step's execute_model / sample_tokens to their end before the next; with a drafter, `wait_for_save`
+    runs after the drafter's forward), on this stream or on one that first waits for it (KVMesh's layer-wise
+    loader, which groups do not use), and a CUDA stream runs its work in the order it was queued. The host
+    still never waits; the cost is that the gather no longer overlaps the next forward.
 On CPU the copy is a memcpy by the cores that run the forward: it stays synchronous in `wait_for_save`, so
 nothing is held (a second thread was measured only on a contended machine, see docs/connector.md).
 """
@@ -36,9 +53,11 @@ def saves_off_forward(vllm_config: Any) -> bool:
 
 class AsyncSaves:
     """Worker side: the saves whose copies may still run, and the requests whose blocks vLLM holds for them
-    (vLLM's worker thread only)."""
+    (vLLM's worker thread only). `on_forward_stream`: the model has KV cache groups, whose blocks vLLM frees
+    while their request runs; its gathers are queued on the forward's stream (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_forward_stream: bool = False) -> None:
+        self.on_forward_stream = on_forward_stream
         self._jobs: dict[str, list["StoreJob"]] = {}
         self._held: set[str] = set()  # request_finished told vLLM to keep their blocks: report them once
         self._finished: set[str] = set()  # held requests vLLM has finished, waiting for their copies
@@ -48,9 +67,12 @@ class AsyncSaves:
         return sum(len(jobs) for jobs in self._jobs.values())
 
     def stream(self, device: torch.device) -> "torch.cuda.Stream | None":
-        """The side stream the gathers run on (None off CUDA)."""
+        """The stream the gathers run on (None off CUDA): the forward's own when `on_forward_stream`, else a
+        side stream."""
         if device.type != "cuda":
             return None
+        if self.on_forward_stream:
+            return torch.cuda.current_stream(device)
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
         return self._stream

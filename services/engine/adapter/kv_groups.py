@@ -15,13 +15,21 @@ What each kind needs:
     stale for that group, and no load ever writes it (vLLM allocates at most that window before a hit, and
     less for a later hit: the skipped count only grows with the hit).
   * recurrent state (`MambaSpec`: Mamba, Gated DeltaNet / linear attention): no KV per token, one state per
-    request, which vLLM's "align" mode (prefix caching on) keeps per block where a step ends: the state after
-    (i + 1) * B tokens is block i's page. It is stored beside the chunk that ends there, under the chunk's state
-    key (`shared.keys.state_key`), as one page per state layer (`page_view`: a state page copies like an
-    attention page of the same size), and a hit ends only at a chunk whose state every rank holds (the scheduler
-    looks the candidates up longest first). The load writes it into the block vLLM allocates for it (block hit / B - 1).
-    Chunks themselves carry no state pages (their state rows are -1). Without "align" mode there is no state to
-    resume from: the model is served without the cache.
+    request, which vLLM's "align" mode (prefix caching on) keeps in the request's block table: after a step
+    that computed tokens [start, end), the state after `end` tokens is in the running block (column
+    cdiv(end, B) - 1), and a prefill step may also leave vLLM's internal checkpoint in column cdiv(end, B) - 2:
+    the state after the position vLLM's own `compute_mamba_prefill_checkpoints` gives (a hash-block boundary,
+    which is that block's end only when the hash block is the Mamba block and EAGLE drops no block). Any other
+    page holds an older state or nothing. `KVGroups.state_pages` names exactly those two pages, with the
+    position each holds, computed from the inputs vLLM's backends use (the KV cache config's hash block size
+    and cache-hit alignment, the spec's checkpoint alignment, EAGLE's block drop). A state is stored beside
+    the chunk ending at that position, under the chunk's state key (`shared.keys.state_key`), only when one of
+    those pages holds it; a page is never taken for the state at its block's end. It is stored as one page per
+    state layer (`page_view`: a state page copies like an attention page of the same size), and a hit ends
+    only at a chunk whose state every rank holds (the scheduler looks the candidates up longest first). The
+    load writes it into the block vLLM allocates for it (block hit / B - 1, where vLLM's forward reads a
+    resumed request's state). Chunks themselves carry no state pages (their state rows are -1). Without
+    "align" mode there is no state to resume from: the model is served without the cache.
   * anything else (chunked-local attention, cross attention, ...) is not cached: the model is served without
     KVMesh, with one WARNING naming the group (`KVGroups.of`).
 
@@ -31,8 +39,9 @@ load runs asynchronously and a failed one is reported as a failed receive (vLLM 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -55,6 +64,9 @@ class KVGroup:
     layer_names: tuple[str, ...]
     sliding_window: int = 0
     extra_retained_tokens: int = 0
+    # STATE: vLLM's prefill checkpoint alignment (MambaSpec.prefill_checkpoint_alignment), None when the group
+    # has no checkpoint block (its spec's num_prefill_checkpoint_blocks is 0)
+    checkpoint_alignment: int | None = None
 
     def skipped_tokens(self, num_computed: int) -> int:
         """Tokens before the window of the token after `num_computed` (whose blocks vLLM frees); vLLM's
@@ -72,16 +84,38 @@ class KVGroup:
 
 
 @dataclass(frozen=True)
+class StateCheckpoints:
+    """What vLLM's backends compute a Mamba prefill checkpoint from besides the step (the engine core resolves
+    the first two into every KVCacheConfig; `compute_mamba_prefill_checkpoints` takes all three)."""
+
+    hash_block_size: int  # KVCacheConfig.hash_block_size: tokens per prefix-cache block hash
+    alignment_tokens: int  # KVCacheConfig.cache_hit_alignment_tokens: where prefix-cache hits land
+    drop_eagle_block: bool  # speculative_config.use_eagle_block_drop(): EAGLE replays the last hash block
+
+    @classmethod
+    def of(cls, kv_cache_config: Any, drop_eagle_block: bool) -> "StateCheckpoints | None":
+        """From vLLM's KVCacheConfig; None where it does not carry them (no checkpoint page is then stored)."""
+        hash_block_size = getattr(kv_cache_config, "hash_block_size", None)
+        alignment_tokens = getattr(kv_cache_config, "cache_hit_alignment_tokens", None)
+        if not hash_block_size or not alignment_tokens:
+            return None
+        return cls(int(hash_block_size), int(alignment_tokens), bool(drop_eagle_block))
+
+
+@dataclass(frozen=True)
 class KVGroups:
     """The groups of one model, in vLLM's order (the order of its block tables)."""
 
     groups: tuple[KVGroup, ...]
     block_size: int
+    # with state groups: how vLLM places its prefill checkpoints (None: never taken as a state, `state_pages`)
+    checkpoints: StateCheckpoints | None = None
 
     @classmethod
-    def of(cls, kv_cache_config: Any) -> "tuple[KVGroups | None, str | None]":
+    def of(cls, kv_cache_config: Any, drop_eagle_block: bool = False) -> "tuple[KVGroups | None, str | None]":
         """(the groups, None) when KVMesh caches every group of this model; (None, why not) otherwise; (None,
-        None) without a kv_cache_config (tests, old vLLM: one full-attention group is assumed)."""
+        None) without a kv_cache_config (tests, old vLLM: one full-attention group is assumed).
+        `drop_eagle_block`: vLLM's speculative_config.use_eagle_block_drop() (it moves Mamba checkpoints)."""
         if kv_cache_config is None:
             return None, None
         specs = [(group, group.kv_cache_spec) for group in kv_cache_config.kv_cache_groups]
@@ -102,7 +136,10 @@ class KVGroups:
                 why = _uncached_state(spec)
                 if why is not None:
                     return None, f"its KV cache group of {kind} ({_names(group.layer_names)}) {why}"
-                groups.append(KVGroup(STATE, tuple(group.layer_names)))
+                alignment = getattr(spec, "prefill_checkpoint_alignment", None)
+                has_checkpoint = getattr(spec, "num_prefill_checkpoint_blocks", 0) > 0 and alignment is not None
+                groups.append(KVGroup(STATE, tuple(group.layer_names),
+                                      checkpoint_alignment=int(alignment) if has_checkpoint else None))
             else:
                 return None, (f"its KV cache group of {kind} ({_names(group.layer_names)}) is not cached by KVMesh: "
                               "full attention, sliding-window and Mamba state groups are")
@@ -111,22 +148,54 @@ class KVGroups:
             return None, f"its KV cache groups have different block sizes {sorted(sizes)}"
         if all(group.kind == STATE for group in groups):
             return None, "it has no attention layer (only recurrent state): KVMesh stores states beside KV"
-        return cls(tuple(groups), sizes.pop()), None
+        return cls(tuple(groups), sizes.pop(), StateCheckpoints.of(kv_cache_config, drop_eagle_block)), None
 
     @property
     def has_state(self) -> bool:
         """Whether a hit needs a recurrent state saved at its end (a Mamba / GDN group)."""
         return any(group.kind == STATE for group in self.groups)
 
-    def state_held(self, tables: Sequence[Sequence[int]], end: int) -> bool:
-        """Whether every state group holds the state after `end` tokens in the step these tables are for: in
-        vLLM's "align" mode the state after (i + 1) * B tokens is block i's page, which vLLM fills only where a
-        step ended (a block that holds no state yet is its null block)."""
-        if end <= 0 or end % self.block_size:
-            return False
-        index = end // self.block_size - 1
-        return all(len(table) > index and table[index] != -1
-                   for group, table in zip(self.groups, tables) if group.kind == STATE)
+    def state_pages(self, tables: Sequence[Sequence[int]], start: int, end: int) -> dict[int, int]:
+        """The state pages a step that computes tokens [start, end) leaves, as {how many tokens the state a page
+        holds is after: the page's column in the state groups' tables (`tables`, this step's)}. Only two pages
+        are known: the running state after `end` (column cdiv(end, B) - 1) and the prefill checkpoint vLLM's
+        forward writes in this step, if any (`prefill_checkpoint`). Every other page holds an older state (the
+        one the step started from, a prefix-cache hit's, which may sit inside its block) or nothing, and is never
+        named. Only columns where every state group has a block count."""
+        if end <= start:
+            return {}
+        pages = {end: -(-end // self.block_size) - 1}
+        checkpoint = self.prefill_checkpoint(start, end)
+        if checkpoint is not None:
+            position, column = checkpoint
+            pages[position] = column
+        return {position: column for position, column in pages.items()
+                if all(0 <= column < len(table) and table[column] != -1
+                       for group, table in zip(self.groups, tables) if group.kind == STATE)}
+
+    def prefill_checkpoint(self, start: int, end: int) -> tuple[int, int] | None:
+        """(position, column) of the prefill checkpoint vLLM's forward writes in a step that computes tokens
+        [start, end): the state after `position` tokens into the state groups' column (vLLM's
+        `compute_mamba_prefill_checkpoints`, which its Mamba backends call with the same inputs, so this
+        declines exactly where they do); None when it writes none, or not the same one in every state group."""
+        compute = _vllm_prefill_checkpoints()
+        if self.checkpoints is None or compute is None:
+            return None
+        found = set()
+        for group in self.groups:
+            if group.kind != STATE:
+                continue
+            if group.checkpoint_alignment is None:
+                return None
+            offsets, columns = compute([end], [end - start], hash_block_size=self.checkpoints.hash_block_size,
+                                       mamba_block_size=self.block_size,
+                                       checkpoint_alignment=group.checkpoint_alignment,
+                                       drop_eagle_block=self.checkpoints.drop_eagle_block,
+                                       cache_hit_alignment_tokens=self.checkpoints.alignment_tokens)
+            if offsets[0] <= 0:
+                return None
+            found.add((start + offsets[0], columns[0]))
+        return found.pop() if len(found) == 1 else None
 
     def chunk_slots(self, tables: Sequence[Sequence[int]], num_tokens: int) -> torch.Tensor:
         """A chunk's slots, one row per group (`slot_rows`); state groups get none (-1): their pages travel as
@@ -137,14 +206,19 @@ class KVGroups:
                 rows[i] = -1
         return rows
 
-    def state_slots(self, tables: Sequence[Sequence[int]], end: int) -> torch.Tensor:
-        """The slots of the state after `end` tokens: for tokens [end - B, end), the state groups' block
-        end / B - 1 (one whole page per layer), nothing (-1) for the other groups."""
+    def state_slots(self, tables: Sequence[Sequence[int]], end: int, column: int | None = None) -> torch.Tensor:
+        """The slots of the state after `end` tokens, which the state groups' block `column` holds (default
+        end / B - 1, where vLLM reads the state a request resumes from after a hit of `end` tokens): for tokens
+        [end - B, end), that block's page (one whole page per layer), nothing (-1) for the other groups."""
+        if column is None:
+            column = end // self.block_size - 1
         rows = torch.full((len(self.groups), end), -1, dtype=torch.int64)
-        block_rows = slot_rows(tables, end, self.block_size, -1)
-        for i, group in enumerate(self.groups):
+        offsets = torch.arange(self.block_size, dtype=torch.int64)
+        for i, (group, table) in enumerate(zip(self.groups, tables)):
             if group.kind == STATE:
-                rows[i, end - self.block_size:] = block_rows[i, end - self.block_size:]
+                if not 0 <= column < len(table) or table[column] == -1:
+                    raise ValueError(f"no state block in column {column} of a state group's table")
+                rows[i, end - self.block_size:] = table[column] * self.block_size + offsets
         return rows
 
     @property
@@ -198,7 +272,7 @@ class KVGroups:
 
     def held_for_hit(self, tables: Sequence[Sequence[int]], hit: int, null_block: int) -> bool:
         """Whether every attention group holds the blocks vLLM would allocate for a hit of `hit` tokens (states
-        are stored beside the chunks where they exist: `state_held`)."""
+        are stored beside the chunks where a step left them: `state_pages`)."""
         last = -(-hit // self.block_size)
         for group, table in zip(self.groups, tables):
             if group.kind == STATE:
@@ -233,6 +307,16 @@ def _uncached_state(spec: Any) -> str | None:
     if getattr(spec, "num_speculative_blocks", 0):
         return "has speculative-decoding state blocks, which KVMesh does not follow"
     return None
+
+
+@functools.cache
+def _vllm_prefill_checkpoints() -> Callable[..., tuple[list[int], list[int]]] | None:
+    """vLLM's `compute_mamba_prefill_checkpoints` (None in a vLLM without one: no checkpoint is ever taken)."""
+    try:
+        from vllm.model_executor.layers.mamba.checkpoint import compute_mamba_prefill_checkpoints
+    except ImportError:
+        return None
+    return compute_mamba_prefill_checkpoints
 
 
 def _names(layer_names: Sequence[str]) -> str:

@@ -73,8 +73,9 @@ class SaveSpec:
     mask_start: int
     prefix_end: int = 0
     prefix_key: ChunkKey | None = None
-    # models with recurrent state (kv_groups.py): the chunk ends whose state this step left, stored beside them
-    state_ends: tuple[int, ...] = ()
+    # models with recurrent state (kv_groups.py): (chunk end, the state groups' block column whose page holds the
+    # state after exactly that many tokens) for each state this step left at a chunk end, stored beside the chunk
+    state_pages: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass

@@ -247,6 +247,8 @@ class SchedulerSide:
             tracker = self._trackers.get(req_id)
             if tracker is not None:
                 tracker.preempted()
+        # requests that verify draft tokens this step: vLLM counts the drafts as scheduled tokens
+        drafting = set(getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or ())
         starting = [req_id for req_id in self._async_starting if req_id not in meta.preempted]
         self._async_starting = []
         for req_id in starting:
@@ -258,7 +260,9 @@ class SchedulerSide:
             if tracker is None:
                 continue
             tracker.block_ids = list(new.block_ids[0]) if new.block_ids else []
-            self._add_step(meta, tracker, new.num_computed_tokens + num_scheduled.get(new.req_id, 0))
+            self._add_step(meta, tracker, (new.num_computed_tokens,
+                                           new.num_computed_tokens + num_scheduled.get(new.req_id, 0)),
+                           new.req_id in drafting)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tracker = self._trackers.get(req_id)
@@ -266,27 +270,30 @@ class SchedulerSide:
                 continue
             new_blocks = cached.new_block_ids[i]
             tracker.extend_blocks(new_blocks[0] if new_blocks else None, replace=req_id in cached.resumed_req_ids)
-            self._add_step(meta, tracker, cached.num_computed_tokens[i] + num_scheduled.get(req_id, 0))
+            start = cached.num_computed_tokens[i]
+            self._add_step(meta, tracker, (start, start + num_scheduled.get(req_id, 0)), req_id in drafting)
         for req_id in scheduler_output.finished_req_ids:
             self._trackers.pop(req_id, None)
         return meta
 
-    def _add_step(self, meta: KVMeshConnectorMetadata, tracker: RequestTracker, num_computed_after: int | None
-                  ) -> None:
-        """The request's load and save in this step (`num_computed_after` None: an async load only)."""
+    def _add_step(self, meta: KVMeshConnectorMetadata, tracker: RequestTracker, step: tuple[int, int] | None,
+                  drafting: bool = False) -> None:
+        """The request's load and save in this step, which computes its tokens [start, end) (`step`; None: an
+        async load only), verifying draft tokens counted in `end` when `drafting`."""
         hasher = self.lookup.hasher() if self.lookup is not None else None
         if not tracker.cacheable or hasher is None:
             return
         load = tracker.take_load(self.chunk_size)
         save = None
-        if self.can_save and num_computed_after is not None:
-            save = tracker.take_save(num_computed_after, self.chunk_size, self.config.save_unfull_chunk,
+        if self.can_save and step is not None:
+            save = tracker.take_save(step[1], self.chunk_size, self.config.save_unfull_chunk,
                                      self.config.save_decode_cache, self.block_size)
             if save is not None and save.prefix_end:
                 save = dataclasses.replace(save, prefix_key=self._block_prefix_key(tracker, hasher, save))
         tables = None
         if self.groups is not None and (load is not None or save is not None):
-            tables, save = self._group_tables(tracker, save)
+            # with drafts, what the state pages hold depends on how many vLLM accepts: none is stored
+            tables, save = self._group_tables(tracker, save, None if drafting else step)
             if tables is None:
                 return
         if load is None and save is None:
@@ -299,10 +306,11 @@ class SchedulerSide:
         meta.requests.append(ReqMeta(tracker.req_id, keys, list(tracker.block_ids), load, save, tracker.lora_name,
                                      lora_id, tracker.load_failed, tables))
 
-    def _group_tables(self, tracker: RequestTracker, save: SaveSpec | None
+    def _group_tables(self, tracker: RequestTracker, save: SaveSpec | None, step: tuple[int, int] | None
                       ) -> tuple[list[list[int]] | None, SaveSpec | None]:
         """The request's block table per group for this step, and its save cut to the chunks whose blocks a hit
-        would load are all still held (kv_groups.py); (None, None) when vLLM has no table for it."""
+        would load are all still held, with the states the step's tokens [start, end) (`step`; None: no state is
+        known) leave at chunk ends (kv_groups.py); (None, None) when vLLM has no table for it."""
         assert self.groups is not None
         try:
             tables = self._block_tables(tracker.req_id) if self._block_tables is not None else None
@@ -312,11 +320,13 @@ class SchedulerSide:
             tables = None
         if tables is None:
             return None, None
-        if save is not None and self.groups.has_state:  # the states this step left at chunk ends
+        if save is not None and self.groups.has_state and step is not None:
+            # the states this step left at chunk ends, each from the page known to hold it (never a page taken
+            # for the state at its block's end)
+            pages = self.groups.state_pages(tables, *step)
             first = save.mask_start - save.mask_start % self.chunk_size + self.chunk_size
-            ends = tuple(end for end in range(first, save.end + 1, self.chunk_size)
-                         if self.groups.state_held(tables, end))
-            save = dataclasses.replace(save, state_ends=ends)
+            states = tuple((end, pages[end]) for end in range(first, save.end + 1, self.chunk_size) if end in pages)
+            save = dataclasses.replace(save, state_pages=states)
         if save is not None:
             start = self.groups.saveable_from(tables, save.mask_start, save.end, self.chunk_size, -1)
             prefix_end = save.prefix_end

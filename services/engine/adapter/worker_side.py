@@ -96,9 +96,11 @@ class WorkerSide:
         self._failed_from: dict[str, int] = {}
         self.async_loads = AsyncLoads(config.blocking_timeout_secs)  # loads between steps
         self._finished_recving: set[str] = set()  # async loads done this step, reported to vLLM
-        # on CUDA saves are gathered on a side stream and vLLM holds their blocks (async_saves.py)
+        # on CUDA saves are gathered after the forward without a host wait and vLLM holds their blocks; with
+        # groups on the forward's stream, else on a side stream (async_saves.py)
         self.saves_off_forward = saves_off_forward
-        self.async_saves = AsyncSaves()  # those saves in flight, the requests whose blocks are held
+        # those saves in flight, the requests whose blocks are held
+        self.async_saves = AsyncSaves(on_forward_stream=self.groups is not None)
         self.cpu_events = StepEventLog()  # the CPU tier's admissions and evictions, for the scheduler's mirror
         # metrics: what happened since vLLM last asked (get_kv_connector_stats)
         self._stats = KVMeshStats()
@@ -308,18 +310,26 @@ class WorkerSide:
             return self.groups.chunk_slots(req.group_block_ids, num_tokens)
         return req.slot_mapping(num_tokens, self.block_size)
 
-    def _state_span(self, req: ReqMeta, end: int, chain_key: Any) -> tuple[ChunkSpan, torch.Tensor]:
+    def _state_span(self, req: ReqMeta, end: int, chain_key: Any, column: int | None = None
+                    ) -> tuple[ChunkSpan, torch.Tensor]:
         """This worker's span of the recurrent state after `end` tokens (stored under `chain_key`'s state key),
-        and its slots (kv_groups.py)."""
+        and the slots of the state groups' block `column` that holds it (default: where a load of `end` tokens
+        writes it; kv_groups.py)."""
         assert self.groups is not None and req.group_block_ids is not None
         chain_span = ChunkSpan((end - 1) // self.chunk_size, end - self.block_size, end, state_key(chain_key))
-        return self.engine.hasher.shard([chain_span])[0], self.groups.state_slots(req.group_block_ids, end)
+        return (self.engine.hasher.shard([chain_span])[0],
+                self.groups.state_slots(req.group_block_ids, end, column))
 
     def _load_state(self, req: ReqMeta, refs: list[Any] | None = None) -> bool:
         """Write the state at the load's end (fetched in `refs`, else from the tiers now); whether it was."""
         load = req.load
         assert load is not None and load.state_key is not None
-        span, slots = self._state_span(req, load.end, load.state_key)
+        try:
+            span, slots = self._state_span(req, load.end, load.state_key)
+        except BaseException:  # no block for it (never expected): the fetched state is not written
+            for ref in refs or ():
+                ref.release()
+            raise
         if refs is None:
             loaded = self.engine.retrieve_chunks([span], self.kv_caches, slots) == 1
         else:
@@ -342,9 +352,9 @@ class WorkerSide:
         try:
             spans = self._load_spans(req)
             loaded = self.engine.retrieve_chunks(spans, self.kv_caches, self._slots(req, load.end), load.skip_prefix)
-            loaded_upto = spans[loaded - 1].end if loaded else load.mask_start
-            if load.state_key is not None and (loaded < len(spans) or not self._load_state(req)):
-                loaded_upto = load.mask_start  # KV without the state at its end is of no use
+            if load.state_key is None or (loaded == len(spans) and self._load_state(req)):
+                loaded_upto = spans[loaded - 1].end if loaded else load.mask_start
+            # else KV without the state at its end is of no use
         except Exception as exc:
             log.warning("loading KV for request %s failed (%s: %s); vLLM recomputes it", req.req_id,
                         type(exc).__name__, exc)
@@ -382,11 +392,12 @@ class WorkerSide:
         try:
             loaded = self.engine.scatter_chunks(spans, refs, self.kv_caches, self._slots(req, load.end),
                                                 load.skip_prefix)
-            loaded_upto = spans[loaded - 1].end if loaded else load.mask_start
+            state_loaded = True
             if load.state_key is not None:
                 taken, state_refs = (state_refs, []) if loaded == len(spans) else ([], state_refs)
-                if not self._load_state(req, taken):
-                    loaded_upto = load.mask_start  # KV without the state at its end is of no use
+                state_loaded = self._load_state(req, taken)
+            if state_loaded:  # KV without the state at its end is of no use
+                loaded_upto = spans[loaded - 1].end if loaded else load.mask_start
         except Exception as exc:
             log.warning("loading KV for request %s failed (%s: %s); vLLM recomputes it", req.req_id,
                         type(exc).__name__, exc)
@@ -487,13 +498,13 @@ class WorkerSide:
                             exc)
 
     def _store_states(self, req: ReqMeta, save: SaveSpec, stream: Any) -> None:
-        """Store the recurrent states the step left at chunk ends (`SaveSpec.state_ends`, kv_groups.py), none
-        past a failed load's first wrong token."""
+        """Store the recurrent states the step left at chunk ends (`SaveSpec.state_pages`: each from the page
+        known to hold it, kv_groups.py), none past a failed load's first wrong token."""
         limit = self._save_limit(req)
-        for end in save.state_ends:
+        for end, column in save.state_pages:
             if limit is not None and end > limit:
                 continue
-            span, slots = self._state_span(req, end, req.chunk_keys[end // self.chunk_size - 1])
+            span, slots = self._state_span(req, end, req.chunk_keys[end // self.chunk_size - 1], column)
             if stream is None:
                 self.engine.store_chunks([span], self.kv_caches, slots)
             else:

@@ -1,0 +1,177 @@
+"""Which recurrent state a Mamba state page holds, with vLLM's own KV cache manager laying out the block tables
+(adapter/kv_groups.py, `KVGroups.state_pages`).
+
+vLLM's `KVCacheManager` (align mode, its Mamba2 prefill checkpoint block, fine-grained hash blocks, EAGLE's
+block drop: support.vllm_kv_cache) allocates the blocks; the connector's two halves run in vLLM's call order
+(support.connector_driver); the forward is replaced by a state oracle that writes each state page where vLLM's
+model writes it: the running state after the step's last token into the running column, and the prefill
+checkpoint into the column and at the position vLLM's Mamba backends compute (`compute_mamba_prefill_checkpoints`,
+the call their metadata builder makes). Every page holds a pattern naming the tokens it is the state after, so
+a stored state shows which position it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from typing import Any
+
+import pytest
+import torch
+
+from kvmesh.services.engine.adapter.kv_groups import KVGroups
+from kvmesh.shared.keys import ChunkSpan, state_key
+
+from support.engine import PagedKV, random_tokens
+
+pytest.importorskip("kvmesh.services.engine.connector")
+from vllm.model_executor.layers.mamba.checkpoint import compute_mamba_prefill_checkpoints  # noqa: E402
+
+from support.connector_driver import Step, rank0_engine, run_step  # noqa: E402
+from support.vllm_kv_cache import VLLMCache, full_attention, hybrid_cache, mamba2, request, tables  # noqa: E402
+
+B = 16  # vLLM's block size (the Mamba block and the attention block)
+CHUNK = 32  # support.engine's chunk size
+STATE_LAYER, ATTENTION_LAYER = "model.layers.0.mixer", "model.layers.1.self_attn"
+NUM_BLOCKS = 48
+
+
+def mamba_hybrid(hash_block_size: int, drop_eagle_block: bool = False) -> VLLMCache:
+    return hybrid_cache([(STATE_LAYER, mamba2(B)), (ATTENTION_LAYER, full_attention(B))], NUM_BLOCKS, B,
+                        hash_block_size, drop_eagle_block)
+
+
+def state_pattern(tokens: list[int], position: int, like: torch.Tensor) -> torch.Tensor:
+    """The oracle's state after `tokens[:position]`: a page no other position shares."""
+    seed = zlib.crc32(f"state/{tokens[:position]}".encode())
+    return torch.randn(like.shape, generator=torch.Generator().manual_seed(seed)).to(like.dtype)
+
+
+class StateForward:
+    """Stands for the hybrid model's forward over one request's step [start, end): the attention layer writes
+    the step's blocks, the state layer the running state after `end` and, where vLLM's Mamba2 backend exports
+    one, the prefill checkpoint, into the block the table names there (vLLM's null block when its manager
+    reserved none, as vLLM's own kernel would: never read back)."""
+
+    def __init__(self, caches: dict[str, torch.Tensor], cache: VLLMCache) -> None:
+        self.caches, self.cache = caches, cache
+        self.step: tuple[list[int], list[list[int]], int, int] = ([], [], 0, 0)
+
+    def __call__(self, layer: int, name: str) -> None:
+        tokens, block_ids, start, end = self.step
+        pages = self.caches[name]
+        if name == ATTENTION_LAYER:
+            for column in range(start // B, -(-end // B)):
+                pages[block_ids[1][column]] = state_pattern(tokens, (column + 1) * B, pages[0]) * 0.5
+            return
+        pages[block_ids[0][-(-end // B) - 1]] = state_pattern(tokens, end, pages[0])
+        offsets, columns = compute_mamba_prefill_checkpoints(
+            [end], [end - start], hash_block_size=self.cache.hash_block_size, mamba_block_size=B,
+            checkpoint_alignment=1, drop_eagle_block=self.cache.drop_eagle_block,
+            cache_hit_alignment_tokens=int(self.cache.config.cache_hit_alignment_tokens))
+        if offsets[0]:
+            pages[block_ids[0][columns[0]]] = state_pattern(tokens, start + offsets[0], pages[0])
+
+
+def run_prompt(cache: VLLMCache, tokens: list[int], steps: list[int]) -> dict[int, int | None]:
+    """Prefill `tokens` in steps of the given sizes through vLLM's manager and the connector's halves; for each
+    chunk end, the position whose state the engine stored under that chunk's state key (None: none stored)."""
+    from kvmesh.services.engine.adapter.async_loads import AsyncLoads
+    from kvmesh.services.engine.adapter.scheduler_lookup import SchedulerLookup
+    from kvmesh.services.engine.adapter.scheduler_side import SchedulerSide
+    from kvmesh.services.engine.adapter.worker_side import WorkerSide
+    from kvmesh.services.engine.connector import KVMeshConnector
+
+    from support.waiting import WAIT_S
+
+    groups, why = KVGroups.of(cache.config, cache.drop_eagle_block)
+    assert groups is not None and why is None
+    kv = PagedKV(num_blocks=NUM_BLOCKS, seed=3)
+    layout = dataclasses.replace(kv.layout, group_layers=groups.layers_per_group(), groups_tag=groups.tag)
+    caches = dict(zip((STATE_LAYER, ATTENTION_LAYER), kv.caches.values()))  # the groups' order: chunk order
+    forward = StateForward(caches, cache)
+    vllm_request = request(cache, "r", tokens)
+    with rank0_engine(layout) as engine:
+        side = SchedulerSide(engine.config, B, SchedulerLookup(1, WAIT_S, "test-scheduler"), groups=groups)
+        side.bind_block_tables(cache.manager)  # each step's tables: vLLM's own manager's
+        sched = KVMeshConnector.from_sides(scheduler_side=side)
+        worker_side = WorkerSide(engine.config, B, groups=groups)
+        worker_side.engine, worker_side.kv_caches, worker_side.async_loads = engine, caches, AsyncLoads(WAIT_S)
+        work = KVMeshConnector.from_sides(worker_side=worker_side)
+        try:
+            computed, num_local, _ = cache.manager.get_computed_blocks(vllm_request)
+            assert num_local == 0
+            assert sched.get_num_new_matched_tokens(vllm_request, 0) == (0, False)
+            start = 0
+            for i, size in enumerate(steps):
+                cache.manager.new_step_starts()
+                new = cache.manager.allocate_slots(vllm_request, size, 0, computed if i == 0 else None)
+                assert new is not None
+                if i == 0:
+                    sched.update_state_after_alloc(vllm_request, new, 0)
+                block_ids = [list(group) for group in cache.manager.get_block_ids("r")]
+                forward.step = (tokens, block_ids, start, start + size)
+                step = (Step(new=[("r", block_ids[0], 0, size)]) if i == 0 else
+                        Step(cached=[("r", list(new.get_block_ids()[0]), start, size, False)]))
+                run_step(sched, work, step, forward)
+                start += size
+                vllm_request.num_computed_tokens = start
+            return {end: stored_state(engine, tokens, end, caches) for end in range(CHUNK, len(tokens) + 1, CHUNK)}
+        finally:
+            sched.shutdown()
+
+
+def stored_state(engine: Any, tokens: list[int], end: int, caches: dict[str, torch.Tensor]) -> int | None:
+    """The position whose state the engine holds under the state key of the chunk ending at `end` (loaded into
+    a scratch block and matched against the oracle's states); None when it holds none, -1 for no position's."""
+    chain = engine.hasher.chain(tokens[:end])
+    span = engine.hasher.shard([ChunkSpan(chain[-1].index, end - B, end, state_key(chain[-1].key))])[0]
+    if span.key not in engine.cpu:
+        return None
+    scratch = NUM_BLOCKS - 1  # never allocated by the manager here (the prompts need far fewer blocks)
+    slots = torch.full((2, end), -1, dtype=torch.int64)
+    slots[0, end - B:] = scratch * B + torch.arange(B)
+    assert engine.retrieve_chunks([span], caches, slots) == 1
+    page = caches[STATE_LAYER][scratch]
+    return next((p for p in range(1, len(tokens) + 1) if torch.equal(page, state_pattern(tokens, p, page))), -1)
+
+
+# (hash block size, EAGLE's block drop, prompt length, prefill step sizes,
+#  {chunk end: the position of the state stored under its state key, None for none})
+CASES = {
+    # the issue's minimal case: one 44-token step leaves checkpoint block 1 holding the state after 40 (a hash
+    # block boundary past the block's end, 32): no page holds the state after 32, so none is stored
+    "fine-grained-hash-blocks": (8, False, 44, [44], {32: None}),
+    # hash block = Mamba block: the checkpoint is the state at its block's end
+    "hash-block-is-the-mamba-block": (16, False, 44, [44], {32: 32}),
+    # EAGLE moves the checkpoint one hash block back: block 1 holds the state after 16, not 32
+    "eagle-checkpoint-before-its-block-end": (16, True, 44, [44], {32: None}),
+    # ... and for 60 tokens block 2 holds the state after 32: stored under the first chunk's key from block 2
+    "eagle-checkpoint-at-a-chunk-end": (16, True, 60, [60], {32: 32}),
+    # a chunked prefill: the running state after the first step (64), the checkpoint of the last one (96)
+    "chunked-prefill-fine-grained": (8, False, 100, [64, 36], {32: None, 64: 64, 96: 96}),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_state_is_stored_under_a_chunks_state_key_only_from_a_page_that_holds_the_state_after_its_end(
+        case: str) -> None:
+    hash_block_size, drop_eagle_block, length, steps, want = CASES[case]
+    tokens = random_tokens(length, seed=len(case)).tolist()
+    assert run_prompt(mamba_hybrid(hash_block_size, drop_eagle_block), tokens, steps) == want
+
+
+def test_a_step_names_only_its_running_state_and_the_checkpoint_vllm_writes_in_it() -> None:
+    """The minimal case, page by page, on the tables vLLM's manager gives: the running column holds the state
+    after 44, the checkpoint column the state after 40; the null column holds nothing."""
+    cache = mamba_hybrid(hash_block_size=8)
+    groups, _ = KVGroups.of(cache.config)
+    assert groups is not None and groups.checkpoints is not None
+    assert groups.checkpoints.alignment_tokens == 8, "vLLM's hits land on hash blocks (fine-grained)"
+    assert cache.manager.allocate_slots(request(cache, "r", list(range(44))), 44) is not None
+    block_ids = tables(cache, "r")
+    assert block_ids[0][0] == -1 and block_ids[0][1] != -1 and block_ids[0][2] != -1  # checkpoint 1, running 2
+    assert groups.state_pages(block_ids, 0, 44) == {44: 2, 40: 1}
+    assert groups.prefill_checkpoint(0, 44) == (40, 1)
+    # without the KV cache config's hash block size the checkpoint is never named
+    assert dataclasses.replace(groups, checkpoints=None).state_pages(block_ids, 0, 44) == {44: 2}
