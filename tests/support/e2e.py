@@ -240,12 +240,18 @@ class VLLMServer(ManagedProcess):
                 values[name] = values.get(name, 0.0) + float(value)
         return values
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self, timeout: float = WAIT_S) -> None:
         """Empty vLLM's own prefix cache (POST /reset_prefix_cache: the server needs VLLM_SERVER_DEV_MODE=1), so
-        that the next hit is the connector's."""
+        that the next hit is the connector's. vLLM refuses (`"success": false`) while a block is still held, e.g.
+        by a request finishing: asked again until it succeeds."""
         import httpx
 
-        httpx.post(f"{self.url}/reset_prefix_cache", timeout=60).raise_for_status()
+        def reset() -> bool:
+            response = httpx.post(f"{self.url}/reset_prefix_cache", timeout=60)
+            response.raise_for_status()
+            return bool(response.json().get("success"))
+
+        wait_until(reset, timeout, interval=0.2, what=f"{self.name}'s prefix cache reset")
 
     def tokenize(self, prompt: str) -> list[int]:
         import httpx
