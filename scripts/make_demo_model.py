@@ -21,6 +21,11 @@ Both give the same logprobs in vLLM CPU as in transformers (eager attention), wi
 Qwen2/Qwen3 configs with mixed `layer_types` are not usable: vLLM's Qwen2 model refuses them unless
 `max_window_layers == num_hidden_layers`, and then applies no per-layer window at all.
 
+One preset is a speculative-decoding draft:
+* "eagle": an EAGLE-1 draft head for "tiny": one Llama layer of tiny's shape behind the `fc` that mixes the next
+  token's embedding with tiny's hidden state, in the layout vLLM's `EagleLlamaForCausalLM` loads (random
+  weights; vLLM puts its layer in tiny's full-attention KV cache group).
+
 One preset takes images, for connectors that must key the KV of image tokens by the image:
 * "vision": `Idefics3ForConditionalGeneration`: a tiny SigLIP-like vision tower (128x128 pixels, 8x8 patches,
   hidden 64) whose 256 patch features are pixel-shuffled (scale 2) into 64 image tokens for a "tiny"-sized
@@ -40,6 +45,7 @@ One preset takes images, for connectors that must key the KV of image tokens by 
     python scripts/make_demo_model.py OUTDIR --preset swa    # Mistral: every layer sliding-window (128), fp32
     python scripts/make_demo_model.py OUTDIR --preset vision # Idefics3: images (64 tokens each) + text, fp32
     python scripts/make_demo_model.py OUTDIR --preset qwen3next # Qwen3-Next: 3 GDN + 1 full layer, MoE, bf16
+    python scripts/make_demo_model.py OUTDIR --preset eagle  # an EAGLE-1 draft head (one layer) for "tiny"
 
 The same arguments give byte-identical files (checked by `--verify`); a `kvmesh_demo.json` next to the weights
 records the arguments, so callers can reuse a built directory when the arguments match (`model_is_current`).
@@ -102,6 +108,10 @@ PRESETS: dict[str, dict[str, object]] = {
                       ssm_state=64, expand=2, mamba_chunk=64,
                       block_types=["linear_attention", "mlp", "linear_attention", "full_attention",
                                    "linear_attention", "mlp"]),
+    # speculative decoding: an EAGLE-1 draft head for "tiny" (one Llama layer of tiny's shape behind `fc`, which
+    # mixes the next token's embedding with tiny's hidden state; it borrows tiny's embedding and LM head)
+    "eagle": dict(arch="eagle", layers=1, hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64, vocab=4096,
+                  max_positions=8192, dtype="float32"),
     # images: Idefics3, "tiny"'s text model behind a tiny vision tower; (image_size / patch_size)^2 / scale^2
     # = 64 image tokens per image
     "vision": dict(arch="idefics3", layers=2, hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64,
@@ -111,7 +121,7 @@ PRESETS: dict[str, dict[str, object]] = {
 # "arch" (default "llama"), "sliding_window" and "full_every" appear only in the sliding-window presets' specs, and
 # the image keys only in "vision"'s, so the "tiny"/"bench" specs, markers and files are the same as before these
 # presets existed.
-ARCHS = ("llama", "gemma2", "mistral", "idefics3", "qwen3next", "nemotronh")
+ARCHS = ("llama", "gemma2", "mistral", "idefics3", "qwen3next", "nemotronh", "eagle")
 # The vision preset's special tokens, appended to the tokenizer in this order (ids vocab .. vocab + 3).
 VISION_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
 # "tiny"'s chat template, except that a content list (vLLM passes OpenAI-style parts through when the template
@@ -280,6 +290,32 @@ def _build_vision(outdir: Path, spec: dict[str, object], seed: int) -> None:
     (outdir / MARKER_FILE).write_text(json.dumps(marker(spec, seed), indent=2, sort_keys=True) + "\n")
 
 
+def _build_eagle(outdir: Path, spec: dict[str, object], seed: int) -> None:
+    """The "eagle" preset: an EAGLE-1 draft in the layout vLLM's `EagleLlamaForCausalLM` loads (`fc.weight` and
+    `layers.0.*`, no embedding or LM head: vLLM shares the target's), with a plain Llama config.json that vLLM
+    wraps as an EAGLE config (`--speculative-config '{"method": "eagle", "model": DIR, ...}'`). Random weights:
+    the target verifies every drafted token, so the answers are the target's whatever the draft proposes."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    tokenizer = build_tokenizer(int(spec["vocab"]))  # type: ignore[arg-type]
+    tokenizer.save_pretrained(outdir)
+    config = _text_config(spec, tokenizer)
+    config.architectures = ["LlamaForCausalLM"]  # vLLM names the draft's class after it (EagleLlamaForCausalLM)
+    dtype = getattr(torch, str(spec["dtype"]))
+    torch.manual_seed(seed)
+    layer = LlamaForCausalLM(config).to(dtype).model.layers[0]
+    # vLLM's EAGLE layer 0 has no input norm: the input is fc's output
+    weights = {f"layers.0.{name}": tensor.contiguous() for name, tensor in layer.state_dict().items()
+               if not name.startswith("input_layernorm")}
+    hidden = int(spec["hidden"])  # type: ignore[arg-type]
+    weights["fc.weight"] = (torch.randn(hidden, 2 * hidden) * config.initializer_range).to(dtype)
+    config.save_pretrained(outdir)
+    save_file(weights, str(outdir / "model.safetensors"), metadata={"format": "pt"})
+    (outdir / MARKER_FILE).write_text(json.dumps(marker(spec, seed), indent=2, sort_keys=True) + "\n")
+
+
 def build(outdir: Path, spec: dict[str, object], seed: int) -> None:
     import torch
     from transformers import LlamaForCausalLM
@@ -289,6 +325,9 @@ def build(outdir: Path, spec: dict[str, object], seed: int) -> None:
     outdir.mkdir(parents=True, exist_ok=True)
     if spec.get("arch") == "idefics3":
         _build_vision(outdir, spec, seed)
+        return
+    if spec.get("arch") == "eagle":
+        _build_eagle(outdir, spec, seed)
         return
     tokenizer = build_tokenizer(int(spec["vocab"]))  # type: ignore[arg-type]
     tokenizer.save_pretrained(outdir)
@@ -346,7 +385,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("outdir", type=Path)
     parser.add_argument("--bench", action="store_true", help="the benchmark preset (6 layers, hidden 512, bf16)")
     parser.add_argument("--preset", choices=sorted(PRESETS),
-                        help="tiny (default), bench, hybrid, swa, vision, qwen3next or nemotronh")
+                        help="tiny (default), bench, hybrid, swa, vision, qwen3next, nemotronh or eagle")
     parser.add_argument("--layers", type=int)
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--intermediate", type=int)

@@ -9,6 +9,8 @@
 * `gdn_model`: a tiny Qwen3-Next (Gated DeltaNet linear-attention layers and a full-attention layer, bf16), built
   offline and cached.
 * `mamba2_model`: a tiny Nemotron-H (Mamba2, MLP and attention layers, fp32), built offline and cached.
+* `eagle_draft`: an EAGLE-1 draft head for the demo model (one layer of its shape, random weights), built offline
+  and cached.
 * `vision_model`: an Idefics3 that takes images (a tiny vision tower in front of a demo-sized Llama, 64 tokens
   per image), with its processor and chat template, built offline and cached.
 * `nats_mesh`: a KVMesh-started NATS with its credentials directory and no service processes (tests add their
@@ -77,6 +79,11 @@ def gdn_model() -> Path:
 @pytest.fixture(scope="session")
 def mamba2_model() -> Path:
     return make_demo_model.ensure_model(model_cache_dir() / "models" / "nemotronh", "nemotronh")
+
+
+@pytest.fixture(scope="session")
+def eagle_draft() -> Path:
+    return make_demo_model.ensure_model(model_cache_dir() / "models" / "eagle", "eagle")
 
 
 @pytest.fixture(scope="session")

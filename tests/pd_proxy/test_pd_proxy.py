@@ -1,5 +1,5 @@
 """`kvmesh pd-proxy` (services/pd_proxy) without vLLM: what it sends a producer, and how it refuses bodies it will
-not forward (the proxy against real producer and consumer vLLMs: tests/e2e/test_e2e_p2p.py). Also the PD hint a
+not forward (the proxy against real producer and consumer vLLMs: tests/e2e/test_e2e_gate.py). Also the PD hint a
 consumer reads from its request (services/engine/adapter/pd.py): client input, so anything malformed is no hint."""
 
 from __future__ import annotations
