@@ -3,9 +3,10 @@ tier (`PeerLookup`, one request per lookup that the asker's own tiers missed).
 
 The keys are the asker's shard keys: they already name the model, KV format, tensor-parallel rank and sharing
 domain (shared/keys.py), so any worker holding them holds chunks the asker can load, rank for rank. The answer
-is limited to live workers that serve peers (`enable_p2p`) in the asker's sharing domain; it is a hint, not a permission: the
-asker then asks that worker for a stream over NATS, which lets engines publish only to peers of their own
-domain (shared/nats_permissions.py).
+is limited to live workers that serve peers (`enable_p2p`) in the asker's sharing domain (each worker's
+principal's in the domains map, never what its registration says); it is a hint, not a permission: the asker
+then asks that worker for a stream over NATS, which lets engines publish only to peers of their own domain
+(shared/nats_permissions.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def peer_holder(table: ProducerTable, asker: Producer, keys: Sequence[bytes]) ->
         return protocol.PeerLookupReply()
     peers = {producer.slot: producer for producer in table.producers.values()
              if producer.alive and producer.engine is not None and producer.engine.p2p
-             and producer.engine.instance_id != reg.instance_id and producer.engine.domain == reg.domain}
+             and producer.engine.instance_id != reg.instance_id and producer.domain == asker.domain}
     candidates = sum(1 << slot for slot in peers)
     get = table.index.table.get
     held = 0

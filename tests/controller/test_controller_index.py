@@ -286,7 +286,8 @@ def test_a_peer_lookup_picks_a_live_p2p_worker_of_the_askers_domain_holding_the_
 
     def worker(name: str, chunks: list[int], **fields: object) -> None:
         reg = engine(name)
-        table.on_register_engine(protocol.RegisterEngine(**{**reg.__dict__, "p2p": True, **fields}), 0.0)
+        table.on_register_engine(protocol.RegisterEngine(**{**reg.__dict__, "p2p": True, **fields}), 0.0,
+                                 domain=str(fields.get("domain", "default")))  # the domains map's word
         table.index.admit(table.producer(name).slot, [keys[i] for i in chunks])
 
     worker("asker", [0, 1, 2, 3])

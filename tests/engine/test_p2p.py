@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from typing import AsyncIterator, Iterator
 
 import pytest
@@ -20,7 +21,7 @@ from kvmesh.shared.keys import KeyParams
 from kvmesh.shared.local_mesh import LocalMesh
 from kvmesh.shared.protocol import PEER, Principal
 
-from support.controller import running_controller
+from support.controller import FakeEngineWorker, running_controller, started
 from support.engine import CHUNK, PagedKV, engine_config, random_tokens
 from support.kv_oracle import ContextForward
 from support.waiting import WAIT_S, wait_until, wait_until_async
@@ -235,3 +236,65 @@ async def test_a_pd_consumer_loads_from_the_producer_its_request_names_with_no_c
         other_spans = b.chunk_spans([span.key for span in b.hasher.chain(torch.tensor(other))], TOKENS)
         assert b.nats_loop.call(b.lookup_and_prefetch(other_spans, "prefill-a", a.worker_id), WAIT_S, default=-1) == TOKENS
         assert await asyncio.to_thread(loaded, b, kv_b, other, blocks) == 0  # the producer's word was wrong
+
+
+def p2p_engines(url: str, names: tuple[str, ...], **overrides: object) -> dict[str, tuple[CacheEngine, PagedKV]]:
+    """P2P engines started one after the other (each registered before the next starts), each over its own KV."""
+    engines: dict[str, tuple[CacheEngine, PagedKV]] = {}
+    for seed, name in enumerate(names):
+        kv = PagedKV(num_blocks=BLOCKS, seed=seed)
+        engines[name] = (p2p_engine(url, name, kv, **overrides.get(name, {})), kv)  # type: ignore[arg-type]
+    return engines
+
+
+async def lists(client: object, tokens: list[int], instance: str) -> bool:
+    """Whether the controller's /lookup says `instance` holds every chunk of `tokens`."""
+    response = await client.post("/lookup", json={"tokens": tokens})  # type: ignore[attr-defined]
+    return response.json()["layout_info"].get(instance, [None, 0])[1] == len(tokens)
+
+
+async def test_a_registration_naming_another_domain_than_its_principals_is_refused_and_counted(
+        nats_mesh: LocalMesh) -> None:
+    """Issue 36, finding 2. An engine principal of domain blue registers a P2P worker saying "default" (first: the
+    lowest slot) and claims the default keys of a prompt A holds. The controller takes each worker's domain from
+    the domains map (the stores' map), so it refuses that registration and counts it: /lookup never lists the
+    liar, and default C loads A's KV. The same principal registering as blue is taken, and serves no default
+    engine."""
+    url = str(nats_mesh.nats_url)
+    assert nats_mesh.credentials is not None
+    nats_mesh.credentials.ensure(Principal.engine("blue-liar").path, Principal.engine("blue-honest").path,
+                                 domain="blue")
+    assert nats_mesh.credentials.reload_server()
+    async with running_controller(url) as (service, client):
+        like_a = dict(chunk_size=CHUNK, model=PARAMS.model, kv_format=PagedKV().layout.chunk_format(), p2p=True)
+        liar = FakeEngineWorker(url, "blue-liar", **like_a)  # says "default"
+        honest = FakeEngineWorker(url, "blue-honest", domain="blue", **like_a)
+        async with started(liar, honest):
+            table = service.core.table
+            await wait_until_async(lambda: table.stats.registrations_refused["domain"] or table.producer(
+                liar.worker_id), what="the liar's registration handled")
+            await wait_until_async(lambda: table.producer(honest.worker_id), what="blue-honest registered")
+            engines = await asyncio.to_thread(p2p_engines, url, ("a", "c"))
+            (a, kv_a), (c, kv_c) = engines["a"], engines["c"]
+            try:
+                tokens = random_tokens(TOKENS, seed=17).tolist()
+                await asyncio.to_thread(computed, a, kv_a, tokens)
+                for worker in (liar, honest):
+                    worker.store(tokens)  # the keys of default engines (no secret), as A holds them
+                await wait_until_async(lambda: table.stats.registrations_refused["domain"] or lists(
+                    client, tokens, "blue-liar"), what="the liar refused, or its claims indexed")
+                await wait_until_async(lambda: finds_all(c, tokens), what="C's lookup")
+                blocks = list(range(10, 10 + -(-TOKENS // kv_c.block_size)))
+                assert await asyncio.to_thread(loaded, c, kv_c, tokens, blocks) == TOKENS
+                assert ContextForward(kv_c, SCRATCH).holds(tokens, blocks, TOKENS)
+                assert a.storage.stats["p2p_served_chunks"] == -(-TOKENS // CHUNK)
+                layout = (await client.post("/lookup", json={"tokens": tokens})).json()["layout_info"]
+                assert "a" in layout and "blue-liar" not in layout
+                refused = table.stats.registrations_refused["domain"]  # each time the liar announces itself
+                assert refused >= 1 and table.producer(liar.worker_id) is None
+                assert table.producer(honest.worker_id).domain == "blue"  # taken in its own domain
+                metrics = (await client.get("/metrics")).text
+                assert re.search(r'kvmesh_controller_registrations_refused_total\{reason="domain"\} [1-9]', metrics)
+            finally:
+                for engine, _ in engines.values():
+                    await asyncio.to_thread(engine.close)
