@@ -45,7 +45,7 @@ from kvmesh.shared import bus, protocol
 from kvmesh.shared.credentials import DomainMap
 from kvmesh.shared.errors import MeshUnavailable, ProtocolError
 from kvmesh.shared.protocol import ProducerPath, Subjects, is_worker_id_of
-from kvmesh.services.controller.peers import peer_holder
+from kvmesh.services.controller.peers import peer_holders
 from kvmesh.services.controller.producers import ProducerTable, principal_of
 
 log = logging.getLogger(__name__)
@@ -262,14 +262,14 @@ class ProducerFeed:
             self.request_sync(heartbeat.producer_id, "unknown or behind")
 
     async def _on_peer_lookup(self, request: protocol.PeerLookup, subject: str) -> protocol.PeerLookupReply:
-        """P2P: the peer whose CPU tier holds the most leading keys (peers.py); nothing for an asker that is not
-        the registered worker it names."""
+        """P2P: the holders of record of the leading keys (peers.py); nothing for an asker that is not the
+        registered worker it names."""
         sender = Subjects.producer_of(subject, Subjects.PEER_LOOKUP_ALL)
         asker = self.table.producer(request.worker_id)
         if sender is None or asker is None or not self.table.sender_is(request.worker_id, sender.path):
             self._forged(f"a peer lookup of {request.worker_id!r} on {subject}")
             return protocol.PeerLookupReply()
-        reply = peer_holder(self.table, asker, request.keys)
+        reply = peer_holders(self.table, asker, request)
         self.peer_lookups["peer" if reply.num_chunks else "none"] += 1
         return reply
 

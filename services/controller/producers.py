@@ -375,6 +375,7 @@ class ProducerTable:
         when there is more than one (a conflict to report), else []."""
         producer = self._get_or_create(reg.worker_id, now, LOCAL_CPU)
         self._bind(producer, path)
+        self.index.set_ordered(producer.slot, True)  # who serves a P2P hit: the first to admit a key
         producer.domain = domain
         self._set_spec(producer, reg)
         old = producer.engine
@@ -389,6 +390,7 @@ class ProducerTable:
     def on_register_store(self, reg: protocol.RegisterStore, now: float, path: str | None = None) -> None:
         producer = self._get_or_create(reg.store_id, now, reg.location)
         self._bind(producer, path)
+        self.index.set_ordered(producer.slot, False)
         if producer.engine is not None:  # the id was an engine worker's: it is one no more
             old = producer.engine
             self._set_spec(producer, None)
