@@ -203,34 +203,35 @@ class DomainMap:
 DOMAINS_FILE_ENV = "KVMESH_DOMAINS_FILE"
 
 
-def domains_file_option() -> Any:
-    """A store's `domains_file` field, set by `--domains-file` (also $KVMESH_DOMAINS_FILE; shared/options_cli.py)."""
+def domains_file_option(whose: str = "store") -> Any:
+    """A store's or the controller's (`whose`) `domains_file` field, set by `--domains-file` (also
+    $KVMESH_DOMAINS_FILE; shared/options_cli.py)."""
     return option("--domains-file", (
         "the sharing domains map (engine principal -> domain, `kvmesh credentials --domain`; re-read when it "
-        f"changes; also ${DOMAINS_FILE_ENV}); default: domains.json beside the store's credentials file"),
+        f"changes; also ${DOMAINS_FILE_ENV}); default: domains.json beside the {whose}'s credentials file"),
         None, env=DOMAINS_FILE_ENV, convert=Path)
 
 
 def domains_file_of(given: Path | None, args: "argparse.Namespace", environ: Mapping[str, str]) -> Path | None:
-    """The domains file of a store: `given` (its --domains-file or $KVMESH_DOMAINS_FILE), else beside its
-    credentials file (--nats-credentials / $KVMESH_NATS_CREDENTIALS), else None (`store_domains` then looks
-    beside the credentials a KVMesh-started NATS on this host gives it)."""
+    """The domains file of a store or the controller: `given` (its --domains-file or $KVMESH_DOMAINS_FILE), else
+    beside its credentials file (--nats-credentials / $KVMESH_NATS_CREDENTIALS), else None (`domains_map` then
+    looks beside the credentials a KVMesh-started NATS on this host gives it)."""
     if given is not None:
         return given
     return domains_file_beside(getattr(args, "nats_credentials", None) or environ.get(CREDENTIALS_ENV))
 
 
-def store_domains(domains_file: Path | None, url: str, principal_path: str) -> DomainMap:
-    """A store's DomainMap: `domains_file`, else domains.json beside the credentials a KVMesh-started NATS at
-    `url` gave the store (`provision`), else none (every engine in the default domain). ConfigError naming the
-    file when it is malformed."""
+def domains_map(domains_file: Path | None, url: str, principal_path: str) -> DomainMap:
+    """The DomainMap of a store or the controller (the principal at `principal_path`): `domains_file`, else
+    domains.json beside the credentials a KVMesh-started NATS at `url` gave it (`provision`), else none (every
+    engine in the default domain). ConfigError naming the file when it is malformed."""
     if domains_file is None:
         domains_file = domains_file_beside(local_credentials_file(url, principal_path))
     return DomainMap(domains_file)
 
 
 def domains_file_beside(credentials: str | Path | None) -> Path | None:
-    """Where a store finds the domains map: `domains.json` in the directory of its own credentials file."""
+    """Where a store or the controller finds the domains map: `domains.json` beside its own credentials file."""
     return None if credentials is None else Path(credentials).parent / DOMAINS_FILE
 
 

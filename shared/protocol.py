@@ -560,7 +560,8 @@ class PrefixLookup:
 
     keys: list[bytes]
     num_tokens: int
-    # prefill/decode: the producer's worker of this rank that holds the chunks (adapter/pd.py); "" for none
+    # prefill/decode: the producer's worker of this rank a request's hint names (adapter/pd.py; client input, so
+    # only waited for, never read from unless the controller names it); "" for none
     peer_instance: str = ""
     peer_worker: str = ""
 
@@ -568,20 +569,33 @@ class PrefixLookup:
 @message("peer_lookup")
 @dataclass(frozen=True)
 class PeerLookup:
-    """Engine worker -> controller (`Subjects.peer_lookup`): which live worker of another instance, in the asker's
-    sharing domain, holds the longest prefix of `keys` (the asker's shard keys, in prefix order) in its CPU
-    tier. The reply is a PeerLookupReply. Its size is bounded by the NATS server's max_payload."""
+    """Engine worker -> controller (`Subjects.peer_lookup`): which live workers of other instances, in the asker's
+    sharing domain, serve the leading `keys` (the asker's shard keys, in prefix order) from their CPU tiers: each
+    key's holder of record, the first of them to admit it (services/controller/peers.py). The reply is a
+    PeerLookupReply. Its size is bounded by the NATS server's max_payload."""
 
     worker_id: str  # the asker (the subject's producer path must be its own)
     keys: list[bytes]
+    exclude: list[str] = field(default_factory=list)  # workers whose chunks of this chain failed the asker's check
+    producer: str = ""  # a PD hint's producer worker for these keys (adapter/pd.py): the reply says if it is live
 
 
 @message("peer_lookup_reply")
 @dataclass(frozen=True)
 class PeerLookupReply:
-    instance_id: str = ""  # "" when no other instance holds the first key
+    instance_id: str = ""  # the holder of record of the first key ("" when no live peer holds it)
     worker_id: str = ""
-    num_chunks: int = 0  # how many leading keys that worker holds
+    num_chunks: int = 0  # how many leading keys that worker is the holder of record of
+    # the holders of record of the keys after those, run by run: (instance, worker, chunks) in parallel lists
+    more_instances: list[str] = field(default_factory=list)
+    more_workers: list[str] = field(default_factory=list)
+    more_chunks: list[int] = field(default_factory=list)
+    producer_live: bool = False  # the lookup's `producer` is a live peer of the asker's domain it may read from
+
+    def runs(self) -> list[tuple[str, str, int]]:
+        """(instance_id, worker_id, num_chunks) of every run, in key order."""
+        first = [(self.instance_id, self.worker_id, self.num_chunks)] if self.num_chunks > 0 else []
+        return first + list(zip(self.more_instances, self.more_workers, self.more_chunks))
 
 
 @message("command_reply")

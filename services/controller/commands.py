@@ -110,7 +110,7 @@ class CommandRouter:
             if not peer.engine.p2p or not worker.engine.p2p:
                 raise Refused(f"a move between instances streams the chunks from {source.instance_id}'s CPU tier "
                               "to the other (P2P): both need enable_p2p")
-            if peer.engine.domain != worker.engine.domain:
+            if peer.domain != worker.domain or peer.engine.domain != worker.engine.domain:  # principals, key roots
                 raise Refused(f"instances {source.instance_id} and {target.instance_id} are in different sharing "
                               "domains: their chunks never meet")
             pairs[worker.producer_id] = peer

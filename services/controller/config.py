@@ -24,6 +24,7 @@ import yaml
 
 from kvmesh.shared import options_cli
 from kvmesh.shared.bus import NatsAuth
+from kvmesh.shared.credentials import domains_file_of, domains_file_option
 from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
 from kvmesh.shared.nats_url import argument as nats_url_argument
 from kvmesh.shared.options_cli import DEFAULT, option
@@ -99,6 +100,8 @@ class ControllerConfig:
         "--nats-host", "address the embedded NATS listens on (default: loopback, whatever --host is); engines on "
         "other hosts need it reachable and their credentials (docs/security.md)", "127.0.0.1")
     nats_auth: NatsAuth | None = None  # credentials for --nats-url (None: those of a KVMesh-started NATS here)
+    # engine principal -> sharing domain, as the stores read it (None: beside the credentials, service.py)
+    domains_file: Path | None = domains_file_option("controller")
     # /check_finish remembers at most this many pin/unpin/clear event ids...
     event_window_size: int = option(
         "--event-window-size", "how many recent pin/unpin/clear event ids /check_finish remembers (default: "
@@ -266,9 +269,10 @@ def parse_args(argv: list[str] | None = None) -> ControllerConfig:
     except ValueError as exc:
         parser.error(str(exc))
     _check_shares(parser, args)
+    values = options_cli.values(ControllerConfig, args)
     return ControllerConfig(**{
-        **options_cli.values(ControllerConfig, args), "auth_token": _auth_token(parser, args, notices),
-        "nats_auth": nats_auth_from_args(args), "notices": tuple(notices)})
+        **values, "auth_token": _auth_token(parser, args, notices), "nats_auth": nats_auth_from_args(args),
+        "domains_file": domains_file_of(values["domains_file"], args, os.environ), "notices": tuple(notices)})
 
 
 # -------------------------------------------------------------------------------------------------------

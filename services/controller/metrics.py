@@ -95,7 +95,7 @@ def render(core: "ControllerCore") -> str:
            [("", core.instance_conflicts())])
     metric("kvmesh_controller_registrations_refused_total", "counter",
            "Registrations refused for a limit (--max-producers, --min/--max-chunk-size, --max-key-param-sets, "
-           "host/ip length).",
+           "host/ip length), or naming a sharing domain the domains map does not give the principal (domain).",
            [(f'reason="{reason}"', n) for reason, n in sorted(stats.registrations_refused.items())])
     metric("kvmesh_controller_keys_refused_total", "counter",
            "Admitted chunk keys not indexed: their principal's producers hold --max-keys-per-principal.",

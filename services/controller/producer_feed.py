@@ -17,10 +17,12 @@ worker's id is derived from its instance, a store's is its principal's name) unl
 id; events and heartbeats count only from the path their producer registered from. Anything else is dropped and
 counted in `forged_messages`; a heartbeat of an unknown producer makes it announce itself again. A registration
 past a limit (`ProducerTable.refusal`: producer count, chunk_size, key parameter sets, host/ip length) is refused
-with a WARNING and counted in `registrations_refused`. Engine worker ids end in a per-process tag
-(`protocol.worker_id_for`), so replicas sharing an instance id are distinct producers on distinct paths; when
-several live ones claim the same instance id and rank, the controller logs a WARNING and sends an
-`InstanceConflict` to the newcomer and to the worker that served the rank before it (they log one too; O(1)
+with a WARNING and counted in `registrations_refused`; so is an engine registration whose `domain` is not the
+sharing domain that the domains map (`DomainMap`, the file the stores read) gives its principal
+(`reason="domain"`): an engine's domain comes from its credentials, never from its message. Engine worker ids end
+in a per-process tag (`protocol.worker_id_for`), so replicas sharing an instance id are distinct producers on
+distinct paths; when several live ones claim the same instance id and rank, the controller logs a WARNING and sends
+an `InstanceConflict` to the newcomer and to the worker that served the rank before it (they log one too; O(1)
 notices per registration); the instance id is served by one of them (`ProducerTable` docs). A principal at its
 share of producers or key parameter sets makes room by forgetting its own down producers
 (`ProducerTable.room_for`); past that it is refused, never another principal.
@@ -40,10 +42,11 @@ from nats.aio.subscription import Subscription
 
 from kvmesh.shared.aio import cancel_and_wait
 from kvmesh.shared import bus, protocol
+from kvmesh.shared.credentials import DomainMap
 from kvmesh.shared.errors import MeshUnavailable, ProtocolError
 from kvmesh.shared.protocol import ProducerPath, Subjects, is_worker_id_of
-from kvmesh.services.controller.peers import peer_holder
-from kvmesh.services.controller.producers import ProducerTable
+from kvmesh.services.controller.peers import peer_holders
+from kvmesh.services.controller.producers import ProducerTable, principal_of
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +71,10 @@ class ProducerFeed:
 
     def __init__(self, nc: NatsClient, table: ProducerTable, controller_id: str,
                  clock: Callable[[], float] = time.monotonic, tick_interval_s: float = 0.25,
-                 health_details: Callable[[], dict[str, Any]] | None = None) -> None:
+                 health_details: Callable[[], dict[str, Any]] | None = None, domains: DomainMap | None = None) -> None:
         self.nc = nc
         self.table = table
+        self.domains = domains if domains is not None else DomainMap(None)  # engine principal -> sharing domain
         self.controller_id = controller_id
         self.clock = clock
         self.tick_interval_s = tick_interval_s
@@ -153,6 +157,14 @@ class ProducerFeed:
         path = self._registration_path(sender, reg)
         if path is None:
             return
+        domain = self.domains.domain_of(path)  # the principal's, never the message's
+        named = reg.domain.split("/", 1)[0] if isinstance(reg, protocol.RegisterEngine) else domain
+        if named != domain:  # an engine's `domain` is "<name>[/<digest of its secret>]" (mesh/domain.py)
+            self.table.stats.registrations_refused["domain"] += 1
+            log.warning("controller: refused the registration of %r from %s: it names sharing domain %r, the "
+                        "domains map (%s) puts %s in %r", reg.worker_id, path, named,
+                        self.domains.file or "none: every engine is in the default domain", principal_of(path), domain)
+            return
         refused = self.table.room_for(reg, path, self.clock())
         if refused is not None:
             reason, message = refused
@@ -161,7 +173,7 @@ class ProducerFeed:
             return
         if isinstance(reg, protocol.RegisterEngine):
             serving_before = self.table.instances.get(reg.instance_id, {}).get(reg.rank)
-            claimants = self.table.on_register_engine(reg, self.clock(), path)
+            claimants = self.table.on_register_engine(reg, self.clock(), path, domain)
             log.info("registered engine worker %s (instance %s, rank %d/%d, host %s)", reg.worker_id,
                      reg.instance_id, reg.rank, reg.world_size, reg.host or "?")
             if claimants:
@@ -250,14 +262,14 @@ class ProducerFeed:
             self.request_sync(heartbeat.producer_id, "unknown or behind")
 
     async def _on_peer_lookup(self, request: protocol.PeerLookup, subject: str) -> protocol.PeerLookupReply:
-        """P2P: the peer whose CPU tier holds the most leading keys (peers.py); nothing for an asker that is not
-        the registered worker it names."""
+        """P2P: the holders of record of the leading keys (peers.py); nothing for an asker that is not the
+        registered worker it names."""
         sender = Subjects.producer_of(subject, Subjects.PEER_LOOKUP_ALL)
         asker = self.table.producer(request.worker_id)
         if sender is None or asker is None or not self.table.sender_is(request.worker_id, sender.path):
             self._forged(f"a peer lookup of {request.worker_id!r} on {subject}")
             return protocol.PeerLookupReply()
-        reply = peer_holder(self.table, asker, request.keys)
+        reply = peer_holders(self.table, asker, request)
         self.peer_lookups["peer" if reply.num_chunks else "none"] += 1
         return reply
 

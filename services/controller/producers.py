@@ -42,6 +42,7 @@ from typing import Collection
 from kvmesh.shared import protocol
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, REMOTE
 from kvmesh.services.controller.holder_index import HolderIndex
+from kvmesh.shared.credentials import DEFAULT_DOMAIN
 from kvmesh.shared.keys import ChunkKey, KeyParams
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class Producer:
     slot: int
     location: str | None = None
     path: str | None = None  # the producer path its registration came from: its other messages must too
+    domain: str = DEFAULT_DOMAIN  # an engine worker's sharing domain: its principal's, in the domains map
     engine: protocol.RegisterEngine | None = None
     store: protocol.RegisterStore | None = None
     registered_at: float | None = None
@@ -366,11 +368,15 @@ class ProducerTable:
         if reg is not None:
             self.key_specs[key_spec(reg)] += 1
 
-    def on_register_engine(self, reg: protocol.RegisterEngine, now: float, path: str | None = None) -> list[str]:
-        """Take an engine worker's registration; returns the live workers claiming its instance id and rank
+    def on_register_engine(self, reg: protocol.RegisterEngine, now: float, path: str | None = None,
+                           domain: str = DEFAULT_DOMAIN) -> list[str]:
+        """Take an engine worker's registration from `path`, whose principal is in sharing domain `domain` (the
+        domains map's word, never the message's); returns the live workers claiming its instance id and rank
         when there is more than one (a conflict to report), else []."""
         producer = self._get_or_create(reg.worker_id, now, LOCAL_CPU)
         self._bind(producer, path)
+        self.index.set_ordered(producer.slot, True)  # who serves a P2P hit: the first to admit a key
+        producer.domain = domain
         self._set_spec(producer, reg)
         old = producer.engine
         previous = old.started_at if old is not None else None
@@ -384,6 +390,7 @@ class ProducerTable:
     def on_register_store(self, reg: protocol.RegisterStore, now: float, path: str | None = None) -> None:
         producer = self._get_or_create(reg.store_id, now, reg.location)
         self._bind(producer, path)
+        self.index.set_ordered(producer.slot, False)
         if producer.engine is not None:  # the id was an engine worker's: it is one no more
             old = producer.engine
             self._set_spec(producer, None)

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 import uvicorn
 
 from kvmesh.shared import bus
-from kvmesh.shared.credentials import credentials_for
+from kvmesh.shared.credentials import DomainMap, credentials_for, domains_map
 from kvmesh.shared.local_mesh import LocalMesh
 from kvmesh.shared.protocol import CONTROLLER
 from kvmesh.shared.errors import ConfigError, KVMeshError
@@ -104,7 +104,8 @@ class ControllerService:
         self.nc = await bus.connect(url, name=f"kvmesh-{self.core.controller_id}", auth=auth)
         self.core.router.nc = self.nc
         self.feed = ProducerFeed(self.nc, self.core.table, self.core.controller_id, clock=self.core.clock,
-                         tick_interval_s=config.tick_interval_s, health_details=self._health_details)
+                                 tick_interval_s=config.tick_interval_s, health_details=self._health_details,
+                                 domains=self._domains(url))
         self.core.feed = self.feed
         await self.feed.start()
         uv_config = uvicorn.Config(self.app, host=config.host, port=config.port, loop="none", lifespan="off",
@@ -123,6 +124,17 @@ class ControllerService:
         sockets = [s for server in self._server.servers for s in (server.sockets or [])]
         self.port = sockets[0].getsockname()[1] if sockets else config.port
         log.info("controller %s: REST on %s, NATS %s", self.core.controller_id, self.url, url)
+
+    def _domains(self, url: str) -> DomainMap:
+        """Which sharing domain each engine principal is in: the domains file the stores read (--domains-file,
+        else domains.json beside the controller's credentials file, the embedded NATS's included)."""
+        given = self.config.domains_file
+        if given is None and self.embedded is not None and self.embedded.credentials is not None:
+            given = self.embedded.credentials.domains_file
+        domains = domains_map(given, url, CONTROLLER.path)
+        log.info("controller %s: sharing domains from %s", self.core.controller_id,
+                 domains.file or "no domains map (every engine in the default domain)")
+        return domains
 
     async def _serve(self) -> None:
         assert self._server is not None

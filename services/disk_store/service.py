@@ -39,7 +39,7 @@ from nats.aio.client import Client as NatsClient
 
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.admissions import AdmissionReporter
-from kvmesh.shared.credentials import store_domains
+from kvmesh.shared.credentials import domains_map
 from kvmesh.shared.eviction import Clock
 from kvmesh.shared.store_service import Handler, IndexOps, StoreEndpoint
 from kvmesh.services.disk_store.options import DiskStoreOptions
@@ -74,7 +74,7 @@ class DiskStoreService:
         nc = await self.endpoint.connect(nc, options.nats_url, options.auth)
         # after connecting (a KVMesh-started NATS provisions the store's credentials, beside which the map is),
         # before opening: the map tells whether a chunk the claims file does not name can be kept
-        store.domains = self.ops.domains = store_domains(
+        store.domains = self.ops.domains = domains_map(
             options.domains_file, options.nats_url, protocol.Principal.store(options.store_id).path)
         await asyncio.get_running_loop().run_in_executor(None, store.open)
         store.max_inline_bytes = max(0, nc.max_payload - protocol.INLINE_HEADROOM)

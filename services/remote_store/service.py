@@ -40,7 +40,7 @@ from nats.aio.client import Client as NatsClient
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.admissions import AdmissionReporter
 from kvmesh.shared.bus import NatsAuth
-from kvmesh.shared.credentials import store_domains
+from kvmesh.shared.credentials import domains_map
 from kvmesh.shared.store_service import Handler, IndexOps, StoreEndpoint
 from kvmesh.services.remote_store.options import RemoteStoreOptions
 from kvmesh.services.remote_store.redis_watch import run_redis_watch
@@ -95,7 +95,7 @@ class RemoteStoreService:
         nc = await self.endpoint.connect(nc, options.nats_url, options.auth)
         # after connecting (a KVMesh-started NATS provisions the store's credentials, beside which the map is),
         # before opening: the map tells whether a chunk the claims file does not name can be kept
-        self.store.domains = self.ops.domains = store_domains(
+        self.store.domains = self.ops.domains = domains_map(
             options.domains_file, options.nats_url, protocol.Principal.store(options.store_id).path)
         await self.store.open()
         await self.stream.start()

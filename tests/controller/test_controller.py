@@ -168,11 +168,11 @@ async def test_tensor_parallel_instance_needs_every_rank(nats_server: EmbeddedNa
 # Errors
 
 
-async def test_a_peer_lookup_names_the_live_p2p_worker_of_another_instance_holding_the_most_chunks(
+async def test_a_peer_lookup_names_the_live_p2p_workers_of_other_instances_that_admitted_the_chunks_first(
         nats_server: EmbeddedNats) -> None:
-    """P2P (services/controller/peers.py): one request names the peer whose CPU tier holds the longest prefix of
-    the asker's keys, never the asker's own instance or a worker that does not serve peers; and a lookup on
-    another worker's behalf gets nothing (counted as forged)."""
+    """P2P (services/controller/peers.py): one request names, per key, the peer whose CPU tier admitted it first
+    (in runs), never the asker's own instance or a worker that does not serve peers; and a lookup on another
+    worker's behalf gets nothing (counted as forged)."""
     tokens = list(range(4 * 256))
     asker = FakeEngineWorker(nats_server.url, "asker", p2p=True)
     near = FakeEngineWorker(nats_server.url, "near", p2p=True)
@@ -181,9 +181,11 @@ async def test_a_peer_lookup_names_the_live_p2p_worker_of_another_instance_holdi
     async with running_controller(nats_server.url) as (service, client), \
             started(asker), started(near), started(far), started(closed):
         asker.store(tokens)  # its own chunks never count
-        near.store(tokens, chunks=[0, 1])
-        far.store(tokens, chunks=[0, 1, 2])
         closed.store(tokens)
+        near.store(tokens, chunks=[0, 1])
+        await wait_layout(client, tokens, {"asker": [LOCAL_CPU, 1024], "near": [LOCAL_CPU, 512],
+                                           "closed": [LOCAL_CPU, 1024]})
+        far.store(tokens, chunks=[0, 1, 2])  # after near: the record of chunk 2 only
         await wait_layout(client, tokens, {"asker": [LOCAL_CPU, 1024], "near": [LOCAL_CPU, 512],
                                            "far": [LOCAL_CPU, 768], "closed": [LOCAL_CPU, 1024]})
         keys = [span.key for span in asker.spans(tokens)]
@@ -192,7 +194,8 @@ async def test_a_peer_lookup_names_the_live_p2p_worker_of_another_instance_holdi
             return await bus.request(worker.nc, Subjects.peer_lookup(worker.path), protocol.PeerLookup(
                 worker_id=worker_id, keys=keys), protocol.PeerLookupReply, timeout=WAIT_S)
 
-        assert await ask(asker, asker.worker_id) == protocol.PeerLookupReply("far", far.worker_id, 3)
+        assert await ask(asker, asker.worker_id) == protocol.PeerLookupReply(
+            "near", near.worker_id, 2, ["far"], [far.worker_id], [1])
         assert await ask(far, far.worker_id) == protocol.PeerLookupReply("asker", asker.worker_id, 4)
         forged_before = service.feed.forged_messages
         assert await ask(near, asker.worker_id) == protocol.PeerLookupReply()  # not near's own name

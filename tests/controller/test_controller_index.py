@@ -10,7 +10,7 @@ from kvmesh.shared.keys import ChunkHasher, KeyParams
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, REMOTE
 from kvmesh.services.controller.holder_index import HolderIndex
 from kvmesh.services.controller.lookup import LookupEngine
-from kvmesh.services.controller.peers import peer_holder
+from kvmesh.services.controller.peers import peer_holders
 from kvmesh.shared.keys import tokens_as_array
 from kvmesh.services.controller.ops import EventLog
 from kvmesh.services.controller.producers import ProducerTable
@@ -279,31 +279,71 @@ def test_lookup_of_a_model_with_recurrent_state_ends_at_a_chunk_whose_state_is_h
     assert lookup.lookup(tokens) == {"h": (LOCAL_CPU, 4)}  # every chunk on disk, but no state there: of no use
 
 
-def test_a_peer_lookup_picks_a_live_p2p_worker_of_the_askers_domain_holding_the_most_leading_keys() -> None:
+def test_the_index_keeps_the_order_engine_workers_admitted_each_key_in() -> None:
+    """Admission order (who serves a P2P hit): kept for ordered slots only, as the index applied the admissions;
+    a slot that evicts and admits again goes last, a full sync keeps the places of what it still holds, a
+    released slot leaves every order."""
+    index = HolderIndex()
+    first, second, store, third = (index.new_slot() for _ in range(4))
+    for slot in (first, second, third):
+        index.set_ordered(slot, True)
+    index.admit(second, [key(1)])
+    index.admit(store, [key(1), key(2)])  # a store: never in the order
+    index.admit(first, [key(1), key(2)])
+    index.admit(third, [key(2), key(1)])
+    assert index.order(key(1)) == (second, first, third) and index.order(key(2)) == (first, third)
+    assert index.first_of(key(1), 1 << first | 1 << third) == first
+    assert index.first_of(key(2), 1 << store) is None
+    index.evict(second, [key(1)])
+    index.admit(second, [key(1)])
+    assert index.order(key(1)) == (first, third, second)
+    index.replace(first, {key(1), key(3)})  # key 2 went stale, key 1 keeps its place
+    assert index.order(key(1)) == (first, third, second) and index.order(key(2)) == (third,)
+    index.release_slot(first)
+    assert index.order(key(1)) == (third, second) and index.order(key(3)) == ()
+    index.clear_slot(third)
+    assert index.order(key(1)) == (second,) and index._order == {}  # a single holder needs no entry
+
+
+def test_a_peer_lookup_names_each_keys_first_admitter_among_live_p2p_workers_of_the_askers_domain() -> None:
+    """Never the worker holding the most keys, never the lowest slot: per key, the live P2P worker of another
+    instance in the asker's domain (the domains map's, passed in by the feed) that admitted it first, in runs."""
     tokens = list(range(16))  # four chunks of 4
     keys = ChunkHasher(KeyParams(MODEL, FMT), 4).keys(tokens)
     table = ProducerTable()
 
-    def worker(name: str, chunks: list[int], **fields: object) -> None:
-        reg = engine(name)
-        table.on_register_engine(protocol.RegisterEngine(**{**reg.__dict__, "p2p": True, **fields}), 0.0)
+    def worker(name: str, p2p: bool = True, domain: str = "default") -> str:
+        table.on_register_engine(protocol.RegisterEngine(**{**engine(name).__dict__, "p2p": p2p}), 0.0,
+                                 domain=domain)
+        return name
+
+    def holds(name: str, chunks: list[int]) -> None:
         table.index.admit(table.producer(name).slot, [keys[i] for i in chunks])
 
-    worker("asker", [0, 1, 2, 3])
-    worker("two", [0, 1])
-    worker("gap", [0, 2, 3])  # a chunk missing: only its first counts
-    worker("closed", [0, 1, 2, 3], p2p=False)
-    worker("other-domain", [0, 1, 2, 3], domain="tenant-b")
-    asker = table.producer("asker")
-    assert asker is not None
-    assert peer_holder(table, asker, keys) == protocol.PeerLookupReply("two", "two", 2)
-    worker("three", [0, 1, 2])
-    assert peer_holder(table, asker, keys) == protocol.PeerLookupReply("three", "three", 3)
-    table.producer("three").last_seen = -100.0  # silent past the liveness timeout
+    def ask(exclude: tuple[str, ...] = (), producer: str = "") -> protocol.PeerLookupReply:
+        return peer_holders(table, table.producer("asker"),
+                            protocol.PeerLookup("asker", keys, exclude=list(exclude), producer=producer))
+
+    for name in ("asker", "liar", "a", "closed", "other-domain"):  # the liar has the lowest slot of the peers
+        worker(name, p2p=name != "closed", domain="tenant-b" if name == "other-domain" else "default")
+    holds("closed", [0, 1, 2, 3])  # first, but serves no peer
+    holds("other-domain", [0, 1, 2, 3])  # first, but in another domain
+    holds("asker", [0, 1, 2, 3])  # its own chunks never count
+    holds("a", [0, 1])
+    holds("liar", [0, 1, 2, 3])  # more keys, lower slot: the record of the keys nobody admitted before it only
+    assert ask() == protocol.PeerLookupReply("a", "a", 2, ["liar"], ["liar"], [2])
+    assert ask().runs() == [("a", "a", 2), ("liar", "liar", 2)]
+    assert ask(exclude=("a",)) == protocol.PeerLookupReply("liar", "liar", 4)
+    assert ask(producer="a").producer_live and not ask(producer="closed").producer_live
+    assert not ask(producer="ghost").producer_live and not ask(producer="a", exclude=("a",)).producer_live
+    table.index.evict(table.producer("a").slot, [keys[0]])
+    table.index.admit(table.producer("a").slot, [keys[0]])  # admitted again: after the liar
+    assert ask() == protocol.PeerLookupReply("liar", "liar", 1, ["a", "liar"], ["a", "liar"], [1, 2])
+    table.producer("liar").last_seen = -100.0  # silent past the liveness timeout
     table.tick(0.0)
-    assert peer_holder(table, asker, keys) == protocol.PeerLookupReply("two", "two", 2)
-    assert peer_holder(table, asker, keys[2:]) == protocol.PeerLookupReply("gap", "gap", 2)
-    assert peer_holder(table, asker, [key(99)]) == protocol.PeerLookupReply()
+    assert ask() == protocol.PeerLookupReply("a", "a", 2)
+    assert peer_holders(table, table.producer("asker"), protocol.PeerLookup("asker", [key(99)])) == \
+        protocol.PeerLookupReply()
 
 
 def test_lookup_save_unfull_chunk_false_ignores_partial_tail() -> None:

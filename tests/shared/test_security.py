@@ -421,6 +421,42 @@ def test_compose_runs_nats_with_credentials_and_publishes_no_nats_port() -> None
         volume = next(v.split(":")[0] for v in services[name]["volumes"] if v.split(":")[1] == str(file.parent))
         target = next(v.split(":")[1] for v in services["credentials"]["volumes"] if v.startswith(volume + ":"))
         assert f"cp -p /nats/{file.name} {target}/" in script
+        if name != "vllm":  # the stores and the controller take each engine's sharing domain from this map
+            assert f"cp -p /nats/domains.json {target}/" in script
+
+
+async def test_a_controller_takes_each_workers_domain_from_the_map_of_the_nats_it_embeds_or_joins(
+        tmp_path: Path) -> None:
+    """Issue 36, finding 2, in both set-ups. A controller that embeds its NATS (lmcache_controller; `kvmesh up`
+    passes the mesh's credentials file) reads domains.json in that NATS's credentials directory: a worker of a
+    blue principal saying "default" is refused and counted, one saying "blue" is taken. One that joins another
+    NATS (compose) reads it beside its --nats-credentials file, unless --domains-file names one."""
+    from kvmesh.services.controller.config import parse_args
+    from support.controller import FakeEngineWorker, started
+
+    service = await ControllerService(parse_args(["--port", "0", "--monitor-port", "0"])).start()
+    try:
+        assert service.embedded is not None and service.embedded.credentials is not None
+        credentials = service.embedded.credentials
+        credentials.ensure(Principal.engine("blue-a").path, Principal.engine("blue-b").path, domain="blue")
+        assert credentials.reload_server()
+        liar = FakeEngineWorker(service.nats_url, "blue-a", p2p=True)  # says "default"
+        member = FakeEngineWorker(service.nats_url, "blue-b", p2p=True, domain="blue")
+        async with started(liar, member):
+            table = service.core.table
+            await wait_until_async(lambda: table.producer(member.worker_id) and table.stats.registrations_refused[
+                "domain"], what="blue-b registered and blue-a refused")
+            assert table.producer(member.worker_id).domain == "blue" and table.producer(liar.worker_id) is None
+    finally:
+        await service.stop()
+
+    joined = MeshCredentials(tmp_path / "compose")
+    joined.ensure(CONTROLLER.path)
+    file = str(joined.file(CONTROLLER.path))
+    config = parse_args(["--nats-url", "nats://nats:4222", "--nats-credentials", file])
+    assert config.domains_file == tmp_path / "compose" / "domains.json"
+    config = parse_args(["--nats-url", "nats://nats:4222", "--nats-credentials", file, "--domains-file", "/m.json"])
+    assert config.domains_file == Path("/m.json")
 
 
 # ---- ownership: a clear takes back only the caller's chunks ------------------------------------------------------

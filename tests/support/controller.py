@@ -73,14 +73,15 @@ class FakeEngineWorker:
     def __init__(self, nats_url: str, instance_id: str, *, rank: int = 0, world_size: int = 1,
                  chunk_size: int = 256, disk: FakeStore | None = None, remotes: tuple[FakeStore, ...] = (),
                  started_at: float = 1.0, incarnation: str = "", host: str = "", ip: str = "",
-                 p2p: bool = False) -> None:
+                 p2p: bool = False, domain: str = "default", model: str = MODEL, kv_format: str = KV_FORMAT) -> None:
         self.nats_url, self.instance_id, self.rank, self.world_size = nats_url, instance_id, rank, world_size
-        self.p2p = p2p
+        self.p2p, self.domain = p2p, domain  # the domain it *says* it is in (the controller checks it)
         self.worker_id = protocol.worker_id_for(instance_id, world_size, rank, incarnation)
         self.host, self.ip = host, ip
         self.conflicts: list[protocol.InstanceConflict] = []
         self.chunk_size, self.disk, self.remotes, self.started_at = chunk_size, disk, remotes, started_at
-        self.hasher = ChunkHasher(KeyParams(MODEL, KV_FORMAT, world_size, rank), chunk_size)
+        self.model, self.kv_format = model, kv_format
+        self.hasher = ChunkHasher(KeyParams(model, kv_format, world_size, rank), chunk_size)
         self.chunks: dict[bytes, int] = {}
         self.pinned: set[bytes] = set()
         self.commands: list[protocol.WorkerCommand] = []
@@ -91,11 +92,11 @@ class FakeEngineWorker:
 
     def registration(self) -> protocol.RegisterEngine:
         return protocol.RegisterEngine(
-            worker_id=self.worker_id, instance_id=self.instance_id, model=MODEL, kv_format=KV_FORMAT,
+            worker_id=self.worker_id, instance_id=self.instance_id, model=self.model, kv_format=self.kv_format,
             world_size=self.world_size, rank=self.rank, chunk_size=self.chunk_size, save_unfull_chunk=True,
             disk_store=self.disk.store_id if self.disk else None,
             remote_stores=[r.store_id for r in self.remotes], started_at=self.started_at, host=self.host, ip=self.ip,
-            p2p=self.p2p)
+            p2p=self.p2p, domain=self.domain)
 
     def spans(self, tokens: list[int]) -> list[Any]:
         return self.hasher.spans(tokens)

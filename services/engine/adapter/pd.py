@@ -4,12 +4,14 @@ connector and from the producer's connector into the response: docs/connector.md
 
 The producer copies a request's KV into its CPU tier as it computes it (the connector's usual save), so it holds
 no vLLM block for the consumer: the blocks are freed when the request finishes, and the chunks stay in the CPU
-tier under its usual eviction. `request_finished` returns the producer's instance and its workers by rank; the
-consumer's lookup then asks exactly those workers for the request's chunks (a `PeerHint`: no controller round
-trip, and no race with the producer's admissions reaching the controller) and loads them asynchronously, rank
-for rank, over the peers' streams (tiers/peer.py). A hint names whom to ask, never what the bytes are: every
-chunk is still fetched by the consumer's own key of the request's tokens and checked against it, so a wrong or
-forged hint costs a failed load (recomputed), never wrong KV.
+tier under its usual eviction. `request_finished` returns the producer's instance and its workers by rank. The
+params reach the consumer as client input, so a `PeerHint` never names who serves: the consumer's lookup asks the
+controller as for any P2P hit and reads each chunk from its holder of record (the first member of the domain to
+admit it: services/controller/peers.py), which is the producer when it computed the prompt first. The hint only
+makes that lookup wait a little while the producer is a live peer and its admissions have not reached the
+controller yet (tiers/peer.py `PeerTier.expect`); a hint naming anything else promises nothing. The chunks load
+asynchronously, rank for rank, over the peers' streams, each checked against the consumer's own key of the
+request's tokens.
 
 The fields follow vLLM's NIXL-style proxies (`do_remote_decode` to the producer, the producer's answer passed to
 the consumer unchanged), so vLLM's toy proxy and `kvmesh pd-proxy` both drive it.

@@ -254,7 +254,9 @@ class CacheEngine:
                          request_timeout=config.request_timeout_secs,
                          min_transfer_rate=config.remote_min_transfer_mb_per_s * 1e6,
                          retry_interval=config.remote_retry_interval_secs,
-                         max_connections=config.p2p_stream_connections) if config.enable_p2p else None
+                         max_connections=config.p2p_stream_connections,
+                         hint_wait=min(config.request_timeout_secs, config.lookup_timeout_secs / 2)
+                         ) if config.enable_p2p else None
         self.storage.set_lower(lower_tiers(nc, self.plan, config, self.store_caller, self._redis_auth), peers)
         if self.peer_server is not None:
             try:
@@ -374,11 +376,13 @@ class CacheEngine:
                                   peer_worker: str = "") -> int:
         """NATS loop: the held prefix of `spans` over every tier, in tokens; what a lower tier holds starts
         moving into the CPU tier at once (the scheduler's lower-tier lookup, then the load one step later).
-        `peer_worker` of `peer_instance`: the PD producer whose CPU tier holds them (adapter/pd.py)."""
+        `peer_worker` of `peer_instance`: the PD producer a request's hint names (adapter/pd.py, client input):
+        the peer lookup waits a little for its admissions of the full chunks, never takes its word for them."""
         _, _, _, storage, _ = self._ready()
         peers = storage.lower(PEER)
         if peer_worker and isinstance(peers, PeerTier):
-            peers.promise([span.key for span in spans], PeerWorker(peer_instance, peer_worker))
+            peers.expect([span.key for span in spans if span.num_tokens == self.config.chunk_size],
+                         PeerWorker(peer_instance, peer_worker))
         held = await storage.lookup_and_prefetch(spans, self._meta_mismatch)
         return spans[held - 1].end if held else 0
 

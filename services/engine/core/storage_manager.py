@@ -47,6 +47,7 @@ from kvmesh.shared.keys import ChunkKey, ChunkSpan
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, PEER, REMOTE, TIER_OPS, ChunkMeta
 from kvmesh.shared.rate_limited_log import RateLimitedLog
 from kvmesh.services.engine.tiers.base import StoreMayWrite, StoreTier, Tier
+from kvmesh.services.engine.tiers.peer import PeerTier
 
 log = logging.getLogger(__name__)
 
@@ -462,6 +463,8 @@ class StorageManager:
             self.stats["fetch_bad_meta"] += 1
             self._rlog.warning("bad_meta", "%s returned chunk %s with %s: treated as a miss (load error, "
                                "recomputed)", client.location, span.key.hex(), mismatch)
+            if isinstance(client, PeerTier):  # that peer is not asked for this chain again
+                client.distrust(span.key)
             return None
         return meta
 
