@@ -165,8 +165,13 @@ async def start_flood(mesh: LocalMesh, store_ids: list[str]) -> tuple[asyncio.su
     assert process.stdout is not None
     # Its start pushes 32 of the largest messages through NATS into stores served by this busy loop: on a loaded
     # machine that alone can take longer than the usual deadline.
-    line = (await asyncio.wait_for(process.stdout.readline(), 4 * WAIT_S)).decode().split()
-    assert line and line[0] == "flooding", f"the flooder did not start: {line}"
+    try:
+        line = (await asyncio.wait_for(process.stdout.readline(), 4 * WAIT_S)).decode().split()
+        assert line and line[0] == "flooding", f"the flooder did not start: {line}"
+    except BaseException:  # never leave it flooding the machine after the test
+        process.kill()
+        await process.wait()
+        raise
     return process, int(line[1])
 
 
@@ -174,8 +179,13 @@ async def stop_flood(process: asyncio.subprocess.Process) -> int:
     """End the flood; how many puts B published."""
     assert process.stdin is not None and process.stdout is not None
     process.stdin.close()
-    out = (await asyncio.wait_for(process.stdout.read(), WAIT_S)).decode().split()
-    assert await asyncio.wait_for(process.wait(), WAIT_S) == 0
+    try:
+        out = (await asyncio.wait_for(process.stdout.read(), WAIT_S)).decode().split()
+        assert await asyncio.wait_for(process.wait(), WAIT_S) == 0
+    except BaseException:
+        process.kill()
+        await process.wait()
+        raise
     return int(out[-1])
 
 
