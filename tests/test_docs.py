@@ -48,7 +48,7 @@ CODE_DIRS = ("services", "shared", "kvmesh_pkg")
 # keys the code reads through a derived property of EngineConfig
 DERIVED = {"max_local_cpu_size": "max_local_cpu_bytes", "max_local_disk_size": "max_local_disk_bytes",
            "remote_size": "remote_size_bytes", "remote_prefault_size": "remote_prefault_bytes",
-           "local_disk": "local_disk_path",
+           "local_disk": "local_disk_path", "p2p_ticket_max_gb": "p2p_ticket_max_bytes",
            "enable_pd": "enable_p2p"}  # a PD engine is a P2P one (EngineConfig.__post_init__)
 OPTIONAL_DEPENDENCIES = ("torch", "vllm", "cupy")
 
