@@ -152,6 +152,11 @@ class ControllerConfig:
         "--max-keys-per-principal", "most chunk keys one principal's producers have indexed together (about 200 "
         f"bytes each); admissions past it are dropped and counted, lookups miss them (default: {DEFAULT})",
         4_000_000, type=_positive(int))
+    # full-sync requests a second to one principal's producers heard only by their heartbeats (sync_budget.py)
+    sync_requests_per_principal: int = option(
+        "--sync-requests-per-principal", "full-sync requests a second (bursts of as many) the controller sends "
+        "one principal's producers that heartbeat before it knows them; past it such heartbeats are dropped and "
+        f"counted (default: {DEFAULT})", 64, type=_positive(int))
     sync_retry_s: float = 3.0  # re-ask a producer for a full sync after this long without one
     heartbeat_grace_s: float = 1.0  # a heartbeat's seq claim must be met by batches within this
     tick_interval_s: float = 0.25  # maintenance pass period

@@ -104,7 +104,8 @@ class ControllerService:
         self.nc = await bus.connect(url, name=f"kvmesh-{self.core.controller_id}", auth=auth)
         self.core.router.nc = self.nc
         self.feed = ProducerFeed(self.nc, self.core.table, self.core.controller_id, clock=self.core.clock,
-                         tick_interval_s=config.tick_interval_s, health_details=self._health_details)
+                                 tick_interval_s=config.tick_interval_s, health_details=self._health_details,
+                                 sync_requests_per_principal=config.sync_requests_per_principal)
         self.core.feed = self.feed
         await self.feed.start()
         uv_config = uvicorn.Config(self.app, host=config.host, port=config.port, loop="none", lifespan="off",
