@@ -180,7 +180,8 @@ class StreamServer:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._connections: dict[asyncio.Task[None], _Connection] = {}
-        self._pending: dict[str, dict[asyncio.Task[None], None]] = {}  # address -> its pending connections, oldest first
+        # source address -> its connections without a valid ticket yet, oldest first
+        self._pending: dict[str, dict[asyncio.Task[None], None]] = {}
         self._pending_count = 0
         self._greeted: collections.Counter[str] = collections.Counter()  # principal -> greeted connections
         self._greeted_count = 0

@@ -6,8 +6,8 @@ docs/config.md:
     Python's repr), and no row names a field that is gone;
   * the last column says `acts` or `accepted`; an `accepted` key is read nowhere (`config.<key>` appears in no
     module but shared/config.py), an `acts` key is read somewhere (itself or its derived property);
-  * every flag of each service's argparse parser (the PD proxy's included) has a row in that service's section, whose default cell
-    starts with the parser's default rendered the same way, and no row names a flag that is gone.
+  * every flag of each service's argparse parser (the PD proxy's included) has a row in that service's section,
+    whose default cell starts with the parser's default rendered the same way, and no row names a flag that is gone.
 
   * the "Every LMCache key" table is `LMCACHE_KEYS` (shared/lmcache_keys.py), row for row; its honoured keys are
     the rows of "LMCache's keys" marked `acts`, and its other keys that are fields are marked `accepted`.
