@@ -10,14 +10,14 @@ loading engine names the holder, as a lookup answer would):
     tier holds N chunks of C MiB (256 tokens each, in a synthetic vLLM CPU layout: bf16, blocks of 16, 8 KV
     heads of 128 per layer, so C layers; keys from its own hasher over random tokens, the meta the engine
     writes for them, random bytes with every 4 KiB page stamped with the chunk's index). Its PeerServer streams
-    them from its NATS loop, computing each chunk's checksum on the way out, as for any chunk only the CPU tier
-    holds (the write-behind computes it only for the stores).
+    them from its own stream loop thread, computing each chunk's checksum on the way out, as for any chunk only
+    the CPU tier holds (the write-behind computes it only for the stores).
   * the loading engine, this process: a CacheEngine with enable_p2p whose peer tier reads every chunk with
     `get_from` into slots of its own pool, on its NATS loop, the way a fetch does (`StorageManager._get_many`):
     a sliding window of `fetch_concurrency` (4) reads in flight, over the peer tier's kept stream connections
     (`p2p_stream_connections`, 4). Also one chunk at a time.
 
-Ceiling ("raw"): the serving engine also runs a bare TCP server on its NATS loop that sends chunk i straight from
+Ceiling ("raw"): the serving engine also runs a bare TCP server on that stream loop that sends chunk i straight from
 the same pool slot on a 12-byte request (no ticket, no header message, no meta, no checksum on either end); the
 loading engine's NATS loop reads it with `recv_exactly` into the same destination slots, with the same
 concurrency (1 connection, or 4 connections with a window of 4 reads). So raw and P2P move the same bytes
@@ -132,7 +132,7 @@ def started_engine(config: EngineConfig, layout: KVLayout) -> CacheEngine:
 
 # ---- the serving engine (its own process) ---------------------------------------------------------------------
 async def start_raw_server(views: list[memoryview]) -> tuple[socket.socket, list[asyncio.Task[None]]]:
-    """The ceiling's sender, on the serving engine's NATS loop: chunk i from its slot, on request."""
+    """The ceiling's sender, on the serving engine's stream loop: chunk i from its slot, on request."""
     loop = asyncio.get_running_loop()
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -177,7 +177,7 @@ def serve(args: argparse.Namespace) -> None:
     chunks = args.chunks
     engine = started_engine(engine_config("bench-p2p-server", args.nats_url, chunks, chunk_bytes), layout)
     refs = []
-    listener = tasks = None
+    listener = tasks = stream_loop = None
     try:
         assert engine.hasher is not None and engine.cpu is not None and engine.nats_loop is not None
         assert engine.peer_server is not None and engine.peer_server.server.listening
@@ -196,7 +196,9 @@ def serve(args: argparse.Namespace) -> None:
             assert ref is not None
             refs.append(ref)
         views = [ref.slot.chunk_buffer(ref.meta.nbytes).view for ref in refs]
-        listener, tasks = engine.nats_loop.submit(start_raw_server(views)).result(10)
+        stream_loop = engine.peer_server.loop  # the P2P stream's own loop: raw and P2P send from the same one
+        assert stream_loop is not None
+        listener, tasks = asyncio.run_coroutine_threadsafe(start_raw_server(views), stream_loop).result(10)
         print(json.dumps({"instance_id": engine.config.lmcache_instance_id, "worker_id": engine.worker_id,
                           "keys": [span.key.hex() for span in spans], "chunk_bytes": chunk_bytes,
                           "raw_port": listener.getsockname()[1], "peer_endpoint": engine.peer_server.endpoint}),
@@ -207,8 +209,8 @@ def serve(args: argparse.Namespace) -> None:
         served = ("p2p_served_chunks", "p2p_served_bytes", "p2p_served_misses")
         print(json.dumps({key: stats[key] for key in served}), flush=True)
     finally:
-        if listener is not None and tasks is not None and engine.nats_loop is not None:
-            engine.nats_loop.submit(stop_raw_server(listener, tasks)).result(10)
+        if listener is not None and tasks is not None and stream_loop is not None:
+            asyncio.run_coroutine_threadsafe(stop_raw_server(listener, tasks), stream_loop).result(10)
         for ref in refs:
             ref.release()
         engine.close()

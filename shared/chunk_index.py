@@ -74,12 +74,6 @@ DEFAULT_DOMAIN = "default"  # the same name as shared/credentials.py's (which th
 UNOWNED = ""  # the owner of pins taken without one (persisted before pins had owners, or in process)
 
 
-def principal_of(caller: str) -> str:
-    """The principal path of a caller path: `engine.<instance>` of `engine.<instance>.<worker>`; other callers
-    (`operator`, `controller`, `store.<id>...`) are their own."""
-    return ".".join(caller.split(".", 2)[:2]) if caller.startswith(("engine.", "store.")) else caller
-
-
 @dataclass
 class _InFlight(Generic[E]):
     entry: E

@@ -72,8 +72,8 @@ class EngineConfig:
     cache_policy: str = "LRU"
     error_handling: bool = False
     # P2P (docs/architecture.md "P2P hits"): serve this instance's CPU tier to peers of its sharing domain and load
-    # from theirs when the own tiers miss; the stream listens on p2p_host (default: the address NATS is reached
-    # from) and port p2p_init_ports[rank] (default: any free port)
+    # from theirs when the own tiers miss; the stream listens on p2p_host (default: loopback, peers on this host
+    # only) and port p2p_init_ports[rank] (default: any free port)
     enable_p2p: bool = False
     enable_pd: bool = False  # prefill/decode over the P2P streams (docs/connector.md): turns enable_p2p on
     p2p_host: str | None = None
@@ -114,8 +114,19 @@ class EngineConfig:
     remote_min_transfer_mb_per_s: float = 100.0  # a remote transfer slower than this is abandoned
     remote_retry_interval_secs: float = 1.0  # a remote partition that failed is not asked again for this long
     remote_stream_connections: int = 4  # open stream connections per remote partition
-    p2p_max_connections: int = 16  # peers' stream connections this worker serves at once (more are closed)
     p2p_stream_connections: int = 4  # open stream connections to each peer this worker loads from
+    # the P2P stream port's bounds (services/engine/mesh/peer_server.py; docs/security.md): connections with a
+    # valid ticket, in all and per peer instance (its unused tickets too)...
+    p2p_max_connections: int = 16
+    p2p_max_connections_per_peer: int = 8
+    # ...connections that have not presented one yet, in all and per source address (a new one closes the oldest),
+    # and how long they have to present it...
+    p2p_max_pending_connections: int = 32
+    p2p_max_pending_per_address: int = 8
+    p2p_hello_timeout_secs: float = 5.0
+    p2p_idle_timeout_secs: float = 300.0  # ...how long a greeted connection may go without a request...
+    p2p_ticket_max_gb: float = 4.0  # ...and what one ticket's connection may receive (then it is closed)...
+    p2p_ticket_max_mb_per_s: float = 4000.0  # ...and how fast (MB = 10**6 bytes)
     # LMCACHE_FORCE_SKIP_SAVE (LMCache reads it only as a variable): the engine stores nothing while it is true
     force_skip_save: bool = False
     # the remote tier on Redis / Valkey (remote_url redis://..., shared/redis_url.py; docs/config.md)
@@ -186,6 +197,10 @@ class EngineConfig:
     @property
     def max_local_disk_bytes(self) -> int:
         return int(self.max_local_disk_size * GB)
+
+    @property
+    def p2p_ticket_max_bytes(self) -> int:
+        return int(self.p2p_ticket_max_gb * GB)
 
     @property
     def remote_size_bytes(self) -> int:
@@ -277,6 +292,13 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "nats_auth_retry_secs": _NON_NEGATIVE,
     "remote_partitions": _AT_LEAST_ONE,
     "p2p_max_connections": _AT_LEAST_ONE,
+    "p2p_max_connections_per_peer": _AT_LEAST_ONE,
+    "p2p_max_pending_connections": _AT_LEAST_ONE,
+    "p2p_max_pending_per_address": _AT_LEAST_ONE,
+    "p2p_hello_timeout_secs": _POSITIVE,
+    "p2p_idle_timeout_secs": _POSITIVE,
+    "p2p_ticket_max_gb": _POSITIVE,
+    "p2p_ticket_max_mb_per_s": _POSITIVE,
     "p2p_stream_connections": _AT_LEAST_ONE,
     "p2p_init_ports": (lambda v: all(0 < port < 65536 for port in v), "every port must be 1-65535"),
     "store_queue_size": _AT_LEAST_ONE,

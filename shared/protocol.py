@@ -107,6 +107,12 @@ def is_worker_id_of(worker_id: str, instance_id: str, world_size: int, rank: int
     return incarnation != worker_id and 0 < len(incarnation) <= MAX_INCARNATION and "@" not in incarnation
 
 
+def principal_of(caller: str) -> str:
+    """The principal path of a caller path: `engine.<instance>` of `engine.<instance>.<worker>`; other callers
+    (`operator`, `controller`, `store.<id>...`) are their own."""
+    return ".".join(caller.split(".", 2)[:2]) if caller.startswith(("engine.", "store.")) else caller
+
+
 def store_path(store_id: str) -> str:
     """A store's producer path, `store.<id>.<id>`: a store is its principal's one producer."""
     return Principal.store(store_id).producer(store_id)

@@ -33,8 +33,9 @@ from nats.aio.subscription import Subscription
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.admissions import AdmissionReporter
 from kvmesh.shared.credentials import DomainMap, credentials_for
-from kvmesh.shared.chunk_index import ChunkIndex, Cleared, IndexEntry, principal_of
+from kvmesh.shared.chunk_index import ChunkIndex, Cleared, IndexEntry
 from kvmesh.shared.keys import ChunkKey
+from kvmesh.shared.protocol import principal_of
 from kvmesh.shared.service import serve_health
 from kvmesh.shared.store_bounds import StoreBounds
 

@@ -6,8 +6,8 @@ docs/config.md:
     Python's repr), and no row names a field that is gone;
   * the last column says `acts` or `accepted`; an `accepted` key is read nowhere (`config.<key>` appears in no
     module but shared/config.py), an `acts` key is read somewhere (itself or its derived property);
-  * every flag of each service's argparse parser has a row in that service's section, whose default cell
-    starts with the parser's default rendered the same way, and no row names a flag that is gone.
+  * every flag of each service's argparse parser (the PD proxy's included) has a row in that service's section,
+    whose default cell starts with the parser's default rendered the same way, and no row names a flag that is gone.
 
   * the "Every LMCache key" table is `LMCACHE_KEYS` (shared/lmcache_keys.py), row for row; its honoured keys are
     the rows of "LMCache's keys" marked `acts`, and its other keys that are fields are marked `accepted`.
@@ -34,6 +34,7 @@ import pytest
 from kvmesh.cli import build_parser as cli_parser
 from kvmesh.services.controller.config import build_parser as controller_parser
 from kvmesh.services.disk_store.options import build_parser as disk_store_parser
+from kvmesh.services.pd_proxy.__main__ import build_parser as pd_proxy_parser
 from kvmesh.services.remote_store.options import build_parser as remote_store_parser
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.lmcache_keys import LMCACHE_KEYS
@@ -48,7 +49,7 @@ CODE_DIRS = ("services", "shared", "kvmesh_pkg")
 # keys the code reads through a derived property of EngineConfig
 DERIVED = {"max_local_cpu_size": "max_local_cpu_bytes", "max_local_disk_size": "max_local_disk_bytes",
            "remote_size": "remote_size_bytes", "remote_prefault_size": "remote_prefault_bytes",
-           "local_disk": "local_disk_path",
+           "local_disk": "local_disk_path", "p2p_ticket_max_gb": "p2p_ticket_max_bytes",
            "enable_pd": "enable_p2p"}  # a PD engine is a P2P one (EngineConfig.__post_init__)
 OPTIONAL_DEPENDENCIES = ("torch", "vllm", "cupy")
 
@@ -184,6 +185,7 @@ SERVICES = {
     "Health": lambda: _subparser(cli_parser(), "health"),
     "Credentials": lambda: _subparser(cli_parser(), "credentials"),
     "Wipe a store": lambda: _subparser(cli_parser(), "wipe"),
+    "The PD proxy": pd_proxy_parser,
 }
 
 

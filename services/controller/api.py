@@ -10,7 +10,8 @@ Input rules: malformed bodies are 422 naming the field (a value nested deeper th
 any JSON parser recurses into it), token lists longer than `max_tokens` are 413 (bodies too large to hold that
 many are refused before they are read, and the stream is cut as soon as it passes the limit), a missing or wrong
 bearer token is 401 when auth is on (checked before the body is read). Bodies over --large-body-bytes are read
---max-large-bodies at a time, --large-body-queue more wait unread, the rest get 503 with Retry-After (`BodySlots`):
+--max-large-bodies at a time, --large-body-queue more wait unread, the rest get 503 with Retry-After (`BodySlots`,
+shared/http_gate.py):
 each holds its parsed token list until answered, so this bounds the controller's memory. /lookup is the hot path: its body is checked by msgspec and its token list parsed by numpy
 straight into the int64 array the hasher reads (see `_fast_tokens`), with the same rules as the schema the
 OpenAPI document declares (~4x faster than FastAPI's json + pydantic for an 8k-token body here).
@@ -18,9 +19,6 @@ OpenAPI document declares (~4x faster than FastAPI's json + pydantic for an 8k-t
 
 from __future__ import annotations
 
-import asyncio
-import hmac
-import json
 import re
 from typing import Annotated, Any, Callable, Literal
 
@@ -31,12 +29,13 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, WithJsonSchema
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Scope, Send
 
 from kvmesh.services.controller import metrics as metrics_text
 from kvmesh.services.controller.core import ControllerCore
 from kvmesh.services.controller.errors import ControllerError
 from kvmesh.services.controller.lookup import KeyRequest
+from kvmesh.shared.http_gate import BodyGate, BodySlots, send_bytes
 
 # vLLM's token ids are int32; a bound well inside float precision also keeps JSON clients honest.
 MAX_TOKEN_ID = 2**31 - 1
@@ -407,69 +406,11 @@ def lookup_handler(core: ControllerCore) -> LookupHandler:
 # JSON nested deeper than this is refused (422 naming the field) before a parser sees it: no endpoint takes more
 # than 2 levels, and the parsers recurse (a few thousand levels made /lookup a 500 with RecursionError).
 MAX_JSON_DEPTH = 32
-_JSON_STRUCTURE = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')  # a string (skipped whole) or a bracket
-_OPEN = frozenset(b"[{")
 
 
-def _too_deep(body: bytes) -> Response | None:
-    """422 naming the top-level field whose value nests deeper than MAX_JSON_DEPTH; None if none does."""
-    if body.count(b"[") + body.count(b"{") <= MAX_JSON_DEPTH:
-        return None  # (fewer brackets than the limit, strings included: cannot nest that deep)
-    depth, key = 0, b""
-    for match in _JSON_STRUCTURE.finditer(body):
-        token = match.group()
-        if token[0] == 0x22:  # '"'
-            if depth == 1:
-                key = token  # at the top level the last string before a bracket is that value's key
-        elif token[0] in _OPEN:
-            depth += 1
-            if depth > MAX_JSON_DEPTH:
-                loc: list[str | int] = ["body"]
-                if key:
-                    try:
-                        loc.append(str(json.loads(key)))
-                    except ValueError:
-                        loc.append(key[1:-1].decode(errors="replace"))
-                return _422([{"type": "value_error", "loc": loc,
-                              "msg": f"nested deeper than {MAX_JSON_DEPTH} levels (expected e.g. a list of token "
-                                     "ids)"}])
-        else:
-            depth -= 1
-    return None
-
-
-class BodySlots:
-    """Large request bodies: at most `slots` read, parsed and served at once (each may hold a million-token list
-    until its workers answer), `queue` more waiting for a turn before they are read (uvicorn stops reading a
-    socket whose body nobody takes: a waiting request costs a few kB), any more refused."""
-
-    def __init__(self, slots: int, queue: int) -> None:
-        self._slots = asyncio.Semaphore(slots)
-        self.queue = queue
-        self.waiting = 0
-        self.refused = 0
-
-    async def enter(self) -> bool:
-        """Take a slot (waiting in the queue if need be); False, at once, when the queue is full."""
-        if self._slots.locked() and self.waiting >= self.queue:
-            self.refused += 1
-            return False
-        self.waiting += 1
-        try:
-            await self._slots.acquire()
-        finally:
-            self.waiting -= 1
-        return True
-
-    def leave(self) -> None:
-        self._slots.release()
-
-
-class Gate:
-    """In front of the FastAPI app: 401 without the bearer token (when one is configured), 413 for bodies over
-    `max_body` bytes (before reading them, or as soon as a stream without Content-Length passes it), a turn
-    for bodies over `large_body` bytes (`BodySlots`; 503 + Retry-After when none is left), 422 for bodies nested
-    too deep, and POST /lookup answered right here.
+class Gate(BodyGate):
+    """The controller's `BodyGate` (shared/http_gate.py: 401 without the token when one is configured, 413 past
+    `max_body`, a turn for large bodies, 422 for bodies nested too deep), with POST /lookup answered right here.
 
     /lookup is the one hot endpoint; serving it at the ASGI layer skips FastAPI's routing, dependency solving
     and Request/Response objects (~150 us of a ~500 us lookup on these cores). Its FastAPI route stays: it
@@ -478,105 +419,18 @@ class Gate:
 
     def __init__(self, app: ASGIApp, token: str | None, max_body: int, lookup: LookupHandler | None = None,
                  large_body: int = 1 << 20, large_bodies: BodySlots | None = None) -> None:
-        self.app = app
-        self.expected = f"bearer {token}".encode() if token else None
-        self.max_body = max_body
+        super().__init__(app, token=token, max_body=max_body, large_body=large_body,
+                         large_bodies=large_bodies or BodySlots(2, 32), max_depth=MAX_JSON_DEPTH,
+                         open_paths=OPEN_PATHS, max_body_hint="see --max-tokens",
+                         expected_json="e.g. a list of token ids")
         self.lookup = lookup
-        self.large_body = large_body
-        self.large_bodies = large_bodies or BodySlots(2, 32)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length: int | None = None
-        authorization = b""
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                length = int(value) if value.isdigit() else None
-            elif name == b"authorization":
-                authorization = value
-        if self.expected is not None and scope["path"] not in OPEN_PATHS:
-            scheme, _, credentials = authorization.partition(b" ")
-            if not hmac.compare_digest(scheme.lower() + b" " + credentials.strip(), self.expected):
-                await _send_json(send, 401, {"detail": "missing or wrong bearer token (Authorization: Bearer <token>)"},
-                                 [(b"www-authenticate", b"Bearer")])
-                return
-        if length is not None and length > self.max_body:
-            await _send_json(send, 413, {"detail": f"request body of {length} bytes exceeds the limit of "
-                                                   f"{self.max_body} bytes (see --max-tokens)"})
-            return
-        if scope["method"] not in ("POST", "PUT", "PATCH"):
-            await self.app(scope, receive, send)
-            return
-        holding = False
-        if length is not None and length > self.large_body:
-            if not await self.large_bodies.enter():
-                await self._busy(send)
-                return
-            holding = True
-        try:
-            # Read the body here: to bound it while it streams, and to check it before any parser sees it.
-            chunks, size, more = [], 0, True
-            while more:
-                message = await receive()
-                if message["type"] != "http.request":
-                    return  # the client went away
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > self.max_body:
-                    await _send_json(send, 413, {"detail": f"request body exceeds the limit of {self.max_body} "
-                                                           "bytes (see --max-tokens)"})
-                    return
-                if size > self.large_body and not holding:  # (a body sent without Content-Length)
-                    if not await self.large_bodies.enter():
-                        await self._busy(send)
-                        return
-                    holding = True
-                chunks.append(chunk)
-                more = message.get("more_body", False)
-            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            del chunks
-            refused = _too_deep(body)
-            if refused is not None:
-                await _send(send, 422, bytes(refused.body))
-                return
-            if self.lookup is not None and scope["path"] == "/lookup" and scope["method"] == "POST":
-                status, payload = self.lookup(body)
-                await _send(send, status, payload)
-                return
-            replayed = False
-
-            async def replay() -> Message:
-                nonlocal replayed
-                if not replayed:
-                    replayed = True
-                    return {"type": "http.request", "body": body, "more_body": False}
-                return await receive()
-
-            await self.app(scope, replay, send)
-        finally:
-            if holding:
-                self.large_bodies.leave()
-
-    async def _busy(self, send: Send) -> None:
-        await _send_json(send, 503, {"detail": f"too many large request bodies (over {self.large_body} bytes) at "
-                                               "once; retry shortly (--max-large-bodies, --large-body-queue)"},
-                         [(b"retry-after", b"1")])
-
-
-_JSON_HEADER = (b"content-type", b"application/json")
-
-
-async def _send(send: Send, status: int, payload: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [_JSON_HEADER, (b"content-length", str(len(payload)).encode()), *(headers or [])]})
-    await send({"type": "http.response.body", "body": payload})
-
-
-async def _send_json(send: Send, status: int, body: dict[str, Any],
-                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    await _send(send, status, _ENCODER.encode(body), headers)
+    async def answer(self, scope: Scope, body: bytes, send: Send) -> bool:
+        if self.lookup is None or scope["path"] != "/lookup" or scope["method"] != "POST":
+            return False
+        status, payload = self.lookup(body)
+        await send_bytes(send, status, payload)
+        return True
 
 
 # -------------------------------------------------------------------------------------------------------

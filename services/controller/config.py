@@ -15,7 +15,6 @@ import ipaddress
 import json
 import os
 import socket
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -25,6 +24,7 @@ import yaml
 from kvmesh.shared import options_cli
 from kvmesh.shared.bus import NatsAuth
 from kvmesh.shared.credentials import domains_file_of, domains_file_option
+from kvmesh.shared.http_gate import resolve_token
 from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
 from kvmesh.shared.nats_url import argument as nats_url_argument
 from kvmesh.shared.options_cli import DEFAULT, option
@@ -155,6 +155,11 @@ class ControllerConfig:
         "--max-keys-per-principal", "most chunk keys one principal's producers have indexed together (about 200 "
         f"bytes each); admissions past it are dropped and counted, lookups miss them (default: {DEFAULT})",
         4_000_000, type=_positive(int))
+    # full-sync requests a second to one principal's producers heard only by their heartbeats (sync_budget.py)
+    sync_requests_per_principal: int = option(
+        "--sync-requests-per-principal", "full-sync requests a second (bursts of as many) the controller sends "
+        "one principal's producers that heartbeat before it knows them; past it such heartbeats are dropped and "
+        f"counted (default: {DEFAULT})", 64, type=_positive(int))
     sync_retry_s: float = 3.0  # re-ask a producer for a full sync after this long without one
     heartbeat_grace_s: float = 1.0  # a heartbeat's seq claim must be met by batches within this
     tick_interval_s: float = 0.25  # maintenance pass period
@@ -221,35 +226,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _auth_token(parser: argparse.ArgumentParser, args: argparse.Namespace, notices: list[str]) -> str | None:
-    """The API token: --auth-token, --auth-token-file, $KVMESH_CONTROLLER_TOKEN, $KVMESH_CONTROLLER_TOKEN_FILE (the
-    first given); a file that cannot be read or holds no token is an error naming it."""
-    if args.auth_token and args.auth_token_file:
-        parser.error("give --auth-token or --auth-token-file, not both")
-    if args.auth_token:
-        return args.auth_token
-    path = args.auth_token_file
-    source = "--auth-token-file"
-    if path is None:
-        if os.environ.get(TOKEN_ENV):
-            return os.environ[TOKEN_ENV]
-        if not os.environ.get(TOKEN_FILE_ENV):
-            return None
-        path, source = Path(os.environ[TOKEN_FILE_ENV]), f"${TOKEN_FILE_ENV}"
-    try:
-        token = path.read_text().strip()
-        mode = path.stat().st_mode
-    except (OSError, UnicodeDecodeError) as exc:
-        parser.error(f"{source} {path}: cannot read the controller token ({exc})")
-    if not token or len(token.splitlines()) != 1 or any(c.isspace() for c in token):
-        parser.error(f"{source} {path}: expected one line holding the token (no spaces), got "
-                     f"{'an empty file' if not token else 'more'}")
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        notices.append(f"{source} {path}: the controller token file is open to other users (mode "
-                       f"{mode & 0o777:o}); make it 0600")
-    return token
-
-
 def _check_shares(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """A principal's share may be at most half its global bound: else one principal fills the table alone."""
     for share, bound in (("max_workers_per_principal", "max_producers"),
@@ -271,8 +247,11 @@ def parse_args(argv: list[str] | None = None) -> ControllerConfig:
     _check_shares(parser, args)
     values = options_cli.values(ControllerConfig, args)
     return ControllerConfig(**{
-        **values, "auth_token": _auth_token(parser, args, notices), "nats_auth": nats_auth_from_args(args),
-        "domains_file": domains_file_of(values["domains_file"], args, os.environ), "notices": tuple(notices)})
+        **values,
+        "auth_token": resolve_token(parser, args.auth_token, args.auth_token_file, TOKEN_ENV, TOKEN_FILE_ENV, notices,
+                                    "the controller token"),
+        "nats_auth": nats_auth_from_args(args), "domains_file": domains_file_of(values["domains_file"], args, os.environ),
+        "notices": tuple(notices)})
 
 
 # -------------------------------------------------------------------------------------------------------

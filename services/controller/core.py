@@ -82,6 +82,9 @@ class ControllerCore:
     def sync_requests_sent(self) -> int:
         return self.feed.sync_requests_sent if self.feed is not None else 0
 
+    def sync_requests_limited(self) -> int:
+        return self.feed.sync_requests_limited if self.feed is not None else 0
+
     def bad_messages(self) -> int:
         return self.feed.bad_messages if self.feed is not None else 0
 

@@ -80,9 +80,10 @@ def render(core: "ControllerCore") -> str:
             ('type="heartbeat"', stats.heartbeats), ('type="register"', stats.registrations)])
     metric("kvmesh_controller_seq_gaps_total", "counter", "Sequence gaps detected (each triggers a full sync).",
            [("", stats.seq_gaps)])
-    metric("kvmesh_controller_syncs_total", "counter", "Full syncs by outcome.",
+    metric("kvmesh_controller_syncs_total", "counter", "Full syncs by outcome (limited: heartbeats of unknown "
+           "producers past their principal's --sync-requests-per-principal, no request sent).",
            [('outcome="completed"', stats.syncs_completed), ('outcome="broken"', stats.syncs_broken),
-            ('outcome="requested"', core.sync_requests_sent())])
+            ('outcome="requested"', core.sync_requests_sent()), ('outcome="limited"', core.sync_requests_limited())])
     metric("kvmesh_controller_stale_keys_dropped_total", "counter", "Keys removed by full syncs.",
            [("", stats.stale_keys_dropped)])
     metric("kvmesh_controller_bad_messages_total", "counter", "Undecodable NATS messages dropped.",

@@ -15,7 +15,9 @@ Who sent a message is the producer path its subject ends in (NATS permissions le
 there, docs/security.md); the body must agree with it. A registration binds a producer id to its path (an engine
 worker's id is derived from its instance, a store's is its principal's name) unless another live path owns that
 id; events and heartbeats count only from the path their producer registered from. Anything else is dropped and
-counted in `forged_messages`; a heartbeat of an unknown producer makes it announce itself again. A registration
+counted in `forged_messages` (their WARNINGs at most one per sender principal every 10 s); a heartbeat of an
+unknown producer makes it announce itself again, within its principal's `SyncBudget` (sync_budget.py: past it the
+heartbeat is dropped and counted in `sync_requests_limited`, so a flood of them costs O(1) each). A registration
 past a limit (`ProducerTable.refusal`: producer count, chunk_size, key parameter sets, host/ip length) is refused
 with a WARNING and counted in `registrations_refused`; so is an engine registration whose `domain` is not the
 sharing domain that the domains map (`DomainMap`, the file the stores read) gives its principal
@@ -47,6 +49,8 @@ from kvmesh.shared.errors import MeshUnavailable, ProtocolError
 from kvmesh.shared.protocol import ProducerPath, Subjects, is_worker_id_of
 from kvmesh.services.controller.peers import peer_holders
 from kvmesh.services.controller.producers import ProducerTable, principal_of
+from kvmesh.services.controller.sync_budget import SyncBudget
+from kvmesh.shared.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +75,8 @@ class ProducerFeed:
 
     def __init__(self, nc: NatsClient, table: ProducerTable, controller_id: str,
                  clock: Callable[[], float] = time.monotonic, tick_interval_s: float = 0.25,
-                 health_details: Callable[[], dict[str, Any]] | None = None, domains: DomainMap | None = None) -> None:
+                 health_details: Callable[[], dict[str, Any]] | None = None, domains: DomainMap | None = None,
+                 sync_requests_per_principal: float = 64.0) -> None:
         self.nc = nc
         self.table = table
         self.domains = domains if domains is not None else DomainMap(None)  # engine principal -> sharing domain
@@ -85,6 +90,9 @@ class ProducerFeed:
         self._ticker: asyncio.Task[None] | None = None
         self._reconnects_seen = 0
         self.sync_requests_sent = 0
+        self.sync_requests_limited = 0  # heartbeats of unknown producers past their principal's SyncBudget
+        self.sync_budget = SyncBudget(sync_requests_per_principal, clock)
+        self._forged_log = RateLimitedLog(log)
         self.bad_messages = 0
         self.forged_messages = 0
         self.peer_lookups = collections.Counter[str]()  # answers to P2P lookups: "peer" (one named) or "none"
@@ -195,11 +203,11 @@ class ProducerFeed:
             valid = sender is not None and sender.owns(reg.store_id, reg.store_id)
         if sender is None or sender.role != role or not valid:
             self._forged(f"{role} registration of {producer_id!r} from "
-                         f"{sender.path if sender else 'a subject without a producer path'}")
+                         f"{sender.path if sender else 'a subject without a producer path'}", sender)
             return None
         owner = self.table.owner_of(producer_id, sender.path)
         if owner is not None:
-            self._forged(f"{sender.path} registering {producer_id!r}, which {owner} holds while alive")
+            self._forged(f"{sender.path} registering {producer_id!r}, which {owner} holds while alive", sender)
             return None
         return sender.path
 
@@ -238,12 +246,12 @@ class ProducerFeed:
         if sender is not None and self.table.producer(producer_id) is None \
                 and sender.producer == Subjects.token(producer_id):
             return False  # not registered yet (or we missed it): its heartbeat makes it announce itself
-        self._forged(f"a message of producer {producer_id!r} from {sender.path if sender else msg.subject}")
+        self._forged(f"a message of producer {producer_id!r} from {sender.path if sender else msg.subject}", sender)
         return False
 
-    def _forged(self, what: str) -> None:
+    def _forged(self, what: str, sender: ProducerPath | None = None) -> None:
         self.forged_messages += 1
-        log.warning("controller: refused %s", what)
+        self._forged_log.warning(f"{sender.role}.{sender.owner}" if sender else "", "controller: refused %s", what)
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:
@@ -254,7 +262,10 @@ class ProducerFeed:
         sender = Subjects.producer_of(msg.subject, Subjects.HEARTBEAT_ALL)
         if self.table.producer(heartbeat.producer_id) is None and sender is not None \
                 and sender.producer == Subjects.token(heartbeat.producer_id):
-            self._ask_sync(sender.path, "unregistered")  # it announces itself: registration and full sync
+            if self.sync_budget.take(principal_of(sender.path)):
+                self._ask_sync(sender.path, "unregistered")  # it announces itself: registration and full sync
+            else:
+                self.sync_requests_limited += 1
             return
         if not self._from_registered(msg, Subjects.HEARTBEAT_ALL, heartbeat.producer_id):
             return
@@ -267,7 +278,7 @@ class ProducerFeed:
         sender = Subjects.producer_of(subject, Subjects.PEER_LOOKUP_ALL)
         asker = self.table.producer(request.worker_id)
         if sender is None or asker is None or not self.table.sender_is(request.worker_id, sender.path):
-            self._forged(f"a peer lookup of {request.worker_id!r} on {subject}")
+            self._forged(f"a peer lookup of {request.worker_id!r} on {subject}", sender)
             return protocol.PeerLookupReply()
         reply = peer_holders(self.table, asker, request)
         self.peer_lookups["peer" if reply.num_chunks else "none"] += 1
@@ -311,6 +322,7 @@ class ProducerFeed:
             try:
                 for producer_id in self.table.tick(self.clock()):
                     self.request_sync(producer_id, "needs a full sync")
+                self.sync_budget.forget_full()
                 reconnects = self.nc.stats["reconnects"]
                 if reconnects != self._reconnects_seen and self.nc.is_connected:
                     # We may have missed registrations and batches while away.

@@ -105,7 +105,8 @@ class ControllerService:
         self.core.router.nc = self.nc
         self.feed = ProducerFeed(self.nc, self.core.table, self.core.controller_id, clock=self.core.clock,
                                  tick_interval_s=config.tick_interval_s, health_details=self._health_details,
-                                 domains=self._domains(url))
+                                 domains=self._domains(url),
+                                 sync_requests_per_principal=config.sync_requests_per_principal)
         self.core.feed = self.feed
         await self.feed.start()
         uv_config = uvicorn.Config(self.app, host=config.host, port=config.port, loop="none", lifespan="off",

@@ -1,16 +1,29 @@
 """`kvmesh pd-proxy --prefill URL --decode URL [--host H --port P]` (also `python -m kvmesh.services.pd_proxy`):
-serve the OpenAI completion and chat APIs in front of producer and consumer vLLMs (proxy.py)."""
+serve the OpenAI completion and chat APIs in front of producer and consumer vLLMs (proxy.py). One process serves
+one host:port."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+from pathlib import Path
 
 from kvmesh.services.pd_proxy.proxy import ProxyConfig, build_app
+from kvmesh.shared import options_cli
+from kvmesh.shared.http_gate import resolve_token
 from kvmesh.shared.service import configure_logging
 
+TOKEN_ENV = "KVMESH_PD_PROXY_TOKEN"
+TOKEN_FILE_ENV = "KVMESH_PD_PROXY_TOKEN_FILE"
+POSITIVE = {"timeout_s": "--timeout", "max_body_bytes": "--max-body-bytes", "max_connections": "--max-connections",
+            "large_body_bytes": "--large-body-bytes", "max_large_bodies": "--max-large-bodies",
+            "max_json_depth": "--max-json-depth"}
 
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, ProxyConfig]:
+log = logging.getLogger("kvmesh.pd_proxy")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh pd-proxy", description=__doc__)
     parser.add_argument("--prefill", action="append", required=True, metavar="URL",
                         help="a producer vLLM (kv_role kv_producer, enable_pd), e.g. http://127.0.0.1:8100; repeat "
@@ -19,16 +32,28 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, ProxyConfig]:
                         help="a consumer vLLM (kv_role kv_consumer, enable_pd); repeat for several")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds one vLLM request may take")
-    parser.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024,
-                        help="largest request body accepted (413 past it)")
-    parser.add_argument("--max-connections", type=int, default=256, help="open connections per vLLM")
+    options_cli.add_flags(parser, ProxyConfig)
+    parser.add_argument("--auth-token-file", type=Path, default=None,
+                        help=f"read the token from this file (its first line; or set ${TOKEN_FILE_ENV})")
+    return parser
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, ProxyConfig]:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("timeout", "max_body_bytes", "max_connections"):
-        if getattr(args, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be > 0")
+    values = options_cli.values(ProxyConfig, args)
+    for name, flag in POSITIVE.items():
+        if values[name] <= 0:
+            parser.error(f"{flag} must be > 0")
+    if values["large_body_queue"] < 0:
+        parser.error("--large-body-queue must be >= 0")
+    notices: list[str] = []
+    values["auth_token"] = resolve_token(parser, args.auth_token, args.auth_token_file, TOKEN_ENV, TOKEN_FILE_ENV,
+                                         notices, "the pd-proxy token")
+    for notice in notices:
+        log.warning("%s", notice)
     config = ProxyConfig([url.rstrip("/") for url in args.prefill], [url.rstrip("/") for url in args.decode],
-                         args.timeout, args.max_body_bytes, args.max_connections)
+                         **values)
     return args, config
 
 

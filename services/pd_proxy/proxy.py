@@ -3,11 +3,18 @@
 producer's answer carries (its instance and workers: services/engine/adapter/pd.py), to a consumer vLLM, whose
 answer (streamed or not) is the client's. Producers and consumers are taken in turn.
 
-A producer that fails (down, an error, no kv_transfer_params) costs the request nothing but time: the consumer
-then computes the prompt itself (logged, counted in /healthz). A consumer's error is the client's, as vLLM gave
-it. The body is client input: it must be a JSON object of at most `max_body_bytes` (413 past it, 400 if it is not
-an object); the proxy reads only `stream`, `max_tokens`, `max_completion_tokens`, `stream_options`, `min_tokens`
-and `min_completion_tokens`, and forwards the rest as it came.
+A producer that fails (down, an error, an answer that is not a JSON object or carries no kv_transfer_params)
+costs the request nothing but time: the consumer then computes the prompt itself (logged, counted in /healthz). A
+consumer's error is the client's, as vLLM gave it; a consumer that cannot be reached is a 502.
+
+The body is client input. Before anything reads it, `BodyGate` (shared/http_gate.py) bounds it, as in front of the
+controller: 401 without the bearer token when one is set (`auth_token`; /healthz stays open), 413 past
+`max_body_bytes`, bodies over `large_body_bytes` read and handled `max_large_bodies` at a time with
+`large_body_queue` more waiting unread (503 past that; a turn ends when the response starts, so a streamed answer
+holds none), 422 naming the field nested deeper than `max_json_depth`. Then it must be a JSON object (400 naming
+the problem otherwise); the proxy reads only `stream`, `max_tokens`, `max_completion_tokens`, `stream_options`,
+`min_tokens` and `min_completion_tokens`, and forwards the rest as it came. Everything runs on uvicorn's one event
+loop; one process serves one host:port, its bounds its own.
 """
 
 from __future__ import annotations
@@ -24,18 +31,34 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvmesh.shared.http_gate import BodyGate, BodySlots
+from kvmesh.shared.options_cli import option
+
 log = logging.getLogger("kvmesh.pd_proxy")
 
 FORWARDED_HEADERS = ("authorization",)  # passed to both vLLMs as the client sent them
+OPEN_PATHS = frozenset({"/healthz"})  # open even with a token
+MiB = 1 << 20
 
 
+# Each setting's default is written once, on its field; its flag is generated from it (shared/options_cli.py).
 @dataclass
 class ProxyConfig:
-    producers: list[str]  # base URLs, e.g. http://127.0.0.1:8100
-    consumers: list[str]
-    timeout_s: float = 600.0  # one vLLM request, connect to last byte
-    max_body_bytes: int = 16 * 1024 * 1024
-    max_connections: int = 256  # per vLLM
+    producers: list[str]  # base URLs, e.g. http://127.0.0.1:8100 (--prefill)
+    consumers: list[str]  # (--decode)
+    timeout_s: float = option("--timeout", "seconds one vLLM request may take", 600.0)
+    max_body_bytes: int = option("--max-body-bytes", "largest request body accepted (413 past it)", 16 * MiB)
+    max_connections: int = option("--max-connections", "open connections per vLLM", 256)
+    large_body_bytes: int = option("--large-body-bytes", "a request body over this many bytes counts as large", MiB)
+    max_large_bodies: int = option("--max-large-bodies", "large bodies read and handled at once (each until its "
+                                   "response starts)", 2)
+    large_body_queue: int = option("--large-body-queue", "large bodies that wait, unread, for a turn; one more gets "
+                                   "503 with Retry-After", 32)
+    max_json_depth: int = option("--max-json-depth", "JSON nested deeper than this is a 422 naming the field, "
+                                 "before it is parsed", 128)
+    auth_token: str | None = option("--auth-token", "require 'Authorization: Bearer <token>' on every endpoint "
+                                    "but /healthz (or set $KVMESH_PD_PROXY_TOKEN); the header still goes on to the "
+                                    "vLLMs", None)
 
 
 @dataclass
@@ -79,20 +102,20 @@ def build_app(config: ProxyConfig) -> FastAPI:
                 await client.aclose()
 
     app = FastAPI(title="kvmesh pd-proxy", lifespan=lifespan)
+    app.add_middleware(BodyGate, token=config.auth_token, max_body=config.max_body_bytes,
+                       large_body=config.large_body_bytes,
+                       large_bodies=BodySlots(config.max_large_bodies, config.large_body_queue),
+                       max_depth=config.max_json_depth, open_paths=OPEN_PATHS, max_body_hint="--max-body-bytes",
+                       release_on_response=True)
 
     async def read_body(request: Request) -> dict[str, Any] | Response:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
-            return _error(413, f"body of {declared} bytes; the limit is {config.max_body_bytes} (--max-body-bytes)")
-        raw = bytearray()
-        async for part in request.stream():
-            raw += part
-            if len(raw) > config.max_body_bytes:
-                return _error(413, f"body over {config.max_body_bytes} bytes (--max-body-bytes)")
+        """The body as a JSON object (the gate has bounded it), or the 400 naming what it is instead."""
         try:
-            body = json.loads(raw)
+            body = json.loads(await request.body())
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             return _error(400, f"the body is not JSON: {exc}")
+        except RecursionError:  # (the gate refuses deeper nesting first, unless --max-json-depth is raised)
+            return _error(400, "the body nests too deep for the JSON parser (--max-json-depth)")
         if not isinstance(body, dict):
             return _error(400, f"the body must be a JSON object, not {type(body).__name__}")
         return body
@@ -102,14 +125,17 @@ def build_app(config: ProxyConfig) -> FastAPI:
         url = next(producers)
         try:
             response = await clients[url].post(path, json=prefill_body(body), headers=headers)
-            params = response.json().get("kv_transfer_params") if response.status_code == 200 else None
+            answer = response.json() if response.status_code == 200 else None
+            params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
             if response.status_code != 200:
                 reason = f"HTTP {response.status_code}: {response.text[:200]}"
+            elif not isinstance(answer, dict):
+                reason = f"its answer is a JSON {type(answer).__name__}, not an object"
             elif not isinstance(params, dict):
                 reason = "its answer carries no kv_transfer_params (is it a kv_producer with enable_pd?)"
             else:
                 return params
-        except (httpx.HTTPError, ValueError) as exc:
+        except (httpx.HTTPError, ValueError, RecursionError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
         stats.prefill_failures += 1
         log.warning("prefill at %s failed (%s): the consumer computes the prompt itself", url, reason)

@@ -156,3 +156,47 @@ async def test_lookups_never_evict_command_event_ids(nats_server: EmbeddedNats) 
         metrics = (await client.get("/metrics")).text
         assert 'kvmesh_controller_tracked_events{window="commands"} 2' in metrics
         assert 'kvmesh_controller_tracked_events{window="lookups"} 3' in metrics
+
+
+async def test_heartbeats_of_unknown_producers_cost_o1_each_and_sync_requests_are_budgeted_per_principal(
+        nats_server: EmbeddedNats) -> None:
+    """One engine heartbeats under 30,000 producer ids of its own that never registered: each used to make the
+    controller ask that id for a full sync (30,000 NATS requests). Now its principal gets --sync-requests-per-principal
+    requests a second at most; the rest are dropped and counted. The clock never moves, so the budget never refills:
+    exactly one burst goes out. Another principal's unknown producer is still asked at once."""
+    flood_ids = [f"ghost-{i}" for i in range(30_000)]
+    clock = ManualClock()
+    async with running_controller(nats_server.url, clock) as (service, client):
+        feed = service.feed
+        assert feed is not None
+        budget = 64  # --sync-requests-per-principal, default
+        flood, other = await bus.connect(nats_server.url, "flood"), await bus.connect(nats_server.url, "other")
+        asked: dict[str, list[str]] = {"flood": [], "other": []}
+        try:
+            for name, nc in (("flood", flood), ("other", other)):
+                async def note(msg: Any, name: str = name) -> None:
+                    asked[name].append(msg.subject)
+                await nc.subscribe(f"kvmesh.sync.{protocol.Principal.engine(name).path}.>", cb=note)
+                await nc.flush()
+            for producer_id in flood_ids:
+                path = protocol.Principal.engine("flood").producer(producer_id)
+                await bus.publish(flood, Subjects.heartbeat(path), protocol.Heartbeat(producer_id=producer_id,
+                                                                                         last_seq=0))
+            await flood.flush()
+
+            def handled() -> bool:
+                return feed.sync_requests_sent + getattr(feed, "sync_requests_limited", 0) >= len(flood_ids)
+            await wait_until_async(handled, what="every heartbeat of the flood handled")
+            assert feed.sync_requests_sent == budget, f"{feed.sync_requests_sent} sync requests for one principal"
+            assert service.config.sync_requests_per_principal == budget
+            assert feed.sync_requests_limited == len(flood_ids) - budget
+            metrics = (await client.get("/metrics")).text
+            assert f'kvmesh_controller_syncs_total{{outcome="limited"}} {len(flood_ids) - budget}' in metrics
+
+            lone = protocol.Principal.engine("other").producer("other")
+            await bus.publish(other, Subjects.heartbeat(lone), protocol.Heartbeat(producer_id="other", last_seq=0))
+            await wait_until_async(lambda: asked["other"] == [Subjects.sync(lone)], what="the other principal asked")
+            await wait_until_async(lambda: len(asked["flood"]) == budget, what="the flood's budget of requests")
+        finally:
+            await flood.close()
+            await other.close()

@@ -54,11 +54,14 @@ from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.nats_auth import engine_auth
 from kvmesh.shared.rate_limited_log import RateLimitedLog
 from kvmesh.shared.redis_keys import RedisAuth
+from kvmesh.shared.stream_server import ClientBounds
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, PEER, REMOTE, ChunkMeta, worker_id_for
 
 log = logging.getLogger(__name__)
 
 KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
+LOOPBACK = "127.0.0.1"  # where the P2P stream listens unless p2p_host says otherwise
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 
 
 class CacheEngine:
@@ -203,8 +206,9 @@ class CacheEngine:
                  f", mesh {self._connection.url} ({self.plan.mode})" if self._connection and self.plan else "")
 
     def _peer_server(self) -> PeerServer:
-        """The stream this worker serves its CPU tier on: `p2p_host` (default: the address NATS is reached from),
-        port `p2p_init_ports[rank]` (default: any free port)."""
+        """The stream this worker serves its CPU tier on: `p2p_host` (default: loopback, peers on this host only;
+        a wildcard such as 0.0.0.0 is told to peers as the address NATS is reached from), port
+        `p2p_init_ports[rank]` (default: any free port)."""
         config = self.config
         assert self.cpu is not None and self.storage is not None and self.pool is not None
         ports = config.p2p_init_ports or []
@@ -212,11 +216,19 @@ class CacheEngine:
             log.warning("p2p_init_ports lists %d port(s), none for rank %d: that rank listens on any free port",
                         len(ports), self.rank)
         port = ports[self.rank] if len(ports) > self.rank else 0
-        host = config.p2p_host or self._ip or "127.0.0.1"
+        host = config.p2p_host or LOOPBACK
+        advertised = (self._ip or LOOPBACK) if host in WILDCARD_HOSTS else host
+        bounds = ClientBounds(max_pending=config.p2p_max_pending_connections,
+                              max_pending_per_address=config.p2p_max_pending_per_address,
+                              max_connections_per_caller=config.p2p_max_connections_per_peer,
+                              ticket_max_bytes=config.p2p_ticket_max_bytes,
+                              ticket_bytes_per_s=config.p2p_ticket_max_mb_per_s * 1e6)
         return PeerServer(self.cpu, self.storage.stats, config.lmcache_instance_id, self.worker_id, self.domain_name,
-                          host, host, port, max_connections=config.p2p_max_connections,
+                          host, advertised, port, max_connections=config.p2p_max_connections,
                           transfer_timeout=config.request_timeout_secs
-                          + self.pool.slot_nbytes / (config.remote_min_transfer_mb_per_s * 1e6))
+                          + self.pool.slot_nbytes / (config.remote_min_transfer_mb_per_s * 1e6),
+                          hello_timeout=config.p2p_hello_timeout_secs, idle_timeout=config.p2p_idle_timeout_secs,
+                          client_bounds=bounds)
 
     @property
     def store_caller(self) -> str:
