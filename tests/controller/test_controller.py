@@ -182,6 +182,8 @@ async def test_a_peer_lookup_names_the_live_p2p_workers_of_other_instances_that_
             started(asker), started(near), started(far), started(closed):
         asker.store(tokens)  # its own chunks never count
         closed.store(tokens)
+        # each holder's admissions are applied before the next one's: the order of record is the test's premise
+        await wait_layout(client, tokens, {"asker": [LOCAL_CPU, 1024], "closed": [LOCAL_CPU, 1024]})
         near.store(tokens, chunks=[0, 1])
         await wait_layout(client, tokens, {"asker": [LOCAL_CPU, 1024], "near": [LOCAL_CPU, 512],
                                            "closed": [LOCAL_CPU, 1024]})
