@@ -10,6 +10,7 @@ import fcntl
 import json
 import logging
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -687,6 +688,25 @@ async def test_pools_are_bounded_and_dropped_when_their_connection_closes(harnes
     second = await harness.lend(segment)  # room again
     assert second.token != first.token
     assert (await harness.request("put", protocol.PutRequest(meta=meta, pool=second.token), protocol.Ack)).ok
+
+
+async def test_a_pool_refused_before_its_hello_is_sent_names_the_reason(harness: Harness, segment: SharedSegment,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store at --max-pools refuses at accept and closes. When that happens before the engine sends its hello
+    (a loaded machine), the send fails with a broken pipe; the store's reason is still the error."""
+    await harness.start(max_pools=1)
+    await harness.lend(segment)
+    send_fds = socket.send_fds
+
+    def send_after_the_store_closed(sock: socket.socket, *args: Any) -> int:
+        poller = select.poll()
+        poller.register(sock, select.POLLHUP | select.POLLRDHUP)
+        assert poller.poll(WAIT_S * 1000), "the store did not close the refused connection"
+        return send_fds(sock, *args)
+
+    monkeypatch.setattr(socket, "send_fds", send_after_the_store_closed)
+    with pytest.raises(PoolUnavailable, match="--max-pools"):
+        await harness.lend(segment, caller=protocol.Principal.engine("other").producer("w0"))
 
 
 async def _details_match(harness: Harness, **expected: int) -> bool:

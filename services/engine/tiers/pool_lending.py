@@ -84,8 +84,14 @@ def register(store_id: str, caller: str, segment: SharedSegment, timeout: float,
         uid = peer_uid(sock)
         if not trusted_uid(uid):
             raise PoolUnavailable(f"the process behind {path} runs as uid {uid}, not as us ({os.getuid()}) or root")
-        socket.send_fds(sock, [encode_hello(caller)], [segment.fd])
-        answer = json.loads(sock.recv(REPLY_MAX_BYTES) or b"{}")
+        try:
+            socket.send_fds(sock, [encode_hello(caller)], [segment.fd])
+        except OSError as exc:  # a store that refuses at once (--max-pools) closes before reading: its reason waits
+            answer = _refusal(sock)
+            if answer is None:
+                raise exc
+        else:
+            answer = json.loads(sock.recv(REPLY_MAX_BYTES) or b"{}")
         if not isinstance(answer, dict) or not isinstance(answer.get("token"), str):
             error = answer.get("error") if isinstance(answer, dict) else None
             raise PoolUnavailable(f"the store refused the pool: {error or 'no answer'}")
@@ -97,6 +103,16 @@ def register(store_id: str, caller: str, segment: SharedSegment, timeout: float,
     except BaseException:
         sock.close()
         raise
+
+
+def _refusal(sock: socket.socket) -> dict[str, object] | None:
+    """The reply a store sent before it closed the connection, or None when there is none to read."""
+    try:
+        sock.setblocking(False)
+        answer = json.loads(sock.recv(REPLY_MAX_BYTES) or b"null")
+    except (OSError, ValueError):
+        return None
+    return answer if isinstance(answer, dict) else None
 
 
 class PoolLink:
