@@ -105,6 +105,7 @@ class EngineConfig:
     heartbeat_interval_secs: float = 2.0
     # engine tunables (docs/config.md says what each is for)
     lookup_timeout_secs: float = 2.0  # how long vLLM's scheduler is told "ask again" while the lower tiers answer
+    pd_hint_wait_secs: float = 5.0  # a PD consumer's lookup waits this long more for its producer's admissions
     write_behind_workers: int = 2  # concurrent write-behind jobs to the lower tiers
     fetch_concurrency: int = 4  # concurrent chunk reads from one store during a fetch
     known_held_keys: int = 200_000  # chunks remembered as in every lower tier (not sent again; ~40 B each)
@@ -303,6 +304,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "p2p_init_ports": (lambda v: all(0 < port < 65536 for port in v), "every port must be 1-65535"),
     "store_queue_size": _AT_LEAST_ONE,
     "lookup_timeout_secs": _POSITIVE,
+    "pd_hint_wait_secs": _POSITIVE,
     "write_behind_workers": _AT_LEAST_ONE,
     "fetch_concurrency": _AT_LEAST_ONE,
     "known_held_keys": _NON_NEGATIVE,

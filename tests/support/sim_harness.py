@@ -618,7 +618,7 @@ class Simulation:
         if tracker is not None and tracker.probe is not None:
             lookups += [lower for lower in tracker.probe.lowers if lower is not None]
         timeout = self.sched.scheduler_side.lookup.timeout
-        wait_until(lambda: all(lower.result(timeout) is not None for lower in lookups),
+        wait_until(lambda: all(lower.result() is not None for lower in lookups),
                    timeout=timeout + 5, what=f"{req.rid}'s lower-tier lookup")
 
     def _execute(self, step: Step, scheduled: dict[str, int], starts: dict[str, int]) -> None:

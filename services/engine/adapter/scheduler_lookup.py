@@ -146,11 +146,12 @@ class LowerLookup:
 
     futures: list[concurrent.futures.Future[int]]
     started: float
+    timeout: float  # how long it may be in flight
 
-    def result(self, timeout: float) -> int | None:
-        """Tokens held on every rank; None while still in flight (within `timeout`), 0 for a failure."""
+    def result(self) -> int | None:
+        """Tokens held on every rank; None while still in flight (within its timeout), 0 for a failure."""
         if not all(f.done() for f in self.futures):
-            return None if time.monotonic() - self.started < timeout else 0
+            return None if time.monotonic() - self.started < self.timeout else 0
         try:
             return min(f.result() for f in self.futures)
         except Exception as exc:
@@ -166,9 +167,11 @@ def _alone(span: ChunkSpan) -> ChunkSpan:
 class SchedulerLookup:
     """The scheduler's view of its workers' caches: `held(...)` -> tokens, or None for "ask again"."""
 
-    def __init__(self, world_size: int, timeout: float, nats_name: str, auth: bus.NatsAuth | None = None) -> None:
+    def __init__(self, world_size: int, timeout: float, nats_name: str, auth: bus.NatsAuth | None = None,
+                 hint_wait: float = 0.0) -> None:
         self.world_size = world_size
         self.timeout = timeout
+        self.hint_wait = hint_wait  # a PD consumer's lookup may wait this long more (tiers/peer.py `contains`)
         self._auth = auth
         self.mirror = CpuTierMirror()
         self._nats_name = nats_name
@@ -249,7 +252,7 @@ class SchedulerLookup:
             lower = self._ask_lower(keys, num_tokens, peer)
             if lower is None:  # NATS is down: what the mirror says, at once
                 return cpu_tokens, None
-        answer = lower.result(self.timeout)
+        answer = lower.result()
         if answer is None:
             return None, lower
         return max(answer, cpu_tokens), lower
@@ -283,6 +286,7 @@ class SchedulerLookup:
             worker = peer.worker_of(rank) if peer is not None else None
             return (peer.instance_id, worker) if peer is not None and worker else ("", "")
 
+        timeout = self.timeout + (self.hint_wait if peer is not None else 0.0)
         local = engines.all()
         if local:
             futures = []
@@ -291,22 +295,23 @@ class SchedulerLookup:
                     return None
                 spans = engine.chunk_spans(keys, num_tokens)
                 futures.append(engine.nats_loop.submit(engine.lookup_and_prefetch(spans, *peer_of(engine.rank))))
-            return LowerLookup(futures, time.monotonic())
+            return LowerLookup(futures, time.monotonic(), timeout)
         nats = self._nats
         if nats is None or (nats.nc is not None and not nats.connected):
             return None  # no NATS, or it went down: answer from the CPU tiers at once
         # connected, or still making its first connection (just after the workers were found): ask
         requests = [protocol.PrefixLookup(keys, num_tokens, *peer_of(w.rank)) for w in self._workers]
-        return LowerLookup([nats.submit(self._ask(nats, w, request)) for w, request in zip(self._workers, requests)],
-                           time.monotonic())
+        return LowerLookup([nats.submit(self._ask(nats, w, request, timeout))
+                            for w, request in zip(self._workers, requests)], time.monotonic(), timeout)
 
-    async def _ask(self, nats: "NatsLoop", worker: PublishedWorker, request: protocol.PrefixLookup) -> int:
+    async def _ask(self, nats: "NatsLoop", worker: PublishedWorker, request: protocol.PrefixLookup,
+                   timeout: float) -> int:
         if not await nats.first_connection(self.timeout):
             return 0
         assert nats.nc is not None
         subject = protocol.Subjects.worker(worker.instance_id, worker.lookup_id, protocol.PREFIX_LOOKUP_OP)
         try:
-            reply = await bus.request(nats.nc, subject, request, protocol.CommandReply, self.timeout)
+            reply = await bus.request(nats.nc, subject, request, protocol.CommandReply, timeout)
         except KVMeshError as exc:
             log.warning("prefix lookup on %s failed: %s; answering what the CPU tier holds", subject, exc)
             return 0

@@ -79,7 +79,8 @@ class SchedulerSide:
                         unsupported)
         else:
             lookup = SchedulerLookup(vllm_config.parallel_config.world_size, config.lookup_timeout_secs,
-                                     f"{config.lmcache_instance_id}-scheduler", engine_auth(config))
+                                     f"{config.lmcache_instance_id}-scheduler", engine_auth(config),
+                                     config.pd_hint_wait_secs)
             if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
                 # The scheduler reads the policy right after creating this connector.
                 log.info("kv_load_failure_policy %r -> 'recompute': a chunk that cannot be loaded is recomputed, "

@@ -267,7 +267,7 @@ class CacheEngine:
                          min_transfer_rate=config.remote_min_transfer_mb_per_s * 1e6,
                          retry_interval=config.remote_retry_interval_secs,
                          max_connections=config.p2p_stream_connections,
-                         hint_wait=min(config.request_timeout_secs, config.lookup_timeout_secs / 2)
+                         hint_wait=config.pd_hint_wait_secs
                          ) if config.enable_p2p else None
         self.storage.set_lower(lower_tiers(nc, self.plan, config, self.store_caller, self._redis_auth), peers)
         if self.peer_server is not None:
