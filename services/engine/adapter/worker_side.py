@@ -112,8 +112,8 @@ class WorkerSide:
         if self.unsupported is not None:
             log.info("KVMesh is off for this model (%s)", self.unsupported)
             return
-        if self.world_size > 1:  # before anything that may fail: every rank takes part (load_agreement.py)
-            self.agreement = CollectiveAgreement.of_replica()
+        if self.world_size > 1 and self.agreement is None:  # before anything that may fail: every rank takes
+            self.agreement = CollectiveAgreement.of_replica()  # part (load_agreement.py); kept if already set
         backend = self._attention_backend_name()
         try:
             self.kv_caches = self._in_chunk_order(kv_caches)
