@@ -27,7 +27,9 @@ KIND_SEEDS: dict[str, list[int]] = {
     "gdn": [13, 23, 30],
     "gdn-fine": [7, 34, 36],
     "eagle": [0, 24, 25],
-    "mla": [12],
+    # 2: found that the connector took an MLA model's latent pages for CPU_ATTN's (fixed, with its scenario test
+    # in test_simulation_scenarios.py)
+    "mla": [2, 12],
 }
 # with NATS and a real disk store process (and, per seed, chunk files deleted, CPU tiers emptied, the store
 # paused, killed, or NATS stopped)
