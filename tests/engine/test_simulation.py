@@ -27,9 +27,10 @@ KIND_SEEDS: dict[str, list[int]] = {
     "gdn": [13, 23, 30],
     "gdn-fine": [7, 34, 36],
     "eagle": [0, 24, 25],
-    # 2: found that the connector took an MLA model's latent pages for CPU_ATTN's (fixed, with its scenario test
-    # in test_simulation_scenarios.py)
-    "mla": [2, 12],
+    # found on 7b8053f (fixed, each with its scenario test in test_simulation_scenarios.py): 2, the connector took
+    # an MLA model's latent pages for CPU_ATTN's; 11, a request preempted by vLLM's prefix cache reset and resumed
+    # in the same step lost its load
+    "mla": [2, 11, 12],
 }
 # with NATS and a real disk store process (and, per seed, chunk files deleted, CPU tiers emptied, the store
 # paused, killed, or NATS stopped)

