@@ -191,6 +191,7 @@ class Simulation:
         c = self.c
         chunk_bytes = len(self.kind.layers) * (CHUNK // BLOCK) * page_bytes
         settings: dict[str, object] = {
+            "model_name": "sim-model",  # keys named alike in every process (the model's directory is a temp dir)
             "chunk_size": CHUNK, "max_local_cpu_size": (c.cpu_chunks * (-(-chunk_bytes // 4096) * 4096) + 100) / 2**30,
             "request_timeout_secs": WAIT_S / 3, "blocking_timeout_secs": WAIT_S, "heartbeat_interval_secs": 0.5,
             "save_decode_cache": c.save_decode_cache, "enable_async_loading": c.async_loading}
