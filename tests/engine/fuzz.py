@@ -8,7 +8,8 @@
 
 Each seed draws its kind of KV cache groups (sim_kinds.py: full, sliding, mamba2, mamba2-fine, gdn, gdn-fine, eagle,
 mla) with its other knobs, so a run mixes them all. Each failing seed is printed with its kind, invariant and the
-command that replays it; at the end, the schedules run and failed per kind. Exit status 1 if any seed failed.
+command that replays it; at the end, the schedules run and failed per kind (and how many showed issue 35 finding
+2's interleaving, sim_reuse.py: not a failure on the CPU). Exit status 1 if any seed failed.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.seconds
     chooser = random.Random(int.from_bytes(os.urandom(8), "little"))
     runs: Counter[str] = Counter()
+    reuse: dict[str, list[int]] = {}  # seeds that showed issue 35 finding 2's interleaving (sim_reuse.py)
     failed: dict[str, list[int]] = {}
     while time.monotonic() < deadline:
         seed = chooser.randrange(1 << 31)
@@ -60,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         runs[kind] += 1
         replay = replay_command(seed, args.kind, processes, agreement)
         try:
-            run_seed(seed, processes, kind=args.kind, agreement=agreement)
+            result = run_seed(seed, processes, kind=args.kind, agreement=agreement)
+            if result.reuse:
+                reuse.setdefault(kind, []).append(seed)
         except SimFailure as failure:
             failed.setdefault(kind, []).append(seed)
             print(f"FAIL seed {seed} ({kind}): {str(failure).splitlines()[0]}\n  replay: {replay}", flush=True)
@@ -70,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     for kind in KIND_NAMES:
         if runs[kind]:
             seeds = failed.get(kind, [])
-            print(f"{kind}: {runs[kind]} schedules, {len(seeds)} failed" + (f": seeds {seeds}" if seeds else ""))
+            print(f"{kind}: {runs[kind]} schedules, {len(seeds)} failed" + (f": seeds {seeds}" if seeds else "")
+                  + (f"; finding 2's interleaving in {len(reuse[kind])} (e.g. seed {reuse[kind][0]})"
+                     if kind in reuse else ""))
     total_failed = sum(len(seeds) for seeds in failed.values())
     print(f"{sum(runs.values())} schedules run, {total_failed} failed")
     return 1 if total_failed else 0

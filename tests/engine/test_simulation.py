@@ -41,6 +41,12 @@ DISK_SEEDS = [23, 29, 57, 63, 73]  # 23: paused; 29, 63: the store killed; 57, 7
 # fine-grained prefix hit resumed from. These seeds fail on it (invariant 4) today; once the fix is in they pass:
 # move them to KIND_SEEDS["mamba2-fine"] then (their test below fails to say so).
 FINDING_1_SEEDS = [3, 4, 8, 15]
+# Issue 35, finding 2 (CUDA only, its fix is on its way): a block a step's save read that vLLM gives out again in the
+# next step while the saving request runs (a sliding window's block that left the window, reused for the request's
+# own next tokens or another request's). Harmless on the CPU (the save read it in wait_for_save); on CUDA the save's
+# gather may still be reading it on its side stream. These schedules show the interleaving (sim_reuse.py), for a
+# GPU to replay.
+REUSE_SEEDS = {"sliding": [37]}
 # two ranks, one of which lost a chunk of a load between lookup and load, so every rank's forward after it computed
 # over that rank's wrong KV. Without the connector's load agreement (`python tests/engine/fuzz.py --seed N
 # --no-agreement`) the rank whose own load succeeded stores its shard of the chunk computed next (invariant 2).
@@ -75,6 +81,12 @@ def test_the_seeds_that_find_issue_35_finding_1_until_its_fix(seed: int) -> None
     with pytest.raises(SimFailure) as failure:
         run_seed(seed, allow_processes=False, kind="mamba2-fine")
     assert failure.value.invariant == 4 and "holds the state after" in failure.value.detail, failure.value
+
+
+@pytest.mark.parametrize("kind, seed", [(kind, seed) for kind, seeds in REUSE_SEEDS.items() for seed in seeds])
+def test_the_schedules_that_show_finding_2s_interleaving(kind: str, seed: int) -> None:
+    result = run_seed(seed, allow_processes=False, kind=kind)
+    assert any("while" in event and "still runs" in event for event in result.reuse), result.reuse
 
 
 @pytest.mark.parametrize("seed", CROSS_RANK_SEEDS)

@@ -17,7 +17,8 @@ and with a disk store: chunk files deleted, CPU tiers emptied, the store paused 
 restarted, NATS stopped and started.
 
 Invariants: sim_checks.py (1 what vLLM reads, 2 what the tiers hold, 3 no exception escapes, 4 every stored state
-is the state after exactly its chunk's tokens).
+is the state after exactly its chunk's tokens). Recorded, not a failure on the CPU: sim_reuse.py, the interleaving
+in which a CUDA save's gather could read a block vLLM has given to another request (issue 35, finding 2).
 
 Determinism: faults happen at steps the seed picks; waits for asynchronous work (the scheduler's lower-tier
 lookups, async fetches, write-behind, prefetches) are by condition, so the step sequence does not depend on timing.
@@ -50,6 +51,7 @@ from support.sim_checks import Checks, KeyBook, Violation
 from support.sim_kinds import KINDS
 from support.sim_oracle import ModelMath, Oracle
 from support.sim_ranks import Ranks
+from support.sim_reuse import ReuseAudit
 from support.sim_runner import RankRunner, StepPlan
 from support.sim_vllm import build_vllm
 from support.waiting import WAIT_S, wait_until
@@ -153,6 +155,7 @@ class SimResult:
     checked_states: int = 0  # state entries checked (in CPU tiers and disk files, at every step)
     agreements: int = 0  # steps whose ranks agreed on their in-step loads (two ranks)
     faults: list[str] = field(default_factory=list)
+    reuse: list[str] = field(default_factory=list)  # issue 35 finding 2's interleaving (sim_reuse.py)
 
 
 @dataclass
@@ -182,6 +185,7 @@ class Simulation:
         self.tags: dict[str, str] = {}
         self.result = SimResult(config.seed, config.kind)
         self.paused = False
+        self.reuse = ReuseAudit()
         self.mesh: Any = None
         self.disk_dir: Path | None = None
 
@@ -269,6 +273,7 @@ class Simulation:
             self.result.checked_chunks = self.checks.checked_chunks
             self.result.checked_states = self.checks.checked_states
             self.result.agreements = self.ranks.agreement.calls if self.ranks.agreement is not None else 0
+            self.result.reuse = list(self.reuse.events)
         return self.result
 
     def fail(self, invariant: int, detail: str) -> SimFailure:
@@ -362,6 +367,8 @@ class Simulation:
         output."""
         output = self.call("the scheduler's schedule()", self.scheduler.schedule)
         metadata = output.kv_connector_metadata
+        self.reuse.next_step(output, self.step_no)
+        self.reuse.saves(metadata)
         loads = [req for req in getattr(metadata, "requests", ()) if req.load is not None]
         self.result.loads += len(loads)
         self.result.preemptions += len(output.preempted_req_ids or ())
