@@ -11,10 +11,11 @@ the model's forward (sim_oracle.py's `ModelMath`, writing each layer's values in
 it), the sampler (random tokens; with EAGLE random drafts and acceptances) and the requests' arrivals and aborts.
 
 Faults the schedule mixes in: preemption (few blocks: vLLM preempts), aborts (also during async loads), chunked
-prefill (a token budget per step), async and layer-wise loads, chunks evicted from a rank's CPU tier at random and
-between the lookup that promised them and their load, tensor-parallel ranks that diverge (each its own CPU tier),
-and with a disk store: chunk files deleted, CPU tiers emptied, the store paused past its deadlines, killed and
-restarted, NATS stopped and started.
+prefill (a token budget per step), async and layer-wise loads, vLLM's prefix cache reset (with or without
+preempting the running requests), chunks evicted from a rank's CPU tier at random and between the lookup that
+promised them and their load, tensor-parallel ranks that diverge (each its own CPU tier), and with a disk store:
+chunk files deleted, CPU tiers emptied, the store paused past its deadlines, killed and restarted, NATS stopped and
+started.
 
 Invariants: sim_checks.py (1 what vLLM reads, 2 what the tiers hold, 3 no exception escapes, 4 every stored state
 is the state after exactly its chunk's tokens). Recorded, not a failure on the CPU: sim_reuse.py, the interleaving
