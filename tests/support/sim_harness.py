@@ -367,6 +367,10 @@ class Simulation:
         """One step of vLLM's engine (schedule, every rank's model runner, update_from_output); the scheduler's
         output."""
         output = self.call("the scheduler's schedule()", self.scheduler.schedule)
+        # the lookups this schedule started, and what they prefetch, done before the workers run (as they mostly
+        # are on a real vLLM, whose forward takes longer): what the workers report does not depend on timing
+        self._wait_lookups()
+        self._quiesce()
         metadata = output.kv_connector_metadata
         self.reuse.next_step(output, self.step_no)
         self.reuse.saves(metadata)
@@ -397,7 +401,6 @@ class Simulation:
             self._finished(rid, "finished")
         for live in self.live.values():
             self.keys.register(live.request, live.tag)
-        self._wait_lookups()
         self.log(f"step {self.step_no}: scheduled {dict(output.num_scheduled_tokens)}"
                  + (f", preempted {sorted(output.preempted_req_ids)}" if output.preempted_req_ids else "")
                  + (f", loads {[(req.req_id, req.load.end) for req in loads]}" if loads else ""))
