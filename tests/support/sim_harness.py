@@ -1,234 +1,99 @@
-"""A seeded simulation of vLLM driving KVMeshConnector (FoundationDB-style): one `random.Random(seed)` decides
-a whole schedule, invariants are checked after every step, and a failing seed replays exactly.
+"""A seeded simulation of vLLM serving with KVMeshConnector (FoundationDB-style): one `random.Random(seed)` decides
+a whole schedule, the invariants are checked after every step, and a failing seed replays exactly.
 
-What is real: the connector's two halves (tests/support/connector_driver.py), one CacheEngine per simulated TP rank
-with its own paged KV cache (CPU layout), and, where a schedule asks for it, NATS and a disk store process
-(`disk_store_mesh`). What is simulated: vLLM's scheduler (a block allocator with reuse, chunked prefill under a
-token budget, preemption, aborts, decode, async loads through WAITING_FOR_REMOTE_KVS, and the "recompute"
-policy for load errors: `_update_requests_with_invalid_blocks`) and the model's forward.
+What is real: vLLM itself, its configs, `KVCacheConfig`s, `Scheduler` and KV cache manager (sim_vllm.py) for the
+model of one kind of KV cache groups (sim_kinds.py: full attention, sliding window, Mamba2 / GDN state in align
+mode with hash block = or < Mamba block, an EAGLE draft layer, MLA); the connector's two halves created, attached
+and called where and in the order vLLM does it (the scheduler half inside vLLM's scheduler, the worker halves in
+sim_runner.py's model runner); one CacheEngine per simulated tensor-parallel rank over the paged caches vLLM
+allocates; where a schedule asks for it, NATS and a disk store process (`disk_store_mesh`). What is simulated:
+the model's forward (sim_oracle.py's `ModelMath`, writing each layer's values into the pages vLLM's tables give
+it), the sampler (random tokens; with EAGLE random drafts and acceptances) and the requests' arrivals and aborts.
 
-The forward writes each computed token's KV as a function of (token id, position, rank, layer, the request's
-key extras) and a digest of the KV actually present in the paged caches for the token before it: one wrong
-block makes every later token differ from the oracle, which computes the same function from the true inputs.
-With two ranks that digest covers the token before's KV on *every* rank (tensor parallelism all-reduces the
-hidden states after each layer), so a wrong block on one rank makes the other rank's later KV wrong too. The
-ranks' worker steps run on threads that meet where vLLM's ranks meet: in the connector's load agreement
-(`ThreadAgreement`, installed as each worker half's `_agreement`) and before each layer's forward (which reads
-every rank's cache).
+Faults the schedule mixes in: preemption (few blocks: vLLM preempts), aborts (also during async loads), chunked
+prefill (a token budget per step), async and layer-wise loads, vLLM's prefix cache reset (with or without
+preempting the running requests), chunks evicted from a rank's CPU tier at random and between the lookup that
+promised them and their load, tensor-parallel ranks that diverge (each its own CPU tier), and with a disk store:
+chunk files deleted, CPU tiers emptied, the store paused past its deadlines, killed and restarted, NATS stopped and
+started.
 
-Invariants, after every step:
-  1. every block vLLM will read (the computed tokens of every request that holds blocks, after load errors are
-     applied) holds the oracle's KV for its tokens;
-  2. every chunk in every CPU tier, and every chunk file of the disk store, holds the oracle's KV for the
-     tokens and extras its key was made from (and has a key some request's tokens make);
-  3. no exception escapes a connector method.
+Invariants: sim_checks.py (1 what vLLM reads, 2 what the tiers hold, 3 no exception escapes, 4 every stored state
+is the state after exactly its chunk's tokens). Recorded, not a failure on the CPU: sim_reuse.py, the interleaving
+in which a CUDA save's gather could read a block vLLM has given to another request (issue 35, finding 2).
 
 Determinism: faults happen at steps the seed picks; waits for asynchronous work (the scheduler's lower-tier
-lookups, async fetches, write-behind, prefetches) are by condition, so the step sequence does not depend on
-timing. `run_seed(seed)` returns a `SimResult`; `SimFailure` names the seed, step, invariant and request/key.
+lookups, async fetches, write-behind, prefetches) are by condition, so the step sequence does not depend on timing.
+`run_seed(seed)` returns a `SimResult`; `SimFailure` names the seed, kind, step, invariant and request or key, and
+how to replay it.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
 import pickle
 import random
 import signal
 import tempfile
-import threading
 import time
 import traceback
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator
 
-import numpy as np
 import torch
 
-from kvmesh.services.engine.adapter.request_extras import request_extras
-from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, engines
-from kvmesh.services.engine.core.cache_engine import CacheEngine
-from kvmesh.services.engine.core.kv_layout import cpu_token_views, detect_layout
 from kvmesh.services.engine.core.layerwise_load import LayerwiseLoader
 from kvmesh.shared import chunk_file
-from kvmesh.shared.keys import ChunkHasher, ChunkKey, KeyParams
+from kvmesh.shared.keys import ChunkHasher, state_key
 from kvmesh.shared.protocol import LOCAL_DISK
 
-from support.connector_driver import Step, blocks, request, run_worker_step, scheduler_half, worker_half
-from support.engine import BLOCK, CHUNK, HEAD_SIZE, HEADS, LAYERS, disk_store_mesh, engine_config
-from support.waiting import wait_until
+from support.engine import BLOCK, CHUNK, disk_store_mesh
+from support.sim_checks import Checks, KeyBook, Violation
+from support.sim_kinds import KINDS
+from support.sim_oracle import ModelMath, Oracle
+from support.sim_ranks import Ranks
+from support.sim_reuse import ReuseAudit
+from support.sim_runner import RankRunner, StepPlan
+from support.sim_vllm import build_vllm
+from support.waiting import WAIT_S, wait_until
 
-MODEL = "test-model"
 VOCAB = 1000
-# bf16 bit patterns of the integers -64..63 (exact in bf16): the forward's values, compared bit for bit
-_LUT = torch.arange(-64, 64, dtype=torch.float32).to(torch.bfloat16).view(torch.int16).numpy().copy()
-_MULT = (np.arange(1, HEADS * 2 * HEAD_SIZE + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)) | np.uint64(1)
-_START = b"\0" * 8  # the digest before a sequence's first token
-# how long a rank waits for the others at a meeting point: past any load deadline a schedule sets, so it is
-# reached only when a rank never comes (then the step fails instead of hanging)
-_RANK_WAIT_S = 120.0
+KIND_NAMES = tuple(KINDS)  # a seed's kind is drawn from these, in this order
+
+
+def replay_command(seed: int, kind: str | None = None, processes: bool = True, agreement: bool = True) -> str:
+    return (f"python tests/engine/fuzz.py --seed {seed}" + (f" --kind {kind}" if kind else "")
+            + ("" if processes else " --no-processes") + ("" if agreement else " --no-agreement"))
 
 
 class SimFailure(AssertionError):
-    """An invariant broke: `seed`, `step`, `invariant` (1, 2 or 3) and what broke it."""
+    """An invariant broke: `seed`, `kind`, `step`, `invariant` (1-4) and what broke it."""
 
-    def __init__(self, seed: int, step: int, invariant: int, detail: str) -> None:
-        self.seed, self.step, self.invariant, self.detail = seed, step, invariant, detail
-        super().__init__(f"seed {seed}, step {step}: invariant {invariant} broken: {detail}\n"
-                         f"replay: python tests/engine/fuzz.py --seed {seed}  (or: make fuzz SEED={seed})")
-
-
-# ---- the model: each token's KV, and the oracle --------------------------------------------------------------
-def _digest(bits: np.ndarray) -> bytes:
-    return hashlib.blake2b(bits.tobytes(), digest_size=8).digest()
-
-
-def token_kv(rank: int, layer: int, tag: str, pos: int, token: int, prev: bytes) -> np.ndarray:
-    """One token's KV in one layer ([heads, 2, head_size] bf16 bits), from its inputs and the digest of the KV
-    of the token before it (`prev`: every rank's, see `joint_digest`)."""
-    seed = hashlib.blake2b(f"{rank}|{layer}|{tag}|{pos}|{token}".encode() + prev, digest_size=8).digest()
-    h = np.uint64(int.from_bytes(seed, "little"))
-    ints = ((_MULT * h) >> np.uint64(57)).astype(np.int64)  # 0..127
-    return _LUT[ints].reshape(HEADS, 2, HEAD_SIZE)
-
-
-def joint_digest(values: list[np.ndarray]) -> bytes:
-    """What the next token's KV depends on: the digests of this token's KV on every rank, in rank order (one
-    rank: its own digest, so single-rank schedules compute what they always did)."""
-    return b"".join(_digest(v) for v in values)
-
-
-def step_kv(world_size: int, layer: int, tag: str, pos: int, token: int, prev: bytes) -> list[np.ndarray]:
-    """One token's KV in one layer on every rank, from the same joint context `prev` (as after an all-reduce)."""
-    return [token_kv(rank, layer, tag, pos, token, prev) for rank in range(world_size)]
-
-
-class Oracle:
-    """The KV every token of a sequence must have on every rank, from scratch (memoized per token and prefix
-    digest)."""
-
-    def __init__(self, world_size: int = 1) -> None:
-        self.world_size = world_size
-        self._memo: dict[tuple[int, str, int, int, bytes], tuple[list[np.ndarray], bytes]] = {}
-        self._seqs: dict[tuple[str, tuple[int, ...]], np.ndarray] = {}
-
-    def kv(self, rank: int, tag: str, tokens: tuple[int, ...]) -> np.ndarray:
-        """[len(tokens), layers, heads, 2, head_size] bf16 bits of `rank`."""
-        key = (tag, tokens)
-        got = self._seqs.get(key)
-        if got is not None:
-            return got[rank]
-        out = np.empty((self.world_size, len(tokens), LAYERS, HEADS, 2, HEAD_SIZE), dtype=np.int16)
-        for layer in range(LAYERS):
-            prev = _START
-            for pos, token in enumerate(tokens):
-                m = (layer, tag, pos, token, prev)
-                hit = self._memo.get(m)
-                if hit is None:
-                    values = step_kv(self.world_size, layer, tag, pos, token, prev)
-                    hit = self._memo[m] = (values, joint_digest(values))
-                for r, value in enumerate(hit[0]):
-                    out[r, pos, layer] = value
-                prev = hit[1]
-        if len(self._seqs) > 4096:
-            self._seqs.clear()
-        self._seqs[key] = out
-        return out[rank]
-
-
-class ThreadAgreement:
-    """The connector's RankAgreement (load_agreement.py) for ranks simulated on threads of one process: an
-    element-wise minimum over `world_size` callers that meet at a barrier, as the gloo all-reduce does. One
-    instance per schedule, shared by its ranks' worker halves. A call whose list differs in length from the
-    other ranks' (the connector broke the protocol: every rank must pass the same loads) is recorded in
-    `errors`, since the connector swallows what `min_over_ranks` raises."""
-
-    def __init__(self, world_size: int, timeout: float = _RANK_WAIT_S) -> None:
-        self.world_size = world_size
-        self.calls = 0  # rounds completed
-        self.errors: list[str] = []
-        self._lock = threading.Lock()
-        self._pending: list[list[int]] = []
-        self._result: list[int] = []
-        self._barrier = threading.Barrier(world_size, action=self._reduce, timeout=timeout)
-
-    def _reduce(self) -> None:  # run by one thread once every rank arrived, before any is released
-        pending, self._pending = self._pending, []
-        if len({len(v) for v in pending}) != 1:
-            self.errors.append(f"min_over_ranks called with lists of lengths {[len(v) for v in pending]}")
-            raise ValueError(self.errors[-1])
-        self._result = [min(col) for col in zip(*pending)]
-        self.calls += 1
-
-    def min_over_ranks(self, values: Sequence[int]) -> list[int]:
-        with self._lock:
-            self._pending.append(list(values))
-        self._barrier.wait()
-        # safe to read: the next round's _reduce needs this thread at the barrier again
-        return list(self._result)
-
-    def abort(self) -> None:
-        """A rank failed: the others stop waiting for it (BrokenBarrierError) instead of hanging."""
-        self._barrier.abort()
-
-
-class Paged:
-    """One rank's paged KV cache (vLLM's CPU layout), starting as random garbage; per-token reads and writes."""
-
-    def __init__(self, num_blocks: int, seed: int) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.buffer = torch.randn((LAYERS, num_blocks, HEADS, BLOCK, 2 * HEAD_SIZE), generator=gen).to(torch.bfloat16)
-        self.caches = {f"model.layers.{i}.self_attn": self.buffer[i] for i in range(LAYERS)}
-        self.layout = detect_layout(self.caches, BLOCK, "CPU_ATTN", cpu_isa="vec")
-        self.k, self.v = cpu_token_views(self.buffer.view(torch.int16), self.layout)  # [L, nb, N, H, D]
-
-    def read(self, block_ids: list[int], num_tokens: int) -> np.ndarray:
-        """The KV of tokens [0, num_tokens) of a request with these blocks: [n, L, H, 2, D]."""
-        pos = torch.arange(num_tokens)
-        b = torch.as_tensor(block_ids, dtype=torch.int64)[pos // BLOCK]
-        off = pos % BLOCK
-        kv = torch.stack([self.k[:, b, off], self.v[:, b, off]], dim=3)  # [L, n, H, 2, D]
-        return kv.permute(1, 0, 2, 3, 4).numpy()
-
-    def token(self, layer: int, block: int, off: int) -> np.ndarray:
-        return torch.stack([self.k[layer, block, off], self.v[layer, block, off]], dim=1).numpy()
-
-    def write(self, layer: int, block: int, off: int, bits: np.ndarray) -> None:
-        value = torch.from_numpy(bits)
-        self.k[layer, block, off] = value[:, 0]
-        self.v[layer, block, off] = value[:, 1]
-
-
-def chunk_tokens(chunk: torch.Tensor, layout: Any, num_tokens: int) -> np.ndarray:
-    """A chunk tensor (layout.chunk_shape) as [num_tokens, L, H, 2, D] bf16 bits."""
-    k, v = cpu_token_views(chunk.view(torch.int16), layout)  # [L, blocks, N, H, D]
-    kv = torch.stack([k, v], dim=4)  # [L, blocks, N, H, 2, D]
-    kv = kv.reshape(kv.shape[0], -1, *kv.shape[3:])[:, :num_tokens]
-    return kv.permute(1, 0, 2, 3, 4).numpy()
+    def __init__(self, seed: int, kind: str, step: int, invariant: int, detail: str, replay: str) -> None:
+        self.seed, self.kind, self.step, self.invariant, self.detail = seed, kind, step, invariant, detail
+        super().__init__(f"seed {seed} ({kind}), step {step}: invariant {invariant} broken: {detail}\n"
+                         f"replay: {replay}")
 
 
 # ---- the schedule's knobs --------------------------------------------------------------------------------------
 @dataclass
 class SimConfig:
     seed: int
+    kind: str = "full"  # sim_kinds.KINDS
     world_size: int = 1
-    num_blocks: int = 32
+    num_blocks: int = 32  # vLLM's KV cache blocks (all groups together)
     cpu_chunks: int = 16
-    budget: int = 64  # tokens per step (chunked prefill)
+    budget: int = 64  # tokens per step (vLLM's max_num_batched_tokens; chunked prefill)
     max_steps: int = 150
     num_requests: int = 10
     save_decode_cache: bool = False
     async_loading: bool = False
-    layerwise: bool = False
+    layerwise: bool = False  # one-group kinds: the loads' copies layer by layer (as on CUDA)
     disk: bool = False
     p_evict: float = 0.0  # per step: a random chunk leaves one rank's CPU tier
-    p_evict_hit: float = 0.0  # per hit: one of its chunks leaves a rank's CPU tier between lookup and load
+    p_evict_hit: float = 0.0  # per load: one of its chunks leaves a rank's CPU tier between lookup and load
     p_abort: float = 0.02
+    p_reset: float = 0.0  # per step: vLLM's prefix cache is reset (so what follows hits KVMesh, not vLLM's cache)
     p_unlink: float = 0.0  # per step: a random chunk file of the disk store is deleted
     p_clear: float = 0.0  # per step: a rank's CPU tier is emptied (what follows loads from the disk store)
     pause_at: int | None = None  # SIGSTOP the disk store at this step, SIGCONT `pause_steps` later
@@ -242,21 +107,26 @@ class SimConfig:
     agreement: bool = True
 
     @classmethod
-    def draw(cls, seed: int, allow_processes: bool = True) -> "SimConfig":
-        """The knobs of schedule `seed` (drawn from the same Random as the schedule, first)."""
+    def draw(cls, seed: int, allow_processes: bool = True, kind: str | None = None) -> "SimConfig":
+        """The knobs of schedule `seed` (drawn from the same Random as the schedule, first); `kind` overrides the
+        drawn kind (every other knob stays the seed's)."""
         r = random.Random(seed)
         c = cls(seed)
+        c.kind = KIND_NAMES[r.randrange(len(KIND_NAMES))]
+        if kind is not None:
+            c.kind = kind
         c.world_size = 2 if r.random() < 0.3 else 1
-        c.num_blocks = r.choice([20, 28, 40])
+        c.num_blocks = r.choice([32, 40, 56])
         c.cpu_chunks = r.choice([6, 10, 16, 32])
         c.budget = r.choice([32, 48, 64, 100])
         c.max_steps = r.randint(60, 160)
         c.num_requests = r.randint(5, 14)
         c.save_decode_cache = r.random() < 0.4
-        c.layerwise = r.random() < 0.25
+        c.layerwise = r.random() < 0.25 and KINDS[c.kind].single_group
         c.p_evict = r.choice([0.0, 0.0, 0.05, 0.15])
         c.p_evict_hit = r.choice([0.0, 0.0, 0.2, 0.5])
         c.p_abort = r.choice([0.0, 0.02, 0.05])
+        c.p_reset = r.choice([0.0, 0.03, 0.1])
         # the same draws whether or not processes are allowed: a seed's other knobs never change with it
         disk, async_loading = r.random() < 0.3, r.random() < 0.5
         p_unlink = r.choice([0.0, 0.05, 0.15])
@@ -273,142 +143,145 @@ class SimConfig:
         return c
 
 
-# ---- the simulated vLLM request -------------------------------------------------------------------------------
-WAITING, WAITING_FOR_REMOTE_KVS, RUNNING, PREEMPTED, FINISHED = "waiting", "wfrk", "running", "preempted", "done"
-
-
-@dataclass
-class SimRequest:
-    rid: str
-    ns: SimpleNamespace  # what the connector reads (vLLM's Request; all_token_ids grows in place)
-    tag: str  # the extras the KV depends on (cache_salt, LoRA)
-    max_new: int
-    status: str = WAITING
-    num_computed: int = 0
-    block_ids: list[int] = field(default_factory=list)
-    num_preemptions: int = 0
-    generated: int = 0
-    registered: int = 0  # tokens whose chunk keys are recorded
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.ns.all_token_ids
-
-
 @dataclass
 class SimResult:
     seed: int
-    steps: int
-    requests: int
-    loads: int = 0  # requests that loaded something
-    load_errors: int = 0
+    kind: str
+    steps: int = 0
+    requests: int = 0
+    loads: int = 0  # requests whose step loaded something
+    load_errors: int = 0  # steps that reported failed loads
     preemptions: int = 0
     checked_chunks: int = 0
+    checked_states: int = 0  # state entries checked (in CPU tiers and disk files, at every step)
     agreements: int = 0  # steps whose ranks agreed on their in-step loads (two ranks)
     faults: list[str] = field(default_factory=list)
+    reuse: list[str] = field(default_factory=list)  # issue 35 finding 2's interleaving (sim_reuse.py)
+
+
+@dataclass
+class Live:
+    """A request the schedule sent to vLLM, until vLLM finished it."""
+
+    request: Any  # vllm.v1.request.Request
+    tag: str  # what its KV depends on besides the tokens (sim_oracle.py x_0)
+    salt: str | None
+    lora: Any
 
 
 class Simulation:
-    """One seeded schedule over real connector halves and engines; `run()` raises SimFailure on a violation."""
+    """One seeded schedule; `run()` raises SimFailure on a violation."""
 
-    def __init__(self, config: SimConfig, log: Callable[[str], None] | None = None) -> None:
+    def __init__(self, config: SimConfig, log: Callable[[str], None] | None = None,
+                 replay: str | None = None) -> None:
         self.c = config
+        self.kind = KINDS[config.kind]
         self.r = random.Random(config.seed * 7919 + 1)  # the schedule (the knobs used Random(seed))
         self.log = log or (lambda _: None)
+        self.replay = replay or replay_command(config.seed)
         self.step_no = 0
-        self.oracle = Oracle(config.world_size)
-        self.agreement: ThreadAgreement | None = None
-        self.layer_barrier: threading.Barrier | None = None  # the ranks' forwards of a layer start together
-        self.pool: ThreadPoolExecutor | None = None
-        self.requests: dict[str, SimRequest] = {}
-        self.running: list[SimRequest] = []
-        self.waiting: deque[SimRequest] = deque()
-        self.free: list[int] = list(range(config.num_blocks))
-        self.finished_ids: set[str] = set()  # reported in the next step's finished_req_ids
-        self.held_for_load: dict[str, list[int]] = {}  # aborted while loading: blocks freed at finished_recving
-        self.finished_recving: set[str] = set()
-        self.failed_recving: set[str] = set()
-        self.recv_counts: dict[str, int] = {}
-        self.prompts: list[tuple[list[int], str | None, Any]] = []  # earlier prompts (+output) with extras
-        self.key_info: dict[ChunkKey, tuple[int, str, tuple[int, ...], int, int]] = {}
-        self.disk_seen: dict[str, tuple[int, int, int]] = {}
-        self.result = SimResult(config.seed, 0, 0)
         self.created = 0
+        self.live: dict[str, Live] = {}
+        self.prompts: list[tuple[list[int], str | None, Any]] = []  # earlier prompts (+output) with extras
+        self.tags: dict[str, str] = {}
+        self.result = SimResult(config.seed, config.kind)
         self.paused = False
+        self.reuse = ReuseAudit()
         self.mesh: Any = None
         self.disk_dir: Path | None = None
 
     # ---- set-up -------------------------------------------------------------------------------------------------
+    def _settings(self, page_bytes: int) -> dict[str, object]:
+        """KVMesh's kv_connector_extra_config: 32-token chunks, a CPU tier of `cpu_chunks` chunks."""
+        c = self.c
+        chunk_bytes = len(self.kind.layers) * (CHUNK // BLOCK) * page_bytes
+        settings: dict[str, object] = {
+            "model_name": "sim-model",  # keys named alike in every process (the model's directory is a temp dir)
+            "chunk_size": CHUNK, "max_local_cpu_size": (c.cpu_chunks * (-(-chunk_bytes // 4096) * 4096) + 100) / 2**30,
+            "request_timeout_secs": WAIT_S / 3, "blocking_timeout_secs": WAIT_S, "heartbeat_interval_secs": 0.5,
+            "save_decode_cache": c.save_decode_cache, "enable_async_loading": c.async_loading}
+        if c.disk:
+            settings.update(nats_url=self.mesh.nats_url, local_disk=str(self.disk_dir), max_local_disk_size=0.05)
+            if c.pause_at is not None or c.kill_at is not None or c.nats_down_at is not None:
+                # short deadlines: a store that does not answer costs a few seconds per step, not minutes
+                settings.update(request_timeout_secs=1.0, blocking_timeout_secs=2.0, disk_data_timeout_secs=1.0)
+        return settings
+
     def _setup(self, stack: ExitStack) -> None:
         c = self.c
-        overrides: dict[str, object] = {"cpu_chunks": c.cpu_chunks, "save_decode_cache": c.save_decode_cache,
-                                        "enable_async_loading": c.async_loading}
         if c.disk:
             self.disk_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvmesh-sim-"))) / "disk"
             self.mesh = stack.enter_context(disk_store_mesh(self.disk_dir))
-            overrides.update(nats_url=self.mesh.nats_url, local_disk=str(self.disk_dir))
-            if c.pause_at is not None or c.kill_at is not None or c.nats_down_at is not None:
-                # short deadlines: a store that does not answer costs a few seconds per step, not minutes
-                overrides.update(request_timeout_secs=1.0, blocking_timeout_secs=2.0, disk_data_timeout_secs=1.0)
-        config = engine_config(**overrides)
-        self.pageds = [Paged(c.num_blocks, c.seed * 31 + rank) for rank in range(c.world_size)]
-        self.engines: list[CacheEngine] = []
-        for rank, paged in enumerate(self.pageds):
-            engine = CacheEngine(config, KeyParams(MODEL, "", c.world_size, rank), paged.layout)
-            stack.callback(engine.close)
-            engines.add(rank, engine)
-            stack.callback(engines.remove, engine)
-            self.engines.append(engine)
-        for engine in self.engines:
-            if c.disk:
+        self.side = build_vllm(self.kind, world_size=c.world_size, num_blocks=c.num_blocks, budget=c.budget,
+                               engine_settings=self._settings)
+        self.scheduler = self.side.scheduler
+        stack.callback(self.side.connector.shutdown)
+        self.ranks = Ranks(c.world_size, c.agreement)
+        stack.callback(self.ranks.close)
+        self.math = ModelMath(self.kind, c.world_size)
+        self.oracle = Oracle(self.math)
+        self.runners: list[RankRunner] = []
+        for rank in range(c.world_size):
+            worker = self.side.worker(rank, self.ranks.agreement)
+            work = worker.connector.worker_side
+            stack.callback(worker.connector.shutdown)
+            assert work.engine is not None, "the worker half did not register the KV caches"
+            if c.layerwise and work.groups is None:  # what register_kv_caches sets up on CUDA with use_layerwise
+                work.layerwise = LayerwiseLoader(work.engine.layout, torch.device("cpu"))
+            self.runners.append(RankRunner(rank, self.kind, worker.kv_cache_config, worker.vllm_config.cache_config,
+                                           worker.connector, worker.caches, self.math, self.ranks,
+                                           lambda w=work: self._wait_async_loads(w)))
+        for runner in self.runners:
+            runner.all_pages = [other.pages for other in self.runners]
+        self.engines = [runner.connector.worker_side.engine for runner in self.runners]
+        if c.disk:
+            for engine in self.engines:
                 assert engine.wait_connected(30.0), "engine never reached NATS"
                 wait_until(lambda e=engine: e.storage.lower(LOCAL_DISK), what="the disk store client")
-        fmt = self.engines[0].key_params.kv_format
-        self.hashers = [ChunkHasher(KeyParams(MODEL, fmt, c.world_size, r), CHUNK) for r in range(c.world_size)]
-        self.sched = scheduler_half(config, BLOCK, saves_off_forward=False, world_size=c.world_size)
-        stack.callback(self.sched.shutdown)
-        self.workers = []
-        for engine, paged in zip(self.engines, self.pageds):
-            work = worker_half(engine, paged.caches, BLOCK, saves_off_forward=False,
-                               load_timeout=config.blocking_timeout_secs)
-            if c.layerwise:  # what register_kv_caches sets up on CUDA with use_layerwise; here on CPU
-                work.worker_side.layerwise = LayerwiseLoader(paged.layout, torch.device("cpu"))
-                stack.callback(work.worker_side.layerwise.close)
-            stack.callback(work.worker_side.async_loads.abandon_all)
-            self.workers.append(work)
-        if c.world_size > 1:
-            # each rank's worker step on its own thread, as vLLM's ranks run in their own processes
-            self.pool = stack.enter_context(ThreadPoolExecutor(c.world_size, thread_name_prefix="sim-rank"))
-            self.layer_barrier = threading.Barrier(c.world_size, timeout=_RANK_WAIT_S)
-            if c.agreement:
-                self.agreement = ThreadAgreement(c.world_size)
-                for work in self.workers:
-                    work.worker_side.agreement = self.agreement
+        self.keys = KeyBook(ChunkHasher(self.engines[0].key_params, CHUNK),
+                            [engine.key_params for engine in self.engines])
+        self.checks = Checks(self.kind, self.oracle, self.scheduler, self.runners, self.keys,
+                             lambda req_id: self.tags[req_id])
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+
+        self.aggregator = KVOutputAggregator.from_connector(self.side.connector, c.world_size)
 
     # ---- the run ------------------------------------------------------------------------------------------------
-    def run(self) -> SimResult:
+    @contextmanager
+    def started(self) -> Iterator["Simulation"]:
+        """vLLM, the connector's halves and the engines (and the disk store) up; stopped after."""
         with ExitStack() as stack:
+            threads = torch.get_num_threads()  # the simulated forward's kernel calls are tiny: one thread
+            torch.set_num_threads(1)
+            stack.callback(torch.set_num_threads, threads)
             self._setup(stack)
             stack.callback(self._resume_processes)
+            yield self
+
+    def run(self) -> SimResult:
+        with self.started():
             while self.step_no < self.c.max_steps:
-                if self.created >= self.c.num_requests and not self.requests and not self.held_for_load:
+                if self.created >= self.c.num_requests and not self.scheduler.has_requests():
                     break
                 self.step_no += 1
                 self._faults()
                 self._arrivals()
                 self._aborts()
-                self._step()
-                self._check()
+                self.engine_step()
+                self.check()
             self.result.steps = self.step_no
-            self.result.agreements = self.agreement.calls if self.agreement is not None else 0
             self.result.requests = self.created
+            self.result.checked_chunks = self.checks.checked_chunks
+            self.result.checked_states = self.checks.checked_states
+            self.result.agreements = self.ranks.agreement.calls if self.ranks.agreement is not None else 0
+            self.result.reuse = list(self.reuse.events)
         return self.result
 
     def fail(self, invariant: int, detail: str) -> SimFailure:
-        return SimFailure(self.c.seed, self.step_no, invariant, detail)
+        return SimFailure(self.c.seed, self.c.kind, self.step_no, invariant, detail, self.replay)
 
     def call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """A connector method; an exception escaping it breaks invariant 3."""
+        """vLLM's scheduler or a connector method; an exception escaping it breaks invariant 3."""
         try:
             return fn(*args)
         except SimFailure:
@@ -419,13 +292,11 @@ class Simulation:
     # ---- requests -----------------------------------------------------------------------------------------------
     def _arrivals(self) -> None:
         r = self.r
-        while self.created < self.c.num_requests and len(self.requests) < 6 and r.random() < 0.35:
+        while self.created < self.c.num_requests and len(self.live) < 6 and r.random() < 0.35:
             self._new_request()
 
     def _new_request(self) -> None:
         r = self.r
-        rid = f"r{self.created}"
-        self.created += 1
         salt: str | None = None
         lora: Any = None
         kind = r.random() if self.prompts else 0.0
@@ -444,260 +315,142 @@ class Simulation:
                 salt, lora = self._extras()
         if kind < 0.25:
             salt, lora = self._extras() if r.random() < 0.4 else (None, None)
-        tokens = tokens[: 7 * CHUNK]
-        ns = request(rid, tokens, cache_salt=salt, lora_request=lora)
+        self.add_request(tokens[: 7 * CHUNK], r.randint(1, 40), salt, lora)
+
+    def add_request(self, tokens: list[int], max_new: int, salt: str | None = None, lora: Any = None) -> str:
+        """A request to vLLM (what its engine's add_request gets); its id."""
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        rid = f"r{self.created}"
+        self.created += 1
+        request = Request(rid, tokens, SamplingParams(max_tokens=max_new), None, lora_request=lora, cache_salt=salt,
+                          block_hasher=self.side.block_hasher)
         tag = f"salt={salt}|lora={lora.lora_name if lora is not None else None}"
-        req = SimRequest(rid, ns, tag, max_new=r.randint(1, 40))
-        self.requests[rid] = req
-        self.waiting.append(req)
+        self.tags[rid] = tag
+        self.live[rid] = Live(request, tag, salt, lora)
         self.prompts.append((list(tokens), salt, lora))
-        self._register_keys(req)
-        self.log(f"step {self.step_no}: new {rid} ({len(tokens)} tokens, {tag}, max_new {req.max_new})")
+        self.keys.register(request, tag)
+        self.call("add_request", self.scheduler.add_request, request)
+        self.log(f"step {self.step_no}: new {rid} ({len(tokens)} tokens, {tag}, max_new {max_new})")
+        return rid
 
     def _fresh(self, n: int) -> list[int]:
         return [self.r.randrange(VOCAB) for _ in range(n)]
 
     def _extras(self) -> tuple[str | None, Any]:
+        from vllm.lora.request import LoRARequest
+
         r = self.r
         salt = r.choice([None, "tenant-a", "tenant-b"])
         lora = None
         if r.random() < 0.5:
             name = r.choice(["adapter-1", "adapter-2"])
-            lora = SimpleNamespace(lora_name=name, lora_path=f"/nonexistent/{name}", lora_int_id=int(name[-1]))
+            lora = LoRARequest(lora_name=name, lora_int_id=int(name[-1]), lora_path=f"/nonexistent/{name}")
         return salt, lora
 
-    def _register_keys(self, req: SimRequest) -> None:
-        """Record, per rank, which tokens and extras every key this request can store names: the chain's whole
-        chunks and the partial last chunk of every prefix length (prompt ends, block prefixes)."""
-        tokens = req.tokens
-        if req.registered >= len(tokens):
-            return
-        extras = request_extras(req.ns, CHUNK)
-        chain = self.hashers[0].chain(tokens, extras=extras)
-        for end in range(max(1, req.registered + 1), len(tokens) + 1):
-            span = self.hashers[0].prefix_span(tokens, chain, end, extras)
-            for rank in range(self.c.world_size):
-                key = self.hashers[rank].params.shard_key(span.key)
-                self.key_info.setdefault(key, (rank, req.tag, tuple(tokens[:end]), span.start, end))
-        req.registered = len(tokens)
-
-    def _finish(self, req: SimRequest, why: str) -> None:
-        """vLLM's _free_request: the connector hears of it; blocks freed (held while an async load runs)."""
-        self.call("request_finished", self.sched.request_finished, req.ns, list(req.block_ids))
-        if req.status == WAITING_FOR_REMOTE_KVS:
-            self.held_for_load[req.rid] = req.block_ids
-        else:
-            self.free.extend(req.block_ids)
-        req.block_ids = []
-        if req in self.running:
-            self.running.remove(req)
-        if req in self.waiting:
-            self.waiting.remove(req)
-        req.status = FINISHED
-        del self.requests[req.rid]
-        self.finished_ids.add(req.rid)
-        self.prompts.append((list(req.tokens), req.ns.cache_salt, req.ns.lora_request))
-        self.log(f"step {self.step_no}: {req.rid} {why}")
-
     def _aborts(self) -> None:
-        if self.requests and self.r.random() < self.c.p_abort:
-            req = self.requests[self.r.choice(sorted(self.requests))]
-            self._finish(req, "aborted")
+        from vllm.v1.request import RequestStatus
 
-    # ---- blocks -------------------------------------------------------------------------------------------------
-    def _allocate(self, n: int) -> list[int]:
-        out = []
-        for _ in range(n):  # a random free block: freed blocks are reused soon, by anyone
-            out.append(self.free.pop(self.r.randrange(len(self.free))))
-        return out
+        if self.live and self.r.random() < self.c.p_abort:
+            rid = self.r.choice(sorted(self.live))
+            self.call("finish_requests (abort)", self.scheduler.finish_requests, [rid], RequestStatus.FINISHED_ABORTED)
+            self._finished(rid, "aborted")
 
-    def _preempt(self, req: SimRequest) -> None:
-        self.running.remove(req)
-        self.free.extend(req.block_ids)
-        req.block_ids = []
-        req.num_computed = 0
-        req.status = PREEMPTED
-        req.num_preemptions += 1
-        self.waiting.appendleft(req)
-        self.result.preemptions += 1
-        self.log(f"step {self.step_no}: {req.rid} preempted")
+    def _finished(self, rid: str, why: str) -> None:
+        live = self.live.pop(rid)
+        self.prompts.append((list(live.request.all_token_ids), live.salt, live.lora))
+        self.log(f"step {self.step_no}: {rid} {why}")
 
     # ---- one engine step ----------------------------------------------------------------------------------------
-    def _step(self) -> None:
-        step = Step(finished=set(self.finished_ids))
-        self.finished_ids = set()
-        budget = self.c.budget
-        scheduled: dict[str, int] = {}
-        starts: dict[str, int] = {}
-        preempted: set[str] = set()
-        for req in list(self.running):
-            if req not in self.running or budget <= 0:
-                continue
-            n = min(len(req.tokens) - req.num_computed, budget)
-            if n <= 0:
-                continue
-            need = -(-(req.num_computed + n) // BLOCK) - len(req.block_ids)
-            while need > len(self.free):
-                victim = next((v for v in reversed(self.running) if v.rid not in scheduled), None)
-                if victim is None:
-                    break
-                self._preempt(victim)
-                preempted.add(victim.rid)
-                if victim is req:
-                    break
-            if req.status != RUNNING or need > len(self.free):
-                continue
-            new_blocks = self._allocate(max(need, 0))
-            req.block_ids += new_blocks
-            step.cached.append((req.rid, new_blocks, req.num_computed, n, False))
-            scheduled[req.rid], starts[req.rid] = n, req.num_computed
-            budget -= n
-        if not preempted:
-            self._schedule_waiting(step, scheduled, starts, budget)
-        step.preempted = preempted
-        for rid, n in scheduled.items():
-            self.requests[rid].num_computed += n
-        self._execute(step, scheduled, starts)
-
-    def _schedule_waiting(self, step: Step, scheduled: dict[str, int], starts: dict[str, int], budget: int) -> None:
-        for req in list(self.waiting):
-            if budget <= 0:
-                break
-            if req.status == WAITING_FOR_REMOTE_KVS:
-                if req.rid not in self.finished_recving:
-                    continue
-                self._update_waiting_for_remote_kv(req)
-            ext, load_async = 0, False
-            if req.num_computed == 0:
-                ext, load_async = self.call("get_num_new_matched_tokens", self.sched.get_num_new_matched_tokens,
-                                            req.ns, 0)
-                if ext is None:  # "ask again": vLLM skips it this step; wait for the answer so the next step has it
-                    self._wait_lookup(req)
-                    continue
-                if ext:
-                    self.result.loads += 1
-                    self._evict_hit(req, ext)
-            computed = req.num_computed + ext
-            n = 0 if load_async else min(len(req.tokens) - computed, budget)
-            need = -(-(computed + n) // BLOCK) - len(req.block_ids)
-            if need > len(self.free):
-                break  # vLLM stops admitting when allocation fails
-            new_blocks = self._allocate(max(need, 0))
-            req.block_ids += new_blocks
-            self.call("update_state_after_alloc", self.sched.update_state_after_alloc, req.ns,
-                      blocks(req.block_ids), ext)
-            if load_async:
-                req.status, req.num_computed = WAITING_FOR_REMOTE_KVS, computed
-                self.log(f"step {self.step_no}: {req.rid} waits for an async load of {ext} tokens")
-                continue
-            self.waiting.remove(req)
-            self.running.append(req)
-            if req.status == PREEMPTED:
-                step.cached.append((req.rid, list(req.block_ids), computed, n, True))
-            else:
-                step.new.append((req.rid, list(req.block_ids), computed, n))
-            req.status, req.num_computed = RUNNING, computed
-            scheduled[req.rid], starts[req.rid] = n, computed
-            budget -= n
-
-    def _update_waiting_for_remote_kv(self, req: SimRequest) -> None:
-        """vLLM's _update_waiting_for_remote_kv: a failed load keeps what was valid (or frees the blocks)."""
-        self.finished_recving.discard(req.rid)
-        if req.rid in self.failed_recving:
-            self.failed_recving.discard(req.rid)
-            if not req.num_computed:
-                self.free.extend(req.block_ids)
-                req.block_ids = []
-        if req.num_computed == len(req.tokens):
-            req.num_computed -= 1
-        req.status = PREEMPTED if req.num_preemptions else WAITING
-
-    def _wait_lookup(self, req: SimRequest) -> None:
-        tracker = self.sched.scheduler_side.tracker(req.rid)
-        lookups = [tracker.lower] if tracker is not None and tracker.lower is not None else []
-        if tracker is not None and tracker.probe is not None:
-            lookups += [lower for lower in tracker.probe.lowers if lower is not None]
-        timeout = self.sched.scheduler_side.lookup.timeout
-        wait_until(lambda: all(lower.result() is not None for lower in lookups),
-                   timeout=timeout + 5, what=f"{req.rid}'s lower-tier lookup")
-
-    def _execute(self, step: Step, scheduled: dict[str, int], starts: dict[str, int]) -> None:
-        output = step.output()
-        metadata = self.call("build_connector_meta", self.sched.build_connector_meta, output)
-        wire = pickle.dumps(metadata)  # each worker gets its own copy, as over vLLM's IPC
-        invalid: set[int] = set()
-        worker_meta: CpuTierEvents | None = None
-        recving: list[str] = []
-        for result in self._worker_steps(wire, set(step.finished), scheduled, starts):
-            invalid |= result.load_errors
-            recving += result.finished_recving
-            if result.worker_meta is not None:
-                worker_meta = result.worker_meta if worker_meta is None else worker_meta.aggregate(result.worker_meta)
+    def engine_step(self) -> Any:
+        """One step of vLLM's engine (schedule, every rank's model runner, update_from_output); the scheduler's
+        output."""
+        output = self.call("the scheduler's schedule()", self.scheduler.schedule)
+        # the lookups this schedule started, and what they prefetch, done before the workers run (as they mostly
+        # are on a real vLLM, whose forward takes longer): what the workers report does not depend on timing
+        self._wait_lookups()
         self._quiesce()
-        self._update_from_output(scheduled, invalid, recving, worker_meta)
+        metadata = output.kv_connector_metadata
+        self.reuse.next_step(output, self.step_no)
+        self.reuse.saves(metadata)
+        loads = [req for req in getattr(metadata, "requests", ()) if req.load is not None]
+        self.result.loads += len(loads)
+        self.result.preemptions += len(output.preempted_req_ids or ())
+        for req in loads:
+            self._evict_from_load(req)
+        plan = self._plan(output)
+        wire = pickle.dumps(metadata)  # each worker gets its own copy, as over vLLM's IPC
+        outputs = self.ranks.run(lambda rank: self.call(f"worker step (rank {rank})", self.runners[rank].execute,
+                                                        output, wire, plan))
+        if self.ranks.agreement is not None and self.ranks.agreement.errors:
+            raise self.fail(3, f"the ranks' load agreement: {self.ranks.agreement.errors[0]}")
+        merged = self.aggregator.aggregate(outputs)
+        kv_output = merged.kv_connector_output
+        if kv_output is not None:
+            self.checks.report_failed(set(kv_output.invalid_block_ids))
+        if kv_output is not None and (kv_output.invalid_block_ids or kv_output.failed_recving):
+            self.result.load_errors += 1
+            self.log(f"step {self.step_no}: load errors: blocks {sorted(kv_output.invalid_block_ids)}, requests "
+                     f"{sorted(kv_output.failed_recving)}")
+        self._quiesce()
+        self.call("update_from_output", self.scheduler.update_from_output, output, merged)
+        if self.kind.spec_tokens:
+            self._propose(plan)
+        for rid in [rid for rid in self.live if rid not in self.scheduler.requests]:
+            self._finished(rid, "finished")
+        for live in self.live.values():
+            self.keys.register(live.request, live.tag)
+        self.log(f"step {self.step_no}: scheduled {dict(output.num_scheduled_tokens)}"
+                 + (f", preempted {sorted(output.preempted_req_ids)}" if output.preempted_req_ids else "")
+                 + (f", loads {[(req.req_id, req.load.end) for req in loads]}" if loads else ""))
+        return output
 
-    def _worker_steps(self, wire: bytes, finished: set[str], scheduled: dict[str, int],
-                      starts: dict[str, int]) -> list[Any]:
-        """Every rank's worker step; with several ranks concurrently, on one thread each, joined here. What they
-        compute does not depend on thread timing: they meet in the load agreement and before each layer."""
-        def one(rank: int) -> Any:
-            work = self.workers[rank]
-            forward = self._forward(rank, scheduled, starts)
-            try:
-                return self.call(f"worker step (rank {rank})", run_worker_step, work, pickle.loads(wire),
-                                 set(finished), forward, lambda: self._wait_async_loads(work))
-            except BaseException:
-                self._abort_ranks()  # the other ranks would wait for this one at a barrier
-                raise
+    def _plan(self, output: Any) -> StepPlan:
+        """What the sampler returns this step: a token for each request whose step reached its last known token
+        (with EAGLE: its accepted draft tokens first), nothing for a prefill chunk."""
+        requests = self.scheduler.requests
+        scheduled = sorted(output.num_scheduled_tokens)
+        plan = StepPlan(tokens={rid: list(requests[rid].all_token_ids) for rid in scheduled},
+                        tags={rid: self.tags[rid] for rid in scheduled})
+        for rid in scheduled:
+            request = requests[rid]
+            if request.num_computed_tokens < len(plan.tokens[rid]):
+                continue  # a prefill chunk (vLLM has advanced num_computed_tokens past this step already)
+            drafts = list(output.scheduled_spec_decode_tokens.get(rid, ()))
+            accepted = self.r.randint(0, len(drafts)) if drafts else 0
+            plan.sampled[rid] = drafts[:accepted] + [self.r.randrange(VOCAB)]
+        return plan
 
-        if self.pool is None:
-            return [one(0)]
-        futures = [self.pool.submit(one, rank) for rank in range(self.c.world_size)]
-        outcomes: list[tuple[Any, BaseException | None]] = []
-        for future in futures:
-            exc = future.exception()
-            outcomes.append((None if exc is not None else future.result(), exc))
-        errors = [exc for _, exc in outcomes if exc is not None]
-        if errors:  # the rank that failed first, not one that only saw a broken barrier because of it
-            raise min(errors, key=lambda e: "BrokenBarrierError" in str(e))
-        if self.agreement is not None and self.agreement.errors:
-            raise self.fail(3, f"the ranks' load agreement: {self.agreement.errors[0]}")
-        return [result for result, _ in outcomes]
+    def _propose(self, plan: StepPlan) -> None:
+        """EAGLE's proposals for the next step (what EngineCore.post_step hands the scheduler)."""
+        from vllm.v1.outputs import DraftTokenIds
 
-    def _abort_ranks(self) -> None:
-        if self.layer_barrier is not None:
-            self.layer_barrier.abort()
-        if self.agreement is not None:
-            self.agreement.abort()
+        req_ids = sorted(rid for rid in plan.sampled if rid in self.scheduler.requests)
+        drafts = [[self.r.randrange(VOCAB) for _ in range(self.kind.spec_tokens)] for _ in req_ids]
+        if req_ids:
+            self.call("update_draft_token_ids", self.scheduler.update_draft_token_ids,
+                      DraftTokenIds(req_ids, drafts))
 
-    def _forward(self, rank: int, scheduled: dict[str, int], starts: dict[str, int]) -> Callable[[int, str], None]:
-        paged, pageds, world = self.pageds[rank], self.pageds, self.c.world_size
-
-        def forward(layer: int, name: str) -> None:
-            if self.layer_barrier is not None:
-                # every rank has loaded this layer (start_load_kv, or its layer-wise copies) before any rank's
-                # forward reads it; the reads (the token before each scheduled one) and the writes (the scheduled
-                # tokens) touch different tokens, so no rank's writes race another's reads
-                self.layer_barrier.wait()
-            for rid, n in scheduled.items():
-                req = self.requests[rid]
-                start = starts[rid]
-                if start:
-                    p = start - 1
-                    block, off = req.block_ids[p // BLOCK], p % BLOCK
-                    prev = joint_digest([other.token(layer, block, off) for other in pageds])
-                else:
-                    prev = _START
-                for pos in range(start, start + n):
-                    values = step_kv(world, layer, req.tag, pos, req.tokens[pos], prev)
-                    paged.write(layer, req.block_ids[pos // BLOCK], pos % BLOCK, values[rank])
-                    prev = joint_digest(values)
-
-        return forward
+    def _wait_lookups(self) -> None:
+        """A request vLLM was told to ask about again (a lower-tier lookup in flight): wait for the answer, so
+        the next step has it whatever the timing."""
+        side = self.side.connector.scheduler_side
+        for rid in sorted(self.live):
+            tracker = side.tracker(rid)
+            if tracker is None:
+                continue
+            lookups = [tracker.lower] if tracker.lower is not None else []
+            if tracker.probe is not None:
+                lookups += [lower for lower in tracker.probe.lowers if lower is not None]
+            if lookups:
+                timeout = max(lower.timeout for lower in lookups)
+                wait_until(lambda: all(lower.result() is not None for lower in lookups),
+                           timeout=timeout + 5, what=f"{rid}'s lower-tier lookup")
 
     def _wait_async_loads(self, work: Any) -> None:
         """Before get_finished: every fetch started so far has ended or passed its deadline (no timing races)."""
-        loads = work.worker_side.async_loads
+        loads = work.async_loads
         pending = loads.pending()
         wait_until(lambda: all(p.future.done() or time.monotonic() >= p.deadline for p in pending),
                    timeout=loads.timeout + 10, what="the async fetches")
@@ -710,76 +463,32 @@ class Simulation:
             engine.wait_write_behind(30.0)
             wait_until(lambda e=engine: not e.storage._inflight, timeout=30.0, what="prefetches settled")
 
-    def _update_from_output(self, scheduled: dict[str, int], invalid: set[int], recving: list[str],
-                            worker_meta: CpuTierEvents | None) -> None:
-        failed_sync: set[str] = set()
-        if invalid:
-            self.result.load_errors += 1
-            self.log(f"step {self.step_no}: load errors in blocks {sorted(invalid)}")
-            # vLLM's _handle_invalid_blocks: async loads first (nothing scheduled), then the running requests
-            for req in [q for q in self.waiting if q.status == WAITING_FOR_REMOTE_KVS]:
-                if self._truncate(req, invalid, 0):
-                    self.failed_recving.add(req.rid)
-            for req in self.running:
-                if self._truncate(req, invalid, scheduled.get(req.rid, 0)):
-                    failed_sync.add(req.rid)
-        for rid, n in scheduled.items():  # sampling: a request that computed its last token gets a new one
-            req = self.requests.get(rid)
-            if req is None or rid in failed_sync or req.num_computed < len(req.tokens):
-                continue
-            req.generated += 1
-            if req.generated > req.max_new:
-                self._finish(req, "finished")
-                continue
-            req.ns.all_token_ids.append(self.r.randrange(VOCAB))
-            req.ns.num_tokens = len(req.ns.all_token_ids)
-            self._register_keys(req)
-        self.call("update_connector_output", self.sched.update_connector_output,
-                  SimpleNamespace(kv_connector_worker_meta=worker_meta, invalid_block_ids=set(invalid)))
-        for rid in recving:  # vLLM's aggregator: reported once every rank reported it
-            self.recv_counts[rid] = self.recv_counts.get(rid, 0) + 1
-            if self.recv_counts[rid] < self.c.world_size:
-                continue
-            del self.recv_counts[rid]
-            if rid in self.held_for_load:
-                self.free.extend(self.held_for_load.pop(rid))
-            elif rid in self.requests and self.requests[rid].status == WAITING_FOR_REMOTE_KVS:
-                self.finished_recving.add(rid)
-
-    def _truncate(self, req: SimRequest, invalid: set[int], num_scheduled: int) -> bool:
-        """vLLM's _update_requests_with_invalid_blocks for one request (recompute policy)."""
-        before = req.num_computed - num_scheduled
-        for idx, block in enumerate(req.block_ids[: -(-before // BLOCK)]):
-            if block in invalid:
-                req.num_computed = idx * BLOCK
-                self.log(f"step {self.step_no}: {req.rid} rewinds to token {req.num_computed} (load error)")
-                return True
-        return False
-
     # ---- faults -------------------------------------------------------------------------------------------------
-    def _cpu_keys(self, rank: int) -> list[ChunkKey]:
-        return sorted(self.engines[rank].cpu.held_keys())
-
-    def _evict_hit(self, req: SimRequest, ext: int) -> None:
-        """Between the lookup and the load: one chunk of the hit leaves one rank's (or every) CPU tier."""
-        if self.r.random() >= self.c.p_evict_hit:
+    def _evict_from_load(self, req: Any) -> None:
+        """Between the lookup and the load: one chunk (or the state) of the load leaves one rank's (or every) CPU
+        tier."""
+        r = self.r
+        if r.random() >= self.c.p_evict_hit:
             return
-        tracker = self.sched.scheduler_side.tracker(req.rid)
-        if tracker is None or not tracker.chain:
-            return
-        span = self.r.choice([s for s in tracker.chain if s.start < ext] or tracker.chain)
-        ranks = [self.r.randrange(self.c.world_size)] if self.r.random() < 0.5 else range(self.c.world_size)
+        count = -(-req.load.end // CHUNK)
+        index = r.randrange(count)
+        chain_key = req.chunk_keys[index]
+        what = f"chunk {index}"
+        if req.load.state_key is not None and r.random() < 0.3:
+            chain_key, what = state_key(req.load.state_key), "the state"
+        ranks = [r.randrange(self.c.world_size)] if r.random() < 0.5 else range(self.c.world_size)
         for rank in ranks:
-            key = self.hashers[rank].params.shard_key(span.key)
-            if self.engines[rank].cpu.remove(key):
-                self.result.faults.append(f"step {self.step_no}: rank {rank} evicted chunk {span.index} of "
-                                          f"{req.rid}'s hit")
+            engine = self.engines[rank]
+            if engine.cpu.remove(engine.key_params.shard_key(chain_key)):
+                self.result.faults.append(f"step {self.step_no}: rank {rank} evicted {what} of {req.req_id}'s load")
 
     def _faults(self) -> None:
         c, r = self.c, self.r
+        if r.random() < c.p_reset:
+            self._reset_prefix_cache(r.random() < 0.5)
         if r.random() < c.p_evict:
             rank = r.randrange(c.world_size)
-            keys = self._cpu_keys(rank)
+            keys = sorted(self.engines[rank].cpu.held_keys())
             if keys:
                 self.engines[rank].cpu.remove(r.choice(keys))
                 self.result.faults.append(f"step {self.step_no}: rank {rank} lost a CPU-tier chunk")
@@ -823,6 +532,22 @@ class Simulation:
             self._store_answers()
             self.result.faults.append(f"step {self.step_no}: NATS started again")
 
+    def _reset_prefix_cache(self, preempt_running: bool) -> None:
+        """vLLM's reset of its prefix cache (its /reset_prefix_cache): it succeeds only while no request holds
+        blocks, or, with `reset_running_requests`, after preempting every running request (which vLLM cannot do
+        while a request that is not running holds blocks: one loading, or loaded and waiting, or ended with its
+        blocks held for the connector)."""
+        manager, running = self.scheduler.kv_cache_manager, set(self.scheduler.running)
+        holding = any(request not in running and any(manager.get_block_ids(request.request_id))
+                      for request in self.scheduler.requests.values())
+        preempt_running = preempt_running and not holding
+        if self.reset_prefix_cache(preempt_running):
+            self.result.faults.append(f"step {self.step_no}: vLLM's prefix cache reset"
+                                      + (" (running requests preempted)" if preempt_running else ""))
+
+    def reset_prefix_cache(self, preempt_running: bool) -> bool:
+        return bool(self.call("reset_prefix_cache", self.scheduler.reset_prefix_cache, preempt_running))
+
     def _stalled_past_timeout(self) -> None:
         """Before a paused store resumes: the engines gave up on what they asked it (their fetches ended and
         the slots they lent it are free again, or kept back for good), so its late answers meet reused slots."""
@@ -835,7 +560,7 @@ class Simulation:
 
         try:
             wait_until(given_up, timeout=15.0, what="the engines gave up on the paused store")
-        except TimeoutError:  # slots kept out of use until the store settles them (the fix for finding 2)
+        except TimeoutError:  # slots kept out of use until the store settles them
             pass
 
     def _store_answers(self) -> None:
@@ -855,76 +580,15 @@ class Simulation:
             self.paused = False
 
     # ---- invariants ---------------------------------------------------------------------------------------------
-    def _check(self) -> None:
-        self._check_blocks()
-        self._check_cpu_tiers()
-        if self.c.disk and not self.paused:
-            self._check_disk()
-
-    def _check_blocks(self) -> None:
-        for req in list(self.requests.values()):
-            if req.status == WAITING_FOR_REMOTE_KVS or not req.num_computed:
-                continue
-            n = req.num_computed
-            for rank, paged in enumerate(self.pageds):
-                got = paged.read(req.block_ids, n)
-                want = self.oracle.kv(rank, req.tag, tuple(req.tokens[:n]))
-                bad = np.nonzero(np.any((got != want).reshape(n, -1), axis=1))[0]
-                if bad.size:
-                    p = int(bad[0])
-                    raise self.fail(1, f"request {req.rid} ({req.status}, rank {rank}): token {p} (block "
-                                       f"{req.block_ids[p // BLOCK]}, logical block {p // BLOCK}) of its "
-                                       f"{n} computed tokens is not the oracle's KV ({bad.size} tokens wrong)")
-
-    def _check_chunk(self, where: str, key: ChunkKey, data: np.ndarray) -> None:
-        info = self.key_info.get(key)
-        if info is None:
-            raise self.fail(2, f"{where}: chunk {key.hex()} has a key no request's tokens make")
-        rank, tag, tokens, start, end = info
-        want = self.oracle.kv(rank, tag, tokens)[start:end]
-        self.result.checked_chunks += 1
-        if data.shape != want.shape or not np.array_equal(data, want):
-            wrong = (np.nonzero(np.any((data != want).reshape(len(want), -1), axis=1))[0]
-                     if data.shape == want.shape else [])
-            raise self.fail(2, f"{where}: chunk {key.hex()} (rank {rank}, {tag}, tokens [{start}, {end}) of a "
-                               f"{len(tokens)}-token sequence) is not the oracle's KV (tokens wrong: "
-                               f"{[int(t) + start for t in wrong[:8]]}, shape {data.shape} vs {want.shape})")
-
-    def _check_cpu_tiers(self) -> None:
-        for rank, engine in enumerate(self.engines):
-            cpu, layout = engine.cpu, engine.layout
-            with cpu._lock:  # a peek that does not count as a hit (the eviction order stays the schedule's)
-                entries = [(key, ref) for key, ref in cpu._entries.items()]
-                for _, ref in entries:
-                    ref.slot.ref()
-            try:
-                for key, ref in entries:
-                    meta = ref.meta
-                    chunk = ref.slot.view(layout.dtype, layout.chunk_shape(meta.num_tokens))
-                    self._check_chunk(f"rank {rank}'s CPU tier", key, chunk_tokens(chunk, layout, meta.num_tokens))
-            finally:
-                for _, ref in entries:
-                    ref.slot.release()
-
-    def _check_disk(self) -> None:
-        assert self.disk_dir is not None
-        layout = self.engines[0].layout
-        for path in sorted(self.disk_dir.rglob("*" + chunk_file.SUFFIX)):
-            try:
-                st = path.stat()
-                stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
-                if self.disk_seen.get(str(path)) == stamp:
-                    continue
-                meta, _ = chunk_file.read_chunk_meta(path)
-                out = bytearray(meta.nbytes)
-                meta = chunk_file.read_chunk_into(path, memoryview(out))
-            except FileNotFoundError:  # evicted or deleted meanwhile
-                continue
-            except chunk_file.CorruptChunkFile as exc:
-                raise self.fail(2, f"disk store: {path.name} is corrupt ({exc})") from exc
-            self.disk_seen[str(path)] = stamp
-            chunk = torch.frombuffer(out, dtype=torch.uint8).view(layout.dtype).reshape(list(meta.shape))
-            self._check_chunk(f"disk store file {path.name}", meta.key, chunk_tokens(chunk, layout, meta.num_tokens))
+    def check(self) -> None:
+        try:
+            self.checks.blocks()
+            self.checks.cpu_tiers()
+            if self.c.disk and not self.paused:
+                assert self.disk_dir is not None
+                self.checks.disk(self.disk_dir)
+        except Violation as violation:
+            raise self.fail(violation.invariant, violation.detail) from None
 
 
 async def _answers(client: Any) -> bool:
@@ -936,13 +600,14 @@ async def _answers(client: Any) -> bool:
 
 
 def run_seed(seed: int, allow_processes: bool = True, log: Callable[[str], None] | None = None,
-             **overrides: Any) -> SimResult:
-    """Run schedule `seed` (its knobs drawn from the seed, then `overrides`); SimFailure on a violation."""
-    config = SimConfig.draw(seed, allow_processes)
+             kind: str | None = None, **overrides: Any) -> SimResult:
+    """Run schedule `seed` (its knobs drawn from the seed, `kind` and `overrides` replacing some); SimFailure on a
+    violation."""
+    config = SimConfig.draw(seed, allow_processes, kind)
     for name, value in overrides.items():
         setattr(config, name, value)
-    return Simulation(config, log).run()
+    replay = replay_command(seed, kind, allow_processes, config.agreement)
+    return Simulation(config, log, replay).run()
 
 
-__all__ = ["SimConfig", "SimFailure", "SimResult", "Simulation", "ThreadAgreement", "run_seed", "Oracle",
-           "joint_digest", "step_kv", "token_kv"]
+__all__ = ["KIND_NAMES", "SimConfig", "SimFailure", "SimResult", "Simulation", "replay_command", "run_seed"]

@@ -252,6 +252,9 @@ class SchedulerLookup:
             lower = self._ask_lower(keys, num_tokens, peer)
             if lower is None:  # NATS is down: what the mirror says, at once
                 return cpu_tokens, None
+            # answered when vLLM asks again, never in this call: whether the NATS loop answers before the scheduler
+            # looks is a race, and vLLM's schedule (and a seeded simulation's) would follow it
+            return None, lower
         answer = lower.result()
         if answer is None:
             return None, lower

@@ -243,15 +243,20 @@ class SchedulerSide:
         num_scheduled = scheduler_output.num_scheduled_tokens
         # Preempted requests lost their blocks (this step may reuse them): the workers' handle_preemptions
         # orders the saves still reading them before the forward, and nothing is loaded into them any more.
+        # A request preempted outside schedule() (vLLM's reset_prefix_cache with reset_running_requests) may be
+        # resumed by this very step: what was planned for it since (its lookup, its load into its new blocks)
+        # stays, as does an async load planned in this step (vLLM preempts no request it admitted after).
         meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
-        for req_id in meta.preempted:
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = ({new.req_id for new in scheduler_output.scheduled_new_reqs}
+                   | set(getattr(cached, "resumed_req_ids", None) or ()) | set(self._async_starting))
+        for req_id in meta.preempted - resumed:
             tracker = self._trackers.get(req_id)
             if tracker is not None:
                 tracker.preempted()
         # requests that verify draft tokens this step: vLLM counts the drafts as scheduled tokens
         drafting = set(getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or ())
-        starting = [req_id for req_id in self._async_starting if req_id not in meta.preempted]
-        self._async_starting = []
+        starting, self._async_starting = self._async_starting, []
         for req_id in starting:
             tracker = self._trackers.get(req_id)
             if tracker is not None:
@@ -264,7 +269,6 @@ class SchedulerSide:
             self._add_step(meta, tracker, (new.num_computed_tokens,
                                            new.num_computed_tokens + num_scheduled.get(new.req_id, 0)),
                            new.req_id in drafting)
-        cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tracker = self._trackers.get(req_id)
             if tracker is None:

@@ -72,7 +72,7 @@ class WorkerSide:
 
     def __init__(self, config: EngineConfig, block_size: int, *, vllm_config: Any = None, model_name: str = "",
                  cache_dtype: str = "auto", world_size: int = 1, unsupported: str | None = None,
-                 saves_off_forward: bool = False, groups: KVGroups | None = None) -> None:
+                 saves_off_forward: bool = False, groups: KVGroups | None = None, latent_kv: bool = False) -> None:
         self.config = config
         self.vllm_config = vllm_config
         self.block_size = block_size
@@ -84,6 +84,8 @@ class WorkerSide:
         self.unsupported = unsupported
         # vLLM's KV cache groups when copies need each group's block table (kv_groups.py), else None
         self.groups = groups if groups is not None and groups.grouped else None
+        # MLA: one latent vector per token, which vLLM's CPU MLA backends store token by token (kv_layout.py)
+        self.latent_kv = latent_kv
         self._failed_recving: set[str] = set()  # with groups: loads that failed since vLLM last asked
         self.engine: Any = None  # CacheEngine, created in register_kv_caches
         self.kv_caches: dict[str, torch.Tensor] = {}
@@ -114,8 +116,8 @@ class WorkerSide:
         if self.unsupported is not None:
             log.info("KVMesh is off for this model (%s)", self.unsupported)
             return
-        if self.world_size > 1:  # before anything that may fail: every rank takes part (load_agreement.py)
-            self.agreement = CollectiveAgreement.of_replica()
+        if self.world_size > 1 and self.agreement is None:  # before anything that may fail: every rank takes
+            self.agreement = CollectiveAgreement.of_replica()  # part (load_agreement.py); kept if already set
         backend = self._attention_backend_name()
         try:
             self.kv_caches = self._in_chunk_order(kv_caches)
@@ -600,8 +602,8 @@ class WorkerSide:
         try:
             from vllm.platforms import current_platform
 
-            if current_platform.is_cpu():
-                return "CPU_ATTN"
+            if current_platform.is_cpu():  # CPU_MLA / AMX_MLA pages are token-major, CPU_ATTN's per head
+                return "CPU_MLA" if self.latent_kv else "CPU_ATTN"
         except Exception:
             pass
         try:
