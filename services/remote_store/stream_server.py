@@ -14,7 +14,7 @@ import xxhash
 from kvmesh.shared import protocol
 from kvmesh.services.remote_store.store import RESERVE_STEP, MemoryStore, PutRefused
 from kvmesh.shared.stream_server import StreamServer, _Refused
-from kvmesh.shared.stream_wire import TRAILER, drain, recv_exactly, send_reply
+from kvmesh.shared.stream_wire import TRAILER, StreamError, drain, recv_exactly, send_reply
 
 
 class StoreStreamServer(StreamServer):
