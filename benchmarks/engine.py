@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core.kv_layout import detect_layout
 from kvmesh.shared.config import GB, EngineConfig
 from kvmesh.shared.keys import KeyParams
@@ -149,7 +150,7 @@ def main() -> None:
 
     config = EngineConfig(chunk_size=args.chunk_size, max_local_cpu_size=(num_chunks * chunk_bytes + 2**20) / GB,
                           lmcache_instance_id="bench-engine")
-    engine = CacheEngine(config, KeyParams("meta-llama/Llama-3.1-8B-Instruct", ""), layout, use_mesh=args.mesh,
+    engine = build_engine(config, KeyParams("meta-llama/Llama-3.1-8B-Instruct", ""), layout, use_mesh=args.mesh,
                          device=device)
     try:
         if args.mesh:

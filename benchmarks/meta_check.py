@@ -2,7 +2,7 @@
 is checked against its span: key, token count, format, dtype, size, shape).
 
 Llama-3.1-8B-shaped KV (32 layers, 8 KV heads, head size 128, bf16) in vLLM's CPU layout, 256-token chunks. The
-figure is the time of `CacheEngine._meta_mismatch` on a CPU-tier chunk's meta, per chunk; beside it, measured in
+figure is the time of `CacheEngine.meta_mismatch` on a CPU-tier chunk's meta, per chunk; beside it, measured in
 the same run, the copy it guards: a plain torch copy of one chunk's bytes (what the scatter moves at best), and a
 dict lookup of the key (what the CPU tier's `acquire` costs at least). Prints one JSON line, then a summary.
 
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core.kv_layout import detect_layout
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.keys import KeyParams
@@ -49,15 +49,15 @@ def main() -> None:
     caches = {f"model.layers.{i}.self_attn": buffer[i] for i in range(LAYERS)}
     layout = detect_layout(caches, BLOCK, "CPU_ATTN", cpu_isa="vec")
     config = EngineConfig(chunk_size=args.chunk_size, max_local_cpu_size=4 * layout.chunk_nbytes(args.chunk_size) / 2**30)
-    with CacheEngine(config, KeyParams("bench-model", ""), layout, use_mesh=False) as engine:
+    with build_engine(config, KeyParams("bench-model", ""), layout, use_mesh=False) as engine:
         tokens = list(range(args.chunk_size))
         slots = torch.arange(args.chunk_size, dtype=torch.int64)
         engine.store(tokens, kv_caches=caches, slot_mapping=slots)
         span = engine.hasher.spans(tokens)[0]
         ref = engine.cpu.acquire(span.key)
-        assert ref is not None and engine._meta_mismatch(span, ref.meta) is None
+        assert ref is not None and engine.meta_mismatch(span, ref.meta) is None
         meta = ref.meta
-        check = per_call(lambda: engine._meta_mismatch(span, meta), args.checks)
+        check = per_call(lambda: engine.meta_mismatch(span, meta), args.checks)
         held = {span.key: ref}
         lookup = per_call(lambda: held.get(span.key), args.checks)
         src = torch.randn(layout.chunk_nbytes(args.chunk_size) // 2).to(torch.bfloat16)

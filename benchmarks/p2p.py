@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core.kv_layout import KVLayout, detect_layout
 from kvmesh.services.engine.tiers.base import ChunkBuffer
 from kvmesh.services.engine.tiers.peer import PeerTier, PeerWorker
@@ -118,7 +119,7 @@ def wait_for(predicate: Any, timeout: float, what: str) -> None:
 
 
 def started_engine(config: EngineConfig, layout: KVLayout) -> CacheEngine:
-    engine = CacheEngine(config, PARAMS, layout)
+    engine = build_engine(config, PARAMS, layout)
     try:
         if not engine.wait_connected(60):
             raise RuntimeError(f"engine {config.lmcache_instance_id} did not reach NATS")
@@ -180,7 +181,7 @@ def serve(args: argparse.Namespace) -> None:
     listener = tasks = stream_loop = None
     try:
         assert engine.hasher is not None and engine.cpu is not None and engine.nats_loop is not None
-        assert engine.peer_server is not None and engine.peer_server.server.listening
+        assert engine.mesh.peer_server is not None and engine.mesh.peer_server.server.listening
         base = base_bytes(chunk_bytes)
         spans = engine.hasher.spans(chunk_tokens(chunks))
         assert len(spans) == chunks
@@ -196,12 +197,12 @@ def serve(args: argparse.Namespace) -> None:
             assert ref is not None
             refs.append(ref)
         views = [ref.slot.chunk_buffer(ref.meta.nbytes).view for ref in refs]
-        stream_loop = engine.peer_server.loop  # the P2P stream's own loop: raw and P2P send from the same one
+        stream_loop = engine.mesh.peer_server.loop  # the P2P stream's own loop: raw and P2P send from the same one
         assert stream_loop is not None
         listener, tasks = asyncio.run_coroutine_threadsafe(start_raw_server(views), stream_loop).result(10)
         print(json.dumps({"instance_id": engine.config.lmcache_instance_id, "worker_id": engine.worker_id,
                           "keys": [span.key.hex() for span in spans], "chunk_bytes": chunk_bytes,
-                          "raw_port": listener.getsockname()[1], "peer_endpoint": engine.peer_server.endpoint}),
+                          "raw_port": listener.getsockname()[1], "peer_endpoint": engine.mesh.peer_server.endpoint}),
               flush=True)
         sys.stdin.read()  # the benchmark closes our stdin when done
         assert engine.storage is not None
@@ -331,7 +332,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             arrays = [slot.tensor.numpy()[:chunk_bytes] for slot in slots]
             peers = storage.lower(PEER)
             assert isinstance(peers, PeerTier)
-            mismatch = client._meta_mismatch  # what a fetch checks before a chunk is scattered into vLLM's cache
+            mismatch = client.meta_mismatch  # what a fetch checks before a chunk is scattered into vLLM's cache
             loader = Loader(peers, PeerWorker(held["instance_id"], held["worker_id"]), keys, buffers,
                             held["raw_port"], chunk_bytes)
             loop.submit(loader.connect_raw(FETCH_CONCURRENCY)).result(30)

@@ -664,7 +664,7 @@ def nats_run(chunk_counts: list[int], settle: float) -> dict[str, Any]:
     """One engine (CacheEngine API) on a NATS with a real disk store and remote store; per prompt length, the
     messages of a store and of a retrieve served from each tier."""
     quiet_logs()
-    from kvmesh.services.engine.core.cache_engine import CacheEngine
+    from kvmesh.services.engine.assembly import build_engine
     from kvmesh.shared import protocol
     from kvmesh.shared.embedded_nats import EmbeddedNats, free_port
     from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
@@ -689,7 +689,7 @@ def nats_run(chunk_counts: list[int], settle: float) -> dict[str, Any]:
         bench = NatsBench(nats.url)
         largest = max(chunk_counts) * CHUNK
         kv = PagedKV(num_blocks=2 * (largest // BLOCK) + 8)
-        engine = CacheEngine(engine_config(nats_url=nats.url, local_disk=str(work / "disk"),
+        engine = build_engine(engine_config(nats_url=nats.url, local_disk=str(work / "disk"),
                                            remote_url="lm://localhost:65432", remote_partitions=1,
                                            cpu_chunks=4 * sum(chunk_counts) + 8,
                                            heartbeat_interval_secs=3600, touch_interval_secs=settle / 3,
@@ -793,14 +793,14 @@ def scheduler_run(token_counts: list[int], min_seconds: float) -> dict[str, Any]
     quiet_logs()
     from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, SchedulerLookup, engines
     from kvmesh.services.engine.adapter.scheduler_side import SchedulerSide
-    from kvmesh.services.engine.core.cache_engine import CacheEngine
+    from kvmesh.services.engine.assembly import build_engine
     from support.engine import PagedKV, engine_config
     from support.engine_mesh import PARAMS
 
     chunk = 256
     kv = PagedKV(num_blocks=32)
     config = engine_config(chunk_size=chunk, max_local_cpu_size=0.01, lmcache_instance_id="scale-scheduler")
-    worker = CacheEngine(config, PARAMS, kv.layout, use_mesh=False)
+    worker = build_engine(config, PARAMS, kv.layout, use_mesh=False)
     engines.add(0, worker)  # vLLM's single-process case: the scheduler finds the worker's engine here
     lookup = SchedulerLookup(world_size=1, timeout=5.0, nats_name="scale-scheduler")
     try:

@@ -14,6 +14,7 @@ import torch
 from kvmesh.services.engine.adapter.async_loads import AsyncLoads, loads_asynchronously
 from kvmesh.services.engine.adapter.request_meta import KVMeshConnectorMetadata, LoadSpec, ReqMeta, RequestTracker
 from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.shared.keys import KeyParams
 from kvmesh.shared.local_mesh import LocalMesh
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
@@ -58,7 +59,7 @@ def disk_mesh(tmp_path: Path) -> Iterator[LocalMesh]:
 @pytest.fixture
 def engine(disk_mesh: LocalMesh, tmp_path: Path) -> Iterator[tuple[CacheEngine, PagedKV]]:
     kv = PagedKV(num_blocks=128)
-    worker = CacheEngine(engine_config(nats_url=disk_mesh.nats_url, local_disk=str(tmp_path / "disk")), PARAMS,
+    worker = build_engine(engine_config(nats_url=disk_mesh.nats_url, local_disk=str(tmp_path / "disk")), PARAMS,
                          kv.layout)
     try:
         assert worker.wait_connected(WAIT_S)
@@ -171,7 +172,7 @@ def test_a_load_past_its_deadline_is_recomputed_and_its_late_chunks_are_released
 
 def test_without_a_lower_tier_the_load_runs_at_once_and_finishes_in_the_same_step(tmp_path: Path) -> None:
     kv = PagedKV(num_blocks=128)
-    worker = CacheEngine(engine_config(), PARAMS, kv.layout)  # no NATS, no store: nothing to fetch from
+    worker = build_engine(engine_config(), PARAMS, kv.layout)  # no NATS, no store: nothing to fetch from
     try:
         tokens = random_tokens(2 * CHUNK, seed=34)
         src = kv.slots(len(tokens))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.assembly import build_engine, engine_for_caches
 from kvmesh.shared.eviction import Clock
 from kvmesh.shared.keys import KeyParams
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
@@ -19,7 +20,7 @@ PARAMS = KeyParams(model="test-model", kv_format="")
 
 
 def make_engine(kv: PagedKV, clock: Clock = time.monotonic, **overrides: object) -> CacheEngine:
-    return CacheEngine(engine_config(**overrides), PARAMS, kv.layout, use_mesh=False, clock=clock)
+    return build_engine(engine_config(**overrides), PARAMS, kv.layout, use_mesh=False, clock=clock)
 
 
 @pytest.fixture
@@ -243,12 +244,11 @@ def test_closed_engine_refuses_calls(kv: PagedKV) -> None:
         engine.lookup(random_tokens(32, seed=0))
 
 
-def test_register_kv_caches_sets_up_a_deferred_engine(kv: PagedKV) -> None:
-    engine = CacheEngine(engine_config(), PARAMS, None, use_mesh=False)
+def test_an_engine_for_vllms_caches_takes_their_layout(kv: PagedKV) -> None:
+    engine = engine_for_caches(engine_config(), PARAMS, kv.caches, kv.block_size, "CPU_ATTN", cpu_isa="vec",
+                               use_mesh=False)
     try:
-        with pytest.raises(RuntimeError, match="layout"):
-            engine.lookup(random_tokens(32, seed=0))
-        layout = engine.register_kv_caches(kv.caches, kv.block_size, "CPU_ATTN", cpu_isa="vec")
+        layout = engine.layout
         assert layout.per_block and engine.key_params.kv_format == layout.chunk_format()
         tokens = random_tokens(64, seed=60)
         engine.store(tokens, **kv.kv(kv.slots(64)))

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.mesh.domain import key_domain
 from kvmesh.shared.credentials import MeshCredentials, SharingDomain, local_mesh_dir
 from kvmesh.shared.keys import ChunkHasher, KeyParams
@@ -35,7 +36,7 @@ def engine_in(mesh: LocalMesh, instance: str, domain: str, kv: PagedKV, disk: Pa
     path = Principal.engine(instance).path
     credentials.ensure(path, domain=domain)
     assert credentials.reload_server()
-    engine = CacheEngine(engine_config(nats_url=mesh.nats_url, lmcache_instance_id=instance,
+    engine = build_engine(engine_config(nats_url=mesh.nats_url, lmcache_instance_id=instance,
                                        nats_credentials=str(credentials.file(path)), local_disk=str(disk)),
                          KeyParams(model="test-model", kv_format=""), kv.layout)
     assert engine.wait_connected(WAIT_S), f"engine {instance} did not reach NATS"

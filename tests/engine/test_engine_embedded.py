@@ -11,6 +11,7 @@ import torch
 from kvmesh.shared.protocol import disk_store_id
 from kvmesh.services.engine.mesh import embedded as embedded_mesh
 from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.mesh.embedded import EMBED, JOIN, plan_mesh
 from kvmesh.shared import local_mesh
 from kvmesh.shared.config import EngineConfig
@@ -66,16 +67,16 @@ def test_seed_002_embeds_nats_and_a_disk_store_shared_by_workers(tmp_path: Path)
     kv = PagedKV(num_blocks=128)
     config = engine_config(local_disk=f"file://{tmp_path}/disk/", max_local_disk_size=0.05, cpu_chunks=4,
                            local_cpu=False)
-    first = CacheEngine(config, PARAMS, kv.layout)
+    first = build_engine(config, PARAMS, kv.layout)
     second: CacheEngine | None = None
     mesh = embedded_mesh.registry.current()
     try:
-        assert first.plan is not None and first.plan.mode == EMBED and mesh is not None
+        assert first.mesh is not None and first.mesh.plan.mode == EMBED and mesh is not None
         assert first.wait_connected(WAIT_S)
         assert mesh.services_ready.wait(WAIT_S) and mesh.services_ok
         assert len(mesh.pids) == 2 and all(pid_alive(p) for p in mesh.pids)  # nats-server + disk store
 
-        second = CacheEngine(config, KeyParams(model="test-model", kv_format="", world_size=2, rank=1),
+        second = build_engine(config, KeyParams(model="test-model", kv_format="", world_size=2, rank=1),
                              kv.layout)
         assert embedded_mesh.registry.current() is mesh and embedded_mesh.registry.users() == 2
 
@@ -121,7 +122,7 @@ def test_an_engine_whose_mesh_cannot_start_serves_from_its_cpu_tier(monkeypatch)
 
     monkeypatch.setattr(local_mesh, "EmbeddedNats", NoNats)
     kv = PagedKV()
-    engine = CacheEngine(engine_config(), PARAMS, kv.layout)
+    engine = build_engine(engine_config(), PARAMS, kv.layout)
     try:
         assert engine.nats_loop is None and embedded_mesh.registry.current() is None
         tokens = random_tokens(64, seed=2)

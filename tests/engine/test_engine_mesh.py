@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 
 from kvmesh.shared.protocol import disk_store_id
 from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.shared import bus, chunk_file, protocol
 from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.errors import MeshUnavailable
@@ -141,7 +142,7 @@ async def test_two_engines_sharing_an_instance_id_are_reported_on_both_sides(nat
 
 def test_tensor_parallel_worker_ids(nats_server: EmbeddedNats, kv: PagedKV) -> None:
     params = KeyParams(model="m", kv_format="", world_size=2, rank=1)
-    engine = CacheEngine(engine_config(nats_url=nats_server.url, lmcache_instance_id="tp"), params, kv.layout)
+    engine = build_engine(engine_config(nats_url=nats_server.url, lmcache_instance_id="tp"), params, kv.layout)
     try:
         # rank 1 of instance "tp", tagged with this engine's process: unique even where instance ids repeat
         assert protocol.is_worker_id_of(engine.worker_id, "tp", 2, 1) and engine.worker_id.startswith("tp.r1@")
@@ -260,7 +261,7 @@ def test_force_skip_save_stores_nothing_and_still_loads(disk_mesh: LocalMesh, kv
     src = kv.slots(96)
     expected_a = kv.token_kv(src)
 
-    saving = CacheEngine(load_engine_config(settings, environ={"LMCACHE_FORCE_SKIP_SAVE": "0"}), PARAMS, kv.layout)
+    saving = build_engine(load_engine_config(settings, environ={"LMCACHE_FORCE_SKIP_SAVE": "0"}), PARAMS, kv.layout)
     try:  # the control: the same settings store a's chunks in the CPU tier and the disk store
         assert saving.wait_connected(WAIT_S), "engine did not reach NATS"
         wait_until(lambda: saving.storage.lower(LOCAL_DISK) is not None, what="the disk store client")
@@ -271,7 +272,7 @@ def test_force_skip_save_stores_nothing_and_still_loads(disk_mesh: LocalMesh, kv
 
     config = load_engine_config(settings, environ={"LMCACHE_FORCE_SKIP_SAVE": "1"})
     assert config.force_skip_save
-    engine = CacheEngine(config, PARAMS, kv.layout)
+    engine = build_engine(config, PARAMS, kv.layout)
     try:
         assert engine.wait_connected(WAIT_S), "engine did not reach NATS"
         wait_until(lambda: engine.storage.lower(LOCAL_DISK) is not None, what="the disk store client")
@@ -378,7 +379,7 @@ def test_first_connect_may_fail_and_is_retried(kv: PagedKV) -> None:
     from kvmesh.shared.embedded_nats import free_port
 
     port = free_port()
-    engine = CacheEngine(engine_config(nats_url=f"nats://127.0.0.1:{port}", lmcache_instance_id="late"),
+    engine = build_engine(engine_config(nats_url=f"nats://127.0.0.1:{port}", lmcache_instance_id="late"),
                          PARAMS, kv.layout)
     server: EmbeddedNats | None = None
     try:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.keys import ChunkKey, KeyParams
 from kvmesh.shared.protocol import LOCAL_DISK, ChunkMeta, StatsReply
@@ -93,7 +94,7 @@ def nats_url() -> Iterator[str]:
 
 
 def engine_with_fake(url: str, kv: PagedKV, **overrides: object) -> tuple[CacheEngine, FakeStore]:
-    engine = CacheEngine(engine_config(nats_url=url, local_disk="/nonexistent/kvmesh-test", **overrides),
+    engine = build_engine(engine_config(nats_url=url, local_disk="/nonexistent/kvmesh-test", **overrides),
                          PARAMS, kv.layout)
     assert engine.wait_connected(WAIT_S)
     fake = FakeStore()

@@ -23,6 +23,7 @@ import torch
 from kvmesh.services.controller.config import ControllerConfig
 from kvmesh.services.controller.service import ControllerService
 from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core.kv_layout import detect_layout
 from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.keys import KeyExtras, KeyParams
@@ -47,7 +48,7 @@ def kv() -> PagedKV:
                                            (LORA_A, None)])
 def test_chunks_with_extras_load_only_with_the_same_extras(kv: PagedKV, stored: KeyExtras,
                                                           other: KeyExtras | None) -> None:
-    engine = CacheEngine(engine_config(), PARAMS, kv.layout, use_mesh=False)
+    engine = build_engine(engine_config(), PARAMS, kv.layout, use_mesh=False)
     try:
         tokens, slots = random_tokens(100, seed=1), kv.slots(100)
         engine.store(tokens, **kv.kv(slots), extras=stored)
@@ -82,7 +83,7 @@ async def controller_on(nats_url: str) -> AsyncIterator[httpx.AsyncClient]:
 
 async def test_controller_lookup_and_pin_take_cache_salt_and_lora_name(nats_server: EmbeddedNats,
                                                                        kv: PagedKV) -> None:
-    engine = await asyncio.to_thread(lambda: CacheEngine(engine_config(nats_url=nats_server.url,
+    engine = await asyncio.to_thread(lambda: build_engine(engine_config(nats_url=nats_server.url,
                                                                        lmcache_instance_id="tenant"), PARAMS,
                                                          kv.layout))
     try:
@@ -132,7 +133,7 @@ def disk_mesh(tmp_path: Path) -> Iterator[LocalMesh]:
 
 def rank_engine(url: str | None, layout: Any, rank: int, world_size: int = 2, **overrides: object) -> CacheEngine:
     config = engine_config(nats_url=url, lmcache_instance_id="tp", **overrides) if url else engine_config(**overrides)
-    engine = CacheEngine(config, KeyParams("test-model", "", world_size, rank), layout, use_mesh=url is not None)
+    engine = build_engine(config, KeyParams("test-model", "", world_size, rank), layout, use_mesh=url is not None)
     if url:
         assert engine.wait_connected(WAIT_S)
     return engine

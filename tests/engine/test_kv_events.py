@@ -14,6 +14,7 @@ import pytest
 
 from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, SchedulerLookup, StepEventLog, engines
 from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.shared.keys import ChunkSpan, KeyExtras, KeyParams, state_key
 from kvmesh.shared.protocol import LOCAL_CPU
 
@@ -31,7 +32,7 @@ PARAMS = KeyParams(model="test-model", kv_format="")
 def worker() -> Iterator[tuple[CacheEngine, PagedKV, StepEventLog]]:
     """A worker's engine in this process, without NATS, reporting its CPU tier like the connector does."""
     kv = PagedKV(num_blocks=128)
-    engine = CacheEngine(engine_config(), PARAMS, kv.layout)
+    engine = build_engine(engine_config(), PARAMS, kv.layout)
     events = StepEventLog()
     engine.cpu.listen(events)
     engines.add(0, engine)

@@ -19,6 +19,7 @@ from kvmesh.services.engine.adapter.request_meta import LoadSpec, ReqMeta, SaveS
 from kvmesh.services.engine.adapter.scheduler_side import SchedulerSide
 
 from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.shared.keys import KeyParams, has_state_groups, state_key
 
 from support.connector_driver import rank0_engine
@@ -92,7 +93,7 @@ def test_each_group_is_stored_and_loaded_through_its_own_block_table_and_a_freed
 
 def test_each_tensor_parallel_rank_stores_and_loads_its_own_shard_of_every_group() -> None:
     layout = grouped_kv(seed=0)[0].layout
-    engines = [CacheEngine(engine_config(), KeyParams("test-model", "", world_size=2, rank=rank), layout)
+    engines = [build_engine(engine_config(), KeyParams("test-model", "", world_size=2, rank=rank), layout)
                for rank in range(2)]
     try:
         tokens = list(range(3 * CHUNK))
@@ -293,7 +294,7 @@ def test_each_tensor_parallel_rank_stores_loads_and_pins_its_own_shard_of_the_st
     layout = dataclasses.replace(kv.layout, group_layers=STATE_GROUPS.layers_per_group(),
                                  groups_tag=STATE_GROUPS.tag)
     assert layout.state_block == BLOCK and layout.chunk_format().endswith("/gM2,F2")
-    engines = [CacheEngine(engine_config(), KeyParams("test-model", "", world_size=2, rank=rank), layout)
+    engines = [build_engine(engine_config(), KeyParams("test-model", "", world_size=2, rank=rank), layout)
                for rank in range(2)]
     tokens = list(range(2 * CHUNK))
     num_blocks = len(tokens) // BLOCK

@@ -68,7 +68,7 @@ def stalled_get(engine: CacheEngine, mesh: LocalMesh, kv: PagedKV, tokens: torch
     assert runs == [Run(LOCAL_DISK, 0, 1)]
     pid = mesh.processes[0].pid
     os.kill(pid, signal.SIGSTOP)
-    refs = engine.nats_loop.call(storage.fetch(spans, engine._meta_mismatch, runs=runs), WAIT_S, default=None)
+    refs = engine.nats_loop.call(storage.fetch(spans, engine.meta_mismatch, runs=runs), WAIT_S, default=None)
     assert refs == [], "a stalled store's get must end as a miss"
     return pid
 

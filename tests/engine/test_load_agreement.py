@@ -32,7 +32,7 @@ def rank_step(rank: int, init_file: str, agree: bool, results: Any) -> None:
 
     from kvmesh.services.engine.adapter.load_agreement import CollectiveAgreement
     from kvmesh.services.engine.adapter.request_meta import KVMeshConnectorMetadata, LoadSpec, ReqMeta, SaveSpec
-    from kvmesh.services.engine.core.cache_engine import CacheEngine
+    from kvmesh.services.engine.assembly import build_engine
     from kvmesh.shared.keys import ChunkHasher, KeyParams
     from kvmesh.shared.protocol import LOCAL_CPU
 
@@ -43,7 +43,7 @@ def rank_step(rank: int, init_file: str, agree: bool, results: Any) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         kv = PagedKV(num_blocks=32, seed=rank)
-        engine = CacheEngine(engine_config(), KeyParams("test-model", "", world_size=2, rank=rank), kv.layout,
+        engine = build_engine(engine_config(), KeyParams("test-model", "", world_size=2, rank=rank), kv.layout,
                              use_mesh=False)
         work = worker_half(engine, kv.caches, BLOCK, saves_off_forward=False)
         if agree:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.tiers.peer import PeerTier, PeerWorker
 from kvmesh.shared.credentials import MeshCredentials, local_mesh_dir
 from kvmesh.shared.embedded_nats import EmbeddedNats
@@ -50,10 +51,11 @@ async def controller(nats_url: str) -> AsyncIterator[None]:
 
 
 def p2p_engine(url: str, instance: str, kv: PagedKV, **overrides: object) -> CacheEngine:
-    engine = CacheEngine(engine_config(nats_url=url, lmcache_instance_id=instance, enable_p2p=True, **overrides),
+    engine = build_engine(engine_config(nats_url=url, lmcache_instance_id=instance, enable_p2p=True, **overrides),
                          PARAMS, kv.layout)
     assert engine.wait_connected(WAIT_S), f"engine {instance} did not reach NATS"
-    wait_until(lambda: engine.storage.lower(PEER) is not None and engine.agent.started, what=f"{instance}'s peer tier")
+    wait_until(lambda: engine.storage.lower(PEER) is not None and engine.mesh.agent.started,
+               what=f"{instance}'s peer tier")
     return engine
 
 
@@ -171,7 +173,7 @@ async def test_p2p_stays_inside_a_sharing_domain(nats_mesh: LocalMesh) -> None:
             key = red_a.hasher.keys(torch.tensor(tokens))[0]  # even knowing red-a's key
             holder = PeerWorker("red-a", red_a.worker_id)
             own = blue.storage.lower(PEER)  # asks on its own domain's subjects: nobody of red hears them
-            forged = PeerTier(blue.nats_loop.nc, "red", blue.worker_id, blue.agent.path, blue.storage.stats,
+            forged = PeerTier(blue.nats_loop.nc, "red", blue.worker_id, blue.mesh.agent.path, blue.storage.stats,
                               request_timeout=2.0)  # asks on red's: NATS refuses
             assert isinstance(own, PeerTier)
             slot = blue.cpu.allocate()
@@ -222,7 +224,7 @@ async def test_move_between_instances_streams_the_chunks_and_lookup_then_names_t
             assert b.storage.stats[f"fetched_{PEER}"] == chunks
 
             workers = (await client.post("/query_worker_info", json={"instance_id": "peer-b"})).json()
-            assert workers["worker_infos"][0]["peer_init_url"] == b.peer_server.endpoint
+            assert workers["worker_infos"][0]["peer_init_url"] == b.mesh.peer_server.endpoint
             refused = await client.post("/move", json={"old_position": ["peer-b", "LocalCPUBackend"],
                                                        "new_position": ["peer-b", "LocalDiskBackend"],
                                                        "tokens": tokens})

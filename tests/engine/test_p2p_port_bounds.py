@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.tiers.remote_stream import StreamConnection
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.embedded_nats import EmbeddedNats
@@ -49,11 +50,11 @@ async def engines(url: str, a_config: dict[str, object] | None = None, b_config:
     """A controller, then engines A and B with P2P (each over its own random paged KV), all stopped after."""
 
     def engine(instance: str, kv: PagedKV, overrides: dict[str, object]) -> CacheEngine:
-        started = CacheEngine(engine_config(nats_url=url, lmcache_instance_id=instance, enable_p2p=True, **overrides),
+        started = build_engine(engine_config(nats_url=url, lmcache_instance_id=instance, enable_p2p=True, **overrides),
                               PARAMS, kv.layout)
         assert started.wait_connected(WAIT_S), f"engine {instance} did not reach NATS"
-        wait_until(lambda: started.storage.lower(PEER) is not None and started.agent.started
-                   and started.peer_server is not None and started.peer_server.server.listening,
+        wait_until(lambda: started.storage.lower(PEER) is not None and started.mesh.agent.started
+                   and started.mesh.peer_server is not None and started.mesh.peer_server.server.listening,
                    what=f"{instance} serving peers")
         return started
 
@@ -100,12 +101,12 @@ async def loads_right(b: CacheEngine, kv_b: PagedKV, tokens: list[int]) -> bool:
 
 
 def stream_server(engine: CacheEngine) -> StreamServer:
-    assert engine.peer_server is not None
-    return engine.peer_server.server
+    assert engine.mesh.peer_server is not None
+    return engine.mesh.peer_server.server
 
 
 def peer_address(engine: CacheEngine) -> tuple[str, int]:
-    host, port = engine.peer_server.endpoint.rsplit(":", 1)
+    host, port = engine.mesh.peer_server.endpoint.rsplit(":", 1)
     return host, int(port)
 
 
@@ -149,7 +150,7 @@ async def test_a_silent_connection_is_closed_after_the_hello_timeout_and_the_por
 
 async def ticket(nc: object, a: CacheEngine, caller: str) -> protocol.StreamOffer:
     """A ticket to A's port in `caller`'s name, asked on A's peer subject as any engine of its domain may."""
-    subject = Subjects.peer_stream(a.domain_name, "peer-a", a.worker_id, caller)
+    subject = Subjects.peer_stream(a.mesh.domain_name, "peer-a", a.worker_id, caller)
     return await bus.request(nc, subject, protocol.StreamRequest(client="peer-c"), protocol.StreamOffer, WAIT_S)
 
 
@@ -210,14 +211,14 @@ async def test_a_peer_stream_is_served_while_the_serving_engines_nats_loop_is_st
             release.set()
         assert b.storage.stats["p2p_read_failed"] == 0
 
-        stream_loop = a.peer_server.loop
+        stream_loop = a.mesh.peer_server.loop
         assert stream_loop is not None and stream_loop is not a.nats_loop.loop
         stuck = threading.Event()
         stream_loop.call_soon_threadsafe(stuck.wait, WAIT_S * 4)
         try:
             nc = await bus.connect(nats_url, "prober")
             try:
-                reply = await bus.request(nc, Subjects.health(a.agent.path), protocol.HealthRequest(),
+                reply = await bus.request(nc, Subjects.health(a.mesh.agent.path), protocol.HealthRequest(),
                                           protocol.HealthReply, WAIT_S)
                 assert reply.status == "ok"
             finally:

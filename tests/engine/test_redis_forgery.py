@@ -18,7 +18,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.tiers.redis import RedisTier, resolve_auth
 from kvmesh.shared import chunk_file, protocol
 from kvmesh.shared.config import EngineConfig, load_engine_config
@@ -319,7 +319,7 @@ def test_engines_share_chunks_only_with_the_same_secret(redis_server: RedisServe
     with EmbeddedNats() as nats:
         kvs = [PagedKV(num_blocks=64, seed=i) for i in range(3)]
         secrets_of = [files[0], files[0], files[1]]
-        engines = [CacheEngine(engine_config(nats_url=nats.url, remote_url=redis_server.url, local_cpu=False,
+        engines = [build_engine(engine_config(nats_url=nats.url, remote_url=redis_server.url, local_cpu=False,
                                              lmcache_instance_id=f"e{i}", remote_auth_secret_file=str(secret)),
                                KeyParams(model="test-model", kv_format=""), kv.layout)
                    for i, (kv, secret) in enumerate(zip(kvs, secrets_of))]

@@ -13,7 +13,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.tiers.redis import RedisTier
 from kvmesh.shared.embedded_nats import EmbeddedNats
 from kvmesh.shared.keys import KeyParams
@@ -288,13 +288,14 @@ def test_two_engines_share_a_chunk_through_redis(redis_server: RedisServer) -> N
     with EmbeddedNats() as nats:
         kv_one, kv_two = PagedKV(num_blocks=64, seed=1), PagedKV(num_blocks=64, seed=2)
         params = KeyParams(model="test-model", kv_format="")
-        engines = [CacheEngine(engine_config(nats_url=nats.url, remote_url=redis_server.url,
+        engines = [build_engine(engine_config(nats_url=nats.url, remote_url=redis_server.url,
                                              lmcache_instance_id=name), params, kv.layout)
                    for name, kv in (("one", kv_one), ("two", kv_two))]
         try:
             for engine in engines:
-                assert engine.plan is not None and engine.plan.redis and engine.plan.remote_stores == ["redis-kvmesh"]
-                assert not engine.plan.services  # no remote-store process
+                plan = engine.mesh.plan
+                assert plan.redis and plan.remote_stores == ["redis-kvmesh"]
+                assert not plan.services  # no remote-store process
                 assert engine.wait_connected(WAIT_S)
                 wait_until(lambda: engine.storage.lower(REMOTE) is not None, what="the Redis tier")
             one, two = engines
@@ -321,7 +322,7 @@ def test_an_engine_serves_through_a_redis_outage(redis_server: RedisServer) -> N
     Redis back (empty): the engine stores to it and hits it again, without a restart."""
     with EmbeddedNats() as nats:
         kv = PagedKV(num_blocks=64)
-        engine = CacheEngine(engine_config(nats_url=nats.url, remote_url=redis_server.url, local_cpu=False,
+        engine = build_engine(engine_config(nats_url=nats.url, remote_url=redis_server.url, local_cpu=False,
                                            redis_timeout_secs=1.0, remote_retry_interval_secs=0.0,
                                            lmcache_instance_id="outage"),
                              KeyParams(model="test-model", kv_format=""), kv.layout)

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
     pytest.skip("CUDA is not available", allow_module_level=True)
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
 
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core.kv_layout import KVLayout, detect_layout  # noqa: E402
 from kvmesh.services.engine.core.paged_copy import PagedCopier, gather, scatter  # noqa: E402
 
@@ -238,7 +239,7 @@ def test_a_store_failing_mid_way_releases_its_slots_only_after_the_queued_copies
     CacheEngine = cache_engine.CacheEngine
 
     caches, layout, _ = setup("NHD-2x", torch.float16, 16, True, nb=64)
-    engine = CacheEngine(engine_config(), KeyParams(model="gpu-test", kv_format=""), layout, use_mesh=False,
+    engine = build_engine(engine_config(), KeyParams(model="gpu-test", kv_format=""), layout, use_mesh=False,
                          device=DEVICE)
     try:
         original, calls = engine.copier.gather, []

@@ -61,12 +61,12 @@ def test_each_layer_read_after_its_wait_holds_the_loaded_kv() -> None:
 
 def test_a_saves_gather_on_a_side_stream_reads_what_the_forward_wrote() -> None:
     pytest.importorskip("nats")
-    from kvmesh.services.engine.core.cache_engine import CacheEngine
+    from kvmesh.services.engine.assembly import build_engine
     from kvmesh.shared.config import EngineConfig
     from kvmesh.shared.keys import KeyParams
 
     caches, layout = paged()
-    engine = CacheEngine(EngineConfig(chunk_size=CHUNK, max_local_cpu_size=0.05), KeyParams("m", ""), layout,
+    engine = build_engine(EngineConfig(chunk_size=CHUNK, max_local_cpu_size=0.05), KeyParams("m", ""), layout,
                          use_mesh=False, device=DEVICE)
     try:
         tokens = list(range(2 * CHUNK))
@@ -99,7 +99,7 @@ def test_a_grouped_models_save_is_read_before_the_next_forward_rewrites_its_bloc
     worker_side = pytest.importorskip("kvmesh.services.engine.adapter.worker_side")
     from kvmesh.services.engine.adapter.kv_groups import FULL, SLIDING, KVGroup, KVGroups
     from kvmesh.services.engine.adapter.request_meta import KVMeshConnectorMetadata, ReqMeta, SaveSpec
-    from kvmesh.services.engine.core.cache_engine import CacheEngine
+    from kvmesh.services.engine.assembly import build_engine
     from kvmesh.shared.config import EngineConfig
     from kvmesh.shared.keys import KeyParams
 
@@ -107,7 +107,7 @@ def test_a_grouped_models_save_is_read_before_the_next_forward_rewrites_its_bloc
     names = list(caches)
     groups = KVGroups((KVGroup(SLIDING, tuple(names[:2]), 2 * BS), KVGroup(FULL, tuple(names[2:]))), BS)
     layout = dataclasses.replace(layout, group_layers=groups.layers_per_group(), groups_tag=groups.tag)
-    engine = CacheEngine(EngineConfig(chunk_size=CHUNK, max_local_cpu_size=0.05), KeyParams("m", ""), layout,
+    engine = build_engine(EngineConfig(chunk_size=CHUNK, max_local_cpu_size=0.05), KeyParams("m", ""), layout,
                          use_mesh=False, device=DEVICE)
     side = worker_side.WorkerSide(engine.config, BS, saves_off_forward=True, groups=groups)
     side.engine, side.kv_caches = engine, caches

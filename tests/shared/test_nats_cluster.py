@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.shared import bus
 from kvmesh.shared.bus import NatsAuth
 from kvmesh.shared.config import load_engine_config
@@ -90,7 +91,7 @@ def _stores_mesh(url: str, auth: ClusterAuth, disk: Path, store_id: str, remote:
 
 def _engine(url: str, kv: PagedKV, disk: Path, instance_id: str, auth: ClusterAuth,
             remote: bool = False) -> CacheEngine:
-    engine = CacheEngine(engine_config(nats_url=url, local_disk=str(disk), lmcache_instance_id=instance_id,
+    engine = build_engine(engine_config(nats_url=url, local_disk=str(disk), lmcache_instance_id=instance_id,
                                        **({"remote_url": "lm://localhost:65432"} if remote else {}),
                                        **auth.engine_keys(instance_id)), PARAMS, kv.layout)
     assert engine.wait_connected(WAIT_S), f"engine {instance_id} did not reach NATS"

@@ -26,6 +26,7 @@ import pytest
 from kvmesh.services.controller.config import ControllerConfig
 from kvmesh.services.controller.service import ControllerService
 from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.credentials import MeshCredentials, local_mesh_dir, provision, server_accepts
 from kvmesh.shared.errors import MeshUnavailable
@@ -87,7 +88,7 @@ async def controller_on(mesh: LocalMesh) -> AsyncIterator[tuple[ControllerServic
 
 def tenant_engine(mesh: LocalMesh, instance_id: str, kv: PagedKV, **overrides: object) -> CacheEngine:
     """A real engine worker that finds its own credentials (it adds its instance's user to the local mesh)."""
-    engine = CacheEngine(engine_config(nats_url=mesh.nats_url, lmcache_instance_id=instance_id, **overrides),
+    engine = build_engine(engine_config(nats_url=mesh.nats_url, lmcache_instance_id=instance_id, **overrides),
                          PARAMS, kv.layout)
     assert engine.wait_connected(WAIT_S), f"{instance_id} never connected"
     return engine
@@ -353,7 +354,7 @@ async def test_an_instance_cannot_be_hijacked_and_forged_admissions_are_ignored(
 
             # tenant-b registers tenant-a's worker from its own path: the body disagrees with the subject
             own_path = Principal.engine("tenant-b").producer(victim.worker_id)
-            registration = victim._registration()
+            registration = victim.mesh.registration()
             await attacker.nc.publish(Subjects.register(own_path), protocol.encode(registration))
             # ...and reports chunks no one holds: as the victim, and as a store
             ghost = random_tokens(2 * CHUNK, seed=12)

@@ -22,6 +22,7 @@ from kvmesh.services.engine.adapter.scheduler_lookup import SchedulerLookup, eng
 from kvmesh.services.engine.adapter.scheduler_side import SchedulerSide
 from kvmesh.services.engine.adapter.worker_side import WorkerSide
 from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core.kv_layout import KVLayout
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.keys import KeyParams
@@ -35,7 +36,7 @@ import kvmesh.services.engine.connector as connector
 @contextmanager
 def rank0_engine(layout: KVLayout, device: Any = None) -> Iterator[CacheEngine]:
     """A CacheEngine for `layout`, registered as rank 0 so the scheduler half's lookups reach it; closed after."""
-    worker = CacheEngine(engine_config(), KeyParams(model="test-model", kv_format=""), layout, device=device)
+    worker = build_engine(engine_config(), KeyParams(model="test-model", kv_format=""), layout, device=device)
     engines.add(0, worker)
     try:
         yield worker

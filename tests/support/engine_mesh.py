@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.shared.keys import KeyParams
 from kvmesh.shared.local_mesh import LocalMesh
 from kvmesh.shared.protocol import LOCAL_DISK
@@ -28,7 +29,7 @@ def disk_mesh(tmp_path: Path) -> Iterator[LocalMesh]:
 
 
 def engine_on(url: str, kv: PagedKV, **overrides: object) -> CacheEngine:
-    engine = CacheEngine(engine_config(nats_url=url, **overrides), PARAMS, kv.layout)
+    engine = build_engine(engine_config(nats_url=url, **overrides), PARAMS, kv.layout)
     assert engine.wait_connected(WAIT_S), "engine did not reach NATS"
     return engine
 

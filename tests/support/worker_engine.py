@@ -11,6 +11,7 @@ import pytest
 
 from kvmesh.services.engine.adapter.scheduler_lookup import StepEventLog, engines
 from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.shared.local_mesh import LocalMesh
 from kvmesh.shared.protocol import LOCAL_DISK
 
@@ -23,7 +24,7 @@ from support.waiting import WAIT_S, wait_until
 def engine(disk_mesh: LocalMesh, tmp_path: Path) -> Iterator[tuple[CacheEngine, PagedKV, StepEventLog]]:
     """A worker's engine registered in this process, reporting its CPU tier like the connector does."""
     kv = PagedKV(num_blocks=128)
-    worker = CacheEngine(engine_config(nats_url=disk_mesh.nats_url, local_disk=str(tmp_path / "disk")), PARAMS,
+    worker = build_engine(engine_config(nats_url=disk_mesh.nats_url, local_disk=str(tmp_path / "disk")), PARAMS,
                          kv.layout)
     events = StepEventLog()
     worker.cpu.listen(events)

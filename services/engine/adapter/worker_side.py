@@ -110,7 +110,7 @@ class WorkerSide:
         self._storage_increments = Increments(STORAGE_COUNTERS)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from kvmesh.services.engine.core.cache_engine import CacheEngine
+        from kvmesh.services.engine.assembly import build_engine
         from kvmesh.services.engine.core.kv_layout import detect_layout
 
         if self.unsupported is not None:
@@ -142,7 +142,7 @@ class WorkerSide:
         params = KeyParams(self.model_name, layout.chunk_format(), self.world_size, rank)
         if first.device.type == "cpu":
             side_cpus.enable()  # the engine's threads keep off the cores vLLM bound its compute to
-        self.engine = CacheEngine(self.config, params, layout=layout, device=first.device)
+        self.engine = build_engine(self.config, params, layout=layout, device=first.device)
         self.engine.cpu.listen(self.cpu_events)  # reported to the scheduler's mirror with every step's output
         if self.config.use_layerwise:
             if self.groups is not None:  # every load runs between steps (kv_groups.py): no forward to overlap

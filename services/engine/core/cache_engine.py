@@ -9,7 +9,7 @@ Who runs what:
   * The NATS loop thread (`NatsLoop`) does all NATS work: write-behind to the disk / remote stores, fetches
     from them, the worker agent (registration, admission events, controller commands). vLLM's calls wait for
     it only with bounded timeouts and fall back to a miss, so a dead NATS never blocks vLLM.
-  * Where NATS is comes from `mesh.embedded` (join a configured one, or embed one for the disk-offload setup).
+  * The engine's parts, its NATS connection (`mesh.embedded`) included, are built by services/engine/assembly.py.
 
 A chunk's way: vLLM paged cache --gather--> pool slot --> CPU tier --write-behind--> disk store / remote store;
 back: store --get_into--> pool slot --> CPU tier --scatter--> vLLM paged cache.
@@ -22,213 +22,73 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import os
-import secrets
-import socket
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
-from nats.aio.client import Client as NatsClient
 
-from kvmesh.services.engine.tiers.build import lower_tiers
-from kvmesh.services.engine.tiers.cpu import ChunkRef, LocalCPUBackend
-from kvmesh.services.engine.tiers.memory_pool import MemoryPool, Slot
-from kvmesh.services.engine.tiers.redis import resolve_auth
-from kvmesh.services.engine.mesh.embedded import MeshConnection, MeshPlan, plan_mesh
-from kvmesh.services.engine.core.kv_layout import KVLayout, detect_layout
-from kvmesh.services.engine.mesh.nats_loop import NatsLoop
+from kvmesh.services.engine.core.kv_layout import KVLayout
 from kvmesh.services.engine.core.paged_copy import PagedCopier
 from kvmesh.services.engine.core.storage_manager import StorageManager
-from kvmesh.services.engine.mesh.peer_server import PeerServer
-from kvmesh.services.engine.mesh.worker_agent import WorkerAgent
+from kvmesh.services.engine.mesh.nats_loop import NatsLoop
+from kvmesh.services.engine.tiers.cpu import ChunkRef, LocalCPUBackend
+from kvmesh.services.engine.tiers.memory_pool import MemoryPool, Slot
 from kvmesh.services.engine.tiers.peer import PeerTier, PeerWorker
-from kvmesh.shared import bus, protocol
+from kvmesh.shared import protocol
 from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.eviction import Clock
 from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyExtras, KeyParams, chunk_spans
-from kvmesh.services.engine.mesh.domain import engine_domain, key_domain
-from kvmesh.shared.credentials import DEFAULT_DOMAIN, SharingDomain, credentials_for
-from kvmesh.shared.errors import ConfigError
-from kvmesh.shared.nats_auth import engine_auth
+from kvmesh.shared.protocol import LOCAL_CPU, LOCATIONS, PEER, ChunkMeta, worker_id_for
 from kvmesh.shared.rate_limited_log import RateLimitedLog
-from kvmesh.shared.redis_keys import RedisAuth
-from kvmesh.shared.stream_server import ClientBounds
-from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, PEER, REMOTE, ChunkMeta, worker_id_for
 
 log = logging.getLogger(__name__)
 
 KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
-LOOPBACK = "127.0.0.1"  # where the P2P stream listens unless p2p_host says otherwise
-WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+
+
+class MeshPresence(Protocol):
+    """What the engine asks of its place on the mesh (`assembly.WorkerMesh`)."""
+
+    nats_url: str
+
+    def registered(self) -> bool: ...
+
+    def announce(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class CacheEngine:
     """Store, retrieve, look up and prefetch KV chunks across the CPU tier, the disk store and the remote store.
 
-    `layout=None` defers everything that depends on the KV cache (pool, chunk format, registration) to
-    `register_kv_caches`. `use_mesh=False` runs without NATS at all (CPU tier only: tests, benchmarks).
-    `clock` is the CPU tier's (its pins' TTLs expire on it; tests pass one they advance by hand).
+    Built from its parts by `assembly.build_engine` (the pool, the CPU tier, the copier, the storage manager and,
+    with the mesh, the NATS loop and `mesh`); the engine never builds them itself.
     """
 
-    def __init__(self, config: EngineConfig, key_params: KeyParams, layout: KVLayout | None = None,
-                 *, use_mesh: bool = True, device: torch.device | str | None = None,
-                 use_shm: bool = True, clock: Clock = time.monotonic) -> None:
+    def __init__(self, config: EngineConfig, key_params: KeyParams, layout: KVLayout, *, worker_id: str,
+                 world_size: int, rank: int, writes_lower_tiers: bool, hasher: ChunkHasher, pool: MemoryPool,
+                 cpu: LocalCPUBackend, copier: PagedCopier, storage: StorageManager,
+                 nats_loop: NatsLoop | None = None) -> None:
         self.config = config
-        self.key_params = key_params
-        # The worker's place in its instance; key_params may name another shard (MLA: one for all ranks).
-        self.world_size, self.rank = key_params.world_size, key_params.rank
-        # Tagged with this process (and engine): replicas keeping the same lmcache_instance_id stay distinct.
-        self.worker_id = worker_id_for(config.lmcache_instance_id, self.world_size, self.rank,
-                                       f"{os.getpid()}-{secrets.token_hex(3)}")
-        self.writes_lower_tiers = True  # False on ranks > 0 of a replicated (MLA) cache: rank 0 writes them
-        self.lora_adapters: dict[str, str] = {}  # LoRA name -> identity, as seen in requests (registration)
-        self.use_mesh = use_mesh
-        self.plan: MeshPlan | None = plan_mesh(config) if use_mesh else None
-        self._device = device
-        self._use_shm = use_shm
-        self._clock = clock
-        self._rlog = RateLimitedLog(log)
-        self._closed = False
-        self._started_at = time.time()
-        self._ip = ""  # the address this host reaches NATS from (registration)
-        self.layout: KVLayout | None = None
-        self.hasher: ChunkHasher | None = None
-        self.pool: MemoryPool | None = None
-        self.cpu: LocalCPUBackend | None = None
-        self.storage: StorageManager | None = None
-        self.copier: PagedCopier | None = None
-        self.nats_loop: NatsLoop | None = None  # the engine's NATS thread (None without the mesh)
-        self.agent: WorkerAgent | None = None
-        self.peer_server: PeerServer | None = None  # this worker's CPU tier served to peers (enable_p2p)
-        self.domain_name = DEFAULT_DOMAIN  # its sharing domain (the credentials'); P2P stays inside it
-        self._redis_auth: RedisAuth | None = None  # the Redis tier's MAC key (resolve_auth)
-        self._connection: MeshConnection | None = None
-        if layout is not None:
-            self._setup(layout)
-
-    # ---- set-up ----------------------------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: KVCaches, block_size: int, backend_name: str | None = None, *,
-                           cpu_isa: str | None = None) -> KVLayout:
-        """Describe vLLM's caches (connector's `register_kv_caches`) and set up the engine for them.
-
-        `cpu_isa` overrides the CPU attention ISA that would otherwise be asked from vLLM (CPU layout only).
-        """
-        caches = dict(kv_caches) if isinstance(kv_caches, Mapping) else {str(i): c for i, c in enumerate(kv_caches)}
-        layout = detect_layout(caches, block_size, backend_name, cpu_isa=cpu_isa)
-        if self.layout is None:
-            self._setup(layout, next(iter(caches.values())).device)
-        elif layout != self.layout:
-            raise ValueError(f"KV caches changed layout: {self.layout} -> {layout}")
-        return layout
-
-    def _setup(self, layout: KVLayout, device: torch.device | None = None) -> None:
-        config = self.config
-        layout.check_chunk_size(config.chunk_size)
-        fmt = layout.chunk_format()
-        if self.key_params.kv_format != fmt:
-            if self.key_params.kv_format:
-                log.warning("key_params.kv_format %r differs from the layout's chunk format %r; using the "
-                            "layout's (chunks of different formats must never mix)", self.key_params.kv_format, fmt)
-            self.key_params = dataclasses.replace(self.key_params, kv_format=fmt)
-        if layout.replicated_across_ranks:
-            # Every rank holds the same latent KV: one key for all ranks, and only rank 0 writes the shared
-            # tiers, so they hold one copy, not world_size copies (LMCache's save_only_first_rank).
-            self.key_params = dataclasses.replace(self.key_params, world_size=1, rank=0)
-            self.writes_lower_tiers = self.rank == 0
+        self.key_params = key_params  # as the layout and the sharing domain fixed them
         self.layout = layout
-        self._fmt = fmt
+        # The worker's place in its instance; key_params may name another shard (MLA: one for all ranks).
+        self.world_size, self.rank = world_size, rank
+        self.worker_id = worker_id
+        self.writes_lower_tiers = writes_lower_tiers  # False on ranks > 0 of a replicated (MLA) cache
+        self.hasher = hasher
+        self.pool = pool
+        self.cpu = cpu
+        self.copier = copier
+        self.storage = storage
+        self.nats_loop = nats_loop  # the engine's NATS thread (None without the mesh)
+        self.mesh: MeshPresence | None = None  # set by the assembly once the engine is on the mesh
+        self.lora_adapters: dict[str, str] = {}  # LoRA name -> identity, as seen in requests (registration)
+        self._fmt = layout.chunk_format()
         self._dtype_name = str(layout.dtype).removeprefix("torch.")
         self._expected: dict[int, tuple[tuple[str, object], ...]] = {}  # num_tokens -> (field, value)
-        self.pool = MemoryPool(config.max_local_cpu_bytes, layout.chunk_nbytes(config.chunk_size),
-                               use_shm=self._use_shm)
-        self.cpu = LocalCPUBackend(self.pool, keep=config.local_cpu, policy=config.cache_policy, clock=self._clock)
-        self.copier = PagedCopier(layout, self._device if self._device is not None else device)
-        if self.use_mesh:
-            try:  # joining needs nothing; embedding starts a NATS server (the one thing that can fail here)
-                self._connection = MeshConnection(config, self.world_size)
-                self.plan = self._connection.plan
-            except Exception as exc:
-                log.error("cache engine %s: no mesh (%s: %s); serving from the CPU tier only", self.worker_id,
-                          type(exc).__name__, exc)
-                self.plan = None
-        auth = None
-        if self._connection is not None:
-            url = self._connection.url
-            auth = credentials_for(url, protocol.Principal.engine(config.lmcache_instance_id), engine_auth(config))
-            # after credentials_for: the credentials file it provisions records the engine's sharing domain
-            try:
-                domain = engine_domain(config, url)
-            except ConfigError as exc:
-                log.error("cache engine %s: %s; keys and stores of the default sharing domain", self.worker_id, exc)
-                domain = SharingDomain()
-            self.key_params = dataclasses.replace(self.key_params, domain=key_domain(domain))
-            self.domain_name = domain.name
-            if domain.name != DEFAULT_DOMAIN:
-                log.info("cache engine %s: sharing domain %s", self.worker_id, domain.name)
-        self.hasher = ChunkHasher(self.key_params, config.chunk_size, config.save_unfull_chunk)
-        lower: list[str] = []
-        if self._connection is not None and self.plan is not None:
-            lower = ([LOCAL_DISK] if self.plan.disk_store else []) + ([REMOTE] if self.plan.remote_stores else [])
-            if config.enable_p2p:
-                lower.append(PEER)
-            self.nats_loop = NatsLoop(self.worker_id)
-        self.storage = StorageManager(self.cpu, self.nats_loop, config, lower)
-        if config.enable_p2p and PEER not in lower:
-            log.warning("enable_p2p is set but the engine has no mesh: no P2P (peers are found through the "
-                        "controller on NATS)")
-        if not config.local_cpu and not lower:
-            log.warning("local_cpu is false and no lower tier (local_disk / remote_url) is configured: the "
-                        "engine stores nothing")
-        if config.force_skip_save:
-            log.warning("force_skip_save (LMCACHE_FORCE_SKIP_SAVE) is set: the engine stores nothing, it only "
-                        "loads what the tiers hold")
-        if self.nats_loop is not None and self._connection is not None:
-            self.agent = WorkerAgent(config.lmcache_instance_id, self.worker_id, self.hasher, self.storage,
-                                     self._registration, self._meta_mismatch,
-                                     heartbeat_interval=config.heartbeat_interval_secs, state_block=layout.state_block)
-            self.nats_loop.submit(self.storage.start()).result(5.0)
-            self.nats_loop.on_connected(self._on_connected)
-            self.nats_loop.on_close(self.agent.stop)
-            self.nats_loop.on_close(self.storage.stop)
-            url = self._connection.url
-            self._ip = bus.route_address(url) or ""
-            if config.enable_p2p:
-                self.peer_server = self._peer_server()
-                self.nats_loop.on_close(self.peer_server.stop)
-            # after credentials_for: the credentials file it provisions may hold the Redis tier's secret
-            self._redis_auth = resolve_auth(config, url) if self.plan.redis else None
-            self.nats_loop.connect(url, auth)
-        log.info("cache engine %s: chunk %d tokens = %.1f MiB (%s), CPU pool %d chunks%s%s", self.worker_id,
-                 config.chunk_size, layout.chunk_nbytes(config.chunk_size) / 2**20, fmt, self.pool.num_slots,
-                 " (shared memory)" if self.pool.segment is not None else "",
-                 f", mesh {self._connection.url} ({self.plan.mode})" if self._connection and self.plan else "")
-
-    def _peer_server(self) -> PeerServer:
-        """The stream this worker serves its CPU tier on: `p2p_host` (default: loopback, peers on this host only;
-        a wildcard such as 0.0.0.0 is told to peers as the address NATS is reached from), port
-        `p2p_init_ports[rank]` (default: any free port)."""
-        config = self.config
-        assert self.cpu is not None and self.storage is not None and self.pool is not None
-        ports = config.p2p_init_ports or []
-        if ports and len(ports) <= self.rank:
-            log.warning("p2p_init_ports lists %d port(s), none for rank %d: that rank listens on any free port",
-                        len(ports), self.rank)
-        port = ports[self.rank] if len(ports) > self.rank else 0
-        host = config.p2p_host or LOOPBACK
-        advertised = (self._ip or LOOPBACK) if host in WILDCARD_HOSTS else host
-        bounds = ClientBounds(max_pending=config.p2p_max_pending_connections,
-                              max_pending_per_address=config.p2p_max_pending_per_address,
-                              max_connections_per_caller=config.p2p_max_connections_per_peer,
-                              ticket_max_bytes=config.p2p_ticket_max_bytes,
-                              ticket_bytes_per_s=config.p2p_ticket_max_mb_per_s * 1e6)
-        return PeerServer(self.cpu, self.storage.stats, config.lmcache_instance_id, self.worker_id, self.domain_name,
-                          host, advertised, port, max_connections=config.p2p_max_connections,
-                          transfer_timeout=config.request_timeout_secs
-                          + self.pool.slot_nbytes / (config.remote_min_transfer_mb_per_s * 1e6),
-                          hello_timeout=config.p2p_hello_timeout_secs, idle_timeout=config.p2p_idle_timeout_secs,
-                          client_bounds=bounds)
+        self._rlog = RateLimitedLog(log)
+        self._closed = False
 
     @property
     def store_caller(self) -> str:
@@ -238,54 +98,17 @@ class CacheEngine:
         rank_id = worker_id_for(self.config.lmcache_instance_id, self.world_size, self.rank)
         return protocol.Principal.engine(self.config.lmcache_instance_id).producer(rank_id)
 
-    def _registration(self) -> protocol.RegisterEngine:
-        assert self.plan is not None
-        return protocol.RegisterEngine(
-            worker_id=self.worker_id, instance_id=self.config.lmcache_instance_id, model=self.key_params.model,
-            kv_format=self.key_params.kv_format, world_size=self.world_size, rank=self.rank,
-            chunk_size=self.config.chunk_size, save_unfull_chunk=self.config.save_unfull_chunk,
-            disk_store=self.plan.disk_store, remote_stores=list(self.plan.remote_stores), started_at=self._started_at,
-            kv_replicated=self.key_params.world_size != self.world_size, lora_adapters=dict(self.lora_adapters),
-            host=socket.gethostname(), ip=self._ip, domain=self.key_params.domain,
-            p2p=self.peer_server is not None and self.peer_server.server.listening,
-            peer_endpoint=self.peer_server.endpoint if self.peer_server is not None else "")
-
     def note_lora(self, lora_name: str, lora_id: str) -> None:
         """A request used this LoRA adapter: register it, so /lookup, /pin and /unpin can name it."""
         if self.lora_adapters.get(lora_name) == lora_id:
             return
         self.lora_adapters = {**self.lora_adapters, lora_name: lora_id}  # rebound: the loop thread reads it
-        if self.agent is not None and self.agent.started and self.nats_loop is not None:
-            self.nats_loop.submit(self.agent.reporter.announce())
-
-    async def _on_connected(self, nc: NatsClient) -> None:
-        """Loop thread, once NATS is first reached: store clients, then the worker agent."""
-        assert self.plan is not None and self.storage is not None and self.agent is not None
-        config = self.config
-        peers = PeerTier(nc, self.domain_name, self.worker_id, self.agent.path, self.storage.stats,
-                         request_timeout=config.request_timeout_secs,
-                         min_transfer_rate=config.remote_min_transfer_mb_per_s * 1e6,
-                         retry_interval=config.remote_retry_interval_secs,
-                         max_connections=config.p2p_stream_connections,
-                         hint_wait=config.pd_hint_wait_secs
-                         ) if config.enable_p2p else None
-        self.storage.set_lower(lower_tiers(nc, self.plan, config, self.store_caller, self._redis_auth), peers)
-        if self.peer_server is not None:
-            try:
-                await self.peer_server.start(nc)
-            except OSError as exc:  # the port is taken, the host is not ours: serve without peers, say why
-                log.error("cache engine %s: cannot serve peers on %s (%s; p2p_host / p2p_init_ports): this worker "
-                          "loads from peers but serves none", self.worker_id, self.peer_server.endpoint, exc)
-                self.peer_server = None
-        await self.agent.start(nc)
+        if self.mesh is not None:
+            self.mesh.announce()
 
     def _ready(self) -> tuple[KVLayout, ChunkHasher, LocalCPUBackend, StorageManager, PagedCopier]:
         if self._closed:
             raise RuntimeError(f"cache engine {self.worker_id} is closed")
-        if self.layout is None:
-            raise RuntimeError("the KV layout is unknown: pass layout= or call register_kv_caches() first")
-        assert self.hasher is not None and self.cpu is not None and self.storage is not None
-        assert self.copier is not None
         return self.layout, self.hasher, self.cpu, self.storage, self.copier
 
     # ---- the cache engine API --------------------------------------------------------------------------------------
@@ -335,7 +158,7 @@ class CacheEngine:
                  extras: KeyExtras | None = None) -> None:
         """Start loading the lower tiers' prefix of `tokens` into the CPU tier; returns at once."""
         _, hasher, _, storage, _ = self._ready()
-        storage.prefetch(hasher.spans(tokens, mask, extras), self._meta_mismatch)
+        storage.prefetch(hasher.spans(tokens, mask, extras), self.meta_mismatch)
 
     # ---- the connector's path: chunks named by the chain keys the scheduler computed -------------------------
     def chunk_spans(self, chain_keys: Sequence[ChunkKey], num_tokens: int, first_chunk: int = 0) -> list[ChunkSpan]:
@@ -359,7 +182,7 @@ class CacheEngine:
         if not spans:
             return []
         _check_slot_count(slot_mapping, spans[-1].end)
-        return storage.acquire_prefix(spans, self._meta_mismatch)
+        return storage.acquire_prefix(spans, self.meta_mismatch)
 
     def chunk_view(self, span: ChunkSpan, ref: ChunkRef) -> torch.Tensor:
         """`ref`'s pool slot as `span`'s chunk tensor."""
@@ -374,7 +197,7 @@ class CacheEngine:
         if not spans or not storage.lower_ready():
             return None
         assert storage.loop is not None
-        return storage.loop.submit(storage.fetch(spans, self._meta_mismatch))
+        return storage.loop.submit(storage.fetch(spans, self.meta_mismatch))
 
     def scatter_chunks(self, spans: Sequence[ChunkSpan], refs: Sequence[ChunkRef], kv_caches: KVCaches,
                        slot_mapping: torch.Tensor, skip_prefix: int = 0) -> int:
@@ -395,7 +218,7 @@ class CacheEngine:
         if peer_worker and isinstance(peers, PeerTier):
             peers.expect([span.key for span in spans if span.num_tokens == self.config.chunk_size],
                          PeerWorker(peer_instance, peer_worker))
-        held = await storage.lookup_and_prefetch(spans, self._meta_mismatch)
+        held = await storage.lookup_and_prefetch(spans, self.meta_mismatch)
         return spans[held - 1].end if held else 0
 
     def _store_spans(self, spans: Sequence[ChunkSpan], kv_caches: list[torch.Tensor],
@@ -474,7 +297,7 @@ class CacheEngine:
         if not spans:
             return 0
         _check_slot_count(slot_mapping, spans[-1].end)
-        return self._scatter(spans, storage.acquire_prefix(spans, self._meta_mismatch), kv_caches, slot_mapping,
+        return self._scatter(spans, storage.acquire_prefix(spans, self.meta_mismatch), kv_caches, slot_mapping,
                              skip_prefix)
 
     def _scatter(self, spans: Sequence[ChunkSpan], refs: Sequence[ChunkRef], kv_caches: list[torch.Tensor],
@@ -526,7 +349,7 @@ class CacheEngine:
         return ChunkMeta(key=span.key, num_tokens=span.num_tokens, shape=list(layout.chunk_shape(span.num_tokens)),
                          dtype=self._dtype_name, fmt=self._fmt, nbytes=layout.chunk_nbytes(span.num_tokens))
 
-    def _meta_mismatch(self, span: ChunkSpan, meta: ChunkMeta) -> str | None:
+    def meta_mismatch(self, span: ChunkSpan, meta: ChunkMeta) -> str | None:
         """How a chunk about to be loaded (from any tier, the CPU tier included) differs from what `span`'s key
         must hold here (None: it matches). A chunk of another key, token count, KV format, dtype, byte size or
         shape is never scattered into vLLM's blocks. On every loaded chunk: the per-token-count part of the
@@ -556,7 +379,7 @@ class CacheEngine:
     @property
     def nats_url(self) -> str | None:
         """The NATS this engine uses (joined or embedded); None without the mesh."""
-        return self._connection.url if self._connection is not None else None
+        return self.mesh.nats_url if self.mesh is not None else None
 
     @property
     def connected(self) -> bool:
@@ -568,14 +391,14 @@ class CacheEngine:
             return False
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.nats_loop.connected and self.agent is not None and self.agent.started:
+            if self.nats_loop.connected and self.mesh is not None and self.mesh.registered():
                 return True
             time.sleep(0.01)
         return False
 
     def wait_write_behind(self, timeout: float = 10.0) -> bool:
         """Block until every queued write-behind finished (tests, benchmarks)."""
-        if self.nats_loop is None or self.storage is None:
+        if self.nats_loop is None:
             return True
         return self.nats_loop.call(self.storage.wait_idle(timeout), timeout + 1.0, default=False)
 
@@ -586,12 +409,10 @@ class CacheEngine:
         self._closed = True
         if self.nats_loop is not None:
             self.nats_loop.close()
-        if self._connection is not None:
-            self._connection.close()
-        if self.cpu is not None:
-            self.cpu.close()
-        if self.pool is not None:
-            self.pool.close()
+        if self.mesh is not None:
+            self.mesh.close()
+        self.cpu.close()
+        self.pool.close()
         log.info("cache engine %s closed", self.worker_id)
 
     def __enter__(self) -> "CacheEngine":
