@@ -116,7 +116,7 @@ class EngineConfig:
     remote_retry_interval_secs: float = 1.0  # a remote partition that failed is not asked again for this long
     remote_stream_connections: int = 4  # open stream connections per remote partition
     p2p_stream_connections: int = 4  # open stream connections to each peer this worker loads from
-    # the P2P stream port's bounds (services/engine/mesh/peer_server.py; docs/security.md): connections with a
+    # the P2P stream port's bounds (services/engine/agents/peer_server.py; docs/security.md): connections with a
     # valid ticket, in all and per peer instance (its unused tickets too)...
     p2p_max_connections: int = 16
     p2p_max_connections_per_peer: int = 8

@@ -2,7 +2,7 @@
 to clients holding a single-use ticket, which they got on NATS (so the port serves exactly whom NATS authorises).
 
 Used by the remote store (services/remote_store/stream_server.py adds its puts) and by an engine serving its CPU
-tier to peers (services/engine/mesh/peer_server.py, gets only, with `ClientBounds`). A connection acts for the
+tier to peers (services/engine/agents/peer_server.py, gets only, with `ClientBounds`). A connection acts for the
 caller its ticket was issued to (`issue_ticket`): the source sees that caller's path on every get.
 
 Threads: the server runs on one event loop; `issue_ticket` may be called from another thread (the engine's NATS

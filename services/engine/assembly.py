@@ -26,11 +26,11 @@ from kvmesh.services.engine.core.cache_engine import CacheEngine, KVCaches
 from kvmesh.services.engine.core.kv_layout import KVLayout, detect_layout
 from kvmesh.services.engine.core.paged_copy import PagedCopier
 from kvmesh.services.engine.core.storage_manager import StorageManager
-from kvmesh.services.engine.mesh.domain import engine_domain, key_domain
+from kvmesh.services.engine.mesh.domain import engine_credentials_file, engine_domain, key_domain
 from kvmesh.services.engine.mesh.embedded import MeshConnection, MeshPlan
 from kvmesh.services.engine.mesh.nats_loop import NatsLoop
-from kvmesh.services.engine.mesh.peer_server import PeerServer
-from kvmesh.services.engine.mesh.worker_agent import WorkerAgent
+from kvmesh.services.engine.agents.peer_server import PeerServer
+from kvmesh.services.engine.agents.worker_agent import WorkerAgent
 from kvmesh.services.engine.tiers.build import lower_tiers
 from kvmesh.services.engine.tiers.cpu import LocalCPUBackend
 from kvmesh.services.engine.tiers.memory_pool import MemoryPool
@@ -179,7 +179,8 @@ class WorkerMesh:
             self.peer_server = self._peer_server()
             nats_loop.on_close(self.peer_server.stop)
         # after credentials_for: the credentials file it provisions may hold the Redis tier's secret
-        self.redis_auth: RedisAuth | None = resolve_auth(config, connection.url) if self.plan.redis else None
+        self.redis_auth: RedisAuth | None = (resolve_auth(config, engine_credentials_file(config, connection.url))
+                                             if self.plan.redis else None)
 
     @property
     def nats_url(self) -> str:
@@ -224,7 +225,10 @@ class WorkerMesh:
                          max_connections=config.p2p_stream_connections,
                          hint_wait=config.pd_hint_wait_secs
                          ) if config.enable_p2p else None
-        storage.set_lower(lower_tiers(nc, self.plan, config, engine.store_caller, self.redis_auth), peers)
+        plan = self.plan
+        storage.set_lower(lower_tiers(nc, config, engine.store_caller, disk_store=plan.disk_store,
+                                      remote_stores=plan.remote_stores, redis=plan.redis, redis_auth=self.redis_auth),
+                          peers)
         if self.peer_server is not None:
             try:
                 await self.peer_server.start(nc)

@@ -1,7 +1,7 @@
 """The P2P stream port holds (issue 36, findings 3 and 6): real cache engines with enable_p2p on a real NATS, with a
 real controller. Engine A computes a prompt and serves its CPU tier on its peer port; engine B loads it from there,
 every load checked against the KV oracle. Meanwhile an attacker, a plain TCP client or a peer instance speaking the
-stream protocol with tickets of its own, pushes on each bound of A's port (services/engine/mesh/peer_server.py,
+stream protocol with tickets of its own, pushes on each bound of A's port (services/engine/agents/peer_server.py,
 shared/stream_server.py).
 """
 

@@ -1,4 +1,4 @@
-"""An engine's CPU tier served to peers over the stream data path (services/engine/mesh/peer_server.py): a real
+"""An engine's CPU tier served to peers over the stream data path (services/engine/agents/peer_server.py): a real
 CPU tier and memory pool, the generic stream server on loopback, the engine's own stream client."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from kvmesh.services.engine.mesh.peer_server import CpuTierSource
+from kvmesh.services.engine.agents.peer_server import CpuTierSource
 from kvmesh.services.engine.tiers.cpu import LocalCPUBackend
 from kvmesh.services.engine.tiers.memory_pool import MemoryPool
 from kvmesh.services.engine.tiers.remote_stream import StreamConnection

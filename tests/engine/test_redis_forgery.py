@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from kvmesh.services.engine.assembly import build_engine
+from kvmesh.services.engine.mesh.domain import engine_credentials_file
 from kvmesh.services.engine.tiers.redis import RedisTier, resolve_auth
 from kvmesh.shared import chunk_file, protocol
 from kvmesh.shared.config import EngineConfig, load_engine_config
@@ -254,6 +255,11 @@ async def test_without_a_secret_the_tier_works_and_says_so(redis_server: RedisSe
 
 
 # ---- where the secret comes from -----------------------------------------------------------------------------
+def auth_of(config: EngineConfig, mesh_url: str | None) -> RedisAuth:
+    """The Redis tier's key as the engine resolves it: from the credentials file it connects with."""
+    return resolve_auth(config, engine_credentials_file(config, mesh_url))
+
+
 def test_the_secret_comes_from_the_file_else_the_sharing_domain(tmp_path: Path) -> None:
     mesh = MeshCredentials(tmp_path / "mesh")
     mesh.ensure("engine.a", "engine.b")
@@ -263,14 +269,14 @@ def test_the_secret_comes_from_the_file_else_the_sharing_domain(tmp_path: Path) 
     secret_file.chmod(0o600)
 
     def tag(config: EngineConfig) -> bytes:
-        return resolve_auth(config, None).value_tag("k", b"header", b"bytes")
+        return auth_of(config, None).value_tag("k", b"header", b"bytes")
 
     a, b, c = (EngineConfig(nats_credentials=str(mesh.file(f"engine.{n}"))) for n in "abc")
-    assert resolve_auth(a, None).keyed and tag(a) == tag(b) != tag(c)  # one secret per domain
+    assert auth_of(a, None).keyed and tag(a) == tag(b) != tag(c)  # one secret per domain
     assert tag(a) != tag(EngineConfig())  # no credentials: no secret
-    assert not resolve_auth(EngineConfig(), None).keyed
+    assert not auth_of(EngineConfig(), None).keyed
     from_file = EngineConfig(nats_credentials=str(mesh.file("engine.a")), remote_auth_secret_file=str(secret_file))
-    assert resolve_auth(from_file, None).keyed and tag(from_file) not in (tag(a), tag(c))  # the file wins
+    assert auth_of(from_file, None).keyed and tag(from_file) not in (tag(a), tag(c))  # the file wins
     assert tag(from_file) == tag(EngineConfig(remote_auth_secret_file=str(secret_file)))
     env = {"LMCACHE_REMOTE_AUTH_SECRET_FILE": str(secret_file)}
     assert load_engine_config(environ=env).remote_auth_secret_file == str(secret_file)
@@ -285,13 +291,13 @@ def test_an_engine_on_a_kvmesh_started_nats_uses_its_provisioned_domain_secret(n
     for instance in ("tenant-a", "tenant-b"):
         assert provision(url, Principal.engine(instance).path) is not None  # as the engine does at start
     config_a, config_b = (EngineConfig(lmcache_instance_id=i) for i in ("tenant-a", "tenant-b"))
-    a, b = resolve_auth(config_a, url), resolve_auth(config_b, url)
+    a, b = auth_of(config_a, url), auth_of(config_b, url)
     assert a.keyed and b.keyed and "sharing domain default" in a.source and "sharing domain b" in b.source
-    explicit = resolve_auth(EngineConfig(nats_credentials=str(mesh_dir.file("engine.tenant-a"))), None)
+    explicit = auth_of(EngineConfig(nats_credentials=str(mesh_dir.file("engine.tenant-a"))), None)
     assert a.value_tag("k", b"", b"x") == explicit.value_tag("k", b"", b"x") != b.value_tag("k", b"", b"x")
-    assert not resolve_auth(config_a, None).keyed  # no mesh URL, no credentials: no secret
+    assert not auth_of(config_a, None).keyed  # no mesh URL, no credentials: no secret
     token_only = EngineConfig(lmcache_instance_id="tenant-a", nats_token="a token")
-    assert not resolve_auth(token_only, url).keyed  # credentials that are no KVMesh file: no secret
+    assert not auth_of(token_only, url).keyed  # credentials that are no KVMesh file: no secret
 
 
 @pytest.mark.parametrize(("content", "mode", "problem"), [

@@ -3,7 +3,7 @@ tokens and the KV layout (the layout's chunk format already holds the KV dtype a
 
 Computed in `KVMeshConnector.__init__` for each worker half from the same `VllmConfig` (the workers get a
 pickled copy of the scheduler's); the scheduler hashes with the identity its workers publish (`publish_worker`,
-mesh/rendezvous.py), so every rank of one instance must compute the same string. It reads like
+agents/rendezvous.py), so every rank of one instance must compute the same string. It reads like
 `name@revision+quantization~part~part`, and a model with none of the inputs below keeps exactly
 `name@revision+quantization`, so its keys never change:
 

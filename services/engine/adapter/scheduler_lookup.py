@@ -19,8 +19,8 @@ Keys: the scheduler hashes a request's tokens once into chain keys (`ChunkHasher
 extras) and sends them with the step's metadata; each rank derives its own shard keys (`KeyParams.shard_key`),
 so no worker hashes tokens. What the scheduler needs to hash (model, chunk format, chunk size) and how to
 reach each rank comes from a small rendezvous file each worker writes when its KV caches are registered
-(mesh/rendezvous.py), or, in one process, from the engine itself (`EngineRegistry`). The worker's end of the
-lower-tier lookup is `LookupServer` (mesh/lookup_server.py).
+(agents/rendezvous.py), or, in one process, from the engine itself (`EngineRegistry`). The worker's end of the
+lower-tier lookup is `LookupServer` (agents/lookup_server.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from kvmesh.services.engine.adapter.pd import PeerHint
-from kvmesh.services.engine.mesh.rendezvous import PublishedWorker, find_workers, remove_published
+from kvmesh.services.engine.agents.rendezvous import PublishedWorker, find_workers, remove_published
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.credentials import credentials_for
 from kvmesh.shared.errors import KVMeshError

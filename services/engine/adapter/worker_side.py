@@ -26,8 +26,8 @@ from kvmesh.services.engine.adapter.request_meta import KVMeshConnectorMetadata,
 from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, StepEventLog, engines
 from kvmesh.services.engine.core.layerwise_load import ChunkCopy, LayerwiseLoader
 from kvmesh.services.engine.mesh import side_cpus
-from kvmesh.services.engine.mesh.lookup_server import LookupServer, lookup_id_for
-from kvmesh.services.engine.mesh.rendezvous import PublishedWorker, publish_worker
+from kvmesh.services.engine.agents.lookup_server import LookupServer, lookup_id_for
+from kvmesh.services.engine.agents.rendezvous import PublishedWorker, publish_worker
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.keys import ChunkSpan, KeyParams, state_key
 

@@ -3,7 +3,7 @@
 When the CPU tier and the stores miss, `contains` asks the controller which live workers of other instances of
 this sharing domain serve the keys from their CPU tiers (`PeerLookup`): each key's holder of record, the first
 of them whose admission of it the controller applied (services/controller/peers.py). `get_into` then streams
-those chunks from each key's holder over TCP (services/engine/mesh/peer_server.py), on a connection negotiated
+those chunks from each key's holder over TCP (services/engine/agents/peer_server.py), on a connection negotiated
 on NATS with a single-use ticket, exactly as from the remote store: the bytes are verified against the checksum
 the peer sends, and the storage manager checks every chunk's meta against its span (key, tokens, format, dtype,
 shape) before anything is scattered. Keys carry the model, KV format, rank and domain, so a peer holding the key

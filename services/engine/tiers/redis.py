@@ -40,12 +40,12 @@ import io
 import itertools
 import logging
 import secrets
+from pathlib import Path
 from typing import Any, Awaitable, Callable, TypeVar
 
 from redis.asyncio import RedisCluster
 from redis.exceptions import ResponseError
 
-from kvmesh.services.engine.mesh.domain import engine_credentials_file
 from kvmesh.shared import chunk_file, protocol
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.credentials import sharing_domain
@@ -498,14 +498,13 @@ class RedisTier:
         return await self._call(what, run)
 
 
-def resolve_auth(config: EngineConfig, mesh_url: str | None) -> RedisAuth:
+def resolve_auth(config: EngineConfig, credentials: str | Path | None) -> RedisAuth:
     """The Redis tier's MAC key: `remote_auth_secret_file`, else the sharing domain's secret in the engine's NATS
-    credentials file (`nats_credentials`, or the one provisioned for it by a KVMesh-started NATS at `mesh_url`),
-    else none. ConfigError naming the file when one is unreadable."""
+    `credentials` file (`engine_credentials_file` in services/engine/mesh/domain.py), else none. ConfigError naming
+    the file when one is unreadable."""
     if config.remote_auth_secret_file:
         return RedisAuth(read_secret_file(config.remote_auth_secret_file),
                          f"{SECRET_FILE_KEY} {config.remote_auth_secret_file}")
-    credentials = engine_credentials_file(config, mesh_url)
     domain = sharing_domain(credentials)
     if domain.secret is None:
         return RedisAuth(None)
