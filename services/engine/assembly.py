@@ -166,8 +166,8 @@ class WorkerMesh:
         self.started_at = time.time()
         self.ip = bus.route_address(connection.url) or ""  # the address this host reaches NATS from
         storage = engine.storage
-        self.agent = WorkerAgent(config.lmcache_instance_id, engine.worker_id, engine.hasher, storage,
-                                 self.registration, engine.meta_mismatch,
+        self.agent = WorkerAgent(config.lmcache_instance_id, engine.worker_id, engine.hasher, storage.commands,
+                                 self.registration, engine.meta_mismatch, lambda: storage.write_behind.queue_depth,
                                  heartbeat_interval=config.heartbeat_interval_secs,
                                  state_block=engine.layout.state_block)
         nats_loop.submit(storage.start()).result(5.0)

@@ -5,8 +5,8 @@ Runs entirely on the engine's NATS loop thread, started once NATS is first reach
     admission/eviction events of the CPU tier with sequence numbers and answers full-sync requests (all
     through `AdmissionReporter`, producer_id = worker_id, location LocalCPUBackend);
   * answers `WorkerCommand`s on `Subjects.worker(instance_id, worker_id, op)` for op in pin / unpin / clear /
-    lookup at any location, through the storage manager's one dispatch (`StorageManager.command`), move
-    (`StorageManager.move`: a copy from `location` to `target`, or from another instance's CPU tier over P2P
+    lookup at any location, through the tier commands' one dispatch (`TierCommands.run`), move
+    (`TierCommands.move`: a copy from `location` to `target`, or from another instance's CPU tier over P2P
     when the command names `peer_worker`) and evict (chunks leave the CPU tier: the source's part of a move
     between instances); tokens are hashed with the engine's ChunkHasher and the command's extras; the reply
     is `CommandReply(num_tokens=...)`;
@@ -25,7 +25,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from kvmesh.services.engine.core.storage_manager import CheckMeta, StorageManager
+from kvmesh.services.engine.core.tier_commands import CheckMeta, TierCommands
 from kvmesh.services.engine.tiers.peer import PeerTier, PeerWorker
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.admissions import AdmissionReporter
@@ -41,17 +41,19 @@ MAX_CONFLICT_NAMES = 8  # a conflict notice is untrusted input: log this many cl
 class WorkerAgent:
     """Registration, events and controller commands of one engine worker."""
 
-    def __init__(self, instance_id: str, worker_id: str, hasher: ChunkHasher, storage: StorageManager,
+    def __init__(self, instance_id: str, worker_id: str, hasher: ChunkHasher, commands: TierCommands,
                  registration: Callable[[], protocol.RegisterEngine], check_meta: CheckMeta,
-                 heartbeat_interval: float = 2.0, flush_interval: float = 0.05, state_block: int = 0) -> None:
+                 write_queue_depth: Callable[[], int], heartbeat_interval: float = 2.0, flush_interval: float = 0.05,
+                 state_block: int = 0) -> None:
         self.instance_id = instance_id
         self.state_block = state_block  # a model with recurrent state: commands cover the states too (KVLayout)
         self.worker_id = worker_id
         self.path = protocol.Principal.engine(instance_id).producer(worker_id)
         self.hasher = hasher
-        self.storage = storage
+        self.commands = commands
+        self.write_queue_depth = write_queue_depth  # chunks waiting for the write-behind (health)
         self.check_meta = check_meta  # a chunk read from a store for a move must be what its key holds
-        self.cpu = storage.cpu
+        self.cpu = commands.cpu
         self.reporter = AdmissionReporter(worker_id, self.path, LOCAL_CPU, self.cpu.held_keys, registration,
                                           flush_interval=flush_interval, heartbeat_interval=heartbeat_interval)
         self._subs: list[Subscription] = []
@@ -106,7 +108,7 @@ class WorkerAgent:
 
     def _health(self) -> dict[str, object]:
         return {"worker_id": self.worker_id, "cpu_chunks": len(self.cpu), "cpu_used_bytes": self.cpu.used_bytes,
-                "write_behind_queue": self.storage.queue_depth, "time": time.time()}
+                "write_behind_queue": self.write_queue_depth(), "time": time.time()}
 
     def _from_peer(self, command: WorkerCommand, spans: list[ChunkSpan]) -> str:
         """The source location of a move from the CPU tier of `command.peer_worker` (another instance of this
@@ -114,7 +116,7 @@ class WorkerAgent:
         if command.location != LOCAL_CPU:
             raise ValueError(f"a move between instances reads the source's CPU tier ({LOCAL_CPU}), not "
                              f"{command.location}")
-        peers = self.storage.lower(PEER)
+        peers = self.commands.lower(PEER)
         if not isinstance(peers, PeerTier):
             raise LookupError("P2P is off on this worker (enable_p2p): it cannot read another instance's chunks")
         peers.assume_holder([span.key for span in spans], PeerWorker(command.peer_instance, command.peer_worker))
@@ -137,18 +139,17 @@ class WorkerAgent:
                 source, keep_source = command.location, command.keep_source
                 if command.peer_worker:  # from another instance's CPU tier (P2P); its own part is the controller's
                     source, keep_source = self._from_peer(command, spans + states), True
-                num_tokens = await self.storage.move(spans, source, command.target, keep_source, self.check_meta)
+                num_tokens = await self.commands.move(spans, source, command.target, keep_source, self.check_meta)
                 moved_states = [span for span in states if span.end <= num_tokens]  # those of the chunks moved
                 if moved_states:
-                    await self.storage.move(moved_states, source, command.target, keep_source, self.check_meta)
+                    await self.commands.move(moved_states, source, command.target, keep_source, self.check_meta)
             elif command.op == "evict":
                 if command.location != LOCAL_CPU:
                     raise ValueError(f"evict drops chunks from the CPU tier ({LOCAL_CPU}) only, not {command.location}")
-                num_tokens = self.storage.evict(spans)
-                self.storage.evict(states)
+                num_tokens = self.commands.evict(spans)
+                self.commands.evict(states)
             else:
-                num_tokens = await self.storage.command(command.op, command.location, spans, command.ttl_secs,
-                                                        states)
+                num_tokens = await self.commands.run(command.op, command.location, spans, command.ttl_secs, states)
         except (ValueError, LookupError) as exc:
             return CommandReply(ok=False, error=f"worker {self.worker_id}: {exc}")
         except Exception as exc:

@@ -1,7 +1,10 @@
 """The cache core: moving chunks between vLLM's paged KV cache and the tiers.
 
-    cache_engine.py      LMCache's cache engine API (store / retrieve / lookup / prefetch / pin / clear)
-    storage_manager.py   the tier walk: lookups and fetches across the tiers, write-behind to the lower ones
+    cache_engine.py      one worker's engine: the connector's chunk API, LMCache's cache engine API, commands
+    storage_manager.py   the tier walk: lookups, fetches and prefetches across the tiers
+    write_behind.py      the write-behind to the lower tiers, and the known-held set it leaves
+    tier_commands.py     the controller's commands on the tiers: pin / unpin / clear / lookup, move, evict
     kv_layout.py         how vLLM pages its KV cache, and the chunk format it is copied into
     paged_copy.py        gather / scatter between the paged cache and a chunk (torch; CuPy kernels on CUDA)
+    layerwise_load.py    loads copied layer by layer on a side CUDA stream (use_layerwise)
 """

@@ -30,7 +30,7 @@ import torch
 
 from kvmesh.services.engine.core.kv_layout import KVLayout
 from kvmesh.services.engine.core.paged_copy import PagedCopier
-from kvmesh.services.engine.core.storage_manager import StorageManager
+from kvmesh.services.engine.core.storage_manager import ALL_LOCATIONS, StorageManager
 from kvmesh.services.engine.mesh.nats_loop import NatsLoop
 from kvmesh.services.engine.tiers.cpu import ChunkRef, LocalCPUBackend
 from kvmesh.services.engine.tiers.memory_pool import MemoryPool, Slot
@@ -38,11 +38,14 @@ from kvmesh.services.engine.tiers.peer import PeerTier, PeerWorker
 from kvmesh.shared import protocol
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyExtras, KeyParams, chunk_spans
-from kvmesh.shared.protocol import LOCAL_CPU, LOCATIONS, PEER, ChunkMeta, worker_id_for
+from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, PEER, REMOTE, ChunkMeta, worker_id_for
 from kvmesh.shared.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
+# The cache engine API names the CPU tier "Hot" in lookup's search_range (docs/compatibility.md).
+LOCATION_ALIASES = {"Hot": LOCAL_CPU, "LocalCPUBackend": LOCAL_CPU, "LocalDiskBackend": LOCAL_DISK,
+                    "RemoteBackend": REMOTE, "P2PBackend": PEER}
 KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 
 
@@ -151,7 +154,7 @@ class CacheEngine:
         """
         _, hasher, _, storage, _ = self._ready()
         spans = hasher.spans(tokens, extras=extras)
-        held = storage.lookup(spans, search_range)
+        held = storage.lookup(spans, searched_locations(search_range))
         return spans[held - 1].end if held else 0
 
     def prefetch(self, tokens: torch.Tensor | Sequence[int], mask: torch.Tensor | None = None,
@@ -252,7 +255,7 @@ class CacheEngine:
         try:
             with torch.cuda.stream(stream) if on_side else contextlib.nullcontext():
                 for span in spans:
-                    if span.key in cpu or storage.known_held(span.key):
+                    if span.key in cpu or storage.write_behind.known_held(span.key):
                         continue
                     if span.end > first_bad:  # tokens without a cache slot: nothing valid to copy from here on
                         break
@@ -288,7 +291,7 @@ class CacheEngine:
                     behind.release()
                 continue
             if behind is not None:
-                storage.enqueue_write_behind(meta, behind)
+                storage.write_behind.enqueue(meta, behind)
         job.filled = []
 
     def _retrieve_spans(self, spans: Sequence[ChunkSpan], kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
@@ -336,7 +339,7 @@ class CacheEngine:
         spans, states = hasher.spans_and_states(tokens, extras, layout.state_block) if op != "clear" else ([], [])
         if location != LOCAL_CPU and not (storage.lower(location) is not None and storage.lower_ready()):
             return 0  # a lower tier that is not configured, or not reachable now (NATS down): at once
-        command = storage.command(op, location, spans, ttl_secs, states)
+        command = storage.commands.run(op, location, spans, ttl_secs, states)
         if self.nats_loop is None:  # no mesh: only the CPU tier, whose commands never wait on anything
             return asyncio.run(command)
         return self.nats_loop.call(command, self.config.request_timeout_secs + 6.0, default=0)
@@ -400,7 +403,7 @@ class CacheEngine:
         """Block until every queued write-behind finished (tests, benchmarks)."""
         if self.nats_loop is None:
             return True
-        return self.nats_loop.call(self.storage.wait_idle(timeout), timeout + 1.0, default=False)
+        return self.nats_loop.call(self.storage.write_behind.wait_idle(timeout), timeout + 1.0, default=False)
 
     def close(self) -> None:
         """Stop the worker agent and write-behind, close NATS, join the loop thread, free the pool."""
@@ -450,6 +453,18 @@ class StoreJob:
         for _, slot in self.filled:
             slot.release()
         self.filled = []
+
+
+def searched_locations(search_range: Sequence[str] | None) -> frozenset[str]:
+    """The locations a lookup's `search_range` names (all, by default), by the names LMCache gives its tiers."""
+    if search_range is None:
+        return ALL_LOCATIONS
+    out = set()
+    for name in search_range:
+        if name not in LOCATION_ALIASES:
+            raise ValueError(f"search_range: unknown location {name!r} (known: {', '.join(LOCATION_ALIASES)})")
+        out.add(LOCATION_ALIASES[name])
+    return frozenset(out)
 
 
 def _layers(kv_caches: KVCaches) -> list[torch.Tensor]:

@@ -1,65 +1,55 @@
-"""The storage manager: the engine's tiers as one ordered list (CPU tier, disk store, remote store), and
-everything that walks them.
+"""The storage manager: the engine's tiers as one ordered list (CPU tier, disk store, remote store, peers), and
+the walk and fetch over them.
 
-Threads: `enqueue_write_behind`, `acquire_prefix`, `lookup`, `prefetch` and `note_hits` are called from vLLM's
-threads and never block longer than their timeout; all store traffic runs on the NATS loop thread
-(`NatsLoop`), which also runs the write-behind workers and the batched recency refresh. Reads from the CPU tier
-never touch NATS.
+Threads: `acquire_prefix`, `lookup`, `prefetch` and `note_hits` are called from vLLM's threads and never block
+longer than their timeout; all store traffic runs on the NATS loop thread (`NatsLoop`), which also runs the
+write-behind workers and the batched recency refresh. Reads from the CPU tier never touch NATS.
 
 One walk: `locate` finds where the held prefix of some chunks lives, as consecutive runs per tier (the CPU
 tier checked first at every position, then each lower tier in order with one `contains` for all the keys
 still to place). A lookup sums the runs; a fetch (`fetch`, used by retrieves and prefetches) then reads the
-lower runs into pool slots without asking the stores again. One dispatch: `command` runs the controller's
-pin / unpin / clear / lookup on whichever tier the location names (`Tier` in services/engine/tiers/base.py), and
-move / copy from one tier to another (`move`).
+lower runs into pool slots without asking the stores again. Beside the walk, each in a module of its own: the
+write-behind and the known-held set (`write_behind`, core/write_behind.py), and the controller's commands on
+these tiers (`commands`, core/tier_commands.py).
 
-Data path of one chunk: pool slot (filled by the paged gather) -> CPU tier -> write-behind queue -> checksum of
-the slot's bytes (a worker thread; every store put carries one and the stores refuse bytes that do not match it)
--> each lower store's `put` (the disk store reads the slot in place through shared memory). Back: a lower
-store's `get_into` fills a fresh slot (the bytes verified against their checksum on the way; a get the disk
-store did not answer in time raises StoreMayWrite, and the slot is quarantined, never reused, until the store
-can no longer write into it: `_quarantine`, docs/architecture.md "A slot lent to a store") -> the meta checked
-against what the key must hold (`CheckMeta`: key, token count, KV format, dtype, size, shape; else a miss, one
-rate-limited WARNING naming the difference, counted in `stats["fetch_bad_meta"]`, recomputed) -> CPU
-tier (when `local_cpu`) -> paged scatter into vLLM's cache. A hit, in any tier, refreshes the chunk's recency
-in every lower tier (batched, `touch`), so the stores do not evict the chunks the CPU tier serves most.
+Data path of one chunk back from a store: a lower store's `get_into` fills a fresh slot (the bytes verified
+against their checksum on the way; a get the disk store did not answer in time raises StoreMayWrite, and the
+slot is quarantined, never reused, until the store can no longer write into it: `_quarantine`,
+docs/architecture.md "A slot lent to a store") -> the meta checked against what the key must hold (`CheckMeta`:
+key, token count, KV format, dtype, size, shape; else a miss, one rate-limited WARNING naming the difference,
+counted in `stats["fetch_bad_meta"]`, recomputed) -> CPU tier (when `local_cpu`) -> paged scatter into vLLM's
+cache. A hit, in any tier, refreshes the chunk's recency in every lower tier (batched, `touch`), so the stores do
+not evict the chunks the CPU tier serves most.
 """
-
 from __future__ import annotations
 
 import asyncio
 import collections
 import concurrent.futures
-import dataclasses
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
-from kvmesh.shared.aio import cancel_and_wait
-from kvmesh.shared.chunk_file import checksum
-from kvmesh.services.engine.tiers.memory_pool import Slot
+from kvmesh.services.engine.core.tier_commands import CheckMeta, TierCommands
+from kvmesh.services.engine.core.write_behind import WriteBehind
 from kvmesh.services.engine.mesh.nats_loop import NatsLoop
+from kvmesh.services.engine.tiers.base import StoreMayWrite, StoreTier, Tier
 from kvmesh.services.engine.tiers.cpu import ChunkRef, LocalCPUBackend
+from kvmesh.services.engine.tiers.memory_pool import Slot
+from kvmesh.services.engine.tiers.peer import PeerTier
+from kvmesh.shared.aio import cancel_and_wait
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.keys import ChunkKey, ChunkSpan
-from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, PEER, REMOTE, TIER_OPS, ChunkMeta
+from kvmesh.shared.protocol import LOCAL_CPU, LOCATIONS, PEER, ChunkMeta
 from kvmesh.shared.rate_limited_log import RateLimitedLog
-from kvmesh.services.engine.tiers.base import StoreMayWrite, StoreTier, Tier
-from kvmesh.services.engine.tiers.peer import PeerTier
 
 log = logging.getLogger(__name__)
 
-# The cache engine API names the CPU tier "Hot" in lookup's search_range (docs/compatibility.md).
-LOCATION_ALIASES = {"Hot": LOCAL_CPU, "LocalCPUBackend": LOCAL_CPU, "LocalDiskBackend": LOCAL_DISK,
-                    "RemoteBackend": REMOTE, "P2PBackend": PEER}
 ALL_LOCATIONS = frozenset((*LOCATIONS, PEER))
 TOUCH_BATCH = 10_000  # keys per touch request
 # a store holding this many quarantined slots (it may still write into them) is lent no more: misses at once
 MAX_QUARANTINED_SLOTS = 8
-# what a loaded chunk's meta says differently from what its span's key must hold; None when it matches
-CheckMeta = Callable[[ChunkSpan, ChunkMeta], "str | None"]
 
 
 @dataclass(frozen=True)
@@ -69,12 +59,6 @@ class Run:
     location: str
     begin: int
     end: int
-
-
-@dataclass
-class _WriteJob:
-    meta: ChunkMeta
-    slot: Slot  # holds one reference for the job
 
 
 @dataclass
@@ -91,7 +75,8 @@ class _FetchJob:
 
 
 class StorageManager:
-    """Tiered lookup, retrieval, write-behind and commands over the CPU tier and the lower stores' clients.
+    """Tiered lookup and retrieval over the CPU tier and the lower tiers' clients (with `write_behind` and
+    `commands` beside them).
 
     Invariant: a retrieval's hits are prefix-contiguous (chunk i is returned only if chunks 0..i-1 are), and
     each returned `ChunkRef` carries one slot reference owned by the caller.
@@ -108,13 +93,7 @@ class StorageManager:
         # (`set_lower`, once NATS is up).
         self._tiers: tuple[LocalCPUBackend, *tuple[StoreTier, ...]] = (cpu,)
         self._stores: tuple[StoreTier, ...] = ()  # the tiers writes go to: the walk's, less the peers
-        self._queue: collections.deque[_WriteJob] = collections.deque()
-        self._queue_lock = threading.Lock()
-        self._wake: asyncio.Event | None = None
-        self._known_held: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()
-        self._known_lock = threading.Lock()
         self._tasks: list[asyncio.Task[None]] = []
-        self._writing = 0  # jobs popped and not finished (loop thread only)
         # chunks a fetch is reading (or a prefetch is about to read) from a lower tier -> (that fetch, a future
         # resolved once the chunk is in the CPU tier or the fetch gave up). Loop thread only.
         self._inflight: dict[ChunkKey, tuple[object, asyncio.Future[None]]] = {}
@@ -125,14 +104,15 @@ class StorageManager:
         # slots a store may still write into (StoreMayWrite), per location: out of use until settled (loop thread)
         self._quarantined: collections.Counter[str] = collections.Counter()
         self._quarantines: set[asyncio.Task[None]] = set()
+        # the chunks admitted on their way to the stores, and those every store took
+        self.write_behind = WriteBehind(cpu, loop, config, lambda: self._stores, self.lower_ready, self.stats)
+        self.commands = TierCommands(self)  # the controller's commands on these tiers
 
     # ---- the tiers (loop thread) -----------------------------------------------------------------------------
     async def start(self) -> None:
         """Start the write-behind workers and the recency refresh on the NATS loop."""
-        self._wake = asyncio.Event()
-        self._tasks = [asyncio.create_task(self._writer(), name=f"kvmesh-write-behind-{i}")
-                       for i in range(self.config.write_behind_workers)]
-        self._tasks.append(asyncio.create_task(self._refresh_recency(), name="kvmesh-touch"))
+        self._tasks = [*self.write_behind.start(),
+                       asyncio.create_task(self._refresh_recency(), name="kvmesh-touch")]
 
     def set_lower(self, stores: Sequence[StoreTier], peers: StoreTier | None = None) -> None:
         """The tiers below the CPU tier, in walk order (`tiers.build.lower_tiers`), each sending as this rank
@@ -163,7 +143,7 @@ class StorageManager:
     async def stop(self) -> None:
         await cancel_and_wait(self._tasks)
         self._tasks = []
-        self._drain_queue()
+        await self.write_behind.stop()
         for client in self._tiers[1:]:
             close = getattr(client, "close", None)  # the remote client keeps stream connections open
             if close is not None:
@@ -171,12 +151,6 @@ class StorageManager:
                     await close()
                 except Exception as exc:
                     log.debug("closing the %s client failed: %s", client.location, exc)
-
-    def _drain_queue(self) -> None:
-        with self._queue_lock:
-            jobs, self._queue = list(self._queue), collections.deque()
-        for job in jobs:
-            job.slot.release()
 
     # ---- the walk (loop thread) ------------------------------------------------------------------------------
     async def locate(self, spans: Sequence[ChunkSpan], wanted: frozenset[str] = ALL_LOCATIONS) -> list[Run]:
@@ -198,7 +172,8 @@ class StorageManager:
                     held = await tier.contains(keys[pos:])
                     exhausted[location] = pos + held
                     if held < len(keys) - pos and location != PEER:
-                        self._forget_held(keys[pos + held:])  # a store dropped some: the next put sends them again
+                        # a store dropped some: the next put sends them again
+                        self.write_behind.forget(keys[pos + held:])
                 if held:
                     runs.append(Run(location, pos, pos + held))
                     pos += held
@@ -216,9 +191,8 @@ class StorageManager:
             count += 1
         return count - pos
 
-    def lookup(self, spans: Sequence[ChunkSpan], locations: Sequence[str] | None = None) -> int:
-        """vLLM thread: how many leading `spans` are held across the searched tiers (a prefix count)."""
-        wanted = _normalize_locations(locations)
+    def lookup(self, spans: Sequence[ChunkSpan], wanted: frozenset[str] = ALL_LOCATIONS) -> int:
+        """vLLM thread: how many leading `spans` are held across the `wanted` tiers (a prefix count)."""
         held = self.cpu.prefix(s.key for s in spans) if LOCAL_CPU in wanted else 0
         if held == len(spans) or not (wanted - {LOCAL_CPU}) or not self.lower_ready():
             return held
@@ -406,7 +380,7 @@ class StorageManager:
                     span = spans[started]
                     started += 1
                     self._claim(owner, [span.key])
-                    window.append((span, slot, loop.create_task(self._get_one(client, span, slot, check))))
+                    window.append((span, slot, loop.create_task(self.read_into(client, span, slot, check))))
                 if not window:
                     break
                 span, slot, task = window[0]
@@ -417,7 +391,7 @@ class StorageManager:
                 result = None if task.exception() is not None else task.result()
                 if failed or result is None:
                     # A miss, or a client's exception: nothing writes into the slot after either. A store that
-                    # may (the disk store, through the lent pool) raised StoreMayWrite, and _get_one holds the
+                    # may (the disk store, through the lent pool) raised StoreMayWrite, and read_into holds the
                     # slot for that. The remote store's stream reads with loop.sock_recv_into on this loop (a
                     # read that is cancelled or timed out cannot land later: the kernel copies only inside that
                     # loop callback), and the Redis tier awaits its decode thread to the end.
@@ -434,15 +408,15 @@ class StorageManager:
             raise
         finally:
             self._settle(owner, [span.key for span, _, _ in window])
-        self._count_reads(client.location, got)
+        self.count_reads(client.location, got)
         return got
 
-    def _count_reads(self, location: str, refs: Sequence[ChunkRef]) -> None:
+    def count_reads(self, location: str, refs: Sequence[ChunkRef]) -> None:
         """Chunks read from a lower tier (the metrics' per-tier read counts and bytes)."""
         self.stats[f"fetched_{location}"] += len(refs)
         self.stats[f"read_bytes_{location}"] += sum(ref.meta.nbytes for ref in refs)
 
-    async def _get_one(self, client: StoreTier, span: ChunkSpan, slot: Slot, check: CheckMeta) -> ChunkMeta | None:
+    async def read_into(self, client: StoreTier, span: ChunkSpan, slot: Slot, check: CheckMeta) -> ChunkMeta | None:
         """`span`'s chunk into `slot`; None on a miss. The caller releases its slot reference on None as always:
         when the store may still write into the slot, the quarantine holds a reference of its own."""
         location = client.location
@@ -514,222 +488,6 @@ class StorageManager:
             for start in range(0, len(keys), TOUCH_BATCH):
                 part = keys[start:start + TOUCH_BATCH]
                 await asyncio.gather(*(client.touch(part) for client in self._stores), return_exceptions=True)
-
-    # ---- the controller's commands (loop thread) -----------------------------------------------------------------
-    async def command(self, op: str, location: str, spans: Sequence[ChunkSpan], ttl_secs: float | None = None,
-                      states: Sequence[ChunkSpan] = ()) -> int:
-        """pin / unpin / clear / lookup at `location`, for whichever tier it names; tokens affected (or held).
-        A pin or unpin covers the recurrent `states` after the chunks too (a model with Mamba / linear-attention
-        layers resumes only from one); the count is the chunks'.
-
-        Raises ValueError for an unknown op or location and LookupError for a location this engine does not
-        have (or whose client is not connected yet).
-        """
-        if op not in TIER_OPS:
-            raise ValueError(f"unknown op {op!r} (known: {', '.join(TIER_OPS)})")
-        if location not in LOCATIONS:
-            raise ValueError(f"unknown location {location!r} (known: {', '.join(LOCATIONS)})")
-        tier = self.tier(location)
-        if tier is None:
-            raise LookupError(f"no {location} configured here (or its store client is not connected)")
-        keys = [span.key for span in spans]
-        num_tokens = [span.num_tokens for span in spans]
-        state_keys = [span.key for span in states]
-        state_tokens = [span.num_tokens for span in states]
-        if op == "pin":
-            pinned = await tier.pin(keys, num_tokens, ttl_secs)
-            if states:  # the held prefix of them, as for chunks: with align mode a state at every chunk end held
-                await tier.pin(state_keys, state_tokens, ttl_secs)
-            return pinned
-        if op == "unpin":
-            unpinned = await tier.unpin(keys, num_tokens)
-            if states:
-                await tier.unpin(state_keys, state_tokens)
-            return unpinned
-        if op == "clear":
-            return await tier.clear()
-        return sum(span.num_tokens for span in spans[:await tier.contains(keys)])
-
-    async def move(self, spans: Sequence[ChunkSpan], source: str, target: str, keep_source: bool,
-                   check: CheckMeta) -> int:
-        """Copy the contiguous prefix of `spans` held at `source` to `target` (both this worker's tiers, or
-        `source` PEER: the peer's CPU tier the peer tier names for these keys, `PeerTier.assume_holder`), one
-        chunk at a time through a pool slot; unless `keep_source`, the copied chunks then leave `source`. The
-        tokens copied. Only the CPU tier may be left: a store is shared, and removing a chunk there would take
-        it from every instance (ValueError)."""
-        for location in (source, target):
-            if location not in LOCATIONS and not (location == source == PEER):
-                raise ValueError(f"unknown location {location!r} (known: {', '.join(LOCATIONS)})")
-            if self.tier(location) is None:
-                raise LookupError(f"no {location} configured here (or its store client is not connected)"
-                                  + (": P2P is off (enable_p2p)" if location == PEER else ""))
-        if source == target:
-            raise ValueError(f"source and target are both {source}")
-        if not keep_source and source != LOCAL_CPU:
-            raise ValueError(f"{source} is shared with other instances: moving out of it would remove their "
-                             "chunks too; copy instead (should_copy)")
-        moved: list[ChunkSpan] = []
-        for span in spans:
-            ref = await self._read(source, span, check)
-            if ref is None or not await self._write_to(target, ref):
-                break
-            moved.append(span)
-        if not keep_source:
-            for span in moved:
-                self.cpu.remove(span.key)
-        return sum(span.num_tokens for span in moved)
-
-    def evict(self, spans: Sequence[ChunkSpan]) -> int:
-        """Drop these chunks from the CPU tier (pinned or not; the lower tiers keep theirs); the tokens dropped."""
-        return sum(span.num_tokens for span in spans if self.cpu.remove(span.key))
-
-    async def _read(self, location: str, span: ChunkSpan, check: CheckMeta) -> ChunkRef | None:
-        """One chunk of `location` in a slot the caller owns a reference of; None on a miss."""
-        if location == LOCAL_CPU:
-            return self.cpu.acquire(span.key)
-        slot = self.cpu.allocate()
-        if slot is None:
-            return None
-        store = self.lower(location)
-        assert store is not None  # move checked it
-        meta = await self._get_one(store, span, slot, check)
-        if meta is None:
-            slot.release()
-            return None
-        ref = ChunkRef(meta, slot)
-        self._count_reads(location, [ref])
-        return ref
-
-    async def _write_to(self, location: str, ref: ChunkRef) -> bool:
-        """Hand `ref` (and its slot reference) to `location`: True once it holds the chunk."""
-        if location == LOCAL_CPU:
-            return self.cpu.put(ref.meta, ref.slot) or ref.meta.key in self.cpu
-        try:
-            buffer = ref.slot.chunk_buffer(ref.meta.nbytes)
-            digest = await asyncio.to_thread(checksum, buffer.view[:ref.meta.nbytes])
-            store = self.lower(location)
-            assert store is not None  # move checked it
-            return await store.put(dataclasses.replace(ref.meta, checksum=digest), buffer) is True
-        finally:
-            ref.release()
-
-    # ---- known-held: chunks every lower tier has (so a store does not gather and send them again) ------------
-    def known_held(self, key: ChunkKey) -> bool:
-        with self._known_lock:
-            return key in self._known_held
-
-    def _remember_held(self, key: ChunkKey) -> None:
-        with self._known_lock:
-            self._known_held[key] = None
-            self._known_held.move_to_end(key)
-            while len(self._known_held) > self.config.known_held_keys:
-                self._known_held.popitem(last=False)
-
-    def _forget_held(self, keys: Sequence[ChunkKey]) -> None:
-        with self._known_lock:
-            for key in keys:
-                self._known_held.pop(key, None)
-
-    # ---- write-behind (enqueue: vLLM thread; workers: loop thread) --------------------------------------------
-    def enqueue_write_behind(self, meta: ChunkMeta, slot: Slot) -> bool:
-        """Queue a chunk for the lower tiers; takes over one slot reference (released on False too).
-
-        Never blocks: a full queue or an unreachable mesh skips the chunk (logged, rate-limited).
-        """
-        if not self.lower_ready():
-            slot.release()
-            self.stats["write_behind_skipped_offline"] += 1
-            self._rlog.warning("offline", "write-behind skipped: NATS or the stores are not reachable; chunks "
-                               "stay on the CPU tier only")
-            return False
-        with self._queue_lock:
-            full = len(self._queue) >= self.config.store_queue_size
-            if not full:
-                self._queue.append(_WriteJob(meta, slot))
-        if full:
-            slot.release()
-            self.stats["write_behind_skipped_full"] += 1
-            self._rlog.warning("queue_full", "write-behind queue full (%d chunks, store_queue_size): skipped a "
-                               "chunk; the lower tiers are slower than the stores arriving",
-                               self.config.store_queue_size)
-            return False
-        assert self.loop is not None
-        self.loop.call_soon(self._poke)
-        return True
-
-    def _poke(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
-
-    @property
-    def queue_depth(self) -> int:
-        with self._queue_lock:
-            return len(self._queue)
-
-    async def _writer(self) -> None:
-        assert self._wake is not None
-        while True:
-            with self._queue_lock:
-                job = self._queue.popleft() if self._queue else None
-            if job is None:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            self._writing += 1
-            try:
-                await self._write(job)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("write-behind of chunk %s failed", job.meta.key.hex())
-            finally:
-                self._writing -= 1
-                self.cpu.drop_staged(job.meta.key, job.slot)  # staging only: the CPU copy has served its purpose
-                job.slot.release()
-
-    async def _write(self, job: _WriteJob) -> None:
-        clients = self._stores
-        if not clients or self.loop is None or not self.loop.connected:
-            self.stats["write_behind_dropped_offline"] += 1
-            return
-        buffer = job.slot.chunk_buffer(job.meta.nbytes)
-        # Once per chunk, off the loop: the stores verify the bytes they receive against it before holding them.
-        digest = await asyncio.to_thread(checksum, buffer.view[:job.meta.nbytes])
-        meta = dataclasses.replace(job.meta, checksum=digest)
-        results = await asyncio.gather(*(c.put(meta, buffer) for c in clients), return_exceptions=True)
-        for client, result in zip(clients, results):
-            if result is True:
-                self.stats[f"written_bytes_{client.location}"] += meta.nbytes
-            else:
-                self.stats[f"put_failed_{client.location}"] += 1
-        if all(r is True for r in results):
-            self._remember_held(job.meta.key)
-            self.stats["write_behind_done"] += 1
-        else:
-            self.stats["write_behind_failed"] += 1
-            self._rlog.warning("put_failed", "write-behind of a chunk to %s failed (%s)",
-                               ", ".join(c.location for c, r in zip(clients, results) if r is not True),
-                               "; ".join(str(r) for r in results if r is not True))
-
-    async def wait_idle(self, timeout: float) -> bool:
-        """Loop thread: until the write-behind queue is empty and no job runs (tests, benchmarks); False on timeout."""
-        deadline = time.monotonic() + timeout
-        while self.queue_depth or self._writing:
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(0.005)
-        return True
-
-
-def _normalize_locations(locations: Sequence[str] | None) -> frozenset[str]:
-    if locations is None:
-        return ALL_LOCATIONS
-    out = set()
-    for name in locations:
-        if name not in LOCATION_ALIASES:
-            raise ValueError(f"search_range: unknown location {name!r} (known: {', '.join(LOCATION_ALIASES)})")
-        out.add(LOCATION_ALIASES[name])
-    return frozenset(out)
 
 
 def _log_failure(future: "concurrent.futures.Future[object] | asyncio.Future[object]") -> None:

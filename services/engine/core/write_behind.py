@@ -1,0 +1,191 @@
+"""Write-behind: chunks the CPU tier admitted, sent on to every store below it off vLLM's threads, and the
+known-held set those sends leave behind.
+
+Threads: `enqueue` is called from vLLM's threads and never blocks (a full queue or an unreachable mesh skips the
+chunk, logged rate-limited); the workers (`write_behind_workers` of them) run on the NATS loop thread
+(`NatsLoop`). Data path of one chunk: pool slot -> queue -> checksum of the slot's bytes (a worker thread; every
+store put carries one and the stores refuse bytes that do not match it) -> each store's `put` (the disk store reads
+the slot in place through shared memory).
+
+Known-held: the chunks every store took (`known_held`), so a store does not gather and send them again; the walk
+forgets those a store says it dropped (`forget`). Bounded by `known_held_keys`, oldest first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from kvmesh.services.engine.mesh.nats_loop import NatsLoop
+from kvmesh.services.engine.tiers.base import StoreTier
+from kvmesh.services.engine.tiers.cpu import LocalCPUBackend
+from kvmesh.services.engine.tiers.memory_pool import Slot
+from kvmesh.shared.aio import cancel_and_wait
+from kvmesh.shared.chunk_file import checksum
+from kvmesh.shared.config import EngineConfig
+from kvmesh.shared.keys import ChunkKey
+from kvmesh.shared.protocol import ChunkMeta
+from kvmesh.shared.rate_limited_log import RateLimitedLog
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _WriteJob:
+    meta: ChunkMeta
+    slot: Slot  # holds one reference for the job
+
+
+class WriteBehind:
+    """The write-behind queue and its workers, and the known-held set. `stores` answers the stores a chunk goes
+    to now (none until NATS is first reached), `ready` whether they are reachable; `stats` is the storage
+    manager's (its `write_behind_*`, `written_bytes_<location>` and `put_failed_<location>` counts)."""
+
+    def __init__(self, cpu: LocalCPUBackend, loop: NatsLoop | None, config: EngineConfig,
+                 stores: Callable[[], Sequence[StoreTier]], ready: Callable[[], bool],
+                 stats: collections.Counter[str]) -> None:
+        self.cpu = cpu
+        self.loop = loop
+        self.config = config
+        self.stats = stats
+        self._stores = stores
+        self._ready = ready
+        self._queue: collections.deque[_WriteJob] = collections.deque()
+        self._queue_lock = threading.Lock()
+        self._wake: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._writing = 0  # jobs popped and not finished (loop thread only)
+        self._known_held: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()
+        self._known_lock = threading.Lock()
+        self._rlog = RateLimitedLog(log)
+
+    # ---- the workers (loop thread) ---------------------------------------------------------------------------
+    def start(self) -> list[asyncio.Task[None]]:
+        """Start the workers on the running loop."""
+        self._wake = asyncio.Event()
+        self._tasks = [asyncio.create_task(self._writer(), name=f"kvmesh-write-behind-{i}")
+                       for i in range(self.config.write_behind_workers)]
+        return self._tasks
+
+    async def stop(self) -> None:
+        """Stop the workers; the chunks still queued are dropped (their slots released)."""
+        await cancel_and_wait(self._tasks)
+        self._tasks = []
+        with self._queue_lock:
+            jobs, self._queue = list(self._queue), collections.deque()
+        for job in jobs:
+            job.slot.release()
+
+    # ---- known-held: chunks every store has ------------------------------------------------------------------
+    def known_held(self, key: ChunkKey) -> bool:
+        with self._known_lock:
+            return key in self._known_held
+
+    def _remember_held(self, key: ChunkKey) -> None:
+        with self._known_lock:
+            self._known_held[key] = None
+            self._known_held.move_to_end(key)
+            while len(self._known_held) > self.config.known_held_keys:
+                self._known_held.popitem(last=False)
+
+    def forget(self, keys: Sequence[ChunkKey]) -> None:
+        """A store dropped these: the next put sends them again."""
+        with self._known_lock:
+            for key in keys:
+                self._known_held.pop(key, None)
+
+    # ---- the queue ---------------------------------------------------------------------------------------------
+    def enqueue(self, meta: ChunkMeta, slot: Slot) -> bool:
+        """vLLM thread: queue a chunk for the stores; takes over one slot reference (released on False too).
+
+        Never blocks: a full queue or an unreachable mesh skips the chunk (logged, rate-limited).
+        """
+        if not self._ready():
+            slot.release()
+            self.stats["write_behind_skipped_offline"] += 1
+            self._rlog.warning("offline", "write-behind skipped: NATS or the stores are not reachable; chunks "
+                               "stay on the CPU tier only")
+            return False
+        with self._queue_lock:
+            full = len(self._queue) >= self.config.store_queue_size
+            if not full:
+                self._queue.append(_WriteJob(meta, slot))
+        if full:
+            slot.release()
+            self.stats["write_behind_skipped_full"] += 1
+            self._rlog.warning("queue_full", "write-behind queue full (%d chunks, store_queue_size): skipped a "
+                               "chunk; the lower tiers are slower than the stores arriving",
+                               self.config.store_queue_size)
+            return False
+        assert self.loop is not None
+        self.loop.call_soon(self._poke)
+        return True
+
+    def _poke(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    @property
+    def queue_depth(self) -> int:
+        with self._queue_lock:
+            return len(self._queue)
+
+    async def _writer(self) -> None:
+        assert self._wake is not None
+        while True:
+            with self._queue_lock:
+                job = self._queue.popleft() if self._queue else None
+            if job is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            self._writing += 1
+            try:
+                await self._write(job)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("write-behind of chunk %s failed", job.meta.key.hex())
+            finally:
+                self._writing -= 1
+                self.cpu.drop_staged(job.meta.key, job.slot)  # staging only: the CPU copy has served its purpose
+                job.slot.release()
+
+    async def _write(self, job: _WriteJob) -> None:
+        clients = self._stores()
+        if not clients or self.loop is None or not self.loop.connected:
+            self.stats["write_behind_dropped_offline"] += 1
+            return
+        buffer = job.slot.chunk_buffer(job.meta.nbytes)
+        # Once per chunk, off the loop: the stores verify the bytes they receive against it before holding them.
+        digest = await asyncio.to_thread(checksum, buffer.view[:job.meta.nbytes])
+        meta = dataclasses.replace(job.meta, checksum=digest)
+        results = await asyncio.gather(*(c.put(meta, buffer) for c in clients), return_exceptions=True)
+        for client, result in zip(clients, results):
+            if result is True:
+                self.stats[f"written_bytes_{client.location}"] += meta.nbytes
+            else:
+                self.stats[f"put_failed_{client.location}"] += 1
+        if all(r is True for r in results):
+            self._remember_held(job.meta.key)
+            self.stats["write_behind_done"] += 1
+        else:
+            self.stats["write_behind_failed"] += 1
+            self._rlog.warning("put_failed", "write-behind of a chunk to %s failed (%s)",
+                               ", ".join(c.location for c, r in zip(clients, results) if r is not True),
+                               "; ".join(str(r) for r in results if r is not True))
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Loop thread: until the queue is empty and no job runs (tests, benchmarks); False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self.queue_depth or self._writing:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.005)
+        return True
