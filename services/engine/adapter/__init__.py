@@ -5,5 +5,14 @@ learns what is cached.
     worker_side.py       the connector's worker half (each vLLM worker): the cache engine, loads, saves
     request_meta.py      the scheduler -> worker metadata of each step (loads, saves) and the per-request tracker
     request_extras.py    what besides the token ids a request's KV depends on (LoRA, cache_salt, images, embeds)
+    model_identity.py    the model part of chunk keys (revision, quantization, RoPE, ...), the same on every rank
     scheduler_lookup.py  the scheduler's answer to "how much of this prompt is cached"
+    block_prefix.py      hits that end inside a chunk, at a vLLM block boundary
+    kv_groups.py         vLLM's KV cache groups (hybrid models) as KVMesh caches them
+    async_loads.py       loads that run between vLLM's steps (enable_async_loading)
+    async_saves.py       saves off the forward's critical path, and what preemption and request ends wait for
+    load_agreement.py    the ranks of one replica agree on how far each load brought the tokens' KV
+    pd.py                prefill/decode disaggregation over P2P: the producer's hand-over, the consumer's hint
+    kv_events.py         the CPU tier's admissions and evictions as vLLM's KV events, for routers
+    connector_stats.py   the connector's metrics on vLLM's /metrics, named as LMCache names them
 """
