@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core.kv_layout import detect_layout
@@ -73,8 +74,8 @@ def measure(engine: CacheEngine, tokens: torch.Tensor, caches: dict[str, torch.T
         near.copy_(far, non_blocking=True)
         sync()
 
-    engine.store(tokens, kv_caches=caches, slot_mapping=src)  # warm-up (faults the pool's pages in once)
-    engine.retrieve(tokens, kv_caches=caches, slot_mapping=dst)
+    token_api.store(engine, tokens, kv_caches=caches, slot_mapping=src)  # warm-up (faults the pool's pages in once)
+    token_api.retrieve(engine, tokens, kv_caches=caches, slot_mapping=dst)
     copy_out()
     copy_in()
     store_times: list[float] = []
@@ -83,13 +84,13 @@ def measure(engine: CacheEngine, tokens: torch.Tensor, caches: dict[str, torch.T
     in_times: list[float] = []
     lookup_times: list[float] = []
     for _ in range(repeat):
-        engine.clear()
-        store_times += timed(lambda: engine.store(tokens, kv_caches=caches, slot_mapping=src), 1)
+        token_api.clear(engine)
+        store_times += timed(lambda: token_api.store(engine, tokens, kv_caches=caches, slot_mapping=src), 1)
         out_times += timed(copy_out, 1)
-        retrieve_times += timed(lambda: engine.retrieve(tokens, kv_caches=caches, slot_mapping=dst), 1)
+        retrieve_times += timed(lambda: token_api.retrieve(engine, tokens, kv_caches=caches, slot_mapping=dst), 1)
         in_times += timed(copy_in, 1)
-        lookup_times += timed(lambda: engine.lookup(tokens), 1)
-    assert engine.lookup(tokens) == tokens.numel(), "the prompt was not fully stored"
+        lookup_times += timed(lambda: token_api.lookup(engine, tokens), 1)
+    assert token_api.lookup(engine, tokens) == tokens.numel(), "the prompt was not fully stored"
 
     def gbps(seconds: list[float]) -> float:
         return kv_bytes / statistics.median(seconds) / 1e9
@@ -151,7 +152,7 @@ def main() -> None:
     config = EngineConfig(chunk_size=args.chunk_size, max_local_cpu_size=(num_chunks * chunk_bytes + 2**20) / GB,
                           lmcache_instance_id="bench-engine")
     engine = build_engine(config, KeyParams("meta-llama/Llama-3.1-8B-Instruct", ""), layout, use_mesh=args.mesh,
-                         device=device)
+                          device=device)
     try:
         if args.mesh:
             engine.wait_connected(10)

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core.kv_layout import detect_layout
 from kvmesh.shared.config import EngineConfig
@@ -52,7 +53,7 @@ def main() -> None:
     with build_engine(config, KeyParams("bench-model", ""), layout, use_mesh=False) as engine:
         tokens = list(range(args.chunk_size))
         slots = torch.arange(args.chunk_size, dtype=torch.int64)
-        engine.store(tokens, kv_caches=caches, slot_mapping=slots)
+        token_api.store(engine, tokens, kv_caches=caches, slot_mapping=slots)
         span = engine.hasher.spans(tokens)[0]
         ref = engine.cpu.acquire(span.key)
         assert ref is not None and engine.meta_mismatch(span, ref.meta) is None

@@ -665,6 +665,7 @@ def nats_run(chunk_counts: list[int], settle: float) -> dict[str, Any]:
     messages of a store and of a retrieve served from each tier."""
     quiet_logs()
     from kvmesh.services.engine.assembly import build_engine
+    from kvmesh.services.engine.core import token_api
     from kvmesh.shared import protocol
     from kvmesh.shared.embedded_nats import EmbeddedNats, free_port
     from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
@@ -707,11 +708,11 @@ def nats_run(chunk_counts: list[int], settle: float) -> dict[str, Any]:
 
         def warm_up() -> None:  # pool lending, stream connections: one-time costs, not per request
             tokens = random_tokens(CHUNK, seed=999_999)
-            engine.store(tokens, **kv.kv(kv.slots(CHUNK)))
+            token_api.store(engine, tokens, **kv.kv(kv.slots(CHUNK)))
             engine.wait_write_behind(30)
             for location in (LOCAL_CPU, LOCAL_DISK):
-                engine.clear(location)
-                engine.retrieve(tokens, **kv.kv(kv.slots(CHUNK)))
+                token_api.clear(engine, location)
+                token_api.retrieve(engine, tokens, **kv.kv(kv.slots(CHUNK)))
 
         warm_up()
         points = []
@@ -722,14 +723,14 @@ def nats_run(chunk_counts: list[int], settle: float) -> dict[str, Any]:
             dst = kv.slots(n, exclude=src)
 
             def store() -> None:
-                engine.store(tokens, **kv.kv(src))
+                token_api.store(engine, tokens, **kv.kv(src))
                 if not engine.wait_write_behind(30):
                     raise RuntimeError("write-behind did not finish")
 
             def retrieve(location: str | None) -> Callable[[], None]:
                 def run() -> None:
                     before = storage.stats[f"fetched_{location}"] if location else 0
-                    got = engine.retrieve(tokens, **kv.kv(dst))
+                    got = token_api.retrieve(engine, tokens, **kv.kv(dst))
                     if not bool(got.all()):
                         raise RuntimeError(f"{chunks} chunks: retrieve loaded {int(got.sum())} of {n} tokens")
                     if location and storage.stats[f"fetched_{location}"] - before != chunks:
@@ -743,10 +744,10 @@ def nats_run(chunk_counts: list[int], settle: float) -> dict[str, Any]:
             if not engine.nats_loop.call(disk_client.wait_written(30), 31, default=False):
                 raise RuntimeError("the disk store did not write the chunks")
             point["cpu"] = count_messages(bench, monitor, settle, retrieve(None))
-            engine.clear(LOCAL_CPU)
+            token_api.clear(engine, LOCAL_CPU)
             point["disk"] = count_messages(bench, monitor, settle, retrieve(LOCAL_DISK))
-            engine.clear(LOCAL_CPU)
-            if engine.clear(LOCAL_DISK) < n:
+            token_api.clear(engine, LOCAL_CPU)
+            if token_api.clear(engine, LOCAL_DISK) < n:
                 raise RuntimeError("the disk store's clear missed chunks")
             point["remote"] = count_messages(bench, monitor, settle, retrieve(REMOTE))
             keys = engine.hasher.keys(tokens) if engine.hasher is not None else []

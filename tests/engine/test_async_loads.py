@@ -11,6 +11,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.adapter.async_loads import AsyncLoads, loads_asynchronously
 from kvmesh.services.engine.adapter.request_meta import KVMeshConnectorMetadata, LoadSpec, ReqMeta, RequestTracker
 from kvmesh.services.engine.core.cache_engine import CacheEngine
@@ -60,7 +61,7 @@ def disk_mesh(tmp_path: Path) -> Iterator[LocalMesh]:
 def engine(disk_mesh: LocalMesh, tmp_path: Path) -> Iterator[tuple[CacheEngine, PagedKV]]:
     kv = PagedKV(num_blocks=128)
     worker = build_engine(engine_config(nats_url=disk_mesh.nats_url, local_disk=str(tmp_path / "disk")), PARAMS,
-                         kv.layout)
+                          kv.layout)
     try:
         assert worker.wait_connected(WAIT_S)
         wait_until(lambda: worker.storage.lower(LOCAL_DISK), what="the disk store found")
@@ -72,12 +73,12 @@ def engine(disk_mesh: LocalMesh, tmp_path: Path) -> Iterator[tuple[CacheEngine, 
 def on_disk_only(worker: CacheEngine, kv: PagedKV, tokens: torch.Tensor) -> torch.Tensor:
     """Store `tokens`' KV, wait until the disk store has it, drop it from the CPU tier; its slots."""
     slots = kv.slots(len(tokens))
-    worker.store(tokens, **kv.kv(slots))
+    token_api.store(worker, tokens, **kv.kv(slots))
     client = worker.storage.lower(LOCAL_DISK)
     assert client is not None and worker.nats_loop is not None
     assert worker.wait_write_behind(WAIT_S)
     assert worker.nats_loop.call(client.wait_written(WAIT_S), WAIT_S + 1, default=False)
-    worker.clear(LOCAL_CPU)
+    token_api.clear(worker, LOCAL_CPU)
     return slots
 
 
@@ -139,7 +140,8 @@ def test_a_load_from_disk_lands_in_its_blocks_and_is_reported_once(engine: tuple
     assert torch.equal(kv.token_kv(req.slot_mapping(4 * CHUNK, BLOCK)), expected)
     assert worker.storage.stats["fetched_LocalDiskBackend"] == 4
     # the CPU tier keeps the fetched chunks (its own references); the load's references were released
-    assert worker.pool.num_free == free_before - 4 and worker.lookup(tokens, search_range=[LOCAL_CPU]) == 4 * CHUNK
+    assert worker.pool.num_free == free_before - 4
+    assert token_api.lookup(worker, tokens, search_range=[LOCAL_CPU]) == 4 * CHUNK
 
 
 def test_what_the_stores_lack_is_reported_as_load_errors_with_the_finish(
@@ -165,7 +167,7 @@ def test_a_load_past_its_deadline_is_recomputed_and_its_late_chunks_are_released
     steps, errors = run_until_finished(conn, request(worker, tokens, blocks, need=4 * CHUNK))
     assert steps == 1 and errors == set(blocks)
     # the fetch still ends on the NATS loop: its chunks stay in the CPU tier only, the blocks stay untouched
-    wait_until(lambda: worker.lookup(tokens, search_range=[LOCAL_CPU]) == 4 * CHUNK
+    wait_until(lambda: token_api.lookup(worker, tokens, search_range=[LOCAL_CPU]) == 4 * CHUNK
                and worker.pool.num_free == worker.pool.num_slots - 4, what="the late fetch parked, no leak")
     assert torch.equal(kv.token_kv(torch.as_tensor([b * BLOCK + i for b in blocks for i in range(BLOCK)])), before)
 
@@ -176,7 +178,7 @@ def test_without_a_lower_tier_the_load_runs_at_once_and_finishes_in_the_same_ste
     try:
         tokens = random_tokens(2 * CHUNK, seed=34)
         src = kv.slots(len(tokens))
-        worker.store(tokens, **kv.kv(src))
+        token_api.store(worker, tokens, **kv.kv(src))
         req = request(worker, tokens, free_blocks(kv, src, 4), need=2 * CHUNK - 1)
         done, errors = step(worker_connector(worker, kv), KVMeshConnectorMetadata([req]))
         assert done == {"r"} and errors == set()

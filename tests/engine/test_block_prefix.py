@@ -14,6 +14,7 @@ from typing import Iterator
 
 import pytest
 
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.adapter.block_prefix import BlockPrefixProbe, probe_ends, saved_prefix_end
 from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, SchedulerLookup, StepEventLog
 from kvmesh.services.engine.core.cache_engine import CacheEngine
@@ -147,7 +148,7 @@ def test_a_block_prefix_only_on_disk_is_found_by_asking_again(
     client = worker.storage.lower(LOCAL_DISK)
     assert client is not None and worker.nats_loop is not None
     assert worker.nats_loop.call(client.wait_written(WAIT_S), WAIT_S + 1, default=False)
-    worker.clear(LOCAL_CPU)
+    token_api.clear(worker, LOCAL_CPU)
     lookup.update(CpuTierEvents({0: events.take()}))
 
     probe = BlockPrefixProbe.of(hasher, tokens, chain, CHUNK, BLOCK, None)

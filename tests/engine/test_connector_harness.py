@@ -18,6 +18,7 @@ from typing import Iterator
 import pytest
 import torch
 
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.core.kv_layout import KVLayout, detect_layout
 from kvmesh.services.engine.core.layerwise_load import LayerwiseLoader
@@ -110,7 +111,7 @@ def test_the_model_runners_call_sequence_loads_and_saves_the_right_kv(
         run_step(sched, work, Step(new=[("a", blocks_a, 0, 4 * CHUNK)]), forward)
         assert sched.request_finished(a, blocks_a) == (off_forward, None)
         assert run_step(sched, work, Step(finished={"a"})).finished_sending == ({"a"} if off_forward else set())
-        assert worker.lookup(tokens_a, search_range=[LOCAL_CPU]) == 4 * CHUNK
+        assert token_api.lookup(worker, tokens_a, search_range=[LOCAL_CPU]) == 4 * CHUNK
 
         # every stored chunk is what the torch path gathers from a's blocks
         for c, span in enumerate(worker.hasher.spans(tokens_a)):
@@ -136,7 +137,7 @@ def test_the_model_runners_call_sequence_loads_and_saves_the_right_kv(
             assert all(torch.equal(got, w) for got, w in zip(forward.seen[layer], want)), f"layer {layer}"
         assert sched.request_finished(b, blocks_b) == (off_forward, None)
         assert run_step(sched, work, Step(finished={"b"})).finished_sending == ({"b"} if off_forward else set())
-        assert worker.lookup(tokens_b, search_range=[LOCAL_CPU]) == 5 * CHUNK
+        assert token_api.lookup(worker, tokens_b, search_range=[LOCAL_CPU]) == 5 * CHUNK
         assert worker.pool.num_free == worker.pool.num_slots - 5, "the loads' references were released"
     finally:
         if work.worker_side.layerwise is not None:

@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.assembly import build_engine, engine_for_caches
 from kvmesh.shared.eviction import Clock
@@ -34,11 +35,11 @@ def test_store_then_retrieve_is_bit_exact(kv: PagedKV, num_tokens: int) -> None:
         tokens = random_tokens(num_tokens, seed=num_tokens)
         src = kv.slots(num_tokens)
         expected = kv.token_kv(src)
-        engine.store(tokens, **kv.kv(src))
-        assert engine.lookup(tokens) == num_tokens  # the partial last chunk counts (save_unfull_chunk)
+        token_api.store(engine, tokens, **kv.kv(src))
+        assert token_api.lookup(engine, tokens) == num_tokens  # the partial last chunk counts (save_unfull_chunk)
         dst = kv.slots(num_tokens, exclude=src)
         before_other = kv.buffer.clone()
-        got = engine.retrieve(tokens, **kv.kv(dst))
+        got = token_api.retrieve(engine, tokens, **kv.kv(dst))
         assert got.dtype == torch.bool and got.shape == (num_tokens,) and bool(got.all())
         assert torch.equal(kv.token_kv(dst), expected)
         # nothing outside the destination blocks changed
@@ -51,9 +52,9 @@ def test_store_then_retrieve_is_bit_exact(kv: PagedKV, num_tokens: int) -> None:
 def test_retrieve_unknown_tokens_is_a_miss(kv: PagedKV) -> None:
     with make_engine(kv) as engine:
         tokens = random_tokens(64, seed=1)
-        got = engine.retrieve(tokens, **kv.kv(kv.slots(64)))
+        got = token_api.retrieve(engine, tokens, **kv.kv(kv.slots(64)))
         assert not bool(got.any())
-        assert engine.lookup(tokens) == 0
+        assert token_api.lookup(engine, tokens) == 0
 
 
 def test_masks_follow_seed_003(kv: PagedKV) -> None:
@@ -63,24 +64,24 @@ def test_masks_follow_seed_003(kv: PagedKV) -> None:
         expected = kv.token_kv(src)
         mask = torch.ones(128, dtype=torch.bool)
         mask[:CHUNK] = False
-        engine.store(tokens, mask, **kv.kv(src))
-        assert engine.lookup(tokens) == 0  # chunk 0 was masked out, so there is no cached prefix
-        engine.store(tokens, **kv.kv(src))  # now the whole sequence (chunks 1.. are not copied again)
-        assert engine.lookup(tokens) == 128
+        token_api.store(engine, tokens, mask, **kv.kv(src))
+        assert token_api.lookup(engine, tokens) == 0  # chunk 0 was masked out, so there is no cached prefix
+        token_api.store(engine, tokens, **kv.kv(src))  # now the whole sequence (chunks 1.. are not copied again)
+        assert token_api.lookup(engine, tokens) == 128
 
         dst = kv.slots(128, exclude=src)
         mask2 = torch.ones(128, dtype=torch.bool)
         mask2[:2 * CHUNK] = False
-        got = engine.retrieve(tokens, mask2, **kv.kv(dst))
+        got = token_api.retrieve(engine, tokens, mask2, **kv.kv(dst))
         assert not bool(got[:2 * CHUNK].any()) and bool(got[2 * CHUNK:].all())
         assert torch.equal(kv.token_kv(dst[2 * CHUNK:]), expected[:, :, 2 * CHUNK:])
 
         bad = torch.ones(128, dtype=torch.bool)
         bad[:10] = False  # not a multiple of chunk_size
         with pytest.raises(ValueError, match="multiple of chunk_size"):
-            engine.store(tokens, bad, **kv.kv(src))
+            token_api.store(engine, tokens, bad, **kv.kv(src))
         with pytest.raises(ValueError, match="prefix"):
-            engine.retrieve(tokens, torch.tensor([True, False] * 64), **kv.kv(dst))
+            token_api.retrieve(engine, tokens, torch.tensor([True, False] * 64), **kv.kv(dst))
 
 
 def test_skip_prefix_leaves_tokens_vllm_holds(kv: PagedKV) -> None:
@@ -88,10 +89,10 @@ def test_skip_prefix_leaves_tokens_vllm_holds(kv: PagedKV) -> None:
         tokens = random_tokens(96, seed=3)
         src = kv.slots(96)
         expected = kv.token_kv(src)
-        engine.store(tokens, **kv.kv(src))
+        token_api.store(engine, tokens, **kv.kv(src))
         dst = kv.slots(96, exclude=src)
         kv.buffer.view(-1)[:] = 0  # wipe everything; the skipped tokens must stay zero
-        got = engine.retrieve(tokens, **kv.kv(dst), skip_prefix=40)  # inside a block and inside chunk 1
+        got = token_api.retrieve(engine, tokens, **kv.kv(dst), skip_prefix=40)  # inside a block and inside chunk 1
         assert bool(got.all())
         loaded = kv.token_kv(dst)
         assert torch.equal(loaded[:, :, 40:], expected[:, :, 40:])
@@ -102,18 +103,18 @@ def test_lookup_is_the_contiguous_prefix(kv: PagedKV) -> None:
     with make_engine(kv) as engine:
         tokens = random_tokens(160, seed=4)
         src = kv.slots(160)
-        engine.store(tokens, **kv.kv(src))
-        assert engine.lookup(tokens) == 160
-        assert engine.lookup(tokens[:70]) == 64  # only whole stored chunks of this shorter prefix
-        assert engine.lookup(tokens, search_range=["Hot"]) == 160
-        assert engine.lookup(tokens, search_range=[LOCAL_DISK]) == 0
+        token_api.store(engine, tokens, **kv.kv(src))
+        assert token_api.lookup(engine, tokens) == 160
+        assert token_api.lookup(engine, tokens[:70]) == 64  # only whole stored chunks of this shorter prefix
+        assert token_api.lookup(engine, tokens, search_range=["Hot"]) == 160
+        assert token_api.lookup(engine, tokens, search_range=[LOCAL_DISK]) == 0
         keys = engine.hasher.keys(tokens)
         assert engine.cpu.remove(keys[2])
-        assert engine.lookup(tokens) == 2 * CHUNK  # chunks 3 and 4 are held but not part of the prefix
-        got = engine.retrieve(tokens, **kv.kv(kv.slots(160, exclude=src)))
+        assert token_api.lookup(engine, tokens) == 2 * CHUNK  # chunks 3 and 4 are held but not part of the prefix
+        got = token_api.retrieve(engine, tokens, **kv.kv(kv.slots(160, exclude=src)))
         assert int(got.sum()) == 2 * CHUNK and bool(got[:2 * CHUNK].all())
         with pytest.raises(ValueError, match="unknown location"):
-            engine.lookup(tokens, search_range=["Nowhere"])
+            token_api.lookup(engine, tokens, search_range=["Nowhere"])
 
 
 def test_a_chunk_already_held_is_not_copied_again(kv: PagedKV, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -123,19 +124,19 @@ def test_a_chunk_already_held_is_not_copied_again(kv: PagedKV, monkeypatch: pyte
         monkeypatch.setattr(engine.copier, "gather", lambda *a, **k: (gathers.append(1), original(*a, **k)))
         tokens = random_tokens(128, seed=5)
         src = kv.slots(128)
-        engine.store(tokens, **kv.kv(src))
+        token_api.store(engine, tokens, **kv.kv(src))
         assert len(gathers) == 4
-        engine.store(tokens, **kv.kv(src))
-        engine.store(tokens[:64], **kv.kv(src[:64]))
+        token_api.store(engine, tokens, **kv.kv(src))
+        token_api.store(engine, tokens[:64], **kv.kv(src[:64]))
         assert len(gathers) == 4
 
 
 def test_save_unfull_chunk_false_drops_the_tail(kv: PagedKV) -> None:
     with make_engine(kv, save_unfull_chunk=False) as engine:
         tokens = random_tokens(100, seed=6)
-        engine.store(tokens, **kv.kv(kv.slots(100)))
-        assert engine.lookup(tokens) == 96
-        got = engine.retrieve(tokens, **kv.kv(kv.slots(100)))
+        token_api.store(engine, tokens, **kv.kv(kv.slots(100)))
+        assert token_api.lookup(engine, tokens) == 96
+        got = token_api.retrieve(engine, tokens, **kv.kv(kv.slots(100)))
         assert int(got.sum()) == 96
 
 
@@ -144,69 +145,69 @@ def test_negative_slots_are_not_stored(kv: PagedKV) -> None:
         tokens = random_tokens(128, seed=7)
         src = kv.slots(128)
         src[70:] = -1  # vLLM has no slot for these tokens
-        engine.store(tokens, **kv.kv(src))
-        assert engine.lookup(tokens) == 64
+        token_api.store(engine, tokens, **kv.kv(src))
+        assert token_api.lookup(engine, tokens) == 64
 
 
 def test_lru_evicts_oldest_and_spares_pins(kv: PagedKV) -> None:
     with make_engine(kv, cpu_chunks=4) as engine:
         a, b, c = (random_tokens(64, seed=s) for s in (10, 11, 12))
-        engine.store(a, **kv.kv(kv.slots(64)))
-        engine.store(b, **kv.kv(kv.slots(64)))
-        assert engine.pin(a) == 64
-        engine.store(c, **kv.kv(kv.slots(64)))  # pool full: b (oldest unpinned) goes, pinned a stays
-        assert engine.lookup(a) == 64 and engine.lookup(c) == 64 and engine.lookup(b) == 0
+        token_api.store(engine, a, **kv.kv(kv.slots(64)))
+        token_api.store(engine, b, **kv.kv(kv.slots(64)))
+        assert token_api.pin(engine, a) == 64
+        token_api.store(engine, c, **kv.kv(kv.slots(64)))  # pool full: b (oldest unpinned) goes, pinned a stays
+        assert [token_api.lookup(engine, t) for t in (a, c, b)] == [64, 64, 0]
 
         # recency: reading c makes ... c most recent; storing b again evicts nothing pinned
-        assert engine.unpin(a) == 64
-        engine.retrieve(a, **kv.kv(kv.slots(64)))  # a is now the most recently used
-        engine.store(b, **kv.kv(kv.slots(64)))  # evicts c, the least recently used
-        assert engine.lookup(a) == 64 and engine.lookup(b) == 64 and engine.lookup(c) == 0
+        assert token_api.unpin(engine, a) == 64
+        token_api.retrieve(engine, a, **kv.kv(kv.slots(64)))  # a is now the most recently used
+        token_api.store(engine, b, **kv.kv(kv.slots(64)))  # evicts c, the least recently used
+        assert [token_api.lookup(engine, t) for t in (a, b, c)] == [64, 64, 0]
 
-        assert engine.pin(b) == 64
-        assert engine.clear(LOCAL_CPU) == 128  # the instance's own CPU tier: a and pinned b both go
-        assert engine.lookup(a) == 0 and engine.lookup(b) == 0
-        assert engine.pin(random_tokens(64, seed=99)) == 0  # nothing held: nothing pinned
+        assert token_api.pin(engine, b) == 64
+        assert token_api.clear(engine, LOCAL_CPU) == 128  # the instance's own CPU tier: a and pinned b both go
+        assert token_api.lookup(engine, a) == 0 and token_api.lookup(engine, b) == 0
+        assert token_api.pin(engine, random_tokens(64, seed=99)) == 0  # nothing held: nothing pinned
 
 
 def test_pin_ttl_expires(kv: PagedKV) -> None:
     clock = ManualClock()
     with make_engine(kv, clock, cpu_chunks=2) as engine:
         a, b = random_tokens(64, seed=20), random_tokens(64, seed=21)
-        engine.store(a, **kv.kv(kv.slots(64)))
-        assert engine.pin(a, ttl_secs=60) == 64
-        engine.store(b, **kv.kv(kv.slots(64)))
-        assert engine.lookup(b) == 0 and engine.lookup(a) == 64  # pinned: b could not get in
+        token_api.store(engine, a, **kv.kv(kv.slots(64)))
+        assert token_api.pin(engine, a, ttl_secs=60) == 64
+        token_api.store(engine, b, **kv.kv(kv.slots(64)))
+        assert token_api.lookup(engine, b) == 0 and token_api.lookup(engine, a) == 64  # pinned: b could not get in
         clock.advance(59)
-        engine.store(b, **kv.kv(kv.slots(64)))
-        assert engine.lookup(b) == 0 and engine.lookup(a) == 64  # still pinned
+        token_api.store(engine, b, **kv.kv(kv.slots(64)))
+        assert token_api.lookup(engine, b) == 0 and token_api.lookup(engine, a) == 64  # still pinned
         clock.advance(2)  # past the TTL
-        engine.store(b, **kv.kv(kv.slots(64)))
-        assert engine.lookup(b) == 64 and engine.lookup(a) == 0
+        token_api.store(engine, b, **kv.kv(kv.slots(64)))
+        assert token_api.lookup(engine, b) == 64 and token_api.lookup(engine, a) == 0
 
 
 def test_a_tiny_pool_never_deadlocks(kv: PagedKV) -> None:
     with make_engine(kv, cpu_chunks=2) as engine:
         a = random_tokens(64, seed=30)
         src = kv.slots(64)
-        engine.store(a, **kv.kv(src))
-        assert engine.pin(a) == 64
+        token_api.store(engine, a, **kv.kv(src))
+        assert token_api.pin(engine, a) == 64
         long = random_tokens(160, seed=31)
         # no free slot and nothing evictable: skipped at once (a store that waited for a slot would never return)
-        finishes(lambda: engine.store(long, **kv.kv(kv.slots(160))), what="a store into a full, pinned pool")
-        assert engine.lookup(long) == 0
-        engine.unpin(a)
-        engine.store(long, **kv.kv(kv.slots(160)))  # only two chunks fit: the rest is skipped
-        assert engine.lookup(long) == 2 * CHUNK
+        finishes(lambda: token_api.store(engine, long, **kv.kv(kv.slots(160))), what="a store into a full, pinned pool")
+        assert token_api.lookup(engine, long) == 0
+        token_api.unpin(engine, a)
+        token_api.store(engine, long, **kv.kv(kv.slots(160)))  # only two chunks fit: the rest is skipped
+        assert token_api.lookup(engine, long) == 2 * CHUNK
 
         # a retrieve holding chunks while the tier is full still finishes, with a shorter hit
-        got = engine.retrieve(long, **kv.kv(kv.slots(160)))
+        got = token_api.retrieve(engine, long, **kv.kv(kv.slots(160)))
         assert int(got.sum()) == 2 * CHUNK
 
     with make_engine(kv, cpu_chunks=0) as engine:  # not even one chunk fits
-        engine.store(a, **kv.kv(src))
-        assert engine.lookup(a) == 0
-        assert not bool(engine.retrieve(a, **kv.kv(src)).any())
+        token_api.store(engine, a, **kv.kv(src))
+        assert token_api.lookup(engine, a) == 0
+        assert not bool(token_api.retrieve(engine, a, **kv.kv(src)).any())
 
 
 def test_refcounts_keep_bytes_being_read(kv: PagedKV) -> None:
@@ -214,12 +215,12 @@ def test_refcounts_keep_bytes_being_read(kv: PagedKV) -> None:
         a, b = random_tokens(32, seed=40), random_tokens(64, seed=41)
         src = kv.slots(32)
         expected = kv.token_kv(src)
-        engine.store(a, **kv.kv(src))
+        token_api.store(engine, a, **kv.kv(src))
         ref = engine.cpu.acquire(engine.hasher.keys(a)[0])  # a reader holds chunk a
         assert ref is not None
-        assert engine.clear() == 32  # a leaves the tier ...
-        engine.store(b, **kv.kv(kv.slots(64)))  # needs both slots: a's is still read, so only one chunk fits
-        assert engine.lookup(b) == CHUNK and engine.lookup(a) == 0
+        assert token_api.clear(engine) == 32  # a leaves the tier ...
+        token_api.store(engine, b, **kv.kv(kv.slots(64)))  # needs both slots: a's is still read, so only one chunk fits
+        assert token_api.lookup(engine, b) == CHUNK and token_api.lookup(engine, a) == 0
         chunk = ref.slot.view(kv.layout.dtype, kv.layout.chunk_shape(32))
         from kvmesh.services.engine.core.paged_copy import scatter
         dst = kv.slots(32, exclude=src)
@@ -232,8 +233,8 @@ def test_refcounts_keep_bytes_being_read(kv: PagedKV) -> None:
 def test_local_cpu_false_without_lower_tiers_stores_nothing(kv: PagedKV) -> None:
     with make_engine(kv, local_cpu=False) as engine:
         tokens = random_tokens(64, seed=50)
-        engine.store(tokens, **kv.kv(kv.slots(64)))
-        assert engine.lookup(tokens) == 0
+        token_api.store(engine, tokens, **kv.kv(kv.slots(64)))
+        assert token_api.lookup(engine, tokens) == 0
 
 
 def test_closed_engine_refuses_calls(kv: PagedKV) -> None:
@@ -241,7 +242,7 @@ def test_closed_engine_refuses_calls(kv: PagedKV) -> None:
     engine.close()
     engine.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
-        engine.lookup(random_tokens(32, seed=0))
+        token_api.lookup(engine, random_tokens(32, seed=0))
 
 
 def test_an_engine_for_vllms_caches_takes_their_layout(kv: PagedKV) -> None:
@@ -251,8 +252,8 @@ def test_an_engine_for_vllms_caches_takes_their_layout(kv: PagedKV) -> None:
         layout = engine.layout
         assert layout.per_block and engine.key_params.kv_format == layout.chunk_format()
         tokens = random_tokens(64, seed=60)
-        engine.store(tokens, **kv.kv(kv.slots(64)))
-        assert engine.lookup(tokens) == 64
+        token_api.store(engine, tokens, **kv.kv(kv.slots(64)))
+        assert token_api.lookup(engine, tokens) == 64
     finally:
         engine.close()
 
@@ -281,8 +282,8 @@ def test_the_pool_is_reserved_for_real_and_a_pool_memory_cannot_back_is_a_clean_
     with caplog.at_level("ERROR"), make_engine(kv) as engine:  # serves, caches nothing, says why
         assert engine.pool.num_slots == 0
         tokens = random_tokens(2 * CHUNK, seed=63)
-        engine.store(tokens, **kv.kv(kv.slots(2 * CHUNK)))
-        assert engine.lookup(tokens) == 0
+        token_api.store(engine, tokens, **kv.kv(kv.slots(2 * CHUNK)))
+        assert token_api.lookup(engine, tokens) == 0
     assert any("does not fit" in r.getMessage() and "max_local_cpu_size" in r.getMessage() for r in caplog.records)
 
 
@@ -360,24 +361,24 @@ def test_a_store_failing_mid_way_waits_for_its_copies_before_the_slots_go_back(
         events = _record_waits_and_releases(monkeypatch)
         tokens = random_tokens(4 * CHUNK, seed=60)
         with pytest.raises(torch.cuda.OutOfMemoryError):
-            engine.store(tokens, **kv.kv(kv.slots(4 * CHUNK)))
+            token_api.store(engine, tokens, **kv.kv(kv.slots(4 * CHUNK)))
         # three slots were taken (the third's gather failed): all go back, and only after the wait
         assert events == ["wait", "release", "release", "release"]
-        assert engine.pool.num_free == free_before and engine.lookup(tokens) == 0
+        assert engine.pool.num_free == free_before and token_api.lookup(engine, tokens) == 0
 
 
 def test_a_retrieve_failing_mid_way_waits_for_its_copies_before_the_chunks_go_back(
         kv: PagedKV, monkeypatch: pytest.MonkeyPatch) -> None:
     with make_engine(kv) as engine:
         tokens = random_tokens(4 * CHUNK, seed=61)
-        engine.store(tokens, **kv.kv(kv.slots(4 * CHUNK)))
+        token_api.store(engine, tokens, **kv.kv(kv.slots(4 * CHUNK)))
         _fail_on_call(monkeypatch, engine.copier, "scatter", failing_call=2)
         events = _record_waits_and_releases(monkeypatch)
         with pytest.raises(torch.cuda.OutOfMemoryError):
-            engine.retrieve(tokens, **kv.kv(kv.slots(4 * CHUNK)))
+            token_api.retrieve(engine, tokens, **kv.kv(kv.slots(4 * CHUNK)))
         # every reference the retrieve took goes back (the tier keeps its own), after the wait
         assert events[0] == "wait" and events[1:] == ["release"] * 4
-        assert engine.lookup(tokens) == 4 * CHUNK
+        assert token_api.lookup(engine, tokens) == 4 * CHUNK
 
 
 def test_slots_stay_allocated_when_even_the_wait_fails(kv: PagedKV, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -392,7 +393,7 @@ def test_slots_stay_allocated_when_even_the_wait_fails(kv: PagedKV, monkeypatch:
 
         monkeypatch.setattr(cache_engine, "_synchronize", broken_stream)
         with pytest.raises(torch.cuda.OutOfMemoryError):
-            engine.store(random_tokens(2 * CHUNK, seed=62), **kv.kv(kv.slots(2 * CHUNK)))
+            token_api.store(engine, random_tokens(2 * CHUNK, seed=62), **kv.kv(kv.slots(2 * CHUNK)))
         assert engine.pool.num_free == free_before - 2, "slots a copy may still write stay out of the pool"
 
 

@@ -12,6 +12,7 @@ from typing import Iterator
 import pytest
 import torch
 
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.mesh.domain import key_domain
@@ -38,7 +39,7 @@ def engine_in(mesh: LocalMesh, instance: str, domain: str, kv: PagedKV, disk: Pa
     assert credentials.reload_server()
     engine = build_engine(engine_config(nats_url=mesh.nats_url, lmcache_instance_id=instance,
                                        nats_credentials=str(credentials.file(path)), local_disk=str(disk)),
-                         KeyParams(model="test-model", kv_format=""), kv.layout)
+                          KeyParams(model="test-model", kv_format=""), kv.layout)
     assert engine.wait_connected(WAIT_S), f"engine {instance} did not reach NATS"
     wait_until(lambda: engine.storage.lower(LOCAL_DISK) is not None, what=f"{instance}'s disk store client")
     return engine
@@ -67,11 +68,11 @@ async def test_two_domains_cache_one_prompt_apart_and_lookup_credits_each(disk_m
 
         for engine in (alpha, beta):  # the same prompt: each tenant stores its own copy, neither is refused
             src = kv.slots(len(tokens))
-            engine.store(tokens, **kv.kv(src))
+            token_api.store(engine, tokens, **kv.kv(src))
             assert engine.wait_write_behind(WAIT_S)
             disk_client = engine.storage.lower(LOCAL_DISK)
             assert engine.nats_loop.call(disk_client.wait_written(WAIT_S), WAIT_S + 2, default=False)
-            assert engine.lookup(tokens, search_range=[LOCAL_DISK]) == len(tokens)
+            assert token_api.lookup(engine, tokens, search_range=[LOCAL_DISK]) == len(tokens)
 
         async with running_controller(str(disk_mesh.nats_url), nats_auth=disk_mesh.auth(CONTROLLER)) as (_, client):
             async def credited() -> bool:

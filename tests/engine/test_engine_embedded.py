@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from kvmesh.shared.protocol import disk_store_id
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.mesh import embedded as embedded_mesh
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.assembly import build_engine
@@ -77,7 +78,7 @@ def test_seed_002_embeds_nats_and_a_disk_store_shared_by_workers(tmp_path: Path)
         assert len(mesh.pids) == 2 and all(pid_alive(p) for p in mesh.pids)  # nats-server + disk store
 
         second = build_engine(config, KeyParams(model="test-model", kv_format="", world_size=2, rank=1),
-                             kv.layout)
+                              kv.layout)
         assert embedded_mesh.registry.current() is mesh and embedded_mesh.registry.users() == 2
 
         # another worker process of this vLLM (tensor parallelism) joins this mesh instead of starting one
@@ -90,13 +91,13 @@ def test_seed_002_embeds_nats_and_a_disk_store_shared_by_workers(tmp_path: Path)
         src = kv.slots(128)
         expected = kv.token_kv(src)
         client = wait_until(lambda: first.storage.lower(LOCAL_DISK), what="the disk store client")
-        first.store(tokens, **kv.kv(src))
+        token_api.store(first, tokens, **kv.kv(src))
         assert first.wait_write_behind(WAIT_S)
         assert first.nats_loop.call(client.wait_written(WAIT_S), WAIT_S + 2, default=False)
-        assert first.lookup(tokens, search_range=[LOCAL_CPU]) == 0  # local_cpu: false -> staging only
-        assert first.lookup(tokens) == 128
+        assert token_api.lookup(first, tokens, search_range=[LOCAL_CPU]) == 0  # local_cpu: false -> staging only
+        assert token_api.lookup(first, tokens) == 128
         dst = kv.slots(128, exclude=src)
-        assert bool(first.retrieve(tokens, **kv.kv(dst)).all())
+        assert bool(token_api.retrieve(first, tokens, **kv.kv(dst)).all())
         assert torch.equal(kv.token_kv(dst), expected)
 
         first.close()
@@ -126,8 +127,8 @@ def test_an_engine_whose_mesh_cannot_start_serves_from_its_cpu_tier(monkeypatch)
     try:
         assert engine.nats_loop is None and embedded_mesh.registry.current() is None
         tokens = random_tokens(64, seed=2)
-        engine.store(tokens, **kv.kv(kv.slots(64)))
-        assert engine.lookup(tokens) == 64
+        token_api.store(engine, tokens, **kv.kv(kv.slots(64)))
+        assert token_api.lookup(engine, tokens) == 64
     finally:
         engine.close()
 

@@ -19,6 +19,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from kvmesh.shared.protocol import disk_store_id
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.assembly import build_engine
 from kvmesh.shared import bus, chunk_file, protocol
@@ -87,7 +88,7 @@ async def test_worker_agent_registers_reports_and_answers_commands(nats_server: 
         assert protocol.is_worker_id_of(reg.worker_id, "inst-a", 1, 0) and reg.worker_id != "inst-a"
 
         prompt = random_tokens(12, seed=1)  # seed 000: a 12-token prompt, one partial chunk
-        await asyncio.to_thread(engine.store, prompt, **kv.kv(kv.slots(12)))
+        await asyncio.to_thread(token_api.store, engine, prompt, **kv.kv(kv.slots(12)))
         key = engine.hasher.keys(prompt)[0]
         await wait_until_async(lambda: any(key in b.admitted for b in batches), what="the admission")
         assert [b.seq for b in batches] == list(range(1, len(batches) + 1))
@@ -103,7 +104,7 @@ async def test_worker_agent_registers_reports_and_answers_commands(nats_server: 
         assert (await command("pin", tokens=tokens)).num_tokens == 12
         assert (await command("clear")).num_tokens == 12  # the CPU tier's clear drops pinned chunks too
         await wait_until_async(lambda: any(key in b.evicted for b in batches), what="the eviction")
-        assert engine.lookup(prompt) == 0
+        assert token_api.lookup(engine, prompt) == 0
         reply = await command("pin", location=LOCAL_DISK, tokens=tokens)
         assert not reply.ok and "LocalDiskBackend" in (reply.error or "")
 
@@ -160,7 +161,7 @@ async def test_controller_move_copies_and_moves_between_an_engine_s_tiers(disk_m
     expected = kv.token_kv(src)
 
     def held(location: str) -> int:
-        return engine.lookup(tokens, search_range=[location])
+        return token_api.lookup(engine, tokens, search_range=[location])
 
     async def move(source: str, target: str, copy: bool) -> int:
         response = await client.post("/move", json={"old_position": ["mover", source], "new_position": [
@@ -188,7 +189,7 @@ async def test_controller_move_copies_and_moves_between_an_engine_s_tiers(disk_m
             assert await move(LOCAL_DISK, LOCAL_CPU, copy=True) == 128
             assert await asyncio.to_thread(held, LOCAL_CPU) == 128
             dst = kv.slots(128, exclude=src)
-            assert bool((await asyncio.to_thread(engine.retrieve, tokens, **kv.kv(dst))).all())
+            assert bool((await asyncio.to_thread(token_api.retrieve, engine, tokens, **kv.kv(dst))).all())
             assert torch.equal(kv.token_kv(dst), expected)
 
             assert await move(LOCAL_CPU, LOCAL_DISK, copy=False) == 128  # LMCache's default: a move
@@ -220,15 +221,15 @@ def test_chunks_evicted_from_cpu_come_back_from_the_disk_store(disk_mesh: LocalM
         wait_until(lambda: engine.storage.lower(LOCAL_DISK) is not None, what="the disk store client")
         _store_and_settle(engine, a, kv, src_a)
         _store_and_settle(engine, b, kv, src_b)  # evicts a from the CPU tier (when it keeps chunks)
-        assert engine.lookup(a, search_range=[LOCAL_CPU]) == 0
-        assert engine.lookup(a) == 128 and engine.lookup(b) == 128
-        assert engine.lookup(a, search_range=[LOCAL_DISK]) == 128
+        assert token_api.lookup(engine, a, search_range=[LOCAL_CPU]) == 0
+        assert token_api.lookup(engine, a) == 128 and token_api.lookup(engine, b) == 128
+        assert token_api.lookup(engine, a, search_range=[LOCAL_DISK]) == 128
 
         dst = kv.slots(128, exclude=torch.cat([src_a, src_b]))
-        got = engine.retrieve(a, **kv.kv(dst))
+        got = token_api.retrieve(engine, a, **kv.kv(dst))
         assert bool(got.all())
         assert torch.equal(kv.token_kv(dst), expected_a)
-        held_on_cpu = engine.lookup(a, search_range=[LOCAL_CPU])
+        held_on_cpu = token_api.lookup(engine, a, search_range=[LOCAL_CPU])
         assert held_on_cpu == (128 if local_cpu else 0)  # fetched chunks are kept only with local_cpu
         assert engine.storage.stats["fetched_LocalDiskBackend"] == 4
         # every byte went through the engine's pool, lent to the store once: none inline on NATS
@@ -239,15 +240,15 @@ def test_chunks_evicted_from_cpu_come_back_from_the_disk_store(disk_mesh: LocalM
 
         # chunks already on disk are not sent again
         done = engine.storage.stats["write_behind_done"]
-        engine.store(a, **kv.kv(src_a))
+        token_api.store(engine, a, **kv.kv(src_a))
         assert engine.wait_write_behind(WAIT_S)
         assert engine.storage.stats["write_behind_done"] == done
 
         # controller commands at the disk location go through the disk store's client
-        assert engine.pin(a, LOCAL_DISK) == 128
-        assert engine.unpin(a, LOCAL_DISK) == 128
-        assert engine.clear(LOCAL_DISK) == 256
-        assert engine.lookup(b, search_range=[LOCAL_DISK]) == 0
+        assert token_api.pin(engine, a, LOCAL_DISK) == 128
+        assert token_api.unpin(engine, a, LOCAL_DISK) == 128
+        assert token_api.clear(engine, LOCAL_DISK) == 256
+        assert token_api.lookup(engine, b, search_range=[LOCAL_DISK]) == 0
     finally:
         engine.close()
 
@@ -266,7 +267,8 @@ def test_force_skip_save_stores_nothing_and_still_loads(disk_mesh: LocalMesh, kv
         assert saving.wait_connected(WAIT_S), "engine did not reach NATS"
         wait_until(lambda: saving.storage.lower(LOCAL_DISK) is not None, what="the disk store client")
         _store_and_settle(saving, a, kv, src)
-        assert saving.lookup(a, search_range=[LOCAL_CPU]) == 96 and saving.lookup(a, search_range=[LOCAL_DISK]) == 96
+        assert token_api.lookup(saving, a, search_range=[LOCAL_CPU]) == 96
+        assert token_api.lookup(saving, a, search_range=[LOCAL_DISK]) == 96
     finally:
         saving.close()
 
@@ -277,12 +279,12 @@ def test_force_skip_save_stores_nothing_and_still_loads(disk_mesh: LocalMesh, kv
         assert engine.wait_connected(WAIT_S), "engine did not reach NATS"
         wait_until(lambda: engine.storage.lower(LOCAL_DISK) is not None, what="the disk store client")
         _store_and_settle(engine, b, kv, kv.slots(96, exclude=src))
-        assert engine.lookup(b) == 0  # neither the CPU tier nor the disk store got b
-        assert engine.lookup(b, search_range=[LOCAL_DISK]) == 0
+        assert token_api.lookup(engine, b) == 0  # neither the CPU tier nor the disk store got b
+        assert token_api.lookup(engine, b, search_range=[LOCAL_DISK]) == 0
         assert engine.storage.stats["write_behind_done"] == 0
         # what the tiers hold still loads
         dst = kv.slots(96, exclude=src)
-        assert bool(engine.retrieve(a, **kv.kv(dst)).all())
+        assert bool(token_api.retrieve(engine, a, **kv.kv(dst)).all())
         assert torch.equal(kv.token_kv(dst), expected_a)
     finally:
         engine.close()
@@ -294,16 +296,16 @@ def test_prefetch_warms_the_cpu_tier(disk_mesh: LocalMesh, kv: PagedKV, tmp_path
         a = random_tokens(96, seed=20)
         wait_until(lambda: engine.storage.lower(LOCAL_DISK) is not None, what="the disk store client")
         _store_and_settle(engine, a, kv, kv.slots(96))
-        assert engine.clear(LOCAL_CPU) == 96
-        engine.prefetch(a)
-        wait_until(lambda: engine.lookup(a, search_range=[LOCAL_CPU]) == 96, what="the prefetched chunks")
+        assert token_api.clear(engine, LOCAL_CPU) == 96
+        token_api.prefetch(engine, a)
+        wait_until(lambda: token_api.lookup(engine, a, search_range=[LOCAL_CPU]) == 96, what="the prefetched chunks")
         assert engine.storage.stats["fetched_LocalDiskBackend"] == 3
 
         # a retrieve right behind a prefetch waits for the chunks in flight instead of reading them twice
-        assert engine.clear(LOCAL_CPU) == 96
-        engine.prefetch(a)
+        assert token_api.clear(engine, LOCAL_CPU) == 96
+        token_api.prefetch(engine, a)
         dst = kv.slots(96)
-        assert bool(engine.retrieve(a, **kv.kv(dst)).all())
+        assert bool(token_api.retrieve(engine, a, **kv.kv(dst)).all())
         assert engine.storage.stats["fetched_LocalDiskBackend"] == 6
     finally:
         engine.close()
@@ -318,7 +320,7 @@ def test_nats_outage_gives_misses_at_once_and_the_engine_reconnects(kv: PagedKV,
     restarted: EmbeddedNats | None = None
     try:
         a = random_tokens(64, seed=30)
-        engine.store(a, **kv.kv(kv.slots(64)))  # no disk store is running: write-behind fails, CPU keeps it
+        token_api.store(engine, a, **kv.kv(kv.slots(64)))  # no disk store is running: write-behind fails, CPU keeps it
         server.stop()
         wait_until(lambda: not engine.connected, what="the engine to see NATS gone")
 
@@ -334,13 +336,13 @@ def test_nats_outage_gives_misses_at_once_and_the_engine_reconnects(kv: PagedKV,
         for name in ("submit", "call_soon"):  # `call` goes through `submit`
             monkeypatch.setattr(engine.nats_loop, name, spy(name, getattr(engine.nats_loop, name)))
         b = random_tokens(96, seed=31)
-        engine.store(b, **kv.kv(kv.slots(96)))
-        assert engine.lookup(b) == 96 and engine.lookup(a) == 64  # the CPU tier still serves
-        assert bool(engine.retrieve(a, **kv.kv(kv.slots(64))).all())
+        token_api.store(engine, b, **kv.kv(kv.slots(96)))
+        assert token_api.lookup(engine, b) == 96 and token_api.lookup(engine, a) == 64  # the CPU tier still serves
+        assert bool(token_api.retrieve(engine, a, **kv.kv(kv.slots(64))).all())
         unknown = random_tokens(64, seed=32)
-        assert engine.lookup(unknown) == 0
-        assert not bool(engine.retrieve(unknown, **kv.kv(kv.slots(64))).any())
-        assert engine.pin(a, LOCAL_DISK) == 0
+        assert token_api.lookup(engine, unknown) == 0
+        assert not bool(token_api.retrieve(engine, unknown, **kv.kv(kv.slots(64))).any())
+        assert token_api.pin(engine, a, LOCAL_DISK) == 0
         assert handed == []
         monkeypatch.undo()
 
@@ -366,7 +368,7 @@ def test_nats_outage_gives_misses_at_once_and_the_engine_reconnects(kv: PagedKV,
         assert asyncio.run(ask()).num_tokens == 96
         # A store that does not answer (no disk store on the mesh) ends the fetch by its request failing (no
         # responder, or the 0.5 s request timeout), not by the retrieve's blocking timeout running out.
-        assert not bool(engine.retrieve(unknown, **kv.kv(kv.slots(64))).any())
+        assert not bool(token_api.retrieve(engine, unknown, **kv.kv(kv.slots(64))).any())
         assert engine.storage.stats["fetch_timeout"] == 0
     finally:
         engine.close()
@@ -380,12 +382,12 @@ def test_first_connect_may_fail_and_is_retried(kv: PagedKV) -> None:
 
     port = free_port()
     engine = build_engine(engine_config(nats_url=f"nats://127.0.0.1:{port}", lmcache_instance_id="late"),
-                         PARAMS, kv.layout)
+                          PARAMS, kv.layout)
     server: EmbeddedNats | None = None
     try:
         a = random_tokens(64, seed=40)
-        engine.store(a, **kv.kv(kv.slots(64)))  # works without NATS
-        assert engine.lookup(a) == 64 and not engine.connected
+        token_api.store(engine, a, **kv.kv(kv.slots(64)))  # works without NATS
+        assert token_api.lookup(engine, a) == 64 and not engine.connected
         server = EmbeddedNats(port=port).start()
         assert engine.wait_connected(WAIT_S)
     finally:
@@ -430,28 +432,30 @@ def test_retrieval_goes_cpu_then_disk_then_remote(full_mesh: LocalMesh, kv: Page
         expected_a, expected_b = kv.token_kv(src_a), kv.token_kv(src_b)
         _store_and_settle(engine, a, kv, src_a)
         _store_and_settle(engine, b, kv, src_b)
-        assert engine.lookup(a, search_range=[REMOTE]) == 128 and engine.lookup(a, search_range=[LOCAL_DISK]) == 128
+        assert token_api.lookup(engine, a, search_range=[REMOTE]) == 128
+        assert token_api.lookup(engine, a, search_range=[LOCAL_DISK]) == 128
 
         # a: chunks 0-1 only on disk, chunks 2-3 only in the remote store, nothing in the CPU tier
         keys_a = engine.hasher.keys(a)
         assert engine.nats_loop.call(disk.remove(keys_a[2:]), WAIT_S, default=0) == 2
         assert engine.nats_loop.call(remote.remove(keys_a[:2]), WAIT_S, default=0) == 2
-        assert engine.lookup(a, search_range=[LOCAL_DISK]) == 64 and engine.lookup(a, search_range=[REMOTE]) == 0
-        assert engine.lookup(a) == 128  # the prefix spans both tiers
+        assert token_api.lookup(engine, a, search_range=[LOCAL_DISK]) == 64
+        assert token_api.lookup(engine, a, search_range=[REMOTE]) == 0
+        assert token_api.lookup(engine, a) == 128  # the prefix spans both tiers
         exclude = torch.cat([src_a, src_b])
         dst = kv.slots(128, exclude=exclude)
-        assert bool(engine.retrieve(a, **kv.kv(dst)).all())
+        assert bool(token_api.retrieve(engine, a, **kv.kv(dst)).all())
         assert torch.equal(kv.token_kv(dst), expected_a)
         assert engine.storage.stats["fetched_LocalDiskBackend"] == 2
         assert engine.storage.stats["fetched_RemoteBackend"] == 2
 
         # b: only in the remote store (disk cleared, CPU cleared)
-        assert engine.clear(LOCAL_DISK) > 0
-        engine.clear(LOCAL_CPU)
+        assert token_api.clear(engine, LOCAL_DISK) > 0
+        token_api.clear(engine, LOCAL_CPU)
         dst_b = kv.slots(128, exclude=torch.cat([exclude, dst]))
-        assert bool(engine.retrieve(b, **kv.kv(dst_b)).all())
+        assert bool(token_api.retrieve(engine, b, **kv.kv(dst_b)).all())
         assert torch.equal(kv.token_kv(dst_b), expected_b)
-        assert engine.pin(b, REMOTE) == 128 and engine.unpin(b, REMOTE) == 128
+        assert token_api.pin(engine, b, REMOTE) == 128 and token_api.unpin(engine, b, REMOTE) == 128
     finally:
         engine.close()
 
@@ -474,12 +478,12 @@ def test_cpu_hits_refresh_recency_in_the_disk_store(small_disk_mesh: LocalMesh, 
         prompts = [random_tokens(32, seed=40 + i) for i in range(4)]  # one chunk each
         for prompt in prompts[:3]:
             _store_and_settle(engine, prompt, kv, kv.slots(32))
-        assert all(engine.lookup(p, search_range=[LOCAL_DISK]) == 32 for p in prompts[:3])
-        assert bool(engine.retrieve(prompts[0], **kv.kv(kv.slots(32))).all())  # a CPU hit on the oldest
+        assert all(token_api.lookup(engine, p, search_range=[LOCAL_DISK]) == 32 for p in prompts[:3])
+        assert bool(token_api.retrieve(engine, prompts[0], **kv.kv(kv.slots(32))).all())  # a CPU hit on the oldest
         if refreshed:
             engine.nats_loop.call(engine.storage.flush_hits(), WAIT_S, default=None)
         _store_and_settle(engine, prompts[3], kv, kv.slots(32))  # the disk store must evict one
-        on_disk = [engine.lookup(p, search_range=[LOCAL_DISK]) == 32 for p in prompts]
+        on_disk = [token_api.lookup(engine, p, search_range=[LOCAL_DISK]) == 32 for p in prompts]
         assert on_disk == ([True, False, True, True] if refreshed else [False, True, True, True]), on_disk
     finally:
         engine.close()
@@ -498,9 +502,9 @@ def test_a_chunk_whose_meta_is_not_what_its_key_holds_is_a_miss(disk_mesh: Local
         wait_until(lambda: engine.storage.lower(LOCAL_DISK) is not None, what="the disk store client")
         _store_and_settle(engine, tokens, kv, src)
         keys = engine.hasher.keys(tokens)
-        assert engine.lookup(tokens, search_range=[LOCAL_DISK]) == 192
+        assert token_api.lookup(engine, tokens, search_range=[LOCAL_DISK]) == 192
         intact = torch.zeros(192, dtype=torch.bool)
-        assert torch.equal(engine.retrieve(tokens, **kv.kv(kv.slots(192, exclude=src))), ~intact)
+        assert torch.equal(token_api.retrieve(engine, tokens, **kv.kv(kv.slots(192, exclude=src))), ~intact)
         changes = ((4, {"fmt": "another-layout"}), (3, {"nbytes": -2}), (2, {"num_tokens": CHUNK - 1}),
                    (1, {"dtype": "float64"}))
         bad_metas = 0
@@ -512,7 +516,7 @@ def test_a_chunk_whose_meta_is_not_what_its_key_holds_is_a_miss(disk_mesh: Local
                 data = data[:change["nbytes"]]
                 change = {"nbytes": len(data), "checksum": chunk_file.checksum(data)}
             chunk_file.write_chunk_file(root, dataclasses.replace(meta, **change), data)  # a valid file
-            got = engine.retrieve(tokens, **kv.kv(kv.slots(192, exclude=src)))
+            got = token_api.retrieve(engine, tokens, **kv.kv(kv.slots(192, exclude=src)))
             assert int(got.sum()) == position * CHUNK  # the chunks before it, never it or what follows
             # counted (the chunks read together with it that are bad too count as well)
             assert engine.storage.stats["fetch_bad_meta"] > bad_metas
@@ -539,8 +543,8 @@ def test_a_restarted_engine_clears_what_its_previous_process_put_in_the_disk_sto
     after = engine()  # the same instance and rank in a new process: a new worker id, the same claims
     try:
         assert after.worker_id != first_worker_id and after.store_caller == before.store_caller
-        assert after.clear(LOCAL_DISK) == 96
-        assert after.lookup(tokens, search_range=[LOCAL_DISK]) == 0
+        assert token_api.clear(after, LOCAL_DISK) == 96
+        assert token_api.lookup(after, tokens, search_range=[LOCAL_DISK]) == 0
     finally:
         after.close()
 

@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 import pytest
 import torch
 
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.assembly import build_engine
 from kvmesh.shared.embedded_nats import EmbeddedNats
@@ -95,7 +96,7 @@ def nats_url() -> Iterator[str]:
 
 def engine_with_fake(url: str, kv: PagedKV, **overrides: object) -> tuple[CacheEngine, FakeStore]:
     engine = build_engine(engine_config(nats_url=url, local_disk="/nonexistent/kvmesh-test", **overrides),
-                         PARAMS, kv.layout)
+                          PARAMS, kv.layout)
     assert engine.wait_connected(WAIT_S)
     fake = FakeStore()
     on_loop(engine, lambda: _install(engine, fake))
@@ -123,11 +124,11 @@ def test_a_full_write_behind_queue_skips_and_never_blocks(nats_url: str) -> None
     try:
         on_loop(engine, fake.put_gate.clear)  # the store stops taking chunks
         tokens = random_tokens(320, seed=1)  # 10 chunks
-        finishes(lambda: engine.store(tokens, **kv.kv(kv.slots(320))), what="a store behind a full queue")
+        finishes(lambda: token_api.store(engine, tokens, **kv.kv(kv.slots(320))), what="a store behind a full queue")
         assert fake.puts == 0  # it returned while the store took nothing: it did not wait for the store
         stats = engine.storage.stats
         assert stats["write_behind_skipped_full"] >= 10 - 2 - 2  # queue of 2, plus the 2 writers' jobs in hand
-        assert engine.lookup(tokens) == 320  # the CPU tier has everything
+        assert token_api.lookup(engine, tokens) == 320  # the CPU tier has everything
         on_loop(engine, fake.put_gate.set)
         assert engine.wait_write_behind(WAIT_S)
         assert 2 <= fake.puts <= 4
@@ -141,13 +142,13 @@ def test_a_slow_store_gives_a_shorter_hit_after_the_blocking_timeout(nats_url: s
     try:
         tokens = random_tokens(128, seed=2)
         src = kv.slots(128)
-        engine.store(tokens, **kv.kv(src))
+        token_api.store(engine, tokens, **kv.kv(src))
         assert engine.wait_write_behind(WAIT_S) and fake.puts == 4
         keys = engine.hasher.keys(tokens)
         for key in keys[1:]:
             engine.cpu.remove(key)  # chunk 0 on the CPU, 1-3 only in the store
         on_loop(engine, fake.get_gate.clear)  # the store's gets hang until the test lets them go
-        got = finishes(lambda: engine.retrieve(tokens, **kv.kv(kv.slots(128, exclude=src))),
+        got = finishes(lambda: token_api.retrieve(engine, tokens, **kv.kv(kv.slots(128, exclude=src))),
                        what="a retrieve from a store that does not answer")
         assert int(got.sum()) == CHUNK  # only the CPU chunk: the retrieve gave up on the rest after 0.5 s
         assert engine.storage.stats["fetch_timeout"] == 1
@@ -155,9 +156,9 @@ def test_a_slow_store_gives_a_shorter_hit_after_the_blocking_timeout(nats_url: s
         # once the store answers, the abandoned fetch finishes on the NATS loop and parks its chunks in the CPU
         # tier, leaking nothing
         on_loop(engine, fake.get_gate.set)
-        wait_until(lambda: engine.lookup(tokens, search_range=["LocalCPUBackend"]) == 128
+        wait_until(lambda: token_api.lookup(engine, tokens, search_range=["LocalCPUBackend"]) == 128
                    and engine.pool.num_free == engine.pool.num_slots - 4, what="the abandoned fetch parked, no leak")
-        assert bool(engine.retrieve(tokens, **kv.kv(kv.slots(128, exclude=src))).all())
+        assert bool(token_api.retrieve(engine, tokens, **kv.kv(kv.slots(128, exclude=src))).all())
     finally:
         engine.close()
 
@@ -168,7 +169,7 @@ def _only_in_the_store(engine: CacheEngine, fake: FakeStore, kv: PagedKV, chunks
     tokens = random_tokens(chunks * CHUNK, seed=seed)
     src = kv.slots(len(tokens))
     for end in range(1, chunks + 1):  # a chunk at a time: a pool smaller than the prompt takes them all so
-        engine.store(tokens[:end * CHUNK], **kv.kv(src[:end * CHUNK]))
+        token_api.store(engine, tokens[:end * CHUNK], **kv.kv(src[:end * CHUNK]))
         assert engine.wait_write_behind(WAIT_S) and fake.puts == end
     keys = engine.hasher.keys(tokens)
     for key in keys:
@@ -188,7 +189,7 @@ def test_a_slow_read_does_not_hold_back_the_reads_behind_it(nats_url: str) -> No
         fake.gets_begun.clear()
         retrieved: list[torch.Tensor] = []
         reader = threading.Thread(target=lambda: retrieved.append(
-            engine.retrieve(tokens, **kv.kv(kv.slots(len(tokens), exclude=src)))))
+            token_api.retrieve(engine, tokens, **kv.kv(kv.slots(len(tokens), exclude=src)))))
         reader.start()
         # chunk 0 landed, so chunk 2 started beside the held chunk 1; the window (2) is full: nothing more
         wait_until(lambda: fake.gets_begun[:3] == keys[:3], what="the read after the slow one to start")
@@ -208,12 +209,12 @@ def test_a_miss_ends_the_fetch_and_frees_the_slots_of_the_reads_after_it(nats_ur
     try:
         tokens, keys, src = _only_in_the_store(engine, fake, kv, 6, seed=7)
         del fake.chunks[keys[2]]
-        got = engine.retrieve(tokens, **kv.kv(kv.slots(len(tokens), exclude=src)))
+        got = token_api.retrieve(engine, tokens, **kv.kv(kv.slots(len(tokens), exclude=src)))
         assert int(got.sum()) == 2 * CHUNK  # the prefix before the miss
         assert keys[5] not in fake.gets_begun  # the window was full up to the miss; nothing started after it
         # chunks 0 and 1 stay in the CPU tier; the slots of the reads in flight behind the miss are free again
         wait_until(lambda: engine.pool.num_free == engine.pool.num_slots - 2, what="the slots after the miss freed")
-        assert engine.lookup(tokens, search_range=["LocalCPUBackend"]) == 2 * CHUNK
+        assert token_api.lookup(engine, tokens, search_range=["LocalCPUBackend"]) == 2 * CHUNK
     finally:
         engine.close()
 
@@ -224,7 +225,7 @@ def test_a_fetch_that_fills_the_pool_keeps_the_reads_already_in_flight(nats_url:
     engine, fake = engine_with_fake(nats_url, kv, cpu_chunks=4, fetch_concurrency=3)
     try:
         tokens, keys, src = _only_in_the_store(engine, fake, kv, 6, seed=8)
-        got = engine.retrieve(tokens, **kv.kv(kv.slots(len(tokens), exclude=src)))
+        got = token_api.retrieve(engine, tokens, **kv.kv(kv.slots(len(tokens), exclude=src)))
         assert int(got.sum()) == 4 * CHUNK  # the retrieve holds every fetched chunk until it is scattered
         assert engine.storage.stats["fetch_no_memory"] == 1 and fake.gets_begun == keys[:4]
     finally:
@@ -237,16 +238,17 @@ def test_a_pool_full_of_chunks_in_flight_skips_stores(nats_url: str) -> None:
     try:
         on_loop(engine, fake.put_gate.clear)
         a, b = random_tokens(64, seed=3), random_tokens(64, seed=4)
-        engine.store(a, **kv.kv(kv.slots(64)))  # both slots now held by the CPU tier and by write-behind
+        token_api.store(engine, a, **kv.kv(kv.slots(64)))  # both slots now held by the CPU tier and by write-behind
         # nothing can be freed now: skipped, not waited for (a slot frees only once the store takes a put)
-        finishes(lambda: engine.store(b, **kv.kv(kv.slots(64))), what="a store into a pool held by write-behind")
+        finishes(lambda: token_api.store(engine, b, **kv.kv(kv.slots(64))),
+                 what="a store into a pool held by write-behind")
         assert fake.puts == 0
-        assert engine.lookup(b) == 0 and engine.lookup(a) == 64
+        assert token_api.lookup(engine, b) == 0 and token_api.lookup(engine, a) == 64
         on_loop(engine, fake.put_gate.set)
         assert engine.wait_write_behind(WAIT_S)
-        engine.store(b, **kv.kv(kv.slots(64)))  # a's chunks are idle now: LRU makes room
-        assert engine.lookup(b) == 64
-        assert engine.lookup(a) == 64  # a is back from the store below
+        token_api.store(engine, b, **kv.kv(kv.slots(64)))  # a's chunks are idle now: LRU makes room
+        assert token_api.lookup(engine, b) == 64
+        assert token_api.lookup(engine, a) == 64  # a is back from the store below
     finally:
         engine.close()
 
@@ -257,14 +259,14 @@ def test_chunks_a_store_dropped_are_sent_again(nats_url: str) -> None:
     try:
         tokens = random_tokens(128, seed=5)
         src = kv.slots(128)
-        engine.store(tokens, **kv.kv(src))
+        token_api.store(engine, tokens, **kv.kv(src))
         assert engine.wait_write_behind(WAIT_S) and fake.puts == 4
-        engine.clear()
-        engine.store(tokens, **kv.kv(src))  # every chunk is known to be in the store: nothing is copied
-        assert engine.wait_write_behind(WAIT_S) and fake.puts == 4 and engine.lookup(tokens) == 128
+        token_api.clear(engine)
+        token_api.store(engine, tokens, **kv.kv(src))  # every chunk is known to be in the store: nothing is copied
+        assert engine.wait_write_behind(WAIT_S) and fake.puts == 4 and token_api.lookup(engine, tokens) == 128
         fake.chunks.clear()  # the store evicted them
-        assert engine.lookup(tokens) == 0  # ... which the lookup learns
-        engine.store(tokens, **kv.kv(src))
-        assert engine.wait_write_behind(WAIT_S) and fake.puts == 8 and engine.lookup(tokens) == 128
+        assert token_api.lookup(engine, tokens) == 0  # ... which the lookup learns
+        token_api.store(engine, tokens, **kv.kv(src))
+        assert engine.wait_write_behind(WAIT_S) and fake.puts == 8 and token_api.lookup(engine, tokens) == 128
     finally:
         engine.close()

@@ -22,6 +22,7 @@ import torch
 
 from kvmesh.services.controller.config import ControllerConfig
 from kvmesh.services.controller.service import ControllerService
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core.kv_layout import detect_layout
@@ -51,18 +52,18 @@ def test_chunks_with_extras_load_only_with_the_same_extras(kv: PagedKV, stored: 
     engine = build_engine(engine_config(), PARAMS, kv.layout, use_mesh=False)
     try:
         tokens, slots = random_tokens(100, seed=1), kv.slots(100)
-        engine.store(tokens, **kv.kv(slots), extras=stored)
-        assert engine.lookup(tokens, extras=stored) == 100
-        assert engine.lookup(tokens, extras=other) == 0
+        token_api.store(engine, tokens, **kv.kv(slots), extras=stored)
+        assert token_api.lookup(engine, tokens, extras=stored) == 100
+        assert token_api.lookup(engine, tokens, extras=other) == 0
         if other is not None:
-            assert engine.lookup(tokens) == 0, "a plain request never sees chunks keyed with extras"
+            assert token_api.lookup(engine, tokens) == 0, "a plain request never sees chunks keyed with extras"
 
         target = PagedKV(num_blocks=128, seed=7)
         target_slots = target.slots(100)
         before = target.buffer.clone()
-        assert not engine.retrieve(tokens, **target.kv(target_slots), extras=other).any()
+        assert not token_api.retrieve(engine, tokens, **target.kv(target_slots), extras=other).any()
         assert torch.equal(target.buffer, before), "a miss writes nothing"
-        assert engine.retrieve(tokens, **target.kv(target_slots), extras=stored).all()
+        assert token_api.retrieve(engine, tokens, **target.kv(target_slots), extras=stored).all()
         assert torch.equal(target.token_kv(target_slots), kv.token_kv(slots))
     finally:
         engine.close()
@@ -85,7 +86,7 @@ async def test_controller_lookup_and_pin_take_cache_salt_and_lora_name(nats_serv
                                                                        kv: PagedKV) -> None:
     engine = await asyncio.to_thread(lambda: build_engine(engine_config(nats_url=nats_server.url,
                                                                        lmcache_instance_id="tenant"), PARAMS,
-                                                         kv.layout))
+                                                          kv.layout))
     try:
         assert await asyncio.to_thread(engine.wait_connected, WAIT_S)
         async with controller_on(nats_server.url) as client:
@@ -93,7 +94,7 @@ async def test_controller_lookup_and_pin_take_cache_salt_and_lora_name(nats_serv
             tokens = random_tokens(3 * CHUNK, seed=3)
             token_list = tokens.tolist()
             extras = KeyExtras(lora_id=LORA_A.lora_id, cache_salt="s1")
-            await asyncio.to_thread(engine.store, tokens, **kv.kv(kv.slots(len(tokens))), extras=extras)
+            await asyncio.to_thread(token_api.store, engine, tokens, **kv.kv(kv.slots(len(tokens))), extras=extras)
 
             async def lookup(**fields: str) -> dict[str, Any]:
                 response = await client.post("/lookup", json={"tokens": token_list, **fields})
@@ -152,7 +153,7 @@ async def test_tensor_parallel_ranks_keep_their_own_shards_and_are_listed_once(n
             async def layout() -> dict[str, Any]:
                 return (await client.post("/lookup", json={"tokens": tokens.tolist()})).json()["layout_info"]
 
-            await asyncio.to_thread(engines[0].store, tokens, **shards[0].kv(slots[0]))
+            await asyncio.to_thread(token_api.store, engines[0], tokens, **shards[0].kv(slots[0]))
             await asyncio.to_thread(engines[0].wait_write_behind)
 
             async def rank0_known() -> bool:
@@ -160,7 +161,7 @@ async def test_tensor_parallel_ranks_keep_their_own_shards_and_are_listed_once(n
                 return bool(instances) and await layout() == {}
 
             await wait_until_async(rank0_known, what="both ranks registered, rank 0 holding alone")
-            await asyncio.to_thread(engines[1].store, tokens, **shards[1].kv(slots[1]))
+            await asyncio.to_thread(token_api.store, engines[1], tokens, **shards[1].kv(slots[1]))
 
             async def listed_once() -> bool:
                 return await layout() == {"tp": [LOCAL_CPU, len(tokens)]}
@@ -170,7 +171,7 @@ async def test_tensor_parallel_ranks_keep_their_own_shards_and_are_listed_once(n
         for rank, engine in enumerate(engines):
             target = PagedKV(num_blocks=128, seed=10 + rank)
             target_slots = target.slots(len(tokens))
-            assert engine.retrieve(tokens, **target.kv(target_slots)).all()
+            assert token_api.retrieve(engine, tokens, **target.kv(target_slots)).all()
             assert torch.equal(target.token_kv(target_slots), shards[rank].token_kv(slots[rank]))
     finally:
         for engine in engines:
@@ -197,16 +198,17 @@ def test_mla_is_keyed_once_for_all_ranks_and_stored_once(disk_mesh: LocalMesh, t
         tokens = random_tokens(2 * CHUNK, seed=5)
         slots = torch.arange(len(tokens))
         for engine, cache in zip(engines, caches):
-            engine.store(tokens, kv_caches=cache, slot_mapping=slots)
+            token_api.store(engine, tokens, kv_caches=cache, slot_mapping=slots)
         for engine in engines:
             assert engine.wait_write_behind(WAIT_S)
         assert engines[0].storage.stats["write_behind_done"] == 2
         assert engines[1].storage.stats["write_behind_done"] == 0, "rank 1 leaves the shared tier to rank 0"
         # rank 1 loses its CPU copy and loads rank 0's from the disk store
-        engines[1].clear(LOCAL_CPU)
-        wait_until(lambda: engines[1].lookup(tokens, [LOCAL_DISK]) == len(tokens), what="the disk store's copy")
+        token_api.clear(engines[1], LOCAL_CPU)
+        wait_until(lambda: token_api.lookup(engines[1], tokens, [LOCAL_DISK]) == len(tokens),
+                   what="the disk store's copy")
         target = {name: torch.zeros_like(cache) for name, cache in caches[1].items()}
-        assert engines[1].retrieve(tokens, kv_caches=target, slot_mapping=slots).all()
+        assert token_api.retrieve(engines[1], tokens, kv_caches=target, slot_mapping=slots).all()
         assert engines[1].storage.stats[f"fetched_{LOCAL_DISK}"] == 2
         for name, cache in caches[1].items():
             torch.testing.assert_close(target[name][:4], cache[:4], rtol=0, atol=0)

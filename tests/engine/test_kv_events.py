@@ -12,6 +12,7 @@ from typing import Any, Iterator
 import msgspec
 import pytest
 
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, SchedulerLookup, StepEventLog, engines
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.assembly import build_engine
@@ -79,7 +80,7 @@ def test_admitted_chunks_are_published_as_blocks_with_their_tokens_and_parents(
     chain = conn.scheduler_side.tracker("r1").chain
     assert len(chain) == 4
 
-    engine.store(tokens, **kv.kv(kv.slots(len(tokens))))
+    token_api.store(engine, tokens, **kv.kv(kv.slots(len(tokens))))
     stored = wire(step(conn, events))
     assert [type(e).__name__ for e in stored] == ["BlockStored"] * 4
     hashes = [kv_events.external_hash(span.key) for span in chain]
@@ -90,7 +91,7 @@ def test_admitted_chunks_are_published_as_blocks_with_their_tokens_and_parents(
     assert step(conn, events) == [], "each admission is published once"
 
     # a clear of the CPU tier removes every chunk
-    engine.clear(LOCAL_CPU)
+    token_api.clear(engine, LOCAL_CPU)
     removed = wire(step(conn, events))
     assert all(type(e).__name__ == "BlockRemoved" and e.medium == "CPU" for e in removed)
     assert sorted(h for e in removed for h in e.block_hashes) == sorted(hashes)
@@ -104,10 +105,11 @@ def test_a_request_that_shares_a_prefix_publishes_only_its_new_chunks_under_the_
     prefix = random_tokens(2 * CHUNK, seed=2).tolist()
     first, second = prefix + random_tokens(CHUNK, seed=3).tolist(), prefix + random_tokens(CHUNK, seed=4).tolist()
     conn.get_num_new_matched_tokens(request("a", first), 0)
-    engine.store(first, **kv.kv(kv.slots(len(first))))
+    token_api.store(engine, first, **kv.kv(kv.slots(len(first))))
     step(conn, events)
     conn.get_num_new_matched_tokens(request("b", second), 0)
-    engine.store(second, **kv.kv(kv.slots(len(second))))  # the prefix is held: only the last chunk is admitted
+    # the prefix is held: only the last chunk is admitted
+    token_api.store(engine, second, **kv.kv(kv.slots(len(second))))
     stored = step(conn, events)
     chain = conn.scheduler_side.tracker("b").chain
     assert len(stored) == 1
@@ -122,7 +124,7 @@ def test_chunks_beyond_the_bound_are_forgotten_and_their_admissions_not_publishe
     tokens = random_tokens(4 * CHUNK, seed=5).tolist()
     conn.get_num_new_matched_tokens(request("r", tokens), 0)
     assert len(conn.scheduler_side.kv_events) == 2
-    engine.store(tokens, **kv.kv(kv.slots(len(tokens))))
+    token_api.store(engine, tokens, **kv.kv(kv.slots(len(tokens))))
     stored = step(conn, events)
     assert [e.token_ids for e in stored] == [tokens[2 * CHUNK:3 * CHUNK], tokens[3 * CHUNK:]]
 
@@ -146,7 +148,7 @@ def test_without_kv_events_the_connector_returns_none(worker: tuple[CacheEngine,
     conn = scheduler(capacity=None)  # vLLM started without --kv-events-config
     tokens = random_tokens(2 * CHUNK, seed=6).tolist()
     conn.get_num_new_matched_tokens(request("r", tokens), 0)
-    engine.store(tokens, **kv.kv(kv.slots(len(tokens))))
+    token_api.store(engine, tokens, **kv.kv(kv.slots(len(tokens))))
     assert step(conn, events) == []
     chain = conn.scheduler_side.tracker("r").chain
     assert conn.scheduler_side.lookup.mirror.prefix(0, [s.key for s in chain]) == 2  # the mirror still works
@@ -184,7 +186,7 @@ def test_the_cache_salt_is_published_only_as_a_digest_equal_for_equal_salts(
     for seed, (req_id, salt) in enumerate(salts.items(), start=10):
         tokens = random_tokens(2 * CHUNK, seed=seed).tolist()
         conn.get_num_new_matched_tokens(request(req_id, tokens, cache_salt=salt), 0)
-        engine.store(tokens, **kv.kv(kv.slots(len(tokens))), extras=KeyExtras(cache_salt=salt))
+        token_api.store(engine, tokens, **kv.kv(kv.slots(len(tokens))), extras=KeyExtras(cache_salt=salt))
         batch = step(conn, events)
         payload = msgspec.msgpack.encode(vllm_events.KVEventBatch(ts=0.0, events=batch))
         assert salt.encode() not in payload, "the salt is on the wire in clear"

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.adapter.kv_groups import FULL, SLIDING, STATE, KVGroup, KVGroups, page_view, slot_rows
 from kvmesh.services.engine.adapter.request_meta import LoadSpec, ReqMeta, SaveSpec
 from kvmesh.services.engine.adapter.scheduler_side import SchedulerSide
@@ -189,7 +190,7 @@ def test_both_halves_store_a_prompt_prefilled_in_steps_and_load_it_into_the_wind
             tables["a"] = [[-1, 11, 12, 13, 14, 15], [30, 31, 32, 33, 34, 35]]
             run_step(sched, work, Step(cached=[("a", [13, 14, 15], 48, 48, False)]))
             run_step(sched, work, Step(finished={"a"}))
-            assert engine.lookup(t_a, search_range=["LocalCPUBackend"]) == len(t_a)
+            assert token_api.lookup(engine, t_a, search_range=["LocalCPUBackend"]) == len(t_a)
 
             # b: the same prompt, a whole-prompt hit loaded asynchronously; vLLM allocated the window group only
             # the window before the hit (blocks 4 and 5)
@@ -325,9 +326,9 @@ def test_each_tensor_parallel_rank_stores_loads_and_pins_its_own_shard_of_the_st
             for name in FULL_LAYERS:
                 for dst_block, src_block in zip(dst_tables[1], src_tables[1]):
                     assert torch.equal(dst_caches[name][dst_block], src_caches[name][src_block]), name
-            assert engine.pin(tokens) == len(tokens)
+            assert token_api.pin(engine, tokens) == len(tokens)
             assert all(engine.cpu.is_pinned(span.key) for span in [*spans, *states])
-            assert engine.unpin(tokens) == len(tokens)
+            assert token_api.unpin(engine, tokens) == len(tokens)
             assert not any(engine.cpu.is_pinned(span.key) for span in [*spans, *states])
     finally:
         for engine in engines:

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from kvmesh.services.disk_store import store as store_module
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.tiers.disk import DiskStoreClient
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.core.storage_manager import Run
@@ -61,7 +62,7 @@ def stalled_get(engine: CacheEngine, mesh: LocalMesh, kv: PagedKV, tokens: torch
     a miss. The store's pid."""
     wait_until(lambda: engine.storage.lower(LOCAL_DISK) is not None, what="the disk store client")
     _store_and_settle(engine, tokens, kv, kv.slots(CHUNK))
-    assert engine.clear(LOCAL_CPU) == CHUNK  # on disk only now
+    assert token_api.clear(engine, LOCAL_CPU) == CHUNK  # on disk only now
     storage = engine.storage
     spans = engine.hasher.spans(tokens)
     runs = engine.nats_loop.call(storage.locate(spans), WAIT_S, default=None)
@@ -88,8 +89,9 @@ def test_a_get_the_engine_gave_up_on_never_writes_into_a_reused_slot(disk_mesh: 
         pid = stalled_get(engine, disk_mesh, kv, a)
         src_b = kv.slots(CHUNK)
         expected_b = kv.token_kv(src_b)
-        engine.store(b, **kv.kv(src_b))  # into the CPU tier (its write-behind put waits on the stopped store)
-        wait_until(lambda: engine.lookup(b, search_range=[LOCAL_CPU]) == CHUNK, what="B in the CPU tier")
+        # into the CPU tier (its write-behind put waits on the stopped store)
+        token_api.store(engine, b, **kv.kv(src_b))
+        wait_until(lambda: token_api.lookup(engine, b, search_range=[LOCAL_CPU]) == CHUNK, what="B in the CPU tier")
         os.kill(pid, signal.SIGCONT)
         pid = None
 
@@ -100,7 +102,7 @@ def test_a_get_the_engine_gave_up_on_never_writes_into_a_reused_slot(disk_mesh: 
 
         wait_until(stale_get_handled, what="the store handled the stalled get")
         dst = kv.slots(CHUNK, exclude=src_b)
-        assert bool(engine.retrieve(b, **kv.kv(dst)).all())
+        assert bool(token_api.retrieve(engine, b, **kv.kv(dst)).all())
         assert torch.equal(kv.token_kv(dst), expected_b), "B's chunk was overwritten by the late get of A"
         stats = engine.storage.stats
         wait_until(lambda: stats["slots_quarantined"] == 1 and stats["slots_quarantined_now"] == 0,

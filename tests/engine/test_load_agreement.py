@@ -30,6 +30,7 @@ def rank_step(rank: int, init_file: str, agree: bool, results: Any) -> None:
     them and computes and saves the next two."""
     import torch.distributed as dist
 
+    from kvmesh.services.engine.core import token_api
     from kvmesh.services.engine.adapter.load_agreement import CollectiveAgreement
     from kvmesh.services.engine.adapter.request_meta import KVMeshConnectorMetadata, LoadSpec, ReqMeta, SaveSpec
     from kvmesh.services.engine.assembly import build_engine
@@ -44,7 +45,7 @@ def rank_step(rank: int, init_file: str, agree: bool, results: Any) -> None:
     try:
         kv = PagedKV(num_blocks=32, seed=rank)
         engine = build_engine(engine_config(), KeyParams("test-model", "", world_size=2, rank=rank), kv.layout,
-                             use_mesh=False)
+                              use_mesh=False)
         work = worker_half(engine, kv.caches, BLOCK, saves_off_forward=False)
         if agree:
             work.worker_side.agreement = CollectiveAgreement([dist.group.WORLD])
@@ -52,7 +53,8 @@ def rank_step(rank: int, init_file: str, agree: bool, results: Any) -> None:
         tokens = random_tokens(TOKENS, seed=71).tolist()
         first = [1, 2, 3, 4]
         oracle.run(tokens, first, 0, 2 * CHUNK)
-        engine.store(tokens[:2 * CHUNK], kv_caches=kv.caches, slot_mapping=oracle._slots(first, 0, 2 * CHUNK))
+        token_api.store(engine, tokens[:2 * CHUNK], kv_caches=kv.caches,
+                        slot_mapping=oracle._slots(first, 0, 2 * CHUNK))
         if rank == 0:
             assert engine.cpu.remove(engine.hasher.spans(tokens)[1].key)
         chain = ChunkHasher(KeyParams("test-model", engine.key_params.kv_format), CHUNK).chain(tokens)
@@ -66,7 +68,7 @@ def rank_step(rank: int, init_file: str, agree: bool, results: Any) -> None:
             if layer == 0:
                 oracle.run(tokens, blocks, 2 * CHUNK, TOKENS)
         result = run_worker_step(work, step, set(), forward)
-        results.put((rank, sorted(result.load_errors), engine.lookup(tokens, search_range=[LOCAL_CPU])))
+        results.put((rank, sorted(result.load_errors), token_api.lookup(engine, tokens, search_range=[LOCAL_CPU])))
         engine.close()
     finally:
         dist.destroy_process_group()

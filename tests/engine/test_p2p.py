@@ -17,6 +17,7 @@ from typing import AsyncIterator, Iterator
 import pytest
 import torch
 
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.tiers.peer import PeerTier, PeerWorker
@@ -52,7 +53,7 @@ async def controller(nats_url: str) -> AsyncIterator[None]:
 
 def p2p_engine(url: str, instance: str, kv: PagedKV, **overrides: object) -> CacheEngine:
     engine = build_engine(engine_config(nats_url=url, lmcache_instance_id=instance, enable_p2p=True, **overrides),
-                         PARAMS, kv.layout)
+                          PARAMS, kv.layout)
     assert engine.wait_connected(WAIT_S), f"engine {instance} did not reach NATS"
     wait_until(lambda: engine.storage.lower(PEER) is not None and engine.mesh.agent.started,
                what=f"{instance}'s peer tier")
@@ -80,7 +81,7 @@ def computed(engine: CacheEngine, kv: PagedKV, tokens: list[int], salt: str = ""
     makes other KV for the same tokens (a member holding wrong bytes under their keys)."""
     blocks = list(range(-(-len(tokens) // kv.block_size)))
     ContextForward(kv, SCRATCH).run(tokens, blocks, 0, len(tokens), salt)
-    engine.store(torch.tensor(tokens), **kv.kv(slots_of(blocks, len(tokens), kv.block_size)))
+    token_api.store(engine, torch.tensor(tokens), **kv.kv(slots_of(blocks, len(tokens), kv.block_size)))
     return blocks
 
 
@@ -96,12 +97,12 @@ async def prefix_held(engine: CacheEngine, spans: list[ChunkSpan], instance: str
 
 
 async def finds_all(engine: CacheEngine, tokens: list[int]) -> bool:
-    return await asyncio.to_thread(engine.lookup, tokens) == len(tokens)
+    return await asyncio.to_thread(token_api.lookup, engine, tokens) == len(tokens)
 
 
 def loaded(engine: CacheEngine, kv: PagedKV, tokens: list[int], blocks: list[int]) -> int:
     """Retrieve `tokens` into `blocks` of `kv`; the tokens loaded."""
-    mask = engine.retrieve(torch.tensor(tokens), **kv.kv(slots_of(blocks, len(tokens), kv.block_size)))
+    mask = token_api.retrieve(engine, torch.tensor(tokens), **kv.kv(slots_of(blocks, len(tokens), kv.block_size)))
     return int(mask.sum())
 
 
@@ -132,7 +133,7 @@ async def test_a_peer_that_dropped_the_chunks_or_died_is_a_miss_never_an_error(n
         tokens = random_tokens(TOKENS, seed=8).tolist()
         await asyncio.to_thread(computed, a, kv_a, tokens)
         await wait_until_async(lambda: finds_all(b, tokens), what="B's lookup")
-        assert a.clear() > 0
+        assert token_api.clear(a) > 0
         blocks = list(range(10, 10 + -(-TOKENS // kv_b.block_size)))
         assert await asyncio.to_thread(loaded, b, kv_b, tokens, blocks) == 0
         assert b.storage.stats["p2p_read_missed"] == a.storage.stats["p2p_served_misses"] >= 1  # a batch's reads
@@ -167,7 +168,7 @@ async def test_p2p_stays_inside_a_sharing_domain(nats_mesh: LocalMesh) -> None:
             await asyncio.to_thread(computed, red_a, kvs["red-a"], tokens)
             await wait_until_async(lambda: finds_all(engines["red-b"], tokens),
                                    what="red-b's lookup")
-            assert await asyncio.to_thread(engines["blue-c"].lookup, tokens) == 0
+            assert await asyncio.to_thread(token_api.lookup, engines["blue-c"], tokens) == 0
 
             blue = engines["blue-c"]
             key = red_a.hasher.keys(torch.tensor(tokens))[0]  # even knowing red-a's key
@@ -314,7 +315,7 @@ async def test_the_first_member_to_admit_a_chain_serves_it_never_a_later_one_hol
             assert await asyncio.to_thread(loaded, c, kv_c, planted, blocks) == TOKENS
             assert not ContextForward(kv_c, SCRATCH).holds(planted, blocks, TOKENS)  # M's bytes: pre-planted
             assert m.storage.stats["p2p_served_chunks"] == chunks
-            assert m.clear() > 0
+            assert token_api.clear(m) > 0
             await wait_until_async(lambda: _not(listed(client, planted, "m")), what="M's chunks gone")
             assert await asyncio.to_thread(loaded, c, kv_c, planted, blocks) == TOKENS
             assert ContextForward(kv_c, SCRATCH).holds(planted, blocks, TOKENS)

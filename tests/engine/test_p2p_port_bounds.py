@@ -16,6 +16,7 @@ from typing import AsyncIterator, Iterator
 import pytest
 import torch
 
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.tiers.remote_stream import StreamConnection
@@ -51,7 +52,7 @@ async def engines(url: str, a_config: dict[str, object] | None = None, b_config:
 
     def engine(instance: str, kv: PagedKV, overrides: dict[str, object]) -> CacheEngine:
         started = build_engine(engine_config(nats_url=url, lmcache_instance_id=instance, enable_p2p=True, **overrides),
-                              PARAMS, kv.layout)
+                               PARAMS, kv.layout)
         assert started.wait_connected(WAIT_S), f"engine {instance} did not reach NATS"
         wait_until(lambda: started.storage.lower(PEER) is not None and started.mesh.agent.started
                    and started.mesh.peer_server is not None and started.mesh.peer_server.server.listening,
@@ -82,10 +83,10 @@ async def computed_at_a(a: CacheEngine, kv_a: PagedKV, b: CacheEngine, seed: int
 
     def compute() -> None:
         ContextForward(kv_a, SCRATCH).run(tokens, blocks, 0, TOKENS)
-        a.store(torch.tensor(tokens), **kv_a.kv(slots_of(blocks, TOKENS, kv_a.block_size)))
+        token_api.store(a, torch.tensor(tokens), **kv_a.kv(slots_of(blocks, TOKENS, kv_a.block_size)))
 
     async def found() -> bool:
-        return await asyncio.to_thread(b.lookup, tokens) == TOKENS
+        return await asyncio.to_thread(token_api.lookup, b, tokens) == TOKENS
 
     await asyncio.to_thread(compute)
     await wait_until_async(found, what="B's lookup to find A's chunks")
@@ -95,7 +96,7 @@ async def computed_at_a(a: CacheEngine, kv_a: PagedKV, b: CacheEngine, seed: int
 async def loads_right(b: CacheEngine, kv_b: PagedKV, tokens: list[int]) -> bool:
     """B loads the whole prompt, and every block holds the oracle's KV."""
     blocks = list(range(10, 10 + -(-TOKENS // kv_b.block_size)))
-    mask = await asyncio.to_thread(b.retrieve, torch.tensor(tokens), **kv_b.kv(slots_of(blocks, TOKENS,
+    mask = await asyncio.to_thread(token_api.retrieve, b, torch.tensor(tokens), **kv_b.kv(slots_of(blocks, TOKENS,
                                                                                           kv_b.block_size)))
     return int(mask.sum()) == TOKENS and ContextForward(kv_b, SCRATCH).holds(tokens, blocks, TOKENS)
 

@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.shared.protocol import LOCAL_CPU
 
@@ -37,9 +38,9 @@ def cached_correctly(worker: CacheEngine, kv: PagedKV, forward: Forward, req_id:
                      scratch: list[int]) -> bool:
     """Whether the CPU tier holds all of `tokens` with `req_id`'s KV (loaded into `scratch` blocks to check)."""
     slots = torch.as_tensor([b * BLOCK + i for b in scratch for i in range(BLOCK)])[:len(tokens)]
-    if worker.lookup(tokens, search_range=[LOCAL_CPU]) != len(tokens):
+    if token_api.lookup(worker, tokens, search_range=[LOCAL_CPU]) != len(tokens):
         return False
-    worker.retrieve(tokens, kv_caches=kv.caches, slot_mapping=slots)
+    token_api.retrieve(worker, tokens, kv_caches=kv.caches, slot_mapping=slots)
     return forward.holds(req_id, scratch, range(len(tokens) // BLOCK))
 
 
@@ -117,7 +118,7 @@ def test_on_cpu_an_ended_request_frees_its_blocks_at_once(engine: tuple[CacheEng
         sched.get_num_new_matched_tokens(req, 0)
         sched.update_state_after_alloc(req, blocks(ids), 0)
         run_step(sched, work, Step(new=[("r", ids, 0, 2 * CHUNK)]))
-        assert worker.lookup(tokens, search_range=[LOCAL_CPU]) == 2 * CHUNK  # stored within the step
+        assert token_api.lookup(worker, tokens, search_range=[LOCAL_CPU]) == 2 * CHUNK  # stored within the step
         assert sched.request_finished(req, ids) == (False, None)
         assert run_step(sched, work, Step(finished={"r"})).finished_sending == set()
     finally:

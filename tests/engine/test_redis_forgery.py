@@ -18,6 +18,7 @@ from typing import Iterator
 import pytest
 import torch
 
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.mesh.domain import engine_credentials_file
 from kvmesh.services.engine.tiers.redis import RedisTier, resolve_auth
@@ -327,7 +328,7 @@ def test_engines_share_chunks_only_with_the_same_secret(redis_server: RedisServe
         secrets_of = [files[0], files[0], files[1]]
         engines = [build_engine(engine_config(nats_url=nats.url, remote_url=redis_server.url, local_cpu=False,
                                              lmcache_instance_id=f"e{i}", remote_auth_secret_file=str(secret)),
-                               KeyParams(model="test-model", kv_format=""), kv.layout)
+                                KeyParams(model="test-model", kv_format=""), kv.layout)
                    for i, (kv, secret) in enumerate(zip(kvs, secrets_of))]
         try:
             for engine in engines:
@@ -337,17 +338,17 @@ def test_engines_share_chunks_only_with_the_same_secret(redis_server: RedisServe
             writer, same, other = engines
             tokens = random_tokens(96, seed=7)
             src = kvs[0].slots(96)
-            writer.store(tokens, **kvs[0].kv(src))
+            token_api.store(writer, tokens, **kvs[0].kv(src))
             assert writer.wait_write_behind(WAIT_S)
-            assert same.lookup(tokens) == 96
+            assert token_api.lookup(same, tokens) == 96
             dst = kvs[1].slots(96)
-            assert bool(same.retrieve(tokens, **kvs[1].kv(dst)).all())
+            assert bool(token_api.retrieve(same, tokens, **kvs[1].kv(dst)).all())
             assert torch.equal(kvs[1].token_kv(dst), kvs[0].token_kv(src))
             dst = kvs[2].slots(96)
-            assert not bool(other.retrieve(tokens, **kvs[2].kv(dst)).any())  # another secret: a miss
+            assert not bool(token_api.retrieve(other, tokens, **kvs[2].kv(dst)).any())  # another secret: a miss
             assert other.storage.lower(REMOTE).values_foreign >= 1  # type: ignore[union-attr]
             dst = kvs[1].slots(96)
-            assert bool(same.retrieve(tokens, **kvs[1].kv(dst)).all())  # still there for the writer's group
+            assert bool(token_api.retrieve(same, tokens, **kvs[1].kv(dst)).all())  # still there for the writer's group
             assert torch.equal(kvs[1].token_kv(dst), kvs[0].token_kv(src))
         finally:
             for engine in engines:

@@ -13,6 +13,7 @@ from typing import Iterator
 import pytest
 import torch
 
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.tiers.redis import RedisTier
 from kvmesh.shared.embedded_nats import EmbeddedNats
@@ -301,17 +302,18 @@ def test_two_engines_share_a_chunk_through_redis(redis_server: RedisServer) -> N
             one, two = engines
             tokens = random_tokens(96, seed=5)
             src = kv_one.slots(96)
-            one.store(tokens, **kv_one.kv(src))
+            token_api.store(one, tokens, **kv_one.kv(src))
             assert one.wait_write_behind(WAIT_S)
-            assert two.lookup(tokens, search_range=[LOCAL_CPU]) == 0
-            assert two.lookup(tokens) == 96
+            assert token_api.lookup(two, tokens, search_range=[LOCAL_CPU]) == 0
+            assert token_api.lookup(two, tokens) == 96
             dst = kv_two.slots(96)
-            assert bool(two.retrieve(tokens, **kv_two.kv(dst)).all())
+            assert bool(token_api.retrieve(two, tokens, **kv_two.kv(dst)).all())
             assert torch.equal(kv_two.token_kv(dst), kv_one.token_kv(src))
             assert two.storage.stats[f"fetched_{REMOTE}"] == 3
             # the controller's RemoteBackend commands reach Redis through either engine
-            assert two.pin(tokens, REMOTE) == 96 and one.unpin(tokens, REMOTE) == 96
-            assert one.clear(REMOTE) == 96 and two.lookup(tokens, search_range=["RemoteBackend"]) == 0
+            assert token_api.pin(two, tokens, REMOTE) == 96 and token_api.unpin(one, tokens, REMOTE) == 96
+            assert token_api.clear(one, REMOTE) == 96
+            assert token_api.lookup(two, tokens, search_range=["RemoteBackend"]) == 0
         finally:
             for engine in engines:
                 engine.close()
@@ -325,20 +327,20 @@ def test_an_engine_serves_through_a_redis_outage(redis_server: RedisServer) -> N
         engine = build_engine(engine_config(nats_url=nats.url, remote_url=redis_server.url, local_cpu=False,
                                            redis_timeout_secs=1.0, remote_retry_interval_secs=0.0,
                                            lmcache_instance_id="outage"),
-                             KeyParams(model="test-model", kv_format=""), kv.layout)
+                              KeyParams(model="test-model", kv_format=""), kv.layout)
         try:
             assert engine.wait_connected(WAIT_S)
             wait_until(lambda: engine.storage.lower(REMOTE) is not None, what="the Redis tier")
             before = random_tokens(64, seed=8)
-            engine.store(before, **kv.kv(kv.slots(64)))
-            assert engine.wait_write_behind(WAIT_S) and engine.lookup(before) == 64
+            token_api.store(engine, before, **kv.kv(kv.slots(64)))
+            assert engine.wait_write_behind(WAIT_S) and token_api.lookup(engine, before) == 64
 
             redis_server.kill()
             during = random_tokens(64, seed=9)
-            engine.store(during, **kv.kv(kv.slots(64)))  # write-behind fails: logged, the request is fine
+            token_api.store(engine, during, **kv.kv(kv.slots(64)))  # write-behind fails: logged, the request is fine
             assert engine.wait_write_behind(WAIT_S)
-            assert engine.lookup(before) == 0 and engine.lookup(during) == 0
-            assert not bool(engine.retrieve(before, **kv.kv(kv.slots(64))).any())  # a miss: vLLM recomputes
+            assert token_api.lookup(engine, before) == 0 and token_api.lookup(engine, during) == 0
+            assert not bool(token_api.retrieve(engine, before, **kv.kv(kv.slots(64))).any())  # a miss: vLLM recomputes
             assert engine.storage.stats["write_behind_failed"] >= 1
 
             redis_server.start()  # same port, empty
@@ -346,11 +348,11 @@ def test_an_engine_serves_through_a_redis_outage(redis_server: RedisServer) -> N
             src = kv.slots(64)
 
             def stored_and_held() -> bool:
-                engine.store(after, **kv.kv(src))
-                return engine.wait_write_behind(WAIT_S) and engine.lookup(after) == 64
+                token_api.store(engine, after, **kv.kv(src))
+                return engine.wait_write_behind(WAIT_S) and token_api.lookup(engine, after) == 64
             wait_until(stored_and_held, what="stores reaching Redis again")
             dst = kv.slots(64, exclude=src)
-            assert bool(engine.retrieve(after, **kv.kv(dst)).all())
+            assert bool(token_api.retrieve(engine, after, **kv.kv(dst)).all())
             assert torch.equal(kv.token_kv(dst), kv.token_kv(src))
         finally:
             engine.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.adapter.scheduler_lookup import (
     CpuTierEvents,
     CpuTierMirror,
@@ -64,7 +65,7 @@ def test_cpu_hits_come_from_the_mirror_and_disk_hits_ask_again_then_prefetch(
     assert hasher is not None and hasher.params == KeyParams("test-model", worker.key_params.kv_format)
     tokens = random_tokens(3 * CHUNK, seed=7)
     chain = hasher.chain(tokens.tolist())
-    worker.store(tokens, **kv.kv(kv.slots(len(tokens))))
+    token_api.store(worker, tokens, **kv.kv(kv.slots(len(tokens))))
     assert worker.wait_write_behind(WAIT_S)
     client = worker.storage.lower(LOCAL_DISK)
     assert client is not None and worker.nats_loop is not None
@@ -76,9 +77,9 @@ def test_cpu_hits_come_from_the_mirror_and_disk_hits_ask_again_then_prefetch(
     assert held == len(tokens) and lower is None
 
     # the CPU tier loses the chunks (reported with the next step): the disk store has them
-    worker.clear(LOCAL_CPU)
+    token_api.clear(worker, LOCAL_CPU)
     lookup.update(CpuTierEvents({0: events.take()}))
-    assert worker.lookup(tokens, [LOCAL_CPU]) == 0
+    assert token_api.lookup(worker, tokens, [LOCAL_CPU]) == 0
     # while the disk store has not answered, the scheduler is told to ask again, never kept waiting (the store
     # is frozen for that: an answer faster than the next line would be fine, and would prove nothing)
     store = disk_mesh.processes[0]
@@ -91,7 +92,8 @@ def test_cpu_hits_come_from_the_mirror_and_disk_hits_ask_again_then_prefetch(
     held = ask_until_answered(lookup, chain, len(tokens), lower)
     assert held == len(tokens)
     # the worker started moving them into its CPU tier with the same walk
-    wait_until(lambda: worker.lookup(tokens, [LOCAL_CPU]) == len(tokens), what="the prefetch into the CPU tier")
+    wait_until(lambda: token_api.lookup(worker, tokens, [LOCAL_CPU]) == len(tokens),
+               what="the prefetch into the CPU tier")
     assert worker.storage.stats[f"fetched_{LOCAL_DISK}"] == 3
     lookup.close()
 
@@ -103,7 +105,7 @@ def test_without_nats_the_mirror_still_answers(engine: tuple[CacheEngine, PagedK
     hasher = lookup.hasher()
     assert hasher is not None
     cached, unknown = random_tokens(2 * CHUNK, seed=8), random_tokens(2 * CHUNK, seed=9)
-    worker.store(cached, **kv.kv(kv.slots(len(cached))))
+    token_api.store(worker, cached, **kv.kv(kv.slots(len(cached))))
     lookup.update(CpuTierEvents({0: events.take()}))
     disk_mesh.stop()  # NATS and the disk store are gone
     wait_until(lambda: not worker.connected, what="the worker to see NATS gone")
@@ -119,12 +121,12 @@ def test_a_lookup_then_its_load_ask_the_disk_store_once(engine: tuple[CacheEngin
     store again where the chunks are."""
     worker, kv, _ = engine
     tokens = random_tokens(4 * CHUNK, seed=11)
-    worker.store(tokens, **kv.kv(kv.slots(len(tokens))))
+    token_api.store(worker, tokens, **kv.kv(kv.slots(len(tokens))))
     client = worker.storage.lower(LOCAL_DISK)
     assert client is not None and worker.nats_loop is not None
     assert worker.wait_write_behind(WAIT_S)
     assert worker.nats_loop.call(client.wait_written(WAIT_S), WAIT_S + 1, default=False)
-    worker.clear(LOCAL_CPU)
+    token_api.clear(worker, LOCAL_CPU)
     asked: list[int] = []
     contains = client.contains
 

@@ -14,6 +14,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.core.layerwise_load import LayerwiseLoader
 from kvmesh.shared.keys import ChunkSpan
@@ -104,7 +105,7 @@ def test_a_failed_load_is_never_saved_and_the_recomputed_kv_is(paged: tuple[Cach
         run_step(sched, work, Step(finished={"b"}))
         assert oracle.holds(t_b, b_blocks, len(t_b))
         assert stored_chunks_are_the_oracles(worker, oracle, t_b) == []
-        assert worker.lookup(t_b, search_range=[LOCAL_CPU]) == len(t_b), "the recomputed chunks were stored"
+        assert token_api.lookup(worker, t_b, search_range=[LOCAL_CPU]) == len(t_b), "the recomputed chunks were stored"
 
         # the same prompt again: a proven whole-prompt load of the oracle's KV
         c, c_blocks = request("c", t_b), [20, 21, 22, 23, 24, 25, 26]
@@ -133,11 +134,11 @@ def test_a_rank_holding_more_than_the_hit_loads_the_hit_cleanly(paged: tuple[Cac
         t = random_tokens(3 * CHUNK + 8, seed=41).tolist()
         a_blocks = [1, 2, 3, 4, 5, 6, 7]
         oracle.run(t, a_blocks, 0, len(t))
-        worker.store(t[:2 * CHUNK], kv_caches=kv.caches, slot_mapping=oracle._slots(a_blocks, 0, 2 * CHUNK))
+        token_api.store(worker, t[:2 * CHUNK], kv_caches=kv.caches, slot_mapping=oracle._slots(a_blocks, 0, 2 * CHUNK))
         sched.update_connector_output(run_step(sched, work, Step()).worker_meta and None)  # mirror catches up
         b = request("b", t)
         assert sched.get_num_new_matched_tokens(b, 0) == (2 * CHUNK, False)
-        worker.store(t[:3 * CHUNK], kv_caches=kv.caches, slot_mapping=oracle._slots(a_blocks, 0, 3 * CHUNK))
+        token_api.store(worker, t[:3 * CHUNK], kv_caches=kv.caches, slot_mapping=oracle._slots(a_blocks, 0, 3 * CHUNK))
         b_blocks = [10, 11, 12, 13, 14, 15, 16]
         sched.update_state_after_alloc(b, blocks(b_blocks), 2 * CHUNK)
 
@@ -160,7 +161,7 @@ def test_a_cpu_tier_chunk_that_does_not_fit_its_span_is_a_miss(paged: tuple[Cach
     oracle = ContextForward(kv, SCRATCH)
     t = random_tokens(2 * CHUNK, seed=51).tolist()
     oracle.run(t, [1, 2, 3, 4], 0, len(t))
-    worker.store(t, kv_caches=kv.caches, slot_mapping=oracle._slots([1, 2, 3, 4], 0, len(t)))
+    token_api.store(worker, t, kv_caches=kv.caches, slot_mapping=oracle._slots([1, 2, 3, 4], 0, len(t)))
     whole = worker.hasher.spans(t)[1]
     short = ChunkSpan(whole.index, whole.start, whole.start + 10, whole.key)
     before = [kv.caches[name][20].clone() for name in kv.caches]
@@ -187,7 +188,7 @@ def test_a_resumed_request_looks_up_its_new_chain(engine: tuple[CacheEngine, Pag
     def on_disk_only() -> None:
         assert worker.wait_write_behind(WAIT_S)
         assert worker.nats_loop.call(client.wait_written(WAIT_S), WAIT_S + 1, default=False)
-        worker.clear(LOCAL_CPU)
+        token_api.clear(worker, LOCAL_CPU)
         run_step(sched, work, Step())  # the mirror hears of it
 
     def lookup(req: Any) -> int:
@@ -252,7 +253,7 @@ def test_a_request_sharing_a_block_whose_load_failed_does_not_save_past_it(
     try:
         shared = random_tokens(2 * CHUNK, seed=81).tolist()
         oracle.run(shared, [1, 2, 3, 4], 0, len(shared))
-        worker.store(shared, kv_caches=kv.caches, slot_mapping=oracle._slots([1, 2, 3, 4], 0, len(shared)))
+        token_api.store(worker, shared, kv_caches=kv.caches, slot_mapping=oracle._slots([1, 2, 3, 4], 0, len(shared)))
         run_step(sched, work, Step())  # the mirror hears of it
         t_x = shared + random_tokens(CHUNK, seed=82).tolist()
         t_y = shared + random_tokens(CHUNK, seed=83).tolist()

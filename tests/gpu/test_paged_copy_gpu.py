@@ -17,7 +17,6 @@ if not torch.cuda.is_available():
     pytest.skip("CUDA is not available", allow_module_level=True)
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
 
-from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core.kv_layout import KVLayout, detect_layout  # noqa: E402
 from kvmesh.services.engine.core.paged_copy import PagedCopier, gather, scatter  # noqa: E402
 
@@ -229,18 +228,18 @@ def test_a_store_failing_mid_way_releases_its_slots_only_after_the_queued_copies
         monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    cache_engine = pytest.importorskip("kvmesh.services.engine.core.cache_engine", reason="needs the full install")
+    pytest.importorskip("kvmesh.services.engine.core.cache_engine", reason="needs the full install")
+    from kvmesh.services.engine.assembly import build_engine
+    from kvmesh.services.engine.core import token_api
     from kvmesh.services.engine.tiers import memory_pool
     from kvmesh.shared.keys import KeyParams
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the engine tests' helpers
     from support.engine import engine_config, random_tokens
 
-    CacheEngine = cache_engine.CacheEngine
-
     caches, layout, _ = setup("NHD-2x", torch.float16, 16, True, nb=64)
     engine = build_engine(engine_config(), KeyParams(model="gpu-test", kv_format=""), layout, use_mesh=False,
-                         device=DEVICE)
+                          device=DEVICE)
     try:
         original, calls = engine.copier.gather, []
 
@@ -257,7 +256,8 @@ def test_a_store_failing_mid_way_releases_its_slots_only_after_the_queued_copies
             stream_idle_at_release.append(torch.cuda.current_stream().query()), release(slot)))
         torch.cuda._sleep(200_000_000)  # the forward still runs: the gathers queue behind it
         with pytest.raises(torch.cuda.OutOfMemoryError):
-            engine.store(random_tokens(4 * 32, seed=7), kv_caches=caches, slot_mapping=slots_for(64, 16, 4 * 32))
+            token_api.store(engine, random_tokens(4 * 32, seed=7), kv_caches=caches,
+                            slot_mapping=slots_for(64, 16, 4 * 32))
         assert stream_idle_at_release and all(stream_idle_at_release)
     finally:
         engine.close()

@@ -67,7 +67,7 @@ def test_a_saves_gather_on_a_side_stream_reads_what_the_forward_wrote() -> None:
 
     caches, layout = paged()
     engine = build_engine(EngineConfig(chunk_size=CHUNK, max_local_cpu_size=0.05), KeyParams("m", ""), layout,
-                         use_mesh=False, device=DEVICE)
+                          use_mesh=False, device=DEVICE)
     try:
         tokens = list(range(2 * CHUNK))
         spans = engine.hasher.spans(tokens)
@@ -108,7 +108,7 @@ def test_a_grouped_models_save_is_read_before_the_next_forward_rewrites_its_bloc
     groups = KVGroups((KVGroup(SLIDING, tuple(names[:2]), 2 * BS), KVGroup(FULL, tuple(names[2:]))), BS)
     layout = dataclasses.replace(layout, group_layers=groups.layers_per_group(), groups_tag=groups.tag)
     engine = build_engine(EngineConfig(chunk_size=CHUNK, max_local_cpu_size=0.05), KeyParams("m", ""), layout,
-                         use_mesh=False, device=DEVICE)
+                          use_mesh=False, device=DEVICE)
     side = worker_side.WorkerSide(engine.config, BS, saves_off_forward=True, groups=groups)
     side.engine, side.kv_caches = engine, caches
     try:

@@ -23,6 +23,7 @@ import httpx
 import pytest
 import torch
 
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.assembly import build_engine
 from kvmesh.shared import bus
@@ -103,7 +104,7 @@ def _engine(url: str, kv: PagedKV, disk: Path, instance_id: str, auth: ClusterAu
 def _store_on_disk(engine: CacheEngine, kv: PagedKV, tokens: torch.Tensor) -> torch.Tensor:
     """Store `tokens` from fresh slots, written through to the disk store; their K/V."""
     slots = kv.slots(TOKENS)
-    engine.store(tokens, **kv.kv(slots))
+    token_api.store(engine, tokens, **kv.kv(slots))
     assert engine.wait_write_behind(WAIT_S)
     client = engine.storage.lower(LOCAL_DISK)
     assert client is not None
@@ -114,7 +115,7 @@ def _store_on_disk(engine: CacheEngine, kv: PagedKV, tokens: torch.Tensor) -> to
 def _loads(engine: CacheEngine, kv: PagedKV, tokens: torch.Tensor, expected: torch.Tensor) -> bool:
     """A full hit with exactly the expected K/V, into fresh slots."""
     slots = kv.slots(TOKENS)
-    return bool(engine.retrieve(tokens, **kv.kv(slots)).all()) and torch.equal(kv.token_kv(slots), expected)
+    return bool(token_api.retrieve(engine, tokens, **kv.kv(slots)).all()) and torch.equal(kv.token_kv(slots), expected)
 
 
 @pytest.mark.parametrize("users", [False, True], ids=["token", "user-per-principal"])
@@ -162,7 +163,7 @@ async def test_the_mesh_survives_the_death_of_its_nats_server(tmp_path: Path, mo
             await asyncio.to_thread(wait_until, moved, WAIT_S, what="the clients on nodes 1 and 2", interval=0.1)
             for engine in engines:  # each engine reaches the disk store again (what A stored before the kill)
                 await asyncio.to_thread(
-                    wait_until, lambda: engine.lookup(before, search_range=[LOCAL_DISK]) == TOKENS, WAIT_S,
+                    wait_until, lambda: token_api.lookup(engine, before, search_range=[LOCAL_DISK]) == TOKENS, WAIT_S,
                     what="an engine's disk store lookup after the failover", interval=0.1)
 
             after = random_tokens(TOKENS, seed=71)
@@ -173,13 +174,13 @@ async def test_the_mesh_survives_the_death_of_its_nats_server(tmp_path: Path, mo
             expected_also = await asyncio.to_thread(_store_on_disk, a, kv_a, also)
             # A stored, B hits from the remote store (its tickets issued over NATS after the failover): A takes
             # its chunks off the disk store first (a remove takes back only the caller's own claims)
-            await asyncio.to_thread(wait_until, lambda: b.lookup(also, search_range=[REMOTE]) == TOKENS, WAIT_S,
-                                    what="the remote store holding A's chunks", interval=0.1)
+            await asyncio.to_thread(wait_until, lambda: token_api.lookup(b, also, search_range=[REMOTE]) == TOKENS,
+                                    WAIT_S, what="the remote store holding A's chunks", interval=0.1)
             disk_a = a.storage.lower(LOCAL_DISK)
             assert disk_a is not None
             assert a.nats_loop.call(disk_a.remove(a.hasher.keys(also)), WAIT_S, default=0) == TOKENS // CHUNK
-            await asyncio.to_thread(wait_until, lambda: b.lookup(also, search_range=[LOCAL_DISK]) == 0, WAIT_S,
-                                    what="the disk store without A's chunks", interval=0.1)
+            await asyncio.to_thread(wait_until, lambda: token_api.lookup(b, also, search_range=[LOCAL_DISK]) == 0,
+                                    WAIT_S, what="the disk store without A's chunks", interval=0.1)
             fetched = b.storage.stats["fetched_RemoteBackend"]
             assert await asyncio.to_thread(_loads, b, kv_b, also, expected_also)
             assert b.storage.stats["fetched_RemoteBackend"] == fetched + TOKENS // CHUNK

@@ -25,6 +25,7 @@ import pytest
 
 from kvmesh.services.controller.config import ControllerConfig
 from kvmesh.services.controller.service import ControllerService
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.assembly import build_engine
 from kvmesh.shared import bus, protocol
@@ -89,7 +90,7 @@ async def controller_on(mesh: LocalMesh) -> AsyncIterator[tuple[ControllerServic
 def tenant_engine(mesh: LocalMesh, instance_id: str, kv: PagedKV, **overrides: object) -> CacheEngine:
     """A real engine worker that finds its own credentials (it adds its instance's user to the local mesh)."""
     engine = build_engine(engine_config(nats_url=mesh.nats_url, lmcache_instance_id=instance_id, **overrides),
-                         PARAMS, kv.layout)
+                          PARAMS, kv.layout)
     assert engine.wait_connected(WAIT_S), f"{instance_id} never connected"
     return engine
 
@@ -341,7 +342,7 @@ async def test_an_instance_cannot_be_hijacked_and_forged_admissions_are_ignored(
     try:
         async with controller_on(mesh) as (service, client):
             tokens = random_tokens(2 * CHUNK, seed=11)
-            await asyncio.to_thread(victim.store, tokens, **kv.kv(kv.slots(len(tokens))))
+            await asyncio.to_thread(token_api.store, victim, tokens, **kv.kv(kv.slots(len(tokens))))
 
             async def lookup(token_list: list[int]) -> dict[str, Any]:
                 response = await client.post("/lookup", json={"tokens": token_list})
@@ -476,7 +477,7 @@ async def test_a_clear_for_one_tenant_leaves_the_other_tenants_chunks_in_the_sha
                 own_a, own_b, both = (random_tokens(2 * CHUNK, seed=seed) for seed in (21, 22, 23))
                 for engine, prompts in ((a, (own_a, both)), (b, (own_b, both))):
                     for tokens in prompts:
-                        await asyncio.to_thread(engine.store, tokens, **kv.kv(kv.slots(len(tokens))))
+                        await asyncio.to_thread(token_api.store, engine, tokens, **kv.kv(kv.slots(len(tokens))))
                     assert await asyncio.to_thread(engine.wait_write_behind, WAIT_S)
 
                 async def holders(tokens: Any) -> dict[str, Any]:
@@ -496,8 +497,9 @@ async def test_a_clear_for_one_tenant_leaves_the_other_tenants_chunks_in_the_sha
                 # tenant-b's prompts stay on disk (the shared one: tenant-b still claims it), listed and loadable
                 assert await holders(own_b) == on_disk and await holders(both) == on_disk
                 for tokens in (own_b, both):
-                    assert await asyncio.to_thread(b.lookup, tokens) == len(tokens)
-                    assert bool((await asyncio.to_thread(b.retrieve, tokens, **kv.kv(kv.slots(len(tokens))))).all())
+                    assert await asyncio.to_thread(token_api.lookup, b, tokens) == len(tokens)
+                    assert bool((await asyncio.to_thread(token_api.retrieve, b, tokens,
+                                                         **kv.kv(kv.slots(len(tokens))))).all())
         finally:
             await asyncio.to_thread(a.close)
             await asyncio.to_thread(b.close)

@@ -12,7 +12,8 @@ from typing import AsyncIterator
 
 import pytest
 
-from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.assembly import build_engine
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.tiers.redis import RedisTier
 from kvmesh.services.remote_store.redis_watch import RedisWatch
 from kvmesh.shared import bus, protocol
@@ -109,16 +110,16 @@ async def test_lookup_sees_the_engines_chunks_in_redis_and_what_redis_drops(
         watch = RedisWatch(parse_redis_url(redis_server.url), STORE_ID, "kvmesh", server.url, timeout=1.0)
         async with running_controller(server.url) as (_, client):
             await watch.start()
-            engine = await asyncio.to_thread(CacheEngine, engine_config(
+            engine = await asyncio.to_thread(build_engine, engine_config(
                 nats_url=server.url, remote_url=redis_server.url, lmcache_instance_id="redis-inst"),
                 KeyParams(model="test-model", kv_format=""), kv.layout)
             try:
                 assert await asyncio.to_thread(engine.wait_connected, WAIT_S)
                 await wait_until_async(lambda: engine.storage.lower(REMOTE) is not None, what="the Redis tier")
-                await asyncio.to_thread(engine.store, tokens, **kv.kv(kv.slots(96)))
+                await asyncio.to_thread(token_api.store, engine, tokens, **kv.kv(kv.slots(96)))
                 assert await asyncio.to_thread(engine.wait_write_behind, WAIT_S)
                 await wait_layout(client, tokens.tolist(), {"redis-inst": [LOCAL_CPU, 96]})
-                assert await asyncio.to_thread(engine.clear, LOCAL_CPU) == 96
+                assert await asyncio.to_thread(token_api.clear, engine, LOCAL_CPU) == 96
                 await wait_layout(client, tokens.tolist(), {"redis-inst": [REMOTE, 96]})
                 second = engine.hasher.keys(tokens)[1]
                 with redis_server.client() as redis_client:

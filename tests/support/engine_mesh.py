@@ -10,6 +10,7 @@ from typing import Iterator
 import pytest
 import torch
 
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.assembly import build_engine
 from kvmesh.shared.keys import KeyParams
@@ -35,7 +36,7 @@ def engine_on(url: str, kv: PagedKV, **overrides: object) -> CacheEngine:
 
 
 def _store_and_settle(engine: CacheEngine, tokens: torch.Tensor, kv: PagedKV, slots: torch.Tensor) -> None:
-    engine.store(tokens, **kv.kv(slots))
+    token_api.store(engine, tokens, **kv.kv(slots))
     assert engine.wait_write_behind(WAIT_S)
     client = engine.storage.lower(LOCAL_DISK)
     assert client is not None

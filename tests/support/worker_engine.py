@@ -25,7 +25,7 @@ def engine(disk_mesh: LocalMesh, tmp_path: Path) -> Iterator[tuple[CacheEngine, 
     """A worker's engine registered in this process, reporting its CPU tier like the connector does."""
     kv = PagedKV(num_blocks=128)
     worker = build_engine(engine_config(nats_url=disk_mesh.nats_url, local_disk=str(tmp_path / "disk")), PARAMS,
-                         kv.layout)
+                          kv.layout)
     events = StepEventLog()
     worker.cpu.listen(events)
     engines.add(0, worker)

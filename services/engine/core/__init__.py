@@ -1,6 +1,7 @@
 """The cache core: moving chunks between vLLM's paged KV cache and the tiers.
 
-    cache_engine.py      one worker's engine: the connector's chunk API, LMCache's cache engine API, commands
+    cache_engine.py      one worker's engine: the connector's chunk API (gather, admit, fetch, scatter)
+    token_api.py         LMCache's cache engine API by tokens (store / retrieve / lookup / prefetch / pin ...)
     storage_manager.py   the tier walk: lookups, fetches and prefetches across the tiers
     write_behind.py      the write-behind to the lower tiers, and the known-held set it leaves
     tier_commands.py     the controller's commands on the tiers: pin / unpin / clear / lookup, move, evict

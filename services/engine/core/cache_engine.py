@@ -1,11 +1,11 @@
-"""The cache engine: LMCache's cache engine API (docs/compatibility.md) (store / retrieve / lookup / prefetch) built for the mesh.
+"""The cache engine: one worker's chunks between vLLM's paged cache and the tiers, built for the mesh.
 
 Who runs what:
-  * vLLM's worker thread (through the connector) calls every public method synchronously. Store and
-    retrieve hash tokens into chunk keys (`ChunkHasher`; the connector passes the chain keys its scheduler
-    computed once per request instead: `chunk_spans`, `store_chunks`, `retrieve_chunks`), move bytes between
-    vLLM's paged cache and pool slots with the paged copier (`PagedCopier.gather` / `scatter`), and use the
-    CPU tier directly: a CPU hit never touches NATS.
+  * vLLM's worker thread (through the connector) calls every public method synchronously. The connector names
+    chunks by the chain keys its scheduler computed once per request (`chunk_spans`, `store_chunks`,
+    `retrieve_chunks`, ...; LMCache's API by tokens is core/token_api.py, over the same methods), moves bytes
+    between vLLM's paged cache and pool slots with the paged copier (`PagedCopier.gather` / `scatter`), and uses
+    the CPU tier directly: a CPU hit never touches NATS.
   * The NATS loop thread (`NatsLoop`) does all NATS work: write-behind to the disk / remote stores, fetches
     from them, the worker agent (registration, admission events, controller commands). vLLM's calls wait for
     it only with bounded timeouts and fall back to a miss, so a dead NATS never blocks vLLM.
@@ -17,35 +17,31 @@ back: store --get_into--> pool slot --> CPU tier --scatter--> vLLM paged cache.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from kvmesh.services.engine.core.kv_layout import KVLayout
 from kvmesh.services.engine.core.paged_copy import PagedCopier
-from kvmesh.services.engine.core.storage_manager import ALL_LOCATIONS, StorageManager
+from kvmesh.services.engine.core.storage_manager import StorageManager
 from kvmesh.services.engine.mesh.nats_loop import NatsLoop
 from kvmesh.services.engine.tiers.cpu import ChunkRef, LocalCPUBackend
 from kvmesh.services.engine.tiers.memory_pool import MemoryPool, Slot
 from kvmesh.services.engine.tiers.peer import PeerTier, PeerWorker
 from kvmesh.shared import protocol
 from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyExtras, KeyParams, chunk_spans
-from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, PEER, REMOTE, ChunkMeta, worker_id_for
+from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyParams, chunk_spans
+from kvmesh.shared.protocol import PEER, ChunkMeta, worker_id_for
 from kvmesh.shared.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
-# The cache engine API names the CPU tier "Hot" in lookup's search_range (docs/compatibility.md).
-LOCATION_ALIASES = {"Hot": LOCAL_CPU, "LocalCPUBackend": LOCAL_CPU, "LocalDiskBackend": LOCAL_DISK,
-                    "RemoteBackend": REMOTE, "P2PBackend": PEER}
 KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 
 
@@ -109,79 +105,31 @@ class CacheEngine:
         if self.mesh is not None:
             self.mesh.announce()
 
-    def _ready(self) -> tuple[KVLayout, ChunkHasher, LocalCPUBackend, StorageManager, PagedCopier]:
+    def ready(self) -> tuple[KVLayout, ChunkHasher, LocalCPUBackend, StorageManager, PagedCopier]:
+        """The engine's parts, once more; RuntimeError after `close`."""
         if self._closed:
             raise RuntimeError(f"cache engine {self.worker_id} is closed")
         return self.layout, self.hasher, self.cpu, self.storage, self.copier
 
-    # ---- the cache engine API --------------------------------------------------------------------------------------
-    def store(self, tokens: torch.Tensor | Sequence[int], mask: torch.Tensor | None = None, **kv: Any) -> None:
-        """Copy the KV of `tokens` (the chunks a mask selects) out of vLLM's paged cache.
-
-        kwargs: `kv_caches` (list or dict of per-layer tensors), `slot_mapping` (one slot per token) and
-        optional `extras` (`KeyExtras`: what besides the tokens made this KV, e.g. a LoRA adapter).
-        Chunks already held (CPU tier, or known to be in every lower tier) are not copied again; when the pool
-        is exhausted the remaining chunks are skipped (logged). Raises ValueError for a bad mask.
-        """
-        _, hasher, _, _, _ = self._ready()
-        kv_caches, slot_mapping, _, extras = _kv_args(kv, "store")
-        self._store_spans(hasher.spans(tokens, mask, extras), kv_caches, slot_mapping)
-
-    def retrieve(self, tokens: torch.Tensor | Sequence[int], mask: torch.Tensor | None = None,
-                 **kv: Any) -> torch.Tensor:
-        """Load the cached prefix of `tokens` (after the mask's False prefix) into vLLM's paged cache.
-
-        kwargs: `kv_caches`, `slot_mapping`, optional `skip_prefix` (leading tokens of the sequence that
-        vLLM already holds: retrieved but not written) and `extras` (as for `store`). Returns a CPU bool
-        mask, True for retrieved tokens.
-        """
-        _, hasher, _, _, _ = self._ready()
-        kv_caches, slot_mapping, skip_prefix, extras = _kv_args(kv, "retrieve")
-        spans = hasher.spans(tokens, mask, extras)
-        retrieved = torch.zeros(len(tokens), dtype=torch.bool)
-        loaded = self._retrieve_spans(spans, kv_caches, slot_mapping, skip_prefix)
-        if loaded:
-            retrieved[spans[0].start:spans[loaded - 1].end] = True
-        return retrieved
-
-    def lookup(self, tokens: torch.Tensor | Sequence[int], search_range: list[str] | None = None,
-               extras: KeyExtras | None = None) -> int:
-        """How many prefix tokens are cached, across the tiers in `search_range` (all by default).
-
-        Tier names: "LocalCPUBackend" (the API's "Hot"), "LocalDiskBackend", "RemoteBackend", "P2PBackend"
-        (with enable_p2p: other instances' CPU tiers). Chunks may sit in different tiers; the answer is the
-        contiguous prefix over all of them.
-        """
-        _, hasher, _, storage, _ = self._ready()
-        spans = hasher.spans(tokens, extras=extras)
-        held = storage.lookup(spans, searched_locations(search_range))
-        return spans[held - 1].end if held else 0
-
-    def prefetch(self, tokens: torch.Tensor | Sequence[int], mask: torch.Tensor | None = None,
-                 extras: KeyExtras | None = None) -> None:
-        """Start loading the lower tiers' prefix of `tokens` into the CPU tier; returns at once."""
-        _, hasher, _, storage, _ = self._ready()
-        storage.prefetch(hasher.spans(tokens, mask, extras), self.meta_mismatch)
-
     # ---- the connector's path: chunks named by the chain keys the scheduler computed -------------------------
     def chunk_spans(self, chain_keys: Sequence[ChunkKey], num_tokens: int, first_chunk: int = 0) -> list[ChunkSpan]:
         """This worker's spans of chunks [first_chunk, len(chain_keys)) of a `num_tokens`-token sequence."""
-        _, hasher, _, _, _ = self._ready()
+        _, hasher, _, _, _ = self.ready()
         return hasher.shard(chunk_spans(chain_keys, num_tokens, self.config.chunk_size)[first_chunk:])
 
     def store_chunks(self, spans: Sequence[ChunkSpan], kv_caches: KVCaches, slot_mapping: torch.Tensor) -> None:
         """`store` for spans the caller already has (see `chunk_spans`)."""
-        self._store_spans(spans, _layers(kv_caches), slot_mapping)
+        self._store_spans(spans, layer_list(kv_caches), slot_mapping)
 
     def retrieve_chunks(self, spans: Sequence[ChunkSpan], kv_caches: KVCaches, slot_mapping: torch.Tensor,
                         skip_prefix: int = 0) -> int:
         """`retrieve` for spans the caller already has; how many leading spans were loaded."""
-        return self._retrieve_spans(spans, _layers(kv_caches), slot_mapping, skip_prefix)
+        return self._retrieve_spans(spans, layer_list(kv_caches), slot_mapping, skip_prefix)
 
     def acquire_chunks(self, spans: Sequence[ChunkSpan], slot_mapping: torch.Tensor) -> list[ChunkRef]:
         """The held prefix of `spans` (`retrieve_chunks` without the copy, for the layer-wise loader), as
         references the caller releases once its copies have read them; `chunk_view` gives their tensors."""
-        storage = self._ready()[3]
+        storage = self.ready()[3]
         if not spans:
             return []
         _check_slot_count(slot_mapping, spans[-1].end)
@@ -189,14 +137,14 @@ class CacheEngine:
 
     def chunk_view(self, span: ChunkSpan, ref: ChunkRef) -> torch.Tensor:
         """`ref`'s pool slot as `span`'s chunk tensor."""
-        layout = self._ready()[0]
+        layout = self.ready()[0]
         return ref.slot.view(layout.dtype, layout.chunk_shape(span.num_tokens))
 
     def fetch_chunks(self, spans: Sequence[ChunkSpan]) -> "concurrent.futures.Future[list[ChunkRef]] | None":
         """Start fetching the held prefix of `spans` (CPU tier, then the lower tiers) on the NATS loop; the
         future answers references the caller owns (`scatter_chunks` releases them). None without a connected
         lower tier: the caller loads synchronously."""
-        _, _, _, storage, _ = self._ready()
+        _, _, _, storage, _ = self.ready()
         if not spans or not storage.lower_ready():
             return None
         assert storage.loop is not None
@@ -206,9 +154,9 @@ class CacheEngine:
                        slot_mapping: torch.Tensor, skip_prefix: int = 0) -> int:
         """Copy fetched chunks (the leading `len(refs)` of `spans`) into vLLM's paged cache and release them;
         how many were copied."""
-        storage = self._ready()[3]
+        storage = self.ready()[3]
         storage.note_hits([ref.meta.key for ref in refs])
-        return self._scatter(spans, refs, _layers(kv_caches), slot_mapping, skip_prefix)
+        return self._scatter(spans, refs, layer_list(kv_caches), slot_mapping, skip_prefix)
 
     async def lookup_and_prefetch(self, spans: Sequence[ChunkSpan], peer_instance: str = "",
                                   peer_worker: str = "") -> int:
@@ -216,7 +164,7 @@ class CacheEngine:
         moving into the CPU tier at once (the scheduler's lower-tier lookup, then the load one step later).
         `peer_worker` of `peer_instance`: the PD producer a request's hint names (adapter/pd.py, client input):
         the peer lookup waits a little for its admissions of the full chunks, never takes its word for them."""
-        _, _, _, storage, _ = self._ready()
+        _, _, _, storage, _ = self.ready()
         peers = storage.lower(PEER)
         if peer_worker and isinstance(peers, PeerTier):
             peers.expect([span.key for span in spans if span.num_tokens == self.config.chunk_size],
@@ -237,11 +185,11 @@ class CacheEngine:
         On CUDA with `stream`, the gather runs on `stream` after everything already queued on the current
         stream (the forward that wrote the KV), and `job.event` marks its end: vLLM's blocks must stay
         untouched until then. Elsewhere the copy is done when this returns. None: nothing to copy."""
-        return self._gather_spans(spans, _layers(kv_caches), slot_mapping, stream)
+        return self._gather_spans(spans, layer_list(kv_caches), slot_mapping, stream)
 
     def _gather_spans(self, spans: Sequence[ChunkSpan], kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
                       stream: "torch.cuda.Stream | None") -> "StoreJob | None":
-        layout, _, cpu, storage, copier = self._ready()
+        layout, _, cpu, storage, copier = self.ready()
         write_lower = storage.has_stores and self.writes_lower_tiers
         if not spans or (not cpu.keep and not write_lower) or self.config.force_skip_save:
             return None
@@ -281,7 +229,7 @@ class CacheEngine:
     def admit(self, job: "StoreJob") -> None:
         """Put a finished gather's chunks into the CPU tier and queue them for the lower tiers (write-behind).
         Waits for the copies if they are still running."""
-        _, _, cpu, storage, _ = self._ready()
+        _, _, cpu, storage, _ = self.ready()
         job.wait()
         for span, slot in job.filled:
             meta = self._chunk_meta(span)
@@ -296,7 +244,7 @@ class CacheEngine:
 
     def _retrieve_spans(self, spans: Sequence[ChunkSpan], kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
                         skip_prefix: int) -> int:
-        storage = self._ready()[3]
+        storage = self.ready()[3]
         if not spans:
             return 0
         _check_slot_count(slot_mapping, spans[-1].end)
@@ -305,7 +253,7 @@ class CacheEngine:
 
     def _scatter(self, spans: Sequence[ChunkSpan], refs: Sequence[ChunkRef], kv_caches: list[torch.Tensor],
                  slot_mapping: torch.Tensor, skip_prefix: int) -> int:
-        layout, _, _, _, copier = self._ready()
+        layout, _, _, _, copier = self.ready()
         try:
             if refs:
                 _check_slot_count(slot_mapping, spans[len(refs) - 1].end)
@@ -316,33 +264,6 @@ class CacheEngine:
         finally:  # the slots must not be reused before the copies queued so far have read them
             _release_after_copies(kv_caches, refs)
         return len(refs)
-
-    # ---- controller-style operations (the worker agent runs the same dispatch for the controller) ------------
-    def pin(self, tokens: torch.Tensor | Sequence[int], location: str = LOCAL_CPU,
-            ttl_secs: float | None = None, extras: KeyExtras | None = None) -> int:
-        """Pin the held prefix of `tokens` at `location` (until unpinned, or `ttl_secs`); tokens pinned."""
-        return self._command("pin", location, tokens, ttl_secs, extras)
-
-    def unpin(self, tokens: torch.Tensor | Sequence[int], location: str = LOCAL_CPU,
-              extras: KeyExtras | None = None) -> int:
-        return self._command("unpin", location, tokens, None, extras)
-
-    def clear(self, location: str = LOCAL_CPU) -> int:
-        """Clear `location`: the CPU tier entirely; a lower store as its clear allows (see the store)."""
-        return self._command("clear", location, [])
-
-    def _command(self, op: str, location: str, tokens: torch.Tensor | Sequence[int],
-                 ttl_secs: float | None = None, extras: KeyExtras | None = None) -> int:
-        layout, hasher, _, storage, _ = self._ready()
-        if location not in LOCATIONS:
-            raise ValueError(f"unknown location {location!r} (known: {', '.join(LOCATIONS)})")
-        spans, states = hasher.spans_and_states(tokens, extras, layout.state_block) if op != "clear" else ([], [])
-        if location != LOCAL_CPU and not (storage.lower(location) is not None and storage.lower_ready()):
-            return 0  # a lower tier that is not configured, or not reachable now (NATS down): at once
-        command = storage.commands.run(op, location, spans, ttl_secs, states)
-        if self.nats_loop is None:  # no mesh: only the CPU tier, whose commands never wait on anything
-            return asyncio.run(command)
-        return self.nats_loop.call(command, self.config.request_timeout_secs + 6.0, default=0)
 
     # ---- helpers for tests and the connector ----------------------------------------------------------------
     def _chunk_meta(self, span: ChunkSpan) -> ChunkMeta:
@@ -455,41 +376,9 @@ class StoreJob:
         self.filled = []
 
 
-def searched_locations(search_range: Sequence[str] | None) -> frozenset[str]:
-    """The locations a lookup's `search_range` names (all, by default), by the names LMCache gives its tiers."""
-    if search_range is None:
-        return ALL_LOCATIONS
-    out = set()
-    for name in search_range:
-        if name not in LOCATION_ALIASES:
-            raise ValueError(f"search_range: unknown location {name!r} (known: {', '.join(LOCATION_ALIASES)})")
-        out.add(LOCATION_ALIASES[name])
-    return frozenset(out)
-
-
-def _layers(kv_caches: KVCaches) -> list[torch.Tensor]:
+def layer_list(kv_caches: KVCaches) -> list[torch.Tensor]:
+    """vLLM's per-layer caches, a list or a dict of them, as a list in their order."""
     return list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
-
-
-def _kv_args(kv: dict[str, Any], op: str) -> tuple[list[torch.Tensor], torch.Tensor, int, KeyExtras | None]:
-    unknown = set(kv) - {"kv_caches", "slot_mapping", "skip_prefix", "extras"}
-    if unknown:
-        raise TypeError(f"{op}: unexpected keyword arguments {sorted(unknown)}")
-    if "kv_caches" not in kv or "slot_mapping" not in kv:
-        raise ValueError(f"{op}: kv_caches= and slot_mapping= are required")
-    caches = _layers(kv["kv_caches"])
-    slot_mapping = kv["slot_mapping"]
-    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1:
-        raise ValueError(f"{op}: slot_mapping must be a 1-D tensor")
-    if slot_mapping.dtype != torch.int64:
-        slot_mapping = slot_mapping.to(torch.int64)
-    skip_prefix = int(kv.get("skip_prefix") or 0)
-    if skip_prefix < 0:
-        raise ValueError(f"{op}: skip_prefix must be >= 0, got {skip_prefix}")
-    extras = kv.get("extras")
-    if extras is not None and not isinstance(extras, KeyExtras):
-        raise TypeError(f"{op}: extras must be a KeyExtras, got {type(extras).__name__}")
-    return caches, slot_mapping, skip_prefix, extras
 
 
 def _check_slot_count(slot_mapping: torch.Tensor, needed: int) -> None:
