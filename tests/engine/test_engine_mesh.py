@@ -481,7 +481,7 @@ def test_cpu_hits_refresh_recency_in_the_disk_store(small_disk_mesh: LocalMesh, 
         assert all(token_api.lookup(engine, p, search_range=[LOCAL_DISK]) == 32 for p in prompts[:3])
         assert bool(token_api.retrieve(engine, prompts[0], **kv.kv(kv.slots(32))).all())  # a CPU hit on the oldest
         if refreshed:
-            engine.nats_loop.call(engine.storage.flush_hits(), WAIT_S, default=None)
+            engine.nats_loop.call(engine.storage.recency.flush(), WAIT_S, default=None)
         _store_and_settle(engine, prompts[3], kv, kv.slots(32))  # the disk store must evict one
         on_disk = [token_api.lookup(engine, p, search_range=[LOCAL_DISK]) == 32 for p in prompts]
         assert on_disk == ([True, False, True, True] if refreshed else [False, True, True, True]), on_disk
@@ -554,8 +554,9 @@ def test_hits_past_the_stores_keys_per_request_bound_reach_it_in_parts(disk_mesh
     engine = engine_on(str(disk_mesh.nats_url), kv, local_disk=str(tmp_path / "disk"), max_local_disk_size=0.05)
     try:
         wait_until(lambda: engine.storage.lower(LOCAL_DISK) is not None, what="the disk store client")
-        engine.storage.note_hits([i.to_bytes(16, "little") for i in range(120_000)])  # one interval of many hits
-        engine.nats_loop.call(engine.storage.flush_hits(), WAIT_S, default=None)
+        # one interval of many hits
+        engine.storage.recency.note_hits([i.to_bytes(16, "little") for i in range(120_000)])
+        engine.nats_loop.call(engine.storage.recency.flush(), WAIT_S, default=None)
         client = engine.storage.lower(LOCAL_DISK)
         (stats,) = engine.nats_loop.call(client.stats(), WAIT_S, default=[])
         assert stats.details["requests_too_many_keys"] == 0

@@ -5,6 +5,7 @@
     storage_manager.py   the tier walk: lookups, fetches and prefetches across the tiers
     write_behind.py      the write-behind to the lower tiers, and the known-held set it leaves
     tier_commands.py     the controller's commands on the tiers: pin / unpin / clear / lookup, move, evict
+    recency.py           hits in any tier refresh the chunks' recency in the stores (batched touches)
     kv_layout.py         how vLLM pages its KV cache, and the chunk format it is copied into
     paged_copy.py        gather / scatter between the paged cache and a chunk (torch; CuPy kernels on CUDA)
     layerwise_load.py    loads copied layer by layer on a side CUDA stream (use_layerwise)

@@ -155,7 +155,7 @@ class CacheEngine:
         """Copy fetched chunks (the leading `len(refs)` of `spans`) into vLLM's paged cache and release them;
         how many were copied."""
         storage = self.ready()[3]
-        storage.note_hits([ref.meta.key for ref in refs])
+        storage.recency.note_hits([ref.meta.key for ref in refs])
         return self._scatter(spans, refs, layer_list(kv_caches), slot_mapping, skip_prefix)
 
     async def lookup_and_prefetch(self, spans: Sequence[ChunkSpan], peer_instance: str = "",

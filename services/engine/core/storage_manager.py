@@ -1,7 +1,7 @@
 """The storage manager: the engine's tiers as one ordered list (CPU tier, disk store, remote store, peers), and
 the walk and fetch over them.
 
-Threads: `acquire_prefix`, `lookup`, `prefetch` and `note_hits` are called from vLLM's threads and never block
+Threads: `acquire_prefix`, `lookup` and `prefetch` are called from vLLM's threads and never block
 longer than their timeout; all store traffic runs on the NATS loop thread (`NatsLoop`), which also runs the
 write-behind workers and the batched recency refresh. Reads from the CPU tier never touch NATS.
 
@@ -9,8 +9,8 @@ One walk: `locate` finds where the held prefix of some chunks lives, as consecut
 tier checked first at every position, then each lower tier in order with one `contains` for all the keys
 still to place). A lookup sums the runs; a fetch (`fetch`, used by retrieves and prefetches) then reads the
 lower runs into pool slots without asking the stores again. Beside the walk, each in a module of its own: the
-write-behind and the known-held set (`write_behind`, core/write_behind.py), and the controller's commands on
-these tiers (`commands`, core/tier_commands.py).
+write-behind and the known-held set (`write_behind`, core/write_behind.py), the controller's commands on these
+tiers (`commands`, core/tier_commands.py), and the recency refresh (`recency`, core/recency.py).
 
 Data path of one chunk back from a store: a lower store's `get_into` fills a fresh slot (the bytes verified
 against their checksum on the way; a get the disk store did not answer in time raises StoreMayWrite, and the
@@ -18,8 +18,7 @@ slot is quarantined, never reused, until the store can no longer write into it: 
 docs/architecture.md "A slot lent to a store") -> the meta checked against what the key must hold (`CheckMeta`:
 key, token count, KV format, dtype, size, shape; else a miss, one rate-limited WARNING naming the difference,
 counted in `stats["fetch_bad_meta"]`, recomputed) -> CPU tier (when `local_cpu`) -> paged scatter into vLLM's
-cache. A hit, in any tier, refreshes the chunk's recency in every lower tier (batched, `touch`), so the stores do
-not evict the chunks the CPU tier serves most.
+cache. A hit, in any tier, refreshes the chunk's recency in every lower tier (batched, `touch`: `recency`).
 """
 from __future__ import annotations
 
@@ -31,6 +30,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from kvmesh.services.engine.core.recency import RecencyRefresh
 from kvmesh.services.engine.core.tier_commands import CheckMeta, TierCommands
 from kvmesh.services.engine.core.write_behind import WriteBehind
 from kvmesh.services.engine.mesh.nats_loop import NatsLoop
@@ -47,7 +47,6 @@ from kvmesh.shared.rate_limited_log import RateLimitedLog
 log = logging.getLogger(__name__)
 
 ALL_LOCATIONS = frozenset((*LOCATIONS, PEER))
-TOUCH_BATCH = 10_000  # keys per touch request
 # a store holding this many quarantined slots (it may still write into them) is lent no more: misses at once
 MAX_QUARANTINED_SLOTS = 8
 
@@ -97,8 +96,6 @@ class StorageManager:
         # chunks a fetch is reading (or a prefetch is about to read) from a lower tier -> (that fetch, a future
         # resolved once the chunk is in the CPU tier or the fetch gave up). Loop thread only.
         self._inflight: dict[ChunkKey, tuple[object, asyncio.Future[None]]] = {}
-        self._hits: set[ChunkKey] = set()  # keys served since the last recency refresh of the lower tiers
-        self._hits_lock = threading.Lock()
         self._rlog = RateLimitedLog(log)
         self.stats = collections.Counter[str]()
         # slots a store may still write into (StoreMayWrite), per location: out of use until settled (loop thread)
@@ -107,12 +104,13 @@ class StorageManager:
         # the chunks admitted on their way to the stores, and those every store took
         self.write_behind = WriteBehind(cpu, loop, config, lambda: self._stores, self.lower_ready, self.stats)
         self.commands = TierCommands(self)  # the controller's commands on these tiers
+        self.recency = RecencyRefresh(config, lambda: self._stores, self.lower_ready)  # hits touch the stores
 
     # ---- the tiers (loop thread) -----------------------------------------------------------------------------
     async def start(self) -> None:
         """Start the write-behind workers and the recency refresh on the NATS loop."""
         self._tasks = [*self.write_behind.start(),
-                       asyncio.create_task(self._refresh_recency(), name="kvmesh-touch")]
+                       asyncio.create_task(self.recency.run(), name="kvmesh-touch")]
 
     def set_lower(self, stores: Sequence[StoreTier], peers: StoreTier | None = None) -> None:
         """The tiers below the CPU tier, in walk order (`tiers.build.lower_tiers`), each sending as this rank
@@ -245,7 +243,7 @@ class StorageManager:
             refs.append(ref)
         if len(refs) < len(spans) and self.lower_ready():
             refs += self._fetch_rest(spans[len(refs):], check)
-        self.note_hits([ref.meta.key for ref in refs])
+        self.recency.note_hits([ref.meta.key for ref in refs])
         return refs
 
     def _fetch_rest(self, spans: Sequence[ChunkSpan], check: CheckMeta) -> list[ChunkRef]:
@@ -466,28 +464,6 @@ class StorageManager:
         task = asyncio.get_running_loop().create_task(end(), name="kvmesh-slot-quarantine")
         self._quarantines.add(task)
         task.add_done_callback(self._quarantines.discard)
-
-    # ---- recency: hits refresh the lower tiers (batched, off the hot path) ---------------------------------------
-    def note_hits(self, keys: Sequence[ChunkKey]) -> None:
-        """Any thread: these chunks were just served; the lower tiers hear of it at the next refresh."""
-        if keys and self._stores:
-            with self._hits_lock:
-                self._hits.update(keys)
-
-    async def _refresh_recency(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.touch_interval_secs)
-            await self.flush_hits()
-
-    async def flush_hits(self) -> None:
-        """Loop thread: tell every lower tier about the hits noted since the last flush (and wait for them)."""
-        with self._hits_lock:
-            keys, self._hits = list(self._hits), set()
-        if keys and self.lower_ready():
-            # in parts well under the stores' keys-per-request bound (--max-keys-per-request, 100,000 by default)
-            for start in range(0, len(keys), TOUCH_BATCH):
-                part = keys[start:start + TOUCH_BATCH]
-                await asyncio.gather(*(client.touch(part) for client in self._stores), return_exceptions=True)
 
 
 def _log_failure(future: "concurrent.futures.Future[object] | asyncio.Future[object]") -> None:
