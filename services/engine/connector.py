@@ -319,8 +319,8 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        if self.scheduler_side is not None:  # with groups, each step's block tables are read from it
-            self.scheduler_side.bind_block_tables(kv_cache_manager)
+        if self.scheduler_side is not None:
+            self.scheduler_side.bind_kv_cache_manager(kv_cache_manager)
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[Any, int]:
         if num_external_tokens == 0 or CacheHitSource is None:

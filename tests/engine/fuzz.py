@@ -18,6 +18,7 @@ import argparse
 import logging
 import os
 import random
+import signal
 import sys
 import time
 from collections import Counter
@@ -38,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-agreement", action="store_true",
                         help="two-rank schedules without the connector's per-step load agreement (shows what it "
                              "prevents: a rank saving KV computed over another rank's failed load)")
+    parser.add_argument("--progress", action="store_true", help="print each seed as it starts")
     args = parser.parse_args(argv)
     processes, agreement = not args.no_processes, not args.no_agreement
     if args.seed is not None:
@@ -56,21 +58,27 @@ def main(argv: list[str] | None = None) -> int:
     runs: Counter[str] = Counter()
     reuse: dict[str, list[int]] = {}  # seeds that showed issue 35 finding 2's interleaving (sim_reuse.py)
     failed: dict[str, list[int]] = {}
-    while time.monotonic() < deadline:
-        seed = chooser.randrange(1 << 31)
-        kind = args.kind or SimConfig.draw(seed, processes).kind
-        runs[kind] += 1
-        replay = replay_command(seed, args.kind, processes, agreement)
-        try:
-            result = run_seed(seed, processes, kind=args.kind, agreement=agreement)
-            if result.reuse:
-                reuse.setdefault(kind, []).append(seed)
-        except SimFailure as failure:
-            failed.setdefault(kind, []).append(seed)
-            print(f"FAIL seed {seed} ({kind}): {str(failure).splitlines()[0]}\n  replay: {replay}", flush=True)
-        except Exception as exc:  # the harness itself (a process that never came up...): report, go on
-            failed.setdefault(kind, []).append(seed)
-            print(f"ERROR seed {seed} ({kind}): {type(exc).__name__}: {exc}\n  replay: {replay}", flush=True)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stopped run still prints what it ran
+    try:
+        while time.monotonic() < deadline:
+            seed = chooser.randrange(1 << 31)
+            kind = args.kind or SimConfig.draw(seed, processes).kind
+            replay = replay_command(seed, args.kind, processes, agreement)
+            if args.progress:
+                print(f"seed {seed} ({kind})", flush=True)
+            try:
+                result = run_seed(seed, processes, kind=args.kind, agreement=agreement)
+                if result.reuse:
+                    reuse.setdefault(kind, []).append(seed)
+            except SimFailure as failure:
+                failed.setdefault(kind, []).append(seed)
+                print(f"FAIL seed {seed} ({kind}): {str(failure).splitlines()[0]}\n  replay: {replay}", flush=True)
+            except Exception as exc:  # the harness itself (a process that never came up...): report, go on
+                failed.setdefault(kind, []).append(seed)
+                print(f"ERROR seed {seed} ({kind}): {type(exc).__name__}: {exc}\n  replay: {replay}", flush=True)
+            runs[kind] += 1
+    except KeyboardInterrupt:
+        print(f"stopped during seed {seed} ({kind}); the schedules it finished:", flush=True)
     for kind in KIND_NAMES:
         if runs[kind]:
             seeds = failed.get(kind, [])
