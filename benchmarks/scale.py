@@ -224,7 +224,7 @@ def controller_point(chunks: int, instances: int, lookups: int) -> dict[str, Any
     from kvmesh.shared.admissions import MAX_KEYS_PER_BATCH
     from kvmesh.shared.keys import ChunkHasher, KeyParams
     from kvmesh.shared.protocol import LOCAL_CPU, Subjects
-    from kvmesh.services.controller.api import lookup_handler
+    from kvmesh.services.controller.api.lookup_body import lookup_handler
     from kvmesh.services.controller.config import ControllerConfig
     from kvmesh.services.controller.core import ControllerCore
     from kvmesh.services.controller.producer_feed import ProducerFeed

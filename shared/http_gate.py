@@ -1,5 +1,5 @@
 """What a KVMesh HTTP server does to a request before its app sees it: `BodyGate`, a plain ASGI middleware in front
-of the controller's REST API (services/controller/api.py) and of `kvmesh pd-proxy` (services/pd_proxy/proxy.py).
+of the controller's REST API (services/controller/api/gate.py) and of `kvmesh pd-proxy` (services/pd_proxy/proxy.py).
 
 Runs on the server's event loop. In order, for every HTTP request:
   * 401 without the bearer token, when one is configured (before the body is read); `open_paths` stay open;

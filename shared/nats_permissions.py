@@ -1,6 +1,6 @@
 """What each principal of the mesh may publish and subscribe on NATS: the server's authorization, per role.
 
-Every subject a principal publishes ends in its own path (shared/protocol.py `Principal`), so these allow lists
+Every subject a principal publishes ends in its own path (shared/protocol/principals.py `Principal`), so these allow lists
 bind each message to its sender: an engine instance may register, heartbeat and report events only as itself,
 take only its own workers' commands, call stores only under its own path; a store hears only its own ops; only
 the controller says hello or asks for a sync; only the operator wipes a store. Replies go to per-principal

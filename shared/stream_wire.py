@@ -14,7 +14,7 @@ Wire format, per connection, one request at a time:
              | put: meta.nbytes bytes, then the u64 LE xxh3 checksum of those bytes (a trailer: meta.checksum,
                never 0; the store refuses the put unless the bytes it received hash to it)
     reply:   u32 LE length | msgpack message (Ack or GetReply) | found get: meta.nbytes bytes
-The first request of a connection is a hello with its ticket. Messages are shared/protocol.py's
+The first request of a connection is a hello with its ticket. Messages are shared/protocol/messages.py's
 (StreamHello, PutRequest, GetRequest, Ack, GetReply); only headers are msgpack, the bytes are raw.
 The receiver computes the checksum piece by piece as the bytes land (`recv_exactly`), while each piece is
 still in the CPU cache: a separate pass over 32 MiB would read it back from memory.

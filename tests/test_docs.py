@@ -14,7 +14,9 @@ docs/config.md:
 
 docs/architecture.md (code blocks left out):
   * every "`name` (path/to/module.py)" names an attribute path that exists in that module;
-  * every other backticked `Class.attr` or `Class` is a class of one of those modules (with that attribute).
+  * every other backticked `Class.attr` or `Class` is a class of one of those modules (with that attribute);
+  * its subject table lists every subject `Subjects` makes (each op of the command vocabularies included), and
+    no subject it does not make.
 docs/security.md: its table of roles and NATS permissions is `permissions_table()`, rendered from
 `nats_permissions.permissions()`.
 Modules that cannot be imported for want of torch or vLLM (a mesh-only install) are skipped, not failed.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import re
 from dataclasses import MISSING, fields
 from pathlib import Path
@@ -38,7 +41,8 @@ from kvmesh.services.pd_proxy.__main__ import build_parser as pd_proxy_parser
 from kvmesh.services.remote_store.options import build_parser as remote_store_parser
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.lmcache_keys import LMCACHE_KEYS
-from kvmesh.shared.nats_permissions import permissions
+from kvmesh.shared.nats_permissions import ENGINE_STORE_OPS, OPERATOR_STORE_OPS, permissions
+from kvmesh.shared.protocol import CONFLICT_OP, PREFIX_LOOKUP_OP, WORKER_COMMAND_OPS, Subjects, remote_store_id
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_MD = ROOT / "docs" / "config.md"
@@ -281,6 +285,69 @@ def test_architecture_names_exist() -> None:
         if rest and not _resolve(classes[head], rest):
             problems.append(f"`{name}`: {head} has no attribute {rest}")
     assert not problems, "docs/architecture.md names what the code does not have:\n" + "\n".join(problems)
+
+
+# What of `Subjects` makes no subject of its own: what reads or sanitises one, and the wildcards receivers subscribe
+# with (as the `*_ALL` constants ending in `.>`), whose subjects are the makers'.
+NOT_SUBJECT_MAKERS = {"PREFIX", "token", "is_token", "caller_of_store_op", "producer_of", "store_op", "store_op_from"}
+# A value for each parameter of a subject maker (a maker with a parameter not named here fails the test: name it).
+SUBJECT_SAMPLES = {"producer_path": "engine.inst.w", "caller_path": "engine.inst.w", "path": "controller",
+                   "instance_id": "inst", "worker_id": "w", "domain": "default", "store_id": remote_store_id(0)}
+# The ops each maker taking an `op` is called with.
+SUBJECT_OPS = {"worker": (*WORKER_COMMAND_OPS, CONFLICT_OP, PREFIX_LOOKUP_OP),
+               "store": tuple(dict.fromkeys((*ENGINE_STORE_OPS, *OPERATOR_STORE_OPS)))}
+
+
+def made_subjects() -> dict[str, list[str]]:
+    """Every subject `Subjects` makes, by the name of its maker (a constant, or a method called on samples)."""
+    made: dict[str, list[str]] = {}
+    for name, value in vars(Subjects).items():
+        if name.startswith("_") or name in NOT_SUBJECT_MAKERS:
+            continue
+        if isinstance(value, str):
+            if not value.endswith(".>"):  # a wildcard (`*_ALL`) receivers subscribe with, not a subject
+                made[name] = [value]
+            continue
+        maker = getattr(Subjects, name)
+        params = [p for p in inspect.signature(maker).parameters if p != "op"]
+        missing = [p for p in params if p not in SUBJECT_SAMPLES]
+        assert not missing, f"Subjects.{name}: give SUBJECT_SAMPLES a value for {missing}"
+        args = {p: SUBJECT_SAMPLES[p] for p in params}
+        if "op" in inspect.signature(maker).parameters:
+            assert name in SUBJECT_OPS, f"Subjects.{name} takes an op: give SUBJECT_OPS its vocabulary"
+            made[name] = [maker(**args, op=op) for op in SUBJECT_OPS[name]]
+        else:
+            made[name] = [maker(**args)]
+    return made
+
+
+def subject_table() -> list[tuple[str, re.Pattern[str]]]:
+    """docs/architecture.md's subject table: (subject as written, the pattern it stands for) per subject of a row.
+    A `<placeholder>` stands for any text, but `<op>` only for the ops the row names (backticked words)."""
+    patterns = []
+    for line in _architecture_text().splitlines():
+        if not line.lstrip().startswith("| `kvmesh."):
+            continue
+        cells = _cells(line)
+        ops = sorted(word for cell in cells[1:] for word in re.findall(r"`([a-z_]+)`", cell))
+        for subject in re.findall(r"`([^`]+)`", cells[0]):
+            regex = "".join(("(?:" + "|".join(map(re.escape, ops)) + ")" if part == "<op>" else ".+")
+                            if part.startswith("<") else re.escape(part)
+                            for part in re.split(r"(<\w+>)", subject) if part)
+            patterns.append((subject, re.compile(regex)))
+    return patterns
+
+
+def test_the_subject_table_lists_every_subject() -> None:
+    table = subject_table()
+    assert len(table) >= 10, f"expected docs/architecture.md's subject table, found {len(table)} subjects"
+    made = made_subjects()
+    unlisted = [f"Subjects.{name}: {subject}" for name, subjects in made.items() for subject in subjects
+                if not any(pattern.fullmatch(subject) for _, pattern in table)]
+    assert not unlisted, "docs/architecture.md's subject table lacks:\n" + "\n".join(unlisted)
+    every = [subject for subjects in made.values() for subject in subjects]
+    stale = [written for written, pattern in table if not any(pattern.fullmatch(subject) for subject in every)]
+    assert not stale, f"docs/architecture.md's subject table lists subjects Subjects does not make: {stale}"
 
 
 # ---- docs/security.md -------------------------------------------------------------------------------------------

@@ -8,6 +8,6 @@ One process, one asyncio event loop (main thread) runs everything:
   - `lookup.py`    /lookup: per-instance hashing and contiguous-prefix crediting
   - `commands.py`  pin / unpin / clear forwarded to engine workers by NATS request/reply
   - `ops.py`       event ids for /check_finish
-  - `core.py`      the operations, HTTP-free;  `api.py` the FastAPI app;  `metrics.py` /metrics text
+  - `core.py`      the operations, HTTP-free;  `api/` the FastAPI app;  `metrics.py` the counters /metrics shows
   - `config.py`    flags;  `__main__.py` the thin entry point (`lmcache_controller`)
 """

@@ -1,6 +1,6 @@
 """The controller's operations, independent of HTTP: what each REST endpoint does, as plain methods.
 
-Everything here runs on the controller's event loop; `api.py` maps these methods (and their
+Everything here runs on the controller's event loop; `api/` maps these methods (and their
 ControllerError exceptions) to HTTP, `service.py` wires the NATS side (`ProducerFeed`) in.
 """
 

@@ -46,12 +46,6 @@ class Refused(ControllerError):
     status_code = 409
 
 
-class NotSupported(ControllerError):
-    """An operation KVMesh does not have (501); the message names what is missing."""
-
-    status_code = 501
-
-
 class TooManyCommands(ControllerError):
     """More pin/unpin/clear requests in flight than `--max-commands` (429): retry once some are answered."""
 

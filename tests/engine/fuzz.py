@@ -16,16 +16,38 @@ from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing
 import os
 import random
+import signal
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the helpers in support/
 
 from support.sim_harness import KIND_NAMES, SimConfig, SimFailure, replay_command, run_seed  # noqa: E402
+
+
+SEEDS_PER_WORKER = 20
+
+
+def _quiet() -> None:
+    logging.disable(logging.CRITICAL)  # the engines' warnings about injected faults are expected
+
+
+def _run(seed: int, processes: bool, kind: str | None, agreement: bool) -> tuple[str, str]:
+    """One seed in a worker process: ("ok" | "reuse" (finding 2's interleaving shown) | "FAIL" | "ERROR", what)."""
+    try:
+        result = run_seed(seed, processes, kind=kind, agreement=agreement)
+    except SimFailure as failure:
+        return "FAIL", str(failure).splitlines()[0]
+    except Exception as exc:  # the harness itself (a process that never came up...): report, go on
+        return "ERROR", f"{type(exc).__name__}: {exc}"
+    return ("reuse" if result.reuse else "ok"), ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-agreement", action="store_true",
                         help="two-rank schedules without the connector's per-step load agreement (shows what it "
                              "prevents: a rank saving KV computed over another rank's failed load)")
+    parser.add_argument("--progress", action="store_true", help="print each seed as it starts")
     args = parser.parse_args(argv)
     processes, agreement = not args.no_processes, not args.no_agreement
     if args.seed is not None:
@@ -50,27 +73,40 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"seed {args.seed} passed: {result}")
         return 0
-    logging.disable(logging.CRITICAL)  # the engines' warnings about injected faults are expected
     deadline = time.monotonic() + args.seconds
     chooser = random.Random(int.from_bytes(os.urandom(8), "little"))
     runs: Counter[str] = Counter()
     reuse: dict[str, list[int]] = {}  # seeds that showed issue 35 finding 2's interleaving (sim_reuse.py)
     failed: dict[str, list[int]] = {}
-    while time.monotonic() < deadline:
-        seed = chooser.randrange(1 << 31)
-        kind = args.kind or SimConfig.draw(seed, processes).kind
-        runs[kind] += 1
-        replay = replay_command(seed, args.kind, processes, agreement)
-        try:
-            result = run_seed(seed, processes, kind=args.kind, agreement=agreement)
-            if result.reuse:
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stopped run still prints what it ran
+    # Seeds run in a worker process replaced every SEEDS_PER_WORKER seeds: one process running hundreds of seeds
+    # grew to tens of GiB (each seed's peak memory grew with what ran before it, though no engine, thread or
+    # tensor outlived its seed), and a runaway seed costs its worker, never the run.
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_quiet,
+                               max_tasks_per_child=SEEDS_PER_WORKER)
+    try:
+        while time.monotonic() < deadline:
+            seed = chooser.randrange(1 << 31)
+            kind = args.kind or SimConfig.draw(seed, processes).kind
+            replay = replay_command(seed, args.kind, processes, agreement)
+            if args.progress:
+                print(f"seed {seed} ({kind})", flush=True)
+            try:
+                outcome, detail = pool.submit(_run, seed, processes, args.kind, agreement).result()
+            except BrokenProcessPool as exc:  # the worker died (killed, out of memory): a failure of the seed
+                outcome, detail = "ERROR", f"its worker process died ({exc})"
+                pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_quiet,
+                                           max_tasks_per_child=SEEDS_PER_WORKER)
+            runs[kind] += 1
+            if outcome == "reuse":
                 reuse.setdefault(kind, []).append(seed)
-        except SimFailure as failure:
-            failed.setdefault(kind, []).append(seed)
-            print(f"FAIL seed {seed} ({kind}): {str(failure).splitlines()[0]}\n  replay: {replay}", flush=True)
-        except Exception as exc:  # the harness itself (a process that never came up...): report, go on
-            failed.setdefault(kind, []).append(seed)
-            print(f"ERROR seed {seed} ({kind}): {type(exc).__name__}: {exc}\n  replay: {replay}", flush=True)
+            elif outcome in ("FAIL", "ERROR"):
+                failed.setdefault(kind, []).append(seed)
+                print(f"{outcome} seed {seed} ({kind}): {detail}\n  replay: {replay}", flush=True)
+    except KeyboardInterrupt:
+        print(f"stopped during seed {seed} ({kind}); the schedules it finished:", flush=True)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     for kind in KIND_NAMES:
         if runs[kind]:
             seeds = failed.get(kind, [])

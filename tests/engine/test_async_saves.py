@@ -137,7 +137,7 @@ def halves(request: pytest.FixtureRequest) -> Iterator[tuple[Scenario, Any, Any,
     with rank0_engine(layout) as engine:
         side = SchedulerSide(engine.config, B, SchedulerLookup(1, WAIT_S, "test-scheduler"), saves_off_forward=True,
                              groups=scenario.groups)
-        side.bind_block_tables(scenario.cache.manager)
+        side.bind_kv_cache_manager(scenario.cache.manager)
         worker_side = WorkerSide(engine.config, B, saves_off_forward=True, groups=scenario.groups)
         worker_side.engine, worker_side.kv_caches, worker_side.async_loads = engine, caches, AsyncLoads(WAIT_S)
         try:

@@ -113,7 +113,7 @@ def test_a_grouped_load_is_asynchronous_and_the_scheduler_saves_only_chunks_a_hi
     manager = SimpleNamespace(block_pool=SimpleNamespace(null_block=SimpleNamespace(block_id=0)),
                               get_block_ids=lambda req_id: tuple([b if b >= 0 else 0 for b in t]
                                                                  for t in tables[req_id]))
-    side.bind_block_tables(manager)
+    side.bind_kv_cache_manager(manager)
     tracker = SimpleNamespace(req_id="r")
     got, save = side._group_tables(tracker, SaveSpec(end=6 * BLOCK, mask_start=0),  # type: ignore[arg-type]
                                    (0, 6 * BLOCK))
@@ -173,7 +173,7 @@ def test_both_halves_store_a_prompt_prefilled_in_steps_and_load_it_into_the_wind
                                                                  for t in tables[req_id]))
     with rank0_engine(kv.layout) as engine:
         side = SchedulerSide(engine.config, BLOCK, SchedulerLookup(1, WAIT_S, "test-scheduler"), groups=GROUPS)
-        side.bind_block_tables(manager)
+        side.bind_kv_cache_manager(manager)
         sched = KVMeshConnector.from_sides(scheduler_side=side)
         worker_side = WorkerSide(engine.config, BLOCK, groups=GROUPS)
         worker_side.engine, worker_side.kv_caches, worker_side.async_loads = engine, caches, AsyncLoads(WAIT_S)

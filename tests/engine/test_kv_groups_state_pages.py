@@ -93,7 +93,7 @@ def run_prompt(cache: VLLMCache, tokens: list[int], steps: list[int]) -> dict[in
     vllm_request = request(cache, "r", tokens)
     with rank0_engine(layout) as engine:
         side = SchedulerSide(engine.config, B, SchedulerLookup(1, WAIT_S, "test-scheduler"), groups=groups)
-        side.bind_block_tables(cache.manager)  # each step's tables: vLLM's own manager's
+        side.bind_kv_cache_manager(cache.manager)  # each step's tables: vLLM's own manager's
         sched = KVMeshConnector.from_sides(scheduler_side=side)
         worker_side = WorkerSide(engine.config, B, groups=groups)
         worker_side.engine, worker_side.kv_caches, worker_side.async_loads = engine, caches, AsyncLoads(WAIT_S)

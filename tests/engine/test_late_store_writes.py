@@ -270,7 +270,7 @@ async def test_cancels_past_the_bound_are_refused_until_tombstones_expire(harnes
 @pytest.mark.parametrize("fields", [{"get_id": -1}, {"get_id": 2**63}, {"deadline": float("nan")},
                                     {"deadline": float("inf")}, {"deadline": -1.0}, {"get_id": True}])
 def test_get_ids_and_deadlines_are_checked_on_decode(fields: dict[str, Any]) -> None:
-    body = protocol._fields_of(protocol.GetRequest(key=b"k" * 16, pool="ab", get_id=1, deadline=1.0))
+    body = msgpack.unpackb(protocol.encode(protocol.GetRequest(key=b"k" * 16, pool="ab", get_id=1, deadline=1.0)))
     body.update(fields, v=protocol.PROTOCOL_VERSION, t="get_request")
     with pytest.raises(protocol.ProtocolError):
         protocol.decode(msgpack.packb(body), protocol.GetRequest)

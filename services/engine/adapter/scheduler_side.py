@@ -60,7 +60,8 @@ class SchedulerSide:
         self.kv_events = kv_events  # only when vLLM publishes KV events
         # vLLM's KV cache groups when copies need each group's block table (kv_groups.py), else None
         self.groups = groups if groups is not None and groups.grouped else None
-        # req_id -> its block ids per group, null entries -1 (vLLM's KV cache manager, bind_block_tables)
+        self._kv_cache_manager: Any = None  # vLLM's (bind_kv_cache_manager)
+        # req_id -> its block ids per group, null entries -1 (from vLLM's KV cache manager)
         self._block_tables: Callable[[str], list[list[int]]] | None = None
         self._trackers: dict[str, RequestTracker] = {}
         self._async_starting: list[str] = []  # requests whose async load the next step carries
@@ -97,9 +98,11 @@ class SchedulerSide:
                    can_save=can_save, saves_off_forward=saves_off_forward, kv_events=kv_events,
                    unsupported=unsupported, groups=groups)
 
-    def bind_block_tables(self, kv_cache_manager: Any) -> None:
-        """With groups, read each step's block tables from vLLM's KV cache manager: it is what the step's forward
-        uses, with the blocks a sliding window freed as the null block (kv_groups.py)."""
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """vLLM's KV cache manager: blocks whose load failed leave its prefix cache (`update_connector_output`),
+        and with groups each step's block tables are read from it: it is what the step's forward uses, with the
+        blocks a sliding window freed as the null block (kv_groups.py)."""
+        self._kv_cache_manager = kv_cache_manager
         null = kv_cache_manager.block_pool.null_block.block_id
 
         def tables(req_id: str) -> list[list[int]]:
@@ -382,6 +385,7 @@ class SchedulerSide:
                          "no more loads", req_id)
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if invalid:
+            self._uncache_failed_blocks(invalid)
             for tracker in self._trackers.values():
                 if not tracker.load_failed and tracker.load_failed_in(invalid, self.block_size, self.chunk_size):
                     log.info("Reqid: %s: its load failed; vLLM recomputes it from token %d, which is saved again, "
@@ -391,6 +395,26 @@ class SchedulerSide:
             self.lookup.update(events)
             if self.kv_events is not None:
                 self.kv_events.apply(events)
+
+    def _uncache_failed_blocks(self, invalid: set[int]) -> None:
+        """Blocks whose load failed, and every later block of a request holding one, leave vLLM's prefix cache.
+        Under the "recompute" policy vLLM keeps them cached for the request to recompute; a request preempted or
+        aborted before it does frees them still cached, and a later hit (its own resumption, or another request's)
+        would read KV that no prompt computed. Only their hashes go: a block still in use stays allocated."""
+        manager = self._kv_cache_manager
+        if manager is None:
+            return
+        stale: set[int] = set()
+        for req_id in self._trackers:
+            try:
+                blocks = manager.get_block_ids(req_id)[0]  # one group: with groups vLLM is told failed requests
+            except Exception:  # not known to vLLM's manager (waiting): none of its blocks is cached
+                continue
+            first = next((i for i, block in enumerate(blocks) if block in invalid), None)
+            if first is not None:
+                stale.update(blocks[first:])
+        if stale:
+            manager.evict_blocks(stale)
 
     def take_events(self) -> list[Any]:
         """KVMesh's CPU-tier admissions and evictions as vLLM KV events (adapter/kv_events.py)."""
