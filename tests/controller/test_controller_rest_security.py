@@ -27,6 +27,7 @@ from kvmesh.shared.embedded_nats import free_port
 from kvmesh.shared.protocol import LOCAL_CPU, Subjects
 
 from support.controller import RawProducer
+from support.processes import peak_rss_mib
 from support.waiting import WAIT_S, wait_until_async
 
 # The documented bound (docs/config.md, --max-large-bodies): 24 concurrent 1,000,000-token /pin bodies keep the
@@ -198,13 +199,6 @@ async def test_nested_or_wrongly_typed_tokens_are_a_422_naming_the_field() -> No
 
 
 # ---- 24 concurrent 1M-token /pin bodies: a bounded peak RSS -----------------------------------------------------
-def _peak_rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmHWM in /proc/{pid}/status")
-
-
 class SilentWorker(RawProducer):
     """An engine worker that registers and takes its pin commands but never answers (a stalled engine)."""
 
@@ -240,13 +234,13 @@ async def test_24_concurrent_million_token_pins_keep_the_controller_under_its_me
                 response = await client.post("/query_worker_info", json={"instance_id": "all"})
                 return [info["instance_id"] for info in response.json()["worker_infos"]] == ["inst-flood"]
             await wait_until_async(registered, what="the silent worker registered")
-            before = _peak_rss_mib(process.pid)
+            before = peak_rss_mib(process.pid)
             body = json.dumps({"instance_id": "inst-flood", "location": LOCAL_CPU,
                                "tokens": list(range(100_000, 1_100_000))}).encode()
             responses = await asyncio.gather(*(client.post("/pin", content=body,
                                                            headers={"content-type": "application/json"})
                                                for _ in range(24)))
-            peak = _peak_rss_mib(process.pid)
+            peak = peak_rss_mib(process.pid)
             assert peak < FLOOD_PEAK_RSS_MIB, f"peak RSS {peak:.0f} MiB (before the flood {before:.0f} MiB)"
             assert [r.status_code for r in responses] == [504] * 24, [r.text[:200] for r in responses]
             assert worker.commands == 24  # every body reached the worker in its turn, holding its list meanwhile

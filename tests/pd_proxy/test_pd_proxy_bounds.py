@@ -23,6 +23,7 @@ import pytest
 
 from kvmesh.shared.embedded_nats import free_port
 
+from support.processes import peak_rss_mib
 from support.waiting import WAIT_S, wait_until_async
 
 PEAK_RSS_MIB = 512  # docs/config.md, --max-large-bodies: 24 concurrent 11 MiB bodies stay under this
@@ -62,13 +63,6 @@ async def proxy(producer: str, consumer: str, *flags: str, env: dict[str, str] |
 def nowhere() -> str:
     """A loopback URL where nothing listens."""
     return f"http://127.0.0.1:{free_port()}"
-
-
-def peak_rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmHWM in /proc/{pid}/status")
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the peak RSS from /proc")

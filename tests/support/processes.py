@@ -1,6 +1,7 @@
-"""Process helpers for tests: is a pid alive, wait for it to die."""
+"""Process helpers for tests: is a pid alive, wait for it to die, its peak memory."""
 
 import os
+from pathlib import Path
 
 from support.waiting import WAIT_S, wait_until
 
@@ -25,3 +26,11 @@ def wait_dead(pid: int, timeout: float = WAIT_S) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+def peak_rss_mib(pid: int) -> float:
+    """The most resident memory `pid` has held (VmHWM), in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmHWM in /proc/{pid}/status")
