@@ -264,6 +264,30 @@ async def test_a_pd_consumer_waits_for_the_producer_its_request_names_and_loads_
             assert a.storage.stats["p2p_served_chunks"] == -(-TOKENS // CHUNK)
 
 
+async def test_a_pd_consumer_waits_for_the_producers_partial_last_chunk_too(nats_url: str) -> None:
+    """The producer admits the prompt's partial last chunk (save_unfull_chunk) after its full ones: a hinted lookup
+    that already sees the full chunks named waits for that last one too, and loads the whole prompt (CI, stop 43:
+    a consumer loaded 256 of 450 tokens, its wait covered the full chunks only)."""
+    async with running_controller(nats_url) as (service, client):
+        async with two_engines(nats_url, "prefill-a", "decode-b", pd_hint_wait_secs=WAIT_S) as (a, kv_a, b, kv_b):
+            await wait_until_async(lambda: all(service.core.table.producer(e.worker_id) for e in (a, b)),
+                                   what="A and B registered")
+            tokens = random_tokens(TOKENS, seed=15).tolist()
+            full = TOKENS // CHUNK * CHUNK
+            spans = b.chunk_spans([span.key for span in b.hasher.chain(torch.tensor(tokens))], TOKENS)
+            await asyncio.to_thread(computed, a, kv_a, tokens[:full])
+            await wait_until_async(lambda: lists(client, tokens[:full], "prefill-a"), what="A's full chunks listed")
+            asked = service.core.peer_lookups("peer") + service.core.peer_lookups("none")
+            lookup = asyncio.create_task(prefix_held(b, spans, "prefill-a", a.worker_id))
+            await wait_until_async(lambda: service.core.peer_lookups("peer") + service.core.peer_lookups("none")
+                                   > asked, what="B's hinted lookup asked the controller")
+            await asyncio.to_thread(computed, a, kv_a, tokens)  # the partial last chunk, admitted later
+            assert await lookup == TOKENS
+            blocks = list(range(10, 10 + -(-TOKENS // kv_b.block_size)))
+            assert await asyncio.to_thread(loaded, b, kv_b, tokens, blocks) == TOKENS
+            assert ContextForward(kv_b, SCRATCH).holds(tokens, blocks, TOKENS)
+
+
 def p2p_engines(url: str, names: tuple[str, ...], **overrides: object) -> dict[str, tuple[CacheEngine, PagedKV]]:
     """P2P engines started one after the other (each registered before the next starts), each over its own KV."""
     engines: dict[str, tuple[CacheEngine, PagedKV]] = {}

@@ -163,12 +163,12 @@ class CacheEngine:
         """NATS loop: the held prefix of `spans` over every tier, in tokens; what a lower tier holds starts
         moving into the CPU tier at once (the scheduler's lower-tier lookup, then the load one step later).
         `peer_worker` of `peer_instance`: the PD producer a request's hint names (adapter/pd.py, client input):
-        the peer lookup waits a little for its admissions of the full chunks, never takes its word for them."""
+        the peer lookup waits a little for its admissions of the spans, never takes its word for them."""
         _, _, _, storage, _ = self.ready()
         peers = storage.lower(PEER)
         if peer_worker and isinstance(peers, PeerTier):
-            peers.expect([span.key for span in spans if span.num_tokens == self.config.chunk_size],
-                         PeerWorker(peer_instance, peer_worker))
+            # every span, the partial last chunk too: the producer saves the same prompt (save_unfull_chunk)
+            peers.expect([span.key for span in spans], PeerWorker(peer_instance, peer_worker))
         held = await storage.lookup_and_prefetch(spans, self.meta_mismatch)
         return spans[held - 1].end if held else 0
 
