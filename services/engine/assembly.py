@@ -3,7 +3,7 @@
 `build_engine` makes, for a KV layout: the memory pool and the CPU tier on it, the paged copier, the chunk hasher
 (its key parameters fixed by the layout and the sharing domain), the storage manager, and with the mesh the
 engine's NATS loop, the worker agent, the peer server (enable_p2p) and the lower tiers' clients (once NATS is
-first reached). `WorkerMesh` is the engine's place on the mesh: the connection (joined or embedded), its
+first reached, in the walk order of tiers/registry.py). `WorkerMesh` is the engine's place on the mesh: the connection (joined or embedded), its
 registration and what closes with it.
 
 Only this module wires the floors together (services/engine/__init__.py): `core/` never builds its own parts.
@@ -31,10 +31,9 @@ from kvmesh.services.engine.mesh.embedded import MeshConnection, MeshPlan
 from kvmesh.services.engine.mesh.nats_loop import NatsLoop
 from kvmesh.services.engine.agents.peer_server import PeerServer
 from kvmesh.services.engine.agents.worker_agent import WorkerAgent
-from kvmesh.services.engine.tiers.build import lower_tiers
+from kvmesh.services.engine.tiers.registry import TierPlan, TierSite, configured_locations, lower_tiers
 from kvmesh.services.engine.tiers.cpu import LocalCPUBackend
 from kvmesh.services.engine.tiers.memory_pool import MemoryPool
-from kvmesh.services.engine.tiers.peer import PeerTier
 from kvmesh.services.engine.tiers.redis import resolve_auth
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.config import EngineConfig
@@ -43,7 +42,7 @@ from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.eviction import Clock
 from kvmesh.shared.keys import ChunkHasher, KeyParams
 from kvmesh.shared.nats_auth import engine_auth
-from kvmesh.shared.protocol import LOCAL_DISK, PEER, REMOTE, worker_id_for
+from kvmesh.shared.protocol import PEER, worker_id_for
 from kvmesh.shared.redis_keys import RedisAuth
 from kvmesh.shared.stream_server import ClientBounds
 
@@ -84,11 +83,11 @@ def build_engine(config: EngineConfig, key_params: KeyParams, layout: KVLayout, 
     hasher = ChunkHasher(key_params, config.chunk_size, config.save_unfull_chunk)
     lower: list[str] = []
     nats_loop = None
+    tier_plan = TierPlan(config)  # only an engine on the mesh builds lower tiers (WorkerMesh)
     if connection is not None:
         plan = connection.plan
-        lower = ([LOCAL_DISK] if plan.disk_store else []) + ([REMOTE] if plan.remote_stores else [])
-        if config.enable_p2p:
-            lower.append(PEER)
+        tier_plan = TierPlan(config, plan.disk_store, tuple(plan.remote_stores), plan.redis)
+        lower = configured_locations(tier_plan)
         nats_loop = NatsLoop(worker_id)
     storage = StorageManager(cpu, nats_loop, config, lower)
     _warn_about(config, lower)
@@ -96,7 +95,7 @@ def build_engine(config: EngineConfig, key_params: KeyParams, layout: KVLayout, 
                          writes_lower_tiers=writes_lower_tiers, hasher=hasher, pool=pool, cpu=cpu, copier=copier,
                          storage=storage, nats_loop=nats_loop)
     if connection is not None and nats_loop is not None:
-        mesh = WorkerMesh(engine, connection, nats_loop, domain.name)
+        mesh = WorkerMesh(engine, connection, nats_loop, domain.name, tier_plan)
         engine.mesh = mesh
         mesh.connect(auth)
     log.info("cache engine %s: chunk %d tokens = %.1f MiB (%s), CPU pool %d chunks%s%s", worker_id,
@@ -154,13 +153,16 @@ def _warn_about(config: EngineConfig, lower: list[str]) -> None:
 
 class WorkerMesh:
     """One engine's place on the mesh: its NATS connection (joined or embedded), the worker agent, the peer server
-    (enable_p2p), and once NATS is first reached the lower tiers' clients. The engine's `mesh`."""
+    (enable_p2p), and once NATS is first reached the lower tiers' clients (`tier_plan`'s, tiers/registry.py). The
+    engine's `mesh`."""
 
-    def __init__(self, engine: CacheEngine, connection: MeshConnection, nats_loop: NatsLoop, domain_name: str) -> None:
+    def __init__(self, engine: CacheEngine, connection: MeshConnection, nats_loop: NatsLoop, domain_name: str,
+                 tier_plan: TierPlan) -> None:
         config = engine.config
         self.engine = engine
         self.connection = connection
         self.plan: MeshPlan = connection.plan
+        self.tier_plan = tier_plan
         self.nats_loop = nats_loop
         self.domain_name = domain_name  # its sharing domain (the credentials'); P2P stays inside it
         self.started_at = time.time()
@@ -216,19 +218,11 @@ class WorkerMesh:
 
     async def _on_connected(self, nc: NatsClient) -> None:
         """Loop thread, once NATS is first reached: store clients, then the worker agent."""
-        engine, config = self.engine, self.engine.config
+        engine = self.engine
         storage = engine.storage
-        peers = PeerTier(nc, self.domain_name, engine.worker_id, self.agent.path, storage.stats,
-                         request_timeout=config.request_timeout_secs,
-                         min_transfer_rate=config.remote_min_transfer_mb_per_s * 1e6,
-                         retry_interval=config.remote_retry_interval_secs,
-                         max_connections=config.p2p_stream_connections,
-                         hint_wait=config.pd_hint_wait_secs
-                         ) if config.enable_p2p else None
-        plan = self.plan
-        storage.set_lower(lower_tiers(nc, config, engine.store_caller, disk_store=plan.disk_store,
-                                      remote_stores=plan.remote_stores, redis=plan.redis, redis_auth=self.redis_auth),
-                          peers)
+        site = TierSite(nc, engine.store_caller, self.redis_auth, self.domain_name, engine.worker_id, self.agent.path,
+                        storage.stats)
+        storage.set_lower(lower_tiers(self.tier_plan, site))
         if self.peer_server is not None:
             try:
                 await self.peer_server.start(nc)

@@ -46,7 +46,7 @@ def test_the_engine_loads_no_server_code() -> None:
     """The connector (as vLLM imports it), the cache engine, its tiers, the worker agent, the assembly and the
     embedded mesh load no module of a server package, nor the server-side modules of shared/."""
     loaded = loaded_after("import kvmesh.services.engine.connector, kvmesh.services.engine.core.cache_engine, "
-                          "kvmesh.services.engine.tiers.build, kvmesh.services.engine.agents.worker_agent, "
+                          "kvmesh.services.engine.tiers.registry, kvmesh.services.engine.agents.worker_agent, "
                           "kvmesh.services.engine.assembly, "
                           "kvmesh.services.engine.mesh.embedded")
     assert "kvmesh.services.engine.tiers.remote_stream" in loaded  # the stores' clients, yes

@@ -112,11 +112,11 @@ class StorageManager:
         self._tasks = [*self.write_behind.start(),
                        asyncio.create_task(self.recency.run(), name="kvmesh-touch")]
 
-    def set_lower(self, stores: Sequence[StoreTier], peers: StoreTier | None = None) -> None:
-        """The tiers below the CPU tier, in walk order (`tiers.build.lower_tiers`), each sending as this rank
-        (`CacheEngine.store_caller`), and the peers' CPU tiers last (`tiers.peer.PeerTier`: read, never written)."""
-        self._stores = tuple(stores)
-        self._tiers = (self.cpu, *stores, *((peers,) if peers is not None else ()))
+    def set_lower(self, lower: Sequence[StoreTier]) -> None:
+        """The tiers below the CPU tier, in walk order (`tiers.registry.lower_tiers`): the stores, each sending as
+        this rank (`CacheEngine.store_caller`), and the peers' CPU tiers last (read, never written)."""
+        self._stores = tuple(tier for tier in lower if tier.location != PEER)
+        self._tiers = (self.cpu, *lower)
 
     def lower(self, location: str) -> StoreTier | None:
         """The client of a tier below the CPU tier (a store, or the peers)."""

@@ -9,5 +9,5 @@
     remote_stream.py  its bulk data path: kept TCP streams (the client end; shared/stream_wire.py)
     redis.py          or instead of the remote store, Redis / Valkey itself (`RedisTier`)
     peer.py           other instances' CPU tiers, the last tier of the walk (`PeerTier`, enable_p2p)
-    build.py          the lower tiers an engine's config names, in walk order (`lower_tiers`)
+    registry.py       the lower tiers in walk order, one registry (`LOWER_TIERS`), built from the config
 """
