@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _import_engine() -> types.SimpleNamespace:
     """The engine modules; without an installed kvmesh (e.g. a bare GPU box) map the package onto the repo."""
     try:
-        from kvmesh.services.engine.core import kv_layout, paged_copy
+        from kvmesh.services.engine.core import kv_layout, paged_copy, paged_kernels, paged_torch
     except ImportError:
         for name, path in (
             ("kvmesh", ROOT / "kvmesh_pkg"),
@@ -48,8 +48,9 @@ def _import_engine() -> types.SimpleNamespace:
                 module = types.ModuleType(name)
                 module.__path__ = [str(path)]
                 sys.modules[name] = module
-        from kvmesh.services.engine.core import kv_layout, paged_copy
-    return types.SimpleNamespace(kv_layout=kv_layout, paged_copy=paged_copy)
+        from kvmesh.services.engine.core import kv_layout, paged_copy, paged_kernels, paged_torch
+    return types.SimpleNamespace(kv_layout=kv_layout, paged_copy=paged_copy, paged_kernels=paged_kernels,
+                                 paged_torch=paged_torch)
 
 
 ENGINE = _import_engine()
@@ -179,7 +180,7 @@ def bench_cuda(args: argparse.Namespace) -> None:
 
         # correctness once, against the torch path (the oracle)
         ref = torch.empty(shapes[0], dtype=DTYPE, device=device)
-        ENGINE.paged_copy.gather(list(caches.values()), layout, mappings[0], ref)
+        ENGINE.paged_torch.gather(list(caches.values()), layout, mappings[0], ref)
         copier.gather(caches, mappings[0], host[0])
         copier.gather(caches, mappings[0], dev[0])
         torch.cuda.synchronize()
@@ -211,7 +212,7 @@ def bench_cuda(args: argparse.Namespace) -> None:
             "gather_D2D": (loop(lambda i: copier.gather(caches, mappings[i], dev[i])), "copy_D2D"),
             "scatter_D2D": (loop(lambda i: copier.scatter(dev[i], caches, mappings[i])), "copy_D2D"),
             "torch_gather_D2D": (
-                loop(lambda i: ENGINE.paged_copy.gather(list(caches.values()), layout, mappings[i], dev[i])),
+                loop(lambda i: ENGINE.paged_torch.gather(list(caches.values()), layout, mappings[i], dev[i])),
                 "copy_D2D",
             ),
         }
@@ -261,7 +262,7 @@ def tune_cuda(args: argparse.Namespace) -> None:
     host = [torch.empty(s, dtype=DTYPE).pin_memory() for s in shapes]
     dev = [torch.empty(s, dtype=DTYPE, device=device) for s in shapes]
     nbytes = sum(h.numel() * h.element_size() for h in host)
-    pc = ENGINE.paged_copy
+    pc = ENGINE.paged_kernels  # the launch shape knobs
     for threads in (128, 256, 512):
         for rounds in (1, 2, 4, 8):
             pc.THREADS_PER_CTA, pc.TOKEN_ROUNDS = threads, rounds
@@ -294,7 +295,7 @@ def tune_cuda(args: argparse.Namespace) -> None:
     for name, fn in (
         ("gather", lambda m: copier.gather(caches, m, tiny)),
         ("scatter", lambda m: copier.scatter(tiny, caches, m)),
-        ("torch_gather", lambda m: ENGINE.paged_copy.gather(list(caches.values()), layout, m, tiny)),
+        ("torch_gather", lambda m: ENGINE.paged_torch.gather(list(caches.values()), layout, m, tiny)),
     ):
         fn(one[0])
         torch.cuda.synchronize()

@@ -22,7 +22,7 @@ from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.core.kv_layout import KVLayout, detect_layout
 from kvmesh.services.engine.core.layerwise_load import LayerwiseLoader
-from kvmesh.services.engine.core.paged_copy import gather
+from kvmesh.services.engine.core.paged_torch import gather
 from kvmesh.shared.protocol import LOCAL_CPU
 
 from support.engine import BLOCK, CHUNK, HEAD_SIZE, HEADS, LAYERS, random_tokens

@@ -222,7 +222,7 @@ def test_refcounts_keep_bytes_being_read(kv: PagedKV) -> None:
         token_api.store(engine, b, **kv.kv(kv.slots(64)))  # needs both slots: a's is still read, so only one chunk fits
         assert token_api.lookup(engine, b) == CHUNK and token_api.lookup(engine, a) == 0
         chunk = ref.slot.view(kv.layout.dtype, kv.layout.chunk_shape(32))
-        from kvmesh.services.engine.core.paged_copy import scatter
+        from kvmesh.services.engine.core.paged_torch import scatter
         dst = kv.slots(32, exclude=src)
         scatter(chunk, kv.caches, kv.layout, dst)
         assert torch.equal(kv.token_kv(dst), expected)  # ... but its bytes survived until released

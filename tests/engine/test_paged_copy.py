@@ -29,7 +29,9 @@ from kvmesh.services.engine.core.kv_layout import (
     cpu_token_views,
     detect_layout,
 )
-from kvmesh.services.engine.core.paged_copy import KERNELS_FILE, PagedCopier, gather, scatter, unpack_block_chunk
+from kvmesh.services.engine.core.paged_copy import PagedCopier
+from kvmesh.services.engine.core.paged_kernels import KERNELS_FILE
+from kvmesh.services.engine.core.paged_torch import gather, scatter, unpack_block_chunk
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 INT_VIEW = {2: torch.int16, 4: torch.int32}

@@ -18,7 +18,8 @@ if not torch.cuda.is_available():
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
 
 from kvmesh.services.engine.core.kv_layout import KVLayout, detect_layout  # noqa: E402
-from kvmesh.services.engine.core.paged_copy import PagedCopier, gather, scatter  # noqa: E402
+from kvmesh.services.engine.core.paged_copy import PagedCopier  # noqa: E402
+from kvmesh.services.engine.core.paged_torch import gather, scatter  # noqa: E402
 
 DEVICE = torch.device("cuda", torch.cuda.current_device())
 # uint8: the bytes of an fp8 KV cache (vLLM allocates fp8 caches as uint8)
@@ -180,12 +181,12 @@ def test_torch_fallback_when_forced(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_an_nvrtc_failure_falls_back_to_torch_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from kvmesh.services.engine.core import paged_copy
+    from kvmesh.services.engine.core import paged_kernels
 
     broken = tmp_path / "broken.cu"
     broken.write_text('extern "C" __global__ void kvm_gather_v16( { this does not compile }\n')
-    monkeypatch.setattr(paged_copy, "KERNELS_FILE", broken)
-    monkeypatch.setattr(paged_copy._CupyKernels, "_by_device", {})
+    monkeypatch.setattr(paged_kernels, "KERNELS_FILE", broken)
+    monkeypatch.setattr(paged_kernels.CupyKernels, "_by_device", {})
     caches = make_caches("NHD-2x", 2, 4, 16, 2, 8, torch.float16, True)
     layout = detect_layout({str(i): c for i, c in enumerate(caches)}, 16, "FLASH_ATTN")
     copier = PagedCopier(layout, DEVICE)

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 
 from kvmesh.services.engine.core.kv_layout import detect_layout  # noqa: E402
 from kvmesh.services.engine.core.layerwise_load import ChunkCopy, LayerwiseLoader  # noqa: E402
-from kvmesh.services.engine.core.paged_copy import scatter  # noqa: E402
+from kvmesh.services.engine.core.paged_torch import scatter  # noqa: E402
 
 DEVICE = torch.device("cuda", torch.cuda.current_device())
 LAYERS, NB, BS, HEADS, D, CHUNK = 4, 32, 16, 2, 64, 32

