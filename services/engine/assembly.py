@@ -3,8 +3,8 @@
 `build_engine` makes, for a KV layout: the memory pool and the CPU tier on it, the paged copier, the chunk hasher
 (its key parameters fixed by the layout and the sharing domain), the storage manager, and with the mesh the
 engine's NATS loop, the worker agent, the peer server (enable_p2p) and the lower tiers' clients (once NATS is
-first reached, in the walk order of tiers/registry.py). `WorkerMesh` is the engine's place on the mesh: the connection (joined or embedded), its
-registration and what closes with it.
+first reached, in the walk order of tiers/registry.py). `WorkerMesh` is the engine's place on the mesh: the
+connection (joined or embedded), its registration and what closes with it.
 
 Only this module wires the floors together (services/engine/__init__.py): `core/` never builds its own parts.
 """
@@ -34,7 +34,7 @@ from kvmesh.services.engine.agents.worker_agent import WorkerAgent
 from kvmesh.services.engine.tiers.registry import TierPlan, TierSite, configured_locations, lower_tiers
 from kvmesh.services.engine.tiers.cpu import LocalCPUBackend
 from kvmesh.services.engine.tiers.memory_pool import MemoryPool
-from kvmesh.services.engine.tiers.redis import resolve_auth
+from kvmesh.services.engine.tiers.redis_values import resolve_auth
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.credentials import DEFAULT_DOMAIN, SharingDomain, credentials_for

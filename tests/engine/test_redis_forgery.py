@@ -21,7 +21,8 @@ import torch
 from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.mesh.domain import engine_credentials_file
-from kvmesh.services.engine.tiers.redis import RedisTier, resolve_auth
+from kvmesh.services.engine.tiers.redis import RedisTier
+from kvmesh.services.engine.tiers.redis_values import resolve_auth
 from kvmesh.shared import chunk_file, protocol
 from kvmesh.shared.config import EngineConfig, load_engine_config
 from kvmesh.shared.credentials import MeshCredentials, local_mesh_dir, provision

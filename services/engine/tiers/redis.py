@@ -3,22 +3,21 @@
 Runs on the engine's NATS loop thread (all methods are coroutines), with a redis-py async client made from
 `remote_url` (shared/redis_url.py: standalone, TLS, unix socket, sentinel or cluster).
 
-Keys (shared/redis_keys.py): the value `<p>:chunk:{<h>}` is VALUE_MAGIC, the MAC key's id, a MAC, then the
-chunk-file header (shared/chunk_file.py: ChunkMeta, data checksum, the header's own check) and the bytes; a value
-that is truncated, foreign (another key, another format version), fails its MAC or a checksum is a miss with one
-(rate-limited) WARNING, is counted (`values_rejected` in stats) and deleted. A value under another key id
-(engines with another secret on the prefix) is a miss too, counted (`values_foreign`) and left alone, so two such
-groups never delete each other's values on reads; a put of ours replaces it. `<p>:owners:{<h>}` (entries of the callers that put
-the chunk) and `<p>:claims:<caller>` let a `clear` take back only its caller's claims and delete a chunk once
-nobody claims it; `<p>:pins:{<h>}` holds one entry per pin. A put is written to `<p>:tmp:{<h>}:<n>` and moved
-into place by a script, so no reader ever sees half a value.
+Keys (shared/redis_keys.py): the value `<p>:chunk:{<h>}` is MAC'd chunk-file bytes (the format: redis_values.py);
+a value that is truncated, foreign (another key, another format version), fails its MAC or a checksum is a miss
+with one (rate-limited) WARNING, is counted (`values_rejected` in stats) and deleted. A value under another key
+id (engines with another secret on the prefix) is a miss too, counted (`values_foreign`) and left alone, so two
+such groups never delete each other's values on reads; a put of ours replaces it. `<p>:owners:{<h>}` (entries of
+the callers that put the chunk) and `<p>:claims:<caller>` let a `clear` take back only its caller's claims and
+delete a chunk once nobody claims it; `<p>:pins:{<h>}` holds one entry per pin. A put is written to
+`<p>:tmp:{<h>}:<n>` and moved into place by a script (redis_scripts.py), so no reader ever sees half a value.
 
-Authentication (`RedisAuth`, keyed by `resolve_auth`: `remote_auth_secret_file`, else the sharing domain's secret
-in the engine's NATS credentials file): the MAC covers the value's key name, header and bytes, so a value written
-without the secret, or moved from another key, is a miss. Pin and owner entries carry a MAC too; the ones that
-fail it are ignored and removed (`entries_rejected`) whenever a pin, unpin or clear reads the set, so an entry
-forged by a party without the secret never keeps a chunk unevictable or uncleared past an honest unpin or clear.
-With no secret the MACs are keyed by nothing secret (one WARNING at start).
+Authentication (`RedisAuth`, keyed by `resolve_auth` in redis_values.py: `remote_auth_secret_file`, else the
+sharing domain's secret in the engine's NATS credentials file): the MAC covers the value's key name, header and
+bytes, so a value written without the secret, or moved from another key, is a miss. Pin and owner entries carry
+a MAC too; the ones that fail it are ignored and removed (`entries_rejected`) whenever a pin, unpin or clear reads
+the set, so an entry forged by a party without the secret never keeps a chunk unevictable or uncleared past an
+honest unpin or clear. With no secret the MACs are keyed by nothing secret (one WARNING at start).
 
 Eviction is Redis's own (`maxmemory` + a `volatile-*` policy). Unpinned chunks carry a TTL
 (`redis_chunk_ttl_secs`, refreshed by puts and hits), which makes them volatile, i.e. evictable; a pin removes
@@ -35,12 +34,9 @@ and the client reconnects by itself when it is back.
 from __future__ import annotations
 
 import asyncio
-import hmac
-import io
 import itertools
 import logging
 import secrets
-from pathlib import Path
 from typing import Any, Awaitable, Callable, TypeVar
 
 from redis.asyncio import RedisCluster
@@ -48,115 +44,21 @@ from redis.exceptions import ResponseError
 
 from kvmesh.shared import chunk_file, protocol
 from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.credentials import sharing_domain
 from kvmesh.shared.keys import KEY_BYTES, ChunkKey
 from kvmesh.shared.rate_limited_log import RateLimitedLog
-from kvmesh.shared.redis_keys import (KEY_ID_BYTES, SECRET_FILE_KEY, VALUE_MAGIC, VALUE_PREFIX_BYTES, RedisAuth,
-                                      RedisKeys, read_secret_file)
+from kvmesh.shared.redis_keys import SECRET_FILE_KEY, VALUE_MAGIC, VALUE_PREFIX_BYTES, RedisAuth, RedisKeys
 from kvmesh.shared.redis_url import CLUSTER, RedisTarget
 from kvmesh.services.engine.tiers.base import ChunkBuffer, StoreLink, byte_view
+from kvmesh.services.engine.tiers.redis_scripts import CLAIM, CLEAR, FINISH_PUT, PIN, UNPIN
+from kvmesh.services.engine.tiers.redis_values import MAX_HEADER_BYTES, ForeignValue, decode_into
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# ARGV[n]: what a value of ours starts with (VALUE_MAGIC and our key id). A value that starts otherwise (another
-# secret's, an older format's, a forgery) is not held for us: a put replaces it.
-_OURS = """
-local function ours(name, prefix)
-  return redis.call('GETRANGE', name, 0, string.len(prefix) - 1) == prefix
-end
-"""
-# KEYS: tmp, chunk. ARGV: our value prefix. The bytes are written; move them into place unless another put of
-# ours got there first (its value may be pinned by now: replacing it would drop the pin's PERSIST).
-_FINISH_PUT = _OURS + """
-if ours(KEYS[2], ARGV[1]) then redis.call('DEL', KEYS[1]) return 0 end
-redis.call('RENAME', KEYS[1], KEYS[2])
-return 1
-"""
-# A set key holding anything but a set (an older format's pin count, a forgery) is dropped, so that set commands
-# on it cannot fail (and make the tier think Redis is down).
-_SETS_ONLY = """
-local function set_only(name)
-  local kind = redis.call('TYPE', name)['ok']
-  if kind ~= 'set' and kind ~= 'none' then redis.call('DEL', name) return 1 end
-  return 0
-end
-"""
-# KEYS: chunk, owners. ARGV: the caller's owner entry, ttl ms, our value prefix. Record the claim; 1 if the chunk
-# is already held as a value of ours (refreshed).
-_CLAIM = _SETS_ONLY + _OURS + """
-set_only(KEYS[2])
-redis.call('SADD', KEYS[2], ARGV[1])
-if not ours(KEYS[1], ARGV[3]) then redis.call('PEXPIRE', KEYS[2], ARGV[2]) return 0 end
-if redis.call('PTTL', KEYS[1]) >= 0 then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2]) redis.call('PEXPIRE', KEYS[2], ARGV[2])
-else
-  redis.call('PERSIST', KEYS[2])
-end
-return 1
-"""
-# KEYS: chunk, pins, owners. ARGV: a new pin entry.
-_PIN = _SETS_ONLY + """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-set_only(KEYS[2])
-redis.call('SADD', KEYS[2], ARGV[1]) redis.call('PERSIST', KEYS[1]) redis.call('PERSIST', KEYS[3])
-return 1
-"""
-# KEYS: chunk, pins, owners. ARGV: ttl ms, the pin entry to take back ('' for none), the number n of bad pin
-# entries, n bad pin entries, bad owner entries (bad: they failed their MAC when the caller read the sets).
-# Removes them; when that leaves no pin, the chunk is volatile again, or deleted when a clear left it to its pin
-# (nobody claims it). An entry added since the caller read the sets counts as good: a concurrent pin holds.
-# 1 if the entry was taken back.
-_UNPIN = _SETS_ONLY + """
-local dropped = set_only(KEYS[2])
-set_only(KEYS[3])
-local taken = 0
-if ARGV[2] ~= '' then taken = redis.call('SREM', KEYS[2], ARGV[2]) end
-local nbad = tonumber(ARGV[3])
-for i = 4, 3 + nbad do dropped = dropped + redis.call('SREM', KEYS[2], ARGV[i]) end
-for i = 4 + nbad, #ARGV do redis.call('SREM', KEYS[3], ARGV[i]) end
-if (taken == 0 and dropped == 0) or redis.call('SCARD', KEYS[2]) > 0 or redis.call('EXISTS', KEYS[1]) == 0 then
-  return taken
-end
-if redis.call('SCARD', KEYS[3]) == 0 then
-  redis.call('DEL', KEYS[1])
-else
-  redis.call('PEXPIRE', KEYS[1], ARGV[1]) redis.call('PEXPIRE', KEYS[3], ARGV[1])
-end
-return taken
-"""
-# KEYS: chunk, pins, owners. ARGV: ttl ms, the caller's owner entry, the number n of bad owner entries, n bad
-# owner entries, bad pin entries (as for _UNPIN). Take back the caller's claim; the chunk goes when nobody
-# claims it and no pin holds it, and is volatile again when only bad pins held it. 1 if the caller had claimed it.
-_CLEAR = _SETS_ONLY + """
-set_only(KEYS[2]) set_only(KEYS[3])
-if redis.call('SREM', KEYS[3], ARGV[2]) == 0 then return 0 end
-local nbad = tonumber(ARGV[3])
-for i = 4, 3 + nbad do redis.call('SREM', KEYS[3], ARGV[i]) end
-for i = 4 + nbad, #ARGV do redis.call('SREM', KEYS[2], ARGV[i]) end
-if redis.call('SCARD', KEYS[2]) == 0 then
-  if redis.call('SCARD', KEYS[3]) == 0 then
-    redis.call('DEL', KEYS[1])
-  elseif redis.call('PTTL', KEYS[1]) == -1 then
-    redis.call('PEXPIRE', KEYS[1], ARGV[1]) redis.call('PEXPIRE', KEYS[3], ARGV[1])
-  end
-end
-return 1
-"""
-MAX_HEADER_BYTES = 64 * 1024  # a chunk-file header is one DATA_ALIGN page; more is not a value of ours
 CLEAR_BATCH = 1000  # claims taken back per round trip of a clear
 EVICTS_PINNED = frozenset({"allkeys-lru", "allkeys-lfu", "allkeys-random"})
 EVICTS_VOLATILE = frozenset({"volatile-lru", "volatile-lfu", "volatile-random", "volatile-ttl"})
-
-
-class CorruptValue(chunk_file.CorruptChunkFile):
-    """A Redis value that is not a whole, verified chunk of the asked key."""
-
-
-class ForeignValue(Exception):
-    """A Redis value MAC'd under another key (engines with another secret on the same prefix): not ours to load,
-    nor to delete."""
 
 
 class RedisTier:
@@ -260,14 +162,14 @@ class RedisTier:
         tmp = self.keys.tmp(meta.key, next(self._tmp_ids))
 
         async def write() -> bool:
-            held = await self.client.eval(_CLAIM, 2, chunk, owners, self._owner_entry(owners), self.ttl_ms,
+            held = await self.client.eval(CLAIM, 2, chunk, owners, self._owner_entry(owners), self.ttl_ms,
                                           self._value_start)
             if not held:
                 header = chunk_file.encode_header(meta)
                 # the MAC names the final key, not tmp; off the loop: it reads every byte of the chunk
                 prefix = await asyncio.to_thread(self.auth.value_prefix, chunk, header, data)
                 await self._write_value(tmp, prefix + header, data)
-                await self.client.eval(_FINISH_PUT, 2, tmp, chunk, self._value_start)
+                await self.client.eval(FINISH_PUT, 2, tmp, chunk, self._value_start)
             pipe = self.client.pipeline(transaction=False)
             pipe.hset(self.claims_key, meta.key.hex(), meta.num_tokens)
             pipe.pexpire(self.claims_key, self.ttl_ms)
@@ -317,7 +219,7 @@ class RedisTier:
         if not value:  # b"": no such key
             return None
         try:  # MAC, checksum and copy off the loop: 32 MiB would stall every other request on it
-            return await asyncio.to_thread(_decode_into, self.auth, name, key, value, view)
+            return await asyncio.to_thread(decode_into, self.auth, name, key, value, view)
         except ForeignValue as exc:
             self.values_foreign += 1
             self._rlog.warning("foreign", "%s: %s; a miss. Instances that should share values need one secret "
@@ -342,12 +244,12 @@ class RedisTier:
         if not keys:
             return 0
         entries = [self.auth.entry(self._keys(k)[1], secrets.token_hex(8)) for k in keys]
-        done = await self._pipelined("pin", [("eval", (_PIN, 3, *self._keys(k), entry))
+        done = await self._pipelined("pin", [("eval", (PIN, 3, *self._keys(k), entry))
                                              for k, entry in zip(keys, entries)]) or []
         prefix = _prefix(done)
         extras = [(k, entry) for k, entry, ok in list(zip(keys, entries, done))[prefix:] if ok]
         if extras:  # exactly the pins just made
-            await self._pipelined("unpin", [("eval", (_UNPIN, 3, *self._keys(k), self.ttl_ms, entry, 0))
+            await self._pipelined("unpin", [("eval", (UNPIN, 3, *self._keys(k), self.ttl_ms, entry, 0))
                                             for k, entry in extras])
         return sum(num_tokens[:prefix])
 
@@ -363,7 +265,7 @@ class RedisTier:
         for key, (good_pins, bad_pins, _, bad_owners) in zip(keys, sets):
             # a random one of the good pins: two unpins at once seldom pick the same
             entry = secrets.choice(good_pins) if good_pins else ""
-            ops.append(("eval", (_UNPIN, 3, *self._keys(key), self.ttl_ms, entry, len(bad_pins), *bad_pins,
+            ops.append(("eval", (UNPIN, 3, *self._keys(key), self.ttl_ms, entry, len(bad_pins), *bad_pins,
                                  *bad_owners)))
         done = await self._pipelined("unpin", ops)
         return sum(n for n, ok in zip(num_tokens, done or []) if ok)
@@ -431,7 +333,7 @@ class RedisTier:
                 ops = []
                 for (key, _), (_, bad_pins, _, bad_owners) in zip(held, sets):
                     chunk, pins, owners = self._keys(key)
-                    ops.append(("eval", (_CLEAR, 3, chunk, pins, owners, self.ttl_ms, self._owner_entry(owners),
+                    ops.append(("eval", (CLEAR, 3, chunk, pins, owners, self.ttl_ms, self._owner_entry(owners),
                                          len(bad_owners), *bad_owners, *bad_pins)))
                 done = await self._pipelined("clear", ops)
                 if done is None:
@@ -496,48 +398,6 @@ class RedisTier:
                 getattr(pipe, name)(*args)
             return await pipe.execute(raise_on_error=raise_on_error)
         return await self._call(what, run)
-
-
-def resolve_auth(config: EngineConfig, credentials: str | Path | None) -> RedisAuth:
-    """The Redis tier's MAC key: `remote_auth_secret_file`, else the sharing domain's secret in the engine's NATS
-    `credentials` file (`engine_credentials_file` in services/engine/mesh/domain.py), else none. ConfigError naming
-    the file when one is unreadable."""
-    if config.remote_auth_secret_file:
-        return RedisAuth(read_secret_file(config.remote_auth_secret_file),
-                         f"{SECRET_FILE_KEY} {config.remote_auth_secret_file}")
-    domain = sharing_domain(credentials)
-    if domain.secret is None:
-        return RedisAuth(None)
-    return RedisAuth(domain.secret, f"sharing domain {domain.name} ({credentials})")
-
-
-def _decode_into(auth: RedisAuth, name: str, key: ChunkKey, value: bytes, out: memoryview) -> protocol.ChunkMeta:
-    """Check a stored value (MAC, header, key, length, checksum) and copy its bytes into `out`; its meta."""
-    if value[: len(VALUE_MAGIC)] != VALUE_MAGIC:
-        raise CorruptValue(f"value of chunk {key.hex()}: not a KVMesh Redis value of this version (no MAC: "
-                           "written by an older KVMesh, or not by KVMesh)")
-    key_id_end = len(VALUE_MAGIC) + KEY_ID_BYTES
-    if len(value) >= key_id_end and value[len(VALUE_MAGIC): key_id_end] != auth.key_id:
-        raise ForeignValue(f"value of chunk {key.hex()} is MAC'd under another secret")
-    body = memoryview(value)[VALUE_PREFIX_BYTES:]
-    if not hmac.compare_digest(auth.value_tag(name, b"", body), value[key_id_end: VALUE_PREFIX_BYTES]):
-        raise CorruptValue(f"value of chunk {key.hex()}: MAC mismatch (written without this engine's secret, "
-                           "moved from another key, truncated or damaged)")
-    stream = io.BytesIO(body)
-    stream.name = f"value of chunk {key.hex()}"  # type: ignore[misc]  # read_header names the source by it
-    meta, offset = chunk_file.read_header(stream)
-    if meta.key != key:
-        raise CorruptValue(f"value of chunk {key.hex()} holds chunk {meta.key.hex()!s:.32}")
-    if len(body) != offset + meta.nbytes:
-        raise CorruptValue(f"value of chunk {key.hex()}: {len(body)} bytes, expected {offset + meta.nbytes} "
-                           "(truncated or padded)")
-    if len(out) < meta.nbytes:
-        raise CorruptValue(f"chunk {key.hex()}: {meta.nbytes} bytes do not fit a buffer of {len(out)}")
-    data = body[offset:]
-    if chunk_file.checksum(data) != meta.checksum:
-        raise CorruptValue(f"value of chunk {key.hex()}: checksum mismatch")
-    out[: meta.nbytes] = data
-    return meta
 
 
 def _claim(field: bytes, tokens: bytes) -> tuple[ChunkKey | None, int]:
