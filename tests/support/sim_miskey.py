@@ -130,8 +130,9 @@ class MisKeyAudit:
                 if bad is None or bad.num_tokens != n or bad.block_hash not in self._hashes(bad.block):
                     continue
                 return (f"request {new.req_id} hit {n} tokens in vLLM's own prefix cache and resumes from Mamba "
-                        f"block {bad.block}, which vLLM keyed by the hash of {bad.req_id}'s first {n} tokens but which holds the "
-                        f"state after {bad.holds} tokens (the copy-on-write of its partial hit at {bad.holds})")
+                        f"block {bad.block}, which vLLM keyed by the hash of {bad.req_id}'s first {n} tokens but which "
+                        f"holds the state after {bad.holds} tokens (the copy-on-write of its partial hit at "
+                        f"{bad.holds})")
         return None
 
 
