@@ -50,8 +50,9 @@ def _scheduler():
     return scheduler, get_request_block_hasher(hash_block_size, hash_fn)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="vLLM 0.32 keys a partial Mamba hit's copy-on-write block by the next "
-                                       "block boundary's hash (tests/support/sim_miskey.py)")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="vLLM 0.32 keys a partial Mamba hit's copy-on-write block by the next block boundary's hash "
+                          "(tests/support/sim_miskey.py)")
 def test_vllm_keys_a_mamba_copy_on_write_block_only_by_the_state_it_holds() -> None:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.outputs import ModelRunnerOutput
