@@ -9,7 +9,8 @@
 Each seed draws its kind of KV cache groups (sim_kinds.py: full, sliding, mamba2, mamba2-fine, gdn, gdn-fine, eagle,
 mla) with its other knobs, so a run mixes them all. Each failing seed is printed with its kind, invariant and the
 command that replays it; at the end, the schedules run and failed per kind (and how many showed issue 35 finding
-2's interleaving, sim_reuse.py: not a failure on the CPU). Exit status 1 if any seed failed.
+2's interleaving, sim_reuse.py: not a failure on the CPU; and how many stopped where vLLM 0.32 itself served a
+Mamba state keyed by the wrong position, sim_miskey.py: not KVMesh's failure). Exit status 1 if any seed failed.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the helpers in support/
 
-from support.sim_harness import KIND_NAMES, SimConfig, SimFailure, replay_command, run_seed  # noqa: E402
+from support.sim_harness import (KIND_NAMES, KnownVllmIssue, SimConfig, SimFailure, replay_command,  # noqa: E402
+                                 run_seed)
 
 
 SEEDS_PER_WORKER = 20
@@ -40,9 +42,12 @@ def _quiet() -> None:
 
 
 def _run(seed: int, processes: bool, kind: str | None, agreement: bool) -> tuple[str, str]:
-    """One seed in a worker process: ("ok" | "reuse" (finding 2's interleaving shown) | "FAIL" | "ERROR", what)."""
+    """One seed in a worker process: ("ok" | "reuse" (finding 2's interleaving shown) | "vllm" (vLLM's own
+    mis-keyed Mamba state, sim_miskey.py) | "FAIL" | "ERROR", what)."""
     try:
         result = run_seed(seed, processes, kind=kind, agreement=agreement)
+    except KnownVllmIssue as issue:
+        return "vllm", str(issue).splitlines()[0]
     except SimFailure as failure:
         return "FAIL", str(failure).splitlines()[0]
     except Exception as exc:  # the harness itself (a process that never came up...): report, go on
@@ -68,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         print(SimConfig.draw(args.seed, processes, args.kind))
         try:
             result = run_seed(args.seed, processes, log=print, kind=args.kind, agreement=agreement)
+        except KnownVllmIssue as issue:  # vLLM's failure, not KVMesh's (sim_miskey.py)
+            print(f"STOPPED at a known vLLM issue: {issue}")
+            return 0
         except SimFailure as failure:
             print(f"FAILED: {failure}")
             return 1
@@ -77,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     chooser = random.Random(int.from_bytes(os.urandom(8), "little"))
     runs: Counter[str] = Counter()
     reuse: dict[str, list[int]] = {}  # seeds that showed issue 35 finding 2's interleaving (sim_reuse.py)
+    vllm_issue: dict[str, list[int]] = {}  # seeds that stopped where vLLM served a mis-keyed state (sim_miskey.py)
     failed: dict[str, list[int]] = {}
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stopped run still prints what it ran
     # Seeds run in a worker process replaced every SEEDS_PER_WORKER seeds: one process running hundreds of seeds
@@ -100,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             runs[kind] += 1
             if outcome == "reuse":
                 reuse.setdefault(kind, []).append(seed)
+            elif outcome == "vllm":
+                vllm_issue.setdefault(kind, []).append(seed)
             elif outcome in ("FAIL", "ERROR"):
                 failed.setdefault(kind, []).append(seed)
                 print(f"{outcome} seed {seed} ({kind}): {detail}\n  replay: {replay}", flush=True)
@@ -112,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
             seeds = failed.get(kind, [])
             print(f"{kind}: {runs[kind]} schedules, {len(seeds)} failed" + (f": seeds {seeds}" if seeds else "")
                   + (f"; finding 2's interleaving in {len(reuse[kind])} (e.g. seed {reuse[kind][0]})"
-                     if kind in reuse else ""))
+                     if kind in reuse else "")
+                  + (f"; stopped at vLLM's mis-keyed Mamba state in {len(vllm_issue[kind])} (seeds "
+                     f"{vllm_issue[kind][:5]})" if kind in vllm_issue else ""))
     total_failed = sum(len(seeds) for seeds in failed.values())
     print(f"{sum(runs.values())} schedules run, {total_failed} failed")
     return 1 if total_failed else 0

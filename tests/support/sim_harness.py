@@ -19,7 +19,9 @@ started.
 
 Invariants: sim_checks.py (1 what vLLM reads, 2 what the tiers hold, 3 no exception escapes, 4 every stored state
 is the state after exactly its chunk's tokens). Recorded, not a failure on the CPU: sim_reuse.py, the interleaving
-in which a CUDA save's gather could read a block vLLM has given to another request (issue 35, finding 2).
+in which a CUDA save's gather could read a block vLLM has given to another request (issue 35, finding 2). Not
+KVMesh's: sim_miskey.py, vLLM 0.32 resuming a request from a Mamba block its prefix cache keyed by a position whose
+state the block does not hold; a schedule that meets it stops with `KnownVllmIssue`.
 
 Determinism: faults happen at steps the seed picks; waits for asynchronous work (the scheduler's lower-tier
 lookups, async fetches, write-behind, prefetches) are by condition, so the step sequence does not depend on timing.
@@ -50,6 +52,7 @@ from kvmesh.shared.protocol import LOCAL_DISK
 from support.engine import BLOCK, CHUNK, disk_store_mesh
 from support.sim_checks import Checks, KeyBook, Violation
 from support.sim_kinds import KINDS
+from support.sim_miskey import KnownVllmIssue, MisKeyAudit
 from support.sim_oracle import ModelMath, Oracle
 from support.sim_ranks import Ranks
 from support.sim_reuse import ReuseAudit
@@ -242,6 +245,8 @@ class Simulation:
                             [engine.key_params for engine in self.engines])
         self.checks = Checks(self.kind, self.oracle, self.scheduler, self.runners, self.keys,
                              lambda req_id: self.tags[req_id])
+        self.miskey = MisKeyAudit(self.scheduler, self.runners, self.oracle, self.live, self.side.hash_block_size) \
+            if self.kind.has_state else None
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
         self.aggregator = KVOutputAggregator.from_connector(self.side.connector, c.world_size)
@@ -367,6 +372,9 @@ class Simulation:
         """One step of vLLM's engine (schedule, every rank's model runner, update_from_output); the scheduler's
         output."""
         output = self.call("the scheduler's schedule()", self.scheduler.schedule)
+        misused = self.miskey.before_forward(output) if self.miskey is not None else None
+        if misused is not None:
+            raise KnownVllmIssue(self.c.seed, self.c.kind, self.step_no, misused, self.replay)
         # the lookups this schedule started, and what they prefetch, done before the workers run (as they mostly
         # are on a real vLLM, whose forward takes longer): what the workers report does not depend on timing
         self._wait_lookups()
@@ -395,6 +403,8 @@ class Simulation:
                      f"{sorted(kv_output.failed_recving)}")
         self._quiesce()
         self.call("update_from_output", self.scheduler.update_from_output, output, merged)
+        if self.miskey is not None:
+            self.miskey.after_step(output)
         if self.kind.spec_tokens:
             self._propose(plan)
         for rid in [rid for rid in self.live if rid not in self.scheduler.requests]:
@@ -602,7 +612,7 @@ async def _answers(client: Any) -> bool:
 def run_seed(seed: int, allow_processes: bool = True, log: Callable[[str], None] | None = None,
              kind: str | None = None, **overrides: Any) -> SimResult:
     """Run schedule `seed` (its knobs drawn from the seed, `kind` and `overrides` replacing some); SimFailure on a
-    violation."""
+    violation, KnownVllmIssue where vLLM itself serves a wrong state (sim_miskey.py)."""
     config = SimConfig.draw(seed, allow_processes, kind)
     for name, value in overrides.items():
         setattr(config, name, value)
@@ -610,4 +620,5 @@ def run_seed(seed: int, allow_processes: bool = True, log: Callable[[str], None]
     return Simulation(config, log, replay).run()
 
 
-__all__ = ["KIND_NAMES", "SimConfig", "SimFailure", "SimResult", "Simulation", "replay_command", "run_seed"]
+__all__ = ["KIND_NAMES", "KnownVllmIssue", "SimConfig", "SimFailure", "SimResult", "Simulation", "replay_command",
+           "run_seed"]
