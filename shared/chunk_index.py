@@ -2,7 +2,7 @@
 
 Bookkeeping only, no I/O and no locks: a store calls it from its own event loop thread and does the work the
 index asks for (free these victims' bytes, this put may now be seen). Both chunk stores use it (the remote
-store's memory, the disk store's files; shared/store_service.py answers their control ops from it), so that
+store's memory, the disk store's files; shared/store_ops.py answers their control ops from it), so that
 contains / pin / unpin / remove / clear mean the same thing everywhere:
 
   * contains(keys)  -> how many leading keys are held (a put still in flight is not held);

@@ -6,7 +6,7 @@ Layout of a credentials directory (mode 0700, every file 0600, owned by the user
     domains.json           engine principal (user) -> sharing domain, every engine made here ("default" too; an
                            older file lists only the others: absent means "default"). Not secret: stores read it
                            beside their own credentials file (`kvmesh credentials --domain`) and serve each engine
-                           it lists on a NATS connection of its own (shared/store_service.py, StoreEndpoint)
+                           it lists on a NATS connection of its own (shared/store_endpoint.py, StoreEndpoint)
     domain-<name>.secret   each domain's random 32-byte secret (hex), copied into its engines' files
     authorization.conf     the NATS server's users and permissions, generated from the JSON files
     nats-server.conf       the server config KVMesh's embedded NATS runs with (includes authorization.conf)

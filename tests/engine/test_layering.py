@@ -16,7 +16,8 @@ import pytest
 # Server-side modules: what a store or the controller runs, never the engine inside vLLM.
 SERVER_MODULES = (
     "kvmesh.cli",
-    "kvmesh.shared.store_service",
+    "kvmesh.shared.store_ops",
+    "kvmesh.shared.store_endpoint",
     "kvmesh.shared.chunk_index",
     "kvmesh.services.controller",
     "kvmesh.services.disk_store.store",
