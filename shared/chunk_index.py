@@ -70,7 +70,7 @@ class ForeignChunk(StoreError):
     """A put of a key that another sharing domain holds or is putting; nothing was changed."""
 
 
-DEFAULT_DOMAIN = "default"  # the same name as shared/credentials.py's (which this module may not import)
+DEFAULT_DOMAIN = "default"  # the same name as shared/sharing_domains.py's (which this module may not import)
 UNOWNED = ""  # the owner of pins taken without one (persisted before pins had owners, or in process)
 
 

@@ -20,7 +20,8 @@ from nats.aio.subscription import Subscription
 
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.admissions import AdmissionReporter
-from kvmesh.shared.credentials import DomainMap, credentials_for
+from kvmesh.shared.credentials import credentials_for
+from kvmesh.shared.sharing_domains import DomainMap
 from kvmesh.shared.service import serve_health
 from kvmesh.shared.store_bounds import StoreBounds
 from kvmesh.shared.store_ops import Handler

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Generic, TypeVar
 
 from kvmesh.shared import protocol
-from kvmesh.shared.credentials import DomainMap
+from kvmesh.shared.sharing_domains import DomainMap
 from kvmesh.shared.chunk_index import ChunkIndex, Cleared, IndexEntry
 from kvmesh.shared.keys import ChunkKey
 from kvmesh.shared.protocol import principal_of

@@ -44,7 +44,7 @@ from nats.aio.subscription import Subscription
 
 from kvmesh.shared.aio import cancel_and_wait
 from kvmesh.shared import bus, protocol
-from kvmesh.shared.credentials import DomainMap
+from kvmesh.shared.sharing_domains import DomainMap
 from kvmesh.shared.errors import MeshUnavailable, ProtocolError
 from kvmesh.shared.protocol import ProducerPath, Subjects, is_worker_id_of
 from kvmesh.services.controller.peers import peer_holders

@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from kvmesh.shared import protocol
-from kvmesh.shared.credentials import DEFAULT_DOMAIN
+from kvmesh.shared.sharing_domains import DEFAULT_DOMAIN
 from kvmesh.shared.keys import ChunkKey, KeyParams
 
 KeySpec = tuple[KeyParams, int, bool]  # (params, chunk_size, save_unfull_chunk): one ChunkHasher per lookup

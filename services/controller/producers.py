@@ -22,7 +22,7 @@ from kvmesh.services.controller.holder_index import HolderIndex
 from kvmesh.services.controller.instance_claims import InstanceClaims
 from kvmesh.services.controller.principal_quotas import Limits, PrincipalQuotas, principal_of
 from kvmesh.services.controller.producer_records import IngestStats, Producer, SyncProgress
-from kvmesh.shared.credentials import DEFAULT_DOMAIN
+from kvmesh.shared.sharing_domains import DEFAULT_DOMAIN
 
 log = logging.getLogger(__name__)
 
