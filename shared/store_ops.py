@@ -22,7 +22,8 @@ from typing import Any, Awaitable, Callable, Generic, TypeVar
 
 from kvmesh.shared import protocol
 from kvmesh.shared.sharing_domains import DomainMap
-from kvmesh.shared.chunk_index import ChunkIndex, Cleared, IndexEntry
+from kvmesh.shared.chunk_claims import Cleared
+from kvmesh.shared.chunk_index import ChunkIndex, IndexEntry
 from kvmesh.shared.keys import ChunkKey
 from kvmesh.shared.protocol import principal_of
 from kvmesh.shared.store_bounds import StoreBounds

@@ -19,6 +19,8 @@ SERVER_MODULES = (
     "kvmesh.shared.store_ops",
     "kvmesh.shared.store_endpoint",
     "kvmesh.shared.chunk_index",
+    "kvmesh.shared.chunk_claims",
+    "kvmesh.shared.chunk_pins",
     "kvmesh.services.controller",
     "kvmesh.services.disk_store.store",
     "kvmesh.services.disk_store.service",
