@@ -28,7 +28,8 @@ from nats.aio.client import Client as NatsClient
 
 from kvmesh.shared import bus, protocol
 from kvmesh.shared.config import GB
-from kvmesh.shared.credentials import MeshCredentials, check_domain_name, credentials_for
+from kvmesh.shared.credentials import MeshCredentials, credentials_for
+from kvmesh.shared.sharing_domains import check_domain_name
 from kvmesh.shared.credentials import controller_token_file, local_mesh_dir, runtime_dir
 from kvmesh.shared.embedded_nats import server_settings
 from kvmesh.shared.errors import ConfigError, KVMeshError, MeshUnavailable

@@ -2,7 +2,7 @@
 
 Bookkeeping only, no I/O and no locks: a store calls it from its own event loop thread and does the work the
 index asks for (free these victims' bytes, this put may now be seen). Both chunk stores use it (the remote
-store's memory, the disk store's files; shared/store_service.py answers their control ops from it), so that
+store's memory, the disk store's files; shared/store_ops.py answers their control ops from it), so that
 contains / pin / unpin / remove / clear mean the same thing everywhere:
 
   * contains(keys)  -> how many leading keys are held (a put still in flight is not held);
@@ -19,16 +19,8 @@ sparsely: only non-default ones). Reads, pins and unpins take the asker's domain
 as absent; a put of a key held or in flight in another domain raises ForeignChunk and changes nothing, so one
 domain never replaces, nor lands in, another's chunk. The store maps callers to domains (its DomainMap).
 
-Pins have owners (the principal, `engine.<instance>`, that took them; "" for unowned ones: pins persisted before
-owners, or taken in process): an unpin drops only the owner's own. A pin's TTL still expires it as a whole.
-
-Claims: a put records who sent it (the caller's path, `engine.<instance>.<worker>`), also when the chunk is
-already held or in flight (the first writer's bytes stay: a key names its content). `clear(caller)` takes back
-only that caller's claims, `release(key, principal)` only that principal's (every worker of it), so one tenant's
-clear or remove never removes what another still uses. A chunk nobody claims any more is forgotten, unless
-pinned: then it lives until its last pin goes (`forget_orphans`). A chunk that never had a claim (found on disk
-from before claims existed, or put without a caller) is kept until evicted or wiped. Claims do not protect from
-eviction.
+Pins have owners (shared/chunk_pins.py): an unpin drops only the owner's own. Claims (shared/chunk_claims.py):
+a put records who sent it; a clear or remove takes back only the caller's, and a chunk goes with its last.
 
 Every change of what is held is reported through `on_admit` / `on_evict` (an AdmissionReporter's methods).
 An entry's `charge` is what it counts against the capacity: the remote store's buffer size class, the disk
@@ -39,11 +31,13 @@ first is the store's `cache_policy` (LRU, LFU, FIFO, MRU: shared/eviction/).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Generic, Iterable, Protocol, TypeVar
 
 from kvmesh.shared.errors import StoreError
 from kvmesh.shared.eviction import Clock, make_policy
+from kvmesh.shared.chunk_claims import Callers, ClaimTable, Cleared
+from kvmesh.shared.chunk_pins import UNOWNED, PinOwners
 from kvmesh.shared.keys import ChunkKey
 
 
@@ -70,8 +64,7 @@ class ForeignChunk(StoreError):
     """A put of a key that another sharing domain holds or is putting; nothing was changed."""
 
 
-DEFAULT_DOMAIN = "default"  # the same name as shared/credentials.py's (which this module may not import)
-UNOWNED = ""  # the owner of pins taken without one (persisted before pins had owners, or in process)
+DEFAULT_DOMAIN = "default"  # the same name as shared/sharing_domains.py's (which this module may not import)
 
 
 @dataclass
@@ -79,104 +72,8 @@ class _InFlight(Generic[E]):
     entry: E
     reserved: int = 0  # bytes counted in `reserved_bytes` for it: its charge, or less while its bytes arrive
     discard: bool = False  # removed or cleared while in flight: do not hold it when it lands
-    claims: int = 0  # who put it (a `_Callers` mask)
+    claims: int = 0  # who put it (a `Callers` mask)
     domain: str = DEFAULT_DOMAIN  # the sharing domain of who put it
-
-
-@dataclass
-class Cleared(Generic[E]):
-    """What one caller's `clear` did.
-
-    `released`: the entries of every chunk (held, pinned or in flight) whose claim by the caller it dropped,
-    i.e. what left the caller's view; `forgotten`: the held chunks nobody claims or pins any more (the store
-    frees their bytes); `discarded`: the puts in flight nobody claims any more (dropped when they land).
-    """
-
-    released: list[E] = field(default_factory=list)
-    forgotten: list[tuple[ChunkKey, E]] = field(default_factory=list)
-    discarded: list[E] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(entry.num_tokens for entry in self.released)
-
-
-@dataclass
-class ClaimTable:
-    """The claims of the held chunks, to persist: `masks[key]` has bit i set when `callers[i]` claims the key;
-    `orphans` are pinned chunks that lost their last claim (forgotten when unpinned)."""
-
-    callers: list[str]
-    masks: dict[ChunkKey, int]
-    orphans: list[ChunkKey] = field(default_factory=list)
-    domains: dict[ChunkKey, str] = field(default_factory=dict)  # the held chunks not in the default domain
-    unclaimed: list[ChunkKey] = field(default_factory=list)  # held with no claim (put without a caller, or old)
-
-
-class _Callers:
-    """Caller paths interned as small ids, one bit each in a chunk's claim mask.
-
-    An id is recycled once no chunk (held or in flight) carries its bit, so masks stay as wide as the number of
-    callers with chunks in the store, usually a handful: then a mask is one of Python's cached small ints and a
-    claim costs only its dict slot.
-    """
-
-    def __init__(self) -> None:
-        self._ids: dict[str, int] = {}
-        self._paths: list[str] = []  # id -> path ("" once recycled)
-        self._counts: list[int] = []  # id -> chunks whose mask has its bit
-        self._free: list[int] = []
-
-    def __len__(self) -> int:
-        return len(self._ids)
-
-    def bit(self, path: str) -> int:
-        """The bit of `path`, 0 if no chunk is claimed by it."""
-        index = self._ids.get(path)
-        return 0 if index is None else 1 << index
-
-    def add(self, mask: int, path: str) -> int:
-        """`mask` with `path`'s claim added (counted once per chunk)."""
-        index = self._ids.get(path)
-        if index is None:
-            index = self._free.pop() if self._free else len(self._paths)
-            if index == len(self._paths):
-                self._paths.append(path)
-                self._counts.append(0)
-            self._ids[path] = index
-            self._paths[index] = path
-        if not mask >> index & 1:
-            self._counts[index] += 1
-        return mask | 1 << index
-
-    def drop(self, mask: int) -> None:
-        """A chunk claimed by `mask` lost these claims (it is gone, or these callers gave it up)."""
-        while mask:
-            low = mask & -mask
-            index = low.bit_length() - 1
-            self._counts[index] -= 1
-            if not self._counts[index]:
-                del self._ids[self._paths[index]]
-                self._paths[index] = ""
-                self._free.append(index)
-            mask ^= low
-
-    def paths(self, mask: int) -> list[str]:
-        return [path for index, path in enumerate(self._paths) if mask >> index & 1]
-
-    def mask_of(self, principal: str) -> int:
-        """The bits of every caller path of `principal` (itself, or its workers `<principal>.<worker>`)."""
-        mask = 0
-        for path, index in self._ids.items():
-            if path == principal or path.startswith(principal + "."):
-                mask |= 1 << index
-        return mask
-
-    def table(self) -> list[str]:
-        return list(self._paths)
-
-    def counts(self) -> dict[str, int]:
-        return {path: self._counts[index] for path, index in self._ids.items()}
 
 
 def _ignore(_: ChunkKey) -> None:
@@ -189,7 +86,7 @@ class ChunkIndex(Generic[E]):
     Invariant: a key is held (in `_held` and in the eviction policy: visible to contains/get, its charge in
     `used_bytes`), in flight (in `_in_flight`, its charge in `reserved_bytes`, invisible and never a victim), or
     unknown; never two of these. `used_bytes + reserved_bytes <= capacity_bytes` holds after every `reserve`.
-    Claims (module docstring): a held key with any is in `_claims` (key -> caller mask, absent when none), a key
+    Claims (shared/chunk_claims.py): a held key with any is in `_claims` (key -> caller mask, absent when none), a key
     in flight carries its mask in `_InFlight.claims` (0 once discarded); `_orphans` are held, pinned keys whose
     last claim a clear took back.
     """
@@ -206,12 +103,12 @@ class ChunkIndex(Generic[E]):
         self.on_admit = on_admit
         self.on_evict = on_evict
         self._pins_version = 0
-        self._callers = _Callers()
+        self._callers = Callers()
         self._claims: dict[ChunkKey, int] = {}
         self._orphans: set[ChunkKey] = set()
         self._claims_version = 0
         self._domains: dict[ChunkKey, str] = {}  # held key -> its domain, when not the default one
-        self._pin_owners: dict[ChunkKey, dict[str, int]] = {}  # pinned key -> owner -> pins it holds
+        self._pin_owners = PinOwners(self._policy)
 
     # ---- queries -----------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -519,21 +416,7 @@ class ChunkIndex(Generic[E]):
         an owner keep their claims."""
         for flight in self._in_flight.values():
             self._discard(flight)
-        return [(key, self._forget(key)) for key in list(self._held) if not self._owned_pins(key)]
-
-    def _owned_pins(self, key: ChunkKey) -> bool:
-        """Whether an owner (not just unowned pins) pins `key` now."""
-        return any(owner != UNOWNED for owner in self._live_owners(key))
-
-    def _live_owners(self, key: ChunkKey) -> dict[str, int]:
-        """Who holds how many pins of `key` now (nothing once the policy dropped its pins: a TTL expired)."""
-        owners = self._pin_owners.get(key)
-        if owners is None:
-            return {}
-        if not self._policy.is_pinned(key):
-            del self._pin_owners[key]
-            return {}
-        return owners
+        return [(key, self._forget(key)) for key in list(self._held) if not self._pin_owners.owned(key)]
 
     def _discard(self, flight: _InFlight[E]) -> None:
         flight.discard = True
@@ -550,7 +433,7 @@ class ChunkIndex(Generic[E]):
             self._callers.drop(mask)
             self._claims_version += 1
         self._orphans.discard(key)
-        self._pin_owners.pop(key, None)
+        self._pin_owners.forget(key)
         if self._domains.pop(key, None) is not None:
             self._claims_version += 1
         self.on_evict(key)
@@ -562,14 +445,8 @@ class ChunkIndex(Generic[E]):
         """Pin, as `owner`, the contiguous prefix of `keys` held in `domain` (pins nest); the keys pinned."""
         pinned: list[ChunkKey] = []
         for key in keys:
-            if self.visible(key, domain) is None:
+            if self.visible(key, domain) is None or not self._pin_owners.pin(key, ttl_secs, owner):
                 break
-            owners = self._live_owners(key)  # first: stale owners of an expired pin go before it is re-taken
-            if not self._policy.pin(key, ttl_secs):
-                break
-            if not owners:
-                owners = self._pin_owners[key] = {}
-            owners[owner] = owners.get(owner, 0) + 1
             pinned.append(key)
         self._pins_version += bool(pinned)
         return pinned
@@ -580,15 +457,8 @@ class ChunkIndex(Generic[E]):
         `domain`); the keys unpinned. Another owner's pins are never touched."""
         unpinned: list[ChunkKey] = []
         for key in keys:
-            owners = self._live_owners(key)
-            if not owners.get(owner) or self.visible(key, domain) is None:
+            if self.visible(key, domain) is None or not self._pin_owners.unpin(key, owner):
                 break
-            owners[owner] -= 1
-            if not owners[owner]:
-                del owners[owner]
-            if not owners:
-                del self._pin_owners[key]
-            self._policy.unpin(key)
             unpinned.append(key)
         self._pins_version += bool(unpinned)
         return unpinned
@@ -599,7 +469,7 @@ class ChunkIndex(Generic[E]):
 
     def pin_owners(self, key: ChunkKey) -> dict[str, int]:
         """owner -> how many of the live pins of `key` it holds ("" for unowned ones); a copy."""
-        return dict(self._live_owners(key))
+        return dict(self._pin_owners.live(key))
 
     # ---- claims, persisted ---------------------------------------------------------------------------------
     def claim_table(self) -> ClaimTable:

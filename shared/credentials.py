@@ -6,7 +6,7 @@ Layout of a credentials directory (mode 0700, every file 0600, owned by the user
     domains.json           engine principal (user) -> sharing domain, every engine made here ("default" too; an
                            older file lists only the others: absent means "default"). Not secret: stores read it
                            beside their own credentials file (`kvmesh credentials --domain`) and serve each engine
-                           it lists on a NATS connection of its own (shared/store_service.py, StoreEndpoint)
+                           it lists on a NATS connection of its own (shared/store_endpoint.py, StoreEndpoint)
     domain-<name>.secret   each domain's random 32-byte secret (hex), copied into its engines' files
     authorization.conf     the NATS server's users and permissions, generated from the JSON files
     nats-server.conf       the server config KVMesh's embedded NATS runs with (includes authorization.conf)
@@ -36,28 +36,21 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
-
-if TYPE_CHECKING:
-    import argparse
+from typing import Iterator
 
 from kvmesh.shared.bus import NatsAuth
 from kvmesh.shared.errors import ConfigError, MeshUnavailable
-from kvmesh.shared.nats_auth import CREDENTIALS_ENV
 from kvmesh.shared.nats_permissions import authorization_block, inbox_prefix, permissions, reload_probe
 from kvmesh.shared.nats_url import DEFAULT_PORT
-from kvmesh.shared.options_cli import option
 from kvmesh.shared.protocol import OPERATOR, Principal
+from kvmesh.shared.sharing_domains import (DEFAULT_DOMAIN, DOMAINS_FILE, DomainMap, check_domain_name,
+                                           domains_file_beside, read_domains)
 
 log = logging.getLogger(__name__)
 
 AUTHORIZATION_FILE = "authorization.conf"
 SERVER_CONFIG_FILE = "nats-server.conf"
 PID_FILE = "nats-server.pid"
-DOMAINS_FILE = "domains.json"
-DEFAULT_DOMAIN = "default"
-_DOMAIN_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
-MAX_DOMAIN_LENGTH = 64
 
 
 @dataclass(frozen=True)
@@ -69,14 +62,6 @@ class SharingDomain:
 
     name: str = DEFAULT_DOMAIN
     secret: bytes | None = None
-
-
-def check_domain_name(name: str) -> str:
-    """`name` if it can name a sharing domain (1 to 64 of letters, digits, `_`, `-`: it also names a file);
-    ValueError naming the problem otherwise."""
-    if not isinstance(name, str) or not 0 < len(name) <= MAX_DOMAIN_LENGTH or not set(name) <= _DOMAIN_CHARS:
-        raise ValueError(f"sharing domain {name!r}: expected 1 to {MAX_DOMAIN_LENGTH} letters, digits, '_' or '-'")
-    return name
 
 
 def sharing_domain(credentials: str | Path | None) -> SharingDomain:
@@ -97,24 +82,6 @@ def sharing_domain(credentials: str | Path | None) -> SharingDomain:
         raise ConfigError(f"sharing domain of credentials file {file}: domain_secret is {len(secret)} bytes, "
                           "expected 32")
     return SharingDomain(name, secret)
-
-
-def read_domains(file: str | Path) -> dict[str, str]:
-    """A domains map (principal user -> domain) from `file`; {} when it does not exist. ConfigError naming the
-    file and the problem when it cannot be read or is not a JSON object of valid names."""
-    path = Path(file)
-    try:
-        entries = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"domains file {path}: {type(exc).__name__}: {exc}") from None
-    if not isinstance(entries, dict) or not all(isinstance(user, str) for user in entries):
-        raise ConfigError(f"domains file {path}: expected a JSON object of principal -> domain")
-    try:
-        return {user: check_domain_name(domain) for user, domain in entries.items()}
-    except ValueError as exc:
-        raise ConfigError(f"domains file {path}: {exc}") from None
 
 
 def runtime_dir() -> Path:
@@ -149,78 +116,6 @@ def private_dir(path: Path) -> Path:
     return path
 
 
-class DomainMap:
-    """A store's view of which sharing domain each engine principal is in: the domains file (`read_domains`),
-    re-read whenever its mtime or size changes, so `kvmesh credentials --domain` takes effect without a restart.
-    No file (or `file` None): every caller is in the default domain. A file that turns bad keeps the last good
-    map (logged once per change)."""
-
-    def __init__(self, file: str | Path | None) -> None:
-        self.file = None if file is None else Path(file)
-        self._stamp: tuple[int, int] | None = None
-        self._domains: dict[str, str] = {}
-        if self.file is not None:
-            self._domains = read_domains(self.file)  # a bad file at start: ConfigError, the store does not start
-            self._stamp = self._current_stamp()
-
-    def _current_stamp(self) -> tuple[int, int] | None:
-        try:
-            info = os.stat(self.file)  # type: ignore[arg-type]
-        except OSError:
-            return None
-        return info.st_mtime_ns, info.st_size
-
-    def _refresh(self) -> None:
-        """Read the file again if its mtime or size changed."""
-        if self.file is not None:
-            stamp = self._current_stamp()
-            if stamp != self._stamp:
-                self._stamp = stamp
-                try:
-                    self._domains = read_domains(self.file)
-                except ConfigError as exc:
-                    log.error("%s; keeping the sharing domains read before", exc)
-
-    def engines(self) -> list[str]:
-        """The engine principals (`engine.<instance token>`) the map lists, whatever their domain, sorted."""
-        self._refresh()
-        return sorted(user for user in self._domains if user.startswith("engine."))
-
-    def names_other_domains(self) -> bool:
-        """Whether the map puts any engine in a domain other than the default one."""
-        self._refresh()
-        return any(domain != DEFAULT_DOMAIN for domain in self._domains.values())
-
-    def domain_of(self, caller: str) -> str:
-        """The domain of the principal a caller path belongs to (`engine.<instance>[.<worker>]`); the default
-        domain for any other caller (store, controller, operator) and any engine the map does not name."""
-        self._refresh()
-        if not self._domains or not caller.startswith("engine."):
-            return DEFAULT_DOMAIN
-        return self._domains.get(".".join(caller.split(".", 2)[:2]), DEFAULT_DOMAIN)
-
-
-DOMAINS_FILE_ENV = "KVMESH_DOMAINS_FILE"
-
-
-def domains_file_option(whose: str = "store") -> Any:
-    """A store's or the controller's (`whose`) `domains_file` field, set by `--domains-file` (also
-    $KVMESH_DOMAINS_FILE; shared/options_cli.py)."""
-    return option("--domains-file", (
-        "the sharing domains map (engine principal -> domain, `kvmesh credentials --domain`; re-read when it "
-        f"changes; also ${DOMAINS_FILE_ENV}); default: domains.json beside the {whose}'s credentials file"),
-        None, env=DOMAINS_FILE_ENV, convert=Path)
-
-
-def domains_file_of(given: Path | None, args: "argparse.Namespace", environ: Mapping[str, str]) -> Path | None:
-    """The domains file of a store or the controller: `given` (its --domains-file or $KVMESH_DOMAINS_FILE), else
-    beside its credentials file (--nats-credentials / $KVMESH_NATS_CREDENTIALS), else None (`domains_map` then
-    looks beside the credentials a KVMesh-started NATS on this host gives it)."""
-    if given is not None:
-        return given
-    return domains_file_beside(getattr(args, "nats_credentials", None) or environ.get(CREDENTIALS_ENV))
-
-
 def domains_map(domains_file: Path | None, url: str, principal_path: str) -> DomainMap:
     """The DomainMap of a store or the controller (the principal at `principal_path`): `domains_file`, else
     domains.json beside the credentials a KVMesh-started NATS at `url` gave it (`provision`), else none (every
@@ -228,11 +123,6 @@ def domains_map(domains_file: Path | None, url: str, principal_path: str) -> Dom
     if domains_file is None:
         domains_file = domains_file_beside(local_credentials_file(url, principal_path))
     return DomainMap(domains_file)
-
-
-def domains_file_beside(credentials: str | Path | None) -> Path | None:
-    """Where a store or the controller finds the domains map: `domains.json` beside its own credentials file."""
-    return None if credentials is None else Path(credentials).parent / DOMAINS_FILE
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -37,7 +37,9 @@ from typing import Any, Callable, Generic, TypeVar
 import msgpack
 
 from kvmesh.shared.chunk_file import fsync_directory
-from kvmesh.shared.chunk_index import UNOWNED, ChunkIndex, ClaimTable
+from kvmesh.shared.chunk_claims import ClaimTable
+from kvmesh.shared.chunk_index import ChunkIndex
+from kvmesh.shared.chunk_pins import UNOWNED
 from kvmesh.shared.keys import ChunkKey
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ docs/security.md says what each guards against):
                             consumer once 64 MiB wait for it there; it reconnects. Each engine principal the
                             domains map lists is served on a connection of its own (a lane), so what one principal
                             floods, puts or 40 MiB of garbage on any op, cuts off its own lane only
-                            (shared/store_service.py, StoreEndpoint); the queue bound applies per lane. A lower
+                            (shared/store_endpoint.py, StoreEndpoint); the queue bound applies per lane. A lower
                             --max-inline-bytes does not help: the server delivers a put whole before the store can
                             refuse it, and a flood of 8 MiB puts got the store cut off more often than one of 40 MiB
     --max-lanes             engine principals served on a connection of their own (each one TCP connection and

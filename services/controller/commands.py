@@ -21,7 +21,8 @@ from kvmesh.shared.keys import KeyExtras
 from kvmesh.shared.protocol import CONTROLLER_COMMAND_OPS, LOCAL_CPU, LOCATIONS, Subjects
 from kvmesh.services.controller.errors import CommandFailed, CommandTimeout, MeshDown, NotFound, Refused
 from kvmesh.services.controller.lookup import KeyRequest, UnknownAdapter, worker_extras
-from kvmesh.services.controller.producers import Producer, ProducerTable
+from kvmesh.services.controller.producer_records import Producer
+from kvmesh.services.controller.producers import ProducerTable
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import yaml
 
 from kvmesh.shared import options_cli
 from kvmesh.shared.bus import NatsAuth
-from kvmesh.shared.credentials import domains_file_of, domains_file_option
+from kvmesh.shared.sharing_domains import domains_file_of, domains_file_option
 from kvmesh.shared.http_gate import resolve_token
 from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
 from kvmesh.shared.nats_url import argument as nats_url_argument

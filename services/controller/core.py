@@ -20,7 +20,9 @@ from kvmesh.services.controller.holder_index import HolderIndex
 from kvmesh.services.controller.lookup import KeyRequest, LookupEngine
 from kvmesh.services.controller.metrics import Metrics
 from kvmesh.services.controller.ops import EventLog, EventRecord
-from kvmesh.services.controller.producers import Limits, Producer, ProducerTable
+from kvmesh.services.controller.principal_quotas import Limits
+from kvmesh.services.controller.producer_records import Producer
+from kvmesh.services.controller.producers import ProducerTable
 
 
 # /health error codes per rank (LMCache's convention: 0 healthy, anything else an error).
@@ -277,7 +279,7 @@ class ControllerCore:
                               "locations": locations,
                               "workers": [self.worker_info(w) for w in workers],
                               # live workers claiming the same instance id and rank, not serving it
-                              "duplicate_workers": [self.worker_info(w) for w in table.duplicates_of(instance_id)]})
+                              "duplicate_workers": [self.worker_info(w) for w in table.instance_claims.duplicates_of(instance_id)]})
         stores = [{"store_id": p.producer_id, "location": p.location, "alive": p.alive,
                    "registered": p.store is not None, "num_keys": table.index.count(p.slot),
                    "last_heartbeat_age_s": self._age(p), "in_sync": not p.needs_sync}

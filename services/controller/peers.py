@@ -20,7 +20,8 @@ candidates.
 from __future__ import annotations
 
 from kvmesh.shared import protocol
-from kvmesh.services.controller.producers import Producer, ProducerTable
+from kvmesh.services.controller.producer_records import Producer
+from kvmesh.services.controller.producers import ProducerTable
 
 MAX_EXCLUDED = 64  # workers one lookup may exclude (more are ignored: the list is the asker's input)
 

@@ -18,14 +18,14 @@ id; events and heartbeats count only from the path their producer registered fro
 counted in `forged_messages` (their WARNINGs at most one per sender principal every 10 s); a heartbeat of an
 unknown producer makes it announce itself again, within its principal's `SyncBudget` (sync_budget.py: past it the
 heartbeat is dropped and counted in `sync_requests_limited`, so a flood of them costs O(1) each). A registration
-past a limit (`ProducerTable.refusal`: producer count, chunk_size, key parameter sets, host/ip length) is refused
+past a limit (`PrincipalQuotas.refusal`: producer count, chunk_size, key parameter sets, host/ip length) is refused
 with a WARNING and counted in `registrations_refused`; so is an engine registration whose `domain` is not the
 sharing domain that the domains map (`DomainMap`, the file the stores read) gives its principal
 (`reason="domain"`): an engine's domain comes from its credentials, never from its message. Engine worker ids end
 in a per-process tag (`protocol.worker_id_for`), so replicas sharing an instance id are distinct producers on
 distinct paths; when several live ones claim the same instance id and rank, the controller logs a WARNING and sends
 an `InstanceConflict` to the newcomer and to the worker that served the rank before it (they log one too; O(1)
-notices per registration); the instance id is served by one of them (`ProducerTable` docs). A principal at its
+notices per registration); the instance id is served by one of them (`InstanceClaims` docs). A principal at its
 share of producers or key parameter sets makes room by forgetting its own down producers
 (`ProducerTable.room_for`); past that it is refused, never another principal.
 """
@@ -44,11 +44,12 @@ from nats.aio.subscription import Subscription
 
 from kvmesh.shared.aio import cancel_and_wait
 from kvmesh.shared import bus, protocol
-from kvmesh.shared.credentials import DomainMap
+from kvmesh.shared.sharing_domains import DomainMap
 from kvmesh.shared.errors import MeshUnavailable, ProtocolError
 from kvmesh.shared.protocol import ProducerPath, Subjects, is_worker_id_of
 from kvmesh.services.controller.peers import peer_holders
-from kvmesh.services.controller.producers import ProducerTable, principal_of
+from kvmesh.services.controller.principal_quotas import principal_of
+from kvmesh.services.controller.producers import ProducerTable
 from kvmesh.services.controller.sync_budget import SyncBudget
 from kvmesh.shared.rate_limited_log import RateLimitedLog
 

@@ -21,7 +21,8 @@ from typing import Any, Callable, Iterator
 import uvicorn
 
 from kvmesh.shared import bus
-from kvmesh.shared.credentials import DomainMap, credentials_for, domains_map
+from kvmesh.shared.credentials import credentials_for, domains_map
+from kvmesh.shared.sharing_domains import DomainMap
 from kvmesh.shared.local_mesh import LocalMesh
 from kvmesh.shared.protocol import CONTROLLER
 from kvmesh.shared.errors import ConfigError, KVMeshError

@@ -5,6 +5,7 @@ pins), `files` (directory lock, pins file), `writer` (staging buffers and writer
 with the control ops shared with the remote store), `pools` (the store's pool socket and lent pools),
 `options` and `__main__` (CLI). Also used: shared/shm.py (the engines' sealed pools), shared/pool_wire.py (how
 an engine lends its pool: what both sides share); shared with the remote store: shared/chunk_index.py,
-shared/chunk_file.py (files, start-up scan), shared/store_service.py. The engine's client of this store
-(`DiskStoreClient`) and its side of pool lending are services/engine/tiers/disk.py and pool_lending.py.
+shared/chunk_file.py (files, start-up scan), shared/store_ops.py and shared/store_endpoint.py. The engine's
+client of this store (`DiskStoreClient`) and its side of pool lending are services/engine/tiers/disk.py and
+pool_lending.py.
 """

@@ -19,7 +19,7 @@ from pathlib import Path
 from kvmesh.shared import options_cli
 from kvmesh.shared.bus import NatsAuth, normalize_url
 from kvmesh.shared.config import GB
-from kvmesh.shared.credentials import domains_file_of, domains_file_option
+from kvmesh.shared.sharing_domains import domains_file_of, domains_file_option
 from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.eviction import POLICY_NAMES
 from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args

@@ -17,7 +17,7 @@ path ends the subject (`engine.<instance>.<worker>`, `operator`). Request -> rep
     wipe      WipeRequest -> CommandReply   the operator only: every unpinned chunk; num_tokens wiped
     pin/unpin ChunkKeys   -> CommandReply   contiguous prefix; num_tokens affected (ttl_secs optional)
     stats     StatsRequest-> StatsReply
-contains, touch, pin, unpin, remove, clear, wipe and stats are the shared IndexOps (shared/store_service.py), the
+contains, touch, pin, unpin, remove, clear, wipe and stats are the shared IndexOps (shared/store_ops.py), the
 same as the remote store's; put and get are DiskStore's own. Claims and pins persist in the directory
 (files.py): pin, unpin, remove, clear and wipe are answered once the files hold their effect. Also: health (`serve_health(service="disk_store")` on the store's path), and admission/eviction
 batches plus full syncs on `Subjects.events(<store's path>)` through AdmissionReporter (location
@@ -41,7 +41,8 @@ from kvmesh.shared import bus, protocol
 from kvmesh.shared.admissions import AdmissionReporter
 from kvmesh.shared.credentials import domains_map
 from kvmesh.shared.eviction import Clock
-from kvmesh.shared.store_service import Handler, IndexOps, StoreEndpoint
+from kvmesh.shared.store_endpoint import StoreEndpoint
+from kvmesh.shared.store_ops import Handler, IndexOps
 from kvmesh.services.disk_store.options import DiskStoreOptions
 from kvmesh.services.disk_store.store import DiskStore
 from kvmesh.services.disk_store.writer import WriteFaults

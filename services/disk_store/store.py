@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 from kvmesh.shared import chunk_file, protocol
 from kvmesh.shared.chunk_index import ChunkIndex, ForeignChunk, SpaceRefused
-from kvmesh.shared.credentials import DomainMap
+from kvmesh.shared.sharing_domains import DomainMap
 from kvmesh.shared.errors import StoreError
 from kvmesh.shared.eviction import Clock
 from kvmesh.shared.keys import KEY_BYTES, ChunkKey

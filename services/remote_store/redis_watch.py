@@ -29,7 +29,7 @@ from kvmesh.shared.aio import cancel_and_wait
 from kvmesh.shared.keys import ChunkKey
 from kvmesh.shared.redis_keys import RedisKeys
 from kvmesh.shared.redis_url import CLUSTER, RedisTarget
-from kvmesh.shared.store_service import StoreEndpoint
+from kvmesh.shared.store_endpoint import StoreEndpoint
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ arrival order:
                                                num_chunks, num_tokens: the chunks the caller no longer claims
     wipe      WipeRequest   -> CommandReply    the operator only: every unpinned chunk; num_chunks, num_tokens
     stats     StatsRequest  -> StatsReply
-contains, touch, pin, unpin, remove, clear, wipe and stats are the shared IndexOps (shared/store_service.py), the
+contains, touch, pin, unpin, remove, clear, wipe and stats are the shared IndexOps (shared/store_ops.py), the
 same as the disk store's. Pins and claims are kept in memory, and beside the chunk files with `persist_dir`
 (store.py).
 Also health (`serve_health(service="remote_store")` on the store's path), and AdmissionBatch / SyncChunk on
@@ -41,7 +41,8 @@ from kvmesh.shared import bus, protocol
 from kvmesh.shared.admissions import AdmissionReporter
 from kvmesh.shared.bus import NatsAuth
 from kvmesh.shared.credentials import domains_map
-from kvmesh.shared.store_service import Handler, IndexOps, StoreEndpoint
+from kvmesh.shared.store_endpoint import StoreEndpoint
+from kvmesh.shared.store_ops import Handler, IndexOps
 from kvmesh.services.remote_store.options import RemoteStoreOptions
 from kvmesh.services.remote_store.redis_watch import run_redis_watch
 from kvmesh.shared.redis_url import parse_redis_url

@@ -32,7 +32,7 @@ import numpy as np
 
 from kvmesh.shared import chunk_file, protocol
 from kvmesh.shared.chunk_index import ChunkIndex, ForeignChunk, SpaceRefused
-from kvmesh.shared.credentials import DomainMap
+from kvmesh.shared.sharing_domains import DomainMap
 from kvmesh.shared.errors import StoreError
 from kvmesh.shared.keys import KEY_BYTES, ChunkKey
 from kvmesh.shared.partition import partition_of

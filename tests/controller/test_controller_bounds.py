@@ -88,7 +88,7 @@ async def test_chunk_size_bounds_and_key_param_set_cap(nats_server: EmbeddedNats
             await wait_until_async(lambda: _refused(service, "key_param_sets") == 1, what="c64 refused")
             await wait_until_async(lambda: _has_instance(client, "also16"), what="also16 registered")
             assert not await _has_instance(client, "c64")
-            assert len(service.core.table.key_specs) == 2
+            assert len(service.core.table.quotas.key_specs) == 2
             metrics = (await client.get("/metrics")).text
             assert 'kvmesh_controller_registrations_refused_total{reason="chunk_size"} 2' in metrics
             assert 'kvmesh_controller_registrations_refused_total{reason="key_param_sets"} 1' in metrics

@@ -459,27 +459,27 @@ def test_one_instance_id_claimed_by_two_workers_is_served_by_the_latest_live_one
     assert table.on_register_engine(engine("inst@1-a", "inst"), 0.0) == []
     assert table.on_register_engine(engine("inst@2-b", "inst"), 1.0) == ["inst@1-a", "inst@2-b"]
     assert table.instances == {"inst": {0: "inst@2-b"}}  # the latest: a restarted engine takes over at once
-    assert [p.producer_id for p in table.duplicates_of("inst")] == ["inst@1-a"]
+    assert [p.producer_id for p in table.instance_claims.duplicates_of("inst")] == ["inst@1-a"]
     # A registration again (a controller hello) of the older one does not take the instance id back...
     table.on_register_engine(engine("inst@1-a", "inst"), 2.0)
     assert table.instances["inst"][0] == "inst@2-b"
     # ...but the serving one going silent does, and its return gives it back.
     table.on_heartbeat(protocol.Heartbeat("inst@1-a", 0), 7.0)
     table.tick(7.0)
-    assert table.instances["inst"][0] == "inst@1-a" and table.conflicts("inst") == {}
+    assert table.instances["inst"][0] == "inst@1-a" and table.instance_claims.conflicts("inst") == {}
     table.on_heartbeat(protocol.Heartbeat("inst@2-b", 0), 8.0)
-    assert table.instances["inst"][0] == "inst@2-b" and table.conflicts("inst") == {0: ["inst@1-a", "inst@2-b"]}
+    assert table.instances["inst"][0] == "inst@2-b" and table.instance_claims.conflicts("inst") == {0: ["inst@1-a", "inst@2-b"]}
     # Forgotten: the other serves; both gone: the instance id is unknown.
     table.forget(table.producers["inst@2-b"])
-    assert table.instances == {"inst": {0: "inst@1-a"}} and table.duplicates_of("inst") == []
+    assert table.instances == {"inst": {0: "inst@1-a"}} and table.instance_claims.duplicates_of("inst") == []
     table.forget(table.producers["inst@1-a"])
-    assert table.instances == {} and table.claims == {}
+    assert table.instances == {} and table.instance_claims.claims == {}
 
 
 def test_a_worker_re_registering_under_another_instance_id_leaves_its_old_claim() -> None:
     table = ProducerTable()
     table.on_register_engine(engine("w@1-a", "old"), 0.0)
     table.on_register_engine(engine("w@1-a", "new"), 1.0)
-    assert table.instances == {"new": {0: "w@1-a"}} and "old" not in table.claims
+    assert table.instances == {"new": {0: "w@1-a"}} and "old" not in table.instance_claims.claims
     table.on_register_store(protocol.RegisterStore(store_id="w@1-a", location=LOCAL_DISK), 2.0)
-    assert table.instances == {} and table.claims == {}
+    assert table.instances == {} and table.instance_claims.claims == {}

@@ -76,7 +76,7 @@ async def test_one_principals_key_parameter_sets_never_refuse_another(nats_serve
         await wait_until_async(lambda: _handled(service) == 100, what="the flood handled")
         await honest.register("honest", chunk_size=32)
         await wait_until_async(lambda: _registered(service, "honest"), what="the honest instance registered")
-        limits = service.core.table.limits
+        limits = service.core.table.quotas.limits
         refused = service.core.table.stats.registrations_refused
         assert refused["principal_key_param_sets"] == 100 - limits.max_key_param_sets_per_principal
         assert limits.max_key_param_sets_per_principal * 2 <= limits.max_key_param_sets
@@ -92,7 +92,7 @@ async def test_one_principals_producers_never_refuse_another(nats_server: Embedd
         await wait_until_async(lambda: _handled(service) == 700, what="the flood handled")
         await honest.register("honest")
         await wait_until_async(lambda: _registered(service, "honest"), what="the honest instance registered")
-        share = service.core.table.limits.max_workers_per_principal
+        share = service.core.table.quotas.limits.max_workers_per_principal
         assert service.core.table.stats.registrations_refused["principal_producers"] == 700 - share
 
 
@@ -112,7 +112,7 @@ async def test_a_principal_at_its_share_makes_room_from_its_own_down_workers(nat
         await wait_until_async(lambda: not table.producer("inst@1-a").alive, what="down")
         await inst.register("inst@3-c")
         await wait_until_async(lambda: _registered(service, "inst@3-c"), what="the new incarnation registered")
-        assert len(table.usage[Principal.engine("inst").path].producers) == 2
+        assert len(table.quotas.usage[Principal.engine("inst").path].producers) == 2
 
 
 async def test_same_rank_registrations_cost_linear_conflict_notices(nats_server: EmbeddedNats) -> None:

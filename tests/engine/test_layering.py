@@ -16,8 +16,11 @@ import pytest
 # Server-side modules: what a store or the controller runs, never the engine inside vLLM.
 SERVER_MODULES = (
     "kvmesh.cli",
-    "kvmesh.shared.store_service",
+    "kvmesh.shared.store_ops",
+    "kvmesh.shared.store_endpoint",
     "kvmesh.shared.chunk_index",
+    "kvmesh.shared.chunk_claims",
+    "kvmesh.shared.chunk_pins",
     "kvmesh.services.controller",
     "kvmesh.services.disk_store.store",
     "kvmesh.services.disk_store.service",

@@ -139,7 +139,7 @@ async def test_reporter_numbers_batches_and_answers_sync(nc) -> None:
 
 
 async def test_a_store_that_subscribes_a_moment_late_still_gets_the_request(nc, monkeypatch) -> None:
-    """A store opens a newly listed principal's lane within a moment (shared/store_service.py): a reachable
+    """A store opens a newly listed principal's lane within a moment (shared/store_endpoint.py): a reachable
     store's "no responder" is taken for that gap and the request sent again (nobody got it), not a store down."""
     import logging
 

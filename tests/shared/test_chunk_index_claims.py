@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.shared.chunk_index import ChunkIndex, ClaimTable, ForeignChunk
+from kvmesh.shared.chunk_claims import ClaimTable
+from kvmesh.shared.chunk_index import ChunkIndex, ForeignChunk
 
 A = "engine.tenant-a.w0"
 B = "engine.tenant-b.w0"

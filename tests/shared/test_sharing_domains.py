@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.shared.credentials import (DEFAULT_DOMAIN, DomainMap, MeshCredentials, SharingDomain, check_domain_name,
-                                       domains_file_beside, sharing_domain)
+from kvmesh.shared.credentials import MeshCredentials, SharingDomain, sharing_domain
+from kvmesh.shared.sharing_domains import DEFAULT_DOMAIN, DomainMap, check_domain_name, domains_file_beside
 from kvmesh.shared.errors import ConfigError
 
 
