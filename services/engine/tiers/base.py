@@ -82,7 +82,7 @@ class Tier(Protocol):
 
     async def clear(self) -> int:
         """Remove what this engine may remove (see each tier); the number of tokens cleared. A store takes back
-        the caller's claims and answers the tokens of the chunks it no longer claims (shared/store_service.py)."""
+        the caller's claims and answers the tokens of the chunks it no longer claims (shared/store_ops.py)."""
 
     async def touch(self, keys: list[ChunkKey]) -> None:
         """The chunks were just used: make them the most recently used ones the tier holds (best effort)."""
@@ -118,7 +118,7 @@ class StoreLink:
     costs one timeout, not one per call; 0 asks every time. A request of a reachable store that finds no
     responder is sent again for up to NO_RESPONDER_GRACE_S first (nobody got it, so resending is safe): a store
     subscribes an engine principal it newly serves within a moment (its lanes follow the domains map, which the
-    engine's own provisioning just wrote; shared/store_service.py), and a restarting store does the same. Requests go to `Subjects.store(store_id, op, caller)`:
+    engine's own provisioning just wrote; shared/store_endpoint.py), and a restarting store does the same. Requests go to `Subjects.store(store_id, op, caller)`:
     `caller` is the client's path, the only one its NATS credentials may publish store ops on.
     """
 
