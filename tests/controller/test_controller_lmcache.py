@@ -1,6 +1,6 @@
 """LMCache's controller surface on the KVMesh controller: its command line flags (`--monitor-ports`, `--config`,
 `--health-check-interval`, `--lmcache-worker-timeout`), its endpoints' JSON (/query_worker_info with "all",
-/query_instance, /health error codes, /move within an instance (between instances: tests/engine/test_p2p.py), /compress /decompress as a clear 501), and
+/query_instance, /health error codes, /move within an instance (between instances: tests/engine/tiers/test_p2p.py), /compress /decompress as a clear 501), and
 instance identity: replicas that keep the same lmcache_instance_id are reported, never merged.
 
 Real parts: a real nats-server, the controller's real uvicorn (in-process, or the `python -m

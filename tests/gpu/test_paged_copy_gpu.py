@@ -1,7 +1,7 @@
 """The CuPy kernels of services/engine/core/paged_copy_kernels.cu against the torch path (the oracle).
 
 Runs on a CUDA machine with CuPy (``python -m pytest tests/gpu -q``); skipped elsewhere. The torch path
-itself is checked against naive per-token indexing on CPU in tests/engine/test_paged_copy.py.
+itself is checked against naive per-token indexing on CPU in tests/engine/core/test_paged_copy.py.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ scatters on its side stream against the torch path, each layer read on the forwa
 gather on a side stream ordered after the forward's writes; and a grouped model's save read before the next
 forward rewrites its blocks (vLLM frees them mid-request) while the stream the worker gathers on is held back
 (the last two need the engine's dependencies, else skipped). The CPU variants of the same call sequences are
-tests/engine/test_connector_harness.py and tests/engine/test_async_saves.py.
+tests/engine/test_connector_harness.py and tests/engine/adapter/test_async_saves.py.
 """
 
 from __future__ import annotations

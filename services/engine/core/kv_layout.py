@@ -24,7 +24,7 @@ the layer as ``[B, H, 2N, D]`` and ``chunk(2, dim=2)``s it, so each (block, head
 ``N * 2D`` elements is a K half (``N*D`` elements) followed by a V half, and
 ``torch.ops._C.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, isa)``
 fills them in an ISA-specific arrangement (ISA from ``_get_attn_isa(dtype, block_size, head_size)``).
-Probed with known K/V (see tests/engine/test_paged_copy.py):
+Probed with known K/V (see tests/engine/core/test_paged_copy.py):
   * isa "vec" (block % 32 == 0) and "vec16" (other block sizes / head sizes): K half is K
     TRANSPOSED, ``[D, N]`` (element (d, n) at d*N + n); V half is ``[N, D]``.
   * isa "amx" (bf16 on AMX CPUs): K and V are tiled (K in 16-token column tiles, bf16 in VNNI

@@ -22,7 +22,7 @@ from support.waiting import WAIT_S
 
 TOKENS = 4 * 32  # four 32-token chunks
 # The spawned ranks import this module (for `rank_step`) and the test helpers (support/, under tests/).
-HELPERS_PATH = os.pathsep.join(str(folder) for folder in (Path(__file__).parent, Path(__file__).parents[1]))
+HELPERS_PATH = os.pathsep.join(str(folder) for folder in (Path(__file__).parent, Path(__file__).parents[2]))
 
 
 def rank_step(rank: int, init_file: str, agree: bool, results: Any) -> None:
