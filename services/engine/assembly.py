@@ -4,7 +4,8 @@
 (its key parameters fixed by the layout and the sharing domain), the storage manager, and with the mesh the
 engine's NATS loop, the worker agent, the peer server (enable_p2p) and the lower tiers' clients (once NATS is
 first reached, in the walk order of tiers/registry.py). `WorkerMesh` is the engine's place on the mesh: the
-connection (joined or embedded), its registration and what closes with it.
+connection (joined or embedded), its registration and what closes with it. `SchedulerLink` is what a worker's
+engine offers its scheduler (the CPU tier's events, lookups, the rendezvous file).
 
 Only this module wires the floors together (services/engine/__init__.py): `core/` never builds its own parts.
 """
@@ -18,6 +19,7 @@ import secrets
 import socket
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 from nats.aio.client import Client as NatsClient
@@ -29,10 +31,12 @@ from kvmesh.services.engine.core.storage_manager import StorageManager
 from kvmesh.services.engine.mesh.domain import engine_credentials_file, engine_domain, key_domain
 from kvmesh.services.engine.mesh.embedded import MeshConnection, MeshPlan
 from kvmesh.services.engine.mesh.nats_loop import NatsLoop
+from kvmesh.services.engine.agents.lookup_server import LookupServer, lookup_id_for
 from kvmesh.services.engine.agents.peer_server import PeerServer
+from kvmesh.services.engine.agents.rendezvous import PublishedWorker, publish_worker
 from kvmesh.services.engine.agents.worker_agent import WorkerAgent
 from kvmesh.services.engine.tiers.registry import TierPlan, TierSite, configured_locations, lower_tiers
-from kvmesh.services.engine.tiers.cpu import LocalCPUBackend
+from kvmesh.services.engine.tiers.cpu import LocalCPUBackend, TierListener
 from kvmesh.services.engine.tiers.memory_pool import MemoryPool
 from kvmesh.services.engine.tiers.redis_values import resolve_auth
 from kvmesh.shared import bus, protocol
@@ -113,6 +117,27 @@ def engine_for_caches(config: EngineConfig, key_params: KeyParams, kv_caches: KV
     layout = detect_layout(caches, block_size, backend_name, cpu_isa=cpu_isa)
     options.setdefault("device", next(iter(caches.values())).device)
     return build_engine(config, key_params, layout, **options)  # type: ignore[arg-type]
+
+
+class SchedulerLink:
+    """What a worker's engine offers its scheduler once vLLM registered its KV caches: the CPU tier's admissions
+    and evictions (to `cpu_events`, sent with every step's output for the scheduler's mirror), the answers to its
+    lower-tier lookups on NATS (agents/lookup_server.py) and the rendezvous file that names both
+    (agents/rendezvous.py). `close` takes them back (the lookup subscription closes with the engine's NATS)."""
+
+    def __init__(self, engine: CacheEngine, cpu_events: TierListener) -> None:
+        self._engine, self._cpu_events = engine, cpu_events
+        engine.cpu.listen(cpu_events)
+        lookup_id = lookup_id_for(engine.worker_id)
+        self._lookups = LookupServer(engine, engine.nats_loop, lookup_id) if engine.nats_loop is not None else None
+        self._rendezvous: Path | None = publish_worker(PublishedWorker.of(engine, lookup_id))
+
+    def close(self) -> None:
+        self._lookups = None
+        if self._rendezvous is not None:
+            self._rendezvous.unlink(missing_ok=True)
+            self._rendezvous = None
+        self._engine.cpu.unlisten(self._cpu_events)
 
 
 def _layout_keys(key_params: KeyParams, layout: KVLayout, rank: int) -> tuple[KeyParams, bool]:

@@ -118,13 +118,13 @@ class FakeEngine:
     def chunk_spans(self, chain_keys: list[bytes], num_tokens: int, first_chunk: int = 0) -> list[ChunkSpan]:
         return chunk_spans(chain_keys, num_tokens, C)[first_chunk:]
 
-    def retrieve_chunks(self, spans: list[ChunkSpan], kv_caches: Any, slot_mapping: torch.Tensor,
-                        skip_prefix: int = 0) -> int:
+    def load(self, spans: list[ChunkSpan], slot_mapping: torch.Tensor | None = None) -> Any:
         if self.held is None:
             raise RuntimeError("disk store unreachable")
-        return sum(1 for span in spans if span.end <= self.held)
+        held = sum(1 for span in spans if span.end <= self.held)
+        return SimpleNamespace(scatter=lambda kv_caches, slot_mapping, skip_prefix=0: held)
 
-    def store_chunks(self, spans: list[ChunkSpan], kv_caches: Any, slot_mapping: torch.Tensor) -> None:
+    def save(self, spans: list[ChunkSpan], kv_caches: Any, slot_mapping: torch.Tensor, stream: Any = None) -> None:
         if self.held is None:
             raise RuntimeError("pool broken")
         self.stored.append((spans[0].start, spans[-1].end))

@@ -166,7 +166,7 @@ def test_a_cpu_tier_chunk_that_does_not_fit_its_span_is_a_miss(paged: tuple[Cach
     short = ChunkSpan(whole.index, whole.start, whole.start + 10, whole.key)
     before = [kv.caches[name][20].clone() for name in kv.caches]
     slots = oracle._slots([18, 19, 20], 0, CHUNK + 10)
-    assert worker.retrieve_chunks([worker.hasher.spans(t)[0], short], kv.caches, slots) == 1
+    assert worker.load([worker.hasher.spans(t)[0], short], slots).scatter(kv.caches, slots) == 1
     assert worker.storage.stats["cpu_bad_meta"] == 1
     assert all(torch.equal(kv.caches[name][20], block) for name, block in zip(kv.caches, before)), \
         "the short span's blocks were written"

@@ -76,14 +76,14 @@ def test_a_saves_gather_on_a_side_stream_reads_what_the_forward_wrote() -> None:
         for cache in caches.values():
             cache.fill_(1.5)  # ...and writes the KV last
         side = torch.cuda.Stream(DEVICE)
-        job = engine.gather_chunks(spans, caches, slots, side)
+        job = engine.save(spans, caches, slots, side)
         assert job is not None
-        engine.admit(job)  # waits for the copy's event
+        job.admit()  # waits for the copy's event
         for span in spans:
             ref = engine.cpu.acquire(span.key)
             assert ref is not None
             try:
-                assert bool((engine.chunk_view(span, ref) == 1.5).all())
+                assert bool((ref.slot.view(layout.dtype, layout.chunk_shape(span.num_tokens)) == 1.5).all())
             finally:
                 ref.release()
     finally:
@@ -123,11 +123,12 @@ def test_a_grouped_models_save_is_read_before_the_next_forward_rewrites_its_bloc
         side.wait_for_save(KVMeshConnectorMetadata(requests=[save]))
         for cache in caches.values():
             cache.fill_(2.5)  # the next forward writes another request's KV into the freed blocks
-        side.async_saves.drain(engine)  # waits for the copies, admits their chunks
+        side.async_saves.drain()  # waits for the copies, admits their chunks
         ref = engine.cpu.acquire(spans[0].key)
         assert ref is not None, "the save stored nothing"
         try:
-            assert bool((engine.chunk_view(spans[0], ref) == 1.5).all()), "the save read the next forward's KV"
+            chunk = ref.slot.view(layout.dtype, layout.chunk_shape(spans[0].num_tokens))
+            assert bool((chunk == 1.5).all()), "the save read the next forward's KV"
         finally:
             ref.release()
     finally:

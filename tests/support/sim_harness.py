@@ -462,7 +462,7 @@ class Simulation:
         """Before get_finished: every fetch started so far has ended or passed its deadline (no timing races)."""
         loads = work.async_loads
         pending = loads.pending()
-        wait_until(lambda: all(p.future.done() or time.monotonic() >= p.deadline for p in pending),
+        wait_until(lambda: all(p.fetched.done() or time.monotonic() >= p.deadline for p in pending),
                    timeout=loads.timeout + 10, what="the async fetches")
 
     def _quiesce(self) -> None:

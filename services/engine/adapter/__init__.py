@@ -2,7 +2,10 @@
 learns what is cached.
 
     scheduler_side.py    the connector's scheduler half (vLLM's EngineCore): lookups, per-step load/save plans
-    worker_side.py       the connector's worker half (each vLLM worker): the cache engine, loads, saves
+    worker_side.py       the connector's worker half (each vLLM worker): vLLM's calls, turned into loads and saves
+    request_load.py      one request's load in a step (spans, slots, state, failures, rank agreement)
+    saves.py             each step's saves after the forward, none past a failed load's first wrong token
+    request_slots.py     where a request's KV sits in vLLM's paged cache (token slots, a state's span and slots)
     request_meta.py      the scheduler -> worker metadata of each step (loads, saves) and the per-request tracker
     request_extras.py    what besides the token ids a request's KV depends on (LoRA, cache_salt, images, embeds)
     model_identity.py    the model part of chunk keys (revision, quantization, RoPE, ...), the same on every rank

@@ -19,13 +19,11 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
-
-from kvmesh.shared.keys import ChunkSpan
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvmesh.services.engine.adapter.request_meta import ReqMeta
-    from kvmesh.services.engine.tiers.cpu import ChunkRef
+    from kvmesh.services.engine.adapter.request_load import RequestLoad
+    from kvmesh.services.engine.core.chunk_load import ChunkLoad
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +40,8 @@ def loads_asynchronously(enabled: bool, to_load: int, need: int, cpu_tokens: int
 
 @dataclass
 class PendingLoad:
-    req: "ReqMeta"
-    spans: Sequence[ChunkSpan]
-    future: "concurrent.futures.Future[list[ChunkRef]]"
-    started: float  # time.perf_counter()
+    load: "RequestLoad"
+    fetched: "ChunkLoad"  # the fetch on the NATS loop
     deadline: float  # time.monotonic()
 
 
@@ -63,30 +59,28 @@ class AsyncLoads:
         """The loads in flight, oldest first."""
         return list(self._pending.values())
 
-    def add(self, req: "ReqMeta", spans: Sequence[ChunkSpan],
-            future: "concurrent.futures.Future[list[ChunkRef]]") -> None:
-        self._pending[req.req_id] = PendingLoad(req, spans, future, time.perf_counter(),
-                                                time.monotonic() + self.timeout)
+    def add(self, load: "RequestLoad", fetched: "ChunkLoad") -> None:
+        self._pending[load.req.req_id] = PendingLoad(load, fetched, time.monotonic() + self.timeout)
 
     def wait(self, timeout: float) -> None:
         """Wait until one fetch ends, at most `timeout` seconds."""
         if self._pending:
-            concurrent.futures.wait([p.future for p in self._pending.values()], timeout,
+            concurrent.futures.wait([p.fetched.future for p in self._pending.values()], timeout,
                                     concurrent.futures.FIRST_COMPLETED)
 
-    def take_ready(self) -> list[tuple[PendingLoad, list["ChunkRef"]]]:
+    def take_ready(self) -> list[PendingLoad]:
         """The loads whose fetch ended (with the chunks it got: a prefix of their spans, maybe none) or whose
-        deadline passed (with none), removed from the pending ones."""
+        deadline passed (given up: with none), removed from the pending ones."""
         now = time.monotonic()
-        ready: list[tuple[PendingLoad, list[ChunkRef]]] = []
+        ready: list[PendingLoad] = []
         for req_id, pending in list(self._pending.items()):
-            if pending.future.done():
-                ready.append((pending, _refs_of(pending)))
+            if pending.fetched.done():
+                ready.append(pending)
             elif now >= pending.deadline:
                 log.warning("loading KV for request %s took longer than %.1fs (blocking_timeout_secs); vLLM "
                             "recomputes it", req_id, self.timeout)
-                pending.future.add_done_callback(_release_late)
-                ready.append((pending, []))
+                pending.fetched.release()
+                ready.append(pending)
             else:
                 continue
             del self._pending[req_id]
@@ -97,28 +91,11 @@ class AsyncLoads:
         their blocks; whatever their fetches bring is released. The loads given up."""
         dropped = [self._pending.pop(req_id) for req_id in req_ids if req_id in self._pending]
         for pending in dropped:
-            pending.future.add_done_callback(_release_late)
+            pending.fetched.release()
         return dropped
 
     def abandon_all(self) -> None:
         """Shutdown: whatever the fetches still bring is released."""
         for pending in self._pending.values():
-            pending.future.add_done_callback(_release_late)
+            pending.fetched.release()
         self._pending.clear()
-
-
-def _refs_of(pending: PendingLoad) -> list["ChunkRef"]:
-    try:
-        return list(pending.future.result())
-    except Exception as exc:  # a broken fetch is a miss: vLLM recomputes
-        log.warning("loading KV for request %s failed (%s: %s); vLLM recomputes it", pending.req.req_id,
-                    type(exc).__name__, exc)
-        return []
-
-
-def _release_late(future: "concurrent.futures.Future[Any]") -> None:
-    """A fetch whose load was given up: its chunks stay in the CPU tier (which holds its own references)."""
-    if future.cancelled() or future.exception() is not None:
-        return
-    for ref in future.result():
-        ref.release()

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 if TYPE_CHECKING:
-    from kvmesh.services.engine.core.cache_engine import CacheEngine, StoreJob
+    from kvmesh.services.engine.core.cache_engine import StoreJob
 
 log = logging.getLogger(__name__)
 
@@ -93,12 +93,12 @@ class AsyncSaves:
     def add(self, req_id: str, job: "StoreJob") -> None:
         self._jobs.setdefault(req_id, []).append(job)
 
-    def admit_done(self, engine: "CacheEngine") -> None:
+    def admit_done(self) -> None:
         """Admit the chunks of every save whose copies have ended (in each request's order)."""
         for req_id in list(self._jobs):
             jobs = self._jobs[req_id]
             while jobs and jobs[0].done():
-                _admit(engine, req_id, jobs.pop(0))
+                _admit(req_id, jobs.pop(0))
             if not jobs:
                 del self._jobs[req_id]
 
@@ -112,31 +112,27 @@ class AsyncSaves:
                 job.order_before(current)
         return len(jobs)
 
-    def finished_sending(self, finished_req_ids: Iterable[str], engine: "CacheEngine | None") -> set[str]:
+    def finished_sending(self, finished_req_ids: Iterable[str]) -> set[str]:
         """The held requests vLLM has finished (now or in an earlier step) whose copies have all ended: their
         blocks may be freed. Reported once each."""
         self._finished |= self._held.intersection(finished_req_ids)
-        if engine is not None:
-            self.admit_done(engine)
+        self.admit_done()
         done = {req_id for req_id in self._finished if req_id not in self._jobs}
         self._finished -= done
         self._held -= done
         return done
 
-    def drain(self, engine: "CacheEngine | None") -> None:
+    def drain(self) -> None:
         """Shutdown: wait for every copy; admit what ended well."""
         for req_id, jobs in self._jobs.items():
             for job in jobs:
-                if engine is not None:
-                    _admit(engine, req_id, job)
-                else:
-                    job.abandon()
+                _admit(req_id, job)
         self._jobs.clear()
 
 
-def _admit(engine: "CacheEngine", req_id: str, job: "StoreJob") -> None:
+def _admit(req_id: str, job: "StoreJob") -> None:
     try:
-        engine.admit(job)
+        job.admit()
     except Exception as exc:  # a failed copy stores nothing; vLLM's request is unaffected
         log.warning("storing KV for request %s failed (%s: %s); skipped", req_id, type(exc).__name__, exc)
         try:

@@ -6,7 +6,7 @@ step's forward on *every* rank computes over that rank's wrong KV: hidden states
 after each layer. A rank whose own load succeeded would then save its shard of KV computed over wrong context,
 and the later recompute could never replace it (the tiers keep the first copy of a key). So before the forward,
 every rank takes the minimum over the replica of each load's first wrong token, and cuts its saves there as if
-its own load had failed (worker_side.py `WorkerSide._fail_load`).
+its own load had failed (request_load.py `RequestLoad.fail`).
 
 Every rank of a replica receives the same step metadata and calls `start_load_kv` at the same point, so each
 calls `min_over_ranks` the same number of times with lists of the same length: one small all-reduce on vLLM's

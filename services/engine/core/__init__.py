@@ -1,6 +1,7 @@
 """The cache core: moving chunks between vLLM's paged KV cache and the tiers.
 
-    cache_engine.py      one worker's engine: the connector's chunk API (gather, admit, fetch, scatter)
+    cache_engine.py      one worker's engine: the connector's chunk API (one load entry, one save entry)
+    chunk_load.py        a load's chunks on their way into vLLM's paged cache (scatter, or layer by layer)
     token_api.py         LMCache's cache engine API by tokens (store / retrieve / lookup / prefetch / pin ...)
     storage_manager.py   the tier walk: lookups, fetches and prefetches across the tiers
     write_behind.py      the write-behind to the lower tiers, and the known-held set it leaves

@@ -2,10 +2,11 @@
 
 Who runs what:
   * vLLM's worker thread (through the connector) calls every public method synchronously. The connector names
-    chunks by the chain keys its scheduler computed once per request (`chunk_spans`, `store_chunks`,
-    `retrieve_chunks`, ...; LMCache's API by tokens is core/token_api.py, over the same methods), moves bytes
-    between vLLM's paged cache and pool slots with the paged copier (`PagedCopier.gather` / `scatter`), and uses
-    the CPU tier directly: a CPU hit never touches NATS.
+    chunks by the chain keys its scheduler computed once per request (`chunk_spans`) and has one entry for loads,
+    `load` (a `ChunkLoad`: acquired now or fetched on the NATS loop, then scattered or copied layer by layer,
+    core/chunk_load.py), and one for saves, `save` (admitted now, or a `StoreJob` admitted once its copies end);
+    LMCache's API by tokens (core/token_api.py) uses the same two. Bytes move between vLLM's paged cache and
+    pool slots with the paged copier (`PagedCopier.gather` / `scatter`); a CPU hit never touches NATS.
   * The NATS loop thread (`NatsLoop`) does all NATS work: write-behind to the disk / remote stores, fetches
     from them, the worker agent (registration, admission events, controller commands). vLLM's calls wait for
     it only with bounded timeouts and fall back to a miss, so a dead NATS never blocks vLLM.
@@ -17,32 +18,31 @@ back: store --get_into--> pool slot --> CPU tier --scatter--> vLLM paged cache.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping, Sequence
-from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Literal, Protocol, overload
 
 import torch
 
+from kvmesh.services.engine.core.chunk_load import (ChunkLoad, KVCaches, check_slot_count, layer_list,
+                                                    release_after_copies, synchronize)
 from kvmesh.services.engine.core.kv_layout import KVLayout
 from kvmesh.services.engine.core.paged_copy import PagedCopier
 from kvmesh.services.engine.core.storage_manager import StorageManager
 from kvmesh.services.engine.mesh.nats_loop import NatsLoop
-from kvmesh.services.engine.tiers.cpu import ChunkRef, LocalCPUBackend
+from kvmesh.services.engine.tiers.cpu import LocalCPUBackend
 from kvmesh.services.engine.tiers.memory_pool import MemoryPool, Slot
 from kvmesh.services.engine.tiers.peer import PeerTier, PeerWorker
 from kvmesh.shared import protocol
 from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyParams, chunk_spans
+from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyParams, chunk_spans, state_key
 from kvmesh.shared.protocol import PEER, ChunkMeta, worker_id_for
 from kvmesh.shared.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)
-
-KVCaches = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 
 
 class MeshPresence(Protocol):
@@ -117,46 +117,56 @@ class CacheEngine:
         _, hasher, _, _, _ = self.ready()
         return hasher.shard(chunk_spans(chain_keys, num_tokens, self.config.chunk_size)[first_chunk:])
 
-    def store_chunks(self, spans: Sequence[ChunkSpan], kv_caches: KVCaches, slot_mapping: torch.Tensor) -> None:
-        """`store` for spans the caller already has (see `chunk_spans`)."""
-        self._store_spans(spans, layer_list(kv_caches), slot_mapping)
+    @overload
+    def load(self, spans: Sequence[ChunkSpan], slot_mapping: torch.Tensor | None = None, *,
+             fetch: Literal[False] = False) -> ChunkLoad: ...
 
-    def retrieve_chunks(self, spans: Sequence[ChunkSpan], kv_caches: KVCaches, slot_mapping: torch.Tensor,
-                        skip_prefix: int = 0) -> int:
-        """`retrieve` for spans the caller already has; how many leading spans were loaded."""
-        return self._retrieve_spans(spans, layer_list(kv_caches), slot_mapping, skip_prefix)
+    @overload
+    def load(self, spans: Sequence[ChunkSpan], slot_mapping: torch.Tensor | None = None, *,
+             fetch: bool) -> ChunkLoad | None: ...
 
-    def acquire_chunks(self, spans: Sequence[ChunkSpan], slot_mapping: torch.Tensor) -> list[ChunkRef]:
-        """The held prefix of `spans` (`retrieve_chunks` without the copy, for the layer-wise loader), as
-        references the caller releases once its copies have read them; `chunk_view` gives their tensors."""
-        storage = self.ready()[3]
+    def load(self, spans: Sequence[ChunkSpan], slot_mapping: torch.Tensor | None = None, *,
+             fetch: bool = False) -> ChunkLoad | None:
+        """The held prefix of `spans` on its way into vLLM's paged cache (core/chunk_load.py): acquired at once
+        from the CPU tier, then the lower tiers (`slot_mapping`, when given, must have a slot for every span's
+        token); with `fetch`, fetched on the NATS loop (the CPU tier, then the lower tiers; chunks a lookup is
+        prefetching are waited for, not read twice), and None without a connected lower tier: the caller loads
+        at once."""
+        layout, _, _, storage, copier = self.ready()
+        if fetch:
+            if not spans or not storage.lower_ready():
+                return None
+            assert storage.loop is not None
+            return ChunkLoad(spans, storage.loop.submit(storage.fetch(spans, self.meta_mismatch)), layout, copier,
+                             storage.recency.note_hits)
         if not spans:
-            return []
-        _check_slot_count(slot_mapping, spans[-1].end)
-        return storage.acquire_prefix(spans, self.meta_mismatch)
+            return ChunkLoad.acquired(spans, [], layout, copier)
+        if slot_mapping is not None:
+            check_slot_count(slot_mapping, spans[-1].end)
+        return ChunkLoad.acquired(spans, storage.acquire_prefix(spans, self.meta_mismatch), layout, copier)
 
-    def chunk_view(self, span: ChunkSpan, ref: ChunkRef) -> torch.Tensor:
-        """`ref`'s pool slot as `span`'s chunk tensor."""
-        layout = self.ready()[0]
-        return ref.slot.view(layout.dtype, layout.chunk_shape(span.num_tokens))
+    def save(self, spans: Sequence[ChunkSpan], kv_caches: KVCaches, slot_mapping: torch.Tensor,
+             stream: "torch.cuda.Stream | None" = None) -> "StoreJob | None":
+        """Copy the chunks of `spans` out of vLLM's paged cache into the CPU tier and queue them for the lower
+        tiers (write-behind). Chunks already held (CPU tier, or known to be in every lower tier) are not copied
+        again; from a token without a slot (negative) or when the pool is full, the rest is skipped.
 
-    def fetch_chunks(self, spans: Sequence[ChunkSpan]) -> "concurrent.futures.Future[list[ChunkRef]] | None":
-        """Start fetching the held prefix of `spans` (CPU tier, then the lower tiers) on the NATS loop; the
-        future answers references the caller owns (`scatter_chunks` releases them). None without a connected
-        lower tier: the caller loads synchronously."""
-        _, _, _, storage, _ = self.ready()
-        if not spans or not storage.lower_ready():
-            return None
-        assert storage.loop is not None
-        return storage.loop.submit(storage.fetch(spans, self.meta_mismatch))
+        With `stream` the copies are only started, and the job returned (None: nothing to copy) is admitted by
+        `StoreJob.admit` once `job.done()`: on CUDA the gather runs on `stream` after everything already queued
+        on the current stream (the forward that wrote the KV), and `job.event` marks its end, until which vLLM's
+        blocks must stay untouched. Elsewhere the copy is done when this returns."""
+        job = self._gather_spans(spans, layer_list(kv_caches), slot_mapping, stream)
+        if job is None or stream is not None:
+            return job
+        job.admit()
+        return None
 
-    def scatter_chunks(self, spans: Sequence[ChunkSpan], refs: Sequence[ChunkRef], kv_caches: KVCaches,
-                       slot_mapping: torch.Tensor, skip_prefix: int = 0) -> int:
-        """Copy fetched chunks (the leading `len(refs)` of `spans`) into vLLM's paged cache and release them;
-        how many were copied."""
-        storage = self.ready()[3]
-        storage.recency.note_hits([ref.meta.key for ref in refs])
-        return self._scatter(spans, refs, layer_list(kv_caches), slot_mapping, skip_prefix)
+    def state_span(self, chain_key: ChunkKey, end: int, num_tokens: int) -> ChunkSpan:
+        """This worker's span of the recurrent state after `end` tokens (adapter/kv_groups.py): its last
+        `num_tokens` tokens, stored under `chain_key`'s state key."""
+        hasher = self.ready()[1]
+        chain_span = ChunkSpan((end - 1) // self.config.chunk_size, end - num_tokens, end, state_key(chain_key))
+        return hasher.shard([chain_span])[0]
 
     async def lookup_and_prefetch(self, spans: Sequence[ChunkSpan], peer_instance: str = "",
                                   peer_worker: str = "") -> int:
@@ -172,28 +182,13 @@ class CacheEngine:
         held = await storage.lookup_and_prefetch(spans, self.meta_mismatch)
         return spans[held - 1].end if held else 0
 
-    def _store_spans(self, spans: Sequence[ChunkSpan], kv_caches: list[torch.Tensor],
-                     slot_mapping: torch.Tensor) -> None:
-        job = self._gather_spans(spans, kv_caches, slot_mapping, None)
-        if job is not None:
-            self.admit(job)
-
-    def gather_chunks(self, spans: Sequence[ChunkSpan], kv_caches: KVCaches, slot_mapping: torch.Tensor,
-                      stream: "torch.cuda.Stream | None" = None) -> "StoreJob | None":
-        """Start `store_chunks`' copies and return at once; `admit(job)` once `job.done()`.
-
-        On CUDA with `stream`, the gather runs on `stream` after everything already queued on the current
-        stream (the forward that wrote the KV), and `job.event` marks its end: vLLM's blocks must stay
-        untouched until then. Elsewhere the copy is done when this returns. None: nothing to copy."""
-        return self._gather_spans(spans, layer_list(kv_caches), slot_mapping, stream)
-
     def _gather_spans(self, spans: Sequence[ChunkSpan], kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
                       stream: "torch.cuda.Stream | None") -> "StoreJob | None":
         layout, _, cpu, storage, copier = self.ready()
         write_lower = storage.has_stores and self.writes_lower_tiers
         if not spans or (not cpu.keep and not write_lower) or self.config.force_skip_save:
             return None
-        _check_slot_count(slot_mapping, spans[-1].end)
+        check_slot_count(slot_mapping, spans[-1].end)
         first_bad = _first_negative(slot_mapping, spans[-1].end)
         on_side = stream is not None and bool(kv_caches) and kv_caches[0].is_cuda
         if on_side:
@@ -220,13 +215,13 @@ class CacheEngine:
                 if event is not None:
                     event.record()
             if not on_side:
-                _synchronize(kv_caches)  # GPU copies into pinned memory are asynchronous
+                synchronize(kv_caches)  # GPU copies into pinned memory are asynchronous
         except BaseException:
-            _release_after_copies(kv_caches, [slot for _, slot in filled], stream if on_side else None)
+            release_after_copies(kv_caches, [slot for _, slot in filled], stream if on_side else None)
             raise
-        return StoreJob(filled, write_lower, event) if filled else None
+        return StoreJob(filled, write_lower, self._admit, event) if filled else None
 
-    def admit(self, job: "StoreJob") -> None:
+    def _admit(self, job: "StoreJob") -> None:
         """Put a finished gather's chunks into the CPU tier and queue them for the lower tiers (write-behind).
         Waits for the copies if they are still running."""
         _, _, cpu, storage, _ = self.ready()
@@ -241,29 +236,6 @@ class CacheEngine:
             if behind is not None:
                 storage.write_behind.enqueue(meta, behind)
         job.filled = []
-
-    def _retrieve_spans(self, spans: Sequence[ChunkSpan], kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
-                        skip_prefix: int) -> int:
-        storage = self.ready()[3]
-        if not spans:
-            return 0
-        _check_slot_count(slot_mapping, spans[-1].end)
-        return self._scatter(spans, storage.acquire_prefix(spans, self.meta_mismatch), kv_caches, slot_mapping,
-                             skip_prefix)
-
-    def _scatter(self, spans: Sequence[ChunkSpan], refs: Sequence[ChunkRef], kv_caches: list[torch.Tensor],
-                 slot_mapping: torch.Tensor, skip_prefix: int) -> int:
-        layout, _, _, _, copier = self.ready()
-        try:
-            if refs:
-                _check_slot_count(slot_mapping, spans[len(refs) - 1].end)
-            for span, ref in zip(spans, refs):
-                chunk = ref.slot.view(layout.dtype, layout.chunk_shape(span.num_tokens))
-                skip = min(max(skip_prefix - span.start, 0), span.num_tokens)
-                copier.scatter(chunk, kv_caches, slot_mapping[..., span.start:span.end], skip)
-        finally:  # the slots must not be reused before the copies queued so far have read them
-            _release_after_copies(kv_caches, refs)
-        return len(refs)
 
     # ---- helpers for tests and the connector ----------------------------------------------------------------
     def _chunk_meta(self, span: ChunkSpan) -> ChunkMeta:
@@ -299,6 +271,11 @@ class CacheEngine:
             expected = self._expected[num_tokens] = (("fmt", meta.fmt), ("dtype", meta.dtype),
                                                      ("nbytes", meta.nbytes), ("shape", tuple(meta.shape)))
         return expected
+
+    def usage(self) -> "EngineUsage":
+        """What the connector's metrics report of this engine (adapter/connector_stats.py)."""
+        return EngineUsage(self.storage.stats, self.cpu.used_bytes, len(self.cpu),
+                           self.connected or self.nats_loop is None)
 
     @property
     def nats_url(self) -> str | None:
@@ -346,14 +323,32 @@ class CacheEngine:
         self.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineUsage:
+    """The storage manager's counters so far, the CPU tier's bytes and chunks, and whether the engine is healthy
+    (its mesh reachable, or it has none)."""
+
+    counters: Mapping[str, int]
+    cpu_bytes: int
+    cpu_chunks: int
+    healthy: bool
+
+
 @dataclasses.dataclass
 class StoreJob:
-    """A store whose gather was started (`CacheEngine.gather_chunks`): the pool slots it fills, one per span,
-    and, on CUDA, the event that marks the end of its copies (None: already done)."""
+    """A save whose gather was started (`CacheEngine.save` with a stream): the pool slots it fills, one per span,
+    what admits them (the engine's CPU tier and write-behind) and, on CUDA, the event that marks the end of its
+    copies (None: already done)."""
 
     filled: list[tuple[ChunkSpan, Slot]]
     write_lower: bool
+    admit_into: "Callable[[StoreJob], None]"
     event: "torch.cuda.Event | None" = None
+
+    def admit(self) -> None:
+        """Put the chunks into the CPU tier and queue them for the lower tiers; waits for the copies if they
+        still run."""
+        self.admit_into(self)
 
     def done(self) -> bool:
         return self.event is None or bool(self.event.query())
@@ -376,17 +371,6 @@ class StoreJob:
         self.filled = []
 
 
-def layer_list(kv_caches: KVCaches) -> list[torch.Tensor]:
-    """vLLM's per-layer caches, a list or a dict of them, as a list in their order."""
-    return list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
-
-
-def _check_slot_count(slot_mapping: torch.Tensor, needed: int) -> None:
-    if slot_mapping.shape[-1] < needed:
-        raise ValueError(f"slot_mapping has {slot_mapping.shape[-1]} slots, the chunks need {needed} "
-                         f"(one slot per token)")
-
-
 def _first_negative(slot_mapping: torch.Tensor, limit: int) -> int:
     """Index of the first token without a cache slot (negative), or `limit` if there is none before it. With KV
     cache groups (one row each) a freed sliding-window block is negative and the scheduler chose what to save."""
@@ -396,32 +380,4 @@ def _first_negative(slot_mapping: torch.Tensor, limit: int) -> int:
     return int(negative[0, 0]) if negative.numel() else limit
 
 
-def _synchronize(kv_caches: list[torch.Tensor]) -> None:
-    if kv_caches and kv_caches[0].is_cuda:
-        torch.cuda.current_stream(kv_caches[0].device).synchronize()
-
-
-class _Releasable(Protocol):
-    def release(self) -> None: ...
-
-
-def _release_after_copies(kv_caches: list[torch.Tensor], held: Sequence[_Releasable],
-                          stream: "torch.cuda.Stream | None" = None) -> None:
-    """Hand pool slots back only once the copies queued on them (on `stream`, else on the current stream) are
-    done, on success and on error alike: a gather still queued behind the forward would otherwise write into a
-    slot the mesh has since refilled (a prefetched chunk, later served as valid). If even the wait fails (a
-    broken CUDA context), the slots are leaked, never released under a copy that may still run."""
-    try:
-        if stream is not None:
-            stream.synchronize()
-        else:
-            _synchronize(kv_caches)
-    except BaseException as exc:
-        log.error("cannot wait for the KV copies of %d pool slots (%s: %s): leaving them allocated", len(held),
-                  type(exc).__name__, exc)
-        return
-    for item in held:
-        item.release()
-
-
-__all__ = ["CacheEngine", "StoreJob"]
+__all__ = ["CacheEngine", "EngineUsage", "KVCaches", "StoreJob"]

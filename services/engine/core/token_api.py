@@ -2,9 +2,10 @@
 unpin / clear, on one worker's `CacheEngine`.
 
 No production path calls these: the connector names chunks by the chain keys its scheduler computed once per
-request (the engine's chunk API: `CacheEngine.chunk_spans`, `store_chunks`, `retrieve_chunks`, ...). Tests and
-benchmarks drive an engine through them, hashing tokens into chunk keys with the engine's `ChunkHasher`. Every
-call runs on the caller's thread and waits for the NATS loop only with bounded timeouts.
+request (the engine's chunk API: `CacheEngine.chunk_spans`, then its one load entry `load` and one save entry
+`save`, which these call too). Tests and benchmarks drive an engine through them, hashing tokens into chunk keys
+with the engine's `ChunkHasher`. Every call runs on the caller's thread and waits for the NATS loop only with
+bounded timeouts.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Any
 
 import torch
 
-from kvmesh.services.engine.core.cache_engine import CacheEngine, layer_list
+from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.core.chunk_load import layer_list
 from kvmesh.services.engine.core.storage_manager import ALL_LOCATIONS
 from kvmesh.shared.keys import KeyExtras
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, PEER, REMOTE
@@ -36,7 +38,7 @@ def store(engine: CacheEngine, tokens: Tokens, mask: torch.Tensor | None = None,
     """
     hasher = engine.ready()[1]
     kv_caches, slot_mapping, _, extras = _kv_args(kv, "store")
-    engine.store_chunks(hasher.spans(tokens, mask, extras), kv_caches, slot_mapping)
+    engine.save(hasher.spans(tokens, mask, extras), kv_caches, slot_mapping)
 
 
 def retrieve(engine: CacheEngine, tokens: Tokens, mask: torch.Tensor | None = None, **kv: Any) -> torch.Tensor:
@@ -50,7 +52,7 @@ def retrieve(engine: CacheEngine, tokens: Tokens, mask: torch.Tensor | None = No
     kv_caches, slot_mapping, skip_prefix, extras = _kv_args(kv, "retrieve")
     spans = hasher.spans(tokens, mask, extras)
     retrieved = torch.zeros(len(tokens), dtype=torch.bool)
-    loaded = engine.retrieve_chunks(spans, kv_caches, slot_mapping, skip_prefix)
+    loaded = engine.load(spans, slot_mapping).scatter(kv_caches, slot_mapping, skip_prefix)
     if loaded:
         retrieved[spans[0].start:spans[loaded - 1].end] = True
     return retrieved

@@ -201,7 +201,7 @@ def test_a_load_given_up_never_scatters_into_its_blocks_and_releases_its_chunks(
     conn.bind_connector_metadata(KVMeshConnectorMetadata([req]))
     conn.start_load_kv(None)
     conn.clear_connector_metadata()
-    wait_until(lambda: all(p.future.done() for p in conn.worker_side.async_loads.pending()),
+    wait_until(lambda: all(p.fetched.done() for p in conn.worker_side.async_loads.pending()),
                what="the fetch ended (its chunks are ready to scatter)")
     if how == "ended":  # aborted while it waits: vLLM holds its blocks until the load is reported
         assert conn.get_finished({"r"}) == (None, {"r"})

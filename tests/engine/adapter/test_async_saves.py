@@ -214,7 +214,7 @@ def stored_page(scenario: Scenario, engine: Any, caches: dict[str, torch.Tensor]
     else:
         span = engine.hasher.spans(tokens[:32])[0]
         slots = slot_rows([[scratch, scratch + 1], [scratch + 2, scratch + 3]], 32, B, -1)
-    assert engine.retrieve_chunks([span], caches, slots) == 1, "P's first step stored nothing there"
+    assert engine.load([span], slots).scatter(caches, slots) == 1, "P's first step stored nothing there"
     return scenario.layer_names[0], caches[scenario.layer_names[0]][scratch]
 
 

@@ -143,7 +143,7 @@ def test_a_block_prefix_only_on_disk_is_found_by_asking_again(
     tokens = random_tokens(2 * CHUNK, seed=5).tolist()
     chain = hasher.chain(tokens)
     prefix = hasher.prefix_span(tokens, chain, CHUNK + BLOCK)
-    worker.store_chunks([chain[0], prefix], kv.caches, kv.slots(CHUNK + BLOCK))  # what r1's save leaves
+    worker.save([chain[0], prefix], kv.caches, kv.slots(CHUNK + BLOCK))  # what r1's save leaves
     assert worker.wait_write_behind(WAIT_S)
     client = worker.storage.lower(LOCAL_DISK)
     assert client is not None and worker.nats_loop is not None

@@ -73,8 +73,9 @@ def round_trip(engine: CacheEngine, src_seed: int, dst_seed: int) -> None:
                   list(range(70, 70 + num_blocks))]
     before = dst.buffer.clone()
     spans = engine.hasher.spans(tokens)
-    engine.store_chunks(spans, src_caches, slot_rows(src_tables, len(tokens), BLOCK, -1))
-    assert engine.retrieve_chunks(spans, dst_caches, slot_rows(dst_tables, len(tokens), BLOCK, -1)) == len(spans)
+    engine.save(spans, src_caches, slot_rows(src_tables, len(tokens), BLOCK, -1))
+    dst_slots = slot_rows(dst_tables, len(tokens), BLOCK, -1)
+    assert engine.load(spans, dst_slots).scatter(dst_caches, dst_slots) == len(spans)
     for layer, name in enumerate(src_caches):
         group = 0 if layer < 2 else 1
         for dst_block, src_block in zip(dst_tables[group], src_tables[group]):
@@ -136,7 +137,7 @@ def test_a_failed_grouped_load_is_a_failed_receive_never_a_block_error() -> None
         req = ReqMeta("r", keys, [1, 2, 3, 4], load=LoadSpec(end=2 * CHUNK, need=2 * CHUNK - 1, mask_start=0,
                                                              skip_prefix=0, asynchronous=True),
                       group_block_ids=[[5, 6, 7, 8], [1, 2, 3, 4]])
-        side._load(req)  # nothing stored under those keys: the load fails
+        side.request_load(req).run()  # nothing stored under those keys: the load fails
     assert side.get_block_ids_with_load_errors() == set()
     assert side.take_failed_recving() == {"r"}
     assert side.take_failed_recving() == set()
@@ -314,13 +315,13 @@ def test_each_tensor_parallel_rank_stores_loads_and_pins_its_own_shard_of_the_st
             dst_caches = {name: dst.caches[name] for name in STATE_GROUPS.layer_order()}
             chain = engine.hasher.chain(tokens)
             spans, states = engine.hasher.shard(chain), engine.hasher.state_spans(chain, BLOCK)
-            engine.store_chunks(spans, src_caches, STATE_GROUPS.chunk_slots(src_tables, len(tokens)))
+            engine.save(spans, src_caches, STATE_GROUPS.chunk_slots(src_tables, len(tokens)))
             for state in states:
-                engine.store_chunks([state], src_caches, STATE_GROUPS.state_slots(src_tables, state.end))
-            assert engine.retrieve_chunks(spans, dst_caches,
-                                          STATE_GROUPS.chunk_slots(dst_tables, len(tokens))) == len(spans)
-            assert engine.retrieve_chunks([states[-1]], dst_caches,
-                                          STATE_GROUPS.state_slots(dst_tables, len(tokens))) == 1
+                engine.save([state], src_caches, STATE_GROUPS.state_slots(src_tables, state.end))
+            chunk_slots = STATE_GROUPS.chunk_slots(dst_tables, len(tokens))
+            assert engine.load(spans, chunk_slots).scatter(dst_caches, chunk_slots) == len(spans)
+            state_slots = STATE_GROUPS.state_slots(dst_tables, len(tokens))
+            assert engine.load([states[-1]], state_slots).scatter(dst_caches, state_slots) == 1
             for name in SW_LAYERS:  # the state after the prompt, in the one block vLLM allocated for it
                 assert torch.equal(dst_caches[name][45], src_caches[name][41]), name
             for name in FULL_LAYERS:

@@ -131,7 +131,7 @@ def stored_state(engine: Any, tokens: list[int], end: int, caches: dict[str, tor
     scratch = NUM_BLOCKS - 1  # never allocated by the manager here (the prompts need far fewer blocks)
     slots = torch.full((2, end), -1, dtype=torch.int64)
     slots[0, end - B:] = scratch * B + torch.arange(B)
-    assert engine.retrieve_chunks([span], caches, slots) == 1
+    assert engine.load([span], slots).scatter(caches, slots) == 1
     page = caches[STATE_LAYER][scratch]
     return next((p for p in range(1, len(tokens) + 1) if torch.equal(page, state_pattern(tokens, p, page))), -1)
 

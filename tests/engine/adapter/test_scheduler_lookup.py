@@ -139,5 +139,5 @@ def test_a_lookup_then_its_load_ask_the_disk_store_once(engine: tuple[CacheEngin
     held = worker.nats_loop.call(worker.lookup_and_prefetch(spans), WAIT_S, default=0)
     assert held == len(tokens)
     slots = kv.slots(len(tokens))
-    assert worker.retrieve_chunks(spans, kv.caches, slots) == 4
+    assert worker.load(spans, slots).scatter(kv.caches, slots) == 4
     assert asked == [4], asked

@@ -331,12 +331,12 @@ def test_pool_is_a_sealed_memfd_that_leaves_nothing_in_dev_shm() -> None:
 # ---- error paths: pool slots go back only after the copies queued on them (checked on CPU, where the wait is the
 # same call that synchronises the CUDA stream on a GPU) ---------------------------------------------------------
 def _record_waits_and_releases(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    from kvmesh.services.engine.core import cache_engine
+    from kvmesh.services.engine.core import chunk_load
     from kvmesh.services.engine.tiers import memory_pool
 
     events: list[str] = []
-    wait, release = cache_engine._synchronize, memory_pool.Slot.release
-    monkeypatch.setattr(cache_engine, "_synchronize", lambda caches: (events.append("wait"), wait(caches)))
+    wait, release = chunk_load.synchronize, memory_pool.Slot.release
+    monkeypatch.setattr(chunk_load, "synchronize", lambda caches: (events.append("wait"), wait(caches)))
     monkeypatch.setattr(memory_pool.Slot, "release", lambda slot: (events.append("release"), release(slot)))
     return events
 
@@ -382,7 +382,7 @@ def test_a_retrieve_failing_mid_way_waits_for_its_copies_before_the_chunks_go_ba
 
 
 def test_slots_stay_allocated_when_even_the_wait_fails(kv: PagedKV, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvmesh.services.engine.core import cache_engine
+    from kvmesh.services.engine.core import chunk_load
 
     with make_engine(kv) as engine:
         free_before = engine.pool.num_free
@@ -391,7 +391,7 @@ def test_slots_stay_allocated_when_even_the_wait_fails(kv: PagedKV, monkeypatch:
         def broken_stream(caches: object) -> None:
             raise RuntimeError("injected: CUDA error: an illegal memory access was encountered")
 
-        monkeypatch.setattr(cache_engine, "_synchronize", broken_stream)
+        monkeypatch.setattr(chunk_load, "synchronize", broken_stream)
         with pytest.raises(torch.cuda.OutOfMemoryError):
             token_api.store(engine, random_tokens(2 * CHUNK, seed=62), **kv.kv(kv.slots(2 * CHUNK)))
         assert engine.pool.num_free == free_before - 2, "slots a copy may still write stay out of the pool"
