@@ -1,5 +1,6 @@
-"""Claims on a store's chunks: who put each chunk, as caller masks, what a clear took back, and the table that
-persists them. `ChunkIndex` (shared/chunk_index.py) keeps them with its chunks.
+"""Claims on a store's chunks: who put each chunk, as caller masks, what a clear took back, the held chunks' claims
+and sharing domains (`HeldClaims`), and the table that persists them. `ChunkIndex` (shared/chunk_index.py) keeps
+them with its chunks.
 
 Claims: a put records who sent it (the caller's path, `engine.<instance>.<worker>`), also when the chunk is
 already held or in flight (the first writer's bytes stay: a key names its content). `clear(caller)` takes back
@@ -13,7 +14,7 @@ eviction.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Container, Generic, Iterable, Protocol, TypeVar
 
 from kvmesh.shared.keys import ChunkKey
 
@@ -25,6 +26,8 @@ class _Entry(Protocol):
 
 
 E = TypeVar("E", bound=_Entry)
+
+DEFAULT_DOMAIN = "default"  # the same name as shared/sharing_domains.py's (which the index may not import)
 
 
 @dataclass
@@ -55,6 +58,10 @@ class ClaimTable:
     orphans: list[ChunkKey] = field(default_factory=list)
     domains: dict[ChunkKey, str] = field(default_factory=dict)  # the held chunks not in the default domain
     unclaimed: list[ChunkKey] = field(default_factory=list)  # held with no claim (put without a caller, or old)
+
+    def recorded(self) -> set[ChunkKey]:
+        """Every key the table names (claimed, orphaned, in a domain, or unclaimed)."""
+        return self.masks.keys() | set(self.orphans) | self.domains.keys() | set(self.unclaimed)
 
 
 class Callers:
@@ -121,3 +128,52 @@ class Callers:
 
     def counts(self) -> dict[str, int]:
         return {path: self._counts[index] for path, index in self._ids.items()}
+
+
+class HeldClaims:
+    """The claims and sharing domains of a store's held chunks: `masks` (key -> caller mask, absent when none),
+    `orphans` (held, pinned keys whose last claim a clear took back), `domains` (key -> domain, only the non-default
+    ones); `callers` interns the paths of these and of the puts in flight (which carry their own masks).
+    `version` is bumped on every change, so a store persisting them (`table`) saves on change."""
+
+    def __init__(self) -> None:
+        self.callers = Callers()
+        self.masks: dict[ChunkKey, int] = {}
+        self.orphans: set[ChunkKey] = set()
+        self.domains: dict[ChunkKey, str] = {}
+        self.version = 0
+
+    def forget(self, key: ChunkKey) -> None:
+        """A held key is gone: drop its claims, orphan mark and domain."""
+        mask = self.masks.pop(key, 0)
+        if mask:
+            self.callers.drop(mask)
+            self.version += 1
+        self.orphans.discard(key)
+        if self.domains.pop(key, None) is not None:
+            self.version += 1
+
+    def table(self, held: Iterable[ChunkKey]) -> ClaimTable:
+        """The claims of the `held` keys, to persist (a copy: the store writes it on another thread)."""
+        unclaimed = [key for key in held if key not in self.masks and key not in self.orphans]
+        return ClaimTable(self.callers.table(), dict(self.masks), list(self.orphans), dict(self.domains), unclaimed)
+
+    def restore(self, table: ClaimTable, held: Container[ChunkKey]) -> int:
+        """Re-take persisted claims on the `held` keys (keys no longer held are skipped); how many keys got some."""
+        restored = 0
+        for key, saved in table.masks.items():
+            if key not in held:
+                continue
+            mask = self.masks.get(key, 0)
+            for index, path in enumerate(table.callers):
+                if saved >> index & 1 and path:
+                    mask = self.callers.add(mask, path)
+            if mask:
+                self.masks[key] = mask
+                self.orphans.discard(key)
+                restored += 1
+        self.orphans.update(key for key in table.orphans if key in held and key not in self.masks)
+        self.domains.update((key, domain) for key, domain in table.domains.items()
+                            if key in held and domain != DEFAULT_DOMAIN)
+        self.version += 1
+        return restored

@@ -36,7 +36,7 @@ from typing import Callable, Generic, Iterable, Protocol, TypeVar
 
 from kvmesh.shared.errors import StoreError
 from kvmesh.shared.eviction import Clock, make_policy
-from kvmesh.shared.chunk_claims import Callers, ClaimTable, Cleared
+from kvmesh.shared.chunk_claims import DEFAULT_DOMAIN, ClaimTable, Cleared, HeldClaims
 from kvmesh.shared.chunk_pins import UNOWNED, PinOwners
 from kvmesh.shared.keys import ChunkKey
 
@@ -64,9 +64,6 @@ class ForeignChunk(StoreError):
     """A put of a key that another sharing domain holds or is putting; nothing was changed."""
 
 
-DEFAULT_DOMAIN = "default"  # the same name as shared/sharing_domains.py's (which this module may not import)
-
-
 @dataclass
 class _InFlight(Generic[E]):
     entry: E
@@ -86,9 +83,8 @@ class ChunkIndex(Generic[E]):
     Invariant: a key is held (in `_held` and in the eviction policy: visible to contains/get, its charge in
     `used_bytes`), in flight (in `_in_flight`, its charge in `reserved_bytes`, invisible and never a victim), or
     unknown; never two of these. `used_bytes + reserved_bytes <= capacity_bytes` holds after every `reserve`.
-    Claims (shared/chunk_claims.py): a held key with any is in `_claims` (key -> caller mask, absent when none), a key
-    in flight carries its mask in `_InFlight.claims` (0 once discarded); `_orphans` are held, pinned keys whose
-    last claim a clear took back.
+    Claims (shared/chunk_claims.py): a held key's are in `_claims` (a HeldClaims, with its orphans and domain), a
+    key in flight carries its mask in `_InFlight.claims` (0 once discarded).
     """
 
     def __init__(self, capacity_bytes: int, on_admit: Callable[[ChunkKey], None] = _ignore,
@@ -103,11 +99,7 @@ class ChunkIndex(Generic[E]):
         self.on_admit = on_admit
         self.on_evict = on_evict
         self._pins_version = 0
-        self._callers = Callers()
-        self._claims: dict[ChunkKey, int] = {}
-        self._orphans: set[ChunkKey] = set()
-        self._claims_version = 0
-        self._domains: dict[ChunkKey, str] = {}  # held key -> its domain, when not the default one
+        self._claims = HeldClaims()  # the held keys' claims and (non-default) domains
         self._pin_owners = PinOwners(self._policy)
 
     # ---- queries -----------------------------------------------------------------------------------------
@@ -142,17 +134,17 @@ class ChunkIndex(Generic[E]):
     @property
     def claims_version(self) -> int:
         """Bumped whenever the claims of held chunks change: a store persisting them saves on change."""
-        return self._claims_version
+        return self._claims.version
 
     def claimed_by(self, key: ChunkKey) -> list[str]:
         """The callers claiming a held or in-flight key."""
         flight = self._in_flight.get(key)
-        mask = self._claims.get(key, 0) if key in self._held else flight.claims if flight is not None else 0
-        return self._callers.paths(mask)
+        mask = self._claims.masks.get(key, 0) if key in self._held else flight.claims if flight is not None else 0
+        return self._claims.callers.paths(mask)
 
     def claim_counts(self) -> dict[str, int]:
         """caller path -> how many chunks (held or in flight) it claims."""
-        return self._callers.counts()
+        return self._claims.callers.counts()
 
     def held(self, key: ChunkKey) -> E | None:
         """The entry of a held key, without changing its recency."""
@@ -161,14 +153,14 @@ class ChunkIndex(Generic[E]):
     def domain_of(self, key: ChunkKey) -> str | None:
         """The sharing domain of a held key, or of a put of it in flight (even a discarded one); None if neither."""
         if key in self._held:
-            return self._domains.get(key, DEFAULT_DOMAIN)
+            return self._claims.domains.get(key, DEFAULT_DOMAIN)
         flight = self._in_flight.get(key)
         return flight.domain if flight is not None else None
 
     def visible(self, key: ChunkKey, domain: str = DEFAULT_DOMAIN) -> E | None:
         """The entry of a held key of `domain` (another domain's chunk is absent to it), recency unchanged."""
         entry = self._held.get(key)
-        return entry if entry is not None and self._domains.get(key, DEFAULT_DOMAIN) == domain else None
+        return entry if entry is not None and self._claims.domains.get(key, DEFAULT_DOMAIN) == domain else None
 
     def is_known(self, key: ChunkKey) -> bool:
         """Held, or in flight and still wanted."""
@@ -224,8 +216,8 @@ class ChunkIndex(Generic[E]):
         stale = self._in_flight.pop(key, None)  # a discarded put of the same key still landing: superseded
         if stale is not None:
             self.reserved_bytes -= stale.reserved
-        self._in_flight[key] = _InFlight(entry, nbytes, claims=self._callers.add(0, caller) if caller is not None
-                                         else 0, domain=domain)
+        claims = self._claims.callers.add(0, caller) if caller is not None else 0
+        self._in_flight[key] = _InFlight(entry, nbytes, claims=claims, domain=domain)
         self.reserved_bytes += nbytes
         return evicted
 
@@ -258,14 +250,14 @@ class ChunkIndex(Generic[E]):
         holds it or is putting it (even a put a removal discarded: its bytes may still land)."""
         self.check_domain(key, domain)
         if key in self._held:
-            self._claims[key] = self._callers.add(self._claims.get(key, 0), caller)
-            self._orphans.discard(key)
-            self._claims_version += 1
+            self._claims.masks[key] = self._claims.callers.add(self._claims.masks.get(key, 0), caller)
+            self._claims.orphans.discard(key)
+            self._claims.version += 1
             return True
         flight = self._in_flight.get(key)
         if flight is None or flight.discard:
             return False
-        flight.claims = self._callers.add(flight.claims, caller)
+        flight.claims = self._claims.callers.add(flight.claims, caller)
         return True
 
     def check_domain(self, key: ChunkKey, domain: str) -> None:
@@ -305,11 +297,11 @@ class ChunkIndex(Generic[E]):
         assert flight.reserved == flight.entry.charge, f"chunk {key.hex()}: committed before all of it was reserved"
         self._held[key] = flight.entry
         if flight.claims:
-            self._claims[key] = flight.claims
-            self._claims_version += 1
+            self._claims.masks[key] = flight.claims
+            self._claims.version += 1
         if flight.domain != DEFAULT_DOMAIN:
-            self._domains[key] = flight.domain
-            self._claims_version += 1
+            self._claims.domains[key] = flight.domain
+            self._claims.version += 1
         self._policy.add(key, flight.entry.charge)
         self.on_admit(key)
         return True
@@ -348,12 +340,12 @@ class ChunkIndex(Generic[E]):
         `remove`. The key goes when its last claim goes (a pinned one when its last pin goes: `forget_orphans`);
         another principal's claims, and unclaimed chunks, stay. `released` is empty when it held no claim."""
         cleared: Cleared[E] = Cleared()
-        bits = self._callers.mask_of(principal)
+        bits = self._claims.callers.mask_of(principal)
         if bits:
-            mask = self._claims.get(key, 0)
+            mask = self._claims.masks.get(key, 0)
             if mask & bits:
                 self._take_back_held(key, mask, bits, cleared)
-                self._claims_version += 1
+                self._claims.version += 1
             flight = self._in_flight.get(key)
             if flight is not None and flight.claims & bits:
                 self._take_back_in_flight(flight, bits, cleared)
@@ -371,12 +363,12 @@ class ChunkIndex(Generic[E]):
         """Take back every claim of `caller`: forget the held chunks nobody else claims (pinned ones stay until
         unpinned: `forget_orphans`), discard its puts in flight nobody else claims."""
         cleared: Cleared[E] = Cleared()
-        bit = self._callers.bit(caller)
+        bit = self._claims.callers.bit(caller)
         if not bit:
             return cleared
-        for key, mask in [(key, mask) for key, mask in self._claims.items() if mask & bit]:
+        for key, mask in [(key, mask) for key, mask in self._claims.masks.items() if mask & bit]:
             self._take_back_held(key, mask, bit, cleared)
-        self._claims_version += bool(cleared.released)
+        self._claims.version += bool(cleared.released)
         for flight in self._in_flight.values():
             if flight.claims & bit:
                 self._take_back_in_flight(flight, bit, cleared)
@@ -386,20 +378,20 @@ class ChunkIndex(Generic[E]):
         """Drop the claims `bits` (some of them in `mask`, the held key's) on a held key: it is forgotten once
         nobody claims it, or orphaned while pinned."""
         cleared.released.append(self._held[key])
-        self._callers.drop(mask & bits)
+        self._claims.callers.drop(mask & bits)
         if mask & ~bits:
-            self._claims[key] = mask & ~bits
+            self._claims.masks[key] = mask & ~bits
             return
-        del self._claims[key]
+        del self._claims.masks[key]
         if self._policy.is_pinned(key):
-            self._orphans.add(key)
+            self._claims.orphans.add(key)
         else:
             cleared.forgotten.append((key, self._forget(key)))
 
     def _take_back_in_flight(self, flight: _InFlight[E], bits: int, cleared: Cleared[E]) -> None:
         """Drop the claims `bits` (some of them the put's) on a put in flight: discarded once nobody claims it."""
         cleared.released.append(flight.entry)
-        self._callers.drop(flight.claims & bits)
+        self._claims.callers.drop(flight.claims & bits)
         flight.claims &= ~bits
         if not flight.claims:
             flight.discard = True
@@ -408,7 +400,7 @@ class ChunkIndex(Generic[E]):
     def forget_orphans(self) -> list[tuple[ChunkKey, E]]:
         """Forget the chunks a clear left unclaimed but pinned whose pins are gone (unpinned, or expired); the
         forgotten (key, entry) pairs, whose bytes the store frees."""
-        return [(key, self._forget(key)) for key in list(self._orphans) if not self._policy.is_pinned(key)]
+        return [(key, self._forget(key)) for key in list(self._claims.orphans) if not self._policy.is_pinned(key)]
 
     def wipe(self) -> list[tuple[ChunkKey, E]]:
         """Forget every held key no owner pins (unpinned, or held only by unowned pins: the operator's to drop)
@@ -420,7 +412,7 @@ class ChunkIndex(Generic[E]):
 
     def _discard(self, flight: _InFlight[E]) -> None:
         flight.discard = True
-        self._callers.drop(flight.claims)
+        self._claims.callers.drop(flight.claims)
         flight.claims = 0
 
     def _forget(self, key: ChunkKey) -> E:
@@ -428,14 +420,8 @@ class ChunkIndex(Generic[E]):
             self._pins_version += 1
         self._policy.remove(key)
         entry = self._held.pop(key)
-        mask = self._claims.pop(key, 0)
-        if mask:
-            self._callers.drop(mask)
-            self._claims_version += 1
-        self._orphans.discard(key)
+        self._claims.forget(key)
         self._pin_owners.forget(key)
-        if self._domains.pop(key, None) is not None:
-            self._claims_version += 1
         self.on_evict(key)
         return entry
 
@@ -474,36 +460,18 @@ class ChunkIndex(Generic[E]):
     # ---- claims, persisted ---------------------------------------------------------------------------------
     def claim_table(self) -> ClaimTable:
         """The held chunks' claims, to persist (a copy: the store writes it on another thread)."""
-        unclaimed = [key for key in self._held if key not in self._claims and key not in self._orphans]
-        return ClaimTable(self._callers.table(), dict(self._claims), list(self._orphans), dict(self._domains),
-                          unclaimed)
+        return self._claims.table(self._held)
 
     def restore_claims(self, table: ClaimTable) -> int:
         """Re-take persisted claims on the held keys (keys no longer held are skipped); how many keys got some."""
-        restored = 0
-        for key, saved in table.masks.items():
-            if key not in self._held:
-                continue
-            mask = self._claims.get(key, 0)
-            for index, path in enumerate(table.callers):
-                if saved >> index & 1 and path:
-                    mask = self._callers.add(mask, path)
-            if mask:
-                self._claims[key] = mask
-                self._orphans.discard(key)
-                restored += 1
-        self._orphans.update(key for key in table.orphans if key in self._held and key not in self._claims)
-        self._domains.update((key, domain) for key, domain in table.domains.items()
-                             if key in self._held and domain != DEFAULT_DOMAIN)
-        self._claims_version += 1
-        return restored
+        return self._claims.restore(table, self._held)
 
     def forget_unrecorded(self, table: ClaimTable) -> list[tuple[ChunkKey, E]]:
         """Forget the held keys a persisted claims table does not name (not claimed, orphaned, unclaimed, in a domain):
         the file is rewritten at most once a CLAIMS_SAVE_INTERVAL, so such a chunk was put just before a crash and
         its sharing domain is unknown; kept, it would come back in the default domain, readable there. The
         forgotten (key, entry) pairs, whose bytes the store frees."""
-        known = table.masks.keys() | set(table.orphans) | table.domains.keys() | set(table.unclaimed)
+        known = table.recorded()
         return [(key, self._forget(key)) for key in list(self._held) if key not in known]
 
     def tokens_of(self, keys: Iterable[ChunkKey]) -> int:

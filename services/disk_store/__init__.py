@@ -1,8 +1,8 @@
 """The disk store (`LocalDiskBackend`): one service per host keeping chunks as crash-safe files.
 
-Modules: `store` (put and get, over a shared ChunkIndex), `index` (the disk's chunk entry and persisted
-pins), `files` (directory lock, pins file), `writer` (staging buffers and writer threads), `service` (NATS wiring,
-with the control ops shared with the remote store), `pools` (the store's pool socket and lent pools),
+Modules: `store` (put, over a shared ChunkIndex), `reader` (get and cancel_get), `index` (the disk's chunk
+entry, the key check), `files` (directory lock), `writer` (staging buffers and writer threads), `service` (NATS
+wiring, with the control ops shared with the remote store), `pools` (the store's pool socket and lent pools),
 `options` and `__main__` (CLI). Also used: shared/shm.py (the engines' sealed pools), shared/pool_wire.py (how
 an engine lends its pool: what both sides share); shared with the remote store: shared/chunk_index.py,
 shared/chunk_file.py (files, start-up scan), shared/store_ops.py and shared/store_endpoint.py. The engine's

@@ -1,4 +1,4 @@
-"""What the disk store adds to the shared ChunkIndex: its per-chunk entry.
+"""What the disk store adds to the shared ChunkIndex: its per-chunk entry, and the check of a request's key.
 
 The bookkeeping itself (held chunks, writes in flight, eviction under the cap, pins, claims, contains/pin/unpin/
 remove/clear/wipe) is shared/chunk_index.py, the same as the remote store's. Pins and claims persist through
@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.shared.chunk_index import SpaceRefused
+from kvmesh.shared.errors import StoreError
+from kvmesh.shared.keys import KEY_BYTES
 
-__all__ = ["Entry", "SpaceRefused"]
+__all__ = ["Entry", "SpaceRefused", "check_key"]
 
 
 @dataclass(frozen=True)
@@ -25,3 +27,9 @@ class Entry:
     @property
     def charge(self) -> int:  # the file is what fills the disk
         return self.file_bytes
+
+
+def check_key(key: object) -> None:
+    """StoreError unless `key` (a request's) is a chunk key."""
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise StoreError(f"chunk key must be {KEY_BYTES} bytes, got {key!r:.60}")

@@ -37,7 +37,7 @@ class LentPool:
     caller: str  # the caller path that registered it: only its requests may name the token
     segment: SharedSegment
     # pooled gets that may write into the segment now (accepted, their readinto not returned yet), by get id;
-    # each future resolves when that write is over (store.py)
+    # each future resolves when that write is over (reader.py)
     writing: dict[int, "asyncio.Future[None]"] = field(default_factory=dict)
     # get ids the engine cancelled before they arrived -> their deadline (store's clock): refused on arrival
     cancelled: dict[int, float] = field(default_factory=dict)

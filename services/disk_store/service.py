@@ -8,7 +8,7 @@ path ends the subject (`engine.<instance>.<worker>`, `operator`). Request -> rep
     get       GetRequest  -> GetReply       bytes into the pool the caller lent (shared/pool_wire.py), or inline `data`;
                                             a pooled get past its deadline or cancelled writes nothing
     cancel_get CancelGet  -> Ack            ok once that get of the caller's pool can never write any more
-                                            (its write is over, or it will be refused); see store.py
+                                            (its write is over, or it will be refused); see reader.py
     contains  ChunkKeys   -> ContainsReply  how many leading keys are held (complete files)
     touch     ChunkKeys   -> Ack            an engine's hits: these chunks count as just used
     remove    ChunkKeys   -> CommandReply   num_tokens / num_chunks removed, whoever put them
@@ -18,8 +18,9 @@ path ends the subject (`engine.<instance>.<worker>`, `operator`). Request -> rep
     pin/unpin ChunkKeys   -> CommandReply   contiguous prefix; num_tokens affected (ttl_secs optional)
     stats     StatsRequest-> StatsReply
 contains, touch, pin, unpin, remove, clear, wipe and stats are the shared IndexOps (shared/store_ops.py), the
-same as the remote store's; put and get are DiskStore's own. Claims and pins persist in the directory
-(files.py): pin, unpin, remove, clear and wipe are answered once the files hold their effect. Also: health (`serve_health(service="disk_store")` on the store's path), and admission/eviction
+same as the remote store's; put is DiskStore's own, get and cancel_get its ChunkReader's (reader.py). Claims
+and pins persist in the directory (files.py): pin, unpin, remove, clear and wipe are answered once the files
+hold their effect. Also: health (`serve_health(service="disk_store")` on the store's path), and admission/eviction
 batches plus full syncs on `Subjects.events(<store's path>)` through AdmissionReporter (location
 LocalDiskBackend, producer_id = store_id).
 Gets are handled up to `reader_threads` at a time, cancel_get up to CANCELS_AT_ONCE; pin, unpin, remove, clear
@@ -78,7 +79,7 @@ class DiskStoreService:
         store.domains = self.ops.domains = domains_map(
             options.domains_file, options.nats_url, protocol.Principal.store(options.store_id).path)
         await asyncio.get_running_loop().run_in_executor(None, store.open)
-        store.max_inline_bytes = max(0, nc.max_payload - protocol.INLINE_HEADROOM)
+        store.reader.max_inline_bytes = max(0, nc.max_payload - protocol.INLINE_HEADROOM)
         reporter = AdmissionReporter(options.store_id, protocol.store_path(options.store_id), protocol.LOCAL_DISK,
                                      held_keys=store.index.keys,
                                      register=self._registration, heartbeat_interval=self._heartbeat_interval,
@@ -87,9 +88,9 @@ class DiskStoreService:
         # Gets run concurrently (one per I/O thread), so engines sharing the store do not queue behind one slow
         # read; every other op is handled in arrival order.
         handlers = [Handler("put", protocol.PutRequest, store.put),
-                    Handler("get", protocol.GetRequest, store.get, max_concurrent=options.reader_threads),
+                    Handler("get", protocol.GetRequest, store.reader.get, max_concurrent=options.reader_threads),
                     # a cancel may wait for its get's write: several at once, so one slow read holds up no other
-                    Handler("cancel_get", protocol.CancelGet, store.cancel_get, max_concurrent=CANCELS_AT_ONCE),
+                    Handler("cancel_get", protocol.CancelGet, store.reader.cancel_get, max_concurrent=CANCELS_AT_ONCE),
                     *self.ops.handlers()]
         await store.pools.start(bus.server_scope(nc))
         if isinstance(nc, bus.MeshClient):  # a restarted NATS server has a new id: engines then look elsewhere

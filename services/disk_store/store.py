@@ -1,5 +1,5 @@
-"""The disk store's operations: put and get here; contains, pin, unpin, remove, clear, wipe and stats are
-the shared `IndexOps` over this store's index (service.py wires them, with the hooks below).
+"""The disk store's operations: put here, get and cancel_get in reader.py; contains, pin, unpin, remove, clear,
+wipe and stats are the shared `IndexOps` over this store's index (service.py wires them, with the hooks below).
 
 Who runs what: every method runs on the store's asyncio event loop thread, which alone touches the index
 (a `ChunkIndex[Entry]`, the same bookkeeping as the remote store's) and the lent pools. Blocking work goes
@@ -20,13 +20,7 @@ only the claim is new); the claims file follows within a second (files.py). Wher
 the store, a chunk file the claims file does not name at start (put in that second before a crash) is deleted:
 the claim names the chunk's sharing domain, and a chunk of unknown domain must not come back readable by the
 default one.
-A get: index hit -> I/O thread `readinto` straight into the engine's pool slice, checksum verified ->
-answer with the chunk's meta. Inline `data` replaces the pool for small chunks or clients without a lent pool.
-A pooled get carries the engine's get id and deadline: on arrival it is refused, writing nothing, if it is past
-its deadline or was cancelled (`cancel_get`, a tombstone kept on the lent pool until the deadline); else it is
-registered as writing into the pool until its readinto returns, and a `cancel_get` of it is answered only then.
-So once the engine has its cancel acked, that get never writes into the slot again (services/engine/core/
-storage_manager.py quarantines the slot until then).
+Gets and their cancels are reader.py's (`ChunkReader`).
 A request names a pool by the token its engine got when lending it, never by a path: the store opens no file
 that a message names.
 """
@@ -47,27 +41,25 @@ from kvmesh.shared.chunk_index import ChunkIndex, ForeignChunk, SpaceRefused
 from kvmesh.shared.sharing_domains import DomainMap
 from kvmesh.shared.errors import StoreError
 from kvmesh.shared.eviction import Clock
-from kvmesh.shared.keys import KEY_BYTES, ChunkKey
+from kvmesh.shared.keys import ChunkKey
 from kvmesh.shared.state_file import StoreState
 from kvmesh.services.disk_store import files
-from kvmesh.services.disk_store.index import Entry
+from kvmesh.services.disk_store.index import Entry, check_key
 from kvmesh.services.disk_store.options import DiskStoreOptions
-from kvmesh.services.disk_store.pools import LentPool, PoolRegistry
+from kvmesh.services.disk_store.pools import PoolRegistry
+from kvmesh.services.disk_store.reader import ChunkReader
 from kvmesh.services.disk_store.writer import ChunkWriter, StagingBuffer, StagingPool, WriteFaults
 
 log = logging.getLogger(__name__)
 
 PIN_WAIT_SECS = 5.0  # a pin waits this long for chunks of the request that are still being written
-# cancelled gets remembered per lent pool until their deadline; a cancel past it is refused (the engine then
-# keeps its slot out of use and asks again): a bound on what a caller can make the store hold
-MAX_CANCELLED_GETS = 4096
 
 
 class DiskStore:
     """One directory of chunk files with its index. `open()` first (blocking, before serving), `close()` last.
 
     The index's `on_admit(key)` / `on_evict(key)` are called as keys become visible or stop being visible (the
-    service points them at its AdmissionReporter). `max_inline_bytes` caps inline GetReply data (NATS max_payload).
+    service points them at its AdmissionReporter). Gets are its `reader`'s.
     """
 
     def __init__(self, options: DiskStoreOptions, faults: WriteFaults | None = None,
@@ -77,7 +69,6 @@ class DiskStore:
         # pin TTLs expire on `clock` (persisted as wall-clock times: index.py)
         self.index: ChunkIndex[Entry] = ChunkIndex(options.capacity_bytes, policy=options.cache_policy, clock=clock)
         self.faults = faults or WriteFaults.from_env()
-        self.max_inline_bytes = 1024 * 1024 - protocol.INLINE_HEADROOM
         self.started_at = time.time()
         self.counters: dict[str, int] = dict.fromkeys(
             ("puts_accepted", "puts_duplicate", "puts_refused", "writes_done", "write_errors", "gets", "hits",
@@ -96,6 +87,8 @@ class DiskStore:
         self._background: set[asyncio.Future[Any]] = set()
         self.state = StoreState(self.root, self.index)
         self.domains = DomainMap(None)  # callers' sharing domains (the service sets the store's map)
+        self.reader = ChunkReader(options.store_id, self.root, self.index, self.pools, self.counters,
+                                  lambda caller: self.domains.domain_of(caller))  # the map as it is at each get
 
     # ---- life cycle ------------------------------------------------------------------------------------
     def open(self) -> chunk_file.ScanReport:
@@ -115,7 +108,7 @@ class DiskStore:
         self._writer = ChunkWriter(self.root, self.options.writer_threads, self.options.fsync, self.faults,
                                    sync_directory=self.options.durable_puts)
         self._io = ThreadPoolExecutor(max_workers=self.options.reader_threads, thread_name_prefix="disk-io")
-        self.state.executor = self._io
+        self.state.executor = self.reader.io = self._io
         # durable puts are answered after their file, so the bytes stay in the engine's memory until then
         self._staging = StagingPool(0 if self.options.durable_puts else self.options.staging_bytes)
         log.info("disk store %s: %s holds %d chunks, %d bytes of %d, %s eviction (scan %.3fs; deleted %d tmp, "
@@ -163,7 +156,7 @@ class DiskStore:
         """
         meta = request.meta
         try:
-            _check_key(meta.key)
+            check_key(meta.key)
             if meta.nbytes < 0 or meta.num_tokens < 0:
                 raise StoreError(f"bad sizes: nbytes={meta.nbytes}, num_tokens={meta.num_tokens}")
             chunk_file.check_meta(meta)
@@ -312,137 +305,6 @@ class DiskStore:
         log.debug("put of %s refused: %s", key.hex() if isinstance(key, bytes) else key, reason)
         return protocol.Ack(ok=False, error=f"disk store {self.options.store_id}: put refused: {reason}")
 
-    # ---- get -------------------------------------------------------------------------------------------
-    async def get(self, request: protocol.GetRequest, caller: str) -> protocol.GetReply:
-        """Read a chunk into the pool `caller` lent (or inline)."""
-        self.counters["gets"] += 1
-        key = request.key
-        try:
-            _check_key(key)
-        except StoreError as exc:
-            return protocol.GetReply(found=False, error=str(exc))
-        domain = self.domains.domain_of(caller)
-        entry = self.index.visible(key, domain)
-        if entry is None:  # also another domain's chunk: a miss, as if absent
-            return protocol.GetReply(found=False)
-        inline: bytearray | None = None
-        pool: LentPool | None = None
-        try:
-            if request.pool:
-                if request.capacity < entry.nbytes:
-                    raise StoreError(f"buffer of {request.capacity} bytes is too small for {entry.nbytes}")
-                out = self.pools.view(request.pool, caller, request.pool_offset, entry.nbytes)
-                if request.get_id:
-                    pool = self.pools.lent(request.pool, caller)
-                    refusal = self._admit_get(pool, request)
-                    if refusal is not None:
-                        return protocol.GetReply(found=False, error=refusal)
-                self.counters["gets_pool"] += 1
-            else:
-                if entry.nbytes > self.max_inline_bytes:
-                    raise StoreError(f"chunk of {entry.nbytes} bytes is over the inline limit "
-                                     f"({self.max_inline_bytes}): lend a pool")
-                inline = bytearray(entry.nbytes)
-                out = memoryview(inline)
-                self.counters["gets_inline"] += 1
-        except StoreError as exc:
-            return protocol.GetReply(found=False, error=str(exc))
-        self.index.touch(key, domain)
-        try:
-            if pool is not None:  # admitted above, with no await since: registered as it starts
-                meta = await self._write_into(pool, request.get_id, _read_chunk, self.root, key, out)
-            else:
-                meta = await self._in_io(_read_chunk, self.root, key, out)
-        except chunk_file.CorruptChunkFile as exc:
-            self.counters["corrupt_dropped"] += 1
-            log.warning("disk store: dropping corrupt chunk %s: %s", key.hex(), exc)
-            self._drop(key, entry, delete=False)  # _read_chunk deleted the file (if no newer one replaced it)
-            return protocol.GetReply(found=False, error=f"corrupt chunk file dropped: {exc}")
-        except FileNotFoundError:
-            log.warning("disk store: the file of chunk %s vanished; forgetting it", key.hex())
-            self._drop(key, entry, delete=False)
-            return protocol.GetReply(found=False, error="chunk file vanished")
-        except (OSError, StoreError) as exc:
-            return protocol.GetReply(found=False, error=f"read of {key.hex()} failed: {exc}")
-        self.counters["hits"] += 1
-        return protocol.GetReply(found=True, meta=meta, data=bytes(inline) if inline is not None else None)
-
-    def _admit_get(self, pool: LentPool, request: protocol.GetRequest) -> str | None:
-        """Why a pooled get may not write into `pool`, or None. The caller registers it (`_write_into`) with no
-        await in between, so no cancel_get can come between the checks and the registration: a cancel either
-        finds the get registered (and waits for its write) or leaves a tombstone that this check finds."""
-        get_id = request.get_id
-        if pool.cancelled.pop(get_id, None) is not None:
-            self.counters["gets_cancelled"] += 1
-            return f"get {get_id} was cancelled by its engine before it arrived"
-        if time.monotonic() > request.deadline:
-            self.counters["gets_late"] += 1
-            return f"get {get_id} arrived after its deadline (the engine has given up on it)"
-        if get_id in pool.writing:
-            return f"get {get_id} is already being served (get ids must be unique)"
-        return None
-
-    async def _write_into(self, pool: LentPool, get_id: int, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run `fn` (which writes into `pool`) on the I/O pool, registered in `pool.writing[get_id]` from the
-        call (before its first await) until the thread is done with it, not until this coroutine ends: a
-        cancelled handler leaves a thread that may still be writing."""
-        assert self._io is not None
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-        pool.writing[get_id] = done
-
-        def ended() -> None:
-            if pool.writing.get(get_id) is done:
-                del pool.writing[get_id]
-            if not done.done():
-                done.set_result(None)
-
-        def ended_in_thread(_: object) -> None:
-            try:
-                loop.call_soon_threadsafe(ended)
-            except RuntimeError:  # the loop is closed: the process is ending
-                pass
-
-        try:
-            work = self._io.submit(fn, *args)
-        except BaseException:
-            ended()
-            raise
-        work.add_done_callback(ended_in_thread)
-        return await asyncio.wrap_future(work)
-
-    async def cancel_get(self, request: protocol.CancelGet, caller: str) -> protocol.Ack:
-        """The engine gave up on its get `request.get_id`: answer ok only once that get can no longer write into
-        the pool (its write is over, or it will be refused on arrival). Scoped to the caller's own pool."""
-        self.counters["get_cancels"] += 1
-        try:
-            pool = self.pools.lent(request.pool, caller)
-        except StoreError as exc:  # not our pool (another store process lent it, or it was taken back)
-            self.counters["get_cancels_refused"] += 1
-            return protocol.Ack(ok=False, error=f"disk store {self.options.store_id}: {exc}")
-        writing = pool.writing.get(request.get_id)
-        if writing is not None:
-            await asyncio.shield(writing)  # its readinto is over when this resolves
-            return protocol.Ack()
-        now = time.monotonic()
-        if now > request.deadline:  # should it still arrive, the deadline check refuses it
-            return protocol.Ack()
-        for get_id, deadline in list(pool.cancelled.items()):
-            if now > deadline:
-                del pool.cancelled[get_id]
-        if len(pool.cancelled) >= MAX_CANCELLED_GETS:
-            self.counters["get_cancels_refused"] += 1
-            return protocol.Ack(ok=False, error=(f"disk store {self.options.store_id}: {len(pool.cancelled)} "
-                                                 "cancelled gets of this pool pending already; ask again later"))
-        pool.cancelled[request.get_id] = request.deadline
-        return protocol.Ack()
-
-    def _drop(self, key: ChunkKey, entry: Entry, delete: bool) -> None:
-        """Forget a key whose file turned out bad or gone, unless a newer write replaced it meanwhile."""
-        if self.index.drop(key, entry):
-            if delete:
-                self._delete_files([key])
-
     # ---- the hooks of the shared control ops (IndexOps) -----------------------------------------------
     async def settle(self, keys: list[ChunkKey]) -> None:
         """Before a pin: chunks still being written are about to be held; wait for them (up to PIN_WAIT_SECS)
@@ -500,31 +362,6 @@ class DiskStore:
 
     async def _in_io(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
-
-
-def _check_key(key: object) -> None:
-    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-        raise StoreError(f"chunk key must be {KEY_BYTES} bytes, got {key!r:.60}")
-
-
-def _read_chunk(root: Path, key: ChunkKey, out: memoryview) -> protocol.ChunkMeta:
-    """I/O thread: read a chunk file into `out`, verify it, and mark it recently used for the next start."""
-    path = chunk_file.chunk_path(root, key)
-    stat = path.stat()
-    try:
-        meta = chunk_file.read_chunk_into(path, out)
-        if meta.key != key:
-            raise chunk_file.CorruptChunkFile(f"{path}: header names key {meta.key.hex()}")
-    except chunk_file.CorruptChunkFile:
-        chunk_file.unlink_chunk(root, key, only_inode=stat.st_ino)  # not a newer file written meanwhile
-        raise
-    try:
-        # mtime = last use: the LRU order across restarts (atime is not reliable under noatime/relatime,
-        # and the start-up scan's own reads would bump it).
-        os.utime(path)
-    except OSError:
-        pass
-    return meta
 
 
 def _unlink_all(root: Path, keys: list[ChunkKey]) -> int:

@@ -25,6 +25,7 @@ SERVER_MODULES = (
     "kvmesh.services.disk_store.store",
     "kvmesh.services.disk_store.service",
     "kvmesh.services.disk_store.writer",
+    "kvmesh.services.disk_store.reader",
     "kvmesh.services.disk_store.index",
     "kvmesh.services.disk_store.files",
     "kvmesh.services.remote_store.store",
