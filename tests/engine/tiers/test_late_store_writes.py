@@ -22,7 +22,7 @@ import msgpack
 import pytest
 import torch
 
-from kvmesh.services.disk_store import store as store_module
+from kvmesh.services.disk_store import reader as store_module
 from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.tiers.disk import DiskStoreClient
 from kvmesh.services.engine.core.cache_engine import CacheEngine
