@@ -22,7 +22,7 @@ from support.sim_harness import KIND_NAMES, KnownVllmIssue, SimConfig, SimFailur
 KIND_SEEDS: dict[str, list[int]] = {
     # 19: a block whose load failed, shared in the same step by a request that counts it; 343226367: a request
     # preempted before it recomputed the blocks whose load failed left them in vLLM's prefix cache, and resumed
-    # from them (found by make fuzz, fixed: SchedulerSide._uncache_failed_blocks)
+    # from them (found by make fuzz, fixed: VllmBlocks.uncache_failed, adapter/vllm_blocks.py)
     "full": [2, 10, 19, 343226367],
     "sliding": [14, 29, 37],
     "mamba2": [18, 21, 33],

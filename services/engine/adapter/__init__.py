@@ -12,6 +12,7 @@ learns what is cached.
     scheduler_lookup.py  the scheduler's answer to "how much of this prompt is cached"
     block_prefix.py      hits that end inside a chunk, at a vLLM block boundary
     kv_groups.py         vLLM's KV cache groups (hybrid models) as KVMesh caches them
+    vllm_blocks.py       vLLM's KV cache manager as the scheduler half reads it (block tables, failed loads)
     async_loads.py       loads that run between vLLM's steps (enable_async_loading)
     async_saves.py       saves off the forward's critical path, and what preemption and request ends wait for
     load_agreement.py    the ranks of one replica agree on how far each load brought the tokens' KV

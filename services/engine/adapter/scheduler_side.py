@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from kvmesh.services.engine.adapter.async_loads import loads_asynchronously
 from kvmesh.services.engine.adapter.block_prefix import BlockPrefixProbe
@@ -27,6 +27,7 @@ from kvmesh.services.engine.adapter.request_meta import (
     SaveSpec,
 )
 from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, SchedulerLookup
+from kvmesh.services.engine.adapter.vllm_blocks import VllmBlocks
 from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, state_key
 from kvmesh.shared.nats_auth import engine_auth
@@ -60,9 +61,7 @@ class SchedulerSide:
         self.kv_events = kv_events  # only when vLLM publishes KV events
         # vLLM's KV cache groups when copies need each group's block table (kv_groups.py), else None
         self.groups = groups if groups is not None and groups.grouped else None
-        self._kv_cache_manager: Any = None  # vLLM's (bind_kv_cache_manager)
-        # req_id -> its block ids per group, null entries -1 (from vLLM's KV cache manager)
-        self._block_tables: Callable[[str], list[list[int]]] | None = None
+        self._vllm_blocks: VllmBlocks | None = None  # vLLM's KV cache manager (bind_kv_cache_manager)
         self._trackers: dict[str, RequestTracker] = {}
         self._async_starting: list[str] = []  # requests whose async load the next step carries
         self._stats = KVMeshStats()  # what happened since vLLM last asked (get_kv_connector_stats)
@@ -99,17 +98,8 @@ class SchedulerSide:
                    unsupported=unsupported, groups=groups)
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
-        """vLLM's KV cache manager: blocks whose load failed leave its prefix cache (`update_connector_output`),
-        and with groups each step's block tables are read from it: it is what the step's forward uses, with the
-        blocks a sliding window freed as the null block (kv_groups.py)."""
-        self._kv_cache_manager = kv_cache_manager
-        null = kv_cache_manager.block_pool.null_block.block_id
-
-        def tables(req_id: str) -> list[list[int]]:
-            return [[-1 if block == null else block for block in group]
-                    for group in kv_cache_manager.get_block_ids(req_id)]
-
-        self._block_tables = tables
+        """vLLM's KV cache manager: the groups' block tables, and the prefix cache failed loads leave."""
+        self._vllm_blocks = VllmBlocks(kv_cache_manager)
 
     def tracker(self, req_id: str) -> RequestTracker | None:
         """The tracker of a request in flight (looked up, not finished), or None."""
@@ -321,7 +311,7 @@ class SchedulerSide:
         known) leave at chunk ends (kv_groups.py); (None, None) when vLLM has no table for it."""
         assert self.groups is not None
         try:
-            tables = self._block_tables(tracker.req_id) if self._block_tables is not None else None
+            tables = self._vllm_blocks.tables(tracker.req_id) if self._vllm_blocks is not None else None
         except Exception as exc:  # not known to vLLM's manager (never expected): neither loaded nor saved
             log.warning("Reqid: %s: no block tables (%s: %s); not loaded or saved this step", tracker.req_id,
                         type(exc).__name__, exc)
@@ -385,7 +375,8 @@ class SchedulerSide:
                          "no more loads", req_id)
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if invalid:
-            self._uncache_failed_blocks(invalid)
+            if self._vllm_blocks is not None:
+                self._vllm_blocks.uncache_failed(invalid, self._trackers)
             for tracker in self._trackers.values():
                 if not tracker.load_failed and tracker.load_failed_in(invalid, self.block_size, self.chunk_size):
                     log.info("Reqid: %s: its load failed; vLLM recomputes it from token %d, which is saved again, "
@@ -395,26 +386,6 @@ class SchedulerSide:
             self.lookup.update(events)
             if self.kv_events is not None:
                 self.kv_events.apply(events)
-
-    def _uncache_failed_blocks(self, invalid: set[int]) -> None:
-        """Blocks whose load failed, and every later block of a request holding one, leave vLLM's prefix cache.
-        Under the "recompute" policy vLLM keeps them cached for the request to recompute; a request preempted or
-        aborted before it does frees them still cached, and a later hit (its own resumption, or another request's)
-        would read KV that no prompt computed. Only their hashes go: a block still in use stays allocated."""
-        manager = self._kv_cache_manager
-        if manager is None:
-            return
-        stale: set[int] = set()
-        for req_id in self._trackers:
-            try:
-                blocks = manager.get_block_ids(req_id)[0]  # one group: with groups vLLM is told failed requests
-            except Exception:  # not known to vLLM's manager (waiting): none of its blocks is cached
-                continue
-            first = next((i for i, block in enumerate(blocks) if block in invalid), None)
-            if first is not None:
-                stale.update(blocks[first:])
-        if stale:
-            manager.evict_blocks(stale)
 
     def take_events(self) -> list[Any]:
         """KVMesh's CPU-tier admissions and evictions as vLLM KV events (adapter/kv_events.py)."""
