@@ -32,7 +32,8 @@ from kvmesh.services.controller.config import TOKEN_ENV, TOKEN_FILE_ENV, is_loop
 from kvmesh.shared.errors import ConfigError, KVMeshError, MeshUnavailable
 from kvmesh.shared.eviction import POLICY_NAMES
 from kvmesh.shared.messaging import bus
-from kvmesh.shared.messaging.credentials import MeshCredentials, controller_token_file, credentials_for, local_mesh_dir, runtime_dir
+from kvmesh.shared.messaging.credentials import (MeshCredentials, controller_token_file, credentials_for, local_mesh_dir,
+                                                 runtime_dir)
 from kvmesh.shared.messaging.embedded_nats import server_settings
 from kvmesh.shared.messaging.nats_auth import add_nats_auth_flags, nats_auth_from_args
 from kvmesh.shared.messaging.nats_url import DEFAULT_PORT, DEFAULT_URL, argument as nats_url_argument

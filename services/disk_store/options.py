@@ -3,10 +3,10 @@
     python -m kvmesh.services.disk_store --dir PATH --max-size-gb F [--nats-url URL] [--store-id ID] \
         [--cache-policy LRU|LFU|FIFO|MRU] [--nats-token T | --nats-user U --nats-password P | --nats-nkey-seed F]
 
-The NATS credentials are the same flags (and KVMESH_NATS_* variables) as the remote store's: shared/messaging/nats_auth.py.
-A store takes its settings from its flags and its own variables only, never from an engine's LMCache config:
-whoever starts one passes what it decides as flags (shared/ops/store_commands.py: `kvmesh up`, the engine's
-embedded mesh); `build_parser` + `options_from_args` read them, `DiskStoreOptions.to_args` writes them.
+The NATS credentials are the same flags (and KVMESH_NATS_* variables) as the remote store's:
+shared/messaging/nats_auth.py. A store takes its settings from its flags and its own variables only, never from an
+engine's LMCache config: whoever starts one passes what it decides as flags (shared/ops/store_commands.py: `kvmesh up`,
+the engine's embedded mesh); `build_parser` + `options_from_args` read them, `DiskStoreOptions.to_args` writes them.
 """
 
 from __future__ import annotations

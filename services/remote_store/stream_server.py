@@ -1,5 +1,5 @@
-"""The store end of the stream data path (see shared/wire/stream_wire.py): the generic server (shared/wire/stream_server.py)
-serving gets of the MemoryStore, plus puts into it.
+"""The store end of the stream data path (see shared/wire/stream_wire.py): the generic server
+(shared/wire/stream_server.py) serving gets of the MemoryStore, plus puts into it.
 
 A connection acts for the caller that asked for its ticket on NATS (`Subjects.store(store_id, "stream", caller)`):
 its puts record that caller's claims, as puts on NATS do.

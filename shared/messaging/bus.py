@@ -338,7 +338,8 @@ def server_scope(nc: NatsClient) -> str:
 
 
 def normalize_url(address: str) -> str:
-    """'localhost:9001' or 'nats://h:p' -> a NATS URL (each of several comma-separated ones: shared/messaging/nats_url.py)."""
+    """'localhost:9001' or 'nats://h:p' -> a NATS URL (each of several comma-separated ones:
+    shared/messaging/nats_url.py)."""
     return nats_url.normalize(address)
 
 

@@ -1,8 +1,8 @@
 """Sharing domains as stores and the controller see them: which domain each engine principal is in.
 
 The administrator's domains file (domains.json beside the credentials, `kvmesh credentials --domain`;
-shared/messaging/credentials.py writes it) maps each engine principal to its sharing domain; `DomainMap` is a store's or the
-controller's view of it, re-read when it changes. An engine's own domain is in its credentials file
+shared/messaging/credentials.py writes it) maps each engine principal to its sharing domain; `DomainMap` is a store's or
+the controller's view of it, re-read when it changes. An engine's own domain is in its credentials file
 (`sharing_domain` (shared/messaging/credentials.py)).
 """
 

@@ -3,8 +3,8 @@
 Every service (controller, disk store, remote store, engine worker) answers `HealthRequest` on its own health
 subject and on `Subjects.PING_ALL`, naming its path in the reply. Every principal hears the ping-all, so a reply
 to it proves nothing about its sender; only the principal at `path` may subscribe to `Subjects.health(path)`
-(shared/messaging/nats_permissions.py), so `ping_all` believes a reply only once a request there is answered, and reports
-what that path is (an engine's path is an engine whatever its reply claims). `run_until_signalled` runs an async
+(shared/messaging/nats_permissions.py), so `ping_all` believes a reply only once a request there is answered, and
+reports what that path is (an engine's path is an engine whatever its reply claims). `run_until_signalled` runs an async
 service body until SIGTERM/SIGINT, then lets it close its resources; `service_main` is the whole thin `__main__`
 of a service around it.
 """

@@ -1,6 +1,6 @@
 """Claims on a store's chunks: who put each chunk, as caller masks, what a clear took back, the held chunks' claims
-and sharing domains (`HeldClaims`), and the table that persists them. `ChunkIndex` (shared/store_kit/chunk_index.py) keeps
-them with its chunks.
+and sharing domains (`HeldClaims`), and the table that persists them. `ChunkIndex` (shared/store_kit/chunk_index.py)
+keeps them with its chunks.
 
 Claims: a put records who sent it (the caller's path, `engine.<instance>.<worker>`), also when the chunk is
 already held or in flight (the first writer's bytes stay: a key names its content). `clear(caller)` takes back

@@ -19,8 +19,9 @@ sparsely: only non-default ones). Reads, pins and unpins take the asker's domain
 as absent; a put of a key held or in flight in another domain raises ForeignChunk and changes nothing, so one
 domain never replaces, nor lands in, another's chunk. The store maps callers to domains (its DomainMap).
 
-Pins have owners (shared/store_kit/chunk_pins.py): an unpin drops only the owner's own. Claims (shared/store_kit/chunk_claims.py):
-a put records who sent it; a clear or remove takes back only the caller's, and a chunk goes with its last.
+Pins have owners (shared/store_kit/chunk_pins.py): an unpin drops only the owner's own. Claims
+(shared/store_kit/chunk_claims.py): a put records who sent it; a clear or remove takes back only the caller's, and a
+chunk goes with its last.
 
 Every change of what is held is reported through `on_admit` / `on_evict` (an AdmissionReporter's methods).
 An entry's `charge` is what it counts against the capacity: the remote store's buffer size class, the disk
@@ -83,8 +84,8 @@ class ChunkIndex(Generic[E]):
     Invariant: a key is held (in `_held` and in the eviction policy: visible to contains/get, its charge in
     `used_bytes`), in flight (in `_in_flight`, its charge in `reserved_bytes`, invisible and never a victim), or
     unknown; never two of these. `used_bytes + reserved_bytes <= capacity_bytes` holds after every `reserve`.
-    Claims (shared/store_kit/chunk_claims.py): a held key's are in `_claims` (a HeldClaims, with its orphans and domain), a
-    key in flight carries its mask in `_InFlight.claims` (0 once discarded).
+    Claims (shared/store_kit/chunk_claims.py): a held key's are in `_claims` (a HeldClaims, with its orphans and
+    domain), a key in flight carries its mask in `_InFlight.claims` (0 once discarded).
     """
 
     def __init__(self, capacity_bytes: int, on_admit: Callable[[ChunkKey], None] = _ignore,

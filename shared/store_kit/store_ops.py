@@ -1,6 +1,6 @@
 """The ops every chunk store answers the same way from its ChunkIndex, whatever holds its bytes (disk store,
-remote store), and what one op of a store is (`Handler`); `StoreEndpoint` (shared/store_kit/store_endpoint.py) serves them
-on NATS. Runs on the store's one asyncio event loop, like the store itself.
+remote store), and what one op of a store is (`Handler`); `StoreEndpoint` (shared/store_kit/store_endpoint.py) serves
+them on NATS. Runs on the store's one asyncio event loop, like the store itself.
 
 `IndexOps` answers contains / touch / pin / unpin / remove / clear / wipe / stats from the store's ChunkIndex, so
 these ops mean the same thing at every store; the store supplies only what differs (how bytes are freed).

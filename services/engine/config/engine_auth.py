@@ -28,5 +28,6 @@ def auth_from_config(config: EngineConfig) -> NatsAuth | None:
 
 def engine_auth(config: EngineConfig) -> NatsAuth:
     """What an engine connects with: `auth_from_config`, else no credentials (a KVMesh-started NATS on this
-    host provisions some: shared/messaging/credentials.py `credentials_for`), with its nats_auth_retry_secs either way."""
+    host provisions some: shared/messaging/credentials.py `credentials_for`), with its nats_auth_retry_secs either
+    way."""
     return auth_from_config(config) or NatsAuth(auth_retry_secs=config.nats_auth_retry_secs)

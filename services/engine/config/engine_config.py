@@ -7,9 +7,9 @@ Sources, in the order the engine applies them (each later one overrides the earl
   4. ``kv_connector_extra_config`` of vLLM's ``--kv-transfer-config`` (keys with or without ``lmcache.``).
 
 Every key of LMCache's configuration starts: the ones KVMesh does not act on log one warning each
-(services/engine/config/lmcache_keys.py). Unlike LMCache, a key LMCache does not know either, or a bad value, is never ignored: it
-raises ``ConfigError`` naming the key and where it came from (file path, variable name or source label). Sizes are
-in GB of 1024**3 bytes, as in LMCache.
+(services/engine/config/lmcache_keys.py). Unlike LMCache, a key LMCache does not know either, or a bad value, is never
+ignored: it raises ``ConfigError`` naming the key and where it came from (file path, variable name or source label).
+Sizes are in GB of 1024**3 bytes, as in LMCache.
 """
 
 import difflib

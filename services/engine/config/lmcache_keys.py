@@ -1,10 +1,10 @@
 """Every key of LMCache's configuration, and what KVMesh does with it.
 
-A key KVMesh honours is a field of `EngineConfig` (services/engine/config/engine_config.py) that the engine acts on. Every other LMCache
-key is accepted, so that an LMCache file or `LMCACHE_<KEY>` variable starts vLLM as it did, and logs ONE warning
-per key per process naming the key and what KVMesh does instead. A key that LMCache does not know either stays a
-`ConfigError` (services/engine/config/engine_config.py). docs/config.md lists this table ("Every LMCache key"); tests/test_docs.py
-checks that it does.
+A key KVMesh honours is a field of `EngineConfig` (services/engine/config/engine_config.py) that the engine acts on.
+Every other LMCache key is accepted, so that an LMCache file or `LMCACHE_<KEY>` variable starts vLLM as it did, and logs
+ONE warning per key per process naming the key and what KVMesh does instead. A key that LMCache does not know either
+stays a `ConfigError` (services/engine/config/engine_config.py). docs/config.md lists this table ("Every LMCache key");
+tests/test_docs.py checks that it does.
 
 `remote_url` is honoured for the schemes in `REMOTE_SCHEMES`; `remote_url_problem` says why another is refused.
 """

@@ -118,8 +118,9 @@ class StoreLink:
     costs one timeout, not one per call; 0 asks every time. A request of a reachable store that finds no
     responder is sent again for up to NO_RESPONDER_GRACE_S first (nobody got it, so resending is safe): a store
     subscribes an engine principal it newly serves within a moment (its lanes follow the domains map, which the
-    engine's own provisioning just wrote; shared/store_kit/store_endpoint.py), and a restarting store does the same. Requests go to `Subjects.store(store_id, op, caller)`:
-    `caller` is the client's path, the only one its NATS credentials may publish store ops on.
+    engine's own provisioning just wrote; shared/store_kit/store_endpoint.py), and a restarting store does the same.
+    Requests go to `Subjects.store(store_id, op, caller)`: `caller` is the client's path, the only one its NATS
+    credentials may publish store ops on.
     """
 
     def __init__(self, store_id: str, label: str, log: logging.Logger, caller: str,

@@ -28,7 +28,8 @@ from kvmesh.shared.errors import MeshUnavailable
 from kvmesh.shared.messaging import bus
 from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
 from kvmesh.shared.ops.local_mesh import LocalMesh, ServiceSpec
-from kvmesh.shared.protocol import CONTROLLER, LOCAL_CPU, LOCAL_DISK, CommandReply, Subjects, WorkerCommand, disk_store_id
+from kvmesh.shared.protocol import (CONTROLLER, LOCAL_CPU, LOCAL_DISK, CommandReply, Subjects, WorkerCommand,
+                                    disk_store_id)
 from kvmesh.shared.wire import chunk_file
 from kvmesh.shared.wire.keys import KeyParams
 
