@@ -77,10 +77,11 @@ def producer_main(nats_url: str, instances: int, prompts: int, ready: Any, stop:
 
 
 async def _produce(nats_url: str, instances: int, prompts: int, ready: Any, stop: Any) -> None:
-    from kvmesh.shared import bus, protocol
-    from kvmesh.shared.admissions import AdmissionReporter
-    from kvmesh.shared.keys import ChunkHasher, KeyParams
+    from kvmesh.shared import protocol
+    from kvmesh.shared.messaging import bus
+    from kvmesh.shared.messaging.admissions import AdmissionReporter
     from kvmesh.shared.protocol import LOCAL_CPU
+    from kvmesh.shared.wire.keys import ChunkHasher, KeyParams
 
     nc = await bus.connect(nats_url, name="bench-producer")
     hasher = ChunkHasher(KeyParams(MODEL, KV_FORMAT), CHUNK_SIZE)
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     prompts = -(-args.keys // (args.instances * CHUNKS_PER_PROMPT))
     expected_keys = prompts * args.instances * CHUNKS_PER_PROMPT
-    from kvmesh.shared.embedded_nats import EmbeddedNats
+    from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
 
     port = free_port()
     # A NATS without authentication: the one producer connection below plays every instance, which a mesh with

@@ -29,12 +29,16 @@ from pathlib import Path
 
 import numpy as np
 
-from kvmesh.shared import bus, chunk_file, protocol
-from kvmesh.shared.embedded_nats import EmbeddedNats, _die_with_parent
-from kvmesh.shared.keys import KEY_BYTES
-from kvmesh.shared.shm import SharedSegment
+from kvmesh.shared import protocol
+
+from kvmesh.shared.messaging import bus
+
 from kvmesh.services.engine.tiers.base import ChunkBuffer
 from kvmesh.services.engine.tiers.disk import DiskStoreClient
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats, _die_with_parent
+from kvmesh.shared.wire import chunk_file
+from kvmesh.shared.wire.keys import KEY_BYTES
+from kvmesh.shared.wire.shm import SharedSegment
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB

@@ -28,12 +28,13 @@ from collections.abc import Callable
 
 import torch
 
+from kvmesh.services.engine.assembly import build_engine
+from kvmesh.services.engine.config.engine_config import EngineConfig
 from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
-from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core.kv_layout import detect_layout
-from kvmesh.shared.config import GB, EngineConfig
-from kvmesh.shared.keys import KeyParams
+from kvmesh.shared.options_cli import GB
+from kvmesh.shared.wire.keys import KeyParams
 
 LAYERS, KV_HEADS, HEAD_SIZE = 32, 8, 128
 

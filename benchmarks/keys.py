@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from kvmesh.shared.keys import ChunkHasher, KeyExtras, KeyParams
+from kvmesh.shared.wire.keys import ChunkHasher, KeyExtras, KeyParams
 
 
 def best_seconds(fn, repeat: int) -> float:

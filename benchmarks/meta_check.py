@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.assembly import build_engine
+from kvmesh.services.engine.config.engine_config import EngineConfig
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.kv_layout import detect_layout
-from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.keys import KeyParams
+from kvmesh.shared.wire.keys import KeyParams
 
 LAYERS, KV_HEADS, HEAD_SIZE, BLOCK = 32, 8, 128, 128
 

@@ -18,8 +18,8 @@ import time
 
 import nats
 
-from kvmesh.shared.embedded_nats import EmbeddedNats
-from kvmesh.shared.local_mesh import LocalMesh
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
+from kvmesh.shared.ops.local_mesh import LocalMesh
 from kvmesh.shared.protocol import Principal, Subjects
 
 STORE = "disk-bench"

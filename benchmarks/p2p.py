@@ -51,16 +51,17 @@ from typing import Any, Awaitable, Callable, TypeVar
 import numpy as np
 import torch
 
-from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.assembly import build_engine
+from kvmesh.services.engine.config.engine_config import EngineConfig
+from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.core.kv_layout import KVLayout, detect_layout
 from kvmesh.services.engine.tiers.base import ChunkBuffer
 from kvmesh.services.engine.tiers.peer import PeerTier, PeerWorker
-from kvmesh.shared.config import GB, EngineConfig
-from kvmesh.shared.embedded_nats import EmbeddedNats, _die_with_parent
-from kvmesh.shared.keys import ChunkKey, KeyParams
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats, _die_with_parent
+from kvmesh.shared.options_cli import GB
 from kvmesh.shared.protocol import PEER, ChunkMeta
-from kvmesh.shared.stream_wire import StreamError, recv_exactly, tune_socket
+from kvmesh.shared.wire.keys import ChunkKey, KeyParams
+from kvmesh.shared.wire.stream_wire import StreamError, recv_exactly, tune_socket
 
 MiB = 1024 * 1024
 CHUNK_TOKENS = 256

@@ -19,8 +19,10 @@ from typing import Callable
 
 import numpy as np
 
-from kvmesh.shared import chunk_file, protocol
-from kvmesh.shared.redis_keys import RedisAuth
+from kvmesh.shared import protocol
+
+from kvmesh.shared.wire import chunk_file
+from kvmesh.shared.wire.redis_keys import RedisAuth
 
 
 def seconds(fn: Callable[[], object], repeat: int) -> float:

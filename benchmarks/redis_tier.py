@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the
 from support.redis_server import RedisServer  # noqa: E402
 
 from kvmesh.services.engine.tiers.redis import RedisTier  # noqa: E402
-from kvmesh.shared import chunk_file, protocol  # noqa: E402
-from kvmesh.shared.redis_url import parse_redis_url  # noqa: E402
+from kvmesh.shared import protocol  # noqa: E402
+from kvmesh.shared.wire import chunk_file
+from kvmesh.shared.wire.redis_url import parse_redis_url  # noqa: E402
 from kvmesh.services.engine.tiers.base import ChunkBuffer  # noqa: E402
 
 

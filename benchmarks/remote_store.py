@@ -15,7 +15,7 @@ cache). A timed put includes computing the chunk's checksum, as the engine's wri
 does once per chunk before it puts (the store verifies the bytes against it). Gets go into a preallocated
 destination; every byte is compared with the source after the run. With `--nats-mib N` the raw peer also moves N
 MiB through NATS in frames of 1 and 8 MiB, the alternative data path (the reason the store uses a stream: see
-shared/stream_wire.py).
+shared/wire/stream_wire.py).
 """
 
 from __future__ import annotations
@@ -33,11 +33,15 @@ import time
 
 import numpy as np
 
-from kvmesh.shared import bus, chunk_file, protocol
-from kvmesh.shared.embedded_nats import EmbeddedNats, _die_with_parent
-from kvmesh.shared.keys import KEY_BYTES
+from kvmesh.shared import protocol
+
+from kvmesh.shared.messaging import bus
+
 from kvmesh.services.engine.tiers.base import ChunkBuffer
 from kvmesh.services.engine.tiers.remote import RemoteStoreClient
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats, _die_with_parent
+from kvmesh.shared.wire import chunk_file
+from kvmesh.shared.wire.keys import KEY_BYTES
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB

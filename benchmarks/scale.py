@@ -220,14 +220,14 @@ class _Msg:
 def controller_point(chunks: int, instances: int, lookups: int) -> dict[str, Any]:
     """Index `chunks` keys held by `instances` instances through the feed's callbacks; memory, ingest, lookups."""
     quiet_logs()
-    from kvmesh.shared import protocol
-    from kvmesh.shared.admissions import MAX_KEYS_PER_BATCH
-    from kvmesh.shared.keys import ChunkHasher, KeyParams
-    from kvmesh.shared.protocol import LOCAL_CPU, Subjects
     from kvmesh.services.controller.api.lookup_body import lookup_handler
     from kvmesh.services.controller.config import ControllerConfig
     from kvmesh.services.controller.core import ControllerCore
     from kvmesh.services.controller.producer_feed import ProducerFeed
+    from kvmesh.shared import protocol
+    from kvmesh.shared.messaging.admissions import MAX_KEYS_PER_BATCH
+    from kvmesh.shared.protocol import LOCAL_CPU, Subjects
+    from kvmesh.shared.wire.keys import ChunkHasher, KeyParams
 
     core = ControllerCore(ControllerConfig())
     feed = ProducerFeed(None, core.table, core.controller_id)  # type: ignore[arg-type]  # never started: no NATS
@@ -371,7 +371,8 @@ def measure_controller(args: argparse.Namespace) -> dict[str, Any]:
 # ---- 2. disk store ----------------------------------------------------------------------------------------------
 def make_chunk_files(root: Path, start: int, stop: int, nbytes: int) -> None:
     """Valid chunk files start..stop-1 (as the store writes them: chunk_file's header, then the data)."""
-    from kvmesh.shared import chunk_file, protocol
+    from kvmesh.shared import protocol
+    from kvmesh.shared.wire import chunk_file
 
     data = bytes(range(256)) * (nbytes // 256) + bytes(nbytes % 256)
     digest = chunk_file.checksum(data)
@@ -667,8 +668,8 @@ def nats_run(chunk_counts: list[int], settle: float) -> dict[str, Any]:
     from kvmesh.services.engine.assembly import build_engine
     from kvmesh.services.engine.core import token_api
     from kvmesh.shared import protocol
-    from kvmesh.shared.embedded_nats import EmbeddedNats, free_port
-    from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
+    from kvmesh.shared.messaging.embedded_nats import EmbeddedNats, free_port
+    from kvmesh.shared.ops.local_mesh import LocalMesh, ServiceSpec
     from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, REMOTE, disk_store_id, remote_store_id
     from support.engine import BLOCK, CHUNK, PagedKV, engine_config, random_tokens
     from support.engine_mesh import PARAMS

@@ -292,8 +292,8 @@ def median_or_none(values: list[Any]) -> Any:
 
 # ---- the run ------------------------------------------------------------------------------------------------------
 def kvmesh_source(env: dict[str, str]) -> str:
-    """Where the children's `import kvmesh.shared.keys` comes from (their PYTHONPATH vs the editable install)."""
-    out = subprocess.run([sys.executable, "-c", "import os, kvmesh.shared.keys as k; print(os.path.realpath("
+    """Where the children's `import kvmesh.shared.wire.keys` comes from (their PYTHONPATH vs the editable install)."""
+    out = subprocess.run([sys.executable, "-c", "import os, kvmesh.shared.wire.keys as k; print(os.path.realpath("
                           "k.__file__))"], env=env, capture_output=True, text=True, timeout=60)
     return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else f"error: {out.stderr[-300:]}"
 
@@ -352,7 +352,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     controller = f"http://127.0.0.1:{controller_port}"
     # The observer below reads every subject (`>`), which KVMesh's own NATS permits no one: this run's NATS is
     # one without authentication, and `kvmesh up` joins it.
-    from kvmesh.shared.embedded_nats import EmbeddedNats
+    from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
 
     nats = EmbeddedNats(port=nats_port).start()
     nats_url = nats.url

@@ -71,7 +71,7 @@ from vllm_peers import (CHUNK, KVMESH, LMCACHE_SITE, Completion, Server, cpu_nam
 
 PEERS = ["vllm-prefix-cache", "LMCache", "kvmesh-cpu", "kvmesh-disk", "floor"]
 BLOCK = 128  # vLLM CPU's default block size, passed explicitly so the KV space in blocks means the same tokens
-GB = 1_000_000_000  # KVMesh's sizes are in GB (shared/config.py)
+GB = 1_000_000_000  # KVMesh's sizes are in GB (services/engine/config/engine_config.py)
 # counters read from each vLLM's /metrics around the rounds: where its prompt tokens came from, preemptions, and
 # KVMesh's own (LMCache's names: disk reads, failed loads)
 COUNTERS = ("vllm:prefix_cache_", "vllm:external_prefix_cache_", "vllm:num_preemptions", "vllm:prompt_tokens",

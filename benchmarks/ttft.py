@@ -58,7 +58,7 @@ HERE = Path(__file__).resolve().parent
 from vllm_peers import (CHUNK, KVMESH, Server, cpu_name, free_port, lmcache_connector, lmcache_env,  # noqa: E402
                         pin_to, start_lmcache_server, start_mesh)
 from make_demo_model import ensure_model, long_text  # noqa: E402
-from kvmesh.shared.config import EngineConfig  # noqa: E402
+from kvmesh.services.engine.config.engine_config import EngineConfig  # noqa: E402
 
 PEERS = ["no-connector", "vllm-prefix-cache", "ExampleConnector", "LMCache", "kvmesh"]
 

@@ -26,22 +26,24 @@ from pathlib import Path
 
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.shared import bus, protocol
-from kvmesh.shared.config import GB
-from kvmesh.shared.credentials import MeshCredentials, credentials_for
-from kvmesh.shared.sharing_domains import check_domain_name
-from kvmesh.shared.credentials import controller_token_file, local_mesh_dir, runtime_dir
-from kvmesh.shared.embedded_nats import server_settings
+from kvmesh.shared import protocol
+
+from kvmesh.services.controller.config import TOKEN_ENV, TOKEN_FILE_ENV, is_loopback
 from kvmesh.shared.errors import ConfigError, KVMeshError, MeshUnavailable
 from kvmesh.shared.eviction import POLICY_NAMES
-from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
-from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
-from kvmesh.shared.nats_url import DEFAULT_PORT, DEFAULT_URL, argument as nats_url_argument
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.credentials import (MeshCredentials, controller_token_file, credentials_for, local_mesh_dir,
+                                                 runtime_dir)
+from kvmesh.shared.messaging.embedded_nats import server_settings
+from kvmesh.shared.messaging.nats_auth import add_nats_auth_flags, nats_auth_from_args
+from kvmesh.shared.messaging.nats_url import DEFAULT_PORT, DEFAULT_URL, argument as nats_url_argument
+from kvmesh.shared.messaging.sharing_domains import check_domain_name
+from kvmesh.shared.ops.local_mesh import LocalMesh, ServiceSpec
+from kvmesh.shared.ops.service import configure_logging, ping_all
+from kvmesh.shared.ops.store_commands import DISK_STORE, REMOTE_STORE, disk_store, remote_stores
+from kvmesh.shared.ops.supervisor import Backoff, Supervisor
+from kvmesh.shared.options_cli import GB
 from kvmesh.shared.protocol import CONTROLLER, OPERATOR, Subjects, disk_store_id
-from kvmesh.shared.service import configure_logging, ping_all
-from kvmesh.shared.store_commands import DISK_STORE, REMOTE_STORE, disk_store, remote_stores
-from kvmesh.shared.supervisor import Backoff, Supervisor
-from kvmesh.services.controller.config import TOKEN_ENV, TOKEN_FILE_ENV, is_loopback
 
 log = logging.getLogger("kvmesh")
 

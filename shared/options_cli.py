@@ -10,7 +10,7 @@ variable); a field holding another options dataclass of flags is declared with `
 
 Checks that span several flags, and defaults computed from other settings (a store id from the host name), stay
 in the service's own `options_from_args`, which builds the dataclass from `values`. Flags that are no field
-(`--log-level`, the NATS credentials of shared/nats_auth.py) are added by the service as before.
+(`--log-level`, the NATS credentials of shared/messaging/nats_auth.py) are added by the service as before.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import argparse
 import dataclasses
 from dataclasses import MISSING, dataclass
 from typing import Any, Callable, Mapping, Sequence
+
+GB = 1024**3  # the unit sizes are given in (flags scaled by it, the engine's *_size keys)
 
 _FLAG = "kvmesh.flag"
 _GROUP = "kvmesh.group"

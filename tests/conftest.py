@@ -28,7 +28,7 @@ from typing import AsyncIterator, Iterator
 import pytest
 
 from support.e2e import make_demo_model, make_lora_adapters, model_cache_dir, stop_all
-from kvmesh.shared.local_mesh import LocalMesh
+from kvmesh.shared.ops.local_mesh import LocalMesh
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -99,7 +99,7 @@ def long_text() -> str:
 @pytest.fixture
 def nats_server() -> Iterator["EmbeddedNats"]:
     """A real nats-server on a free loopback port, stopped after the test."""
-    from kvmesh.shared.embedded_nats import EmbeddedNats
+    from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
 
     with EmbeddedNats() as server:
         yield server
@@ -108,7 +108,7 @@ def nats_server() -> Iterator["EmbeddedNats"]:
 @pytest.fixture
 async def nc(nats_server: "EmbeddedNats") -> AsyncIterator[object]:
     """A NATS client on `nats_server` (imported here so GPU-only runs without nats-py can load this file)."""
-    from kvmesh.shared import bus
+    from kvmesh.shared.messaging import bus
 
     client = await bus.connect(nats_server.url, name="test")
     yield client

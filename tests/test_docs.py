@@ -5,11 +5,11 @@ docs/config.md:
     `render()` (the rule the document states: `None`, `true`/`false`, strings in double quotes, numbers as
     Python's repr), and no row names a field that is gone;
   * the last column says `acts` or `accepted`; an `accepted` key is read nowhere (`config.<key>` appears in no
-    module but shared/config.py), an `acts` key is read somewhere (itself or its derived property);
+    module but services/engine/config/engine_config.py), an `acts` key is read somewhere (itself or its derived property);
   * every flag of each service's argparse parser (the PD proxy's included) has a row in that service's section,
     whose default cell starts with the parser's default rendered the same way, and no row names a flag that is gone.
 
-  * the "Every LMCache key" table is `LMCACHE_KEYS` (shared/lmcache_keys.py), row for row; its honoured keys are
+  * the "Every LMCache key" table is `LMCACHE_KEYS` (services/engine/config/lmcache_keys.py), row for row; its honoured keys are
     the rows of "LMCache's keys" marked `acts`, and its other keys that are fields are marked `accepted`.
 
 docs/architecture.md (code blocks left out):
@@ -37,11 +37,11 @@ import pytest
 from kvmesh.cli import build_parser as cli_parser
 from kvmesh.services.controller.config import build_parser as controller_parser
 from kvmesh.services.disk_store.options import build_parser as disk_store_parser
+from kvmesh.services.engine.config.engine_config import EngineConfig
+from kvmesh.services.engine.config.lmcache_keys import LMCACHE_KEYS
 from kvmesh.services.pd_proxy.__main__ import build_parser as pd_proxy_parser
 from kvmesh.services.remote_store.options import build_parser as remote_store_parser
-from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.lmcache_keys import LMCACHE_KEYS
-from kvmesh.shared.nats_permissions import ENGINE_STORE_OPS, OPERATOR_STORE_OPS, permissions
+from kvmesh.shared.messaging.nats_permissions import ENGINE_STORE_OPS, OPERATOR_STORE_OPS, permissions
 from kvmesh.shared.protocol import CONFLICT_OP, PREFIX_LOOKUP_OP, WORKER_COMMAND_OPS, Subjects, remote_store_id
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,11 +94,11 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
 
 
 def _code() -> str:
-    """Every module of KVMesh but shared/config.py, as one text."""
+    """Every module of KVMesh but services/engine/config/engine_config.py, as one text."""
     texts = []
     for folder in CODE_DIRS:
         for path in sorted((ROOT / folder).rglob("*.py")):
-            if path != ROOT / "shared" / "config.py":
+            if path != ROOT / "services" / "engine" / "config" / "engine_config.py":
                 texts.append(path.read_text(encoding="utf-8"))
     return "\n".join(texts)
 

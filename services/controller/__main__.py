@@ -17,7 +17,7 @@ import sys
 from kvmesh.services.controller.config import ControllerConfig, parse_args
 from kvmesh.services.controller.service import ControllerService
 from kvmesh.shared.errors import KVMeshError
-from kvmesh.shared.service import configure_logging
+from kvmesh.shared.ops.service import configure_logging
 
 log = logging.getLogger("kvmesh.controller")
 

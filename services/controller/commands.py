@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from nats.aio.client import Client as NatsClient
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 
-from kvmesh.shared import protocol
-from kvmesh.shared.errors import ProtocolError
-from kvmesh.shared.keys import KeyExtras
-from kvmesh.shared.protocol import CONTROLLER_COMMAND_OPS, LOCAL_CPU, LOCATIONS, Subjects
 from kvmesh.services.controller.errors import CommandFailed, CommandTimeout, MeshDown, NotFound, Refused
 from kvmesh.services.controller.lookup import KeyRequest, UnknownAdapter, worker_extras
 from kvmesh.services.controller.producer_records import Producer
 from kvmesh.services.controller.producers import ProducerTable
+from kvmesh.shared import protocol
+from kvmesh.shared.errors import ProtocolError
+from kvmesh.shared.protocol import CONTROLLER_COMMAND_OPS, LOCAL_CPU, LOCATIONS, Subjects
+from kvmesh.shared.wire.keys import KeyExtras
 
 log = logging.getLogger(__name__)
 

@@ -22,11 +22,11 @@ from typing import Any, Callable
 import yaml
 
 from kvmesh.shared import options_cli
-from kvmesh.shared.bus import NatsAuth
-from kvmesh.shared.sharing_domains import domains_file_of, domains_file_option
-from kvmesh.shared.http_gate import resolve_token
-from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
-from kvmesh.shared.nats_url import argument as nats_url_argument
+from kvmesh.shared.messaging.bus import NatsAuth
+from kvmesh.shared.messaging.nats_auth import add_nats_auth_flags, nats_auth_from_args
+from kvmesh.shared.messaging.nats_url import argument as nats_url_argument
+from kvmesh.shared.messaging.sharing_domains import domains_file_of, domains_file_option
+from kvmesh.shared.ops.http_gate import resolve_token
 from kvmesh.shared.options_cli import DEFAULT, option
 
 TOKEN_ENV = "KVMESH_CONTROLLER_TOKEN"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 from typing import Collection, Iterable
 
-from kvmesh.shared.keys import ChunkKey
+from kvmesh.shared.wire.keys import ChunkKey
 
 
 class HolderIndex:

@@ -26,10 +26,10 @@ from typing import Sequence
 
 import numpy as np
 
-from kvmesh.shared.keys import ChunkHasher, KeyExtras, has_state_groups, state_key, tokens_as_array
-from kvmesh.shared.protocol import LOCATIONS, RegisterEngine
 from kvmesh.services.controller.producer_records import KeySpec as HasherSpec, key_spec
 from kvmesh.services.controller.producers import ProducerTable
+from kvmesh.shared.protocol import LOCATIONS, RegisterEngine
+from kvmesh.shared.wire.keys import ChunkHasher, KeyExtras, has_state_groups, state_key, tokens_as_array
 
 
 @dataclass(frozen=True)

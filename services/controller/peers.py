@@ -2,11 +2,11 @@
 one request per lookup that the asker's own tiers missed).
 
 The keys are the asker's shard keys: they already name the model, KV format, tensor-parallel rank and sharing
-domain (shared/keys.py), so any worker holding them holds chunks the asker can load, rank for rank. The answer
+domain (shared/wire/keys.py), so any worker holding them holds chunks the asker can load, rank for rank. The answer
 is limited to live workers that serve peers (`enable_p2p`) in the asker's sharing domain, which is each worker's
 principal's in the domains map (never what a registration says); it is a hint, not a permission: the asker then
 asks those workers for streams over NATS, which lets engines publish only to peers of their own domain
-(shared/nats_permissions.py).
+(shared/messaging/nats_permissions.py).
 
 Who serves a key is its *holder of record*: of the candidates holding it, the one whose admission of it the
 controller applied first (`HolderIndex.first_of`), as a store keeps its first writer's bytes. Not the one holding
@@ -19,9 +19,9 @@ candidates.
 
 from __future__ import annotations
 
-from kvmesh.shared import protocol
 from kvmesh.services.controller.producer_records import Producer
 from kvmesh.services.controller.producers import ProducerTable
+from kvmesh.shared import protocol
 
 MAX_EXCLUDED = 64  # workers one lookup may exclude (more are ignored: the list is the asker's input)
 

@@ -21,10 +21,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Collection
 
-from kvmesh.shared import protocol
 from kvmesh.services.controller.holder_index import HolderIndex
 from kvmesh.services.controller.producer_records import IngestStats, KeySpec, Producer, key_spec
-from kvmesh.shared.keys import ChunkKey
+from kvmesh.shared import protocol
+from kvmesh.shared.wire.keys import ChunkKey
 
 log = logging.getLogger(__name__)
 

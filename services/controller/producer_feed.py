@@ -42,15 +42,16 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from kvmesh.shared.aio import cancel_and_wait
-from kvmesh.shared import bus, protocol
-from kvmesh.shared.sharing_domains import DomainMap
-from kvmesh.shared.errors import MeshUnavailable, ProtocolError
-from kvmesh.shared.protocol import ProducerPath, Subjects, is_worker_id_of
 from kvmesh.services.controller.peers import peer_holders
 from kvmesh.services.controller.principal_quotas import principal_of
 from kvmesh.services.controller.producers import ProducerTable
 from kvmesh.services.controller.sync_budget import SyncBudget
+from kvmesh.shared import protocol
+from kvmesh.shared.aio import cancel_and_wait
+from kvmesh.shared.errors import MeshUnavailable, ProtocolError
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.sharing_domains import DomainMap
+from kvmesh.shared.protocol import ProducerPath, Subjects, is_worker_id_of
 from kvmesh.shared.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from kvmesh.shared import protocol
-from kvmesh.shared.sharing_domains import DEFAULT_DOMAIN
-from kvmesh.shared.keys import ChunkKey, KeyParams
+from kvmesh.shared.messaging.sharing_domains import DEFAULT_DOMAIN
+from kvmesh.shared.wire.keys import ChunkKey, KeyParams
 
 KeySpec = tuple[KeyParams, int, bool]  # (params, chunk_size, save_unfull_chunk): one ChunkHasher per lookup
 

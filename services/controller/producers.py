@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import logging
 
-from kvmesh.shared import protocol
-from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, REMOTE
 from kvmesh.services.controller.holder_index import HolderIndex
 from kvmesh.services.controller.instance_claims import InstanceClaims
 from kvmesh.services.controller.principal_quotas import Limits, PrincipalQuotas, principal_of
 from kvmesh.services.controller.producer_records import IngestStats, Producer, SyncProgress
-from kvmesh.shared.sharing_domains import DEFAULT_DOMAIN
+from kvmesh.shared import protocol
+from kvmesh.shared.messaging.sharing_domains import DEFAULT_DOMAIN
+from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, REMOTE
 
 log = logging.getLogger(__name__)
 

@@ -20,16 +20,16 @@ from typing import Any, Callable, Iterator
 
 import uvicorn
 
-from kvmesh.shared import bus
-from kvmesh.shared.credentials import credentials_for, domains_map
-from kvmesh.shared.sharing_domains import DomainMap
-from kvmesh.shared.local_mesh import LocalMesh
-from kvmesh.shared.protocol import CONTROLLER
-from kvmesh.shared.errors import ConfigError, KVMeshError
 from kvmesh.services.controller.api import create_app
 from kvmesh.services.controller.config import ControllerConfig
 from kvmesh.services.controller.core import ControllerCore
 from kvmesh.services.controller.producer_feed import ProducerFeed
+from kvmesh.shared.errors import ConfigError, KVMeshError
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.credentials import credentials_for, domains_map
+from kvmesh.shared.messaging.sharing_domains import DomainMap
+from kvmesh.shared.ops.local_mesh import LocalMesh
+from kvmesh.shared.protocol import CONTROLLER
 
 log = logging.getLogger(__name__)
 

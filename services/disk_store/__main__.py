@@ -7,9 +7,9 @@ credentials `--nats-token | --nats-user/--nats-password | --nats-nkey-seed`).
 
 from __future__ import annotations
 
-from kvmesh.shared.service import service_main
 from kvmesh.services.disk_store.options import build_parser, options_from_args
 from kvmesh.services.disk_store.service import run_disk_store
+from kvmesh.shared.ops.service import service_main
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,7 +1,7 @@
 """The disk store's own files besides the chunks: the directory lock (the pins and claims files are
-shared/state_file.py's `StoreState`, the same as a persisting remote store's).
+shared/store_kit/state_file.py's `StoreState`, the same as a persisting remote store's).
 
-Chunk files, and the start-up scan of the directory, are shared/chunk_file.py's (the same for the remote
+Chunk files, and the start-up scan of the directory, are shared/wire/chunk_file.py's (the same for the remote
 store's persistence). Everything here is blocking file I/O and runs on the store's I/O thread pool (or before
 the event loop serves anything, at start).
 

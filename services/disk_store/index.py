@@ -1,17 +1,17 @@
 """What the disk store adds to the shared ChunkIndex: its per-chunk entry, and the check of a request's key.
 
 The bookkeeping itself (held chunks, writes in flight, eviction under the cap, pins, claims, contains/pin/unpin/
-remove/clear/wipe) is shared/chunk_index.py, the same as the remote store's. Pins and claims persist through
-shared/state_file.py (`StoreState`), also the same as a persisting remote store's.
+remove/clear/wipe) is shared/store_kit/chunk_index.py, the same as the remote store's. Pins and claims persist through
+shared/store_kit/state_file.py (`StoreState`), also the same as a persisting remote store's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh.shared.chunk_index import SpaceRefused
 from kvmesh.shared.errors import StoreError
-from kvmesh.shared.keys import KEY_BYTES
+from kvmesh.shared.store_kit.chunk_index import SpaceRefused
+from kvmesh.shared.wire.keys import KEY_BYTES
 
 __all__ = ["Entry", "SpaceRefused", "check_key"]
 

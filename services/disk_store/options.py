@@ -3,10 +3,10 @@
     python -m kvmesh.services.disk_store --dir PATH --max-size-gb F [--nats-url URL] [--store-id ID] \
         [--cache-policy LRU|LFU|FIFO|MRU] [--nats-token T | --nats-user U --nats-password P | --nats-nkey-seed F]
 
-The NATS credentials are the same flags (and KVMESH_NATS_* variables) as the remote store's: shared/nats_auth.py.
-A store takes its settings from its flags and its own variables only, never from an engine's LMCache config:
-whoever starts one passes what it decides as flags (shared/store_commands.py: `kvmesh up`, the engine's
-embedded mesh); `build_parser` + `options_from_args` read them, `DiskStoreOptions.to_args` writes them.
+The NATS credentials are the same flags (and KVMESH_NATS_* variables) as the remote store's:
+shared/messaging/nats_auth.py. A store takes its settings from its flags and its own variables only, never from an
+engine's LMCache config: whoever starts one passes what it decides as flags (shared/ops/store_commands.py: `kvmesh up`,
+the engine's embedded mesh); `build_parser` + `options_from_args` read them, `DiskStoreOptions.to_args` writes them.
 """
 
 from __future__ import annotations
@@ -17,16 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmesh.shared import options_cli
-from kvmesh.shared.bus import NatsAuth, normalize_url
-from kvmesh.shared.config import GB
-from kvmesh.shared.sharing_domains import domains_file_of, domains_file_option
 from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.eviction import POLICY_NAMES
-from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
-from kvmesh.shared.nats_url import DEFAULT_URL, argument as nats_url_argument
-from kvmesh.shared.options_cli import DEFAULT, group, option
+from kvmesh.shared.messaging.bus import NatsAuth, normalize_url
+from kvmesh.shared.messaging.nats_auth import add_nats_auth_flags, nats_auth_from_args
+from kvmesh.shared.messaging.nats_url import DEFAULT_URL, argument as nats_url_argument
+from kvmesh.shared.messaging.sharing_domains import domains_file_of, domains_file_option
+from kvmesh.shared.options_cli import DEFAULT, GB, group, option
 from kvmesh.shared.protocol import disk_store_id
-from kvmesh.shared.store_bounds import StoreBounds
+from kvmesh.shared.store_kit.store_bounds import StoreBounds
 
 MiB = 2**20
 
@@ -67,7 +66,7 @@ class DiskStoreOptions:
     durable_puts: bool = option(
         "--durable-puts", "answer a put only once its chunk file is written, fsync'd and renamed into place "
         "(directory fsync'd); default: once the bytes are staged in memory", False)
-    bounds: StoreBounds = group(StoreBounds)  # what NATS clients can push on (shared/store_bounds.py)
+    bounds: StoreBounds = group(StoreBounds)  # what NATS clients can push on (shared/store_kit/store_bounds.py)
     # the sharing domains map (None: beside the store's credentials, if any)
     domains_file: Path | None = domains_file_option()
 

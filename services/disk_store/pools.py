@@ -1,8 +1,8 @@
-"""The disk store's side of pool lending (shared/pool_wire.py has the protocol): a Unix socket where engine
+"""The disk store's side of pool lending (shared/wire/pool_wire.py has the protocol): a Unix socket where engine
 workers of this host lend their CPU pools, and the table of pools they lent, by token.
 
 Runs on the store's event loop. A pool stays mapped while its engine's connection is open; when it closes, the
-pool is dropped (views an I/O thread still uses keep the mapping until they are released: shared/shm.py). The
+pool is dropped (views an I/O thread still uses keep the mapping until they are released: shared/wire/shm.py). The
 store's end of a connection closes only after every get writing into its pool has finished (or with the
 process): so an engine that sees it close knows nothing of this store writes into that pool any more.
 Bounds: at most `max_pools` connections at once (registered or still saying hello), a hello of at most
@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.shared.errors import ConfigError, StoreError
-from kvmesh.shared.pool_wire import decode_hello, encode_reply, peer_uid, socket_path, trusted_uid
-from kvmesh.shared.shm import SharedSegment
+from kvmesh.shared.wire.pool_wire import decode_hello, encode_reply, peer_uid, socket_path, trusted_uid
+from kvmesh.shared.wire.shm import SharedSegment
 
 log = logging.getLogger(__name__)
 

@@ -21,12 +21,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from kvmesh.shared import chunk_file, protocol
-from kvmesh.shared.chunk_index import ChunkIndex
-from kvmesh.shared.errors import StoreError
-from kvmesh.shared.keys import ChunkKey
+from kvmesh.shared import protocol
+
 from kvmesh.services.disk_store.index import Entry, check_key
 from kvmesh.services.disk_store.pools import LentPool, PoolRegistry
+from kvmesh.shared.errors import StoreError
+from kvmesh.shared.store_kit.chunk_index import ChunkIndex
+from kvmesh.shared.wire import chunk_file
+from kvmesh.shared.wire.keys import ChunkKey
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ path ends the subject (`engine.<instance>.<worker>`, `operator`). Request -> rep
     put       PutRequest  -> Ack            accepted once the bytes are staged (see writer.py), with
                                             --durable-puts once the file is durable; ok=False + reason;
                                             records the caller's claim (also on a chunk already held)
-    get       GetRequest  -> GetReply       bytes into the pool the caller lent (shared/pool_wire.py), or inline `data`;
+    get       GetRequest  -> GetReply       bytes into the pool the caller lent (shared/wire/pool_wire.py), or inline `data`;
                                             a pooled get past its deadline or cancelled writes nothing
     cancel_get CancelGet  -> Ack            ok once that get of the caller's pool can never write any more
                                             (its write is over, or it will be refused); see reader.py
@@ -17,7 +17,7 @@ path ends the subject (`engine.<instance>.<worker>`, `operator`). Request -> rep
     wipe      WipeRequest -> CommandReply   the operator only: every unpinned chunk; num_tokens wiped
     pin/unpin ChunkKeys   -> CommandReply   contiguous prefix; num_tokens affected (ttl_secs optional)
     stats     StatsRequest-> StatsReply
-contains, touch, pin, unpin, remove, clear, wipe and stats are the shared IndexOps (shared/store_ops.py), the
+contains, touch, pin, unpin, remove, clear, wipe and stats are the shared IndexOps (shared/store_kit/store_ops.py), the
 same as the remote store's; put is DiskStore's own, get and cancel_get its ChunkReader's (reader.py). Claims
 and pins persist in the directory (files.py): pin, unpin, remove, clear and wipe are answered once the files
 hold their effect. Also: health (`serve_health(service="disk_store")` on the store's path), and admission/eviction
@@ -38,15 +38,17 @@ from typing import Any, Awaitable, Callable
 
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.shared import bus, protocol
-from kvmesh.shared.admissions import AdmissionReporter
-from kvmesh.shared.credentials import domains_map
-from kvmesh.shared.eviction import Clock
-from kvmesh.shared.store_endpoint import StoreEndpoint
-from kvmesh.shared.store_ops import Handler, IndexOps
+from kvmesh.shared import protocol
+
 from kvmesh.services.disk_store.options import DiskStoreOptions
 from kvmesh.services.disk_store.store import DiskStore
 from kvmesh.services.disk_store.writer import WriteFaults
+from kvmesh.shared.eviction import Clock
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.admissions import AdmissionReporter
+from kvmesh.shared.messaging.credentials import domains_map
+from kvmesh.shared.store_kit.store_endpoint import StoreEndpoint
+from kvmesh.shared.store_kit.store_ops import Handler, IndexOps
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +119,7 @@ class DiskStoreService:
 
 
 async def run_disk_store(options: DiskStoreOptions, stop: asyncio.Event) -> None:
-    """Serve until `stop` is set (the body given to shared.service.run_until_signalled)."""
+    """Serve until `stop` is set (the body given to shared.ops.service.run_until_signalled)."""
     service = DiskStoreService(options)
     await service.start()
     try:

@@ -36,19 +36,21 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from kvmesh.shared import chunk_file, protocol
-from kvmesh.shared.chunk_index import ChunkIndex, ForeignChunk, SpaceRefused
-from kvmesh.shared.sharing_domains import DomainMap
-from kvmesh.shared.errors import StoreError
-from kvmesh.shared.eviction import Clock
-from kvmesh.shared.keys import ChunkKey
-from kvmesh.shared.state_file import StoreState
+from kvmesh.shared import protocol
+
 from kvmesh.services.disk_store import files
 from kvmesh.services.disk_store.index import Entry, check_key
 from kvmesh.services.disk_store.options import DiskStoreOptions
 from kvmesh.services.disk_store.pools import PoolRegistry
 from kvmesh.services.disk_store.reader import ChunkReader
 from kvmesh.services.disk_store.writer import ChunkWriter, StagingBuffer, StagingPool, WriteFaults
+from kvmesh.shared.errors import StoreError
+from kvmesh.shared.eviction import Clock
+from kvmesh.shared.messaging.sharing_domains import DomainMap
+from kvmesh.shared.store_kit.chunk_index import ChunkIndex, ForeignChunk, SpaceRefused
+from kvmesh.shared.store_kit.state_file import StoreState
+from kvmesh.shared.wire import chunk_file
+from kvmesh.shared.wire.keys import ChunkKey
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,9 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from kvmesh.shared import chunk_file, protocol
+from kvmesh.shared import protocol
+
+from kvmesh.shared.wire import chunk_file
 
 FAULTS_ENV = "KVMESH_DISK_STORE_FAULTS"
 

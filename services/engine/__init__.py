@@ -3,6 +3,7 @@ module imports from its own floor and the floors below it, never from one above 
 
 Floors, bottom to top:
 
+    config/        the engine's own configuration (`EngineConfig`, LMCache's keys, its NATS credentials)
     mesh/          infrastructure: the NATS loop thread, where NATS is, the sharing domain, the threads' CPUs
     tiers/         every tier the engine reaches: the CPU tier on its pool, the stores' clients, the peers
                    (handed what they need, store ids and credentials: they import nothing of mesh/ either)

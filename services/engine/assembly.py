@@ -24,6 +24,12 @@ from pathlib import Path
 import torch
 from nats.aio.client import Client as NatsClient
 
+from kvmesh.services.engine.agents.lookup_server import LookupServer, lookup_id_for
+from kvmesh.services.engine.agents.peer_server import PeerServer
+from kvmesh.services.engine.agents.rendezvous import PublishedWorker, publish_worker
+from kvmesh.services.engine.agents.worker_agent import WorkerAgent
+from kvmesh.services.engine.config.engine_auth import engine_auth
+from kvmesh.services.engine.config.engine_config import EngineConfig
 from kvmesh.services.engine.core.cache_engine import CacheEngine, KVCaches
 from kvmesh.services.engine.core.kv_layout import KVLayout, detect_layout
 from kvmesh.services.engine.core.paged_copy import PagedCopier
@@ -31,24 +37,19 @@ from kvmesh.services.engine.core.storage_manager import StorageManager
 from kvmesh.services.engine.mesh.domain import engine_credentials_file, engine_domain, key_domain
 from kvmesh.services.engine.mesh.embedded import MeshConnection, MeshPlan
 from kvmesh.services.engine.mesh.nats_loop import NatsLoop
-from kvmesh.services.engine.agents.lookup_server import LookupServer, lookup_id_for
-from kvmesh.services.engine.agents.peer_server import PeerServer
-from kvmesh.services.engine.agents.rendezvous import PublishedWorker, publish_worker
-from kvmesh.services.engine.agents.worker_agent import WorkerAgent
-from kvmesh.services.engine.tiers.registry import TierPlan, TierSite, configured_locations, lower_tiers
 from kvmesh.services.engine.tiers.cpu import LocalCPUBackend, TierListener
 from kvmesh.services.engine.tiers.memory_pool import MemoryPool
 from kvmesh.services.engine.tiers.redis_values import resolve_auth
-from kvmesh.shared import bus, protocol
-from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.credentials import DEFAULT_DOMAIN, SharingDomain, credentials_for
+from kvmesh.services.engine.tiers.registry import TierPlan, TierSite, configured_locations, lower_tiers
+from kvmesh.shared import protocol
 from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.eviction import Clock
-from kvmesh.shared.keys import ChunkHasher, KeyParams
-from kvmesh.shared.nats_auth import engine_auth
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.credentials import DEFAULT_DOMAIN, SharingDomain, credentials_for
 from kvmesh.shared.protocol import PEER, worker_id_for
-from kvmesh.shared.redis_keys import RedisAuth
-from kvmesh.shared.stream_server import ClientBounds
+from kvmesh.shared.wire.keys import ChunkHasher, KeyParams
+from kvmesh.shared.wire.redis_keys import RedisAuth
+from kvmesh.shared.wire.stream_server import ClientBounds
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from kvmesh.services.engine.adapter.model_identity import instance_of, model_ide
 from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents
 from kvmesh.services.engine.adapter.scheduler_side import SchedulerSide
 from kvmesh.services.engine.adapter.worker_side import WorkerSide
-from kvmesh.shared.config import load_engine_config
+from kvmesh.services.engine.config.engine_config import load_engine_config
 from kvmesh.shared.errors import KVMeshError
 
 import vllm

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from kvmesh.services.pd_proxy.proxy import ProxyConfig, build_app
 from kvmesh.shared import options_cli
-from kvmesh.shared.http_gate import resolve_token
-from kvmesh.shared.service import configure_logging
+from kvmesh.shared.ops.http_gate import resolve_token
+from kvmesh.shared.ops.service import configure_logging
 
 TOKEN_ENV = "KVMESH_PD_PROXY_TOKEN"
 TOKEN_FILE_ENV = "KVMESH_PD_PROXY_TOKEN_FILE"

@@ -7,7 +7,7 @@ A producer that fails (down, an error, an answer that is not a JSON object or ca
 costs the request nothing but time: the consumer then computes the prompt itself (logged, counted in /healthz). A
 consumer's error is the client's, as vLLM gave it; a consumer that cannot be reached is a 502.
 
-The body is client input. Before anything reads it, `BodyGate` (shared/http_gate.py) bounds it, as in front of the
+The body is client input. Before anything reads it, `BodyGate` (shared/ops/http_gate.py) bounds it, as in front of the
 controller: 401 without the bearer token when one is set (`auth_token`; /healthz stays open), 413 past
 `max_body_bytes`, bodies over `large_body_bytes` read and handled `max_large_bodies` at a time with
 `large_body_queue` more waiting unread (503 past that; a turn ends when the response starts, so a streamed answer
@@ -31,7 +31,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvmesh.shared.http_gate import BodyGate, BodySlots
+from kvmesh.shared.ops.http_gate import BodyGate, BodySlots
 from kvmesh.shared.options_cli import option
 
 log = logging.getLogger("kvmesh.pd_proxy")

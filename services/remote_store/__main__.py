@@ -8,9 +8,9 @@ service.py); worker threads fault in buffers and do the persistence file I/O.
 
 from __future__ import annotations
 
-from kvmesh.shared.service import service_main
 from kvmesh.services.remote_store.options import build_parser, options_from_args
 from kvmesh.services.remote_store.service import run_remote_store
+from kvmesh.shared.ops.service import service_main
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,9 +6,9 @@
         [--nats-token T | --nats-user U --nats-password P | --nats-nkey-seed F]
     python -m kvmesh.services.remote_store --nats-url URL --redis-url redis://HOST:PORT [--redis-key-prefix P]
 
-Whoever starts a store passes what it decides as flags (shared/store_commands.py: `kvmesh up`, the engine's
+Whoever starts a store passes what it decides as flags (shared/ops/store_commands.py: `kvmesh up`, the engine's
 embedded mesh); `build_parser` + `options_from_args` read them, `RemoteStoreOptions.to_args` writes them.
-Credentials are never flags written by `to_args`: they travel in the environment (shared/nats_auth.py).
+Credentials are never flags written by `to_args`: they travel in the environment (shared/messaging/nats_auth.py).
 """
 
 from __future__ import annotations
@@ -19,18 +19,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmesh.shared import options_cli
-from kvmesh.shared.bus import NatsAuth, normalize_url
-from kvmesh.shared.config import GB
-from kvmesh.shared.sharing_domains import domains_file_of, domains_file_option
 from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.eviction import POLICY_NAMES
-from kvmesh.shared.nats_auth import add_nats_auth_flags, nats_auth_from_args
-from kvmesh.shared.nats_url import DEFAULT_URL, argument as nats_url_argument
-from kvmesh.shared.options_cli import DEFAULT, group, option
+from kvmesh.shared.messaging.bus import NatsAuth, normalize_url
+from kvmesh.shared.messaging.nats_auth import add_nats_auth_flags, nats_auth_from_args
+from kvmesh.shared.messaging.nats_url import DEFAULT_URL, argument as nats_url_argument
+from kvmesh.shared.messaging.sharing_domains import domains_file_of, domains_file_option
+from kvmesh.shared.options_cli import DEFAULT, GB, group, option
 from kvmesh.shared.protocol import redis_store_id, remote_store_id
-from kvmesh.shared.redis_keys import PREFIX_RULE, prefix_ok
-from kvmesh.shared.redis_url import CLUSTER, parse_redis_url
-from kvmesh.shared.store_bounds import StoreBounds
+from kvmesh.shared.store_kit.store_bounds import StoreBounds
+from kvmesh.shared.wire.redis_keys import PREFIX_RULE, prefix_ok
+from kvmesh.shared.wire.redis_url import CLUSTER, parse_redis_url
 
 DEFAULT_MAX_CHUNK_BYTES = 256 * 1024 * 1024
 
@@ -76,7 +75,7 @@ class RemoteStoreOptions:
     prefault_bytes: int = option(
         "--prefault-gb", "GB of memory faulted in at start (at most --max-size-gb), so puts into an empty store "
         "need no page faults (default 0: memory is faulted as chunks arrive)", 0, scale=GB)
-    bounds: StoreBounds = group(StoreBounds)  # what NATS clients can push on (shared/store_bounds.py)
+    bounds: StoreBounds = group(StoreBounds)  # what NATS clients can push on (shared/store_kit/store_bounds.py)
     # the sharing domains map (None: beside the store's credentials, if any)
     domains_file: Path | None = domains_file_option()
     heartbeat_interval: float = 2.0

@@ -3,7 +3,7 @@
 Runs in the store process. `Persister` keeps one FIFO of writes and deletes, consumed by one asyncio task on
 the store's loop that runs each file operation in a worker thread: a delete queued after a write of the same
 key therefore lands after it, so a removed chunk never comes back at the next start. Files use the shared
-self-describing format (shared/chunk_file.py: crash-safe rename, checksum), the same as the disk store's.
+self-describing format (shared/wire/chunk_file.py: crash-safe rename, checksum), the same as the disk store's.
 Writes are behind the put's reply: a crash loses at most the chunks still queued, never a file's integrity.
 At start the store lists the files with `chunk_file.scan_directory` (the disk store's scan too), which also
 removes the leftovers of a crash.
@@ -16,9 +16,10 @@ import logging
 from pathlib import Path
 from typing import Callable, Protocol
 
+from kvmesh.shared import protocol
 from kvmesh.shared.aio import cancel_and_wait
-from kvmesh.shared import chunk_file, protocol
-from kvmesh.shared.keys import ChunkKey
+from kvmesh.shared.wire import chunk_file
+from kvmesh.shared.wire.keys import ChunkKey
 
 log = logging.getLogger(__name__)
 

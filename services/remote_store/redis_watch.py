@@ -24,12 +24,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvmesh.shared import protocol
-from kvmesh.shared.admissions import AdmissionReporter
 from kvmesh.shared.aio import cancel_and_wait
-from kvmesh.shared.keys import ChunkKey
-from kvmesh.shared.redis_keys import RedisKeys
-from kvmesh.shared.redis_url import CLUSTER, RedisTarget
-from kvmesh.shared.store_endpoint import StoreEndpoint
+from kvmesh.shared.messaging.admissions import AdmissionReporter
+from kvmesh.shared.store_kit.store_endpoint import StoreEndpoint
+from kvmesh.shared.wire.keys import ChunkKey
+from kvmesh.shared.wire.redis_keys import RedisKeys
+from kvmesh.shared.wire.redis_url import CLUSTER, RedisTarget
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ arrival order:
                                                num_chunks, num_tokens: the chunks the caller no longer claims
     wipe      WipeRequest   -> CommandReply    the operator only: every unpinned chunk; num_chunks, num_tokens
     stats     StatsRequest  -> StatsReply
-contains, touch, pin, unpin, remove, clear, wipe and stats are the shared IndexOps (shared/store_ops.py), the
+contains, touch, pin, unpin, remove, clear, wipe and stats are the shared IndexOps (shared/store_kit/store_ops.py), the
 same as the disk store's. Pins and claims are kept in memory, and beside the chunk files with `persist_dir`
 (store.py).
 Also health (`serve_health(service="remote_store")` on the store's path), and AdmissionBatch / SyncChunk on
@@ -37,17 +37,19 @@ from typing import Any
 
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.shared import bus, protocol
-from kvmesh.shared.admissions import AdmissionReporter
-from kvmesh.shared.bus import NatsAuth
-from kvmesh.shared.credentials import domains_map
-from kvmesh.shared.store_endpoint import StoreEndpoint
-from kvmesh.shared.store_ops import Handler, IndexOps
+from kvmesh.shared import protocol
+
 from kvmesh.services.remote_store.options import RemoteStoreOptions
 from kvmesh.services.remote_store.redis_watch import run_redis_watch
-from kvmesh.shared.redis_url import parse_redis_url
 from kvmesh.services.remote_store.store import MemoryStore, PutRefused
 from kvmesh.services.remote_store.stream_server import StoreStreamServer
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.admissions import AdmissionReporter
+from kvmesh.shared.messaging.bus import NatsAuth
+from kvmesh.shared.messaging.credentials import domains_map
+from kvmesh.shared.store_kit.store_endpoint import StoreEndpoint
+from kvmesh.shared.store_kit.store_ops import Handler, IndexOps
+from kvmesh.shared.wire.redis_url import parse_redis_url
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +179,7 @@ class RemoteStoreService:
 
 
 async def run_remote_store(options: RemoteStoreOptions, stop: asyncio.Event) -> None:
-    """Serve until `stop` is set (the body given to shared.service.run_until_signalled); with `redis_url`, the
+    """Serve until `stop` is set (the body given to shared.ops.service.run_until_signalled); with `redis_url`, the
     Redis mode instead (redis_watch.py)."""
     if options.redis_url is not None:
         await run_redis_watch(parse_redis_url(options.redis_url), options.store_id, options.redis_key_prefix,

@@ -11,10 +11,10 @@ victims) and hands out a faulted buffer; a stream put reserves only RESERVE_STEP
 bytes arrive (`make_room`), so a put that announces a size and never sends the bytes evicts no more than a step's
 worth; `commit_put` verifies the bytes against the meta's checksum (which every
 put carries) and only then makes the chunk visible; bytes that fail it are never held, served or reported
-(`abort_put` also if the bytes never came). Every put records its caller's claim (shared/chunk_index.py), also on a
-chunk already held. With `persist_dir` the pins and claims are saved beside the chunk files (shared/state_file.py:
-pin, unpin, remove, clear and wipe are answered once the files hold their effect; puts' claims follow within a
-second), else a restart starts with none. A get `acquire`s a chunk, sends its bytes, and
+(`abort_put` also if the bytes never came). Every put records its caller's claim (shared/store_kit/chunk_index.py), also
+on a chunk already held. With `persist_dir` the pins and claims are saved beside the chunk files
+(shared/store_kit/state_file.py: pin, unpin, remove, clear and wipe are answered once the files hold their effect; puts'
+claims follow within a second), else a restart starts with none. A get `acquire`s a chunk, sends its bytes, and
 `release`s it: an eviction meanwhile only marks the chunk dropped, and its buffer is recycled when the last user
 lets go.
 """
@@ -30,15 +30,17 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvmesh.shared import chunk_file, protocol
-from kvmesh.shared.chunk_index import ChunkIndex, ForeignChunk, SpaceRefused
-from kvmesh.shared.sharing_domains import DomainMap
-from kvmesh.shared.errors import StoreError
-from kvmesh.shared.keys import KEY_BYTES, ChunkKey
-from kvmesh.shared.partition import partition_of
-from kvmesh.shared.state_file import StoreState
+from kvmesh.shared import protocol
+
 from kvmesh.services.remote_store import persistence
 from kvmesh.services.remote_store.buffers import BufferPool, size_class
+from kvmesh.shared.errors import StoreError
+from kvmesh.shared.messaging.sharing_domains import DomainMap
+from kvmesh.shared.store_kit.chunk_index import ChunkIndex, ForeignChunk, SpaceRefused
+from kvmesh.shared.store_kit.state_file import StoreState
+from kvmesh.shared.wire import chunk_file
+from kvmesh.shared.wire.keys import KEY_BYTES, ChunkKey
+from kvmesh.shared.wire.partition import partition_of
 
 log = logging.getLogger(__name__)
 

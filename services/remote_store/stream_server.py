@@ -1,5 +1,5 @@
-"""The store end of the stream data path (see shared/stream_wire.py): the generic server (shared/stream_server.py)
-serving gets of the MemoryStore, plus puts into it.
+"""The store end of the stream data path (see shared/wire/stream_wire.py): the generic server
+(shared/wire/stream_server.py) serving gets of the MemoryStore, plus puts into it.
 
 A connection acts for the caller that asked for its ticket on NATS (`Subjects.store(store_id, "stream", caller)`):
 its puts record that caller's claims, as puts on NATS do.
@@ -11,10 +11,10 @@ import socket
 
 import xxhash
 
-from kvmesh.shared import protocol
 from kvmesh.services.remote_store.store import RESERVE_STEP, MemoryStore, PutRefused
-from kvmesh.shared.stream_server import StreamServer, _Refused
-from kvmesh.shared.stream_wire import TRAILER, StreamError, drain, recv_exactly, send_reply
+from kvmesh.shared import protocol
+from kvmesh.shared.wire.stream_server import StreamServer, _Refused
+from kvmesh.shared.wire.stream_wire import TRAILER, StreamError, drain, recv_exactly, send_reply
 
 
 class StoreStreamServer(StreamServer):

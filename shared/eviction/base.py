@@ -3,7 +3,7 @@ their expiry, and the refusal rule. A policy subclass only says in which order u
 and what a hit does to that order.
 
 Users: the engine's CPU tier (services/engine/tiers/cpu.py, under its own lock) and `ChunkIndex`
-(shared/chunk_index.py, on a store's event loop thread), which the disk store and the remote store both use.
+(shared/store_kit/chunk_index.py, on a store's event loop thread), which the disk store and the remote store both use.
 Not thread-safe: the owner serialises calls.
 """
 

@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh.shared.keys import KeyExtras, KeyParams
 from kvmesh.shared.protocol.codec import message
+from kvmesh.shared.wire.keys import KeyExtras, KeyParams
 
 # Location names of LMCache's controller REST API (docs/compatibility.md).
 LOCAL_CPU = "LocalCPUBackend"
@@ -391,7 +391,7 @@ class GetReply:
 # ---------------------------------------------------------------------------------------------------------
 # Direct streams (remote store): negotiated on NATS, then chunk bytes on a TCP connection kept by the client.
 # On the stream every request is one op byte, a u32 length, one of these messages (or PutRequest/GetRequest)
-# and, for puts and found gets, the chunk's raw bytes; see shared/stream_wire.py.
+# and, for puts and found gets, the chunk's raw bytes; see shared/wire/stream_wire.py.
 
 
 @message("stream_request")

@@ -14,7 +14,7 @@ ROLES = ("engine", "store", "controller", "operator")
 @dataclass(frozen=True)
 class Principal:
     """Who a NATS client is. Its `path` ends every subject it may publish on, and the mesh's NATS permissions
-    (shared/nats_permissions.py) let only that principal's credentials publish there: so a subject, not the
+    (shared/messaging/nats_permissions.py) let only that principal's credentials publish there: so a subject, not the
     message body, says who sent it, and a receiver checks the body against it.
 
     Paths: `engine.<instance_id>`, `store.<store_id>`, `controller`, `operator`. A producer (an engine worker

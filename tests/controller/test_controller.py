@@ -18,8 +18,10 @@ from typing import Any, AsyncIterator
 import httpx
 import pytest
 
-from kvmesh.shared import bus, protocol
-from kvmesh.shared.embedded_nats import EmbeddedNats, free_port
+from kvmesh.shared import protocol
+
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats, free_port
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, REMOTE, Subjects
 
 from support.controller import (MODEL, FakeEngineWorker, FakeStore, RawProducer, _has_instance, layout,

@@ -12,10 +12,12 @@ from typing import Any
 
 import httpx
 
-from kvmesh.shared import bus, protocol
-from kvmesh.shared.embedded_nats import EmbeddedNats
-from kvmesh.shared.protocol import LOCAL_CPU, Subjects
+from kvmesh.shared import protocol
+
 from kvmesh.services.controller.service import ControllerService
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
+from kvmesh.shared.protocol import LOCAL_CPU, Subjects
 
 from support.controller import FakeEngineWorker, RawProducer, _has_instance, running_controller, started, wait_layout
 from support.waiting import ManualClock, wait_until_async

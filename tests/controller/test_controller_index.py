@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.shared import protocol
-from kvmesh.shared.keys import ChunkHasher, KeyParams
-from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, REMOTE
 from kvmesh.services.controller.holder_index import HolderIndex
 from kvmesh.services.controller.lookup import LookupEngine
-from kvmesh.services.controller.peers import peer_holders
-from kvmesh.shared.keys import tokens_as_array
 from kvmesh.services.controller.ops import EventLog
+from kvmesh.services.controller.peers import peer_holders
 from kvmesh.services.controller.producers import ProducerTable
+from kvmesh.shared import protocol
+from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, REMOTE
+from kvmesh.shared.wire.keys import ChunkHasher, KeyParams, tokens_as_array
 
 MODEL, FMT = "m", "bf16/x"
 

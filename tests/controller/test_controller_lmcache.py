@@ -21,9 +21,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvmesh.shared.embedded_nats import EmbeddedNats, free_port
-from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
 from kvmesh.services.controller.config import parse_args
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats, free_port
+from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
 
 from support.controller import FakeEngineWorker, FakeStore, running_controller, started, wait_layout
 from support.waiting import WAIT_S, wait_until_async

@@ -22,8 +22,10 @@ from typing import AsyncIterator, Iterator
 import httpx
 import pytest
 
-from kvmesh.shared import bus, protocol
-from kvmesh.shared.embedded_nats import free_port
+from kvmesh.shared import protocol
+
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.embedded_nats import free_port
 from kvmesh.shared.protocol import LOCAL_CPU, Subjects
 
 from support.controller import RawProducer

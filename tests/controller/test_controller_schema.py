@@ -22,10 +22,12 @@ import requests  # noqa: E402  (a schemathesis dependency)
 from hypothesis import HealthCheck, given, settings, strategies  # noqa: E402  (hypothesis comes with schemathesis)
 from schemathesis.checks import not_a_server_error  # noqa: E402
 
-from kvmesh.shared import bus, protocol  # noqa: E402
-from kvmesh.shared.admissions import AdmissionReporter  # noqa: E402
-from kvmesh.shared.embedded_nats import EmbeddedNats  # noqa: E402
-from kvmesh.shared.keys import ChunkHasher, KeyParams  # noqa: E402
+from kvmesh.shared import protocol  # noqa: E402
+
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.admissions import AdmissionReporter  # noqa: E402
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats  # noqa: E402
+from kvmesh.shared.wire.keys import ChunkHasher, KeyParams  # noqa: E402
 from kvmesh.shared.protocol import LOCAL_CPU, Subjects  # noqa: E402
 from kvmesh.services.controller.config import ControllerConfig  # noqa: E402
 from kvmesh.services.controller.service import ControllerService  # noqa: E402

@@ -21,10 +21,11 @@ import pytest
 
 from kvmesh.services.controller.config import parse_args
 from kvmesh.services.controller.service import ControllerService
-from kvmesh.shared import bus, protocol
-from kvmesh.shared.credentials import credentials_for
-from kvmesh.shared.embedded_nats import EmbeddedNats
-from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
+from kvmesh.shared import protocol
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.credentials import credentials_for
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
+from kvmesh.shared.ops.local_mesh import LocalMesh, ServiceSpec
 from kvmesh.shared.protocol import Principal, Subjects
 
 from support.controller import running_controller

@@ -16,12 +16,12 @@ from typing import Iterator
 
 import pytest
 
-from kvmesh.shared import bus
-from kvmesh.shared.credentials import credentials_for
-from kvmesh.shared.embedded_nats import free_port
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.credentials import credentials_for
+from kvmesh.shared.messaging.embedded_nats import free_port
+from kvmesh.shared.ops.service import ping_all
+from kvmesh.shared.ops.store_commands import disk_store, remote_stores
 from kvmesh.shared.protocol import OPERATOR
-from kvmesh.shared.service import ping_all
-from kvmesh.shared.store_commands import disk_store, remote_stores
 
 from support.processes import pid_alive, wait_dead
 from support.waiting import WAIT_S, wait_until_async
@@ -175,7 +175,7 @@ def test_store_options_round_trip_through_their_flags(tmp_path: Path) -> None:
     for options in (remote.RemoteStoreOptions(store_id=f"remote-{i}", capacity_bytes=987_654_321, partition=i,
                                               num_partitions=3, cache_policy="MRU") for i in range(3)):
         assert remote.options_from_args(remote.build_parser().parse_args(options.to_args())) == options
-    # and what `kvmesh up` / the embedded mesh pass (shared/store_commands.py) reads as the store's own options
+    # and what `kvmesh up` / the embedded mesh pass (shared/ops/store_commands.py) reads as the store's own options
     for i, spec in enumerate(remote_stores(987_654_321, 3, "MRU", prefault_bytes=2**20)):
         assert remote.options_from_args(remote.build_parser().parse_args(spec.args)) == remote.RemoteStoreOptions(
             store_id=spec.service_id, capacity_bytes=987_654_321, partition=i, num_partitions=3,

@@ -7,7 +7,7 @@ reference). vLLM's prefix cache is off, so whatever a request does not compute c
 A chat request holds text, one image, then more text, so the image's placeholder tokens sit in a middle chunk.
 The prompts of image A and image B are the SAME token ids (an image becomes a fixed run of placeholder tokens);
 only vLLM's content hash of the image, which the connector mixes into the keys of the chunks that overlap the
-placeholders (services/engine/adapter/request_extras.py, shared/keys.py `KeyExtras`), tells them apart:
+placeholders (services/engine/adapter/request_extras.py, shared/wire/keys.py `KeyExtras`), tells them apart:
 
 1. image A, cold: no hit; the answer is the reference's for A.
 2. image B, same text: the hit stops at the start of the chunk holding the image (the text chunks before it are

@@ -30,11 +30,12 @@ import yaml
 
 from support.e2e import ManagedProcess, VLLMServer, clean_env, free_port, kv_transfer_config, start_vllm
 from support.nats_cluster import NatsCluster
-from kvmesh.shared import bus, protocol
-from kvmesh.shared.bus import NatsAuth
-from kvmesh.shared.credentials import MeshCredentials
+from kvmesh.shared import protocol
 from kvmesh.shared.errors import MeshUnavailable
-from kvmesh.shared.nats_auth import CREDENTIALS_ENV
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.bus import NatsAuth
+from kvmesh.shared.messaging.credentials import MeshCredentials
+from kvmesh.shared.messaging.nats_auth import CREDENTIALS_ENV
 from support.waiting import WAIT_S, wait_until
 
 pytestmark = pytest.mark.vllm

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kvmesh.services.engine.adapter.request_meta import KVMeshConnectorMetadata, LoadSpec, ReqMeta, RequestTracker, SaveSpec
-from kvmesh.shared.config import EngineConfig
+from kvmesh.services.engine.config.engine_config import EngineConfig
 from kvmesh.services.engine.core.kv_layout import NHD_2X, KVLayout
-from kvmesh.shared.keys import ChunkHasher, ChunkSpan, KeyParams, chunk_spans
+from kvmesh.shared.wire.keys import ChunkHasher, ChunkSpan, KeyParams, chunk_spans
 
 connector = pytest.importorskip("kvmesh.services.engine.connector")
 worker_side = pytest.importorskip("kvmesh.services.engine.adapter.worker_side")

@@ -13,30 +13,9 @@ from pathlib import Path
 
 import pytest
 
-# Server-side modules: what a store or the controller runs, never the engine inside vLLM.
-SERVER_MODULES = (
-    "kvmesh.cli",
-    "kvmesh.shared.store_ops",
-    "kvmesh.shared.store_endpoint",
-    "kvmesh.shared.chunk_index",
-    "kvmesh.shared.chunk_claims",
-    "kvmesh.shared.chunk_pins",
-    "kvmesh.services.controller",
-    "kvmesh.services.disk_store.store",
-    "kvmesh.services.disk_store.service",
-    "kvmesh.services.disk_store.writer",
-    "kvmesh.services.disk_store.reader",
-    "kvmesh.services.disk_store.index",
-    "kvmesh.services.disk_store.files",
-    "kvmesh.services.remote_store.store",
-    "kvmesh.services.remote_store.service",
-    "kvmesh.services.remote_store.stream_server",
-    "kvmesh.services.remote_store.buffers",
-    "kvmesh.services.remote_store.persistence",
-)
-
-# Packages the engine imports nothing of: its tiers (services/engine/tiers/) are the stores' clients.
-SERVER_PACKAGES = ("kvmesh.cli", "kvmesh.services.controller", "kvmesh.services.disk_store",
+# Server-side packages, the engine imports nothing of: a store's or the controller's code, and the store kit they are
+# built from (shared/store_kit/); the engine's tiers (services/engine/tiers/) are the stores' clients.
+SERVER_PACKAGES = ("kvmesh.cli", "kvmesh.shared.store_kit", "kvmesh.services.controller", "kvmesh.services.disk_store",
                    "kvmesh.services.remote_store")
 
 
@@ -48,14 +27,13 @@ def loaded_after(statement: str) -> set[str]:
 
 def test_the_engine_loads_no_server_code() -> None:
     """The connector (as vLLM imports it), the cache engine, its tiers, the worker agent, the assembly and the
-    embedded mesh load no module of a server package, nor the server-side modules of shared/."""
+    embedded mesh load no module of a server package (the store kit of shared/ among them)."""
     loaded = loaded_after("import kvmesh.services.engine.connector, kvmesh.services.engine.core.cache_engine, "
                           "kvmesh.services.engine.tiers.registry, kvmesh.services.engine.agents.worker_agent, "
                           "kvmesh.services.engine.assembly, "
                           "kvmesh.services.engine.mesh.embedded")
     assert "kvmesh.services.engine.tiers.remote_stream" in loaded  # the stores' clients, yes
-    leaked = sorted(m for m in loaded if m.startswith(SERVER_MODULES)
-                    or any(m == p or m.startswith(p + ".") for p in SERVER_PACKAGES))
+    leaked = sorted(m for m in loaded if any(m == p or m.startswith(p + ".") for p in SERVER_PACKAGES))
     assert not leaked, f"the engine pulls in server code: {leaked}"
 
 
@@ -63,7 +41,7 @@ def test_the_engine_loads_no_server_code() -> None:
 ENGINE = Path(__file__).resolve().parents[2] / "services" / "engine"
 ENGINE_PACKAGE = "kvmesh.services.engine"
 # bottom to top, as services/engine/__init__.py maps them: a module imports from its own floor and those below
-FLOORS = ("mesh", "tiers", "core", "agents", "assembly", "adapter", "connector")
+FLOORS = ("config", "mesh", "tiers", "core", "agents", "assembly", "adapter", "connector")
 
 
 def floor_of(module: str) -> str:
@@ -125,4 +103,33 @@ def test_every_engine_module_is_on_its_folders_map(folder: str) -> None:
     present = {path.name for path in directory.glob("*.py") if path.name != "__init__.py"}
     present |= {f"{path.name}/" for path in directory.iterdir() if (path / "__init__.py").exists()}
     assert listed == present, (f"services/engine/{folder}/__init__.py: missing {sorted(present - listed)}, "
+                               f"naming what is not there {sorted(listed - present)}")
+
+
+# ---- shared/ -------------------------------------------------------------------------------------------------------
+SHARED = ENGINE.parents[1] / "shared"
+MAPPED_SHARED_FOLDERS = (".", "wire", "messaging", "store_kit", "ops")  # protocol/ and eviction/ map theirs in prose
+
+
+def test_shared_imports_nothing_of_the_services() -> None:
+    """shared/ is the floor under every service: none of its modules imports a service or the CLI, even for types."""
+    upward = []
+    for path in sorted(SHARED.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            upward += [f"{path.relative_to(SHARED)} imports {name}" for name in names
+                       if name.startswith(("kvmesh.services", "kvmesh.cli"))]
+    assert not upward, "shared/ imports a service:\n" + "\n".join(upward)
+
+
+@pytest.mark.parametrize("folder", MAPPED_SHARED_FOLDERS)
+def test_every_shared_module_is_on_its_folders_map(folder: str) -> None:
+    """Each of these folders' `__init__.py` docstring names every module (and sub-folder) in it, and nothing else."""
+    directory = SHARED / folder
+    doc = ast.get_docstring(ast.parse((directory / "__init__.py").read_text()), clean=False) or ""
+    listed = set(re.findall(r"^    (\w+(?:\.py|/))\s", doc, re.M))
+    present = {path.name for path in directory.glob("*.py") if path.name != "__init__.py"}
+    present |= {f"{path.name}/" for path in directory.iterdir() if (path / "__init__.py").exists()}
+    assert listed == present, (f"shared/{folder}/__init__.py: missing {sorted(present - listed)}, "
                                f"naming what is not there {sorted(listed - present)}")

@@ -14,12 +14,12 @@ from typing import Any, Iterator
 import pytest
 import torch
 
+from kvmesh.services.engine.adapter.scheduler_lookup import StepEventLog
 from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.core.layerwise_load import LayerwiseLoader
-from kvmesh.shared.keys import ChunkSpan
-from kvmesh.services.engine.adapter.scheduler_lookup import StepEventLog
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
+from kvmesh.shared.wire.keys import ChunkSpan
 
 from support.kv_oracle import ContextForward
 from support.engine import BLOCK, CHUNK, PagedKV, random_tokens
@@ -289,7 +289,7 @@ def test_a_save_ending_inside_a_chunk_hashed_for_more_tokens_uses_the_shorter_se
     longer chunk's key with fewer tokens."""
     worker, _ = paged
     from kvmesh.services.engine.adapter.request_meta import RequestTracker
-    from kvmesh.shared.keys import ChunkHasher, KeyParams
+    from kvmesh.shared.wire.keys import ChunkHasher, KeyParams
 
     hasher = ChunkHasher(KeyParams("test-model", worker.key_params.kv_format), CHUNK)
     tokens = random_tokens(CHUNK + 8, seed=91).tolist()

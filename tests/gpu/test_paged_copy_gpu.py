@@ -233,7 +233,7 @@ def test_a_store_failing_mid_way_releases_its_slots_only_after_the_queued_copies
     from kvmesh.services.engine.assembly import build_engine
     from kvmesh.services.engine.core import token_api
     from kvmesh.services.engine.tiers import memory_pool
-    from kvmesh.shared.keys import KeyParams
+    from kvmesh.shared.wire.keys import KeyParams
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the engine tests' helpers
     from support.engine import engine_config, random_tokens

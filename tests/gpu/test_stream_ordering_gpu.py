@@ -62,8 +62,8 @@ def test_each_layer_read_after_its_wait_holds_the_loaded_kv() -> None:
 def test_a_saves_gather_on_a_side_stream_reads_what_the_forward_wrote() -> None:
     pytest.importorskip("nats")
     from kvmesh.services.engine.assembly import build_engine
-    from kvmesh.shared.config import EngineConfig
-    from kvmesh.shared.keys import KeyParams
+    from kvmesh.services.engine.config.engine_config import EngineConfig
+    from kvmesh.shared.wire.keys import KeyParams
 
     caches, layout = paged()
     engine = build_engine(EngineConfig(chunk_size=CHUNK, max_local_cpu_size=0.05), KeyParams("m", ""), layout,
@@ -100,8 +100,8 @@ def test_a_grouped_models_save_is_read_before_the_next_forward_rewrites_its_bloc
     from kvmesh.services.engine.adapter.kv_groups import FULL, SLIDING, KVGroup, KVGroups
     from kvmesh.services.engine.adapter.request_meta import KVMeshConnectorMetadata, ReqMeta, SaveSpec
     from kvmesh.services.engine.assembly import build_engine
-    from kvmesh.shared.config import EngineConfig
-    from kvmesh.shared.keys import KeyParams
+    from kvmesh.services.engine.config.engine_config import EngineConfig
+    from kvmesh.shared.wire.keys import KeyParams
 
     caches, layout = paged()
     names = list(caches)

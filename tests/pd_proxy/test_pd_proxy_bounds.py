@@ -21,7 +21,7 @@ from typing import AsyncIterator, Iterator
 import httpx
 import pytest
 
-from kvmesh.shared.embedded_nats import free_port
+from kvmesh.shared.messaging.embedded_nats import free_port
 
 from support.processes import peak_rss_mib
 from support.waiting import WAIT_S, wait_until_async

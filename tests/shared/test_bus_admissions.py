@@ -4,9 +4,11 @@ import asyncio
 
 import pytest
 
-from kvmesh.shared import bus, protocol
-from kvmesh.shared.admissions import AdmissionReporter
+from kvmesh.shared import protocol
+
 from kvmesh.shared.errors import MeshUnavailable
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.admissions import AdmissionReporter
 
 from support.waiting import WAIT_S, wait_until_async
 
@@ -139,12 +141,12 @@ async def test_reporter_numbers_batches_and_answers_sync(nc) -> None:
 
 
 async def test_a_store_that_subscribes_a_moment_late_still_gets_the_request(nc, monkeypatch) -> None:
-    """A store opens a newly listed principal's lane within a moment (shared/store_endpoint.py): a reachable
+    """A store opens a newly listed principal's lane within a moment (shared/store_kit/store_endpoint.py): a reachable
     store's "no responder" is taken for that gap and the request sent again (nobody got it), not a store down."""
     import logging
 
-    from kvmesh.shared.errors import NoResponder
     from kvmesh.services.engine.tiers.base import StoreLink
+    from kvmesh.shared.errors import NoResponder
 
     link = StoreLink("late", "store late", logging.getLogger("test"), "engine.a.w0", retry_interval=60.0)
     tries: list[str] = []

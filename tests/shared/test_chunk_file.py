@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.shared import chunk_file, protocol
-from kvmesh.shared.chunk_file import CorruptChunkFile
+from kvmesh.shared import protocol
+
 from kvmesh.shared.errors import StoreError
+from kvmesh.shared.wire import chunk_file
+from kvmesh.shared.wire.chunk_file import CorruptChunkFile
 
 KEY = bytes(range(16))
 

@@ -1,4 +1,4 @@
-"""Claims in the shared ChunkIndex (shared/chunk_index.py): who put a chunk, a clear that takes back only the
+"""Claims in the shared ChunkIndex (shared/store_kit/chunk_index.py): who put a chunk, a clear that takes back only the
 caller's claims, pinned chunks that outlive their claims, puts in flight, the operator's wipe, and the claim
 table a store persists. The stores' own tests drive the same through NATS (test_disk_store.py,
 test_remote_store.py)."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.shared.chunk_claims import ClaimTable
-from kvmesh.shared.chunk_index import ChunkIndex, ForeignChunk
+from kvmesh.shared.store_kit.chunk_claims import ClaimTable
+from kvmesh.shared.store_kit.chunk_index import ChunkIndex, ForeignChunk
 
 A = "engine.tenant-a.w0"
 B = "engine.tenant-b.w0"

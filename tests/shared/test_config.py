@@ -1,4 +1,4 @@
-"""Tests of shared/config.py: the LMCache-compatible engine configuration (defaults, LMCache's YAML, env, errors)."""
+"""Tests of services/engine/config/engine_config.py: the LMCache-compatible engine configuration (defaults, LMCache's YAML, env, errors)."""
 
 import os
 from dataclasses import FrozenInstanceError
@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.shared.config import GB, EngineConfig, load_engine_config
+from kvmesh.services.engine.config.engine_config import EngineConfig, load_engine_config
 from kvmesh.shared.errors import ConfigError
+from kvmesh.shared.options_cli import GB
 
 # The YAML files of the seeds, verbatim.
 SEED_000_YAML = """\

@@ -7,8 +7,8 @@ import sys
 import nats
 import pytest
 
-from kvmesh.shared.embedded_nats import EmbeddedNats, find_nats_server
 from kvmesh.shared.errors import NatsServerError
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats, find_nats_server
 
 from support.processes import pid_alive, wait_dead
 from support.waiting import WAIT_S
@@ -51,7 +51,7 @@ def test_port_in_use_is_a_clear_error() -> None:
 
 PARENT = """
 import sys, time
-from kvmesh.shared.embedded_nats import EmbeddedNats
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
 server = EmbeddedNats().start()
 print(server.process.pid, flush=True)
 time.sleep(600)  # alive until the test SIGKILLs it
@@ -74,7 +74,7 @@ def test_no_orphan_after_parent_is_sigkilled() -> None:
 def test_free_ports_come_from_below_the_ephemeral_range() -> None:
     """The kernel hands ephemeral ports to outgoing connections: a port chosen there could be taken before the
     server that was to bind it starts (a cluster node's route port was, once)."""
-    from kvmesh.shared.embedded_nats import LOW_PORT, _ephemeral_low, free_port
+    from kvmesh.shared.messaging.embedded_nats import LOW_PORT, _ephemeral_low, free_port
 
     ports = {free_port() for _ in range(20)}
     assert all(LOW_PORT <= port < _ephemeral_low() for port in ports) and len(ports) > 1

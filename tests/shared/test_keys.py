@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvmesh.shared.keys import KEY_BYTES, ChunkHasher, KeyExtras, KeyParams, num_masked_prefix
+from kvmesh.shared.wire.keys import KEY_BYTES, ChunkHasher, KeyExtras, KeyParams, num_masked_prefix
 
 PARAMS = KeyParams(model="meta-llama/Llama-3.1-8B-Instruct", kv_format="bfloat16/LBHNC-128")
 
 KEYS_SCRIPT = """
-from kvmesh.shared.keys import ChunkHasher, KeyParams
+from kvmesh.shared.wire.keys import ChunkHasher, KeyParams
 h = ChunkHasher(KeyParams("meta-llama/Llama-3.1-8B-Instruct", "bfloat16/LBHNC-128"), 256)
 print(",".join(k.hex() for k in h.keys(list(range(1000)))))
 """

@@ -1,4 +1,4 @@
-"""Every LMCache key starts (shared/lmcache_keys.py): honoured, or accepted with one warning per key per process.
+"""Every LMCache key starts (services/engine/config/lmcache_keys.py): honoured, or accepted with one warning per key per process.
 
 The YAML files in tests/data/lmcache/ were written for these tests; together they set every key of
 `LMCACHE_KEYS`, and each loads through `load_engine_config`, the function the connector calls.
@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvmesh.services.engine.config import lmcache_keys
+from kvmesh.services.engine.config.engine_config import EngineConfig, load_engine_config
+from kvmesh.services.engine.config.lmcache_keys import IGNORED, LMCACHE_KEYS
 from kvmesh.services.engine.mesh.embedded import EMBED, JOIN, plan_mesh
-from kvmesh.shared import lmcache_keys
-from kvmesh.shared.config import EngineConfig, load_engine_config
 from kvmesh.shared.errors import ConfigError
-from kvmesh.shared.lmcache_keys import IGNORED, LMCACHE_KEYS
-from kvmesh.shared.redis_url import SCHEMES as REDIS_SCHEMES
+from kvmesh.shared.wire.redis_url import SCHEMES as REDIS_SCHEMES
 
 from support.lmcache_yaml import expected_warnings
 

@@ -23,19 +23,19 @@ import httpx
 import pytest
 import torch
 
+from kvmesh.services.engine.assembly import build_engine
+from kvmesh.services.engine.config.engine_config import load_engine_config
 from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
-from kvmesh.services.engine.assembly import build_engine
-from kvmesh.shared import bus
-from kvmesh.shared.bus import NatsAuth
-from kvmesh.shared.config import load_engine_config
-from kvmesh.shared.credentials import MeshCredentials
-from kvmesh.shared.embedded_nats import EmbeddedNats, free_port
 from kvmesh.shared.errors import ConfigError, MeshUnavailable
-from kvmesh.shared.keys import KeyParams
-from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
-from kvmesh.shared.nats_auth import CREDENTIALS_ENV
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.bus import NatsAuth
+from kvmesh.shared.messaging.credentials import MeshCredentials
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats, free_port
+from kvmesh.shared.messaging.nats_auth import CREDENTIALS_ENV
+from kvmesh.shared.ops.local_mesh import LocalMesh, ServiceSpec
 from kvmesh.shared.protocol import CONTROLLER, LOCAL_DISK, OPERATOR, REMOTE, Principal, disk_store_id
+from kvmesh.shared.wire.keys import KeyParams
 
 from support.nats_cluster import NatsCluster
 from support.controller import running_controller

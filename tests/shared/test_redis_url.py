@@ -1,14 +1,14 @@
-"""Redis / Valkey `remote_url` forms (shared/redis_url.py): every form LMCache accepts, credentials from the URL
+"""Redis / Valkey `remote_url` forms (shared/wire/redis_url.py): every form LMCache accepts, credentials from the URL
 or the environment, and a ConfigError naming `remote_url` for each malformed one."""
 
 from __future__ import annotations
 
 import pytest
 
+from kvmesh.services.engine.config.engine_config import EngineConfig, load_engine_config
 from kvmesh.services.engine.mesh.embedded import plan_mesh
-from kvmesh.shared.config import EngineConfig, load_engine_config
 from kvmesh.shared.errors import ConfigError
-from kvmesh.shared.redis_url import (CLUSTER, PASSWORD_VAR, SENTINEL, STANDALONE, TLS_CA_VAR, USERNAME_VAR,
+from kvmesh.shared.wire.redis_url import (CLUSTER, PASSWORD_VAR, SENTINEL, STANDALONE, TLS_CA_VAR, USERNAME_VAR,
                                      RedisTarget, is_redis_url, parse_redis_url)
 
 NO_ENV: dict[str, str] = {}

@@ -25,15 +25,16 @@ import pytest
 
 from kvmesh.services.controller.config import ControllerConfig
 from kvmesh.services.controller.service import ControllerService
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
-from kvmesh.services.engine.assembly import build_engine
-from kvmesh.shared import bus, protocol
-from kvmesh.shared.credentials import MeshCredentials, local_mesh_dir, provision, server_accepts
+from kvmesh.shared import protocol
 from kvmesh.shared.errors import MeshUnavailable
-from kvmesh.shared.keys import KeyParams
-from kvmesh.shared.local_mesh import LocalMesh
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.credentials import MeshCredentials, local_mesh_dir, provision, server_accepts
+from kvmesh.shared.ops.local_mesh import LocalMesh
 from kvmesh.shared.protocol import CONTROLLER, LOCAL_CPU, OPERATOR, Principal, Subjects
+from kvmesh.shared.wire.keys import KeyParams
 
 from support.engine import CHUNK, PagedKV, disk_store_mesh, engine_config, random_tokens
 from support.waiting import WAIT_S, wait_until_async
@@ -149,7 +150,7 @@ async def test_a_first_connect_retries_credentials_the_server_has_not_loaded_yet
     with pytest.raises(MeshUnavailable, match=r"rejected early-bird .*for 0s"):
         await bus.connect(str(mesh.nats_url), "early-bird", dataclasses.replace(auth, auth_retry_secs=0),
                           allow_reconnect=allow_reconnect)
-    caplog.set_level(logging.WARNING, logger="kvmesh.shared.bus")
+    caplog.set_level(logging.WARNING, logger="kvmesh.shared.messaging.bus")
     connecting = asyncio.ensure_future(bus.connect(
         str(mesh.nats_url), "early-bird", dataclasses.replace(auth, auth_retry_secs=WAIT_S),
         allow_reconnect=allow_reconnect, first_connect_wait=WAIT_S))
@@ -179,7 +180,7 @@ def test_a_mesh_on_a_port_it_picked_starts_without_what_an_earlier_mesh_there_le
     """The directory outlives its mesh (a restart on a given port takes its users back), but a new mesh that drew
     the same free port must not inherit the earlier one's engines and domains map (a store would open lanes for
     them and see several sharing domains)."""
-    import kvmesh.shared.local_mesh as local_mesh
+    import kvmesh.shared.ops.local_mesh as local_mesh
 
     earlier = LocalMesh([])
     earlier.start_nats()
@@ -200,8 +201,8 @@ def test_a_mesh_on_a_port_it_picked_starts_without_what_an_earlier_mesh_there_le
 
 
 def test_a_mesh_directory_left_for_a_port_does_not_speak_for_another_nats_now_on_that_port() -> None:
-    from kvmesh.shared.credentials import PID_FILE
-    from kvmesh.shared.embedded_nats import EmbeddedNats
+    from kvmesh.shared.messaging.credentials import PID_FILE
+    from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
 
     with EmbeddedNats(token="tok-" + os.urandom(8).hex()) as other:  # not KVMesh's: its own token, no user list
         stale = MeshCredentials(local_mesh_dir(other.port))  # what a mesh that ran on this port before left
@@ -538,9 +539,9 @@ async def test_a_store_started_by_hand_next_to_a_kvmesh_nats_adds_its_own_user(m
 
 def test_a_credentials_file_others_can_read_or_that_is_missing_is_a_config_error_naming_the_key(
         tmp_path: Path) -> None:
-    from kvmesh.shared.config import EngineConfig
+    from kvmesh.services.engine.config.engine_auth import auth_from_config
+    from kvmesh.services.engine.config.engine_config import EngineConfig
     from kvmesh.shared.errors import ConfigError
-    from kvmesh.shared.nats_auth import auth_from_config
 
     loose = tmp_path / "engine.x.json"
     loose.write_text('{"user": "engine.x", "password": "p", "inbox_prefix": "_INBOX.engine.x"}')
@@ -559,9 +560,10 @@ def test_external_nats_credentials_that_cannot_work_are_config_errors_naming_the
     import argparse
     import importlib.util
 
-    from kvmesh.shared.config import EngineConfig
+    from kvmesh.services.engine.config.engine_auth import auth_from_config
+    from kvmesh.services.engine.config.engine_config import EngineConfig
     from kvmesh.shared.errors import ConfigError
-    from kvmesh.shared.nats_auth import add_nats_auth_flags, auth_from_config, nats_auth_from_args
+    from kvmesh.shared.messaging.nats_auth import add_nats_auth_flags, nats_auth_from_args
 
     parser = argparse.ArgumentParser()
     add_nats_auth_flags(parser)
@@ -614,7 +616,7 @@ def test_no_password_is_on_a_command_line_or_in_a_child_s_environment_but_its_ow
 async def test_rotating_one_principal_disconnects_its_old_password_and_admits_the_new_one(mesh: LocalMesh) -> None:
     """docs/security.md's rotation of one principal: delete its file, `kvmesh credentials --dir D <principal>`
     makes a new password and reloads the server, which drops the client still on the old one."""
-    from kvmesh.shared.credentials import server_accepts
+    from kvmesh.shared.messaging.credentials import server_accepts
 
     assert mesh.credentials is not None and mesh.nats_url is not None
     host, port = "127.0.0.1", int(mesh.nats_url.rsplit(":", 1)[1])

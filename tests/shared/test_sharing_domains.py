@@ -1,4 +1,4 @@
-"""Sharing domains in a credentials directory (shared/credentials.py): `kvmesh credentials --domain` records
+"""Sharing domains in a credentials directory (shared/messaging/credentials.py): `kvmesh credentials --domain` records
 engines in a domain (domains.json, each engine's file), every domain has its own secret, locally provisioned
 engines are in the default domain, domains.json lists every engine (default ones too: stores serve each listed
 engine on a lane of its own), and a store's DomainMap follows the file as it changes."""
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.shared.credentials import MeshCredentials, SharingDomain, sharing_domain
-from kvmesh.shared.sharing_domains import DEFAULT_DOMAIN, DomainMap, check_domain_name, domains_file_beside
 from kvmesh.shared.errors import ConfigError
+from kvmesh.shared.messaging.credentials import MeshCredentials, SharingDomain, sharing_domain
+from kvmesh.shared.messaging.sharing_domains import DEFAULT_DOMAIN, DomainMap, check_domain_name, domains_file_beside
 
 
 def kvmesh_credentials(directory: Path, *args: str) -> subprocess.CompletedProcess[str]:

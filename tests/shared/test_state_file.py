@@ -1,4 +1,4 @@
-"""State files (shared/state_file.py): `CoalescedSave.save_now` waits for the file, and its callers share writes."""
+"""State files (shared/store_kit/state_file.py): `CoalescedSave.save_now` waits for the file, and its callers share writes."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import threading
 from pathlib import Path
 
 
-from kvmesh.shared.chunk_index import ChunkIndex
-from kvmesh.shared.state_file import (CLAIMS_NAME, CoalescedSave, StoreState, read_msgpack, save_claims,
+from kvmesh.shared.store_kit.chunk_index import ChunkIndex
+from kvmesh.shared.store_kit.state_file import (CLAIMS_NAME, CoalescedSave, StoreState, read_msgpack, save_claims,
                                       write_atomically)
 
 from support.waiting import WAIT_S, wait_until_async

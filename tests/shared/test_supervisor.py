@@ -1,4 +1,4 @@
-"""shared/supervisor.py on a ManualClock with stand-in processes: the restart backoff doubles after each quick
+"""shared/ops/supervisor.py on a ManualClock with stand-in processes: the restart backoff doubles after each quick
 exit up to its cap, starts over after a service stayed up, and only the exited service is touched."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import signal
 
 import pytest
 
-from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
-from kvmesh.shared.supervisor import Backoff, Supervisor, describe_exit
+from kvmesh.shared.ops.local_mesh import LocalMesh, ServiceSpec
+from kvmesh.shared.ops.supervisor import Backoff, Supervisor, describe_exit
 
 from support.waiting import ManualClock
 
@@ -77,7 +77,7 @@ def test_supervisor_restarts_only_the_dead_service_on_the_backoff_schedule(caplo
 
     clock.advance(60.0)  # stayed up: the next exit waits the initial delay again
     mesh.processes[1].returncode = 3
-    with caplog.at_level(logging.INFO, logger="kvmesh.shared.supervisor"):
+    with caplog.at_level(logging.INFO, logger="kvmesh.shared.ops.supervisor"):
         supervisor.step()
         clock.advance(1.0)
         assert [s.service_id for s in supervisor.step()] == []

@@ -22,18 +22,22 @@ from typing import Any, Iterator
 import msgpack
 import pytest
 
-from kvmesh.shared import bus, chunk_file, protocol
-from kvmesh.shared.errors import ConfigError
-from kvmesh.shared.pool_wire import socket_path
-from kvmesh.shared.shm import SharedSegment
+from kvmesh.shared import protocol
+
+from kvmesh.shared.messaging import bus
+
+from kvmesh.services.disk_store.index import Entry, SpaceRefused
+from kvmesh.services.disk_store.options import build_parser, options_from_args
+from kvmesh.services.disk_store.writer import WriteFaults
 from kvmesh.services.engine.tiers.base import ChunkBuffer
 from kvmesh.services.engine.tiers.disk import DiskStoreClient
-from kvmesh.services.disk_store.index import Entry, SpaceRefused
-from kvmesh.shared.chunk_index import ChunkIndex
-from kvmesh.services.disk_store.options import build_parser, options_from_args
 from kvmesh.services.engine.tiers.pool_lending import PoolUnavailable
-from kvmesh.services.disk_store.writer import WriteFaults
-from kvmesh.shared.state_file import CLAIMS_NAME
+from kvmesh.shared.errors import ConfigError
+from kvmesh.shared.store_kit.chunk_index import ChunkIndex
+from kvmesh.shared.store_kit.state_file import CLAIMS_NAME
+from kvmesh.shared.wire import chunk_file
+from kvmesh.shared.wire.pool_wire import socket_path
+from kvmesh.shared.wire.shm import SharedSegment
 
 from support.disk_store import (CHUNK, ENGINE, FILE_BYTES, Harness, chunk, harness,  # noqa: F401 (harness: a fixture)
                                 key_of)
@@ -560,7 +564,7 @@ async def test_a_checksum_of_0_is_refused_at_put_and_a_file_claiming_one_is_corr
     assert await harness.held(3, 4) == [False, False] and chunk_files(harness.root) == []
 
 
-# ---- pools lent over the pool socket (shared/pool_wire.py, engine/tiers/pool_lending.py, pools.py) ------------
+# ---- pools lent over the pool socket (shared/wire/pool_wire.py, engine/tiers/pool_lending.py, pools.py) ------------
 
 async def test_a_pool_token_serves_only_the_caller_that_lent_it_and_only_inside_the_pool(
         harness: Harness, segment: SharedSegment) -> None:
@@ -765,7 +769,7 @@ async def test_two_meshes_on_one_host_with_stores_of_the_same_id_each_get_their_
         tmp_path: Path) -> None:
     """Two vLLMs on one host, each embedding its own mesh, both name their disk store after the host: each
     engine must lend its pool to its own store, never to the other mesh's (its puts would all be refused)."""
-    from kvmesh.shared.embedded_nats import EmbeddedNats
+    from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
 
     harnesses: list[Harness] = []
     with EmbeddedNats() as first_nats, EmbeddedNats() as second_nats:
@@ -796,7 +800,7 @@ async def test_two_meshes_on_one_host_with_stores_of_the_same_id_each_get_their_
 async def test_the_pool_socket_follows_the_store_to_a_restarted_nats_server(tmp_path: Path) -> None:
     """A NATS server restarted on its port is another server (a new id, so another pool socket name): the store,
     reconnected, listens where that server's engines look, so an engine that connects now lends its pool."""
-    from kvmesh.shared.embedded_nats import EmbeddedNats, free_port
+    from kvmesh.shared.messaging.embedded_nats import EmbeddedNats, free_port
 
     port = free_port()
     server = EmbeddedNats(port=port).start()

@@ -17,12 +17,16 @@ from typing import Iterator
 
 import pytest
 
-from kvmesh.shared import bus, chunk_file, protocol
-from kvmesh.shared.embedded_nats import EmbeddedNats, _die_with_parent
-from kvmesh.shared.shm import SharedSegment
-from kvmesh.shared.store_commands import disk_store
+from kvmesh.shared import protocol
+
+from kvmesh.shared.messaging import bus
+
 from kvmesh.services.engine.tiers.base import ChunkBuffer
 from kvmesh.services.engine.tiers.disk import DiskStoreClient
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats, _die_with_parent
+from kvmesh.shared.ops.store_commands import disk_store
+from kvmesh.shared.wire import chunk_file
+from kvmesh.shared.wire.shm import SharedSegment
 
 from support.disk_store_process import (CHUNK, ENGINE, SLOTS, StoreProcess, data_of, key_of, meta_of, put_pool,
                                         slot)
@@ -125,8 +129,8 @@ async def test_cache_policy_flag_reaches_the_store(nc, store: StoreProcess, segm
 # An engine process: makes its pool, fills it with chunk 1's bytes, lends it, prints the token, waits for death.
 ENGINE_PROCESS = """
 import hashlib, sys
-from kvmesh.shared.shm import SharedSegment
 from kvmesh.services.engine.tiers.pool_lending import register
+from kvmesh.shared.wire.shm import SharedSegment
 segment = SharedSegment.create({size})
 segment.buf[:{size}] = hashlib.shake_256(b"data-1").digest({size})
 lent = register({store_id!r}, {caller!r}, segment, 30.0, {scope!r})  # held: the loan lasts while its connection is open
@@ -225,7 +229,7 @@ async def test_a_second_store_on_the_same_directory_is_refused(nc, store: StoreP
 
 
 async def test_started_with_the_flags_an_engine_passes(nc, nats_server: EmbeddedNats, tmp_path: Path) -> None:
-    """The engine's embedded mesh starts its disk store with the flags shared/store_commands.py writes from the
+    """The engine's embedded mesh starts its disk store with the flags shared/ops/store_commands.py writes from the
     engine config (local_disk, max_local_disk_size, cache_policy): the store reads no LMCACHE_CONFIG_FILE."""
     disk = tmp_path / "not" / "yet" / "there"
     process = StoreProcess(nats_server.url, disk, tmp_path)

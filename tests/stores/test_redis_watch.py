@@ -16,13 +16,14 @@ from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.tiers.redis import RedisTier
 from kvmesh.services.remote_store.redis_watch import RedisWatch
-from kvmesh.shared import bus, protocol
-from kvmesh.shared.embedded_nats import EmbeddedNats
-from kvmesh.shared.keys import KeyParams
-from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
+from kvmesh.shared import protocol
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
+from kvmesh.shared.ops.local_mesh import LocalMesh, ServiceSpec
 from kvmesh.shared.protocol import LOCAL_CPU, REMOTE
-from kvmesh.shared.redis_keys import RedisKeys
-from kvmesh.shared.redis_url import parse_redis_url
+from kvmesh.shared.wire.keys import KeyParams
+from kvmesh.shared.wire.redis_keys import RedisKeys
+from kvmesh.shared.wire.redis_url import parse_redis_url
 
 from support.redis_server import RedisServer
 from support.store_events import admission_batches

@@ -12,14 +12,18 @@ import os
 import numpy as np
 import pytest
 
-from kvmesh.shared import bus, chunk_file, protocol
-from kvmesh.shared.config import GB
-from kvmesh.shared.chunk_index import ChunkIndex, SpaceRefused
+from kvmesh.shared import protocol
+
+from kvmesh.shared.messaging import bus
+
 from kvmesh.services.engine.tiers.base import ChunkBuffer
-from kvmesh.services.remote_store.options import build_parser, options_from_args
 from kvmesh.services.engine.tiers.remote import RemoteStoreClient
-from kvmesh.shared.partition import partition_of
+from kvmesh.services.remote_store.options import build_parser, options_from_args
 from kvmesh.services.remote_store.service import RemoteStoreService
+from kvmesh.shared.options_cli import GB
+from kvmesh.shared.store_kit.chunk_index import ChunkIndex, SpaceRefused
+from kvmesh.shared.wire import chunk_file
+from kvmesh.shared.wire.partition import partition_of
 
 from support.remote_store import ENGINE, MiB, chunk, nats_url, one_store, start_stores  # noqa: F401 (fixtures)
 from support.store_events import admission_batches

@@ -14,15 +14,17 @@ from typing import AsyncIterator
 import numpy as np
 import pytest
 
-from kvmesh.shared import bus, protocol
-from kvmesh.shared.embedded_nats import EmbeddedNats
-from kvmesh.shared.errors import ConfigError
+from kvmesh.shared import protocol
+
 from kvmesh.services.engine.tiers.base import ChunkBuffer
 from kvmesh.services.engine.tiers.remote import RemoteStoreClient
 from kvmesh.services.remote_store.options import RemoteStoreOptions, build_parser, options_from_args
 from kvmesh.services.remote_store.service import RemoteStoreService
 from kvmesh.services.remote_store.store import RESERVE_STEP
-from kvmesh.shared.stream_wire import (
+from kvmesh.shared.errors import ConfigError
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
+from kvmesh.shared.wire.stream_wire import (
     OP_HELLO,
     OP_PUT,
     REQUEST_HEAD,

@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvmesh.shared.config import GB
-from kvmesh.shared.errors import ConfigError
 from kvmesh.services.engine.tiers.base import ChunkBuffer
-from kvmesh.services.remote_store.buffers import PAGE, BufferPool, address_of, size_class
 from kvmesh.services.engine.tiers.remote import RemoteStoreClient
+from kvmesh.services.remote_store.buffers import PAGE, BufferPool, address_of, size_class
 from kvmesh.services.remote_store.options import RemoteStoreOptions, build_parser, options_from_args
 from kvmesh.services.remote_store.store import MemoryStore, PutRefused
+from kvmesh.shared.errors import ConfigError
+from kvmesh.shared.options_cli import GB
 
 from support.remote_store import ENGINE, MiB, chunk, nats_url, one_store, start_stores  # noqa: F401 (fixtures)
 from support.waiting import WAIT_S, wait_until_async

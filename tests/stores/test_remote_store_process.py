@@ -22,13 +22,17 @@ import msgpack
 import numpy as np
 import pytest
 
-from kvmesh.shared import bus, chunk_file, protocol, stream_wire
-from kvmesh.shared.embedded_nats import EmbeddedNats, _die_with_parent
-from kvmesh.shared.errors import MeshUnavailable
-from kvmesh.shared.partition import partition_of
-from kvmesh.services.engine.tiers.base import ChunkBuffer
+from kvmesh.shared import protocol
+
+from kvmesh.shared.messaging import bus
+
 from kvmesh.services.engine.tiers import remote_stream
+from kvmesh.services.engine.tiers.base import ChunkBuffer
 from kvmesh.services.engine.tiers.remote import RemoteStoreClient
+from kvmesh.shared.errors import MeshUnavailable
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats, _die_with_parent
+from kvmesh.shared.wire import chunk_file, stream_wire
+from kvmesh.shared.wire.partition import partition_of
 
 from support.remote_store import ENGINE, MiB, nats_url  # noqa: F401 (nats_url: a fixture)
 from support.waiting import WAIT_S, wait_until_async
@@ -114,10 +118,12 @@ def make_chunk(nbytes: int, seed: int, key: bytes | None = None, num_tokens: int
 ENGINE_SCRIPT = r"""
 import asyncio, sys
 import numpy as np
-from kvmesh.shared import bus, chunk_file, protocol
-from kvmesh.shared.keys import ChunkHasher, KeyParams
 from kvmesh.services.engine.tiers.base import ChunkBuffer
 from kvmesh.services.engine.tiers.remote import RemoteStoreClient
+from kvmesh.shared import protocol
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.wire import chunk_file
+from kvmesh.shared.wire.keys import ChunkHasher, KeyParams
 
 async def main(url, store_ids, mode):
     nc = await bus.connect(url, "engine-" + mode)

@@ -1,4 +1,4 @@
-"""Bounds a NATS client can push on at both stores (issue 13; shared/store_bounds.py): inline put size, the
+"""Bounds a NATS client can push on at both stores (issue 13; shared/store_kit/store_bounds.py): inline put size, the
 request queue of each op (a flood is dropped and counted, the store keeps its connection), keys per request
 (repeats act once, also across a restart), and full syncs merged and rate-limited per producer. Stores run in
 this test's event loop on a real nats-server, with their own NATS connections where the connection matters.
@@ -14,19 +14,21 @@ from typing import Any, AsyncIterator
 
 import pytest
 
-from kvmesh.shared import bus, protocol
-from kvmesh.shared.config import GB
-from kvmesh.shared.embedded_nats import EmbeddedNats
-from kvmesh.shared.errors import ConfigError, MeshUnavailable
-from kvmesh.shared.store_bounds import StoreBounds
-from kvmesh.services.engine.tiers.base import ChunkBuffer
+from kvmesh.shared import protocol
+
 from kvmesh.services.disk_store import options as disk_options
 from kvmesh.services.disk_store.options import DiskStoreOptions
 from kvmesh.services.disk_store.service import DiskStoreService
-from kvmesh.services.remote_store import options as remote_options
+from kvmesh.services.engine.tiers.base import ChunkBuffer
 from kvmesh.services.engine.tiers.remote import RemoteStoreClient
+from kvmesh.services.remote_store import options as remote_options
 from kvmesh.services.remote_store.options import RemoteStoreOptions
 from kvmesh.services.remote_store.service import RemoteStoreService
+from kvmesh.shared.errors import ConfigError, MeshUnavailable
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
+from kvmesh.shared.options_cli import GB
+from kvmesh.shared.store_kit.store_bounds import StoreBounds
 
 from support.controller import running_controller
 from support.remote_store import ENGINE, MiB, chunk
@@ -97,7 +99,9 @@ async def test_an_inline_put_over_the_bound_gets_an_error_naming_the_flag_at_bot
 FLOOD = """
 import asyncio, sys
 import numpy as np
-from kvmesh.shared import bus, chunk_file, protocol
+from kvmesh.shared import protocol
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.wire import chunk_file
 
 async def flood(url, subject, inbox, count, nbytes):
     nc = await bus.connect(url, "flooder")

@@ -32,11 +32,12 @@ from kvmesh.services.disk_store.options import DiskStoreOptions
 from kvmesh.services.disk_store.service import DiskStoreService
 from kvmesh.services.remote_store.options import RemoteStoreOptions
 from kvmesh.services.remote_store.service import RemoteStoreService
-from kvmesh.shared import bus, protocol
-from kvmesh.shared.config import GB
-from kvmesh.shared.local_mesh import LocalMesh
+from kvmesh.shared import protocol
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.ops.local_mesh import LocalMesh
+from kvmesh.shared.options_cli import GB
 from kvmesh.shared.protocol import Principal
-from kvmesh.shared.store_bounds import StoreBounds
+from kvmesh.shared.store_kit.store_bounds import StoreBounds
 
 from support.remote_store import MiB, chunk
 from support.store_answers import answered
@@ -53,7 +54,9 @@ ROUNDS = 100  # tenant A's rounds of contains / get / pin / unpin / stats at eac
 FLOOD = """
 import asyncio, os, sys
 import numpy as np
-from kvmesh.shared import bus, chunk_file, protocol
+from kvmesh.shared import protocol
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.wire import chunk_file
 
 async def flood(url, caller, store_ids):
     auth = bus.NatsAuth(user=os.environ["FLOOD_USER"], password=os.environ["FLOOD_PASSWORD"])

@@ -19,14 +19,16 @@ import pytest
 
 from kvmesh.services.disk_store.options import DiskStoreOptions
 from kvmesh.services.disk_store.service import DiskStoreService
+from kvmesh.services.engine.tiers.base import ChunkBuffer
 from kvmesh.services.engine.tiers.remote import RemoteStoreClient
 from kvmesh.services.remote_store.options import RemoteStoreOptions
 from kvmesh.services.remote_store.service import RemoteStoreService
-from kvmesh.shared import bus, chunk_file, protocol
-from kvmesh.shared.credentials import MeshCredentials, local_mesh_dir, server_accepts
-from kvmesh.shared.local_mesh import LocalMesh
+from kvmesh.shared import protocol
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.credentials import MeshCredentials, local_mesh_dir, server_accepts
+from kvmesh.shared.ops.local_mesh import LocalMesh
 from kvmesh.shared.protocol import Principal, Subjects
-from kvmesh.services.engine.tiers.base import ChunkBuffer
+from kvmesh.shared.wire import chunk_file
 
 from support.store_answers import answered
 from support.waiting import WAIT_S, wait_until_async

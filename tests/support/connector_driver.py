@@ -21,11 +21,11 @@ from kvmesh.services.engine.adapter.kv_events import KVEventLog
 from kvmesh.services.engine.adapter.scheduler_lookup import SchedulerLookup, engines
 from kvmesh.services.engine.adapter.scheduler_side import SchedulerSide
 from kvmesh.services.engine.adapter.worker_side import WorkerSide
-from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.assembly import build_engine
+from kvmesh.services.engine.config.engine_config import EngineConfig
+from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.core.kv_layout import KVLayout
-from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.keys import KeyParams
+from kvmesh.shared.wire.keys import KeyParams
 
 from support.engine import engine_config
 from support.waiting import WAIT_S

@@ -11,13 +11,15 @@ from typing import Any, AsyncIterator, Callable
 
 import httpx
 
-from kvmesh.shared import bus, protocol
-from kvmesh.shared.credentials import credentials_for
-from kvmesh.shared.admissions import AdmissionReporter
-from kvmesh.shared.keys import ChunkHasher, KeyParams
-from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, Subjects
+from kvmesh.shared import protocol
+
 from kvmesh.services.controller.config import ControllerConfig
 from kvmesh.services.controller.service import ControllerService
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.admissions import AdmissionReporter
+from kvmesh.shared.messaging.credentials import credentials_for
+from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, Subjects
+from kvmesh.shared.wire.keys import ChunkHasher, KeyParams
 
 from support.waiting import WAIT_S, wait_until_async
 

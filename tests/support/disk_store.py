@@ -12,14 +12,18 @@ from typing import Any, AsyncIterator, Callable
 
 import pytest
 
-from kvmesh.shared import bus, chunk_file, protocol
-from kvmesh.shared.shm import SharedSegment
-from kvmesh.services.engine.tiers.base import ChunkBuffer
-from kvmesh.services.engine.tiers.disk import DiskStoreClient
+from kvmesh.shared import protocol
+
+from kvmesh.shared.messaging import bus
+
 from kvmesh.services.disk_store.options import DiskStoreOptions
-from kvmesh.services.engine.tiers.pool_lending import Registration, register
 from kvmesh.services.disk_store.service import DiskStoreService
 from kvmesh.services.disk_store.writer import WriteFaults
+from kvmesh.services.engine.tiers.base import ChunkBuffer
+from kvmesh.services.engine.tiers.disk import DiskStoreClient
+from kvmesh.services.engine.tiers.pool_lending import Registration, register
+from kvmesh.shared.wire import chunk_file
+from kvmesh.shared.wire.shm import SharedSegment
 
 from support.waiting import WAIT_S
 

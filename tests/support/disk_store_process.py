@@ -12,12 +12,16 @@ import sys
 import uuid
 from pathlib import Path
 
-from kvmesh.shared import bus, chunk_file, protocol
-from kvmesh.shared.embedded_nats import _die_with_parent
-from kvmesh.shared.errors import MeshUnavailable
-from kvmesh.shared.shm import SharedSegment
+from kvmesh.shared import protocol
+
+from kvmesh.shared.messaging import bus
+
 from kvmesh.services.engine.tiers.base import ChunkBuffer
 from kvmesh.services.engine.tiers.disk import DiskStoreClient
+from kvmesh.shared.errors import MeshUnavailable
+from kvmesh.shared.messaging.embedded_nats import _die_with_parent
+from kvmesh.shared.wire import chunk_file
+from kvmesh.shared.wire.shm import SharedSegment
 
 from support.waiting import WAIT_S, wait_until_async
 

@@ -12,9 +12,9 @@ from typing import Iterator
 
 import torch
 
+from kvmesh.services.engine.config.engine_config import EngineConfig
 from kvmesh.services.engine.core.kv_layout import KVLayout, cpu_token_views, detect_layout
-from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
+from kvmesh.shared.ops.local_mesh import LocalMesh, ServiceSpec
 from kvmesh.shared.protocol import disk_store_id
 
 from support.waiting import WAIT_S

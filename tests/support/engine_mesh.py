@@ -10,12 +10,12 @@ from typing import Iterator
 import pytest
 import torch
 
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
-from kvmesh.services.engine.assembly import build_engine
-from kvmesh.shared.keys import KeyParams
-from kvmesh.shared.local_mesh import LocalMesh
+from kvmesh.shared.ops.local_mesh import LocalMesh
 from kvmesh.shared.protocol import LOCAL_DISK
+from kvmesh.shared.wire.keys import KeyParams
 
 from support.engine import PagedKV, disk_store_mesh, engine_config
 from support.waiting import WAIT_S

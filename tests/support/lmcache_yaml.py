@@ -3,7 +3,7 @@ the keys a file sets that KVMesh names in a warning."""
 
 from __future__ import annotations
 
-from kvmesh.shared.lmcache_keys import IGNORED
+from kvmesh.services.engine.config.lmcache_keys import IGNORED
 
 
 def expected_warnings(data: dict[str, object]) -> list[str]:

@@ -13,8 +13,8 @@ import signal
 
 import httpx
 
-from kvmesh.shared.credentials import AUTHORIZATION_FILE, MeshCredentials
-from kvmesh.shared.embedded_nats import EmbeddedNats, free_port
+from kvmesh.shared.messaging.credentials import AUTHORIZATION_FILE, MeshCredentials
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats, free_port
 from support.waiting import WAIT_S, wait_until
 
 

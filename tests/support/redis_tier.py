@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import random
 
-from kvmesh.services.engine.tiers.redis import RedisTier
-from kvmesh.shared import chunk_file, protocol
-from kvmesh.shared.keys import KEY_BYTES
 from kvmesh.services.engine.tiers.base import ChunkBuffer
+from kvmesh.services.engine.tiers.redis import RedisTier
+from kvmesh.shared import protocol
+from kvmesh.shared.wire import chunk_file
+from kvmesh.shared.wire.keys import KEY_BYTES
 
 TIER_LOG = "kvmesh.services.engine.tiers.redis"
 

@@ -9,11 +9,15 @@ from typing import AsyncIterator
 import numpy as np
 import pytest
 
-from kvmesh.shared import bus, chunk_file, protocol
-from kvmesh.shared.embedded_nats import EmbeddedNats
+from kvmesh.shared import protocol
+
+from kvmesh.shared.messaging import bus
+
 from kvmesh.services.engine.tiers.remote import RemoteStoreClient
 from kvmesh.services.remote_store.options import RemoteStoreOptions
 from kvmesh.services.remote_store.service import RemoteStoreService
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
+from kvmesh.shared.wire import chunk_file
 
 from support.waiting import WAIT_S
 

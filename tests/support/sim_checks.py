@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from kvmesh.services.engine.adapter.request_extras import request_extras
-from kvmesh.shared import chunk_file
-from kvmesh.shared.keys import ChunkHasher, ChunkKey, state_key
+from kvmesh.shared.wire import chunk_file
+from kvmesh.shared.wire.keys import ChunkHasher, ChunkKey, state_key
 
 from support.engine import BLOCK, CHUNK
 from support.sim_kinds import SLIDING, STATE_ROLES, GroupKind

@@ -45,9 +45,9 @@ from typing import Any, Callable, Iterator
 import torch
 
 from kvmesh.services.engine.core.layerwise_load import LayerwiseLoader
-from kvmesh.shared import chunk_file
-from kvmesh.shared.keys import ChunkHasher, state_key
 from kvmesh.shared.protocol import LOCAL_DISK
+from kvmesh.shared.wire import chunk_file
+from kvmesh.shared.wire.keys import ChunkHasher, state_key
 
 from support.engine import BLOCK, CHUNK, disk_store_mesh
 from support.sim_checks import Checks, KeyBook, Violation

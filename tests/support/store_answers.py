@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kvmesh.shared import bus, protocol
+from kvmesh.shared import protocol
+
+from kvmesh.shared.messaging import bus
 
 from support.waiting import WAIT_S
 

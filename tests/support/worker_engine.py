@@ -10,9 +10,9 @@ from typing import Iterator
 import pytest
 
 from kvmesh.services.engine.adapter.scheduler_lookup import StepEventLog, engines
-from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.assembly import build_engine
-from kvmesh.shared.local_mesh import LocalMesh
+from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.shared.ops.local_mesh import LocalMesh
 from kvmesh.shared.protocol import LOCAL_DISK
 
 from support.engine import PagedKV, engine_config

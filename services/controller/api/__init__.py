@@ -11,7 +11,7 @@ any JSON parser recurses into it), token lists longer than `max_tokens` are 413 
 many are refused before they are read, and the stream is cut as soon as it passes the limit), a missing or wrong
 bearer token is 401 when auth is on (checked before the body is read). Bodies over --large-body-bytes are read
 --max-large-bodies at a time, --large-body-queue more wait unread, the rest get 503 with Retry-After (`BodySlots`,
-shared/http_gate.py):
+shared/ops/http_gate.py):
 each holds its parsed token list until answered, so this bounds the controller's memory. /lookup is the hot path: its body is checked by msgspec and its token list parsed by numpy
 straight into the int64 array the hasher reads (see lookup_body.py), with the same rules as the schema the
 OpenAPI document declares (~4x faster than FastAPI's json + pydantic for an 8k-token body here).

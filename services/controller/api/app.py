@@ -12,7 +12,7 @@ from kvmesh.services.controller.api.lookup_body import lookup_handler
 from kvmesh.services.controller.api.routes import on_controller_error, on_http_error, router
 from kvmesh.services.controller.core import ControllerCore
 from kvmesh.services.controller.errors import ControllerError
-from kvmesh.shared.http_gate import BodySlots
+from kvmesh.shared.ops.http_gate import BodySlots
 
 
 def create_app(core: ControllerCore, lookup_fast_path: bool = True) -> FastAPI:

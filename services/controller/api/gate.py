@@ -5,7 +5,7 @@ from __future__ import annotations
 from starlette.types import ASGIApp, Scope, Send
 
 from kvmesh.services.controller.api.lookup_body import LookupHandler
-from kvmesh.shared.http_gate import BodyGate, BodySlots, send_bytes
+from kvmesh.shared.ops.http_gate import BodyGate, BodySlots, send_bytes
 
 # Open even with auth on: the REST server's own health, and the API's documentation.
 OPEN_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
@@ -15,7 +15,7 @@ MAX_JSON_DEPTH = 32
 
 
 class Gate(BodyGate):
-    """The controller's `BodyGate` (shared/http_gate.py: 401 without the token when one is configured, 413 past
+    """The controller's `BodyGate` (shared/ops/http_gate.py: 401 without the token when one is configured, 413 past
     `max_body`, a turn for large bodies, 422 for bodies nested too deep), with POST /lookup answered right here.
 
     /lookup is the one hot endpoint; serving it at the ASGI layer skips FastAPI's routing, dependency solving

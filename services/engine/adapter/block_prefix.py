@@ -1,6 +1,6 @@
 """Hits that end inside a chunk, at a vLLM block boundary ("block prefixes").
 
-Chunk keys are prefix hashes over whole chunks of C tokens (shared/keys.py), so a prompt that extends an
+Chunk keys are prefix hashes over whole chunks of C tokens (shared/wire/keys.py), so a prompt that extends an
 earlier one by a few tokens misses the chunk the earlier prompt ended in: in a multi-turn chat, each turn's
 prompt ends mid-chunk and the next turn recomputes up to C - 1 tokens that were computed before. vLLM's own
 prefix cache reuses at block granularity (B tokens, B divides C), so at C = 256 and B = 128 it beat KVMesh by
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
-from kvmesh.shared.keys import ChunkHasher, ChunkSpan, KeyExtras
+from kvmesh.shared.wire.keys import ChunkHasher, ChunkSpan, KeyExtras
 
 if TYPE_CHECKING:
     from kvmesh.services.engine.adapter.scheduler_lookup import LowerLookup, SchedulerLookup

@@ -43,7 +43,7 @@ from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KV
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
 from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents
-from kvmesh.shared.keys import ChunkKey, ChunkSpan, KeyExtras, KeyParams
+from kvmesh.shared.wire.keys import ChunkKey, ChunkSpan, KeyExtras, KeyParams
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ What each kind needs:
     page holds an older state or nothing. `KVGroups.state_pages` names exactly those two pages, with the
     position each holds, computed from the inputs vLLM's backends use (the KV cache config's hash block size
     and cache-hit alignment, the spec's checkpoint alignment, EAGLE's block drop). A state is stored beside
-    the chunk ending at that position, under the chunk's state key (`shared.keys.state_key`), only when one of
+    the chunk ending at that position, under the chunk's state key (`shared.wire.keys.state_key`), only when one of
     those pages holds it; a page is never taken for the state at its block's end. It is stored as one page per
     state layer (`page_view`: a state page copies like an attention page of the same size), and a hit ends
     only at a chunk whose state every rank holds (the scheduler looks the candidates up longest first). The
@@ -45,7 +45,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from kvmesh.shared.keys import STATE_GROUP_TAG
+from kvmesh.shared.wire.keys import STATE_GROUP_TAG
 
 FULL = "full"
 SLIDING = "sliding"

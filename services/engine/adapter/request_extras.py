@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from kvmesh.shared.keys import KEY_BYTES, KeyExtras
+from kvmesh.shared.wire.keys import KEY_BYTES, KeyExtras
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from kvmesh.services.engine.adapter.load_agreement import RankAgreement
 from kvmesh.services.engine.adapter.request_meta import LoadSpec, ReqMeta
 from kvmesh.services.engine.adapter.request_slots import RequestSlots
 from kvmesh.services.engine.core.layerwise_load import ChunkCopy
-from kvmesh.shared.keys import ChunkSpan
+from kvmesh.shared.wire.keys import ChunkSpan
 
 if TYPE_CHECKING:
     from kvmesh.services.engine.core.cache_engine import CacheEngine

@@ -33,7 +33,7 @@ import torch
 
 from kvmesh.services.engine.adapter.block_prefix import saved_prefix_end
 from kvmesh.services.engine.adapter.kv_groups import slot_rows
-from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyExtras
+from kvmesh.shared.wire.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyExtras
 
 if TYPE_CHECKING:
     from kvmesh.services.engine.adapter.block_prefix import BlockPrefixProbe

@@ -9,7 +9,7 @@ import torch
 
 from kvmesh.services.engine.adapter.kv_groups import KVGroups
 from kvmesh.services.engine.adapter.request_meta import ReqMeta
-from kvmesh.shared.keys import ChunkKey, ChunkSpan
+from kvmesh.shared.wire.keys import ChunkKey, ChunkSpan
 
 if TYPE_CHECKING:
     from kvmesh.services.engine.core.cache_engine import CacheEngine

@@ -19,7 +19,7 @@ from kvmesh.services.engine.adapter.connector_stats import KVMeshStats
 from kvmesh.services.engine.adapter.request_load import LoadFailures
 from kvmesh.services.engine.adapter.request_meta import ReqMeta, SaveSpec
 from kvmesh.services.engine.adapter.request_slots import RequestSlots
-from kvmesh.shared.keys import ChunkSpan
+from kvmesh.shared.wire.keys import ChunkSpan
 
 if TYPE_CHECKING:
     from kvmesh.services.engine.core.cache_engine import CacheEngine

@@ -35,11 +35,12 @@ from typing import TYPE_CHECKING, Sequence
 
 from kvmesh.services.engine.adapter.pd import PeerHint
 from kvmesh.services.engine.agents.rendezvous import PublishedWorker, find_workers, remove_published
-from kvmesh.shared import bus, protocol
-from kvmesh.shared.credentials import credentials_for
+from kvmesh.shared import protocol
 from kvmesh.shared.errors import KVMeshError
-from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyParams
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.credentials import credentials_for
 from kvmesh.shared.processes import pid_alive
+from kvmesh.shared.wire.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyParams
 
 if TYPE_CHECKING:
     from kvmesh.services.engine.core.cache_engine import CacheEngine

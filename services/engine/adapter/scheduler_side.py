@@ -28,9 +28,9 @@ from kvmesh.services.engine.adapter.request_meta import (
 )
 from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, SchedulerLookup
 from kvmesh.services.engine.adapter.vllm_blocks import VllmBlocks
-from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, state_key
-from kvmesh.shared.nats_auth import engine_auth
+from kvmesh.services.engine.config.engine_auth import engine_auth
+from kvmesh.services.engine.config.engine_config import EngineConfig
+from kvmesh.shared.wire.keys import ChunkHasher, ChunkKey, ChunkSpan, state_key
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -26,10 +26,10 @@ from kvmesh.services.engine.adapter.request_meta import KVMeshConnectorMetadata,
 from kvmesh.services.engine.adapter.request_slots import RequestSlots
 from kvmesh.services.engine.adapter.saves import Saves
 from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, StepEventLog, engines
+from kvmesh.services.engine.config.engine_config import EngineConfig
 from kvmesh.services.engine.core.layerwise_load import ChunkCopy, LayerwiseLoader
 from kvmesh.services.engine.mesh import side_cpus
-from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.keys import KeyParams
+from kvmesh.shared.wire.keys import KeyParams
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata

@@ -7,7 +7,9 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from kvmesh.shared import bus, protocol
+from kvmesh.shared import protocol
+
+from kvmesh.shared.messaging import bus
 
 if TYPE_CHECKING:
     from kvmesh.services.engine.core.cache_engine import CacheEngine

@@ -1,12 +1,12 @@
 """An engine's CPU tier served to its peers (P2P hits, docs/architecture.md): the stream server of the remote
-store's data path (shared/stream_server.py), reading from the CPU tier, gets only.
+store's data path (shared/wire/stream_server.py), reading from the CPU tier, gets only.
 
 Threads: `PeerServer` runs the stream on an event loop thread of its own ("kvmesh-p2p-<worker>", off vLLM's
 compute cores like the NATS loop): a peer pulling chunks never delays this worker's NATS traffic (heartbeats,
 admissions, lookups, commands), nor vLLM's forward. On the engine's NATS loop it only hands out single-use
 tickets to the workers that ask on this worker's peer subject, `kvmesh.p2p.<domain>.<instance>.<worker>.<caller
 path>`: NATS lets only engines of the same sharing domain ask there, each in its own name
-(shared/nats_permissions.py).
+(shared/messaging/nats_permissions.py).
 
 Bounds (engine config keys, docs/config.md; `ClientBounds`): connections that have not presented a ticket yet,
 `p2p_max_pending_connections` in all and `p2p_max_pending_per_address` per source address (a new one closes the
@@ -38,11 +38,12 @@ from nats.aio.subscription import Subscription
 
 from kvmesh.services.engine.mesh.side_cpus import move_to_side_cpus
 from kvmesh.services.engine.tiers.cpu import ChunkRef, LocalCPUBackend
-from kvmesh.shared import bus, protocol
-from kvmesh.shared.chunk_file import checksum
-from kvmesh.shared.keys import ChunkKey
+from kvmesh.shared import protocol
+from kvmesh.shared.messaging import bus
 from kvmesh.shared.protocol import ChunkMeta, Subjects
-from kvmesh.shared.stream_server import ClientBounds, OptionNames, StreamServer
+from kvmesh.shared.wire.chunk_file import checksum
+from kvmesh.shared.wire.keys import ChunkKey
+from kvmesh.shared.wire.stream_server import ClientBounds, OptionNames, StreamServer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -58,7 +59,7 @@ class _Held:
 
 
 class CpuTierSource:
-    """The CPU tier as a stream server's ChunkSource (shared/stream_server.py); `stats` counts what it served
+    """The CPU tier as a stream server's ChunkSource (shared/wire/stream_server.py); `stats` counts what it served
     (`p2p_served_chunks`, `p2p_served_bytes`, `p2p_served_misses`)."""
 
     def __init__(self, cpu: LocalCPUBackend, stats: collections.Counter[str] | None = None) -> None:

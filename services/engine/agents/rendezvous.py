@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvmesh.shared.credentials import private_dir, runtime_dir
-from kvmesh.shared.keys import KeyParams
+from kvmesh.shared.messaging.credentials import private_dir, runtime_dir
 from kvmesh.shared.processes import pid_alive
+from kvmesh.shared.wire.keys import KeyParams
 
 if TYPE_CHECKING:
     from kvmesh.services.engine.core.cache_engine import CacheEngine

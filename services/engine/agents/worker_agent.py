@@ -27,11 +27,12 @@ from nats.aio.subscription import Subscription
 
 from kvmesh.services.engine.core.tier_commands import CheckMeta, TierCommands
 from kvmesh.services.engine.tiers.peer import PeerTier, PeerWorker
-from kvmesh.shared import bus, protocol
-from kvmesh.shared.admissions import AdmissionReporter
-from kvmesh.shared.keys import ChunkHasher, ChunkSpan
+from kvmesh.shared import protocol
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.admissions import AdmissionReporter
+from kvmesh.shared.ops.service import serve_health
 from kvmesh.shared.protocol import LOCAL_CPU, PEER, WORKER_COMMAND_OPS, CommandReply, WorkerCommand
-from kvmesh.shared.service import serve_health
+from kvmesh.shared.wire.keys import ChunkHasher, ChunkSpan
 
 log = logging.getLogger(__name__)
 

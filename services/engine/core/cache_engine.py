@@ -29,6 +29,7 @@ import torch
 
 from kvmesh.services.engine.core.chunk_load import (ChunkLoad, KVCaches, check_slot_count, layer_list,
                                                     release_after_copies, synchronize)
+from kvmesh.services.engine.config.engine_config import EngineConfig
 from kvmesh.services.engine.core.kv_layout import KVLayout
 from kvmesh.services.engine.core.paged_copy import PagedCopier
 from kvmesh.services.engine.core.storage_manager import StorageManager
@@ -37,10 +38,9 @@ from kvmesh.services.engine.tiers.cpu import LocalCPUBackend
 from kvmesh.services.engine.tiers.memory_pool import MemoryPool, Slot
 from kvmesh.services.engine.tiers.peer import PeerTier, PeerWorker
 from kvmesh.shared import protocol
-from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyParams, chunk_spans, state_key
 from kvmesh.shared.protocol import PEER, ChunkMeta, worker_id_for
 from kvmesh.shared.rate_limited_log import RateLimitedLog
+from kvmesh.shared.wire.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyParams, chunk_spans, state_key
 
 log = logging.getLogger(__name__)
 

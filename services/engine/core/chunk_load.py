@@ -21,7 +21,7 @@ from kvmesh.services.engine.core.kv_layout import KVLayout
 from kvmesh.services.engine.core.layerwise_load import ChunkCopy
 from kvmesh.services.engine.core.paged_copy import PagedCopier
 from kvmesh.services.engine.tiers.cpu import ChunkRef
-from kvmesh.shared.keys import ChunkKey, ChunkSpan
+from kvmesh.shared.wire.keys import ChunkKey, ChunkSpan
 
 log = logging.getLogger(__name__)
 

@@ -70,7 +70,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvmesh.shared.keys import has_state_groups
+from kvmesh.shared.wire.keys import has_state_groups
 
 # Layout tags.
 NHD_2X = "NHD-2x"  # [2, nb, bs, H, D] per layer (vLLM 0.10-0.2x flash-attn / Triton)

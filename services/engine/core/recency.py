@@ -12,9 +12,9 @@ import asyncio
 import threading
 from typing import Callable, Sequence
 
+from kvmesh.services.engine.config.engine_config import EngineConfig
 from kvmesh.services.engine.tiers.base import StoreTier
-from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.keys import ChunkKey
+from kvmesh.shared.wire.keys import ChunkKey
 
 TOUCH_BATCH = 10_000  # keys per touch request (--max-keys-per-request of the stores: 100,000 by default)
 

@@ -30,6 +30,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from kvmesh.services.engine.config.engine_config import EngineConfig
 from kvmesh.services.engine.core.recency import RecencyRefresh
 from kvmesh.services.engine.core.tier_commands import CheckMeta, TierCommands
 from kvmesh.services.engine.core.write_behind import WriteBehind
@@ -39,10 +40,9 @@ from kvmesh.services.engine.tiers.cpu import ChunkRef, LocalCPUBackend
 from kvmesh.services.engine.tiers.memory_pool import Slot
 from kvmesh.services.engine.tiers.peer import PeerTier
 from kvmesh.shared.aio import cancel_and_wait
-from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.keys import ChunkKey, ChunkSpan
 from kvmesh.shared.protocol import LOCAL_CPU, LOCATIONS, PEER, ChunkMeta
 from kvmesh.shared.rate_limited_log import RateLimitedLog
+from kvmesh.shared.wire.keys import ChunkKey, ChunkSpan
 
 log = logging.getLogger(__name__)
 

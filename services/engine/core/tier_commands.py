@@ -16,9 +16,9 @@ from typing import Callable, Protocol, Sequence
 from kvmesh.services.engine.tiers.base import StoreTier, Tier
 from kvmesh.services.engine.tiers.cpu import ChunkRef, LocalCPUBackend
 from kvmesh.services.engine.tiers.memory_pool import Slot
-from kvmesh.shared.chunk_file import checksum
-from kvmesh.shared.keys import ChunkSpan
 from kvmesh.shared.protocol import LOCAL_CPU, LOCATIONS, PEER, TIER_OPS, ChunkMeta
+from kvmesh.shared.wire.chunk_file import checksum
+from kvmesh.shared.wire.keys import ChunkSpan
 
 # what a loaded chunk's meta says differently from what its span's key must hold; None when it matches
 CheckMeta = Callable[[ChunkSpan, ChunkMeta], "str | None"]

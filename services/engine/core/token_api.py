@@ -19,8 +19,8 @@ import torch
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.core.chunk_load import layer_list
 from kvmesh.services.engine.core.storage_manager import ALL_LOCATIONS
-from kvmesh.shared.keys import KeyExtras
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, PEER, REMOTE
+from kvmesh.shared.wire.keys import KeyExtras
 
 Tokens = torch.Tensor | Sequence[int]
 # The cache engine API names the CPU tier "Hot" in lookup's search_range (docs/compatibility.md).

@@ -22,16 +22,16 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from kvmesh.services.engine.config.engine_config import EngineConfig
 from kvmesh.services.engine.mesh.nats_loop import NatsLoop
 from kvmesh.services.engine.tiers.base import StoreTier
 from kvmesh.services.engine.tiers.cpu import LocalCPUBackend
 from kvmesh.services.engine.tiers.memory_pool import Slot
 from kvmesh.shared.aio import cancel_and_wait
-from kvmesh.shared.chunk_file import checksum
-from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.keys import ChunkKey
 from kvmesh.shared.protocol import ChunkMeta
 from kvmesh.shared.rate_limited_log import RateLimitedLog
+from kvmesh.shared.wire.chunk_file import checksum
+from kvmesh.shared.wire.keys import ChunkKey
 
 log = logging.getLogger(__name__)
 

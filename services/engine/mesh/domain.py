@@ -1,9 +1,9 @@
 """The engine's sharing domain: which of its NATS credentials says it, and what it mixes into its chunk keys.
 
-The administrator puts an engine principal in a domain with `kvmesh credentials --domain D` (shared/credentials.py),
-which records the domain's name and its 32-byte secret in the engine's credentials file. Stores enforce the domain
-from the caller's principal; the engine, for its part, mixes the domain into the root of its chunk keys
-(`KeyParams.domain`) so that two domains never compute one key:
+The administrator puts an engine principal in a domain with `kvmesh credentials --domain D`
+(shared/messaging/credentials.py), which records the domain's name and its 32-byte secret in the engine's credentials
+file. Stores enforce the domain from the caller's principal; the engine, for its part, mixes the domain into the root of
+its chunk keys (`KeyParams.domain`) so that two domains never compute one key:
 
   * two honest tenants with the same prompt never meet at a store (no refused put, no miss on each other's chunk);
   * the key root takes a digest of the domain's *secret*, not only its public name, so an engine of another
@@ -19,10 +19,10 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from kvmesh.services.engine.config.engine_auth import auth_from_config
+from kvmesh.services.engine.config.engine_config import EngineConfig
 from kvmesh.shared import protocol
-from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.credentials import DEFAULT_DOMAIN, SharingDomain, local_credentials_file, sharing_domain
-from kvmesh.shared.nats_auth import auth_from_config
+from kvmesh.shared.messaging.credentials import DEFAULT_DOMAIN, SharingDomain, local_credentials_file, sharing_domain
 
 KEY_ROOT_PERSON = b"kvmesh-keyroot"  # blake2b personalisation of the secret's digest in the key root
 

@@ -8,7 +8,7 @@ Decision (`plan_mesh`), first match wins:
      process when `local_disk` is set, and `remote_partitions` remote-store processes when `remote_url` names
      another supported scheme (LMCache's "lm://localhost:65432", "kvmesh://"): served by embedded remote stores
      of `remote_size` (config.py refuses the schemes KVMesh cannot serve).
-A Redis / Valkey `remote_url` (shared/redis_url.py) is no remote store on the mesh: the engine talks to Redis
+A Redis / Valkey `remote_url` (shared/wire/redis_url.py) is no remote store on the mesh: the engine talks to Redis
 itself (services/engine/tiers/redis.py), so no remote-store process is started or expected (`redis` is set;
 `remote_stores` names the tier `redis-<redis_key_prefix>`, so the controller sends RemoteBackend commands).
 When joining, nothing is spawned: the mesh's own disk store (`disk-<hostname>`) and remote stores
@@ -37,14 +37,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvmesh.services.engine.config.engine_config import EngineConfig
+from kvmesh.services.engine.config.lmcache_keys import NATS_SCHEMES, url_scheme
 from kvmesh.services.engine.mesh.side_cpus import move_to_side_cpus
-from kvmesh.shared.bus import normalize_url
-from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.lmcache_keys import NATS_SCHEMES, url_scheme
-from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
+from kvmesh.shared.messaging.bus import normalize_url
+from kvmesh.shared.ops.local_mesh import LocalMesh, ServiceSpec
+from kvmesh.shared.ops.store_commands import disk_store, remote_stores
 from kvmesh.shared.protocol import disk_store_id, redis_store_id, remote_store_id
-from kvmesh.shared.redis_url import is_redis_url
-from kvmesh.shared.store_commands import disk_store, remote_stores
+from kvmesh.shared.wire.redis_url import is_redis_url
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.services.engine.mesh.side_cpus import move_to_side_cpus
-from kvmesh.shared import bus
 from kvmesh.shared.errors import MeshUnavailable
+from kvmesh.shared.messaging import bus
 
 log = logging.getLogger(__name__)
 

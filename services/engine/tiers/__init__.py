@@ -4,9 +4,9 @@
     cpu.py            the engine's own tier: chunks resident in its memory pool (`LocalCPUBackend`)
     memory_pool.py    that pool: the chunk slots every tier copy goes through (shared memory, reference counted)
     disk.py           the disk store of the host (`DiskStoreClient`), over NATS
-    pool_lending.py   how the disk client lends the pool to its store (the engine's side; shared/pool_wire.py)
+    pool_lending.py   how the disk client lends the pool to its store (the engine's side; shared/wire/pool_wire.py)
     remote.py         the remote store (`RemoteStoreClient`), over every partition
-    remote_stream.py  its bulk data path: kept TCP streams (the client end; shared/stream_wire.py)
+    remote_stream.py  its bulk data path: kept TCP streams (the client end; shared/wire/stream_wire.py)
     redis.py          or instead of the remote store, Redis / Valkey itself (`RedisTier`)
     redis_values.py   its values: their format, checked on every read, and the key that MACs them (`resolve_auth`)
     redis_scripts.py  its Lua scripts: each changes one chunk's keys atomically on the server

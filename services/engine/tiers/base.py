@@ -11,7 +11,7 @@ tier does not copy: its chunks already live in the memory pool's slots, so its d
 references (`LocalCPUBackend.acquire` / `put`) instead.
 
 `ChunkBuffer` names where chunk bytes live in the engine: a view, and if the view lies in the engine's shared
-pool (a sealed memfd, shared/shm.py), that pool and the offset, so the disk store on the same host, once the
+pool (a sealed memfd, shared/wire/shm.py), that pool and the offset, so the disk store on the same host, once the
 pool is lent to it, can read or write the bytes in place (no bytes through NATS). The disk store and the
 remote store each provide a `StoreTier` client (disk.py, remote.py here). All methods are coroutines on the
 engine's NATS loop; none raises on a dead store: they log and answer a miss / False / 0 (a failing store never
@@ -31,11 +31,11 @@ from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.shared import bus
 from kvmesh.shared.errors import KVMeshError, NoResponder
-from kvmesh.shared.keys import ChunkKey
+from kvmesh.shared.messaging import bus
 from kvmesh.shared.protocol import ChunkMeta, StatsReply, Subjects
-from kvmesh.shared.shm import SharedSegment
+from kvmesh.shared.wire.keys import ChunkKey
+from kvmesh.shared.wire.shm import SharedSegment
 
 T = TypeVar("T")
 
@@ -82,7 +82,7 @@ class Tier(Protocol):
 
     async def clear(self) -> int:
         """Remove what this engine may remove (see each tier); the number of tokens cleared. A store takes back
-        the caller's claims and answers the tokens of the chunks it no longer claims (shared/store_ops.py)."""
+        the caller's claims and answers the tokens of the chunks it no longer claims (shared/store_kit/store_ops.py)."""
 
     async def touch(self, keys: list[ChunkKey]) -> None:
         """The chunks were just used: make them the most recently used ones the tier holds (best effort)."""
@@ -118,8 +118,9 @@ class StoreLink:
     costs one timeout, not one per call; 0 asks every time. A request of a reachable store that finds no
     responder is sent again for up to NO_RESPONDER_GRACE_S first (nobody got it, so resending is safe): a store
     subscribes an engine principal it newly serves within a moment (its lanes follow the domains map, which the
-    engine's own provisioning just wrote; shared/store_endpoint.py), and a restarting store does the same. Requests go to `Subjects.store(store_id, op, caller)`:
-    `caller` is the client's path, the only one its NATS credentials may publish store ops on.
+    engine's own provisioning just wrote; shared/store_kit/store_endpoint.py), and a restarting store does the same.
+    Requests go to `Subjects.store(store_id, op, caller)`: `caller` is the client's path, the only one its NATS
+    credentials may publish store ops on.
     """
 
     def __init__(self, store_id: str, label: str, log: logging.Logger, caller: str,

@@ -25,8 +25,8 @@ from typing import Iterable, Protocol
 
 from kvmesh.services.engine.tiers.memory_pool import MemoryPool, Slot
 from kvmesh.shared.eviction import Clock, EvictionPolicy, make_policy
-from kvmesh.shared.keys import ChunkKey
 from kvmesh.shared.protocol import LOCAL_CPU, ChunkMeta
+from kvmesh.shared.wire.keys import ChunkKey
 
 log = logging.getLogger(__name__)
 

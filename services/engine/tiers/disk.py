@@ -25,10 +25,14 @@ from typing import TypeVar
 
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.shared import bus, chunk_file, protocol
-from kvmesh.shared.keys import ChunkKey
+from kvmesh.shared import protocol
+
+from kvmesh.shared.messaging import bus
+
 from kvmesh.services.engine.tiers.base import ChunkBuffer, StoreLink, StoreMayWrite, Unanswered
 from kvmesh.services.engine.tiers.pool_lending import PoolLink, Registration
+from kvmesh.shared.wire import chunk_file
+from kvmesh.shared.wire.keys import ChunkKey
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ thread hands slots to the stores (write-behind) and fills them (fetch from below
 pool's lock briefly and never waits for a slot: `allocate()` answers None when none is free, and the caller
 evicts, skips or shortens (no deadlock, unlike a blocking allocator).
 
-The buffer is one sealed anonymous shared-memory segment (a memfd: shared/shm.py) so the disk store on this
+The buffer is one sealed anonymous shared-memory segment (a memfd: shared/wire/shm.py) so the disk store on this
 host, once the engine lent it the segment's descriptor, can read and write chunk bytes in place (a store
 request carries the pool's token and the slot's offset, never the bytes). Having no name, it leaves nothing
 behind when the process dies. It is registered with CUDA as pinned memory when CUDA is present; without
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmesh.shared.shm import SharedSegment
 from kvmesh.services.engine.tiers.base import ChunkBuffer
+from kvmesh.shared.wire.shm import SharedSegment
 
 log = logging.getLogger(__name__)
 

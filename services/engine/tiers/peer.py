@@ -34,11 +34,12 @@ from nats.aio.client import Client as NatsClient
 
 from kvmesh.services.engine.tiers.base import ChunkBuffer, StoreLink, byte_view
 from kvmesh.services.engine.tiers.remote_stream import StreamPool, on_stream
-from kvmesh.shared import bus, protocol
+from kvmesh.shared import protocol
 from kvmesh.shared.errors import KVMeshError
-from kvmesh.shared.keys import ChunkKey
+from kvmesh.shared.messaging import bus
 from kvmesh.shared.protocol import PEER, ChunkMeta, StatsReply, Subjects
 from kvmesh.shared.rate_limited_log import RateLimitedLog
+from kvmesh.shared.wire.keys import ChunkKey
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The engine's side of lending its CPU pool to the disk store of its host (`PoolLink`, one per disk-store client).
 
-The protocol, and what both sides share, is shared/pool_wire.py; the store's side is services/disk_store/pools.py.
+The protocol, and what both sides share, is shared/wire/pool_wire.py; the store's side is services/disk_store/pools.py.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvmesh.shared.errors import ConfigError
-from kvmesh.shared.pool_wire import REPLY_MAX_BYTES, encode_hello, peer_uid, socket_path, trusted_uid
-from kvmesh.shared.shm import SharedSegment
+from kvmesh.shared.wire.pool_wire import REPLY_MAX_BYTES, encode_hello, peer_uid, socket_path, trusted_uid
+from kvmesh.shared.wire.shm import SharedSegment
 
 log = logging.getLogger(__name__)
 

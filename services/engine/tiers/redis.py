@@ -1,9 +1,9 @@
 """The remote tier on Redis / Valkey: `RedisTier`, a StoreTier whose bytes go engine <-> Redis directly.
 
 Runs on the engine's NATS loop thread (all methods are coroutines), with a redis-py async client made from
-`remote_url` (shared/redis_url.py: standalone, TLS, unix socket, sentinel or cluster).
+`remote_url` (shared/wire/redis_url.py: standalone, TLS, unix socket, sentinel or cluster).
 
-Keys (shared/redis_keys.py): the value `<p>:chunk:{<h>}` is MAC'd chunk-file bytes (the format: redis_values.py);
+Keys (shared/wire/redis_keys.py): the value `<p>:chunk:{<h>}` is MAC'd chunk-file bytes (the format: redis_values.py);
 a value that is truncated, foreign (another key, another format version), fails its MAC or a checksum is a miss
 with one (rate-limited) WARNING, is counted (`values_rejected` in stats) and deleted. A value under another key
 id (engines with another secret on the prefix) is a miss too, counted (`values_foreign`) and left alone, so two
@@ -42,15 +42,17 @@ from typing import Any, Awaitable, Callable, TypeVar
 from redis.asyncio import RedisCluster
 from redis.exceptions import ResponseError
 
-from kvmesh.shared import chunk_file, protocol
-from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.keys import KEY_BYTES, ChunkKey
-from kvmesh.shared.rate_limited_log import RateLimitedLog
-from kvmesh.shared.redis_keys import SECRET_FILE_KEY, VALUE_MAGIC, VALUE_PREFIX_BYTES, RedisAuth, RedisKeys
-from kvmesh.shared.redis_url import CLUSTER, RedisTarget
+from kvmesh.shared import protocol
+
+from kvmesh.services.engine.config.engine_config import EngineConfig
 from kvmesh.services.engine.tiers.base import ChunkBuffer, StoreLink, byte_view
 from kvmesh.services.engine.tiers.redis_scripts import CLAIM, CLEAR, FINISH_PUT, PIN, UNPIN
 from kvmesh.services.engine.tiers.redis_values import MAX_HEADER_BYTES, ForeignValue, decode_into
+from kvmesh.shared.rate_limited_log import RateLimitedLog
+from kvmesh.shared.wire import chunk_file
+from kvmesh.shared.wire.keys import KEY_BYTES, ChunkKey
+from kvmesh.shared.wire.redis_keys import SECRET_FILE_KEY, VALUE_MAGIC, VALUE_PREFIX_BYTES, RedisAuth, RedisKeys
+from kvmesh.shared.wire.redis_url import CLUSTER, RedisTarget
 
 log = logging.getLogger(__name__)
 

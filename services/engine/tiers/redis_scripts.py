@@ -1,6 +1,6 @@
 """The Lua scripts of the Redis tier (redis.py): each changes a chunk's keys in one step on the server, so no reader
 sees half a put and no pin, unpin or clear races another. Their KEYS and ARGV are the tier's key names
-(shared/redis_keys.py) and MAC'd entries; a value "of ours" starts with VALUE_MAGIC and our key id
+(shared/wire/redis_keys.py) and MAC'd entries; a value "of ours" starts with VALUE_MAGIC and our key id
 (redis_values.py).
 """
 

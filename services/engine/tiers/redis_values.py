@@ -1,7 +1,7 @@
 """The Redis tier's values (redis.py): how a stored value is checked and read back, and the key that MACs them.
 
 The value `<p>:chunk:{<h>}` is VALUE_MAGIC, the MAC key's id, a MAC, then the chunk-file header
-(shared/chunk_file.py: ChunkMeta, data checksum, the header's own check) and the bytes. The MAC covers the value's
+(shared/wire/chunk_file.py: ChunkMeta, data checksum, the header's own check) and the bytes. The MAC covers the value's
 key name, header and bytes, so a value written without the secret, or moved from another key, fails it
 (`CorruptValue`); a value under another key id is another secret's (`ForeignValue`).
 """
@@ -12,11 +12,13 @@ import hmac
 import io
 from pathlib import Path
 
-from kvmesh.shared import chunk_file, protocol
-from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.credentials import sharing_domain
-from kvmesh.shared.keys import ChunkKey
-from kvmesh.shared.redis_keys import KEY_ID_BYTES, SECRET_FILE_KEY, VALUE_MAGIC, VALUE_PREFIX_BYTES, RedisAuth, \
+from kvmesh.shared import protocol
+
+from kvmesh.services.engine.config.engine_config import EngineConfig
+from kvmesh.shared.messaging.credentials import sharing_domain
+from kvmesh.shared.wire import chunk_file
+from kvmesh.shared.wire.keys import ChunkKey
+from kvmesh.shared.wire.redis_keys import KEY_ID_BYTES, SECRET_FILE_KEY, VALUE_MAGIC, VALUE_PREFIX_BYTES, RedisAuth, \
     read_secret_file
 
 MAX_HEADER_BYTES = 64 * 1024  # a chunk-file header is one DATA_ALIGN page; more is not a value of ours

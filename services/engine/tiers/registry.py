@@ -13,14 +13,14 @@ from dataclasses import dataclass
 
 from nats.aio.client import Client as NatsClient
 
+from kvmesh.services.engine.config.engine_config import EngineConfig
 from kvmesh.services.engine.tiers.base import StoreTier
 from kvmesh.services.engine.tiers.disk import DiskStoreClient
 from kvmesh.services.engine.tiers.peer import PeerTier
 from kvmesh.services.engine.tiers.redis import RedisTier
 from kvmesh.services.engine.tiers.remote import RemoteStoreClient
-from kvmesh.shared.config import EngineConfig
 from kvmesh.shared.protocol import LOCAL_DISK, PEER, REMOTE
-from kvmesh.shared.redis_keys import RedisAuth
+from kvmesh.shared.wire.redis_keys import RedisAuth
 
 
 @dataclass(frozen=True)

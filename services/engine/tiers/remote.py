@@ -1,8 +1,8 @@
 """The engine's client of the remote store: `RemoteStoreClient`, a StoreTier over every partition.
 
 Runs on the engine's NATS event loop thread (all methods are coroutines). Each key goes to the replica that
-owns its partition (shared/partition.py; `store_ids` in partition order). Control ops (contains, pin, unpin, remove,
-clear, stats) are NATS requests, sent to the partitions concerned in parallel and combined. Chunk bytes
+owns its partition (shared/wire/partition.py; `store_ids` in partition order). Control ops (contains, pin, unpin,
+remove, clear, stats) are NATS requests, sent to the partitions concerned in parallel and combined. Chunk bytes
 go on direct TCP streams (remote_stream.py): per replica a few connections, negotiated over NATS once and kept.
 
 Nothing here raises on a store problem: a dead, unreachable or refusing replica answers miss / False / 0 for its own keys, is
@@ -22,11 +22,13 @@ from typing import Awaitable, Callable, TypeVar
 
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.shared import bus, protocol
-from kvmesh.shared.keys import ChunkKey
-from kvmesh.shared.partition import partition_of
+from kvmesh.shared import protocol
+
 from kvmesh.services.engine.tiers.base import ChunkBuffer, StoreLink, byte_view
 from kvmesh.services.engine.tiers.remote_stream import StreamConnection, StreamPool, on_stream
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.wire.keys import ChunkKey
+from kvmesh.shared.wire.partition import partition_of
 
 log = logging.getLogger(__name__)
 

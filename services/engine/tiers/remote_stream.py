@@ -1,4 +1,4 @@
-"""The client end of the stream data path (see shared/stream_wire.py), on the engine's NATS loop.
+"""The client end of the stream data path (see shared/wire/stream_wire.py), on the engine's NATS loop.
 
 Imports nothing of the store: loading the engine (vLLM's connector) never loads server code.
 """
@@ -15,8 +15,8 @@ import xxhash
 
 from kvmesh.shared import protocol
 from kvmesh.shared.errors import KVMeshError
-from kvmesh.shared.keys import ChunkKey
-from kvmesh.shared.stream_wire import (
+from kvmesh.shared.wire.keys import ChunkKey
+from kvmesh.shared.wire.stream_wire import (
     OP_GET,
     OP_HELLO,
     OP_PUT,

@@ -11,14 +11,14 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.adapter.async_loads import AsyncLoads, loads_asynchronously
 from kvmesh.services.engine.adapter.request_meta import KVMeshConnectorMetadata, LoadSpec, ReqMeta, RequestTracker
-from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.assembly import build_engine
-from kvmesh.shared.keys import KeyParams
-from kvmesh.shared.local_mesh import LocalMesh
+from kvmesh.services.engine.core import token_api
+from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.shared.ops.local_mesh import LocalMesh
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
+from kvmesh.shared.wire.keys import KeyParams
 
 from support.engine import BLOCK, CHUNK, PagedKV, disk_store_mesh, engine_config, random_tokens
 from support.waiting import WAIT_S, wait_until

@@ -27,7 +27,7 @@ import torch
 
 from kvmesh.services.engine.adapter.kv_groups import STATE, KVGroups, slot_rows
 from kvmesh.services.engine.core.kv_layout import detect_layout
-from kvmesh.shared.keys import ChunkSpan, state_key
+from kvmesh.shared.wire.keys import ChunkSpan, state_key
 
 from support.engine import random_tokens
 

@@ -14,12 +14,12 @@ from typing import Iterator
 
 import pytest
 
-from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.adapter.block_prefix import BlockPrefixProbe, probe_ends, saved_prefix_end
 from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, SchedulerLookup, StepEventLog
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
-from kvmesh.shared.keys import ChunkHasher, KeyExtras, KeyParams
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
+from kvmesh.shared.wire.keys import ChunkHasher, KeyExtras, KeyParams
 
 from support.engine import BLOCK, CHUNK, PagedKV, random_tokens
 from support.engine_mesh import disk_mesh  # noqa: F401 (a fixture)

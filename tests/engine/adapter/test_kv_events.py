@@ -12,12 +12,12 @@ from typing import Any, Iterator
 import msgspec
 import pytest
 
-from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, SchedulerLookup, StepEventLog, engines
-from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.assembly import build_engine
-from kvmesh.shared.keys import ChunkSpan, KeyExtras, KeyParams, state_key
+from kvmesh.services.engine.core import token_api
+from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.shared.protocol import LOCAL_CPU
+from kvmesh.shared.wire.keys import ChunkSpan, KeyExtras, KeyParams, state_key
 
 from support.engine import CHUNK, PagedKV, engine_config, random_tokens
 

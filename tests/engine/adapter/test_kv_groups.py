@@ -14,14 +14,14 @@ from typing import Any
 import pytest
 import torch
 
-from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.adapter.kv_groups import FULL, SLIDING, STATE, KVGroup, KVGroups, page_view, slot_rows
 from kvmesh.services.engine.adapter.request_meta import LoadSpec, ReqMeta, SaveSpec
 from kvmesh.services.engine.adapter.scheduler_side import SchedulerSide
+from kvmesh.services.engine.core import token_api
 
-from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.assembly import build_engine
-from kvmesh.shared.keys import KeyParams, has_state_groups, state_key
+from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.shared.wire.keys import KeyParams, has_state_groups, state_key
 
 from support.connector_driver import rank0_engine
 from support.engine import BLOCK, CHUNK, PagedKV, engine_config

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kvmesh.services.engine.adapter.kv_groups import KVGroups
-from kvmesh.shared.keys import ChunkSpan, state_key
+from kvmesh.shared.wire.keys import ChunkSpan, state_key
 
 from support.engine import PagedKV, random_tokens
 

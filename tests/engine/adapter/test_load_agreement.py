@@ -30,12 +30,12 @@ def rank_step(rank: int, init_file: str, agree: bool, results: Any) -> None:
     them and computes and saves the next two."""
     import torch.distributed as dist
 
-    from kvmesh.services.engine.core import token_api
     from kvmesh.services.engine.adapter.load_agreement import CollectiveAgreement
     from kvmesh.services.engine.adapter.request_meta import KVMeshConnectorMetadata, LoadSpec, ReqMeta, SaveSpec
     from kvmesh.services.engine.assembly import build_engine
-    from kvmesh.shared.keys import ChunkHasher, KeyParams
+    from kvmesh.services.engine.core import token_api
     from kvmesh.shared.protocol import LOCAL_CPU
+    from kvmesh.shared.wire.keys import ChunkHasher, KeyParams
 
     from support.connector_driver import run_worker_step, worker_half
     from support.kv_oracle import ContextForward

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvmesh.services.engine.adapter.request_extras import LoraIdentities, request_extras
-from kvmesh.shared.keys import ChunkHasher, KeyParams
+from kvmesh.shared.wire.keys import ChunkHasher, KeyParams
 
 vllm_request = pytest.importorskip("vllm.v1.request")
 from vllm.lora.request import LoRARequest  # noqa: E402

@@ -20,9 +20,9 @@ from kvmesh.services.engine.adapter.scheduler_lookup import (
     StepEventLog,
 )
 from kvmesh.services.engine.core.cache_engine import CacheEngine
-from kvmesh.shared.keys import KeyParams
-from kvmesh.shared.local_mesh import LocalMesh
+from kvmesh.shared.ops.local_mesh import LocalMesh
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
+from kvmesh.shared.wire.keys import KeyParams
 
 from support.engine import CHUNK, PagedKV, random_tokens
 from support.engine_mesh import PARAMS, disk_mesh  # noqa: F401 (disk_mesh: a fixture)

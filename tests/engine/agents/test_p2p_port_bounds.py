@@ -2,7 +2,7 @@
 real controller. Engine A computes a prompt and serves its CPU tier on its peer port; engine B loads it from there,
 every load checked against the KV oracle. Meanwhile an attacker, a plain TCP client or a peer instance speaking the
 stream protocol with tickets of its own, pushes on each bound of A's port (services/engine/agents/peer_server.py,
-shared/stream_server.py).
+shared/wire/stream_server.py).
 """
 
 from __future__ import annotations
@@ -16,16 +16,17 @@ from typing import AsyncIterator, Iterator
 import pytest
 import torch
 
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
-from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.tiers.remote_stream import StreamConnection
-from kvmesh.shared import bus, protocol
-from kvmesh.shared.embedded_nats import EmbeddedNats
+from kvmesh.shared import protocol
 from kvmesh.shared.errors import StoreError
-from kvmesh.shared.keys import KeyParams
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
 from kvmesh.shared.protocol import PEER, Subjects
-from kvmesh.shared.stream_server import StreamServer
+from kvmesh.shared.wire.keys import KeyParams
+from kvmesh.shared.wire.stream_server import StreamServer
 
 from support.controller import running_controller
 from support.engine import CHUNK, PagedKV, engine_config, random_tokens

@@ -13,8 +13,8 @@ from kvmesh.services.engine.tiers.cpu import LocalCPUBackend
 from kvmesh.services.engine.tiers.memory_pool import MemoryPool
 from kvmesh.services.engine.tiers.remote_stream import StreamConnection
 from kvmesh.shared import protocol
-from kvmesh.shared.stream_wire import StreamError
-from kvmesh.shared.stream_server import StreamServer
+from kvmesh.shared.wire.stream_server import StreamServer
+from kvmesh.shared.wire.stream_wire import StreamError
 
 SLOT = 8192
 

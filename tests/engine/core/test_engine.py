@@ -7,12 +7,12 @@ import time
 import pytest
 import torch
 
+from kvmesh.services.engine.assembly import build_engine, engine_for_caches
 from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
-from kvmesh.services.engine.assembly import build_engine, engine_for_caches
 from kvmesh.shared.eviction import Clock
-from kvmesh.shared.keys import KeyParams
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
+from kvmesh.shared.wire.keys import KeyParams
 
 from support.engine import BLOCK, CHUNK, PagedKV, engine_config, random_tokens
 from support.waiting import ManualClock, finishes

@@ -18,18 +18,20 @@ import torch
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from kvmesh.shared.protocol import disk_store_id
+from kvmesh.services.engine.assembly import build_engine
+from kvmesh.services.engine.config.engine_config import load_engine_config
+from kvmesh.services.engine.config.lmcache_keys import IGNORED
 from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
-from kvmesh.services.engine.assembly import build_engine
-from kvmesh.shared import bus, chunk_file, protocol
-from kvmesh.shared.embedded_nats import EmbeddedNats
+from kvmesh.shared import protocol
 from kvmesh.shared.errors import MeshUnavailable
-from kvmesh.shared.config import load_engine_config
-from kvmesh.shared.keys import KeyParams
-from kvmesh.shared.lmcache_keys import IGNORED
-from kvmesh.shared.local_mesh import LocalMesh, ServiceSpec
-from kvmesh.shared.protocol import CONTROLLER, LOCAL_CPU, LOCAL_DISK, CommandReply, Subjects, WorkerCommand
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
+from kvmesh.shared.ops.local_mesh import LocalMesh, ServiceSpec
+from kvmesh.shared.protocol import (CONTROLLER, LOCAL_CPU, LOCAL_DISK, CommandReply, Subjects, WorkerCommand,
+                                    disk_store_id)
+from kvmesh.shared.wire import chunk_file
+from kvmesh.shared.wire.keys import KeyParams
 
 from support.controller import running_controller
 from support.engine import CHUNK, PagedKV, disk_store_mesh, engine_config, random_tokens
@@ -378,7 +380,7 @@ def test_nats_outage_gives_misses_at_once_and_the_engine_reconnects(kv: PagedKV,
 
 
 def test_first_connect_may_fail_and_is_retried(kv: PagedKV) -> None:
-    from kvmesh.shared.embedded_nats import free_port
+    from kvmesh.shared.messaging.embedded_nats import free_port
 
     port = free_port()
     engine = build_engine(engine_config(nats_url=f"nats://127.0.0.1:{port}", lmcache_instance_id="late"),

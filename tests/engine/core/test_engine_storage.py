@@ -13,13 +13,13 @@ from typing import Callable, Iterator
 import pytest
 import torch
 
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
-from kvmesh.services.engine.assembly import build_engine
-from kvmesh.shared.embedded_nats import EmbeddedNats
-from kvmesh.shared.keys import ChunkKey, KeyParams
-from kvmesh.shared.protocol import LOCAL_DISK, ChunkMeta, StatsReply
 from kvmesh.services.engine.tiers.base import ChunkBuffer
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
+from kvmesh.shared.protocol import LOCAL_DISK, ChunkMeta, StatsReply
+from kvmesh.shared.wire.keys import ChunkKey, KeyParams
 
 from support.engine import CHUNK, PagedKV, engine_config, random_tokens
 from support.waiting import WAIT_S, finishes, wait_until

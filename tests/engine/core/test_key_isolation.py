@@ -22,14 +22,14 @@ import torch
 
 from kvmesh.services.controller.config import ControllerConfig
 from kvmesh.services.controller.service import ControllerService
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
-from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core.kv_layout import detect_layout
-from kvmesh.shared.embedded_nats import EmbeddedNats
-from kvmesh.shared.keys import KeyExtras, KeyParams
-from kvmesh.shared.local_mesh import LocalMesh
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
+from kvmesh.shared.ops.local_mesh import LocalMesh
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
+from kvmesh.shared.wire.keys import KeyExtras, KeyParams
 
 from support.engine import CHUNK, PagedKV, disk_store_mesh, engine_config, random_tokens
 from support.waiting import WAIT_S, wait_until, wait_until_async

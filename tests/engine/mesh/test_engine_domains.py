@@ -12,14 +12,14 @@ from typing import Iterator
 import pytest
 import torch
 
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
-from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.mesh.domain import key_domain
-from kvmesh.shared.credentials import MeshCredentials, SharingDomain, local_mesh_dir
-from kvmesh.shared.keys import ChunkHasher, KeyParams
-from kvmesh.shared.local_mesh import LocalMesh
+from kvmesh.shared.messaging.credentials import MeshCredentials, SharingDomain, local_mesh_dir
+from kvmesh.shared.ops.local_mesh import LocalMesh
 from kvmesh.shared.protocol import CONTROLLER, LOCAL_CPU, LOCAL_DISK, Principal
+from kvmesh.shared.wire.keys import ChunkHasher, KeyParams
 
 from support.controller import running_controller
 from support.engine import CHUNK, PagedKV, disk_store_mesh, engine_config, random_tokens

@@ -8,16 +8,15 @@ from pathlib import Path
 
 import torch
 
-from kvmesh.shared.protocol import disk_store_id
-from kvmesh.services.engine.core import token_api
-from kvmesh.services.engine.mesh import embedded as embedded_mesh
-from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.assembly import build_engine
+from kvmesh.services.engine.config.engine_config import EngineConfig
+from kvmesh.services.engine.core import token_api
+from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.mesh import embedded as embedded_mesh
 from kvmesh.services.engine.mesh.embedded import EMBED, JOIN, plan_mesh
-from kvmesh.shared import local_mesh
-from kvmesh.shared.config import EngineConfig
-from kvmesh.shared.keys import KeyParams
-from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
+from kvmesh.shared.ops import local_mesh
+from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, disk_store_id
+from kvmesh.shared.wire.keys import KeyParams
 
 from support.processes import pid_alive, wait_dead
 from support.engine import PagedKV, engine_config, random_tokens
@@ -26,9 +25,9 @@ from support.waiting import WAIT_S, wait_until
 PARAMS = KeyParams(model="test-model", kv_format="")
 JOIN_PROBE = """
 import sys
+from kvmesh.services.engine.config.engine_config import EngineConfig
 from kvmesh.services.engine.mesh.embedded import plan_mesh, registry
-from kvmesh.shared import local_mesh
-from kvmesh.shared.config import EngineConfig
+from kvmesh.shared.ops import local_mesh
 share = registry.acquire(plan_mesh(EngineConfig(local_disk=sys.argv[1], max_local_disk_size=0.05)))
 print(share.url, "joined" if share.mesh is None else "started")
 registry.release(share)
@@ -134,7 +133,7 @@ def test_an_engine_whose_mesh_cannot_start_serves_from_its_cpu_tier(monkeypatch)
 
 
 def test_host_claim_has_one_owner_and_hands_over(tmp_path: Path) -> None:
-    from kvmesh.shared.local_mesh import ServiceSpec
+    from kvmesh.shared.ops.local_mesh import ServiceSpec
 
     specs = [ServiceSpec("kvmesh.services.disk_store", ["--dir", str(tmp_path)], "disk-x")]
     first, second = embedded_mesh.HostClaim(specs), embedded_mesh.HostClaim(specs)

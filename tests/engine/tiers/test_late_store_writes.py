@@ -24,14 +24,15 @@ import torch
 
 from kvmesh.services.disk_store import reader as store_module
 from kvmesh.services.engine.core import token_api
-from kvmesh.services.engine.tiers.disk import DiskStoreClient
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.core.storage_manager import Run
-from kvmesh.shared import bus, protocol
-from kvmesh.shared.embedded_nats import EmbeddedNats
-from kvmesh.shared.local_mesh import LocalMesh
+from kvmesh.services.engine.tiers.disk import DiskStoreClient
+from kvmesh.shared import protocol
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
+from kvmesh.shared.ops.local_mesh import LocalMesh
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
-from kvmesh.shared.shm import SharedSegment
+from kvmesh.shared.wire.shm import SharedSegment
 
 from support.disk_store import CHUNK as H_CHUNK, Harness, chunk, harness  # noqa: F401 (harness: a fixture)
 from support.disk_store_process import (CHUNK as STORE_CHUNK, ENGINE, SLOTS, StoreProcess, data_of, key_of, put_pool,

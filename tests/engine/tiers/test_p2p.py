@@ -17,15 +17,15 @@ from typing import AsyncIterator, Iterator
 import pytest
 import torch
 
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
-from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.tiers.peer import PeerTier, PeerWorker
-from kvmesh.shared.credentials import MeshCredentials, local_mesh_dir
-from kvmesh.shared.embedded_nats import EmbeddedNats
-from kvmesh.shared.keys import ChunkSpan, KeyParams
-from kvmesh.shared.local_mesh import LocalMesh
+from kvmesh.shared.messaging.credentials import MeshCredentials, local_mesh_dir
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
+from kvmesh.shared.ops.local_mesh import LocalMesh
 from kvmesh.shared.protocol import PEER, Principal
+from kvmesh.shared.wire.keys import ChunkSpan, KeyParams
 
 from support.controller import FakeEngineWorker, running_controller, started
 from support.engine import CHUNK, PagedKV, engine_config, random_tokens

@@ -18,22 +18,23 @@ from typing import Iterator
 import pytest
 import torch
 
-from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.assembly import build_engine
+from kvmesh.services.engine.config.engine_config import EngineConfig, load_engine_config
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.mesh.domain import engine_credentials_file
+from kvmesh.services.engine.tiers.base import ChunkBuffer
 from kvmesh.services.engine.tiers.redis import RedisTier
 from kvmesh.services.engine.tiers.redis_values import resolve_auth
-from kvmesh.shared import chunk_file, protocol
-from kvmesh.shared.config import EngineConfig, load_engine_config
-from kvmesh.shared.credentials import MeshCredentials, local_mesh_dir, provision
-from kvmesh.shared.embedded_nats import EmbeddedNats
+from kvmesh.shared import protocol
 from kvmesh.shared.errors import ConfigError
-from kvmesh.shared.keys import KeyParams
-from kvmesh.shared.local_mesh import LocalMesh
+from kvmesh.shared.messaging.credentials import MeshCredentials, local_mesh_dir, provision
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
+from kvmesh.shared.ops.local_mesh import LocalMesh
 from kvmesh.shared.protocol import REMOTE, Principal
-from kvmesh.shared.redis_keys import VALUE_MAGIC, RedisAuth
-from kvmesh.shared.redis_url import parse_redis_url
-from kvmesh.services.engine.tiers.base import ChunkBuffer
+from kvmesh.shared.wire import chunk_file
+from kvmesh.shared.wire.keys import KeyParams
+from kvmesh.shared.wire.redis_keys import VALUE_MAGIC, RedisAuth
+from kvmesh.shared.wire.redis_url import parse_redis_url
 
 from support.redis_server import RedisServer
 from support.engine import PagedKV, engine_config, random_tokens

@@ -13,13 +13,13 @@ from typing import Iterator
 import pytest
 import torch
 
-from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.assembly import build_engine
+from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.tiers.redis import RedisTier
-from kvmesh.shared.embedded_nats import EmbeddedNats
-from kvmesh.shared.keys import KeyParams
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
 from kvmesh.shared.protocol import LOCAL_CPU, REMOTE
-from kvmesh.shared.redis_url import parse_redis_url
+from kvmesh.shared.wire.keys import KeyParams
+from kvmesh.shared.wire.redis_url import parse_redis_url
 
 from support.redis_server import RedisClusterServers, RedisSentinelSetup, RedisServer
 from support.engine import PagedKV, engine_config, random_tokens
