@@ -298,10 +298,12 @@ class VLLMServer(ManagedProcess):
         load error: a hit that silently fell back to recompute fails here."""
         hit = self.hit_for(completion, timeout)
         assert hit.load > 0, f"not a hit: {hit}; the server's last KVMesh warnings:\n{self.kvmesh_warnings()}"
-        wait_until(lambda: len(self.retrieved(completion)) >= ranks, timeout, interval=0.2,
-                   what=f"{ranks} 'Retrieved' line(s) for {completion['id']}")
+        # each rank logs either its "Retrieved" line or a load error: a failed load fails here, with its reason
+        wait_until(lambda: len(self.retrieved(completion)) + len(self.load_errors(completion)) >= ranks, timeout,
+                   interval=0.2, what=f"{ranks} 'Retrieved' or load error line(s) for {completion['id']}")
+        assert not self.load_errors(completion), \
+            f"{hit}: {self.load_errors(completion)}; the server's last KVMesh warnings:\n{self.kvmesh_warnings()}"
         assert self.retrieved(completion) == [hit.load] * ranks, (hit, self.retrieved(completion))
-        assert not self.load_errors(completion), self.load_errors(completion)
         return hit
 
 
