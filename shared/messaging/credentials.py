@@ -342,12 +342,20 @@ def credentials_for(url: str, principal: Principal, given: NatsAuth | None) -> N
 
 def local_credentials_file(url: str, path: str) -> Path | None:
     """The credentials file `provision` gives the principal at `path` for a KVMesh-started NATS at `url` on this
-    host, if there is one."""
+    host, if there is one: never one a mesh that ran on this port before left behind (its users, its domains map
+    and its domain secrets are not the NATS now on the port)."""
     address = _loopback_address(url)
     if address is None:
         return None
     file = local_mesh_dir(address[1]) / f"{path}.json"
-    return file if file.is_file() else None
+    if not file.is_file():
+        return None
+    try:
+        live = MeshCredentials(local_mesh_dir(address[1])).server_pid() is not None
+    except (ConfigError, OSError) as exc:
+        log.warning("cannot use the credentials of the local NATS %s (%s); connecting without", url, exc)
+        return None
+    return file if live else None
 
 
 def provision(url: str, path: str, timeout: float = 10.0) -> NatsAuth | None:

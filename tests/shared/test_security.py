@@ -31,7 +31,14 @@ from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.shared import protocol
 from kvmesh.shared.errors import MeshUnavailable
 from kvmesh.shared.messaging import bus
-from kvmesh.shared.messaging.credentials import MeshCredentials, local_mesh_dir, provision, server_accepts
+from kvmesh.shared.messaging.credentials import (
+    MeshCredentials,
+    domains_map,
+    local_credentials_file,
+    local_mesh_dir,
+    provision,
+    server_accepts,
+)
 from kvmesh.shared.ops.local_mesh import LocalMesh
 from kvmesh.shared.protocol import CONTROLLER, LOCAL_CPU, OPERATOR, Principal, Subjects
 from kvmesh.shared.wire.keys import KeyParams
@@ -212,6 +219,10 @@ def test_a_mesh_directory_left_for_a_port_does_not_speak_for_another_nats_now_on
             (stale.root / PID_FILE).write_text(str(other.process.pid))  # even the pid of a live nats-server
             assert stale.server_pid() is None and not stale.reload_server()
             assert provision(other.url, Principal.store("late").path) is None  # so a client says "no credentials"
+            # nor do the files it left: a store there would serve only the engines its domains map lists
+            stale.ensure(Principal.store("late").path, Principal.engine("left-behind").path)
+            assert local_credentials_file(other.url, Principal.store("late").path) is None
+            assert domains_map(None, other.url, Principal.store("late").path).engines() == []
         finally:
             for file in stale.root.iterdir():
                 file.unlink()
