@@ -97,12 +97,17 @@ def test_the_engine_map_lists_the_floors_in_order() -> None:
                                           for p in ENGINE.rglob("__init__.py")))
 def test_every_engine_module_is_on_its_folders_map(folder: str) -> None:
     """Each engine folder's `__init__.py` docstring names every module (and sub-folder) in it, and nothing else."""
-    directory = ENGINE / folder
+    assert_folder_mapped(ENGINE / folder, f"services/engine/{folder}")
+
+
+def assert_folder_mapped(directory: Path, name: str) -> None:
+    """`directory`'s `__init__.py` docstring lists every module and sub-package in it (lines `    name.py ...`,
+    `    name/ ...`), and nothing else."""
     doc = ast.get_docstring(ast.parse((directory / "__init__.py").read_text()), clean=False) or ""
     listed = set(re.findall(r"^    (\w+(?:\.py|/))\s", doc, re.M))
     present = {path.name for path in directory.glob("*.py") if path.name != "__init__.py"}
     present |= {f"{path.name}/" for path in directory.iterdir() if (path / "__init__.py").exists()}
-    assert listed == present, (f"services/engine/{folder}/__init__.py: missing {sorted(present - listed)}, "
+    assert listed == present, (f"{name}/__init__.py: missing {sorted(present - listed)}, "
                                f"naming what is not there {sorted(listed - present)}")
 
 
@@ -126,10 +131,4 @@ def test_shared_imports_nothing_of_the_services() -> None:
 @pytest.mark.parametrize("folder", MAPPED_SHARED_FOLDERS)
 def test_every_shared_module_is_on_its_folders_map(folder: str) -> None:
     """Each of these folders' `__init__.py` docstring names every module (and sub-folder) in it, and nothing else."""
-    directory = SHARED / folder
-    doc = ast.get_docstring(ast.parse((directory / "__init__.py").read_text()), clean=False) or ""
-    listed = set(re.findall(r"^    (\w+(?:\.py|/))\s", doc, re.M))
-    present = {path.name for path in directory.glob("*.py") if path.name != "__init__.py"}
-    present |= {f"{path.name}/" for path in directory.iterdir() if (path / "__init__.py").exists()}
-    assert listed == present, (f"shared/{folder}/__init__.py: missing {sorted(present - listed)}, "
-                               f"naming what is not there {sorted(listed - present)}")
+    assert_folder_mapped(SHARED / folder, f"shared/{folder}")
