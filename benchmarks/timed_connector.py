@@ -7,7 +7,9 @@
 It subclasses `kvmesh.services.engine.connector.KVMeshConnector` and only wraps methods that every version of
 that class has (vLLM's connector API: get_num_new_matched_tokens, update_state_after_alloc, build_connector_meta,
 update_connector_output, request_finished; the last-but-one is a no-op of vLLM's base class where KVMesh does not
-override it), so the same file times the old connector (c2baa25) and the new one unchanged.
+override it), so the same file times the old connector (c2baa25) and the new one unchanged. A connector that
+supports hybrid KV cache groups (SupportsHMA, as KVMesh's does now) finishes requests through
+request_finished_all_groups instead, timed as request_finished.
 
 Each hook is timed with `time.perf_counter()` (wall time of vLLM's scheduler thread spent inside the connector,
 waits on NATS included) and `time.thread_time()` (CPU time of that thread). Per request id:
@@ -194,8 +196,19 @@ class TimedKVMeshConnector(KVMeshConnector):
                 self._flush()
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._timed_finish(request, lambda: super(TimedKVMeshConnector, self).request_finished(request,
+                                                                                                      block_ids))
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM calls this one instead of request_finished on a connector that supports hybrid KV cache groups
+        (KVMesh does since its hybrid work): timed the same way."""
+        return self._timed_finish(request, lambda: super(TimedKVMeshConnector, self).request_finished_all_groups(
+            request, block_ids))
+
+    def _timed_finish(self, request: Any, call: Any) -> tuple[bool, dict[str, Any] | None]:
         wall0, cpu0 = time.perf_counter(), time.thread_time()
-        result = super().request_finished(request, block_ids)
+        result = call()
         wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
         if self._timed_path:
             with self._timed_lock:
