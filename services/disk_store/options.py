@@ -20,9 +20,10 @@ from kvmesh.shared import options_cli
 from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.eviction import POLICY_NAMES
 from kvmesh.shared.messaging.bus import NatsAuth, normalize_url
-from kvmesh.shared.messaging.nats_auth import add_nats_auth_flags, nats_auth_from_args
+from kvmesh.shared.messaging.nats_auth import nats_auth_from_args
 from kvmesh.shared.messaging.nats_url import DEFAULT_URL, argument as nats_url_argument
 from kvmesh.shared.messaging.sharing_domains import domains_file_of, domains_file_option
+from kvmesh.shared.ops.service import store_parser
 from kvmesh.shared.options_cli import DEFAULT, GB, group, option
 from kvmesh.shared.protocol import disk_store_id
 from kvmesh.shared.store_kit.store_bounds import StoreBounds
@@ -76,12 +77,8 @@ class DiskStoreOptions:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m kvmesh.services.disk_store",
-                                     description="KVMesh disk store (LocalDiskBackend) of this host")
-    options_cli.add_flags(parser, DiskStoreOptions)
-    parser.add_argument("--log-level", help="log level (default: $KVMESH_LOG_LEVEL, else INFO)")
-    add_nats_auth_flags(parser)
-    return parser
+    return store_parser("python -m kvmesh.services.disk_store",
+                        "KVMesh disk store (LocalDiskBackend) of this host", DiskStoreOptions)
 
 
 def options_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> DiskStoreOptions:

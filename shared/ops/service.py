@@ -23,10 +23,11 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.shared import protocol
+from kvmesh.shared import options_cli, protocol
 
 from kvmesh.shared.errors import KVMeshError, MeshUnavailable, ProtocolError
 from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.nats_auth import add_nats_auth_flags
 
 Options = TypeVar("Options")
 
@@ -122,6 +123,16 @@ def configure_logging(level: str | None = None) -> None:
     """Log at `level` (a --log-level flag), else $KVMESH_LOG_LEVEL, else INFO: a flag beats the environment."""
     logging.basicConfig(level=(level or os.environ.get("KVMESH_LOG_LEVEL") or "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def store_parser(prog: str, description: str, options: type) -> argparse.ArgumentParser:
+    """A store service's flags: its options dataclass (shared/options_cli.py), `--log-level` and the NATS
+    credentials flags."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    options_cli.add_flags(parser, options)
+    parser.add_argument("--log-level", help="log level (default: $KVMESH_LOG_LEVEL, else INFO)")
+    add_nats_auth_flags(parser)
+    return parser
 
 
 def service_main(label: str, parser: argparse.ArgumentParser,
