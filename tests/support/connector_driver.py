@@ -27,7 +27,8 @@ from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.core.kv_layout import KVLayout
 from kvmesh.shared.wire.keys import KeyParams
 
-from support.engine import engine_config
+from support.engine import BLOCK, engine_config
+from support.kv_oracle import Forward
 from support.waiting import WAIT_S
 
 import kvmesh.services.engine.connector as connector
@@ -145,3 +146,17 @@ def run_step(scheduler: Any, worker: Any, step: Step,
     scheduler.update_connector_output(SimpleNamespace(kv_connector_worker_meta=result.worker_meta,
                                                       invalid_block_ids=set(result.load_errors)))
     return result
+
+
+def prefill(sched: object, work: object, forward: Forward, req_id: str, tokens: list[int], block_ids: list[int]
+            ) -> tuple[int, bool]:
+    """One request through lookup, allocation and one step that computes its whole prompt; the lookup's answer."""
+    req = request(req_id, tokens)
+    answer = sched.get_num_new_matched_tokens(req, 0)  # type: ignore[attr-defined]
+    loaded = answer[0] or 0
+    sched.update_state_after_alloc(req, blocks(block_ids), loaded)  # type: ignore[attr-defined]
+    first = loaded // BLOCK
+    forward.compute(req_id, block_ids, first, -(-len(tokens) // BLOCK) - first)
+    result = run_step(sched, work, Step(new=[(req_id, block_ids, loaded, len(tokens) - loaded)]), forward)
+    assert result.load_errors == set()
+    return answer

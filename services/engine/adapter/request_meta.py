@@ -171,6 +171,8 @@ class RequestTracker:
     load_failed: bool = False  # a load into its blocks failed (vLLM recomputes): it is offered no more loads
 
     lookup_tokens: int = 0  # the request's length when `lower`, `probe` and `cpu_tokens` were asked for
+    reported: tuple[int, int] | None = None  # (hit, to load) whose counters and INFO line are out: vLLM asks
+    # a waiting request again every step, and only a changed answer is reported again
 
     def preempted(self) -> None:
         """vLLM freed the request's blocks (it resumes later with new ones): forget them and any load planned
@@ -187,6 +189,7 @@ class RequestTracker:
         self.state_key = None
         self.cpu_tokens = 0
         self.lookup_tokens = 0
+        self.reported = None
 
     def load_failed_in(self, invalid_block_ids: set[int], block_size: int, chunk_size: int) -> bool:
         """Note a failed load if any of `invalid_block_ids` is this request's: vLLM recomputes from the first

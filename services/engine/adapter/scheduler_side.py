@@ -155,23 +155,29 @@ class SchedulerSide:
         tracker.saved_upto = max(tracker.saved_upto, hit)  # what the cache holds is never stored again
         need = min(hit, total - 1)  # vLLM computes at least the last token
         to_load = max(need - num_computed_tokens, 0)
-        self._stats.count("lmcache:num_lookup_requests")
-        self._stats.count("lmcache:num_requested_tokens", total)
-        self._stats.count("lmcache:num_hit_tokens", hit)
-        self._stats.count("lmcache:num_vllm_hit_tokens", num_computed_tokens)
-        self._stats.observe("lmcache:time_to_lookup", time.perf_counter() - started)
         tracker.num_to_load = to_load
-        log.info("Reqid: %s, Total tokens %d, hit tokens %d, need to load %d", request.request_id, total, hit,
-                 to_load)
         # Decided on the CPU tiers before the lower-tier lookup: its prefetch may have filled them since, but a
         # load behind it would still wait for that prefetch, stalling the batch.
         # with groups every load is asynchronous: vLLM takes a failed one only as a failed receive (kv_groups.py)
         tracker.load_async = to_load > 0 if self.groups is not None else \
             loads_asynchronously(self.config.enable_async_loading, to_load, need, tracker.cpu_tokens)
+        if tracker.reported != (hit, to_load):  # vLLM asks again each step while the request waits
+            tracker.reported = (hit, to_load)
+            self._report_lookup(tracker, total, hit, to_load, num_computed_tokens, need, started)
+        return to_load, tracker.load_async
+
+    def _report_lookup(self, tracker: RequestTracker, total: int, hit: int, to_load: int, num_computed_tokens: int,
+                       need: int, started: float) -> None:
+        """A lookup's `lmcache:*` counters and its INFO lines, as LMCache logs them."""
+        self._stats.count("lmcache:num_lookup_requests")
+        self._stats.count("lmcache:num_requested_tokens", total)
+        self._stats.count("lmcache:num_hit_tokens", hit)
+        self._stats.count("lmcache:num_vllm_hit_tokens", num_computed_tokens)
+        self._stats.observe("lmcache:time_to_lookup", time.perf_counter() - started)
+        log.info("Reqid: %s, Total tokens %d, hit tokens %d, need to load %d", tracker.req_id, total, hit, to_load)
         if tracker.load_async:
             log.info("Reqid: %s loads asynchronously: %d of its %d tokens to load were in the CPU tier",
-                     request.request_id, max(min(tracker.cpu_tokens, need) - num_computed_tokens, 0), to_load)
-        return to_load, tracker.load_async
+                     tracker.req_id, max(min(tracker.cpu_tokens, need) - num_computed_tokens, 0), to_load)
 
     def _block_prefix_hit(self, tracker: RequestTracker, hasher: ChunkHasher, hit: int, total: int
                           ) -> tuple[int | None, ChunkKey | None]:

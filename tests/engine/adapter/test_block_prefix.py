@@ -29,7 +29,7 @@ from support.worker_engine import engine  # noqa: F401 (a fixture)
 
 pytest.importorskip("kvmesh.services.engine.connector")
 from support.connector_driver import (  # noqa: E402
-    Step, blocks, rank0_engine, request, run_step, scheduler_half, worker_half)
+    prefill, rank0_engine, request, scheduler_half, worker_half)
 
 
 def test_probes_are_the_block_boundaries_strictly_inside_the_next_chunk_longest_first() -> None:
@@ -72,20 +72,6 @@ def paged() -> Iterator[tuple[CacheEngine, PagedKV]]:
     kv = PagedKV(num_blocks=64)
     with rank0_engine(kv.layout) as worker:
         yield worker, kv
-
-
-def prefill(sched: object, work: object, forward: Forward, req_id: str, tokens: list[int], block_ids: list[int]
-            ) -> tuple[int, bool]:
-    """One request through lookup, allocation and one step that computes its whole prompt; the lookup's answer."""
-    req = request(req_id, tokens)
-    answer = sched.get_num_new_matched_tokens(req, 0)  # type: ignore[attr-defined]
-    loaded = answer[0] or 0
-    sched.update_state_after_alloc(req, blocks(block_ids), loaded)  # type: ignore[attr-defined]
-    first = loaded // BLOCK
-    forward.compute(req_id, block_ids, first, -(-len(tokens) // BLOCK) - first)
-    result = run_step(sched, work, Step(new=[(req_id, block_ids, loaded, len(tokens) - loaded)]), forward)
-    assert result.load_errors == set()
-    return answer
 
 
 def test_an_extended_prompt_loads_the_earlier_prompts_kv_up_to_its_last_whole_block(

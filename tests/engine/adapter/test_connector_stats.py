@@ -77,3 +77,40 @@ def test_prometheus_exposition_uses_lmcache_names_and_vllms_labels() -> None:
     assert f"lmcache:lmcache_is_healthy{labels} 1.0" in text
     exposed = {m.name for m in METRICS if m.name in text}
     assert exposed == {m.name for m in METRICS}, "every metric is registered"
+
+
+def test_a_waiting_request_is_counted_and_logged_once_per_answer(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM asks get_num_new_matched_tokens again every step while a request waits (for blocks, a batch slot):
+    its lookup counters and INFO line come once per answer, not once per ask."""
+    pytest.importorskip("kvmesh.services.engine.connector")
+    from support.connector_driver import prefill, rank0_engine, request, scheduler_half, worker_half
+    from support.engine import BLOCK, CHUNK, PagedKV, random_tokens
+    from support.kv_oracle import Forward
+
+    kv = PagedKV(num_blocks=64)
+    with rank0_engine(kv.layout) as worker:
+        sched = scheduler_half(worker.config, BLOCK, saves_off_forward=False)
+        work = worker_half(worker, kv.caches, BLOCK, saves_off_forward=False)
+        try:
+            tokens = random_tokens(2 * CHUNK + 5, seed=21).tolist()
+            assert prefill(sched, work, Forward(kv), "r1", tokens, [1, 2, 3, 4, 5]) == (0, False)
+            need = len(tokens) - 1  # all of it is held; vLLM computes the last token
+            sched.get_kv_connector_stats()  # r1's lookup: taken, so what follows is r2's alone
+            caplog.clear()
+            waiting = request("r2", tokens)
+            with caplog.at_level("INFO", logger="kvmesh"):
+                for _ in range(3):  # three steps without room for it
+                    assert sched.get_num_new_matched_tokens(waiting, 0) == (need, False)
+                # its first block came into vLLM's prefix cache meanwhile: a new answer, reported again
+                assert sched.get_num_new_matched_tokens(waiting, BLOCK) == (need - BLOCK, False)
+                assert sched.get_num_new_matched_tokens(waiting, BLOCK) == (need - BLOCK, False)
+            stats = sched.get_kv_connector_stats()
+            assert stats is not None
+            counters = stats.data["counters"]
+            assert counters["lmcache:num_lookup_requests"] == 2
+            assert counters["lmcache:num_hit_tokens"] == 2 * len(tokens)
+            lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Reqid: r2, Total")]
+            assert lines == [f"Reqid: r2, Total tokens {len(tokens)}, hit tokens {len(tokens)}, need to load {n}"
+                             for n in (need, need - BLOCK)]
+        finally:
+            sched.shutdown()
