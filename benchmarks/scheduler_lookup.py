@@ -292,8 +292,9 @@ def median_or_none(values: list[Any]) -> Any:
 
 # ---- the run ------------------------------------------------------------------------------------------------------
 def kvmesh_source(env: dict[str, str]) -> str:
-    """Where the children's `import kvmesh.shared.wire.keys` comes from (their PYTHONPATH vs the editable install)."""
-    out = subprocess.run([sys.executable, "-c", "import os, kvmesh.shared.wire.keys as k; print(os.path.realpath("
+    """Where the children's `import kvmesh.shared` comes from (their PYTHONPATH vs the editable install): a package
+    every tree has (a module that moved would come from the editable install under an older tree)."""
+    out = subprocess.run([sys.executable, "-c", "import os, kvmesh.shared as k; print(os.path.realpath("
                           "k.__file__))"], env=env, capture_output=True, text=True, timeout=60)
     return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else f"error: {out.stderr[-300:]}"
 
