@@ -194,7 +194,8 @@ class PrefixLookup:
     """Scheduler -> worker: how many leading chunks of a request are held over all tiers (start prefetching them).
 
     `keys` are the request's chain keys (the worker derives its shard's keys), `num_tokens` its length; the
-    reply is a `CommandReply` whose `num_tokens` is the held prefix in tokens.
+    reply is a `CommandReply` whose `num_tokens` is the held prefix in tokens. Chunks that end at or before
+    `prefetch_from` (the tokens vLLM's own prefix cache holds) are looked up but not prefetched: no load reads them.
     """
 
     keys: list[bytes]
@@ -203,6 +204,7 @@ class PrefixLookup:
     # only waited for, never read from unless the controller names it); "" for none
     peer_instance: str = ""
     peer_worker: str = ""
+    prefetch_from: int = 0
 
 
 @message("peer_lookup")

@@ -239,9 +239,10 @@ class SchedulerLookup:
         self.mirror.apply(events)
 
     def held(self, chain: Sequence[ChunkSpan], num_tokens: int, lower: LowerLookup | None,
-             peer: PeerHint | None = None) -> tuple[int | None, LowerLookup | None]:
+             peer: PeerHint | None = None, prefetch_from: int = 0) -> tuple[int | None, LowerLookup | None]:
         """(tokens held on every rank, or None for "ask again"; the lower-tier lookup in flight or done). `peer`:
-        the PD producer the request names (adapter/pd.py), whose workers the ranks ask first."""
+        the PD producer the request names (adapter/pd.py), whose workers the ranks ask first. The lookup's
+        prefetch skips the chunks that end by `prefetch_from` (the tokens vLLM computed: its prefix cache)."""
         workers = self._workers
         if not workers or not chain:
             return 0, lower
@@ -250,7 +251,7 @@ class SchedulerLookup:
         if cpu_tokens == chain[-1].end or not any(w.has_lower for w in workers):
             return cpu_tokens, lower
         if lower is None:
-            lower = self._ask_lower(keys, num_tokens, peer)
+            lower = self._ask_lower(keys, num_tokens, peer, prefetch_from)
             if lower is None:  # NATS is down: what the mirror says, at once
                 return cpu_tokens, None
             # answered when vLLM asks again, never in this call: whether the NATS loop answers before the scheduler
@@ -285,7 +286,8 @@ class SchedulerLookup:
         ids = [w.worker_id for w in sorted(self._workers, key=lambda w: w.rank)]
         return ids if ids and all(ids) else []
 
-    def _ask_lower(self, keys: list[ChunkKey], num_tokens: int, peer: PeerHint | None) -> LowerLookup | None:
+    def _ask_lower(self, keys: list[ChunkKey], num_tokens: int, peer: PeerHint | None,
+                   prefetch_from: int) -> LowerLookup | None:
         def peer_of(rank: int) -> tuple[str, str]:  # each rank asks the producer's worker of the same rank
             worker = peer.worker_of(rank) if peer is not None else None
             return (peer.instance_id, worker) if peer is not None and worker else ("", "")
@@ -298,13 +300,14 @@ class SchedulerLookup:
                 if engine.nats_loop is None or not engine.nats_loop.connected:
                     return None
                 spans = engine.chunk_spans(keys, num_tokens)
-                futures.append(engine.nats_loop.submit(engine.lookup_and_prefetch(spans, *peer_of(engine.rank))))
+                futures.append(engine.nats_loop.submit(engine.lookup_and_prefetch(spans, *peer_of(engine.rank),
+                                                                                  prefetch_from)))
             return LowerLookup(futures, time.monotonic(), timeout)
         nats = self._nats
         if nats is None or (nats.nc is not None and not nats.connected):
             return None  # no NATS, or it went down: answer from the CPU tiers at once
         # connected, or still making its first connection (just after the workers were found): ask
-        requests = [protocol.PrefixLookup(keys, num_tokens, *peer_of(w.rank)) for w in self._workers]
+        requests = [protocol.PrefixLookup(keys, num_tokens, *peer_of(w.rank), prefetch_from) for w in self._workers]
         return LowerLookup([nats.submit(self._ask(nats, w, request, timeout))
                             for w, request in zip(self._workers, requests)], time.monotonic(), timeout)
 

@@ -138,7 +138,8 @@ class SchedulerSide:
         if tracker.lower is None:  # not yet asked below: what the CPU tiers hold as the request arrives
             tracker.cpu_tokens = self.lookup.cpu_tokens(tracker.chain[:len(chain_keys)])
         hit, tracker.lower = self.lookup.held(tracker.chain[:len(chain_keys)], total, tracker.lower,
-                                              peer_hint(getattr(request, "kv_transfer_params", None)))
+                                              peer_hint(getattr(request, "kv_transfer_params", None)),
+                                              prefetch_from=num_computed_tokens)
         if hit is None:
             return None, False  # the lower tiers have not answered yet: vLLM asks again next step
         if self.groups is not None and self.groups.has_state:

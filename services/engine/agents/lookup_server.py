@@ -42,7 +42,8 @@ class LookupServer:
     async def _handle(self, request: protocol.PrefixLookup) -> protocol.CommandReply:
         try:
             spans = self.engine.chunk_spans(request.keys, request.num_tokens)
-            held = await self.engine.lookup_and_prefetch(spans, request.peer_instance, request.peer_worker)
+            held = await self.engine.lookup_and_prefetch(spans, request.peer_instance, request.peer_worker,
+                                                         request.prefetch_from)
             return protocol.CommandReply(ok=True, num_tokens=held)
         except Exception as exc:  # a broken lookup is a miss, never a failed request
             log.warning("prefix lookup failed (%s: %s); answering a miss", type(exc).__name__, exc)

@@ -169,9 +169,10 @@ class CacheEngine:
         return hasher.shard([chain_span])[0]
 
     async def lookup_and_prefetch(self, spans: Sequence[ChunkSpan], peer_instance: str = "",
-                                  peer_worker: str = "") -> int:
-        """NATS loop: the held prefix of `spans` over every tier, in tokens; what a lower tier holds starts
-        moving into the CPU tier at once (the scheduler's lower-tier lookup, then the load one step later).
+                                  peer_worker: str = "", prefetch_from: int = 0) -> int:
+        """NATS loop: the held prefix of `spans` over every tier, in tokens; what a lower tier holds past token
+        `prefetch_from` (vLLM's computed tokens) starts moving into the CPU tier at once (the scheduler's lower-tier
+        lookup, then the load one step later).
         `peer_worker` of `peer_instance`: the PD producer a request's hint names (adapter/pd.py, client input):
         the peer lookup waits a little for its admissions of the spans, never takes its word for them."""
         _, _, _, storage, _ = self.ready()
@@ -179,7 +180,7 @@ class CacheEngine:
         if peer_worker and isinstance(peers, PeerTier):
             # every span, the partial last chunk too: the producer saves the same prompt (save_unfull_chunk)
             peers.expect([span.key for span in spans], PeerWorker(peer_instance, peer_worker))
-        held = await storage.lookup_and_prefetch(spans, self.meta_mismatch)
+        held = await storage.lookup_and_prefetch(spans, self.meta_mismatch, prefetch_from)
         return spans[held - 1].end if held else 0
 
     def _gather_spans(self, spans: Sequence[ChunkSpan], kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,

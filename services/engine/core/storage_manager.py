@@ -202,11 +202,15 @@ class StorageManager:
 
         return self.loop.call(walk(), self.config.request_timeout_secs + 0.5, default=held)
 
-    async def lookup_and_prefetch(self, spans: Sequence[ChunkSpan], check: CheckMeta) -> int:
+    async def lookup_and_prefetch(self, spans: Sequence[ChunkSpan], check: CheckMeta, prefetch_from: int = 0) -> int:
         """Loop thread: the held prefix of `spans` over every tier, in chunks; the chunks found in a lower tier
-        start moving into the CPU tier at once, from the runs already located (the stores are not asked twice)."""
+        start moving into the CPU tier at once, from the runs already located (the stores are not asked twice),
+        except those that end at or before token `prefetch_from`: vLLM's own prefix cache holds them, no load
+        reads them."""
         runs = await self.locate(spans)
-        lower_runs = [run for run in runs if run.location != LOCAL_CPU]
+        skip = sum(1 for span in spans if span.end <= prefetch_from)
+        lower_runs = [Run(run.location, max(run.begin, skip), run.end) for run in runs
+                      if run.location != LOCAL_CPU and run.end > skip]
         if lower_runs and self.cpu.keep:
             owner = object()
             # claimed before the next await: a retrieve that comes next waits for these chunks instead of

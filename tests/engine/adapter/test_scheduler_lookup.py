@@ -43,13 +43,14 @@ def test_step_events_aggregate_per_rank_and_feed_the_mirror() -> None:
     assert log.take() == [(True, a), (False, a)] and log.take() == []
 
 
-def ask_until_answered(lookup: SchedulerLookup, chain: list, num_tokens: int, lower: LowerLookup | None) -> int:
+def ask_until_answered(lookup: SchedulerLookup, chain: list, num_tokens: int, lower: LowerLookup | None,
+                       prefetch_from: int = 0) -> int:
     """The tokens held, asking as vLLM does ("ask again" while `lower`, the lookup in flight, has no answer)."""
     held: int | None = None
 
     def answered() -> bool:
         nonlocal lower, held
-        held, lower = lookup.held(chain, num_tokens, lower)
+        held, lower = lookup.held(chain, num_tokens, lower, prefetch_from=prefetch_from)
         return held is not None
 
     wait_until(answered, what="the lower tiers' answer")
@@ -95,6 +96,33 @@ def test_cpu_hits_come_from_the_mirror_and_disk_hits_ask_again_then_prefetch(
     wait_until(lambda: token_api.lookup(worker, tokens, [LOCAL_CPU]) == len(tokens),
                what="the prefetch into the CPU tier")
     assert worker.storage.stats[f"fetched_{LOCAL_DISK}"] == 3
+    lookup.close()
+
+
+def test_the_lookups_prefetch_skips_what_vllms_prefix_cache_computed(
+        engine: tuple[CacheEngine, PagedKV, StepEventLog], disk_mesh: LocalMesh) -> None:
+    """A request whose first tokens vLLM's own prefix cache holds loads only the rest: the lookup still answers
+    the whole held prefix, but reads from the disk store only the chunks that end after vLLM's computed tokens."""
+    worker, kv, events = engine
+    lookup = SchedulerLookup(world_size=1, timeout=WAIT_S, nats_name="test-scheduler")
+    hasher = lookup.hasher()
+    assert hasher is not None
+    tokens = random_tokens(4 * CHUNK, seed=17)
+    chain = hasher.chain(tokens.tolist())
+    token_api.store(worker, tokens, **kv.kv(kv.slots(len(tokens))))
+    assert worker.wait_write_behind(WAIT_S)
+    client = worker.storage.lower(LOCAL_DISK)
+    assert client is not None and worker.nats_loop is not None
+    assert worker.nats_loop.call(client.wait_written(WAIT_S), WAIT_S + 1, default=False)
+    token_api.clear(worker, LOCAL_CPU)
+    lookup.update(CpuTierEvents({0: events.take()}))
+
+    computed = 2 * CHUNK + 3  # vLLM computed into chunk 2: chunks 0 and 1 end before it, chunk 2 does not
+    assert ask_until_answered(lookup, chain, len(tokens), None, prefetch_from=computed) == len(tokens)
+    spans = worker.chunk_spans([span.key for span in chain], len(tokens))
+    wait_until(lambda: all(span.key in worker.cpu for span in spans[2:]), what="chunks 2 and 3 prefetched")
+    assert worker.storage.stats[f"fetched_{LOCAL_DISK}"] == 2
+    assert not any(span.key in worker.cpu for span in spans[:2]), "chunks vLLM holds are not read"
     lookup.close()
 
 
