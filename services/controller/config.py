@@ -117,6 +117,14 @@ class ControllerConfig:
     max_commands: int = option(
         "--max-commands", f"pin/unpin/clear/move requests in flight at once; more get 429 (default: {DEFAULT})", 64,
         type=_positive(int))
+    # /usage asks every producer it reports on for its own figures (one NATS request each), at most this long...
+    usage_timeout_s: float = option(
+        "--usage-timeout", "seconds /usage waits for a producer's own figures (bytes, pins, hits, evictions); one "
+        f"that has not answered by then is reported without them (default: {DEFAULT})", 2.0, type=_positive(float))
+    # ...and at most this many /usage requests do so at once; more get 429
+    max_usage_requests: int = option(
+        "--max-usage-requests", "/usage requests in flight at once (each asks every producer it reports on); more "
+        f"get 429 (default: {DEFAULT})", 4, type=_positive(int))
     # registrations of new producers past this are refused (each costs a slot)
     max_producers: int = option(
         "--max-producers", "most producers (engine workers and stores) known at once; a registration of a new one "

@@ -23,6 +23,7 @@ from kvmesh.services.controller.ops import EventLog, EventRecord
 from kvmesh.services.controller.principal_quotas import Limits
 from kvmesh.services.controller.producer_records import Producer
 from kvmesh.services.controller.producers import ProducerTable
+from kvmesh.services.controller.usage import FleetUsage
 
 
 # /health error codes per rank (LMCache's convention: 0 healthy, anything else an error).
@@ -72,6 +73,7 @@ class ControllerCore:
         self.commands_in_flight = 0
         self.router = CommandRouter(self.table, config.command_timeout_s)
         self.metrics = Metrics()
+        self.usage = FleetUsage(self.table, self.router, config)  # /usage
         self.feed: Any = None  # the ProducerFeed, once connected (service.py sets it)
         self.started_at = time.time()
 

@@ -47,6 +47,7 @@ class Refused(ControllerError):
 
 
 class TooManyCommands(ControllerError):
-    """More pin/unpin/clear requests in flight than `--max-commands` (429): retry once some are answered."""
+    """More pin/unpin/clear requests in flight than `--max-commands`, or /usage requests than
+    `--max-usage-requests` (429): retry once some are answered."""
 
     status_code = 429

@@ -98,11 +98,14 @@ class DiskStoreService:
         if isinstance(nc, bus.MeshClient):  # a restarted NATS server has a new id: engines then look elsewhere
             self._follow = lambda: store.pools.follow(bus.server_scope(nc))
             nc.reconnect_hooks.append(self._follow)
-        await self.endpoint.serve(handlers, reporter, self._details, self.ops.domains)
+        await self.endpoint.serve(handlers, reporter, self._health_details, self.ops.domains)
         log.info("disk store %s serving %s on %s", options.store_id, options.root, options.nats_url)
 
     def _details(self) -> dict[str, Any]:
         return {**self.store.details(), **self.endpoint.counters()}
+
+    def _health_details(self) -> dict[str, Any]:
+        return {**self._details(), protocol.USAGE_DETAIL: self.ops.usage(self.store.counters["hits"]).as_detail()}
 
     def _registration(self) -> protocol.RegisterStore:
         return protocol.RegisterStore(store_id=self.options.store_id, location=protocol.LOCAL_DISK,

@@ -135,7 +135,8 @@ class RemoteStoreService:
         return {"partition": self.options.partition, "num_partitions": self.options.num_partitions,
                 "num_chunks": len(index), "used_bytes": index.used_bytes,
                 "capacity_bytes": self.options.capacity_bytes,
-                "stream": f"{self.advertise_host}:{self.stream.port}"}
+                "stream": f"{self.advertise_host}:{self.stream.port}",
+                protocol.USAGE_DETAIL: self.ops.usage(self.store.counters.get_hits).as_detail()}
 
     # ---- handlers ----------------------------------------------------------------------------------------
     async def _on_stream(self, request: protocol.StreamRequest, caller: str) -> protocol.StreamOffer:

@@ -8,7 +8,8 @@ shared-memory or stream paths (docs/architecture.md) except where a message says
 tag, missing or mistyped field). Services log that and drop the message; they never crash on it.
 
 The package: principals.py (who is who: principals, worker and store ids), subjects.py (`Subjects`, the command
-ops), codec.py (`message`, `encode`, `decode`), messages.py (the messages and the location names). Its public
+ops), codec.py (`message`, `encode`, `decode`), messages.py (the messages and the location names), usage.py (what a
+producer reports of its holdings in its health answer). Its public
 names are these modules' together, read as `protocol.X` (`from kvmesh.shared import protocol`).
 """
 
@@ -25,6 +26,7 @@ from kvmesh.shared.protocol.principals import (
     redis_store_id, remote_store_id, store_path, worker_id_for)
 from kvmesh.shared.protocol.subjects import (
     CONFLICT_OP, CONTROLLER_COMMAND_OPS, PREFIX_LOOKUP_OP, TIER_OPS, WORKER_COMMAND_OPS, ProducerPath, Subjects)
+from kvmesh.shared.protocol.usage import USAGE_DETAIL, TierUsage
 
 
 __all__ = [
@@ -37,4 +39,4 @@ __all__ = [
     "SyncRequest", "SyncChunk", "WorkerCommand", "PrefixLookup", "PeerLookup", "PeerLookupReply",
     "CommandReply", "ChunkKeys", "ContainsReply", "ClearRequest", "WipeRequest", "StatsRequest", "StatsReply",
     "ChunkMeta", "INLINE_HEADROOM", "PutRequest", "MAX_GET_ID", "GetRequest", "CancelGet", "GetReply",
-    "StreamRequest", "StreamOffer", "StreamHello"]
+    "StreamRequest", "StreamOffer", "StreamHello", "USAGE_DETAIL", "TierUsage"]

@@ -102,6 +102,7 @@ class ChunkIndex(Generic[E]):
         self._pins_version = 0
         self._claims = HeldClaims()  # the held keys' claims and (non-default) domains
         self._pin_owners = PinOwners(self._policy)
+        self.evictions = 0  # chunks evicted to make room or to fit the capacity (not removals, clears or wipes)
 
     # ---- queries -----------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -243,6 +244,7 @@ class ChunkIndex(Generic[E]):
             pinned = sum(self._held[k].charge for k in self._held if self._policy.is_pinned(k))
             raise SpaceRefused(f"no room for {nbytes} more bytes of chunk {key.hex()}: capacity "
                                f"{self.capacity_bytes}, pinned {pinned}, in flight {self.reserved_bytes}")
+        self.evictions += len(victims)
         return [(victim, self._forget(victim)) for victim in victims]
 
     def claim(self, key: ChunkKey, caller: str, domain: str = DEFAULT_DOMAIN) -> bool:
@@ -325,7 +327,9 @@ class ChunkIndex(Generic[E]):
     def trim_to_capacity(self) -> list[tuple[ChunkKey, E]]:
         """Evict unpinned chunks, in the policy's victim order, until the held ones fit the capacity (after
         loading chunks persisted under a larger capacity); the evicted (key, entry) pairs."""
-        return [(victim, self._forget(victim)) for victim in self._policy.victims_for(0) or []]
+        victims = self._policy.victims_for(0) or []
+        self.evictions += len(victims)
+        return [(victim, self._forget(victim)) for victim in victims]
 
     # ---- removals ----------------------------------------------------------------------------------------
     def remove(self, key: ChunkKey) -> E | None:

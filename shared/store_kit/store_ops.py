@@ -226,6 +226,14 @@ class IndexOps(Generic[E]):
                                    details={"cache_policy": index.policy_name, "claimants": len(index.claim_counts()),
                                             "requests_too_many_keys": self.too_many_keys, **self._details()})
 
+    def usage(self, hits: int) -> protocol.TierUsage:
+        """The store's holdings for its health answer (the controller's /usage); `hits`: its gets that found
+        their chunk, which the store's reader counts."""
+        index = self.index
+        return protocol.TierUsage(num_chunks=len(index), used_bytes=index.used_bytes,
+                                  capacity_bytes=index.capacity_bytes, pinned_chunks=index.pinned_count,
+                                  hits=hits, evictions=index.evictions)
+
 
 
 def _distinct(keys: list[ChunkKey]) -> list[ChunkKey]:

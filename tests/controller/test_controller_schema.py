@@ -126,7 +126,8 @@ def api_schema(controller_url: str) -> Any:
 OPERATIONS = [("POST", "/lookup"), ("POST", "/pin"), ("POST", "/unpin"), ("POST", "/clear"),
               ("POST", "/check_finish"), ("POST", "/health"), ("POST", "/query_worker_info"),
               ("POST", "/query_instance"), ("POST", "/move"), ("POST", "/compress"), ("POST", "/decompress"),
-              ("GET", "/instances"), ("GET", "/metrics"), ("GET", "/healthz")]
+              ("GET", "/instances"), ("GET", "/usage"), ("GET", "/instances/usage"),
+              ("GET", "/instances/{instance_id}/usage"), ("GET", "/metrics"), ("GET", "/healthz")]
 
 
 def test_every_operation_is_fuzzed(api_schema: Any) -> None:

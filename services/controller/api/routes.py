@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -18,8 +18,8 @@ from kvmesh.services.controller.api.metrics_page import render as render_metrics
 from kvmesh.services.controller.api.schemas import (
     CheckFinishRequest, CheckFinishResponse, ClearRequest, CommandResponse, CompressRequest, ErrorResponse,
     HealthRequest, HealthResponse, HealthzResponse, InstancesResponse, LookupRequest, LookupResponse, MoveRequest,
-    PinRequest, QueryInstanceRequest, QueryInstanceResponse, QueryWorkerInfoRequest, QueryWorkerInfoResponse,
-    ValidationErrorResponse)
+    MAX_INSTANCE_ID, Location, PinRequest, QueryInstanceRequest, QueryInstanceResponse, QueryWorkerInfoRequest,
+    QueryWorkerInfoResponse, UsageResponse, ValidationErrorResponse)
 from kvmesh.services.controller.core import ControllerCore
 from kvmesh.services.controller.errors import ControllerError
 from kvmesh.services.controller.lookup import KeyRequest
@@ -171,6 +171,36 @@ async def decompress(req: CompressRequest, core: Core) -> JSONResponse:
 async def instances(core: Core) -> Any:
     """Every registered instance and store."""
     return core.instances()
+
+
+USAGE_ERRORS = {404: ERRORS[404], 429: {"model": ErrorResponse, "description": "too many /usage requests in flight "
+                                                                            "(--max-usage-requests)"},
+                422: {"model": ValidationErrorResponse, "description": "a bad query parameter (named)"}}
+
+
+async def _usage(core: ControllerCore, instance_id: str | None, location: str | None) -> dict[str, Any]:
+    return {"controller_id": core.controller_id, **await core.usage.answer(instance_id, location)}
+
+
+@router.get("/usage", response_model=UsageResponse, responses=USAGE_ERRORS)
+async def usage(core: Core, instance_id: Annotated[str | None, Query(min_length=1, max_length=MAX_INSTANCE_ID)] = None,
+                location: Annotated[Location | None, Query()] = None) -> Any:
+    """Chunks, bytes, pins, hits and evictions per instance (and worker), tier, store and sharing domain; for one
+    instance and / or one location when asked."""
+    return await _usage(core, instance_id, location)
+
+
+@router.get("/instances/usage", response_model=UsageResponse, responses=USAGE_ERRORS)
+async def instances_usage(core: Core, location: Annotated[Location | None, Query()] = None) -> Any:
+    """/usage at LMCache's coordinator path."""
+    return await _usage(core, None, location)
+
+
+@router.get("/instances/{instance_id}/usage", response_model=UsageResponse, responses=USAGE_ERRORS)
+async def instance_usage(core: Core, instance_id: Annotated[str, Path(min_length=1, max_length=MAX_INSTANCE_ID)],
+                         location: Annotated[Location | None, Query()] = None) -> Any:
+    """/usage?instance_id= at LMCache's coordinator path: 404 for an instance the controller does not know."""
+    return await _usage(core, instance_id, location)
 
 
 @router.get("/metrics", response_class=PlainTextResponse)

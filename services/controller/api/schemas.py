@@ -27,7 +27,8 @@ def _integral_float_to_int(value: Any) -> Any:
 TokenId = Annotated[int, Strict(), Field(ge=0, le=MAX_TOKEN_ID, description="a token id"),
                     BeforeValidator(_integral_float_to_int)]
 Location = Literal["LocalCPUBackend", "LocalDiskBackend", "RemoteBackend"]
-InstanceId = Annotated[str, Field(min_length=1, max_length=256, examples=["lmcache_default_instance"],
+MAX_INSTANCE_ID = 256
+InstanceId = Annotated[str, Field(min_length=1, max_length=MAX_INSTANCE_ID, examples=["lmcache_default_instance"],
                                   description="lmcache_instance_id of an engine instance")]
 EXAMPLE_TOKENS = [128000, 849, 21435, 279, 26431, 315, 85748, 6636, 304, 4221, 4211, 13]
 # Optional key inputs (LMCache's JSON stays valid without them): the chunks of a request sent with vLLM's
@@ -214,6 +215,68 @@ class InstancesResponse(BaseModel):
     num_keys: int
     instances: list[InstanceInfo]
     stores: list[StoreInfo]
+
+
+class UsageFigures(BaseModel):
+    """One producer's figures, or several summed (services/controller/usage.py)."""
+    producers: int = Field(description="producers behind these figures (workers or stores)")
+    reporting: int = Field(description="how many of them answered with their own figures within --usage-timeout")
+    num_chunks: int = Field(description="chunks they hold in the controller's index (their admissions as applied)")
+    reported_chunks: int | None = Field(description="chunks they hold by their own count; null unless every one "
+                                                    "answered (so are the figures below)")
+    used_bytes: int | None
+    capacity_bytes: int | None
+    pinned_chunks: int | None
+    hits: int | None = Field(description="reads that found their chunk, since each producer started")
+    evictions: int | None = Field(description="chunks evicted to make room, since each producer started (not "
+                                              "removals, clears or wipes)")
+    usage_ratio: float | None = Field(description="used_bytes / capacity_bytes; null when either is unknown or 0")
+
+
+class UsageModule(UsageFigures):
+    tier: str = Field(description='"l1" (an instance\'s CPU tier) or "l2" (a store), as LMCache names them')
+    backend: str | None = Field(description="the location: LocalCPUBackend, LocalDiskBackend or RemoteBackend")
+    shared: bool = Field(description="a store's totals, shared with every instance that uses it (never split)")
+    store_ids: list[str] = Field(description="the stores behind a shared module; [] for the CPU tier")
+
+
+class UsageWorker(UsageFigures):
+    worker_id: str
+    rank: int
+    alive: bool
+
+
+class InstanceUsage(BaseModel):
+    instance_id: str
+    registered: bool
+    alive: bool
+    domain: str = Field(description="the instance's sharing domain")
+    modules: list[UsageModule]
+    workers: list[UsageWorker] = Field(description="the CPU tier of each worker (rank); [] when `location` names "
+                                                   "a store")
+
+
+class StoreUsage(UsageFigures):
+    tier: str
+    backend: str | None
+    shared: bool
+    store_id: str
+    alive: bool
+    registered: bool
+
+
+class DomainUsage(BaseModel):
+    domain: str
+    instance_ids: list[str]
+    modules: list[UsageModule] = Field(description="the CPU tiers of the domain's instances summed, then the "
+                                                   "stores they use")
+
+
+class UsageResponse(BaseModel):
+    controller_id: str
+    instances: list[InstanceUsage]
+    shared_modules: list[StoreUsage] = Field(description="each store (of the instance, with instance_id)")
+    domains: list[DomainUsage]
 
 
 class ErrorResponse(BaseModel):

@@ -109,7 +109,8 @@ class WorkerAgent:
 
     def _health(self) -> dict[str, object]:
         return {"worker_id": self.worker_id, "cpu_chunks": len(self.cpu), "cpu_used_bytes": self.cpu.used_bytes,
-                "write_behind_queue": self.write_queue_depth(), "time": time.time()}
+                "write_behind_queue": self.write_queue_depth(), "time": time.time(),
+                protocol.USAGE_DETAIL: self.cpu.usage().as_detail()}
 
     def _from_peer(self, command: WorkerCommand, spans: list[ChunkSpan]) -> str:
         """The source location of a move from the CPU tier of `command.peer_worker` (another instance of this

@@ -25,7 +25,7 @@ from typing import Iterable, Protocol
 
 from kvmesh.services.engine.tiers.memory_pool import MemoryPool, Slot
 from kvmesh.shared.eviction import Clock, EvictionPolicy, make_policy
-from kvmesh.shared.protocol import LOCAL_CPU, ChunkMeta
+from kvmesh.shared.protocol import LOCAL_CPU, ChunkMeta, TierUsage
 from kvmesh.shared.wire.keys import ChunkKey
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,8 @@ class LocalCPUBackend:
         self._entries: dict[ChunkKey, ChunkRef] = {}
         self._lock = threading.Lock()
         self._listeners: list[TierListener] = []
+        self.hits = 0  # chunks served (`acquire` found them), for /usage
+        self.evictions = 0  # chunks the policy evicted to make room (not removals or clears)
 
     # ---- listeners -------------------------------------------------------------------------------------------
     def listen(self, listener: TierListener) -> list[ChunkKey]:
@@ -135,6 +137,13 @@ class LocalCPUBackend:
         with self._lock:
             return self._policy.used_bytes
 
+    def usage(self) -> TierUsage:
+        """What the tier holds, as the worker reports it to the controller's /usage."""
+        with self._lock:
+            return TierUsage(num_chunks=len(self._entries), used_bytes=self._policy.used_bytes,
+                             capacity_bytes=self.pool.capacity_bytes, pinned_chunks=self._policy.pinned_count,
+                             hits=self.hits, evictions=self.evictions)
+
     # ---- reads and writes ------------------------------------------------------------------------------------
     def acquire(self, key: ChunkKey) -> ChunkRef | None:
         """The chunk with a reference for the caller (a hit for the policy), or None on a miss."""
@@ -144,6 +153,7 @@ class LocalCPUBackend:
                 return None
             self._policy.touch(key)
             entry.slot.ref()
+            self.hits += 1
             return ChunkRef(entry.meta, entry.slot)
 
     def allocate(self) -> Slot | None:
@@ -161,6 +171,7 @@ class LocalCPUBackend:
                 if key is None:
                     break
                 self._remove_locked(key)
+                self.evictions += 1
                 slot = self.pool.allocate()
                 if slot is not None:
                     return slot
@@ -184,6 +195,7 @@ class LocalCPUBackend:
                 return False
             for victim in victims:
                 self._remove_locked(victim)
+            self.evictions += len(victims)
             self._entries[key] = ChunkRef(meta, slot)
             self._policy.add(key, self.pool.slot_nbytes)
             if self.keep:
