@@ -221,6 +221,42 @@ def test_engine_metrics_on_vllms_own_metrics_endpoint(servers: dict[str, Any], l
     assert after["lmcache:lmcache_is_healthy"] == 1 and after["lmcache:local_cache_usage"] > 0
 
 
+def test_usage_reports_the_instances_chunks_and_their_hits(servers: dict[str, Any], long_text: str) -> None:
+    """The controller's /usage (issue 39) against a real vLLM: the CPU tier holds the prompt's chunks and counts the
+    warm load's reads; the shared remote store the write-behind filled lists them too."""
+    import httpx
+
+    a: VLLMServer = servers["a"]
+    mesh: MeshUp = servers["mesh"]
+
+    def usage() -> dict[str, dict[str, Any]]:
+        reply = httpx.get(f"{mesh.controller}/usage", params={"instance_id": INSTANCE_A}, timeout=30)
+        reply.raise_for_status()
+        [instance] = reply.json()["instances"]
+        return {module["backend"]: module for module in instance["modules"]}
+
+    before = wait_until(lambda: (u := usage()).get("LocalCPUBackend", {}).get("hits") is not None and u, WAIT_S,
+                        interval=0.5, what="the instance's CPU-tier figures on /usage")
+    prompt = prompt_of(long_text, 6_000, "usage")
+    a.complete(prompt, max_tokens=4)
+    loaded = a.assert_loaded(a.complete(prompt, max_tokens=4)).load
+    chunks = -(-loaded // CHUNK)
+    assert chunks >= 2, loaded
+
+    def counted() -> dict[str, dict[str, Any]] | None:
+        now = usage()
+        cpu, remote = now.get("LocalCPUBackend"), now.get("RemoteBackend")
+        new_hits = cpu["hits"] - before["LocalCPUBackend"]["hits"] if cpu and cpu["hits"] is not None else 0
+        done = new_hits >= chunks and remote is not None and remote["num_chunks"] >= chunks
+        return now if done else None
+
+    after = wait_until(counted, WAIT_S, interval=0.5, what="the warm load's reads and the write-behind on /usage")
+    cpu = after["LocalCPUBackend"]
+    assert cpu["num_chunks"] >= chunks and cpu["reporting"] == cpu["producers"] >= 1
+    assert 0 < cpu["used_bytes"] <= cpu["capacity_bytes"]
+    assert after["RemoteBackend"]["shared"] is True
+
+
 def test_warm_chat_matches_reference(servers: dict[str, Any], long_text: str) -> None:
     """The disk-offload setup's request shape (chat, streaming): same text cold, warm and without a connector."""
     import httpx
