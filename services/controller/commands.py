@@ -1,4 +1,4 @@
-"""pin / unpin / clear: forwarded from the REST API to an instance's engine workers over NATS request/reply.
+"""pin / unpin / clear / prefetch: forwarded from the REST API to an instance's engine workers over NATS request/reply.
 
 Runs on the controller's event loop, inside the REST request (the reply carries `num_tokens`). One
 `WorkerCommand` goes to `Subjects.worker(instance_id, worker_id, op)` for every rank of the instance, concurrently, each

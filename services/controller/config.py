@@ -74,7 +74,8 @@ class ControllerConfig:
         type=_positive(float))
     # pin / unpin / clear: per-worker NATS request timeout
     command_timeout_s: float = option(
-        "--command-timeout", f"seconds to wait for a worker's answer to pin/unpin/clear/move (default: {DEFAULT})",
+        "--command-timeout",
+        f"seconds to wait for a worker's answer to pin/unpin/clear/move/prefetch (default: {DEFAULT})",
         5.0, type=_positive(float))
     max_tokens: int = option(  # longer token lists are refused with 413
         "--max-tokens", f"longest token list accepted; longer gets 413 (default: {DEFAULT})", 1_000_000,
@@ -115,7 +116,8 @@ class ControllerConfig:
         type=_positive(float))
     # pin/unpin/clear in flight at once; more get 429 (bounds what silent workers pin)
     max_commands: int = option(
-        "--max-commands", f"pin/unpin/clear/move requests in flight at once; more get 429 (default: {DEFAULT})", 64,
+        "--max-commands",
+        f"pin/unpin/clear/move/prefetch requests in flight at once; more get 429 (default: {DEFAULT})", 64,
         type=_positive(int))
     # /usage asks every producer it reports on for its own figures (one NATS request each), at most this long...
     usage_timeout_s: float = option(

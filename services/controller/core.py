@@ -117,7 +117,7 @@ class ControllerCore:
     async def command(self, op: str, instance_id: str, location: str, tokens: list[int],
                       key_request: KeyRequest = KeyRequest(), move_to: str = "",
                       keep_source: bool = True, move_from: str = "") -> CommandResult:
-        """pin / unpin / clear / move, synchronously: the result carries num_tokens; the event id records the
+        """pin / unpin / clear / move / prefetch, synchronously: the result carries num_tokens; the event id records the
         outcome. A move copies the instance's chunks of `tokens` from `location` to `move_to` (and, unless
         `keep_source`, they leave `location`: the CPU tier only, a store is shared); with `move_from`, another
         instance, the chunks come from that instance's CPU tier instead, rank for rank (P2P).
@@ -128,8 +128,8 @@ class ControllerCore:
         """
         if self.commands_in_flight >= self.config.max_commands:
             self.metrics.commands[(op, "TooManyCommands")] += 1
-            raise TooManyCommands(f"{self.commands_in_flight} pin/unpin/clear requests are in flight, the limit "
-                                  f"(--max-commands {self.config.max_commands}); retry once some are answered")
+            raise TooManyCommands(f"{self.commands_in_flight} pin/unpin/clear/move/prefetch requests are in flight, "
+                                  f"the limit (--max-commands {self.config.max_commands}); retry once some are answered")
         event_id = self.events.new(op)
         started = time.perf_counter()
         self.commands_in_flight += 1

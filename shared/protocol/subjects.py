@@ -17,9 +17,11 @@ CONFLICT_OP = "conflict"  # `Subjects.worker(..., CONFLICT_OP)`: InstanceConflic
 # The op vocabulary of `WorkerCommand` (`Subjects.worker(..., op)`), by who answers or sends it:
 TIER_OPS = ("pin", "unpin", "clear", "lookup")  # what one tier of a worker answers (StorageManager.command)
 # what an engine worker answers: `move` from one of its tiers to another, or from a peer's CPU tier (P2P) to one of
-# its own; `evict` drops chunks from its CPU tier (the source's part of a move between instances)
-WORKER_COMMAND_OPS = (*TIER_OPS, "move", "evict")
-CONTROLLER_COMMAND_OPS = ("pin", "unpin", "clear", "move", "evict")  # what the controller sends (its lookups use its index)
+# its own; `evict` drops chunks from its CPU tier (the source's part of a move between instances); `prefetch` starts
+# moving the held prefix from its lower tiers into its CPU tier (the controller's /prefetch)
+WORKER_COMMAND_OPS = (*TIER_OPS, "move", "evict", "prefetch")
+# what the controller sends (its lookups use its index)
+CONTROLLER_COMMAND_OPS = ("pin", "unpin", "clear", "move", "evict", "prefetch")
 PREFIX_LOOKUP_OP = "prefix_lookup"  # the scheduler's lower-tier lookup, on a worker's lookup subject
 
 

@@ -37,15 +37,15 @@ from support.waiting import WAIT_S  # noqa: E402
 INSTANCE = "lmcache_default_instance"
 TOKENS = [128000, 849, 21435, 279, 26431, 315, 85748, 6636, 304, 4221, 4211, 13]
 MAX_EXAMPLES = 30
-INSTANCE_PATHS = {"/pin", "/unpin", "/clear", "/health", "/query_worker_info"}
-LOCATION_PATHS = {"/pin", "/unpin", "/clear"}
+INSTANCE_PATHS = {"/pin", "/unpin", "/prefetch", "/clear", "/health", "/query_worker_info"}
+LOCATION_PATHS = {"/pin", "/unpin", "/prefetch", "/clear"}
 NOT_IMPLEMENTED = {"/compress", "/decompress"}  # a valid body gets 501 naming what KVMesh lacks
 MAY_BE_501 = NOT_IMPLEMENTED
 WORKER_IP = "127.0.0.1"
 
 
 class _Worker:
-    """A minimal engine worker: holds the example prompt in its CPU tier, answers pin/unpin/clear."""
+    """A minimal engine worker: holds the example prompt in its CPU tier, answers pin/unpin/prefetch/clear/move."""
 
     def __init__(self, nats_url: str) -> None:
         self.nats_url = nats_url
@@ -65,7 +65,7 @@ class _Worker:
 
     async def start(self) -> None:
         self.nc = await bus.connect(self.nats_url, name="schema-worker")
-        for op in ("pin", "unpin", "clear", "move"):
+        for op in ("pin", "unpin", "prefetch", "clear", "move"):
             await bus.serve(self.nc, Subjects.worker(INSTANCE, INSTANCE, op), protocol.WorkerCommand, self.on_command)
         await self.reporter.start(self.nc)
 
@@ -123,7 +123,7 @@ def api_schema(controller_url: str) -> Any:
 
 # (Schemathesis's pytest integration, `from_fixture`, uses a pytest attribute that pytest 9 removed; its
 # Python API — an operation's Hypothesis strategy, run under @given — works with any pytest.)
-OPERATIONS = [("POST", "/lookup"), ("POST", "/pin"), ("POST", "/unpin"), ("POST", "/clear"),
+OPERATIONS = [("POST", "/lookup"), ("POST", "/pin"), ("POST", "/unpin"), ("POST", "/prefetch"), ("POST", "/clear"),
               ("POST", "/check_finish"), ("POST", "/health"), ("POST", "/query_worker_info"),
               ("POST", "/query_instance"), ("POST", "/move"), ("POST", "/compress"), ("POST", "/decompress"),
               ("GET", "/instances"), ("GET", "/usage"), ("GET", "/instances/usage"),

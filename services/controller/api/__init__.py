@@ -3,8 +3,9 @@
 LMCache's controller endpoints, all POST with JSON bodies: /lookup, /pin, /clear, /check_finish, /health,
 /query_worker_info (instance_id "all": every instance), /query_instance, /move (within an instance, or between
 two instances with enable_p2p over their peer streams); /compress and /decompress check their body and answer 501 naming what KVMesh lacks; ours in
-addition: POST /unpin, GET /instances, GET /usage (also at LMCache's coordinator paths GET /instances/usage and
-GET /instances/{instance_id}/usage; services/controller/usage.py), GET /metrics (Prometheus text),
+addition: POST /unpin, POST /prefetch (/pin's body and answer: the held prefix starts moving from the
+instance's lower tiers into its CPU tier; LMCache's coordinator has it as POST /cache/prefetches), GET /instances,
+GET /usage (also at LMCache's coordinator paths GET /instances/usage and GET /instances/{instance_id}/usage; services/controller/usage.py), GET /metrics (Prometheus text),
 GET /healthz (the REST server itself; always open), OpenAPI at /openapi.json and /docs.
 
 Input rules: malformed bodies are 422 naming the field (a value nested deeper than MAX_JSON_DEPTH too, before

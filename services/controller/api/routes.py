@@ -18,8 +18,8 @@ from kvmesh.services.controller.api.metrics_page import render as render_metrics
 from kvmesh.services.controller.api.schemas import (
     CheckFinishRequest, CheckFinishResponse, ClearRequest, CommandResponse, CompressRequest, ErrorResponse,
     HealthRequest, HealthResponse, HealthzResponse, InstancesResponse, LookupRequest, LookupResponse, MoveRequest,
-    MAX_INSTANCE_ID, Location, PinRequest, QueryInstanceRequest, QueryInstanceResponse, QueryWorkerInfoRequest,
-    QueryWorkerInfoResponse, UsageResponse, ValidationErrorResponse)
+    MAX_INSTANCE_ID, Location, PinRequest, PrefetchRequest, QueryInstanceRequest, QueryInstanceResponse,
+    QueryWorkerInfoRequest, QueryWorkerInfoResponse, UsageResponse, ValidationErrorResponse)
 from kvmesh.services.controller.core import ControllerCore
 from kvmesh.services.controller.errors import ControllerError
 from kvmesh.services.controller.lookup import KeyRequest
@@ -104,6 +104,14 @@ async def pin(req: PinRequest, core: Core) -> Any:
 async def unpin(req: PinRequest, core: Core) -> Any:
     """Release pins on the chunks of `tokens` at `location` of the instance."""
     return await _command(core, "unpin", req.instance_id, req.location, req.tokens, req.key_request())
+
+
+@router.post("/prefetch", response_model=CommandResponse, responses=COMMAND_ERRORS)
+async def prefetch(req: PrefetchRequest, core: Core) -> Any:
+    """Warm the instance's CPU tier: the prefix of `tokens` it holds (CPU tier and below) starts moving from its
+    lower tiers into the CPU tier; num_tokens: that prefix, minimum over ranks. The event finishes once every
+    worker has started the moves (their arrival shows in /lookup at LocalCPUBackend)."""
+    return await _command(core, "prefetch", req.instance_id, req.location, req.tokens, req.key_request())
 
 
 @router.post("/clear", response_model=CommandResponse, responses=COMMAND_ERRORS)

@@ -73,6 +73,20 @@ class PinRequest(BaseModel):
         return KeyRequest(self.cache_salt, self.lora_name)
 
 
+class PrefetchRequest(BaseModel):
+    """/pin's body: the prefix of `tokens` the instance holds below its CPU tier starts moving into it."""
+
+    instance_id: InstanceId
+    location: Literal["LocalCPUBackend"] = Field(default="LocalCPUBackend",
+                                                 description="the tier warmed: the CPU tier, the only one")
+    tokens: list[TokenId] = Field(examples=[EXAMPLE_TOKENS])
+    cache_salt: CacheSalt = None
+    lora_name: LoraName = None
+
+    def key_request(self) -> KeyRequest:
+        return KeyRequest(self.cache_salt, self.lora_name)
+
+
 class ClearRequest(BaseModel):
     instance_id: InstanceId
     location: Location
@@ -80,7 +94,8 @@ class ClearRequest(BaseModel):
 
 class CommandResponse(BaseModel):
     event_id: str
-    num_tokens: int = Field(description="tokens actually pinned / unpinned / cleared (minimum over ranks)")
+    num_tokens: int = Field(description="tokens actually pinned / unpinned / cleared; for /prefetch the held prefix "
+                                        "now in or on its way to the CPU tier (minimum over ranks)")
 
 
 class CheckFinishRequest(BaseModel):

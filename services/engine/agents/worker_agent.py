@@ -7,9 +7,10 @@ Runs entirely on the engine's NATS loop thread, started once NATS is first reach
   * answers `WorkerCommand`s on `Subjects.worker(instance_id, worker_id, op)` for op in pin / unpin / clear /
     lookup at any location, through the tier commands' one dispatch (`TierCommands.run`), move
     (`TierCommands.move`: a copy from `location` to `target`, or from another instance's CPU tier over P2P
-    when the command names `peer_worker`) and evict (chunks leave the CPU tier: the source's part of a move
-    between instances); tokens are hashed with the engine's ChunkHasher and the command's extras; the reply
-    is `CommandReply(num_tokens=...)`;
+    when the command names `peer_worker`), evict (chunks leave the CPU tier: the source's part of a move
+    between instances) and prefetch (`TierCommands.prefetch`: the held prefix starts moving from the lower tiers
+    into the CPU tier); tokens are hashed with the engine's ChunkHasher and the command's extras; the reply is
+    `CommandReply(num_tokens=...)`;
   * answers health requests as service "engine";
   * logs a WARNING when the controller says other live workers claim this worker's instance id and rank
     (`InstanceConflict`: replicas started with the same lmcache_instance_id).
@@ -150,6 +151,10 @@ class WorkerAgent:
                     raise ValueError(f"evict drops chunks from the CPU tier ({LOCAL_CPU}) only, not {command.location}")
                 num_tokens = self.commands.evict(spans)
                 self.commands.evict(states)
+            elif command.op == "prefetch":
+                if command.location != LOCAL_CPU:
+                    raise ValueError(f"prefetch warms the CPU tier ({LOCAL_CPU}) only, not {command.location}")
+                num_tokens = await self.commands.prefetch(spans, self.check_meta)
             else:
                 num_tokens = await self.commands.run(command.op, command.location, spans, command.ttl_secs, states)
         except (ValueError, LookupError) as exc:

@@ -1,5 +1,6 @@
 """The controller's commands on one worker's tiers: pin / unpin / clear / lookup at a location, `move` (a copy
-from one tier to another, or from a peer's CPU tier), and `evict` (chunks leave the CPU tier).
+from one tier to another, or from a peer's CPU tier), `evict` (chunks leave the CPU tier) and `prefetch` (the held
+prefix starts moving from the lower tiers into the CPU tier).
 
 Run on the NATS loop thread, for the worker agent (services/engine/agents/worker_agent.py) and the engine's own
 `pin` / `unpin` / `clear`. Each command goes to whichever tier its location names (`Tier` in
@@ -38,9 +39,12 @@ class Tiers(Protocol):
 
     def count_reads(self, location: str, refs: Sequence[ChunkRef]) -> None: ...
 
+    async def lookup_and_prefetch(self, spans: Sequence[ChunkSpan], check: CheckMeta,
+                                  prefetch_from: int = 0) -> int: ...
+
 
 class TierCommands:
-    """pin / unpin / clear / lookup, move and evict over `tiers` (each a count of tokens)."""
+    """pin / unpin / clear / lookup, move, evict and prefetch over `tiers` (each a count of tokens)."""
 
     def __init__(self, tiers: Tiers) -> None:
         self.tiers = tiers
@@ -116,6 +120,16 @@ class TierCommands:
     def evict(self, spans: Sequence[ChunkSpan]) -> int:
         """Drop these chunks from the CPU tier (pinned or not; the lower tiers keep theirs); the tokens dropped."""
         return sum(span.num_tokens for span in spans if self.cpu.remove(span.key))
+
+    async def prefetch(self, spans: Sequence[ChunkSpan], check: CheckMeta) -> int:
+        """Start moving the held prefix of `spans` from the lower tiers into the CPU tier (the stores' reads run on
+        after this returns; a retrieve that comes first waits for them); the tokens of that prefix, those already
+        in the CPU tier included. Refused (ValueError) when the CPU tier keeps no chunks (`local_cpu: false`):
+        nothing would stay there."""
+        if not self.cpu.keep:
+            raise ValueError("the CPU tier keeps no chunks here (local_cpu: false): nothing to prefetch into")
+        held = await self.tiers.lookup_and_prefetch(spans, check)
+        return spans[held - 1].end if held else 0
 
     async def _read(self, location: str, span: ChunkSpan, check: CheckMeta) -> ChunkRef | None:
         """One chunk of `location` in a slot the caller owns a reference of; None on a miss."""
