@@ -221,19 +221,24 @@ def test_engine_metrics_on_vllms_own_metrics_endpoint(servers: dict[str, Any], l
     assert after["lmcache:lmcache_is_healthy"] == 1 and after["lmcache:local_cache_usage"] > 0
 
 
+def usage_of(mesh: MeshUp, instance_id: str) -> dict[str, dict[str, Any]]:
+    """The controller's /usage of one instance: its modules by backend (location) name."""
+    import httpx
+
+    reply = httpx.get(f"{mesh.controller}/usage", params={"instance_id": instance_id}, timeout=30)
+    reply.raise_for_status()
+    [instance] = reply.json()["instances"]
+    return {module["backend"]: module for module in instance["modules"]}
+
+
 def test_usage_reports_the_instances_chunks_and_their_hits(servers: dict[str, Any], long_text: str) -> None:
     """The controller's /usage (issue 39) against a real vLLM: the CPU tier holds the prompt's chunks and counts the
     warm load's reads; the shared remote store the write-behind filled lists them too."""
-    import httpx
-
     a: VLLMServer = servers["a"]
     mesh: MeshUp = servers["mesh"]
 
     def usage() -> dict[str, dict[str, Any]]:
-        reply = httpx.get(f"{mesh.controller}/usage", params={"instance_id": INSTANCE_A}, timeout=30)
-        reply.raise_for_status()
-        [instance] = reply.json()["instances"]
-        return {module["backend"]: module for module in instance["modules"]}
+        return usage_of(mesh, INSTANCE_A)
 
     before = wait_until(lambda: (u := usage()).get("LocalCPUBackend", {}).get("hits") is not None and u, WAIT_S,
                         interval=0.5, what="the instance's CPU-tier figures on /usage")
@@ -255,6 +260,48 @@ def test_usage_reports_the_instances_chunks_and_their_hits(servers: dict[str, An
     assert cpu["num_chunks"] >= chunks and cpu["reporting"] == cpu["producers"] >= 1
     assert 0 < cpu["used_bytes"] <= cpu["capacity_bytes"]
     assert after["RemoteBackend"]["shared"] is True
+
+
+def test_a_prefetched_prompt_is_a_cpu_tier_hit(servers: dict[str, Any], long_text: str) -> None:
+    """The controller's /prefetch (issue 39) against a real vLLM: A's prompt, cleared from A's CPU tier and held by
+    the shared remote store, is warmed back into the CPU tier; the next request then loads it from there (its
+    chunks are read out of the CPU tier, /usage's hits) with the output of a vLLM without the connector."""
+    a: VLLMServer = servers["a"]
+    ref: VLLMServer = servers["ref"]
+    mesh: MeshUp = servers["mesh"]
+    prompt = prompt_of(long_text[20_000:], 5_000, "prefetch")
+    expected = output_text(ref.complete(prompt, max_tokens=16))
+    assert output_text(a.complete(prompt, max_tokens=16)) == expected
+    tokens = a.tokenize(prompt)
+    full = len(tokens) // CHUNK * CHUNK
+    assert full >= 2 * CHUNK, len(tokens)
+
+    def held_at(location: str, instance_only: bool = True) -> bool:
+        layout = mesh.post("/lookup", {"tokens": tokens})["layout_info"]
+        entries = [layout.get(INSTANCE_A)] if instance_only else list(layout.values())
+        return any(entry and entry[0] == location and entry[1] >= full for entry in entries)
+
+    wait_until(lambda: held_at("RemoteBackend", instance_only=False), WAIT_S, interval=0.3,
+               what="the remote store holding the prompt (write-behind)")
+    mesh.post("/clear", {"instance_id": INSTANCE_A, "location": "LocalCPUBackend"})
+    wait_until(lambda: not held_at("LocalCPUBackend"), WAIT_S, interval=0.3, what="A's CPU tier cleared")
+
+    prefetch = mesh.post("/prefetch", {"instance_id": INSTANCE_A, "tokens": tokens})
+    assert prefetch["event_id"] and prefetch["num_tokens"] >= full, prefetch
+    wait_until(lambda: held_at("LocalCPUBackend"), WAIT_S, interval=0.3, what="the prefetch into A's CPU tier")
+
+    def cpu_hits() -> int | None:  # None while a worker has not answered the controller
+        return usage_of(mesh, INSTANCE_A)["LocalCPUBackend"]["hits"]
+
+    [hits_before] = wait_until(lambda: (hits := cpu_hits()) is not None and [hits], WAIT_S, interval=0.5,
+                               what="A's CPU-tier figures on /usage")
+    warm = a.complete(prompt, max_tokens=16)
+    hit = a.assert_loaded(warm)
+    assert hit.hit >= full, hit
+    assert output_text(warm) == expected
+    loaded_chunks = -(-hit.load // CHUNK)
+    wait_until(lambda: (cpu_hits() or 0) - hits_before >= loaded_chunks, WAIT_S, interval=0.5,
+               what="the load's chunks read out of A's CPU tier")
 
 
 def test_warm_chat_matches_reference(servers: dict[str, Any], long_text: str) -> None:
