@@ -4,7 +4,10 @@
      if any, done), the KV of its computed tokens in every attention layer (a sliding window's layers: the tokens
      still in its window) and the state its next step starts from, in every rank's caches; except blocks the
      connector reported failed that vLLM has not recomputed yet (it rewinds the first request holding one to it,
-     which recomputes it; a request sharing the block counts it computed meanwhile);
+     which recomputes it; a request sharing the block counts it computed meanwhile), and the blocks a request
+     vLLM rewound for such a failure computed over it in that step (the request recomputes them; another request
+     that took them from vLLM's prefix cache in that same step counts them computed meanwhile, as vLLM's
+     `_update_requests_with_invalid_blocks` does);
   2. every chunk in every CPU tier, and every chunk file of the disk store, holds the oracle's KV for the tokens
      and extras its key was made from, in every layer a hit on it would load (a sliding window's layers: the
      tokens a hit at the chunk's end keeps in its window; state layers: none, states are stored on their own),
@@ -99,6 +102,20 @@ class Checks:
     def report_failed(self, block_ids: set[int]) -> None:
         """The connector reported these blocks failed (vLLM's invalid_block_ids of a step)."""
         self.reported_failed |= block_ids
+
+    def report_rewound(self, computed_before: dict[str, int]) -> None:
+        """vLLM's recovery from a failed load rewound some of these requests (`computed_before`: each one's computed
+        tokens before update_from_output, this step's included): each rewound request's blocks past its new count
+        may hold KV it computed this step over a failed block, and it recomputes them, so they wait like the
+        failed blocks themselves."""
+        manager = self.scheduler.kv_cache_manager
+        for req_id, before in computed_before.items():
+            request = self.scheduler.requests.get(req_id)
+            if request is None or request.num_computed_tokens >= before:
+                continue
+            first = -(-request.num_computed_tokens // BLOCK)  # a block it keeps in part holds none of this step's
+            for table in manager.get_block_ids(req_id):
+                self.reported_failed.update(block for block in table[first:] if block != self.null_block)
 
     def _not_recomputed(self) -> set[int]:
         """The reported blocks some request still has to compute (a block past its computed tokens); the others

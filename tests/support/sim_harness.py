@@ -402,7 +402,11 @@ class Simulation:
             self.log(f"step {self.step_no}: load errors: blocks {sorted(kv_output.invalid_block_ids)}, requests "
                      f"{sorted(kv_output.failed_recving)}")
         self._quiesce()
+        failed = kv_output is not None and bool(kv_output.invalid_block_ids)
+        computed_before = {rid: request.num_computed_tokens for rid, request in self.scheduler.requests.items()}
         self.call("update_from_output", self.scheduler.update_from_output, output, merged)
+        if failed:
+            self.checks.report_rewound(computed_before)
         if self.miskey is not None:
             self.miskey.after_step(output)
         if self.kind.spec_tokens:
