@@ -180,7 +180,7 @@ class CacheEngine:
         if peer_worker and isinstance(peers, PeerTier):
             # every span, the partial last chunk too: the producer saves the same prompt (save_unfull_chunk)
             peers.expect([span.key for span in spans], PeerWorker(peer_instance, peer_worker))
-        held = await storage.lookup_and_prefetch(spans, self.meta_mismatch, prefetch_from)
+        held = await storage.lookup_and_prefetch(spans, self.meta_mismatch, prefetch_from, for_request=True)
         return spans[held - 1].end if held else 0
 
     def _gather_spans(self, spans: Sequence[ChunkSpan], kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,

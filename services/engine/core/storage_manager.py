@@ -96,6 +96,7 @@ class StorageManager:
         # chunks a fetch is reading (or a prefetch is about to read) from a lower tier -> (that fetch, a future
         # resolved once the chunk is in the CPU tier or the fetch gave up). Loop thread only.
         self._inflight: dict[ChunkKey, tuple[object, asyncio.Future[None]]] = {}
+        self._prefetching = 0  # chunks the requests' lookups' prefetches are still reading (loop thread)
         self._rlog = RateLimitedLog(log)
         self.stats = collections.Counter[str]()
         # slots a store may still write into (StoreMayWrite), per location: out of use until settled (loop thread)
@@ -202,28 +203,44 @@ class StorageManager:
 
         return self.loop.call(walk(), self.config.request_timeout_secs + 0.5, default=held)
 
-    async def lookup_and_prefetch(self, spans: Sequence[ChunkSpan], check: CheckMeta, prefetch_from: int = 0) -> int:
+    async def lookup_and_prefetch(self, spans: Sequence[ChunkSpan], check: CheckMeta, prefetch_from: int = 0,
+                                  for_request: bool = False) -> int:
         """Loop thread: the held prefix of `spans` over every tier, in chunks; the chunks found in a lower tier
         start moving into the CPU tier at once, from the runs already located (the stores are not asked twice),
         except those that end at or before token `prefetch_from`: vLLM's own prefix cache holds them, no load
-        reads them."""
+        reads them. `for_request`: a request's lookup, whose prefetch takes the first chunks that fit in
+        `prefetch_cpu_share` of the CPU tier beside the chunks other lookups prefetched that no load has read
+        yet (its load reads the rest)."""
         runs = await self.locate(spans)
         skip = sum(1 for span in spans if span.end <= prefetch_from)
         lower_runs = [Run(run.location, max(run.begin, skip), run.end) for run in runs
                       if run.location != LOCAL_CPU and run.end > skip]
+        room = self._prefetch_room() if for_request else len(spans)
+        lower_runs = _first_chunks(lower_runs, room)
         if lower_runs and self.cpu.keep:
             owner = object()
             # claimed before the next await: a retrieve that comes next waits for these chunks instead of
             # reading them a second time
             self._claim(owner, [span.key for run in lower_runs for span in spans[run.begin:run.end]])
-            task = asyncio.get_running_loop().create_task(self._prefetch(spans, lower_runs, check, owner))
+            task = asyncio.get_running_loop().create_task(self._prefetch(spans, lower_runs, check, owner,
+                                                                         for_request))
             task.add_done_callback(_log_failure)
         return runs[-1].end if runs else 0
 
+    def _prefetch_room(self) -> int:
+        """How many chunks a request's lookup may prefetch now (`prefetch_cpu_share`)."""
+        share = int(self.config.prefetch_cpu_share * self.cpu.pool.num_slots)
+        return max(0, share - self.cpu.unread_prefetched - self._prefetching)
+
     async def _prefetch(self, spans: Sequence[ChunkSpan], runs: list[Run], check: CheckMeta,
-                        owner: object) -> None:
-        for ref in await self.fetch(spans, check, owner, runs):
-            ref.release()  # the CPU tier keeps its own reference
+                        owner: object, for_request: bool) -> None:
+        reserved = sum(run.end - run.begin for run in runs) if for_request else 0
+        self._prefetching += reserved
+        try:
+            for ref in await self.fetch(spans, check, owner, runs, prefetched=for_request):
+                ref.release()  # the CPU tier keeps its own reference
+        finally:
+            self._prefetching -= reserved
 
     def prefetch(self, spans: Sequence[ChunkSpan], check: CheckMeta) -> None:
         """vLLM thread: start loading the held prefix of `spans` from below into the CPU tier; returns at once."""
@@ -283,12 +300,13 @@ class StorageManager:
         return refs
 
     async def fetch(self, spans: Sequence[ChunkSpan], check: CheckMeta, owner: object | None = None,
-                    runs: list[Run] | None = None) -> list[ChunkRef]:
+                    runs: list[Run] | None = None, prefetched: bool = False) -> list[ChunkRef]:
         """Loop thread: references to the held prefix of `spans` (within `runs`, located now if not given).
 
-        Chunks fetched from below are also made resident in the CPU tier when it keeps chunks. A chunk that
-        another fetch (usually a prefetch) is reading is waited for, not read twice. `owner` names this fetch
-        in the in-flight table (a prefetch claims its keys before it starts).
+        Chunks fetched from below are also made resident in the CPU tier when it keeps chunks (`prefetched`: as a
+        request's lookup prefetch, LocalCPUBackend.put). A chunk that another fetch (usually a prefetch) is
+        reading is waited for, not read twice. `owner` names this fetch in the in-flight table (a prefetch claims
+        its keys before it starts).
         """
         owner = owner if owner is not None else object()
         refs: list[ChunkRef] = []
@@ -308,9 +326,9 @@ class StorageManager:
                     if runs is None:
                         lower = [Run(r.location, r.begin + pos, r.end + pos)
                                  for r in await self.locate(spans[pos:], ALL_LOCATIONS - {LOCAL_CPU})]
-                        refs += await self.fetch(spans, check, owner, lower)
+                        refs += await self.fetch(spans, check, owner, lower, prefetched)
                     return refs
-                got = await self._get_many(client, spans[pos:run.end], check, owner)
+                got = await self._get_many(client, spans[pos:run.end], check, owner, prefetched)
                 refs += got
                 if pos + len(got) < run.end:  # pool full or a failed read: the prefix ends here
                     return refs
@@ -356,7 +374,7 @@ class StorageManager:
                 claim[1].set_result(None)
 
     async def _get_many(self, client: StoreTier, spans: Sequence[ChunkSpan], check: CheckMeta,
-                        owner: object) -> list[ChunkRef]:
+                        owner: object, prefetched: bool = False) -> list[ChunkRef]:
         """Read `spans` from one store into fresh slots, `fetch_concurrency` reads in flight; the successful prefix.
 
         A sliding window: the next read starts as soon as the oldest one ends, not when a whole batch has (a batch
@@ -402,7 +420,7 @@ class StorageManager:
                 else:
                     got.append(ChunkRef(result, slot))
                     if self.cpu.keep:
-                        self.cpu.put(result, slot.ref())
+                        self.cpu.put(result, slot.ref(), prefetched)
                 self._settle(owner, [span.key])
         except BaseException:  # cancelled: the reads in flight are cancelled and their slots stay held (never
             for _, _, task in window:  # reused): we are stopping
@@ -468,6 +486,17 @@ class StorageManager:
         task = asyncio.get_running_loop().create_task(end(), name="kvmesh-slot-quarantine")
         self._quarantines.add(task)
         task.add_done_callback(self._quarantines.discard)
+
+
+def _first_chunks(runs: Sequence[Run], count: int) -> list[Run]:
+    """The first `count` chunks of `runs`, as runs."""
+    first: list[Run] = []
+    for run in runs:
+        if count <= 0:
+            break
+        first.append(Run(run.location, run.begin, min(run.end, run.begin + count)))
+        count -= run.end - run.begin
+    return first
 
 
 def _log_failure(future: "concurrent.futures.Future[object] | asyncio.Future[object]") -> None:

@@ -69,6 +69,8 @@ class LocalCPUBackend:
         self._entries: dict[ChunkKey, ChunkRef] = {}
         self._lock = threading.Lock()
         self._listeners: list[TierListener] = []
+        # chunks a request's lookup prefetched that no read has taken yet (StorageManager bounds them)
+        self._unread: set[ChunkKey] = set()
         self.hits = 0  # chunks served (`acquire` found them), for /usage
         self.evictions = 0  # chunks the policy evicted to make room (not removals or clears)
 
@@ -133,6 +135,12 @@ class LocalCPUBackend:
                     self._policy.touch(key)
 
     @property
+    def unread_prefetched(self) -> int:
+        """Chunks a request's lookup prefetched that no read has taken since (nor eviction removed)."""
+        with self._lock:
+            return len(self._unread)
+
+    @property
     def used_bytes(self) -> int:
         with self._lock:
             return self._policy.used_bytes
@@ -153,6 +161,7 @@ class LocalCPUBackend:
                 return None
             self._policy.touch(key)
             entry.slot.ref()
+            self._unread.discard(key)
             self.hits += 1
             return ChunkRef(entry.meta, entry.slot)
 
@@ -177,8 +186,9 @@ class LocalCPUBackend:
                     return slot
         return self.pool.allocate()  # a reader may have released one meanwhile
 
-    def put(self, meta: ChunkMeta, slot: Slot) -> bool:
+    def put(self, meta: ChunkMeta, slot: Slot, prefetched: bool = False) -> bool:
         """Make the chunk resident; the tier takes over the caller's slot reference (also on False).
+        `prefetched`: a request's lookup prefetched it, counted in `unread_prefetched` until a read takes it.
 
         False when the key is already resident (the new copy is dropped) or when the policy has no room
         because everything resident is pinned.
@@ -198,6 +208,8 @@ class LocalCPUBackend:
             self.evictions += len(victims)
             self._entries[key] = ChunkRef(meta, slot)
             self._policy.add(key, self.pool.slot_nbytes)
+            if prefetched:
+                self._unread.add(key)
             if self.keep:
                 self._admitted(key)
         return True
@@ -220,6 +232,7 @@ class LocalCPUBackend:
         if entry is None:
             return None
         self._policy.remove(key)
+        self._unread.discard(key)
         if self.keep:
             self._evicted(key)
         entry.slot.release()

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
+import torch
+
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.adapter.scheduler_lookup import (
     CpuTierEvents,
@@ -24,7 +28,7 @@ from kvmesh.shared.ops.local_mesh import LocalMesh
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
 from kvmesh.shared.wire.keys import KeyParams
 
-from support.engine import CHUNK, PagedKV, random_tokens
+from support.engine import CHUNK, PagedKV, engine_config, random_tokens
 from support.engine_mesh import PARAMS, disk_mesh  # noqa: F401 (disk_mesh: a fixture)
 from support.worker_engine import engine  # noqa: F401 (a fixture)
 from support.waiting import WAIT_S, wait_until
@@ -169,3 +173,47 @@ def test_a_lookup_then_its_load_ask_the_disk_store_once(engine: tuple[CacheEngin
     slots = kv.slots(len(tokens))
     assert worker.load(spans, slots).scatter(kv.caches, slots) == 4
     assert asked == [4], asked
+
+
+def test_the_lookups_prefetch_takes_at_most_its_share_of_the_cpu_tier(disk_mesh: LocalMesh, tmp_path: Path) -> None:
+    """Waiting requests' prefetches fill at most `prefetch_cpu_share` of the CPU tier with chunks no load has read:
+    a lookup prefetches the first chunks that fit, the next one none while those wait unread, and once a load
+    reads them there is room again. The load reads the rest itself, and what it loads is the stored KV."""
+    kv = PagedKV(num_blocks=128)
+    worker = build_engine(engine_config(nats_url=disk_mesh.nats_url, local_disk=str(tmp_path / "disk"), cpu_chunks=12,
+                                        prefetch_cpu_share=0.25), PARAMS, kv.layout)  # room for 3 chunks
+    try:
+        assert worker.wait_connected(WAIT_S)
+        wait_until(lambda: worker.storage.lower(LOCAL_DISK), what="the disk store found")
+        client = worker.storage.lower(LOCAL_DISK)
+        assert client is not None and worker.nats_loop is not None
+        stored = {}
+        for seed in (21, 22):
+            tokens = random_tokens(4 * CHUNK, seed=seed)
+            slots = kv.slots(len(tokens))
+            token_api.store(worker, tokens, **kv.kv(slots))
+            stored[seed] = (tokens, kv.token_kv(slots))
+        assert worker.wait_write_behind(WAIT_S)
+        assert worker.nats_loop.call(client.wait_written(WAIT_S), WAIT_S + 1, default=False)
+        token_api.clear(worker, LOCAL_CPU)
+        a, b = (worker.chunk_spans([s.key for s in worker.hasher.chain(stored[seed][0].tolist())], 4 * CHUNK)
+                for seed in (21, 22))
+
+        def lookup(spans: list) -> int:
+            assert worker.nats_loop is not None
+            return worker.nats_loop.call(worker.lookup_and_prefetch(spans), WAIT_S, default=0)
+
+        assert lookup(a) == 4 * CHUNK  # the answer is the whole held prefix...
+        wait_until(lambda: all(span.key in worker.cpu for span in a[:3]), what="a's first 3 chunks prefetched")
+        assert a[3].key not in worker.cpu and worker.cpu.unread_prefetched == 3  # ...the prefetch only what fits
+        assert lookup(b) == 4 * CHUNK  # no room: b's chunks wait for its load
+        slots = kv.slots(4 * CHUNK)
+        assert worker.load(a, slots).scatter(kv.caches, slots) == 4
+        assert torch.equal(kv.token_kv(slots), stored[21][1])
+        assert worker.cpu.unread_prefetched == 0
+        assert lookup(b) == 4 * CHUNK  # a's load read its prefetched chunks: room for b's
+        wait_until(lambda: all(span.key in worker.cpu for span in b[:3]), what="b's first 3 chunks prefetched")
+        # 3 prefetched and 1 loaded for a, 3 prefetched for b: b's first lookup read nothing
+        assert worker.storage.stats[f"fetched_{LOCAL_DISK}"] == 7
+    finally:
+        worker.close()
