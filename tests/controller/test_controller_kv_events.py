@@ -1,0 +1,153 @@
+"""The controller's fleet-wide KV event stream (services/controller/kv_event_stream.py) end to end: a real
+nats-server, the controller's real service, producers that speak the real protocol (an engine worker's CPU
+tier, a disk store, a remote store), a real ZMQ subscriber decoding with vLLM's own `KVEventBatch`. From the
+events alone it rebuilds every holder's chunks, and that must equal the holder index the controller answers
+/lookup from, and give /lookup's own answers, across puts, evictions, a clear, a late subscriber catching up by
+replay and a controller restart."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+
+from kvmesh.services.controller.service import ControllerService
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
+from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE
+from kvmesh.shared.wire.kv_events import external_hash
+
+from support.controller import MODEL, FakeEngineWorker, FakeStore, layout, running_controller, started
+from support.kv_event_stream import StreamSubscriber, subscribed
+from support.waiting import wait_until_async
+
+STREAM = dict(kv_events_port=0, kv_events_replay_port=0)
+TOKENS = list(range(1, 17))  # four chunks of 4
+OTHER = list(range(100, 112))  # three chunks of 4
+
+
+def index_view(service: ControllerService) -> dict[tuple[str, str], set[int | bytes]]:
+    """What the controller's holder index holds, per (holder, location), in the stream's hashes."""
+    table = service.core.table
+    view: dict[tuple[str, str], set[int | bytes]] = {}
+    for producer in table.producers.values():
+        bit = 1 << producer.slot
+        hashes = {external_hash(key, True) for key, mask in table.index.table.items() if mask & bit}
+        if hashes:
+            view[(producer.producer_id, str(producer.location))] = hashes
+    return view
+
+
+def lookup_from_events(subscriber: StreamSubscriber, worker: FakeEngineWorker,
+                       tokens: list[int]) -> list[Any] | None:
+    """/lookup's answer for `worker`'s instance, computed from the events alone: the longest held prefix over its
+    locations (the CPU tier is the worker's, the others its stores'), ties to the faster one."""
+    holders = {LOCAL_CPU: [worker.worker_id], LOCAL_DISK: [worker.disk.store_id] if worker.disk else [],
+               REMOTE: [remote.store_id for remote in worker.remotes]}
+    view = subscriber.view()
+    best: list[Any] | None = None
+    for location in LOCATIONS:
+        held = set().union(*(view.get((holder, location), set()) for holder in holders[location]))
+        prefix = 0
+        for span in worker.spans(tokens):
+            if external_hash(span.key, True) not in held:
+                break
+            prefix = span.end
+        if prefix and (best is None or prefix > best[1]):
+            best = [location, prefix]
+    return best
+
+
+async def agrees(service: ControllerService, client: httpx.AsyncClient, subscriber: StreamSubscriber,
+                 workers: list[FakeEngineWorker], what: str) -> None:
+    """Wait until the events rebuild the controller's index, then check that they answer /lookup as it does."""
+    await wait_until_async(lambda: subscriber.view() == index_view(service), what=f"{what}: events == index")
+    for tokens in (TOKENS, OTHER):
+        answer = await layout(client, tokens)
+        for worker in workers:
+            assert answer.get(worker.instance_id) == lookup_from_events(subscriber, worker, tokens), (what, tokens)
+
+
+async def test_the_stream_rebuilds_the_index_through_puts_evictions_a_clear_and_a_late_joiner(
+        nats_server: EmbeddedNats) -> None:
+    disk = FakeStore(nats_server.url, "disk-1", LOCAL_DISK)
+    remote = FakeStore(nats_server.url, "remote-1", REMOTE)
+    worker_a = FakeEngineWorker(nats_server.url, "inst-a", chunk_size=4, disk=disk, remotes=(remote,))
+    worker_b = FakeEngineWorker(nats_server.url, "inst-b", chunk_size=4)
+    workers = [worker_a, worker_b]
+    async with running_controller(nats_server.url, **STREAM) as (service, client):
+        stream = service.kv_events
+        assert stream is not None and stream.replay_endpoint is not None
+        assert stream.endpoint.startswith("tcp://127.0.0.1:")
+        async with subscribed(stream.endpoint, stream.replay_endpoint) as subscriber, \
+                started(disk, remote, worker_a, worker_b):
+            worker_a.store(TOKENS)
+            worker_a.store(TOKENS, chunks=[0, 1], where=LOCAL_DISK)
+            worker_a.store(OTHER, where=REMOTE)
+            worker_b.store(TOKENS, chunks=[0])
+            await wait_until_async(lambda: len(index_view(service)) == 4, what="every holder indexed")
+            await agrees(service, client, subscriber, workers, "puts")
+            assert await layout(client, TOKENS) == {"inst-a": [LOCAL_CPU, 16], "inst-b": [LOCAL_CPU, 4]}
+            # The media are KVMesh's location names, one per holder; topics name the engine's model.
+            assert dict(subscriber.media) == {worker_a.worker_id: {LOCAL_CPU}, worker_b.worker_id: {LOCAL_CPU},
+                                              "disk-1": {LOCAL_DISK}, "remote-1": {REMOTE}}
+            assert subscriber.models == {worker_a.worker_id: MODEL, worker_b.worker_id: MODEL,
+                                         "disk-1": "", "remote-1": ""}
+            # The hashes are vLLM's own form of the keys (its default: ints), as the engine's in-vLLM events.
+            key = worker_a.spans(TOKENS)[0].key
+            assert external_hash(key, True) == maybe_convert_block_hash(BlockHash(key))
+
+            # Evictions: from the CPU tier (a chunk in the middle) and from the disk store.
+            for span in worker_a.spans(TOKENS)[2:3]:
+                del worker_a.chunks[span.key]
+                worker_a.reporter.evict(span.key)
+            second = worker_a.spans(TOKENS)[1].key
+            del disk.chunks[second]
+            disk.reporter.evict(second)
+            await wait_until_async(lambda: len(index_view(service)[(worker_a.worker_id, LOCAL_CPU)]) == 3,
+                                   what="the CPU-tier eviction indexed")
+            await agrees(service, client, subscriber, workers, "evictions")
+            assert (await layout(client, TOKENS))["inst-a"] == [LOCAL_CPU, 8]
+
+            # A clear of A's CPU tier empties that holder: one AllBlocksCleared on its topic.
+            cleared = await client.post("/clear", json={"instance_id": "inst-a", "location": LOCAL_CPU})
+            assert cleared.status_code == 200, cleared.text
+            await wait_until_async(lambda: worker_a.worker_id in subscriber.cleared, what="AllBlocksCleared")
+            assert subscriber.cleared == [worker_a.worker_id]
+            await agrees(service, client, subscriber, workers, "clear")
+            assert (await layout(client, TOKENS))["inst-a"] == [LOCAL_DISK, 4]
+
+            # A subscriber joining now catches up by replay from seq 0, then follows the live stream.
+            async with subscribed(stream.endpoint, stream.replay_endpoint, replay_first=True) as late:
+                assert late.replays == 1 and late.received == 0
+                await agrees(service, client, late, workers, "late joiner, replayed")
+                worker_b.store(OTHER)
+                worker_a.store(TOKENS, chunks=[3])
+                await wait_until_async(lambda: (worker_b.worker_id, LOCAL_CPU) in index_view(service)
+                                       and len(index_view(service)[(worker_b.worker_id, LOCAL_CPU)]) == 4,
+                                       what="B's new chunks indexed")
+                await agrees(service, client, late, workers, "late joiner, live")
+                await agrees(service, client, subscriber, workers, "first subscriber, live")
+                assert late.view() == subscriber.view() and late.next_seq == subscriber.next_seq
+            assert stream.replays_served >= 1
+
+
+async def test_a_restarted_controller_republishes_every_holding(nats_server: EmbeddedNats) -> None:
+    """A new controller counts from seq 0 again and, as producers full-sync to it, publishes all they hold: a
+    subscriber that starts over on the new stream rebuilds the same index."""
+    disk = FakeStore(nats_server.url, "disk-1", LOCAL_DISK)
+    worker = FakeEngineWorker(nats_server.url, "inst-a", chunk_size=4, disk=disk)
+    async with started(disk, worker):
+        worker.store(TOKENS, chunks=[0, 1, 2])
+        worker.store(TOKENS, chunks=[0], where=LOCAL_DISK)
+        views = []
+        for _ in range(2):
+            async with running_controller(nats_server.url, **STREAM) as (service, client):
+                stream = service.kv_events
+                assert stream is not None and stream.replay_endpoint is not None
+                async with subscribed(stream.endpoint, stream.replay_endpoint, replay_first=True) as subscriber:
+                    await wait_until_async(lambda: len(index_view(service)) == 2, what="both holders indexed")
+                    await agrees(service, client, subscriber, [worker], "restart")
+                    views.append(subscriber.view())
+        assert views[0] == views[1] and len(views[0][(worker.worker_id, LOCAL_CPU)]) == 3
