@@ -10,10 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import pytest
 
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
+from kvmesh.services.controller.config import parse_args
+from kvmesh.services.controller.holder_index import HolderIndex
 from kvmesh.services.controller.service import ControllerService
+from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE
 from kvmesh.shared.wire.kv_events import external_hash
@@ -21,6 +25,54 @@ from kvmesh.shared.wire.kv_events import external_hash
 from support.controller import MODEL, FakeEngineWorker, FakeStore, layout, running_controller, started
 from support.kv_event_stream import StreamSubscriber, subscribed
 from support.waiting import wait_until_async
+
+class Recorder:
+    """An IndexWatcher that writes down what it is told."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def changed(self, slot: int, stored: list[bytes], removed: list[bytes]) -> None:
+        self.calls.append(("changed", slot, sorted(stored), sorted(removed)))
+
+    def cleared(self, slot: int) -> None:
+        self.calls.append(("cleared", slot))
+
+
+def test_the_index_tells_its_watcher_exactly_the_keys_whose_bit_changed() -> None:
+    index, recorder = HolderIndex(), Recorder()
+    a, b = index.new_slot(), index.new_slot()
+    index.set_ordered(a, True)
+    k1, k2, k3 = b"1" * 16, b"2" * 16, b"3" * 16
+    index.admit(a, [k1])  # before a watcher: nothing gathered, nothing told
+    index.watcher = recorder
+    index.admit(a, [k1, k2])  # k1 already held: only k2 is news
+    index.admit(b, [k1])
+    index.evict(a, [k1, k3])  # k3 was never held
+    index.evict(a, [k3])  # no change: not told
+    index.replace(b, {k2, k3})  # gains k2 and k3, loses k1
+    index.clear_slot(b)  # emptied: one `cleared`, no key list
+    index.clear_slot(b)  # already empty: nothing
+    index.admit(a, [k3])
+    index.release_slot(a)  # a forgotten producer: emptied too
+    assert recorder.calls == [
+        ("changed", a, [k2], []), ("changed", b, [k1], []), ("changed", a, [], [k1]),
+        ("changed", b, sorted([k2, k3]), []), ("changed", b, [], [k1]), ("cleared", b),
+        ("changed", a, [k3], []), ("cleared", a)]
+    assert len(index) == 0
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--kv-events-replay-port", "5558"], "--kv-events-replay-port needs --kv-events-port"),
+    (["--kv-events-port", "5557", "--kv-events-host", "0.0.0.0"], "beyond loopback, unauthenticated"),
+])
+async def test_a_stream_without_its_port_or_open_beyond_loopback_is_refused(argv: list[str], error: str) -> None:
+    config = parse_args(argv + ["--host", "127.0.0.1", "--port", "0"])
+    assert error in (config.kv_events_error() or "")
+    with pytest.raises(ConfigError, match=error):
+        await ControllerService(config).start()
+    assert parse_args(argv + ["--kv-events-port", "5557", "--kv-events-public"]).kv_events_error() is None
+
 
 STREAM = dict(kv_events_port=0, kv_events_replay_port=0)
 TOKENS = list(range(1, 17))  # four chunks of 4
