@@ -158,10 +158,13 @@ class KVEventStream:
                 continue
             start = int.from_bytes(request[0], "big")
             self.replays_served += 1
-            for seq, topic, payload in list(self._buffer):  # a snapshot: publishing goes on meanwhile
-                if seq >= start:
-                    await self._replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
-            await self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+            try:
+                for seq, topic, payload in list(self._buffer):  # a snapshot: publishing goes on meanwhile
+                    if seq >= start:
+                        await self._replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
+                await self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+            except zmq.ZMQError as exc:  # that client's loss; the next one is served
+                log.warning("KV event stream: a replay from seq %d failed: %s", start, exc)
 
 
 def _uri_host(host: str) -> str:

@@ -121,6 +121,7 @@ class ControllerService:
             self.kv_events = KVEventStream(self.core.table, config.kv_events_host, config.kv_events_port,
                                            config.kv_events_replay_port, config.kv_events_buffer)
             self.kv_events.start()
+            self.core.kv_events = self.kv_events
         await self.feed.start()
         uv_config = uvicorn.Config(self.app, host=config.host, port=config.port, loop="none", lifespan="off",
                                    access_log=False, log_level="warning", timeout_keep_alive=30,
@@ -184,6 +185,7 @@ class ControllerService:
         if self.kv_events is not None:
             await self.kv_events.stop()
             self.kv_events = None
+            self.core.kv_events = None
         if self.nc is not None:
             try:
                 await asyncio.wait_for(self.nc.close(), 5)

@@ -183,6 +183,9 @@ async def test_the_stream_rebuilds_the_index_through_puts_evictions_a_clear_and_
                 await agrees(service, client, subscriber, workers, "first subscriber, live")
                 assert late.view() == subscriber.view() and late.next_seq == subscriber.next_seq
             assert stream.replays_served >= 1
+            metrics = (await client.get("/metrics")).text
+            assert f'kvmesh_controller_kv_events_total{{what="messages"}} {stream.messages_published}' in metrics
+            assert stream.messages_published >= subscriber.next_seq > 0
 
 
 async def test_a_restarted_controller_republishes_every_holding(nats_server: EmbeddedNats) -> None:
