@@ -206,3 +206,21 @@ async def test_a_restarted_controller_republishes_every_holding(nats_server: Emb
                     await agrees(service, client, subscriber, [worker], "restart")
                     views.append(subscriber.view())
         assert views[0] == views[1] and len(views[0][(worker.worker_id, LOCAL_CPU)]) == 3
+
+
+@pytest.mark.parametrize("setting", ["1", "0", None])
+def test_the_streams_hash_form_is_vllms_under_its_own_setting(monkeypatch: pytest.MonkeyPatch,
+                                                             setting: str | None) -> None:
+    """The controller reads VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES as vLLM does, and gives a key the hash vLLM's
+    `maybe_convert_block_hash` (and so the engine's in-vLLM events) gives it: ints by default, else the bytes."""
+    from kvmesh.services.engine.adapter import kv_events as engine_events
+    from kvmesh.shared.wire.kv_events import USE_INT_BLOCK_HASHES_ENV, use_int_block_hashes
+
+    if setting is None:
+        monkeypatch.delenv(USE_INT_BLOCK_HASHES_ENV, raising=False)
+    else:
+        monkeypatch.setenv(USE_INT_BLOCK_HASHES_ENV, setting)
+    key = bytes(range(16))
+    published = external_hash(key, use_int_block_hashes())
+    assert published == maybe_convert_block_hash(BlockHash(key)) == engine_events.external_hash(key)
+    assert published == (int.from_bytes(key[8:], "big") if setting != "0" else key)
