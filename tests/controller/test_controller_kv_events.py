@@ -188,6 +188,31 @@ async def test_the_stream_rebuilds_the_index_through_puts_evictions_a_clear_and_
             assert stream.messages_published >= subscriber.next_seq > 0
 
 
+async def test_a_restarted_store_is_followed_through_its_full_sync(nats_server: EmbeddedNats) -> None:
+    """A store that restarts holding less (here: its first chunk only) full-syncs; the keys it lost leave the
+    index as BlockRemoved on its topic, and the events still rebuild the index and /lookup's answers."""
+    remote = FakeStore(nats_server.url, "remote-1", REMOTE)
+    worker = FakeEngineWorker(nats_server.url, "inst-a", chunk_size=4, remotes=(remote,))
+    first = worker.spans(OTHER)[0].key
+    async with running_controller(nats_server.url, **STREAM) as (service, client):
+        stream = service.kv_events
+        assert stream is not None and stream.replay_endpoint is not None
+        async with subscribed(stream.endpoint, stream.replay_endpoint) as subscriber, started(worker):
+            async with started(remote):
+                worker.store(OTHER, where=REMOTE)
+                await wait_until_async(lambda: len(index_view(service).get(("remote-1", REMOTE), ())) == 3,
+                                       what="the store's chunks indexed")
+                await agrees(service, client, subscriber, [worker], "before the restart")
+            reborn = FakeStore(nats_server.url, "remote-1", REMOTE)
+            reborn.chunks = {first: 4}
+            async with started(reborn):
+                await wait_until_async(lambda: index_view(service).get(("remote-1", REMOTE)) == {
+                    external_hash(first, True)}, what="the restarted store's full sync indexed")
+                await agrees(service, client, subscriber, [worker], "after the restart")
+                assert (await layout(client, OTHER))["inst-a"] == [REMOTE, 4]
+                assert subscriber.cleared == []  # a full sync removes what is gone, key by key
+
+
 async def test_a_restarted_controller_republishes_every_holding(nats_server: EmbeddedNats) -> None:
     """A new controller counts from seq 0 again and, as producers full-sync to it, publishes all they hold: a
     subscriber that starts over on the new stream rebuilds the same index."""
