@@ -65,7 +65,7 @@ class KVEventStream:
         self._next_seq = 0
         self._encoder = msgspec.msgpack.Encoder()
         self._ctx: zmq.asyncio.Context | None = None
-        self._pub: zmq.asyncio.Socket | None = None
+        self._pub: zmq.Socket | None = None
         self._replay: zmq.asyncio.Socket | None = None
         self._replayer: asyncio.Task[None] | None = None
         self.messages_published = 0
@@ -82,7 +82,7 @@ class KVEventStream:
 
     def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub = zmq.Socket(self._ctx, zmq.PUB)  # a plain socket: its sends are immediate, never awaited
         self._pub.set_hwm(PUB_HWM)
         self.port = _bind(self._pub, self.host, self.port)
         if self.replay_port is not None:
@@ -171,7 +171,7 @@ def _uri_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _bind(sock: zmq.asyncio.Socket, host: str, port: int) -> int:
+def _bind(sock: zmq.Socket, host: str, port: int) -> int:
     """Bind `host`:`port` (0: a free port); the port bound."""
     if ":" in host:
         sock.setsockopt(zmq.IPV6, 1)
