@@ -7,6 +7,11 @@ replay and a controller restart."""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
 from typing import Any
 
 import httpx
@@ -18,7 +23,7 @@ from kvmesh.services.controller.config import parse_args
 from kvmesh.services.controller.holder_index import HolderIndex
 from kvmesh.services.controller.service import ControllerService
 from kvmesh.shared.errors import ConfigError
-from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats, free_port
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE
 from kvmesh.shared.wire.kv_events import external_hash
 
@@ -249,3 +254,42 @@ def test_the_streams_hash_form_is_vllms_under_its_own_setting(monkeypatch: pytes
     published = external_hash(key, use_int_block_hashes())
     assert published == maybe_convert_block_hash(BlockHash(key)) == engine_events.external_hash(key)
     assert published == (int.from_bytes(key[8:], "big") if setting != "0" else key)
+
+
+async def test_the_command_line_flags_start_the_stream_and_sigterm_closes_it(nats_server: EmbeddedNats) -> None:
+    """`python -m kvmesh.services.controller --kv-events-port P --kv-events-replay-port R`: a worker's chunks
+    arrive on 127.0.0.1:P as BlockStored with its topic and medium, and SIGTERM closes both ports."""
+    port, events_port, replay_port = free_port(), free_port(), free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvmesh.services.controller", "--host", "127.0.0.1", "--port", str(port),
+         "--nats-url", nats_server.url, "--log-level", "warning", "--kv-events-port", str(events_port),
+         "--kv-events-replay-port", str(replay_port), "--min-chunk-size", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    worker = FakeEngineWorker(nats_server.url, "inst-a", chunk_size=4)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            async def up() -> bool:
+                assert process.poll() is None, process.stdout.read().decode() if process.stdout else ""
+                try:
+                    return (await client.get("/healthz")).status_code == 200
+                except httpx.TransportError:
+                    return False
+            await wait_until_async(up, what="the controller subprocess")
+            async with subscribed(f"tcp://127.0.0.1:{events_port}", f"tcp://127.0.0.1:{replay_port}") as subscriber, \
+                    started(worker):
+                worker.store(TOKENS)
+                expected = {(worker.worker_id, LOCAL_CPU): {external_hash(span.key, True)
+                                                             for span in worker.spans(TOKENS)}}
+                await wait_until_async(lambda: subscriber.view() == expected, what="the worker's chunks streamed")
+                assert await layout(client, TOKENS) == {"inst-a": lookup_from_events(subscriber, worker, TOKENS)}
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+        for closed in (port, events_port, replay_port):
+            with socket.socket() as sock:
+                assert sock.connect_ex(("127.0.0.1", closed)) != 0, closed
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=5)
+        if process.stdout:
+            process.stdout.close()
