@@ -76,6 +76,9 @@ def mesh_services(args: argparse.Namespace, token_file: Path | None = None) -> l
         controller_args.append("--insecure-no-auth")
     if args.liveness_timeout is not None:
         controller_args += ["--liveness-timeout", str(args.liveness_timeout)]
+    for flag, port in (("--kv-events-port", args.kv_events_port), ("--kv-events-replay-port", args.kv_events_replay_port)):
+        if port is not None:
+            controller_args += [flag, str(port)]
     services = [ServiceSpec("kvmesh.services.controller", controller_args, "controller", role="controller")]
     if not args.no_disk:
         services.append(disk_store(Path(args.disk_dir), round(args.disk_size * GB), disk_store_id(),
@@ -225,6 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=9000, help="controller REST port")
     up.add_argument("--liveness-timeout", type=float, default=None,
                     help="passed to the controller: seconds without a heartbeat before a producer is down")
+    up.add_argument("--kv-events-port", type=int, default=None,
+                    help="passed to the controller: publish every tier's KV events on this loopback port")
+    up.add_argument("--kv-events-replay-port", type=int, default=None,
+                    help="passed to the controller: serve replays of the KV event stream on this loopback port")
     up.add_argument("--disk-dir", default="local/kvmesh_disk", help="disk store directory")
     up.add_argument("--disk-size", type=float, default=5.0, help="disk store size cap, GB")
     up.add_argument("--remote-size", type=float, default=4.0, help="remote store memory cap per partition, GB")

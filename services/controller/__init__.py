@@ -8,6 +8,7 @@ One process, one asyncio event loop (main thread) runs everything:
   - `instance_claims.py`  which workers claim an instance id and rank, and which one serves it
   - `principal_quotas.py`  what one principal's registrations and reported keys may cost (its shares)
   - `holder_index.py`  which producers hold which key: key -> bitmask of producer slots (pure data structure)
+  - `kv_event_stream.py`  the fleet-wide KV event stream: the index's changes as vLLM's KV events over ZMQ (opt-in)
   - `lookup.py`    /lookup: per-instance hashing and contiguous-prefix crediting
   - `commands.py`  pin / unpin / clear forwarded to engine workers by NATS request/reply
   - `ops.py`       event ids for /check_finish

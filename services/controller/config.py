@@ -170,6 +170,23 @@ class ControllerConfig:
         "--sync-requests-per-principal", "full-sync requests a second (bursts of as many) the controller sends "
         "one principal's producers that heartbeat before it knows them; past it such heartbeats are dropped and "
         f"counted (default: {DEFAULT})", 64, type=_positive(int))
+    # The fleet-wide KV event stream (kv_event_stream.py): off unless a port is given
+    kv_events_port: int | None = option(
+        "--kv-events-port", "publish every tier's KV events (vLLM's KVEventBatch, msgpack over ZMQ PUB, one topic "
+        "per holder: docs/config.md) on this port; 0 picks a free one (default: off)", None,
+        type=_non_negative_int)
+    kv_events_replay_port: int | None = option(
+        "--kv-events-replay-port", "serve replays of the KV event stream (vLLM's ROUTER protocol) on this port; "
+        "needs --kv-events-port; 0 picks a free one (default: off)", None, type=_non_negative_int)
+    kv_events_host: str = option(
+        "--kv-events-host", "address the KV event stream listens on; unauthenticated, so beyond loopback only "
+        f"with --kv-events-public (default: {DEFAULT})", "127.0.0.1")
+    kv_events_public: bool = option(
+        "--kv-events-public", "let the KV event stream listen beyond loopback, unauthenticated (it names chunk "
+        "hashes, holders and models; no tokens, salts or secrets); logged as a WARNING at every start", False)
+    kv_events_buffer: int = option(
+        "--kv-events-buffer", "messages of the KV event stream kept for replay, each of at most 1024 block "
+        f"hashes (~9 KiB) (default: {DEFAULT})", 10_000, type=_positive(int))
     sync_retry_s: float = 3.0  # re-ask a producer for a full sync after this long without one
     heartbeat_grace_s: float = 1.0  # a heartbeat's seq claim must be met by batches within this
     tick_interval_s: float = 0.25  # maintenance pass period
@@ -193,6 +210,16 @@ class ControllerConfig:
                 f"loopback, with no token: anyone who reaches it could look up, pin, unpin, move and clear. Give "
                 f"--auth-token-file FILE or --auth-token (or ${TOKEN_FILE_ENV} / ${TOKEN_ENV}), bind --host "
                 "127.0.0.1, or pass --insecure-no-auth to serve it open anyway")
+
+    def kv_events_error(self) -> str | None:
+        """Why the KV event stream must not start as configured."""
+        if self.kv_events_port is None:
+            return ("--kv-events-replay-port needs --kv-events-port" if self.kv_events_replay_port is not None
+                    else None)
+        if not self.kv_events_public and not is_loopback(self.kv_events_host):
+            return (f"the KV event stream would listen on {self.kv_events_host!r} (--kv-events-host), beyond "
+                    "loopback, unauthenticated: bind 127.0.0.1 or pass --kv-events-public")
+        return None
 
 
 def is_loopback(host: str) -> bool:

@@ -75,6 +75,7 @@ class ControllerCore:
         self.metrics = Metrics()
         self.usage = FleetUsage(self.table, self.router, config)  # /usage
         self.feed: Any = None  # the ProducerFeed, once connected (service.py sets it)
+        self.kv_events: Any = None  # the KVEventStream, when --kv-events-port is given (service.py sets it)
         self.started_at = time.time()
 
     # -- glue to the NATS side ---------------------------------------------------------------------------

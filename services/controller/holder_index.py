@@ -17,9 +17,19 @@ slots, earliest admission first. So the order costs memory only for chunks sever
 from __future__ import annotations
 
 import heapq
-from typing import Collection, Iterable
+from typing import Collection, Iterable, Protocol
 
 from kvmesh.shared.wire.keys import ChunkKey
+
+
+class IndexWatcher(Protocol):
+    """Told of every change to the index (the KV event stream, kv_event_stream.py), after it is made."""
+
+    def changed(self, slot: int, stored: list[ChunkKey], removed: list[ChunkKey]) -> None:
+        """`slot` gained `stored` and lost `removed` (exactly the keys whose bit changed)."""
+
+    def cleared(self, slot: int) -> None:
+        """`slot` holds no key any more (it was cleared or released)."""
 
 
 class HolderIndex:
@@ -38,6 +48,7 @@ class HolderIndex:
         self._free: list[int] = []  # released slots, reused lowest first so masks stay narrow
         self._ordered = 0  # bits of the slots whose admission order is kept
         self._order: dict[ChunkKey, tuple[int, ...]] = {}  # keys two or more ordered slots hold -> those slots
+        self.watcher: IndexWatcher | None = None  # None: no key lists are gathered (the usual case)
 
     def new_slot(self) -> int:
         """A producer slot: a released one if any (no key has its bit), else a new one. A producer keeps its
@@ -107,6 +118,7 @@ class HolderIndex:
         masks = self._masks
         get = masks.get
         added = 0
+        gained: list[ChunkKey] | None = [] if self.watcher is not None else None
         if self._ordered & bit:
             others, order = self._ordered & ~bit, self._order
             for key in keys:
@@ -114,6 +126,8 @@ class HolderIndex:
                 if not mask & bit:
                     masks[key] = mask | bit
                     added += 1
+                    if gained is not None:
+                        gained.append(key)
                     earlier = mask & others
                     if earlier:  # no entry yet means one earlier ordered holder
                         order[key] = order.get(key, (earlier.bit_length() - 1,)) + (slot,)
@@ -123,15 +137,21 @@ class HolderIndex:
                 if not mask & bit:
                     masks[key] = mask | bit
                     added += 1
+                    if gained is not None:
+                        gained.append(key)
         self._counts[slot] += added
+        if gained and self.watcher is not None:
+            self.watcher.changed(slot, gained, [])
         return added
 
-    def evict(self, slot: int, keys: Iterable[ChunkKey]) -> int:
-        """Clear `slot`'s bit on `keys` (unknown keys are ignored); returns how many keys lost it."""
+    def evict(self, slot: int, keys: Iterable[ChunkKey], tell: bool = True) -> int:
+        """Clear `slot`'s bit on `keys` (unknown keys are ignored); returns how many keys lost it. `tell`: the
+        watcher hears of the keys (a clear tells it `cleared` instead)."""
         bit = 1 << slot
         masks = self._masks
         get = masks.get
         removed = 0
+        lost: list[ChunkKey] | None = [] if tell and self.watcher is not None else None
         order = self._order if self._ordered & bit else None
         for key in keys:
             mask = get(key, 0)
@@ -142,6 +162,8 @@ class HolderIndex:
                 else:
                     del masks[key]
                 removed += 1
+                if lost is not None:
+                    lost.append(key)
                 if order is not None and key in order:
                     rest = tuple(other for other in order[key] if other != slot)
                     if len(rest) > 1:
@@ -149,6 +171,8 @@ class HolderIndex:
                     else:
                         del order[key]
         self._counts[slot] -= removed
+        if lost and self.watcher is not None:
+            self.watcher.changed(slot, [], lost)
         return removed
 
     def replace(self, slot: int, keys: Collection[ChunkKey]) -> int:
@@ -169,4 +193,7 @@ class HolderIndex:
         if not self._counts[slot]:
             return 0
         bit = 1 << slot
-        return self.evict(slot, [key for key, mask in self._masks.items() if mask & bit])
+        dropped = self.evict(slot, [key for key, mask in self._masks.items() if mask & bit], tell=False)
+        if self.watcher is not None:
+            self.watcher.cleared(slot)
+        return dropped

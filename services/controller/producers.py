@@ -43,6 +43,7 @@ class ProducerTable:
         self.sync_retry_s = sync_retry_s
         self.heartbeat_grace_s = heartbeat_grace_s
         self.producers: dict[str, Producer] = {}
+        self._by_slot: dict[int, Producer] = {}  # slot -> its producer (the KV event stream names holders by it)
         self.instance_claims = InstanceClaims(self.producers)
         self._changes = 0
         self.stats = IngestStats()
@@ -67,6 +68,10 @@ class ProducerTable:
 
     def producer(self, producer_id: str) -> Producer | None:
         return self.producers.get(producer_id)
+
+    def holder_of(self, slot: int) -> Producer | None:
+        """The producer in `slot` (while it is being forgotten too: its keys are released before it leaves)."""
+        return self._by_slot.get(slot)
 
     def workers_of(self, instance_id: str) -> list[Producer]:
         """The registered engine workers of an instance, by rank."""
@@ -109,6 +114,7 @@ class ProducerTable:
             producer = Producer(producer_id=producer_id, slot=self.index.new_slot(), location=location,
                                 last_seen=now)
             self.producers[producer_id] = producer
+            self._by_slot[producer.slot] = producer
             self._alive_mask |= 1 << producer.slot
             self._changes += 1
         elif producer.location is None and location is not None:
@@ -324,6 +330,7 @@ class ProducerTable:
         self.quotas.forget(producer)
         self._alive_mask &= ~(1 << producer.slot)
         self.index.release_slot(producer.slot)
+        del self._by_slot[producer.slot]
         self.stats.producers_forgotten += 1
         self._changes += 1
 

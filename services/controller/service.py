@@ -21,8 +21,9 @@ from typing import Any, Callable, Iterator
 import uvicorn
 
 from kvmesh.services.controller.api import create_app
-from kvmesh.services.controller.config import ControllerConfig
+from kvmesh.services.controller.config import ControllerConfig, is_loopback
 from kvmesh.services.controller.core import ControllerCore
+from kvmesh.services.controller.kv_event_stream import KVEventStream
 from kvmesh.services.controller.producer_feed import ProducerFeed
 from kvmesh.shared.errors import ConfigError, KVMeshError
 from kvmesh.shared.messaging import bus
@@ -60,6 +61,7 @@ class ControllerService:
         self.embedded: LocalMesh | None = None  # the NATS this controller embeds when given no NATS URL
         self.nc: Any = None
         self.feed: ProducerFeed | None = None
+        self.kv_events: KVEventStream | None = None  # the fleet-wide KV event stream, when configured
         self._server: _Server | None = None
         self._server_task: asyncio.Task[None] | None = None
         self.port: int | None = None
@@ -91,6 +93,9 @@ class ControllerService:
         exposure = config.exposure_error()
         if exposure is not None:
             raise ConfigError(f"controller not started: {exposure}")
+        events_error = config.kv_events_error()
+        if events_error is not None:
+            raise ConfigError(f"controller not started: {events_error}")
         if config.insecure_no_auth and not config.auth_token:
             log.warning("--insecure-no-auth: the REST API on %s has no token; anyone who reaches it can look up, "
                         "pin, unpin, move and clear", config.host)
@@ -109,6 +114,14 @@ class ControllerService:
                                  domains=self._domains(url),
                                  sync_requests_per_principal=config.sync_requests_per_principal)
         self.core.feed = self.feed
+        if config.kv_events_port is not None:  # before the feed ingests anything: every change is published
+            if config.kv_events_public and not is_loopback(config.kv_events_host):
+                log.warning("--kv-events-public: the KV event stream on %s is open to anyone who reaches it",
+                            config.kv_events_host)
+            self.kv_events = KVEventStream(self.core.table, config.kv_events_host, config.kv_events_port,
+                                           config.kv_events_replay_port, config.kv_events_buffer)
+            self.kv_events.start()
+            self.core.kv_events = self.kv_events
         await self.feed.start()
         uv_config = uvicorn.Config(self.app, host=config.host, port=config.port, loop="none", lifespan="off",
                                    access_log=False, log_level="warning", timeout_keep_alive=30,
@@ -169,6 +182,10 @@ class ControllerService:
         if self.feed is not None:
             await self.feed.stop()
             self.feed = None
+        if self.kv_events is not None:
+            await self.kv_events.stop()
+            self.kv_events = None
+            self.core.kv_events = None
         if self.nc is not None:
             try:
                 await asyncio.wait_for(self.nc.close(), 5)

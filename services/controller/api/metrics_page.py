@@ -62,6 +62,12 @@ def render(core: ControllerCore) -> str:
     metric("kvmesh_controller_producers_forgotten_total", "counter",
            "Producers forgotten after --producer-expiry-secs down (keys dropped, slot reused).",
            [("", stats.producers_forgotten)])
+    stream = core.kv_events
+    if stream is not None:  # --kv-events-port
+        metric("kvmesh_controller_kv_events_total", "counter",
+               "The KV event stream: messages published, block hashes in them, replays served.",
+               [('what="messages"', stream.messages_published), ('what="hashes"', stream.hashes_published),
+                ('what="replays"', stream.replays_served)])
     metric("kvmesh_controller_lookups_total", "counter", "Lookups answered.", [("", m.lookups)])
     metric("kvmesh_controller_peer_lookups_total", "counter",
            "P2P lookups of engine workers answered, by whether a live peer was named.",

@@ -39,11 +39,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
+import vllm.envs as envs
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
-from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
 from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents
 from kvmesh.shared.wire.keys import ChunkKey, ChunkSpan, KeyExtras, KeyParams
+from kvmesh.shared.wire import kv_events as wire_events
 
 log = logging.getLogger(__name__)
 
@@ -140,5 +141,6 @@ class KVEventLog:
 
 
 def external_hash(key: ChunkKey) -> bytes | int:
-    """A chunk key in the form vLLM publishes block hashes (see the module's docstring)."""
-    return maybe_convert_block_hash(BlockHash(key))
+    """A chunk key in the form vLLM publishes block hashes (see the module's docstring), under vLLM's setting;
+    the controller's fleet-wide stream gives the same (shared/wire/kv_events.py)."""
+    return wire_events.external_hash(key, envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)

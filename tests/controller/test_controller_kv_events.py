@@ -1,0 +1,295 @@
+"""The controller's fleet-wide KV event stream (services/controller/kv_event_stream.py) end to end: a real
+nats-server, the controller's real service, producers that speak the real protocol (an engine worker's CPU
+tier, a disk store, a remote store), a real ZMQ subscriber decoding with vLLM's own `KVEventBatch`. From the
+events alone it rebuilds every holder's chunks, and that must equal the holder index the controller answers
+/lookup from, and give /lookup's own answers, across puts, evictions, a clear, a late subscriber catching up by
+replay and a controller restart."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from typing import Any
+
+import httpx
+import pytest
+
+from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+
+from kvmesh.services.controller.config import parse_args
+from kvmesh.services.controller.holder_index import HolderIndex
+from kvmesh.services.controller.service import ControllerService
+from kvmesh.shared.errors import ConfigError
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats, free_port
+from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE
+from kvmesh.shared.wire.kv_events import external_hash
+
+from support.controller import MODEL, FakeEngineWorker, FakeStore, layout, running_controller, started
+from support.kv_event_stream import StreamSubscriber, subscribed
+from support.waiting import wait_until_async
+
+class Recorder:
+    """An IndexWatcher that writes down what it is told."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def changed(self, slot: int, stored: list[bytes], removed: list[bytes]) -> None:
+        self.calls.append(("changed", slot, sorted(stored), sorted(removed)))
+
+    def cleared(self, slot: int) -> None:
+        self.calls.append(("cleared", slot))
+
+
+def test_the_index_tells_its_watcher_exactly_the_keys_whose_bit_changed() -> None:
+    index, recorder = HolderIndex(), Recorder()
+    a, b = index.new_slot(), index.new_slot()
+    index.set_ordered(a, True)
+    k1, k2, k3 = b"1" * 16, b"2" * 16, b"3" * 16
+    index.admit(a, [k1])  # before a watcher: nothing gathered, nothing told
+    index.watcher = recorder
+    index.admit(a, [k1, k2])  # k1 already held: only k2 is news
+    index.admit(b, [k1])
+    index.evict(a, [k1, k3])  # k3 was never held
+    index.evict(a, [k3])  # no change: not told
+    index.replace(b, {k2, k3})  # gains k2 and k3, loses k1
+    index.clear_slot(b)  # emptied: one `cleared`, no key list
+    index.clear_slot(b)  # already empty: nothing
+    index.admit(a, [k3])
+    index.release_slot(a)  # a forgotten producer: emptied too
+    assert recorder.calls == [
+        ("changed", a, [k2], []), ("changed", b, [k1], []), ("changed", a, [], [k1]),
+        ("changed", b, sorted([k2, k3]), []), ("changed", b, [], [k1]), ("cleared", b),
+        ("changed", a, [k3], []), ("cleared", a)]
+    assert len(index) == 0
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--kv-events-replay-port", "5558"], "--kv-events-replay-port needs --kv-events-port"),
+    (["--kv-events-port", "5557", "--kv-events-host", "0.0.0.0"], "beyond loopback, unauthenticated"),
+])
+async def test_a_stream_without_its_port_or_open_beyond_loopback_is_refused(argv: list[str], error: str) -> None:
+    config = parse_args(argv + ["--host", "127.0.0.1", "--port", "0"])
+    assert error in (config.kv_events_error() or "")
+    with pytest.raises(ConfigError, match=error):
+        await ControllerService(config).start()
+    assert parse_args(argv + ["--kv-events-port", "5557", "--kv-events-public"]).kv_events_error() is None
+
+
+STREAM = dict(kv_events_port=0, kv_events_replay_port=0)
+TOKENS = list(range(1, 17))  # four chunks of 4
+OTHER = list(range(100, 112))  # three chunks of 4
+
+
+def index_view(service: ControllerService) -> dict[tuple[str, str], set[int | bytes]]:
+    """What the controller's holder index holds, per (holder, location), in the stream's hashes."""
+    table = service.core.table
+    view: dict[tuple[str, str], set[int | bytes]] = {}
+    for producer in table.producers.values():
+        bit = 1 << producer.slot
+        hashes = {external_hash(key, True) for key, mask in table.index.table.items() if mask & bit}
+        if hashes:
+            view[(producer.producer_id, str(producer.location))] = hashes
+    return view
+
+
+def lookup_from_events(subscriber: StreamSubscriber, worker: FakeEngineWorker,
+                       tokens: list[int]) -> list[Any] | None:
+    """/lookup's answer for `worker`'s instance, computed from the events alone: the longest held prefix over its
+    locations (the CPU tier is the worker's, the others its stores'), ties to the faster one."""
+    holders = {LOCAL_CPU: [worker.worker_id], LOCAL_DISK: [worker.disk.store_id] if worker.disk else [],
+               REMOTE: [remote.store_id for remote in worker.remotes]}
+    view = subscriber.view()
+    best: list[Any] | None = None
+    for location in LOCATIONS:
+        held = set().union(*(view.get((holder, location), set()) for holder in holders[location]))
+        prefix = 0
+        for span in worker.spans(tokens):
+            if external_hash(span.key, True) not in held:
+                break
+            prefix = span.end
+        if prefix and (best is None or prefix > best[1]):
+            best = [location, prefix]
+    return best
+
+
+async def agrees(service: ControllerService, client: httpx.AsyncClient, subscriber: StreamSubscriber,
+                 workers: list[FakeEngineWorker], what: str) -> None:
+    """Wait until the events rebuild the controller's index, then check that they answer /lookup as it does."""
+    await wait_until_async(lambda: subscriber.view() == index_view(service), what=f"{what}: events == index")
+    for tokens in (TOKENS, OTHER):
+        answer = await layout(client, tokens)
+        for worker in workers:
+            assert answer.get(worker.instance_id) == lookup_from_events(subscriber, worker, tokens), (what, tokens)
+
+
+async def test_the_stream_rebuilds_the_index_through_puts_evictions_a_clear_and_a_late_joiner(
+        nats_server: EmbeddedNats) -> None:
+    disk = FakeStore(nats_server.url, "disk-1", LOCAL_DISK)
+    remote = FakeStore(nats_server.url, "remote-1", REMOTE)
+    worker_a = FakeEngineWorker(nats_server.url, "inst-a", chunk_size=4, disk=disk, remotes=(remote,))
+    worker_b = FakeEngineWorker(nats_server.url, "inst-b", chunk_size=4)
+    workers = [worker_a, worker_b]
+    async with running_controller(nats_server.url, **STREAM) as (service, client):
+        stream = service.kv_events
+        assert stream is not None and stream.replay_endpoint is not None
+        assert stream.endpoint.startswith("tcp://127.0.0.1:")
+        async with subscribed(stream.endpoint, stream.replay_endpoint) as subscriber, \
+                started(disk, remote, worker_a, worker_b):
+            worker_a.store(TOKENS)
+            worker_a.store(TOKENS, chunks=[0, 1], where=LOCAL_DISK)
+            worker_a.store(OTHER, where=REMOTE)
+            worker_b.store(TOKENS, chunks=[0])
+            await wait_until_async(lambda: len(index_view(service)) == 4, what="every holder indexed")
+            await agrees(service, client, subscriber, workers, "puts")
+            assert await layout(client, TOKENS) == {"inst-a": [LOCAL_CPU, 16], "inst-b": [LOCAL_CPU, 4]}
+            # The media are KVMesh's location names, one per holder; topics name the engine's model.
+            assert dict(subscriber.media) == {worker_a.worker_id: {LOCAL_CPU}, worker_b.worker_id: {LOCAL_CPU},
+                                              "disk-1": {LOCAL_DISK}, "remote-1": {REMOTE}}
+            assert subscriber.models == {worker_a.worker_id: MODEL, worker_b.worker_id: MODEL,
+                                         "disk-1": "", "remote-1": ""}
+            # The hashes are vLLM's own form of the keys (its default: ints), as the engine's in-vLLM events.
+            key = worker_a.spans(TOKENS)[0].key
+            assert external_hash(key, True) == maybe_convert_block_hash(BlockHash(key))
+
+            # Evictions: from the CPU tier (a chunk in the middle) and from the disk store.
+            for span in worker_a.spans(TOKENS)[2:3]:
+                del worker_a.chunks[span.key]
+                worker_a.reporter.evict(span.key)
+            second = worker_a.spans(TOKENS)[1].key
+            del disk.chunks[second]
+            disk.reporter.evict(second)
+            await wait_until_async(lambda: len(index_view(service)[(worker_a.worker_id, LOCAL_CPU)]) == 3,
+                                   what="the CPU-tier eviction indexed")
+            await agrees(service, client, subscriber, workers, "evictions")
+            assert (await layout(client, TOKENS))["inst-a"] == [LOCAL_CPU, 8]
+
+            # A clear of A's CPU tier empties that holder: one AllBlocksCleared on its topic.
+            cleared = await client.post("/clear", json={"instance_id": "inst-a", "location": LOCAL_CPU})
+            assert cleared.status_code == 200, cleared.text
+            await wait_until_async(lambda: worker_a.worker_id in subscriber.cleared, what="AllBlocksCleared")
+            assert subscriber.cleared == [worker_a.worker_id]
+            await agrees(service, client, subscriber, workers, "clear")
+            assert (await layout(client, TOKENS))["inst-a"] == [LOCAL_DISK, 4]
+
+            # A subscriber joining now catches up by replay from seq 0, then follows the live stream.
+            async with subscribed(stream.endpoint, stream.replay_endpoint, replay_first=True) as late:
+                assert late.replays == 1 and late.received == 0
+                await agrees(service, client, late, workers, "late joiner, replayed")
+                worker_b.store(OTHER)
+                worker_a.store(TOKENS, chunks=[3])
+                await wait_until_async(lambda: (worker_b.worker_id, LOCAL_CPU) in index_view(service)
+                                       and len(index_view(service)[(worker_b.worker_id, LOCAL_CPU)]) == 4,
+                                       what="B's new chunks indexed")
+                await agrees(service, client, late, workers, "late joiner, live")
+                await agrees(service, client, subscriber, workers, "first subscriber, live")
+                assert late.view() == subscriber.view() and late.next_seq == subscriber.next_seq
+            assert stream.replays_served >= 1
+            metrics = (await client.get("/metrics")).text
+            assert f'kvmesh_controller_kv_events_total{{what="messages"}} {stream.messages_published}' in metrics
+            assert stream.messages_published >= subscriber.next_seq > 0
+
+
+async def test_a_restarted_store_is_followed_through_its_full_sync(nats_server: EmbeddedNats) -> None:
+    """A store that restarts holding less (here: its first chunk only) full-syncs; the keys it lost leave the
+    index as BlockRemoved on its topic, and the events still rebuild the index and /lookup's answers."""
+    remote = FakeStore(nats_server.url, "remote-1", REMOTE)
+    worker = FakeEngineWorker(nats_server.url, "inst-a", chunk_size=4, remotes=(remote,))
+    first = worker.spans(OTHER)[0].key
+    async with running_controller(nats_server.url, **STREAM) as (service, client):
+        stream = service.kv_events
+        assert stream is not None and stream.replay_endpoint is not None
+        async with subscribed(stream.endpoint, stream.replay_endpoint) as subscriber, started(worker):
+            async with started(remote):
+                worker.store(OTHER, where=REMOTE)
+                await wait_until_async(lambda: len(index_view(service).get(("remote-1", REMOTE), ())) == 3,
+                                       what="the store's chunks indexed")
+                await agrees(service, client, subscriber, [worker], "before the restart")
+            reborn = FakeStore(nats_server.url, "remote-1", REMOTE)
+            reborn.chunks = {first: 4}
+            async with started(reborn):
+                await wait_until_async(lambda: index_view(service).get(("remote-1", REMOTE)) == {
+                    external_hash(first, True)}, what="the restarted store's full sync indexed")
+                await agrees(service, client, subscriber, [worker], "after the restart")
+                assert (await layout(client, OTHER))["inst-a"] == [REMOTE, 4]
+                assert subscriber.cleared == []  # a full sync removes what is gone, key by key
+
+
+async def test_a_restarted_controller_republishes_every_holding(nats_server: EmbeddedNats) -> None:
+    """A new controller counts from seq 0 again and, as producers full-sync to it, publishes all they hold: a
+    subscriber that starts over on the new stream rebuilds the same index."""
+    disk = FakeStore(nats_server.url, "disk-1", LOCAL_DISK)
+    worker = FakeEngineWorker(nats_server.url, "inst-a", chunk_size=4, disk=disk)
+    async with started(disk, worker):
+        worker.store(TOKENS, chunks=[0, 1, 2])
+        worker.store(TOKENS, chunks=[0], where=LOCAL_DISK)
+        views = []
+        for _ in range(2):
+            async with running_controller(nats_server.url, **STREAM) as (service, client):
+                stream = service.kv_events
+                assert stream is not None and stream.replay_endpoint is not None
+                async with subscribed(stream.endpoint, stream.replay_endpoint, replay_first=True) as subscriber:
+                    await wait_until_async(lambda: len(index_view(service)) == 2, what="both holders indexed")
+                    await agrees(service, client, subscriber, [worker], "restart")
+                    views.append(subscriber.view())
+        assert views[0] == views[1] and len(views[0][(worker.worker_id, LOCAL_CPU)]) == 3
+
+
+@pytest.mark.parametrize("setting", ["1", "0", None])
+def test_the_streams_hash_form_is_vllms_under_its_own_setting(monkeypatch: pytest.MonkeyPatch,
+                                                             setting: str | None) -> None:
+    """The controller reads VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES as vLLM does, and gives a key the hash vLLM's
+    `maybe_convert_block_hash` (and so the engine's in-vLLM events) gives it: ints by default, else the bytes."""
+    from kvmesh.services.engine.adapter import kv_events as engine_events
+    from kvmesh.shared.wire.kv_events import USE_INT_BLOCK_HASHES_ENV, use_int_block_hashes
+
+    if setting is None:
+        monkeypatch.delenv(USE_INT_BLOCK_HASHES_ENV, raising=False)
+    else:
+        monkeypatch.setenv(USE_INT_BLOCK_HASHES_ENV, setting)
+    key = bytes(range(16))
+    published = external_hash(key, use_int_block_hashes())
+    assert published == maybe_convert_block_hash(BlockHash(key)) == engine_events.external_hash(key)
+    assert published == (int.from_bytes(key[8:], "big") if setting != "0" else key)
+
+
+async def test_the_command_line_flags_start_the_stream_and_sigterm_closes_it(nats_server: EmbeddedNats) -> None:
+    """`python -m kvmesh.services.controller --kv-events-port P --kv-events-replay-port R`: a worker's chunks
+    arrive on 127.0.0.1:P as BlockStored with its topic and medium, and SIGTERM closes both ports."""
+    port, events_port, replay_port = free_port(), free_port(), free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvmesh.services.controller", "--host", "127.0.0.1", "--port", str(port),
+         "--nats-url", nats_server.url, "--log-level", "warning", "--kv-events-port", str(events_port),
+         "--kv-events-replay-port", str(replay_port), "--min-chunk-size", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    worker = FakeEngineWorker(nats_server.url, "inst-a", chunk_size=4)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            async def up() -> bool:
+                assert process.poll() is None, process.stdout.read().decode() if process.stdout else ""
+                try:
+                    return (await client.get("/healthz")).status_code == 200
+                except httpx.TransportError:
+                    return False
+            await wait_until_async(up, what="the controller subprocess")
+            async with subscribed(f"tcp://127.0.0.1:{events_port}", f"tcp://127.0.0.1:{replay_port}") as subscriber, \
+                    started(worker):
+                worker.store(TOKENS)
+                expected = {(worker.worker_id, LOCAL_CPU): {external_hash(span.key, True)
+                                                             for span in worker.spans(TOKENS)}}
+                await wait_until_async(lambda: subscriber.view() == expected, what="the worker's chunks streamed")
+                assert await layout(client, TOKENS) == {"inst-a": lookup_from_events(subscriber, worker, TOKENS)}
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+        for closed in (port, events_port, replay_port):
+            with socket.socket() as sock:
+                assert sock.connect_ex(("127.0.0.1", closed)) != 0, closed
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=5)
+        if process.stdout:
+            process.stdout.close()
