@@ -203,6 +203,8 @@ class ScanReport:
     removed_tmp: int = 0
     removed_corrupt: int = 0
     seconds: float = 0.0
+    trusted: int = 0  # files a store took from its index snapshot without reading them (disk store)
+    snapshot: str = ""  # what became of that snapshot: "used", or why not
 
 
 def scan_directory(root: Path, threads: int = 8) -> ScanReport:
@@ -216,6 +218,14 @@ def scan_directory(root: Path, threads: int = 8) -> ScanReport:
     """
     start = time.perf_counter()
     report = ScanReport(chunks=[])
+    inspect_files(root, list_chunk_files(root, report), report, threads)
+    report.chunks.sort(key=lambda c: c.mtime)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def list_chunk_files(root: Path, report: ScanReport) -> list[Path]:
+    """The `.kvc` files in `root`'s fan-out directories; `*.tmp` files are deleted (counted in `report`)."""
     candidates: list[Path] = []
     for fan in sorted(root.iterdir()) if root.is_dir() else []:
         if not (fan.is_dir() and len(fan.name) == 2):
@@ -226,17 +236,20 @@ def scan_directory(root: Path, threads: int = 8) -> ScanReport:
                 report.removed_tmp += 1
             elif path.name.endswith(SUFFIX):
                 candidates.append(path)
+    return candidates
+
+
+def inspect_files(root: Path, paths: list[Path], report: ScanReport, threads: int = 8) -> None:
+    """Check each file's name, header and length (`scan_directory`'s checks): the good ones join
+    `report.chunks` (unsorted), the bad ones are deleted."""
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="chunk-scan") as pool:
-        results = list(pool.map(lambda p: _inspect(root, p), candidates))
-    for path, found in zip(candidates, results):
+        results = list(pool.map(lambda p: _inspect(root, p), paths))
+    for path, found in zip(paths, results):
         if found is None:
             path.unlink(missing_ok=True)
             report.removed_corrupt += 1
         else:
             report.chunks.append(found)
-    report.chunks.sort(key=lambda c: c.mtime)
-    report.seconds = time.perf_counter() - start
-    return report
 
 
 def _inspect(root: Path, path: Path) -> FoundChunk | None:
