@@ -26,7 +26,6 @@ import os
 import stat
 import struct
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import xxhash
@@ -117,14 +116,7 @@ def scan(root: Path, threads: int = 8) -> tuple[chunk_file.ScanReport, list[Foun
         report.snapshot = report.snapshot or "none"
         found = [(c.mtime, c.meta.key, _entry_of(c)) for c in full.chunks]
     else:
-        paths = chunk_file.list_chunk_files(root, report)
-        slices = [paths[i::threads] for i in range(threads)]
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="chunk-stat") as pool:
-            matched = pool.map(lambda part: _match(root, part, records), slices)
-        unmatched: list[Path] = []
-        for trusted, others in matched:
-            found += trusted
-            unmatched += others
+        found, unmatched = _match(chunk_file.list_chunk_files(root, report), records)
         report.trusted = len(found)
         chunk_file.inspect_files(root, unmatched, report, threads)
         found += [(c.mtime, c.meta.key, _entry_of(c)) for c in report.chunks]
@@ -135,26 +127,42 @@ def scan(root: Path, threads: int = 8) -> tuple[chunk_file.ScanReport, list[Foun
     return report, found
 
 
-def _match(root: Path, paths: list[Path], records: dict[ChunkKey, tuple[Entry, int]]) -> tuple[list[Found],
-                                                                                                 list[Path]]:
-    """Split `paths` into files their record describes (size and mtime_ns equal) and files to inspect."""
+def _match(entries: list[os.DirEntry[str]], records: dict[ChunkKey, tuple[Entry, int]]) -> tuple[list[Found],
+                                                                                                  list[Path]]:
+    """Split the listed files into those their record describes (a regular file at the key's own path, of the
+    record's size and mtime_ns) and those to inspect. One thread: a stat is a short syscall, the rest is Python."""
     trusted: list[Found] = []
     others: list[Path] = []
-    for path in paths:
-        key = chunk_file.key_of_path(path)
+    for entry in entries:
+        key = _key_of_name(entry)
         record = records.get(key) if key is not None else None
         if record is not None:
-            entry, mtime_ns = record
+            chunk, mtime_ns = record
             try:
-                st = os.stat(path)
+                st = entry.stat()  # follows a link, as the scan's open does
             except OSError:
                 st = None
-            if (st is not None and stat.S_ISREG(st.st_mode) and st.st_size == entry.file_bytes
-                    and st.st_mtime_ns == mtime_ns and chunk_file.chunk_path(root, key) == path):
-                trusted.append((mtime_ns / 1e9, key, entry))
+            if (st is not None and stat.S_ISREG(st.st_mode) and st.st_size == chunk.file_bytes
+                    and st.st_mtime_ns == mtime_ns):
+                trusted.append((mtime_ns / 1e9, key, chunk))
                 continue
-        others.append(path)
+        others.append(Path(entry.path))
     return trusted, others
+
+
+def _key_of_name(entry: os.DirEntry[str]) -> ChunkKey | None:
+    """The key of a file at its own chunk path (`<2 hex>/<32 hex>.kvc`, lower case, in its fan-out directory),
+    else None (the scan's checks then judge it)."""
+    name = entry.name
+    stem = name[: -len(chunk_file.SUFFIX)]
+    try:
+        key = bytes.fromhex(stem)
+    except ValueError:
+        return None
+    fan = entry.path[-len(name) - 3:-len(name)]  # "<2 hex>/"
+    if len(key) != KEY_BYTES or key.hex() != stem or fan != f"{stem[:2]}{os.sep}":
+        return None
+    return key
 
 
 def _entry_of(found: chunk_file.FoundChunk) -> Entry:
