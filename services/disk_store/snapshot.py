@@ -45,6 +45,7 @@ MAX_HEADER_BYTES = 1 << 20  # a chunk file's header page(s): far more than any r
 
 # what the scan hands the store: (mtime in seconds: the LRU order, key, entry)
 Found = tuple[float, ChunkKey, Entry]
+Record = tuple[ChunkKey, Entry, int]  # a snapshot's record: key, entry, the file's mtime_ns
 
 
 class SnapshotRejected(Exception):
@@ -68,8 +69,9 @@ def write_snapshot(root: Path, held: list[tuple[ChunkKey, Entry]]) -> int:
     return len(records)
 
 
-def read_snapshot(root: Path) -> dict[ChunkKey, tuple[Entry, int]] | None:
-    """The snapshot's records (key -> entry, mtime_ns); None if there is none; SnapshotRejected if it is damaged."""
+def read_snapshot(root: Path) -> dict[str, Record] | None:
+    """The snapshot's records by their chunk file's name; None if there is none; SnapshotRejected if it is
+    damaged."""
     try:
         raw = (root / SNAPSHOT_NAME).read_bytes()
     except FileNotFoundError:
@@ -87,14 +89,15 @@ def read_snapshot(root: Path) -> dict[ChunkKey, tuple[Entry, int]] | None:
                                "(torn or padded)")
     if xxhash.xxh3_64_intdigest(body) != digest:
         raise SnapshotRejected("the body fails its checksum")
-    records: dict[ChunkKey, tuple[Entry, int]] = {}
+    records: dict[str, Record] = {}
     for key, nbytes, file_bytes, num_tokens, mtime_ns in _RECORD.iter_unpack(body):
         header = file_bytes - nbytes
         if not (0 < header <= MAX_HEADER_BYTES and header % chunk_file.DATA_ALIGN == 0):
             raise SnapshotRejected(f"chunk {key.hex()}: {file_bytes} file bytes for {nbytes} data bytes")
-        if key in records:
+        name = f"{key.hex()}{chunk_file.SUFFIX}"  # the name of its file (chunk_file.chunk_path)
+        if name in records:
             raise SnapshotRejected(f"chunk {key.hex()} recorded twice")
-        records[key] = (Entry(nbytes, file_bytes=file_bytes, num_tokens=num_tokens), mtime_ns)
+        records[name] = (key, Entry(nbytes, file_bytes=file_bytes, num_tokens=num_tokens), mtime_ns)
     return records
 
 
@@ -127,17 +130,16 @@ def scan(root: Path, threads: int = 8) -> tuple[chunk_file.ScanReport, list[Foun
     return report, found
 
 
-def _match(entries: list[os.DirEntry[str]], records: dict[ChunkKey, tuple[Entry, int]]) -> tuple[list[Found],
-                                                                                                  list[Path]]:
+def _match(entries: list[os.DirEntry[str]], records: dict[str, Record]) -> tuple[list[Found], list[Path]]:
     """Split the listed files into those their record describes (a regular file at the key's own path, of the
     record's size and mtime_ns) and those to inspect. One thread: a stat is a short syscall, the rest is Python."""
     trusted: list[Found] = []
     others: list[Path] = []
     for entry in entries:
-        key = _key_of_name(entry)
-        record = records.get(key) if key is not None else None
-        if record is not None:
-            chunk, mtime_ns = record
+        name = entry.name
+        record = records.get(name)  # only a record's own name: lower-case hex of a whole key
+        if record is not None and entry.path[-len(name) - 3:-len(name)] == f"{name[:2]}{os.sep}":  # its fan-out dir
+            key, chunk, mtime_ns = record
             try:
                 st = entry.stat()  # follows a link, as the scan's open does
             except OSError:
@@ -148,21 +150,6 @@ def _match(entries: list[os.DirEntry[str]], records: dict[ChunkKey, tuple[Entry,
                 continue
         others.append(Path(entry.path))
     return trusted, others
-
-
-def _key_of_name(entry: os.DirEntry[str]) -> ChunkKey | None:
-    """The key of a file at its own chunk path (`<2 hex>/<32 hex>.kvc`, lower case, in its fan-out directory),
-    else None (the scan's checks then judge it)."""
-    name = entry.name
-    stem = name[: -len(chunk_file.SUFFIX)]
-    try:
-        key = bytes.fromhex(stem)
-    except ValueError:
-        return None
-    fan = entry.path[-len(name) - 3:-len(name)]  # "<2 hex>/"
-    if len(key) != KEY_BYTES or key.hex() != stem or fan != f"{stem[:2]}{os.sep}":
-        return None
-    return key
 
 
 def _entry_of(found: chunk_file.FoundChunk) -> Entry:

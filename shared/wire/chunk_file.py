@@ -234,7 +234,7 @@ def list_chunk_files(root: Path, report: ScanReport) -> list[os.DirEntry[str]]:
         with os.scandir(fan) as entries:
             for entry in entries:
                 if entry.name.endswith(TMP_SUFFIX):
-                    os.unlink(entry.path)
+                    Path(entry.path).unlink(missing_ok=True)
                     report.removed_tmp += 1
                 elif entry.name.endswith(SUFFIX):
                     candidates.append(entry)

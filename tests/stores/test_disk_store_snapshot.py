@@ -4,6 +4,7 @@ as it checks out, on a real nats-server with real files, the store running in th
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import pytest
 import xxhash
 
 from kvmesh.services.disk_store import snapshot
+from kvmesh.services.disk_store.options import build_parser, options_from_args
+from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.wire import chunk_file
 
 from support.disk_store import FILE_BYTES, Harness, chunk, harness, key_of  # noqa: F401 (harness: a fixture)
@@ -112,13 +115,17 @@ async def test_files_removed_added_and_changed_behind_the_snapshot_are_found_and
     stat4 = path_of[4].stat()
     path_of[4].write_bytes(path_of[5].read_bytes())
     os.utime(path_of[4], ns=(stat4.st_atime_ns, stat4.st_mtime_ns))
+    # a copy of 6's file, size and mtime kept, in a fan-out directory not its own: its record must not vouch for it
+    elsewhere = root / ("00" if path_of[6].parent.name != "00" else "01") / path_of[6].name
+    elsewhere.parent.mkdir(exist_ok=True)
+    shutil.copy2(path_of[6], elsewhere)
 
     service = await harness.start()
     report = service.store.scan_report
     assert report is not None and report.snapshot == "used"
     assert report.trusted == 3  # 4, 5 and 6 match their records; 2, 3 and the new files were inspected
-    assert report.removed_corrupt == 2 and report.removed_tmp == 1  # 3 and 8; the leftover
-    assert not path_of[3].exists() and not path_of[8].exists() and not leftover.exists()
+    assert report.removed_corrupt == 3 and report.removed_tmp == 1  # 3, 8 and the misplaced copy; the leftover
+    assert not path_of[3].exists() and not path_of[8].exists() and not leftover.exists() and not elsewhere.exists()
     assert await harness.held(1, 3, 7) == [False, False, True]
     assert await served(harness, 5, 6, 7) == [True] * 3
     # the reads still check each file: 2's bytes and 4's header (it names chunk 5) fail, both are dropped
@@ -163,3 +170,12 @@ async def test_the_byte_cap_holds_after_a_restart_from_the_snapshot(harness: Har
     assert await harness.put(7)  # and a put still evicts to stay under the cap
     stats = (await harness.client.stats())[0]
     assert stats.num_chunks == 3 and stats.used_bytes <= stats.capacity_bytes
+
+
+def test_the_snapshot_interval_flag(tmp_path: Path) -> None:
+    base = ["--dir", str(tmp_path), "--max-size-gb", "1", "--store-id", "d1"]
+    assert options_from_args(build_parser().parse_args(base), {}).snapshot_interval_secs == 300.0
+    options = options_from_args(build_parser().parse_args([*base, "--snapshot-interval", "0"]), {})
+    assert options.snapshot_interval_secs == 0 and "--snapshot-interval" in options.to_args()
+    with pytest.raises(ConfigError, match="--snapshot-interval"):
+        options_from_args(build_parser().parse_args([*base, "--snapshot-interval", "-1"]), {})
