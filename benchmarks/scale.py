@@ -425,9 +425,10 @@ def disk_point(root: str, files: int, drop_caches: bool) -> dict[str, Any]:
     options = DiskStoreOptions(root=Path(root), capacity_bytes=1 << 50, store_id="scale-disk")
     hit_key = chunk_key(files - 1)
 
-    def start(traced: bool) -> tuple[float, float, int, int, Any]:
-        """One restart: (seconds to open, seconds to its first served hit, RSS growth, traced bytes it left
-        allocated (0 untraced), the scan report). The stop writes the snapshot the next start reads."""
+    def start(traced: bool) -> tuple[float, float, float, int, int, Any]:
+        """One restart: (seconds to open, seconds to its first served hit, seconds to stop (which writes the
+        snapshot the next start reads), RSS growth, traced bytes it left allocated (0 untraced), the scan
+        report)."""
         store = DiskStore(options)
         if dropped:
             drop_page_cache()
@@ -439,36 +440,38 @@ def disk_point(root: str, files: int, drop_caches: bool) -> dict[str, Any]:
         report = store.open()
         open_s = time.perf_counter() - t0
 
-        async def first_hit_then_close() -> float:
+        async def first_hit_then_close() -> tuple[float, float]:
             try:
                 reply = await store.reader.get(protocol.GetRequest(key=hit_key), "scale")
                 hit_s = time.perf_counter() - t0
                 if not reply.found:
                     raise RuntimeError(f"the first get after the restart missed: {reply.error}")
-                return hit_s
             finally:
+                t1 = time.perf_counter()
                 await store.close()
+            return hit_s, time.perf_counter() - t1
 
         gc.collect()
         kept = tracemalloc.get_traced_memory()[0] if traced else 0
         tracemalloc.stop()
         rss = rss_bytes(os.getpid()) - rss_before
-        hit_s = asyncio.run(first_hit_then_close())  # (after the memory figures: close writes the snapshot)
+        hit_s, stop_s = asyncio.run(first_hit_then_close())  # (after the memory figures)
         if len(store.index) != files or report.removed_corrupt or report.removed_tmp:
             raise RuntimeError(f"the store indexed {len(store.index)} of {files} files "
                                f"({report.removed_corrupt} deleted as bad)")
-        return open_s, hit_s, rss, kept, report
+        return open_s, hit_s, stop_s, rss, kept, report
 
     (Path(root) / snapshot.SNAPSHOT_NAME).unlink(missing_ok=True)
-    scan_open_s, scan_hit_s, _, _, report = start(traced=False)  # reads every header; its stop writes a snapshot
+    scan_open_s, scan_hit_s, _, _, _, report = start(traced=False)  # every header read; its stop writes a snapshot
     if report.snapshot != "none":
         raise RuntimeError(f"the scan start found a snapshot: {report.snapshot}")
-    open_s, hit_s, rss, _, report = start(traced=False)  # from the snapshot: timed without tracemalloc
+    open_s, hit_s, stop_s, rss, _, report = start(traced=False)  # from the snapshot: timed without tracemalloc
     if report.snapshot != "used" or report.trusted != files:
         raise RuntimeError(f"the snapshot start took {report.trusted} of {files} files from it ({report.snapshot})")
-    _, _, _, kept, _ = start(traced=True)  # its memory in a third start, traced
+    _, _, _, _, kept, _ = start(traced=True)  # its memory in a third start, traced
     return {"files": files, "open_s": round(open_s, 4), "open_us_per_file": round(open_s / files * 1e6, 2),
-            "restart_hit_s": round(hit_s, 4), "scan_open_s": round(scan_open_s, 4),
+            "restart_hit_s": round(hit_s, 4), "stop_with_snapshot_s": round(stop_s, 4),
+            "scan_open_s": round(scan_open_s, 4),
             "scan_restart_hit_s": round(scan_hit_s, 4),
             "scan_open_us_per_file": round(scan_open_s / files * 1e6, 2),
             "scandir_s": round(scandir_s, 4), "scandir_us_per_file": round(scandir_s / files * 1e6, 3),
