@@ -58,7 +58,7 @@ def write_snapshot(root: Path, held: list[tuple[ChunkKey, Entry]]) -> int:
     records = []
     for key, entry in held:
         try:
-            st = os.stat(chunk_file.chunk_path(root, key))
+            st = os.stat(os.path.join(root, chunk_file.chunk_name(key)))
         except OSError:
             continue
         if st.st_size == entry.file_bytes:

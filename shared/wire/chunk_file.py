@@ -64,10 +64,16 @@ def check_meta(meta: protocol.ChunkMeta) -> None:
 
 
 def chunk_path(root: Path, key: ChunkKey) -> Path:
+    return root / chunk_name(key)
+
+
+def chunk_name(key: ChunkKey) -> str:
+    """A chunk file's path under its directory: `<2 hex>/<32 hex>.kvc` (a string: cheaper than a Path where
+    a million are made)."""
     if len(key) != KEY_BYTES:
         raise ValueError(f"chunk key must be {KEY_BYTES} bytes, got {len(key)}")
     name = key.hex()
-    return root / name[:2] / f"{name}{SUFFIX}"
+    return f"{name[:2]}/{name}{SUFFIX}"
 
 
 def key_of_path(path: Path) -> ChunkKey | None:
