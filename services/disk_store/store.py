@@ -28,6 +28,7 @@ that a message names.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import time
@@ -97,10 +98,18 @@ class DiskStore:
         """Lock the directory, rebuild the index (from its snapshot as far as it checks out, else from the files'
         headers: snapshot.py), restore pins and claims, trim to the cap. Blocking."""
         self._lock_fd = files.lock_directory(self.root)
-        report, found = snapshot.scan(self.root)  # the index snapshot where it checks out, else the headers
-        for _, key, entry in found:  # least recently used first
-            self.index.load(key, entry)
-        del found
+        # The scan and the load make a few container objects per file and no cycles: the collector's passes over
+        # them were a third of a start at 10^5 files (benchmarks/scale.py), so it waits until they are done.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            report, found = snapshot.scan(self.root)  # the index snapshot where it checks out, else the headers
+            for _, key, entry in found:  # least recently used first
+                self.index.load(key, entry)
+            del found
+        finally:
+            if collecting:
+                gc.enable()
         restored = self.state.restore(several_domains=self.domains.names_other_domains())
         for key, _ in restored.strays:  # put just before a crash: its sharing domain is unknown
             chunk_file.unlink_chunk(self.root, key)
