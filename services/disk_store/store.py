@@ -88,6 +88,7 @@ class DiskStore:
         self._deleting: dict[ChunkKey, asyncio.Future[Any]] = {}  # key -> its file deletion in flight
         self._background: set[asyncio.Future[Any]] = set()
         self._snapshots: asyncio.Future[None] | None = None  # the periodic index snapshot
+        self._snapshot_write: asyncio.Future[int] | None = None  # the latest write of one
         self.state = StoreState(self.root, self.index)
         self.domains = DomainMap(None)  # callers' sharing domains (the service sets the store's map)
         self.reader = ChunkReader(options.store_id, self.root, self.index, self.pools, self.counters,
@@ -379,9 +380,14 @@ class DiskStore:
             await self.save_snapshot()
 
     async def save_snapshot(self) -> None:
-        """Write the index snapshot of the chunks held now; a failure is logged (start-up then scans more)."""
+        """Write the index snapshot of the chunks held now; a failure is logged (start-up then scans more).
+        One write at a time: a periodic one cancelled by close still runs in its thread until it is done."""
+        if self._snapshot_write is not None:
+            await asyncio.wait([self._snapshot_write])
+        write = self._snapshot_write = asyncio.ensure_future(
+            self._in_io(snapshot.write_snapshot, self.root, self.index.held_items()))
         try:
-            count = await self._in_io(snapshot.write_snapshot, self.root, self.index.held_items())
+            count = await asyncio.shield(write)
         except OSError as exc:
             log.warning("disk store: writing the index snapshot failed: %s", exc)
         else:
