@@ -20,13 +20,16 @@ figures start from a clean interpreter):
                 HTTP, whose cost does not depend on the index: benchmarks/controller.py measures it) for 8192-
                 token prompts (32 chunks) the instances hold. Ceilings: a plain dict lookup of the same 32 keys,
                 and one blake2b-128 over the prompt's token bytes (the hashing a lookup cannot avoid).
-  disk_store    `DiskStore.open()` (directory lock, `chunk_file.scan_directory` over the chunk files' headers,
-                the index rebuilt, pins and claims restored) from 10^3 to --disk-max-files valid chunk files
-                (`chunk_file.encode_header`, --disk-chunk-bytes of data each, keys spread over the 256 fan-out
-                directories): wall time, and memory per file (what a second, traced start leaves allocated,
-                tracemalloc; RSS growth of the timed start beside it). Ceiling: `os.scandir` over the same files. The
-                page cache stays warm (the files were just written) unless --drop-caches (root) drops it before
-                each side.
+  disk_store    a restart of the store (`DiskStore.open()`: directory lock, the index rebuilt, pins and claims
+                restored; then one get, inline, of a held chunk: the restart to its first served hit) from 10^3 to
+                --disk-max-files valid chunk files (`chunk_file.encode_header`, --disk-chunk-bytes of data each,
+                keys spread over the 256 fan-out directories), twice: with no index snapshot (every file's header
+                read: `chunk_file.scan_directory`) and from the snapshot the previous stop wrote
+                (services/disk_store/snapshot.py: a stat per file). Wall time of both, open and to the first
+                hit, and memory per file (what a third, traced start leaves allocated, tracemalloc; RSS growth
+                of the timed snapshot start beside it). Ceiling: `os.scandir` over the same files, and each
+                restart's ratio to it. The page cache stays warm (the files were just written) unless
+                --drop-caches (root) drops it before each side.
   engine_cpu    `LocalCPUBackend` on a `MemoryPool` of N slots of --cpu-slot-bytes, N from 10^3 to what
                 --cpu-pool-gb holds: per chunk, `put` (admission), `allocate` and the copy of the chunk's bytes
                 into its slot, `prefix` (lookup, in prompts of 32 keys), each the best of several passes, and
@@ -369,6 +372,11 @@ def measure_controller(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ---- 2. disk store ----------------------------------------------------------------------------------------------
+def chunk_key(i: int) -> bytes:
+    """The key of chunk file i (spread over the fan-out directories)."""
+    return hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest()
+
+
 def make_chunk_files(root: Path, start: int, stop: int, nbytes: int) -> None:
     """Valid chunk files start..stop-1 (as the store writes them: chunk_file's header, then the data)."""
     from kvmesh.shared import protocol
@@ -379,7 +387,7 @@ def make_chunk_files(root: Path, start: int, stop: int, nbytes: int) -> None:
     for fan in range(256):
         (root / f"{fan:02x}").mkdir(parents=True, exist_ok=True)
     for i in range(start, stop):
-        key = hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest()  # spread over the fan-out dirs
+        key = chunk_key(i)
         meta = protocol.ChunkMeta(key=key, num_tokens=256, shape=[nbytes], dtype="uint8", fmt="scale",
                                   nbytes=nbytes, checksum=digest)
         with open(chunk_file.chunk_path(root, key), "wb") as f:
@@ -399,10 +407,13 @@ def scandir_count(root: str) -> int:
 
 
 def disk_point(root: str, files: int, drop_caches: bool) -> dict[str, Any]:
-    """The store's start-up over `files` chunk files: time and memory, next to os.scandir's time."""
+    """The store's restart over `files` chunk files, to its first served hit: without an index snapshot (every
+    file's header read) and with the one the previous stop wrote; time and memory, next to os.scandir's time."""
     quiet_logs()
+    from kvmesh.services.disk_store import snapshot
     from kvmesh.services.disk_store.options import DiskStoreOptions
     from kvmesh.services.disk_store.store import DiskStore
+    from kvmesh.shared import protocol
 
     scandir_count(root)  # both sides see the same (warm) directory entries
     dropped = drop_caches and drop_page_cache()
@@ -412,9 +423,12 @@ def disk_point(root: str, files: int, drop_caches: bool) -> dict[str, Any]:
     if listed != files:
         raise RuntimeError(f"{listed} chunk files listed, expected {files}")
     options = DiskStoreOptions(root=Path(root), capacity_bytes=1 << 50, store_id="scale-disk")
+    hit_key = chunk_key(files - 1)
 
-    def start(traced: bool) -> tuple[float, int, int]:
-        """One start of the store: (seconds, RSS growth, traced bytes it left allocated; 0 untraced)."""
+    def start(traced: bool) -> tuple[float, float, float, int, int, Any]:
+        """One restart: (seconds to open, seconds to its first served hit, seconds to stop (which writes the
+        snapshot the next start reads), RSS growth, traced bytes it left allocated (0 untraced), the scan
+        report)."""
         store = DiskStore(options)
         if dropped:
             drop_page_cache()
@@ -424,23 +438,44 @@ def disk_point(root: str, files: int, drop_caches: bool) -> dict[str, Any]:
             tracemalloc.start()
         t0 = time.perf_counter()
         report = store.open()
-        seconds = time.perf_counter() - t0
+        open_s = time.perf_counter() - t0
+
+        async def first_hit_then_close() -> tuple[float, float]:
+            try:
+                reply = await store.reader.get(protocol.GetRequest(key=hit_key), "scale")
+                hit_s = time.perf_counter() - t0
+                if not reply.found:
+                    raise RuntimeError(f"the first get after the restart missed: {reply.error}")
+            finally:
+                t1 = time.perf_counter()
+                await store.close()
+            return hit_s, time.perf_counter() - t1
+
         gc.collect()
         kept = tracemalloc.get_traced_memory()[0] if traced else 0
         tracemalloc.stop()
         rss = rss_bytes(os.getpid()) - rss_before
-        try:
-            if len(store.index) != files or report.removed_corrupt or report.removed_tmp:
-                raise RuntimeError(f"the store indexed {len(store.index)} of {files} files "
-                                   f"({report.removed_corrupt} deleted as bad)")
-        finally:
-            asyncio.run(store.close())
-        return seconds, rss, kept
+        hit_s, stop_s = asyncio.run(first_hit_then_close())  # (after the memory figures)
+        if len(store.index) != files or report.removed_corrupt or report.removed_tmp:
+            raise RuntimeError(f"the store indexed {len(store.index)} of {files} files "
+                               f"({report.removed_corrupt} deleted as bad)")
+        return open_s, hit_s, stop_s, rss, kept, report
 
-    open_s, rss, _ = start(traced=False)  # timed without tracemalloc; its memory in a second, traced start
-    _, _, kept = start(traced=True)
+    (Path(root) / snapshot.SNAPSHOT_NAME).unlink(missing_ok=True)
+    scan_open_s, scan_hit_s, _, _, _, report = start(traced=False)  # every header read; its stop writes a snapshot
+    if report.snapshot != "none":
+        raise RuntimeError(f"the scan start found a snapshot: {report.snapshot}")
+    open_s, hit_s, stop_s, rss, _, report = start(traced=False)  # from the snapshot: timed without tracemalloc
+    if report.snapshot != "used" or report.trusted != files:
+        raise RuntimeError(f"the snapshot start took {report.trusted} of {files} files from it ({report.snapshot})")
+    _, _, _, _, kept, _ = start(traced=True)  # its memory in a third start, traced
     return {"files": files, "open_s": round(open_s, 4), "open_us_per_file": round(open_s / files * 1e6, 2),
+            "restart_hit_s": round(hit_s, 4), "stop_with_snapshot_s": round(stop_s, 4),
+            "scan_open_s": round(scan_open_s, 4),
+            "scan_restart_hit_s": round(scan_hit_s, 4),
+            "scan_open_us_per_file": round(scan_open_s / files * 1e6, 2),
             "scandir_s": round(scandir_s, 4), "scandir_us_per_file": round(scandir_s / files * 1e6, 3),
+            "restart_vs_scandir": round(hit_s / scandir_s, 2), "scan_restart_vs_scandir": round(scan_hit_s / scandir_s, 2),
             "bytes_per_file": round(kept / files, 1), "rss_bytes_per_file": round(rss / files, 1),
             "page_cache_dropped": dropped}
 
@@ -460,13 +495,24 @@ def measure_disk_store(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(base, ignore_errors=True)
     xs = [p["files"] for p in points]
     curves = {
-        "startup_time": curve("store open (index rebuild)", xs, [p["open_s"] for p in points], "s", False),
+        "restart_to_hit": curve("restart to the first hit, index snapshot", xs, [p["restart_hit_s"] for p in points],
+                                "s", False),
+        "restart_to_hit_scan": curve("restart to the first hit, every header read", xs,
+                                     [p["scan_restart_hit_s"] for p in points], "s", False),
+        "startup_time": curve("store open, index snapshot", xs, [p["open_s"] for p in points], "s", False),
+        "startup_time_scan": curve("store open, every header read", xs, [p["scan_open_s"] for p in points], "s",
+                                   False),
         "startup_ceiling": curve("os.scandir of the files", xs, [p["scandir_s"] for p in points], "s", False,
                                  ceiling=True),
         "startup_memory_per_file": curve("store memory per file", xs, [p["bytes_per_file"] for p in points], "B", True),
     }
-    panels = [Panel("start-up time", "chunk files", "seconds", [curves["startup_time"], curves["startup_ceiling"]]),
+    panels = [Panel("restart to the first hit", "chunk files", "seconds",
+                    [curves["restart_to_hit"], curves["restart_to_hit_scan"], curves["startup_ceiling"]]),
               Panel("start-up memory", "chunk files", "bytes / file", [curves["startup_memory_per_file"]])]
+    for p in points:  # the figure next to the machine's own ceiling, measured in the same run
+        print(f"disk_store: {p['files']} files: restart to the first hit {p['restart_hit_s']} s with the index "
+              f"snapshot ({p['restart_vs_scandir']}x os.scandir's {p['scandir_s']} s), {p['scan_restart_hit_s']} s "
+              f"reading every header ({p['scan_restart_vs_scandir']}x)", file=sys.stderr, flush=True)
     return {"points": points, "curves": curves, "_panels": panels, "files_created_s": round(create_s, 1),
             "chunk_data_bytes": args.disk_chunk_bytes, "directory": str(args.dir or tempfile.gettempdir()),
             "note": f"{args.disk_chunk_bytes}-byte chunks (one 4 KiB header page each)"}

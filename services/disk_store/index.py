@@ -16,7 +16,7 @@ from kvmesh.shared.wire.keys import KEY_BYTES
 __all__ = ["Entry", "SpaceRefused", "check_key"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per chunk: no __dict__
 class Entry:
     """A chunk file: its data size, its size on disk (header page + data), and its token count."""
 

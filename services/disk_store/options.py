@@ -67,6 +67,10 @@ class DiskStoreOptions:
     durable_puts: bool = option(
         "--durable-puts", "answer a put only once its chunk file is written, fsync'd and renamed into place "
         "(directory fsync'd); default: once the bytes are staged in memory", False)
+    # the index snapshot (snapshot.py) a restart reads instead of every file's header; also written at close
+    snapshot_interval_secs: float = option(
+        "--snapshot-interval", "seconds between two index snapshots, which let a restart skip reading every chunk "
+        f"file's header; 0 = only at a clean stop (default {DEFAULT})", 300.0)
     bounds: StoreBounds = group(StoreBounds)  # what NATS clients can push on (shared/store_kit/store_bounds.py)
     # the sharing domains map (None: beside the store's credentials, if any)
     domains_file: Path | None = domains_file_option()
@@ -95,6 +99,8 @@ def options_from_args(args: argparse.Namespace, environ: dict[str, str] | None =
     if args.max_pools < 1 or args.pool_hello_max_bytes < 64 or not args.pool_hello_timeout > 0:
         raise ConfigError("disk store: --max-pools must be >= 1, --pool-hello-max-bytes >= 64, "
                           "--pool-hello-timeout > 0")
+    if not args.snapshot_interval >= 0:
+        raise ConfigError(f"--snapshot-interval: must be >= 0, got {args.snapshot_interval}")
     if args.durable_puts and args.no_fsync:
         raise ConfigError("disk store: --durable-puts needs fsync: drop --no-fsync")
     values["bounds"].check()

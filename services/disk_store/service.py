@@ -81,6 +81,7 @@ class DiskStoreService:
         store.domains = self.ops.domains = domains_map(
             options.domains_file, options.nats_url, protocol.Principal.store(options.store_id).path)
         await asyncio.get_running_loop().run_in_executor(None, store.open)
+        store.start_snapshots()
         store.reader.max_inline_bytes = max(0, nc.max_payload - protocol.INLINE_HEADROOM)
         reporter = AdmissionReporter(options.store_id, protocol.store_path(options.store_id), protocol.LOCAL_DISK,
                                      held_keys=store.index.keys,

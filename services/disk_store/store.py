@@ -28,7 +28,7 @@ that a message names.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import gc
 import logging
 import os
 import time
@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 from kvmesh.shared import protocol
 
-from kvmesh.services.disk_store import files
+from kvmesh.services.disk_store import files, snapshot
 from kvmesh.services.disk_store.index import Entry, check_key
 from kvmesh.services.disk_store.options import DiskStoreOptions
 from kvmesh.services.disk_store.pools import PoolRegistry
@@ -87,6 +87,8 @@ class DiskStore:
         self._writes: dict[ChunkKey, asyncio.Future[None]] = {}  # pending key -> resolves when it lands
         self._deleting: dict[ChunkKey, asyncio.Future[Any]] = {}  # key -> its file deletion in flight
         self._background: set[asyncio.Future[Any]] = set()
+        self._snapshots: asyncio.Future[None] | None = None  # the periodic index snapshot
+        self._snapshot_write: asyncio.Future[int] | None = None  # the latest write of one
         self.state = StoreState(self.root, self.index)
         self.domains = DomainMap(None)  # callers' sharing domains (the service sets the store's map)
         self.reader = ChunkReader(options.store_id, self.root, self.index, self.pools, self.counters,
@@ -94,31 +96,40 @@ class DiskStore:
 
     # ---- life cycle ------------------------------------------------------------------------------------
     def open(self) -> chunk_file.ScanReport:
-        """Lock the directory, rebuild the index from the files' headers, restore pins and claims. Blocking."""
+        """Lock the directory, rebuild the index (from its snapshot as far as it checks out, else from the files'
+        headers: snapshot.py), restore pins and claims, trim to the cap. Blocking."""
         self._lock_fd = files.lock_directory(self.root)
-        report = chunk_file.scan_directory(self.root)
-        for found in report.chunks:  # least recently used first
-            meta = found.meta
-            self.index.load(meta.key, Entry(meta.nbytes, file_bytes=found.file_bytes, num_tokens=meta.num_tokens))
+        # The scan and the load make a few container objects per file and no cycles: the collector's passes over
+        # them were a third of a start at 10^5 files (benchmarks/scale.py), so it waits until they are done.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            report, found = snapshot.scan(self.root)  # the index snapshot where it checks out, else the headers
+            for _, key, entry in found:  # least recently used first
+                self.index.load(key, entry)
+            del found
+        finally:
+            if collecting:
+                gc.enable()
         restored = self.state.restore(several_domains=self.domains.names_other_domains())
         for key, _ in restored.strays:  # put just before a crash: its sharing domain is unknown
             chunk_file.unlink_chunk(self.root, key)
         for key, _ in self.index.trim_to_capacity():  # the cap shrank since the last run (never drops a pin;
             chunk_file.unlink_chunk(self.root, key)  # claims of trimmed chunks are skipped at the next start)
             self.counters["evicted"] += 1
-        self.scan_report = dataclasses.replace(report, chunks=[])  # the list, ~0.9 KB a chunk, is in the index now
+        self.scan_report = report
         self._writer = ChunkWriter(self.root, self.options.writer_threads, self.options.fsync, self.faults,
                                    sync_directory=self.options.durable_puts)
         self._io = ThreadPoolExecutor(max_workers=self.options.reader_threads, thread_name_prefix="disk-io")
         self.state.executor = self.reader.io = self._io
         # durable puts are answered after their file, so the bytes stay in the engine's memory until then
         self._staging = StagingPool(0 if self.options.durable_puts else self.options.staging_bytes)
-        log.info("disk store %s: %s holds %d chunks, %d bytes of %d, %s eviction (scan %.3fs; deleted %d tmp, "
-                 "%d bad files; %d pins and claims of %d chunks restored; %d chunks put just before a crash "
-                 "dropped)", self.options.store_id, self.root,
+        log.info("disk store %s: %s holds %d chunks, %d bytes of %d, %s eviction (scan %.3fs, index snapshot %s, "
+                 "%d files taken from it; deleted %d tmp, %d bad files; %d pins and claims of %d chunks restored; "
+                 "%d chunks put just before a crash dropped)", self.options.store_id, self.root,
                  len(self.index), self.index.used_bytes, self.options.capacity_bytes, self.index.policy_name,
-                 report.seconds, report.removed_tmp, report.removed_corrupt, restored.pinned, restored.claimed,
-                 len(restored.strays))
+                 report.seconds, report.snapshot, report.trusted, report.removed_tmp, report.removed_corrupt,
+                 restored.pinned, restored.claimed, len(restored.strays))
         return report
 
     async def close(self, drain_timeout: float = 30.0) -> None:
@@ -126,9 +137,14 @@ class DiskStore:
         directory."""
         if not await self.flush(drain_timeout):
             log.warning("disk store: %d writes still pending at close", len(self._writes))
+        if self._snapshots is not None:
+            self._snapshots.cancel()
+            await asyncio.wait([self._snapshots])
         if self._background:
             await asyncio.wait(list(self._background), timeout=drain_timeout)
         await self.state.close()
+        if self._io is not None:  # opened: the next start reads this instead of every file's header
+            await self.save_snapshot()
         if self._writer is not None:
             self._writer.shutdown()
         if self._io is not None:
@@ -351,6 +367,31 @@ class DiskStore:
         future.add_done_callback(forget)
         self._background.add(future)
         future.add_done_callback(self._background.discard)
+
+    # ---- the index snapshot (snapshot.py) ---------------------------------------------------------------
+    def start_snapshots(self) -> None:
+        """Write the index snapshot every `snapshot_interval_secs` (0: only at close), on the running loop."""
+        if self.options.snapshot_interval_secs > 0:
+            self._snapshots = asyncio.ensure_future(self._snapshot_loop(self.options.snapshot_interval_secs))
+
+    async def _snapshot_loop(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            await self.save_snapshot()
+
+    async def save_snapshot(self) -> None:
+        """Write the index snapshot of the chunks held now; a failure is logged (start-up then scans more).
+        One write at a time: a periodic one cancelled by close still runs in its thread until it is done."""
+        if self._snapshot_write is not None:
+            await asyncio.wait([self._snapshot_write])
+        write = self._snapshot_write = asyncio.ensure_future(
+            self._in_io(snapshot.write_snapshot, self.root, self.index.held_items()))
+        try:
+            count = await asyncio.shield(write)
+        except OSError as exc:
+            log.warning("disk store: writing the index snapshot failed: %s", exc)
+        else:
+            log.debug("disk store: index snapshot of %d chunks written", count)
 
     def save_soon(self) -> None:
         """Rewrite the pins and claims files in the background if they changed (bursts coalesce; the claims

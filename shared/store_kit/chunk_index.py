@@ -183,6 +183,10 @@ class ChunkIndex(Generic[E]):
     def keys(self) -> list[ChunkKey]:
         return list(self._held)
 
+    def held_items(self) -> list[tuple[ChunkKey, E]]:
+        """The held keys with their entries (a copy)."""
+        return list(self._held.items())
+
     def contains_prefix(self, keys: Iterable[ChunkKey], domain: str = DEFAULT_DOMAIN) -> int:
         """How many leading keys are held in `domain`."""
         count = 0

@@ -52,11 +52,16 @@ CLAIMS_SAVE_INTERVAL = 1.0  # seconds between two rewrites of a claims file (eve
 
 
 def write_atomically(path: Path, value: Any) -> None:
-    """Replace `path` with `value` as msgpack, crash-safely and durably: readers see the old file or the new one,
-    and once this returns the new one survives a crash (the rename is fsync'd with the directory)."""
+    """Replace `path` with `value` as msgpack, crash-safely and durably (`write_bytes_atomically`)."""
+    write_bytes_atomically(path, msgpack.packb(value, use_bin_type=True))
+
+
+def write_bytes_atomically(path: Path, data: bytes) -> None:
+    """Replace `path` with `data`, crash-safely and durably: readers see the old file or the new one, and once
+    this returns the new one survives a crash (the rename is fsync'd with the directory)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        f.write(msgpack.packb(value, use_bin_type=True))
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -64,10 +64,16 @@ def check_meta(meta: protocol.ChunkMeta) -> None:
 
 
 def chunk_path(root: Path, key: ChunkKey) -> Path:
+    return root / chunk_name(key)
+
+
+def chunk_name(key: ChunkKey) -> str:
+    """A chunk file's path under its directory: `<2 hex>/<32 hex>.kvc` (a string: cheaper than a Path where
+    a million are made)."""
     if len(key) != KEY_BYTES:
         raise ValueError(f"chunk key must be {KEY_BYTES} bytes, got {len(key)}")
     name = key.hex()
-    return root / name[:2] / f"{name}{SUFFIX}"
+    return f"{name[:2]}/{name}{SUFFIX}"
 
 
 def key_of_path(path: Path) -> ChunkKey | None:
@@ -203,6 +209,8 @@ class ScanReport:
     removed_tmp: int = 0
     removed_corrupt: int = 0
     seconds: float = 0.0
+    trusted: int = 0  # files a store took from its index snapshot without reading them (disk store)
+    snapshot: str = ""  # what became of that snapshot: "used", or why not
 
 
 def scan_directory(root: Path, threads: int = 8) -> ScanReport:
@@ -216,27 +224,40 @@ def scan_directory(root: Path, threads: int = 8) -> ScanReport:
     """
     start = time.perf_counter()
     report = ScanReport(chunks=[])
-    candidates: list[Path] = []
+    inspect_files(root, [Path(entry.path) for entry in list_chunk_files(root, report)], report, threads)
+    report.chunks.sort(key=lambda c: c.mtime)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def list_chunk_files(root: Path, report: ScanReport) -> list[os.DirEntry[str]]:
+    """The `.kvc` files in `root`'s fan-out directories (os.scandir's entries: their stat is cheap); `*.tmp`
+    files are deleted (counted in `report`)."""
+    candidates: list[os.DirEntry[str]] = []
     for fan in sorted(root.iterdir()) if root.is_dir() else []:
         if not (fan.is_dir() and len(fan.name) == 2):
             continue
-        for path in fan.iterdir():
-            if path.name.endswith(TMP_SUFFIX):
-                path.unlink(missing_ok=True)
-                report.removed_tmp += 1
-            elif path.name.endswith(SUFFIX):
-                candidates.append(path)
+        with os.scandir(fan) as entries:
+            for entry in entries:
+                if entry.name.endswith(TMP_SUFFIX):
+                    Path(entry.path).unlink(missing_ok=True)
+                    report.removed_tmp += 1
+                elif entry.name.endswith(SUFFIX):
+                    candidates.append(entry)
+    return candidates
+
+
+def inspect_files(root: Path, paths: list[Path], report: ScanReport, threads: int = 8) -> None:
+    """Check each file's name, header and length (`scan_directory`'s checks): the good ones join
+    `report.chunks` (unsorted), the bad ones are deleted."""
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="chunk-scan") as pool:
-        results = list(pool.map(lambda p: _inspect(root, p), candidates))
-    for path, found in zip(candidates, results):
+        results = list(pool.map(lambda p: _inspect(root, p), paths))
+    for path, found in zip(paths, results):
         if found is None:
             path.unlink(missing_ok=True)
             report.removed_corrupt += 1
         else:
             report.chunks.append(found)
-    report.chunks.sort(key=lambda c: c.mtime)
-    report.seconds = time.perf_counter() - start
-    return report
 
 
 def _inspect(root: Path, path: Path) -> FoundChunk | None:
