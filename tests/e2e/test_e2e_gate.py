@@ -274,15 +274,18 @@ def tiny(tmp_path_factory: pytest.TempPathFactory, mesh: MeshUp, demo_model: Pat
          eagle_draft: Path) -> Iterator[dict[str, Any]]:
     work = tmp_path_factory.mktemp("gate-tiny")
 
-    def pd_server(name: str, role: str, *args: str) -> VLLMServer:
+    def pd_server(name: str, role: str, *args: str, **extra: Any) -> VLLMServer:
         config = _write_yaml(work / f"{name}.yaml", lmcache_instance_id=name,
-                             controller_url=f"localhost:{mesh.nats_port}", enable_pd=True)
+                             controller_url=f"localhost:{mesh.nats_port}", enable_pd=True, **extra)
         return VLLMServer(f"vllm-{name}", demo_model, free_port(), work / f"{name}.log", env=_env(config),
                           kv_config=kv_transfer_config(role), prefix_caching=True, extra_args=list(args))
 
     eagle = json.dumps({"method": "eagle", "model": str(eagle_draft), "num_speculative_tokens": 1})
     servers = {"a": pd_server("p2p-a", "kv_both", *lora_args(lora_adapters)),
-               "b": pd_server("p2p-b", "kv_consumer"),
+               # the consumer's reads from p2p-a must land for the gates to prove its loads: with four vLLMs on two
+               # loaded cores, p2p-a's stream can stall past the default 2 s request_timeout_secs, after which
+               # p2p-b (rightly) recomputes and rests the peer
+               "b": pd_server("p2p-b", "kv_consumer", request_timeout_secs=8.0),
                "eagle": VLLMServer("vllm-eagle", demo_model, free_port(), work / "eagle.log",
                                    env=_env(_write_yaml(work / "eagle.yaml")), kv_config=kv_transfer_config(),
                                    prefix_caching=True, extra_args=["--speculative-config", eagle]),
