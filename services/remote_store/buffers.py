@@ -193,6 +193,11 @@ class BufferPool:
             self.arena = await asyncio.to_thread(Arena, prefault, prefault) if prefault else None
         self.prefaulted_bytes = prefault
 
+    @property
+    def faulting(self) -> bool:
+        """Whether the worker is faulting the arena ahead now."""
+        return self._faulting is not None
+
     def fault_ahead(self, budget: int) -> None:
         """Keep `fault_ahead_bytes` of the arena faulted past the last carved byte, as far as `budget` (the store's
         free room) allows beside the spares: a worker thread faults them while the loop serves."""
