@@ -200,12 +200,15 @@ class BufferPool:
 
     def fault_ahead(self, budget: int) -> None:
         """Keep `fault_ahead_bytes` of the arena faulted past the last carved byte, as far as `budget` (the store's
-        free room) allows beside the spares: a worker thread faults them while the loop serves."""
+        free room) allows beside the spares: a worker thread faults them while the loop serves.
+
+        This only raises the arena's `ceiling`: a step in flight was sized by the old one. `trim`, which follows
+        every shrink of the free room, lowers it (and hands back what is past it) under the arena's lock."""
         arena = self.arena
         if arena is None or self.fault_ahead_bytes <= 0:
             return
         allowed = min(self.fault_ahead_bytes, budget - self.spare_bytes)
-        arena.ceiling = max(arena.faulted, min(arena.size, arena.next + allowed))
+        arena.ceiling = max(arena.ceiling, min(arena.size, arena.next + allowed))
         if self._faulting is None and arena.faulted < arena.ceiling:
             self._faulting = asyncio.get_running_loop().create_task(self._fault(arena))
 
