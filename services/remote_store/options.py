@@ -76,6 +76,11 @@ class RemoteStoreOptions:
     prefault_bytes: int = option(
         "--prefault-gb", "GB of memory faulted in at start (at most --max-size-gb), so puts into an empty store "
         "need no page faults (default 0: memory is faulted as chunks arrive)", 0, scale=GB)
+    # faulted, uncarved arena memory kept ahead of the puts by a worker thread (buffers.BufferPool.fault_ahead)
+    fault_ahead_bytes: int = option(
+        "--fault-ahead-gb", f"GB of memory kept faulted in ahead of the puts by a background thread, within "
+        f"--max-size-gb, so puts into an empty store need no page faults without sizing --prefault-gb "
+        f"(default {DEFAULT}; 0: off)", GB, scale=GB)
     bounds: StoreBounds = group(StoreBounds)  # what NATS clients can push on (shared/store_kit/store_bounds.py)
     # the sharing domains map (None: beside the store's credentials, if any)
     domains_file: Path | None = domains_file_option()
@@ -118,6 +123,8 @@ def options_from_args(args: argparse.Namespace) -> RemoteStoreOptions:
     if not 0 <= args.prefault_gb <= args.max_size_gb:
         raise ConfigError(f"--prefault-gb: must be between 0 and --max-size-gb ({args.max_size_gb:g}), "
                           f"got {args.prefault_gb:g}")
+    if not args.fault_ahead_gb >= 0:  # also NaN
+        raise ConfigError(f"--fault-ahead-gb: must be >= 0 (0: off), got {args.fault_ahead_gb:g}")
     if args.redis_timeout <= 0:
         raise ConfigError(f"--redis-timeout: must be > 0, got {args.redis_timeout}")
     if not prefix_ok(args.redis_key_prefix):

@@ -75,7 +75,8 @@ class RemoteStoreService:
         self.store = MemoryStore(options.capacity_bytes, options.partition, options.num_partitions,
                                  options.persist_dir, options.fsync, cache_policy=options.cache_policy,
                                  on_admit=self.reporter.admit, on_evict=self.reporter.evict,
-                                 prefault_bytes=options.prefault_bytes)
+                                 prefault_bytes=options.prefault_bytes,
+                                 fault_ahead_bytes=options.fault_ahead_bytes)
         listen, self.advertise_host = stream_addresses(options)
         self.stream = StoreStreamServer(self.store, listen, options.stream_port, options.transfer_timeout,
                                         max_connections=options.max_stream_connections,

@@ -94,12 +94,15 @@ class MemoryStore:
     def __init__(self, capacity_bytes: int, partition: int = 0, num_partitions: int = 1,
                  persist_dir: Path | None = None, fsync: bool = True, cache_policy: str = "LRU",
                  on_admit: Callable[[ChunkKey], None] | None = None,
-                 on_evict: Callable[[ChunkKey], None] | None = None, prefault_bytes: int = 0) -> None:
+                 on_evict: Callable[[ChunkKey], None] | None = None, prefault_bytes: int = 0,
+                 fault_ahead_bytes: int = 0) -> None:
         if not 0 <= partition < num_partitions:
             raise ValueError(f"partition {partition} is not in 0..{num_partitions - 1}")
         if not 0 <= prefault_bytes <= capacity_bytes:
             raise ValueError(f"prefault of {prefault_bytes} bytes: must be between 0 and the capacity "
                              f"({capacity_bytes})")
+        if fault_ahead_bytes < 0:
+            raise ValueError(f"fault-ahead margin of {fault_ahead_bytes} bytes: must be >= 0")
         self.capacity_bytes = capacity_bytes
         self.partition = partition
         self.num_partitions = num_partitions
@@ -109,7 +112,8 @@ class MemoryStore:
             self.index.on_admit = on_admit
         if on_evict is not None:
             self.index.on_evict = on_evict
-        self.pool = BufferPool(max_spare_bytes=min(capacity_bytes // 8, MAX_SPARE_BYTES))
+        self.pool = BufferPool(max_spare_bytes=min(capacity_bytes // 8, MAX_SPARE_BYTES),
+                               fault_ahead_bytes=fault_ahead_bytes)
         self.prefault_bytes = prefault_bytes
         self.persister = persistence.Persister(persist_dir, self.release, fsync) if persist_dir else None
         self.state = StoreState(persist_dir, self.index) if persist_dir is not None else None
@@ -119,7 +123,8 @@ class MemoryStore:
     async def open(self) -> int:
         """Fault in the prefault arena, load the persisted chunks, their pins and their claims (if any) and start
         persisting; the number of chunks loaded."""
-        await self.pool.prefault(self.prefault_bytes)  # counted as free room until carved (`_free_room`, trim)
+        # counted as free room until carved (`_free_room`, trim); faulted further ahead in the background
+        await self.pool.prefault(self.prefault_bytes, self.capacity_bytes)
         loaded = 0
         if self.persister is not None and self.state is not None:
             loaded = await self._load(self.persister.root)
@@ -127,6 +132,7 @@ class MemoryStore:
             self.free(restored.strays)  # put just before a crash: their sharing domain is unknown
             loaded = len(self.index)
             self.persister.start()
+        self.pool.fault_ahead(self._fault_room())  # the first puts find faulted memory, the store serving meanwhile
         return loaded
 
     async def close(self) -> None:
@@ -231,7 +237,8 @@ class MemoryStore:
                 if isinstance(exc, MemoryError):
                     raise PutRefused(f"chunk {meta.key.hex()}: out of memory for {meta.nbytes} bytes") from None
                 raise
-        self.pool.fill_ahead(meta.nbytes, self._free_room())  # the next chunk of a stream finds one ready
+        self.pool.fault_ahead(self._fault_room())  # the next puts find faulted memory (while the arena lasts)
+        self.pool.fill_ahead(meta.nbytes, self._free_room())  # else the next chunk of a stream finds a spare ready
         chunk.buffer = buffer
         return chunk
 
@@ -341,6 +348,12 @@ class MemoryStore:
     # ---- internals ---------------------------------------------------------------------------------------
     def _free_room(self) -> int:
         return self.capacity_bytes - self.index.used_bytes - self.index.reserved_bytes
+
+    def _fault_room(self) -> int:
+        """The free room less what the puts in flight have yet to reserve (as their bytes arrive): faulting that
+        ahead would only be handed back as they make room."""
+        arriving = sum(chunk.charge for _, chunk in self.index.in_flight_items())
+        return self._free_room() - max(0, arriving - self.index.reserved_bytes)
 
     def _drop(self, chunk: StoredChunk, had_file: bool = True) -> None:
         """`chunk` left the index (evicted, removed, discarded): delete its file, recycle its buffer when free.

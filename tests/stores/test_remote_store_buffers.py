@@ -1,13 +1,17 @@
 """The remote store's chunk buffers (services/remote_store/buffers.py): each new one its own zeroed, faulted-in
 mapping advised to use huge pages and unmapped when dropped; a recycled one never shows another chunk's bytes; a
 refused put gives its buffer back; the prefaulted arena (--prefault-gb) serves the first puts, stays within the
-capacity and hands pages back. Store in this test's event loop on a real nats-server where a client is involved.
+capacity and hands pages back; the background faulting (--fault-ahead-gb) stays within the capacity, never touches
+a carved buffer, and is off at 0. Store in this test's event loop on a real nats-server where a client is involved.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -138,6 +142,20 @@ async def test_a_put_refused_for_room_gives_its_buffer_back() -> None:
         await store.close()
 
 
+def resident_kib(start: int, end: int) -> int:
+    """Resident KiB of the mappings overlapping [start, end) (handed-back ranges split the arena's mapping, and
+    its ends may merge with neighbours)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            low, high = (int(part, 16) for part in head.split("-"))
+            inside = low < end and start < high
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
 # ---- the prefaulted arena (--prefault-gb) ----------------------------------------------------------------------
 def held_memory(store: MemoryStore) -> int:
     """Everything the store's memory holds: chunks, room reserved for arriving ones, spares, the uncarved arena."""
@@ -172,7 +190,7 @@ async def test_a_prefaulted_store_carves_its_first_puts_from_the_arena_within_it
 
 async def test_the_arena_hands_pages_back_when_the_pool_lets_a_buffer_go_or_the_free_room_shrinks() -> None:
     pool = BufferPool(max_spare_bytes=1 * MiB)
-    await pool.prefault(8 * MiB + 123)  # whole pages only
+    await pool.prefault(8 * MiB + 123, 8 * MiB + 123)  # whole pages only
     assert pool.arena_bytes == 8 * MiB
     kept, dropped = pool.take(1 * MiB), pool.take(1 * MiB)
     assert kept is not None and dropped is not None and pool.arena_bytes == 6 * MiB and pool.allocated == 0
@@ -182,12 +200,12 @@ async def test_the_arena_hands_pages_back_when_the_pool_lets_a_buffer_go_or_the_
     pool.give(dropped)  # the spares are full: its pages go back to the system
     assert pool.spare_bytes == 1 * MiB and (kept == 1).all()
     assert not dropped.any()  # (the test kept a view the pool thinks is gone) its pages were handed back: zeros
-    address = pool.arena.address
-    assert "nh" in mapping_of(address)[1]["VmFlags"].split()  # khugepaged never fills handed-back pages in again
-    rss_before = int(mapping_of(address)[1]["Rss"].split()[0])
+    assert "nh" in mapping_of(address_of(dropped))[1]["VmFlags"].split()  # khugepaged never fills them in again
+    span = (pool.arena.address, pool.arena.address + pool.arena.size)
+    rss_before = resident_kib(*span)
     pool.trim(3 * MiB)  # free room shrank to 3 MiB: the spare (1 MiB) and 3 of the 6 uncarved MiB go
     assert pool.spare_bytes == 0 and pool.arena_bytes == 3 * MiB
-    assert int(mapping_of(address)[1]["Rss"].split()[0]) <= rss_before - 4 * 1024  # KiB
+    assert resident_kib(*span) <= rss_before - 4 * 1024
     assert pool.take(4 * MiB) is None and pool.take(3 * MiB) is not None  # what is left can still be carved
     await pool.close()
 
@@ -223,3 +241,135 @@ async def test_persisted_chunks_load_into_the_arena_and_the_rest_stays_within_th
             second.release(held)
     finally:
         await second.close()
+
+
+# ---- the background faulting (--fault-ahead-gb) ----------------------------------------------------------------
+async def put_in_pairs(client: RemoteStoreClient, chunks: list) -> None:
+    """Put `chunks` two at a time (a stream each)."""
+    for first in range(0, len(chunks), 2):
+        pair = chunks[first:first + 2]
+        assert all(await asyncio.gather(*(client.put(meta, ChunkBuffer(memoryview(data))) for meta, data in pair)))
+
+
+class HeldWatch:
+    """The most memory `store` held at any turn of the event loop while it runs (the worker faulting, puts
+    arriving)."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self.store, self.worst, self.watching = store, 0, True
+        self.task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while self.watching:
+            self.worst = max(self.worst, held_memory(self.store))
+            await asyncio.sleep(0)  # a yield to the loop, not a wait on time
+
+    async def stop(self) -> int:
+        self.watching = False
+        await self.task
+        return self.worst
+
+
+async def test_the_background_faulting_keeps_within_the_capacity_and_puts_land_bit_exact(nats_url: str) -> None:
+    capacity = 16 * MiB
+    services, nc = await start_stores(nats_url, f"fa{os.urandom(3).hex()}", capacity=capacity,
+                                      fault_ahead_bytes=4 * capacity)  # a margin past the cap: the cap bounds it
+    client = RemoteStoreClient(nc, [services[0].options.store_id], ENGINE, request_timeout=WAIT_S)
+    store = services[0].store
+    watch = HeldWatch(store)
+    try:
+        assert await wait_until_async(lambda: store.pool.arena_bytes == capacity, what="the arena faulted to the cap")
+        assert store.pool.prefaulted_bytes == 0  # nobody sized a prefault
+        chunks = [chunk(1 * MiB - 100 * seed, seed) for seed in range(24)]  # one size class; the last 16 stay
+        await put_in_pairs(client, chunks)
+        assert store.pool.allocated == 0  # every put found faulted memory: 16 carved, then evicted ones recycled
+        assert store.pool.arena.next == capacity
+        for meta, data in chunks[8:]:
+            out = np.full(1 * MiB, 0xEE, dtype=np.uint8)
+            assert await client.get_into(meta.key, ChunkBuffer(memoryview(out))) is not None
+            assert np.array_equal(out[:meta.nbytes], data) and (out[meta.nbytes:] == 0xEE).all()
+    finally:
+        worst = await watch.stop()
+        await client.close()
+        await nc.close()
+        await services[0].stop()
+    assert worst <= capacity, f"held {worst} bytes, capacity {capacity}"
+
+
+async def test_the_background_faulting_stops_where_buffers_from_elsewhere_fill_the_capacity(nats_url: str) -> None:
+    capacity = 16 * MiB
+    services, nc = await start_stores(nats_url, f"fd{os.urandom(3).hex()}", capacity=capacity,
+                                      fault_ahead_bytes=3 * MiB)  # less than a chunk: each put faults its own
+    client = RemoteStoreClient(nc, [services[0].options.store_id], ENGINE, request_timeout=WAIT_S)
+    store = services[0].store
+    watch = HeldWatch(store)
+    try:
+        assert await wait_until_async(lambda: store.pool.arena_bytes == 3 * MiB, what="the margin faulted")
+        chunks = [chunk(4 * MiB, 200 + seed) for seed in range(6)]  # the store is full after 4
+        await put_in_pairs(client, chunks)
+        assert store.pool.arena.next == 0 and store.pool.allocated >= 4  # none carved: the arena never had 4 MiB
+        assert await wait_until_async(lambda: not store.pool.faulting, what="the worker idle")
+        assert store.index.used_bytes == capacity and store.pool.arena_bytes == 0  # its faulted pages handed back
+        assert held_memory(store) <= capacity
+    finally:
+        worst = await watch.stop()
+        await client.close()
+        await nc.close()
+        await services[0].stop()
+    assert worst <= capacity, f"held {worst} bytes, capacity {capacity}"
+
+
+async def test_puts_while_the_worker_faults_ahead_of_them_are_stored_bit_exact(nats_url: str) -> None:
+    capacity = 64 * MiB
+    services, nc = await start_stores(nats_url, f"fb{os.urandom(3).hex()}", capacity=capacity,
+                                      fault_ahead_bytes=3 * MiB)  # a small margin: faulted as the puts carve it
+    client = RemoteStoreClient(nc, [services[0].options.store_id], ENGINE, request_timeout=WAIT_S)
+    store = services[0].store
+    try:
+        assert await wait_until_async(lambda: store.pool.arena_bytes == 3 * MiB, what="the margin faulted")
+        chunks = [chunk(1 * MiB + 4096 * seed, 100 + seed) for seed in range(40)]  # sizes of several classes
+        await put_in_pairs(client, chunks)
+        assert store.pool.arena.next > 0  # puts were carved from memory the worker faulted
+        assert held_memory(store) <= capacity
+        for meta, data in chunks:
+            out = np.zeros(meta.nbytes, dtype=np.uint8)
+            assert await client.get_into(meta.key, ChunkBuffer(memoryview(out))) is not None
+            assert np.array_equal(out, data)  # no byte of a carved buffer was touched by the worker after it
+    finally:
+        await client.close()
+        await nc.close()
+        await services[0].stop()
+
+
+async def test_fault_ahead_zero_turns_the_background_faulting_off(nats_url: str) -> None:
+    services, nc = await start_stores(nats_url, f"fc{os.urandom(3).hex()}", capacity=8 * MiB, fault_ahead_bytes=0)
+    client = RemoteStoreClient(nc, [services[0].options.store_id], ENGINE, request_timeout=WAIT_S)
+    store = services[0].store
+    try:
+        meta, data = chunk(1 * MiB, 7)
+        assert await client.put(meta, ChunkBuffer(memoryview(data)))
+        assert store.pool.arena is None and store.pool.allocated >= 1  # faulted as the put arrived, as before
+        stats = (await client.stats())[0]
+        assert stats.details["arena_bytes"] == 0 and stats.details["prefaulted_bytes"] == 0
+    finally:
+        await client.close()
+        await nc.close()
+        await services[0].stop()
+
+
+def test_fault_ahead_is_a_flag_that_round_trips_and_refuses_a_bad_value() -> None:
+    options = RemoteStoreOptions(store_id="remote-0", capacity_bytes=2 * GB, fault_ahead_bytes=GB // 2)
+    assert options_from_args(build_parser().parse_args(options.to_args())).fault_ahead_bytes == GB // 2
+    assert options_from_args(build_parser().parse_args([])).fault_ahead_bytes == GB  # the default
+    assert options_from_args(build_parser().parse_args(["--fault-ahead-gb", "0"])).fault_ahead_bytes == 0
+    for value in ("-1", "nan"):
+        with pytest.raises(ConfigError, match="--fault-ahead-gb"):
+            options_from_args(build_parser().parse_args(["--fault-ahead-gb", value]))
+    with pytest.raises(ValueError, match="fault-ahead"):
+        MemoryStore(capacity_bytes=MiB, fault_ahead_bytes=-1)
+
+
+def test_a_store_process_given_a_bad_fault_ahead_exits_naming_the_option() -> None:
+    result = subprocess.run([sys.executable, "-m", "kvmesh.services.remote_store", "--fault-ahead-gb", "-0.5"],
+                            capture_output=True, text=True, timeout=WAIT_S, stdin=subprocess.DEVNULL)
+    assert result.returncode != 0 and "--fault-ahead-gb" in result.stderr, result.stderr[-2000:]
