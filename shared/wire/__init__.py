@@ -10,4 +10,5 @@ on one host, TCP streams across hosts) and the Redis tier's layout. The NATS mes
     stream_server.py  the serving end of that stream (the remote store's and an engine's peer server)
     redis_keys.py     KVMesh's key names in Redis / Valkey and how their values and entries are authenticated
     redis_url.py      the `remote_url` forms that address Redis or Valkey, and the client each needs
+    kv_events.py      vLLM's KV event wire format (KVEventBatch) without vLLM, and the block hash of a chunk key
 """
