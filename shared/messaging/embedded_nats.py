@@ -9,6 +9,7 @@ start it from a thread that lives as long as the mesh does (the main thread or t
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import json
 import logging
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -54,16 +56,27 @@ def find_nats_server() -> str:
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free on `host` now, for a server to bind later. Taken below the kernel's ephemeral range where
     there is room: a port the kernel hands out itself (bind to 0) can be given to an outgoing connection before
-    the server binds it ("address already in use"), and a cluster node restarted on its port meets the same."""
+    the server binds it ("address already in use"), and a cluster node restarted on its port meets the same.
+    Never one this process handed out recently: a server may not have bound it yet (a cluster's later nodes)."""
     low = _ephemeral_low()
     for _ in range(64 if low > 2 * LOW_PORT else 0):
         port = _random.randrange(LOW_PORT, low)
+        with _handed_out_lock:
+            if port in _handed_out:
+                continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((host, port))
             except OSError:
                 continue
-            return port
+        with _handed_out_lock:
+            if port in _handed_out:  # another thread took it meanwhile
+                continue
+            if len(_handed_out_order) == _handed_out_order.maxlen:
+                _handed_out.discard(_handed_out_order[0])
+            _handed_out_order.append(port)
+            _handed_out.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
@@ -71,6 +84,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 LOW_PORT = 10000  # free_port's ports: from here up to the ephemeral range
 _random = random.SystemRandom()
+_handed_out_order: collections.deque[int] = collections.deque(maxlen=4096)  # free_port's latest, oldest first
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
 
 
 def _ephemeral_low() -> int:

@@ -78,3 +78,13 @@ def test_free_ports_come_from_below_the_ephemeral_range() -> None:
 
     ports = {free_port() for _ in range(20)}
     assert all(LOW_PORT <= port < _ephemeral_low() for port in ports) and len(ports) > 1
+
+
+def test_free_port_never_hands_out_a_port_twice_in_a_row_of_thousands() -> None:
+    """A port handed out is not bound until its server starts (a cluster's later nodes start seconds after their
+    ports were chosen): this process must not give it to another server meanwhile, as a random pick among ~22,000
+    ports would within a few hundred picks (a NATS cluster test met it: "bind: address already in use")."""
+    from kvmesh.shared.messaging.embedded_nats import free_port
+
+    ports = [free_port() for _ in range(3000)]
+    assert len(set(ports)) == len(ports)
