@@ -232,6 +232,19 @@ def run_load(ctx: Any, server_pid: int, port: int, requests: list[bytes], connec
 # Orchestration
 
 
+def wait_healthy(port: int, controller: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    """Until the controller on `port` answers /healthz (RuntimeError if it exits or `timeout` s pass)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            http_json(port, "GET", "/healthz", timeout=1)
+            return
+        except Exception:
+            if controller.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("controller did not start")
+            time.sleep(0.1)
+
+
 def http_json(port: int, method: str, path: str, body: Any = None, timeout: float = 10.0) -> Any:
     import httpx
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=timeout) as client:
@@ -275,15 +288,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     producer = None
     load_before = os.getloadavg()
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                http_json(port, "GET", "/healthz", timeout=1)
-                break
-            except Exception:
-                if controller.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("controller did not start")
-                time.sleep(0.1)
+        wait_healthy(port, controller)
         # Lookup bodies: prompts the instances hold, spread over all of them.
         rng = np.random.default_rng(0)
         bodies, expected = [], []

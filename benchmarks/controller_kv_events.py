@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-from controller import free_port, http_json  # benchmarks/controller.py
+from controller import free_port, http_json, wait_healthy  # benchmarks/controller.py
 
 MODEL, KV_FORMAT, CHUNK_SIZE = "bench-model", "bfloat16/bench", 256
 
@@ -116,15 +116,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     subscriber = ctx.Process(target=subscriber_main, args=(f"tcp://127.0.0.1:{events_port}", args.keys, ready,
                                                             results))
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                http_json(port, "GET", "/healthz", timeout=1)
-                break
-            except Exception:
-                if controller.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("controller did not start")
-                time.sleep(0.1)
+        wait_healthy(port, controller)
         subscriber.start()
         ready.wait(30)
         time.sleep(0.5)  # ZMQ's slow joiner: the subscription reaches the controller's PUB socket
