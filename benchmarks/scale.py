@@ -25,8 +25,9 @@ figures start from a clean interpreter):
                 --disk-max-files valid chunk files (`chunk_file.encode_header`, --disk-chunk-bytes of data each,
                 keys spread over the 256 fan-out directories), twice: with no index snapshot (every file's header
                 read: `chunk_file.scan_directory`) and from the snapshot the previous stop wrote
-                (services/disk_store/snapshot.py: a stat per file). Wall time of both, open and to the first
-                hit, and memory per file (what a third, traced start leaves allocated, tracemalloc; RSS growth
+                (services/disk_store/snapshot.py: names listed, no stat; each file's stat is checked while
+                the store serves). Wall time of both, open and to the first hit, the time until that check is
+                done (`restart_checked_s`), and memory per file (what a third, traced start leaves allocated, tracemalloc; RSS growth
                 of the timed snapshot start beside it). Ceiling: `os.scandir` over the same files, and each
                 restart's ratio to it. The page cache stays warm (the files were just written) unless
                 --drop-caches (root) drops it before each side.
@@ -425,10 +426,10 @@ def disk_point(root: str, files: int, drop_caches: bool) -> dict[str, Any]:
     options = DiskStoreOptions(root=Path(root), capacity_bytes=1 << 50, store_id="scale-disk")
     hit_key = chunk_key(files - 1)
 
-    def start(traced: bool) -> tuple[float, float, float, int, int, Any]:
-        """One restart: (seconds to open, seconds to its first served hit, seconds to stop (which writes the
-        snapshot the next start reads), RSS growth, traced bytes it left allocated (0 untraced), the scan
-        report)."""
+    def start(traced: bool) -> tuple[float, float, float, float, int, int, Any]:
+        """One restart: (seconds to open, seconds to its first served hit, seconds until the files taken from the
+        snapshot are checked (served meanwhile), seconds to stop (which writes the snapshot the next start reads),
+        RSS growth, traced bytes it left allocated (0 untraced), the scan report)."""
         store = DiskStore(options)
         if dropped:
             drop_page_cache()
@@ -440,37 +441,44 @@ def disk_point(root: str, files: int, drop_caches: bool) -> dict[str, Any]:
         report = store.open()
         open_s = time.perf_counter() - t0
 
-        async def first_hit_then_close() -> tuple[float, float]:
+        async def first_hit_then_close() -> tuple[float, float, float]:
+            checks = store.start_checks()  # as the service does once it serves
             try:
                 reply = await store.reader.get(protocol.GetRequest(key=hit_key), "scale")
                 hit_s = time.perf_counter() - t0
                 if not reply.found:
                     raise RuntimeError(f"the first get after the restart missed: {reply.error}")
+                if checks is not None:
+                    await checks
+                checked_s = time.perf_counter() - t0
+                if store.counters["snapshot_files_dropped"]:
+                    raise RuntimeError(f"the check dropped {store.counters['snapshot_files_dropped']} files")
             finally:
                 t1 = time.perf_counter()
                 await store.close()
-            return hit_s, time.perf_counter() - t1
+            return hit_s, checked_s, time.perf_counter() - t1
 
         gc.collect()
         kept = tracemalloc.get_traced_memory()[0] if traced else 0
         tracemalloc.stop()
         rss = rss_bytes(os.getpid()) - rss_before
-        hit_s, stop_s = asyncio.run(first_hit_then_close())  # (after the memory figures)
+        hit_s, checked_s, stop_s = asyncio.run(first_hit_then_close())  # (after the memory figures)
         if len(store.index) != files or report.removed_corrupt or report.removed_tmp:
             raise RuntimeError(f"the store indexed {len(store.index)} of {files} files "
                                f"({report.removed_corrupt} deleted as bad)")
-        return open_s, hit_s, stop_s, rss, kept, report
+        return open_s, hit_s, checked_s, stop_s, rss, kept, report
 
     (Path(root) / snapshot.SNAPSHOT_NAME).unlink(missing_ok=True)
-    scan_open_s, scan_hit_s, _, _, _, report = start(traced=False)  # every header read; its stop writes a snapshot
+    scan_open_s, scan_hit_s, _, _, _, _, report = start(traced=False)  # every header read; its stop writes a snapshot
     if report.snapshot != "none":
         raise RuntimeError(f"the scan start found a snapshot: {report.snapshot}")
-    open_s, hit_s, stop_s, rss, _, report = start(traced=False)  # from the snapshot: timed without tracemalloc
+    open_s, hit_s, checked_s, stop_s, rss, _, report = start(traced=False)  # from the snapshot: timed without tracemalloc
     if report.snapshot != "used" or report.trusted != files:
         raise RuntimeError(f"the snapshot start took {report.trusted} of {files} files from it ({report.snapshot})")
-    _, _, _, _, kept, _ = start(traced=True)  # its memory in a third start, traced
+    _, _, _, _, _, kept, _ = start(traced=True)  # its memory in a third start, traced
     return {"files": files, "open_s": round(open_s, 4), "open_us_per_file": round(open_s / files * 1e6, 2),
-            "restart_hit_s": round(hit_s, 4), "stop_with_snapshot_s": round(stop_s, 4),
+            "restart_hit_s": round(hit_s, 4), "restart_checked_s": round(checked_s, 4),
+            "stop_with_snapshot_s": round(stop_s, 4),
             "scan_open_s": round(scan_open_s, 4),
             "scan_restart_hit_s": round(scan_hit_s, 4),
             "scan_open_us_per_file": round(scan_open_s / files * 1e6, 2),
@@ -499,6 +507,8 @@ def measure_disk_store(args: argparse.Namespace) -> dict[str, Any]:
                                 "s", False),
         "restart_to_hit_scan": curve("restart to the first hit, every header read", xs,
                                      [p["scan_restart_hit_s"] for p in points], "s", False),
+        "restart_checked": curve("restart until its files' stat is checked (served meanwhile), index snapshot", xs,
+                                 [p["restart_checked_s"] for p in points], "s", False),
         "startup_time": curve("store open, index snapshot", xs, [p["open_s"] for p in points], "s", False),
         "startup_time_scan": curve("store open, every header read", xs, [p["scan_open_s"] for p in points], "s",
                                    False),
@@ -507,11 +517,13 @@ def measure_disk_store(args: argparse.Namespace) -> dict[str, Any]:
         "startup_memory_per_file": curve("store memory per file", xs, [p["bytes_per_file"] for p in points], "B", True),
     }
     panels = [Panel("restart to the first hit", "chunk files", "seconds",
-                    [curves["restart_to_hit"], curves["restart_to_hit_scan"], curves["startup_ceiling"]]),
+                    [curves["restart_to_hit"], curves["restart_checked"], curves["restart_to_hit_scan"],
+                     curves["startup_ceiling"]]),
               Panel("start-up memory", "chunk files", "bytes / file", [curves["startup_memory_per_file"]])]
     for p in points:  # the figure next to the machine's own ceiling, measured in the same run
         print(f"disk_store: {p['files']} files: restart to the first hit {p['restart_hit_s']} s with the index "
-              f"snapshot ({p['restart_vs_scandir']}x os.scandir's {p['scandir_s']} s), {p['scan_restart_hit_s']} s "
+              f"snapshot ({p['restart_vs_scandir']}x os.scandir's {p['scandir_s']} s; its files' stat checked at "
+              f"{p['restart_checked_s']} s), {p['scan_restart_hit_s']} s "
               f"reading every header ({p['scan_restart_vs_scandir']}x)", file=sys.stderr, flush=True)
     return {"points": points, "curves": curves, "_panels": panels, "files_created_s": round(create_s, 1),
             "chunk_data_bytes": args.disk_chunk_bytes, "directory": str(args.dir or tempfile.gettempdir()),

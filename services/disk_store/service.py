@@ -88,6 +88,7 @@ class DiskStoreService:
                                      register=self._registration, heartbeat_interval=self._heartbeat_interval,
                                      min_sync_interval=options.bounds.min_sync_interval)
         store.index.on_admit, store.index.on_evict = reporter.admit, reporter.evict
+        store.start_checks()  # the stat of the files taken from the snapshot (drops are reported)
         # Gets run concurrently (one per I/O thread), so engines sharing the store do not queue behind one slow
         # read; every other op is handled in arrival order.
         handlers = [Handler("put", protocol.PutRequest, store.put),

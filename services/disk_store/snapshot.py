@@ -10,13 +10,19 @@ Start-up (`scan`) trusts a snapshot only as far as it is checked, every byte of 
 wrong magic or version, a body whose length is not the count's, a checksum mismatch, a record out of bounds
 (sizes, a header page that is not whole pages) or a key twice reject the whole snapshot, and the store scans
 every file as it did before snapshots (`chunk_file.scan_directory`), logging why. Of an accepted snapshot, a
-record is used only for a regular file actually present at the key's path whose size and mtime_ns are the
-record's: a file removed behind the snapshot is not indexed; a file added behind it, or whose size or mtime
-differ (changed, or read since: reads set the mtime), gets the scan's checks of its name, header and length
-(and is deleted if it fails them). A file indexed from its record had passed those checks when the store
-indexed or wrote it (only held chunks are recorded, with their file's stat at snapshot time), and every read
-still verifies the header, the key and the data checksum, dropping a file that fails: a snapshot never makes
-the store serve bytes a read would have rejected.
+record is used only for a file listed at the key's own path: a file removed behind the snapshot is not indexed; a
+file added behind it (a put after the last snapshot, before a crash) gets the scan's checks of its name, header and
+length before the store serves (and is deleted if it fails them), so the byte cap counts every file listed.
+
+A start lists names only and stats nothing, so that 10^6 files start in about a second (`benchmarks/scale.py`): the
+stat of each file taken from its record (a regular file of the record's size and mtime_ns) is checked while the
+store serves (`check_trusted`, DiskStore.check_snapshot_files). A file that fails it gets the scan's checks then:
+dropped and deleted when it fails them or names other sizes than its record, kept when it passes (a read since the
+snapshot sets the mtime). Until then the store may serve from a file changed behind it, but every read verifies the
+header, the key and the data checksum, dropping a file that fails: a snapshot never makes the store serve bytes a
+read would have rejected. What the record's sizes may get wrong until the check (a file changed behind the store)
+is the byte count of that file; a forged snapshot can say what it likes of sizes, but whoever can write it can
+also delete the files.
 """
 
 from __future__ import annotations
@@ -26,8 +32,12 @@ import os
 import stat
 import struct
 import time
+from dataclasses import dataclass
+from itertools import compress
+from operator import itemgetter
 from pathlib import Path
 
+import numpy as np
 import xxhash
 
 from kvmesh.services.disk_store.index import Entry
@@ -43,9 +53,32 @@ _HEAD = struct.Struct("<8sQQ")  # magic, record count, xxh3 of the body
 _RECORD = struct.Struct(f"<{KEY_BYTES}sQQIq")  # key, nbytes, file_bytes, num_tokens, mtime_ns
 MAX_HEADER_BYTES = 1 << 20  # a chunk file's header page(s): far more than any real header takes
 
-# what the scan hands the store: (mtime in seconds: the LRU order, key, entry)
-Found = tuple[float, ChunkKey, Entry]
-Record = tuple[ChunkKey, Entry, int]  # a snapshot's record: key, entry, the file's mtime_ns
+_RECORD_DTYPE = np.dtype([("key", f"V{KEY_BYTES}"), ("nbytes", "<u8"), ("file_bytes", "<u8"), ("num_tokens", "<u4"),
+                          ("mtime_ns", "<i8")])  # _RECORD as a numpy record (packed: the same 44 bytes)
+assert _RECORD_DTYPE.itemsize == _RECORD.size
+
+
+@dataclass
+class Records:
+    """A snapshot's records, checked, oldest mtime first (the LRU order)."""
+
+    keys: list[ChunkKey]
+    entries: list[Entry]
+    mtime_ns: list[int]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+@dataclass
+class Scan:
+    """What a start found: the chunks to index (`keys` with their `entries`), least recently used first;
+    `trusted`, those of them taken from the snapshot unchecked, for `check_trusted`."""
+
+    report: chunk_file.ScanReport
+    keys: list[ChunkKey]
+    entries: list[Entry]
+    trusted: Records
 
 
 class SnapshotRejected(Exception):
@@ -69,9 +102,9 @@ def write_snapshot(root: Path, held: list[tuple[ChunkKey, Entry]]) -> int:
     return len(records)
 
 
-def read_snapshot(root: Path) -> dict[str, Record] | None:
-    """The snapshot's records by their chunk file's name; None if there is none; SnapshotRejected if it is
-    damaged."""
+def read_snapshot(root: Path) -> Records | None:
+    """The snapshot's records, oldest mtime first; None if there is none; SnapshotRejected if it is damaged.
+    Decoded and checked as arrays (numpy): a start of 10^6 records spends no Python call per record on them."""
     try:
         raw = (root / SNAPSHOT_NAME).read_bytes()
     except FileNotFoundError:
@@ -89,22 +122,30 @@ def read_snapshot(root: Path) -> dict[str, Record] | None:
                                "(torn or padded)")
     if xxhash.xxh3_64_intdigest(body) != digest:
         raise SnapshotRejected("the body fails its checksum")
-    records: dict[str, Record] = {}
-    for key, nbytes, file_bytes, num_tokens, mtime_ns in _RECORD.iter_unpack(body):
-        header = file_bytes - nbytes
-        if not (0 < header <= MAX_HEADER_BYTES and header % chunk_file.DATA_ALIGN == 0):
-            raise SnapshotRejected(f"chunk {key.hex()}: {file_bytes} file bytes for {nbytes} data bytes")
-        name = f"{key.hex()}{chunk_file.SUFFIX}"  # the name of its file (chunk_file.chunk_path)
-        if name in records:
-            raise SnapshotRejected(f"chunk {key.hex()} recorded twice")
-        records[name] = (key, Entry(nbytes, file_bytes=file_bytes, num_tokens=num_tokens), mtime_ns)
-    return records
+    table = np.frombuffer(body, dtype=_RECORD_DTYPE)
+    header = table["file_bytes"] - table["nbytes"]  # unsigned: a file smaller than its data wraps far past the cap
+    bad = (header == 0) | (header > MAX_HEADER_BYTES) | (header % chunk_file.DATA_ALIGN != 0)
+    if bad.any():
+        first = table[int(np.argmax(bad))]
+        raise SnapshotRejected(f"chunk {bytes(first['key']).hex()}: {first['file_bytes']} file bytes for "
+                               f"{first['nbytes']} data bytes")
+    table = table[np.argsort(table["mtime_ns"], kind="stable")]
+    keys: list[ChunkKey] = table["key"].tolist()
+    if len(set(keys)) != len(keys):
+        seen: set[ChunkKey] = set()
+        twice = next(key for key in keys if key in seen or seen.add(key))  # type: ignore[func-returns-value]
+        raise SnapshotRejected(f"chunk {twice.hex()} recorded twice")
+    made: dict[tuple[int, int, int], Entry] = {}  # one Entry per size: a store's chunks are mostly of one size
+    entries = [made.get(sizes) or made.setdefault(sizes, Entry(*sizes)) for sizes in
+               zip(table["nbytes"].tolist(), table["file_bytes"].tolist(), table["num_tokens"].tolist())]
+    return Records(keys, entries, table["mtime_ns"].tolist())
 
 
-def scan(root: Path, threads: int = 8) -> tuple[chunk_file.ScanReport, list[Found]]:
-    """The chunk files under `root`, oldest mtime first: from the snapshot where it is intact and matches the
-    file, else from the file's header (`chunk_file`'s checks; bad files and `*.tmp` are deleted). The report's
-    `chunks` is empty (the found ones are the list returned)."""
+def scan(root: Path, threads: int = 8) -> Scan:
+    """The chunk files under `root`, oldest mtime first: from the snapshot for each file it records that is listed
+    at the key's own path (its stat is checked later: `check_trusted`), else from the file's header (`chunk_file`'s
+    checks; bad files and `*.tmp` are deleted). The report's `chunks` is empty. Column-wise, a few passes in C
+    where it can: a start of 10^6 files."""
     start = time.perf_counter()
     report = chunk_file.ScanReport(chunks=[])
     try:
@@ -112,44 +153,54 @@ def scan(root: Path, threads: int = 8) -> tuple[chunk_file.ScanReport, list[Foun
     except SnapshotRejected as exc:
         log.warning("disk store: %s/%s not used (%s); reading every chunk file's header", root, SNAPSHOT_NAME, exc)
         records, report.snapshot = None, f"rejected: {exc}"
-    found: list[Found] = []
+    trusted = Records([], [], [])
     if records is None:
         full = chunk_file.scan_directory(root, threads)
         report.removed_tmp, report.removed_corrupt = full.removed_tmp, full.removed_corrupt
         report.snapshot = report.snapshot or "none"
-        found = [(c.mtime, c.meta.key, _entry_of(c)) for c in full.chunks]
+        inspected = full.chunks
     else:
-        found, unmatched = _match(chunk_file.list_chunk_files(root, report), records)
-        report.trusted = len(found)
-        chunk_file.inspect_files(root, unmatched, report, threads)
-        found += [(c.mtime, c.meta.key, _entry_of(c)) for c in report.chunks]
-        report.chunks = []
+        listed, others = chunk_file.list_chunk_names(root, report)
+        names = [key.hex() + chunk_file.SUFFIX for key in records.keys]  # their files' names (chunk_file.chunk_name)
+        added = listed.difference(names)  # listed without a record: added behind the snapshot
+        trusted = records
+        if len(listed) - len(added) != len(records):  # some recorded files are gone: keep the others' records
+            present = [name in listed for name in names]
+            trusted = Records(*(list(compress(column, present)) for column in
+                                (records.keys, records.entries, records.mtime_ns)))
+        others += [root / name[:2] / name for name in added]
+        report.trusted = len(trusted)
+        chunk_file.inspect_files(root, others, report, threads)
+        inspected, report.chunks = report.chunks, []
         report.snapshot = "used"
-    found.sort(key=lambda f: f[0])
+    keys, entries = trusted.keys, trusted.entries
+    if inspected:  # merged into the snapshot's mtime order (two sorted runs: one pass of the sort)
+        merged = sorted([*zip((t / 1e9 for t in trusted.mtime_ns), keys, entries),
+                         *((c.mtime, c.meta.key, _entry_of(c)) for c in inspected)], key=itemgetter(0))
+        keys, entries = [key for _, key, _ in merged], [entry for _, _, entry in merged]
     report.seconds = time.perf_counter() - start
-    return report, found
+    return Scan(report, keys, entries, trusted)
 
 
-def _match(entries: list[os.DirEntry[str]], records: dict[str, Record]) -> tuple[list[Found], list[Path]]:
-    """Split the listed files into those their record describes (a regular file at the key's own path, of the
-    record's size and mtime_ns) and those to inspect. One thread: a stat is a short syscall, the rest is Python."""
-    trusted: list[Found] = []
-    others: list[Path] = []
-    for entry in entries:
-        name = entry.name
-        record = records.get(name)  # only a record's own name: lower-case hex of a whole key
-        if record is not None and entry.path[-len(name) - 3:-len(name)] == f"{name[:2]}{os.sep}":  # its fan-out dir
-            key, chunk, mtime_ns = record
-            try:
-                st = entry.stat()  # follows a link, as the scan's open does
-            except OSError:
-                st = None
-            if (st is not None and stat.S_ISREG(st.st_mode) and st.st_size == chunk.file_bytes
-                    and st.st_mtime_ns == mtime_ns):
-                trusted.append((mtime_ns / 1e9, key, chunk))
-                continue
-        others.append(Path(entry.path))
-    return trusted, others
+def check_trusted(root: Path, keys: list[ChunkKey], entries: list[Entry],
+                  mtime_ns: list[int]) -> list[tuple[ChunkKey, Entry | None]]:
+    """The stat check a start from the snapshot leaves for later (blocking: an I/O thread): of the files taken from
+    their records, those that are not a regular file of the record's size and mtime_ns, each with what its header
+    says now (`chunk_file`'s checks of name, header and length; None: missing or bad). A file read after the
+    snapshot (reads set the mtime) is one of them, with its own sizes."""
+    changed: list[tuple[ChunkKey, Entry | None]] = []
+    for key, entry, recorded_ns in zip(keys, entries, mtime_ns):
+        path = os.path.join(root, chunk_file.chunk_name(key))
+        try:
+            st = os.stat(path)  # follows a link, as a read's open does
+        except OSError:
+            changed.append((key, None))
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_size == entry.file_bytes and st.st_mtime_ns == recorded_ns:
+            continue
+        found = chunk_file.inspect_file(root, Path(path))  # not deleted here: the store may have rewritten it since
+        changed.append((key, _entry_of(found) if found is not None else None))
+    return changed
 
 
 def _entry_of(found: chunk_file.FoundChunk) -> Entry:

@@ -75,7 +75,8 @@ class DiskStore:
         self.counters: dict[str, int] = dict.fromkeys(
             ("puts_accepted", "puts_duplicate", "puts_refused", "writes_done", "write_errors", "gets", "hits",
              "corrupt_dropped", "checksum_failures", "evicted", "puts_pool", "puts_inline", "gets_pool",
-             "gets_inline", "gets_late", "gets_cancelled", "get_cancels", "get_cancels_refused"), 0)
+             "gets_inline", "gets_late", "gets_cancelled", "get_cancels", "get_cancels_refused",
+             "snapshot_files_dropped"), 0)
         self.last_write_error: str | None = None
         self.scan_report: chunk_file.ScanReport | None = None  # the start-up scan's counts (not its chunk list)
         self._lock_fd: int | None = None
@@ -89,6 +90,11 @@ class DiskStore:
         self._background: set[asyncio.Future[Any]] = set()
         self._snapshots: asyncio.Future[None] | None = None  # the periodic index snapshot
         self._snapshot_write: asyncio.Future[int] | None = None  # the latest write of one
+        # Files a start took from the snapshot, their stat not yet checked (`check_snapshot_files`); a key leaves
+        # `_unverified` when checked or rewritten (a commit: its file is then the store's own).
+        self._trusted = snapshot.Records([], [], [])
+        self._unverified: set[ChunkKey] = set()
+        self._verification: asyncio.Future[None] | None = None
         self.state = StoreState(self.root, self.index)
         self.domains = DomainMap(None)  # callers' sharing domains (the service sets the store's map)
         self.reader = ChunkReader(options.store_id, self.root, self.index, self.pools, self.counters,
@@ -104,9 +110,10 @@ class DiskStore:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            report, found = snapshot.scan(self.root)  # the index snapshot where it checks out, else the headers
-            for _, key, entry in found:  # least recently used first
-                self.index.load(key, entry)
+            found = snapshot.scan(self.root)  # the index snapshot where it checks out, else the headers
+            self.index.load_many(found.keys, found.entries)  # least recently used first
+            report, self._trusted = found.report, found.trusted
+            self._unverified = set(found.trusted.keys)
             del found
         finally:
             if collecting:
@@ -125,7 +132,8 @@ class DiskStore:
         # durable puts are answered after their file, so the bytes stay in the engine's memory until then
         self._staging = StagingPool(0 if self.options.durable_puts else self.options.staging_bytes)
         log.info("disk store %s: %s holds %d chunks, %d bytes of %d, %s eviction (scan %.3fs, index snapshot %s, "
-                 "%d files taken from it; deleted %d tmp, %d bad files; %d pins and claims of %d chunks restored; "
+                 "%d files taken from it, their stat checked in the background; deleted %d tmp, %d bad files; %d "
+                 "pins and claims of %d chunks restored; "
                  "%d chunks put just before a crash dropped)", self.options.store_id, self.root,
                  len(self.index), self.index.used_bytes, self.options.capacity_bytes, self.index.policy_name,
                  report.seconds, report.snapshot, report.trusted, report.removed_tmp, report.removed_corrupt,
@@ -137,9 +145,10 @@ class DiskStore:
         directory."""
         if not await self.flush(drain_timeout):
             log.warning("disk store: %d writes still pending at close", len(self._writes))
-        if self._snapshots is not None:
-            self._snapshots.cancel()
-            await asyncio.wait([self._snapshots])
+        for task in (self._snapshots, self._verification):
+            if task is not None:
+                task.cancel()
+                await asyncio.wait([task])
         if self._background:
             await asyncio.wait(list(self._background), timeout=drain_timeout)
         await self.state.close()
@@ -305,6 +314,8 @@ class DiskStore:
             if self.last_write_error is not None:
                 log.info("disk store: writes succeed again")
                 self.last_write_error = None
+            if self._unverified:
+                self._unverified.discard(key)  # its file is now the one just written
             if self.index.commit(key, entry):
                 self.save_soon()  # its claim
             else:  # removed or cleared while it was being written
@@ -340,6 +351,7 @@ class DiskStore:
             "dir": str(self.root), "location": protocol.LOCAL_DISK, "pending_writes": len(self._writes),
             "reserved_bytes": self.index.reserved_bytes, "staged_bytes": self._staging.in_use,
             "staging_capacity": self._staging.capacity_bytes, "fsync": self.options.fsync,
+            "snapshot_files_unchecked": len(self._unverified),
             "durable_puts": self.options.durable_puts,
             "last_write_error": self.last_write_error, **self.counters, **self.pools.details(),
         }
@@ -369,6 +381,40 @@ class DiskStore:
         future.add_done_callback(self._background.discard)
 
     # ---- the index snapshot (snapshot.py) ---------------------------------------------------------------
+    def start_checks(self) -> asyncio.Future[None] | None:
+        """Check, on the running loop, the stat of the files the start took from the snapshot (`snapshot.py`); the
+        task doing it (None: nothing to check)."""
+        if self._trusted:
+            self._verification = asyncio.ensure_future(self.check_snapshot_files())
+        return self._verification
+
+    async def check_snapshot_files(self, batch: int = 4096) -> None:
+        """Stat every file the start took from its snapshot record, a batch at a time on the I/O pool, while the
+        store serves. A file that is no longer the one recorded (gone, another size or mtime) and whose header
+        now fails the checks, or names other sizes than its record, is dropped from the index and deleted
+        (`snapshot_files_dropped`); one that passes with the same sizes stays (read since the snapshot, which
+        changed its mtime; a read still verifies its bytes). Keys evicted, removed or rewritten meanwhile are
+        left alone: their file is no longer the recorded one."""
+        start, dropped = time.perf_counter(), 0
+        trusted, self._trusted = self._trusted, snapshot.Records([], [], [])
+        for first in range(0, len(trusted), batch):
+            part = [column[first:first + batch] for column in (trusted.keys, trusted.entries, trusted.mtime_ns)]
+            for key, now in await self._in_io(snapshot.check_trusted, self.root, *part):
+                held = self.index.held(key)
+                if key not in self._unverified or held is None or held == now:
+                    continue
+                log.debug("disk store: chunk %s is not the file its snapshot record describes (%s); dropping it",
+                          key.hex(), "now a bad or missing file" if now is None else f"now {now}")
+                dropped += 1
+                self.index.remove(key)
+                self._delete_files([key])
+                self.counters["snapshot_files_dropped"] += 1
+            self._unverified.difference_update(part[0])
+        log.log(logging.WARNING if dropped else logging.INFO,
+                "disk store %s: checked the %d files taken from the index snapshot in %.3fs: %d were not the file "
+                "their record describes and were dropped", self.options.store_id, len(trusted),
+                time.perf_counter() - start, dropped)
+
     def start_snapshots(self) -> None:
         """Write the index snapshot every `snapshot_interval_secs` (0: only at close), on the running loop."""
         if self.options.snapshot_interval_secs > 0:

@@ -115,6 +115,17 @@ class EvictionPolicy(ABC):
         self.used_bytes += nbytes
         self._enter(key, nbytes)
 
+    def add_new(self, keys: list[Key], sizes: list[int]) -> None:
+        """Hold many keys none of which is held yet, in arrival order (a store's start): `add` of each, in bulk."""
+        assert not self._pinned or self._pinned.keys().isdisjoint(keys), "a pinned key"
+        before = len(self._evictable)
+        self._evictable.update(zip(keys, sizes))
+        assert len(self._evictable) == before + len(keys), "a key given twice or already held"
+        self.used_bytes += sum(sizes)
+        if type(self)._arrived is not EvictionPolicy._arrived:  # a policy with its own state (LFU)
+            for key in keys:
+                self._arrived(key)
+
     def touch(self, key: Key) -> None:
         """A hit. On a pinned key it changes nothing: the key rejoins the order when its last pin goes."""
         if key in self._evictable:

@@ -49,6 +49,19 @@ def test_victim_order_after_adds_and_hits(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)
+def test_add_new_in_bulk_is_add_of_each(name: str) -> None:
+    """A store's start loads its chunks in bulk (`add_new`): the same state, and the same answers after hits."""
+    one_by_one = filled(name, 100, "abcd", size=7)
+    bulk = make_policy(name, 100, ManualClock())
+    bulk.add_new(list("abcd"), [7] * 4)
+    assert snapshot(bulk) == snapshot(one_by_one)
+    for policy in (one_by_one, bulk):
+        for key in HITS:
+            policy.touch(key)
+    assert snapshot(bulk) == snapshot(one_by_one) and bulk.victims_for(90) == one_by_one.victims_for(90)
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
 def test_adding_a_held_key_is_a_hit(name: str) -> None:
     touched, added = filled(name, 40, "abcd"), filled(name, 40, "abcd")
     touched.touch("a")

@@ -123,10 +123,18 @@ async def test_files_removed_added_and_changed_behind_the_snapshot_are_found_and
     service = await harness.start()
     report = service.store.scan_report
     assert report is not None and report.snapshot == "used"
-    assert report.trusted == 3  # 4, 5 and 6 match their records; 2, 3 and the new files were inspected
-    assert report.removed_corrupt == 3 and report.removed_tmp == 1  # 3, 8 and the misplaced copy; the leftover
-    assert not path_of[3].exists() and not path_of[8].exists() and not leftover.exists() and not elsewhere.exists()
-    assert await harness.held(1, 3, 7) == [False, False, True]
+    assert report.trusted == 5  # 2 to 6 are listed at their own path: taken from their records, stat checked later
+    assert report.removed_corrupt == 2 and report.removed_tmp == 1  # 8 and the misplaced copy; the leftover
+    assert not path_of[8].exists() and not leftover.exists() and not elsewhere.exists()
+    assert await harness.held(1, 7) == [False, True]  # removed behind the snapshot: gone; added: inspected, held
+
+    async def checked() -> bool:
+        return (await harness.client.stats())[0].details["snapshot_files_unchecked"] == 0
+    await wait_until_async(checked, what="the snapshot's files checked")
+    # 3 (truncated) fails its check and is dropped; 2 (same size, new mtime) passes the header checks and stays
+    details = (await harness.client.stats())[0].details
+    assert details["snapshot_files_dropped"] == 1 and not path_of[3].exists()
+    assert await harness.held(2, 3) == [True, False]
     assert await served(harness, 5, 6, 7) == [True] * 3
     # the reads still check each file: 2's bytes and 4's header (it names chunk 5) fail, both are dropped
     assert await harness.get(2) is None and await harness.get(4) is None
