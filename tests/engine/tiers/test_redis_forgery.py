@@ -5,7 +5,7 @@ owner entries; honest round trips still work, and the secret comes from `remote_
 sharing domain's secret in the engine's credentials file.
 
 The attacker is KVMesh's own tier run with another secret: it writes values and entries in exactly the format
-the engines use (a valid header, the right checksum over its own bytes), only its MACs are keyed wrong.
+the engines use (a valid header, the right checksum over its own bytes), only its keys are wrong.
 """
 
 from __future__ import annotations
@@ -64,14 +64,18 @@ def evil_twin(meta: protocol.ChunkMeta, seed: int = 999) -> tuple[protocol.Chunk
     return protocol.ChunkMeta(**{**meta.__dict__, "checksum": chunk_file.checksum(data)}), data
 
 
-async def test_an_honest_round_trip_works_and_carries_a_mac(redis_server: RedisServer) -> None:
+async def test_an_honest_round_trip_works_and_redis_holds_only_ciphertext(redis_server: RedisServer) -> None:
     writer, reader = make_tier(redis_server, "engine.one.one"), make_tier(redis_server, "engine.two.two")
     try:
         meta, data = chunk(1, nbytes=2 * 1024 * 1024 + 3)
         assert await put(writer, meta, data)
         assert await get(reader, meta) == data  # another engine with the same secret
         with redis_server.client() as client:
-            assert client.getrange(writer.chunk_key(meta.key), 0, len(VALUE_MAGIC) - 1) == VALUE_MAGIC
+            value = client.get(writer.chunk_key(meta.key))
+        assert value[:len(VALUE_MAGIC)] == VALUE_MAGIC
+        # encrypted at rest: no 32-byte run of the chunk's bytes is in what Redis holds
+        assert not any(data[at:at + 32] in value for at in range(0, len(data) - 32, len(data) // 64))
+        assert len(value) > len(data) and value.count(0) < len(value) // 128  # not zeros either
         assert await reader.pin([meta.key], [32]) == 32 and await writer.unpin([meta.key], [32]) == 32
         assert await writer.clear() == 32 and await reader.contains([meta.key]) == 0
         assert reader.values_rejected == 0 and reader.entries_rejected == 0
@@ -104,12 +108,12 @@ async def test_a_forged_value_is_a_miss(redis_server: RedisServer, held: bool, o
         caplog.set_level(logging.WARNING, TIER_LOG)
         out = bytearray(meta.nbytes)
         assert await tier.get_into(meta.key, ChunkBuffer(memoryview(out))) is None
-        assert bytes(out) != forged_data  # not even copied out
+        assert bytes(out) != forged_data  # never the forged bytes (decrypting them under our key gives noise)
         with redis_server.client() as client:
-            assert bool(client.exists(name)) is not our_key_id  # deleted only when it fails our MAC
+            assert bool(client.exists(name)) is not our_key_id  # deleted only when it fails our tag
         warnings = [r for r in caplog.records if r.name == TIER_LOG and r.levelno == logging.WARNING]
         assert len(warnings) == 1
-        assert ("MAC mismatch" if our_key_id else "another secret") in warnings[0].getMessage()
+        assert ("tag mismatch" if our_key_id else "another secret") in warnings[0].getMessage()
         stats = (await tier.stats())[0].details
         assert (stats["values_rejected"], stats["values_foreign"]) == ((1, 0) if our_key_id else (0, 1))
         assert stats["authenticated"] is True
@@ -271,8 +275,8 @@ def test_the_secret_comes_from_the_file_else_the_sharing_domain(tmp_path: Path) 
     secret_file.write_text("0123456789abcdef0123456789abcdef\n")
     secret_file.chmod(0o600)
 
-    def tag(config: EngineConfig) -> bytes:
-        return auth_of(config, None).value_tag("k", b"header", b"bytes")
+    def tag(config: EngineConfig) -> bytes:  # the id of the keys it resolves to (a digest of them)
+        return auth_of(config, None).key_id
 
     a, b, c = (EngineConfig(nats_credentials=str(mesh.file(f"engine.{n}"))) for n in "abc")
     assert auth_of(a, None).keyed and tag(a) == tag(b) != tag(c)  # one secret per domain
@@ -297,7 +301,7 @@ def test_an_engine_on_a_kvmesh_started_nats_uses_its_provisioned_domain_secret(n
     a, b = auth_of(config_a, url), auth_of(config_b, url)
     assert a.keyed and b.keyed and "sharing domain default" in a.source and "sharing domain b" in b.source
     explicit = auth_of(EngineConfig(nats_credentials=str(mesh_dir.file("engine.tenant-a"))), None)
-    assert a.value_tag("k", b"", b"x") == explicit.value_tag("k", b"", b"x") != b.value_tag("k", b"", b"x")
+    assert a.key_id == explicit.key_id != b.key_id
     assert not auth_of(config_a, None).keyed  # no mesh URL, no credentials: no secret
     token_only = EngineConfig(lmcache_instance_id="tenant-a", nats_token="a token")
     assert not auth_of(token_only, url).keyed  # credentials that are no KVMesh file: no secret
