@@ -148,6 +148,7 @@ def scan(root: Path, threads: int = 8) -> Scan:
     where it can: a start of 10^6 files."""
     start = time.perf_counter()
     report = chunk_file.ScanReport(chunks=[])
+    (root / f"{SNAPSHOT_NAME}.tmp").unlink(missing_ok=True)  # a snapshot write a crash cut short (the store is locked)
     try:
         records = read_snapshot(root)
     except SnapshotRejected as exc:
