@@ -4,6 +4,8 @@ get_block_ids_with_load_errors in every step), on a real cache engine with a rea
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterator
@@ -157,14 +159,21 @@ def test_what_the_stores_lack_is_reported_as_load_errors_with_the_finish(
 
 
 def test_a_load_past_its_deadline_is_recomputed_and_its_late_chunks_are_released(
-        engine: tuple[CacheEngine, PagedKV]) -> None:
+        engine: tuple[CacheEngine, PagedKV], disk_mesh: LocalMesh) -> None:
     worker, kv = engine
     tokens = random_tokens(4 * CHUNK, seed=33)
     src = on_disk_only(worker, kv, tokens)
     blocks = free_blocks(kv, src, 8)
     before = kv.token_kv(torch.as_tensor([b * BLOCK + i for b in blocks for i in range(BLOCK)]))
     conn = worker_connector(worker, kv, timeout=0.0)  # the deadline has passed by the first step's end
-    steps, errors = run_until_finished(conn, request(worker, tokens, blocks, need=4 * CHUNK))
+    # ... and the fetch cannot have ended by then: the store is stopped until that step is over (a busy machine
+    # can otherwise finish a small fetch within the step, which then loads it: no failure to see)
+    store = disk_mesh.processes[0]
+    os.kill(store.pid, signal.SIGSTOP)
+    try:
+        steps, errors = run_until_finished(conn, request(worker, tokens, blocks, need=4 * CHUNK))
+    finally:
+        os.kill(store.pid, signal.SIGCONT)
     assert steps == 1 and errors == set(blocks)
     # the fetch still ends on the NATS loop: its chunks stay in the CPU tier only, the blocks stay untouched
     wait_until(lambda: token_api.lookup(worker, tokens, search_range=[LOCAL_CPU]) == 4 * CHUNK
