@@ -2,9 +2,9 @@
 
 One redis-server (Debian's, started here on a free loopback port, no persistence, no maxmemory) and one event
 loop. Rounds alternate: bare `SET` / `GET` of the chunks' bytes with `redis.asyncio`, then the same bytes through
-`RedisTier.put` / `get_into` (the chunk-file header, the claim script, the write into a temporary key moved into
-place; on get the header check, the checksum and the copy into a preallocated destination, as into an engine
-slot). The Redis is flushed before each round's puts, so both write new keys. Figures are medians over rounds;
+`RedisTier.put` / `get_into` (the chunk-file header, the bytes sealed with AES-256-GCM, the claim script, the write
+into a temporary key moved into place; on get the header check and the decryption, which checks the tag, into a
+preallocated destination, as into an engine slot). The Redis is flushed before each round's puts, so both write new keys. Figures are medians over rounds;
 the ratio is bare time / tier time (1.0: as fast as the bare client). A tier put is timed with and without the
 chunk's checksum, which the engine's write-behind computes once per chunk before it puts to any store.
 
