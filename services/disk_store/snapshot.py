@@ -14,7 +14,12 @@ record is used only for a file listed at the key's own path: a file removed behi
 file added behind it (a put after the last snapshot, before a crash) gets the scan's checks of its name, header and
 length before the store serves (and is deleted if it fails them), so the byte cap counts every file listed.
 
-A start lists names only and stats nothing, so that 10^6 files start in about a second (`benchmarks/scale.py`): the
+A snapshot written at a clean stop with no write in flight is complete (`COMPLETE`): it names every file the store
+had, so the next start serves from it without listing the directory, and lists it while serving (`find_added`:
+files copied in behind the store are indexed if they pass the header checks, else deleted). A periodic one (what a
+crash leaves) is listed against before serving, as above.
+
+A start stats nothing (and from a complete snapshot lists nothing), so that 10^6 files start in seconds: the
 stat of each file taken from its record (a regular file of the record's size and mtime_ns) is checked while the
 store serves (`check_trusted`, DiskStore.check_snapshot_files). A file that fails it gets the scan's checks then:
 dropped and deleted when it fails them or names other sizes than its record, kept when it passes (a read since the
@@ -48,8 +53,9 @@ from kvmesh.shared.wire.keys import KEY_BYTES, ChunkKey
 log = logging.getLogger(__name__)
 
 SNAPSHOT_NAME = "index.snapshot"
-MAGIC = b"KVMIDX\x01\x00"
-_HEAD = struct.Struct("<8sQQ")  # magic, record count, xxh3 of the body
+MAGIC = b"KVMIDX\x02\x00"
+_HEAD = struct.Struct("<8sQQQ")  # magic, record count, xxh3 of the body, flags
+COMPLETE = 1  # flag: written at a clean stop with no write in flight: it records every chunk file the store had
 _RECORD = struct.Struct(f"<{KEY_BYTES}sQQIq")  # key, nbytes, file_bytes, num_tokens, mtime_ns
 MAX_HEADER_BYTES = 1 << 20  # a chunk file's header page(s): far more than any real header takes
 
@@ -65,6 +71,7 @@ class Records:
     keys: list[ChunkKey]
     entries: list[Entry]
     mtime_ns: list[int]
+    complete: bool = False  # COMPLETE: no file was put after it
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -79,15 +86,17 @@ class Scan:
     keys: list[ChunkKey]
     entries: list[Entry]
     trusted: Records
+    listed: bool = True  # False: a complete snapshot, the directory not listed yet (`find_added`, later)
 
 
 class SnapshotRejected(Exception):
     """The snapshot file is not one this store wrote intact."""
 
 
-def write_snapshot(root: Path, held: list[tuple[ChunkKey, Entry]]) -> int:
+def write_snapshot(root: Path, held: list[tuple[ChunkKey, Entry]], complete: bool = False) -> int:
     """Record `held` (the index's held chunks) with their files' current stat; files gone or of another size
-    than their entry are left out. Blocking (an I/O thread). How many records were written."""
+    than their entry are left out; `complete` when no write can land after it (a clean stop). Blocking (an I/O
+    thread). How many records were written."""
     records = []
     for key, entry in held:
         try:
@@ -97,8 +106,8 @@ def write_snapshot(root: Path, held: list[tuple[ChunkKey, Entry]]) -> int:
         if st.st_size == entry.file_bytes:
             records.append(_RECORD.pack(key, entry.nbytes, entry.file_bytes, entry.num_tokens, st.st_mtime_ns))
     body = b"".join(records)
-    write_bytes_atomically(root / SNAPSHOT_NAME, _HEAD.pack(MAGIC, len(records), xxhash.xxh3_64_intdigest(body))
-                           + body)
+    write_bytes_atomically(root / SNAPSHOT_NAME, _HEAD.pack(MAGIC, len(records), xxhash.xxh3_64_intdigest(body),
+                                                             COMPLETE if complete else 0) + body)
     return len(records)
 
 
@@ -113,7 +122,7 @@ def read_snapshot(root: Path) -> Records | None:
         raise SnapshotRejected(f"unreadable: {exc}") from None
     if len(raw) < _HEAD.size:
         raise SnapshotRejected(f"{len(raw)} bytes, shorter than its header")
-    magic, count, digest = _HEAD.unpack_from(raw)
+    magic, count, digest, flags = _HEAD.unpack_from(raw)
     if magic != MAGIC:
         raise SnapshotRejected("not an index snapshot of this version (bad magic)")
     body = memoryview(raw)[_HEAD.size:]
@@ -135,10 +144,13 @@ def read_snapshot(root: Path) -> Records | None:
         seen: set[ChunkKey] = set()
         twice = next(key for key in keys if key in seen or seen.add(key))  # type: ignore[func-returns-value]
         raise SnapshotRejected(f"chunk {twice.hex()} recorded twice")
-    made: dict[tuple[int, int, int], Entry] = {}  # one Entry per size: a store's chunks are mostly of one size
-    entries = [made.get(sizes) or made.setdefault(sizes, Entry(*sizes)) for sizes in
-               zip(table["nbytes"].tolist(), table["file_bytes"].tolist(), table["num_tokens"].tolist())]
-    return Records(keys, entries, table["mtime_ns"].tolist())
+    # one Entry per distinct size: a store's chunks are mostly of one size
+    sizes = np.stack([table["nbytes"], table["file_bytes"], table["num_tokens"].astype(np.uint64)], axis=1)
+    kinds, which = np.unique(sizes, axis=0, return_inverse=True)
+    made = [Entry(nbytes, file_bytes=file_bytes, num_tokens=num_tokens) for nbytes, file_bytes, num_tokens
+            in kinds.tolist()]
+    entries = made * len(keys) if len(made) == 1 else list(map(made.__getitem__, which.reshape(-1).tolist()))
+    return Records(keys, entries, table["mtime_ns"].tolist(), complete=bool(flags & COMPLETE))
 
 
 def scan(root: Path, threads: int = 8) -> Scan:
@@ -160,6 +172,10 @@ def scan(root: Path, threads: int = 8) -> Scan:
         report.removed_tmp, report.removed_corrupt = full.removed_tmp, full.removed_corrupt
         report.snapshot = report.snapshot or "none"
         inspected = full.chunks
+    elif records.complete:  # a clean stop's: every file is recorded, so the store serves before it lists them
+        trusted, inspected, report.trusted, report.snapshot = records, [], len(records), "used"
+        report.seconds = time.perf_counter() - start
+        return Scan(report, records.keys, records.entries, records, listed=False)
     else:
         listed, others = chunk_file.list_chunk_names(root, report)
         names = [key.hex() + chunk_file.SUFFIX for key in records.keys]  # their files' names (chunk_file.chunk_name)
@@ -181,6 +197,24 @@ def scan(root: Path, threads: int = 8) -> Scan:
         keys, entries = [key for _, key, _ in merged], [entry for _, _, entry in merged]
     report.seconds = time.perf_counter() - start
     return Scan(report, keys, entries, trusted)
+
+
+def find_added(root: Path, recorded: list[ChunkKey]) -> tuple[list[tuple[ChunkKey, Entry | None]], int]:
+    """After a start from a complete snapshot (blocking: an I/O thread, while the store serves): the chunk files
+    listed at their own path that no record names (copied in behind the store), each with what its header says
+    (None: it fails the checks); and how many misplaced files (in another fan-out directory) were deleted.
+    `*.tmp` files are left alone: they are the store's writes in flight."""
+    report = chunk_file.ScanReport(chunks=[])
+    listed, misplaced = chunk_file.list_chunk_names(root, report, remove_tmp=False)
+    listed.difference_update(key.hex() + chunk_file.SUFFIX for key in recorded)
+    chunk_file.inspect_files(root, misplaced, report)  # no chunk's own path: deleted here
+    added = []
+    for name in listed:
+        found = chunk_file.inspect_file(root, root / name[:2] / name)
+        key = chunk_file.key_of_path(root / name[:2] / name)
+        if key is not None:
+            added.append((key, _entry_of(found) if found is not None else None))
+    return added, report.removed_corrupt
 
 
 def check_trusted(root: Path, keys: list[ChunkKey], entries: list[Entry],

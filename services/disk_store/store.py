@@ -76,7 +76,7 @@ class DiskStore:
             ("puts_accepted", "puts_duplicate", "puts_refused", "writes_done", "write_errors", "gets", "hits",
              "corrupt_dropped", "checksum_failures", "evicted", "puts_pool", "puts_inline", "gets_pool",
              "gets_inline", "gets_late", "gets_cancelled", "get_cancels", "get_cancels_refused",
-             "snapshot_files_dropped"), 0)
+             "snapshot_files_dropped", "snapshot_files_added"), 0)
         self.last_write_error: str | None = None
         self.scan_report: chunk_file.ScanReport | None = None  # the start-up scan's counts (not its chunk list)
         self._lock_fd: int | None = None
@@ -94,6 +94,10 @@ class DiskStore:
         # `_unverified` when checked or rewritten (a commit: its file is then the store's own).
         self._trusted = snapshot.Records([], [], [])
         self._unverified: set[ChunkKey] = set()
+        # Started from a complete snapshot: the directory is listed later, for files copied in behind the store.
+        # Keys put or deleted since the start are noted meanwhile (`_touched`): the listing may be older.
+        self._unlisted = False
+        self._touched: set[ChunkKey] = set()
         self._verification: asyncio.Future[None] | None = None
         self.state = StoreState(self.root, self.index)
         self.domains = DomainMap(None)  # callers' sharing domains (the service sets the store's map)
@@ -114,6 +118,7 @@ class DiskStore:
             self.index.load_many(found.keys, found.entries)  # least recently used first
             report, self._trusted = found.report, found.trusted
             self._unverified = set(found.trusted.keys)
+            self._unlisted = not found.listed
             del found
         finally:
             if collecting:
@@ -153,7 +158,8 @@ class DiskStore:
             await asyncio.wait(list(self._background), timeout=drain_timeout)
         await self.state.close()
         if self._io is not None:  # opened: the next start reads this instead of every file's header
-            await self.save_snapshot()
+            # complete when no write is pending and the directory was listed: the next start need not list it
+            await self.save_snapshot(complete=not self._writes and not self._unlisted)
         if self._writer is not None:
             self._writer.shutdown()
         if self._io is not None:
@@ -316,6 +322,8 @@ class DiskStore:
                 self.last_write_error = None
             if self._unverified:
                 self._unverified.discard(key)  # its file is now the one just written
+            if self._unlisted:
+                self._touched.add(key)
             if self.index.commit(key, entry):
                 self.save_soon()  # its claim
             else:  # removed or cleared while it was being written
@@ -351,7 +359,7 @@ class DiskStore:
             "dir": str(self.root), "location": protocol.LOCAL_DISK, "pending_writes": len(self._writes),
             "reserved_bytes": self.index.reserved_bytes, "staged_bytes": self._staging.in_use,
             "staging_capacity": self._staging.capacity_bytes, "fsync": self.options.fsync,
-            "snapshot_files_unchecked": len(self._unverified),
+            "snapshot_files_unchecked": len(self._unverified) + int(self._unlisted),
             "durable_puts": self.options.durable_puts,
             "last_write_error": self.last_write_error, **self.counters, **self.pools.details(),
         }
@@ -368,6 +376,8 @@ class DiskStore:
         future = asyncio.ensure_future(self._in_io(_unlink_all, self.root, list(keys)))
         for key in keys:
             self._deleting[key] = future
+        if self._unlisted:
+            self._touched.update(keys)
 
         def forget(done: asyncio.Future[Any]) -> None:
             for key in keys:
@@ -381,10 +391,35 @@ class DiskStore:
         future.add_done_callback(self._background.discard)
 
     # ---- the index snapshot (snapshot.py) ---------------------------------------------------------------
+    async def _index_added(self, recorded: list[ChunkKey]) -> None:
+        """After a start from a complete snapshot: list the directory (on the I/O pool) and index the chunk files
+        no record names (copied in behind the store) that pass the header checks; delete the others. Keys the
+        store put or deleted since the start are left alone (the listing may predate them). Then trim to the cap."""
+        added, misplaced = await self._in_io(snapshot.find_added, self.root, recorded)
+        bad = []
+        for key, entry in added:
+            if key in self._touched or self.index.is_known(key) or key in self._writes or key in self._deleting:
+                continue
+            if entry is None:
+                bad.append(key)
+            else:
+                self.index.load(key, entry)
+        self._unlisted = False
+        self._touched.clear()
+        self._delete_files(bad)
+        victims = [key for key, _ in self.index.trim_to_capacity()]
+        self._evicted(victims)
+        self.counters["snapshot_files_added"] += len(added) - len(bad)
+        self.counters["snapshot_files_dropped"] += len(bad) + misplaced
+        if added or misplaced:
+            log.warning("disk store %s: %d chunk files no snapshot record names were found after the start: %d "
+                        "indexed, %d bad or misplaced ones deleted", self.options.store_id, len(added) + misplaced,
+                        len(added) - len(bad), len(bad) + misplaced)
+
     def start_checks(self) -> asyncio.Future[None] | None:
         """Check, on the running loop, the stat of the files the start took from the snapshot (`snapshot.py`); the
         task doing it (None: nothing to check)."""
-        if self._trusted:
+        if self._trusted or self._unlisted:
             self._verification = asyncio.ensure_future(self.check_snapshot_files())
         return self._verification
 
@@ -397,6 +432,8 @@ class DiskStore:
         left alone: their file is no longer the recorded one."""
         start, dropped = time.perf_counter(), 0
         trusted, self._trusted = self._trusted, snapshot.Records([], [], [])
+        if self._unlisted:
+            await self._index_added(trusted.keys)
         for first in range(0, len(trusted), batch):
             part = [column[first:first + batch] for column in (trusted.keys, trusted.entries, trusted.mtime_ns)]
             for key, now in await self._in_io(snapshot.check_trusted, self.root, *part):
@@ -425,13 +462,14 @@ class DiskStore:
             await asyncio.sleep(interval)
             await self.save_snapshot()
 
-    async def save_snapshot(self) -> None:
-        """Write the index snapshot of the chunks held now; a failure is logged (start-up then scans more).
-        One write at a time: a periodic one cancelled by close still runs in its thread until it is done."""
+    async def save_snapshot(self, complete: bool = False) -> None:
+        """Write the index snapshot of the chunks held now (`complete`: no write can land after it); a failure is
+        logged (start-up then scans more). One write at a time: a periodic one cancelled by close still runs in
+        its thread until it is done."""
         if self._snapshot_write is not None:
             await asyncio.wait([self._snapshot_write])
         write = self._snapshot_write = asyncio.ensure_future(
-            self._in_io(snapshot.write_snapshot, self.root, self.index.held_items()))
+            self._in_io(snapshot.write_snapshot, self.root, self.index.held_items(), complete))
         try:
             count = await asyncio.shield(write)
         except OSError as exc:

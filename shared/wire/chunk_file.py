@@ -247,17 +247,18 @@ def list_chunk_files(root: Path, report: ScanReport) -> list[os.DirEntry[str]]:
     return candidates
 
 
-def list_chunk_names(root: Path, report: ScanReport) -> tuple[set[str], list[Path]]:
+def list_chunk_names(root: Path, report: ScanReport, remove_tmp: bool = True) -> tuple[set[str], list[Path]]:
     """`list_chunk_files` by name only (os.listdir: no object or stat per file, for a start of 10^6 files): the
     names of the `.kvc` files in their own fan-out directory (the one their first two characters name), and the
-    paths of those in another (misplaced: `inspect_files` deletes them); `*.tmp` files are deleted (counted)."""
+    paths of those in another (misplaced: `inspect_files` deletes them); `*.tmp` files are deleted (counted) unless
+    not `remove_tmp` (a running store's writes in flight are `*.tmp` files)."""
     names: set[str] = set()
     misplaced: list[Path] = []
     for fan in sorted(root.iterdir()) if root.is_dir() else []:
         if not (fan.is_dir() and len(fan.name) == 2):
             continue
         listed, own = os.listdir(fan), fan.name
-        for name in [n for n in listed if n.endswith(TMP_SUFFIX)]:
+        for name in [n for n in listed if n.endswith(TMP_SUFFIX)] if remove_tmp else []:
             (fan / name).unlink(missing_ok=True)
             report.removed_tmp += 1
         chunks = [n for n in listed if n.endswith(SUFFIX)]
