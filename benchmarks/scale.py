@@ -407,6 +407,29 @@ def scandir_count(root: str) -> int:
     return count
 
 
+async def first_hit_then_close(store: Any, hit_key: bytes, opened_at: float) -> tuple[float, float, float]:
+    """A disk store (DiskStore) just opened (at `opened_at`, perf_counter) serves: (seconds from the open to its first served
+    hit of `hit_key`, to the end of the stat check of the files it took from its snapshot, and its stop's seconds).
+    The store is closed whatever happens (its stop writes the snapshot the next start reads)."""
+    from kvmesh.shared import protocol
+
+    checks = store.start_checks()  # as the service does once it serves
+    try:
+        reply = await store.reader.get(protocol.GetRequest(key=hit_key), "scale")
+        hit_s = time.perf_counter() - opened_at
+        if not reply.found:
+            raise RuntimeError(f"the first get after the restart missed: {reply.error}")
+        if checks is not None:
+            await checks
+        checked_s = time.perf_counter() - opened_at
+        if store.counters["snapshot_files_dropped"]:
+            raise RuntimeError(f"the check dropped {store.counters['snapshot_files_dropped']} files")
+    finally:
+        t1 = time.perf_counter()
+        await store.close()
+    return hit_s, checked_s, time.perf_counter() - t1
+
+
 def disk_point(root: str, files: int, drop_caches: bool) -> dict[str, Any]:
     """The store's restart over `files` chunk files, to its first served hit: without an index snapshot (every
     file's header read) and with the one the previous stop wrote; time and memory, next to os.scandir's time."""
@@ -441,28 +464,11 @@ def disk_point(root: str, files: int, drop_caches: bool) -> dict[str, Any]:
         report = store.open()
         open_s = time.perf_counter() - t0
 
-        async def first_hit_then_close() -> tuple[float, float, float]:
-            checks = store.start_checks()  # as the service does once it serves
-            try:
-                reply = await store.reader.get(protocol.GetRequest(key=hit_key), "scale")
-                hit_s = time.perf_counter() - t0
-                if not reply.found:
-                    raise RuntimeError(f"the first get after the restart missed: {reply.error}")
-                if checks is not None:
-                    await checks
-                checked_s = time.perf_counter() - t0
-                if store.counters["snapshot_files_dropped"]:
-                    raise RuntimeError(f"the check dropped {store.counters['snapshot_files_dropped']} files")
-            finally:
-                t1 = time.perf_counter()
-                await store.close()
-            return hit_s, checked_s, time.perf_counter() - t1
-
         gc.collect()
         kept = tracemalloc.get_traced_memory()[0] if traced else 0
         tracemalloc.stop()
         rss = rss_bytes(os.getpid()) - rss_before
-        hit_s, checked_s, stop_s = asyncio.run(first_hit_then_close())  # (after the memory figures)
+        hit_s, checked_s, stop_s = asyncio.run(first_hit_then_close(store, hit_key, t0))  # (after memory)
         if len(store.index) != files or report.removed_corrupt or report.removed_tmp:
             raise RuntimeError(f"the store indexed {len(store.index)} of {files} files "
                                f"({report.removed_corrupt} deleted as bad)")

@@ -79,12 +79,11 @@ class Records:
 
 @dataclass
 class Scan:
-    """What a start found: the chunks to index (`keys` with their `entries`), least recently used first;
-    `trusted`, those of them taken from the snapshot unchecked, for `check_trusted`."""
+    """What a start found: the chunks to index (`held`: key to entry, least recently used first, for the index to
+    adopt); `trusted`, those of them taken from the snapshot unchecked, for `check_trusted`."""
 
     report: chunk_file.ScanReport
-    keys: list[ChunkKey]
-    entries: list[Entry]
+    held: dict[ChunkKey, Entry]
     trusted: Records
     listed: bool = True  # False: a complete snapshot, the directory not listed yet (`find_added`, later)
 
@@ -111,9 +110,10 @@ def write_snapshot(root: Path, held: list[tuple[ChunkKey, Entry]], complete: boo
     return len(records)
 
 
-def read_snapshot(root: Path) -> Records | None:
-    """The snapshot's records, oldest mtime first; None if there is none; SnapshotRejected if it is damaged.
-    Decoded and checked as arrays (numpy): a start of 10^6 records spends no Python call per record on them."""
+def read_snapshot(root: Path) -> tuple[Records, dict[ChunkKey, Entry]] | None:
+    """The snapshot's records, oldest mtime first, and the same as a dict (key: entry, for the index); None if
+    there is none; SnapshotRejected if it is damaged. Decoded and checked as arrays (numpy): a start of 10^6
+    records spends no Python call per record on them but the dict's."""
     try:
         raw = (root / SNAPSHOT_NAME).read_bytes()
     except FileNotFoundError:
@@ -138,19 +138,31 @@ def read_snapshot(root: Path) -> Records | None:
         first = table[int(np.argmax(bad))]
         raise SnapshotRejected(f"chunk {bytes(first['key']).hex()}: {first['file_bytes']} file bytes for "
                                f"{first['nbytes']} data bytes")
-    table = table[np.argsort(table["mtime_ns"], kind="stable")]
+    mtime_ns = table["mtime_ns"]
+    if not (mtime_ns[1:] >= mtime_ns[:-1]).all():  # written in the index's LRU order: mostly sorted already
+        table = table[np.argsort(mtime_ns, kind="stable")]
     keys: list[ChunkKey] = table["key"].tolist()
-    if len(set(keys)) != len(keys):
+    entries = _shared_entries(table)
+    held = dict(zip(keys, entries))  # the index's own dict, oldest first (ChunkIndex.load_many)
+    if len(held) != len(keys):
         seen: set[ChunkKey] = set()
         twice = next(key for key in keys if key in seen or seen.add(key))  # type: ignore[func-returns-value]
         raise SnapshotRejected(f"chunk {twice.hex()} recorded twice")
-    # one Entry per distinct size: a store's chunks are mostly of one size
-    sizes = np.stack([table["nbytes"], table["file_bytes"], table["num_tokens"].astype(np.uint64)], axis=1)
-    kinds, which = np.unique(sizes, axis=0, return_inverse=True)
+    return Records(keys, entries, table["mtime_ns"].tolist(), complete=bool(flags & COMPLETE)), held
+
+
+def _shared_entries(table: np.ndarray) -> list[Entry]:
+    """The records' entries, one object per distinct (nbytes, file_bytes, num_tokens): a store's chunks are mostly
+    of one size, and then no sort is needed to find that out."""
+    columns = [table["nbytes"], table["file_bytes"], table["num_tokens"].astype(np.uint64)]
+    if len(table) == 0:
+        return []
+    if all((column == column[0]).all() for column in columns):
+        return [Entry(*(int(column[0]) for column in columns))] * len(table)
+    kinds, which = np.unique(np.stack(columns, axis=1), axis=0, return_inverse=True)
     made = [Entry(nbytes, file_bytes=file_bytes, num_tokens=num_tokens) for nbytes, file_bytes, num_tokens
             in kinds.tolist()]
-    entries = made * len(keys) if len(made) == 1 else list(map(made.__getitem__, which.reshape(-1).tolist()))
-    return Records(keys, entries, table["mtime_ns"].tolist(), complete=bool(flags & COMPLETE))
+    return list(map(made.__getitem__, which.reshape(-1).tolist()))
 
 
 def scan(root: Path, threads: int = 8) -> Scan:
@@ -162,21 +174,23 @@ def scan(root: Path, threads: int = 8) -> Scan:
     report = chunk_file.ScanReport(chunks=[])
     (root / f"{SNAPSHOT_NAME}.tmp").unlink(missing_ok=True)  # a snapshot write a crash cut short (the store is locked)
     try:
-        records = read_snapshot(root)
+        read = read_snapshot(root)
     except SnapshotRejected as exc:
         log.warning("disk store: %s/%s not used (%s); reading every chunk file's header", root, SNAPSHOT_NAME, exc)
-        records, report.snapshot = None, f"rejected: {exc}"
+        read, report.snapshot = None, f"rejected: {exc}"
     trusted = Records([], [], [])
-    if records is None:
+    if read is None:
         full = chunk_file.scan_directory(root, threads)
         report.removed_tmp, report.removed_corrupt = full.removed_tmp, full.removed_corrupt
         report.snapshot = report.snapshot or "none"
         inspected = full.chunks
-    elif records.complete:  # a clean stop's: every file is recorded, so the store serves before it lists them
-        trusted, inspected, report.trusted, report.snapshot = records, [], len(records), "used"
+    elif read[0].complete:  # a clean stop's: every file is recorded, so the store serves before it lists them
+        records, held = read
+        report.trusted, report.snapshot = len(records), "used"
         report.seconds = time.perf_counter() - start
-        return Scan(report, records.keys, records.entries, records, listed=False)
+        return Scan(report, held, records, listed=False)
     else:
+        records = read[0]
         listed, others = chunk_file.list_chunk_names(root, report)
         names = [key.hex() + chunk_file.SUFFIX for key in records.keys]  # their files' names (chunk_file.chunk_name)
         added = listed.difference(names)  # listed without a record: added behind the snapshot
@@ -196,7 +210,7 @@ def scan(root: Path, threads: int = 8) -> Scan:
                          *((c.mtime, c.meta.key, _entry_of(c)) for c in inspected)], key=itemgetter(0))
         keys, entries = [key for _, key, _ in merged], [entry for _, _, entry in merged]
     report.seconds = time.perf_counter() - start
-    return Scan(report, keys, entries, trusted)
+    return Scan(report, dict(zip(keys, entries)), trusted)
 
 
 def find_added(root: Path, recorded: list[ChunkKey]) -> tuple[list[tuple[ChunkKey, Entry | None]], int]:

@@ -90,10 +90,12 @@ class DiskStore:
         self._background: set[asyncio.Future[Any]] = set()
         self._snapshots: asyncio.Future[None] | None = None  # the periodic index snapshot
         self._snapshot_write: asyncio.Future[int] | None = None  # the latest write of one
-        # Files a start took from the snapshot, their stat not yet checked (`check_snapshot_files`); a key leaves
-        # `_unverified` when checked or rewritten (a commit: its file is then the store's own).
+        # Files a start took from the snapshot (`_trusted`; `_unchecked` of them not yet checked: stat, then header
+        # where it changed: `check_snapshot_files`); a key rewritten meanwhile (`_rewritten`: a commit) is skipped,
+        # its file being the store's own by then.
         self._trusted = snapshot.Records([], [], [])
-        self._unverified: set[ChunkKey] = set()
+        self._unchecked = 0
+        self._rewritten: set[ChunkKey] = set()
         # Started from a complete snapshot: the directory is listed later, for files copied in behind the store.
         # Keys put or deleted since the start are noted meanwhile (`_touched`): the listing may be older.
         self._unlisted = False
@@ -115,9 +117,9 @@ class DiskStore:
         gc.disable()
         try:
             found = snapshot.scan(self.root)  # the index snapshot where it checks out, else the headers
-            self.index.load_many(found.keys, found.entries)  # least recently used first
+            self.index.load_many(found.held)  # least recently used first
             report, self._trusted = found.report, found.trusted
-            self._unverified = set(found.trusted.keys)
+            self._unchecked = len(found.trusted)
             self._unlisted = not found.listed
             del found
         finally:
@@ -320,8 +322,8 @@ class DiskStore:
             if self.last_write_error is not None:
                 log.info("disk store: writes succeed again")
                 self.last_write_error = None
-            if self._unverified:
-                self._unverified.discard(key)  # its file is now the one just written
+            if self._unchecked:
+                self._rewritten.add(key)  # its file is now the one just written, not the recorded one
             if self._unlisted:
                 self._touched.add(key)
             if self.index.commit(key, entry):
@@ -359,7 +361,7 @@ class DiskStore:
             "dir": str(self.root), "location": protocol.LOCAL_DISK, "pending_writes": len(self._writes),
             "reserved_bytes": self.index.reserved_bytes, "staged_bytes": self._staging.in_use,
             "staging_capacity": self._staging.capacity_bytes, "fsync": self.options.fsync,
-            "snapshot_files_unchecked": len(self._unverified) + int(self._unlisted),
+            "snapshot_files_unchecked": self._unchecked + int(self._unlisted),
             "durable_puts": self.options.durable_puts,
             "last_write_error": self.last_write_error, **self.counters, **self.pools.details(),
         }
@@ -396,25 +398,26 @@ class DiskStore:
         no record names (copied in behind the store) that pass the header checks; delete the others. Keys the
         store put or deleted since the start are left alone (the listing may predate them). Then trim to the cap."""
         added, misplaced = await self._in_io(snapshot.find_added, self.root, recorded)
-        bad = []
+        bad, loaded = [], 0
         for key, entry in added:
             if key in self._touched or self.index.is_known(key) or key in self._writes or key in self._deleting:
-                continue
+                continue  # the store's own since the start
             if entry is None:
                 bad.append(key)
             else:
                 self.index.load(key, entry)
+                loaded += 1
         self._unlisted = False
         self._touched.clear()
         self._delete_files(bad)
         victims = [key for key, _ in self.index.trim_to_capacity()]
         self._evicted(victims)
-        self.counters["snapshot_files_added"] += len(added) - len(bad)
+        self.counters["snapshot_files_added"] += loaded
         self.counters["snapshot_files_dropped"] += len(bad) + misplaced
-        if added or misplaced:
+        if loaded or bad or misplaced:
             log.warning("disk store %s: %d chunk files no snapshot record names were found after the start: %d "
-                        "indexed, %d bad or misplaced ones deleted", self.options.store_id, len(added) + misplaced,
-                        len(added) - len(bad), len(bad) + misplaced)
+                        "indexed, %d bad or misplaced ones deleted", self.options.store_id, loaded + len(bad) + misplaced,
+                        loaded, len(bad) + misplaced)
 
     def start_checks(self) -> asyncio.Future[None] | None:
         """Check, on the running loop, the stat of the files the start took from the snapshot (`snapshot.py`); the
@@ -438,7 +441,7 @@ class DiskStore:
             part = [column[first:first + batch] for column in (trusted.keys, trusted.entries, trusted.mtime_ns)]
             for key, now in await self._in_io(snapshot.check_trusted, self.root, *part):
                 held = self.index.held(key)
-                if key not in self._unverified or held is None or held == now:
+                if key in self._rewritten or held is None or held == now:
                     continue
                 log.debug("disk store: chunk %s is not the file its snapshot record describes (%s); dropping it",
                           key.hex(), "now a bad or missing file" if now is None else f"now {now}")
@@ -446,7 +449,8 @@ class DiskStore:
                 self.index.remove(key)
                 self._delete_files([key])
                 self.counters["snapshot_files_dropped"] += 1
-            self._unverified.difference_update(part[0])
+            self._unchecked -= len(part[0])
+        self._rewritten.clear()
         log.log(logging.WARNING if dropped else logging.INFO,
                 "disk store %s: checked the %d files taken from the index snapshot in %.3fs: %d were not the file "
                 "their record describes and were dropped", self.options.store_id, len(trusted),

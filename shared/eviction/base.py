@@ -13,7 +13,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Hashable, Iterator
+from typing import Callable, ClassVar, Collection, Hashable, Iterator
 
 Key = Hashable
 Clock = Callable[[], float]  # monotonic seconds; tests inject one they advance by hand
@@ -115,7 +115,7 @@ class EvictionPolicy(ABC):
         self.used_bytes += nbytes
         self._enter(key, nbytes)
 
-    def add_new(self, keys: list[Key], sizes: list[int]) -> None:
+    def add_new(self, keys: Collection[Key], sizes: list[int]) -> None:
         """Hold many keys none of which is held yet, in arrival order (a store's start): `add` of each, in bulk."""
         assert not self._pinned or self._pinned.keys().isdisjoint(keys), "a pinned key"
         before = len(self._evictable)

@@ -328,12 +328,17 @@ class ChunkIndex(Generic[E]):
         self._policy.add(key, entry.charge)
         self.on_admit(key)
 
-    def load_many(self, keys: list[ChunkKey], entries: list[E]) -> None:
-        """`load` of each key with its entry (oldest first; no key twice, none held), in bulk: a start of 10^6."""
-        self._held.update(zip(keys, entries))
-        self._policy.add_new(keys, [entry.charge for entry in entries])
+    def load_many(self, held: dict[ChunkKey, E]) -> None:
+        """`load` of each key with its entry, oldest first, in bulk (a start of 10^6): the index must hold nothing
+        yet, and adopts `held` as its own dict (the caller keeps no reference to it)."""
+        assert not self._held and not self._in_flight, "load_many is for a start"
+        self._held = held
+        entries = list(held.values())
+        shared = entries[0] if entries and entries.count(entries[0]) == len(entries) else None  # one size (a C pass)
+        self._policy.add_new(held, [shared.charge] * len(entries) if shared is not None else
+                             [entry.charge for entry in entries])
         if self.on_admit is not _ignore:
-            for key in keys:
+            for key in held:
                 self.on_admit(key)
 
     def trim_to_capacity(self) -> list[tuple[ChunkKey, E]]:

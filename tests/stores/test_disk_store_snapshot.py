@@ -39,7 +39,7 @@ async def test_a_restart_takes_the_chunks_from_the_snapshot_and_serves_the_same_
     await put_all(harness, 1, 2, 3, 4, 5)
     assert await served(harness, 2) == [True]  # a read changes its file's mtime: recorded at close
     await harness.stop()
-    assert snapshot.read_snapshot(harness.root).complete  # a clean stop's: the next start need not list files
+    assert snapshot.read_snapshot(harness.root)[0].complete  # a clean stop's: the next start need not list files
     service = await harness.start()
     report = service.store.scan_report
     assert report is not None and report.snapshot == "used"
@@ -149,9 +149,9 @@ async def test_a_stale_periodic_snapshot_loses_nothing_put_or_removed_after_it(h
     path = harness.root / snapshot.SNAPSHOT_NAME
     await put_all(harness, 1, 2)
     await wait_until_async(lambda: snapshot.read_snapshot(harness.root) is not None
-                           and len(snapshot.read_snapshot(harness.root)) == 2, what="a periodic snapshot of 2 chunks")
+                           and len(snapshot.read_snapshot(harness.root)[0]) == 2, what="a periodic snapshot of 2 chunks")
     stale = path.read_bytes()  # as a crash would leave it: the last periodic one
-    assert not snapshot.read_snapshot(harness.root).complete  # so a start lists the directory before serving
+    assert not snapshot.read_snapshot(harness.root)[0].complete  # so a start lists the directory before serving
     await put_all(harness, 3)
     assert await harness.client.remove([key_of(1)]) == 1  # its file deleted (the stale snapshot names it)
     await wait_until_async(lambda: not chunk_file.chunk_path(harness.root, key_of(1)).exists(),
