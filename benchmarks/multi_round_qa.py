@@ -6,6 +6,8 @@ store has to serve most of it, and when the remote store has to (issue 28). Plus
     python benchmarks/multi_round_qa.py [--regime a|b|c|all] [--qps 1,2,4,8] [--ttft-bound 1.0] [--quick]
                                         [--users 12] [--rounds 4] [--peers vllm lmcache kvmesh floor] [--out DIR]
     python benchmarks/multi_round_qa.py --soak SECONDS [--soak-qps 0.5] [--sample-secs 60]
+    python benchmarks/multi_round_qa.py --workload agentic [--regime a|b|c|all] [--qps 0.125,0.25,0.5,1]
+                                        [--sessions 4] [--subagents 3] [--turns 3] [--tool-output 64] [--think-secs 1]
 
 The workload (one "level" per QPS of the sweep): --users users, each with a document of --context tokens behind
 one shared system prompt of --system tokens, ask --rounds questions of --question tokens in turn. A user's prompt
@@ -20,6 +22,14 @@ time and the arrival of its last answer's last token. All users are active toget
 one user the others' prompts go through vLLM's KV space: that is where reuse has to come from outside vLLM. Each
 level has users of its own (other documents, same system prompt), so a level starts cold like the first; levels
 run in rising QPS on one vLLM per peer. Arrival times are drawn from --seed, the same for every peer.
+
+--workload agentic (agentic_workload.py): in place of users, --sessions agent sessions per level, each a plan
+over the session's own --context behind the shared --system prompt, --subagents sub-agents forked from it that
+run --turns turns each (a tool output of --tool-output tokens appended per turn, after a think time of mean
+--think-secs), and a merge of their results; sessions start at --qps sessions per second (default
+0.125,0.25,0.5,1). Everything else (peers, regimes, the bound, the warm-up, the counters) as below; the working
+set is the prefix tree of every session's leaves (each sub-agent's last turn and the merge). Writes
+`agentic-<regime>.json` / `.png`. --quick: 3 sessions x 2 sub-agents x 2 turns at 0.25, 0.5 sessions/s.
 
 Regimes (W: the KV bytes of one level's working set, the prefix tree of every user's last prompt and answer,
 serving.py's `working_set_tokens` x the model's KV bytes per token). KVMesh's CPU tier C, disk store cap D and
@@ -111,6 +121,8 @@ from typing import Any, Callable
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from agentic_workload import (AgenticShape, Session, Step, build_sessions, run_session,  # noqa: E402
+                              session_times)
 from serving import (BLOCK, COUNTERS, GB, Shape, blocks, build_prompts, bytes_per_token, hit_rates,  # noqa: E402
                      percentile, working_set_tokens)
 from vllm_peers import (CHUNK, KVMESH, LMCACHE_SITE, Mesh, Server, completion_events, cpu_name,  # noqa: E402
@@ -119,6 +131,7 @@ from vllm_peers import (CHUNK, KVMESH, LMCACHE_SITE, Mesh, Server, completion_ev
 
 PEERS = ["vllm", "lmcache", "kvmesh", "floor"]
 REGIMES = ["a", "b", "c"]
+RATE_UNIT = {"qa": "QPS", "agentic": "sessions/s"}
 BIG_GB = 4.0  # a disk store / remote store that holds every level of the run
 TTFT_BOUND_S = 1.0
 IDLE_BETWEEN_S = 2.0  # between two levels: the last one's vLLM goes idle
@@ -129,8 +142,8 @@ IDLE_BETWEEN_S = 2.0  # between two levels: the last one's vLLM goes idle
 
 @dataclass
 class Request:
-    user: int  # within the level
-    round: int  # 1-based
+    user: int  # within the level (the session, agentic)
+    round: int  # 1-based (agentic: 1 the plan, 1 + t a sub-agent's turn t, turns + 2 the merge)
     prompt_tokens: int
     sent_s: float  # since the level started
     ttft_s: float | None = None
@@ -138,6 +151,7 @@ class Request:
     tokens: int = 0
     itl_s: list[float] = field(default_factory=list)  # gaps between streamed tokens
     error: str | None = None
+    role: str = "question"  # agentic: "plan", "subagent" or "merge"
 
 
 def timed_complete(server: Server, prompt: list[int], max_tokens: int, request: Request) -> None:
@@ -220,6 +234,31 @@ def run_level(server: Server, prompts: list[list[list[int]]], answer: int, qps: 
     return out, (max(ends) if ends else time.perf_counter() - t0)
 
 
+def run_agentic_level(server: Server, sessions: list[Session], shape: AgenticShape, rate: float, think_secs: float,
+                      arrivals: str, seed: int) -> tuple[list[Request], float]:
+    """Every session of the level (agentic_workload.py) at `rate` sessions per second; (requests, wall seconds
+    from the first send to the last token)."""
+    times = session_times(shape, len(sessions), rate, think_secs, arrivals, random.Random(f"{seed}-agentic-{rate}"))
+    out: list[Request] = []
+    t0 = time.perf_counter()
+
+    def send(step: Step) -> bool:
+        turn = {"plan": 1, "subagent": 1 + step.turn, "merge": shape.turns + 2}[step.role]
+        request = Request(step.session, turn, len(step.prompt), time.perf_counter() - t0, role=step.role)
+        timed_complete(server, step.prompt, shape.answer, request)
+        out.append(request)
+        return request.error is None
+
+    threads = [threading.Thread(target=run_session, args=(session, i, times[i], t0, send), daemon=True)
+               for i, session in enumerate(sessions)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    ends = [r.sent_s + (r.e2e_s or 0.0) for r in out]
+    return out, (max(ends) if ends else time.perf_counter() - t0)
+
+
 # ---- figures ---------------------------------------------------------------------------------------------
 
 
@@ -283,7 +322,7 @@ class Setup:
     work: Path
     env: dict[str, str]
     max_len: int
-    levels: list[tuple[float, list[list[list[int]]]]]  # (qps, prompts[round][user])
+    levels: list[tuple[float, Any]]  # (rate, what `run_level` runs at it: prompts[round][user], or sessions)
     warmup: list[int]
     warmup_users: list[list[list[int]]]  # prompts[round][user] of users no level has (warm_up)
     answer: int
@@ -294,6 +333,7 @@ class Setup:
     bound: float
     full_sweep: bool
     token_bytes: int
+    run: Callable[[Server, float, Any], tuple[list[Request], float]]  # one level: (requests, wall seconds)
 
 
 def warm_up(server: Server, setup: Setup) -> None:
@@ -325,11 +365,10 @@ def start_server(setup: Setup, name: str, kv_blocks: int, extra: list[str], env:
     return Server(name, setup.model, free_port(), setup.work / "logs", setup.max_len, args, env or setup.env)
 
 
-def measure_level(setup: Setup, name: str, server: Server, qps: float, prompts: list[list[list[int]]]
-                  ) -> dict[str, Any]:
+def measure_level(setup: Setup, name: str, server: Server, qps: float, workload: Any) -> dict[str, Any]:
     """One level on one peer's running server, with its counters read around it."""
     before = server.counters(COUNTERS)
-    requests, wall = run_level(server, prompts, setup.answer, qps, setup.arrivals, setup.seed)
+    requests, wall = setup.run(server, qps, workload)
     after = server.counters(COUNTERS)
     counted = {k: after[k] - before.get(k, 0.0) for k in sorted(after)}
     level = {"qps": qps, **summarize(requests, wall, setup.answer), **tier_rates(counted, setup.token_bytes),
@@ -475,7 +514,7 @@ def share(rate: float | None) -> str:
     return "-" if rate is None else f"{rate:.0%}"
 
 
-def table(peers: dict[str, dict[str, Any]], bound: float) -> str:
+def table(peers: dict[str, dict[str, Any]], bound: float, unit: str = "QPS") -> str:
     head = (f"{'peer':<8} {'QPS':>5} {'TTFT p50':>9} {'p90':>7} {'p99':>7} {'ITL p50':>8} {'p90':>6} {'req/s':>6} "
             f"{'tok/s':>6} {'fail':>4} {'vLLM':>5} {'conn':>5} {'cpu':>5} {'disk':>5} {'rem':>5}  held")
     lines = [head, "-" * len(head)]
@@ -492,7 +531,7 @@ def table(peers: dict[str, dict[str, Any]], bound: float) -> str:
         if peer["skipped_qps"]:
             lines.append(f"{name:<8} skipped QPS {', '.join(f'{q:g}' for q in peer['skipped_qps'])} (missed the "
                          "bound below)")
-    lines.append(f"max QPS with p90 TTFT <= {bound:g}s: " + ", ".join(
+    lines.append(f"max {unit} with p90 TTFT <= {bound:g}s: " + ", ".join(
         f"{n} {fmt(p['max_qps_held'], 1, 2) if p['max_qps_held'] is not None else 'none'}"
         for n, p in peers.items()))
     return "\n".join(lines)
@@ -519,7 +558,7 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
     left.axhline(summary["ttft_bound_s"], color="grey", ls=":", label="p90 bound")
     offered = sorted({lv["qps"] for peer in summary["peers"].values() for lv in peer["levels"]})
     for axis in (left, right):
-        axis.set_xlabel("offered QPS")
+        axis.set_xlabel(f"offered {summary['workload']['rate_unit']}")
         axis.set_xscale("log", base=2)
         if offered:
             axis.set_xticks(offered, [f"{q:g}" for q in offered])
@@ -528,8 +567,12 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
     left.set_ylabel("TTFT (s)")
     right.set_ylabel("requests/s; generated tokens/s / 10")
     work = summary["workload"]
-    fig.suptitle(f"multi-round QA, regime {summary['regime']}: {work['users']} users x {work['rounds']} rounds, "
-                 f"{work['context']}-token documents, W/C {summary['sizes']['w_over_cpu_tier']:.1f}; "
+    shape = (f"agentic, regime {summary['regime']}: {work['sessions']} sessions x {work['subagents']} sub-agents x "
+             f"{work['turns']} turns, {work['context']}-token contexts, think {work['think_secs']:g} s"
+             if work["kind"] == "agentic" else
+             f"multi-round QA, regime {summary['regime']}: {work['users']} users x {work['rounds']} rounds, "
+             f"{work['context']}-token documents")
+    fig.suptitle(f"{shape}, W/C {summary['sizes']['w_over_cpu_tier']:.1f}; "
                  f"{summary['machine']['cpu']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -788,11 +831,23 @@ def parse_qps(text: str) -> list[float]:
 
 QUICK = {"users": 6, "rounds": 3, "system": 128, "context": 512, "question": 32, "answer": 8, "qps": [1.0, 2.0],
          "warmup_users": 2}
+AGENTIC_RATES = [0.125, 0.25, 0.5, 1.0]  # sessions per second
+AGENTIC_QUICK = {"sessions": 3, "subagents": 2, "turns": 2, "tool_output": 32, "qps": [0.25, 0.5]}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--regime", choices=[*REGIMES, "all"], default="a")
+    parser.add_argument("--workload", choices=list(RATE_UNIT), default="qa",
+                        help="qa: users asking rounds of questions; agentic: sessions forking sub-agents "
+                             "(agentic_workload.py), --qps then being sessions per second")
+    parser.add_argument("--sessions", type=int, default=4, help="agentic: sessions per level")
+    parser.add_argument("--subagents", type=int, default=3, help="agentic: sub-agents per session")
+    parser.add_argument("--turns", type=int, default=3, help="agentic: requests per sub-agent")
+    parser.add_argument("--tool-output", type=int, default=64,
+                        help="agentic: tokens of each tool output and each sub-agent result")
+    parser.add_argument("--think-secs", type=float, default=1.0,
+                        help="agentic: mean think time (the tool running) before a sub-agent's next turn, s")
     parser.add_argument("--peers", nargs="+", default=PEERS, choices=PEERS)
     parser.add_argument("--users", type=int, default=12, help="users per level, all active together")
     parser.add_argument("--rounds", type=int, default=4, help="questions per user")
@@ -801,7 +856,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--question", type=int, default=32, help="each question, tokens")
     parser.add_argument("--answer", type=int, default=16, help="generated tokens per request (and stand-in answers)")
     parser.add_argument("--qps", type=parse_qps, default=[1.0, 2.0, 4.0, 8.0],
-                        help="the request rates of the sweep, comma-separated (default 1,2,4,8)")
+                        help="the request rates of the sweep, comma-separated (default 1,2,4,8; agentic: sessions "
+                             "per second, default 0.125,0.25,0.5,1)")
     parser.add_argument("--arrivals", choices=["poisson", "uniform"], default="poisson")
     parser.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
     parser.add_argument("--warmup-users", type=int, default=4,
@@ -833,11 +889,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=HERE / "results")
     given = {a.split("=", 1)[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
     args = parser.parse_args(argv)
+    if args.workload == "agentic" and "--qps" not in given:
+        args.qps = AGENTIC_RATES
     if args.quick:
-        for key, value in QUICK.items():
-            if f"--{key}" not in given:
+        for key, value in {**QUICK, **(AGENTIC_QUICK if args.workload == "agentic" else {})}.items():
+            if f"--{key.replace('_', '-')}" not in given:
                 setattr(args, key, value)
-    for key in ("users", "rounds", "context", "question", "answer", "kv_requests"):
+    if args.workload == "agentic" and args.soak is not None:
+        parser.error("--soak runs the qa workload only")
+    if args.think_secs < 0:
+        parser.error("--think-secs must be >= 0")
+    for key in ("users", "rounds", "context", "question", "answer", "kv_requests", "sessions", "subagents", "turns",
+                "tool_output"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be >= 1")
     if args.warmup_users < 0:
@@ -875,12 +938,28 @@ def main(argv: list[str] | None = None) -> int:
     kept = len(everyone[0]) - args.warmup_users  # the last users warm every peer up, the others are timed
     warmup_users = [r[kept:] for r in everyone] if args.warmup_users else []
     everyone = [r[:kept] for r in everyone]
-    levels = [(q, [r[i * args.users:(i + 1) * args.users] for r in everyone]) for i, q in enumerate(qps_levels)]
-    first = levels[0][1] if levels else [r[:args.users] for r in everyone]
-    longest = max(len(p) for r in everyone for p in r)
+    levels: list[tuple[float, Any]]
+    if args.workload == "agentic":  # sessions of their own per level, as the QA levels have users of their own
+        agentic = AgenticShape(args.sessions, args.subagents, args.turns, args.system, args.context, args.question,
+                               args.tool_output, args.answer)
+        sessions = build_sessions(agentic, corpus, encode, tokenizer.bos_token_id, args.sessions * len(qps_levels))
+        levels = [(q, sessions[i * args.sessions:(i + 1) * args.sessions]) for i, q in enumerate(qps_levels)]
+        longest = max(len(p) for session in sessions for p in session.prompts())
+        working = working_set_tokens([[end for session in levels[0][1] for end in session.ends()]], args.answer)
+
+        def run(server: Server, rate: float, level: Any) -> tuple[list[Request], float]:
+            return run_agentic_level(server, level, agentic, rate, args.think_secs, args.arrivals, args.seed)
+    else:
+        levels = [(q, [r[i * args.users:(i + 1) * args.users] for r in everyone]) for i, q in enumerate(qps_levels)]
+        first = levels[0][1] if levels else [r[:args.users] for r in everyone]
+        longest = max(len(p) for r in everyone for p in r)
+        working = working_set_tokens(first, args.answer)
+
+        def run(server: Server, qps: float, level: Any) -> tuple[list[Request], float]:
+            return run_level(server, level, args.answer, qps, args.arrivals, args.seed)
+    longest = max([longest, *(len(p) for r in warmup_users for p in r)])
     max_len = longest + args.answer
     per_request = blocks(max_len)
-    working = working_set_tokens(first, args.answer)
     token_bytes = bytes_per_token(model, args.dtype)
     working_bytes = working * token_bytes
     in_flight_bytes = args.kv_requests * per_request * BLOCK * token_bytes
@@ -897,15 +976,19 @@ def main(argv: list[str] | None = None) -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
     env.update(VLLM_CPU_OMP_THREADS_BIND="0", VLLM_CPU_KVCACHE_SPACE="1")  # the block override sizes the KV space
     setup = Setup(model, work, env, max_len, levels, warmup, warmup_users, args.answer, args.dtype, args.chunk_size,
-                  args.arrivals, args.seed, args.ttft_bound, args.full_sweep, token_bytes)
+                  args.arrivals, args.seed, args.ttft_bound, args.full_sweep, token_bytes, run)
 
     import torch
     import vllm
 
     base: dict[str, Any] = {
-        "workload": {**asdict(shape), "qps": qps_levels, "arrivals": args.arrivals, "seed": args.seed,
-                     "warmup_users": args.warmup_users,
-                     "longest_prompt": longest, "requests_per_level": args.users * args.rounds,
+        "workload": {"kind": args.workload,
+                     **(asdict(agentic) if args.workload == "agentic" else asdict(shape)), "qps": qps_levels,
+                     "rate_unit": RATE_UNIT[args.workload], "arrivals": args.arrivals, "seed": args.seed,
+                     "think_secs": args.think_secs if args.workload == "agentic" else None,
+                     "warmup_users": args.warmup_users, "longest_prompt": longest,
+                     "requests_per_level": (args.sessions * (args.subagents * args.turns + 2)
+                                            if args.workload == "agentic" else args.users * args.rounds),
                      "working_set_tokens": working, "working_set_mb": working_bytes / 1e6},
         "model": {"name": "kvmesh demo --bench (Llama, 6 layers, hidden 512, 8 heads, 2 KV heads x 64, bf16)",
                   "path": str(model), "kv_bytes_per_token": token_bytes},
@@ -918,7 +1001,9 @@ def main(argv: list[str] | None = None) -> int:
                     "load_average_start": os.getloadavg()},
         "command": " ".join([sys.executable, *sys.argv]), "logs": str(work / "logs"),
     }
-    print(f"workload: {args.users} users x {args.rounds} rounds per level, prompts up to {longest} tokens, a level's "
+    per_level = (f"{args.sessions} sessions of a plan, {args.subagents} sub-agents x {args.turns} turns and a merge"
+                 if args.workload == "agentic" else f"{args.users} users x {args.rounds} rounds")
+    print(f"workload: {per_level} per level, prompts up to {longest} tokens, a level's "
           f"working set {working} tokens ({working_bytes / 1e6:.1f} MB of KV); vLLM KV space {small} blocks (floor "
           f"{floor_blocks}); logs {work / 'logs'}", flush=True)
 
@@ -941,7 +1026,7 @@ def run_regime(args: argparse.Namespace, setup: Setup, regime: str, base: dict[s
     peers: dict[str, dict[str, Any]] = {}
     not_run: dict[str, str] = {}
     summary: dict[str, Any] = {
-        "benchmark": "multi_round_qa", "regime": regime, **json.loads(json.dumps(base)),
+        "benchmark": "multi_round_qa" if args.workload == "qa" else "multi_round_qa agentic", "regime": regime, **json.loads(json.dumps(base)),
         "sizes": {**asdict(sizes), "remote_store": args.remote_store if sizes.remote_gb is not None else None,
                   "lmcache_l1_gb": sizes.cpu_gb, "lmcache_l2": l2 or "none (regime a: the L1 holds the working set)"},
         "ttft_bound_s": args.ttft_bound, "peers": peers, "not_run": not_run,
@@ -952,7 +1037,8 @@ def run_regime(args: argparse.Namespace, setup: Setup, regime: str, base: dict[s
                                     "in flight; use more --users for the target ratio")
     print(f"== regime {regime}: CPU tier {sizes.cpu_gb} GB (W/C {sizes.w_over_cpu_tier:.2f}), disk {sizes.disk_gb} "
           f"GB, remote {sizes.remote_gb} GB; LMCache L1 {sizes.cpu_gb} GB, L2 {l2 and l2['type']}", flush=True)
-    path = args.out / f"multi_round_qa-{regime}.json"
+    stem = f"multi_round_qa-{regime}" if args.workload == "qa" else f"agentic-{regime}"
+    path = args.out / f"{stem}.json"
 
     def save() -> None:
         summary["machine"]["load_average_end"] = os.getloadavg()
@@ -989,9 +1075,9 @@ def run_regime(args: argparse.Namespace, setup: Setup, regime: str, base: dict[s
             peers.update({peer.name: peer.result(args.ttft_bound) for peer in running})
             save()
     save()
-    if plot(summary, args.out / f"multi_round_qa-{regime}.png"):
-        print(f"plot: {args.out / f'multi_round_qa-{regime}.png'}")
-    print(table(peers, args.ttft_bound))
+    if plot(summary, args.out / f"{stem}.png"):
+        print(f"plot: {args.out / f'{stem}.png'}")
+    print(table(peers, args.ttft_bound, RATE_UNIT[args.workload]))
     if not_run:
         print(json.dumps({"not_run": not_run}, indent=2))
     failures = sum(lv["failures"] for p in peers.values() for lv in p["levels"])

@@ -91,6 +91,22 @@ class Shape:
     answer: int  # generated tokens per request (and the stand-in answer in the history)
 
 
+class Pieces:
+    """Prompt pieces cut from a fresh place in `corpus` each (wrapping around), each behind a tag naming it, so
+    pieces of different tags differ within their first tokens; the same calls give the same tokens."""
+
+    def __init__(self, corpus: list[int], encode: Callable[[str], list[int]]) -> None:
+        if not corpus:
+            raise ValueError("empty corpus")
+        self.corpus, self.encode, self.cursor = corpus, encode, 0
+
+    def __call__(self, tag: str, size: int) -> list[int]:
+        head = self.encode(tag)[:size]
+        body = [self.corpus[(self.cursor + i) % len(self.corpus)] for i in range(size - len(head))]
+        self.cursor += len(body)
+        return head + body
+
+
 def build_prompts(shape: Shape, corpus: list[int], encode: Callable[[str], list[int]], bos: int | None
                   ) -> list[list[list[int]]]:
     """prompts[round][user]: token ids. Round r's prompt extends round r-1's by its stand-in answer and a question.
@@ -100,17 +116,7 @@ def build_prompts(shape: Shape, corpus: list[int], encode: Callable[[str], list[
     """
     if min(shape.users, shape.rounds, shape.context, shape.question, shape.answer) < 1 or shape.system < 0:
         raise ValueError(f"every size must be >= 1 (system >= 0): {shape}")
-    if not corpus:
-        raise ValueError("empty corpus")
-    cursor = 0
-
-    def piece(tag: str, size: int) -> list[int]:
-        nonlocal cursor
-        head = encode(tag)[:size]
-        body = [corpus[(cursor + i) % len(corpus)] for i in range(size - len(head))]
-        cursor += len(body)
-        return head + body
-
+    piece = Pieces(corpus, encode)
     system = ([] if bos is None else [bos]) + piece("[system] ", shape.system)
     answer = piece("[answer] ", shape.answer)
     histories = [system + piece(f"[document of user {u}] ", shape.context) for u in range(shape.users)]
