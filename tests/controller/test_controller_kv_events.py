@@ -12,7 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Iterable
 
 import httpx
 import pytest
@@ -25,7 +25,8 @@ from kvmesh.services.controller.service import ControllerService
 from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.messaging.embedded_nats import EmbeddedNats, free_port
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE
-from kvmesh.shared.wire.kv_events import external_hash
+from kvmesh.services.engine.adapter.kv_events import event_digest
+from kvmesh.shared.wire.kv_events import ChunkDescription, external_hash, pack_tokens
 
 from support.controller import MODEL, FakeEngineWorker, FakeStore, layout, running_controller, started
 from support.kv_event_stream import StreamSubscriber, subscribed
@@ -81,6 +82,7 @@ async def test_a_stream_without_its_port_or_open_beyond_loopback_is_refused(argv
 
 STREAM = dict(kv_events_port=0, kv_events_replay_port=0)
 TOKENS = list(range(1, 17))  # four chunks of 4
+SALT_DIGEST = event_digest(b"salt", "tenant-1")
 OTHER = list(range(100, 112))  # three chunks of 4
 
 
@@ -94,6 +96,20 @@ def index_view(service: ControllerService) -> dict[tuple[str, str], set[int | by
         if hashes:
             view[(producer.producer_id, str(producer.location))] = hashes
     return view
+
+
+def described_as_put(subscriber: StreamSubscriber, holder: str, worker: FakeEngineWorker, tokens: list[int],
+                     chunks: Iterable[int], medium: str = LOCAL_CPU, lora_name: str | None = None,
+                     extra_keys: list[tuple[object, ...]] | None = None) -> None:
+    """`holder`'s BlockStored of each of `chunks` of `tokens` carried the chunk's tokens and its parent's hash."""
+    spans = worker.spans(tokens)
+    for index in chunks:
+        span = spans[index]
+        event = subscriber.blocks[(holder, external_hash(span.key, True))]
+        assert event.token_ids == tokens[span.start:span.end], (holder, index)
+        parent = external_hash(spans[index - 1].key, True) if index else None
+        assert event.parent_block_hash == parent and event.block_size == worker.chunk_size, (holder, index)
+        assert event.medium == medium and event.lora_name == lora_name and event.extra_keys == extra_keys, event
 
 
 def lookup_from_events(subscriber: StreamSubscriber, worker: FakeEngineWorker,
@@ -139,12 +155,24 @@ async def test_the_stream_rebuilds_the_index_through_puts_evictions_a_clear_and_
         assert stream.endpoint.startswith("tcp://127.0.0.1:")
         async with subscribed(stream.endpoint, stream.replay_endpoint) as subscriber, \
                 started(disk, remote, worker_a, worker_b):
-            worker_a.store(TOKENS)
+            # A's CPU tier first, its admissions describing the chunks (as an engine's saves do); then the stores,
+            # which admit keys only (the disk store's chunks were A's: the controller describes them from A's)
+            worker_a.store(TOKENS, describe=True)
+            await wait_until_async(lambda: len(index_view(service).get((worker_a.worker_id, LOCAL_CPU), ())) == 4,
+                                   what="A's chunks indexed")
             worker_a.store(TOKENS, chunks=[0, 1], where=LOCAL_DISK)
             worker_a.store(OTHER, where=REMOTE)
             worker_b.store(TOKENS, chunks=[0])
             await wait_until_async(lambda: len(index_view(service)) == 4, what="every holder indexed")
             await agrees(service, client, subscriber, workers, "puts")
+            # Each described chunk is one BlockStored with the tokens put and its parent's hash, as vLLM's
+            # classes decode it; B's admission of A's first chunk (same key) is described from A's; the remote
+            # store's chunks were never described (no engine's admission of them): hashes only.
+            described_as_put(subscriber, worker_a.worker_id, worker_a, TOKENS, range(4))
+            described_as_put(subscriber, "disk-1", worker_a, TOKENS, range(2), medium=LOCAL_DISK)
+            described_as_put(subscriber, worker_b.worker_id, worker_a, TOKENS, range(1))
+            assert not [holder for holder, _ in subscriber.blocks if holder == "remote-1"]
+            assert len(subscriber.blocks) == 4 + 2 + 1 and stream.descriptions.refused == 0
             assert await layout(client, TOKENS) == {"inst-a": [LOCAL_CPU, 16], "inst-b": [LOCAL_CPU, 4]}
             # The media are KVMesh's location names, one per holder; topics name the engine's model.
             assert dict(subscriber.media) == {worker_a.worker_id: {LOCAL_CPU}, worker_b.worker_id: {LOCAL_CPU},
@@ -179,18 +207,46 @@ async def test_the_stream_rebuilds_the_index_through_puts_evictions_a_clear_and_
             async with subscribed(stream.endpoint, stream.replay_endpoint, replay_first=True) as late:
                 assert late.replays == 1 and late.received == 0
                 await agrees(service, client, late, workers, "late joiner, replayed")
-                worker_b.store(OTHER)
+                worker_b.store(OTHER, describe=True, lora_name="adapter-x", extra_keys=(SALT_DIGEST,))
                 worker_a.store(TOKENS, chunks=[3])
                 await wait_until_async(lambda: (worker_b.worker_id, LOCAL_CPU) in index_view(service)
                                        and len(index_view(service)[(worker_b.worker_id, LOCAL_CPU)]) == 4,
                                        what="B's new chunks indexed")
                 await agrees(service, client, late, workers, "late joiner, live")
+                described_as_put(late, worker_b.worker_id, worker_b, OTHER, range(3), lora_name="adapter-x",
+                                 extra_keys=[(SALT_DIGEST,)])
                 await agrees(service, client, subscriber, workers, "first subscriber, live")
                 assert late.view() == subscriber.view() and late.next_seq == subscriber.next_seq
             assert stream.replays_served >= 1
             metrics = (await client.get("/metrics")).text
             assert f'kvmesh_controller_kv_events_total{{what="messages"}} {stream.messages_published}' in metrics
             assert stream.messages_published >= subscriber.next_seq > 0
+
+
+async def test_descriptions_over_the_bounds_or_with_a_value_in_clear_are_refused(nats_server: EmbeddedNats) -> None:
+    """Descriptions are untrusted input: more tokens than the engine's chunk size, or an extra key that is not a
+    digest (a salt in clear), is refused and counted; the chunk is still indexed and published, hashes only."""
+    worker = FakeEngineWorker(nats_server.url, "inst-a", chunk_size=4)
+    spans = worker.spans(TOKENS)
+    async with running_controller(nats_server.url, **STREAM) as (service, client):
+        stream = service.kv_events
+        assert stream is not None and stream.replay_endpoint is not None
+        async with subscribed(stream.endpoint, stream.replay_endpoint) as subscriber, started(worker):
+            bad = {0: ChunkDescription(None, pack_tokens(TOKENS[:5]), None, None),  # 5 tokens, chunk size 4
+                   1: ChunkDescription(spans[0].key, pack_tokens(TOKENS[4:8]), ("tenant-1",), None),  # in clear
+                   2: ChunkDescription(spans[1].key, pack_tokens(TOKENS[8:12]), None, None)}  # a good one
+            for index, description in bad.items():
+                worker.chunks[spans[index].key] = 4
+                worker.reporter.describe(spans[index].key, description)
+                worker.reporter.admit(spans[index].key)
+            await wait_until_async(lambda: len(index_view(service).get((worker.worker_id, LOCAL_CPU), ())) == 3,
+                                   what="the three chunks indexed")
+            await agrees(service, client, subscriber, [worker], "refused descriptions")
+            assert stream.descriptions.refused == 2
+            assert list(subscriber.blocks) == [(worker.worker_id, external_hash(spans[2].key, True))]
+            described_as_put(subscriber, worker.worker_id, worker, TOKENS, [2])
+            metrics = (await client.get("/metrics")).text
+            assert 'kvmesh_controller_kv_events_total{what="descriptions_refused"} 2' in metrics
 
 
 async def test_a_restarted_store_is_followed_through_its_full_sync(nats_server: EmbeddedNats) -> None:
