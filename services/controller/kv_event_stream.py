@@ -56,7 +56,9 @@ log = logging.getLogger(__name__)
 MAX_HASHES_PER_MESSAGE = 1024  # ~9 KiB a message: a full sync of a million keys is ~1000 messages
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 PUB_HWM = 100_000  # messages queued per slow subscriber before ZMQ drops theirs (never blocks the loop)
-DESCRIBED_PER_MESSAGE = 64  # described BlockStored events (~1 KiB each at 256 tokens) in one message
+# described BlockStored events share a message up to this many token ids (~10 KiB of msgpack: a message in the
+# replay buffer stays about the size of a hashes-only one; one chunk of more tokens is a message of its own)
+DESCRIBED_TOKENS_PER_MESSAGE = 2048
 MAX_DESCRIBED_TOKENS = 1 << 16  # a description's token ids, whatever chunk_size an engine registered
 
 
@@ -171,19 +173,25 @@ class KVEventStream:
         medium = holder.location
         block_size = engine.chunk_size if engine is not None else 0
         described: list[BlockStored] = []
+        described_tokens = 0
         plain: list[ChunkKey] = []
         for key in stored:  # in admission order: a described chunk's parent comes before it
             known = self.descriptions.get(key) if len(self.descriptions) else None
             if known is None:
+                if described:
+                    self._publish_events(topic, described)
+                    described, described_tokens = [], 0
                 plain.append(key)
                 continue
             if plain:
                 self._publish_plain(topic, plain, True, medium, block_size)
                 plain = []
-            described.append(self._described_event(key, *known, medium))
-            if len(described) >= DESCRIBED_PER_MESSAGE:
+            event = self._described_event(key, *known, medium)
+            if described and described_tokens + len(event.token_ids) > DESCRIBED_TOKENS_PER_MESSAGE:
                 self._publish_events(topic, described)
-                described = []
+                described, described_tokens = [], 0
+            described.append(event)
+            described_tokens += len(event.token_ids)
         if described:
             self._publish_events(topic, described)
         self._publish_plain(topic, plain, True, medium, block_size)

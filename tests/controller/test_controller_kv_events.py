@@ -7,6 +7,7 @@ replay and a controller restart."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -24,12 +25,17 @@ from kvmesh.services.controller.holder_index import HolderIndex
 from kvmesh.services.controller.service import ControllerService
 from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.messaging.embedded_nats import EmbeddedNats, free_port
-from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE
 from kvmesh.services.engine.adapter.kv_events import event_digest
+from kvmesh.services.engine.adapter.scheduler_lookup import engines
+from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE
 from kvmesh.shared.wire.kv_events import ChunkDescription, external_hash, pack_tokens
 
+from support.connector_driver import prefill, scheduler_half, worker_half
+from support.engine import BLOCK, CHUNK, PagedKV, random_tokens
 from support.controller import MODEL, FakeEngineWorker, FakeStore, layout, running_controller, started
+from support.engine_mesh import engine_on
 from support.kv_event_stream import StreamSubscriber, subscribed
+from support.kv_oracle import Forward
 from support.waiting import wait_until_async
 
 class Recorder:
@@ -221,6 +227,45 @@ async def test_the_stream_rebuilds_the_index_through_puts_evictions_a_clear_and_
             metrics = (await client.get("/metrics")).text
             assert f'kvmesh_controller_kv_events_total{{what="messages"}} {stream.messages_published}' in metrics
             assert stream.messages_published >= subscriber.next_seq > 0
+
+
+async def test_an_engines_saved_chunks_reach_the_stream_with_their_tokens_and_parents(
+        nats_server: EmbeddedNats) -> None:
+    """A real cache engine with describe_admissions, driven by the connector's two halves as vLLM drives them,
+    saves a prompt of three chunks, a partial one and its block prefix: each is one BlockStored on the engine
+    worker's topic with the prompt's tokens and its parent's hash, as vLLM's classes decode them."""
+    kv = PagedKV(num_blocks=128)
+    tokens = random_tokens(3 * CHUNK + BLOCK + 5, seed=3).tolist()  # chunks [0,32) [32,64) [64,96) [96,117)
+    async with running_controller(nats_server.url, **STREAM) as (service, client):
+        stream = service.kv_events
+        assert stream is not None and stream.replay_endpoint is not None
+        async with subscribed(stream.endpoint, stream.replay_endpoint) as subscriber:
+            engine = await asyncio.to_thread(engine_on, nats_server.url, kv, lmcache_instance_id="inst-e",
+                                             describe_admissions=True)
+            engines.add(0, engine)
+            sched = scheduler_half(engine.config, BLOCK, saves_off_forward=False)
+            try:
+                work = worker_half(engine, kv.caches, BLOCK, saves_off_forward=False)
+                await asyncio.to_thread(prefill, sched, work, Forward(kv), "r1", tokens, list(range(8)))
+                mine = lambda: {h: e for (holder, h), e in subscriber.blocks.items() if holder == engine.worker_id}
+                await wait_until_async(lambda: len(mine()) == 5, what="the prompt's five chunks described")
+            finally:
+                sched.shutdown()
+                engines.remove(engine)
+                await asyncio.to_thread(engine.close)
+    tracker = sched.scheduler_side.tracker("r1")
+    assert tracker is not None
+    chain = tracker.chain
+    events = mine()
+    hashes = [external_hash(span.key, True) for span in chain]
+    assert len(hashes) == 4, chain
+    for index, span in enumerate(chain):
+        event = events.pop(hashes[index])
+        assert event.token_ids == tokens[span.start:span.end], index
+        assert event.parent_block_hash == (hashes[index - 1] if index else None), index
+        assert event.block_size == CHUNK and event.medium == LOCAL_CPU and event.extra_keys is None
+    (prefix,) = events.values()  # the last chunk's block prefix: tokens [96, 112) under the third chunk
+    assert prefix.token_ids == tokens[3 * CHUNK:3 * CHUNK + BLOCK] and prefix.parent_block_hash == hashes[2]
 
 
 async def test_descriptions_over_the_bounds_or_with_a_value_in_clear_are_refused(nats_server: EmbeddedNats) -> None:

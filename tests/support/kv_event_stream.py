@@ -72,7 +72,8 @@ class StreamSubscriber:
     def _apply(self, topic: bytes, seq: int, payload: bytes) -> None:
         assert seq == self.next_seq, (seq, self.next_seq)
         self.next_seq = seq + 1
-        kind, holder, model = topic.decode().split("@", 2)
+        kind, holder_and_model = topic.decode().split("@", 1)
+        holder, model = holder_and_model.rsplit("@", 1)  # an engine worker's id has an "@" of its own
         assert kind == "kv", topic
         self.models[holder] = model
         batch = self._decoder.decode(payload)
