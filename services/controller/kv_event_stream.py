@@ -81,6 +81,9 @@ class Descriptions:
         return self._map.get(key)
 
     def learn(self, producer: Producer, items: list[list[Any]], admitted: list[ChunkKey]) -> None:
+        """Take a batch's descriptions (before its keys are indexed: they stay until its events are out, one
+        NATS message's worth past `capacity` at most)."""
+        self.trim()
         engine = producer.engine
         if engine is None or self.capacity <= 0:
             self.refused += len(items)
@@ -97,6 +100,8 @@ class Descriptions:
             self._map.move_to_end(key)
             taken += 1
         self.refused += len(items) - taken
+
+    def trim(self) -> None:
         while len(self._map) > self.capacity:
             self._map.popitem(last=False)
 
@@ -196,6 +201,7 @@ class KVEventStream:
             self._publish_events(topic, described)
         self._publish_plain(topic, plain, True, medium, block_size)
         self._publish_plain(topic, removed, False, medium, block_size)
+        self.descriptions.trim()
 
     def _publish_plain(self, topic: bytes, keys: list[ChunkKey], stored: bool, medium: str, block_size: int
                        ) -> None:

@@ -294,6 +294,31 @@ async def test_descriptions_over_the_bounds_or_with_a_value_in_clear_are_refused
             assert 'kvmesh_controller_kv_events_total{what="descriptions_refused"} 2' in metrics
 
 
+async def test_a_stores_chunk_is_described_while_the_controller_remembers_an_engines_description(
+        nats_server: EmbeddedNats) -> None:
+    """With --kv-events-chunks 2 the controller remembers the last two descriptions: of four chunks an engine
+    described, a store admitting all four afterwards is published with tokens and parents for the last two only,
+    and hashes only for the others."""
+    disk = FakeStore(nats_server.url, "disk-1", LOCAL_DISK)
+    worker = FakeEngineWorker(nats_server.url, "inst-a", chunk_size=4, disk=disk)
+    async with running_controller(nats_server.url, kv_events_chunks=2, **STREAM) as (service, client):
+        stream = service.kv_events
+        assert stream is not None and stream.replay_endpoint is not None
+        async with subscribed(stream.endpoint, stream.replay_endpoint) as subscriber, started(disk, worker):
+            worker.store(TOKENS, describe=True)
+            await wait_until_async(lambda: len(index_view(service).get((worker.worker_id, LOCAL_CPU), ())) == 4,
+                                   what="the engine's chunks indexed")
+            worker.store(TOKENS, where=LOCAL_DISK)
+            await wait_until_async(lambda: len(index_view(service).get(("disk-1", LOCAL_DISK), ())) == 4,
+                                   what="the store's chunks indexed")
+            await agrees(service, client, subscriber, [worker], "a store after the engine")
+            assert len(stream.descriptions) == 2
+            described_as_put(subscriber, worker.worker_id, worker, TOKENS, range(4))
+            described_as_put(subscriber, "disk-1", worker, TOKENS, [2, 3], medium=LOCAL_DISK)
+            assert sorted(h for holder, h in subscriber.blocks if holder == "disk-1") == sorted(
+                external_hash(span.key, True) for span in worker.spans(TOKENS)[2:])
+
+
 async def test_a_restarted_store_is_followed_through_its_full_sync(nats_server: EmbeddedNats) -> None:
     """A store that restarts holding less (here: its first chunk only) full-syncs; the keys it lost leave the
     index as BlockRemoved on its topic, and the events still rebuild the index and /lookup's answers."""
