@@ -27,16 +27,18 @@ from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.messaging.embedded_nats import EmbeddedNats, free_port
 from kvmesh.services.engine.adapter.kv_events import event_digest
 from kvmesh.services.engine.adapter.scheduler_lookup import engines
+from kvmesh.services.engine.assembly import build_engine
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, LOCATIONS, REMOTE
+from kvmesh.shared.wire.keys import KeyParams
 from kvmesh.shared.wire.kv_events import ChunkDescription, external_hash, pack_tokens
 
-from support.connector_driver import prefill, scheduler_half, worker_half
-from support.engine import BLOCK, CHUNK, PagedKV, random_tokens
+from support.connector_driver import Step, blocks, prefill, request, run_worker_step, scheduler_half, worker_half
+from support.engine import BLOCK, CHUNK, PagedKV, engine_config, random_tokens
 from support.controller import MODEL, FakeEngineWorker, FakeStore, layout, running_controller, started
 from support.engine_mesh import engine_on
 from support.kv_event_stream import StreamSubscriber, subscribed
 from support.kv_oracle import Forward
-from support.waiting import wait_until_async
+from support.waiting import WAIT_S, wait_until_async
 
 class Recorder:
     """An IndexWatcher that writes down what it is told."""
@@ -266,6 +268,53 @@ async def test_an_engines_saved_chunks_reach_the_stream_with_their_tokens_and_pa
         assert event.block_size == CHUNK and event.medium == LOCAL_CPU and event.extra_keys is None
     (prefix,) = events.values()  # the last chunk's block prefix: tokens [96, 112) under the third chunk
     assert prefix.token_ids == tokens[3 * CHUNK:3 * CHUNK + BLOCK] and prefix.parent_block_hash == hashes[2]
+
+
+async def test_tensor_parallel_ranks_describe_their_chunks_under_their_own_shard_keys(
+        nats_server: EmbeddedNats) -> None:
+    """Two ranks of one instance (real engines, the scheduler half's lookups over both, one step's metadata run
+    by each worker half): each rank's topic carries its shard keys, its parents as its shard names them, and the
+    prompt's tokens."""
+    tokens = random_tokens(2 * CHUNK, seed=4).tolist()
+    ranks = [KeyParams(model="test-model", kv_format="", world_size=2, rank=rank) for rank in range(2)]
+    kvs = [PagedKV(num_blocks=128, seed=rank) for rank in range(2)]
+    async with running_controller(nats_server.url, **STREAM) as (service, client):
+        stream = service.kv_events
+        assert stream is not None and stream.replay_endpoint is not None
+        async with subscribed(stream.endpoint, stream.replay_endpoint) as subscriber:
+            config = engine_config(nats_url=nats_server.url, lmcache_instance_id="inst-tp", describe_admissions=True)
+            workers = [await asyncio.to_thread(build_engine, config, params, kv.layout)
+                       for params, kv in zip(ranks, kvs)]
+            for rank, engine in enumerate(workers):
+                assert await asyncio.to_thread(engine.wait_connected, WAIT_S)
+                engines.add(rank, engine)
+            sched = scheduler_half(config, BLOCK, saves_off_forward=False, world_size=2)
+            try:
+                halves = [worker_half(engine, kv.caches, BLOCK, saves_off_forward=False)
+                          for engine, kv in zip(workers, kvs)]
+                req = request("r1", tokens)
+                assert await asyncio.to_thread(sched.get_num_new_matched_tokens, req, 0) == (0, False)
+                sched.update_state_after_alloc(req, blocks(list(range(4))), 0)
+                metadata = sched.build_connector_meta(Step(new=[("r1", list(range(4)), 0, len(tokens))]).output())
+                for half in halves:
+                    await asyncio.to_thread(run_worker_step, half, metadata, set())
+                described = lambda rank: {h: e for (holder, h), e in subscriber.blocks.items()  # noqa: E731
+                                          if holder == workers[rank].worker_id}
+                await wait_until_async(lambda: all(len(described(rank)) == 2 for rank in range(2)),
+                                       what="both ranks' two chunks described")
+            finally:
+                sched.shutdown()
+                for engine in workers:
+                    engines.remove(engine)
+                    await asyncio.to_thread(engine.close)
+    tracker = sched.scheduler_side.tracker("r1")
+    assert tracker is not None and len(tracker.chain) == 2
+    for rank, params in enumerate(ranks):
+        events = described(rank)
+        first, second = (external_hash(params.shard_key(span.key), True) for span in tracker.chain)
+        assert set(events) == {first, second}, rank
+        assert events[first].parent_block_hash is None and events[first].token_ids == tokens[:CHUNK]
+        assert events[second].parent_block_hash == first and events[second].token_ids == tokens[CHUNK:]
 
 
 async def test_descriptions_over_the_bounds_or_with_a_value_in_clear_are_refused(nats_server: EmbeddedNats) -> None:
