@@ -13,6 +13,10 @@ all), and events/s and block hashes/s published (until the subscriber has receiv
 document and one line of text.
 
     python benchmarks/controller_kv_events.py          # defaults: 200k keys, 8 instances
+    python benchmarks/controller_kv_events.py --keys 20000 --describe   # each admission describes its chunk
+
+With `--describe` every admission carries its chunk's description (parent key, 256 token ids), as an engine with
+describe_admissions sends it, and the stream publishes one BlockStored per chunk with its tokens.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ def subscriber_main(endpoint: str, expected_hashes: int, ready: Any, results: An
     sub.connect(endpoint)
     decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
     ready.set()
-    messages = stored = 0
+    messages = stored = described = 0
     first = last = None
     deadline = time.time() + 120
     while stored < expected_hashes and time.time() < deadline:
@@ -59,15 +63,21 @@ def subscriber_main(endpoint: str, expected_hashes: int, ready: Any, results: An
         for event in decoder.decode(payload).events:
             if isinstance(event, BlockStored):
                 stored += len(event.block_hashes)
-    results.put({"messages": messages, "hashes_stored": stored, "first": first, "last": last})
+                described += 1 if event.token_ids else 0
+    results.put({"messages": messages, "hashes_stored": stored, "described": described, "first": first,
+                 "last": last})
 
 
-async def produce(nats_url: str, instances: int, keys: int) -> float:
-    """Admit `keys` random chunk keys over `instances` workers; returns the time the first admission was made."""
+async def produce(nats_url: str, instances: int, keys: int, describe: bool) -> float:
+    """Admit `keys` random chunk keys over `instances` workers (`describe`: each with its description); returns
+    the time the first admission was made."""
     from kvmesh.shared import protocol
     from kvmesh.shared.messaging import bus
     from kvmesh.shared.messaging.admissions import AdmissionReporter
     from kvmesh.shared.protocol import LOCAL_CPU
+    from kvmesh.shared.wire.kv_events import ChunkDescription, pack_tokens
+
+    tokens = pack_tokens(range(1000, 1000 + CHUNK_SIZE))
 
     nc = await bus.connect(nats_url, name="bench-producer")
     reporters = []
@@ -87,6 +97,8 @@ async def produce(nats_url: str, instances: int, keys: int) -> float:
     for n in range(keys):
         reporter, held = reporters[n % instances]
         key = os.urandom(16)
+        if describe:
+            reporter.describe(key, ChunkDescription(held[-1] if held else None, tokens, None, None))
         held.append(key)
         reporter.admit(key)
         if n % 4096 == 4095:
@@ -101,6 +113,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keys", type=int, default=200_000, help="chunk keys to admit in total (default 200k)")
     parser.add_argument("--instances", type=int, default=8)
+    parser.add_argument("--describe", action="store_true", help="admissions carry descriptions (256 tokens each)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
@@ -120,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         subscriber.start()
         ready.wait(30)
         time.sleep(0.5)  # ZMQ's slow joiner: the subscription reaches the controller's PUB socket
-        started = asyncio.run(produce(nats.url, args.instances, args.keys))
+        started = asyncio.run(produce(nats.url, args.instances, args.keys, args.describe))
         while http_json(port, "GET", "/instances")["num_keys"] < args.keys:
             time.sleep(0.01)
         indexed = time.time()
@@ -132,10 +145,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         nats.stop()
     published_s = received["last"] - started
     result = {
-        "keys": args.keys, "instances": args.instances,
+        "keys": args.keys, "instances": args.instances, "described": args.describe,
         "ingest_s": round(indexed - started, 3), "admissions_per_s": round(args.keys / (indexed - started)),
         "publish_s": round(published_s, 3), "messages": received["messages"],
-        "hashes_stored": received["hashes_stored"],
+        "hashes_stored": received["hashes_stored"], "described_events": received["described"],
         "events_per_s": round(received["messages"] / published_s),
         "hashes_per_s": round(received["hashes_stored"] / published_s),
     }

@@ -6,7 +6,7 @@ the same bytes in the same chunks over TCP with `loop.sock_sendall` / `loop.sock
 preallocated buffer, one request and a 1-byte answer per chunk, as the store does. Rounds alternate raw and
 store (the machine's speed drifts); raw figures are medians over its rounds.
 
-    python benchmarks/remote_store.py --total-gib 1 --chunk-mib 32 [--prefault-gb 1]
+    python benchmarks/remote_store.py --total-gib 1 --chunk-mib 32 [--prefault-gb 1] [--fault-ahead-gb 0]
 
 Store puts are timed twice: "cold" into a fresh store (every buffer is page-faulted for the first time, unless the
 store was started with `--prefault-gb`: then they are carved from memory it faulted in before serving) and "warm"
@@ -163,7 +163,8 @@ async def run(args: argparse.Namespace) -> dict:
         store = subprocess.Popen(
             [sys.executable, "-m", "kvmesh.services.remote_store", "--nats-url", nats_server.url,
              "--max-size-gb", str(total / GiB), "--store-id", STORE_ID, "--log-level", "WARNING",
-             *(["--prefault-gb", str(args.prefault_gb)] if args.prefault_gb else [])],
+             *(["--prefault-gb", str(args.prefault_gb)] if args.prefault_gb else []),
+             *(["--fault-ahead-gb", str(args.fault_ahead_gb)] if args.fault_ahead_gb is not None else [])],
             stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
         peer = subprocess.Popen(
             [sys.executable, __file__, "--raw-peer", "--nats-url", nats_server.url, "--chunk-mib", str(args.chunk_mib)],
@@ -256,6 +257,7 @@ async def run(args: argparse.Namespace) -> dict:
         "ratio_get": round(raw_get / get, 3),
         "store_buffers_allocated": stats.details.get("buffers_allocated"),
         "store_prefaulted_bytes": stats.details.get("prefaulted_bytes", 0),
+        "store_fault_ahead_gb": args.fault_ahead_gb,  # None: the store's default
         **nats_frames,
     }
 
@@ -303,6 +305,9 @@ def main() -> None:
     parser.add_argument("--nats-mib", type=float, default=128.0, help="MiB moved through NATS frames (0: skip)")
     parser.add_argument("--prefault-gb", type=float, default=0.0,
                         help="the store's --prefault-gb (memory faulted in at start; up to --total-gib)")
+    parser.add_argument("--fault-ahead-gb", type=float, default=None,
+                        help="the store's --fault-ahead-gb (default: the store's own; 0: puts into an empty store "
+                        "fault their own buffers, as before the background faulting)")
     parser.add_argument("--raw-peer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--nats-url", help=argparse.SUPPRESS)
     args = parser.parse_args()

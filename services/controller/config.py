@@ -183,10 +183,15 @@ class ControllerConfig:
         f"with --kv-events-public (default: {DEFAULT})", "127.0.0.1")
     kv_events_public: bool = option(
         "--kv-events-public", "let the KV event stream listen beyond loopback, unauthenticated (it names chunk "
-        "hashes, holders and models; no tokens, salts or secrets); logged as a WARNING at every start", False)
+        "hashes, holders and models, and the token ids of chunks engines describe; no salts or secrets); logged "
+        "as a WARNING at every start", False)
     kv_events_buffer: int = option(
         "--kv-events-buffer", "messages of the KV event stream kept for replay, each of at most 1024 block "
         f"hashes (~9 KiB) (default: {DEFAULT})", 10_000, type=_positive(int))
+    kv_events_chunks: int = option(
+        "--kv-events-chunks", "chunk descriptions (parent, token ids: ~4 bytes a token) the KV event stream "
+        "remembers from engines' admissions, to publish them again when a store admits the same chunk "
+        f"(default: {DEFAULT}; 0: none)", 20_000, type=_non_negative_int)
     sync_retry_s: float = 3.0  # re-ask a producer for a full sync after this long without one
     heartbeat_grace_s: float = 1.0  # a heartbeat's seq claim must be met by batches within this
     tick_interval_s: float = 0.25  # maintenance pass period

@@ -15,6 +15,7 @@ are folded into it, and when the final part arrives the producer's bits become e
 from __future__ import annotations
 
 import logging
+from typing import Any, Callable
 
 from kvmesh.services.controller.holder_index import HolderIndex
 from kvmesh.services.controller.instance_claims import InstanceClaims
@@ -23,6 +24,7 @@ from kvmesh.services.controller.producer_records import IngestStats, Producer, S
 from kvmesh.shared import protocol
 from kvmesh.shared.messaging.sharing_domains import DEFAULT_DOMAIN
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, REMOTE
+from kvmesh.shared.wire.keys import ChunkKey
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,9 @@ class ProducerTable:
         self.stats = IngestStats()
         self.quotas = PrincipalQuotas(limits, self.producers, self.index, self.stats)
         self._alive_mask = 0
+        # told of an admission batch's descriptions (parent, token ids) before its keys are indexed: the KV event
+        # stream, when on (kv_event_stream.py); None: they are ignored
+        self.on_described: Callable[[Producer, list[list[Any]], list[ChunkKey]], None] | None = None
 
     # ---------------------------------------------------------------------------------------------------
     # Queries
@@ -241,7 +246,10 @@ class ProducerTable:
 
     def _apply(self, producer: Producer, batch: protocol.AdmissionBatch) -> None:
         if batch.admitted:
-            self.index.admit(producer.slot, self.quotas.admissible(producer, batch.admitted))
+            admitted = self.quotas.admissible(producer, batch.admitted)
+            if batch.described and self.on_described is not None:
+                self.on_described(producer, batch.described, admitted)
+            self.index.admit(producer.slot, admitted)
         if batch.evicted:
             self.index.evict(producer.slot, batch.evicted)
 

@@ -119,7 +119,8 @@ class ControllerService:
                 log.warning("--kv-events-public: the KV event stream on %s is open to anyone who reaches it",
                             config.kv_events_host)
             self.kv_events = KVEventStream(self.core.table, config.kv_events_host, config.kv_events_port,
-                                           config.kv_events_replay_port, config.kv_events_buffer)
+                                           config.kv_events_replay_port, config.kv_events_buffer,
+                                           config.kv_events_chunks)
             self.kv_events.start()
             self.core.kv_events = self.kv_events
         await self.feed.start()

@@ -47,7 +47,8 @@ from kvmesh.shared.eviction import Clock
 from kvmesh.shared.messaging import bus
 from kvmesh.shared.messaging.credentials import DEFAULT_DOMAIN, SharingDomain, credentials_for
 from kvmesh.shared.protocol import PEER, worker_id_for
-from kvmesh.shared.wire.keys import ChunkHasher, KeyParams
+from kvmesh.shared.wire.keys import ChunkHasher, ChunkKey, KeyParams
+from kvmesh.shared.wire.kv_events import ChunkDescription
 from kvmesh.shared.wire.redis_keys import RedisAuth
 from kvmesh.shared.wire.stream_server import ClientBounds
 
@@ -225,6 +226,10 @@ class WorkerMesh:
         """Tell the controller the registration changed (a new LoRA adapter), if registered already."""
         if self.agent.started:
             self.nats_loop.submit(self.agent.reporter.announce())
+
+    def describe(self, key: ChunkKey, description: ChunkDescription) -> None:
+        """Carry `description` with `key`'s next admission (thread-safe: the reporter locks)."""
+        self.agent.reporter.describe(key, description)
 
     def close(self) -> None:
         self.connection.close()

@@ -2,7 +2,9 @@
 
 A producer (engine worker or store) records `admit(key)` / `evict(key)` as its index changes. `AdmissionReporter`
 flushes them as `AdmissionBatch` messages on the producer's events subject, numbered 1, 2, 3, ... so the
-controller sees a gap when one is lost. It answers `SyncRequest` (and a controller's hello) by publishing its
+controller sees a gap when one is lost. An engine may `describe` a chunk before admitting it (its parent, token
+ids and extras digests, shared/wire/kv_events.py): the admission's batch then carries the description, for the
+controller's KV event stream; batches with descriptions are cut to stay well under NATS's max_payload. It answers `SyncRequest` (and a controller's hello) by publishing its
 registration and every held key as `SyncChunk` parts, stamped with the sequence number they reflect. Calls to
 admit/evict are cheap and thread-safe; the NATS work happens on the reporter's event loop.
 
@@ -28,11 +30,14 @@ from kvmesh.shared import protocol
 from kvmesh.shared.aio import cancel_and_wait
 from kvmesh.shared.messaging import bus
 from kvmesh.shared.wire.keys import ChunkKey
+from kvmesh.shared.wire.kv_events import ChunkDescription, description_item
 
 log = logging.getLogger(__name__)
 
 SYNC_KEYS_PER_PART = 50_000  # 50k keys * ~18 bytes ~ 0.9 MiB: under NATS's default max_payload
 MAX_KEYS_PER_BATCH = 20_000
+DESCRIBED_BYTES_PER_BATCH = 256 * 1024  # descriptions' token ids per batch (a 256-token chunk's are 1 KiB)
+MAX_DESCRIBED_KEYS = 16_384  # descriptions waiting for their chunk's admission (older ones are forgotten)
 
 
 class AdmissionReporter:
@@ -56,6 +61,8 @@ class AdmissionReporter:
         self._min_sync_interval = min_sync_interval
         self._lock = threading.Lock()
         self._pending: list[tuple[bool, ChunkKey]] = []  # (admitted?, key) in order
+        # key -> what its admission's batch carries; an insertion-ordered dict, oldest first
+        self._descriptions: dict[ChunkKey, ChunkDescription] = {}
         self._seq = 0
         self._flush_lock = asyncio.Lock()
         self._nc: NatsClient | None = None
@@ -73,6 +80,14 @@ class AdmissionReporter:
     def evict(self, key: ChunkKey) -> None:
         with self._lock:
             self._pending.append((False, key))
+
+    def describe(self, key: ChunkKey, description: ChunkDescription) -> None:
+        """What `key`'s next admission's batch carries besides the key (noted before the admission)."""
+        with self._lock:
+            self._descriptions.pop(key, None)
+            self._descriptions[key] = description
+            if len(self._descriptions) > MAX_DESCRIBED_KEYS:
+                del self._descriptions[next(iter(self._descriptions))]
 
     async def start(self, nc: NatsClient) -> None:
         """Subscribe to sync requests and controller hellos; register; start flushing and heartbeating."""
@@ -98,18 +113,21 @@ class AdmissionReporter:
     async def _flush_unlocked(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
+            described = {key: self._descriptions.pop(key) for admitted, key in pending
+                         if admitted and key in self._descriptions} if self._descriptions else {}
         if not pending or self._nc is None:
             return
-        for start in range(0, len(pending), MAX_KEYS_PER_BATCH):
+        for part in _parts(pending, described):
             # Within a batch only each key's last state matters (admit then evict = evicted).
             last_state: dict[ChunkKey, bool] = {}
-            for admitted, key in pending[start:start + MAX_KEYS_PER_BATCH]:
+            for admitted, key in part:
                 last_state[key] = admitted
             self._seq += 1
+            admitted_keys = [k for k, held in last_state.items() if held]
             batch = protocol.AdmissionBatch(
-                producer_id=self.producer_id, location=self.location, seq=self._seq,
-                admitted=[k for k, held in last_state.items() if held],
-                evicted=[k for k, held in last_state.items() if not held])
+                producer_id=self.producer_id, location=self.location, seq=self._seq, admitted=admitted_keys,
+                evicted=[k for k, held in last_state.items() if not held],
+                described=[description_item(k, described[k]) for k in admitted_keys if k in described])
             await bus.publish(self._nc, protocol.Subjects.events(self.path), batch)
 
     async def publish_full_sync(self) -> None:
@@ -185,3 +203,25 @@ class AdmissionReporter:
             except Exception as exc:
                 log.debug("%s: heartbeat failed: %s", self.producer_id, exc)
             await asyncio.sleep(self._heartbeat_interval)
+
+
+def _parts(pending: list[tuple[bool, ChunkKey]], described: dict[ChunkKey, ChunkDescription]
+           ) -> Iterable[list[tuple[bool, ChunkKey]]]:
+    """`pending` cut into batches of at most MAX_KEYS_PER_BATCH keys and DESCRIBED_BYTES_PER_BATCH of
+    descriptions' token ids."""
+    if not described:
+        for start in range(0, len(pending), MAX_KEYS_PER_BATCH):
+            yield pending[start:start + MAX_KEYS_PER_BATCH]
+        return
+    part: list[tuple[bool, ChunkKey]] = []
+    size = 0
+    for event in pending:
+        description = described.get(event[1]) if event[0] else None
+        cost = len(description.token_ids) + 64 if description is not None else 0
+        if part and (len(part) >= MAX_KEYS_PER_BATCH or size + cost > DESCRIBED_BYTES_PER_BATCH):
+            yield part
+            part, size = [], 0
+        part.append(event)
+        size += cost
+    if part:
+        yield part

@@ -141,6 +141,9 @@ class AdmissionBatch:
     seq: int
     admitted: list[bytes] = field(default_factory=list)
     evicted: list[bytes] = field(default_factory=list)
+    # admitted chunks' parent, token ids and extras digests where the producer knows them (an engine's saves),
+    # for the controller's KV event stream: shared/wire/kv_events.py `description_item` / `parse_description`
+    described: list[list[Any]] = field(default_factory=list)
 
 
 @message("sync_request")

@@ -16,8 +16,10 @@ router sees one chunk under one hash on both.
 from __future__ import annotations
 
 import os
+from typing import Sequence
 
 import msgspec
+import numpy as np
 
 USE_INT_BLOCK_HASHES_ENV = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
 
@@ -44,6 +46,7 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    extra_keys: list[tuple[object, ...] | None] | None = None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -59,3 +62,80 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     ts: float
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
     data_parallel_rank: int | None = None
+
+
+# -- What a router needs of a chunk besides its key --------------------------------------------------------------
+# An engine's admission of a chunk it saved may carry it (`AdmissionBatch.described`), so that the controller's
+# stream publishes BlockStored events as the engine's own in-vLLM events do. On the wire one description is
+# [key, parent key or None, token ids (uint32 little-endian), extra_keys or None, lora_name or None]; extra_keys
+# hold digests only (the engine's `event_digest`), never a salt in clear. The controller takes them as untrusted
+# input: `parse_description` answers None for anything malformed or over the bounds below.
+
+KEY_BYTES = 16
+MAX_EXTRA_KEYS = 64  # LoRA, images in one chunk, salt, embeddings: far fewer in practice
+DIGEST_CHARS = 32  # an extra key is a 128-bit digest in hex (the engine's `event_digest`), never a value
+HEX = frozenset("0123456789abcdef")
+MAX_LORA_NAME = 256
+
+
+class ChunkDescription(msgspec.Struct, frozen=True, gc=False):  # type: ignore[call-arg]
+    parent: bytes | None  # the previous chunk's key (the same shard), None for a sequence's first chunk
+    token_ids: bytes  # uint32 little-endian
+    extra_keys: tuple[object, ...] | None
+    lora_name: str | None
+
+    def tokens(self) -> list[int]:
+        return np.frombuffer(self.token_ids, dtype="<u4").tolist()
+
+
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    return np.asarray(tokens, dtype="<u4").tobytes()
+
+
+def description_item(key: bytes, description: ChunkDescription) -> list[object]:
+    """`key`'s description in its wire form (an item of `AdmissionBatch.described`)."""
+    extras = list(description.extra_keys) if description.extra_keys is not None else None
+    return [bytes(key), description.parent, description.token_ids, extras, description.lora_name]
+
+
+def parse_description(item: object, max_tokens: int) -> tuple[bytes, ChunkDescription] | None:
+    """An item of `AdmissionBatch.described` as (key, description), or None when it is malformed or over the bounds
+    (at most `max_tokens` tokens: the producer's chunk size)."""
+    if not isinstance(item, list) or len(item) != 5:
+        return None
+    key, parent, token_ids, extras, lora_name = item
+    if not (isinstance(key, bytes) and len(key) == KEY_BYTES):
+        return None
+    if not (parent is None or isinstance(parent, bytes) and len(parent) == KEY_BYTES):
+        return None
+    if not (isinstance(token_ids, bytes) and 0 < len(token_ids) <= 4 * max_tokens and len(token_ids) % 4 == 0):
+        return None
+    if not (lora_name is None or isinstance(lora_name, str) and 0 < len(lora_name) <= MAX_LORA_NAME):
+        return None
+    parsed_extras = _parse_extras(extras)
+    if parsed_extras is False:
+        return None
+    return key, ChunkDescription(parent, token_ids, parsed_extras, lora_name)
+
+
+def _parse_extras(extras: object) -> tuple[object, ...] | None | bool:
+    """vLLM's untagged extra_keys shapes with digests: a digest, or a (digest, offset) pair; False when malformed."""
+    if extras is None:
+        return None
+    if not isinstance(extras, list) or not 0 < len(extras) <= MAX_EXTRA_KEYS:
+        return False
+    parsed: list[object] = []
+    for extra in extras:
+        if _digest(extra):
+            parsed.append(extra)
+        elif (isinstance(extra, list) and len(extra) == 2 and _digest(extra[0]) and isinstance(extra[1], int)
+              and not isinstance(extra[1], bool) and 0 <= extra[1] < 1 << 32):
+            parsed.append((extra[0], extra[1]))
+        else:
+            return False
+    return tuple(parsed)
+
+
+def _digest(value: object) -> bool:
+    """Whether `value` has a digest's form (what a salt in clear would not have, unless it were one)."""
+    return isinstance(value, str) and len(value) == DIGEST_CHARS and HEX.issuperset(value)

@@ -1,6 +1,7 @@
 """NATS plumbing on a real nats-server: typed serve/request, garbage dropped, admissions numbered and synced."""
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -8,7 +9,8 @@ from kvmesh.shared import protocol
 
 from kvmesh.shared.errors import MeshUnavailable
 from kvmesh.shared.messaging import bus
-from kvmesh.shared.messaging.admissions import AdmissionReporter
+from kvmesh.shared.messaging.admissions import DESCRIBED_BYTES_PER_BATCH, AdmissionReporter
+from kvmesh.shared.wire.kv_events import ChunkDescription, pack_tokens, parse_description
 
 from support.waiting import WAIT_S, wait_until_async
 
@@ -175,3 +177,42 @@ async def test_a_store_that_subscribes_a_moment_late_still_gets_the_request(nc, 
     assert not gone.reachable and 1 < len(tries) <= 10  # retried for a moment, then taken for down
     assert await gone.request(nc, "contains", protocol.ChunkKeys(keys=[]), protocol.ContainsReply, WAIT_S) is None
     assert len(tries) <= 10  # resting: not even sent
+
+
+async def test_described_admissions_are_cut_into_batches_nats_takes(nc) -> None:
+    """An admission noted with a description carries it in its batch; 600 chunks of 256 tokens (~600 KiB of
+    token ids) go out in several numbered batches, each under the budget, every description once, with its key
+    admitted in the same batch; a description of a chunk evicted before the flush is not sent."""
+    received: list[protocol.AdmissionBatch] = []
+
+    async def on_event(msg) -> None:
+        with contextlib.suppress(Exception):
+            received.append(protocol.decode(msg.data, protocol.AdmissionBatch))
+
+    path = protocol.Principal.engine("inst").producer("w0")
+    await nc.subscribe(protocol.Subjects.events(path), cb=on_event)
+    reporter = AdmissionReporter("w0", path, protocol.LOCAL_CPU, lambda: [],
+                                 lambda: protocol.RegisterStore(store_id="w0", location=protocol.LOCAL_CPU),
+                                 flush_interval=3600)
+    await reporter.start(nc)
+    keys = [i.to_bytes(16, "big") for i in range(600)]
+    for index, key in enumerate(keys):
+        reporter.describe(key, ChunkDescription(keys[index - 1] if index else None,
+                                                pack_tokens(range(index, index + 256)), None, None))
+        reporter.admit(key)
+    reporter.evict(keys[-1])
+    await reporter.flush()
+    await wait_until_async(lambda: sum(len(b.admitted) + len(b.evicted) for b in received) == 600,
+                           what="every admission's batch")
+    await reporter.stop()
+    assert len(received) >= 3 and [b.seq for b in received] == list(range(1, len(received) + 1))
+    seen: dict[bytes, ChunkDescription] = {}
+    for batch in received:
+        assert sum(len(item[2]) for item in batch.described) <= DESCRIBED_BYTES_PER_BATCH
+        for item in batch.described:
+            parsed = parse_description(item, 256)
+            assert parsed is not None and parsed[0] in batch.admitted and parsed[0] not in seen
+            seen[parsed[0]] = parsed[1]
+    assert sorted(seen) == keys[:-1]
+    assert all(seen[key].tokens() == list(range(i, i + 256)) for i, key in enumerate(keys[:-1]))
+    assert all(seen[key].parent == (keys[i - 1] if i else None) for i, key in enumerate(keys[:-1]))

@@ -20,6 +20,7 @@ from kvmesh.shared.messaging.admissions import AdmissionReporter
 from kvmesh.shared.messaging.credentials import credentials_for
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, Subjects
 from kvmesh.shared.wire.keys import ChunkHasher, KeyParams
+from kvmesh.shared.wire.kv_events import ChunkDescription, pack_tokens
 
 from support.waiting import WAIT_S, wait_until_async
 
@@ -103,13 +104,22 @@ class FakeEngineWorker:
     def spans(self, tokens: list[int]) -> list[Any]:
         return self.hasher.spans(tokens)
 
-    def store(self, tokens: list[int], chunks: list[int] | None = None, where: str = LOCAL_CPU) -> None:
-        """Hold chunks `chunks` (default: all) of `tokens` at `where` (remote: spread over the partitions)."""
-        for span in self.spans(tokens):
+    def store(self, tokens: list[int], chunks: list[int] | None = None, where: str = LOCAL_CPU,
+              describe: bool = False, lora_name: str | None = None,
+              extra_keys: tuple[object, ...] | None = None) -> None:
+        """Hold chunks `chunks` (default: all) of `tokens` at `where` (remote: spread over the partitions); with
+        `describe`, the CPU tier's admissions carry each chunk's parent and tokens (and `lora_name`, `extra_keys`),
+        as an engine's saves do with describe_admissions."""
+        spans = self.spans(tokens)
+        for span in spans:
             if chunks is not None and span.index not in chunks:
                 continue
             if where == LOCAL_CPU:
                 self.chunks[span.key] = span.num_tokens
+                if describe:
+                    parent = spans[span.index - 1].key if span.index else None
+                    self.reporter.describe(span.key, ChunkDescription(
+                        parent, pack_tokens(tokens[span.start:span.end]), extra_keys, lora_name))
                 self.reporter.admit(span.key)
             elif where == LOCAL_DISK:
                 assert self.disk is not None

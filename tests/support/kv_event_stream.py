@@ -1,7 +1,8 @@
 """A subscriber of the controller's KV event stream, as a router would write one with vLLM's own classes: a ZMQ
 SUB socket on every topic, vLLM's `KVEventBatch` msgpack decoder, and replays (a DEALER on the ROUTER socket) to
 fill a gap in the sequence numbers or to catch up after joining late. `holdings` is what the events alone say:
-(holder, medium) -> block hashes."""
+(holder, medium) -> block hashes; `blocks` what the BlockStored events that describe a block (its parent, token
+ids...) said of it last, by (holder, hash)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class StreamSubscriber:
         self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self.next_seq = 0
         self.holdings: dict[tuple[str, str], set[int | bytes]] = defaultdict(set)
+        self.blocks: dict[tuple[str, int | bytes], BlockStored] = {}
         self.cleared: list[str] = []  # holders an AllBlocksCleared named, in order
         self.media: dict[str, set[str]] = defaultdict(set)  # holder -> media its events named
         self.models: dict[str, str] = {}  # holder -> the model its topic names
@@ -70,13 +72,19 @@ class StreamSubscriber:
     def _apply(self, topic: bytes, seq: int, payload: bytes) -> None:
         assert seq == self.next_seq, (seq, self.next_seq)
         self.next_seq = seq + 1
-        kind, holder, model = topic.decode().split("@", 2)
+        kind, holder_and_model = topic.decode().split("@", 1)
+        holder, model = holder_and_model.rsplit("@", 1)  # an engine worker's id has an "@" of its own
         assert kind == "kv", topic
         self.models[holder] = model
         batch = self._decoder.decode(payload)
         for event in batch.events:
             if isinstance(event, BlockStored):
-                assert event.parent_block_hash is None and event.token_ids == [], event
+                if event.token_ids:  # a described block: one per event, as the engine's own events give it
+                    assert len(event.block_hashes) == 1 and len(event.token_ids) <= event.block_size, event
+                    self.blocks[(holder, event.block_hashes[0])] = event
+                else:  # a set of blocks nothing more is known of
+                    assert event.parent_block_hash is None and event.lora_name is None, event
+                    assert event.extra_keys is None, event
                 self.media[holder].add(str(event.medium))
                 self.holdings[(holder, str(event.medium))].update(event.block_hashes)
             elif isinstance(event, BlockRemoved):

@@ -65,9 +65,11 @@ def render(core: ControllerCore) -> str:
     stream = core.kv_events
     if stream is not None:  # --kv-events-port
         metric("kvmesh_controller_kv_events_total", "counter",
-               "The KV event stream: messages published, block hashes in them, replays served.",
+               "The KV event stream: messages published, block hashes in them, replays served, chunk "
+               "descriptions refused (malformed, over the bounds, or of keys not admitted).",
                [('what="messages"', stream.messages_published), ('what="hashes"', stream.hashes_published),
-                ('what="replays"', stream.replays_served)])
+                ('what="replays"', stream.replays_served),
+                ('what="descriptions_refused"', stream.descriptions.refused)])
     metric("kvmesh_controller_lookups_total", "counter", "Lookups answered.", [("", m.lookups)])
     metric("kvmesh_controller_peer_lookups_total", "counter",
            "P2P lookups of engine workers answered, by whether a live peer was named.",

@@ -37,7 +37,7 @@ import logging
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import vllm.envs as envs
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
@@ -45,6 +45,10 @@ from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KV
 from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents
 from kvmesh.shared.wire.keys import ChunkKey, ChunkSpan, KeyExtras, KeyParams
 from kvmesh.shared.wire import kv_events as wire_events
+from kvmesh.shared.wire.kv_events import ChunkDescription, pack_tokens
+
+if TYPE_CHECKING:
+    from kvmesh.services.engine.adapter.request_meta import SaveSpec
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +83,24 @@ def extra_keys_of(extras: KeyExtras | None, lora_name: str | None, span: ChunkSp
         if span.index < len(extras.embeds_digests):
             parts.append(event_digest(b"embeds", extras.embeds_digests[span.index]))
     return tuple(parts) or None
+
+
+def save_descriptions(tokens: Sequence[int], keys: Sequence[ChunkKey], save: "SaveSpec", chunk_size: int,
+                      extras: KeyExtras | None, lora_name: str | None
+                      ) -> tuple[tuple[ChunkKey, ChunkDescription], ...]:
+    """With describe_admissions: what the admissions of the chunks `save` stores tell the controller's KV event
+    stream (shared/wire/kv_events.py), by chain key: each chunk's parent, tokens, extras as digests (as in these
+    events) and LoRA name, the block prefix of the last one too. `keys` are the request's chain keys up to
+    `save.end`, `tokens` its tokens from 0."""
+    spans = [ChunkSpan(index, index * chunk_size, min((index + 1) * chunk_size, save.end), keys[index])
+             for index in range(save.mask_start // chunk_size, min(len(keys), -(-save.end // chunk_size)))]
+    if save.prefix_end and save.prefix_key is not None:
+        index = (save.prefix_end - 1) // chunk_size
+        spans.append(ChunkSpan(index, index * chunk_size, save.prefix_end, save.prefix_key))
+    return tuple((span.key, ChunkDescription(keys[span.index - 1] if span.index else None,
+                                             pack_tokens(tokens[span.start:span.end]),
+                                             extra_keys_of(extras, lora_name, span), lora_name))
+                 for span in spans)
 
 
 class KVEventLog:

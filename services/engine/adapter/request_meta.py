@@ -37,6 +37,7 @@ from kvmesh.shared.wire.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyExtras
 
 if TYPE_CHECKING:
     from kvmesh.services.engine.adapter.block_prefix import BlockPrefixProbe
+    from kvmesh.shared.wire.kv_events import ChunkDescription
     from kvmesh.services.engine.adapter.scheduler_lookup import LowerLookup
 
 try:  # the base class exists wherever vLLM does; the module stays importable (and testable) without it
@@ -76,6 +77,8 @@ class SaveSpec:
     # models with recurrent state (kv_groups.py): (chunk end, the state groups' block column whose page holds the
     # state after exactly that many tokens) for each state this step left at a chunk end, stored beside the chunk
     state_pages: tuple[tuple[int, int], ...] = ()
+    # with describe_admissions: (chain key, its description) of each chunk stored, for the admissions' batches
+    described: tuple[tuple[ChunkKey, "ChunkDescription"], ...] = ()
 
 
 @dataclass

@@ -52,6 +52,8 @@ class Saves:
                     continue
                 log.info("Storing KV cache for %d out of %d tokens for request %s", end - save.mask_start, end,
                          req.req_id)
+                if save.described:  # before the admissions, which carry them (describe_admissions)
+                    engine.describe(save.described)
                 self._store(engine, kv_caches, req.req_id, spans, self._where.tokens(req, end), stream, jobs)
                 self._count_store(end - save.mask_start, time.perf_counter() - started)
             except Exception as exc:

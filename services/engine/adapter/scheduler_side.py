@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from kvmesh.services.engine.adapter.async_loads import loads_asynchronously
 from kvmesh.services.engine.adapter.block_prefix import BlockPrefixProbe
 from kvmesh.services.engine.adapter.connector_stats import KVMeshStats
-from kvmesh.services.engine.adapter.kv_events import KVEventLog
+from kvmesh.services.engine.adapter.kv_events import KVEventLog, save_descriptions
 from kvmesh.services.engine.adapter.kv_groups import KVGroups
 from kvmesh.services.engine.adapter.pd import peer_hint, producer_params, wants_remote_decode
 from kvmesh.services.engine.adapter.request_extras import lora_name_of, request_extras
@@ -308,6 +308,10 @@ class SchedulerSide:
         end = max(load.end if load else 0, save.end if save else 0)
         lora_id = tracker.extras.lora_id if tracker.extras is not None else None
         keys = self._chain_keys(tracker, hasher, end)
+        if save is not None and self.config.describe_admissions:
+            save = dataclasses.replace(save, described=save_descriptions(
+                tracker.request.all_token_ids, keys[:-(-save.end // self.chunk_size)], save, self.chunk_size,
+                tracker.extras, tracker.lora_name))
         meta.requests.append(ReqMeta(tracker.req_id, keys, list(tracker.block_ids), load, save, tracker.lora_name,
                                      lora_id, tracker.load_failed, tables))
 

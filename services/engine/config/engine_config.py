@@ -111,6 +111,9 @@ class EngineConfig:
     prefetch_cpu_share: float = 0.5  # of the CPU tier, what lookups' prefetched chunks not yet loaded may fill
     known_held_keys: int = 200_000  # chunks remembered as in every lower tier (not sent again; ~40 B each)
     kv_event_chunks: int = 10_000  # chunks whose tokens the scheduler keeps for KV events (~8 B a token)
+    # the CPU tier's admissions of saved chunks carry their parent, tokens and extras digests to the controller,
+    # for its KV event stream (docs/config.md, "The controller's KV event stream"; ~4 B a token on NATS)
+    describe_admissions: bool = False
     touch_interval_secs: float = 1.0  # how often hits refresh the chunks' recency in the lower tiers
     disk_data_timeout_secs: float = 10.0  # a put or get at the disk store (it may wait for the disk)
     remote_min_transfer_mb_per_s: float = 100.0  # a remote transfer slower than this is abandoned

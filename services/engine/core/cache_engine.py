@@ -41,6 +41,7 @@ from kvmesh.shared import protocol
 from kvmesh.shared.protocol import PEER, ChunkMeta, worker_id_for
 from kvmesh.shared.rate_limited_log import RateLimitedLog
 from kvmesh.shared.wire.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyParams, chunk_spans, state_key
+from kvmesh.shared.wire.kv_events import ChunkDescription
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class MeshPresence(Protocol):
     def registered(self) -> bool: ...
 
     def announce(self) -> None: ...
+
+    def describe(self, key: ChunkKey, description: ChunkDescription) -> None: ...
 
     def close(self) -> None: ...
 
@@ -104,6 +107,19 @@ class CacheEngine:
         self.lora_adapters = {**self.lora_adapters, lora_name: lora_id}  # rebound: the loop thread reads it
         if self.mesh is not None:
             self.mesh.announce()
+
+    def describe(self, described: Sequence[tuple[ChunkKey, ChunkDescription]]) -> None:
+        """What the CPU tier's admissions of these chunks (by chain key) tell the controller besides their keys
+        (describe_admissions): keys and parents as this shard names them."""
+        mesh = self.mesh
+        if mesh is None:
+            return
+        shard = self.hasher.params.shard_key
+        for key, description in described:
+            parent = description.parent
+            mesh.describe(shard(key), ChunkDescription(shard(parent) if parent is not None else None,
+                                                       description.token_ids, description.extra_keys,
+                                                       description.lora_name))
 
     def ready(self) -> tuple[KVLayout, ChunkHasher, LocalCPUBackend, StorageManager, PagedCopier]:
         """The engine's parts, once more; RuntimeError after `close`."""
