@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvmesh.shared import protocol
+from kvmesh.shared.eviction.base import MAX_LEASE_SECS, MAX_PRIORITY
 
 from kvmesh.services.disk_store import files, snapshot
 from kvmesh.services.disk_store.index import Entry, check_key
@@ -76,7 +77,7 @@ class DiskStore:
             ("puts_accepted", "puts_duplicate", "puts_refused", "writes_done", "write_errors", "gets", "hits",
              "corrupt_dropped", "checksum_failures", "evicted", "puts_pool", "puts_inline", "gets_pool",
              "gets_inline", "gets_late", "gets_cancelled", "get_cancels", "get_cancels_refused",
-             "snapshot_files_dropped", "snapshot_files_added"), 0)
+             "snapshot_files_dropped", "snapshot_files_added", "retains_refused"), 0)
         self.last_write_error: str | None = None
         self.scan_report: chunk_file.ScanReport | None = None  # the start-up scan's counts (not its chunk list)
         self._lock_fd: int | None = None
@@ -200,6 +201,7 @@ class DiskStore:
         try:
             if self._known(key, caller):
                 self.counters["puts_duplicate"] += 1
+                self._retain(request, caller)
                 return protocol.Ack()
         except ForeignChunk as exc:  # never lands in, nor replaces, another domain's chunk
             return self._refuse(key, str(exc))
@@ -226,6 +228,7 @@ class DiskStore:
             if staging is not None:
                 await self._staging.release(staging)
             return answer
+        self._retain(request, caller)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._writes[key] = done
         self.counters["puts_accepted"] += 1
@@ -241,6 +244,21 @@ class DiskStore:
             except OSError as exc:
                 error = f"the chunk's file is written but its claim could not be saved: {exc}"
         return protocol.Ack(ok=error is None, error=error)
+
+    def _retain(self, request: protocol.PutRequest, caller: str) -> None:
+        """The put's retention (its request's kv_priority and lease), within the caller's principal's share of the
+        store (`--retained-share`); a value out of range is ignored (counted). Not persisted: a restarted store
+        holds the chunks as any other."""
+        priority, lease_secs = request.priority, request.lease_secs
+        if priority == 0 and lease_secs == 0:
+            return
+        if not (0 <= priority <= MAX_PRIORITY and 0 <= lease_secs <= MAX_LEASE_SECS):  # inf and nan fail too
+            self.counters["retains_refused"] += 1
+            return
+        bound = int(self.options.retained_share * self.options.capacity_bytes)
+        if not self.index.retain(request.meta.key, protocol.principal_of(caller), bound, priority,
+                                 lease_secs or None):
+            self.counters["retains_refused"] += 1
 
     def _admit(self, meta: protocol.ChunkMeta, digest: int, entry: Entry, caller: str) -> protocol.Ack | None:
         """Verify the staged bytes' `digest` and reserve room for them; the reply if the put ends here (refused,

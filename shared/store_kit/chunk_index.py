@@ -72,6 +72,8 @@ class _InFlight(Generic[E]):
     discard: bool = False  # removed or cleared while in flight: do not hold it when it lands
     claims: int = 0  # who put it (a `Callers` mask)
     domain: str = DEFAULT_DOMAIN  # the sharing domain of who put it
+    # a put's retention to take when it lands: (owner, priority, lease end on the index's clock or None, bound)
+    retention: tuple[str, int, float | None, int] | None = None
 
 
 def _ignore(_: ChunkKey) -> None:
@@ -94,6 +96,7 @@ class ChunkIndex(Generic[E]):
         self.capacity_bytes = capacity_bytes
         # ValueError naming `cache_policy` if unknown; pin TTLs expire on `clock`
         self._policy = make_policy(policy, capacity_bytes, clock)
+        self._clock = clock
         self._held: dict[ChunkKey, E] = {}
         self._in_flight: dict[ChunkKey, _InFlight[E]] = {}
         self.reserved_bytes = 0
@@ -310,8 +313,30 @@ class ChunkIndex(Generic[E]):
             self._claims.domains[key] = flight.domain
             self._claims.version += 1
         self._policy.add(key, flight.entry.charge)
+        if flight.retention is not None:
+            owner, priority, lease_end, bound = flight.retention
+            lease_secs = lease_end - self._clock() if lease_end is not None else None
+            self._policy.retain(key, owner, bound, priority, lease_secs if lease_secs and lease_secs > 0 else None)
         self.on_admit(key)
         return True
+
+    def retain(self, key: ChunkKey, owner: str, max_owner_bytes: int, priority: int = 0,
+               lease_secs: float | None = None) -> bool:
+        """Keep a held key over the unretained ones (shared/eviction/base.py `retain`: a priority, a lease), within
+        `owner`'s bound; a key in flight takes it when it lands. False when it was not taken (not known, or past
+        the bound)."""
+        flight = self._in_flight.get(key)
+        if flight is not None:
+            lease_end = self._clock() + lease_secs if lease_secs else None
+            flight.retention = (owner, priority, lease_end, max_owner_bytes)
+            return True
+        return self._policy.retain(key, owner, max_owner_bytes, priority, lease_secs)
+
+    def retained_bytes(self, owner: str) -> int:
+        return self._policy.retained_bytes(owner)
+
+    def is_retained(self, key: ChunkKey) -> bool:
+        return self._policy.is_retained(key)
 
     def abort(self, key: ChunkKey, entry: E | None = None) -> None:
         """The put of `entry` (None: the put in flight, whichever) failed: release its reservation."""
