@@ -77,7 +77,7 @@ class DiskStore:
             ("puts_accepted", "puts_duplicate", "puts_refused", "writes_done", "write_errors", "gets", "hits",
              "corrupt_dropped", "checksum_failures", "evicted", "puts_pool", "puts_inline", "gets_pool",
              "gets_inline", "gets_late", "gets_cancelled", "get_cancels", "get_cancels_refused",
-             "snapshot_files_dropped", "snapshot_files_added", "retains_refused"), 0)
+             "snapshot_files_dropped", "snapshot_files_added"), 0)
         self.last_write_error: str | None = None
         self.scan_report: chunk_file.ScanReport | None = None  # the start-up scan's counts (not its chunk list)
         self._lock_fd: int | None = None
@@ -253,12 +253,10 @@ class DiskStore:
         if priority == 0 and lease_secs == 0:
             return
         if not (0 <= priority <= MAX_PRIORITY and 0 <= lease_secs <= MAX_LEASE_SECS):  # inf and nan fail too
-            self.counters["retains_refused"] += 1
+            self.index.retains_refused += 1
             return
         bound = int(self.options.retained_share * self.options.capacity_bytes)
-        if not self.index.retain(request.meta.key, protocol.principal_of(caller), bound, priority,
-                                 lease_secs or None):
-            self.counters["retains_refused"] += 1
+        self.index.retain(request.meta.key, protocol.principal_of(caller), bound, priority, lease_secs or None)
 
     def _admit(self, meta: protocol.ChunkMeta, digest: int, entry: Entry, caller: str) -> protocol.Ack | None:
         """Verify the staged bytes' `digest` and reserve room for them; the reply if the put ends here (refused,
@@ -378,7 +376,7 @@ class DiskStore:
             "reserved_bytes": self.index.reserved_bytes, "staged_bytes": self._staging.in_use,
             "staging_capacity": self._staging.capacity_bytes, "fsync": self.options.fsync,
             "snapshot_files_unchecked": len(self._unverified) + int(self._unlisted),
-            "durable_puts": self.options.durable_puts,
+            "durable_puts": self.options.durable_puts, "retains_refused": self.index.retains_refused,
             "last_write_error": self.last_write_error, **self.counters, **self.pools.details(),
         }
 

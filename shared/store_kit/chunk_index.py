@@ -106,6 +106,7 @@ class ChunkIndex(Generic[E]):
         self._claims = HeldClaims()  # the held keys' claims and (non-default) domains
         self._pin_owners = PinOwners(self._policy)
         self.evictions = 0  # chunks evicted to make room or to fit the capacity (not removals, clears or wipes)
+        self.retains_refused = 0  # retentions not taken (past their owner's bound; out of range, as the store says)
 
     # ---- queries -----------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -316,21 +317,24 @@ class ChunkIndex(Generic[E]):
         if flight.retention is not None:
             owner, priority, lease_end, bound = flight.retention
             lease_secs = lease_end - self._clock() if lease_end is not None else None
-            self._policy.retain(key, owner, bound, priority, lease_secs if lease_secs and lease_secs > 0 else None)
+            if not self._policy.retain(key, owner, bound, priority,
+                                       lease_secs if lease_secs and lease_secs > 0 else None):
+                self.retains_refused += 1
         self.on_admit(key)
         return True
 
     def retain(self, key: ChunkKey, owner: str, max_owner_bytes: int, priority: int = 0,
-               lease_secs: float | None = None) -> bool:
+               lease_secs: float | None = None) -> None:
         """Keep a held key over the unretained ones (shared/eviction/base.py `retain`: a priority, a lease), within
-        `owner`'s bound; a key in flight takes it when it lands. False when it was not taken (not known, or past
-        the bound)."""
+        `owner`'s bound; a key in flight takes it when it lands. Not taken (past the bound, or not known):
+        counted in `retains_refused`."""
         flight = self._in_flight.get(key)
         if flight is not None:
             lease_end = self._clock() + lease_secs if lease_secs else None
             flight.retention = (owner, priority, lease_end, max_owner_bytes)
-            return True
-        return self._policy.retain(key, owner, max_owner_bytes, priority, lease_secs)
+            return
+        if not self._policy.retain(key, owner, max_owner_bytes, priority, lease_secs):
+            self.retains_refused += 1
 
     def retained_bytes(self, owner: str) -> int:
         return self._policy.retained_bytes(owner)
