@@ -74,9 +74,6 @@ class DiskStoreOptions:
     bounds: StoreBounds = group(StoreBounds)  # what NATS clients can push on (shared/store_kit/store_bounds.py)
     # the sharing domains map (None: beside the store's credentials, if any)
     domains_file: Path | None = domains_file_option()
-    retained_share: float = option(
-        "--retained-share", "share of --max-size-gb (0 to 1) one engine principal's kv_priority / leased chunks may "
-        "keep over the rest (default 0.5)", 0.5)
 
     def to_args(self) -> list[str]:
         """The flags that start a store with these options (`--nats-url` and credentials excepted)."""
@@ -102,8 +99,6 @@ def options_from_args(args: argparse.Namespace, environ: dict[str, str] | None =
     if args.max_pools < 1 or args.pool_hello_max_bytes < 64 or not args.pool_hello_timeout > 0:
         raise ConfigError("disk store: --max-pools must be >= 1, --pool-hello-max-bytes >= 64, "
                           "--pool-hello-timeout > 0")
-    if not 0 <= args.retained_share <= 1:
-        raise ConfigError(f"--retained-share: must be between 0 and 1, got {args.retained_share}")
     if not args.snapshot_interval >= 0:
         raise ConfigError(f"--snapshot-interval: must be >= 0, got {args.snapshot_interval}")
     if args.durable_puts and args.no_fsync:

@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvmesh.shared import protocol
-from kvmesh.shared.eviction.base import MAX_LEASE_SECS, MAX_PRIORITY
 
 from kvmesh.services.disk_store import files, snapshot
 from kvmesh.services.disk_store.index import Entry, check_key
@@ -246,17 +245,9 @@ class DiskStore:
         return protocol.Ack(ok=error is None, error=error)
 
     def _retain(self, request: protocol.PutRequest, caller: str) -> None:
-        """The put's retention (its request's kv_priority and lease), within the caller's principal's share of the
-        store (`--retained-share`); a value out of range is ignored (counted). Not persisted: a restarted store
-        holds the chunks as any other."""
-        priority, lease_secs = request.priority, request.lease_secs
-        if priority == 0 and lease_secs == 0:
-            return
-        if not (0 <= priority <= MAX_PRIORITY and 0 <= lease_secs <= MAX_LEASE_SECS):  # inf and nan fail too
-            self.index.retains_refused += 1
-            return
-        bound = int(self.options.retained_share * self.options.capacity_bytes)
-        self.index.retain(request.meta.key, protocol.principal_of(caller), bound, priority, lease_secs or None)
+        """The put's retention, within the caller's principal's `--retained-share` (ChunkIndex.retain_put)."""
+        self.index.retain_put(request.meta.key, caller, request.priority, request.lease_secs,
+                              self.options.bounds.retained_share)
 
     def _admit(self, meta: protocol.ChunkMeta, digest: int, entry: Entry, caller: str) -> protocol.Ack | None:
         """Verify the staged bytes' `digest` and reserve room for them; the reply if the put ends here (refused,

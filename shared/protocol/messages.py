@@ -329,8 +329,8 @@ class PutRequest:
     pool_offset: int = 0
     data: bytes | None = None  # inline bytes (small chunks, or one frame of a framed transfer)
     producer: str = ""
-    # the storing request's kv_priority and lease (seconds left): the disk store keeps the chunk over the rest
-    # within the putting principal's share (--retained-share); the remote store takes it as any other
+    # the storing request's kv_priority and lease (seconds left): the disk and remote stores keep the chunk over
+    # the rest within the putting principal's share (--retained-share)
     priority: int = 0
     lease_secs: float = 0.0
 

@@ -37,6 +37,8 @@ from typing import Callable, Generic, Iterable, Protocol, TypeVar
 
 from kvmesh.shared.errors import StoreError
 from kvmesh.shared.eviction import Clock, make_policy
+from kvmesh.shared.eviction.base import MAX_LEASE_SECS, MAX_PRIORITY
+from kvmesh.shared.protocol.principals import principal_of
 from kvmesh.shared.store_kit.chunk_claims import DEFAULT_DOMAIN, ClaimTable, Cleared, HeldClaims
 from kvmesh.shared.store_kit.chunk_pins import UNOWNED, PinOwners
 from kvmesh.shared.wire.keys import ChunkKey
@@ -335,6 +337,18 @@ class ChunkIndex(Generic[E]):
             return
         if not self._policy.retain(key, owner, max_owner_bytes, priority, lease_secs):
             self.retains_refused += 1
+
+    def retain_put(self, key: ChunkKey, caller: str, priority: int, lease_secs: float, share: float) -> None:
+        """A put's retention (`PutRequest.priority` / `lease_secs`: the storing request's kv_priority and lease),
+        owned by the caller's principal within `share` of the capacity (`--retained-share`). Client input: a
+        priority or lease out of range (MAX_PRIORITY, MAX_LEASE_SECS; NaN, inf) is not taken, counted in
+        `retains_refused`. Not persisted: after a restart the chunk is held as any other."""
+        if priority == 0 and lease_secs == 0:
+            return
+        if not (0 <= priority <= MAX_PRIORITY and 0 <= lease_secs <= MAX_LEASE_SECS):
+            self.retains_refused += 1
+            return
+        self.retain(key, principal_of(caller), int(share * self.capacity_bytes), priority, lease_secs or None)
 
     def retained_bytes(self, owner: str) -> int:
         return self._policy.retained_bytes(owner)

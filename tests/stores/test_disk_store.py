@@ -36,6 +36,7 @@ from kvmesh.services.engine.tiers.pool_lending import PoolUnavailable
 from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.store_kit.chunk_index import ChunkIndex
 from kvmesh.shared.store_kit.state_file import CLAIMS_NAME
+from kvmesh.shared.store_kit.store_bounds import StoreBounds
 from kvmesh.shared.wire import chunk_file
 from kvmesh.shared.wire.pool_wire import socket_path
 from kvmesh.shared.wire.shm import SharedSegment
@@ -847,7 +848,8 @@ async def test_a_leased_put_outlives_unleased_ones_within_its_principals_share(h
     (here 2 of 6 chunks), a lease ends at its time, and a retention out of bounds is not taken."""
     clock = ManualClock()
     harness.clock = clock
-    service = await harness.start(capacity=6 * FILE_BYTES + 100, retained_share=2 * FILE_BYTES / (6 * FILE_BYTES + 100))
+    capacity = 6 * FILE_BYTES + 100
+    service = await harness.start(capacity=capacity, bounds=StoreBounds(retained_share=2 * FILE_BYTES / capacity))
     a, b = harness.client_of(TENANT_A), harness.client_of(TENANT_B)
 
     async def put(i: int, client: DiskStoreClient, retention: Retention = NO_RETENTION) -> None:

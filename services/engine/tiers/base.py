@@ -119,7 +119,7 @@ class StoreTier(Tier, Protocol):
                   retention: Retention = NO_RETENTION) -> bool:
         """Hand a chunk to the store (meta.checksum set: a put without one is refused); True once the store has
         the bytes and they match the checksum (it may still be writing them). `retention`: the storing request's
-        (the disk store honours it; the remote store, Redis and peers take the chunk as any other)."""
+        (the disk and remote stores honour it; Redis and peers take the chunk as any other)."""
 
     async def get_into(self, key: ChunkKey, buffer: ChunkBuffer) -> ChunkMeta | None:
         """Fill `buffer` with the chunk's bytes (checksum verified); None on a miss or any failure after which

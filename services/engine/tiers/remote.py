@@ -89,7 +89,9 @@ class RemoteStoreClient:
             log.error("remote put of %s: buffer holds %d bytes, the meta says %d", meta.key.hex(), len(data),
                       meta.nbytes)
             return False
-        ack = await self._on_stream(replica, meta.nbytes, lambda conn: conn.put(meta, data))
+        lease_secs = retention.lease_secs() or 0.0
+        ack = await self._on_stream(replica, meta.nbytes,
+                                    lambda conn: conn.put(meta, data, retention.priority, lease_secs))
         if ack is None:
             return False
         if not ack.ok:
