@@ -325,3 +325,39 @@ def test_retention_and_pins_together(name: str) -> None:
     assert set(policy.evictable()) == {"a", "b", "c"} and policy.evictable()[-1] == "b"
     assert policy.retained_bytes("engine.x") == 10
     assert len(policy) == 3 and policy.used_bytes == 30
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_random_operations_with_retention_keep_the_invariants(name: str) -> None:
+    """Adds, hits, pins, removals, retentions of two owners and time passing, at random: every unpinned
+    unretained key comes before every retained one in the victim order, and each owner's retained bytes are
+    exactly its retained keys' and never over its bound."""
+    rng = random.Random(f"retention-{name}")
+    clock = ManualClock()
+    policy = make_policy(name, 10**9, clock)
+    keys = [f"k{i}" for i in range(16)]
+    bound = 50
+    owners: dict[str, str] = {}  # retained key -> owner, as the test gave them
+    for _ in range(3000):
+        op, key = rng.choice(["add", "add", "touch", "pin", "unpin", "remove", "retain", "retain", "tick"]), \
+            rng.choice(keys)
+        if op == "add":
+            policy.add(key, 10)
+        elif op == "retain":
+            owner = rng.choice(["engine.a", "engine.b"])
+            if policy.retain(key, owner, bound, rng.choice([0, 0, 1, 3]), rng.choice([None, 5.0, 50.0])):
+                owners.setdefault(key, owner)
+        elif op == "tick":
+            clock.advance(rng.choice([1.0, 10.0]))
+        else:
+            getattr(policy, op)(key)
+        order = policy.evictable()
+        retained = [policy.is_retained(k) for k in order]
+        assert retained == sorted(retained), (op, key)  # no retained key before an unretained one
+        for key_ in list(owners):
+            if not policy.is_retained(key_):
+                del owners[key_]
+        for owner in ("engine.a", "engine.b"):
+            held = 10 * sum(1 for o in owners.values() if o == owner)
+            assert policy.retained_bytes(owner) == held <= bound, (op, key, owner)
+        assert policy.used_bytes == 10 * len(policy) and len(set(policy.keys())) == len(policy)
