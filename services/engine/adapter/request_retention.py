@@ -1,7 +1,7 @@
 """What a request asks of its KV through `kv_transfer_params`: how long it is kept and which tiers it uses.
 
 Agent frameworks pass a priority and a lease, vLLM per-request tier filters (docs/connector.md "Per-request
-retention and tiers"). All of it is client input (docs/DESIGN.md: untrusted): the scheduler reads it once per
+retention and tiers"). All of it is client input, untrusted (docs/security.md): the scheduler reads it once per
 request (`request_kv_params`); a key with a bad value is dropped, the request is served without it, and one
 rate-limited WARNING names the key and the problem. Never an exception.
 
@@ -12,8 +12,8 @@ rate-limited WARNING names the key and the problem. Never an exception.
   * `kv_load_tiers` / `kv_store_tiers`: lists of tier names (`TIER_NAMES`); the request loads only from and stores
     only to those. An empty list: none.
 
-What a principal may keep this way is bounded where the chunks are held (`retained_share`: the CPU tier,
-docs/config.md; `--retained-share`: the disk store), never by the request.
+What a principal may keep this way is bounded where the chunks are held (`retained_cpu_share`: the CPU tier,
+docs/config.md; `--retained-share`: the disk and remote stores), never by the request.
 """
 
 from __future__ import annotations
