@@ -179,6 +179,24 @@ def test_kv_transfer_params_retain_what_a_request_saves_and_choose_its_tiers(
             meta = sched.build_connector_meta(Step(new=[("c", blocks_c, 2 * CHUNK, CHUNK)]).output())
             assert [(r.req_id, r.load is not None, r.save) for r in meta.requests] == [("c", True, None)]
 
+            # a leased request that loads chunks stored without a lease keeps them too
+            plain = random_tokens(2 * CHUNK, seed=23).tolist()
+            p, blocks_p = request("p", plain), [20, 21, 22, 23]
+            assert sched.get_num_new_matched_tokens(p, 0) == (0, False)
+            sched.update_state_after_alloc(p, blocks(blocks_p), 0)
+            forward.compute = ("p", blocks_p, range(4))
+            run_step(sched, work, Step(new=[("p", blocks_p, 0, 2 * CHUNK)]), forward)
+            run_step(sched, work, Step(finished={"p"}))
+            plain_keys = [span.key for span in worker.hasher.spans(plain)]
+            assert not any(worker.cpu.is_retained(key) for key in plain_keys)
+            q, blocks_q = request("q", plain + random_tokens(CHUNK, seed=24).tolist(),
+                                  kv_transfer_params={"kv_ttl": 60}), list(range(40, 46))
+            assert sched.get_num_new_matched_tokens(q, 0) == (2 * CHUNK, False)
+            sched.update_state_after_alloc(q, blocks(blocks_q), 2 * CHUNK)
+            forward.compute, forward.read = ("q", blocks_q, range(4, 6)), (blocks_q, range(4))
+            assert run_step(sched, work, Step(new=[("q", blocks_q, 2 * CHUNK, CHUNK)]), forward).load_errors == set()
+            assert all(worker.cpu.is_retained(key) for key in plain_keys)
+
             with caplog.at_level("WARNING", logger="kvmesh.connector"):
                 d = request("d", tokens, kv_transfer_params={"kv_priority": "high"})
                 assert sched.get_num_new_matched_tokens(d, 0) == (2 * CHUNK - 1, False)

@@ -89,6 +89,11 @@ async def test_inline_nats_put_and_get(one_store) -> None:
     ack = await bus.request(client.nc, subject, protocol.PutRequest(meta=bad, data=data.tobytes()), protocol.Ack, WAIT_S)
     assert not ack.ok and "checksum" in ack.error
     assert await client.contains([bad.key]) == 0
+    # an inline put's retention is taken as a stream put's is
+    kept, kept_data = chunk(100_000, 4)
+    request = protocol.PutRequest(meta=kept, data=kept_data.tobytes(), priority=2, lease_secs=60.0)
+    assert (await bus.request(client.nc, subject, request, protocol.Ack, WAIT_S)).ok
+    assert service.store.index.is_retained(kept.key) and not service.store.index.is_retained(meta.key)
 
 
 async def test_lru_under_the_cap_and_admission_events(nats_url: str) -> None:
