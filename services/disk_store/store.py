@@ -202,6 +202,7 @@ class DiskStore:
         try:
             if self._known(key, caller):
                 self.counters["puts_duplicate"] += 1
+                self._retain(request, caller)
                 return protocol.Ack()
         except ForeignChunk as exc:  # never lands in, nor replaces, another domain's chunk
             return self._refuse(key, str(exc))
@@ -228,6 +229,7 @@ class DiskStore:
             if staging is not None:
                 await self._staging.release(staging)
             return answer
+        self._retain(request, caller)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._writes[key] = done
         self.counters["puts_accepted"] += 1
@@ -243,6 +245,11 @@ class DiskStore:
             except OSError as exc:
                 error = f"the chunk's file is written but its claim could not be saved: {exc}"
         return protocol.Ack(ok=error is None, error=error)
+
+    def _retain(self, request: protocol.PutRequest, caller: str) -> None:
+        """The put's retention, within the caller's principal's `--retained-share` (ChunkIndex.retain_put)."""
+        self.index.retain_put(request.meta.key, caller, request.priority, request.lease_secs,
+                              self.options.bounds.retained_share)
 
     def _admit(self, meta: protocol.ChunkMeta, digest: int, entry: Entry, caller: str) -> protocol.Ack | None:
         """Verify the staged bytes' `digest` and reserve room for them; the reply if the put ends here (refused,
@@ -362,7 +369,7 @@ class DiskStore:
             "reserved_bytes": self.index.reserved_bytes, "staged_bytes": self._staging.in_use,
             "staging_capacity": self._staging.capacity_bytes, "fsync": self.options.fsync,
             "snapshot_files_unchecked": self._unchecked + int(self._unlisted),
-            "durable_puts": self.options.durable_puts,
+            "durable_puts": self.options.durable_puts, "retains_refused": self.index.retains_refused,
             "last_write_error": self.last_write_error, **self.counters, **self.pools.details(),
         }
 

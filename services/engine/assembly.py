@@ -70,7 +70,8 @@ def build_engine(config: EngineConfig, key_params: KeyParams, layout: KVLayout, 
     layout.check_chunk_size(config.chunk_size)
     key_params, writes_lower_tiers = _layout_keys(key_params, layout, rank)
     pool = MemoryPool(config.max_local_cpu_bytes, layout.chunk_nbytes(config.chunk_size), use_shm=use_shm)
-    cpu = LocalCPUBackend(pool, keep=config.local_cpu, policy=config.cache_policy, clock=clock)
+    cpu = LocalCPUBackend(pool, keep=config.local_cpu, policy=config.cache_policy, clock=clock,
+                          retained_share=config.retained_cpu_share)
     copier = PagedCopier(layout, device)
     connection = _join_mesh(config, world_size, worker_id) if use_mesh else None
     domain = SharingDomain()

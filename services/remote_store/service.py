@@ -77,6 +77,7 @@ class RemoteStoreService:
                                  on_admit=self.reporter.admit, on_evict=self.reporter.evict,
                                  prefault_bytes=options.prefault_bytes,
                                  fault_ahead_bytes=options.fault_ahead_bytes)
+        self.store.retained_share = options.bounds.retained_share
         listen, self.advertise_host = stream_addresses(options)
         self.stream = StoreStreamServer(self.store, listen, options.stream_port, options.transfer_timeout,
                                         max_connections=options.max_stream_connections,
@@ -158,6 +159,7 @@ class RemoteStoreService:
             await self.store.put_bytes(request.meta, request.data, caller)
         except PutRefused as exc:
             return protocol.Ack(ok=False, error=str(exc))
+        self.store.retain(request, caller)
         return protocol.Ack()
 
     async def _on_get(self, request: protocol.GetRequest, caller: str) -> protocol.GetReply:

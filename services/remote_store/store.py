@@ -108,6 +108,7 @@ class MemoryStore:
         self.num_partitions = num_partitions
         self.index: ChunkIndex[StoredChunk] = ChunkIndex(capacity_bytes, policy=cache_policy)
         self.domains = DomainMap(None)  # callers' sharing domains (the service sets the store's map)
+        self.retained_share = 0.5  # of the capacity, what one principal's retained puts may keep (--retained-share)
         if on_admit is not None:
             self.index.on_admit = on_admit
         if on_evict is not None:
@@ -242,6 +243,11 @@ class MemoryStore:
         chunk.buffer = buffer
         return chunk
 
+    def retain(self, request: protocol.PutRequest, caller: str) -> None:
+        """A put's retention (the storing request's kv_priority and lease), within the caller's principal's
+        `retained_share` of the store (ChunkIndex.retain_put). Call once the put is begun (or found held)."""
+        self.index.retain_put(request.meta.key, caller, request.priority, request.lease_secs, self.retained_share)
+
     def make_room(self, chunk: StoredChunk, upto: int) -> None:
         """Reserve room for the first `upto` bytes of a put begun with `ahead` (evicting as begin_put does);
         call before receiving them. Raises PutRefused (the put is then aborted) when pins leave no room."""
@@ -335,6 +341,7 @@ class MemoryStore:
         return {
             "partition": self.partition, "num_partitions": self.num_partitions,
             "reserved_bytes": self.index.reserved_bytes, "puts_in_flight": self.index.in_flight_count,
+            "retains_refused": self.index.retains_refused,
             "spare_bytes": self.pool.spare_bytes, "buffers_allocated": self.pool.allocated,
             "prefaulted_bytes": self.pool.prefaulted_bytes, "arena_bytes": self.pool.arena_bytes,
             "persist_dir": str(self.persister.root) if self.persister else None,

@@ -38,6 +38,7 @@ class StoreStreamServer(StreamServer):
             await drain(sock, meta.nbytes + TRAILER.size)
             await send_reply(sock, protocol.Ack(ok=False, error=str(exc)))
             return
+        self.source.retain(request, caller)  # taken when it lands (a chunk held already: now)
         if chunk is None:  # already held: the bytes are the same (keys name content)
             await drain(sock, meta.nbytes + TRAILER.size)
             await send_reply(sock, protocol.Ack())

@@ -1,7 +1,8 @@
 """Eviction policies with pins: one implementation each, shared by the CPU tier, the disk store and the remote
 store, chosen by the `cache_policy` config key (LRU, LFU, FIFO, MRU).
 
-  base.py     the common part: byte budget, nested pins with optional TTL, expiry, refusals;
+  base.py     the common part: byte budget, nested pins with optional TTL, expiry, refusals, retention
+              (priorities and leases kept over the rest, bounded per owner);
   lru.py, lfu.py, fifo.py, mru.py   one small class each: the victim order and what a hit does;
   factory.py  `make_policy(name, capacity_bytes)`.
 """

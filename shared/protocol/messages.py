@@ -208,6 +208,8 @@ class PrefixLookup:
     peer_instance: str = ""
     peer_worker: str = ""
     prefetch_from: int = 0
+    # the request's kv_load_tiers: the only locations looked in (None: all)
+    tiers: list[str] | None = None
 
 
 @message("peer_lookup")
@@ -330,6 +332,10 @@ class PutRequest:
     pool_offset: int = 0
     data: bytes | None = None  # inline bytes (small chunks, or one frame of a framed transfer)
     producer: str = ""
+    # the storing request's kv_priority and lease (seconds left): the disk and remote stores keep the chunk over
+    # the rest within the putting principal's share (--retained-share)
+    priority: int = 0
+    lease_secs: float = 0.0
 
 
 MAX_GET_ID = 2**63 - 1  # get ids are the client's counter: positive, and never near wrapping

@@ -37,6 +37,8 @@ from typing import Callable, Generic, Iterable, Protocol, TypeVar
 
 from kvmesh.shared.errors import StoreError
 from kvmesh.shared.eviction import Clock, make_policy
+from kvmesh.shared.eviction.base import MAX_LEASE_SECS, MAX_PRIORITY
+from kvmesh.shared.protocol.principals import principal_of
 from kvmesh.shared.store_kit.chunk_claims import DEFAULT_DOMAIN, ClaimTable, Cleared, HeldClaims
 from kvmesh.shared.store_kit.chunk_pins import UNOWNED, PinOwners
 from kvmesh.shared.wire.keys import ChunkKey
@@ -72,6 +74,8 @@ class _InFlight(Generic[E]):
     discard: bool = False  # removed or cleared while in flight: do not hold it when it lands
     claims: int = 0  # who put it (a `Callers` mask)
     domain: str = DEFAULT_DOMAIN  # the sharing domain of who put it
+    # a put's retention to take when it lands: (owner, priority, lease end on the index's clock or None, bound)
+    retention: tuple[str, int, float | None, int] | None = None
 
 
 def _ignore(_: ChunkKey) -> None:
@@ -94,6 +98,7 @@ class ChunkIndex(Generic[E]):
         self.capacity_bytes = capacity_bytes
         # ValueError naming `cache_policy` if unknown; pin TTLs expire on `clock`
         self._policy = make_policy(policy, capacity_bytes, clock)
+        self._clock = clock
         self._held: dict[ChunkKey, E] = {}
         self._in_flight: dict[ChunkKey, _InFlight[E]] = {}
         self.reserved_bytes = 0
@@ -103,6 +108,7 @@ class ChunkIndex(Generic[E]):
         self._claims = HeldClaims()  # the held keys' claims and (non-default) domains
         self._pin_owners = PinOwners(self._policy)
         self.evictions = 0  # chunks evicted to make room or to fit the capacity (not removals, clears or wipes)
+        self.retains_refused = 0  # retentions not taken (past their owner's bound; out of range, as the store says)
 
     # ---- queries -----------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -310,8 +316,45 @@ class ChunkIndex(Generic[E]):
             self._claims.domains[key] = flight.domain
             self._claims.version += 1
         self._policy.add(key, flight.entry.charge)
+        if flight.retention is not None:
+            owner, priority, lease_end, bound = flight.retention
+            lease_secs = lease_end - self._clock() if lease_end is not None else None
+            if not self._policy.retain(key, owner, bound, priority,
+                                       lease_secs if lease_secs and lease_secs > 0 else None):
+                self.retains_refused += 1
         self.on_admit(key)
         return True
+
+    def retain(self, key: ChunkKey, owner: str, max_owner_bytes: int, priority: int = 0,
+               lease_secs: float | None = None) -> None:
+        """Keep a held key over the unretained ones (shared/eviction/base.py `retain`: a priority, a lease), within
+        `owner`'s bound; a key in flight takes it when it lands. Not taken (past the bound, or not known):
+        counted in `retains_refused`."""
+        flight = self._in_flight.get(key)
+        if flight is not None:
+            lease_end = self._clock() + lease_secs if lease_secs else None
+            flight.retention = (owner, priority, lease_end, max_owner_bytes)
+            return
+        if not self._policy.retain(key, owner, max_owner_bytes, priority, lease_secs):
+            self.retains_refused += 1
+
+    def retain_put(self, key: ChunkKey, caller: str, priority: int, lease_secs: float, share: float) -> None:
+        """A put's retention (`PutRequest.priority` / `lease_secs`: the storing request's kv_priority and lease),
+        owned by the caller's principal within `share` of the capacity (`--retained-share`). Client input: a
+        priority or lease out of range (MAX_PRIORITY, MAX_LEASE_SECS; NaN, inf) is not taken, counted in
+        `retains_refused`. Not persisted: after a restart the chunk is held as any other."""
+        if priority == 0 and lease_secs == 0:
+            return
+        if not (0 <= priority <= MAX_PRIORITY and 0 <= lease_secs <= MAX_LEASE_SECS):
+            self.retains_refused += 1
+            return
+        self.retain(key, principal_of(caller), int(share * self.capacity_bytes), priority, lease_secs or None)
+
+    def retained_bytes(self, owner: str) -> int:
+        return self._policy.retained_bytes(owner)
+
+    def is_retained(self, key: ChunkKey) -> bool:
+        return self._policy.is_retained(key)
 
     def abort(self, key: ChunkKey, entry: E | None = None) -> None:
         """The put of `entry` (None: the put in flight, whichever) failed: release its reservation."""

@@ -21,6 +21,8 @@ docs/security.md says what each guards against):
                             one subscription per op); those past it share one overflow connection, where one's
                             flood can cut off the others
     --min-sync-interval     seconds between two full syncs the store publishes (shared/messaging/admissions.py)
+    --retained-share        share of the store's size one engine principal's chunks put with a priority or a lease
+                            (a request's kv_transfer_params) may keep over the rest (`ChunkIndex.retain_put`)
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ class StoreBounds:
         "counted (requests_dropped)", 128 * MiB, scale=MiB)
     min_sync_interval: float = option(
         "--min-sync-interval", "seconds between two full syncs; requests within it are served when it ends", 1.0)
+    retained_share: float = option(
+        "--retained-share", "share of the store's size (0 to 1) one engine principal's chunks put with a "
+        "kv_priority or a lease may keep over the rest; past it a chunk is held as any other", 0.5)
     max_lanes: int = option(
         "--max-lanes", "engine principals of the domains map served on a NATS connection of their own (so one's "
         "flood cuts off only its own); those past it share one (0: all share one)", 64)
@@ -65,6 +70,8 @@ class StoreBounds:
                               f"({self.request_queue_bytes} bytes)")
         if self.max_lanes < 0:
             raise ConfigError(f"--max-lanes: must be >= 0, got {self.max_lanes}")
+        if not 0 <= self.retained_share <= 1:  # also NaN
+            raise ConfigError(f"--retained-share: must be between 0 and 1, got {self.retained_share}")
         if self.min_sync_interval < 0:
             raise ConfigError(f"--min-sync-interval: must be >= 0, got {self.min_sync_interval}")
 

@@ -21,6 +21,7 @@ Order and cost (2 cores; ~3 minutes with vLLM's compile cache warm, ~6 on a fres
 
 from __future__ import annotations
 
+import random
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -472,6 +473,48 @@ def test_tensor_parallel_two_ranks_hit_on_both(servers: dict[str, Any], demo_mod
         assert output_text(warm) == expected
     finally:
         tp.stop()
+
+
+def test_a_leased_prompt_outlives_eviction_pressure_and_load_tiers_are_obeyed(servers: dict[str, Any], demo_model: Path,
+                                                                              tmp_path: Path) -> None:
+    """Per-request retention and tiers (docs/connector.md): in a CPU tier of 16 chunks and no lower tier, a prompt
+    stored with a lease (`kv_ttl`) keeps its chunks while unleased prompts stored after it push out the older
+    unleased ones; asked again with `kv_load_tiers: ["LocalCPUBackend"]` (so a hit can only be a CPU-tier hit),
+    the leased prompt loads every chunk and the unleased one stored right after it loads nothing. A request whose
+    `kv_load_tiers` leave the CPU tier out is promised nothing from it and loads nothing. Outputs are vLLM's alone."""
+    ref: VLLMServer = servers["ref"]
+    # 5 chunks of 256 tokens at 2 KiB a token (the tiny model, fp32) are 2.5 MiB: 0.008 GB holds 16 such chunks
+    (tmp_path / "small.yaml").write_text(f"chunk_size: {CHUNK}\nlocal_cpu: true\nmax_local_cpu_size: 0.008\n")
+    small = VLLMServer("vllm-small-cpu", demo_model, free_port(), tmp_path / "vllm-small-cpu.log",
+                       kv_config=kv_transfer_config(), env=clean_env(LMCACHE_CONFIG_FILE=str(tmp_path / "small.yaml")))
+    start_vllm(small)
+    try:
+        rng = random.Random("retention")
+        prompts = [[rng.randrange(10, 4000) for _ in range(5 * CHUNK)] for _ in range(6)]
+        leased, unleased, pressure = prompts[0], prompts[1], prompts[2:]
+        expected = {i: output_text(ref.complete(p, max_tokens=8)) for i, p in enumerate(prompts[:2])}
+        cold = small.complete(leased, max_tokens=8, kv_transfer_params={"kv_ttl": 3600, "kv_priority": 1})
+        assert output_text(cold) == expected[0] and small.stored_tokens(cold) == 5 * CHUNK
+        assert output_text(small.complete(unleased, max_tokens=8)) == expected[1]
+        for prompt in pressure:  # 20 more chunks: every unleased chunk stored before these is pushed out
+            small.complete(prompt, max_tokens=2)
+        cpu_only = {"kv_load_tiers": ["LocalCPUBackend"]}
+
+        not_from_cpu = small.complete(leased, max_tokens=8, kv_transfer_params={"kv_load_tiers": ["LocalDiskBackend"]})
+        assert small.hit_for(not_from_cpu).hit == 0 and small.retrieved(not_from_cpu) == []
+        assert output_text(not_from_cpu) == expected[0]
+
+        warm = small.complete(leased, max_tokens=8, kv_transfer_params=cpu_only)
+        hit = small.assert_loaded(warm)  # the worker's retrieved count, no load error
+        assert hit.hit == 5 * CHUNK and hit.load == 5 * CHUNK - 1, hit
+        assert output_text(warm) == expected[0]
+
+        gone = small.complete(unleased, max_tokens=8, kv_transfer_params=cpu_only)
+        assert small.hit_for(gone).hit == 0 and small.retrieved(gone) == []
+        assert output_text(gone) == expected[1]
+        assert "kv_transfer_params" not in small.kvmesh_warnings()  # every key was taken
+    finally:
+        small.stop()
 
 
 def test_cache_salt_keeps_tenants_apart(servers: dict[str, Any], long_text: str) -> None:

@@ -145,3 +145,62 @@ def test_the_model_runners_call_sequence_loads_and_saves_the_right_kv(
             work.worker_side.layerwise.close()
         work.worker_side.async_saves.drain()
         sched.shutdown()
+
+
+def test_kv_transfer_params_retain_what_a_request_saves_and_choose_its_tiers(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Per-request retention and tiers (adapter/request_retention.py) through both halves: a leased request's
+    chunks are retained by the worker's CPU tier; a request whose kv_load_tiers leave the CPU tier out is
+    promised nothing from it, one that names it loads from it, one with no store tier plans no save, and a bad
+    value is dropped with a WARNING naming the key, the request served without it."""
+    paged = Paged("cpu")
+    with rank0_engine(paged.layout, paged.device) as worker:
+        sched = scheduler_half(worker.config, BLOCK, False)
+        work = worker_half(worker, paged.caches, BLOCK, False)
+        forward = Forward(paged)
+        try:
+            tokens = random_tokens(2 * CHUNK, seed=21).tolist()
+            a, blocks_a = request("a", tokens, kv_transfer_params={"kv_ttl": 600, "kv_priority": 2}), [2, 3, 4, 5]
+            assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+            sched.update_state_after_alloc(a, blocks(blocks_a), 0)
+            forward.compute = ("a", blocks_a, range(4))
+            run_step(sched, work, Step(new=[("a", blocks_a, 0, 2 * CHUNK)]), forward)
+            run_step(sched, work, Step(finished={"a"}))
+            keys = [span.key for span in worker.hasher.spans(tokens)]
+            assert all(worker.cpu.is_retained(key) for key in keys)
+
+            elsewhere = request("b", tokens, kv_transfer_params={"kv_load_tiers": ["LocalDiskBackend"]})
+            assert sched.get_num_new_matched_tokens(elsewhere, 0) == (0, False)
+            cpu_only = {"kv_load_tiers": ["LocalCPUBackend"], "kv_store_tiers": []}
+            c, blocks_c = request("c", tokens + random_tokens(CHUNK, seed=22).tolist(),
+                                  kv_transfer_params=cpu_only), list(range(10, 16))
+            assert sched.get_num_new_matched_tokens(c, 0) == (2 * CHUNK, False)
+            sched.update_state_after_alloc(c, blocks(blocks_c), 2 * CHUNK)
+            meta = sched.build_connector_meta(Step(new=[("c", blocks_c, 2 * CHUNK, CHUNK)]).output())
+            assert [(r.req_id, r.load is not None, r.save) for r in meta.requests] == [("c", True, None)]
+
+            # a leased request that loads chunks stored without a lease keeps them too
+            plain = random_tokens(2 * CHUNK, seed=23).tolist()
+            p, blocks_p = request("p", plain), [20, 21, 22, 23]
+            assert sched.get_num_new_matched_tokens(p, 0) == (0, False)
+            sched.update_state_after_alloc(p, blocks(blocks_p), 0)
+            forward.compute = ("p", blocks_p, range(4))
+            run_step(sched, work, Step(new=[("p", blocks_p, 0, 2 * CHUNK)]), forward)
+            run_step(sched, work, Step(finished={"p"}))
+            plain_keys = [span.key for span in worker.hasher.spans(plain)]
+            assert not any(worker.cpu.is_retained(key) for key in plain_keys)
+            q, blocks_q = request("q", plain + random_tokens(CHUNK, seed=24).tolist(),
+                                  kv_transfer_params={"kv_ttl": 60}), list(range(40, 46))
+            assert sched.get_num_new_matched_tokens(q, 0) == (2 * CHUNK, False)
+            sched.update_state_after_alloc(q, blocks(blocks_q), 2 * CHUNK)
+            forward.compute, forward.read = ("q", blocks_q, range(4, 6)), (blocks_q, range(4))
+            assert run_step(sched, work, Step(new=[("q", blocks_q, 2 * CHUNK, CHUNK)]), forward).load_errors == set()
+            assert all(worker.cpu.is_retained(key) for key in plain_keys)
+
+            with caplog.at_level("WARNING", logger="kvmesh.connector"):
+                d = request("d", tokens, kv_transfer_params={"kv_priority": "high"})
+                assert sched.get_num_new_matched_tokens(d, 0) == (2 * CHUNK - 1, False)
+            assert any("kv_priority ignored" in r.getMessage() and "str where an integer" in r.getMessage()
+                       for r in caplog.records)
+        finally:
+            sched.shutdown()

@@ -258,3 +258,106 @@ def test_the_first_eligible_victim_is_found_without_walking_the_whole_order(name
 
     assert policy.first_victim(eligible) == order[3] and asked == order[:4]
     assert policy.first_victim(lambda key: False) is None
+
+
+# ---- retention: a request's kv_priority and lease ---------------------------------------------------------------
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_a_leased_key_outlives_unleased_ones_until_its_lease_ends(name: str) -> None:
+    clock = ManualClock()
+    policy = filled(name, 40, "abcd", clock=clock)
+    first = policy.evictable()[0]  # the key the policy would take first
+    assert policy.retain(first, "engine.x", 20, lease_secs=30.0)
+    assert policy.is_retained(first) and policy.retained_bytes("engine.x") == 10
+    others = [key for key in "abcd" if key != first]
+    # every unleased key goes first, whatever the policy's order says
+    assert policy.victims_for(40) == [*[k for k in policy.evictable() if k != first], first]
+    assert policy.evictable()[-1] == first and set(policy.evictable()[:3]) == set(others)
+    assert policy.victims_for(30) is not None and first not in policy.victims_for(30)
+    clock.advance(29.9)
+    assert policy.evictable()[-1] == first
+    clock.advance(0.2)  # the lease ended: an ordinary key again (a new arrival), counted for no one
+    assert not policy.is_retained(first) and policy.retained_bytes("engine.x") == 0
+    assert first in policy.evictable() and len(policy.evictable()) == 4
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_higher_priority_is_kept_longer_and_lasts_while_held(name: str) -> None:
+    clock = ManualClock()
+    policy = filled(name, 50, "abcde", clock=clock)
+    assert policy.retain("a", "engine.x", 50, priority=5)
+    assert policy.retain("b", "engine.x", 50, priority=1)
+    assert policy.retain("c", "engine.x", 50, priority=1, lease_secs=10.0)
+    order = policy.evictable()
+    assert set(order[:2]) == {"d", "e"} and order[2:] == ["b", "c", "a"]  # unleased before leased at one priority
+    clock.advance(3600)
+    assert policy.evictable()[2:] == ["b", "c", "a"]  # priorities stay; c's lease ended, its priority did not
+    victims = policy.victims_for(30)
+    assert victims is not None and set(victims[:2]) == {"d", "e"} and victims[2] == "b"
+    assert not policy.retain("d", "engine.x", 50)  # nothing to keep it for
+    assert policy.remove("a") == 10 and policy.retained_bytes("engine.x") == 20
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_one_owner_never_retains_more_than_its_bound(name: str) -> None:
+    policy = filled(name, 60, "abcdef")
+    assert policy.retain("a", "engine.x", 20, lease_secs=60.0)
+    assert policy.retain("b", "engine.x", 20, priority=3)
+    assert not policy.retain("c", "engine.x", 20, lease_secs=60.0)  # 30 bytes would pass its 20
+    assert not policy.is_retained("c") and policy.retained_bytes("engine.x") == 20
+    assert policy.retain("a", "engine.x", 20, priority=2)  # a key it retains already: no more bytes
+    assert policy.retain("c", "engine.y", 20, lease_secs=60.0)  # another owner has its own bound
+    assert set(policy.evictable()[:3]) == {"d", "e", "f"}
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_retention_and_pins_together(name: str) -> None:
+    """A pinned key is never a victim; retained and pinned, it returns to the retained keys when its pin goes,
+    and its pin expiring after its lease makes it an ordinary key again."""
+    clock = ManualClock()
+    policy = filled(name, 30, "abc", clock=clock)
+    assert policy.pin("a", ttl_secs=20.0)
+    assert policy.retain("a", "engine.x", 30, lease_secs=10.0)
+    assert "a" not in policy.evictable() and policy.retained_bytes("engine.x") == 10
+    assert policy.retain("b", "engine.x", 30, lease_secs=50.0)
+    assert policy.pin("b") and policy.unpin("b")
+    assert policy.evictable() == ["c", "b"]
+    clock.advance(25)  # a's lease ended (10 s), then its pin (20 s)
+    assert set(policy.evictable()) == {"a", "b", "c"} and policy.evictable()[-1] == "b"
+    assert policy.retained_bytes("engine.x") == 10
+    assert len(policy) == 3 and policy.used_bytes == 30
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_random_operations_with_retention_keep_the_invariants(name: str) -> None:
+    """Adds, hits, pins, removals, retentions of two owners and time passing, at random: every unpinned
+    unretained key comes before every retained one in the victim order, and each owner's retained bytes are
+    exactly its retained keys' and never over its bound."""
+    rng = random.Random(f"retention-{name}")
+    clock = ManualClock()
+    policy = make_policy(name, 10**9, clock)
+    keys = [f"k{i}" for i in range(16)]
+    bound = 50
+    owners: dict[str, str] = {}  # retained key -> owner, as the test gave them
+    for _ in range(3000):
+        op, key = rng.choice(["add", "add", "touch", "pin", "unpin", "remove", "retain", "retain", "tick"]), \
+            rng.choice(keys)
+        if op == "add":
+            policy.add(key, 10)
+        elif op == "retain":
+            owner = rng.choice(["engine.a", "engine.b"])
+            if policy.retain(key, owner, bound, rng.choice([0, 0, 1, 3]), rng.choice([None, 5.0, 50.0])):
+                owners.setdefault(key, owner)
+        elif op == "tick":
+            clock.advance(rng.choice([1.0, 10.0]))
+        else:
+            getattr(policy, op)(key)
+        order = policy.evictable()
+        retained = [policy.is_retained(k) for k in order]
+        assert retained == sorted(retained), (op, key)  # no retained key before an unretained one
+        for key_ in list(owners):
+            if not policy.is_retained(key_):
+                del owners[key_]
+        for owner in ("engine.a", "engine.b"):
+            held = 10 * sum(1 for o in owners.values() if o == owner)
+            assert policy.retained_bytes(owner) == held <= bound, (op, key, owner)
+        assert policy.used_bytes == 10 * len(policy) and len(set(policy.keys())) == len(policy)

@@ -33,6 +33,8 @@ def every_message() -> list[object]:
         protocol.ClearRequest(), protocol.StatsRequest(),
         protocol.StatsReply(store_id="s", num_chunks=1, used_bytes=2, capacity_bytes=3),
         meta, protocol.PutRequest(meta=meta, pool="ab" * 16, pool_offset=4096),
+        protocol.PutRequest(meta=meta, data=b"x", priority=3, lease_secs=60.5),  # a retained put
+        protocol.PrefixLookup(keys=[KEY], num_tokens=12, tiers=[protocol.LOCAL_DISK]),  # a request's load tiers
         protocol.GetRequest(key=KEY, pool="ab" * 16, capacity=1 << 25),
         protocol.GetReply(found=True, meta=meta, data=b"x"),
     ]

@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
@@ -29,12 +30,13 @@ from kvmesh.shared.messaging import bus
 from kvmesh.services.disk_store.index import Entry, SpaceRefused
 from kvmesh.services.disk_store.options import build_parser, options_from_args
 from kvmesh.services.disk_store.writer import WriteFaults
-from kvmesh.services.engine.tiers.base import ChunkBuffer
+from kvmesh.services.engine.tiers.base import NO_RETENTION, ChunkBuffer, Retention
 from kvmesh.services.engine.tiers.disk import DiskStoreClient
 from kvmesh.services.engine.tiers.pool_lending import PoolUnavailable
 from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.store_kit.chunk_index import ChunkIndex
 from kvmesh.shared.store_kit.state_file import CLAIMS_NAME
+from kvmesh.shared.store_kit.store_bounds import StoreBounds
 from kvmesh.shared.wire import chunk_file
 from kvmesh.shared.wire.pool_wire import socket_path
 from kvmesh.shared.wire.shm import SharedSegment
@@ -838,3 +840,39 @@ async def test_the_pool_socket_follows_the_store_to_a_restarted_nats_server(tmp_
         if engine_nc is not None:
             await engine_nc.close()
         server.stop()
+
+
+async def test_a_leased_put_outlives_unleased_ones_within_its_principals_share(harness: Harness) -> None:
+    """A put's retention (the storing request's kv_priority / lease, `PutRequest.priority` / `lease_secs`): the
+    store keeps such chunks over the rest, each engine principal within `--retained-share` of the store's size
+    (here 2 of 6 chunks), a lease ends at its time, and a retention out of bounds is not taken."""
+    clock = ManualClock()
+    harness.clock = clock
+    capacity = 6 * FILE_BYTES + 100
+    service = await harness.start(capacity=capacity, bounds=StoreBounds(retained_share=2 * FILE_BYTES / capacity))
+    a, b = harness.client_of(TENANT_A), harness.client_of(TENANT_B)
+
+    async def put(i: int, client: DiskStoreClient, retention: Retention = NO_RETENTION) -> None:
+        meta, data = chunk(i)
+        assert await client.put(meta, ChunkBuffer(view=memoryview(bytearray(data))), retention)
+        assert await client.wait_written(timeout=WAIT_S)
+
+    lease = Retention(lease_until=time.time() + 600)
+    for i in (1, 2, 3):  # A's third leased chunk would pass its share: held as any other
+        await put(i, a, lease)
+    await put(4, b, Retention(priority=5))  # B has a share of its own
+    index = service.store.index
+    assert index.retains_refused == 1
+    for i in range(10, 20):  # ten unleased chunks through a store of six
+        await put(i, a)
+    assert await harness.held(1, 2, 3, 4) == [True, True, False, True]
+    clock.advance(601)  # A's lease ended; B's priority lasts
+    for i in range(20, 30):
+        await put(i, a)
+    assert await harness.held(1, 2, 4) == [False, False, True]
+    # a lease longer than 30 days or a priority over 10^6 is not taken
+    for request in (protocol.PutRequest(meta=chunk(40)[0], data=chunk(40)[1], lease_secs=31 * 86400.0),
+                    protocol.PutRequest(meta=chunk(41)[0], data=chunk(41)[1], priority=10**7)):
+        reply = await harness.request("put", request, protocol.Ack, caller=TENANT_B)
+        assert reply.ok, reply.error
+    assert index.retains_refused == 3 and service.store.details()["retains_refused"] == 3

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import numpy as np
 import pytest
 
@@ -16,12 +17,13 @@ from kvmesh.shared import protocol
 
 from kvmesh.shared.messaging import bus
 
-from kvmesh.services.engine.tiers.base import ChunkBuffer
+from kvmesh.services.engine.tiers.base import ChunkBuffer, Retention
 from kvmesh.services.engine.tiers.remote import RemoteStoreClient
 from kvmesh.services.remote_store.options import build_parser, options_from_args
 from kvmesh.services.remote_store.service import RemoteStoreService
 from kvmesh.shared.options_cli import GB
 from kvmesh.shared.store_kit.chunk_index import ChunkIndex, SpaceRefused
+from kvmesh.shared.store_kit.store_bounds import StoreBounds
 from kvmesh.shared.wire import chunk_file
 from kvmesh.shared.wire.partition import partition_of
 
@@ -87,6 +89,11 @@ async def test_inline_nats_put_and_get(one_store) -> None:
     ack = await bus.request(client.nc, subject, protocol.PutRequest(meta=bad, data=data.tobytes()), protocol.Ack, WAIT_S)
     assert not ack.ok and "checksum" in ack.error
     assert await client.contains([bad.key]) == 0
+    # an inline put's retention is taken as a stream put's is
+    kept, kept_data = chunk(100_000, 4)
+    request = protocol.PutRequest(meta=kept, data=kept_data.tobytes(), priority=2, lease_secs=60.0)
+    assert (await bus.request(client.nc, subject, request, protocol.Ack, WAIT_S)).ok
+    assert service.store.index.is_retained(kept.key) and not service.store.index.is_retained(meta.key)
 
 
 async def test_lru_under_the_cap_and_admission_events(nats_url: str) -> None:
@@ -408,5 +415,32 @@ async def test_puts_without_a_checksum_or_with_bytes_that_fail_it_are_refused_an
         assert not path.exists()
     finally:
         await client.close()
+        await nc.close()
+        await services[0].stop()
+
+
+async def test_a_leased_stream_put_outlives_unleased_ones_within_its_principals_share(nats_url: str) -> None:
+    """A put's retention (`PutRequest.priority` / `lease_secs`, the storing request's kv_priority and lease) keeps
+    the chunk over unretained ones, each engine principal within `--retained-share` (2 of 4 chunks here)."""
+    services, nc = await start_stores(nats_url, "keep", capacity=4 * MiB, bounds=StoreBounds(retained_share=0.5))
+    tenant_a = protocol.Principal.engine("tenant-a").producer("w0")
+    tenant_b = protocol.Principal.engine("tenant-b").producer("w0")
+    a = RemoteStoreClient(nc, ["keep-0"], tenant_a, request_timeout=WAIT_S)
+    b = RemoteStoreClient(nc, ["keep-0"], tenant_b, request_timeout=WAIT_S)
+    try:
+        lease = Retention(lease_until=time.time() + 600)
+        kept = [chunk(MiB, seed) for seed in range(3)]
+        for meta, data in kept:  # A's third would pass its share: held as any other
+            assert await a.put(meta, ChunkBuffer(memoryview(data)), lease)
+        index = services[0].store.index
+        assert index.retains_refused == 1 and index.retained_bytes("engine.tenant-a") <= 2 * MiB + 2 * 4096
+        pushed = [chunk(MiB, seed) for seed in range(10, 16)]
+        for meta, data in pushed:  # B's unleased puts push out everything unretained
+            assert await b.put(meta, ChunkBuffer(memoryview(data)))
+        assert [await a.contains([meta.key]) for meta, _ in kept] == [1, 1, 0]
+        assert [await b.contains([meta.key]) for meta, _ in pushed] == [0, 0, 0, 0, 1, 1]
+    finally:
+        await a.close()
+        await b.close()
         await nc.close()
         await services[0].stop()

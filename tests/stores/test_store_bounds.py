@@ -263,7 +263,7 @@ async def test_a_burst_of_sync_requests_and_hellos_makes_few_full_syncs_and_the_
 @pytest.mark.parametrize("options", [remote_options, disk_options], ids=["remote", "disk"])
 def test_store_bounds_are_flags_that_round_trip_and_are_checked(options: Any, tmp_path: Path) -> None:
     bounds = StoreBounds(max_keys_per_request=7, max_inline_bytes=1000, request_queue_bytes=3 * MiB,
-                         min_sync_interval=0.5)
+                         min_sync_interval=0.5, retained_share=0.25)
     if options is remote_options:
         written = RemoteStoreOptions(store_id="remote-0", capacity_bytes=MiB, bounds=bounds).to_args()
     else:
@@ -275,6 +275,8 @@ def test_store_bounds_are_flags_that_round_trip_and_are_checked(options: Any, tm
     for flags, named in ((["--max-keys-per-request", "0"], "--max-keys-per-request"),
                          (["--max-inline-bytes", "0"], "--max-inline-bytes"),
                          (["--request-queue-mb", "1", "--max-inline-bytes", str(2 * MiB)], "--max-inline-bytes"),
-                         (["--min-sync-interval", "-1"], "--min-sync-interval")):
+                         (["--min-sync-interval", "-1"], "--min-sync-interval"),
+                         (["--retained-share", "1.5"], "--retained-share"),
+                         (["--retained-share", "nan"], "--retained-share")):
         with pytest.raises(ConfigError, match=named):
             options.options_from_args(options.build_parser().parse_args(base + flags))

@@ -68,12 +68,12 @@ def worker_half(engine: CacheEngine, caches: dict[str, torch.Tensor], block_size
 
 
 def request(req_id: str, tokens: list[int], cache_salt: str | None = None,
-            lora_request: Any = None) -> SimpleNamespace:
+            lora_request: Any = None, kv_transfer_params: dict[str, Any] | None = None) -> SimpleNamespace:
     """What the connector reads of vLLM's Request (`lora_request`: an object with lora_name / lora_path /
-    lora_int_id, as vLLM's LoRARequest)."""
+    lora_int_id, as vLLM's LoRARequest; `kv_transfer_params`: the request body's)."""
     return SimpleNamespace(request_id=req_id, num_tokens=len(tokens), num_prompt_tokens=len(tokens),
                            all_token_ids=tokens, lora_request=lora_request, mm_features=[], prompt_embeds=None,
-                           cache_salt=cache_salt)
+                           cache_salt=cache_salt, kv_transfer_params=kv_transfer_params)
 
 
 def blocks(ids: list[int]) -> SimpleNamespace:

@@ -8,6 +8,7 @@ learns what is cached.
     request_slots.py     where a request's KV sits in vLLM's paged cache (token slots, a state's span and slots)
     request_meta.py      the scheduler -> worker metadata of each step (loads, saves) and the per-request tracker
     request_extras.py    what besides the token ids a request's KV depends on (LoRA, cache_salt, images, embeds)
+    request_retention.py a request's kv_priority, lease and load / store tiers from its kv_transfer_params
     model_identity.py    the model part of chunk keys (revision, quantization, RoPE, ...), the same on every rank
     scheduler_lookup.py  the scheduler's answer to "how much of this prompt is cached"
     block_prefix.py      hits that end inside a chunk, at a vLLM block boundary

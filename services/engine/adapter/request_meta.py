@@ -33,6 +33,8 @@ import torch
 
 from kvmesh.services.engine.adapter.block_prefix import saved_prefix_end
 from kvmesh.services.engine.adapter.kv_groups import slot_rows
+from kvmesh.services.engine.adapter.request_retention import DEFAULT as DEFAULT_KV_PARAMS
+from kvmesh.services.engine.adapter.request_retention import KVRequestParams
 from kvmesh.shared.wire.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyExtras
 
 if TYPE_CHECKING:
@@ -99,6 +101,8 @@ class ReqMeta:
     load_failed: bool = False
     # with vLLM's KV cache groups (kv_groups.py): the request's block ids per group this step, -1 where freed
     group_block_ids: list[list[int]] | None = None
+    # its kv_transfer_params' retention and tiers (request_retention.py): how the worker's saves keep its chunks
+    kv_params: KVRequestParams = DEFAULT_KV_PARAMS
 
     def slot_mapping(self, num_tokens: int, block_size: int) -> torch.Tensor:
         """Slot of each of the first `num_tokens` tokens: block_ids[i // B] * B + i % B (int64, CPU); with
@@ -157,6 +161,7 @@ class RequestTracker:
     extras: KeyExtras | None = None  # what besides the tokens its keys mix in (LoRA, cache_salt, images...)
     lora_name: str | None = None
     cacheable: bool = True  # False: its key inputs could not be read, so it is neither loaded nor stored
+    kv_params: KVRequestParams = DEFAULT_KV_PARAMS  # its retention and tiers (request_retention.py)
     chain: list[ChunkSpan] = field(default_factory=list)  # chain keys of its tokens so far (hashed once)
     lower: "LowerLookup | None" = None  # its lookup in the workers' lower tiers, once asked
     hit: int = 0  # tokens the cache held at lookup

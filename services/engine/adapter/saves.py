@@ -54,17 +54,19 @@ class Saves:
                          req.req_id)
                 if save.described:  # before the admissions, which carry them (describe_admissions)
                     engine.describe(save.described)
-                self._store(engine, kv_caches, req.req_id, spans, self._where.tokens(req, end), stream, jobs)
+                self._store(engine, kv_caches, req, spans, self._where.tokens(req, end), stream, jobs)
                 self._count_store(end - save.mask_start, time.perf_counter() - started)
             except Exception as exc:
                 log.warning("storing KV for request %s failed (%s: %s); skipped", req.req_id, type(exc).__name__,
                             exc)
 
-    def _store(self, engine: "CacheEngine", kv_caches: dict[str, torch.Tensor], req_id: str,
+    def _store(self, engine: "CacheEngine", kv_caches: dict[str, torch.Tensor], req: ReqMeta,
                spans: list[ChunkSpan], slots: torch.Tensor, stream: Any, jobs: AsyncSaves) -> None:
-        job = engine.save(spans, kv_caches, slots, stream)  # with a stream: admitted by get_finished once copied
+        """With the request's retention, to its store tiers (its kv_transfer_params: request_retention.py)."""
+        # with a stream: admitted by get_finished once copied
+        job = engine.save(spans, kv_caches, slots, stream, req.kv_params.retention, req.kv_params.store_tiers)
         if job is not None:
-            jobs.add(req_id, job)
+            jobs.add(req.req_id, job)
 
     def _store_states(self, engine: "CacheEngine", kv_caches: dict[str, torch.Tensor], req: ReqMeta,
                       save: SaveSpec, stream: Any, jobs: AsyncSaves) -> None:
@@ -76,7 +78,7 @@ class Saves:
             if limit is not None and end > limit:
                 continue
             span, slots = self._where.state(engine, req, end, req.chunk_keys[end // chunk_size - 1], column)
-            self._store(engine, kv_caches, req.req_id, [span], slots, stream, jobs)
+            self._store(engine, kv_caches, req, [span], slots, stream, jobs)
             self._stats.count("lmcache:num_stored_states")
 
     def _spans(self, engine: "CacheEngine", req: ReqMeta, save: SaveSpec) -> list[ChunkSpan]:

@@ -239,19 +239,22 @@ class SchedulerLookup:
         self.mirror.apply(events)
 
     def held(self, chain: Sequence[ChunkSpan], num_tokens: int, lower: LowerLookup | None,
-             peer: PeerHint | None = None, prefetch_from: int = 0) -> tuple[int | None, LowerLookup | None]:
+             peer: PeerHint | None = None, prefetch_from: int = 0, tiers: frozenset[str] | None = None
+             ) -> tuple[int | None, LowerLookup | None]:
         """(tokens held on every rank, or None for "ask again"; the lower-tier lookup in flight or done). `peer`:
         the PD producer the request names (adapter/pd.py), whose workers the ranks ask first. The lookup's
-        prefetch skips the chunks that end by `prefetch_from` (the tokens vLLM computed: its prefix cache)."""
+        prefetch skips the chunks that end by `prefetch_from` (the tokens vLLM computed: its prefix cache).
+        `tiers`: the only locations counted (a request's kv_load_tiers; None: all)."""
         workers = self._workers
         if not workers or not chain:
             return 0, lower
         keys = [span.key for span in chain]
-        cpu_tokens = self.cpu_tokens(chain)
-        if cpu_tokens == chain[-1].end or not any(w.has_lower for w in workers):
+        cpu_tokens = self.cpu_tokens(chain, tiers)
+        below = tiers is None or bool(tiers - {protocol.LOCAL_CPU})
+        if cpu_tokens == chain[-1].end or not below or not any(w.has_lower for w in workers):
             return cpu_tokens, lower
         if lower is None:
-            lower = self._ask_lower(keys, num_tokens, peer, prefetch_from)
+            lower = self._ask_lower(keys, num_tokens, peer, prefetch_from, tiers)
             if lower is None:  # NATS is down: what the mirror says, at once
                 return cpu_tokens, None
             # answered when vLLM asks again, never in this call: whether the NATS loop answers before the scheduler
@@ -273,9 +276,9 @@ class SchedulerLookup:
         """Whether every rank's CPU tier holds the one chunk `span` names (as the mirror says)."""
         return self.cpu_tokens([_alone(span)]) == span.num_tokens
 
-    def cpu_tokens(self, chain: Sequence[ChunkSpan]) -> int:
-        """Tokens of `chain` held in every rank's CPU tier (as the mirror says)."""
-        if not self._workers or not chain:
+    def cpu_tokens(self, chain: Sequence[ChunkSpan], tiers: frozenset[str] | None = None) -> int:
+        """Tokens of `chain` held in every rank's CPU tier (as the mirror says); 0 when `tiers` leaves it out."""
+        if not self._workers or not chain or (tiers is not None and protocol.LOCAL_CPU not in tiers):
             return 0
         keys = [span.key for span in chain]
         in_cpu = min(self.mirror.prefix(w.rank, [w.key_params.shard_key(k) for k in keys]) for w in self._workers)
@@ -287,7 +290,7 @@ class SchedulerLookup:
         return ids if ids and all(ids) else []
 
     def _ask_lower(self, keys: list[ChunkKey], num_tokens: int, peer: PeerHint | None,
-                   prefetch_from: int) -> LowerLookup | None:
+                   prefetch_from: int, tiers: frozenset[str] | None = None) -> LowerLookup | None:
         def peer_of(rank: int) -> tuple[str, str]:  # each rank asks the producer's worker of the same rank
             worker = peer.worker_of(rank) if peer is not None else None
             return (peer.instance_id, worker) if peer is not None and worker else ("", "")
@@ -301,13 +304,15 @@ class SchedulerLookup:
                     return None
                 spans = engine.chunk_spans(keys, num_tokens)
                 futures.append(engine.nats_loop.submit(engine.lookup_and_prefetch(spans, *peer_of(engine.rank),
-                                                                                  prefetch_from)))
+                                                                                  prefetch_from, tiers)))
             return LowerLookup(futures, time.monotonic(), timeout)
         nats = self._nats
         if nats is None or (nats.nc is not None and not nats.connected):
             return None  # no NATS, or it went down: answer from the CPU tiers at once
         # connected, or still making its first connection (just after the workers were found): ask
-        requests = [protocol.PrefixLookup(keys, num_tokens, *peer_of(w.rank), prefetch_from) for w in self._workers]
+        wanted = sorted(tiers) if tiers is not None else None
+        requests = [protocol.PrefixLookup(keys, num_tokens, *peer_of(w.rank), prefetch_from, wanted)
+                    for w in self._workers]
         return LowerLookup([nats.submit(self._ask(nats, w, request, timeout))
                             for w, request in zip(self._workers, requests)], time.monotonic(), timeout)
 

@@ -20,6 +20,7 @@ from kvmesh.services.engine.adapter.kv_events import KVEventLog, save_descriptio
 from kvmesh.services.engine.adapter.kv_groups import KVGroups
 from kvmesh.services.engine.adapter.pd import peer_hint, producer_params, wants_remote_decode
 from kvmesh.services.engine.adapter.request_extras import lora_name_of, request_extras
+from kvmesh.services.engine.adapter.request_retention import request_kv_params
 from kvmesh.services.engine.adapter.request_meta import (
     KVMeshConnectorMetadata,
     ReqMeta,
@@ -112,7 +113,9 @@ class SchedulerSide:
             tracker.local = num_computed_tokens
             return tracker
         tracker = RequestTracker(request.request_id, request, prompt_len=request.num_prompt_tokens,
-                                 local=num_computed_tokens, lora_name=lora_name_of(request))
+                                 local=num_computed_tokens, lora_name=lora_name_of(request),
+                                 kv_params=request_kv_params(request.request_id,
+                                                             getattr(request, "kv_transfer_params", None)))
         try:
             tracker.extras = request_extras(request, self.chunk_size)
         except Exception as exc:  # e.g. an unreadable LoRA adapter file: never a wrong key, never a crash
@@ -135,14 +138,19 @@ class SchedulerSide:
             tracker.forget_lookup()
             tracker.lookup_tokens = total
         chain_keys = self._chain_keys(tracker, hasher, total)  # hashed once per request
+        tiers = tracker.kv_params.load_tiers  # the request's kv_load_tiers: no other tier is counted
         if tracker.lower is None:  # not yet asked below: what the CPU tiers hold as the request arrives
-            tracker.cpu_tokens = self.lookup.cpu_tokens(tracker.chain[:len(chain_keys)])
+            tracker.cpu_tokens = self.lookup.cpu_tokens(tracker.chain[:len(chain_keys)], tiers)
         hit, tracker.lower = self.lookup.held(tracker.chain[:len(chain_keys)], total, tracker.lower,
                                               peer_hint(getattr(request, "kv_transfer_params", None)),
-                                              prefetch_from=num_computed_tokens)
+                                              prefetch_from=num_computed_tokens, tiers=tiers)
         if hit is None:
             return None, False  # the lower tiers have not answered yet: vLLM asks again next step
-        if self.groups is not None and self.groups.has_state:
+        if tiers is not None:
+            # block prefixes and states are looked up in every tier: a request choosing its tiers goes without
+            hit = 0 if self.groups is not None and self.groups.has_state else hit
+            tracker.hit_key = None
+        elif self.groups is not None and self.groups.has_state:
             hit, tracker.state_key = self._state_hit(tracker, hit, total)
         else:
             hit, tracker.hit_key = self._block_prefix_hit(tracker, hasher, hit, total)
@@ -290,7 +298,7 @@ class SchedulerSide:
             return
         load = tracker.take_load(self.chunk_size)
         save = None
-        if self.can_save and step is not None:
+        if self.can_save and step is not None and tracker.kv_params.stores_anywhere:
             save = tracker.take_save(step[1], self.chunk_size, self.config.save_unfull_chunk,
                                      self.config.save_decode_cache, self.block_size)
             if save is not None and save.prefix_end:
@@ -313,7 +321,7 @@ class SchedulerSide:
                 tracker.request.all_token_ids, keys[:-(-save.end // self.chunk_size)], save, self.chunk_size,
                 tracker.extras, tracker.lora_name))
         meta.requests.append(ReqMeta(tracker.req_id, keys, list(tracker.block_ids), load, save, tracker.lora_name,
-                                     lora_id, tracker.load_failed, tables))
+                                     lora_id, tracker.load_failed, tables, tracker.kv_params))
 
     def _group_tables(self, tracker: RequestTracker, save: SaveSpec | None, step: tuple[int, int] | None
                       ) -> tuple[list[list[int]] | None, SaveSpec | None]:

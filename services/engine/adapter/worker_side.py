@@ -193,6 +193,9 @@ class WorkerSide:
             for req in metadata.requests:
                 if req.lora_name and req.lora_id:
                     self.engine.note_lora(req.lora_name, req.lora_id)
+                if req.load is not None and req.kv_params.retention.asked:  # what it loads is kept as it asks
+                    self.engine.retain(req.keys_upto(req.load.end, self.engine.config.chunk_size, req.load.last_key),
+                                       req.load.end, req.kv_params.retention)
         loads = [self.request_load(req) for req in metadata.requests if req.load is not None]
         in_step = [load for load in loads if not load.spec.asynchronous]
         if self.engine is None:  # nothing to load from: recomputed (still agreed on with the other ranks)

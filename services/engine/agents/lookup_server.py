@@ -42,8 +42,9 @@ class LookupServer:
     async def _handle(self, request: protocol.PrefixLookup) -> protocol.CommandReply:
         try:
             spans = self.engine.chunk_spans(request.keys, request.num_tokens)
+            tiers = frozenset(request.tiers) if request.tiers is not None else None
             held = await self.engine.lookup_and_prefetch(spans, request.peer_instance, request.peer_worker,
-                                                         request.prefetch_from)
+                                                         request.prefetch_from, tiers)
             return protocol.CommandReply(ok=True, num_tokens=held)
         except Exception as exc:  # a broken lookup is a miss, never a failed request
             log.warning("prefix lookup failed (%s: %s); answering a miss", type(exc).__name__, exc)

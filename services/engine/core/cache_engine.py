@@ -32,8 +32,9 @@ from kvmesh.services.engine.core.chunk_load import (ChunkLoad, KVCaches, check_s
 from kvmesh.services.engine.config.engine_config import EngineConfig
 from kvmesh.services.engine.core.kv_layout import KVLayout
 from kvmesh.services.engine.core.paged_copy import PagedCopier
-from kvmesh.services.engine.core.storage_manager import StorageManager
+from kvmesh.services.engine.core.storage_manager import ALL_LOCATIONS, StorageManager
 from kvmesh.services.engine.mesh.nats_loop import NatsLoop
+from kvmesh.services.engine.tiers.base import NO_RETENTION, Retention
 from kvmesh.services.engine.tiers.cpu import LocalCPUBackend
 from kvmesh.services.engine.tiers.memory_pool import MemoryPool, Slot
 from kvmesh.services.engine.tiers.peer import PeerTier, PeerWorker
@@ -162,7 +163,8 @@ class CacheEngine:
         return ChunkLoad.acquired(spans, storage.acquire_prefix(spans, self.meta_mismatch), layout, copier)
 
     def save(self, spans: Sequence[ChunkSpan], kv_caches: KVCaches, slot_mapping: torch.Tensor,
-             stream: "torch.cuda.Stream | None" = None) -> "StoreJob | None":
+             stream: "torch.cuda.Stream | None" = None, retention: Retention = NO_RETENTION,
+             store_to: frozenset[str] | None = None) -> "StoreJob | None":
         """Copy the chunks of `spans` out of vLLM's paged cache into the CPU tier and queue them for the lower
         tiers (write-behind). Chunks already held (CPU tier, or known to be in every lower tier) are not copied
         again; from a token without a slot (negative) or when the pool is full, the rest is skipped.
@@ -170,12 +172,22 @@ class CacheEngine:
         With `stream` the copies are only started, and the job returned (None: nothing to copy) is admitted by
         `StoreJob.admit` once `job.done()`: on CUDA the gather runs on `stream` after everything already queued
         on the current stream (the forward that wrote the KV), and `job.event` marks its end, until which vLLM's
-        blocks must stay untouched. Elsewhere the copy is done when this returns."""
-        job = self._gather_spans(spans, layer_list(kv_caches), slot_mapping, stream)
+        blocks must stay untouched. Elsewhere the copy is done when this returns.
+
+        The storing request's `retention` goes with every chunk (CPU tier, disk store); `store_to` names the only
+        locations written (its kv_store_tiers; None: all): without LOCAL_CPU the CPU tier only stages the chunks
+        for the lower tiers and keeps none."""
+        job = self._gather_spans(spans, layer_list(kv_caches), slot_mapping, stream, retention, store_to)
         if job is None or stream is not None:
             return job
         job.admit()
         return None
+
+    def retain(self, chain_keys: Sequence[ChunkKey], num_tokens: int, retention: Retention) -> None:
+        """Give this worker's resident chunks of a `num_tokens`-token sequence a request's retention (a request
+        that loads them: its save stores only what it computed)."""
+        if retention.asked:
+            self.ready()[2].retain_keys([span.key for span in self.chunk_spans(chain_keys, num_tokens)], retention)
 
     def state_span(self, chain_key: ChunkKey, end: int, num_tokens: int) -> ChunkSpan:
         """This worker's span of the recurrent state after `end` tokens (adapter/kv_groups.py): its last
@@ -185,25 +197,31 @@ class CacheEngine:
         return hasher.shard([chain_span])[0]
 
     async def lookup_and_prefetch(self, spans: Sequence[ChunkSpan], peer_instance: str = "",
-                                  peer_worker: str = "", prefetch_from: int = 0) -> int:
+                                  peer_worker: str = "", prefetch_from: int = 0,
+                                  tiers: frozenset[str] | None = None) -> int:
         """NATS loop: the held prefix of `spans` over every tier, in tokens; what a lower tier holds past token
         `prefetch_from` (vLLM's computed tokens) starts moving into the CPU tier at once (the scheduler's lower-tier
         lookup, then the load one step later).
         `peer_worker` of `peer_instance`: the PD producer a request's hint names (adapter/pd.py, client input):
-        the peer lookup waits a little for its admissions of the spans, never takes its word for them."""
+        the peer lookup waits a little for its admissions of the spans, never takes its word for them.
+        `tiers`: the only locations looked in (a request's kv_load_tiers; None: all)."""
         _, _, _, storage, _ = self.ready()
         peers = storage.lower(PEER)
         if peer_worker and isinstance(peers, PeerTier):
             # every span, the partial last chunk too: the producer saves the same prompt (save_unfull_chunk)
             peers.expect([span.key for span in spans], PeerWorker(peer_instance, peer_worker))
-        held = await storage.lookup_and_prefetch(spans, self.meta_mismatch, prefetch_from, for_request=True)
+        held = await storage.lookup_and_prefetch(spans, self.meta_mismatch, prefetch_from, for_request=True,
+                                                 wanted=ALL_LOCATIONS if tiers is None else tiers)
         return spans[held - 1].end if held else 0
 
     def _gather_spans(self, spans: Sequence[ChunkSpan], kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
-                      stream: "torch.cuda.Stream | None") -> "StoreJob | None":
+                      stream: "torch.cuda.Stream | None", retention: Retention = NO_RETENTION,
+                      store_to: frozenset[str] | None = None) -> "StoreJob | None":
         layout, _, cpu, storage, copier = self.ready()
-        write_lower = storage.has_stores and self.writes_lower_tiers
-        if not spans or (not cpu.keep and not write_lower) or self.config.force_skip_save:
+        lower_to = None if store_to is None else store_to - {protocol.LOCAL_CPU}
+        write_lower = storage.has_stores and self.writes_lower_tiers and (lower_to is None or bool(lower_to))
+        keep_cpu = cpu.keep and (store_to is None or protocol.LOCAL_CPU in store_to)
+        if not spans or (not keep_cpu and not write_lower) or self.config.force_skip_save:
             return None
         check_slot_count(slot_mapping, spans[-1].end)
         first_bad = _first_negative(slot_mapping, spans[-1].end)
@@ -216,6 +234,7 @@ class CacheEngine:
             with torch.cuda.stream(stream) if on_side else contextlib.nullcontext():
                 for span in spans:
                     if span.key in cpu or storage.write_behind.known_held(span.key):
+                        cpu.retain_keys([span.key], retention)  # held already: kept as the request asks
                         continue
                     if span.end > first_bad:  # tokens without a cache slot: nothing valid to copy from here on
                         break
@@ -236,7 +255,7 @@ class CacheEngine:
         except BaseException:
             release_after_copies(kv_caches, [slot for _, slot in filled], stream if on_side else None)
             raise
-        return StoreJob(filled, write_lower, self._admit, event) if filled else None
+        return StoreJob(filled, write_lower, self._admit, event, retention, keep_cpu, lower_to) if filled else None
 
     def _admit(self, job: "StoreJob") -> None:
         """Put a finished gather's chunks into the CPU tier and queue them for the lower tiers (write-behind).
@@ -245,13 +264,19 @@ class CacheEngine:
         job.wait()
         for span, slot in job.filled:
             meta = self._chunk_meta(span)
+            if not job.keep_cpu:  # the request stores below only: the write-behind takes over the slot's reference
+                if job.write_lower:
+                    storage.write_behind.enqueue(meta, slot, job.retention, job.lower_to)
+                else:
+                    slot.release()
+                continue
             behind = slot.ref() if job.write_lower else None
-            if not cpu.put(meta, slot):  # resident already (a concurrent store) or no room
+            if not cpu.put(meta, slot, retention=job.retention):  # resident already (a concurrent store) or no room
                 if behind is not None:
                     behind.release()
                 continue
             if behind is not None:
-                storage.write_behind.enqueue(meta, behind)
+                storage.write_behind.enqueue(meta, behind, job.retention, job.lower_to)
         job.filled = []
 
     # ---- helpers for tests and the connector ----------------------------------------------------------------
@@ -361,6 +386,9 @@ class StoreJob:
     write_lower: bool
     admit_into: "Callable[[StoreJob], None]"
     event: "torch.cuda.Event | None" = None
+    retention: Retention = NO_RETENTION  # the storing request's (tiers/base.py)
+    keep_cpu: bool = True  # False: the CPU tier only stages the chunks for the lower tiers
+    lower_to: frozenset[str] | None = None  # the lower locations written (None: all)
 
     def admit(self) -> None:
         """Put the chunks into the CPU tier and queue them for the lower tiers; waits for the copies if they

@@ -204,14 +204,14 @@ class StorageManager:
         return self.loop.call(walk(), self.config.request_timeout_secs + 0.5, default=held)
 
     async def lookup_and_prefetch(self, spans: Sequence[ChunkSpan], check: CheckMeta, prefetch_from: int = 0,
-                                  for_request: bool = False) -> int:
+                                  for_request: bool = False, wanted: frozenset[str] = ALL_LOCATIONS) -> int:
         """Loop thread: the held prefix of `spans` over every tier, in chunks; the chunks found in a lower tier
         start moving into the CPU tier at once, from the runs already located (the stores are not asked twice),
         except those that end at or before token `prefetch_from`: vLLM's own prefix cache holds them, no load
         reads them. `for_request`: a request's lookup, whose prefetch takes the first chunks that fit in
         `prefetch_cpu_share` of the CPU tier beside the chunks other lookups prefetched that no load has read
-        yet (its load reads the rest)."""
-        runs = await self.locate(spans)
+        yet (its load reads the rest). Only the `wanted` tiers are looked in (a request's kv_load_tiers)."""
+        runs = await self.locate(spans, wanted)
         skip = sum(1 for span in spans if span.end <= prefetch_from)
         lower_runs = [Run(run.location, max(run.begin, skip), run.end) for run in runs
                       if run.location != LOCAL_CPU and run.end > skip]

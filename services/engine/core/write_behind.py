@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 from kvmesh.services.engine.config.engine_config import EngineConfig
 from kvmesh.services.engine.mesh.nats_loop import NatsLoop
-from kvmesh.services.engine.tiers.base import StoreTier
+from kvmesh.services.engine.tiers.base import NO_RETENTION, Retention, StoreTier
 from kvmesh.services.engine.tiers.cpu import LocalCPUBackend
 from kvmesh.services.engine.tiers.memory_pool import Slot
 from kvmesh.shared.aio import cancel_and_wait
@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 class _WriteJob:
     meta: ChunkMeta
     slot: Slot  # holds one reference for the job
+    retention: Retention = NO_RETENTION  # the storing request's, carried with each put
+    store_to: frozenset[str] | None = None  # the only locations written (its kv_store_tiers; None: all)
 
 
 class WriteBehind:
@@ -101,8 +103,10 @@ class WriteBehind:
                 self._known_held.pop(key, None)
 
     # ---- the queue ---------------------------------------------------------------------------------------------
-    def enqueue(self, meta: ChunkMeta, slot: Slot) -> bool:
-        """vLLM thread: queue a chunk for the stores; takes over one slot reference (released on False too).
+    def enqueue(self, meta: ChunkMeta, slot: Slot, retention: Retention = NO_RETENTION,
+                store_to: frozenset[str] | None = None) -> bool:
+        """vLLM thread: queue a chunk for the stores (those at `store_to` only, when set), with the storing
+        request's `retention`; takes over one slot reference (released on False too).
 
         Never blocks: a full queue or an unreachable mesh skips the chunk (logged, rate-limited).
         """
@@ -115,7 +119,7 @@ class WriteBehind:
         with self._queue_lock:
             full = len(self._queue) >= self.config.store_queue_size
             if not full:
-                self._queue.append(_WriteJob(meta, slot))
+                self._queue.append(_WriteJob(meta, slot, retention, store_to))
         if full:
             slot.release()
             self.stats["write_behind_skipped_full"] += 1
@@ -158,7 +162,7 @@ class WriteBehind:
                 job.slot.release()
 
     async def _write(self, job: _WriteJob) -> None:
-        clients = self._stores()
+        clients = [c for c in self._stores() if job.store_to is None or c.location in job.store_to]
         if not clients or self.loop is None or not self.loop.connected:
             self.stats["write_behind_dropped_offline"] += 1
             return
@@ -166,7 +170,8 @@ class WriteBehind:
         # Once per chunk, off the loop: the stores verify the bytes they receive against it before holding them.
         digest = await asyncio.to_thread(checksum, buffer.view[:job.meta.nbytes])
         meta = dataclasses.replace(job.meta, checksum=digest)
-        results = await asyncio.gather(*(c.put(meta, buffer) for c in clients), return_exceptions=True)
+        results = await asyncio.gather(*(c.put(meta, buffer, job.retention) for c in clients),
+                                       return_exceptions=True)
         for client, result in zip(clients, results):
             if result is True:
                 self.stats[f"written_bytes_{client.location}"] += meta.nbytes

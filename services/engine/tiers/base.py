@@ -40,6 +40,30 @@ from kvmesh.shared.wire.shm import SharedSegment
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class Retention:
+    """How long a storing request wants its chunks kept (its `kv_priority` and lease: adapter/request_retention.py):
+    `priority` > 0 keeps them over the rest while held, a lease until `lease_until` (unix seconds) over unleased
+    ones. Where the chunks are held, each principal keeps at most its share this way."""
+
+    priority: int = 0
+    lease_until: float | None = None
+
+    def lease_secs(self, now: float | None = None) -> float | None:
+        """Seconds of lease left (None: no lease, or it has ended)."""
+        if self.lease_until is None:
+            return None
+        left = self.lease_until - (time.time() if now is None else now)
+        return left if left > 0 else None
+
+    @property
+    def asked(self) -> bool:
+        return self.priority > 0 or self.lease_until is not None
+
+
+NO_RETENTION = Retention()
+
+
 class StoreMayWrite(Exception):
     """`get_into` got no answer from a store that writes into the buffer in place (the disk store, through the
     lent pool): the request may still be served later, so the buffer must not be reused yet. `settled()`
@@ -91,9 +115,11 @@ class Tier(Protocol):
 class StoreTier(Tier, Protocol):
     store_ids: list[str]  # the store(s) behind this client (one per remote partition)
 
-    async def put(self, meta: ChunkMeta, buffer: ChunkBuffer) -> bool:
+    async def put(self, meta: ChunkMeta, buffer: ChunkBuffer,
+                  retention: Retention = NO_RETENTION) -> bool:
         """Hand a chunk to the store (meta.checksum set: a put without one is refused); True once the store has
-        the bytes and they match the checksum (it may still be writing them)."""
+        the bytes and they match the checksum (it may still be writing them). `retention`: the storing request's
+        (the disk and remote stores honour it; Redis and peers take the chunk as any other)."""
 
     async def get_into(self, key: ChunkKey, buffer: ChunkBuffer) -> ChunkMeta | None:
         """Fill `buffer` with the chunk's bytes (checksum verified); None on a miss or any failure after which

@@ -24,11 +24,15 @@ from dataclasses import dataclass
 from typing import Iterable, Protocol
 
 from kvmesh.services.engine.tiers.memory_pool import MemoryPool, Slot
+from kvmesh.services.engine.tiers.base import NO_RETENTION, Retention
 from kvmesh.shared.eviction import Clock, EvictionPolicy, make_policy
 from kvmesh.shared.protocol import LOCAL_CPU, ChunkMeta, TierUsage
 from kvmesh.shared.wire.keys import ChunkKey
 
 log = logging.getLogger(__name__)
+
+
+RETAINED_BY = "requests"  # the owner of the CPU tier's retained chunks (see `max_retained_bytes`)
 
 
 class TierListener(Protocol):
@@ -62,9 +66,12 @@ class LocalCPUBackend:
     location = LOCAL_CPU
 
     def __init__(self, pool: MemoryPool, keep: bool = True, policy: str = "LRU",
-                 clock: Clock = time.monotonic) -> None:
+                 clock: Clock = time.monotonic, retained_share: float = 0.5) -> None:
         self.pool = pool
         self.keep = keep
+        # requests' kv_priority / leases keep at most this many bytes over the rest (`retained_cpu_share`): vLLM
+        # does not tell its clients apart, so they are one principal here
+        self.max_retained_bytes = int(retained_share * pool.capacity_bytes)
         self._policy: EvictionPolicy = make_policy(policy, pool.capacity_bytes, clock)  # pin TTLs run on `clock`
         self._entries: dict[ChunkKey, ChunkRef] = {}
         self._lock = threading.Lock()
@@ -73,6 +80,7 @@ class LocalCPUBackend:
         self._unread: set[ChunkKey] = set()
         self.hits = 0  # chunks served (`acquire` found them), for /usage
         self.evictions = 0  # chunks the policy evicted to make room (not removals or clears)
+        self.retain_refused = 0  # chunks a request asked to keep past `max_retained_bytes` (held as any other)
 
     # ---- listeners -------------------------------------------------------------------------------------------
     def listen(self, listener: TierListener) -> list[ChunkKey]:
@@ -186,9 +194,12 @@ class LocalCPUBackend:
                     return slot
         return self.pool.allocate()  # a reader may have released one meanwhile
 
-    def put(self, meta: ChunkMeta, slot: Slot, prefetched: bool = False) -> bool:
+    def put(self, meta: ChunkMeta, slot: Slot, prefetched: bool = False,
+            retention: Retention = NO_RETENTION) -> bool:
         """Make the chunk resident; the tier takes over the caller's slot reference (also on False).
         `prefetched`: a request's lookup prefetched it, counted in `unread_prefetched` until a read takes it.
+        `retention`: the storing request's (adapter/request_retention.py), taken while the tier's retained bytes
+        stay within `max_retained_bytes` (else the chunk is held as any other; `retain_refused` counts it).
 
         False when the key is already resident (the new copy is dropped) or when the policy has no room
         because everything resident is pinned.
@@ -197,6 +208,7 @@ class LocalCPUBackend:
         with self._lock:
             if key in self._entries:
                 self._policy.touch(key)
+                self._retain(key, retention)
                 slot.release()
                 return False
             victims = self._policy.victims_for(self.pool.slot_nbytes)
@@ -208,11 +220,34 @@ class LocalCPUBackend:
             self.evictions += len(victims)
             self._entries[key] = ChunkRef(meta, slot)
             self._policy.add(key, self.pool.slot_nbytes)
+            self._retain(key, retention)
             if prefetched:
                 self._unread.add(key)
             if self.keep:
                 self._admitted(key)
         return True
+
+    def _retain(self, key: ChunkKey, retention: Retention) -> None:
+        if not retention.asked or not self.keep:
+            return
+        lease_secs = retention.lease_secs()
+        if (retention.priority > 0 or lease_secs) and not self._policy.retain(
+                key, RETAINED_BY, self.max_retained_bytes, retention.priority, lease_secs):
+            self.retain_refused += 1
+
+    def retain_keys(self, keys: Iterable[ChunkKey], retention: Retention) -> None:
+        """Give resident `keys` a request's retention (a request that loaded them, or found them held when it
+        saved), as `put` does."""
+        if not retention.asked:
+            return
+        with self._lock:
+            for key in keys:
+                if key in self._entries:
+                    self._retain(key, retention)
+
+    def is_retained(self, key: ChunkKey) -> bool:
+        with self._lock:
+            return self._policy.is_retained(key)
 
     def remove(self, key: ChunkKey) -> bool:
         with self._lock:

@@ -29,7 +29,8 @@ from kvmesh.shared import protocol
 
 from kvmesh.shared.messaging import bus
 
-from kvmesh.services.engine.tiers.base import ChunkBuffer, StoreLink, StoreMayWrite, Unanswered
+from kvmesh.services.engine.tiers.base import (NO_RETENTION, ChunkBuffer, Retention, StoreLink, StoreMayWrite,
+                                                Unanswered)
 from kvmesh.services.engine.tiers.pool_lending import PoolLink, Registration
 from kvmesh.shared.wire import chunk_file
 from kvmesh.shared.wire.keys import ChunkKey
@@ -59,16 +60,19 @@ class DiskStoreClient:
         self._closed = False
 
     # ---- StoreTier ------------------------------------------------------------------------------
-    async def put(self, meta: protocol.ChunkMeta, buffer: ChunkBuffer) -> bool:
+    async def put(self, meta: protocol.ChunkMeta, buffer: ChunkBuffer,
+                  retention: Retention = NO_RETENTION) -> bool:
         token = await self._pool_token(buffer)
         if token is not None:
-            request = protocol.PutRequest(meta=meta, pool=token, pool_offset=buffer.pool_offset)
+            request = protocol.PutRequest(meta=meta, pool=token, pool_offset=buffer.pool_offset,
+                                          priority=retention.priority, lease_secs=retention.lease_secs() or 0.0)
         else:
             if meta.nbytes + protocol.INLINE_HEADROOM > self.nc.max_payload:
                 self._link.refused(f"chunk of {meta.nbytes} bytes is too big to send inline (NATS max_payload "
                                    f"{self.nc.max_payload}) and the buffer is not in a pool the store took")
                 return False
-            request = protocol.PutRequest(meta=meta, data=bytes(buffer.view[:meta.nbytes]))
+            request = protocol.PutRequest(meta=meta, data=bytes(buffer.view[:meta.nbytes]),
+                                          priority=retention.priority, lease_secs=retention.lease_secs() or 0.0)
         reply = await self._request("put", request, protocol.Ack, self.data_timeout)
         if reply is None:
             return False

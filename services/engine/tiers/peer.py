@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.services.engine.tiers.base import ChunkBuffer, StoreLink, byte_view
+from kvmesh.services.engine.tiers.base import NO_RETENTION, ChunkBuffer, Retention, StoreLink, byte_view
 from kvmesh.services.engine.tiers.remote_stream import StreamPool, on_stream
 from kvmesh.shared import protocol
 from kvmesh.shared.errors import KVMeshError
@@ -235,7 +235,8 @@ class PeerTier:
         return peer
 
     # ---- a peer's chunks are the peer's: no writes, no commands ----------------------------------------------
-    async def put(self, meta: ChunkMeta, buffer: ChunkBuffer) -> bool:
+    async def put(self, meta: ChunkMeta, buffer: ChunkBuffer,
+                  retention: Retention = NO_RETENTION) -> bool:
         return False
 
     async def pin(self, keys: list[ChunkKey], num_tokens: list[int], ttl_secs: float | None = None) -> int:

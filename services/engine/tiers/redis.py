@@ -48,7 +48,7 @@ from redis.exceptions import ResponseError
 from kvmesh.shared import protocol
 
 from kvmesh.services.engine.config.engine_config import EngineConfig
-from kvmesh.services.engine.tiers.base import ChunkBuffer, StoreLink, byte_view
+from kvmesh.services.engine.tiers.base import NO_RETENTION, ChunkBuffer, Retention, StoreLink, byte_view
 from kvmesh.services.engine.tiers.redis_scripts import CLAIM, CLEAR, FINISH_PUT, PIN, UNPIN
 from kvmesh.services.engine.tiers.redis_values import MAX_HEADER_BYTES, ForeignValue, decode_into
 from kvmesh.shared.rate_limited_log import RateLimitedLog
@@ -160,7 +160,8 @@ class RedisTier:
                      "maxmemory-policy volatile-lru", where)
 
     # ---- StoreTier: bytes ----------------------------------------------------------------------------------------
-    async def put(self, meta: protocol.ChunkMeta, buffer: ChunkBuffer) -> bool:
+    async def put(self, meta: protocol.ChunkMeta, buffer: ChunkBuffer,
+                  retention: Retention = NO_RETENTION) -> bool:
         data = byte_view(buffer.view)[: meta.nbytes]
         if len(data) != meta.nbytes or meta.checksum == 0:
             log.error("Redis put of %s: buffer holds %d bytes for %d, checksum %d: not stored", meta.key.hex(),

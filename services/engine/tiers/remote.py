@@ -24,7 +24,7 @@ from nats.aio.client import Client as NatsClient
 
 from kvmesh.shared import protocol
 
-from kvmesh.services.engine.tiers.base import ChunkBuffer, StoreLink, byte_view
+from kvmesh.services.engine.tiers.base import NO_RETENTION, ChunkBuffer, Retention, StoreLink, byte_view
 from kvmesh.services.engine.tiers.remote_stream import StreamConnection, StreamPool, on_stream
 from kvmesh.shared.messaging import bus
 from kvmesh.shared.wire.keys import ChunkKey
@@ -81,14 +81,17 @@ class RemoteStoreClient:
         return groups
 
     # ---- StoreTier: bytes -------------------------------------------------------------------------
-    async def put(self, meta: protocol.ChunkMeta, buffer: ChunkBuffer) -> bool:
+    async def put(self, meta: protocol.ChunkMeta, buffer: ChunkBuffer,
+                  retention: Retention = NO_RETENTION) -> bool:
         replica = self._replicas[self.partition(meta.key)]
         data = byte_view(buffer.view)[: meta.nbytes]
         if len(data) != meta.nbytes:
             log.error("remote put of %s: buffer holds %d bytes, the meta says %d", meta.key.hex(), len(data),
                       meta.nbytes)
             return False
-        ack = await self._on_stream(replica, meta.nbytes, lambda conn: conn.put(meta, data))
+        lease_secs = retention.lease_secs() or 0.0
+        ack = await self._on_stream(replica, meta.nbytes,
+                                    lambda conn: conn.put(meta, data, retention.priority, lease_secs))
         if ack is None:
             return False
         if not ack.ok:

@@ -62,15 +62,18 @@ class StreamConnection:
             raise
         return cls(sock, f"{offer.host}:{offer.port}")
 
-    async def put(self, meta: protocol.ChunkMeta, data: memoryview) -> protocol.Ack:
+    async def put(self, meta: protocol.ChunkMeta, data: memoryview, priority: int = 0,
+                  lease_secs: float = 0.0) -> protocol.Ack:
         """Send a chunk; the store's answer (ok=False with a reason when it refused the chunk).
 
         meta.checksum (which the engine computed over the bytes) follows them as the trailer; the store
-        verifies the bytes it received against it before it holds the chunk.
+        verifies the bytes it received against it before it holds the chunk. `priority` / `lease_secs`: the
+        storing request's retention.
         """
         self.uses += 1
         loop = asyncio.get_running_loop()
-        await send_request(self.sock, OP_PUT, protocol.PutRequest(meta=meta))
+        await send_request(self.sock, OP_PUT, protocol.PutRequest(meta=meta, priority=priority,
+                                                                  lease_secs=lease_secs))
         await loop.sock_sendall(self.sock, data)
         await loop.sock_sendall(self.sock, TRAILER.pack(meta.checksum))
         return await recv_reply(self.sock, protocol.Ack)

@@ -25,7 +25,7 @@ from kvmesh.services.engine.adapter.scheduler_lookup import (
 )
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.shared.ops.local_mesh import LocalMesh
-from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
+from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, REMOTE
 from kvmesh.shared.wire.keys import KeyParams
 
 from support.engine import CHUNK, PagedKV, engine_config, random_tokens
@@ -48,13 +48,13 @@ def test_step_events_aggregate_per_rank_and_feed_the_mirror() -> None:
 
 
 def ask_until_answered(lookup: SchedulerLookup, chain: list, num_tokens: int, lower: LowerLookup | None,
-                       prefetch_from: int = 0) -> int:
+                       prefetch_from: int = 0, tiers: frozenset[str] | None = None) -> int:
     """The tokens held, asking as vLLM does ("ask again" while `lower`, the lookup in flight, has no answer)."""
     held: int | None = None
 
     def answered() -> bool:
         nonlocal lower, held
-        held, lower = lookup.held(chain, num_tokens, lower, prefetch_from=prefetch_from)
+        held, lower = lookup.held(chain, num_tokens, lower, prefetch_from=prefetch_from, tiers=tiers)
         return held is not None
 
     wait_until(answered, what="the lower tiers' answer")
@@ -217,3 +217,33 @@ def test_the_lookups_prefetch_takes_at_most_its_share_of_the_cpu_tier(disk_mesh:
         assert worker.storage.stats[f"fetched_{LOCAL_DISK}"] == 7
     finally:
         worker.close()
+
+
+def test_a_requests_load_tiers_are_the_only_ones_counted(engine: tuple[CacheEngine, PagedKV, StepEventLog],
+                                                        disk_mesh: LocalMesh) -> None:
+    """kv_load_tiers (adapter/request_retention.py): the mirror counts only with the CPU tier named, the workers
+    walk only the named lower tiers, and a lookup naming no lower tier never asks them."""
+    worker, kv, events = engine
+    lookup = SchedulerLookup(world_size=1, timeout=WAIT_S, nats_name="test-scheduler")
+    hasher = lookup.hasher()
+    assert hasher is not None
+    tokens = random_tokens(3 * CHUNK, seed=9)
+    chain = hasher.chain(tokens.tolist())
+    token_api.store(worker, tokens, **kv.kv(kv.slots(len(tokens))))
+    assert worker.wait_write_behind(WAIT_S)
+    client = worker.storage.lower(LOCAL_DISK)
+    assert client is not None and worker.nats_loop is not None
+    assert worker.nats_loop.call(client.wait_written(WAIT_S), WAIT_S + 1, default=False)
+    lookup.update(CpuTierEvents({0: events.take()}))
+
+    assert lookup.held(chain, len(tokens), None, tiers=frozenset({LOCAL_CPU})) == (len(tokens), None)
+    assert ask_until_answered(lookup, chain, len(tokens), None, tiers=frozenset({LOCAL_DISK})) == len(tokens)
+    assert ask_until_answered(lookup, chain, len(tokens), None, tiers=frozenset({REMOTE})) == 0  # none here
+    assert ask_until_answered(lookup, chain, len(tokens), None, tiers=frozenset()) == 0
+
+    token_api.clear(worker, LOCAL_CPU)  # only the disk store holds them now
+    lookup.update(CpuTierEvents({0: events.take()}))
+    assert lookup.held(chain, len(tokens), None, tiers=frozenset({LOCAL_CPU})) == (0, None)  # never asked below
+    assert worker.storage.stats[f"fetched_{LOCAL_DISK}"] == 0  # and nothing was prefetched for it
+    assert ask_until_answered(lookup, chain, len(tokens), None, tiers=frozenset({LOCAL_DISK})) == len(tokens)
+    lookup.close()

@@ -10,7 +10,8 @@ import torch
 from kvmesh.services.engine.assembly import build_engine, engine_for_caches
 from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
-from kvmesh.shared.eviction import Clock
+from kvmesh.services.engine.tiers.base import NO_RETENTION, Retention
+from kvmesh.shared.eviction import POLICY_NAMES, Clock
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
 from kvmesh.shared.wire.keys import KeyParams
 
@@ -405,3 +406,44 @@ def test_slot_mappings_are_block_structured() -> None:
     assert torch.equal(slots[::BLOCK] % BLOCK, torch.zeros(5, dtype=torch.int64))
     other = kv.slots(70, exclude=slots)
     assert not set(other.tolist()) & set(slots.tolist())
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_leased_saves_outlive_unleased_ones_within_the_retained_share(kv: PagedKV, policy: str) -> None:
+    """A request's lease (tiers/base.py `Retention`) keeps its chunks in the CPU tier over unleased ones under
+    every policy, until the lease ends; together leased chunks hold at most `retained_cpu_share` of the tier
+    (4 of 8 chunks here), past which a chunk is held as any other."""
+    clock = ManualClock()
+    with make_engine(kv, clock, cpu_chunks=8, cache_policy=policy, retained_cpu_share=0.5) as engine:
+        hasher, cpu = engine.ready()[1], engine.ready()[2]
+
+        def save(tokens: torch.Tensor, retention: Retention = NO_RETENTION) -> None:
+            engine.save(hasher.spans(tokens), **kv.kv(kv.slots(len(tokens))), retention=retention)
+
+        leased, leased2 = random_tokens(3 * CHUNK, seed=30), random_tokens(2 * CHUNK, seed=31)
+        save(leased, Retention(lease_until=time.time() + 3600))
+        save(leased2, Retention(priority=2))  # its second chunk would pass the share: held as any other
+        assert cpu.retain_refused == 1
+        for seed in range(40, 48):  # 16 unleased chunks through a tier of 8
+            save(random_tokens(2 * CHUNK, seed=seed))
+        assert token_api.lookup(engine, leased) == 3 * CHUNK
+        # its retained first chunk; MRU takes the newest chunks first, so its second, older one stays too
+        assert token_api.lookup(engine, leased2) == (2 * CHUNK if policy == "MRU" else CHUNK)
+        clock.advance(3601)  # the lease ended; the priority lasts
+        assert not any(cpu.is_retained(span.key) for span in hasher.spans(leased))
+        assert cpu.is_retained(hasher.spans(leased2)[0].key)
+        for seed in range(50, 58):
+            save(random_tokens(2 * CHUNK, seed=seed))
+        if policy != "MRU":  # (MRU: the newest go first, the chunks stored after it among them)
+            assert token_api.lookup(engine, leased) == 0
+        assert token_api.lookup(engine, leased2) >= CHUNK
+
+
+def test_store_tiers_without_the_cpu_tier_keep_nothing_there(kv: PagedKV) -> None:
+    with make_engine(kv, cpu_chunks=8) as engine:
+        hasher = engine.ready()[1]
+        tokens = random_tokens(2 * CHUNK, seed=60)
+        engine.save(hasher.spans(tokens), **kv.kv(kv.slots(2 * CHUNK)), store_to=frozenset({LOCAL_DISK}))
+        assert token_api.lookup(engine, tokens) == 0
+        engine.save(hasher.spans(tokens), **kv.kv(kv.slots(2 * CHUNK)), store_to=frozenset({LOCAL_CPU}))
+        assert token_api.lookup(engine, tokens) == 2 * CHUNK

@@ -7,6 +7,7 @@ the engine's NATS loop, write-behind queue and fetch hand-over run for real.
 from __future__ import annotations
 
 import asyncio
+import time
 import threading
 from typing import Callable, Iterator
 
@@ -16,9 +17,9 @@ import torch
 from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
-from kvmesh.services.engine.tiers.base import ChunkBuffer
+from kvmesh.services.engine.tiers.base import NO_RETENTION, ChunkBuffer, Retention
 from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
-from kvmesh.shared.protocol import LOCAL_DISK, ChunkMeta, StatsReply
+from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, REMOTE, ChunkMeta, StatsReply
 from kvmesh.shared.wire.keys import ChunkKey, KeyParams
 
 from support.engine import CHUNK, PagedKV, engine_config, random_tokens
@@ -41,11 +42,13 @@ class FakeStore:
         self.key_gates: dict[ChunkKey, asyncio.Event] = {}  # gets of these keys wait for their event
         self.gets_begun: list[ChunkKey] = []
         self.puts = 0
+        self.retentions: dict[ChunkKey, Retention] = {}  # what each put carried
 
-    async def put(self, meta: ChunkMeta, buffer: ChunkBuffer) -> bool:
+    async def put(self, meta: ChunkMeta, buffer: ChunkBuffer, retention: Retention = NO_RETENTION) -> bool:
         if self.put_gate is not None:
             await self.put_gate.wait()
         self.chunks[meta.key] = (meta, bytes(buffer.view[:meta.nbytes]))
+        self.retentions[meta.key] = retention
         self.puts += 1
         return True
 
@@ -268,5 +271,27 @@ def test_chunks_a_store_dropped_are_sent_again(nats_url: str) -> None:
         assert token_api.lookup(engine, tokens) == 0  # ... which the lookup learns
         token_api.store(engine, tokens, **kv.kv(src))
         assert engine.wait_write_behind(WAIT_S) and fake.puts == 8 and token_api.lookup(engine, tokens) == 128
+    finally:
+        engine.close()
+
+
+def test_store_tiers_and_retention_reach_the_stores(nats_url: str) -> None:
+    """A save's store tiers (a request's kv_store_tiers) choose where its chunks go, and its retention goes with
+    every put: stored to the disk tier only, the CPU tier keeps nothing (it only staged the chunks); to the CPU
+    tier only, no store gets a put."""
+    kv = PagedKV(num_blocks=256)
+    engine, fake = engine_with_fake(nats_url, kv)
+    try:
+        hasher, cpu = engine.ready()[1], engine.ready()[2]
+        below, above = random_tokens(64, seed=70), random_tokens(64, seed=71)
+        lease = Retention(priority=3, lease_until=time.time() + 600)
+        engine.save(hasher.spans(below), **kv.kv(kv.slots(64)), retention=lease, store_to=frozenset({LOCAL_DISK}))
+        assert engine.wait_write_behind(WAIT_S)
+        assert fake.puts == 2 and set(fake.retentions.values()) == {lease}
+        assert token_api.lookup(engine, below, [LOCAL_CPU]) == 0 and len(cpu) == 0
+        assert token_api.lookup(engine, below, [LOCAL_DISK]) == 64
+        engine.save(hasher.spans(above), **kv.kv(kv.slots(64)), store_to=frozenset({LOCAL_CPU, REMOTE}))
+        assert engine.wait_write_behind(WAIT_S)
+        assert fake.puts == 2 and token_api.lookup(engine, above, [LOCAL_CPU]) == 64
     finally:
         engine.close()
