@@ -76,7 +76,8 @@ def mesh_services(args: argparse.Namespace, token_file: Path | None = None) -> l
         controller_args.append("--insecure-no-auth")
     if args.liveness_timeout is not None:
         controller_args += ["--liveness-timeout", str(args.liveness_timeout)]
-    for flag, value in (("--kv-events-port", args.kv_events_port), ("--kv-events-replay-port", args.kv_events_replay_port),
+    for flag, value in (("--kv-events-port", args.kv_events_port),
+                        ("--kv-events-replay-port", args.kv_events_replay_port),
                         ("--kv-events-chunks", args.kv_events_chunks)):
         if value is not None:
             controller_args += [flag, str(value)]

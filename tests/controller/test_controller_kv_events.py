@@ -188,7 +188,7 @@ async def test_the_stream_rebuilds_the_index_through_puts_evictions_a_clear_and_
                                               "disk-1": {LOCAL_DISK}, "remote-1": {REMOTE}}
             assert subscriber.models == {worker_a.worker_id: MODEL, worker_b.worker_id: MODEL,
                                          "disk-1": "", "remote-1": ""}
-            # three "@"-separated parts, as routers split vLLM's kv@<pod>@<model>: the worker id's "@" escaped
+            # three "@"-separated parts, as llm-d's indexer splits kv@<pod>@<model>: the worker id's "@" escaped
             assert subscriber.topics == {b"kv@inst-a@" + MODEL.encode(), b"kv@inst-b%407%2540x@" + MODEL.encode(),
                                          b"kv@disk-1@", b"kv@remote-1@"}
             # The hashes are vLLM's own form of the keys (its default: ints), as the engine's in-vLLM events.

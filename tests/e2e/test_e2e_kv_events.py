@@ -161,7 +161,7 @@ def test_the_controllers_stream_describes_the_chunks_vllm_served(served: Served,
             assert instance == INSTANCE and tag, worker
             assert subscriber.media[worker] == {LOCAL_CPU}
             assert subscriber.models[worker] == served.server.model
-            # the topic has three "@"-separated parts, as vLLM's kv@<pod>@<model>: the worker id's "@" encoded
+            # the topic has three "@"-separated parts, as llm-d reads kv@<pod>@<model>: the worker id's "@" encoded
             assert f"kv@{INSTANCE}%40{tag}@{served.server.model}".encode() in subscriber.topics
 
     asyncio.run(run())
