@@ -76,9 +76,11 @@ def mesh_services(args: argparse.Namespace, token_file: Path | None = None) -> l
         controller_args.append("--insecure-no-auth")
     if args.liveness_timeout is not None:
         controller_args += ["--liveness-timeout", str(args.liveness_timeout)]
-    for flag, port in (("--kv-events-port", args.kv_events_port), ("--kv-events-replay-port", args.kv_events_replay_port)):
-        if port is not None:
-            controller_args += [flag, str(port)]
+    for flag, value in (("--kv-events-port", args.kv_events_port),
+                        ("--kv-events-replay-port", args.kv_events_replay_port),
+                        ("--kv-events-chunks", args.kv_events_chunks)):
+        if value is not None:
+            controller_args += [flag, str(value)]
     services = [ServiceSpec("kvmesh.services.controller", controller_args, "controller", role="controller")]
     if not args.no_disk:
         services.append(disk_store(Path(args.disk_dir), round(args.disk_size * GB), disk_store_id(),
@@ -91,6 +93,8 @@ def mesh_services(args: argparse.Namespace, token_file: Path | None = None) -> l
 def cmd_up(args: argparse.Namespace) -> int:
     if not 0 < args.restart_backoff <= args.restart_backoff_max:  # a zero delay would restart in a tight loop
         raise SystemExit("kvmesh up: needs 0 < --restart-backoff <= --restart-backoff-max")
+    if args.kv_events_chunks is not None and args.kv_events_chunks < 0:  # else the controller exits, restarted
+        raise SystemExit("kvmesh up: --kv-events-chunks must be >= 0")
     token_file = controller_token(args)
     mesh = LocalMesh(mesh_services(args, token_file), nats_url=args.nats_url, nats_port=args.nats_port,
                      log_dir=Path(args.log_dir) if args.log_dir else None)
@@ -232,6 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="passed to the controller: publish every tier's KV events on this loopback port")
     up.add_argument("--kv-events-replay-port", type=int, default=None,
                     help="passed to the controller: serve replays of the KV event stream on this loopback port")
+    up.add_argument("--kv-events-chunks", type=int, default=None,
+                    help="passed to the controller: chunk descriptions its KV event stream remembers, so that a "
+                         "store's admission of a described chunk is published with its tokens (default: the "
+                         "controller's 20000; 0: none)")
     up.add_argument("--disk-dir", default="local/kvmesh_disk", help="disk store directory")
     up.add_argument("--disk-size", type=float, default=5.0, help="disk store size cap, GB")
     up.add_argument("--remote-size", type=float, default=4.0, help="remote store memory cap per partition, GB")

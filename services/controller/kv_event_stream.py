@@ -8,7 +8,10 @@ holds, holder by holder:
 
   * one ZMQ topic per holder, `kv@<holder>@<model>`: the holder is the producer id (an engine worker, one rank of
     one instance, for its CPU tier; a store's id for a disk or remote store, Redis included), the model the
-    engine's registered model ("" for a store: it holds chunks of every model that uses it);
+    engine's registered model ("" for a store: it holds chunks of every model that uses it); both
+    percent-encoded (`topic_part`: an engine worker's id `<instance>@<tag>` is `<instance>%40<tag>`), so the
+    topic has exactly three "@"-separated parts, as llm-d's indexer expects of the `kv@<pod>@<model>` topics it
+    configures vLLM's publisher with (it splits on "@");
   * `BlockStored` / `BlockRemoved` with `medium` the holder's location name, as /lookup names it
     (LocalCPUBackend, LocalDiskBackend, RemoteBackend); `block_hashes` the chunk keys (rank shard keys) as
     `external_hash` gives them, the same hashes the engine's in-vLLM CPU-tier events carry;
@@ -106,8 +109,14 @@ class Descriptions:
             self._map.popitem(last=False)
 
 
+def topic_part(name: str) -> str:
+    """`name` with no "@": "%" -> "%25", then "@" -> "%40" (percent-encoding: urllib.parse.unquote reverses it
+    exactly), so a topic is always three "@"-separated parts, as llm-d's indexer splits `kv@<pod>@<model>`."""
+    return name.replace("%", "%25").replace("@", "%40")
+
+
 def topic_of(holder: str, model: str) -> bytes:
-    return f"kv@{holder}@{model}".encode()
+    return f"kv@{topic_part(holder)}@{topic_part(model)}".encode()
 
 
 class KVEventStream:

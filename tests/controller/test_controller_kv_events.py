@@ -155,7 +155,8 @@ async def test_the_stream_rebuilds_the_index_through_puts_evictions_a_clear_and_
     disk = FakeStore(nats_server.url, "disk-1", LOCAL_DISK)
     remote = FakeStore(nats_server.url, "remote-1", REMOTE)
     worker_a = FakeEngineWorker(nats_server.url, "inst-a", chunk_size=4, disk=disk, remotes=(remote,))
-    worker_b = FakeEngineWorker(nats_server.url, "inst-b", chunk_size=4)
+    # a real worker id's tag is "<pid>-<hex>"; this one has a "%" too, to show the topic's escaping reverses
+    worker_b = FakeEngineWorker(nats_server.url, "inst-b", chunk_size=4, incarnation="7%40x")
     workers = [worker_a, worker_b]
     async with running_controller(nats_server.url, **STREAM) as (service, client):
         stream = service.kv_events
@@ -187,6 +188,9 @@ async def test_the_stream_rebuilds_the_index_through_puts_evictions_a_clear_and_
                                               "disk-1": {LOCAL_DISK}, "remote-1": {REMOTE}}
             assert subscriber.models == {worker_a.worker_id: MODEL, worker_b.worker_id: MODEL,
                                          "disk-1": "", "remote-1": ""}
+            # three "@"-separated parts, as llm-d's indexer splits kv@<pod>@<model>: the worker id's "@" escaped
+            assert subscriber.topics == {b"kv@inst-a@" + MODEL.encode(), b"kv@inst-b%407%2540x@" + MODEL.encode(),
+                                         b"kv@disk-1@", b"kv@remote-1@"}
             # The hashes are vLLM's own form of the keys (its default: ints), as the engine's in-vLLM events.
             key = worker_a.spans(TOKENS)[0].key
             assert external_hash(key, True) == maybe_convert_block_hash(BlockHash(key))

@@ -162,17 +162,19 @@ def test_up_passes_the_liveness_timeout_to_the_controller() -> None:
     assert liveness("--liveness-timeout", "120") == 120.0
 
 
-def test_up_passes_the_kv_event_stream_ports_to_the_controller() -> None:
+def test_up_passes_the_kv_event_stream_options_to_the_controller() -> None:
     from kvmesh.cli import build_parser, mesh_services
     from kvmesh.services.controller.config import parse_args
 
-    def ports(*flags: str) -> tuple[int | None, int | None]:
+    def ports(*flags: str) -> tuple[int | None, int | None, int]:
         (controller,) = [s for s in mesh_services(build_parser().parse_args(["up", *flags])) if s.role == "controller"]
         config = parse_args(controller.args)
-        return config.kv_events_port, config.kv_events_replay_port
+        return config.kv_events_port, config.kv_events_replay_port, config.kv_events_chunks
 
-    assert ports() == (None, None)
-    assert ports("--kv-events-port", "5557", "--kv-events-replay-port", "5558") == (5557, 5558)
+    assert ports() == (None, None, 20_000)
+    assert ports("--kv-events-port", "5557", "--kv-events-replay-port", "5558") == (5557, 5558, 20_000)
+    assert ports("--kv-events-port", "5557", "--kv-events-chunks", "123") == (5557, None, 123)
+    assert ports("--kv-events-port", "5557", "--kv-events-chunks", "0") == (5557, None, 0)
 
 
 def test_store_options_round_trip_through_their_flags(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 from collections import defaultdict
 from typing import AsyncIterator
+from urllib.parse import unquote
 
 import msgspec
 import zmq
@@ -35,6 +36,7 @@ class StreamSubscriber:
         self.cleared: list[str] = []  # holders an AllBlocksCleared named, in order
         self.media: dict[str, set[str]] = defaultdict(set)  # holder -> media its events named
         self.models: dict[str, str] = {}  # holder -> the model its topic names
+        self.topics: set[bytes] = set()  # as published
         self.replays = 0
         self.received = 0
 
@@ -72,9 +74,10 @@ class StreamSubscriber:
     def _apply(self, topic: bytes, seq: int, payload: bytes) -> None:
         assert seq == self.next_seq, (seq, self.next_seq)
         self.next_seq = seq + 1
-        kind, holder_and_model = topic.decode().split("@", 1)
-        holder, model = holder_and_model.rsplit("@", 1)  # an engine worker's id has an "@" of its own
+        # as llm-d's indexer splits vLLM's topics: exactly three parts, holder and model percent-encoded
+        kind, holder, model = (unquote(part, errors="strict") for part in topic.decode().split("@"))
         assert kind == "kv", topic
+        self.topics.add(topic)
         self.models[holder] = model
         batch = self._decoder.decode(payload)
         for event in batch.events:
