@@ -7,7 +7,8 @@
     kvmesh remote-store ...     one remote-store partition
     kvmesh pd-proxy --prefill URL --decode URL   the OpenAI API in front of prefill and decode vLLMs (PD)
     kvmesh health --nats-url U  every service's health over NATS
-    kvmesh credentials --dir D PRINCIPAL...   NATS users for a mesh whose NATS KVMesh does not start (compose)
+    kvmesh credentials --dir D PRINCIPAL...   NATS users for a mesh whose NATS KVMesh does not start (compose);
+                                with --tls, a CA and a certificate per service too
     kvmesh wipe --store ID      as the operator: forget every unpinned chunk of a store, whoever put it (an
                                 engine's /clear only takes back its own chunks)
 """
@@ -34,7 +35,7 @@ from kvmesh.shared.eviction import POLICY_NAMES
 from kvmesh.shared.messaging import bus
 from kvmesh.shared.messaging.credentials import (MeshCredentials, controller_token_file, credentials_for, local_mesh_dir,
                                                  runtime_dir)
-from kvmesh.shared.messaging.embedded_nats import server_settings
+from kvmesh.shared.messaging.embedded_nats import nats_tls_settings, server_settings
 from kvmesh.shared.messaging.nats_auth import add_nats_auth_flags, nats_auth_from_args
 from kvmesh.shared.messaging.nats_url import DEFAULT_PORT, DEFAULT_URL, argument as nats_url_argument
 from kvmesh.shared.messaging.sharing_domains import check_domain_name
@@ -44,6 +45,7 @@ from kvmesh.shared.ops.store_commands import DISK_STORE, REMOTE_STORE, disk_stor
 from kvmesh.shared.ops.supervisor import Backoff, Supervisor
 from kvmesh.shared.options_cli import GB
 from kvmesh.shared.protocol import CONTROLLER, OPERATOR, Subjects, disk_store_id
+from kvmesh.shared.tls import TLS_DIR, TlsMaterial, default_hosts
 
 log = logging.getLogger("kvmesh")
 
@@ -164,8 +166,14 @@ def cmd_credentials(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvmesh credentials: {exc}; principals are engine.<instance_id>, store.<store_id>, "
                          "controller, operator") from None
     files = {path: str(mesh.file(path)) for path in principals}
+    tls_settings = ""
+    if args.tls:
+        material = TlsMaterial(mesh.root / TLS_DIR).ensure(hosts=default_hosts() + (args.tls_host or []))
+        files["tls-ca"] = str(next(iter(material.values())).ca)
+        files.update({f"tls-{service}": str(tls.cert) for service, tls in material.items()})
+        tls_settings = nats_tls_settings(material["nats"])
     if args.listen:
-        files["nats-server"] = str(mesh.server_config(args.listen, server_settings()))
+        files["nats-server"] = str(mesh.server_config(args.listen, server_settings() + tls_settings))
     print(json.dumps(files, indent=2))
     return 0
 
@@ -263,6 +271,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="put the named engine principals in this sharing domain (default: 'default', or the one they are "
              "in): stores show an engine only its domain's chunks; recorded in domains.json, which each store "
              "reads beside its own credentials file, and in each engine's file with the domain's secret")
+    credentials.add_argument(
+        "--tls", action="store_true",
+        help=f"also make a CA and a certificate (with key) per service in <dir>/{TLS_DIR}/, kept across runs; with "
+             "--listen the NATS server requires TLS (clients: tls:// URLs and --nats-tls-ca <dir>/tls/ca.pem)")
+    credentials.add_argument("--tls-host", action="append", metavar="HOST",
+                             help="a host name or address the certificates also name (repeat; they always name "
+                                  "localhost, loopback and this host's name)")
     credentials.add_argument("principals", nargs="*", metavar="PRINCIPAL",
                              help="engine.<instance_id> or store.<store_id> (controller and operator always)")
     wipe = sub.add_parser(

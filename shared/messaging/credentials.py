@@ -331,13 +331,14 @@ class MeshCredentials:
 def credentials_for(url: str, principal: Principal, given: NatsAuth | None) -> NatsAuth | None:
     """The credentials a client acting as `principal` connects to `url` with: `given` ones where they name any,
     else its own from a KVMesh-started NATS on this host (`provision`, with `given`'s auth_retry_secs), else
-    `given` (no credentials)."""
+    `given` (no credentials). `given`'s TLS files are kept either way."""
     if given is not None and given.or_none() is not None:
         return given
     provisioned = provision(url, principal.path)
     if provisioned is None or given is None:
         return provisioned or given
-    return dataclasses.replace(provisioned, auth_retry_secs=given.auth_retry_secs)
+    return dataclasses.replace(provisioned, auth_retry_secs=given.auth_retry_secs, tls_ca=given.tls_ca,
+                               tls_cert=given.tls_cert, tls_key=given.tls_key)
 
 
 def local_credentials_file(url: str, path: str) -> Path | None:

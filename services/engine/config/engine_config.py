@@ -97,6 +97,9 @@ class EngineConfig:
     nats_credentials: str | None = None  # path to a KVMesh credentials file (shared/messaging/credentials.py)
     nats_creds_file: str | None = None  # path to a NATS .creds file (JWT + nkey)
     nats_auth_retry_secs: float = 10.0  # a first connect retries credentials every server rejects this long
+    nats_tls_ca: str | None = None  # CA file the NATS servers are verified against: TLS or no connection
+    nats_tls_cert: str | None = None  # client certificate, for a NATS that asks for one (with nats_tls_key)
+    nats_tls_key: str | None = None
     remote_size: float = 4.0  # GB, memory cap of the remote store when the engine embeds one
     remote_prefault_size: float = 1.0  # GB of each embedded remote store faulted in at start (<= remote_size)
     remote_partitions: int = 1  # remote-store replicas that keys are partitioned over
