@@ -122,6 +122,16 @@ def client_context(ca: str | Path, cert: str | Path | None = None, key: str | Pa
     return context
 
 
+def client_context_of(ca: str | Path | None, option: str) -> ssl.SSLContext | None:
+    """`client_context(ca)` for the option or key named `option` (None when it is unset); a ConfigError names it."""
+    if not ca:
+        return None
+    try:
+        return client_context(ca)
+    except ConfigError as exc:
+        raise ConfigError(f"{option}: {exc}") from None
+
+
 def describe_tls_error(exc: BaseException) -> str:
     """Why a TLS handshake failed, in words an operator can act on."""
     text = str(exc)

@@ -119,6 +119,7 @@ class EngineConfig:
     remote_min_transfer_mb_per_s: float = 100.0  # a remote transfer slower than this is abandoned
     remote_retry_interval_secs: float = 1.0  # a remote partition that failed is not asked again for this long
     remote_stream_connections: int = 4  # open stream connections per remote partition
+    remote_tls_ca: str | None = None  # CA the remote stores' TLS stream ports are verified against (TLS only)
     p2p_stream_connections: int = 4  # open stream connections to each peer this worker loads from
     # the P2P stream port's bounds (services/engine/agents/peer_server.py; docs/security.md): connections with a
     # valid ticket, in all and per peer instance (its unused tickets too)...

@@ -20,6 +20,7 @@ from kvmesh.services.engine.tiers.peer import PeerTier
 from kvmesh.services.engine.tiers.redis import RedisTier
 from kvmesh.services.engine.tiers.remote import RemoteStoreClient
 from kvmesh.shared.protocol import LOCAL_DISK, PEER, REMOTE
+from kvmesh.shared.tls import client_context_of
 from kvmesh.shared.wire.redis_keys import RedisAuth
 
 
@@ -70,7 +71,8 @@ def _remote(plan: TierPlan, site: TierSite) -> StoreTier:
                              request_timeout=config.request_timeout_secs,
                              min_transfer_rate=config.remote_min_transfer_mb_per_s * 1e6,
                              retry_interval=config.remote_retry_interval_secs,
-                             max_connections=config.remote_stream_connections)
+                             max_connections=config.remote_stream_connections,
+                             tls=client_context_of(config.remote_tls_ca, "remote_tls_ca"))
 
 
 def _peers(plan: TierPlan, site: TierSite) -> StoreTier:
