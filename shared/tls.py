@@ -132,6 +132,19 @@ def client_context_of(ca: str | Path | None, option: str) -> ssl.SSLContext | No
         raise ConfigError(f"{option}: {exc}") from None
 
 
+def server_context_of(cert: str | Path | None, key: str | Path | None, cert_option: str,
+                      key_option: str) -> ssl.SSLContext | None:
+    """`server_context(cert, key)` for the options named (None when both are unset); a ConfigError names them."""
+    if not cert and not key:
+        return None
+    if not cert or not key:
+        raise ConfigError(f"{cert_option} and {key_option} go together")
+    try:
+        return server_context(cert, key)
+    except ConfigError as exc:
+        raise ConfigError(f"{cert_option}: {exc}") from None
+
+
 def describe_tls_error(exc: BaseException) -> str:
     """Why a TLS handshake failed, in words an operator can act on."""
     text = str(exc)

@@ -121,6 +121,9 @@ class EngineConfig:
     remote_stream_connections: int = 4  # open stream connections per remote partition
     remote_tls_ca: str | None = None  # CA the remote stores' TLS stream ports are verified against (TLS only)
     p2p_stream_connections: int = 4  # open stream connections to each peer this worker loads from
+    p2p_tls_cert: str | None = None  # serve the P2P port over TLS only, with this certificate (and p2p_tls_key)
+    p2p_tls_key: str | None = None
+    p2p_tls_ca: str | None = None  # CA the peers' P2P ports are verified against (TLS only)
     # the P2P stream port's bounds (services/engine/agents/peer_server.py; docs/security.md): connections with a
     # valid ticket, in all and per peer instance (its unused tickets too)...
     p2p_max_connections: int = 16
