@@ -13,7 +13,7 @@ import asyncio
 import socket
 import ssl
 
-RECV_BYTES = 256 * 1024  # ciphertext read from the socket at once
+RECV_BYTES = 1024 * 1024  # ciphertext read from the socket at once
 SEND_BYTES = 1024 * 1024  # plaintext encrypted before it is handed to the socket
 
 
@@ -49,16 +49,22 @@ class TlsSocket:
         return self._ssl.version()
 
     async def recv_into(self, view: memoryview) -> int:
-        """Decrypted bytes into `view`: how many (0 at the end of the stream)."""
-        while True:
+        """Decrypted bytes into `view`: how many (0 at the end of the stream). One read returns one TLS record
+        (16 KiB at most), so it reads on while the ciphertext at hand lasts: a chunk costs one await per
+        socket read, not one per record."""
+        got, size = 0, len(view)
+        while got < size:
             try:
-                return self._ssl.read(len(view), view)
+                got += self._ssl.read(size - got, view[got:])
             except ssl.SSLWantReadError:
+                if got:
+                    return got
                 await self._flush()  # TLS 1.3 may answer something (a key update) before it reads on
                 if not await self._fill():
                     return 0
             except ssl.SSLZeroReturnError:
-                return 0
+                return got
+        return got
 
     async def sendall(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data).cast("B")
