@@ -160,6 +160,14 @@ async def test_kvmesh_credentials_tls_makes_a_nats_config_that_requires_tls(tmp_
         plain = dataclasses.replace(auth, tls_ca=None)
         with pytest.raises(MeshUnavailable, match="not signed by the trusted CA"):
             await bus.connect(f"nats://127.0.0.1:{port}", "test-plain", plain, first_connect_wait=WAIT_S)
+        # a principal added later is loaded into the running server: the reload is confirmed over TLS
+        added = subprocess.run([sys.executable, "-m", "kvmesh.cli", "credentials", "--dir", str(tmp_path / "mesh"),
+                                "--tls", "engine.late"], capture_output=True, text=True, timeout=WAIT_S * 2)
+        assert added.returncode == 0, added.stderr
+        late = dataclasses.replace(NatsAuth.from_file(json.loads(added.stdout)["engine.late"]), tls_ca=files["tls-ca"],
+                                   auth_retry_secs=0)
+        nc = await bus.connect(f"tls://127.0.0.1:{port}", "test-late", late, allow_reconnect=False)
+        await nc.close()
     finally:
         server.terminate()
         server.wait(WAIT_S)
