@@ -1,7 +1,7 @@
 """The `kvmesh` command: run the whole mesh on one machine, or one service against a NATS URL.
 
     kvmesh up                   embedded NATS + controller + disk store + remote store; a service that exits is
-                                restarted (with backoff); Ctrl-C/SIGTERM stops all
+                                restarted (with backoff); Ctrl-C/SIGTERM stops all; --tls: TLS across hosts
     kvmesh controller ...       the controller (also `lmcache_controller --host --port --monitor-port`)
     kvmesh disk-store ...       the disk store of this host
     kvmesh remote-store ...     one remote-store partition
@@ -81,7 +81,8 @@ def mesh_services(args: argparse.Namespace, token_file: Path | None = None) -> l
     for flag, port in (("--kv-events-port", args.kv_events_port), ("--kv-events-replay-port", args.kv_events_replay_port)):
         if port is not None:
             controller_args += [flag, str(port)]
-    services = [ServiceSpec("kvmesh.services.controller", controller_args, "controller", role="controller")]
+    services = [ServiceSpec("kvmesh.services.controller", controller_args, "controller", role="controller",
+                            tls_flags=("controller", "--tls-cert", "--tls-key"))]
     if not args.no_disk:
         services.append(disk_store(Path(args.disk_dir), round(args.disk_size * GB), disk_store_id(),
                                    args.cache_policy))
@@ -94,16 +95,22 @@ def cmd_up(args: argparse.Namespace) -> int:
     if not 0 < args.restart_backoff <= args.restart_backoff_max:  # a zero delay would restart in a tight loop
         raise SystemExit("kvmesh up: needs 0 < --restart-backoff <= --restart-backoff-max")
     token_file = controller_token(args)
+    if args.tls and args.nats_url:
+        raise SystemExit("kvmesh up: --tls makes the certificates of the NATS it starts; with --nats-url, give the "
+                         "services that NATS's CA in $KVMESH_NATS_TLS_CA")
     mesh = LocalMesh(mesh_services(args, token_file), nats_url=args.nats_url, nats_port=args.nats_port,
-                     log_dir=Path(args.log_dir) if args.log_dir else None)
+                     log_dir=Path(args.log_dir) if args.log_dir else None, tls=args.tls,
+                     tls_hosts=[args.host] if not is_loopback(args.host) else [])
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     mesh.start()
-    print(json.dumps({"nats_url": mesh.nats_url, "controller": f"http://{args.host}:{args.port}",
+    scheme = "https" if args.tls else "http"
+    print(json.dumps({"nats_url": mesh.nats_url, "controller": f"{scheme}://{args.host}:{args.port}",
                       "controller_token_file": str(token_file) if token_file else None,
+                      "tls_ca": str(mesh.tls_files["nats"].ca) if mesh.tls_files else None,
                       "services": [s.service_id for s in mesh.services]}), flush=True)
-    log.info("mesh up: NATS %s, controller http://%s:%d; Ctrl-C stops it", mesh.nats_url, args.host, args.port)
+    log.info("mesh up: NATS %s, controller %s://%s:%d; Ctrl-C stops it", mesh.nats_url, scheme, args.host, args.port)
     if token_file is not None:
         log.info("the controller's REST API needs its token: curl -H \"Authorization: Bearer $(cat %s)\" ...",
                  token_file)
@@ -254,6 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--restart-backoff-max", type=float, default=Backoff.maximum,
                     help="cap of the restart delay, seconds")
     up.add_argument("--no-restart", action="store_true", help="stop the whole mesh when a service exits")
+    up.add_argument("--tls", action="store_true",
+                    help="TLS across hosts: a CA and per-service certificates in the mesh's credentials directory "
+                         "(tls/, kept across runs); NATS, the remote stores' streams and the controller's API take "
+                         "TLS only (clients: the printed tls_ca)")
     health = sub.add_parser("health", help="ask every service on a NATS for its health; each ping-all reply is "
                                            "confirmed on the replier's own health subject and shown as what its "
                                            "path is (an engine that claims to be a store shows as an engine)")

@@ -69,7 +69,7 @@ class TlsMaterial:
         `default_hosts()`). Existing files are kept, so clients keep trusting the CA across runs."""
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.root, 0o700)
-        names = list(hosts) if hosts is not None else default_hosts()
+        names = list(dict.fromkeys(hosts if hosts is not None else default_hosts()))  # each name once
         if not self.ca.exists():
             ca_key = ec.generate_private_key(ec.SECP256R1())
             _write(self.root / "ca.key", _key_pem(ca_key), private=True)

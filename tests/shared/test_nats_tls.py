@@ -5,6 +5,7 @@ run over TLS."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -171,3 +172,41 @@ async def test_kvmesh_credentials_tls_makes_a_nats_config_that_requires_tls(tmp_
     finally:
         server.terminate()
         server.wait(WAIT_S)
+
+
+async def test_a_tls_local_mesh_serves_its_stores_over_tls_only(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvmesh up --tls`'s mesh (LocalMesh(tls=True)): its NATS and a remote store's stream take TLS only; a client
+    with the mesh's CA puts and gets through the store, one without it is refused."""
+    from kvmesh.shared import protocol
+    from kvmesh.shared.ops.local_mesh import LocalMesh
+    from kvmesh.shared.ops.store_commands import remote_stores
+    from kvmesh.shared.tls import client_context
+    monkeypatch.setenv("KVMESH_RUNTIME_DIR", str(tmp_path / "run"))
+    mesh = LocalMesh(remote_stores(8 * MiB, 1, "LRU"), tls=True)
+    await asyncio.to_thread(mesh.start)
+    try:
+        assert mesh.nats_url is not None and mesh.nats_url.startswith("tls://")
+        ca = mesh.tls_files["nats"].ca
+        engine = protocol.Principal.engine("tls-test")
+        auth = mesh.auth(engine)  # an engine's own user, added to the running NATS (its reload confirmed over TLS)
+        assert auth is not None and auth.tls_ca == str(ca)
+        nc = await bus.connect(mesh.nats_url, "test-mesh-tls", auth, allow_reconnect=False)
+        client = RemoteStoreClient(nc, ["remote-0"], engine.producer("w0"), request_timeout=WAIT_S,
+                                   tls=client_context(ca))
+        try:
+            meta, data = chunk(2 * MiB + 3, 5)
+            assert await client.put(meta, ChunkBuffer(memoryview(data)))
+            out = np.zeros(meta.nbytes, dtype=np.uint8)
+            got = await client.get_into(meta.key, ChunkBuffer(memoryview(out)))
+            assert got is not None and np.array_equal(out, data)
+            async with client._replicas[0].pool.connection(WAIT_S) as connection:
+                assert connection.sock.version() in ("TLSv1.2", "TLSv1.3")  # the stream is TLS
+        finally:
+            await client.close()
+            await nc.close()
+        without_ca = dataclasses.replace(auth, tls_ca=None)
+        with pytest.raises(MeshUnavailable, match="not signed by the trusted CA"):
+            await bus.connect(mesh.nats_url, "test-mesh-plain", without_ca, allow_reconnect=False)
+    finally:
+        await asyncio.to_thread(mesh.stop)
