@@ -1,13 +1,14 @@
 """The `kvmesh` command: run the whole mesh on one machine, or one service against a NATS URL.
 
     kvmesh up                   embedded NATS + controller + disk store + remote store; a service that exits is
-                                restarted (with backoff); Ctrl-C/SIGTERM stops all
+                                restarted (with backoff); Ctrl-C/SIGTERM stops all; --tls: TLS across hosts
     kvmesh controller ...       the controller (also `lmcache_controller --host --port --monitor-port`)
     kvmesh disk-store ...       the disk store of this host
     kvmesh remote-store ...     one remote-store partition
     kvmesh pd-proxy --prefill URL --decode URL   the OpenAI API in front of prefill and decode vLLMs (PD)
     kvmesh health --nats-url U  every service's health over NATS
-    kvmesh credentials --dir D PRINCIPAL...   NATS users for a mesh whose NATS KVMesh does not start (compose)
+    kvmesh credentials --dir D PRINCIPAL...   NATS users for a mesh whose NATS KVMesh does not start (compose);
+                                with --tls, a CA and a certificate per service too
     kvmesh wipe --store ID      as the operator: forget every unpinned chunk of a store, whoever put it (an
                                 engine's /clear only takes back its own chunks)
 """
@@ -34,7 +35,7 @@ from kvmesh.shared.eviction import POLICY_NAMES
 from kvmesh.shared.messaging import bus
 from kvmesh.shared.messaging.credentials import (MeshCredentials, controller_token_file, credentials_for, local_mesh_dir,
                                                  runtime_dir)
-from kvmesh.shared.messaging.embedded_nats import server_settings
+from kvmesh.shared.messaging.embedded_nats import nats_tls_settings, server_settings
 from kvmesh.shared.messaging.nats_auth import add_nats_auth_flags, nats_auth_from_args
 from kvmesh.shared.messaging.nats_url import DEFAULT_PORT, DEFAULT_URL, argument as nats_url_argument
 from kvmesh.shared.messaging.sharing_domains import check_domain_name
@@ -44,6 +45,7 @@ from kvmesh.shared.ops.store_commands import DISK_STORE, REMOTE_STORE, disk_stor
 from kvmesh.shared.ops.supervisor import Backoff, Supervisor
 from kvmesh.shared.options_cli import GB
 from kvmesh.shared.protocol import CONTROLLER, OPERATOR, Subjects, disk_store_id
+from kvmesh.shared.tls import TLS_DIR, TlsMaterial, default_hosts
 
 log = logging.getLogger("kvmesh")
 
@@ -81,7 +83,8 @@ def mesh_services(args: argparse.Namespace, token_file: Path | None = None) -> l
                         ("--kv-events-chunks", args.kv_events_chunks)):
         if value is not None:
             controller_args += [flag, str(value)]
-    services = [ServiceSpec("kvmesh.services.controller", controller_args, "controller", role="controller")]
+    services = [ServiceSpec("kvmesh.services.controller", controller_args, "controller", role="controller",
+                            tls_flags=("controller", "--tls-cert", "--tls-key"))]
     if not args.no_disk:
         services.append(disk_store(Path(args.disk_dir), round(args.disk_size * GB), disk_store_id(),
                                    args.cache_policy))
@@ -96,16 +99,22 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.kv_events_chunks is not None and args.kv_events_chunks < 0:  # else the controller exits, restarted
         raise SystemExit("kvmesh up: --kv-events-chunks must be >= 0")
     token_file = controller_token(args)
+    if args.tls and args.nats_url:
+        raise SystemExit("kvmesh up: --tls makes the certificates of the NATS it starts; with --nats-url, give the "
+                         "services that NATS's CA in $KVMESH_NATS_TLS_CA")
     mesh = LocalMesh(mesh_services(args, token_file), nats_url=args.nats_url, nats_port=args.nats_port,
-                     log_dir=Path(args.log_dir) if args.log_dir else None)
+                     log_dir=Path(args.log_dir) if args.log_dir else None, tls=args.tls,
+                     tls_hosts=[args.host] if not is_loopback(args.host) else [])
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     mesh.start()
-    print(json.dumps({"nats_url": mesh.nats_url, "controller": f"http://{args.host}:{args.port}",
+    scheme = "https" if args.tls else "http"
+    print(json.dumps({"nats_url": mesh.nats_url, "controller": f"{scheme}://{args.host}:{args.port}",
                       "controller_token_file": str(token_file) if token_file else None,
+                      "tls_ca": str(mesh.tls_files["nats"].ca) if mesh.tls_files else None,
                       "services": [s.service_id for s in mesh.services]}), flush=True)
-    log.info("mesh up: NATS %s, controller http://%s:%d; Ctrl-C stops it", mesh.nats_url, args.host, args.port)
+    log.info("mesh up: NATS %s, controller %s://%s:%d; Ctrl-C stops it", mesh.nats_url, scheme, args.host, args.port)
     if token_file is not None:
         log.info("the controller's REST API needs its token: curl -H \"Authorization: Bearer $(cat %s)\" ...",
                  token_file)
@@ -168,8 +177,14 @@ def cmd_credentials(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvmesh credentials: {exc}; principals are engine.<instance_id>, store.<store_id>, "
                          "controller, operator") from None
     files = {path: str(mesh.file(path)) for path in principals}
+    tls_settings = ""
+    if args.tls:
+        material = TlsMaterial(mesh.root / TLS_DIR).ensure(hosts=default_hosts() + (args.tls_host or []))
+        files["tls-ca"] = str(next(iter(material.values())).ca)
+        files.update({f"tls-{service}": str(tls.cert) for service, tls in material.items()})
+        tls_settings = nats_tls_settings(material["nats"])
     if args.listen:
-        files["nats-server"] = str(mesh.server_config(args.listen, server_settings()))
+        files["nats-server"] = str(mesh.server_config(args.listen, server_settings() + tls_settings))
     print(json.dumps(files, indent=2))
     return 0
 
@@ -254,6 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--restart-backoff-max", type=float, default=Backoff.maximum,
                     help="cap of the restart delay, seconds")
     up.add_argument("--no-restart", action="store_true", help="stop the whole mesh when a service exits")
+    up.add_argument("--tls", action="store_true",
+                    help="TLS across hosts: a CA and per-service certificates in the mesh's credentials directory "
+                         "(tls/, kept across runs); NATS, the remote stores' streams and the controller's API take "
+                         "TLS only (clients: the printed tls_ca)")
     health = sub.add_parser("health", help="ask every service on a NATS for its health; each ping-all reply is "
                                            "confirmed on the replier's own health subject and shown as what its "
                                            "path is (an engine that claims to be a store shows as an engine)")
@@ -271,6 +290,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="put the named engine principals in this sharing domain (default: 'default', or the one they are "
              "in): stores show an engine only its domain's chunks; recorded in domains.json, which each store "
              "reads beside its own credentials file, and in each engine's file with the domain's secret")
+    credentials.add_argument(
+        "--tls", action="store_true",
+        help=f"also make a CA and a certificate (with key) per service in <dir>/{TLS_DIR}/, kept across runs; with "
+             "--listen the NATS server requires TLS (clients: tls:// URLs and --nats-tls-ca <dir>/tls/ca.pem)")
+    credentials.add_argument("--tls-host", action="append", metavar="HOST",
+                             help="a host name or address the certificates also name (repeat; they always name "
+                                  "localhost, loopback and this host's name)")
     credentials.add_argument("principals", nargs="*", metavar="PRINCIPAL",
                              help="engine.<instance_id> or store.<store_id> (controller and operator always)")
     wipe = sub.add_parser(

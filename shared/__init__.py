@@ -7,6 +7,7 @@
     store_kit/           what every chunk store is built from (server side: the engine imports none of it)
     ops/                 running the mesh's processes: services, the HTTP gate, the local mesh, its supervisor
     eviction/            eviction policies with pins (the CPU tier and both stores)
+    tls.py               TLS across hosts: a small CA, per-service certificates, server and client contexts
     errors.py            the one exception hierarchy
     aio.py               small asyncio helpers
     rate_limited_log.py  a logger's warnings at most once per interval per cause

@@ -22,12 +22,14 @@ from typing import Any, Callable
 import yaml
 
 from kvmesh.shared import options_cli
+from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.messaging.bus import NatsAuth
 from kvmesh.shared.messaging.nats_auth import add_nats_auth_flags, nats_auth_from_args
 from kvmesh.shared.messaging.nats_url import argument as nats_url_argument
 from kvmesh.shared.messaging.sharing_domains import domains_file_of, domains_file_option
 from kvmesh.shared.ops.http_gate import resolve_token
 from kvmesh.shared.options_cli import DEFAULT, option
+from kvmesh.shared.tls import server_context_of
 
 TOKEN_ENV = "KVMESH_CONTROLLER_TOKEN"
 TOKEN_FILE_ENV = "KVMESH_CONTROLLER_TOKEN_FILE"
@@ -96,6 +98,11 @@ class ControllerConfig:
     large_body_queue: int = option(  # ...while at most this many more wait (unread) for a turn; the rest get 503
         "--large-body-queue", "large bodies that wait, unread, for a turn; one more gets 503 with Retry-After "
         f"(default: {DEFAULT})", 32, type=_non_negative_int)
+    # the REST API over TLS only (uvicorn's ssl_certfile / ssl_keyfile)
+    tls_cert: Path | None = option(
+        "--tls-cert", "serve the REST API over HTTPS only (TLS 1.2+) with this certificate (with --tls-key)", None,
+        convert=Path)
+    tls_key: Path | None = option("--tls-key", "key file of --tls-cert (mode 0600)", None, convert=Path)
     # where the embedded NATS listens (whatever `host` the REST API uses)
     nats_host: str = option(
         "--nats-host", "address the embedded NATS listens on (default: loopback, whatever --host is); engines on "
@@ -287,6 +294,10 @@ def parse_args(argv: list[str] | None = None) -> ControllerConfig:
     except ValueError as exc:
         parser.error(str(exc))
     _check_shares(parser, args)
+    try:
+        server_context_of(args.tls_cert, args.tls_key, "--tls-cert", "--tls-key")
+    except ConfigError as exc:
+        parser.error(str(exc))
     values = options_cli.values(ControllerConfig, args)
     return ControllerConfig(**{
         **values,

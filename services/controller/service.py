@@ -12,6 +12,7 @@ signal capture is switched off so it cannot re-raise a signal past our cleanup.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import os
 import contextlib
 import logging
@@ -77,7 +78,8 @@ class ControllerService:
     def url(self) -> str:
         assert self.port is not None, "not started"
         host = _client_host(self.config.host)
-        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+        scheme = "https" if self.config.tls_cert is not None else "http"
+        return f"{scheme}://[{host}]:{self.port}" if ":" in host else f"{scheme}://{host}:{self.port}"
 
     async def start(self) -> "ControllerService":
         try:
@@ -126,7 +128,12 @@ class ControllerService:
         await self.feed.start()
         uv_config = uvicorn.Config(self.app, host=config.host, port=config.port, loop="none", lifespan="off",
                                    access_log=False, log_level="warning", timeout_keep_alive=30,
-                                   http="httptools" if _has("httptools") else "h11")
+                                   http="httptools" if _has("httptools") else "h11",
+                                   ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key)
+        if config.tls_cert is not None:
+            uv_config.load()
+            assert uv_config.ssl is not None
+            uv_config.ssl.minimum_version = ssl.TLSVersion.TLSv1_2
         self._server = _Server(uv_config)
         self._server_task = asyncio.create_task(self._serve(), name="controller-http")
         deadline = asyncio.get_running_loop().time() + STARTUP_TIMEOUT_S

@@ -50,6 +50,7 @@ from kvmesh.shared.protocol import PEER, worker_id_for
 from kvmesh.shared.wire.keys import ChunkHasher, ChunkKey, KeyParams
 from kvmesh.shared.wire.kv_events import ChunkDescription
 from kvmesh.shared.wire.redis_keys import RedisAuth
+from kvmesh.shared.tls import server_context_of
 from kvmesh.shared.wire.stream_server import ClientBounds
 
 log = logging.getLogger(__name__)
@@ -286,7 +287,8 @@ class WorkerMesh:
                           transfer_timeout=config.request_timeout_secs
                           + engine.pool.slot_nbytes / (config.remote_min_transfer_mb_per_s * 1e6),
                           hello_timeout=config.p2p_hello_timeout_secs, idle_timeout=config.p2p_idle_timeout_secs,
-                          client_bounds=bounds)
+                          client_bounds=bounds,
+                          tls=server_context_of(config.p2p_tls_cert, config.p2p_tls_key, "p2p_tls_cert", "p2p_tls_key"))
 
 
 __all__ = ["WorkerMesh", "build_engine", "engine_for_caches"]

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import ssl
 import sys
 from pathlib import Path
 
 from kvmesh.services.pd_proxy.proxy import ProxyConfig, build_app
 from kvmesh.shared import options_cli
 from kvmesh.shared.ops.http_gate import resolve_token
+from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.ops.service import configure_logging
+from kvmesh.shared.tls import client_context_of, server_context_of
 
 TOKEN_ENV = "KVMESH_PD_PROXY_TOKEN"
 TOKEN_FILE_ENV = "KVMESH_PD_PROXY_TOKEN_FILE"
@@ -35,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     options_cli.add_flags(parser, ProxyConfig)
     parser.add_argument("--auth-token-file", type=Path, default=None,
                         help=f"read the token from this file (its first line; or set ${TOKEN_FILE_ENV})")
+    parser.add_argument("--tls-cert", type=Path, default=None,
+                        help="serve over HTTPS only (TLS 1.2+) with this certificate (with --tls-key)")
+    parser.add_argument("--tls-key", type=Path, default=None, help="key file of --tls-cert (mode 0600)")
     return parser
 
 
@@ -42,6 +48,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, ProxyConfig]:
     parser = build_parser()
     args = parser.parse_args(argv)
     values = options_cli.values(ProxyConfig, args)
+    try:
+        server_context_of(args.tls_cert, args.tls_key, "--tls-cert", "--tls-key")
+        client_context_of(values["tls_ca"], "--tls-ca")
+    except ConfigError as exc:
+        parser.error(str(exc))
     for name, flag in POSITIVE.items():
         if values[name] <= 0:
             parser.error(f"{flag} must be > 0")
@@ -62,7 +73,13 @@ def main(argv: list[str] | None = None) -> None:
 
     configure_logging()
     args, config = parse_args(list(sys.argv[1:] if argv is None else argv))
-    uvicorn.run(build_app(config), host=args.host, port=args.port, log_level="warning")
+    server = uvicorn.Config(build_app(config), host=args.host, port=args.port, log_level="warning",
+                            ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key)
+    if args.tls_cert is not None:
+        server.load()
+        assert server.ssl is not None
+        server.ssl.minimum_version = ssl.TLSVersion.TLSv1_2
+    uvicorn.Server(server).run()
 
 
 if __name__ == "__main__":

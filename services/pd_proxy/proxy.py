@@ -22,9 +22,11 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import ssl
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 import httpx
@@ -33,6 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvmesh.shared.ops.http_gate import BodyGate, BodySlots
 from kvmesh.shared.options_cli import option
+from kvmesh.shared.tls import client_context
 
 log = logging.getLogger("kvmesh.pd_proxy")
 
@@ -59,6 +62,8 @@ class ProxyConfig:
     auth_token: str | None = option("--auth-token", "require 'Authorization: Bearer <token>' on every endpoint "
                                     "but /healthz (or set $KVMESH_PD_PROXY_TOKEN); the header still goes on to the "
                                     "vLLMs", None)
+    tls_ca: Path | None = option("--tls-ca", "CA file the https:// producer and consumer URLs are verified against, "
+                                 "host names included (default: the system's CAs)", None, convert=Path)
 
 
 @dataclass
@@ -90,11 +95,12 @@ def build_app(config: ProxyConfig) -> FastAPI:
     consumers = itertools.cycle(config.consumers)
     limits = httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=config.max_connections)
     clients: dict[str, httpx.AsyncClient] = {}
+    verify: ssl.SSLContext | bool = client_context(config.tls_ca) if config.tls_ca is not None else True
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         for url in {*config.producers, *config.consumers}:
-            clients[url] = httpx.AsyncClient(base_url=url, timeout=config.timeout_s, limits=limits)
+            clients[url] = httpx.AsyncClient(base_url=url, timeout=config.timeout_s, limits=limits, verify=verify)
         try:
             yield
         finally:

@@ -23,6 +23,7 @@ from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.eviction import POLICY_NAMES
 from kvmesh.shared.messaging.bus import NatsAuth, normalize_url
 from kvmesh.shared.messaging.nats_auth import nats_auth_from_args
+from kvmesh.shared.tls import server_context
 from kvmesh.shared.messaging.nats_url import DEFAULT_URL, argument as nats_url_argument
 from kvmesh.shared.messaging.sharing_domains import domains_file_of, domains_file_option
 from kvmesh.shared.ops.service import store_parser
@@ -56,6 +57,11 @@ class RemoteStoreOptions:
         None)
     # 0 = any free port (it is advertised in the StreamOffer)
     stream_port: int = option("--stream-port", "stream port (default: any free port)", 0)
+    stream_tls_cert: Path | None = option(
+        "--stream-tls-cert", "serve the stream port over TLS only, with this certificate (with --stream-tls-key)",
+        None, convert=Path)
+    stream_tls_key: Path | None = option(
+        "--stream-tls-key", "key file of --stream-tls-cert (mode 0600)", None, convert=Path)
     # the address clients connect to; None = the listening one (or the route)
     advertise_host: str | None = option(
         "--advertise-host", "address clients should connect to (default: the listening one)", None)
@@ -133,6 +139,13 @@ def options_from_args(args: argparse.Namespace) -> RemoteStoreOptions:
         target = parse_redis_url(args.redis_url)  # a ConfigError naming what is wrong with the URL
         if target.mode == CLUSTER:
             raise ConfigError("--redis-url: Redis mode watches one server (standalone or sentinel), not a cluster")
+    if (args.stream_tls_cert is None) != (args.stream_tls_key is None):
+        raise ConfigError("--stream-tls-cert and --stream-tls-key go together")
+    if args.stream_tls_cert is not None:
+        try:
+            server_context(args.stream_tls_cert, args.stream_tls_key)
+        except ConfigError as exc:
+            raise ConfigError(f"--stream-tls-cert: {exc}") from None
     env = dict(os.environ)
     values = options_cli.values(RemoteStoreOptions, args, env)
     values["bounds"].check()

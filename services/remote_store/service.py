@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,7 @@ from kvmesh.shared.messaging.bus import NatsAuth
 from kvmesh.shared.messaging.credentials import domains_map
 from kvmesh.shared.store_kit.store_endpoint import StoreEndpoint
 from kvmesh.shared.store_kit.store_ops import Handler, IndexOps
+from kvmesh.shared.tls import server_context
 from kvmesh.shared.wire.redis_url import parse_redis_url
 
 log = logging.getLogger(__name__)
@@ -84,7 +86,8 @@ class RemoteStoreService:
                                         hello_timeout=options.stream_hello_timeout,
                                         hello_max_bytes=options.stream_hello_max_bytes,
                                         idle_timeout=options.stream_idle_timeout,
-                                        max_chunk_bytes=options.max_chunk_bytes)
+                                        max_chunk_bytes=options.max_chunk_bytes,
+                                        tls=stream_tls(options))
         self.ops = IndexOps(options.store_id, self.store.index, free=self.store.free, details=self._stats_details,
                             persist=self.store.save_now, bounds=options.bounds)
         self.endpoint = StoreEndpoint("remote_store", options.store_id, options.bounds.request_queue_bytes,
@@ -145,7 +148,8 @@ class RemoteStoreService:
         o = self.options
         return protocol.StreamOffer(host=self.advertise_host, port=self.stream.port,
                                     ticket=self.stream.issue_ticket(caller), store_id=o.store_id,
-                                    partition=o.partition, num_partitions=o.num_partitions)
+                                    partition=o.partition, num_partitions=o.num_partitions,
+                                    tls=self.stream.tls is not None)
 
     async def _on_put(self, request: protocol.PutRequest, caller: str) -> protocol.Ack:
         if request.data is None:
@@ -196,3 +200,10 @@ async def run_remote_store(options: RemoteStoreOptions, stop: asyncio.Event) -> 
         await stop.wait()
     finally:
         await service.stop()
+
+
+def stream_tls(options: RemoteStoreOptions) -> ssl.SSLContext | None:
+    """The stream port's TLS context (--stream-tls-cert / --stream-tls-key), None for a plaintext port."""
+    if options.stream_tls_cert is None or options.stream_tls_key is None:
+        return None
+    return server_context(options.stream_tls_cert, options.stream_tls_key)

@@ -39,6 +39,7 @@ from kvmesh.shared import protocol
 from kvmesh.shared.errors import ConfigError, MeshUnavailable, NoResponder, ProtocolError
 from kvmesh.shared.messaging import nats_url
 from kvmesh.shared.messaging.nats_permissions import inbox_prefix, permissions
+from kvmesh.shared.tls import client_context, describe_tls_error, is_tls_error
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,10 @@ AUTH_RETRY_SECS = 10.0
 @dataclass(frozen=True)
 class NatsAuth:
     """Credentials, all optional: user/password, a token, an nkey seed file or a NATS .creds file (JWT), the
-    inbox prefix replies come to (a mesh with per-principal permissions gives each its own), and how long a first
-    connect retries them while every server rejects them (`connect`)."""
+    inbox prefix replies come to (a mesh with per-principal permissions gives each its own), how long a first
+    connect retries them while every server rejects them (`connect`), and the TLS CA file the servers are
+    verified against (with a client certificate and key where the servers ask for one): with `tls_ca` the
+    connection is TLS or nothing."""
 
     user: str | None = None
     password: str | None = None
@@ -71,6 +74,9 @@ class NatsAuth:
     creds_file: str | None = None
     inbox_prefix: str | None = None
     auth_retry_secs: float = AUTH_RETRY_SECS
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
     @classmethod
     def from_file(cls, path: str | Path) -> "NatsAuth":
@@ -111,6 +117,8 @@ class NatsAuth:
         inbox_prefix = self.inbox_prefix or os.environ.get(INBOX_PREFIX_ENV) or _principal_inbox(self.user)
         if inbox_prefix:
             options["inbox_prefix"] = inbox_prefix
+        if self.tls_ca:
+            options["tls"] = client_context(self.tls_ca, self.tls_cert, self.tls_key)
         return options
 
 
@@ -139,8 +147,9 @@ class MeshClient(NatsClient):
 
     closing = False
 
-    def __init__(self) -> None:
+    def __init__(self, require_tls: bool = False) -> None:
         super().__init__()
+        self.require_tls = require_tls  # refuse a server that does not offer TLS (never send credentials in clear)
         self.dropped: collections.Counter[Subscription] = collections.Counter()
         self.reconnect_hooks: list[Callable[[], Awaitable[None]]] = []
         self.permission_violations = 0  # publishes and subscriptions the server refused (`count_refusal`)
@@ -159,6 +168,17 @@ class MeshClient(NatsClient):
             log.warning("%s: dropped a message on %s: the subscription's queue is full (%d dropped so far)",
                         name, error.subject, count)
 
+    async def _process_info(self, info: dict[str, Any], initial_connection: bool = False) -> None:
+        """nats-py upgrades to TLS only when the server's INFO requires it, so a server (or someone in between)
+        that leaves it out would get the CONNECT, credentials included, in clear: a client that requires TLS
+        refuses such a server, and upgrades where TLS is only offered."""
+        if initial_connection and self.require_tls:
+            if not (info.get("tls_required") or info.get("tls_available")):
+                raise PlaintextServerError("the NATS server does not offer TLS (a plaintext port); refusing to "
+                                           "send credentials in clear")
+            info["tls_required"] = True
+        await super()._process_info(info, initial_connection)
+
     async def flush(self, timeout: int = 10) -> None:
         """Wait until the server has processed everything sent so far, subscriptions just made included.
 
@@ -176,6 +196,10 @@ class MeshClient(NatsClient):
     async def drain(self) -> None:
         self.closing = True
         await super().drain()
+
+
+class PlaintextServerError(ConnectionError):
+    """A client that requires TLS met a NATS server that does not offer it."""
 
 
 async def connect(url: str, name: str, auth: NatsAuth | None = None, connect_timeout: float = 2.0,
@@ -201,7 +225,8 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None, connect_tim
     auth_deadline = time.monotonic() + auth.auth_retry_secs
     loop = asyncio.get_running_loop()
     state = {"first": True, "connected": False, "waiting_logged": False, "refused_logged": False, "refused": False}
-    nc = MeshClient()
+    require_tls = bool(auth.tls_ca) or any(server.startswith("tls://") for server in servers)
+    nc = MeshClient(require_tls)
     verdict: asyncio.Future[Any] = loop.create_future()  # the error that makes the first connect give up
     # Servers that rejected the credentials: retrying cannot help once every server of the list did, but one of a
     # cluster may still lack a user the others have (not reloaded yet), so the others are tried first.
@@ -232,7 +257,7 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None, connect_tim
             nc.count_refusal(name, exc)
         elif not state["first"]:
             log.debug("%s: NATS client error: %s", name, exc)
-        elif not verdict.done() and (refused_for_good(exc) or
+        elif not verdict.done() and (_refuses_tls(exc) or refused_for_good(exc) or
                                      (not _rejects_credentials(exc) and time.monotonic() >= deadline)):
             verdict.set_result(exc)
         elif not state["waiting_logged"]:
@@ -284,12 +309,16 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None, connect_tim
                 f"NATS {url} rejected {name} ({auth.describe()}) for {auth.auth_retry_secs:g}s: {error}; pass the "
                 "server's credentials (--nats-credentials, --nats-token, --nats-user/--nats-password, "
                 "--nats-nkey-seed or --nats-creds-file, or $KVMESH_NATS_*; docs/security.md)")
+        if _refuses_tls(error):  # a certificate, or a server without TLS, does not change by retrying
+            raise MeshUnavailable(f"NATS {url} refused for {name}: {_tls_reason(error)}; pass the CA that signed the "
+                                  "server's certificate (--nats-tls-ca, $KVMESH_NATS_TLS_CA, nats_tls_ca) and a tls:// "
+                                  "URL (docs/security.md)")
         if (not _rejects_credentials(error) and time.monotonic() >= deadline
                 and (turn is None or tried >= len(servers))):
             waited = f" within {first_connect_wait:g}s" if first_connect_wait > 0 else ""
             raise MeshUnavailable(f"cannot reach NATS at {url} for {name}{waited}: {_reason(error, connect_timeout)}")
         # Without reconnects nats-py gave up after one failed handshake: a fresh client tries again.
-        nc = MeshClient()
+        nc = MeshClient(require_tls)
         if turn is not None:
             settings["servers"] = [next(turn)]
             verdict = loop.create_future()  # the last server's error says nothing of this one
@@ -306,6 +335,12 @@ async def _abandon(nc: MeshClient, attempt: asyncio.Future[Any]) -> None:
         await attempt
     except BaseException:  # its failure is reported by connect(); cancellation was ours
         pass
+    transport = getattr(nc, "_transport", None)
+    writer = getattr(transport, "_io_writer", None)
+    if writer is not None and writer.transport.is_closing():
+        # A failed TLS upgrade closed the socket beneath nats-py's plaintext stream writer, whose wait_closed()
+        # would then never return (asyncio's start_tls took the socket over): nothing is left to close.
+        transport._io_writer = None  # type: ignore[union-attr]
     try:
         await nc.close()
     except Exception as exc:
@@ -315,6 +350,14 @@ async def _abandon(nc: MeshClient, attempt: asyncio.Future[Any]) -> None:
 def _rejects_credentials(exc: BaseException) -> bool:
     text = str(exc).lower()
     return "authorization" in text or "authentication" in text
+
+
+def _refuses_tls(exc: BaseException) -> bool:
+    return isinstance(exc, PlaintextServerError) or is_tls_error(exc)
+
+
+def _tls_reason(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, PlaintextServerError) else describe_tls_error(exc)
 
 
 def _reason(exc: BaseException, connect_timeout: float) -> str:

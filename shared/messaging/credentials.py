@@ -43,6 +43,7 @@ from kvmesh.shared.messaging.bus import NatsAuth
 from kvmesh.shared.messaging.nats_permissions import authorization_block, inbox_prefix, permissions, reload_probe
 from kvmesh.shared.messaging.nats_url import DEFAULT_PORT
 from kvmesh.shared.protocol import OPERATOR, Principal
+from kvmesh.shared.tls import TLS_DIR, client_context
 from kvmesh.shared.messaging.sharing_domains import (DEFAULT_DOMAIN, DOMAINS_FILE, DomainMap, check_domain_name,
                                            domains_file_beside, read_domains)
 
@@ -301,13 +302,19 @@ class MeshCredentials:
             probe = reload_probe((self.root / AUTHORIZATION_FILE).read_text())
             if probe is None:  # an authorization file from before the probe: nothing to confirm it by
                 break
-            if server_accepts(*address, NatsAuth(user=probe[0], password=probe[1])):
+            if server_accepts(*address, NatsAuth(user=probe[0], password=probe[1]), self.tls_ca):
                 break
             if time.monotonic() >= deadline:
                 raise MeshUnavailable(f"the NATS server of {self.root} (pid {pid}) did not load its new users "
                                       f"within {timeout:g}s of a reload")
             time.sleep(0.02)
         return True
+
+    @property
+    def tls_ca(self) -> Path | None:
+        """The CA of this directory's TLS material (`kvmesh credentials --tls`), if it has some."""
+        ca = self.root / TLS_DIR / "ca.pem"
+        return ca if ca.is_file() else None
 
     def _listen_address(self) -> tuple[str, int] | None:
         """Where a client on this host reaches the server of this directory's config (its `listen` line; a
@@ -331,13 +338,14 @@ class MeshCredentials:
 def credentials_for(url: str, principal: Principal, given: NatsAuth | None) -> NatsAuth | None:
     """The credentials a client acting as `principal` connects to `url` with: `given` ones where they name any,
     else its own from a KVMesh-started NATS on this host (`provision`, with `given`'s auth_retry_secs), else
-    `given` (no credentials)."""
+    `given` (no credentials). `given`'s TLS files are kept either way."""
     if given is not None and given.or_none() is not None:
         return given
     provisioned = provision(url, principal.path)
     if provisioned is None or given is None:
         return provisioned or given
-    return dataclasses.replace(provisioned, auth_retry_secs=given.auth_retry_secs)
+    return dataclasses.replace(provisioned, auth_retry_secs=given.auth_retry_secs, tls_ca=given.tls_ca,
+                               tls_cert=given.tls_cert, tls_key=given.tls_key)
 
 
 def local_credentials_file(url: str, path: str) -> Path | None:
@@ -394,14 +402,19 @@ def _is_ip(host: str) -> bool:
     return True
 
 
-def server_accepts(host: str, port: int, auth: NatsAuth) -> bool:
-    """Whether the NATS server at host:port accepts `auth`'s user/password now (one bare protocol handshake)."""
+def server_accepts(host: str, port: int, auth: NatsAuth, tls_ca: Path | None = None) -> bool:
+    """Whether the NATS server at host:port accepts `auth`'s user/password now (one bare protocol handshake). A
+    server that requires TLS is asked over TLS, verified against `tls_ca`; without one it is not asked (False)."""
     connect = json.dumps({"user": auth.user, "pass": auth.password, "verbose": False, "pedantic": False})
     try:
-        with socket.create_connection((host, port), timeout=2.0) as sock:
-            reader = sock.makefile("rb")
-            reader.readline()  # INFO
+        with socket.create_connection((host, port), timeout=2.0) as raw:
+            info = raw.makefile("rb").readline()  # INFO, always in clear
+            sock: socket.socket = raw
+            if b'"tls_required":true' in info.replace(b" ", b""):
+                if tls_ca is None:
+                    return False
+                sock = client_context(tls_ca).wrap_socket(raw, server_hostname=host)
             sock.sendall(f"CONNECT {connect}\r\nPING\r\n".encode())
-            return reader.readline().startswith(b"PONG")
-    except OSError:
+            return sock.makefile("rb").readline().startswith(b"PONG")
+    except (OSError, ConfigError):
         return False

@@ -31,6 +31,7 @@ from kvmesh.shared.errors import NatsServerError
 
 if TYPE_CHECKING:
     from kvmesh.shared.messaging.credentials import MeshCredentials
+    from kvmesh.shared.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,16 @@ def server_settings(max_payload: int = DEFAULT_MAX_PAYLOAD) -> str:
             "write_deadline: \"10s\"\n")
 
 
+def nats_tls_settings(tls: "TlsFiles", routes: bool = False) -> str:
+    """NATS config lines that make the server require TLS of every client, with `tls`'s certificate and key (a
+    client's certificate is checked against its CA when it shows one; clients still log in with credentials).
+    `routes`: the lines for inside a `cluster {}` block: routes to and from the other servers then need TLS too,
+    and each side verifies the other's certificate against the CA."""
+    lines = [f"cert_file: {json.dumps(str(tls.cert))}", f"key_file: {json.dumps(str(tls.key))}",
+             f"ca_file: {json.dumps(str(tls.ca))}"] + (["verify: true"] if routes else [])
+    return "tls {\n  " + "\n  ".join(lines) + "\n}\n"
+
+
 class EmbeddedNats:
     """A nats-server child process (on loopback unless `host` says otherwise). Use as a context manager or call
     start()/stop()."""
@@ -123,11 +134,12 @@ class EmbeddedNats:
     def __init__(self, port: int | None = None, host: str = "127.0.0.1",
                  max_payload: int = DEFAULT_MAX_PAYLOAD, binary: str | None = None,
                  token: str | None = None, extra_config: str = "",
-                 credentials: "MeshCredentials | None" = None) -> None:
+                 credentials: "MeshCredentials | None" = None, tls: "TlsFiles | None" = None) -> None:
         """`token` makes the server require that token; `extra_config` is appended to the config file verbatim
         (e.g. an `authorization { users: [...] }` block); `credentials` runs it with that directory's users and
         per-principal permissions (its config and pid file live there, so a principal added later can be
-        loaded with a reload)."""
+        loaded with a reload); `tls` makes it require TLS of its clients (`nats_tls_settings`; `url` is then
+        a tls:// URL)."""
         self.host = host
         self.port = port or free_port(host)
         self.max_payload = max_payload
@@ -135,6 +147,7 @@ class EmbeddedNats:
         self.token = token
         self.extra_config = extra_config
         self.credentials = credentials
+        self.tls = tls
         self.process: subprocess.Popen[bytes] | None = None
         self._workdir: tempfile.TemporaryDirectory[str] | None = None
 
@@ -142,7 +155,8 @@ class EmbeddedNats:
     def url(self) -> str:
         """Where a client on this host reaches the server (a wildcard bind is reached on loopback)."""
         host = "127.0.0.1" if self.host in ("", "0.0.0.0", "::") else self.host
-        return f"nats://[{host}]:{self.port}" if ":" in host else f"nats://{host}:{self.port}"
+        scheme = "tls" if self.tls is not None else "nats"
+        return f"{scheme}://[{host}]:{self.port}" if ":" in host else f"{scheme}://{host}:{self.port}"
 
     def start(self, timeout: float = 10.0) -> "EmbeddedNats":
         binary = self.binary or find_nats_server()
@@ -150,6 +164,7 @@ class EmbeddedNats:
         settings = (
             server_settings(self.max_payload)
             + (f"authorization {{ token: {json.dumps(self.token)} }}\n" if self.token else "")
+            + (nats_tls_settings(self.tls) if self.tls is not None else "")
             + (self.extra_config + "\n" if self.extra_config else "")
         )
         listen = f"{self.host}:{self.port}"

@@ -12,6 +12,10 @@ operator and each store; each service gets its own file through $KVMESH_NATS_CRE
 line); engines on this host add their own (`credentials.provision`). The directory outlives the mesh, so a
 mesh restarted on the same port takes back the same users (delete it to rotate them); a mesh on a port it
 picks itself is new, and starts with an empty directory.
+
+With `tls`, the mesh's directory also holds a CA and a certificate per service (`TlsMaterial`, shared/tls.py):
+NATS requires TLS of its clients (each service gets the CA through $KVMESH_NATS_TLS_CA), the remote stores' stream
+ports and the controller's REST API take TLS only.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import signal
 import subprocess
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +39,8 @@ from kvmesh.shared.errors import MeshUnavailable
 from kvmesh.shared.messaging import bus
 from kvmesh.shared.messaging.credentials import MeshCredentials, local_mesh_dir
 from kvmesh.shared.messaging.embedded_nats import EmbeddedNats, _die_with_parent, free_port
-from kvmesh.shared.messaging.nats_auth import CREDENTIALS_ENV, nats_auth_from_args
+from kvmesh.shared.messaging.nats_auth import CREDENTIALS_ENV, TLS_ENV_VARS, nats_auth_from_args
+from kvmesh.shared.tls import TLS_DIR, TlsFiles, TlsMaterial, default_hosts
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +54,9 @@ class ServiceSpec:
     args: list[str]
     service_id: str
     role: str = "store"
+    # (its certificate's service name, the flag of the certificate, the flag of the key): how a TLS mesh makes
+    # its own port TLS only; None: it has no port of its own to secure
+    tls_flags: tuple[str, str, str] | None = None
 
     @property
     def principal(self) -> protocol.Principal:
@@ -73,6 +82,9 @@ class LocalMesh:
     nats_host: str = "127.0.0.1"
     log_dir: Path | None = None
     credentials: MeshCredentials | None = None  # of the NATS we started (None: `nats_url` was given)
+    tls: bool = False  # TLS for NATS, the remote stores' streams and the controller's API (a NATS we start)
+    tls_hosts: list[str] = field(default_factory=list)  # names the certificates give beyond `default_hosts()`
+    tls_files: dict[str, TlsFiles] = field(default_factory=dict)  # service -> its TLS files, once started
     _nats: EmbeddedNats | None = None
     _processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
@@ -95,7 +107,11 @@ class LocalMesh:
             self.credentials = MeshCredentials(local_mesh_dir(port))
             self.credentials.ensure(protocol.CONTROLLER.path, protocol.OPERATOR.path,
                                     *(spec.principal.path for spec in self.services))
-            self._nats = EmbeddedNats(port=port, host=self.nats_host, credentials=self.credentials).start()
+            if self.tls:
+                self.tls_files = TlsMaterial(self.credentials.root / TLS_DIR).ensure(
+                    hosts=default_hosts() + [self.nats_host, *self.tls_hosts])
+            self._nats = EmbeddedNats(port=port, host=self.nats_host, credentials=self.credentials,
+                                      tls=self.tls_files.get("nats")).start()
             self.nats_url = self._nats.url
         return self.nats_url
 
@@ -105,7 +121,8 @@ class LocalMesh:
         if self.credentials is None:
             return nats_auth_from_args(argparse.Namespace())
         assert self._nats is not None
-        return self.credentials.admit(principal.path)
+        auth = self.credentials.admit(principal.path)
+        return dataclasses.replace(auth, tls_ca=str(self.tls_files["nats"].ca)) if self.tls_files else auth
 
     def start_services(self, ready_timeout: float = 30.0) -> None:
         """Spawn the service processes and wait until each answers health (on failure they are stopped again;
@@ -136,7 +153,8 @@ class LocalMesh:
         return self._processes[index]
 
     def _spawn(self, spec: ServiceSpec) -> subprocess.Popen[bytes]:
-        command = [sys.executable, "-m", spec.module, "--nats-url", str(self.nats_url), *spec.args]
+        command = [sys.executable, "-m", spec.module, "--nats-url", str(self.nats_url), *spec.args,
+                   *self._tls_args(spec)]
         output = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -144,6 +162,8 @@ class LocalMesh:
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         if self.credentials is not None:
             env[CREDENTIALS_ENV] = str(self.credentials.file(spec.principal.path))
+        if self.tls_files:
+            env[TLS_ENV_VARS["tls_ca"]] = str(self.tls_files["nats"].ca)
         log.info("starting %s: %s", spec.service_id, " ".join(command))
         try:
             return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=output, stderr=output, env=env,
@@ -151,6 +171,14 @@ class LocalMesh:
         finally:
             if output is not None:
                 output.close()  # the child has its own copy; a restarted service must not leak one per start
+
+    def _tls_args(self, spec: ServiceSpec) -> list[str]:
+        """The flags that make `spec`'s own ports TLS only: the controller's API, a remote store's stream."""
+        if not self.tls_files or spec.tls_flags is None:
+            return []
+        service, cert_flag, key_flag = spec.tls_flags
+        files = self.tls_files[service]
+        return [cert_flag, str(files.cert), key_flag, str(files.key)]
 
     def _wait_healthy(self, timeout: float) -> None:
         """Block until every service answers health over NATS (or one exits, or time runs out)."""

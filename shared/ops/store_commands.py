@@ -33,5 +33,6 @@ def remote_stores(capacity_bytes: int, num_partitions: int, cache_policy: str,
                 "--partitions", str(num_partitions), "--store-id", store_id, "--cache-policy", cache_policy]
         if prefault_bytes:
             args += ["--prefault-gb", repr(prefault_bytes / GB)]
-        specs.append(ServiceSpec(REMOTE_STORE, args, store_id))
+        specs.append(ServiceSpec(REMOTE_STORE, args, store_id,
+                                 tls_flags=("remote-store", "--stream-tls-cert", "--stream-tls-key")))
     return specs

@@ -427,6 +427,7 @@ class StreamOffer:
     store_id: str = ""
     partition: int = 0
     num_partitions: int = 1
+    tls: bool = False  # the port speaks TLS only: a client verifies it against its CA, or does not connect
 
 
 @message("stream_hello")

@@ -8,6 +8,7 @@ on one host, TCP streams across hosts) and the Redis tier's layout. The NATS mes
     pool_wire.py      how an engine lends its CPU pool to the disk store of its host
     stream_wire.py    the TCP stream data path's wire format: frames and socket reads/writes for both ends
     stream_server.py  the serving end of that stream (the remote store's and an engine's peer server)
+    tls_socket.py     TLS on that stream's sockets (an SSLObject driven by the event loop's socket calls)
     redis_keys.py     KVMesh's key names in Redis / Valkey and how their values and entries are authenticated
     redis_url.py      the `remote_url` forms that address Redis or Valkey, and the client each needs
     kv_events.py      vLLM's KV event wire format (KVEventBatch) without vLLM, and the block hash of a chunk key

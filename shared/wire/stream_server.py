@@ -17,6 +17,7 @@ import contextlib
 import logging
 import secrets
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,9 @@ from kvmesh.shared.aio import cancel_and_wait
 from kvmesh.shared.errors import ProtocolError
 from kvmesh.shared.protocol import principal_of
 from kvmesh.shared.rate_limited_log import RateLimitedLog
+from kvmesh.shared.tls import describe_tls_error
 from kvmesh.shared.wire.keys import ChunkKey
+from kvmesh.shared.wire.tls_socket import TlsSocket
 from kvmesh.shared.wire.stream_wire import (
     OP_GET,
     OP_HELLO,
@@ -158,8 +161,13 @@ class StreamServer:
     def __init__(self, source: ChunkSource, host: str, port: int = 0, transfer_timeout: float = 30.0, *,
                  max_connections: int = 256, hello_timeout: float = 10.0, hello_max_bytes: int = 4096,
                  idle_timeout: float = 300.0, max_chunk_bytes: int = 256 * 1024 * 1024,
-                 client_bounds: ClientBounds | None = None, names: OptionNames = OptionNames()) -> None:
+                 client_bounds: ClientBounds | None = None, names: OptionNames = OptionNames(),
+                 tls: ssl.SSLContext | None = None) -> None:
+        """`tls`: a server context (shared/tls.py `server_context`): every connection starts with a TLS handshake,
+        within `hello_timeout`; one that fails (a plaintext client, a client that does not trust the certificate)
+        is closed, counted in `stream_tls_refused` and logged saying why."""
         self.source = source
+        self.tls = tls
         self.host = host
         self.port = port
         self.transfer_timeout = transfer_timeout
@@ -173,7 +181,7 @@ class StreamServer:
         self.counters = {"stream_refused_over_cap": 0, "stream_hello_timeouts": 0, "stream_hellos_too_large": 0,
                          "stream_bad_tickets": 0, "stream_idle_closed": 0, "stream_puts_too_large": 0,
                          "stream_pending_closed": 0, "stream_refused_caller_cap": 0, "stream_tickets_spent": 0,
-                         "stream_replies_paced": 0, "stream_tickets_issued": 0}
+                         "stream_replies_paced": 0, "stream_tickets_issued": 0, "stream_tls_refused": 0}
         self._tickets: dict[bytes, tuple[float, str]] = {}  # ticket -> (expiry (monotonic), caller path)
         self._tickets_of: dict[str, dict[bytes, None]] = {}  # principal -> its unused tickets, oldest first
         self._tickets_lock = threading.Lock()  # issue_ticket may run on another thread
@@ -342,12 +350,15 @@ class StreamServer:
             if not self._greeted[connection.principal]:
                 del self._greeted[connection.principal]
 
-    async def _serve(self, sock: socket.socket, peer: object) -> None:
+    async def _serve(self, raw: socket.socket, peer: object) -> None:
         task = asyncio.current_task()
         assert task is not None
+        sock: socket.socket | TlsSocket = raw
         try:
             try:
                 async with asyncio.timeout(self.hello_timeout):
+                    if self.tls is not None:
+                        sock = await self._handshake(raw)
                     client, caller = await self._hello(sock)
             except TimeoutError:
                 self.counters["stream_hello_timeouts"] += 1
@@ -399,9 +410,17 @@ class StreamServer:
         except Exception:  # a bug here must cost one connection, never the store
             log.exception("stream connection from %s failed", peer)
         finally:
-            sock.close()
+            raw.close()
 
-    async def _hello(self, sock: socket.socket) -> tuple[str, str]:
+    async def _handshake(self, raw: socket.socket) -> TlsSocket:
+        assert self.tls is not None
+        try:
+            return await TlsSocket.wrap(raw, self.tls, server_side=True)
+        except (ssl.SSLError, ConnectionError) as exc:
+            self.counters["stream_tls_refused"] += 1
+            raise _Refused(f"TLS port: {describe_tls_error(exc)}") from None
+
+    async def _hello(self, sock: socket.socket | TlsSocket) -> tuple[str, str]:
         """The client's name and the caller its ticket was issued to."""
         op, size = await recv_request_head(sock)
         if op != OP_HELLO:

@@ -38,6 +38,10 @@ import xxhash
 
 from kvmesh.shared import protocol
 from kvmesh.shared.errors import StoreError
+from kvmesh.shared.wire.tls_socket import TlsSocket
+
+# A stream connection: a plain socket, or a TLS session on one (shared/wire/tls_socket.py) where the port is TLS.
+Channel = socket.socket | TlsSocket
 
 
 OP_HELLO, OP_PUT, OP_GET = b"H", b"P", b"G"
@@ -67,15 +71,28 @@ def tune_socket(sock: socket.socket) -> None:
 
 
 # ---- framing (both ends) ------------------------------------------------------------------------------------
-async def recv_exactly(sock: socket.socket, view: memoryview, hasher: "xxhash.xxh3_64 | None" = None) -> None:
+async def recv_into(sock: Channel, view: memoryview) -> int:
+    """What arrived into `view`: how many bytes (0 at the end of the stream)."""
+    if isinstance(sock, TlsSocket):
+        return await sock.recv_into(view)
+    return await asyncio.get_running_loop().sock_recv_into(sock, view)
+
+
+async def sendall(sock: Channel, data: bytes | bytearray | memoryview) -> None:
+    if isinstance(sock, TlsSocket):
+        await sock.sendall(data)
+    else:
+        await asyncio.get_running_loop().sock_sendall(sock, data)
+
+
+async def recv_exactly(sock: Channel, view: memoryview, hasher: "xxhash.xxh3_64 | None" = None) -> None:
     """Fill `view` from `sock`, or raise StreamError: never returns with fewer bytes.
 
     With a `hasher`, each piece is hashed as it lands (the digest equals chunk_file.checksum of the whole).
     """
-    loop = asyncio.get_running_loop()
     got, size = 0, len(view)
     while got < size:
-        count = await loop.sock_recv_into(sock, view[got:])
+        count = await recv_into(sock, view[got:])
         if count == 0:
             if got == 0:
                 raise StreamClosed(f"connection closed before {size} expected bytes")
@@ -85,7 +102,7 @@ async def recv_exactly(sock: socket.socket, view: memoryview, hasher: "xxhash.xx
         got += count
 
 
-async def recv_message(sock: socket.socket, size: int, expected: type[M]) -> M:
+async def recv_message(sock: Channel, size: int, expected: type[M]) -> M:
     if size > MAX_MESSAGE_BYTES:
         raise StreamError(f"message of {size} bytes announced: not our protocol")
     body = bytearray(size)
@@ -93,12 +110,12 @@ async def recv_message(sock: socket.socket, size: int, expected: type[M]) -> M:
     return protocol.decode(bytes(body), expected)
 
 
-async def send_request(sock: socket.socket, op: bytes, message: object) -> None:
+async def send_request(sock: Channel, op: bytes, message: object) -> None:
     body = protocol.encode(message)
-    await asyncio.get_running_loop().sock_sendall(sock, REQUEST_HEAD.pack(op, len(body)) + body)
+    await sendall(sock, REQUEST_HEAD.pack(op, len(body)) + body)
 
 
-async def recv_request_head(sock: socket.socket) -> tuple[bytes, int]:
+async def recv_request_head(sock: Channel) -> tuple[bytes, int]:
     """The next request's op byte and message length."""
     head = bytearray(REQUEST_HEAD.size)
     await recv_exactly(sock, memoryview(head))
@@ -106,17 +123,21 @@ async def recv_request_head(sock: socket.socket) -> tuple[bytes, int]:
     return op, size
 
 
-async def send_reply(sock: socket.socket, message: object) -> None:
+async def send_reply(sock: Channel, message: object) -> None:
     body = protocol.encode(message)
-    await asyncio.get_running_loop().sock_sendall(sock, REPLY_HEAD.pack(len(body)) + body)
+    await sendall(sock, REPLY_HEAD.pack(len(body)) + body)
 
 
-async def send_reply_and_data(sock: socket.socket, message: object, data: memoryview) -> None:
+async def send_reply_and_data(sock: Channel, message: object, data: memoryview) -> None:
     """`send_reply`, then `data`, in one system call when the socket takes it all (a get's reply and its chunk:
     one wake-up of the receiver, not two)."""
     body = protocol.encode(message)
     head = REPLY_HEAD.pack(len(body)) + body
     data = data if data.format == "B" and data.ndim == 1 else data.cast("B")
+    if isinstance(sock, TlsSocket):
+        await sock.sendall(head)
+        await sock.sendall(data)
+        return
     try:
         sent = sock.sendmsg([head, data])
     except (BlockingIOError, InterruptedError):
@@ -129,14 +150,14 @@ async def send_reply_and_data(sock: socket.socket, message: object, data: memory
         await loop.sock_sendall(sock, data[sent - len(head):])
 
 
-async def recv_reply(sock: socket.socket, expected: type[M]) -> M:
+async def recv_reply(sock: Channel, expected: type[M]) -> M:
     head = bytearray(REPLY_HEAD.size)
     await recv_exactly(sock, memoryview(head))
     (size,) = REPLY_HEAD.unpack(head)
     return await recv_message(sock, size, expected)
 
 
-async def drain(sock: socket.socket, nbytes: int) -> None:
+async def drain(sock: Channel, nbytes: int) -> None:
     """Read and drop `nbytes` (the bytes of a put the store does not keep), keeping the stream in step."""
     scratch = memoryview(bytearray(min(nbytes, DRAIN_CHUNK_BYTES)))
     left = nbytes

@@ -12,6 +12,7 @@ import http.server
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -30,9 +31,11 @@ PEAK_RSS_MIB = 512  # docs/config.md, --max-large-bodies: 24 concurrent 11 MiB b
 
 
 @contextlib.asynccontextmanager
-async def proxy(producer: str, consumer: str, *flags: str, env: dict[str, str] | None = None
+async def proxy(producer: str, consumer: str, *flags: str, env: dict[str, str] | None = None,
+                scheme: str = "http", verify: ssl.SSLContext | bool = True
                 ) -> AsyncIterator[tuple[subprocess.Popen[bytes], httpx.AsyncClient]]:
-    """A `kvmesh pd-proxy` process in front of `producer` and `consumer`, and a client of it; stopped after."""
+    """A `kvmesh pd-proxy` process in front of `producer` and `consumer`, and a client of it (`scheme`, verifying
+    with `verify`); stopped after."""
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "kvmesh.cli", "pd-proxy", "--prefill", producer, "--decode", consumer,
@@ -40,7 +43,8 @@ async def proxy(producer: str, consumer: str, *flags: str, env: dict[str, str] |
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         env={**os.environ, "KVMESH_PD_PROXY_TOKEN": "", "KVMESH_PD_PROXY_TOKEN_FILE": "", **(env or {})})
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=WAIT_S * 4) as client:
+        async with httpx.AsyncClient(base_url=f"{scheme}://127.0.0.1:{port}", timeout=WAIT_S * 4,
+                                     verify=verify) as client:
             async def up() -> bool:
                 assert process.poll() is None, f"the proxy exited: {process.stdout.read().decode()}"  # type: ignore
                 try:

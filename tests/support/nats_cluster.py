@@ -14,18 +14,20 @@ import signal
 import httpx
 
 from kvmesh.shared.messaging.credentials import AUTHORIZATION_FILE, MeshCredentials
-from kvmesh.shared.messaging.embedded_nats import EmbeddedNats, free_port
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats, free_port, nats_tls_settings
+from kvmesh.shared.tls import TlsFiles
 from support.waiting import WAIT_S, wait_until
 
 
 class NatsCluster:
     def __init__(self, size: int = 3, name: str | None = None, token: str | None = None,
-                 credentials: MeshCredentials | None = None) -> None:
+                 credentials: MeshCredentials | None = None, tls: TlsFiles | None = None) -> None:
         """`token`: every node requires it of its clients (the routes between the nodes need none).
         `credentials`: every node has that directory's users, a user per principal with its permissions (the
         directory's `authorization.conf`, written into each node's config), as `kvmesh credentials` makes them.
         The cluster's name is its own (unique on this host unless `name` is given): clients of one cluster on
-        this host share resources keyed by it (`bus.server_scope`)."""
+        this host share resources keyed by it (`bus.server_scope`).
+        `tls`: every node requires TLS of its clients and of its routes (both ends verified against its CA)."""
         self.cluster_ports = [free_port() for _ in range(size)]
         self.monitor_ports = [free_port() for _ in range(size)]
         name = name or f"kvmesh-test-{self.cluster_ports[0]}"
@@ -34,8 +36,9 @@ class NatsCluster:
         self.nodes = [EmbeddedNats(token=token, extra_config=(
             f"server_name: node{i}\n"
             f"http: \"127.0.0.1:{self.monitor_ports[i]}\"\n"
-            f"cluster {{\n  name: {name}\n  listen: \"127.0.0.1:{self.cluster_ports[i]}\"\n  routes: [{routes}]\n}}\n"
-            f"{users}"))
+            f"cluster {{\n  name: {name}\n  listen: \"127.0.0.1:{self.cluster_ports[i]}\"\n  routes: [{routes}]\n"
+            f"{nats_tls_settings(tls, routes=True) if tls is not None else ''}}}\n"
+            f"{users}"), tls=tls)
             for i in range(size)]
 
     @property

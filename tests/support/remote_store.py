@@ -47,7 +47,7 @@ async def start_stores(nats_url: str, prefix: str, partitions: int = 1, capacity
             num_partitions=partitions, stream_host="127.0.0.1", heartbeat_interval=60.0, **options))
         await service.start()
         services.append(service)
-    nc = await bus.connect(nats_url, f"test-{prefix}")
+    nc = await bus.connect(nats_url, f"test-{prefix}", options.get("auth"))  # the stores' credentials and TLS
     return services, nc
 
 

@@ -29,6 +29,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import ssl
 import threading
 from dataclasses import dataclass
 from typing import Any, Coroutine, TypeVar
@@ -97,14 +98,16 @@ class PeerServer:
     def __init__(self, cpu: LocalCPUBackend, stats: collections.Counter[str], instance_id: str, worker_id: str,
                  domain: str, bind_host: str, advertised_host: str, port: int = 0, *, max_connections: int = 16,
                  transfer_timeout: float = 30.0, hello_timeout: float = 10.0, idle_timeout: float = 300.0,
-                 client_bounds: ClientBounds = ClientBounds()) -> None:
+                 client_bounds: ClientBounds = ClientBounds(), tls: ssl.SSLContext | None = None) -> None:
+        """`tls`: a server context (shared/tls.py): the port takes TLS connections only, and its offers say so."""
         self.instance_id = instance_id
         self.worker_id = worker_id
         self.domain = domain
         self.advertised_host = advertised_host
         self.server = StreamServer(CpuTierSource(cpu, stats), bind_host, port, transfer_timeout,
                                    max_connections=max_connections, hello_timeout=hello_timeout,
-                                   idle_timeout=idle_timeout, client_bounds=client_bounds, names=PEER_OPTION_NAMES)
+                                   idle_timeout=idle_timeout, client_bounds=client_bounds, names=PEER_OPTION_NAMES,
+                                   tls=tls)
         self._wildcard = Subjects.peer_stream(domain, instance_id, worker_id, ">")
         self._subscription: Subscription | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the stream's own loop, while started
@@ -150,7 +153,7 @@ class PeerServer:
         if caller is None or caller.role != "engine":
             return protocol.Ack(ok=False, error=f"not a peer stream subject: {subject}")
         return protocol.StreamOffer(host=self.advertised_host, port=self.server.port,
-                                    ticket=self.server.issue_ticket(caller.path))
+                                    ticket=self.server.issue_ticket(caller.path), tls=self.server.tls is not None)
 
     async def stop(self) -> None:
         if self._subscription is not None:

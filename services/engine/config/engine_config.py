@@ -97,6 +97,9 @@ class EngineConfig:
     nats_credentials: str | None = None  # path to a KVMesh credentials file (shared/messaging/credentials.py)
     nats_creds_file: str | None = None  # path to a NATS .creds file (JWT + nkey)
     nats_auth_retry_secs: float = 10.0  # a first connect retries credentials every server rejects this long
+    nats_tls_ca: str | None = None  # CA file the NATS servers are verified against: TLS or no connection
+    nats_tls_cert: str | None = None  # client certificate, for a NATS that asks for one (with nats_tls_key)
+    nats_tls_key: str | None = None
     remote_size: float = 4.0  # GB, memory cap of the remote store when the engine embeds one
     remote_prefault_size: float = 1.0  # GB of each embedded remote store faulted in at start (<= remote_size)
     remote_partitions: int = 1  # remote-store replicas that keys are partitioned over
@@ -121,7 +124,11 @@ class EngineConfig:
     remote_min_transfer_mb_per_s: float = 100.0  # a remote transfer slower than this is abandoned
     remote_retry_interval_secs: float = 1.0  # a remote partition that failed is not asked again for this long
     remote_stream_connections: int = 4  # open stream connections per remote partition
+    remote_tls_ca: str | None = None  # CA the remote stores' TLS stream ports are verified against (TLS only)
     p2p_stream_connections: int = 4  # open stream connections to each peer this worker loads from
+    p2p_tls_cert: str | None = None  # serve the P2P port over TLS only, with this certificate (and p2p_tls_key)
+    p2p_tls_key: str | None = None
+    p2p_tls_ca: str | None = None  # CA the peers' P2P ports are verified against (TLS only)
     # the P2P stream port's bounds (services/engine/agents/peer_server.py; docs/security.md): connections with a
     # valid ticket, in all and per peer instance (its unused tickets too)...
     p2p_max_connections: int = 16

@@ -27,6 +27,7 @@ import collections
 import logging
 import os
 import socket
+import ssl
 import time
 from dataclasses import dataclass
 
@@ -78,8 +79,9 @@ class PeerTier:
 
     def __init__(self, nc: NatsClient, domain: str, worker_id: str, caller: str, stats: collections.Counter[str], *,
                  request_timeout: float = 2.0, min_transfer_rate: float = 100e6, retry_interval: float = 1.0,
-                 max_connections: int = 4, hint_wait: float = 1.0) -> None:
+                 max_connections: int = 4, hint_wait: float = 1.0, tls: ssl.SSLContext | None = None) -> None:
         self.nc = nc
+        self.tls = tls  # a client context trusting the peers' CA: streams to peers are TLS only
         self.domain = domain
         self.worker_id = worker_id
         self.caller = caller
@@ -228,7 +230,7 @@ class PeerTier:
                     raise
 
             peer = _Peer(StoreLink(holder.worker_id, label, log, self.caller, self.retry_interval),
-                         StreamPool(negotiate, self._name, self.max_connections))
+                         StreamPool(negotiate, self._name, self.max_connections, self.tls))
             self._peers[holder] = peer
             while len(self._peers) > MAX_PEERS:
                 self._peers.popitem(last=False)[1].pool.close()

@@ -20,6 +20,7 @@ from kvmesh.services.engine.tiers.peer import PeerTier
 from kvmesh.services.engine.tiers.redis import RedisTier
 from kvmesh.services.engine.tiers.remote import RemoteStoreClient
 from kvmesh.shared.protocol import LOCAL_DISK, PEER, REMOTE
+from kvmesh.shared.tls import client_context_of
 from kvmesh.shared.wire.redis_keys import RedisAuth
 
 
@@ -70,7 +71,8 @@ def _remote(plan: TierPlan, site: TierSite) -> StoreTier:
                              request_timeout=config.request_timeout_secs,
                              min_transfer_rate=config.remote_min_transfer_mb_per_s * 1e6,
                              retry_interval=config.remote_retry_interval_secs,
-                             max_connections=config.remote_stream_connections)
+                             max_connections=config.remote_stream_connections,
+                             tls=client_context_of(config.remote_tls_ca, "remote_tls_ca"))
 
 
 def _peers(plan: TierPlan, site: TierSite) -> StoreTier:
@@ -79,7 +81,7 @@ def _peers(plan: TierPlan, site: TierSite) -> StoreTier:
                     request_timeout=config.request_timeout_secs,
                     min_transfer_rate=config.remote_min_transfer_mb_per_s * 1e6,
                     retry_interval=config.remote_retry_interval_secs, max_connections=config.p2p_stream_connections,
-                    hint_wait=config.pd_hint_wait_secs)
+                    hint_wait=config.pd_hint_wait_secs, tls=client_context_of(config.p2p_tls_ca, "p2p_tls_ca"))
 
 
 # The walk order below the CPU tier. The peers come last: they are read, never written (the write-behind skips them).

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import os
 import socket
+import ssl
 from dataclasses import dataclass
 from typing import Awaitable, Callable, TypeVar
 
@@ -55,7 +56,9 @@ class RemoteStoreClient:
     location = protocol.REMOTE
 
     def __init__(self, nc: NatsClient, store_ids: list[str], caller: str, request_timeout: float = 2.0, *,
-                 min_transfer_rate: float = 100e6, retry_interval: float = 1.0, max_connections: int = 4) -> None:
+                 min_transfer_rate: float = 100e6, retry_interval: float = 1.0, max_connections: int = 4,
+                 tls: ssl.SSLContext | None = None) -> None:
+        """`tls`: a client context trusting the stores' CA (shared/tls.py `client_context`): streams are TLS only."""
         if not store_ids:
             raise ValueError("RemoteStoreClient needs at least one store id")
         self.nc = nc
@@ -66,7 +69,7 @@ class RemoteStoreClient:
         self._name = f"{socket.gethostname()}:{os.getpid()}"
         self.caller = caller
         self._replicas = [_Replica(StoreLink(store_id, f"remote store {store_id}", log, caller, retry_interval),
-                                   StreamPool(self._negotiator(store_id, caller), self._name, max_connections))
+                                   StreamPool(self._negotiator(store_id, caller), self._name, max_connections, tls))
                           for store_id in self.store_ids]
 
     # ---- routing -----------------------------------------------------------------------------------------

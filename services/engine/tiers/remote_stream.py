@@ -9,12 +9,14 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, TypeVar
 
 import xxhash
 
 from kvmesh.shared import protocol
 from kvmesh.shared.errors import KVMeshError
+from kvmesh.shared.tls import describe_tls_error
 from kvmesh.shared.wire.keys import ChunkKey
 from kvmesh.shared.wire.stream_wire import (
     OP_GET,
@@ -25,8 +27,10 @@ from kvmesh.shared.wire.stream_wire import (
     recv_exactly,
     recv_reply,
     send_request,
+    sendall,
     tune_socket,
 )
+from kvmesh.shared.wire.tls_socket import TlsSocket
 
 if TYPE_CHECKING:
     from kvmesh.services.engine.tiers.base import StoreLink
@@ -38,29 +42,45 @@ T = TypeVar("T")
 class StreamConnection:
     """One open, greeted connection to a store; one request at a time. Any error leaves it unusable."""
 
-    def __init__(self, sock: socket.socket, peer: str) -> None:
+    def __init__(self, sock: socket.socket | TlsSocket, peer: str) -> None:
         self.sock = sock
         self.peer = peer
         self.uses = 0
 
     @classmethod
-    async def open(cls, offer: protocol.StreamOffer, client: str) -> "StreamConnection":
-        """Connect to the offered address and present the ticket (the caller bounds the time)."""
+    async def open(cls, offer: protocol.StreamOffer, client: str,
+                   tls: ssl.SSLContext | None = None) -> "StreamConnection":
+        """Connect to the offered address and present the ticket (the caller bounds the time). With `tls` (a
+        client context: shared/tls.py) the port must speak TLS with a certificate it verifies; without, a port
+        that speaks only TLS is refused before a byte is sent: either way, never a plaintext hello where TLS is
+        asked for."""
+        where = f"{offer.host}:{offer.port}"
+        if offer.tls and tls is None:
+            raise StreamError(f"{where} takes TLS connections only, and no CA is configured to verify it "
+                              "(remote_tls_ca, p2p_tls_ca)")
+        if tls is not None and not offer.tls:
+            raise StreamError(f"{where} is a plaintext stream port, and TLS is configured: not connecting")
         loop = asyncio.get_running_loop()
         family, kind, proto, _, address = (await loop.getaddrinfo(offer.host, offer.port,
                                                                   type=socket.SOCK_STREAM))[0]
-        sock = socket.socket(family, kind, proto)
+        raw = socket.socket(family, kind, proto)
+        sock: socket.socket | TlsSocket = raw
         try:
-            tune_socket(sock)
-            await loop.sock_connect(sock, address)
+            tune_socket(raw)
+            await loop.sock_connect(raw, address)
+            if tls is not None:
+                try:
+                    sock = await TlsSocket.wrap(raw, tls, server_side=False, server_hostname=offer.host)
+                except ssl.SSLError as exc:
+                    raise StreamError(f"{where}: {describe_tls_error(exc)}") from None
             await send_request(sock, OP_HELLO, protocol.StreamHello(ticket=offer.ticket, client=client))
             ack = await recv_reply(sock, protocol.Ack)
             if not ack.ok:
                 raise StreamError(f"{offer.host}:{offer.port} refused the stream: {ack.error}")
         except BaseException:
-            sock.close()
+            raw.close()
             raise
-        return cls(sock, f"{offer.host}:{offer.port}")
+        return cls(sock, where)
 
     async def put(self, meta: protocol.ChunkMeta, data: memoryview, priority: int = 0,
                   lease_secs: float = 0.0) -> protocol.Ack:
@@ -71,11 +91,10 @@ class StreamConnection:
         storing request's retention.
         """
         self.uses += 1
-        loop = asyncio.get_running_loop()
         await send_request(self.sock, OP_PUT, protocol.PutRequest(meta=meta, priority=priority,
                                                                   lease_secs=lease_secs))
-        await loop.sock_sendall(self.sock, data)
-        await loop.sock_sendall(self.sock, TRAILER.pack(meta.checksum))
+        await sendall(self.sock, data)
+        await sendall(self.sock, TRAILER.pack(meta.checksum))
         return await recv_reply(self.sock, protocol.Ack)
 
     async def get_into(self, key: ChunkKey, view: memoryview) -> protocol.GetReply:
@@ -109,8 +128,9 @@ class StreamPool:
     """
 
     def __init__(self, negotiate: Callable[[], Awaitable[protocol.StreamOffer]], client: str,
-                 max_connections: int = 4) -> None:
+                 max_connections: int = 4, tls: ssl.SSLContext | None = None) -> None:
         self._negotiate = negotiate
+        self._tls = tls
         self._client = client
         self._slots = asyncio.Semaphore(max_connections)
         self._idle: list[StreamConnection] = []
@@ -137,7 +157,7 @@ class StreamPool:
 
     async def _open(self) -> StreamConnection:
         offer = await self._negotiate()
-        return await StreamConnection.open(offer, self._client)
+        return await StreamConnection.open(offer, self._client, self._tls)
 
     def reset(self) -> None:
         idle, self._idle = self._idle, []

@@ -1,0 +1,166 @@
+"""The remote store's stream with TLS against the same stream in clear, measured in the same run; prints JSON.
+
+Two remote store processes on one nats-server: one with a plaintext stream port, one with a TLS-only port
+(`--stream-tls-cert`, a CA and certificate made here by shared/tls.py). This process is the engine-side client
+(RemoteStoreClient, with `tls=` for the second). Rounds alternate clear and TLS (the machine's speed drifts), each
+round puts then gets every chunk, and the figures are medians over the rounds. The ceiling is
+benchmarks/remote_store.py's raw peer: the same bytes over a bare TCP loopback socket, measured between the rounds.
+Every byte read back is compared with the source.
+
+    python benchmarks/remote_store_tls.py --total-gib 0.5 --chunk-mib 16 --rounds 3
+
+`ratio_put` / `ratio_get` are TLS throughput / clear throughput (the goal: >= 0.7).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from remote_store import MiB, GiB, RawClient, chunk_key  # benchmarks/remote_store.py: the raw ceiling
+
+from kvmesh.services.engine.tiers.base import ChunkBuffer
+from kvmesh.services.engine.tiers.remote import RemoteStoreClient
+from kvmesh.shared import protocol
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats, _die_with_parent
+from kvmesh.shared.tls import TlsMaterial, client_context
+from kvmesh.shared.wire import chunk_file
+
+CALLER = protocol.Principal.engine("bench").producer("bench")
+RAW_PEER = str(Path(__file__).with_name("remote_store.py"))
+
+
+async def run(args: argparse.Namespace) -> dict:
+    chunk_bytes = int(args.chunk_mib * MiB)
+    count = max(1, int(args.total_gib * GiB) // chunk_bytes)
+    total = count * chunk_bytes
+    source = np.random.default_rng(7).integers(0, 256, total, dtype=np.uint8)
+    destination = np.zeros(total, dtype=np.uint8)
+    chunks = [memoryview(source[i * chunk_bytes:(i + 1) * chunk_bytes]) for i in range(count)]
+    outs = [memoryview(destination[i * chunk_bytes:(i + 1) * chunk_bytes]) for i in range(count)]
+    checksums = [chunk_file.checksum(data) for data in chunks]  # computed once: the stream is what is timed
+
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-tls-") as tmp, EmbeddedNats() as nats_server:
+        files = TlsMaterial(Path(tmp) / "tls").ensure(["remote-store"], hosts=["127.0.0.1"])["remote-store"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        # room for every round's chunks: each round puts new keys
+        size_gb = str(total * (args.rounds + 1) / GiB)
+        stores = {
+            kind: subprocess.Popen(
+                [sys.executable, "-m", "kvmesh.services.remote_store", "--nats-url", nats_server.url,
+                 "--max-size-gb", size_gb, "--store-id", f"bench-{kind}", "--stream-host", "127.0.0.1",
+                 "--log-level", "WARNING",
+                 *(["--stream-tls-cert", str(files.cert), "--stream-tls-key", str(files.key)] if kind == "tls" else [])],
+                stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
+            for kind in ("clear", "tls")}
+        peer = subprocess.Popen(
+            [sys.executable, RAW_PEER, "--raw-peer", "--nats-url", nats_server.url, "--chunk-mib", str(args.chunk_mib)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, preexec_fn=_die_with_parent)
+        try:
+            port = int(peer.stdout.readline())
+            nc = await bus.connect(nats_server.url, "bench-client")
+            clients = {"clear": RemoteStoreClient(nc, ["bench-clear"], CALLER, request_timeout=5.0),
+                       "tls": RemoteStoreClient(nc, ["bench-tls"], CALLER, request_timeout=5.0,
+                                                tls=client_context(files.ca))}
+            for kind, client in clients.items():
+                deadline = time.monotonic() + 60
+                while not await client.stats():
+                    if time.monotonic() > deadline or stores[kind].poll() is not None:
+                        raise RuntimeError(f"the {kind} remote store did not come up")
+                    await asyncio.sleep(0.1)
+            raw = RawClient(port)
+            await raw.connect()
+
+            async def store_round(client: RemoteStoreClient, tag: int) -> tuple[float, float]:
+                start = time.perf_counter()
+                for i, data in enumerate(chunks):
+                    meta = protocol.ChunkMeta(key=chunk_key(tag, i), num_tokens=256, shape=[chunk_bytes],
+                                              dtype="uint8", fmt="bench", nbytes=chunk_bytes, checksum=checksums[i])
+                    if not await client.put(meta, ChunkBuffer(data)):
+                        raise RuntimeError(f"put {i} of round {tag} failed")
+                put = time.perf_counter() - start
+                destination.fill(1)
+                start = time.perf_counter()
+                for i, out in enumerate(outs):
+                    if await client.get_into(chunk_key(tag, i), ChunkBuffer(out)) is None:
+                        raise RuntimeError(f"get {i} of round {tag} missed")
+                get = time.perf_counter() - start
+                if not np.array_equal(destination, source):
+                    raise RuntimeError(f"round {tag}: bytes read back differ from those written")
+                return put, get
+
+            async def raw_round() -> tuple[float, float]:
+                start = time.perf_counter()
+                for data in chunks:
+                    await raw.put(data)
+                put = time.perf_counter() - start
+                start = time.perf_counter()
+                for out in outs:
+                    await raw.get(out)
+                return put, time.perf_counter() - start
+
+            times: dict[str, list[tuple[float, float]]] = {"clear": [], "tls": [], "raw": []}
+            await raw_round()  # warm-up: connections, caches, the stores' first buffers
+            for kind, client in clients.items():
+                await store_round(client, 0)
+            for tag in range(1, args.rounds + 1):
+                for kind in ("clear", "tls", "raw") if tag % 2 else ("tls", "clear", "raw"):
+                    times[kind].append(await raw_round() if kind == "raw" else await store_round(clients[kind], tag))
+            version = None
+            async with clients["tls"]._replicas[0].pool.connection(5.0) as connection:
+                version = connection.sock.version()
+            for client in clients.values():
+                await client.close()
+            await nc.close()
+        finally:
+            if peer.poll() is None:
+                peer.stdin.close()
+            for process in stores.values():
+                if process.poll() is None:
+                    process.terminate()
+            for process in (*stores.values(), peer):
+                try:
+                    process.wait(10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+    gbps = lambda seconds: round(total / seconds / 1e9, 3)  # noqa: E731
+    put = {kind: statistics.median(t[0] for t in rounds) for kind, rounds in times.items()}
+    get = {kind: statistics.median(t[1] for t in rounds) for kind, rounds in times.items()}
+    return {
+        "benchmark": "remote_store_tls", "total_bytes": total, "chunk_bytes": chunk_bytes, "chunks": count,
+        "rounds": args.rounds, "cpus": os.cpu_count(), "tls_version": version, "verified_bit_exact": True,
+        "clear_put_gbps": gbps(put["clear"]), "tls_put_gbps": gbps(put["tls"]),
+        "clear_get_gbps": gbps(get["clear"]), "tls_get_gbps": gbps(get["tls"]),
+        "ratio_put": round(put["clear"] / put["tls"], 3), "ratio_get": round(get["clear"] / get["tls"], 3),
+        "raw_tcp_put_gbps": gbps(put["raw"]), "raw_tcp_get_gbps": gbps(get["raw"]),
+        "tls_put_gbps_rounds": [gbps(t[0]) for t in times["tls"]],
+        "clear_put_gbps_rounds": [gbps(t[0]) for t in times["clear"]],
+        "tls_get_gbps_rounds": [gbps(t[1]) for t in times["tls"]],
+        "clear_get_gbps_rounds": [gbps(t[1]) for t in times["clear"]],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--total-gib", type=float, default=0.5)
+    parser.add_argument("--chunk-mib", type=float, default=16.0)
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per kind (clear, TLS, raw)")
+    args = parser.parse_args()
+    print(json.dumps(asyncio.run(run(args)), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""The remote store's stream port over TLS (--stream-tls-cert/--stream-tls-key): a client trusting the CA puts and
+gets bit-exact chunks; a plaintext connection, a client without a CA or trusting another CA, and a TLS client of a
+plaintext port are each refused, saying why."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvmesh.services.engine.tiers.base import ChunkBuffer
+from kvmesh.services.engine.tiers.remote import RemoteStoreClient
+from kvmesh.services.engine.tiers.remote_stream import StreamConnection
+from kvmesh.shared import protocol
+from kvmesh.shared.messaging import bus
+from kvmesh.shared.tls import TlsMaterial, client_context
+from kvmesh.shared.wire.stream_wire import OP_HELLO, StreamError, send_request
+
+from support.remote_store import ENGINE, MiB, chunk, nats_url, start_stores  # noqa: F401 (fixtures)
+from support.waiting import WAIT_S, wait_until_async
+
+
+@pytest.fixture(scope="module")
+def material(tmp_path_factory: pytest.TempPathFactory) -> TlsMaterial:
+    material = TlsMaterial(tmp_path_factory.mktemp("tls") / "tls")
+    material.ensure(["remote-store"], hosts=["127.0.0.1"])
+    return material
+
+
+@pytest.fixture
+async def tls_store(nats_url: str, material: TlsMaterial):
+    files = material.files("remote-store")
+    services, nc = await start_stores(nats_url, f"rt{os.urandom(3).hex()}", capacity=16 * MiB,
+                                      stream_tls_cert=files.cert, stream_tls_key=files.key)
+    yield services[0], nc
+    await nc.close()
+    for service in services:
+        await service.stop()
+
+
+async def offer(nc, store_id: str) -> protocol.StreamOffer:
+    return await bus.request(nc, protocol.Subjects.store(store_id, "stream", ENGINE),
+                             protocol.StreamRequest(client="test"), protocol.StreamOffer, WAIT_S)
+
+
+async def test_a_client_trusting_the_ca_puts_and_gets_bit_exact_over_tls(tls_store, material: TlsMaterial) -> None:
+    service, nc = tls_store
+    client = RemoteStoreClient(nc, [service.options.store_id], ENGINE, request_timeout=WAIT_S,
+                               tls=client_context(material.ca))
+    try:
+        chunks = [chunk(n, seed) for seed, n in enumerate([1, 70_000, 3 * MiB + 5])]
+        for meta, data in chunks:
+            assert await client.put(meta, ChunkBuffer(memoryview(data)))
+        for meta, data in chunks:
+            out = np.zeros(meta.nbytes, dtype=np.uint8)
+            got = await client.get_into(meta.key, ChunkBuffer(memoryview(out)))
+            assert got is not None and got.checksum == meta.checksum and np.array_equal(out, data)
+        assert service.stream.counters["stream_tls_refused"] == 0
+        async with client._replicas[0].pool.connection(WAIT_S) as connection:
+            assert connection.sock.version() in ("TLSv1.2", "TLSv1.3")  # the pool's connections are TLS
+    finally:
+        await client.close()
+
+
+async def test_a_client_without_the_ca_or_with_another_ca_is_refused(tls_store, tmp_path: Path) -> None:
+    service, nc = tls_store
+    given = await offer(nc, service.options.store_id)
+    assert given.tls
+    with pytest.raises(StreamError, match="takes TLS connections only, and no CA is configured"):
+        await StreamConnection.open(given, "test")
+    other = TlsMaterial(tmp_path / "other").ensure(["remote-store"], hosts=["127.0.0.1"])["remote-store"].ca
+    with pytest.raises(StreamError, match="not signed by the trusted CA"):
+        await StreamConnection.open(await offer(nc, service.options.store_id), "test", client_context(other))
+    await wait_until_async(lambda: service.stream.counters["stream_tls_refused"] >= 1,
+                           what="the store counting the refused handshake")
+
+
+async def test_a_plaintext_connection_with_a_valid_ticket_is_refused(tls_store,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    service, nc = tls_store
+    given = await offer(nc, service.options.store_id)
+    loop = asyncio.get_running_loop()
+    with socket.create_connection((given.host, given.port), timeout=WAIT_S) as sock:
+        sock.setblocking(False)
+        await send_request(sock, OP_HELLO, protocol.StreamHello(ticket=given.ticket, client="plain"))
+        answer = await asyncio.wait_for(loop.sock_recv(sock, 64), WAIT_S)
+    assert answer == b""  # closed: no Ack, the ticket never read
+    await wait_until_async(lambda: service.stream.counters["stream_tls_refused"] >= 1,
+                           what="the store counting the refused handshake")
+    assert any("does not speak TLS" in record.getMessage() for record in caplog.records)
+
+
+async def test_a_tls_client_refuses_a_plaintext_stream_port(nats_url: str, material: TlsMaterial) -> None:
+    services, nc = await start_stores(nats_url, f"rp{os.urandom(3).hex()}", capacity=8 * MiB)
+    try:
+        given = await offer(nc, services[0].options.store_id)
+        with pytest.raises(StreamError, match="plaintext stream port, and TLS is configured"):
+            await StreamConnection.open(given, "test", client_context(material.ca))
+    finally:
+        await nc.close()
+        await services[0].stop()
