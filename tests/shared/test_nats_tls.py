@@ -210,3 +210,27 @@ async def test_a_tls_local_mesh_serves_its_stores_over_tls_only(tmp_path: Path,
             await bus.connect(mesh.nats_url, "test-mesh-plain", without_ca, allow_reconnect=False)
     finally:
         await asyncio.to_thread(mesh.stop)
+
+
+async def test_a_client_reconnecting_to_a_server_of_another_ca_refuses_it_and_still_closes(
+        material: TlsMaterial, tmp_path: Path) -> None:
+    """The server comes back on its port with a certificate another CA signed: every reconnect fails its handshake
+    (nothing is sent to it), and closing the client then returns (a failed TLS upgrade leaves nats-py a stream
+    whose close would otherwise never finish)."""
+    from kvmesh.shared.tls import is_tls_error
+    from support.waiting import wait_until_async
+    impostor_files = TlsMaterial(tmp_path / "other").ensure(["nats"], hosts=["127.0.0.1"])["nats"]
+    server = EmbeddedNats(token=TOKEN, tls=material.files("nats")).start()
+    nc = await bus.connect(server.url, "test-reconnect", NatsAuth(token=TOKEN, tls_ca=str(material.ca)))
+    impostor = None
+    try:
+        port = server.port
+        server.stop()
+        impostor = EmbeddedNats(port=port, token=TOKEN, tls=impostor_files).start()
+        await wait_until_async(lambda: nc.last_error is not None and is_tls_error(nc.last_error),
+                               what="a reconnect refusing the impostor's certificate")
+        assert not nc.is_connected
+    finally:
+        await asyncio.wait_for(nc.close(), WAIT_S)
+        if impostor is not None:
+            impostor.stop()
