@@ -176,14 +176,17 @@ async def test_kvmesh_credentials_tls_makes_a_nats_config_that_requires_tls(tmp_
 
 async def test_a_tls_local_mesh_serves_its_stores_over_tls_only(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """`kvmesh up --tls`'s mesh (LocalMesh(tls=True)): its NATS and a remote store's stream take TLS only; a client
-    with the mesh's CA puts and gets through the store, one without it is refused."""
+    """`kvmesh up --tls`'s mesh (LocalMesh(tls=True)): its NATS and a remote store's stream take TLS only; its disk
+    and remote stores join over TLS; a client with the mesh's CA puts and gets through the remote store, one
+    without it is refused."""
     from kvmesh.shared import protocol
     from kvmesh.shared.ops.local_mesh import LocalMesh
-    from kvmesh.shared.ops.store_commands import remote_stores
+    from kvmesh.shared.ops.store_commands import disk_store, remote_stores
     from kvmesh.shared.tls import client_context
     monkeypatch.setenv("KVMESH_RUNTIME_DIR", str(tmp_path / "run"))
-    mesh = LocalMesh(remote_stores(8 * MiB, 1, "LRU"), tls=True)
+    # every service answers health over the TLS-only NATS before start() returns: a disk store and a remote store
+    mesh = LocalMesh([disk_store(tmp_path / "disk", 8 * MiB, "disk-tls-test", "LRU"),
+                      *remote_stores(8 * MiB, 1, "LRU")], tls=True)
     await asyncio.to_thread(mesh.start)
     try:
         assert mesh.nats_url is not None and mesh.nats_url.startswith("tls://")
