@@ -189,8 +189,18 @@ class MeshClient(NatsClient):
             await asyncio.wait_for(self._flush_pending(force_flush=True), timeout)
         await super().flush(timeout)
 
+    def forget_failed_tls_upgrade(self) -> None:
+        """A failed TLS upgrade (a first connect's or a reconnect's) closed the socket beneath nats-py's plaintext
+        stream writer, whose wait_closed() would then never return (asyncio's start_tls took the socket over), so
+        closing the client would hang: nothing is left to close, so forget it."""
+        transport = getattr(self, "_transport", None)
+        writer = getattr(transport, "_io_writer", None)
+        if writer is not None and writer.transport.is_closing():
+            transport._io_writer = None  # type: ignore[union-attr]
+
     async def close(self) -> None:
         self.closing = True
+        self.forget_failed_tls_upgrade()
         await super().close()
 
     async def drain(self) -> None:
@@ -335,12 +345,6 @@ async def _abandon(nc: MeshClient, attempt: asyncio.Future[Any]) -> None:
         await attempt
     except BaseException:  # its failure is reported by connect(); cancellation was ours
         pass
-    transport = getattr(nc, "_transport", None)
-    writer = getattr(transport, "_io_writer", None)
-    if writer is not None and writer.transport.is_closing():
-        # A failed TLS upgrade closed the socket beneath nats-py's plaintext stream writer, whose wait_closed()
-        # would then never return (asyncio's start_tls took the socket over): nothing is left to close.
-        transport._io_writer = None  # type: ignore[union-attr]
     try:
         await nc.close()
     except Exception as exc:

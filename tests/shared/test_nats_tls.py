@@ -176,14 +176,17 @@ async def test_kvmesh_credentials_tls_makes_a_nats_config_that_requires_tls(tmp_
 
 async def test_a_tls_local_mesh_serves_its_stores_over_tls_only(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """`kvmesh up --tls`'s mesh (LocalMesh(tls=True)): its NATS and a remote store's stream take TLS only; a client
-    with the mesh's CA puts and gets through the store, one without it is refused."""
+    """`kvmesh up --tls`'s mesh (LocalMesh(tls=True)): its NATS and a remote store's stream take TLS only; its disk
+    and remote stores join over TLS; a client with the mesh's CA puts and gets through the remote store, one
+    without it is refused."""
     from kvmesh.shared import protocol
     from kvmesh.shared.ops.local_mesh import LocalMesh
-    from kvmesh.shared.ops.store_commands import remote_stores
+    from kvmesh.shared.ops.store_commands import disk_store, remote_stores
     from kvmesh.shared.tls import client_context
     monkeypatch.setenv("KVMESH_RUNTIME_DIR", str(tmp_path / "run"))
-    mesh = LocalMesh(remote_stores(8 * MiB, 1, "LRU"), tls=True)
+    # every service answers health over the TLS-only NATS before start() returns: a disk store and a remote store
+    mesh = LocalMesh([disk_store(tmp_path / "disk", 8 * MiB, "disk-tls-test", "LRU"),
+                      *remote_stores(8 * MiB, 1, "LRU")], tls=True)
     await asyncio.to_thread(mesh.start)
     try:
         assert mesh.nats_url is not None and mesh.nats_url.startswith("tls://")
@@ -210,3 +213,27 @@ async def test_a_tls_local_mesh_serves_its_stores_over_tls_only(tmp_path: Path,
             await bus.connect(mesh.nats_url, "test-mesh-plain", without_ca, allow_reconnect=False)
     finally:
         await asyncio.to_thread(mesh.stop)
+
+
+async def test_a_client_reconnecting_to_a_server_of_another_ca_refuses_it_and_still_closes(
+        material: TlsMaterial, tmp_path: Path) -> None:
+    """The server comes back on its port with a certificate another CA signed: every reconnect fails its handshake
+    (nothing is sent to it), and closing the client then returns (a failed TLS upgrade leaves nats-py a stream
+    whose close would otherwise never finish)."""
+    from kvmesh.shared.tls import is_tls_error
+    from support.waiting import wait_until_async
+    impostor_files = TlsMaterial(tmp_path / "other").ensure(["nats"], hosts=["127.0.0.1"])["nats"]
+    server = EmbeddedNats(token=TOKEN, tls=material.files("nats")).start()
+    nc = await bus.connect(server.url, "test-reconnect", NatsAuth(token=TOKEN, tls_ca=str(material.ca)))
+    impostor = None
+    try:
+        port = server.port
+        server.stop()
+        impostor = EmbeddedNats(port=port, token=TOKEN, tls=impostor_files).start()
+        await wait_until_async(lambda: nc.last_error is not None and is_tls_error(nc.last_error),
+                               what="a reconnect refusing the impostor's certificate")
+        assert not nc.is_connected
+    finally:
+        await asyncio.wait_for(nc.close(), WAIT_S)
+        if impostor is not None:
+            impostor.stop()
