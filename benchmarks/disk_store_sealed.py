@@ -98,7 +98,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             for r, (plain_keys, sealed_keys) in enumerate(rounds):
                 sides = [("plain", plain, plain_keys), ("sealed", sealed, sealed_keys)]
                 for name, client, indices in (sides if r % 2 == 0 else sides[::-1]):
-                    seconds[f"{name}_{phase}"] += await timed(client, chunks, indices, args.inflight)  # type: ignore[arg-type]
+                    took = await timed(client, chunks, indices, args.inflight)  # type: ignore[arg-type]
+                    seconds[f"{name}_{phase}"] += took
         stats = (await plain.stats())[0]
         await plain.close()
     finally:

@@ -190,6 +190,8 @@ def _sealer(config: EngineConfig, domain: SharingDomain, plan: TierPlan) -> Chun
         log.warning("sharing domain %s has no secret (NATS credentials made before domains, or none): chunks in "
                     "the disk / remote store are sealed under a key anyone can derive, which catches chunks moved "
                     "between keys or domains but does not keep them from being read", domain.name)
+    elif stores:
+        log.info("chunks in the disk / remote store sealed under the key of sharing domain %s", domain.name)
     return ChunkSealer(domain.name, domain.secret)
 
 

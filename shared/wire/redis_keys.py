@@ -14,8 +14,8 @@ with a valid header and checksum, or pin and owner entries that keep a chunk fro
 who can read it could read the prompts' KV (from which their tokens can be recovered). So each value's bytes are
 sealed with AES-256-GCM, its associated data the value's key name and the chunk-file header: a value written
 without the key, moved from another key name, or whose header or bytes were changed fails its tag. Each pin or
-owner entry carries an HMAC over (the set's key name, the entry). The sealing is shared/wire/aead.py's, as the stores' chunks' (services/engine/tiers/sealed.py). Both keys derive
-from the engine's secret
+owner entry carries an HMAC over (the set's key name, the entry). The sealing is shared/wire/aead.py's, as the
+stores' chunks' are (services/engine/tiers/sealed.py). Both keys derive from the engine's secret
 (`remote_auth_secret_file`, else its sharing domain's secret), on the engine: Redis holds only ciphertext. Without
 a secret the keys derive from nothing secret, which still catches corruption, values moved between keys and old
 formats, but neither forgery nor reading.
