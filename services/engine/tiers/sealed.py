@@ -190,3 +190,4 @@ class SealedTier:
 
     async def close(self) -> None:
         await self.inner.close()
+        self.staging.close()  # the store took the lent staging pool back with the client's close
