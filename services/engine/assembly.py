@@ -41,6 +41,7 @@ from kvmesh.services.engine.tiers.cpu import LocalCPUBackend, TierListener
 from kvmesh.services.engine.tiers.memory_pool import MemoryPool
 from kvmesh.services.engine.tiers.redis_values import resolve_auth
 from kvmesh.services.engine.tiers.registry import TierPlan, TierSite, configured_locations, lower_tiers
+from kvmesh.services.engine.tiers.sealed import ChunkSealer
 from kvmesh.shared import protocol
 from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.eviction import Clock
@@ -103,7 +104,7 @@ def build_engine(config: EngineConfig, key_params: KeyParams, layout: KVLayout, 
                          writes_lower_tiers=writes_lower_tiers, hasher=hasher, pool=pool, cpu=cpu, copier=copier,
                          storage=storage, nats_loop=nats_loop)
     if connection is not None and nats_loop is not None:
-        mesh = WorkerMesh(engine, connection, nats_loop, domain.name, tier_plan)
+        mesh = WorkerMesh(engine, connection, nats_loop, domain.name, tier_plan, _sealer(config, domain, tier_plan))
         engine.mesh = mesh
         mesh.connect(auth)
     log.info("cache engine %s: chunk %d tokens = %.1f MiB (%s), CPU pool %d chunks%s%s", worker_id,
@@ -180,13 +181,30 @@ def _warn_about(config: EngineConfig, lower: list[str]) -> None:
                     "loads what the tiers hold")
 
 
+def _sealer(config: EngineConfig, domain: SharingDomain, plan: TierPlan) -> ChunkSealer | None:
+    """What seals the chunks this engine puts in the disk store and the remote store (`encrypt_stores`): the key of
+    its sharing domain. None when off. (A Redis tier seals its values itself: redis_values.py.)"""
+    stores = bool(plan.disk_store) or (bool(plan.remote_stores) and not plan.redis)
+    if not config.encrypt_stores:
+        if stores:
+            log.warning("encrypt_stores is false: chunks go to the disk / remote store in clear")
+        return None
+    if domain.secret is None and stores:
+        log.warning("sharing domain %s has no secret (NATS credentials made before domains, or none): chunks in "
+                    "the disk / remote store are sealed under a key anyone can derive, which catches chunks moved "
+                    "between keys or domains but does not keep them from being read", domain.name)
+    elif stores:
+        log.info("chunks in the disk / remote store sealed under the key of sharing domain %s", domain.name)
+    return ChunkSealer(domain.name, domain.secret)
+
+
 class WorkerMesh:
     """One engine's place on the mesh: its NATS connection (joined or embedded), the worker agent, the peer server
     (enable_p2p), and once NATS is first reached the lower tiers' clients (`tier_plan`'s, tiers/registry.py). The
     engine's `mesh`."""
 
     def __init__(self, engine: CacheEngine, connection: MeshConnection, nats_loop: NatsLoop, domain_name: str,
-                 tier_plan: TierPlan) -> None:
+                 tier_plan: TierPlan, sealer: ChunkSealer | None = None) -> None:
         config = engine.config
         self.engine = engine
         self.connection = connection
@@ -194,6 +212,7 @@ class WorkerMesh:
         self.tier_plan = tier_plan
         self.nats_loop = nats_loop
         self.domain_name = domain_name  # its sharing domain (the credentials'); P2P stays inside it
+        self.sealer = sealer  # seals the stores' chunks under the domain's key (encrypt_stores)
         self.started_at = time.time()
         self.ip = bus.route_address(connection.url) or ""  # the address this host reaches NATS from
         storage = engine.storage
@@ -254,7 +273,7 @@ class WorkerMesh:
         engine = self.engine
         storage = engine.storage
         site = TierSite(nc, engine.store_caller, self.redis_auth, self.domain_name, engine.worker_id, self.agent.path,
-                        storage.stats)
+                        storage.stats, self.sealer, storage.cpu.pool.slot_nbytes)
         storage.set_lower(lower_tiers(self.tier_plan, site))
         if self.peer_server is not None:
             try:

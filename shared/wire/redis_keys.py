@@ -14,7 +14,8 @@ with a valid header and checksum, or pin and owner entries that keep a chunk fro
 who can read it could read the prompts' KV (from which their tokens can be recovered). So each value's bytes are
 sealed with AES-256-GCM, its associated data the value's key name and the chunk-file header: a value written
 without the key, moved from another key name, or whose header or bytes were changed fails its tag. Each pin or
-owner entry carries an HMAC over (the set's key name, the entry). Both keys derive from the engine's secret
+owner entry carries an HMAC over (the set's key name, the entry). The sealing is shared/wire/aead.py's, as the
+stores' chunks' are (services/engine/tiers/sealed.py). Both keys derive from the engine's secret
 (`remote_auth_secret_file`, else its sharing domain's secret), on the engine: Redis holds only ciphertext. Without
 a secret the keys derive from nothing secret, which still catches corruption, values moved between keys and old
 formats, but neither forgery nor reading.
@@ -32,25 +33,20 @@ from __future__ import annotations
 
 import hmac
 import os
-import struct
 from pathlib import Path
 
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
 from kvmesh.shared.errors import ConfigError
+from kvmesh.shared.wire.aead import KEY_ID_BYTES, NONCE_BYTES, TAG_BYTES, Aead, derive, framed
 from kvmesh.shared.wire.keys import KEY_BYTES, ChunkKey
 
 
 VALUE_MAGIC = b"KVMRV\x03\x00\x00"  # a KVMesh Redis value, version 3 (sealed); older values do not match
-KEY_ID_BYTES = 8  # the id of the keys, right after VALUE_MAGIC
-NONCE_BYTES = 12  # the value's AES-GCM nonce, after the key id
-VALUE_TAG_BYTES = 16  # the AES-GCM tag, at the end of the value
+# after VALUE_MAGIC: the id of the keys (KEY_ID_BYTES), the value's AES-GCM nonce (NONCE_BYTES); the tag at the end
+VALUE_TAG_BYTES = TAG_BYTES
 VALUE_PREFIX_BYTES = len(VALUE_MAGIC) + KEY_ID_BYTES + NONCE_BYTES  # then the header, the sealed bytes, the tag
 ENTRY_TAG_BYTES = 16  # a pin or owner entry's MAC (hex in the entry)
 MIN_SECRET_BYTES = 16
 SECRET_FILE_KEY = "remote_auth_secret_file"
-_LENGTH = struct.Struct("<Q")
 
 PREFIX_RULE = "must be non-empty, without braces or whitespace (braces are Redis cluster hash tags)"
 
@@ -104,31 +100,26 @@ class RedisAuth:
         self.keyed = secret is not None
         self.source = source if self.keyed else "no secret"
         # derived, so a secret used elsewhere (the domain's) never keys anything here directly
-        self._key = b"" if secret is None else hmac.digest(secret, b"kvmesh redis tier MAC key", "sha256")
-        self.key_id = hmac.digest(self._key, b"kvmesh redis tier key id", "sha256")[:KEY_ID_BYTES]
-        self._aead = AESGCM(hmac.digest(self._key, b"kvmesh redis tier value key", "sha256"))
+        self._key = b"" if secret is None else derive(secret, b"kvmesh redis tier MAC key")
+        self.key_id = derive(self._key, b"kvmesh redis tier key id")[:KEY_ID_BYTES]
+        self._aead = Aead(derive(self._key, b"kvmesh redis tier value key"))
 
     def seal_value(self, name: str, header: bytes, data: bytes | memoryview, out: memoryview) -> bytes:
         """Seal the value at key `name` of a chunk (chunk-file `header`, bytes `data`): its bytes encrypted, then the
         tag, into `out` (len(data) + VALUE_TAG_BYTES long); returns what the value starts with (VALUE_MAGIC, key id,
         nonce, header). One pass over the bytes (AES-GCM with AES-NI: GB/s), off the event loop."""
-        nonce = os.urandom(NONCE_BYTES)
-        self._aead.encrypt_into(nonce, data, self._value_aad(name, header), out)
+        nonce = self._aead.seal_into(data, self._value_aad(name, header), out)
         return VALUE_MAGIC + self.key_id + nonce + header
 
     def open_value_into(self, name: str, header: bytes | memoryview, nonce: bytes | memoryview,
                         sealed: bytes | memoryview, out: memoryview) -> bool:
         """Decrypt `sealed` (bytes then tag) of the value at `name` into `out` (exactly its length); False when the
         tag fails (forged, moved, damaged: `out` then holds noise, never the bytes of a forged value)."""
-        try:
-            self._aead.decrypt_into(bytes(nonce), sealed, self._value_aad(name, header), out)
-        except InvalidTag:
-            return False
-        return True
+        return self._aead.open_into(nonce, sealed, self._value_aad(name, header), out)
 
     @staticmethod
     def _value_aad(name: str, header: bytes | memoryview) -> bytes:
-        return b"value\0" + _framed(name.encode()) + bytes(header)
+        return b"value\0" + framed(name.encode()) + bytes(header)
 
     def entry(self, set_name: str, member: str) -> str:
         """`member` as an entry of the set at `set_name` (a pin id, an owner caller): `<member>|<MAC>`."""
@@ -142,13 +133,9 @@ class RedisAuth:
 
     def _entry_tag(self, set_name: str, member: str) -> str:
         mac = hmac.new(self._key, b"entry\0", "sha256")
-        mac.update(_framed(set_name.encode()))
+        mac.update(framed(set_name.encode()))
         mac.update(member.encode())
         return mac.digest()[:ENTRY_TAG_BYTES].hex()
-
-
-def _framed(part: bytes) -> bytes:
-    return _LENGTH.pack(len(part)) + part
 
 
 def read_secret_file(path: str | os.PathLike[str]) -> bytes:

@@ -29,6 +29,9 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
+from kvmesh.services.engine.tiers.sealed import SEALED_MAGIC
+from kvmesh.shared.wire import chunk_file
+
 from support.e2e import MeshUp, VLLMServer, clean_env, free_port, kv_transfer_config, start_vllm
 from support.waiting import WAIT_S, wait_until
 from support.processes import pid_alive, wait_dead
@@ -113,6 +116,9 @@ def test_seed_002_embedded_disk_survives_restart(tmp_path: Path, demo_model: Pat
             return disk_dir.is_dir() and sum(1 for p in disk_dir.rglob("*") if p.is_file()) >= num_tokens // CHUNK
 
         wait_until(files_written, WAIT_S, interval=0.2, what=f"chunk files under {disk_dir}")
+        for path in disk_dir.rglob(f"*{chunk_file.SUFFIX}"):  # sealed on the engine (encrypt_stores' default)
+            _, offset = chunk_file.read_chunk_meta(path)
+            assert path.read_bytes()[offset:offset + len(SEALED_MAGIC)] == SEALED_MAGIC, path
         warm = first.complete(prompt, max_tokens=16)
         assert first.assert_loaded(warm).hit >= num_tokens - CHUNK
         assert output_text(warm) == output_text(cold)

@@ -372,6 +372,7 @@ def test_unknown_override_key() -> None:
         ("chunk_size: true", "chunk_size", "True"),
         ("local_cpu: maybe", "local_cpu", "'maybe'"),
         ("local_cpu: 2", "local_cpu", "2"),
+        ("encrypt_stores: maybe", "encrypt_stores", "'maybe'"),
         ("max_local_cpu_size: five", "max_local_cpu_size", "'five'"),
         ("max_local_cpu_size: [5]", "max_local_cpu_size", "[5]"),
         ("max_local_cpu_size: .nan", "max_local_cpu_size", "nan"),

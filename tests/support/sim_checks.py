@@ -8,10 +8,10 @@
      vLLM rewound for such a failure computed over it in that step (the request recomputes them; another request
      that took them from vLLM's prefix cache in that same step counts them computed meanwhile, as vLLM's
      `_update_requests_with_invalid_blocks` does);
-  2. every chunk in every CPU tier, and every chunk file of the disk store, holds the oracle's KV for the tokens
-     and extras its key was made from, in every layer a hit on it would load (a sliding window's layers: the
-     tokens a hit at the chunk's end keeps in its window; state layers: none, states are stored on their own),
-     and has a key some request's tokens make;
+  2. every chunk in every CPU tier, and every chunk file of the disk store (opened with the engine's key when it
+     seals them), holds the oracle's KV for the tokens and extras its key was made from, in every layer a hit on
+     it would load (a sliding window's layers: the tokens a hit at the chunk's end keeps in its window; state
+     layers: none, states are stored on their own), and has a key some request's tokens make;
   3. no exception escapes a connector method (or vLLM's scheduler, whose calls into the connector it runs);
   4. every state stored under a chunk's state key is the oracle's state after exactly that chunk's tokens, in
      every state layer.
@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from kvmesh.services.engine.adapter.request_extras import request_extras
+from kvmesh.services.engine.tiers.sealed import SEAL_OVERHEAD, SealRejected
 from kvmesh.shared.wire import chunk_file
 from kvmesh.shared.wire.keys import ChunkHasher, ChunkKey, state_key
 
@@ -202,7 +203,10 @@ class Checks:
                     ref.slot.release()
 
     def disk(self, directory: Path) -> None:
-        layout = self.runners[0].connector.worker_side.engine.layout
+        """Every chunk file, opened with the engine's key when it seals the stores' chunks (encrypt_stores)."""
+        engine = self.runners[0].connector.worker_side.engine
+        layout = engine.layout
+        sealer = getattr(engine.mesh, "sealer", None)  # the WorkerMesh's
         for path in sorted(directory.rglob("*" + chunk_file.SUFFIX)):
             try:
                 st = path.stat()
@@ -216,6 +220,12 @@ class Checks:
                 continue
             except chunk_file.CorruptChunkFile as exc:
                 raise Violation(2, f"disk store: {path.name} is corrupt ({exc})") from exc
+            if sealer is not None:
+                sealed, out = out, bytearray(meta.nbytes - SEAL_OVERHEAD)
+                try:
+                    meta = sealer.open_into(meta.key, meta, memoryview(sealed), memoryview(out))
+                except SealRejected as exc:
+                    raise Violation(2, f"disk store: {path.name} does not open ({exc})") from exc
             self.disk_seen[str(path)] = stamp
             chunk = torch.frombuffer(out, dtype=torch.uint8).view(layout.dtype).reshape(list(meta.shape))
             self.chunk(f"disk store file {path.name}", meta.key, chunk, layout)

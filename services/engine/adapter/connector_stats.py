@@ -56,6 +56,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("lmcache:num_failed_retrieve_blocks", "counter",
            "vLLM blocks a load could not fill (reported to vLLM as load errors and recomputed)"),
     Metric("lmcache:put_failed_count", "counter", "Chunks a lower tier (disk, remote) failed to take"),
+    Metric("lmcache:num_sealed_chunk_misses", "counter",
+           "Chunks from the disk or remote store that did not open under this engine's key (another sharing "
+           "domain's or an old key's, moved under another key, stored in clear, damaged): misses, recomputed"),
     Metric("lmcache:local_cpu_evict_count", "counter", "Chunks that left the CPU tier (evicted, removed, cleared)"),
     Metric("lmcache:num_local_disk_read_bytes", "counter", "Bytes read from the disk store"),
     Metric("lmcache:num_local_disk_write_bytes", "counter", "Bytes written to the disk store"),
@@ -187,6 +190,9 @@ STORAGE_COUNTERS = {
     f"written_bytes_{REMOTE}": "lmcache:num_remote_write_bytes",
     f"put_failed_{LOCAL_DISK}": "lmcache:put_failed_count",
     f"put_failed_{REMOTE}": "lmcache:put_failed_count",
+    "sealed_miss_foreign": "lmcache:num_sealed_chunk_misses",  # services/engine/tiers/sealed.py
+    "sealed_miss_tag": "lmcache:num_sealed_chunk_misses",
+    "sealed_miss_unsealed": "lmcache:num_sealed_chunk_misses",
     f"fetched_{PEER}": "lmcache:num_p2p_read_chunks",
     f"read_bytes_{PEER}": "lmcache:num_p2p_read_bytes",
     "p2p_read_failed": "lmcache:num_p2p_failed_reads",

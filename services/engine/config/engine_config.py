@@ -150,6 +150,9 @@ class EngineConfig:
     # a file holding the secret that MACs the Redis tier's values, pins and owners (shared/wire/redis_keys.py); None:
     # the sharing domain's secret from the engine's NATS credentials file, else none (a WARNING at start)
     remote_auth_secret_file: str | None = None
+    # seal the chunks put in the disk store and the remote store with the sharing domain's key (AES-256-GCM, on the
+    # engine: services/engine/tiers/sealed.py); false: they go in clear
+    encrypt_stores: bool = True
 
     def __post_init__(self) -> None:
         for key, (kind, optional) in _KINDS.items():

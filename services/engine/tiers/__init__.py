@@ -7,6 +7,7 @@
     pool_lending.py   how the disk client lends the pool to its store (the engine's side; shared/wire/pool_wire.py)
     remote.py         the remote store (`RemoteStoreClient`), over every partition
     remote_stream.py  its bulk data path: kept TCP streams (the client end; shared/wire/stream_wire.py)
+    sealed.py         the disk and remote stores' chunks sealed on the engine (`SealedTier`, encrypt_stores)
     redis.py          or instead of the remote store, Redis / Valkey itself (`RedisTier`)
     redis_values.py   its values: their format, checked on every read, and the key that MACs them (`resolve_auth`)
     redis_scripts.py  its Lua scripts: each changes one chunk's keys atomically on the server

@@ -3,7 +3,7 @@ then the remote tier (KVMesh's remote store, or the engine's own Redis / Valkey 
 tiers (enable_p2p). Each entry says whether the engine's config and store ids name its tier, and builds its
 client once NATS is reached, as vLLM's OffloadingSpecFactory and LMCache's backend list do: no tier is built on
 the side. The assembly hands in what the clients need (store ids, the Redis MAC key, the peers' domain and
-caller); nothing here imports the mesh."""
+caller, the key that seals the stores' chunks); nothing here imports the mesh."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from kvmesh.services.engine.tiers.base import StoreTier
 from kvmesh.services.engine.tiers.disk import DiskStoreClient
 from kvmesh.services.engine.tiers.peer import PeerTier
 from kvmesh.services.engine.tiers.redis import RedisTier
+from kvmesh.services.engine.tiers.memory_pool import MemoryPool
 from kvmesh.services.engine.tiers.remote import RemoteStoreClient
+from kvmesh.services.engine.tiers.sealed import SEAL_OVERHEAD, ChunkSealer, SealedTier
 from kvmesh.shared.protocol import LOCAL_DISK, PEER, REMOTE
 from kvmesh.shared.tls import client_context_of
 from kvmesh.shared.wire.redis_keys import RedisAuth
@@ -44,7 +46,9 @@ class TierSite:
     domain: str  # the engine's sharing domain: peers are asked inside it only
     worker_id: str
     peer_caller: str  # the worker agent's path: the peer tier asks the controller and peers from it
-    stats: collections.Counter[str]  # the storage manager's counters (the peer tier's num_p2p_*)
+    stats: collections.Counter[str]  # the storage manager's counters (the peer tier's num_p2p_*, sealed_miss_*)
+    sealer: ChunkSealer | None = None  # seals the disk and remote stores' chunks (`encrypt_stores`); None: plain
+    slot_nbytes: int = 0  # the CPU pool's slot: the largest chunk a store is asked to put or get
 
 
 @dataclass(frozen=True)
@@ -54,11 +58,22 @@ class LowerTier:
     build: Callable[[TierPlan, TierSite], StoreTier]
 
 
+def _sealed(client: StoreTier, plan: TierPlan, site: TierSite, shared: bool) -> StoreTier:
+    """`client` sealing its chunks with `site.sealer` (if any), staged in a pool of its own: one slot per put and get
+    the engine runs at once (`shared`: in shared memory, lent to the disk store like the CPU pool)."""
+    if site.sealer is None:
+        return client
+    slots = plan.config.write_behind_workers + plan.config.fetch_concurrency
+    slot_nbytes = site.slot_nbytes + SEAL_OVERHEAD
+    staging = MemoryPool(slots * (slot_nbytes + 4096), slot_nbytes, use_shm=shared, pin=False)
+    return SealedTier(client, site.sealer, staging, site.stats)
+
+
 def _disk(plan: TierPlan, site: TierSite) -> StoreTier:
     assert plan.disk_store is not None
     config = plan.config
-    return DiskStoreClient(site.nc, plan.disk_store, site.caller, request_timeout=config.request_timeout_secs,
-                           data_timeout=config.disk_data_timeout_secs)
+    return _sealed(DiskStoreClient(site.nc, plan.disk_store, site.caller, request_timeout=config.request_timeout_secs,
+                                   data_timeout=config.disk_data_timeout_secs), plan, site, shared=True)
 
 
 def _remote(plan: TierPlan, site: TierSite) -> StoreTier:
@@ -67,12 +82,13 @@ def _remote(plan: TierPlan, site: TierSite) -> StoreTier:
         tier = RedisTier.from_config(config, site.caller, site.redis_auth)
         tier.start()
         return tier
-    return RemoteStoreClient(site.nc, list(plan.remote_stores), site.caller,
-                             request_timeout=config.request_timeout_secs,
-                             min_transfer_rate=config.remote_min_transfer_mb_per_s * 1e6,
-                             retry_interval=config.remote_retry_interval_secs,
-                             max_connections=config.remote_stream_connections,
-                             tls=client_context_of(config.remote_tls_ca, "remote_tls_ca"))
+    client = RemoteStoreClient(site.nc, list(plan.remote_stores), site.caller,
+                               request_timeout=config.request_timeout_secs,
+                               min_transfer_rate=config.remote_min_transfer_mb_per_s * 1e6,
+                               retry_interval=config.remote_retry_interval_secs,
+                               max_connections=config.remote_stream_connections,
+                               tls=client_context_of(config.remote_tls_ca, "remote_tls_ca"))
+    return _sealed(client, plan, site, shared=False)
 
 
 def _peers(plan: TierPlan, site: TierSite) -> StoreTier:

@@ -491,13 +491,17 @@ def test_cpu_hits_refresh_recency_in_the_disk_store(small_disk_mesh: LocalMesh, 
         engine.close()
 
 
+@pytest.mark.parametrize("encrypt", [False, True], ids=["in-clear", "sealed"])
 def test_a_chunk_whose_meta_is_not_what_its_key_holds_is_a_miss(disk_mesh: LocalMesh, kv: PagedKV,
-                                                                tmp_path: Path) -> None:
+                                                                tmp_path: Path, encrypt: bool) -> None:
     """A well-formed chunk file whose header (checks and all) describes something else than what the engine
     expects under that key (another layout's chunk: KV format, byte size, token count, dtype) is never loaded: the
-    hit ends before it, the store's answer counts as a bad meta, and those tokens are recomputed."""
+    hit ends before it, the store's answer counts as a bad meta (sealed: its tag fails first, the meta being its
+    associated data), and those tokens are recomputed."""
     root = tmp_path / "disk"
-    engine = engine_on(str(disk_mesh.nats_url), kv, local_disk=str(root), cpu_chunks=8, local_cpu=False)
+    engine = engine_on(str(disk_mesh.nats_url), kv, local_disk=str(root), cpu_chunks=8, local_cpu=False,
+                       encrypt_stores=encrypt)
+    counted = "sealed_miss_tag" if encrypt else "fetch_bad_meta"
     try:
         tokens = random_tokens(192, seed=12)  # 6 chunks
         src = kv.slots(192)
@@ -521,8 +525,8 @@ def test_a_chunk_whose_meta_is_not_what_its_key_holds_is_a_miss(disk_mesh: Local
             got = token_api.retrieve(engine, tokens, **kv.kv(kv.slots(192, exclude=src)))
             assert int(got.sum()) == position * CHUNK  # the chunks before it, never it or what follows
             # counted (the chunks read together with it that are bad too count as well)
-            assert engine.storage.stats["fetch_bad_meta"] > bad_metas
-            bad_metas = engine.storage.stats["fetch_bad_meta"]
+            assert engine.storage.stats[counted] > bad_metas
+            bad_metas = engine.storage.stats[counted]
         assert engine.storage.stats["fetched_LocalDiskBackend"] == 6 + 4 + 3 + 2 + 1
     finally:
         engine.close()
