@@ -12,11 +12,14 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import itertools
 import subprocess
 import threading
 from pathlib import Path
 from typing import Any
 
+_MADE = itertools.count()  # hosts made by this process: each set of names is new (a deleted namespace's
+# interfaces go away asynchronously)
 ETH_P_ALL = 0x0003
 SO_RCVBUFFORCE = 33  # root may set a receive buffer past rmem_max
 
@@ -29,9 +32,10 @@ class Hosts:
     """`count` hosts: `names[i]` is host i's namespace, `address(i)` its address on the bridge `bridge`."""
 
     def __init__(self, count: int) -> None:
-        tag = f"{os.getpid() % 100000}"
+        tag = f"{os.getpid() % 100000}{chr(ord('a') + next(_MADE) % 26)}"  # interface names: 15 characters at most
         self.bridge = f"kvbr{tag}"
         self.names = [f"kvh{tag}-{i}" for i in range(count)]
+        self.veths = [f"kvv{tag}-{i}" for i in range(count)]
         self._subnet = f"10.{(os.getpid() >> 8) % 200 + 20}.{os.getpid() % 250}"
         self._made: list[str] = []
         self._processes: list[subprocess.Popen[Any]] = []
@@ -62,7 +66,7 @@ class Hosts:
             for i, name in enumerate(self.names):
                 _ip("netns", "add", name)
                 self._made.append(name)
-                veth = f"kvv{os.getpid() % 100000}-{i}"
+                veth = self.veths[i]
                 _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", name)
                 _ip("link", "set", veth, "master", self.bridge, "up")
                 _ip("-n", name, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
@@ -100,7 +104,8 @@ class Hosts:
         for made in reversed(self._made):
             if made == "bridge":
                 subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
-            else:
+            else:  # its veth first (at once; the namespace's own cleanup is asynchronous)
+                subprocess.run(["ip", "link", "del", self.veths[self.names.index(made)]], capture_output=True)
                 subprocess.run(["ip", "netns", "del", made], capture_output=True)
         self._made.clear()
 

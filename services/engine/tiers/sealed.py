@@ -36,7 +36,7 @@ from kvmesh.shared.wire import chunk_file
 from kvmesh.shared.wire.aead import KEY_ID_BYTES, NONCE_BYTES, TAG_BYTES, Aead, derive, framed
 from kvmesh.shared.wire.keys import ChunkKey
 
-from kvmesh.services.engine.tiers.base import ChunkBuffer, StoreMayWrite, StoreTier
+from kvmesh.services.engine.tiers.base import NO_RETENTION, ChunkBuffer, Retention, StoreMayWrite, StoreTier
 from kvmesh.services.engine.tiers.memory_pool import MemoryPool, Slot
 
 log = logging.getLogger(__name__)
@@ -121,11 +121,12 @@ class SealedTier:
     def __getattr__(self, name: str) -> Any:  # the client's extras (store_ids, wait_written, ...)
         return getattr(self.inner, name)
 
-    async def put(self, meta: protocol.ChunkMeta, buffer: ChunkBuffer) -> bool:
+    async def put(self, meta: protocol.ChunkMeta, buffer: ChunkBuffer, retention: Retention = NO_RETENTION) -> bool:
         slot, staged = self._stage(meta.nbytes + SEAL_OVERHEAD)
         try:
             stored = await asyncio.to_thread(self.sealer.seal_into, meta, buffer.view, staged.view)
-            return await self.inner.put(stored, dataclasses.replace(staged, view=staged.view[:stored.nbytes]))
+            return await self.inner.put(stored, dataclasses.replace(staged, view=staged.view[:stored.nbytes]),
+                                        retention)
         finally:
             if slot is not None:
                 slot.release()
