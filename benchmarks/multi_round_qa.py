@@ -819,6 +819,15 @@ def plot_soak(summary: dict[str, Any], path: Path) -> bool:
 # ---- main ------------------------------------------------------------------------------------------------
 
 
+def model_description(model: Path) -> str:
+    """What a --model directory holds, from its config (architecture, layers, sizes, sliding window)."""
+    config = json.loads((model / "config.json").read_text())
+    fields = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "sliding_window", "torch_dtype")
+    sizes = ", ".join(f"{name} {config[name]}" for name in fields if config.get(name) is not None)
+    return f"{model.name}: {'/'.join(config.get('architectures') or ['?'])} ({sizes})"
+
+
 def parse_qps(text: str) -> list[float]:
     try:
         values = sorted({float(v) for v in text.split(",") if v.strip()})
@@ -990,7 +999,8 @@ def main(argv: list[str] | None = None) -> int:
                      "requests_per_level": (args.sessions * (args.subagents * args.turns + 2)
                                             if args.workload == "agentic" else args.users * args.rounds),
                      "working_set_tokens": working, "working_set_mb": working_bytes / 1e6},
-        "model": {"name": "kvmesh demo --bench (Llama, 6 layers, hidden 512, 8 heads, 2 KV heads x 64, bf16)",
+        "model": {"name": "kvmesh demo --bench (Llama, 6 layers, hidden 512, 8 heads, 2 KV heads x 64, bf16)"
+                  if args.model is None else model_description(model),
                   "path": str(model), "kv_bytes_per_token": token_bytes},
         "setup": {"vllm": vllm.__version__, "torch": torch.__version__, "lmcache": None, "dtype": args.dtype,
                   "max_model_len": max_len, "max_num_batched_tokens": max_len, "block_size": BLOCK,
