@@ -3,6 +3,7 @@ dict (as between vLLM's processes) and the Prometheus exposition under LMCache's
 
 from __future__ import annotations
 
+import logging
 import pickle
 from types import SimpleNamespace
 
@@ -98,12 +99,17 @@ def test_a_waiting_request_is_counted_and_logged_once_per_answer(caplog: pytest.
             sched.get_kv_connector_stats()  # r1's lookup: taken, so what follows is r2's alone
             caplog.clear()
             waiting = request("r2", tokens)
-            with caplog.at_level("INFO", logger="kvmesh"):
-                for _ in range(3):  # three steps without room for it
-                    assert sched.get_num_new_matched_tokens(waiting, 0) == (need, False)
-                # its first block came into vLLM's prefix cache meanwhile: a new answer, reported again
-                assert sched.get_num_new_matched_tokens(waiting, BLOCK) == (need - BLOCK, False)
-                assert sched.get_num_new_matched_tokens(waiting, BLOCK) == (need - BLOCK, False)
+            kvmesh_log = logging.getLogger("kvmesh")  # the connector's import may have stopped it propagating
+            kvmesh_log.addHandler(caplog.handler)
+            try:
+                with caplog.at_level("INFO", logger="kvmesh"):
+                    for _ in range(3):  # three steps without room for it
+                        assert sched.get_num_new_matched_tokens(waiting, 0) == (need, False)
+                    # its first block came into vLLM's prefix cache meanwhile: a new answer, reported again
+                    assert sched.get_num_new_matched_tokens(waiting, BLOCK) == (need - BLOCK, False)
+                    assert sched.get_num_new_matched_tokens(waiting, BLOCK) == (need - BLOCK, False)
+            finally:
+                kvmesh_log.removeHandler(caplog.handler)
             stats = sched.get_kv_connector_stats()
             assert stats is not None
             counters = stats.data["counters"]
