@@ -141,7 +141,7 @@ def warm_up(server: Server, prompts: Prompts, max_len: int) -> None:
 
 def run_kvmesh(model: Path, work: Path, sizes: list[int], prompts: Prompts, env: dict[str, str], max_len: int,
                cold_repeats: int, warm_repeats: int, async_loading: bool, batched_tokens: int,
-               reset_prefix_cache: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+               reset_prefix_cache: bool, encrypt_stores: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
     """KVMesh: CPU-tier warm, then disk warm after clearing the CPU tier through the controller. With
     `reset_prefix_cache` vLLM's own prefix cache stays on (a model with recurrent state needs it) and is emptied
     before every warm sample, so each warm figure is a load by KVMesh."""
@@ -151,6 +151,7 @@ def run_kvmesh(model: Path, work: Path, sizes: list[int], prompts: Prompts, env:
     controller = mesh.controller
     instance = "bench"
     config = mesh.engine_yaml(work / "kvmesh.yaml", instance, cpu_gb=2, disk_gb=8, async_loading=async_loading)
+    config.write_text(config.read_text() + f"encrypt_stores: {str(encrypt_stores).lower()}\n")
     server = None
     try:
         server = Server("kvmesh", model, free_port(), work / "logs", max_len,
@@ -303,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kvmesh-async-loading", choices=["true", "false"],
                         default=str(EngineConfig().enable_async_loading).lower(),
                         help="KVMesh's enable_async_loading (default: KVMesh's default)")
+    parser.add_argument("--kvmesh-encrypt-stores", choices=["true", "false"],
+                        default=str(EngineConfig().encrypt_stores).lower(),
+                        help="KVMesh's encrypt_stores: the disk store's chunks sealed (default: KVMesh's default)")
     parser.add_argument("--max-num-batched-tokens", type=int,
                         help="vLLM's, for every peer (default: the longest prompt + 64, each prompt one prefill step)")
     parser.add_argument("--reset-prefix-cache", action="store_true",
@@ -370,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         peers["kvmesh-cpu"], peers["kvmesh-disk"] = run_kvmesh(model, work, args.sizes, prompts, env, max_len,
                                                                args.cold_repeats, args.warm_repeats,
                                                                args.kvmesh_async_loading == "true", batched_tokens,
-                                                               args.reset_prefix_cache)
+                                                               args.reset_prefix_cache,
+                                                               args.kvmesh_encrypt_stores == "true")
 
     ratios: dict[str, Any] = {}
     for size in map(str, args.sizes):
@@ -401,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
                   "VLLM_CPU_KVCACHE_SPACE_GiB": env["VLLM_CPU_KVCACHE_SPACE"], "chunk_size": CHUNK,
                   "cold_repeats": args.cold_repeats, "warm_repeats": args.warm_repeats,
                   "kvmesh_async_loading": args.kvmesh_async_loading,
+                  "kvmesh_encrypt_stores": args.kvmesh_encrypt_stores,
                   "statistic": "median", "disk_warm_page_cache": "not dropped"},
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()},
         "command": " ".join([sys.executable, *sys.argv]), "wall_s": round(time.time() - started, 1),
