@@ -223,9 +223,14 @@ def run_level(server: Server, prompts: list[list[list[int]]], answer: int, qps: 
     starts, gaps = schedule(users, rounds, qps, arrivals, random.Random(f"{seed}-{qps}"))
     out: list[Request] = []
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=run_user, daemon=True,
-                                args=(server, [prompts[r][u] for r in range(rounds)], answer, starts[u], gaps[u],
-                                      t0, out, u)) for u in range(users)]
+    return run_together([threading.Thread(target=run_user, daemon=True,
+                                          args=(server, [prompts[r][u] for r in range(rounds)], answer, starts[u],
+                                                gaps[u], t0, out, u)) for u in range(users)], out, t0)
+
+
+def run_together(threads: list[threading.Thread], out: list[Request], t0: float) -> tuple[list[Request], float]:
+    """Start `threads` (a level's users or sessions, filling `out`) and wait for them all; (the requests, wall
+    seconds from `t0` to the last token)."""
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -249,14 +254,8 @@ def run_agentic_level(server: Server, sessions: list[Session], shape: AgenticSha
         out.append(request)
         return request.error is None
 
-    threads = [threading.Thread(target=run_session, args=(session, i, times[i], t0, send), daemon=True)
-               for i, session in enumerate(sessions)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    ends = [r.sent_s + (r.e2e_s or 0.0) for r in out]
-    return out, (max(ends) if ends else time.perf_counter() - t0)
+    return run_together([threading.Thread(target=run_session, args=(session, i, times[i], t0, send), daemon=True)
+                         for i, session in enumerate(sessions)], out, t0)
 
 
 # ---- figures ---------------------------------------------------------------------------------------------

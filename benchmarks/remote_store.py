@@ -141,6 +141,17 @@ class RawClient:
             assert n, "raw peer closed"
             got += n
 
+    async def timed_round(self, chunks: list[memoryview], outs: list[memoryview]) -> tuple[float, float]:
+        """Every chunk put, then every one read back into `outs`: (put seconds, get seconds)."""
+        start = time.perf_counter()
+        for data in chunks:
+            await self.put(data)
+        put = time.perf_counter() - start
+        start = time.perf_counter()
+        for out in outs:
+            await self.get(out)
+        return put, time.perf_counter() - start
+
 
 def chunk_key(tag: int, index: int) -> bytes:
     return tag.to_bytes(8, "little") + index.to_bytes(KEY_BYTES - 8, "little")
@@ -181,16 +192,6 @@ async def run(args: argparse.Namespace) -> dict:
             raw = RawClient(port)
             await raw.connect()
 
-            async def raw_round() -> tuple[float, float]:
-                start = time.perf_counter()
-                for data in chunks:
-                    await raw.put(data)
-                put = time.perf_counter() - start
-                start = time.perf_counter()
-                for out in outs:
-                    await raw.get(out)
-                return put, time.perf_counter() - start
-
             async def store_puts(tag: int) -> float:
                 start = time.perf_counter()
                 for i, data in enumerate(chunks):
@@ -213,10 +214,10 @@ async def run(args: argparse.Namespace) -> dict:
                 return elapsed
 
             raw_puts, raw_gets = [], []
-            await raw_round()  # warm-up: connection, caches
+            await raw.timed_round(chunks, outs)  # warm-up: connection, caches
             for kind in ("raw", "store-cold", "raw", "store-warm", "raw"):
                 if kind == "raw":
-                    p, g = await raw_round()
+                    p, g = await raw.timed_round(chunks, outs)
                     raw_puts.append(p)
                     raw_gets.append(g)
                 elif kind == "store-cold":

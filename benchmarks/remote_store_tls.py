@@ -103,23 +103,14 @@ async def run(args: argparse.Namespace) -> dict:
                     raise RuntimeError(f"round {tag}: bytes read back differ from those written")
                 return put, get
 
-            async def raw_round() -> tuple[float, float]:
-                start = time.perf_counter()
-                for data in chunks:
-                    await raw.put(data)
-                put = time.perf_counter() - start
-                start = time.perf_counter()
-                for out in outs:
-                    await raw.get(out)
-                return put, time.perf_counter() - start
-
             times: dict[str, list[tuple[float, float]]] = {"clear": [], "tls": [], "raw": []}
-            await raw_round()  # warm-up: connections, caches, the stores' first buffers
+            await raw.timed_round(chunks, outs)  # warm-up: connections, caches, the stores' first buffers
             for kind, client in clients.items():
                 await store_round(client, 0)
             for tag in range(1, args.rounds + 1):
                 for kind in ("clear", "tls", "raw") if tag % 2 else ("tls", "clear", "raw"):
-                    times[kind].append(await raw_round() if kind == "raw" else await store_round(clients[kind], tag))
+                    times[kind].append(await raw.timed_round(chunks, outs) if kind == "raw" else
+                                       await store_round(clients[kind], tag))
             version = None
             async with clients["tls"]._replicas[0].pool.connection(5.0) as connection:
                 version = connection.sock.version()
