@@ -2,9 +2,19 @@
 read every file's header.
 
 Written by the store (`write_snapshot`: every `snapshot_interval_secs` and at close) as `<root>/index.snapshot`,
-crash-safely (temporary file, fsync, rename, directory fsync). Layout: `MAGIC` (8 bytes, its 7th the format
-version) | record count (u64 LE) | xxh3 of the body (u64 LE) | body: one fixed-size record per chunk file
-(key, data bytes, file bytes, token count, the file's mtime in ns).
+crash-safely (temporary file, fsync, rename, directory fsync). Layout (version 3): `MAGIC` (8 bytes, its 7th the
+format version) | record count | xxh3 of the body | flags | retained count (each a u64 LE) | body: one fixed-size
+record per chunk file (key, data bytes, file bytes, token count, the file's mtime in ns), then one fixed-size
+record per retained chunk (key, priority, wall-clock lease end in unix seconds or 0 for none, owner's index), then
+the owners (the principals whose `--retained-share` each retention counts against) as a msgpack list of strings.
+A version 2 snapshot (no retained count, no retention records) still loads: its chunks are unretained.
+
+Retention (a put's kv_priority and lease, ChunkIndex.retain_put) is client input persisted, so it is read back
+as such: a priority above MAX_PRIORITY, a lease end that is not a number, or an owner the list does not name drops
+that retention; a lease end past the 30-day horizon (MAX_LEASE_SECS from now) is clamped to it; each is counted
+(`Records.retention_dropped`). The store re-takes the rest within each owner's share of the capacity as it is now
+(ChunkIndex.restore_retention), so a snapshot never lets a principal keep more than a put could. The lease end is
+wall-clock, so a lease keeps ending on time across the restart. A chunk found without a record is unretained.
 
 Start-up (`scan`) trusts a snapshot only as far as it is checked, every byte of it being untrusted input: a
 wrong magic or version, a body whose length is not the count's, a checksum mismatch, a record out of bounds
@@ -37,15 +47,17 @@ import os
 import stat
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import compress
 from operator import itemgetter
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import xxhash
 
 from kvmesh.services.disk_store.index import Entry
+from kvmesh.shared.eviction.base import MAX_LEASE_SECS, MAX_PRIORITY
 from kvmesh.shared.store_kit.state_file import write_bytes_atomically
 from kvmesh.shared.wire import chunk_file
 from kvmesh.shared.wire.keys import KEY_BYTES, ChunkKey
@@ -53,8 +65,10 @@ from kvmesh.shared.wire.keys import KEY_BYTES, ChunkKey
 log = logging.getLogger(__name__)
 
 SNAPSHOT_NAME = "index.snapshot"
-MAGIC = b"KVMIDX\x02\x00"
-_HEAD = struct.Struct("<8sQQQ")  # magic, record count, xxh3 of the body, flags
+MAGIC = b"KVMIDX\x03\x00"
+_HEAD = struct.Struct("<8sQQQQ")  # magic, record count, xxh3 of the body, flags, retained count
+MAGIC_V2 = b"KVMIDX\x02\x00"  # before retention: still read
+_HEAD_V2 = struct.Struct("<8sQQQ")  # magic, record count, xxh3 of the body, flags
 COMPLETE = 1  # flag: written at a clean stop with no write in flight: it records every chunk file the store had
 _RECORD = struct.Struct(f"<{KEY_BYTES}sQQIq")  # key, nbytes, file_bytes, num_tokens, mtime_ns
 MAX_HEADER_BYTES = 1 << 20  # a chunk file's header page(s): far more than any real header takes
@@ -62,6 +76,21 @@ MAX_HEADER_BYTES = 1 << 20  # a chunk file's header page(s): far more than any r
 _RECORD_DTYPE = np.dtype([("key", f"V{KEY_BYTES}"), ("nbytes", "<u8"), ("file_bytes", "<u8"), ("num_tokens", "<u4"),
                           ("mtime_ns", "<i8")])  # _RECORD as a numpy record (packed: the same 44 bytes)
 assert _RECORD_DTYPE.itemsize == _RECORD.size
+_RETAINED = struct.Struct(f"<{KEY_BYTES}sIdI")  # key, priority, lease end (unix seconds; 0: none), owner's index
+_RETAINED_DTYPE = np.dtype([("key", f"V{KEY_BYTES}"), ("priority", "<u4"), ("lease_end", "<f8"),
+                            ("owner", "<u4")])
+assert _RETAINED_DTYPE.itemsize == _RETAINED.size
+MAX_OWNER_CHARS = 1024  # a principal's name: far more than any real one
+
+
+@dataclass(frozen=True)
+class Retained:
+    """A chunk's persisted retention, bounds checked: lease_end is wall-clock (None: no lease)."""
+
+    key: ChunkKey
+    owner: str
+    priority: int
+    lease_end: float | None
 
 
 @dataclass
@@ -72,6 +101,8 @@ class Records:
     entries: list[Entry]
     mtime_ns: list[int]
     complete: bool = False  # COMPLETE: no file was put after it
+    retained: list[Retained] = field(default_factory=list)  # the retained chunks' retention, bounds checked
+    retention_dropped: int = 0  # retentions read out of bounds: dropped, or their lease end clamped
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -86,15 +117,19 @@ class Scan:
     held: dict[ChunkKey, Entry]
     trusted: Records
     listed: bool = True  # False: a complete snapshot, the directory not listed yet (`find_added`, later)
+    retained: list[Retained] = field(default_factory=list)  # the snapshot's retentions (of keys it recorded)
+    retention_dropped: int = 0  # of them out of bounds (Records.retention_dropped)
 
 
 class SnapshotRejected(Exception):
     """The snapshot file is not one this store wrote intact."""
 
 
-def write_snapshot(root: Path, held: list[tuple[ChunkKey, Entry]], complete: bool = False) -> int:
+def write_snapshot(root: Path, held: list[tuple[ChunkKey, Entry]], complete: bool = False,
+                   retained: list[tuple[ChunkKey, str, int, float | None]] | None = None) -> int:
     """Record `held` (the index's held chunks) with their files' current stat; files gone or of another size
-    than their entry are left out; `complete` when no write can land after it (a clean stop). Blocking (an I/O
+    than their entry are left out; `complete` when no write can land after it (a clean stop); `retained`: the
+    retained chunks' (key, owner, priority, wall-clock lease end or None), ChunkIndex.retentions. Blocking (an I/O
     thread). How many records were written."""
     records = []
     for key, entry in held:
@@ -104,9 +139,12 @@ def write_snapshot(root: Path, held: list[tuple[ChunkKey, Entry]], complete: boo
             continue
         if st.st_size == entry.file_bytes:
             records.append(_RECORD.pack(key, entry.nbytes, entry.file_bytes, entry.num_tokens, st.st_mtime_ns))
-    body = b"".join(records)
+    owners: dict[str, int] = {}
+    retentions = [_RETAINED.pack(key, priority, lease_end or 0.0, owners.setdefault(owner, len(owners)))
+                  for key, owner, priority, lease_end in retained or []]
+    body = b"".join([*records, *retentions, msgpack.packb(list(owners), use_bin_type=True)])
     write_bytes_atomically(root / SNAPSHOT_NAME, _HEAD.pack(MAGIC, len(records), xxhash.xxh3_64_intdigest(body),
-                                                             COMPLETE if complete else 0) + body)
+                                                             COMPLETE if complete else 0, len(retentions)) + body)
     return len(records)
 
 
@@ -120,18 +158,24 @@ def read_snapshot(root: Path) -> tuple[Records, dict[ChunkKey, Entry]] | None:
         return None
     except OSError as exc:
         raise SnapshotRejected(f"unreadable: {exc}") from None
-    if len(raw) < _HEAD.size:
+    head = _HEAD_V2 if raw[:len(MAGIC_V2)] == MAGIC_V2 else _HEAD
+    if len(raw) < head.size:
         raise SnapshotRejected(f"{len(raw)} bytes, shorter than its header")
-    magic, count, digest, flags = _HEAD.unpack_from(raw)
-    if magic != MAGIC:
+    magic, count, digest, flags, *rest = head.unpack_from(raw)
+    if magic not in (MAGIC, MAGIC_V2):
         raise SnapshotRejected("not an index snapshot of this version (bad magic)")
-    body = memoryview(raw)[_HEAD.size:]
-    if len(body) != count * _RECORD.size:
-        raise SnapshotRejected(f"{count} records need {count * _RECORD.size} bytes, the body has {len(body)} "
-                               "(torn or padded)")
+    retained_count = rest[0] if rest else 0
+    body = memoryview(raw)[head.size:]
+    records_end = count * _RECORD.size
+    retained_end = records_end + retained_count * _RETAINED.size
+    owners_bytes = len(body) - retained_end  # version 3 ends with the owners' list: a msgpack value, 1 byte or more
+    fits = owners_bytes == 0 if head is _HEAD_V2 else owners_bytes >= 1
+    if not fits:
+        raise SnapshotRejected(f"{count} records and {retained_count} retentions do not fit a body of "
+                               f"{len(body)} bytes (torn or padded)")
     if xxhash.xxh3_64_intdigest(body) != digest:
         raise SnapshotRejected("the body fails its checksum")
-    table = np.frombuffer(body, dtype=_RECORD_DTYPE)
+    table = np.frombuffer(body[:records_end], dtype=_RECORD_DTYPE)
     header = table["file_bytes"] - table["nbytes"]  # unsigned: a file smaller than its data wraps far past the cap
     bad = (header == 0) | (header > MAX_HEADER_BYTES) | (header % chunk_file.DATA_ALIGN != 0)
     if bad.any():
@@ -148,7 +192,34 @@ def read_snapshot(root: Path) -> tuple[Records, dict[ChunkKey, Entry]] | None:
         seen: set[ChunkKey] = set()
         twice = next(key for key in keys if key in seen or seen.add(key))  # type: ignore[func-returns-value]
         raise SnapshotRejected(f"chunk {twice.hex()} recorded twice")
-    return Records(keys, entries, table["mtime_ns"].tolist(), complete=bool(flags & COMPLETE)), held
+    retained, dropped = _read_retained(body[records_end:retained_end], body[retained_end:]) if rest else ([], 0)
+    return Records(keys, entries, table["mtime_ns"].tolist(), complete=bool(flags & COMPLETE), retained=retained,
+                   retention_dropped=dropped), held
+
+
+def _read_retained(records: memoryview, owners_packed: memoryview) -> tuple[list[Retained], int]:
+    """The retention records, bounds checked (see the module's doc), and how many were dropped or clamped.
+    SnapshotRejected when the owners are not a msgpack list of strings. No Python work per chunk when none is
+    retained."""
+    table = np.frombuffer(records, dtype=_RETAINED_DTYPE)
+    try:
+        owners = msgpack.unpackb(owners_packed, raw=False, max_str_len=MAX_OWNER_CHARS, max_bin_len=0,
+                                 max_array_len=max(len(table), 1), max_map_len=0, max_ext_len=0)
+    except Exception as exc:
+        raise SnapshotRejected(f"unreadable retention owners ({exc})") from None
+    if not isinstance(owners, list) or not all(isinstance(owner, str) for owner in owners):
+        raise SnapshotRejected("the retention owners are not a list of names")
+    if len(table) == 0:
+        return [], 0
+    lease_end = table["lease_end"]
+    horizon = time.time() + MAX_LEASE_SECS
+    with np.errstate(invalid="ignore"):
+        good = (table["priority"] <= MAX_PRIORITY) & (table["owner"] < len(owners)) & np.isfinite(lease_end) \
+            & (lease_end >= 0)
+        clamped = good & (lease_end > horizon)
+    retained = [Retained(bytes(key), owners[owner], int(priority), min(end, horizon) if end > 0 else None)
+                for key, priority, end, owner in table[good].tolist()]
+    return retained, int((~good).sum() + clamped.sum())
 
 
 def _shared_entries(table: np.ndarray) -> list[Entry]:
@@ -188,7 +259,8 @@ def scan(root: Path, threads: int = 8) -> Scan:
         records, held = read
         report.trusted, report.snapshot = len(records), "used"
         report.seconds = time.perf_counter() - start
-        return Scan(report, held, records, listed=False)
+        return Scan(report, held, records, listed=False, retained=records.retained,
+                    retention_dropped=records.retention_dropped)
     else:
         records = read[0]
         listed, others = chunk_file.list_chunk_names(root, report)
@@ -210,7 +282,8 @@ def scan(root: Path, threads: int = 8) -> Scan:
                          *((c.mtime, c.meta.key, _entry_of(c)) for c in inspected)], key=itemgetter(0))
         keys, entries = [key for _, key, _ in merged], [entry for _, _, entry in merged]
     report.seconds = time.perf_counter() - start
-    return Scan(report, dict(zip(keys, entries)), trusted)
+    retained, dropped = (read[0].retained, read[0].retention_dropped) if read is not None else ([], 0)
+    return Scan(report, dict(zip(keys, entries)), trusted, retained=retained, retention_dropped=dropped)
 
 
 def find_added(root: Path, recorded: list[ChunkKey]) -> tuple[list[tuple[ChunkKey, Entry | None]], int]:

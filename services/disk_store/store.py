@@ -76,7 +76,7 @@ class DiskStore:
             ("puts_accepted", "puts_duplicate", "puts_refused", "writes_done", "write_errors", "gets", "hits",
              "corrupt_dropped", "checksum_failures", "evicted", "puts_pool", "puts_inline", "gets_pool",
              "gets_inline", "gets_late", "gets_cancelled", "get_cancels", "get_cancels_refused",
-             "snapshot_files_dropped", "snapshot_files_added"), 0)
+             "snapshot_files_dropped", "snapshot_files_added", "snapshot_retentions_dropped"), 0)
         self.last_write_error: str | None = None
         self.scan_report: chunk_file.ScanReport | None = None  # the start-up scan's counts (not its chunk list)
         self._lock_fd: int | None = None
@@ -121,6 +121,7 @@ class DiskStore:
             report, self._trusted = found.report, found.trusted
             self._unchecked = len(found.trusted)
             self._unlisted = not found.listed
+            retained, self.counters["snapshot_retentions_dropped"] = found.retained, found.retention_dropped
             del found
         finally:
             if collecting:
@@ -128,6 +129,10 @@ class DiskStore:
         restored = self.state.restore(several_domains=self.domains.names_other_domains())
         for key, _ in restored.strays:  # put just before a crash: its sharing domain is unknown
             chunk_file.unlink_chunk(self.root, key)
+        refused = self.index.retains_refused
+        share = self.options.bounds.retained_share
+        retained_now = sum(self.index.restore_retention(kept.key, kept.owner, kept.priority, kept.lease_end, share)
+                           for kept in retained)  # before the trim: it evicts unretained chunks first
         for key, _ in self.index.trim_to_capacity():  # the cap shrank since the last run (never drops a pin;
             chunk_file.unlink_chunk(self.root, key)  # claims of trimmed chunks are skipped at the next start)
             self.counters["evicted"] += 1
@@ -140,11 +145,13 @@ class DiskStore:
         self._staging = StagingPool(0 if self.options.durable_puts else self.options.staging_bytes)
         log.info("disk store %s: %s holds %d chunks, %d bytes of %d, %s eviction (scan %.3fs, index snapshot %s, "
                  "%d files taken from it, their stat checked in the background; deleted %d tmp, %d bad files; %d "
-                 "pins and claims of %d chunks restored; "
-                 "%d chunks put just before a crash dropped)", self.options.store_id, self.root,
+                 "pins and claims of %d chunks restored; %d retentions restored, %d past their owner's share, %d "
+                 "out of bounds; %d chunks put just before a crash dropped)", self.options.store_id, self.root,
                  len(self.index), self.index.used_bytes, self.options.capacity_bytes, self.index.policy_name,
                  report.seconds, report.snapshot, report.trusted, report.removed_tmp, report.removed_corrupt,
-                 restored.pinned, restored.claimed, len(restored.strays))
+                 restored.pinned, restored.claimed, retained_now,
+                 self.index.retains_refused - refused, self.counters["snapshot_retentions_dropped"],
+                 len(restored.strays))
         return report
 
     async def close(self, drain_timeout: float = 30.0) -> None:
@@ -480,7 +487,8 @@ class DiskStore:
         if self._snapshot_write is not None:
             await asyncio.wait([self._snapshot_write])
         write = self._snapshot_write = asyncio.ensure_future(
-            self._in_io(snapshot.write_snapshot, self.root, self.index.held_items(), complete))
+            self._in_io(snapshot.write_snapshot, self.root, self.index.held_items(), complete,
+                        self.index.retentions()))
         try:
             count = await asyncio.shield(write)
         except OSError as exc:

@@ -275,6 +275,13 @@ class EvictionPolicy(ABC):
         self._expire_pins()
         return key in self._retention
 
+    def retentions(self) -> Iterator[tuple[Key, str, int, float | None]]:
+        """(key, owner, priority, seconds left of its lease or None) of every retained key, to persist."""
+        self._expire_pins()
+        now = self._clock()
+        for key, held in self._retention.items():
+            yield key, held.owner, held.priority, None if held.lease_end is None else held.lease_end - now
+
     def _drop_retention(self, key: Key) -> None:
         held = self._retention.pop(key, None)
         if held is None:

@@ -342,7 +342,7 @@ class ChunkIndex(Generic[E]):
         """A put's retention (`PutRequest.priority` / `lease_secs`: the storing request's kv_priority and lease),
         owned by the caller's principal within `share` of the capacity (`--retained-share`). Client input: a
         priority or lease out of range (MAX_PRIORITY, MAX_LEASE_SECS; NaN, inf) is not taken, counted in
-        `retains_refused`. Not persisted: after a restart the chunk is held as any other."""
+        `retains_refused`. The disk store persists it in its index snapshot (`retentions`, `restore_retention`)."""
         if priority == 0 and lease_secs == 0:
             return
         if not (0 <= priority <= MAX_PRIORITY and 0 <= lease_secs <= MAX_LEASE_SECS):
@@ -352,6 +352,27 @@ class ChunkIndex(Generic[E]):
 
     def retained_bytes(self, owner: str) -> int:
         return self._policy.retained_bytes(owner)
+
+    def retentions(self) -> list[tuple[ChunkKey, str, int, float | None]]:
+        """(key, owner, priority, wall-clock lease end or None) of every retained held key, to persist: wall-clock,
+        as pins are, because the index's clock is monotonic and restarts with the machine."""
+        now = time.time()
+        return [(key, owner, priority, None if left is None else now + left)
+                for key, owner, priority, left in self._policy.retentions()]
+
+    def restore_retention(self, key: ChunkKey, owner: str, priority: int, lease_end: float | None,
+                          share: float) -> bool:
+        """Re-take a persisted retention (bounds checked by the reader) on a held key within `owner`'s `share` of
+        the capacity as it is now; True if taken. A lease that ended is gone, a key no longer held is skipped, one
+        past the bound is held unretained and counted in `retains_refused`."""
+        lease_secs = None if lease_end is None else lease_end - time.time()
+        if (priority <= 0 and (lease_secs is None or lease_secs <= 0)) or key not in self._held:
+            return False
+        if self._policy.retain(key, owner, int(share * self.capacity_bytes), priority,
+                               lease_secs if lease_secs is not None and lease_secs > 0 else None):
+            return True
+        self.retains_refused += 1
+        return False
 
     def is_retained(self, key: ChunkKey) -> bool:
         return self._policy.is_retained(key)

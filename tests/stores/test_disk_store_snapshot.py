@@ -6,18 +6,25 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+import time
 from pathlib import Path
 
+import msgpack
 import pytest
 import xxhash
 
 from kvmesh.services.disk_store import snapshot
 from kvmesh.services.disk_store.options import build_parser, options_from_args
 from kvmesh.shared.errors import ConfigError
+from kvmesh.shared.store_kit.store_bounds import StoreBounds
 from kvmesh.shared.wire import chunk_file
+from kvmesh.shared.wire.keys import KEY_BYTES
+
+from kvmesh.services.engine.tiers.base import ChunkBuffer, Retention
+from kvmesh.shared.eviction.base import MAX_LEASE_SECS, MAX_PRIORITY
 
 from support.disk_store import FILE_BYTES, Harness, chunk, harness, key_of  # noqa: F401 (harness: a fixture)
-from support.waiting import wait_until_async
+from support.waiting import WAIT_S, ManualClock, wait_until_async
 
 
 def chunk_files(root: Path) -> list[Path]:
@@ -64,11 +71,10 @@ def flip_a_byte(raw: bytes) -> bytes:
 def lie_with_a_valid_checksum(raw: bytes) -> bytes:
     """A record whose file is not whole header pages plus its data, the body's checksum recomputed: only the
     bounds checks can refuse it."""
-    head = struct.Struct("<8sQQ")
-    magic, count, _ = head.unpack_from(raw)
-    body = bytearray(raw[head.size:])
-    body[16:24] = struct.pack("<Q", 10**12)  # the first record's data bytes: more than its file holds
-    return head.pack(magic, count, xxhash.xxh3_64_intdigest(bytes(body))) + bytes(body)
+    magic, count, _, flags, retained = snapshot._HEAD.unpack_from(raw)
+    body = bytearray(raw[snapshot._HEAD.size:])
+    body[KEY_BYTES:KEY_BYTES + 8] = struct.pack("<Q", 10**12)  # the first record's data bytes: more than its file
+    return snapshot._HEAD.pack(magic, count, xxhash.xxh3_64_intdigest(bytes(body)), flags, retained) + bytes(body)
 
 
 def another_version(raw: bytes) -> bytes:
@@ -189,3 +195,119 @@ def test_the_snapshot_interval_flag(tmp_path: Path) -> None:
     assert options.snapshot_interval_secs == 0 and "--snapshot-interval" in options.to_args()
     with pytest.raises(ConfigError, match="--snapshot-interval"):
         options_from_args(build_parser().parse_args([*base, "--snapshot-interval", "-1"]), {})
+
+
+# ---- retention (a put's kv_priority and lease) across a restart ----------------------------------------------
+RETAINED_CAPACITY = 6 * FILE_BYTES + 100  # six chunks
+RETAINED_SHARE = 2 * FILE_BYTES / RETAINED_CAPACITY  # what one principal may retain: two of them
+
+
+async def put_retained(harness: Harness, i: int, retention: Retention) -> None:
+    meta, data = chunk(i)
+    assert await harness.client.put(meta, ChunkBuffer(view=memoryview(bytearray(data))), retention)
+    assert await harness.client.wait_written(timeout=WAIT_S)
+
+
+async def start_retaining(harness: Harness, share: float = RETAINED_SHARE):
+    return await harness.start(capacity=RETAINED_CAPACITY, bounds=StoreBounds(retained_share=share))
+
+
+async def test_a_retained_chunk_survives_a_restart_and_outlives_the_unretained_ones(harness: Harness) -> None:
+    """The snapshot keeps each chunk's retention: after a restart a leased chunk and a prioritised one are still
+    kept over unretained ones (which eviction pressure takes, older and newer alike), and the lease still ends at
+    its wall-clock time."""
+    harness.clock = clock = ManualClock()
+    await start_retaining(harness)
+    await put_retained(harness, 1, Retention(lease_until=time.time() + 600))
+    await put_retained(harness, 2, Retention(priority=7))
+    await put_all(harness, 3, 4)
+    await harness.stop()
+    service = await start_retaining(harness)
+    index = service.store.index
+    assert [index.is_retained(key_of(i)) for i in (1, 2, 3)] == [True, True, False]
+    assert service.store.details()["retains_refused"] == 0
+    await put_all(harness, *range(10, 20))  # ten unretained chunks through a store of six
+    assert await harness.held(1, 2, 3, 4) == [True, True, False, False]
+    assert await served(harness, 1, 2) == [True, True]
+    clock.advance(601)  # the lease's end (600 s after the put, on the wall clock) has passed: 1 is unretained
+    await put_all(harness, *range(20, 30))
+    assert await harness.held(1, 2) == [False, True]
+
+
+def as_version_2(raw: bytes) -> bytes:
+    """The same chunk records in the layout before retention (no retained count, no retention records)."""
+    _, count, _, flags, _ = snapshot._HEAD.unpack_from(raw)
+    records = raw[snapshot._HEAD.size:snapshot._HEAD.size + count * snapshot._RECORD.size]
+    return snapshot._HEAD_V2.pack(snapshot.MAGIC_V2, count, xxhash.xxh3_64_intdigest(records), flags) + records
+
+
+async def test_a_version_2_snapshot_still_loads_its_chunks_unretained(harness: Harness) -> None:
+    await start_retaining(harness)
+    await put_retained(harness, 1, Retention(priority=7))
+    await put_all(harness, 2, 3)
+    await harness.stop()
+    path = harness.root / snapshot.SNAPSHOT_NAME
+    path.write_bytes(as_version_2(path.read_bytes()))
+    service = await start_retaining(harness)
+    report = service.store.scan_report
+    assert report is not None and report.snapshot == "used" and report.trusted == 3
+    assert not service.store.index.is_retained(key_of(1))
+    assert await served(harness, 1, 2, 3) == [True] * 3
+    await put_all(harness, *range(10, 16))  # six more through a store of six: 1 goes as any other
+    assert await harness.held(1) == [False]
+    await harness.stop()  # and the next stop writes the current version
+    assert (harness.root / snapshot.SNAPSHOT_NAME).read_bytes()[:8] == snapshot.MAGIC
+
+
+def with_retentions(raw: bytes, retentions: list[tuple[int, int, float, int]], owners: list[str]) -> bytes:
+    """The snapshot's chunk records with forged retention records (chunk i, priority, lease end, owner's index)
+    and owners, the checksum made right: only the bounds checks on retention can refuse them."""
+    _, count, _, flags, _ = snapshot._HEAD.unpack_from(raw)
+    records = raw[snapshot._HEAD.size:snapshot._HEAD.size + count * snapshot._RECORD.size]
+    body = records + b"".join(snapshot._RETAINED.pack(key_of(i), priority, lease_end, owner)
+                              for i, priority, lease_end, owner in retentions) + msgpack.packb(owners)
+    return snapshot._HEAD.pack(snapshot.MAGIC, count, xxhash.xxh3_64_intdigest(body), flags,
+                               len(retentions)) + body
+
+
+async def test_forged_retention_fields_are_bounded_and_counted(harness: Harness) -> None:
+    """Every retention field read back is untrusted: a priority over 10^6, a lease end that is no number, an owner
+    the list does not name are dropped, a lease end past the 30-day horizon is clamped to it (each counted); what
+    is left is re-taken within each owner's share, which no snapshot can raise."""
+    await start_retaining(harness)
+    await put_all(harness, 1, 2, 3, 4, 5, 6)
+    await harness.stop()
+    path = harness.root / snapshot.SNAPSHOT_NAME
+    far = time.time() + 365 * 86400
+    path.write_bytes(with_retentions(path.read_bytes(), [
+        (1, MAX_PRIORITY + 1, 0.0, 0),  # priority out of range: dropped
+        (2, 0, float("nan"), 0),  # lease end not a number: dropped
+        (3, 5, 0.0, 9),  # no such owner: dropped
+        (4, 0, far, 0),  # a lease a year long: clamped to 30 days
+        (5, MAX_PRIORITY, 0.0, 1),  # the other owner: within its share
+        (6, MAX_PRIORITY, 0.0, 0),  # owner 0's second chunk: within its share (two chunks)
+        (2, MAX_PRIORITY, 0.0, 1),  # owner 1's second one: within its share too
+        (3, MAX_PRIORITY, 0.0, 1),  # owner 1's third: past its share, held unretained
+    ], ["engine/a", "engine/b"]))
+    service = await start_retaining(harness)
+    store, index = service.store, service.store.index
+    assert store.scan_report is not None and store.scan_report.snapshot == "used"
+    assert store.counters["snapshot_retentions_dropped"] == 4  # three dropped, one clamped
+    assert index.retains_refused == 1  # the share held
+    assert [index.is_retained(key_of(i)) for i in range(1, 7)] == [False, True, False, True, True, True]
+    assert index.retained_bytes("engine/a") == index.retained_bytes("engine/b") == 2 * FILE_BYTES
+    lease_end = {key: end for key, _, _, end in index.retentions()}[key_of(4)]
+    assert lease_end is not None and lease_end <= time.time() + MAX_LEASE_SECS
+    assert await served(harness, 1, 2, 3, 4, 5, 6) == [True] * 6
+
+
+async def test_forged_retention_owners_reject_the_snapshot(harness: Harness, caplog) -> None:
+    await harness.start()
+    await put_all(harness, 1, 2)
+    await harness.stop()
+    path = harness.root / snapshot.SNAPSHOT_NAME
+    path.write_bytes(with_retentions(path.read_bytes(), [(1, 5, 0.0, 0)], [b"\xff" * 3]))  # not a name
+    service = await harness.start()
+    assert service.store.scan_report.snapshot.startswith("rejected") and "not used" in caplog.text
+    assert not service.store.index.is_retained(key_of(1))
+    assert await served(harness, 1, 2) == [True, True]
