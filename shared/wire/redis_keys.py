@@ -75,6 +75,10 @@ class RedisKeys:
     def claims(self, caller: str) -> str:
         return f"{self.prefix}:claims:{caller}"
 
+    def retained(self, principal: str) -> str:
+        """The engine principal's retained chunks (services/engine/tiers/redis_retention.py): one key, one shard."""
+        return f"{self.prefix}:retained:{{{principal}}}"
+
     def key_of(self, name: str | bytes) -> ChunkKey | None:
         """The chunk key a value's name encodes; None for any other name (not ours, or malformed)."""
         text = name.decode(errors="replace") if isinstance(name, bytes) else name

@@ -147,6 +147,9 @@ class EngineConfig:
     redis_key_prefix: str = "kvmesh"  # namespace of every key KVMesh writes, so deployments can share one Redis
     redis_timeout_secs: float = 2.0  # a Redis connect or command (plus nbytes / remote_min_transfer_mb_per_s)
     redis_chunk_ttl_secs: float = 604800.0  # TTL of unpinned chunks: makes them volatile (evictable), pins not
+    # of Redis's maxmemory, what one engine principal's kv_priority / leased chunks may keep over the rest
+    # (services/engine/tiers/redis_retention.py; honoured under maxmemory-policy volatile-ttl)
+    retained_redis_share: float = 0.5
     # a file holding the secret that MACs the Redis tier's values, pins and owners (shared/wire/redis_keys.py); None:
     # the sharing domain's secret from the engine's NATS credentials file, else none (a WARNING at start)
     remote_auth_secret_file: str | None = None
@@ -325,6 +328,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "fetch_concurrency": _AT_LEAST_ONE,
     "prefetch_cpu_share": (lambda v: 0 <= v <= 1, "must be between 0 and 1"),
     "retained_cpu_share": (lambda v: 0 <= v <= 1, "must be between 0 and 1"),
+    "retained_redis_share": (lambda v: 0 <= v <= 1, "must be between 0 and 1"),
     "known_held_keys": _NON_NEGATIVE,
     "kv_event_chunks": _NON_NEGATIVE,
     "touch_interval_secs": _POSITIVE,

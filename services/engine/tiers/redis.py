@@ -22,11 +22,15 @@ the set, so an entry forged by a party without the secret never keeps a chunk un
 honest unpin or clear. With no secret the keys derive from nothing secret (one WARNING at start): values are
 then checked, not secret.
 
-Eviction is Redis's own (`maxmemory` + a `volatile-*` policy). Unpinned chunks carry a TTL
-(`redis_chunk_ttl_secs`, refreshed by puts and hits), which makes them volatile, i.e. evictable; a pin removes
-the TTL (PERSIST), so `volatile-lru` / `volatile-lfu` never evict it; the last unpin puts the TTL back. `start`
-checks `maxmemory-policy` (CONFIG GET, where the server allows it) and warns when it would evict pinned chunks
-(`allkeys-*`) or refuse writes once full (`noeviction`). A timed pin (`ttl_secs`) holds until unpinned.
+Eviction is Redis's own (`maxmemory` + `maxmemory-policy volatile-ttl`). Unpinned chunks carry a TTL
+(`redis_chunk_ttl_secs`, refreshed by puts and hits, never shortened), which makes them volatile, i.e. evictable;
+a pin removes the TTL (PERSIST), so no `volatile-*` policy evicts it; the last unpin puts the TTL back. A chunk
+put with a request's kv_priority or lease gets more TTL than that, so that `volatile-ttl`, which evicts the
+shortest TTL left first, keeps it over the others, within its engine principal's `retained_redis_share` of
+`maxmemory` (redis_retention.py: the mapping and its limits). `start` checks `maxmemory-policy` (CONFIG GET,
+where the server allows it) and warns when it is not `volatile-ttl` (leases and priorities are then not
+honoured), and names what else goes wrong: pinned chunks evicted (`allkeys-*`), writes refused once full
+(`noeviction`). A timed pin (`ttl_secs`) holds until unpinned.
 
 Failures never fail a request: every call is bounded (`redis_timeout_secs`, plus `nbytes /
 remote_min_transfer_mb_per_s` for a chunk's bytes) and answers a miss / False / 0 on any error. Reachability
@@ -40,6 +44,7 @@ import asyncio
 import itertools
 import logging
 import secrets
+import time
 from typing import Any, Awaitable, Callable, TypeVar
 
 from redis.asyncio import RedisCluster
@@ -49,8 +54,10 @@ from kvmesh.shared import protocol
 
 from kvmesh.services.engine.config.engine_config import EngineConfig
 from kvmesh.services.engine.tiers.base import NO_RETENTION, ChunkBuffer, Retention, StoreLink, byte_view
-from kvmesh.services.engine.tiers.redis_scripts import CLAIM, CLEAR, FINISH_PUT, PIN, UNPIN
+from kvmesh.services.engine.tiers.redis_retention import extra_secs, member
+from kvmesh.services.engine.tiers.redis_scripts import CLAIM, CLEAR, FINISH_PUT, PIN, RETAIN, UNPIN
 from kvmesh.services.engine.tiers.redis_values import MAX_HEADER_BYTES, ForeignValue, decode_into
+from kvmesh.shared.protocol.principals import principal_of
 from kvmesh.shared.rate_limited_log import RateLimitedLog
 from kvmesh.shared.wire import chunk_file
 from kvmesh.shared.wire.keys import KEY_BYTES, ChunkKey
@@ -66,6 +73,7 @@ CLEAR_BATCH = 1000  # claims taken back per round trip of a clear
 SEAL_BUFFERS_KEPT = 4  # sealing buffers kept between puts: the puts of one step in flight at once
 EVICTS_PINNED = frozenset({"allkeys-lru", "allkeys-lfu", "allkeys-random"})
 EVICTS_VOLATILE = frozenset({"volatile-lru", "volatile-lfu", "volatile-random", "volatile-ttl"})
+HONOURS_RETENTION = "volatile-ttl"  # the policy that orders evictions by the TTLs retention sets
 
 
 class RedisTier:
@@ -76,7 +84,7 @@ class RedisTier:
 
     def __init__(self, target: RedisTarget, caller: str, *, key_prefix: str = "kvmesh", timeout: float = 2.0,
                  chunk_ttl: float = 604800.0, min_transfer_rate: float = 100e6, retry_interval: float = 1.0,
-                 auth: RedisAuth | None = None) -> None:
+                 auth: RedisAuth | None = None, retained_share: float = 0.5) -> None:
         self.target = target
         self.caller = caller
         self.auth = auth if auth is not None else RedisAuth(None)
@@ -89,6 +97,13 @@ class RedisTier:
         self.keys = RedisKeys(key_prefix)
         self.timeout = timeout
         self.ttl_ms = int(chunk_ttl * 1000)
+        # of maxmemory, what this engine principal's retained chunks may take (redis_retention.py); maxmemory is
+        # read by `check_settings` (0 until then, or when unset: nothing is retained)
+        self.retained_share = retained_share
+        self.capacity_bytes = 0
+        self.retained_key = self.keys.retained(principal_of(caller))
+        self.retain_refused = 0  # retained puts written unretained: past the share, or maxmemory unknown
+        self.policy: str | None = None  # maxmemory-policy, once read
         self.min_transfer_rate = min_transfer_rate
         self.client = target.client(timeout)
         self.link = StoreLink(self.store_ids[0], target.describe(), log, caller, retry_interval)
@@ -105,7 +120,8 @@ class RedisTier:
                    key_prefix=config.redis_key_prefix, timeout=config.redis_timeout_secs,
                    chunk_ttl=config.redis_chunk_ttl_secs,
                    min_transfer_rate=config.remote_min_transfer_mb_per_s * 1e6,
-                   retry_interval=config.remote_retry_interval_secs, auth=auth)
+                   retry_interval=config.remote_retry_interval_secs, auth=auth,
+                   retained_share=config.retained_redis_share)
 
     # ---- keys ------------------------------------------------------------------------------------------------
     def chunk_key(self, key: ChunkKey) -> str:
@@ -136,28 +152,57 @@ class RedisTier:
         self._check = asyncio.get_running_loop().create_task(self.check_settings(), name="kvmesh-redis-check")
 
     async def check_settings(self) -> None:
-        """Check the server's eviction settings once (a WARNING where they would hurt); never raises."""
-        reply = await self._call("config check", lambda: self.client.config_get("maxmemory*"))
+        """Read the server's eviction settings once: maxmemory (INFO, which managed services allow; the bound of
+        retention) and maxmemory-policy (CONFIG GET, where the server allows it), with one WARNING where they
+        would hurt; never raises."""
+        where = self.target.describe()
+        memory = await self._memory()
+        if memory is not None:
+            self.capacity_bytes = memory[1]
+
+        async def config() -> Any:
+            try:
+                return await self.client.config_get("maxmemory-policy")
+            except ResponseError as exc:  # CONFIG disabled or renamed (managed services): not a failure of Redis
+                log.debug("%s: CONFIG GET refused: %s", where, exc)
+                return {}
+        reply = await self._call("config check", config)
         if reply is None:
             return
-        if not reply:  # managed services often disable CONFIG
-            log.info("%s: cannot read maxmemory-policy (CONFIG GET refused); make sure it is volatile-lru or "
-                     "volatile-lfu (docs/config.md)", self.target.describe())
+        if not reply:
+            log.warning("%s: cannot read maxmemory-policy (CONFIG GET refused); unless it is volatile-ttl, chunks' "
+                        "leases and priorities (kv_priority, lease_until / kv_ttl) are not honoured "
+                        "(docs/config.md)", where)
             return
         settings = {_text(k): _text(v) for k, v in reply.items()}
-        policy, maxmemory = settings.get("maxmemory-policy", "?"), settings.get("maxmemory", "0")
-        where = self.target.describe()
+        self.policy = policy = settings.get("maxmemory-policy", "?")
+        unbounded = memory is not None and memory[1] == 0
         if policy in EVICTS_PINNED:
-            log.warning("%s: maxmemory-policy %s evicts pinned chunks too; set volatile-lru or volatile-lfu so "
-                        "only unpinned (expiring) chunks are evicted", where, policy)
-        elif policy == "noeviction" and maxmemory != "0":
+            log.warning("%s: maxmemory-policy %s evicts pinned chunks too and honours no lease or priority "
+                        "(kv_priority, lease_until / kv_ttl); set volatile-ttl", where, policy)
+        elif policy == "noeviction" and not unbounded:
             log.warning("%s: maxmemory-policy noeviction refuses every write once maxmemory is reached (puts "
-                        "are then skipped); set volatile-lru or volatile-lfu", where)
+                        "are then skipped), and honours no lease or priority; set volatile-ttl", where)
+        elif policy in EVICTS_VOLATILE and policy != HONOURS_RETENTION:
+            log.warning("%s: maxmemory-policy %s: chunks' leases and priorities (kv_priority, lease_until / kv_ttl) "
+                        "are not honoured, Redis evicts regardless of them; set volatile-ttl", where, policy)
         elif policy not in EVICTS_VOLATILE and policy != "noeviction":
-            log.warning("%s: unknown maxmemory-policy %s; volatile-lru or volatile-lfu is expected", where, policy)
-        if maxmemory == "0":
-            log.info("%s: no maxmemory set: Redis grows until the host's memory is exhausted; set maxmemory and "
-                     "maxmemory-policy volatile-lru", where)
+            log.warning("%s: unknown maxmemory-policy %s: leases and priorities are not honoured; volatile-ttl is "
+                        "expected", where, policy)
+        if unbounded:
+            log.info("%s: no maxmemory set: Redis grows until the host's memory is exhausted, and no chunk is "
+                     "retained over the others (a share of nothing); set maxmemory and maxmemory-policy "
+                     "volatile-ttl", where)
+
+    async def _memory(self) -> tuple[int, int] | None:
+        """(used_memory, maxmemory) from INFO memory, summed over a cluster's nodes; None on a failure."""
+        info = await self._call("stats", lambda: self.client.info("memory"))
+        if not info:
+            return None
+        if self.target.mode == CLUSTER:  # one dict per node
+            nodes = [v for v in info.values() if isinstance(v, dict)]
+            return sum(int(v.get("used_memory", 0)) for v in nodes), sum(int(v.get("maxmemory", 0)) for v in nodes)
+        return int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
 
     # ---- StoreTier: bytes ----------------------------------------------------------------------------------------
     async def put(self, meta: protocol.ChunkMeta, buffer: ChunkBuffer,
@@ -169,9 +214,10 @@ class RedisTier:
             return False
         chunk, _, owners = self._keys(meta.key)
         tmp = self.keys.tmp(meta.key, next(self._tmp_ids))
+        ttl_ms = self.ttl_ms + await self._retained_ms(meta, retention)
 
         async def write() -> bool:
-            held = await self.client.eval(CLAIM, 2, chunk, owners, self._owner_entry(owners), self.ttl_ms,
+            held = await self.client.eval(CLAIM, 2, chunk, owners, self._owner_entry(owners), ttl_ms,
                                           self._value_start)
             if not held:
                 # sealed under the final key's name, not tmp's; off the loop: it reads every byte of the chunk
@@ -180,13 +226,14 @@ class RedisTier:
                     sealed = memoryview(buffer)[:len(data) + VALUE_TAG_BYTES]
                     head = await asyncio.to_thread(self.auth.seal_value, chunk, chunk_file.encode_header(meta),
                                                    data, sealed)
-                    await self._write_value(tmp, head, sealed)
+                    await self._write_value(tmp, head, sealed, ttl_ms)
                 finally:
                     self._return_seal_buffer(buffer)
                 await self.client.eval(FINISH_PUT, 2, tmp, chunk, self._value_start)
             pipe = self.client.pipeline(transaction=False)
             pipe.hset(self.claims_key, meta.key.hex(), meta.num_tokens)
-            pipe.pexpire(self.claims_key, self.ttl_ms)
+            pipe.pexpire(self.claims_key, ttl_ms, nx=True)  # a new claims hash
+            pipe.pexpire(self.claims_key, ttl_ms, gt=True)  # as long as its longest-lived chunk
             await pipe.execute()
             return True
 
@@ -194,6 +241,23 @@ class RedisTier:
         if ok:
             self.link.accepted()
         return bool(ok)
+
+    async def _retained_ms(self, meta: protocol.ChunkMeta, retention: Retention) -> int:
+        """The TTL a put's retention adds over the base (redis_retention.py), once its principal's share took it
+        (RETAIN); 0 when there is none or it is past the share (counted in `retain_refused`)."""
+        now = time.time()
+        extra = extra_secs(retention, now)
+        if extra <= 0:
+            return 0
+        bound = int(self.retained_share * self.capacity_bytes)
+        now_ms, extra_ms = int(now * 1000), int(extra * 1000)
+        taken = bound > 0 and await self._call("retain", lambda: self.client.eval(
+            RETAIN, 1, self.retained_key, now_ms, member(meta.key.hex(), meta.nbytes), now_ms + extra_ms,
+            meta.nbytes, bound))
+        if not taken:
+            self.retain_refused += 1
+            return 0
+        return extra_ms
 
     def _seal_buffer(self, nbytes: int) -> bytearray:
         """A buffer of at least `nbytes` to seal a value into: a kept one, else a new one. Kept because a fresh
@@ -208,8 +272,8 @@ class RedisTier:
         if len(self._seal_buffers) < SEAL_BUFFERS_KEPT:
             self._seal_buffers.append(buffer)
 
-    async def _write_value(self, name: str, header: bytes, data: memoryview) -> None:
-        """SET `name` to header + data with the chunk TTL, without joining them into one 32 MiB buffer.
+    async def _write_value(self, name: str, header: bytes, data: memoryview, ttl_ms: int) -> None:
+        """SET `name` to header + data with `ttl_ms`, without joining them into one 32 MiB buffer.
 
         redis-py's SET takes one buffer; joining costs a copy of the chunk (here, or in Redis with SET + APPEND:
         0.75x the speed of a bare SET on the benchmark). So for one server (standalone, sentinel) the command
@@ -218,11 +282,11 @@ class RedisTier:
         """
         if isinstance(self.client, RedisCluster):
             pipe = self.client.pipeline(transaction=False)
-            pipe.set(name, header, px=self.ttl_ms)
+            pipe.set(name, header, px=ttl_ms)
             pipe.append(name, data)
             await pipe.execute()
             return
-        key, ttl = name.encode(), str(self.ttl_ms).encode()
+        key, ttl = name.encode(), str(ttl_ms).encode()
         head = b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, len(header) + len(data))
         tail = b"\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)
         pool = self.client.connection_pool
@@ -325,12 +389,13 @@ class RedisTier:
         return result
 
     async def touch(self, keys: list[ChunkKey]) -> None:
-        """A hit: refresh the chunks' LRU clock, and the TTL of the unpinned ones (XX: only keys that expire)."""
+        """A hit: refresh the chunks' LRU clock, and the TTL of the unpinned ones (GT: only keys that expire, and
+        never shorter: a retained chunk keeps its extra)."""
         ops: list[tuple[str, tuple[Any, ...]]] = []
         for key in keys:
             chunk, _, owners = self._keys(key)
-            ops += [("touch", (chunk,)), ("pexpire", (chunk, self.ttl_ms, False, True)),
-                    ("pexpire", (owners, self.ttl_ms, False, True))]
+            ops += [("touch", (chunk,)), ("pexpire", (chunk, self.ttl_ms, False, False, True)),
+                    ("pexpire", (owners, self.ttl_ms, False, False, True))]
         if ops:
             await self._pipelined("touch", ops)
 
@@ -373,18 +438,17 @@ class RedisTier:
 
     async def stats(self) -> list[protocol.StatsReply]:
         """The server's memory use and maxmemory (num_chunks is not counted here: that would take a SCAN)."""
-        info = await self._call("stats", lambda: self.client.info("memory"))
-        if not info:
+        memory = await self._memory()
+        if memory is None:
             return []
-        if self.target.mode == CLUSTER:  # one dict per node
-            info = {"used_memory": sum(v.get("used_memory", 0) for v in info.values() if isinstance(v, dict)),
-                    "maxmemory": sum(v.get("maxmemory", 0) for v in info.values() if isinstance(v, dict))}
-        return [protocol.StatsReply(self.store_ids[0], num_chunks=0, used_bytes=int(info.get("used_memory", 0)),
-                                    capacity_bytes=int(info.get("maxmemory", 0)),
+        used, self.capacity_bytes = memory
+        return [protocol.StatsReply(self.store_ids[0], num_chunks=0, used_bytes=used, capacity_bytes=memory[1],
                                     details={"target": self.target.describe(), "authenticated": self.auth.keyed,
                                              "values_rejected": self.values_rejected,
                                              "values_foreign": self.values_foreign,
-                                             "entries_rejected": self.entries_rejected})]
+                                             "entries_rejected": self.entries_rejected,
+                                             "maxmemory_policy": self.policy,
+                                             "retain_refused": self.retain_refused})]
 
     async def close(self) -> None:
         if self._check is not None:

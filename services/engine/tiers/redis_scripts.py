@@ -28,13 +28,14 @@ local function set_only(name)
 end
 """
 # KEYS: chunk, owners. ARGV: the caller's owner entry, ttl ms, our value prefix. Record the claim; 1 if the chunk
-# is already held as a value of ours (refreshed).
+# is already held as a value of ours (its TTL refreshed, never shortened: it may carry a retention's extra).
 CLAIM = _SETS_ONLY + _OURS + """
 set_only(KEYS[2])
 redis.call('SADD', KEYS[2], ARGV[1])
 if not ours(KEYS[1], ARGV[3]) then redis.call('PEXPIRE', KEYS[2], ARGV[2]) return 0 end
 if redis.call('PTTL', KEYS[1]) >= 0 then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2]) redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  redis.call('PEXPIRE', KEYS[1], ARGV[2], 'GT')
+  redis.call('PEXPIRE', KEYS[2], redis.call('PTTL', KEYS[1]))
 else
   redis.call('PERSIST', KEYS[2])
 end
@@ -86,5 +87,23 @@ if redis.call('SCARD', KEYS[2]) == 0 then
     redis.call('PEXPIRE', KEYS[1], ARGV[1]) redis.call('PEXPIRE', KEYS[3], ARGV[1])
   end
 end
+return 1
+"""
+# KEYS: the principal's retained set (redis_retention.py). ARGV: now (unix ms), the chunk's member, its
+# retention's end (unix ms), its bytes, the principal's bound in bytes. Retentions that ended leave the set; a
+# chunk retained already takes the later end; a new one is added while the set's bytes stay within the bound.
+# 1 if the chunk is retained. Members are read as untrusted: one without a byte count counts nothing.
+RETAIN = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[1])
+if redis.call('ZSCORE', KEYS[1], ARGV[2]) then
+  redis.call('ZADD', KEYS[1], 'GT', ARGV[3], ARGV[2])
+  return 1
+end
+local held = 0
+for _, m in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  held = held + (tonumber(string.match(m, ':(%d+)$')) or 0)
+end
+if held + tonumber(ARGV[4]) > tonumber(ARGV[5]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
 return 1
 """

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Iterator
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core import token_api
+from kvmesh.services.engine.tiers.base import ChunkBuffer, Retention
 from kvmesh.services.engine.tiers.redis import RedisTier
 from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
 from kvmesh.shared.protocol import LOCAL_CPU, REMOTE
@@ -91,7 +93,7 @@ async def test_a_bad_value_is_a_miss_with_one_warning(redis_server: RedisServer,
 
 
 async def test_a_pinned_chunk_survives_memory_pressure() -> None:
-    with RedisServer("--maxmemory", "8mb", "--maxmemory-policy", "volatile-lru") as server:
+    with RedisServer("--maxmemory", "8mb", "--maxmemory-policy", "volatile-ttl") as server:
         tier = make_tier(server)
         try:
             pinned, pinned_data = chunk(10, nbytes=512 * 1024)
@@ -189,8 +191,8 @@ async def test_a_hung_redis_gives_misses_within_the_timeout(redis_server: RedisS
         await writer.close()
 
 
-@pytest.mark.parametrize(("policy", "warns"), [("volatile-lru", None), ("allkeys-lru", "evicts pinned"),
-                                               ("noeviction", "refuses every write")])
+@pytest.mark.parametrize(("policy", "warns"), [("volatile-ttl", None), ("volatile-lru", "not honoured"),
+                                               ("allkeys-lru", "evicts pinned"), ("noeviction", "refuses every write")])
 async def test_start_checks_the_eviction_policy(policy: str, warns: str | None,
                                                 caplog: pytest.LogCaptureFixture) -> None:
     with RedisServer("--maxmemory", "64mb", "--maxmemory-policy", policy) as server:
@@ -202,6 +204,93 @@ async def test_start_checks_the_eviction_policy(policy: str, warns: str | None,
             assert (messages == []) if warns is None else (len(messages) == 1 and warns in messages[0])
         finally:
             await tier.close()
+
+
+async def test_config_disabled_warns_once_and_the_tier_still_serves(caplog: pytest.LogCaptureFixture) -> None:
+    """A server with CONFIG renamed away (as managed services do): the policy cannot be read, so one WARNING says
+    leases are honoured only under volatile-ttl; maxmemory comes from INFO, and Redis counts as up."""
+    with RedisServer("--maxmemory", "64mb", "--maxmemory-policy", "volatile-ttl",
+                     "--rename-command", "CONFIG", "") as server:
+        tier = make_tier(server)
+        try:
+            caplog.set_level(logging.WARNING, TIER_LOG)
+            await tier.check_settings()
+            messages = [r.getMessage() for r in caplog.records if r.name == TIER_LOG]
+            assert len(messages) == 1 and "cannot read maxmemory-policy" in messages[0], messages
+            assert tier.capacity_bytes == 64 * 1024 * 1024 and not tier.link.resting
+            meta, data = chunk(1)
+            assert await put(tier, meta, data) and await get(tier, meta) == data
+        finally:
+            await tier.close()
+
+
+async def put_retained(tier: RedisTier, meta, data: bytes, retention: Retention) -> bool:
+    return await tier.put(meta, ChunkBuffer(memoryview(bytearray(data))), retention)
+
+
+async def test_leased_and_prioritised_chunks_outlive_unretained_ones_under_volatile_ttl() -> None:
+    """Under maxmemory-policy volatile-ttl, chunks put with a lease or a kv_priority carry more TTL than any
+    unretained one, so Redis's eviction takes the unretained ones (older and newer) and leaves them, and they
+    still read back verified."""
+    with RedisServer("--maxmemory", "8mb", "--maxmemory-policy", "volatile-ttl",
+                     "--maxmemory-samples", "10") as server:
+        tier = make_tier(server)
+        try:
+            await tier.check_settings()
+            assert tier.capacity_bytes == 8 * 1024 * 1024
+            unretained = [chunk(10 + i, nbytes=512 * 1024) for i in range(3)]
+            for meta, data in unretained:
+                assert await put(tier, meta, data)
+            leased = [chunk(20 + i, nbytes=512 * 1024) for i in range(2)]
+            for meta, data in leased:
+                assert await put_retained(tier, meta, data, Retention(lease_until=time.time() + 600))
+            prioritised = chunk(30, nbytes=512 * 1024)
+            assert await put_retained(tier, *prioritised, Retention(priority=5))
+            assert tier.retain_refused == 0
+            with server.client() as client:
+                base = tier.ttl_ms
+                assert base < client.pttl(tier.chunk_key(leased[0][0].key)) <= base + 600_000
+                assert client.pttl(tier.chunk_key(prioritised[0].key)) > base + 600_000  # over any lease
+                assert client.pttl(tier.chunk_key(unretained[0][0].key)) <= base
+            flood = [chunk(100 + i, nbytes=512 * 1024) for i in range(60)]  # 30 MiB through an 8 MiB Redis
+            for meta, data in flood:
+                await put(tier, meta, data)
+            assert sum([await tier.contains([meta.key]) for meta, _ in flood]) < len(flood)  # Redis evicted
+            assert [await tier.contains([meta.key]) for meta, _ in unretained] == [0, 0, 0]
+            for meta, data in [*leased, prioritised]:
+                assert await get(tier, meta) == data  # held, and the value still verifies (sealed, tagged)
+            assert tier.values_rejected == 0
+        finally:
+            await tier.close()
+
+
+async def test_retention_stays_within_the_principals_share_of_maxmemory() -> None:
+    """An engine principal (its ranks together) retains at most `retained_redis_share` of maxmemory: past it a
+    chunk is written unretained (the base TTL) and counted; another principal has a share of its own."""
+    with RedisServer("--maxmemory", "8mb", "--maxmemory-policy", "volatile-ttl") as server:
+        share = 2.5 * 512 * 1024 / (8 * 1024 * 1024)  # two chunks of 512 KiB, not three
+        rank_0, rank_1 = (make_tier(server, f"engine.a.{rank}", retained_share=share) for rank in ("r0", "r1"))
+        other = make_tier(server, "engine.b.r0", retained_share=share)
+        lease = Retention(lease_until=time.time() + 600)
+        try:
+            for tier in (rank_0, rank_1, other):
+                await tier.check_settings()
+            chunks = [chunk(40 + i, nbytes=512 * 1024) for i in range(5)]
+            assert await put_retained(rank_0, *chunks[0], lease)
+            assert await put_retained(rank_1, *chunks[1], lease)  # the same principal: its share is now full
+            assert await put_retained(rank_0, *chunks[2], Retention(priority=9))
+            assert await put_retained(rank_0, *chunks[0], lease)  # retained already: no more of the share
+            assert (rank_0.retain_refused, rank_1.retain_refused) == (1, 0)
+            assert await put_retained(other, *chunks[3], lease)
+            assert other.retain_refused == 0
+            with server.client() as client:
+                ttls = [client.pttl(rank_0.chunk_key(meta.key)) for meta, _ in chunks[:4]]
+            base = rank_0.ttl_ms
+            assert [ttl > base for ttl in ttls] == [True, True, False, True]
+            assert (await rank_0.stats())[0].details["retain_refused"] == 1
+        finally:
+            for tier in (rank_0, rank_1, other):
+                await tier.close()
 
 
 async def test_a_redis_cluster_spreads_chunks_over_its_shards() -> None:
