@@ -13,7 +13,8 @@ Retention (a put's kv_priority and lease, ChunkIndex.retain_put) is client input
 as such: a priority above MAX_PRIORITY, a lease end that is not a number, or an owner the list does not name drops
 that retention; a lease end past the 30-day horizon (MAX_LEASE_SECS from now) is clamped to it; each is counted
 (`Records.retention_dropped`). The store re-takes the rest within each owner's share of the capacity as it is now
-(ChunkIndex.restore_retention), so a snapshot never lets a principal keep more than a put could. The lease end is
+(ChunkIndex.restore_retention), so a snapshot never lets a principal keep more than a put could. The bounds are
+ChunkIndex's `bounded_retention`, the same as for a store's retention file (state_file.py). The lease end is
 wall-clock, so a lease keeps ending on time across the restart. A chunk found without a record is unretained.
 
 Start-up (`scan`) trusts a snapshot only as far as it is checked, every byte of it being untrusted input: a
@@ -57,7 +58,7 @@ import numpy as np
 import xxhash
 
 from kvmesh.services.disk_store.index import Entry
-from kvmesh.shared.eviction.base import MAX_LEASE_SECS, MAX_PRIORITY
+from kvmesh.shared.store_kit.chunk_index import bounded_retention
 from kvmesh.shared.store_kit.state_file import write_bytes_atomically
 from kvmesh.shared.wire import chunk_file
 from kvmesh.shared.wire.keys import KEY_BYTES, ChunkKey
@@ -199,8 +200,8 @@ def read_snapshot(root: Path) -> tuple[Records, dict[ChunkKey, Entry]] | None:
 
 def _read_retained(records: memoryview, owners_packed: memoryview) -> tuple[list[Retained], int]:
     """The retention records, bounds checked (see the module's doc), and how many were dropped or clamped.
-    SnapshotRejected when the owners are not a msgpack list of strings. No Python work per chunk when none is
-    retained."""
+    SnapshotRejected when the owners are not a msgpack list of strings. No Python work per chunk but the retained
+    ones'."""
     table = np.frombuffer(records, dtype=_RETAINED_DTYPE)
     try:
         owners = msgpack.unpackb(owners_packed, raw=False, max_str_len=MAX_OWNER_CHARS, max_bin_len=0,
@@ -209,17 +210,13 @@ def _read_retained(records: memoryview, owners_packed: memoryview) -> tuple[list
         raise SnapshotRejected(f"unreadable retention owners ({exc})") from None
     if not isinstance(owners, list) or not all(isinstance(owner, str) for owner in owners):
         raise SnapshotRejected("the retention owners are not a list of names")
-    if len(table) == 0:
-        return [], 0
-    lease_end = table["lease_end"]
-    horizon = time.time() + MAX_LEASE_SECS
-    with np.errstate(invalid="ignore"):
-        good = (table["priority"] <= MAX_PRIORITY) & (table["owner"] < len(owners)) & np.isfinite(lease_end) \
-            & (lease_end >= 0)
-        clamped = good & (lease_end > horizon)
-    retained = [Retained(bytes(key), owners[owner], int(priority), min(end, horizon) if end > 0 else None)
-                for key, priority, end, owner in table[good].tolist()]
-    return retained, int((~good).sum() + clamped.sum())
+    retained, dropped, now = [], 0, time.time()
+    for key, priority, lease_end, owner in table.tolist():  # few: only the retained chunks
+        bounded = bounded_retention(priority, lease_end, now) if owner < len(owners) else None
+        if bounded is not None:
+            retained.append(Retained(bytes(key), owners[owner], bounded[0], bounded[1]))
+        dropped += bounded is None or bounded[2]
+    return retained, dropped
 
 
 def _shared_entries(table: np.ndarray) -> list[Entry]:

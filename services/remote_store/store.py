@@ -12,9 +12,9 @@ bytes arrive (`make_room`), so a put that announces a size and never sends the b
 worth; `commit_put` verifies the bytes against the meta's checksum (which every
 put carries) and only then makes the chunk visible; bytes that fail it are never held, served or reported
 (`abort_put` also if the bytes never came). Every put records its caller's claim (shared/store_kit/chunk_index.py), also
-on a chunk already held. With `persist_dir` the pins and claims are saved beside the chunk files
-(shared/store_kit/state_file.py: pin, unpin, remove, clear and wipe are answered once the files hold their effect; puts'
-claims follow within a second), else a restart starts with none. A get `acquire`s a chunk, sends its bytes, and
+on a chunk already held. With `persist_dir` the pins, claims and puts' retention (kv_priority, lease) are saved
+beside the chunk files (shared/store_kit/state_file.py: pin, unpin, remove, clear and wipe are answered once the
+files hold their effect; puts' claims and retention follow within a second), else a restart starts with none. A get `acquire`s a chunk, sends its bytes, and
 `release`s it: an eviction meanwhile only marks the chunk dropped, and its buffer is recycled when the last user
 lets go.
 """
@@ -85,6 +85,7 @@ class StoreCounters:
     get_hits: int = 0
     get_bytes: int = 0
     checksum_failures: int = 0
+    retentions_dropped: int = 0  # persisted retentions read back out of bounds (dropped, or lease end clamped)
     started_at: float = field(default_factory=time.time)
 
 
@@ -117,7 +118,7 @@ class MemoryStore:
                                fault_ahead_bytes=fault_ahead_bytes)
         self.prefault_bytes = prefault_bytes
         self.persister = persistence.Persister(persist_dir, self.release, fsync) if persist_dir else None
-        self.state = StoreState(persist_dir, self.index) if persist_dir is not None else None
+        self.state = StoreState(persist_dir, self.index, keeps_retention=True) if persist_dir is not None else None
         self.counters = StoreCounters()
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
@@ -129,8 +130,13 @@ class MemoryStore:
         loaded = 0
         if self.persister is not None and self.state is not None:
             loaded = await self._load(self.persister.root)
-            restored = await asyncio.to_thread(self.state.restore, self.domains.names_other_domains())
+            restored = await asyncio.to_thread(self.state.restore, self.domains.names_other_domains(),
+                                               self.retained_share)
             self.free(restored.strays)  # put just before a crash: their sharing domain is unknown
+            self.counters.retentions_dropped = restored.retention_dropped
+            if restored.retained or restored.retention_dropped:
+                log.info("restored the retention of %d chunks from %s; %d persisted retentions out of bounds",
+                         restored.retained, self.persister.root, restored.retention_dropped)
             loaded = len(self.index)
             self.persister.start()
         self.pool.fault_ahead(self._fault_room())  # the first puts find faulted memory, the store serving meanwhile
@@ -247,6 +253,7 @@ class MemoryStore:
         """A put's retention (the storing request's kv_priority and lease), within the caller's principal's
         `retained_share` of the store (ChunkIndex.retain_put). Call once the put is begun (or found held)."""
         self.index.retain_put(request.meta.key, caller, request.priority, request.lease_secs, self.retained_share)
+        self.save_soon()  # a held chunk's retention (one in flight: saved with its claim when it lands)
 
     def make_room(self, chunk: StoredChunk, upto: int) -> None:
         """Reserve room for the first `upto` bytes of a put begun with `ahead` (evicting as begin_put does);
@@ -341,7 +348,7 @@ class MemoryStore:
         return {
             "partition": self.partition, "num_partitions": self.num_partitions,
             "reserved_bytes": self.index.reserved_bytes, "puts_in_flight": self.index.in_flight_count,
-            "retains_refused": self.index.retains_refused,
+            "retains_refused": self.index.retains_refused, "retentions_dropped": self.counters.retentions_dropped,
             "spare_bytes": self.pool.spare_bytes, "buffers_allocated": self.pool.allocated,
             "prefaulted_bytes": self.pool.prefaulted_bytes, "arena_bytes": self.pool.arena_bytes,
             "persist_dir": str(self.persister.root) if self.persister else None,

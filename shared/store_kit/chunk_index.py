@@ -82,6 +82,21 @@ def _ignore(_: ChunkKey) -> None:
     pass
 
 
+def bounded_retention(priority: object, lease_end: object, now: float) -> tuple[int, float | None, bool] | None:
+    """A persisted retention read back, as untrusted input (the disk store's snapshot, a store's retention file):
+    (priority, wall-clock lease end or None, whether the lease end was clamped to MAX_LEASE_SECS from `now`); None
+    when it is out of bounds: a priority that is no int in 0..MAX_PRIORITY, a lease end that is no finite number
+    >= 0 (0: no lease)."""
+    if type(priority) is not int or not 0 <= priority <= MAX_PRIORITY:
+        return None
+    if lease_end is None:
+        return priority, None, False
+    if type(lease_end) not in (int, float) or not 0 <= lease_end < float("inf"):  # also NaN
+        return None
+    horizon = now + MAX_LEASE_SECS
+    return priority, (min(float(lease_end), horizon) or None), lease_end > horizon
+
+
 class ChunkIndex(Generic[E]):
     """Held chunks under a byte budget, with eviction by the named policy (default LRU) and pins.
 
@@ -109,6 +124,7 @@ class ChunkIndex(Generic[E]):
         self._pin_owners = PinOwners(self._policy)
         self.evictions = 0  # chunks evicted to make room or to fit the capacity (not removals, clears or wipes)
         self.retains_refused = 0  # retentions not taken (past their owner's bound; out of range, as the store says)
+        self._retention_version = 0  # bumped when a held key's retention is taken or goes with its key
 
     # ---- queries -----------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -138,6 +154,12 @@ class ChunkIndex(Generic[E]):
     def pins_version(self) -> int:
         """Bumped whenever pins are taken, dropped or lose their key: a store persisting pins saves on change."""
         return self._pins_version
+
+    @property
+    def retention_version(self) -> int:
+        """Bumped whenever a held key is retained or a retained key is forgotten (a lease's end is not a change:
+        its persisted end says it ended): a store persisting retention saves on change."""
+        return self._retention_version
 
     @property
     def claims_version(self) -> int:
@@ -319,8 +341,10 @@ class ChunkIndex(Generic[E]):
         if flight.retention is not None:
             owner, priority, lease_end, bound = flight.retention
             lease_secs = lease_end - self._clock() if lease_end is not None else None
-            if not self._policy.retain(key, owner, bound, priority,
-                                       lease_secs if lease_secs and lease_secs > 0 else None):
+            if self._policy.retain(key, owner, bound, priority,
+                                   lease_secs if lease_secs and lease_secs > 0 else None):
+                self._retention_version += 1
+            else:
                 self.retains_refused += 1
         self.on_admit(key)
         return True
@@ -335,7 +359,9 @@ class ChunkIndex(Generic[E]):
             lease_end = self._clock() + lease_secs if lease_secs else None
             flight.retention = (owner, priority, lease_end, max_owner_bytes)
             return
-        if not self._policy.retain(key, owner, max_owner_bytes, priority, lease_secs):
+        if self._policy.retain(key, owner, max_owner_bytes, priority, lease_secs):
+            self._retention_version += 1
+        else:
             self.retains_refused += 1
 
     def retain_put(self, key: ChunkKey, caller: str, priority: int, lease_secs: float, share: float) -> None:
@@ -370,6 +396,7 @@ class ChunkIndex(Generic[E]):
             return False
         if self._policy.retain(key, owner, int(share * self.capacity_bytes), priority,
                                lease_secs if lease_secs is not None and lease_secs > 0 else None):
+            self._retention_version += 1
             return True
         self.retains_refused += 1
         return False
@@ -504,6 +531,8 @@ class ChunkIndex(Generic[E]):
     def _forget(self, key: ChunkKey) -> E:
         if self._policy.is_pinned(key):
             self._pins_version += 1
+        if self._policy.is_retained(key):
+            self._retention_version += 1
         self._policy.remove(key)
         entry = self._held.pop(key)
         self._claims.forget(key)

@@ -21,6 +21,14 @@ chunk costs its key and a small int, however many callers claim it; `domains` na
 chunks not in the default one; `unclaimed` the held chunks nobody claims. Where several domains use the store, a
 chunk file the claims file does not name at all is dropped at start (`StoreState.restore`): its domain is
 unknown.
+
+The retention file (`save_retention` / `load_retention`; kept by a store that asks for it, the persisting remote
+store: the disk store keeps retention in its index snapshot) is `{key: [owner, priority, lease_end]}`, the
+retained chunks' owning principal, priority and wall-clock lease end (None: no lease), saved as the claims are
+(at most once per CLAIMS_SAVE_INTERVAL: a crash may lose the last second's). Read back as untrusted input
+(ChunkIndex's `bounded_retention`: out-of-range entries dropped, lease ends clamped to 30 days, counted) and
+re-taken within each owner's share as the store's `--retained-share` sets it at that start; a chunk it does not
+name is unretained.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from typing import Any, Callable, Generic, TypeVar
 import msgpack
 
 from kvmesh.shared.store_kit.chunk_claims import ClaimTable
-from kvmesh.shared.store_kit.chunk_index import ChunkIndex
+from kvmesh.shared.store_kit.chunk_index import ChunkIndex, bounded_retention
 from kvmesh.shared.store_kit.chunk_pins import UNOWNED
 from kvmesh.shared.wire.chunk_file import fsync_directory
 from kvmesh.shared.wire.keys import ChunkKey
@@ -48,6 +56,8 @@ T = TypeVar("T")
 
 CLAIMS_NAME = "claims.msgpack"
 PINS_NAME = "pins.msgpack"
+RETENTION_NAME = "retention.msgpack"
+MAX_OWNER_CHARS = 1024  # a principal's name in a retention file: far more than any real one
 CLAIMS_SAVE_INTERVAL = 1.0  # seconds between two rewrites of a claims file (every put changes the claims)
 
 
@@ -152,6 +162,34 @@ def load_pins(path: Path) -> dict[ChunkKey, PinRecord]:
         return {}
 
 
+RetentionRecord = tuple[ChunkKey, str, int, float | None]  # key, owner, priority, wall-clock lease end or None
+
+
+def save_retention(path: Path, records: list[RetentionRecord]) -> None:
+    write_atomically(path, {key: [owner, priority, lease_end] for key, owner, priority, lease_end in records})
+
+
+def load_retention(path: Path) -> tuple[list[RetentionRecord], int]:
+    """The persisted retentions, bounds checked, and how many were dropped or clamped; none when the file is
+    missing or damaged (logged: the chunks are then unretained)."""
+    raw = read_msgpack(path, "retention")
+    if not isinstance(raw, dict):
+        if raw is not None:
+            log.warning("%s: malformed retention file, starting without retention", path)
+        return [], 0
+    records: list[RetentionRecord] = []
+    dropped, now = 0, time.time()
+    for key, value in raw.items():
+        fields = value if isinstance(value, list) and len(value) == 3 else [None, None, None]
+        owner = fields[0]
+        bounded = bounded_retention(fields[1], fields[2], now) if isinstance(owner, str) and \
+            len(owner) <= MAX_OWNER_CHARS and isinstance(key, bytes) else None
+        if bounded is not None:
+            records.append((key, owner, bounded[0], bounded[1]))
+        dropped += bounded is None or bounded[2]
+    return records, dropped
+
+
 class CoalescedSave(Generic[T]):
     """Keeps a file in step with some state: `soon()` after a change starts a background save unless one runs;
     the running one saves again while the state moved meanwhile (`version()`), so a burst of changes costs a few
@@ -245,17 +283,21 @@ class Restored:
     pinned: int
     claimed: int
     strays: list[tuple[ChunkKey, Any]]
+    retained: int = 0  # keys whose persisted retention was re-taken
+    retention_dropped: int = 0  # persisted retentions out of bounds: dropped, or their lease end clamped
 
 
 class StoreState:
-    """A store's pins file and claims file in `root`, in step with its `index`.
+    """A store's pins file and claims file in `root` (and its retention file: `keeps_retention`), in step with its
+    `index`.
 
     `restore()` reads them at start (blocking, before the store serves); `save_soon()` after any change (puts'
     claims: coalesced, at most once per CLAIMS_SAVE_INTERVAL); `save_now()` before answering an op whose effect
     must survive a crash once answered (pin, unpin, clear, remove, wipe); `close()` last.
     """
 
-    def __init__(self, root: Path, index: ChunkIndex[Any], executor: Executor | None = None) -> None:
+    def __init__(self, root: Path, index: ChunkIndex[Any], executor: Executor | None = None,
+                 keeps_retention: bool = False) -> None:
         self.root = root
         self.index = index
         self._pins = CoalescedSave("pins", lambda: index.pins_version, lambda: pin_records(index),
@@ -263,6 +305,13 @@ class StoreState:
         self._claims = CoalescedSave("claims", lambda: index.claims_version, index.claim_table,
                                      lambda table: save_claims(root / CLAIMS_NAME, table),
                                      min_interval=CLAIMS_SAVE_INTERVAL, executor=executor)
+        self._retention = CoalescedSave("retention", lambda: index.retention_version, index.retentions,
+                                        lambda records: save_retention(root / RETENTION_NAME, records),
+                                        min_interval=CLAIMS_SAVE_INTERVAL, executor=executor) \
+            if keeps_retention else None
+
+    def _saves(self) -> list[CoalescedSave[Any]]:
+        return [self._pins, self._claims, *([self._retention] if self._retention is not None else [])]
 
     @property
     def executor(self) -> Executor | None:
@@ -270,9 +319,10 @@ class StoreState:
 
     @executor.setter
     def executor(self, executor: Executor | None) -> None:
-        self._pins.executor = self._claims.executor = executor
+        for save in self._saves():
+            save.executor = executor
 
-    def restore(self, several_domains: bool = False) -> Restored:
+    def restore(self, several_domains: bool = False, retained_share: float = 0.0) -> Restored:
         """Re-take the persisted pins and claims on the held keys.
 
         A held chunk the claims file does not name was put in the last moments before a crash (the file is
@@ -282,7 +332,8 @@ class StoreState:
         store's map names one, or the claims file holds chunks of one), it is forgotten
         (`ChunkIndex.forget_unrecorded`), never kept readable by the default domain; the store frees what
         `Restored.strays` lists. A directory without a claims file (a store from before claims, or a first
-        start) keeps every chunk and gets a claims file now."""
+        start) keeps every chunk and gets a claims file now. With `keeps_retention`, the retention file's
+        retentions are re-taken within `retained_share` of the capacity per owner (ChunkIndex.restore_retention)."""
         claims_file = self.root / CLAIMS_NAME
         recorded = claims_file.exists()
         table = load_claims(claims_file)
@@ -290,24 +341,31 @@ class StoreState:
         claimed = self.index.restore_claims(table)
         strays = self.index.forget_unrecorded(table) if recorded and (several_domains or table.domains) else []
         pinned = restore_pins(self.index, load_pins(self.root / PINS_NAME))
+        retained = dropped = 0
+        if self._retention is not None:
+            records, dropped = load_retention(self.root / RETENTION_NAME)
+            retained = sum(self.index.restore_retention(key, owner, priority, lease_end, retained_share)
+                           for key, owner, priority, lease_end in records)
+            if dropped or retained != len(records):  # so that no stale entry retains a chunk put again later
+                save_retention(self.root / RETENTION_NAME, self.index.retentions())
         if not recorded or strays:
             self.root.mkdir(parents=True, exist_ok=True)  # a first start: the store makes it after restoring
             save_claims(claims_file, self.index.claim_table())
-        self._pins.mark_saved()  # the files already say so
-        self._claims.mark_saved()
-        return Restored(pinned, claimed, strays)
+        for save in self._saves():  # the files already say so
+            save.mark_saved()
+        return Restored(pinned, claimed, strays, retained, dropped)
 
     def save_soon(self) -> None:
-        self._pins.soon()
-        self._claims.soon()
+        for save in self._saves():
+            save.soon()
 
     async def save_now(self) -> None:
-        """Both files hold the index as it is now; OSError if one could not be written."""
-        results = await asyncio.gather(self._pins.save_now(), self._claims.save_now(), return_exceptions=True)
+        """The files hold the index as it is now; OSError if one could not be written."""
+        results = await asyncio.gather(*(save.save_now() for save in self._saves()), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
 
     async def close(self) -> None:
-        await self._pins.close()
-        await self._claims.close()
+        for save in self._saves():
+            await save.close()

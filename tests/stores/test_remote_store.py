@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import msgpack
 import numpy as np
 import pytest
 
@@ -442,5 +443,57 @@ async def test_a_leased_stream_put_outlives_unleased_ones_within_its_principals_
     finally:
         await a.close()
         await b.close()
+        await nc.close()
+        await services[0].stop()
+
+
+async def test_a_persisting_store_keeps_retention_across_a_restart_bounded(nats_url: str, tmp_path) -> None:
+    """With persist_dir the puts' retention is saved beside the chunk files (retention.msgpack): after a restart a
+    leased chunk still outlives unleased ones. The file is read back as untrusted: entries out of bounds are
+    dropped or clamped (counted), the rest re-taken within each principal's share, never past it."""
+    from kvmesh.shared.store_kit.state_file import RETENTION_NAME
+
+    persist = tmp_path / "persist"
+    options = dict(persist_dir=persist, fsync=False, capacity=4 * MiB, bounds=StoreBounds(retained_share=0.5))
+    services, nc = await start_stores(nats_url, "kept", **options)
+    tenant = protocol.Principal.engine("tenant-a").producer("w0")
+    client = RemoteStoreClient(nc, ["kept-0"], tenant, request_timeout=WAIT_S)
+    try:
+        kept = chunk(MiB, 1)
+        assert await client.put(kept[0], ChunkBuffer(memoryview(kept[1])), Retention(lease_until=time.time() + 600))
+        others = [chunk(MiB, seed) for seed in (2, 3)]
+        for meta, data in others:
+            assert await client.put(meta, ChunkBuffer(memoryview(data)))
+        await wait_until_async(lambda: services[0].store.persister.pending == 0, what="the chunk files written")
+        await services[0].stop()  # saves the retention beside the chunk files
+        services, store_nc = await start_stores(nats_url, "kept", **options)
+        await store_nc.close()
+        assert services[0].store.index.is_retained(kept[0].key)
+        pushed = [chunk(MiB, seed) for seed in range(10, 14)]
+        for meta, data in pushed:  # four more through a store of four: the leased one stays
+            assert await client.put(meta, ChunkBuffer(memoryview(data)))
+        assert [await client.contains([meta.key]) for meta, _ in (kept, *others)] == [1, 0, 0]
+        assert await client.get_into(kept[0].key, ChunkBuffer(memoryview(bytearray(MiB)))) == kept[0]
+        await wait_until_async(lambda: services[0].store.persister.pending == 0, what="the chunk files written")
+        await services[0].stop()
+
+        # forged: a priority past 10^6, a lease end that is no number, a year-long lease (clamped), and the same
+        # owner's chunks past its share of two (its third is held unretained); in file order
+        held = [meta.key for meta, _ in pushed[1:]] + [kept[0].key]
+        owner = "engine.tenant-a"
+        forged = {others[0][0].key: [owner, 10**7, None], held[0]: [owner, 7, None], held[1]: [owner, 0, "soon"],
+                  held[2]: [owner, 0, time.time() + 365 * 86400], held[3]: [owner, 5, None]}
+        (persist / RETENTION_NAME).write_bytes(msgpack.packb(forged, use_bin_type=True))
+        services, store_nc = await start_stores(nats_url, "kept", **options)
+        await store_nc.close()
+        store = services[0].store
+        assert store.counters.retentions_dropped == 3  # two dropped, one clamped
+        assert [store.index.is_retained(key) for key in held] == [True, False, True, False]
+        assert store.index.retains_refused == 1  # the owner's third: past its share
+        lease_end = {key: end for key, _, _, end in store.index.retentions()}[held[2]]
+        assert lease_end is not None and lease_end <= time.time() + 30 * 86400
+        assert store.index.retained_bytes(owner) <= 2 * MiB + 2 * 4096
+    finally:
+        await client.close()
         await nc.close()
         await services[0].stop()
