@@ -106,11 +106,12 @@ def test_direct_construction_is_checked() -> None:
         EngineConfig(chunk_size=0)
     assert_names(exc, "chunk_size")
     assert EngineConfig(cache_policy="lru").cache_policy == "LRU"
-    for share in (-0.1, 1.5, float("nan")):  # what requests' leases may keep of the CPU tier
-        with pytest.raises(ConfigError) as exc:
-            EngineConfig(retained_cpu_share=share)
-        assert_names(exc, "retained_cpu_share")
-    assert EngineConfig(retained_cpu_share=0.0).retained_cpu_share == 0.0
+    for name in ("retained_cpu_share", "retained_redis_share"):  # what leases may keep of the CPU tier, of Redis
+        for share in (-0.1, 1.5, float("nan")):
+            with pytest.raises(ConfigError) as exc:
+                EngineConfig(**{name: share})
+            assert_names(exc, name)
+        assert getattr(EngineConfig(**{name: 0.0}), name) == 0.0
 
 
 @pytest.mark.parametrize("name", ["LRU", "lfu", "Fifo", "mru"])
