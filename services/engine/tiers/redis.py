@@ -247,7 +247,7 @@ class RedisTier:
         (RETAIN); 0 when there is none or it is past the share (counted in `retain_refused`)."""
         now = time.time()
         extra = extra_secs(retention, now)
-        if extra <= 0:
+        if extra <= 0 or self.link.resting:  # resting: the put is skipped anyway, not refused a retention
             return 0
         bound = int(self.retained_share * self.capacity_bytes)
         now_ms, extra_ms = int(now * 1000), int(extra * 1000)
