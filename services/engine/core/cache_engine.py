@@ -136,31 +136,33 @@ class CacheEngine:
 
     @overload
     def load(self, spans: Sequence[ChunkSpan], slot_mapping: torch.Tensor | None = None, *,
-             fetch: Literal[False] = False) -> ChunkLoad: ...
+             fetch: Literal[False] = False, tiers: frozenset[str] | None = None) -> ChunkLoad: ...
 
     @overload
     def load(self, spans: Sequence[ChunkSpan], slot_mapping: torch.Tensor | None = None, *,
-             fetch: bool) -> ChunkLoad | None: ...
+             fetch: bool, tiers: frozenset[str] | None = None) -> ChunkLoad | None: ...
 
     def load(self, spans: Sequence[ChunkSpan], slot_mapping: torch.Tensor | None = None, *,
-             fetch: bool = False) -> ChunkLoad | None:
+             fetch: bool = False, tiers: frozenset[str] | None = None) -> ChunkLoad | None:
         """The held prefix of `spans` on its way into vLLM's paged cache (core/chunk_load.py): acquired at once
         from the CPU tier, then the lower tiers (`slot_mapping`, when given, must have a slot for every span's
         token); with `fetch`, fetched on the NATS loop (the CPU tier, then the lower tiers; chunks a lookup is
         prefetching are waited for, not read twice), and None without a connected lower tier: the caller loads
-        at once."""
+        at once. `tiers`: the only locations read (a request's kv_load_tiers; None: all); without the CPU tier
+        its copy is never read, the chunks come from the named lower tiers (StorageManager.fetch)."""
         layout, _, _, storage, copier = self.ready()
+        wanted = ALL_LOCATIONS if tiers is None else tiers
         if fetch:
             if not spans or not storage.lower_ready():
                 return None
             assert storage.loop is not None
-            return ChunkLoad(spans, storage.loop.submit(storage.fetch(spans, self.meta_mismatch)), layout, copier,
-                             storage.recency.note_hits)
+            return ChunkLoad(spans, storage.loop.submit(storage.fetch(spans, self.meta_mismatch, wanted=wanted)),
+                             layout, copier, storage.recency.note_hits)
         if not spans:
             return ChunkLoad.acquired(spans, [], layout, copier)
         if slot_mapping is not None:
             check_slot_count(slot_mapping, spans[-1].end)
-        return ChunkLoad.acquired(spans, storage.acquire_prefix(spans, self.meta_mismatch), layout, copier)
+        return ChunkLoad.acquired(spans, storage.acquire_prefix(spans, self.meta_mismatch, wanted), layout, copier)
 
     def save(self, spans: Sequence[ChunkSpan], kv_caches: KVCaches, slot_mapping: torch.Tensor,
              stream: "torch.cuda.Stream | None" = None, retention: Retention = NO_RETENTION,
