@@ -319,7 +319,7 @@ class CacheEngine:
     def usage(self) -> "EngineUsage":
         """What the connector's metrics report of this engine (adapter/connector_stats.py)."""
         return EngineUsage(self.storage.stats, self.cpu.used_bytes, len(self.cpu),
-                           self.connected or self.nats_loop is None)
+                           self.connected or self.nats_loop is None, {"retains_refused": self.cpu.retain_refused})
 
     @property
     def nats_url(self) -> str | None:
@@ -369,13 +369,14 @@ class CacheEngine:
 
 @dataclasses.dataclass(frozen=True)
 class EngineUsage:
-    """The storage manager's counters so far, the CPU tier's bytes and chunks, and whether the engine is healthy
-    (its mesh reachable, or it has none)."""
+    """The storage manager's counters so far, the CPU tier's bytes and chunks, whether the engine is healthy
+    (its mesh reachable, or it has none), and the CPU tier's own counters so far (`retains_refused`)."""
 
     counters: Mapping[str, int]
     cpu_bytes: int
     cpu_chunks: int
     healthy: bool
+    cpu_counters: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

@@ -158,7 +158,7 @@ class LocalCPUBackend:
         with self._lock:
             return TierUsage(num_chunks=len(self._entries), used_bytes=self._policy.used_bytes,
                              capacity_bytes=self.pool.capacity_bytes, pinned_chunks=self._policy.pinned_count,
-                             hits=self.hits, evictions=self.evictions)
+                             hits=self.hits, evictions=self.evictions, retains_refused=self.retain_refused)
 
     # ---- reads and writes ------------------------------------------------------------------------------------
     def acquire(self, key: ChunkKey) -> ChunkRef | None:
