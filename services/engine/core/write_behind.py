@@ -178,7 +178,8 @@ class WriteBehind:
             else:
                 self.stats[f"put_failed_{client.location}"] += 1
         if all(r is True for r in results):
-            self._remember_held(job.meta.key)
+            if len(clients) == len(self._stores()):  # every store took it (its kv_store_tiers may name fewer)
+                self._remember_held(job.meta.key)
             self.stats["write_behind_done"] += 1
         else:
             self.stats["write_behind_failed"] += 1

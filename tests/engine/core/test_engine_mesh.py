@@ -462,6 +462,41 @@ def test_retrieval_goes_cpu_then_disk_then_remote(full_mesh: LocalMesh, kv: Page
         engine.close()
 
 
+def test_a_save_to_some_stores_leaves_the_others_to_the_next_save(full_mesh: LocalMesh, kv: PagedKV,
+                                                                  tmp_path: Path) -> None:
+    """A save whose store tiers (a request's kv_store_tiers) name the disk store and not the remote store does
+    not mark its chunks held by every store: a later save of the same chunks with every tier (once the CPU tier
+    has lost them) sends them to the remote store."""
+    from kvmesh.shared.protocol import REMOTE
+
+    engine = engine_on(str(full_mesh.nats_url), kv, local_disk=str(tmp_path / "disk"),
+                       remote_url="lm://localhost:65432", remote_partitions=2)
+    try:
+        wait_until(lambda: engine.storage.lower(REMOTE) is not None, what="the remote store client")
+        tokens = random_tokens(64, seed=52)
+        src = kv.slots(64)
+        spans = engine.hasher.spans(tokens)
+        engine.save(spans, **kv.kv(src), store_to=frozenset({LOCAL_CPU, LOCAL_DISK}))
+        assert engine.wait_write_behind(WAIT_S)
+        # (no lookup before the next save: one that finds a store without them forgets them as held, too)
+        assert not any(engine.storage.write_behind.known_held(span.key) for span in spans)
+        token_api.clear(engine, LOCAL_CPU)
+        engine.save(spans, **kv.kv(src))  # every tier
+        assert engine.wait_write_behind(WAIT_S)
+        disk = engine.storage.lower(LOCAL_DISK)
+        assert disk is not None and engine.nats_loop.call(disk.wait_written(WAIT_S), WAIT_S + 2, default=False)
+        assert token_api.lookup(engine, tokens, search_range=[REMOTE]) == 64
+        assert token_api.lookup(engine, tokens, search_range=[LOCAL_DISK]) == 64
+        assert all(engine.storage.write_behind.known_held(span.key) for span in spans)
+        dst = kv.slots(64, exclude=src)
+        token_api.clear(engine, LOCAL_CPU)
+        assert token_api.clear(engine, LOCAL_DISK) > 0
+        assert bool(token_api.retrieve(engine, tokens, **kv.kv(dst)).all())  # from the remote store
+        assert torch.equal(kv.token_kv(dst), kv.token_kv(src))
+    finally:
+        engine.close()
+
+
 @pytest.fixture
 def small_disk_mesh(tmp_path: Path) -> Iterator[LocalMesh]:
     """A real disk store that holds three of the tests' chunks (16 KiB of KV + a 4 KiB header page each)."""
