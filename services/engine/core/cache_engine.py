@@ -235,8 +235,11 @@ class CacheEngine:
         try:
             with torch.cuda.stream(stream) if on_side else contextlib.nullcontext():
                 for span in spans:
-                    if span.key in cpu or storage.write_behind.known_held(span.key):
+                    held_below = storage.write_behind.known_held(span.key)
+                    if span.key in cpu or held_below:
                         cpu.retain_keys([span.key], retention)  # held already: kept as the request asks
+                        if write_lower and not held_below:  # e.g. stored before to the CPU tier only
+                            self._send_on(span.key, retention, lower_to)
                         continue
                     if span.end > first_bad:  # tokens without a cache slot: nothing valid to copy from here on
                         break
@@ -258,6 +261,16 @@ class CacheEngine:
             release_after_copies(kv_caches, [slot for _, slot in filled], stream if on_side else None)
             raise
         return StoreJob(filled, write_lower, self._admit, event, retention, keep_cpu, lower_to) if filled else None
+
+    def _send_on(self, key: ChunkKey, retention: Retention, lower_to: frozenset[str] | None) -> None:
+        """A chunk the CPU tier holds that the stores are not known to hold and no write-behind is sending: sent
+        from the CPU tier (no copy out of vLLM's cache), to the save's stores."""
+        cpu, write_behind = self.cpu, self.storage.write_behind
+        if write_behind.pending(key):
+            return
+        ref = cpu.copy_for_stores(key)
+        if ref is not None:
+            write_behind.enqueue(ref.meta, ref.slot, retention, lower_to)
 
     def _admit(self, job: "StoreJob") -> None:
         """Put a finished gather's chunks into the CPU tier and queue them for the lower tiers (write-behind).

@@ -173,6 +173,15 @@ class LocalCPUBackend:
             self.hits += 1
             return ChunkRef(entry.meta, entry.slot)
 
+    def copy_for_stores(self, key: ChunkKey) -> ChunkRef | None:
+        """The chunk with a reference for the write-behind (not a read: no hit, no recency), or None."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            entry.slot.ref()
+            return ChunkRef(entry.meta, entry.slot)
+
     def allocate(self) -> Slot | None:
         """A free pool slot, evicting idle chunks in the policy's victim order if needed; None if nothing can go.
 
