@@ -1,4 +1,5 @@
-"""GET /usage: chunks, bytes, pins, hits, evictions and refused retentions per instance (and worker), tier, store and sharing domain.
+"""GET /usage: chunks, bytes, pins, hits, evictions and refused retentions per instance (and worker), tier, store
+and sharing domain.
 
 Two sources, kept apart in the answer:
   - the holder index: `num_chunks`, the chunks each producer holds as the controller applied its admissions.

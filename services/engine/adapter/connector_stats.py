@@ -240,4 +240,5 @@ class GaugeClock:
         return True
 
 
-__all__ = ["METRICS", "STORAGE_COUNTERS", "CPU_COUNTERS", "KVMeshStats", "KVMeshPromMetrics", "GaugeClock", "Increments", "Metric"]
+__all__ = ["METRICS", "STORAGE_COUNTERS", "CPU_COUNTERS", "KVMeshStats", "KVMeshPromMetrics", "GaugeClock",
+           "Increments", "Metric"]
