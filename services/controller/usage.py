@@ -1,4 +1,5 @@
-"""GET /usage: chunks, bytes, pins, hits and evictions per instance (and worker), tier, store and sharing domain.
+"""GET /usage: chunks, bytes, pins, hits, evictions and refused retentions per instance (and worker), tier, store
+and sharing domain.
 
 Two sources, kept apart in the answer:
   - the holder index: `num_chunks`, the chunks each producer holds as the controller applied its admissions.
@@ -37,7 +38,7 @@ from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, REMOTE, TierUsage
 # LMCache's tier words: L1 is an instance's own memory, L2 what lies below it (here: the disk and remote stores).
 TIER_OF = {LOCAL_CPU: "l1", LOCAL_DISK: "l2", REMOTE: "l2"}
 STORE_LOCATIONS = (LOCAL_DISK, REMOTE)
-SUMMED = ("used_bytes", "capacity_bytes", "pinned_chunks", "hits", "evictions")
+SUMMED = ("used_bytes", "capacity_bytes", "pinned_chunks", "hits", "evictions", "retains_refused")
 
 
 def _total(usages: list[TierUsage]) -> TierUsage:

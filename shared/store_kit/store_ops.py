@@ -232,7 +232,7 @@ class IndexOps(Generic[E]):
         index = self.index
         return protocol.TierUsage(num_chunks=len(index), used_bytes=index.used_bytes,
                                   capacity_bytes=index.capacity_bytes, pinned_chunks=index.pinned_count,
-                                  hits=hits, evictions=index.evictions)
+                                  hits=hits, evictions=index.evictions, retains_refused=index.retains_refused)
 
 
 

@@ -11,6 +11,7 @@ import httpx
 
 from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
+from kvmesh.services.engine.tiers.base import Retention
 from kvmesh.shared.ops.local_mesh import LocalMesh
 from kvmesh.shared.protocol import CONTROLLER, LOCAL_CPU, LOCAL_DISK
 
@@ -55,7 +56,7 @@ async def test_usage_follows_puts_hits_evictions_pins_and_clears(disk_mesh: Loca
     kv = PagedKV(num_blocks=128)
     engine: CacheEngine = await asyncio.to_thread(engine_on, str(disk_mesh.nats_url), kv,
                                                   local_disk=str(tmp_path / "disk"), lmcache_instance_id="metered",
-                                                  cpu_chunks=CPU_CHUNKS)
+                                                  cpu_chunks=CPU_CHUNKS, retained_cpu_share=0.2)  # 1 chunk
     slot_nbytes = engine.cpu.pool.slot_nbytes
     first, second = random_tokens(4 * CHUNK, seed=1), random_tokens(4 * CHUNK, seed=2)
     async with running_controller(str(disk_mesh.nats_url), nats_auth=disk_mesh.auth(CONTROLLER),
@@ -73,6 +74,7 @@ async def test_usage_follows_puts_hits_evictions_pins_and_clears(disk_mesh: Loca
             cpu = await _settled(client, LOCAL_CPU, num_chunks=4, reported_chunks=4)
             assert cpu["used_bytes"] == 4 * slot_nbytes and cpu["capacity_bytes"] == engine.cpu.pool.capacity_bytes
             assert cpu["pinned_chunks"] == 0 and cpu["evictions"] == 0 and cpu["hits"] == 0
+            assert cpu["retains_refused"] == 0
             assert (cpu["producers"], cpu["reporting"], cpu["tier"], cpu["shared"]) == (1, 1, "l1", False)
             assert cpu["usage_ratio"] == round(4 * slot_nbytes / engine.cpu.pool.capacity_bytes, 6)
             disk = await _settled(client, LOCAL_DISK, num_chunks=4, reported_chunks=4)
@@ -84,6 +86,13 @@ async def test_usage_follows_puts_hits_evictions_pins_and_clears(disk_mesh: Loca
             assert worker["worker_id"] == engine.worker_id and worker["num_chunks"] == 4
             (domain,) = body["domains"]
             assert domain["instance_ids"] == ["metered"] and domain["modules"][0]["num_chunks"] == 4
+
+            # A request asks to keep the 4 chunks (kv_priority): the CPU tier's retained share holds 1 of them.
+            engine.cpu.retain_keys([span.key for span in engine.hasher.spans(first)], Retention(priority=1))
+            await _settled(client, LOCAL_CPU, retains_refused=3)
+            (worker,) = (await _usage(client, instance_id="metered"))["instances"][0]["workers"]
+            assert worker["retains_refused"] == 3
+            assert _module(await _usage(client, instance_id="metered"), LOCAL_DISK)["retains_refused"] == 0
 
             # Reads: every chunk of the prefix is a CPU-tier hit.
             dst = kv.slots(4 * CHUNK, exclude=src)
@@ -153,6 +162,9 @@ def test_usage_figures_from_a_producer_are_checked() -> None:
     for bad in ({"num_chunks": -1}, {"hits": 2**63}, {"used_bytes": 1.0}, {"evictions": True}, {"pinned_chunks": None}):
         assert TierUsage.from_details({USAGE_DETAIL: {**good.as_detail(), **bad}}) is None, bad
     assert TierUsage.from_details({USAGE_DETAIL: {"num_chunks": 3}}) is None
+    older = {name: value for name, value in good.as_detail().items() if name != "retains_refused"}
+    assert TierUsage.from_details({USAGE_DETAIL: older}) == good, "a producer that predates the figure: 0"
+    assert TierUsage.from_details({USAGE_DETAIL: {**good.as_detail(), "retains_refused": -1}}) is None
     assert TierUsage.from_details({"pid": 1}) is None and TierUsage.from_details([]) is None
 
 

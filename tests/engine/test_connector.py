@@ -118,7 +118,7 @@ class FakeEngine:
     def chunk_spans(self, chain_keys: list[bytes], num_tokens: int, first_chunk: int = 0) -> list[ChunkSpan]:
         return chunk_spans(chain_keys, num_tokens, C)[first_chunk:]
 
-    def load(self, spans: list[ChunkSpan], slot_mapping: torch.Tensor | None = None) -> Any:
+    def load(self, spans: list[ChunkSpan], slot_mapping: torch.Tensor | None = None, *, tiers: Any = None) -> Any:
         if self.held is None:
             raise RuntimeError("disk store unreachable")
         held = sum(1 for span in spans if span.end <= self.held)

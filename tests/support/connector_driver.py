@@ -148,10 +148,10 @@ def run_step(scheduler: Any, worker: Any, step: Step,
     return result
 
 
-def prefill(sched: object, work: object, forward: Forward, req_id: str, tokens: list[int], block_ids: list[int]
-            ) -> tuple[int, bool]:
+def prefill(sched: object, work: object, forward: Forward, req_id: str, tokens: list[int], block_ids: list[int],
+            kv_transfer_params: dict[str, Any] | None = None) -> tuple[int, bool]:
     """One request through lookup, allocation and one step that computes its whole prompt; the lookup's answer."""
-    req = request(req_id, tokens)
+    req = request(req_id, tokens, kv_transfer_params=kv_transfer_params)
     answer = sched.get_num_new_matched_tokens(req, 0)  # type: ignore[attr-defined]
     loaded = answer[0] or 0
     sched.update_state_after_alloc(req, blocks(block_ids), loaded)  # type: ignore[attr-defined]

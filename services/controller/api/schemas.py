@@ -245,6 +245,9 @@ class UsageFigures(BaseModel):
     hits: int | None = Field(description="reads that found their chunk, since each producer started")
     evictions: int | None = Field(description="chunks evicted to make room, since each producer started (not "
                                               "removals, clears or wipes)")
+    retains_refused: int | None = Field(description="requests' retentions (kv_priority, leases) not taken since "
+                                                    "each producer started: past the CPU tier's retained_cpu_share "
+                                                    "or a store's --retained-share the chunk is held as any other")
     usage_ratio: float | None = Field(description="used_bytes / capacity_bytes; null when either is unknown or 0")
 
 

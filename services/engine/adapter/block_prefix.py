@@ -65,11 +65,12 @@ class BlockPrefixProbe:
         spans = [hasher.prefix_span(tokens, chain, end, extras) for end in ends]
         return cls(hit, spans, [None] * len(spans))
 
-    def held(self, lookup: "SchedulerLookup") -> tuple[bool, ChunkSpan | None]:
-        """(answered, the longest span every rank holds or None); (False, None) while a lower tier is asked."""
+    def held(self, lookup: "SchedulerLookup", tiers: frozenset[str] | None = None) -> tuple[bool, ChunkSpan | None]:
+        """(answered, the longest span every rank holds or None); (False, None) while a lower tier is asked.
+        `tiers`: the only locations looked in (the request's kv_load_tiers; None: all)."""
         answered = True
         for i, span in enumerate(self.spans):
-            is_held, self.lowers[i] = lookup.held_one(span, self.lowers[i])
+            is_held, self.lowers[i] = lookup.held_one(span, self.lowers[i], tiers)
             if is_held is None:
                 answered = False
             elif is_held and answered:  # every longer candidate said no: this is the longest held

@@ -60,6 +60,9 @@ METRICS: tuple[Metric, ...] = (
            "Chunks from the disk or remote store that did not open under this engine's key (another sharing "
            "domain's or an old key's, moved under another key, stored in clear, damaged): misses, recomputed"),
     Metric("lmcache:local_cpu_evict_count", "counter", "Chunks that left the CPU tier (evicted, removed, cleared)"),
+    Metric("lmcache:num_retains_refused", "counter",
+           "Requests' retentions (kv_priority, leases) the CPU tier did not take: past retained_cpu_share the chunk "
+           "is held as any other"),
     Metric("lmcache:num_local_disk_read_bytes", "counter", "Bytes read from the disk store"),
     Metric("lmcache:num_local_disk_write_bytes", "counter", "Bytes written to the disk store"),
     Metric("lmcache:num_remote_read_bytes", "counter", "Bytes read from the remote tier"),
@@ -203,6 +206,10 @@ STORAGE_COUNTERS = {
 }
 
 
+# the CPU tier's counters (EngineUsage) -> the metric their increments feed
+CPU_COUNTERS = {"retains_refused": "lmcache:num_retains_refused"}
+
+
 class Increments:
     """Turns counters that only grow (kept by another thread) into this interval's increments."""
 
@@ -233,4 +240,5 @@ class GaugeClock:
         return True
 
 
-__all__ = ["METRICS", "STORAGE_COUNTERS", "KVMeshStats", "KVMeshPromMetrics", "GaugeClock", "Increments", "Metric"]
+__all__ = ["METRICS", "STORAGE_COUNTERS", "CPU_COUNTERS", "KVMeshStats", "KVMeshPromMetrics", "GaugeClock",
+           "Increments", "Metric"]

@@ -113,6 +113,11 @@ class RequestLoad:
         assert self._engine is not None
         return self._engine
 
+    @property
+    def tiers(self) -> frozenset[str] | None:
+        """The only tiers the load reads (the request's kv_load_tiers; None: all)."""
+        return self.req.kv_params.load_tiers
+
     def lacks_state(self) -> bool:
         """A load that does not end where a state was saved (vLLM changed it): nothing to resume from."""
         groups = self._where.groups
@@ -132,7 +137,8 @@ class RequestLoad:
         try:
             spans = self.spans()
             slots = self._where.tokens(self.req, spec.end)
-            loaded = self.engine.load(spans, slots).scatter(self._kv_caches, slots, spec.skip_prefix)
+            loaded = self.engine.load(spans, slots, tiers=self.tiers).scatter(self._kv_caches, slots,
+                                                                              spec.skip_prefix)
             if spec.state_key is None or (loaded == len(spans) and self._load_state()):
                 loaded_upto = spans[loaded - 1].end if loaded else spec.mask_start
         except Exception as exc:
@@ -148,7 +154,7 @@ class RequestLoad:
             spans = self.spans()
             if spec.state_key is not None:
                 spans = [*spans, self._where.state(self.engine, self.req, spec.end, spec.state_key)[0]]
-            chunks = self.engine.load(spans, fetch=True)
+            chunks = self.engine.load(spans, fetch=True, tiers=self.tiers)
         except Exception as exc:
             log.warning("cannot start loading KV for request %s asynchronously (%s: %s); loading it now",
                         self.req.req_id, type(exc).__name__, exc)
@@ -190,7 +196,7 @@ class RequestLoad:
         try:
             spans = self.spans()
             slots = self.req.slot_mapping(spec.end, self._where.block_size)
-            chunks = self.engine.load(spans, slots)
+            chunks = self.engine.load(spans, slots, tiers=self.tiers)
         except Exception as exc:
             log.warning("loading KV for request %s failed (%s: %s); vLLM recomputes it", self.req.req_id,
                         type(exc).__name__, exc)
@@ -211,7 +217,7 @@ class RequestLoad:
         assert self.spec.state_key is not None
         span, slots = self._where.state(self.engine, self.req, self.spec.end, self.spec.state_key)
         if fetched is None:
-            loaded = self.engine.load([span], slots).scatter(self._kv_caches, slots) == 1
+            loaded = self.engine.load([span], slots, tiers=self.tiers).scatter(self._kv_caches, slots) == 1
         else:
             loaded = fetched.scatter(self._kv_caches, slots, first=first) == 1
         self._stats.count("lmcache:num_retrieved_states", int(loaded))

@@ -265,16 +265,18 @@ class SchedulerLookup:
             return None, lower
         return max(answer, cpu_tokens), lower
 
-    def held_one(self, span: ChunkSpan, lower: LowerLookup | None) -> tuple[bool | None, LowerLookup | None]:
+    def held_one(self, span: ChunkSpan, lower: LowerLookup | None, tiers: frozenset[str] | None = None
+                 ) -> tuple[bool | None, LowerLookup | None]:
         """Whether every rank holds the one chunk `span` names in some tier (None: "ask again"), with the lower-tier
         lookup in flight or done. The chunk is looked up alone, as the first chunk of a sequence of its length:
-        tiers know keys and token counts, not positions (block_prefix.py)."""
-        tokens, lower = self.held([_alone(span)], span.num_tokens, lower)
+        tiers know keys and token counts, not positions (block_prefix.py). `tiers`: as in `held`."""
+        tokens, lower = self.held([_alone(span)], span.num_tokens, lower, tiers=tiers)
         return (None if tokens is None else tokens == span.num_tokens), lower
 
-    def in_cpu(self, span: ChunkSpan) -> bool:
-        """Whether every rank's CPU tier holds the one chunk `span` names (as the mirror says)."""
-        return self.cpu_tokens([_alone(span)]) == span.num_tokens
+    def in_cpu(self, span: ChunkSpan, tiers: frozenset[str] | None = None) -> bool:
+        """Whether every rank's CPU tier holds the one chunk `span` names (as the mirror says); False when
+        `tiers` leaves it out."""
+        return self.cpu_tokens([_alone(span)], tiers) == span.num_tokens
 
     def cpu_tokens(self, chain: Sequence[ChunkSpan], tiers: frozenset[str] | None = None) -> int:
         """Tokens of `chain` held in every rank's CPU tier (as the mirror says); 0 when `tiers` leaves it out."""

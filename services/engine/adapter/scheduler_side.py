@@ -146,11 +146,7 @@ class SchedulerSide:
                                               prefetch_from=num_computed_tokens, tiers=tiers)
         if hit is None:
             return None, False  # the lower tiers have not answered yet: vLLM asks again next step
-        if tiers is not None:
-            # block prefixes and states are looked up in every tier: a request choosing its tiers goes without
-            hit = 0 if self.groups is not None and self.groups.has_state else hit
-            tracker.hit_key = None
-        elif self.groups is not None and self.groups.has_state:
+        if self.groups is not None and self.groups.has_state:  # block prefixes and states: in its tiers too
             hit, tracker.state_key = self._state_hit(tracker, hit, total)
         else:
             hit, tracker.hit_key = self._block_prefix_hit(tracker, hasher, hit, total)
@@ -199,12 +195,13 @@ class SchedulerSide:
             tokens = list(tracker.request.all_token_ids[:min(hit + self.chunk_size, total)])
             probe = tracker.probe = BlockPrefixProbe.of(hasher, tokens, tracker.chain, hit, self.block_size,
                                                         tracker.extras)
-        answered, span = probe.held(self.lookup)
+        tiers = tracker.kv_params.load_tiers
+        answered, span = probe.held(self.lookup, tiers)
         if not answered:
             return None, None
         if span is None:
             return hit, None
-        if tracker.cpu_tokens == hit and self.lookup.in_cpu(span):  # for the async decision, as the chain's
+        if tracker.cpu_tokens == hit and self.lookup.in_cpu(span, tiers):  # for the async decision, as the chain's
             tracker.cpu_tokens = span.end
         return span.end, span.key
 
@@ -220,7 +217,7 @@ class SchedulerSide:
             spans = [ChunkSpan(k - 1, k * self.chunk_size - self.block_size, k * self.chunk_size,
                                state_key(tracker.chain[k - 1].key)) for k in range(last, 0, -1)]
             probe = tracker.probe = BlockPrefixProbe(hit, spans, [None] * len(spans))
-        answered, span = probe.held(self.lookup)
+        answered, span = probe.held(self.lookup, tracker.kv_params.load_tiers)
         if not answered:
             return None, None
         if span is None:

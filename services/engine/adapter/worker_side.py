@@ -18,7 +18,8 @@ import torch
 
 from kvmesh.services.engine.adapter.async_loads import IDLE_WAIT_SECS, AsyncLoads
 from kvmesh.services.engine.adapter.async_saves import AsyncSaves
-from kvmesh.services.engine.adapter.connector_stats import STORAGE_COUNTERS, GaugeClock, Increments, KVMeshStats
+from kvmesh.services.engine.adapter.connector_stats import (CPU_COUNTERS, STORAGE_COUNTERS, GaugeClock, Increments,
+                                                            KVMeshStats)
 from kvmesh.services.engine.adapter.kv_groups import STATE, KVGroups, page_view
 from kvmesh.services.engine.adapter.load_agreement import CollectiveAgreement, RankAgreement
 from kvmesh.services.engine.adapter.request_load import LoadFailures, RequestLoad, agree_on_loads
@@ -107,6 +108,7 @@ class WorkerSide:
         self._stats = KVMeshStats()
         self._gauge_clock = GaugeClock()
         self._storage_increments = Increments(STORAGE_COUNTERS)
+        self._cpu_increments = Increments(CPU_COUNTERS)
         self._saves = Saves(self._where, self._failures, self._stats)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -279,6 +281,7 @@ class WorkerSide:
         if self.engine is not None:
             usage = self.engine.usage()
             self._storage_increments.add_to(self._stats, usage.counters)
+            self._cpu_increments.add_to(self._stats, usage.cpu_counters)
             if self._gauge_clock.due(self._stats):
                 self._stats.set_gauge("lmcache:local_cache_usage", usage.cpu_bytes)
                 self._stats.set_gauge("lmcache:pinned_memory_objs_count", usage.cpu_chunks)

@@ -136,31 +136,33 @@ class CacheEngine:
 
     @overload
     def load(self, spans: Sequence[ChunkSpan], slot_mapping: torch.Tensor | None = None, *,
-             fetch: Literal[False] = False) -> ChunkLoad: ...
+             fetch: Literal[False] = False, tiers: frozenset[str] | None = None) -> ChunkLoad: ...
 
     @overload
     def load(self, spans: Sequence[ChunkSpan], slot_mapping: torch.Tensor | None = None, *,
-             fetch: bool) -> ChunkLoad | None: ...
+             fetch: bool, tiers: frozenset[str] | None = None) -> ChunkLoad | None: ...
 
     def load(self, spans: Sequence[ChunkSpan], slot_mapping: torch.Tensor | None = None, *,
-             fetch: bool = False) -> ChunkLoad | None:
+             fetch: bool = False, tiers: frozenset[str] | None = None) -> ChunkLoad | None:
         """The held prefix of `spans` on its way into vLLM's paged cache (core/chunk_load.py): acquired at once
         from the CPU tier, then the lower tiers (`slot_mapping`, when given, must have a slot for every span's
         token); with `fetch`, fetched on the NATS loop (the CPU tier, then the lower tiers; chunks a lookup is
         prefetching are waited for, not read twice), and None without a connected lower tier: the caller loads
-        at once."""
+        at once. `tiers`: the only locations read (a request's kv_load_tiers; None: all); without the CPU tier
+        its copy is never read, the chunks come from the named lower tiers (StorageManager.fetch)."""
         layout, _, _, storage, copier = self.ready()
+        wanted = ALL_LOCATIONS if tiers is None else tiers
         if fetch:
             if not spans or not storage.lower_ready():
                 return None
             assert storage.loop is not None
-            return ChunkLoad(spans, storage.loop.submit(storage.fetch(spans, self.meta_mismatch)), layout, copier,
-                             storage.recency.note_hits)
+            return ChunkLoad(spans, storage.loop.submit(storage.fetch(spans, self.meta_mismatch, wanted=wanted)),
+                             layout, copier, storage.recency.note_hits)
         if not spans:
             return ChunkLoad.acquired(spans, [], layout, copier)
         if slot_mapping is not None:
             check_slot_count(slot_mapping, spans[-1].end)
-        return ChunkLoad.acquired(spans, storage.acquire_prefix(spans, self.meta_mismatch), layout, copier)
+        return ChunkLoad.acquired(spans, storage.acquire_prefix(spans, self.meta_mismatch, wanted), layout, copier)
 
     def save(self, spans: Sequence[ChunkSpan], kv_caches: KVCaches, slot_mapping: torch.Tensor,
              stream: "torch.cuda.Stream | None" = None, retention: Retention = NO_RETENTION,
@@ -233,8 +235,11 @@ class CacheEngine:
         try:
             with torch.cuda.stream(stream) if on_side else contextlib.nullcontext():
                 for span in spans:
-                    if span.key in cpu or storage.write_behind.known_held(span.key):
+                    held_below = storage.write_behind.known_held(span.key)
+                    if span.key in cpu or held_below:
                         cpu.retain_keys([span.key], retention)  # held already: kept as the request asks
+                        if write_lower and not held_below:  # e.g. stored before to the CPU tier only
+                            self._send_on(span.key, retention, lower_to)
                         continue
                     if span.end > first_bad:  # tokens without a cache slot: nothing valid to copy from here on
                         break
@@ -256,6 +261,16 @@ class CacheEngine:
             release_after_copies(kv_caches, [slot for _, slot in filled], stream if on_side else None)
             raise
         return StoreJob(filled, write_lower, self._admit, event, retention, keep_cpu, lower_to) if filled else None
+
+    def _send_on(self, key: ChunkKey, retention: Retention, lower_to: frozenset[str] | None) -> None:
+        """A chunk the CPU tier holds that the stores are not known to hold and no write-behind is sending: sent
+        from the CPU tier (no copy out of vLLM's cache), to the save's stores."""
+        cpu, write_behind = self.cpu, self.storage.write_behind
+        if write_behind.pending(key):
+            return
+        ref = cpu.copy_for_stores(key)
+        if ref is not None:
+            write_behind.enqueue(ref.meta, ref.slot, retention, lower_to)
 
     def _admit(self, job: "StoreJob") -> None:
         """Put a finished gather's chunks into the CPU tier and queue them for the lower tiers (write-behind).
@@ -317,7 +332,7 @@ class CacheEngine:
     def usage(self) -> "EngineUsage":
         """What the connector's metrics report of this engine (adapter/connector_stats.py)."""
         return EngineUsage(self.storage.stats, self.cpu.used_bytes, len(self.cpu),
-                           self.connected or self.nats_loop is None)
+                           self.connected or self.nats_loop is None, {"retains_refused": self.cpu.retain_refused})
 
     @property
     def nats_url(self) -> str | None:
@@ -367,13 +382,14 @@ class CacheEngine:
 
 @dataclasses.dataclass(frozen=True)
 class EngineUsage:
-    """The storage manager's counters so far, the CPU tier's bytes and chunks, and whether the engine is healthy
-    (its mesh reachable, or it has none)."""
+    """The storage manager's counters so far, the CPU tier's bytes and chunks, whether the engine is healthy
+    (its mesh reachable, or it has none), and the CPU tier's own counters so far (`retains_refused`)."""
 
     counters: Mapping[str, int]
     cpu_bytes: int
     cpu_chunks: int
     healthy: bool
+    cpu_counters: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

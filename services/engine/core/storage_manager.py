@@ -210,8 +210,11 @@ class StorageManager:
         except those that end at or before token `prefetch_from`: vLLM's own prefix cache holds them, no load
         reads them. `for_request`: a request's lookup, whose prefetch takes the first chunks that fit in
         `prefetch_cpu_share` of the CPU tier beside the chunks other lookups prefetched that no load has read
-        yet (its load reads the rest). Only the `wanted` tiers are looked in (a request's kv_load_tiers)."""
+        yet (its load reads the rest). Only the `wanted` tiers are looked in (a request's kv_load_tiers); without
+        the CPU tier nothing is prefetched: that request's load reads the wanted tier itself, never the CPU tier."""
         runs = await self.locate(spans, wanted)
+        if LOCAL_CPU not in wanted:
+            return runs[-1].end if runs else 0
         skip = sum(1 for span in spans if span.end <= prefetch_from)
         lower_runs = [Run(run.location, max(run.begin, skip), run.end) for run in runs
                       if run.location != LOCAL_CPU and run.end > skip]
@@ -250,28 +253,31 @@ class StorageManager:
         self.loop.submit(self.lookup_and_prefetch(spans, check)).add_done_callback(_log_failure)
 
     # ---- retrieval (vLLM thread, then the loop) --------------------------------------------------------------
-    def acquire_prefix(self, spans: Sequence[ChunkSpan], check: CheckMeta) -> list[ChunkRef]:
-        """References to the longest prefix of `spans` held in any tier, fetching from below into the pool.
+    def acquire_prefix(self, spans: Sequence[ChunkSpan], check: CheckMeta,
+                       wanted: frozenset[str] = ALL_LOCATIONS) -> list[ChunkRef]:
+        """References to the longest prefix of `spans` held in the `wanted` tiers (a request's kv_load_tiers),
+        fetching from below into the pool.
 
         CPU hits cost no NATS round trip; the rest is fetched on the NATS loop within `blocking_timeout_secs`
         (a timeout or a dead mesh just ends the prefix there: the caller recomputes the rest).
         """
         refs: list[ChunkRef] = []
-        for span in spans:
+        for span in spans if LOCAL_CPU in wanted else ():
             ref = self._checked(span, self.cpu.acquire(span.key), check)
             if ref is None:
                 break
             refs.append(ref)
-        if len(refs) < len(spans) and self.lower_ready():
-            refs += self._fetch_rest(spans[len(refs):], check)
+        if len(refs) < len(spans) and wanted - {LOCAL_CPU} and self.lower_ready():
+            refs += self._fetch_rest(spans[len(refs):], check, wanted)
         self.recency.note_hits([ref.meta.key for ref in refs])
         return refs
 
-    def _fetch_rest(self, spans: Sequence[ChunkSpan], check: CheckMeta) -> list[ChunkRef]:
+    def _fetch_rest(self, spans: Sequence[ChunkSpan], check: CheckMeta,
+                    wanted: frozenset[str] = ALL_LOCATIONS) -> list[ChunkRef]:
         assert self.loop is not None
         job = _FetchJob()
         timeout = self.config.blocking_timeout_secs
-        more = self.loop.call(self._fetch_for(job, spans, check), timeout, default=None, cancel=False)
+        more = self.loop.call(self._fetch_for(job, spans, check, wanted), timeout, default=None, cancel=False)
         if more is None:
             with job.lock:
                 if job.result is not None:  # finished just as we gave up
@@ -285,10 +291,11 @@ class StorageManager:
                 return []
         return more
 
-    async def _fetch_for(self, job: _FetchJob, spans: Sequence[ChunkSpan], check: CheckMeta) -> list[ChunkRef]:
+    async def _fetch_for(self, job: _FetchJob, spans: Sequence[ChunkSpan], check: CheckMeta,
+                         wanted: frozenset[str] = ALL_LOCATIONS) -> list[ChunkRef]:
         refs: list[ChunkRef] = []
         try:
-            refs = await self.fetch(spans, check)
+            refs = await self.fetch(spans, check, wanted=wanted)
         finally:
             with job.lock:
                 abandoned = job.abandoned
@@ -300,20 +307,25 @@ class StorageManager:
         return refs
 
     async def fetch(self, spans: Sequence[ChunkSpan], check: CheckMeta, owner: object | None = None,
-                    runs: list[Run] | None = None, prefetched: bool = False) -> list[ChunkRef]:
-        """Loop thread: references to the held prefix of `spans` (within `runs`, located now if not given).
+                    runs: list[Run] | None = None, prefetched: bool = False,
+                    wanted: frozenset[str] = ALL_LOCATIONS) -> list[ChunkRef]:
+        """Loop thread: references to the held prefix of `spans` (within `runs`, located now in the `wanted`
+        tiers if not given).
 
         Chunks fetched from below are also made resident in the CPU tier when it keeps chunks (`prefetched`: as a
         request's lookup prefetch, LocalCPUBackend.put). A chunk that another fetch (usually a prefetch) is
         reading is waited for, not read twice. `owner` names this fetch in the in-flight table (a prefetch claims
-        its keys before it starts).
+        its keys before it starts). Without LOCAL_CPU in `wanted` (a request's kv_load_tiers leave it out) the
+        CPU tier is never read: every chunk comes from the wanted tier through a fresh pool slot (and is then
+        admitted to the CPU tier like any chunk read from below, docs/config.md).
         """
         owner = owner if owner is not None else object()
         refs: list[ChunkRef] = []
+        from_cpu = LOCAL_CPU in wanted
         try:
-            for run in runs if runs is not None else await self.locate(spans):
+            for run in runs if runs is not None else await self.locate(spans, wanted):
                 pos = run.begin
-                while pos < run.end:  # what is (or is about to be) resident needs no store
+                while from_cpu and pos < run.end:  # what is (or is about to be) resident needs no store
                     ref = await self._resident(spans[pos], owner, check)
                     if ref is None:
                         break
@@ -325,8 +337,8 @@ class StorageManager:
                 if client is None:  # a CPU run whose chunk is gone (evicted, or its fetch failed): ask below once
                     if runs is None:
                         lower = [Run(r.location, r.begin + pos, r.end + pos)
-                                 for r in await self.locate(spans[pos:], ALL_LOCATIONS - {LOCAL_CPU})]
-                        refs += await self.fetch(spans, check, owner, lower, prefetched)
+                                 for r in await self.locate(spans[pos:], wanted - {LOCAL_CPU})]
+                        refs += await self.fetch(spans, check, owner, lower, prefetched, wanted)
                     return refs
                 got = await self._get_many(client, spans[pos:run.end], check, owner, prefetched)
                 refs += got

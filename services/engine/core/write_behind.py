@@ -63,6 +63,7 @@ class WriteBehind:
         self._wake: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._writing = 0  # jobs popped and not finished (loop thread only)
+        self._pending: collections.Counter[ChunkKey] = collections.Counter()  # queued or being written (queue lock)
         self._known_held: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()
         self._known_lock = threading.Lock()
         self._rlog = RateLimitedLog(log)
@@ -81,6 +82,7 @@ class WriteBehind:
         self._tasks = []
         with self._queue_lock:
             jobs, self._queue = list(self._queue), collections.deque()
+            self._pending.clear()
         for job in jobs:
             job.slot.release()
 
@@ -120,6 +122,7 @@ class WriteBehind:
             full = len(self._queue) >= self.config.store_queue_size
             if not full:
                 self._queue.append(_WriteJob(meta, slot, retention, store_to))
+                self._pending[meta.key] += 1
         if full:
             slot.release()
             self.stats["write_behind_skipped_full"] += 1
@@ -134,6 +137,17 @@ class WriteBehind:
     def _poke(self) -> None:
         if self._wake is not None:
             self._wake.set()
+
+    def pending(self, key: ChunkKey) -> bool:
+        """Whether a job for the chunk is queued or being written."""
+        with self._queue_lock:
+            return key in self._pending
+
+    def _done(self, key: ChunkKey) -> None:
+        with self._queue_lock:
+            self._pending[key] -= 1
+            if self._pending[key] <= 0:
+                del self._pending[key]
 
     @property
     def queue_depth(self) -> int:
@@ -160,6 +174,7 @@ class WriteBehind:
                 self._writing -= 1
                 self.cpu.drop_staged(job.meta.key, job.slot)  # staging only: the CPU copy has served its purpose
                 job.slot.release()
+                self._done(job.meta.key)
 
     async def _write(self, job: _WriteJob) -> None:
         clients = [c for c in self._stores() if job.store_to is None or c.location in job.store_to]
@@ -178,7 +193,8 @@ class WriteBehind:
             else:
                 self.stats[f"put_failed_{client.location}"] += 1
         if all(r is True for r in results):
-            self._remember_held(job.meta.key)
+            if len(clients) == len(self._stores()):  # every store took it (its kv_store_tiers may name fewer)
+                self._remember_held(job.meta.key)
             self.stats["write_behind_done"] += 1
         else:
             self.stats["write_behind_failed"] += 1

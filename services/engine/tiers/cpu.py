@@ -158,7 +158,7 @@ class LocalCPUBackend:
         with self._lock:
             return TierUsage(num_chunks=len(self._entries), used_bytes=self._policy.used_bytes,
                              capacity_bytes=self.pool.capacity_bytes, pinned_chunks=self._policy.pinned_count,
-                             hits=self.hits, evictions=self.evictions)
+                             hits=self.hits, evictions=self.evictions, retains_refused=self.retain_refused)
 
     # ---- reads and writes ------------------------------------------------------------------------------------
     def acquire(self, key: ChunkKey) -> ChunkRef | None:
@@ -171,6 +171,15 @@ class LocalCPUBackend:
             entry.slot.ref()
             self._unread.discard(key)
             self.hits += 1
+            return ChunkRef(entry.meta, entry.slot)
+
+    def copy_for_stores(self, key: ChunkKey) -> ChunkRef | None:
+        """The chunk with a reference for the write-behind (not a read: no hit, no recency), or None."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            entry.slot.ref()
             return ChunkRef(entry.meta, entry.slot)
 
     def allocate(self) -> Slot | None:

@@ -102,6 +102,30 @@ def test_an_extended_prompt_loads_the_earlier_prompts_kv_up_to_its_last_whole_bl
         sched.shutdown()
 
 
+def test_a_block_prefix_is_found_and_loaded_only_in_a_requests_load_tiers(paged: tuple[CacheEngine, PagedKV]) -> None:
+    """kv_load_tiers (adapter/request_retention.py) govern block prefixes as they govern whole chunks: a request
+    naming the CPU tier loads r1's KV up to its last whole block from it; one naming only the disk store (which
+    this engine has not) is promised nothing, though the CPU tier holds it all."""
+    worker, kv = paged
+    sched = scheduler_half(worker.config, BLOCK, saves_off_forward=False)
+    work = worker_half(worker, kv.caches, BLOCK, saves_off_forward=False)
+    forward = Forward(kv)
+    try:
+        t1 = random_tokens(2 * CHUNK + BLOCK + 5, seed=7).tolist()
+        assert prefill(sched, work, forward, "r1", t1, [1, 2, 3, 4, 5, 6]) == (0, False)
+        t2 = t1 + random_tokens(40, seed=8).tolist()
+        assert sched.get_num_new_matched_tokens(
+            request("r3", t2, kv_transfer_params={"kv_load_tiers": ["LocalDiskBackend"]}), 0) == (0, False)
+        hits = worker.cpu.hits
+        r2_blocks = [10, 11, 12, 13, 14, 15, 16, 17]
+        assert prefill(sched, work, forward, "r2", t2, r2_blocks,
+                       kv_transfer_params={"kv_load_tiers": ["LocalCPUBackend"]}) == (2 * CHUNK + BLOCK, False)
+        assert forward.holds("r1", r2_blocks, range(5)), "r2's first 5 blocks hold r1's KV, loaded"
+        assert worker.cpu.hits == hits + 3, "two whole chunks and the block prefix, from the CPU tier"
+    finally:
+        sched.shutdown()
+
+
 def test_a_block_prefix_is_published_to_routers_like_a_partial_last_chunk(paged: tuple[CacheEngine, PagedKV]) -> None:
     kv_events = pytest.importorskip("kvmesh.services.engine.adapter.kv_events")
     worker, kv = paged
@@ -145,4 +169,36 @@ def test_a_block_prefix_only_on_disk_is_found_by_asking_again(
     assert answers[-1] == (True, prefix)
     # the same walk moved it into the CPU tier, for the load one step later
     wait_until(lambda: prefix.key in worker.cpu, what="the block prefix prefetched into the CPU tier")
+    lookup.close()
+
+
+def test_a_block_prefix_lookup_asks_only_the_requests_load_tiers(
+        engine: tuple[CacheEngine, PagedKV, StepEventLog]) -> None:
+    """With kv_load_tiers the block-prefix probe looks only in those tiers: naming the CPU tier only, a prefix
+    the disk store holds is not found and the store is never asked; naming the disk store only, it is found
+    there, and nothing is prefetched into the CPU tier (that request's load never reads it)."""
+    worker, kv, events = engine
+    lookup = SchedulerLookup(world_size=1, timeout=WAIT_S, nats_name="test-scheduler")
+    hasher = lookup.hasher()
+    assert hasher is not None
+    tokens = random_tokens(2 * CHUNK, seed=9).tolist()
+    chain = hasher.chain(tokens)
+    prefix = hasher.prefix_span(tokens, chain, CHUNK + BLOCK)
+    worker.save([chain[0], prefix], kv.caches, kv.slots(CHUNK + BLOCK))
+    assert worker.wait_write_behind(WAIT_S)
+    client = worker.storage.lower(LOCAL_DISK)
+    assert client is not None and worker.nats_loop is not None
+    assert worker.nats_loop.call(client.wait_written(WAIT_S), WAIT_S + 1, default=False)
+    token_api.clear(worker, LOCAL_CPU)
+    lookup.update(CpuTierEvents({0: events.take()}))
+
+    cpu_only = BlockPrefixProbe.of(hasher, tokens, chain, CHUNK, BLOCK, None)
+    assert cpu_only.held(lookup, frozenset({LOCAL_CPU})) == (True, None), "answered at once: no store asked"
+    assert cpu_only.lowers == [None]
+    disk_only = BlockPrefixProbe.of(hasher, tokens, chain, CHUNK, BLOCK, None)
+    answers: list[tuple[bool, object]] = []
+    wait_until(lambda: answers.append(disk_only.held(lookup, frozenset({LOCAL_DISK}))) or answers[-1][0],
+               what="the disk store's answer")
+    assert answers[-1] == (True, prefix)
+    assert prefix.key not in worker.cpu and worker.storage.stats[f"fetched_{LOCAL_DISK}"] == 0, "nothing prefetched"
     lookup.close()

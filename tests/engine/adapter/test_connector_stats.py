@@ -120,3 +120,38 @@ def test_a_waiting_request_is_counted_and_logged_once_per_answer(caplog: pytest.
                              for n in (need, need - BLOCK)]
         finally:
             sched.shutdown()
+
+
+def test_retentions_the_cpu_tier_refuses_are_counted() -> None:
+    """A leased request (kv_ttl) through both halves stores 4 chunks into a CPU tier whose retained_cpu_share
+    holds 2: the other 2 are held as any other, and the worker's stats count them once."""
+    from kvmesh.services.engine.assembly import build_engine
+    from kvmesh.services.engine.adapter.scheduler_lookup import engines
+    from kvmesh.shared.wire.keys import KeyParams
+
+    from support.connector_driver import Step, blocks, request, run_step, scheduler_half, worker_half
+    from support.engine import BLOCK, CHUNK, PagedKV, engine_config, random_tokens
+
+    kv = PagedKV(num_blocks=64)
+    engine = build_engine(engine_config(cpu_chunks=8, retained_cpu_share=0.25), KeyParams(model="test-model",
+                                                                                           kv_format=""), kv.layout)
+    engines.add(0, engine)
+    sched = scheduler_half(engine.config, BLOCK, False)
+    work = worker_half(engine, kv.caches, BLOCK, False)
+    try:
+        tokens = random_tokens(4 * CHUNK, seed=5).tolist()
+        leased, block_ids = request("a", tokens, kv_transfer_params={"kv_ttl": 600}), list(range(1, 9))
+        assert sched.get_num_new_matched_tokens(leased, 0) == (0, False)
+        sched.update_state_after_alloc(leased, blocks(block_ids), 0)
+        run_step(sched, work, Step(new=[("a", block_ids, 0, len(tokens))]))
+        keys = [span.key for span in engine.hasher.spans(tokens)]
+        assert [engine.cpu.is_retained(key) for key in keys] == [True, True, False, False]
+        taken = work.get_kv_connector_stats()
+        assert taken is not None and taken.data["counters"]["lmcache:num_retains_refused"] == 2
+        assert engine.cpu.usage().retains_refused == 2  # what the controller's /usage reports of it
+        again = work.get_kv_connector_stats()
+        assert again is None or "lmcache:num_retains_refused" not in again.data["counters"], "counted once"
+    finally:
+        sched.shutdown()
+        engines.remove(engine)
+        engine.close()

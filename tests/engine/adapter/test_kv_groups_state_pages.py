@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -73,9 +73,11 @@ class StateForward:
             pages[block_ids[0][columns[0]]] = state_pattern(tokens, start + offsets[0], pages[0])
 
 
-def run_prompt(cache: VLLMCache, tokens: list[int], steps: list[int]) -> dict[int, int | None]:
+def run_prompt(cache: VLLMCache, tokens: list[int], steps: list[int],
+               then: Callable[[Any, Any], None] | None = None) -> dict[int, int | None]:
     """Prefill `tokens` in steps of the given sizes through vLLM's manager and the connector's halves; for each
-    chunk end, the position whose state the engine stored under that chunk's state key (None: none stored)."""
+    chunk end, the position whose state the engine stored under that chunk's state key (None: none stored).
+    `then(scheduler half, engine)` runs after the prefill, before the engine closes."""
     from kvmesh.services.engine.adapter.async_loads import AsyncLoads
     from kvmesh.services.engine.adapter.scheduler_lookup import SchedulerLookup
     from kvmesh.services.engine.adapter.scheduler_side import SchedulerSide
@@ -116,6 +118,8 @@ def run_prompt(cache: VLLMCache, tokens: list[int], steps: list[int]) -> dict[in
                 run_step(sched, work, step, forward)
                 start += size
                 vllm_request.num_computed_tokens = start
+            if then is not None:
+                then(sched, engine)
             return {end: stored_state(engine, tokens, end, caches) for end in range(CHUNK, len(tokens) + 1, CHUNK)}
         finally:
             sched.shutdown()
@@ -159,6 +163,30 @@ def test_a_state_is_stored_under_a_chunks_state_key_only_from_a_page_that_holds_
     hash_block_size, drop_eagle_block, length, steps, want = CASES[case]
     tokens = random_tokens(length, seed=len(case)).tolist()
     assert run_prompt(mamba_hybrid(hash_block_size, drop_eagle_block), tokens, steps) == want
+
+
+def test_a_state_hit_is_looked_up_only_in_the_requests_load_tiers() -> None:
+    """kv_load_tiers (adapter/request_retention.py) govern the state a hybrid model's hit resumes from as they
+    govern its chunks: the same prompt again resumes from the state after 32 when the request names the CPU tier
+    (or no tiers), and from nothing when it names only the disk store, which this engine has not."""
+    from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, StepEventLog
+
+    cache = mamba_hybrid(hash_block_size=16)
+    tokens = random_tokens(44, seed=12).tolist()
+    answers: dict[str, Any] = {}
+
+    def ask(sched: Any, engine: Any) -> None:
+        held = engine.cpu.listen(StepEventLog())  # what the scheduler's mirror would have heard
+        sched.scheduler_side.lookup.update(CpuTierEvents({0: [(True, key) for key in held]}))
+        for name, tiers in (("every", None), ("cpu", ["LocalCPUBackend"]), ("disk", ["LocalDiskBackend"])):
+            again = request(cache, f"again-{name}", tokens)
+            again.kv_transfer_params = {"kv_load_tiers": tiers} if tiers is not None else None
+            answers[name] = sched.get_num_new_matched_tokens(again, 0)
+            if answers[name][0]:
+                assert sched.scheduler_side.tracker(f"again-{name}").state_key is not None
+
+    assert run_prompt(cache, tokens, [44], ask) == {32: 32}
+    assert answers == {"every": (32, True), "cpu": (32, True), "disk": (0, False)}
 
 
 def test_a_step_names_only_its_running_state_and_the_checkpoint_vllm_writes_in_it() -> None:

@@ -462,6 +462,73 @@ def test_retrieval_goes_cpu_then_disk_then_remote(full_mesh: LocalMesh, kv: Page
         engine.close()
 
 
+def test_a_save_to_some_stores_leaves_the_others_to_the_next_save(full_mesh: LocalMesh, kv: PagedKV,
+                                                                  tmp_path: Path) -> None:
+    """A save whose store tiers (a request's kv_store_tiers) name the disk store and not the remote store does
+    not mark its chunks held by every store: a later save of the same chunks with every tier (once the CPU tier
+    has lost them) sends them to the remote store."""
+    from kvmesh.shared.protocol import REMOTE
+
+    engine = engine_on(str(full_mesh.nats_url), kv, local_disk=str(tmp_path / "disk"),
+                       remote_url="lm://localhost:65432", remote_partitions=2)
+    try:
+        wait_until(lambda: engine.storage.lower(REMOTE) is not None, what="the remote store client")
+        tokens = random_tokens(64, seed=52)
+        src = kv.slots(64)
+        spans = engine.hasher.spans(tokens)
+        engine.save(spans, **kv.kv(src), store_to=frozenset({LOCAL_CPU, LOCAL_DISK}))
+        assert engine.wait_write_behind(WAIT_S)
+        # (no lookup before the next save: one that finds a store without them forgets them as held, too)
+        assert not any(engine.storage.write_behind.known_held(span.key) for span in spans)
+        token_api.clear(engine, LOCAL_CPU)
+        engine.save(spans, **kv.kv(src))  # every tier
+        assert engine.wait_write_behind(WAIT_S)
+        disk = engine.storage.lower(LOCAL_DISK)
+        assert disk is not None and engine.nats_loop.call(disk.wait_written(WAIT_S), WAIT_S + 2, default=False)
+        assert token_api.lookup(engine, tokens, search_range=[REMOTE]) == 64
+        assert token_api.lookup(engine, tokens, search_range=[LOCAL_DISK]) == 64
+        assert all(engine.storage.write_behind.known_held(span.key) for span in spans)
+        dst = kv.slots(64, exclude=src)
+        token_api.clear(engine, LOCAL_CPU)
+        assert token_api.clear(engine, LOCAL_DISK) > 0
+        assert bool(token_api.retrieve(engine, tokens, **kv.kv(dst)).all())  # from the remote store
+        assert torch.equal(kv.token_kv(dst), kv.token_kv(src))
+    finally:
+        engine.close()
+
+
+def test_a_save_to_the_disk_store_sends_on_what_the_cpu_tier_alone_holds(disk_mesh: LocalMesh, kv: PagedKV,
+                                                                         tmp_path: Path) -> None:
+    """Chunks stored to the CPU tier only (a request's kv_store_tiers), then saved by a request that stores to
+    the disk store, reach the disk store, sent from the CPU tier (not copied out of vLLM's cache again: the
+    second save's blocks hold other KV here, and the disk store gets the first's); saved once more, they are
+    known to be held and not sent again."""
+    engine = engine_on(str(disk_mesh.nats_url), kv, local_disk=str(tmp_path / "disk"))
+    try:
+        wait_until(lambda: engine.storage.lower(LOCAL_DISK) is not None, what="the disk store client")
+        disk = engine.storage.lower(LOCAL_DISK)
+        assert disk is not None and engine.nats_loop is not None
+        tokens = random_tokens(64, seed=53)
+        spans = engine.hasher.spans(tokens)
+        src = kv.slots(64)
+        other = kv.slots(64, exclude=src)
+        assert not torch.equal(kv.token_kv(src), kv.token_kv(other))
+        engine.save(spans, **kv.kv(src), store_to=frozenset({LOCAL_CPU}))
+        assert engine.wait_write_behind(WAIT_S) and engine.storage.stats["write_behind_done"] == 0
+        engine.save(spans, **kv.kv(other), store_to=frozenset({LOCAL_DISK}))
+        assert engine.wait_write_behind(WAIT_S)
+        assert engine.nats_loop.call(disk.wait_written(WAIT_S), WAIT_S + 2, default=False)
+        assert engine.storage.stats["write_behind_done"] == 2
+        token_api.clear(engine, LOCAL_CPU)
+        dst = kv.slots(64, exclude=torch.cat([src, other]))
+        assert bool(token_api.retrieve(engine, tokens, **kv.kv(dst)).all())  # from the disk store
+        assert torch.equal(kv.token_kv(dst), kv.token_kv(src))
+        engine.save(spans, **kv.kv(src), store_to=frozenset({LOCAL_DISK}))
+        assert engine.wait_write_behind(WAIT_S) and engine.storage.stats["write_behind_done"] == 2
+    finally:
+        engine.close()
+
+
 @pytest.fixture
 def small_disk_mesh(tmp_path: Path) -> Iterator[LocalMesh]:
     """A real disk store that holds three of the tests' chunks (16 KiB of KV + a 4 KiB header page each)."""
