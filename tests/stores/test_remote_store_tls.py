@@ -1,6 +1,6 @@
 """The remote store's stream port over TLS (--stream-tls-cert/--stream-tls-key): a client trusting the CA puts and
 gets bit-exact chunks; a plaintext connection, a client without a CA or trusting another CA, and a TLS client of a
-plaintext port are each refused, saying why."""
+plaintext port are each refused, saying why; a client that ends its session cleanly leaves the port serving."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from kvmesh.shared.tls import TlsMaterial, client_context
 from kvmesh.shared.wire.stream_wire import OP_HELLO, StreamError, send_request
 
 from support.remote_store import ENGINE, MiB, chunk, nats_url, start_stores  # noqa: F401 (fixtures)
+from support.tls import served_certificate
 from support.waiting import WAIT_S, wait_until_async
 
 
@@ -103,3 +104,23 @@ async def test_a_tls_client_refuses_a_plaintext_stream_port(nats_url: str, mater
     finally:
         await nc.close()
         await services[0].stop()
+
+
+async def test_a_client_that_closes_its_tls_session_cleanly_leaves_the_port_serving(tls_store,
+                                                                                     material: TlsMaterial) -> None:
+    """A client that ends its TLS session with a close_notify before its hello (as a TLS library's close does): the
+    store's read of the hello ends there (it used to read 0 bytes forever, its loop stuck) and it serves on."""
+    service, nc = tls_store
+    port = (await offer(nc, service.options.store_id)).port
+    for _ in range(2):
+        await served_certificate(port, material.ca)  # handshake, then close_notify and close
+    client = RemoteStoreClient(nc, [service.options.store_id], ENGINE, request_timeout=WAIT_S,
+                               tls=client_context(material.ca))
+    try:
+        meta, data = chunk(70_000, 2)
+        assert await client.put(meta, ChunkBuffer(memoryview(data)))
+        out = np.zeros(meta.nbytes, dtype=np.uint8)
+        got = await client.get_into(meta.key, ChunkBuffer(memoryview(out)))
+        assert got is not None and np.array_equal(out, data)
+    finally:
+        await client.close()
