@@ -50,6 +50,18 @@ def best_gbps(nbytes: int, call: Callable[[], object], repeat: int = 20) -> floa
     return round(nbytes / best / 1e9, 3)
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time process `pid`'s live threads have used so far, to the nanosecond (Linux schedstat; /proc/PID/stat
+    counts in 10 ms ticks, coarser than one round)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            pass
+    return total / 1e9
+
+
 def ceilings(chunks: Chunks, sealer: ChunkSealer) -> dict[str, float]:
     """One thread's rates on one chunk, the best of 20: memcpy (the machine's ceiling), sealing (AES-GCM and the
     store's xxh3 of the sealed bytes) and opening."""
@@ -92,14 +104,18 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         rounds = [(range(start, min(start + step, half)), range(half + start, half + min(start + step, half)))
                   for start in range(0, half, step)]
         seconds = collections.Counter[str]()
+        cpu = collections.Counter[str]()  # CPU seconds of this process (the engine side) and of the store
         for phase, timed in (("write", store_write), ("read", store_read)):
             if phase == "read" and args.drop_caches:
                 drop_page_cache()
             for r, (plain_keys, sealed_keys) in enumerate(rounds):
                 sides = [("plain", plain, plain_keys), ("sealed", sealed, sealed_keys)]
                 for name, client, indices in (sides if r % 2 == 0 else sides[::-1]):
+                    engine_cpu, store_cpu = cpu_seconds(os.getpid()), cpu_seconds(store.pid)
                     took = await timed(client, chunks, indices, args.inflight)  # type: ignore[arg-type]
                     seconds[f"{name}_{phase}"] += took
+                    cpu[f"{name}_{phase}_engine"] += cpu_seconds(os.getpid()) - engine_cpu
+                    cpu[f"{name}_{phase}_store"] += cpu_seconds(store.pid) - store_cpu
         stats = (await plain.stats())[0]
         await plain.close()
     finally:
@@ -121,14 +137,19 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         return round(side_bytes / seconds[key] / 1e9, 3)
 
     return {
-        "benchmark": "disk_store_sealed", "chunk_bytes": chunk_bytes, "chunks_per_side": half,
-        "rounds": len(rounds), "inflight": args.inflight, "fsync_per_file": not args.no_fsync,
+        "benchmark": "disk_store_sealed", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": " ".join(["python", *sys.argv]), "round_mib": args.round_mib, "chunk_bytes": chunk_bytes,
+        "chunks_per_side": half, "rounds": len(rounds), "inflight": args.inflight, "fsync_per_file": not args.no_fsync,
         "page_cache_dropped": bool(args.drop_caches), "staging_mb": args.staging_mb,
         **machine,
         "plain_write_GBps": gbps("plain_write"), "sealed_write_GBps": gbps("sealed_write"),
         "write_sealed_vs_plain": round(seconds["plain_write"] / seconds["sealed_write"], 3),
         "plain_read_GBps": gbps("plain_read"), "sealed_read_GBps": gbps("sealed_read"),
         "read_sealed_vs_plain": round(seconds["plain_read"] / seconds["sealed_read"], 3),
+        # CPU seconds per GB each side's reads and writes took, in this process and in the store's: on a machine
+        # whose cores the plain side already keeps busy, the sealed side's extra pass bounds its ratio
+        "cpu_s_per_GB": {key: round(value / (side_bytes / 1e9), 3) for key, value in sorted(cpu.items())},
+        "load_average": [round(x, 2) for x in os.getloadavg()],
         "sealed_misses": dict(misses),
         "store_stats": {k: stats.details.get(k) for k in ("writes_done", "write_errors", "hits", "puts_pool",
                                                           "puts_inline", "gets_pool", "gets_inline")},

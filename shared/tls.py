@@ -6,6 +6,10 @@ a 0700 directory. An operator may bring their own files instead: every context h
 
 `server_context` serves with a certificate and its key; `client_context` verifies the server against one CA file
 (never the system's), its host name included, and may present a client certificate. Both speak TLS 1.2 or later.
+A server context follows its files (certificate rotation, `_Rotation`): each new connection's handshake looks at
+them (inode, size, modification time), and when they changed it serves the new pair from then on; connections
+already up keep theirs. A changed pair that cannot serve (unreadable, not PEM, a key that is not the
+certificate's or that others can read) leaves the last good one in service, logged with why once per change.
 `describe_tls_error` says in words why a handshake failed (another CA, a plaintext peer, a wrong host name).
 """
 
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import logging
 import os
 import socket
 import ssl
@@ -27,6 +32,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from kvmesh.shared.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 CA_VALID_DAYS = 3650
 CERT_VALID_DAYS = 825  # the longest leaf lifetime common clients accept
@@ -90,8 +97,53 @@ class TlsMaterial:
 
 
 def server_context(cert: str | Path, key: str | Path, ca: str | Path | None = None) -> ssl.SSLContext:
-    """A server's context: it presents `cert` (with `key`); with `ca`, clients that present a certificate are
-    checked against it (none is required). TLS 1.2+. ConfigError naming the file that cannot be used."""
+    """A server's context: it presents `cert` (with `key`), read again when they change (the module docstring);
+    with `ca`, clients that present a certificate are checked against it (none is required). TLS 1.2+.
+    ConfigError naming the file that cannot be used."""
+    context = _fixed_server_context(cert, key, ca)
+    context.sni_callback = _Rotation(Path(cert), Path(key), ca, context).pick
+    return context
+
+
+class _Rotation:
+    """The certificate and key files behind a server context, looked at as each connection's handshake starts
+    (OpenSSL's server-name callback, called with or without a name): when they changed, the connection and those
+    after it are served from a context of the new pair; a pair that fails keeps the last good one."""
+
+    def __init__(self, cert: Path, key: Path, ca: str | Path | None, context: ssl.SSLContext) -> None:
+        self.cert, self.key, self.ca = cert, key, ca
+        self.current = context
+        self.seen = self._stamp()
+
+    def _stamp(self) -> tuple[tuple[int, int, int] | None, ...]:
+        stamps: list[tuple[int, int, int] | None] = []
+        for path in (self.cert, self.key):
+            try:
+                st = path.stat()  # through a symbolic link: a link switched to new files counts as a change
+                stamps.append((st.st_ino, st.st_size, st.st_mtime_ns))
+            except OSError:
+                stamps.append(None)
+        return tuple(stamps)
+
+    def pick(self, connection: ssl.SSLObject | ssl.SSLSocket, server_name: str | None,
+             context: ssl.SSLContext) -> None:
+        try:
+            stamp = self._stamp()
+            if stamp != self.seen:
+                self.seen = stamp  # tried once per change: a bad pair is not read again at every connection
+                try:
+                    self.current = _fixed_server_context(self.cert, self.key, self.ca)
+                    log.info("TLS certificate %s changed: new connections get it (those up keep theirs)", self.cert)
+                except (ConfigError, OSError, ssl.SSLError) as exc:
+                    log.warning("TLS certificate %s or its key %s changed but cannot serve (%s): new connections "
+                                "keep getting the certificate loaded before", self.cert, self.key, exc)
+            if self.current is not context:
+                connection.context = self.current
+        except Exception:  # never fail a handshake over this: it goes on with the context it has
+            log.exception("TLS certificate %s: looking for a new one failed", self.cert)
+
+
+def _fixed_server_context(cert: str | Path, key: str | Path, ca: str | Path | None) -> ssl.SSLContext:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     _check_key(Path(key))

@@ -12,7 +12,6 @@ signal capture is switched off so it cannot re-raise a signal past our cleanup.
 from __future__ import annotations
 
 import asyncio
-import ssl
 import os
 import contextlib
 import logging
@@ -32,6 +31,7 @@ from kvmesh.shared.messaging.credentials import credentials_for, domains_map
 from kvmesh.shared.messaging.sharing_domains import DomainMap
 from kvmesh.shared.ops.local_mesh import LocalMesh
 from kvmesh.shared.protocol import CONTROLLER
+from kvmesh.shared.tls import server_context
 
 log = logging.getLogger(__name__)
 
@@ -130,10 +130,9 @@ class ControllerService:
                                    access_log=False, log_level="warning", timeout_keep_alive=30,
                                    http="httptools" if _has("httptools") else "h11",
                                    ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key)
-        if config.tls_cert is not None:
+        if config.tls_cert is not None and config.tls_key is not None:
             uv_config.load()
-            assert uv_config.ssl is not None
-            uv_config.ssl.minimum_version = ssl.TLSVersion.TLSv1_2
+            uv_config.ssl = server_context(config.tls_cert, config.tls_key)  # TLS 1.2+, follows its files (rotation)
         self._server = _Server(uv_config)
         self._server_task = asyncio.create_task(self._serve(), name="controller-http")
         deadline = asyncio.get_running_loop().time() + STARTUP_TIMEOUT_S

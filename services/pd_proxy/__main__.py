@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import ssl
 import sys
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from kvmesh.shared import options_cli
 from kvmesh.shared.ops.http_gate import resolve_token
 from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.ops.service import configure_logging
-from kvmesh.shared.tls import client_context_of, server_context_of
+from kvmesh.shared.tls import client_context_of, server_context, server_context_of
 
 TOKEN_ENV = "KVMESH_PD_PROXY_TOKEN"
 TOKEN_FILE_ENV = "KVMESH_PD_PROXY_TOKEN_FILE"
@@ -75,10 +74,9 @@ def main(argv: list[str] | None = None) -> None:
     args, config = parse_args(list(sys.argv[1:] if argv is None else argv))
     server = uvicorn.Config(build_app(config), host=args.host, port=args.port, log_level="warning",
                             ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key)
-    if args.tls_cert is not None:
+    if args.tls_cert is not None and args.tls_key is not None:
         server.load()
-        assert server.ssl is not None
-        server.ssl.minimum_version = ssl.TLSVersion.TLSv1_2
+        server.ssl = server_context(args.tls_cert, args.tls_key)  # TLS 1.2+, follows its files (rotation)
     uvicorn.Server(server).run()
 
 

@@ -55,7 +55,10 @@ class TlsSocket:
         got, size = 0, len(view)
         while got < size:
             try:
-                got += self._ssl.read(size - got, view[got:])
+                count = self._ssl.read(size - got, view[got:])
+                if count == 0:  # the peer's close_notify: read answers 0 from then on (it raises only without one)
+                    return got
+                got += count
             except ssl.SSLWantReadError:
                 if got:
                     return got

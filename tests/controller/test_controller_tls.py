@@ -1,5 +1,6 @@
 """The controller's REST API over HTTPS (--tls-cert / --tls-key): a client trusting the CA is served; a plaintext
-HTTP client and a client trusting another CA are refused; the flags that cannot work are errors naming them."""
+HTTP client and a client trusting another CA are refused; the flags that cannot work are errors naming them; a
+certificate rotated on disk serves new connections while a client's open connection goes on."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from kvmesh.shared.tls import TlsMaterial, client_context
 
 from support.controller import running_controller
+from support.tls import der, reissue, served_certificate
 from support.waiting import WAIT_S
 
 
@@ -40,6 +42,20 @@ async def test_the_api_serves_https_to_a_client_trusting_the_ca_only(nats_server
         async with httpx.AsyncClient(base_url=service.url, timeout=WAIT_S, verify=client_context(other)) as client:
             with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
                 await client.get("/healthz")
+
+
+async def test_a_rotated_certificate_serves_new_connections(nats_server, tmp_path: Path) -> None:
+    material = TlsMaterial(tmp_path / "tls")
+    files = material.ensure(["controller"], hosts=["127.0.0.1"])["controller"]
+    assert files.cert is not None
+    async with running_controller(nats_server.url, tls_cert=files.cert, tls_key=files.key) as (service, _):
+        async with httpx.AsyncClient(base_url=service.url, timeout=WAIT_S,
+                                     verify=client_context(material.ca)) as client:
+            assert (await client.get("/healthz")).status_code == 200  # a kept-alive connection from here
+            assert await served_certificate(service.port, material.ca) == der(files.cert)
+            rotated = reissue(material, "controller", ["127.0.0.1"])
+            assert await served_certificate(service.port, material.ca) == rotated
+            assert (await client.get("/healthz")).status_code == 200
 
 
 def test_tls_flags_that_cannot_work_are_errors_naming_them(material: TlsMaterial) -> None:

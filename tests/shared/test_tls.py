@@ -1,9 +1,11 @@
 """shared/tls.py: the CA and certificates it makes verify with the contexts it builds, over real loopback sockets;
-another CA, a plaintext peer and a key open to others are refused, each saying why."""
+another CA, a plaintext peer and a key open to others are refused, each saying why; a server's certificate rotated
+on disk serves its new connections, and a rotated pair that cannot serve keeps the last good one."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import ssl
 from pathlib import Path
@@ -12,6 +14,8 @@ import pytest
 
 from kvmesh.shared.errors import ConfigError
 from kvmesh.shared.tls import TlsMaterial, client_context, describe_tls_error, server_context
+
+from support.tls import der, reissue, served_certificate
 
 
 async def echo_server(context: ssl.SSLContext | None) -> tuple[asyncio.AbstractServer, int, list[BaseException]]:
@@ -104,3 +108,70 @@ def test_files_that_cannot_work_are_config_errors_naming_them(tmp_path: Path) ->
         client_context(tmp_path / "no-such.pem")
     with pytest.raises(ConfigError, match="not a PEM certificate"):
         client_context(files.key)
+
+
+@pytest.fixture
+def tls_log(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> pytest.LogCaptureFixture:
+    monkeypatch.setattr(logging.getLogger("kvmesh"), "propagate", True)  # the connector's logging turns it off
+    caplog.set_level(logging.INFO, logger="kvmesh.shared.tls")
+    return caplog
+
+
+async def test_a_rotated_certificate_serves_new_connections_and_those_up_carry_on(
+        tmp_path: Path, tls_log: pytest.LogCaptureFixture) -> None:
+    material = TlsMaterial(tmp_path / "tls")
+    files = material.ensure(["remote-store"], hosts=["127.0.0.1"])["remote-store"]
+    assert files.cert is not None
+    first = der(files.cert)
+    server, port, errors = await echo_server(server_context(files.cert, files.key))
+    async with server:
+        assert await served_certificate(port, material.ca) == first
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client_context(material.ca))
+        second = reissue(material, "remote-store", ["127.0.0.1"])  # a new key and certificate, the same CA
+        assert second != first
+        assert await served_certificate(port, material.ca) == second
+        assert await served_certificate(port, material.ca) == second
+        # the connection made before goes on with the certificate it was served
+        assert writer.get_extra_info("ssl_object").getpeercert(binary_form=True) == first
+        writer.write(b"still here\n")
+        assert await reader.readline() == b"still here\n"
+        writer.close()
+    assert errors == []
+    reloads = [r for r in tls_log.records if "changed: new connections get it" in r.getMessage()]
+    assert len(reloads) == 1  # read once per change, not at every connection
+
+
+async def test_a_rotated_pair_that_cannot_serve_keeps_the_last_good_one_and_says_why(
+        tmp_path: Path, tls_log: pytest.LogCaptureFixture) -> None:
+    material = TlsMaterial(tmp_path / "tls")
+    files = material.ensure(["remote-store", "engine"], hosts=["127.0.0.1"])["remote-store"]
+    assert files.cert is not None and files.key is not None
+    good = der(files.cert)
+    server, port, _ = await echo_server(server_context(files.cert, files.key))
+    good_key = files.key.read_bytes()
+    other_key = material.files("engine").key
+    assert other_key is not None
+
+    def write(path: Path, data: bytes, mode: int = 0o600) -> None:
+        temporary = path.with_name(path.name + ".new")
+        temporary.write_bytes(data)
+        os.chmod(temporary, mode)
+        os.replace(temporary, path)
+
+    async with server:
+        bad_pairs = ((lambda: write(files.key, other_key.read_bytes()), "KEY_VALUES_MISMATCH"),  # another cert's key
+                     (lambda: write(files.key, good_key, mode=0o644), "readable by other users"),
+                     (lambda: write(files.cert, b"not a certificate\n", mode=0o644), "PEM lib"))
+        for change, why in bad_pairs:
+            tls_log.clear()
+            change()
+            assert await served_certificate(port, material.ca) == good
+            refused = [r for r in tls_log.records if r.levelno == logging.WARNING]
+            assert len(refused) == 1 and why in refused[0].getMessage(), [r.getMessage() for r in refused]
+            assert "keep getting the certificate loaded before" in refused[0].getMessage()
+            assert await served_certificate(port, material.ca) == good
+            assert len([r for r in tls_log.records if r.levelno == logging.WARNING]) == 1  # once per change
+            write(files.key, good_key)
+        # a good pair again is taken at the next connection
+        reissued = reissue(material, "remote-store", ["127.0.0.1"])
+        assert await served_certificate(port, material.ca) == reissued

@@ -1,6 +1,7 @@
 """The remote store's stream port over TLS (--stream-tls-cert/--stream-tls-key): a client trusting the CA puts and
 gets bit-exact chunks; a plaintext connection, a client without a CA or trusting another CA, and a TLS client of a
-plaintext port are each refused, saying why."""
+plaintext port are each refused, saying why; a client that ends its session cleanly leaves the port serving; a
+certificate rotated on disk serves new connections."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from kvmesh.shared.tls import TlsMaterial, client_context
 from kvmesh.shared.wire.stream_wire import OP_HELLO, StreamError, send_request
 
 from support.remote_store import ENGINE, MiB, chunk, nats_url, start_stores  # noqa: F401 (fixtures)
+from support.tls import der, reissue, served_certificate
 from support.waiting import WAIT_S, wait_until_async
 
 
@@ -103,3 +105,50 @@ async def test_a_tls_client_refuses_a_plaintext_stream_port(nats_url: str, mater
     finally:
         await nc.close()
         await services[0].stop()
+
+
+async def test_a_rotated_certificate_serves_new_stream_connections(nats_url: str, tmp_path: Path) -> None:
+    """The stream port's certificate and key replaced on disk (the same CA): new connections are served the new
+    certificate without a restart; the client's connection from before goes on."""
+    material = TlsMaterial(tmp_path / "tls")
+    files = material.ensure(["remote-store"], hosts=["127.0.0.1"])["remote-store"]
+    assert files.cert is not None
+    services, nc = await start_stores(nats_url, f"rr{os.urandom(3).hex()}", capacity=8 * MiB,
+                                      stream_tls_cert=files.cert, stream_tls_key=files.key)
+    store_id = services[0].options.store_id
+    client = RemoteStoreClient(nc, [store_id], ENGINE, request_timeout=WAIT_S, tls=client_context(material.ca))
+    try:
+        meta, data = chunk(70_000, 1)
+        assert await client.put(meta, ChunkBuffer(memoryview(data)))  # its pooled connection is up from here
+        port = (await offer(nc, store_id)).port
+        assert await served_certificate(port, material.ca) == der(files.cert)
+        rotated = reissue(material, "remote-store", ["127.0.0.1"])
+        assert await served_certificate(port, material.ca) == rotated
+        out = np.zeros(meta.nbytes, dtype=np.uint8)
+        got = await client.get_into(meta.key, ChunkBuffer(memoryview(out)))
+        assert got is not None and np.array_equal(out, data)
+        assert services[0].stream.counters["stream_tls_refused"] == 0
+    finally:
+        await client.close()
+        await nc.close()
+        await services[0].stop()
+
+
+async def test_a_client_that_closes_its_tls_session_cleanly_leaves_the_port_serving(tls_store,
+                                                                                     material: TlsMaterial) -> None:
+    """A client that ends its TLS session with a close_notify before its hello (as a TLS library's close does): the
+    store's read of the hello ends there (it used to read 0 bytes forever, its loop stuck) and it serves on."""
+    service, nc = tls_store
+    port = (await offer(nc, service.options.store_id)).port
+    for _ in range(2):
+        await served_certificate(port, material.ca)  # handshake, then close_notify and close
+    client = RemoteStoreClient(nc, [service.options.store_id], ENGINE, request_timeout=WAIT_S,
+                               tls=client_context(material.ca))
+    try:
+        meta, data = chunk(70_000, 2)
+        assert await client.put(meta, ChunkBuffer(memoryview(data)))
+        out = np.zeros(meta.nbytes, dtype=np.uint8)
+        got = await client.get_into(meta.key, ChunkBuffer(memoryview(out)))
+        assert got is not None and np.array_equal(out, data)
+    finally:
+        await client.close()

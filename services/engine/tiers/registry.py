@@ -20,7 +20,7 @@ from kvmesh.services.engine.tiers.peer import PeerTier
 from kvmesh.services.engine.tiers.redis import RedisTier
 from kvmesh.services.engine.tiers.memory_pool import MemoryPool
 from kvmesh.services.engine.tiers.remote import RemoteStoreClient
-from kvmesh.services.engine.tiers.sealed import SEAL_OVERHEAD, ChunkSealer, SealedTier
+from kvmesh.services.engine.tiers.sealed import SEAL_OVERHEAD, ChunkSealer, PutSeals, SealedTier
 from kvmesh.shared.protocol import LOCAL_DISK, PEER, REMOTE
 from kvmesh.shared.tls import client_context_of
 from kvmesh.shared.wire.redis_keys import RedisAuth
@@ -58,22 +58,30 @@ class LowerTier:
     build: Callable[[TierPlan, TierSite], StoreTier]
 
 
-def _sealed(client: StoreTier, plan: TierPlan, site: TierSite, shared: bool) -> StoreTier:
-    """`client` sealing its chunks with `site.sealer` (if any), staged in a pool of its own: one slot per put and get
-    the engine runs at once (`shared`: in shared memory, lent to the disk store like the CPU pool)."""
-    if site.sealer is None:
-        return client
-    slots = plan.config.write_behind_workers + plan.config.fetch_concurrency
+def _sealed(tiers: list[StoreTier], plan: TierPlan, site: TierSite) -> list[StoreTier]:
+    """`tiers` with the disk and remote stores' clients sealing their chunks with `site.sealer` (if any), staged in
+    one pool of their own (shared memory when the disk store is among them: it reads the pool in place, as the CPU
+    pool): one slot per put the engine runs at once (a chunk put to both stores is sealed once, `PutSeals`) and per
+    get from each of them."""
+    stores = [i for i, tier in enumerate(tiers) if isinstance(tier, (DiskStoreClient, RemoteStoreClient))]
+    if site.sealer is None or not stores:
+        return tiers
+    slots = plan.config.write_behind_workers + plan.config.fetch_concurrency * len(stores)
     slot_nbytes = site.slot_nbytes + SEAL_OVERHEAD
+    shared = any(isinstance(tiers[i], DiskStoreClient) for i in stores)
     staging = MemoryPool(slots * (slot_nbytes + 4096), slot_nbytes, use_shm=shared, pin=False)
-    return SealedTier(client, site.sealer, staging, site.stats)
+    seals = PutSeals()
+    sealed = list(tiers)
+    for i in stores:
+        sealed[i] = SealedTier(tiers[i], site.sealer, staging, site.stats, seals)
+    return sealed
 
 
 def _disk(plan: TierPlan, site: TierSite) -> StoreTier:
     assert plan.disk_store is not None
     config = plan.config
-    return _sealed(DiskStoreClient(site.nc, plan.disk_store, site.caller, request_timeout=config.request_timeout_secs,
-                                   data_timeout=config.disk_data_timeout_secs), plan, site, shared=True)
+    return DiskStoreClient(site.nc, plan.disk_store, site.caller, request_timeout=config.request_timeout_secs,
+                           data_timeout=config.disk_data_timeout_secs)
 
 
 def _remote(plan: TierPlan, site: TierSite) -> StoreTier:
@@ -82,13 +90,12 @@ def _remote(plan: TierPlan, site: TierSite) -> StoreTier:
         tier = RedisTier.from_config(config, site.caller, site.redis_auth)
         tier.start()
         return tier
-    client = RemoteStoreClient(site.nc, list(plan.remote_stores), site.caller,
-                               request_timeout=config.request_timeout_secs,
-                               min_transfer_rate=config.remote_min_transfer_mb_per_s * 1e6,
-                               retry_interval=config.remote_retry_interval_secs,
-                               max_connections=config.remote_stream_connections,
-                               tls=client_context_of(config.remote_tls_ca, "remote_tls_ca"))
-    return _sealed(client, plan, site, shared=False)
+    return RemoteStoreClient(site.nc, list(plan.remote_stores), site.caller,
+                             request_timeout=config.request_timeout_secs,
+                             min_transfer_rate=config.remote_min_transfer_mb_per_s * 1e6,
+                             retry_interval=config.remote_retry_interval_secs,
+                             max_connections=config.remote_stream_connections,
+                             tls=client_context_of(config.remote_tls_ca, "remote_tls_ca"))
 
 
 def _peers(plan: TierPlan, site: TierSite) -> StoreTier:
@@ -114,6 +121,6 @@ def configured_locations(plan: TierPlan) -> list[str]:
 
 
 def lower_tiers(plan: TierPlan, site: TierSite) -> list[StoreTier]:
-    """Loop thread, once NATS is first reached: one client per lower tier `plan` names, in walk order. A Redis tier
-    is started here (`RedisTier.start`)."""
-    return [tier.build(plan, site) for tier in LOWER_TIERS if tier.configured(plan)]
+    """Loop thread, once NATS is first reached: one client per lower tier `plan` names, in walk order, the stores'
+    sealing their chunks when `site.sealer` is set. A Redis tier is started here (`RedisTier.start`)."""
+    return _sealed([tier.build(plan, site) for tier in LOWER_TIERS if tier.configured(plan)], plan, site)

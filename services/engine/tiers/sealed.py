@@ -17,16 +17,23 @@ holds). A chunk that does not open (sealed
 under another key: another domain or a rotated secret; a failed tag; not sealed: written before encryption or with
 it off) is a miss, counted in the storage manager's stats (`sealed_miss_<why>`) and logged at most once per 10 s
 per cause.
+
+An engine with both stores seals a chunk once (`PutSeals`, shared by its two sealed tiers and their one staging
+pool): the write-behind puts a chunk to both at once, and both get the same sealed bytes, nonce and all. Nothing
+in a sealed chunk names its store (one key, the sharing domain's; the associated data is the chunk key and meta,
+which both stores are given alike), so each opens it the same way; the same bytes under one nonce in two places
+tell no more than two stores holding one chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import struct
-from typing import Any
+from typing import Any, AsyncIterator
 
 import msgpack
 
@@ -103,33 +110,87 @@ def _associated(meta: protocol.ChunkMeta) -> bytes:
         use_bin_type=True)
 
 
+@dataclasses.dataclass
+class _Seal:
+    sealing: asyncio.Task[tuple[Slot | None, protocol.ChunkMeta, ChunkBuffer]]
+    users: int = 0
+
+
+class PutSeals:
+    """The seals of the puts in flight, by key id and associated data: a put of a chunk whose seal is under way
+    (the same chunk put to the other store at the same time) waits for that seal and hands its store the same
+    sealed bytes. The staging slot is released when the last of those puts ends. Tiers that share their seals
+    share their staging pool too (in shared memory when one is the disk store's: it reads the sealed bytes in
+    place)."""
+
+    def __init__(self) -> None:
+        self._seals: dict[tuple[bytes, bytes], _Seal] = {}
+
+    @contextlib.asynccontextmanager
+    async def sealed(self, tier: "SealedTier", meta: protocol.ChunkMeta,
+                     buffer: ChunkBuffer) -> AsyncIterator[tuple[protocol.ChunkMeta, ChunkBuffer]]:
+        """The chunk `meta` describes (in `buffer`), sealed by `tier` or by a put of it already under way: the
+        meta and bytes its store is to hold, good until the block ends."""
+        name = (tier.sealer.key_id, _associated(meta))
+        seal = self._seals.get(name)
+        if seal is None:  # a task of its own: a put cancelled while sealing does not fail the others waiting for it
+            seal = self._seals[name] = _Seal(asyncio.ensure_future(tier.seal(meta, buffer)))
+        seal.users += 1
+        try:
+            _, stored, staged = await asyncio.shield(seal.sealing)
+            yield stored, staged
+        finally:
+            seal.users -= 1
+            if seal.users == 0:
+                del self._seals[name]
+                seal.sealing.add_done_callback(_release_staging)  # at once when it is done
+
+
+def _release_staging(sealing: asyncio.Task[tuple[Slot | None, protocol.ChunkMeta, ChunkBuffer]]) -> None:
+    if not sealing.cancelled() and sealing.exception() is None:
+        slot = sealing.result()[0]
+        if slot is not None:
+            slot.release()
+
+
 class SealedTier:
     """`inner` (a disk or remote store's client) with every chunk sealed by `sealer` on put and opened on get.
     `staging` holds the sealed bytes on their way (its slots SEAL_OVERHEAD larger than the CPU pool's; shared memory
     for the disk store, so it reads them in place); when every slot is in use a put or get stages in process memory
-    instead. `stats` is the storage manager's counter."""
+    instead. `stats` is the storage manager's counter (`sealed_chunks`: the seals made). Tiers given the same
+    `seals` (and `staging`) seal a chunk put to them at once only once."""
 
     def __init__(self, inner: StoreTier, sealer: ChunkSealer, staging: MemoryPool,
-                 stats: collections.Counter[str]) -> None:
+                 stats: collections.Counter[str], seals: PutSeals | None = None) -> None:
         self.inner = inner
         self.location = inner.location
         self.sealer = sealer
         self.staging = staging
         self.counts = stats
+        self.seals = seals if seals is not None else PutSeals()
         self._rlog = RateLimitedLog(log)
 
     def __getattr__(self, name: str) -> Any:  # the client's extras (store_ids, wait_written, ...)
         return getattr(self.inner, name)
 
     async def put(self, meta: protocol.ChunkMeta, buffer: ChunkBuffer, retention: Retention = NO_RETENTION) -> bool:
+        async with self.seals.sealed(self, meta, buffer) as (stored, staged):
+            return await self.inner.put(stored, staged, retention)
+
+    async def seal(self, meta: protocol.ChunkMeta,
+                   buffer: ChunkBuffer) -> tuple[Slot | None, protocol.ChunkMeta, ChunkBuffer]:
+        """The chunk `meta` describes sealed into a staging slot (None: process memory; the caller releases it):
+        the meta the store is to hold and the sealed bytes."""
         slot, staged = self._stage(meta.nbytes + SEAL_OVERHEAD)
         try:
             stored = await asyncio.to_thread(self.sealer.seal_into, meta, buffer.view, staged.view)
-            return await self.inner.put(stored, dataclasses.replace(staged, view=staged.view[:stored.nbytes]),
-                                        retention)
-        finally:
+        except Exception:
             if slot is not None:
                 slot.release()
+            raise
+        # (cancelled, the slot stays held: the thread may still be writing into it, and only a stop cancels this)
+        self.counts["sealed_chunks"] += 1
+        return slot, stored, dataclasses.replace(staged, view=staged.view[:stored.nbytes])
 
     async def get_into(self, key: ChunkKey, buffer: ChunkBuffer) -> protocol.ChunkMeta | None:
         slot, staged = self._stage(len(buffer.view) + SEAL_OVERHEAD)
@@ -191,4 +252,6 @@ class SealedTier:
 
     async def close(self) -> None:
         await self.inner.close()
-        self.staging.close()  # the store took the lent staging pool back with the client's close
+        # the store took the lent staging pool back with the client's close; a pool shared with the other store's
+        # tier is closed by the first close (the engine is stopping), the second finds it closed
+        self.staging.close()

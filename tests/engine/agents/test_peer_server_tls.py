@@ -1,6 +1,6 @@
 """The P2P port over TLS (p2p_tls_cert / p2p_tls_key): a worker's PeerServer on a real NATS offers TLS streams; a
 peer trusting the CA (p2p_tls_ca) gets the chunk bit-exact; a peer without the CA, with another CA, or speaking in
-clear is refused, saying why."""
+clear is refused, saying why; a certificate rotated on disk serves new peers while a peer connected before goes on."""
 
 from __future__ import annotations
 
@@ -24,15 +24,16 @@ from kvmesh.shared.protocol import Subjects
 from kvmesh.shared.tls import TlsMaterial, client_context, server_context
 from kvmesh.shared.wire.stream_wire import OP_HELLO, StreamError, send_request
 
+from support.tls import der, reissue, served_certificate
 from support.waiting import WAIT_S, wait_until_async
 
 SLOT = 64 * 1024
 CALLER = protocol.Principal.engine("b").producer("b")
 
 
-@pytest.fixture(scope="module")
-def material(tmp_path_factory: pytest.TempPathFactory) -> TlsMaterial:
-    material = TlsMaterial(tmp_path_factory.mktemp("tls") / "tls")
+@pytest.fixture
+def material(tmp_path: Path) -> TlsMaterial:
+    material = TlsMaterial(tmp_path / "tls")  # each test's own: one rotates it
     material.ensure(["engine"], hosts=["127.0.0.1"])
     return material
 
@@ -101,3 +102,24 @@ async def test_a_peer_in_clear_is_refused(tls_peer, caplog: pytest.LogCaptureFix
     await wait_until_async(lambda: server.server.counters["stream_tls_refused"] >= 1,
                            what="the peer server counting the refused handshake")
     assert any("does not speak TLS" in record.getMessage() for record in caplog.records)
+
+
+async def test_a_rotated_certificate_serves_new_peers_and_a_peer_connected_before_goes_on(
+        tls_peer, material: TlsMaterial) -> None:
+    server, nc, data = tls_peer
+    files = material.files("engine")
+    assert files.cert is not None
+    given = await offer(nc)
+    before = await StreamConnection.open(given, "b", client_context(material.ca))
+    try:
+        assert await served_certificate(given.port, material.ca) == der(files.cert)
+        rotated = reissue(material, "engine", ["127.0.0.1"])
+        assert await served_certificate(given.port, material.ca) == rotated
+        for connection in (before, await StreamConnection.open(await offer(nc), "b", client_context(material.ca))):
+            buffer = memoryview(bytearray(SLOT))
+            reply = await connection.get_into(b"a" * 16, buffer)
+            assert reply.found and bytes(buffer[:len(data)]) == data
+            connection.close()
+    finally:
+        before.close()
+    assert server.server.counters["stream_tls_refused"] == 0

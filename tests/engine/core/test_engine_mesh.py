@@ -421,11 +421,14 @@ def full_mesh(tmp_path: Path) -> Iterator[LocalMesh]:
     mesh.stop()
 
 
-def test_retrieval_goes_cpu_then_disk_then_remote(full_mesh: LocalMesh, kv: PagedKV, tmp_path: Path) -> None:
+@pytest.mark.parametrize("encrypt", [False, True], ids=["in-clear", "sealed"])
+def test_retrieval_goes_cpu_then_disk_then_remote(full_mesh: LocalMesh, kv: PagedKV, tmp_path: Path,
+                                                  encrypt: bool) -> None:
+    """Sealed (encrypt_stores), each chunk is sealed once for both stores, and loads from either."""
     from kvmesh.shared.protocol import REMOTE
 
     engine = engine_on(str(full_mesh.nats_url), kv, local_disk=str(tmp_path / "disk"), cpu_chunks=4,
-                       remote_url="lm://localhost:65432", remote_partitions=2)
+                       remote_url="lm://localhost:65432", remote_partitions=2, encrypt_stores=encrypt)
     try:
         wait_until(lambda: engine.storage.lower(REMOTE) is not None, what="the remote store client")
         disk, remote = engine.storage.lower(LOCAL_DISK), engine.storage.lower(REMOTE)
@@ -436,6 +439,7 @@ def test_retrieval_goes_cpu_then_disk_then_remote(full_mesh: LocalMesh, kv: Page
         _store_and_settle(engine, b, kv, src_b)
         assert token_api.lookup(engine, a, search_range=[REMOTE]) == 128
         assert token_api.lookup(engine, a, search_range=[LOCAL_DISK]) == 128
+        assert engine.storage.stats["sealed_chunks"] == (8 if encrypt else 0)  # 8 chunks, each put to both stores
 
         # a: chunks 0-1 only on disk, chunks 2-3 only in the remote store, nothing in the CPU tier
         keys_a = engine.hasher.keys(a)
@@ -458,6 +462,7 @@ def test_retrieval_goes_cpu_then_disk_then_remote(full_mesh: LocalMesh, kv: Page
         assert bool(token_api.retrieve(engine, b, **kv.kv(dst_b)).all())
         assert torch.equal(kv.token_kv(dst_b), expected_b)
         assert token_api.pin(engine, b, REMOTE) == 128 and token_api.unpin(engine, b, REMOTE) == 128
+        assert not [name for name in engine.storage.stats if name.startswith("sealed_miss")]
     finally:
         engine.close()
 

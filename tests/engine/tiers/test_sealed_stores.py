@@ -1,10 +1,12 @@
 """Chunks encrypted at rest (services/engine/tiers/sealed.py) in a real disk store (in this loop, on a real
 nats-server and real files) and a real remote store (its stream port, its persisted files): a sealed chunk goes
 through the lent pool and comes back whole; the store holds no byte run of the plaintext; a chunk file copied under
-another key, a chunk read under another sharing domain's key and a chunk stored in clear are misses, counted."""
+another key, a chunk read under another sharing domain's key and a chunk stored in clear are misses, counted; a
+chunk put to both stores at once is sealed once and opens from either."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import os
@@ -16,7 +18,7 @@ import pytest
 from kvmesh.services.engine.tiers.base import ChunkBuffer
 from kvmesh.services.engine.tiers.memory_pool import MemoryPool
 from kvmesh.services.engine.tiers.remote import RemoteStoreClient
-from kvmesh.services.engine.tiers.sealed import SEAL_OVERHEAD, ChunkSealer, SealedTier
+from kvmesh.services.engine.tiers.sealed import SEAL_OVERHEAD, ChunkSealer, PutSeals, SealedTier
 from kvmesh.shared.wire import chunk_file
 
 from support.disk_store import CHUNK, ENGINE, Harness, chunk, harness, key_of  # noqa: F401 (harness: a fixture)
@@ -91,7 +93,7 @@ async def test_a_sealed_chunk_round_trips_through_the_lent_pool_and_the_file_hol
     assert await get_into_slot(tier, cpu, 1) == data
     details = (await tier.stats())[0].details
     assert details["puts_pool"] == 1 and details["gets_pool"] == 1  # the sealed bytes went in place, both ways
-    assert not tier.counts  # no miss, nothing staged in process memory
+    assert dict(tier.counts) == {"sealed_chunks": 1}  # no miss, nothing staged in process memory
     assert staging.num_free == staging.num_slots  # every staging slot back
 
 
@@ -162,4 +164,44 @@ async def test_the_remote_store_holds_sealed_chunks_in_memory_and_in_its_files(
     assert not holds_plaintext(persisted[0].read_bytes(), data)
     assert await get_into_slot(tier_a, cpu, 1) == data
     assert await get_into_slot(tier_b, cpu, 1) is None and tier_b.counts["sealed_miss_foreign"] == 1
-    assert not tier_a.counts and staging.num_free == staging.num_slots
+    assert dict(tier_a.counts) == {"sealed_chunks": 1} and staging.num_free == staging.num_slots
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["seals-shared", "seals-apart"])
+async def test_a_chunk_put_to_both_stores_at_once_is_sealed_once_and_opens_from_either(
+        harness: Harness, remote_store: tuple[object, RemoteStoreClient], pools: tuple[MemoryPool, MemoryPool],
+        shared: bool) -> None:
+    """The write-behind's put of a chunk to the disk store and the remote store at once, their sealed tiers sharing
+    one staging pool and (`shared`, as the engine builds them: tiers/registry.py) their seals: one seal, the same
+    sealed bytes in both stores, nonce and all. Apart, each seals its own (two nonces: the bytes differ)."""
+    cpu, staging = pools
+    service, remote_client = remote_store
+    await harness.start()
+    stats: collections.Counter[str] = collections.Counter()
+    seals = PutSeals()
+    disk = SealedTier(harness.client, DOMAIN_A, staging, stats, seals if shared else None)
+    remote = SealedTier(remote_client, DOMAIN_A, staging, stats, seals if shared else None)
+    meta, data = chunk(1)
+    slot = cpu.allocate()
+    assert slot is not None
+    try:
+        slot.chunk_buffer().view[:CHUNK] = data
+        buffer = slot.chunk_buffer(CHUNK)
+        assert await asyncio.gather(disk.put(meta, buffer), remote.put(meta, buffer)) == [True, True]
+    finally:
+        slot.release()
+    assert stats["sealed_chunks"] == (1 if shared else 2)
+    assert await disk.wait_written(WAIT_S)
+    stored, offset = chunk_file.read_chunk_meta(chunk_file.chunk_path(harness.root, key_of(1)))
+    on_disk = stored_file(harness.root, 1)[offset:offset + stored.nbytes]
+    held = service.store.acquire(key_of(1), ENGINE)  # type: ignore[attr-defined]
+    assert held is not None
+    try:
+        in_remote = bytes(held.data())
+    finally:
+        service.store.release(held)  # type: ignore[attr-defined]
+    assert len(on_disk) == len(in_remote) == CHUNK + SEAL_OVERHEAD and not holds_plaintext(on_disk, data)
+    assert (on_disk == in_remote) is shared
+    assert await get_into_slot(disk, cpu, 1) == data  # each tier reads its own store only
+    assert await get_into_slot(remote, cpu, 1) == data
+    assert set(stats) == {"sealed_chunks"} and staging.num_free == staging.num_slots
