@@ -183,12 +183,15 @@ def test_the_certificates_name_the_servers_hosts(volumes: Path) -> None:
 
 
 async def test_the_nodes_route_over_tls_and_carry_a_message_from_nats_1_to_nats_3(
-        volumes: Path, nodes: dict[str, Node]) -> None:
+        volumes: Path, nodes: dict[str, Node], tmp_path: Path) -> None:
     """The controller (on nats-1) pings all; the disk store (on nats-3) hears it across the routes."""
     nats_tls = TlsMaterial(volumes / "kvmesh-cluster-nats" / "tls").files("nats")
+    impostor = TlsMaterial(tmp_path / "other").ensure(["nats"], hosts=["127.0.0.1"])["nats"]
     for node in nodes.values():  # a route port speaks TLS first, and only to a node the CA vouches for
         assert route_greeting(node, None) == b"", "a plaintext route"
         assert route_greeting(node, client_context(nats_tls.ca)) == b"", "a route from a dialer without a certificate"
+        assert route_greeting(node, client_context(nats_tls.ca, impostor.cert, impostor.key)) == b"", \
+            "a route from a dialer whose certificate another CA signed"
         greeting = route_greeting(node, client_context(nats_tls.ca, nats_tls.cert, nats_tls.key))
         assert json.loads(greeting.split(b" ", 1)[1])["cluster"] == "kvmesh"
     controller = await bus.connect(nodes["nats-1"].url, "test-controller", service_auth("controller-cluster", volumes),
