@@ -8,7 +8,7 @@
     kvmesh pd-proxy --prefill URL --decode URL   the OpenAI API in front of prefill and decode vLLMs (PD)
     kvmesh health --nats-url U  every service's health over NATS
     kvmesh credentials --dir D PRINCIPAL...   NATS users for a mesh whose NATS KVMesh does not start (compose);
-                                with --tls, a CA and a certificate per service too
+                                with --tls, a CA and a certificate per service too; --route: a NATS cluster
     kvmesh wipe --store ID      as the operator: forget every unpinned chunk of a store, whoever put it (an
                                 engine's /clear only takes back its own chunks)
 """
@@ -35,7 +35,7 @@ from kvmesh.shared.eviction import POLICY_NAMES
 from kvmesh.shared.messaging import bus
 from kvmesh.shared.messaging.credentials import (MeshCredentials, controller_token_file, credentials_for, local_mesh_dir,
                                                  runtime_dir)
-from kvmesh.shared.messaging.embedded_nats import nats_tls_settings, server_settings
+from kvmesh.shared.messaging.embedded_nats import nats_cluster_settings, nats_tls_settings, server_settings
 from kvmesh.shared.messaging.nats_auth import add_nats_auth_flags, nats_auth_from_args
 from kvmesh.shared.messaging.nats_url import DEFAULT_PORT, DEFAULT_URL, argument as nats_url_argument
 from kvmesh.shared.messaging.sharing_domains import check_domain_name
@@ -158,6 +158,8 @@ def cmd_credentials(args: argparse.Namespace) -> int:
     """Credentials for the named principals (and the operator and controller) in a directory; with --listen, the
     NATS server config that uses them too."""
     principals = [CONTROLLER.path, OPERATOR.path, *args.principals]
+    if args.route and not args.listen:
+        raise SystemExit("kvmesh credentials: --route goes in the server config: give --listen too")
     try:
         mesh = MeshCredentials(Path(args.dir))
     except ConfigError as exc:
@@ -178,11 +180,15 @@ def cmd_credentials(args: argparse.Namespace) -> int:
                          "controller, operator") from None
     files = {path: str(mesh.file(path)) for path in principals}
     tls_settings = ""
+    nats_tls = None
     if args.tls:
         material = TlsMaterial(mesh.root / TLS_DIR).ensure(hosts=default_hosts() + (args.tls_host or []))
         files["tls-ca"] = str(next(iter(material.values())).ca)
         files.update({f"tls-{service}": str(tls.cert) for service, tls in material.items()})
-        tls_settings = nats_tls_settings(material["nats"])
+        nats_tls = material["nats"]
+        tls_settings = nats_tls_settings(nats_tls)
+    if args.route:  # with --tls the routes too are TLS only, both ends verified
+        tls_settings += nats_cluster_settings(args.cluster_name, args.cluster_listen, args.route, nats_tls)
     if args.listen:
         files["nats-server"] = str(mesh.server_config(args.listen, server_settings() + tls_settings))
     print(json.dumps(files, indent=2))
@@ -297,6 +303,14 @@ def build_parser() -> argparse.ArgumentParser:
     credentials.add_argument("--tls-host", action="append", metavar="HOST",
                              help="a host name or address the certificates also name (repeat; they always name "
                                   "localhost, loopback and this host's name)")
+    credentials.add_argument(
+        "--route", action="append", metavar="HOST:PORT",
+        help="a node of the NATS cluster this server joins (repeat for every node, itself included: NATS drops a "
+             "route to itself, so all the nodes share one config; give each its name with nats-server --name): "
+             "the config gets a cluster {} block; with --tls its routes are TLS only, both ends verified")
+    credentials.add_argument("--cluster-name", default="kvmesh", help="the NATS cluster's name (with --route)")
+    credentials.add_argument("--cluster-listen", default="0.0.0.0:6222", metavar="HOST:PORT",
+                             help="where each server takes routes (with --route; default 0.0.0.0:6222)")
     credentials.add_argument("principals", nargs="*", metavar="PRINCIPAL",
                              help="engine.<instance_id> or store.<store_id> (controller and operator always)")
     wipe = sub.add_parser(

@@ -37,8 +37,9 @@ log = logging.getLogger(__name__)
 
 CA_VALID_DAYS = 3650
 CERT_VALID_DAYS = 825  # the longest leaf lifetime common clients accept
-# The services `kvmesh credentials --tls` and `kvmesh up` make certificates for.
-SERVICES = ("nats", "controller", "remote-store", "engine", "pd-proxy")
+# The services `kvmesh credentials --tls` and `kvmesh up` make certificates for ("redis": a Redis / Valkey remote
+# tier's server, compose's cluster profile).
+SERVICES = ("nats", "controller", "remote-store", "engine", "pd-proxy", "redis")
 TLS_DIR = "tls"  # their folder in a credentials directory
 
 

@@ -127,6 +127,16 @@ def nats_tls_settings(tls: "TlsFiles", routes: bool = False) -> str:
     return "tls {\n  " + "\n  ".join(lines) + "\n}\n"
 
 
+def nats_cluster_settings(name: str, listen: str, routes: list[str], tls: "TlsFiles | None" = None) -> str:
+    """A `cluster {}` block: the cluster's `name`, this server's route listener `listen` (HOST:PORT) and a route
+    to each HOST:PORT of `routes` (every node's: a route to the server itself is dropped by NATS, so all the nodes
+    share one block); with `tls`, routes both ways need TLS, each end verified against the CA."""
+    urls = ", ".join(json.dumps(f"nats-route://{route}") for route in routes)
+    between = "".join(f"  {line}\n" for line in nats_tls_settings(tls, routes=True).splitlines()) if tls else ""
+    return (f"cluster {{\n  name: {json.dumps(name)}\n  listen: {json.dumps(listen)}\n  routes: [{urls}]\n"
+            f"{between}}}\n")
+
+
 class EmbeddedNats:
     """A nats-server child process (on loopback unless `host` says otherwise). Use as a context manager or call
     start()/stop()."""

@@ -14,7 +14,7 @@ import signal
 import httpx
 
 from kvmesh.shared.messaging.credentials import AUTHORIZATION_FILE, MeshCredentials
-from kvmesh.shared.messaging.embedded_nats import EmbeddedNats, free_port, nats_tls_settings
+from kvmesh.shared.messaging.embedded_nats import EmbeddedNats, free_port, nats_cluster_settings
 from kvmesh.shared.tls import TlsFiles
 from support.waiting import WAIT_S, wait_until
 
@@ -31,13 +31,12 @@ class NatsCluster:
         self.cluster_ports = [free_port() for _ in range(size)]
         self.monitor_ports = [free_port() for _ in range(size)]
         name = name or f"kvmesh-test-{self.cluster_ports[0]}"
-        routes = ", ".join(f"nats-route://127.0.0.1:{port}" for port in self.cluster_ports)
+        routes = [f"127.0.0.1:{port}" for port in self.cluster_ports]
         users = (credentials.root / AUTHORIZATION_FILE).read_text() if credentials is not None else ""
         self.nodes = [EmbeddedNats(token=token, extra_config=(
             f"server_name: node{i}\n"
             f"http: \"127.0.0.1:{self.monitor_ports[i]}\"\n"
-            f"cluster {{\n  name: {name}\n  listen: \"127.0.0.1:{self.cluster_ports[i]}\"\n  routes: [{routes}]\n"
-            f"{nats_tls_settings(tls, routes=True) if tls is not None else ''}}}\n"
+            f"{nats_cluster_settings(name, routes[i], routes, tls)}"
             f"{users}"), tls=tls)
             for i in range(size)]
 
