@@ -30,7 +30,7 @@ from kvmesh.shared.protocol import principal_of
 from kvmesh.shared.rate_limited_log import RateLimitedLog
 from kvmesh.shared.tls import describe_tls_error
 from kvmesh.shared.wire.keys import ChunkKey
-from kvmesh.shared.wire.tls_socket import TlsSocket
+from kvmesh.shared.wire.tls_socket import ChannelError, TlsSocket
 from kvmesh.shared.wire.stream_wire import (
     OP_GET,
     OP_HELLO,
@@ -165,7 +165,9 @@ class StreamServer:
                  tls: ssl.SSLContext | None = None) -> None:
         """`tls`: a server context (shared/tls.py `server_context`): every connection starts with a TLS handshake,
         within `hello_timeout`; one that fails (a plaintext client, a client that does not trust the certificate)
-        is closed, counted in `stream_tls_refused` and logged saying why."""
+        is closed, counted in `stream_tls_refused` and logged saying why. After it the bytes travel in AES-GCM
+        frames (shared/wire/tls_socket.py); a frame that fails (its tag, its length, cut short) closes the
+        connection, counted in `stream_frames_refused` and logged."""
         self.source = source
         self.tls = tls
         self.host = host
@@ -181,7 +183,8 @@ class StreamServer:
         self.counters = {"stream_refused_over_cap": 0, "stream_hello_timeouts": 0, "stream_hellos_too_large": 0,
                          "stream_bad_tickets": 0, "stream_idle_closed": 0, "stream_puts_too_large": 0,
                          "stream_pending_closed": 0, "stream_refused_caller_cap": 0, "stream_tickets_spent": 0,
-                         "stream_replies_paced": 0, "stream_tickets_issued": 0, "stream_tls_refused": 0}
+                         "stream_replies_paced": 0, "stream_tickets_issued": 0, "stream_tls_refused": 0,
+                         "stream_frames_refused": 0}
         self._tickets: dict[bytes, tuple[float, str]] = {}  # ticket -> (expiry (monotonic), caller path)
         self._tickets_of: dict[str, dict[bytes, None]] = {}  # principal -> its unused tickets, oldest first
         self._tickets_lock = threading.Lock()  # issue_ticket may run on another thread
@@ -398,6 +401,9 @@ class StreamServer:
                     return
         except _Refused as exc:
             self._rlog.warning("refused", "stream connection from %s closed: %s", peer, exc)
+        except ChannelError as exc:
+            self.counters["stream_frames_refused"] += 1
+            self._rlog.warning("refused", "stream connection from %s closed: a bad encrypted frame: %s", peer, exc)
         except StreamError as exc:
             self._rlog.warning("dropped", "stream connection from %s dropped: %s", peer, exc)
         except ProtocolError as exc:

@@ -1,6 +1,7 @@
 """The remote store's stream port over TLS (--stream-tls-cert/--stream-tls-key): a client trusting the CA puts and
 gets bit-exact chunks; a plaintext connection, a client without a CA or trusting another CA, and a TLS client of a
-plaintext port are each refused, saying why."""
+plaintext port are each refused, saying why; after the handshake, a frame that is not the session's closes the
+connection, counted and logged."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from kvmesh.shared import protocol
 from kvmesh.shared.messaging import bus
 from kvmesh.shared.tls import TlsMaterial, client_context
 from kvmesh.shared.wire.stream_wire import OP_HELLO, StreamError, send_request
+from kvmesh.shared.wire.tls_socket import MAX_FRAME_BYTES, TlsSocket
 
 from support.remote_store import ENGINE, MiB, chunk, nats_url, start_stores  # noqa: F401 (fixtures)
 from support.waiting import WAIT_S, wait_until_async
@@ -103,3 +105,29 @@ async def test_a_tls_client_refuses_a_plaintext_stream_port(nats_url: str, mater
     finally:
         await nc.close()
         await services[0].stop()
+
+
+async def test_a_frame_out_of_bounds_after_the_handshake_is_refused_counted_and_logged(
+        tls_store, material: TlsMaterial, caplog: pytest.LogCaptureFixture) -> None:
+    """A client that completes the handshake, then announces a frame longer than the bound (in clear: where the
+    length goes) is closed before the store reads or allocates it."""
+    service, nc = tls_store
+    given = await offer(nc, service.options.store_id)
+    loop = asyncio.get_running_loop()
+    raw = socket.create_connection((given.host, given.port), timeout=WAIT_S)
+    raw.setblocking(False)
+    try:
+        sock = await TlsSocket.wrap(raw, client_context(material.ca), server_side=False, server_hostname=given.host)
+        await loop.sock_sendall(raw, (MAX_FRAME_BYTES + 1).to_bytes(4, "big") + bytes(64))
+        try:
+            answer = await asyncio.wait_for(sock.recv_into(memoryview(bytearray(64))), WAIT_S)
+        except ConnectionResetError:
+            answer = 0
+        assert answer == 0  # closed: no answer
+    finally:
+        raw.close()
+    await wait_until_async(lambda: service.stream.counters["stream_frames_refused"] >= 1,
+                           what="the store counting the refused frame")
+    assert service.stream.counters["stream_tls_refused"] == 0
+    assert any(f"a frame of {MAX_FRAME_BYTES + 1} bytes announced" in record.getMessage()
+               for record in caplog.records)
