@@ -30,11 +30,12 @@ from kvmesh.shared.protocol import principal_of
 from kvmesh.shared.rate_limited_log import RateLimitedLog
 from kvmesh.shared.tls import describe_tls_error
 from kvmesh.shared.wire.keys import ChunkKey
-from kvmesh.shared.wire.tls_socket import ChannelError, TlsSocket
+from kvmesh.shared.wire.tls_socket import MAX_FRAME_BYTES, ChannelError, TlsSocket
 from kvmesh.shared.wire.stream_wire import (
     OP_GET,
     OP_HELLO,
     OP_PUT,
+    REQUEST_HEAD,
     StreamClosed,
     StreamError,
     recv_message,
@@ -362,7 +363,11 @@ class StreamServer:
                 async with asyncio.timeout(self.hello_timeout):
                     if self.tls is not None:
                         sock = await self._handshake(raw)
+                        # never read (or allocate) a frame longer than a hello can be before a valid ticket
+                        sock.max_frame_bytes = REQUEST_HEAD.size + self.hello_max_bytes
                     client, caller = await self._hello(sock)
+                    if isinstance(sock, TlsSocket):
+                        sock.max_frame_bytes = MAX_FRAME_BYTES
             except TimeoutError:
                 self.counters["stream_hello_timeouts"] += 1
                 raise _Refused(f"no valid hello within {self.hello_timeout:g}s ({self.names.hello_timeout})") \

@@ -92,6 +92,7 @@ class TlsSocket:
         self._plain = memoryview(bytearray(0))  # a frame longer than the caller's buffer
         self._plain_at = self._plain_end = 0
         self._broken: str | None = None
+        self.max_frame_bytes = MAX_FRAME_BYTES  # a server lowers it until the client proved itself
 
     @classmethod
     async def wrap(cls, sock: socket.socket, context: ssl.SSLContext, server_side: bool,
@@ -180,8 +181,9 @@ class TlsSocket:
                 return 0
             raise self._fail(f"the connection closed inside a frame's length ({self._rx_have} of 4 bytes)")
         (size,) = LENGTH.unpack_from(self._rx, 0)
-        if not 0 < size <= MAX_FRAME_BYTES:
-            raise self._fail(f"a frame of {size} bytes announced (frames hold 1 to {MAX_FRAME_BYTES} bytes)")
+        if not 0 < size <= self.max_frame_bytes:
+            raise self._fail(f"a frame of {size} bytes announced (frames hold 1 to {self.max_frame_bytes} bytes "
+                             "here)")
         end = LENGTH.size + size + TAG_BYTES
         self._rx = _grown(self._rx, end + LENGTH.size, self._rx_have)  # room for the next frame's length too
         if not await self._receive(end, end + LENGTH.size):

@@ -107,18 +107,21 @@ async def test_a_tls_client_refuses_a_plaintext_stream_port(nats_url: str, mater
         await services[0].stop()
 
 
+@pytest.mark.parametrize("bound", ["any frame", "a frame before the hello"])
 async def test_a_frame_out_of_bounds_after_the_handshake_is_refused_counted_and_logged(
-        tls_store, material: TlsMaterial, caplog: pytest.LogCaptureFixture) -> None:
+        tls_store, material: TlsMaterial, caplog: pytest.LogCaptureFixture, bound: str) -> None:
     """A client that completes the handshake, then announces a frame longer than the bound (in clear: where the
-    length goes) is closed before the store reads or allocates it."""
+    length goes) is closed before the store reads or allocates it. Before a valid hello, the bound is the longest
+    hello (--stream-hello-max-bytes and the request head)."""
     service, nc = tls_store
+    length = MAX_FRAME_BYTES + 1 if bound == "any frame" else service.stream.hello_max_bytes + 5 + 1
     given = await offer(nc, service.options.store_id)
     loop = asyncio.get_running_loop()
     raw = socket.create_connection((given.host, given.port), timeout=WAIT_S)
     raw.setblocking(False)
     try:
         sock = await TlsSocket.wrap(raw, client_context(material.ca), server_side=False, server_hostname=given.host)
-        await loop.sock_sendall(raw, (MAX_FRAME_BYTES + 1).to_bytes(4, "big") + bytes(64))
+        await loop.sock_sendall(raw, length.to_bytes(4, "big") + bytes(64))
         try:
             answer = await asyncio.wait_for(sock.recv_into(memoryview(bytearray(64))), WAIT_S)
         except ConnectionResetError:
@@ -129,5 +132,5 @@ async def test_a_frame_out_of_bounds_after_the_handshake_is_refused_counted_and_
     await wait_until_async(lambda: service.stream.counters["stream_frames_refused"] >= 1,
                            what="the store counting the refused frame")
     assert service.stream.counters["stream_tls_refused"] == 0
-    assert any(f"a frame of {MAX_FRAME_BYTES + 1} bytes announced" in record.getMessage()
+    assert any(f"a frame of {length} bytes announced" in record.getMessage()
                for record in caplog.records)
