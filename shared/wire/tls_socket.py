@@ -15,9 +15,10 @@ stop using the SSLObject, and from then on every `sendall` travels as frames
     [u32 BE length n, in clear and authenticated as associated data][n bytes of ciphertext][16-byte GCM tag]
 
 with the nonce a per-direction frame counter (never sent: each end counts, so a replayed, reordered, dropped or
-foreign frame fails its tag). 0 < n <= MAX_FRAME_BYTES. Anything else (a failed tag, a length out of bounds, the
-stream ending inside a frame) raises `ChannelError` and closes the socket. `recv_into` decrypts straight into the
-caller's buffer when a whole frame fits in it.
+foreign frame fails its tag). 0 < n <= `max_frame_bytes` (MAX_FRAME_BYTES; a server lowers it until the client's
+hello is valid). Anything else (a failed tag, a length out of bounds, the stream ending inside a frame) raises
+`ChannelError` and closes the socket. `sendall` seals FRAME_BYTES at a time, each frame while the one before it
+is still on its way; `recv_into` decrypts straight into the caller's buffer when a whole frame fits in it.
 
 The switch leaves no TLS bytes behind: each end sends its random right after its own handshake and sends no frame
 before it has the other's, and while it waits for it, it reads the socket one TLS record at a time, so nothing
