@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import ssl
 import struct
 from typing import Callable
 
@@ -86,16 +87,25 @@ class Relay:
 
 
 @pytest.fixture(scope="module")
-def contexts(tmp_path_factory: pytest.TempPathFactory):
-    files = TlsMaterial(tmp_path_factory.mktemp("tls") / "tls").ensure(["remote-store"],
-                                                                        hosts=["127.0.0.1"])["remote-store"]
+def files(tmp_path_factory: pytest.TempPathFactory):
+    return TlsMaterial(tmp_path_factory.mktemp("tls") / "tls").ensure(["remote-store"],
+                                                                       hosts=["127.0.0.1"])["remote-store"]
+
+
+@pytest.fixture(scope="module")
+def contexts(files):
     return client_context(files.ca), server_context(files.cert, files.key)
 
 
-@pytest.fixture
-async def ends(contexts):
-    """(client, server, relay): two TlsSockets through a relay, keys exchanged."""
-    client_tls, server_tls = contexts
+@pytest.fixture(scope="module")
+def contexts_1_2(files):
+    client = client_context(files.ca)
+    client.maximum_version = ssl.TLSVersion.TLSv1_2
+    return client, server_context(files.cert, files.key)
+
+
+async def connected(client_tls: ssl.SSLContext, server_tls: ssl.SSLContext):
+    """(client, server, relay, close): two TlsSockets through a relay, keys exchanged."""
     loop = asyncio.get_running_loop()
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -116,11 +126,22 @@ async def ends(contexts):
         return await TlsSocket.wrap(raw, client_tls, server_side=False, server_hostname="127.0.0.1")
 
     client, server = await asyncio.wait_for(asyncio.gather(connect(), serve()), WAIT_S)
+
+    async def close() -> None:
+        client.close()
+        server.close()
+        listener.close()
+        await relay.close()
+
+    return client, server, relay, close
+
+
+@pytest.fixture
+async def ends(contexts):
+    """(client, server, relay): two TlsSockets through a relay, keys exchanged."""
+    client, server, relay, close = await connected(*contexts)
     yield client, server, relay
-    client.close()
-    server.close()
-    listener.close()
-    await relay.close()
+    await close()
 
 
 async def test_bytes_of_every_size_cross_bit_exact_both_ways_never_in_clear(ends) -> None:
@@ -139,6 +160,21 @@ async def test_bytes_of_every_size_cross_bit_exact_both_ways_never_in_clear(ends
     await client.sendall(needle)
     await asyncio.wait_for(recv_exactly(server, memoryview(out)), WAIT_S)
     assert out == needle and needle[:16] not in relay.seen
+
+
+async def test_tls_1_2_switches_to_frames_as_cleanly(contexts_1_2) -> None:
+    """TLS 1.2 ends its handshake in another order (the server's Finished last, no tickets after it): the switch
+    leaves nothing behind there either."""
+    client, server, _, close = await connected(*contexts_1_2)
+    try:
+        assert client.version() == server.version() == "TLSv1.2"
+        for sender, receiver in ((client, server), (server, client)):
+            data, out = os.urandom(FRAME_BYTES + 3), bytearray(FRAME_BYTES + 3)
+            await asyncio.wait_for(asyncio.gather(sender.sendall(data), recv_exactly(receiver, memoryview(out))),
+                                   WAIT_S)
+            assert out == data
+    finally:
+        await close()
 
 
 async def test_reads_smaller_than_a_frame_get_it_in_order(ends) -> None:
