@@ -1,7 +1,7 @@
 """P2P load throughput (`PeerTier.get_from`) against a raw TCP loopback stream of the same bytes in the same run;
 prints JSON.
 
-    python benchmarks/p2p.py [--total-gib 1] [--chunk-mib 2] [--rounds 3] [--out PATH]
+    python benchmarks/p2p.py [--total-gib 1] [--chunk-mib 2] [--rounds 3] [--tls] [--out PATH]
 
 Two engine processes on one embedded NATS, as two vLLM instances on one host (no controller is needed: the
 loading engine names the holder, as a lookup answer would):
@@ -24,6 +24,11 @@ concurrency (1 connection, or 4 connections with a window of 4 reads). So raw an
 between the same memory on the same two event loops; what differs is the P2P protocol: NATS-negotiated tickets
 (once per connection), msgpack headers, the xxh3 checksum on both ends, the stream pool.
 
+With `--tls`, a second pair of engines does the same with TLS on both P2P ports (a CA and an `engine`
+certificate made here: the TLS handshake, then AES-GCM frames, shared/wire/tls_socket.py); the two pairs' rounds
+alternate, and `tls_to_clear` is the TLS pair's P2P throughput over the clear pair's (the goal: >= 0.7), beside
+each pair's own raw ceiling.
+
 Rounds alternate raw and P2P (raw-1, P2P-1, raw-4, P2P-4) after one untimed warm-up round (connections,
 page faults); figures are medians over `--rounds`. Before every pass the destination slots are zeroed, and after
 it every byte is compared with what the serving engine holds, and every P2P chunk's meta with what the loading
@@ -35,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -44,6 +50,7 @@ import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, TypeVar
@@ -60,6 +67,7 @@ from kvmesh.services.engine.tiers.peer import PeerTier, PeerWorker
 from kvmesh.shared.messaging.embedded_nats import EmbeddedNats, _die_with_parent
 from kvmesh.shared.options_cli import GB
 from kvmesh.shared.protocol import PEER, ChunkMeta
+from kvmesh.shared.tls import TlsMaterial
 from kvmesh.shared.wire.keys import ChunkKey, KeyParams
 from kvmesh.shared.wire.stream_wire import StreamError, recv_exactly, tune_socket
 
@@ -90,11 +98,19 @@ def synthetic_layout(chunk_mib: float) -> KVLayout:
     return detect_layout(caches, BLOCK, "CPU_ATTN", cpu_isa="vec")
 
 
-def engine_config(instance: str, nats_url: str, chunks: int, chunk_bytes: int) -> EngineConfig:
+def engine_config(instance: str, nats_url: str, chunks: int, chunk_bytes: int,
+                  tls_dir: str | None = None) -> EngineConfig:
+    """`tls_dir`: a TlsMaterial directory with an `engine` certificate: the P2P port is TLS-only with it, and the
+    peers' ports are verified against its CA."""
     slot = -(-chunk_bytes // 4096) * 4096
+    tls = {}
+    if tls_dir is not None:
+        files = TlsMaterial(tls_dir).files("engine")
+        tls = {"p2p_tls_cert": str(files.cert), "p2p_tls_key": str(files.key), "p2p_tls_ca": str(files.ca)}
     # generous request timeout: a loaded 2-core machine; it bounds a stalled transfer, never a throughput
     return EngineConfig(chunk_size=CHUNK_TOKENS, local_cpu=True, max_local_cpu_size=(chunks * slot + 100) / GB,
-                        lmcache_instance_id=instance, nats_url=nats_url, enable_p2p=True, request_timeout_secs=10.0)
+                        lmcache_instance_id=instance, nats_url=nats_url, enable_p2p=True, request_timeout_secs=10.0,
+                        **tls)
 
 
 def chunk_tokens(chunks: int) -> list[int]:
@@ -177,7 +193,8 @@ def serve(args: argparse.Namespace) -> None:
     layout = synthetic_layout(args.chunk_mib)
     chunk_bytes = layout.chunk_nbytes(CHUNK_TOKENS)
     chunks = args.chunks
-    engine = started_engine(engine_config("bench-p2p-server", args.nats_url, chunks, chunk_bytes), layout)
+    engine = started_engine(engine_config(f"bench-p2p-server{args.instance_suffix}", args.nats_url, chunks,
+                                          chunk_bytes, args.tls_dir), layout)
     refs = []
     listener = tasks = stream_loop = None
     try:
@@ -298,117 +315,158 @@ def cpu_model() -> str:
     return "unknown"
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    layout = synthetic_layout(args.chunk_mib)
-    chunk_bytes = layout.chunk_nbytes(CHUNK_TOKENS)
-    chunks = max(1, int(args.total_gib * GB) // chunk_bytes)
-    total = chunks * chunk_bytes
-    base = base_bytes(chunk_bytes)
-    started = time.monotonic()
-    with EmbeddedNats() as nats_server:
-        server = subprocess.Popen(
-            [sys.executable, __file__, "--serve", "--nats-url", nats_server.url, "--chunk-mib", str(args.chunk_mib),
-             "--chunks", str(chunks)],
+class Pair:
+    """A serving engine (its own process) and a loading engine (this process) on one NATS: the unit the passes
+    time. `tls_dir`: both P2P ports TLS-only (engine_config)."""
+
+    def __init__(self, args: argparse.Namespace, nats_url: str, layout: KVLayout, chunks: int,
+                 tls_dir: str | None = None) -> None:
+        self.chunk_bytes = layout.chunk_nbytes(CHUNK_TOKENS)
+        self.chunks = chunks
+        self.base = base_bytes(self.chunk_bytes)
+        suffix = "-tls" if tls_dir else ""
+        self.server = subprocess.Popen(
+            [sys.executable, __file__, "--serve", "--nats-url", nats_url, "--chunk-mib", str(args.chunk_mib),
+             "--chunks", str(chunks), f"--instance-suffix={suffix}", *(["--tls-dir", tls_dir] if tls_dir else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"},
             preexec_fn=_die_with_parent)
-        client: CacheEngine | None = None
-        loader: Loader | None = None
-        slots = []
+        self.client: CacheEngine | None = None
+        self.loader: Loader | None = None
+        self.slots: list[Any] = []
         try:
-            client = started_engine(engine_config("bench-p2p-client", nats_server.url, chunks, chunk_bytes), layout)
-            held = read_line(server, 300, "chunk list")
-            hasher, storage, pool, loop = client.hasher, client.storage, client.pool, client.nats_loop
+            self.client = started_engine(engine_config(f"bench-p2p-client{suffix}", nats_url, chunks,
+                                                       self.chunk_bytes, tls_dir), layout)
+            held = read_line(self.server, 300, "chunk list")
+            hasher, storage, pool, loop = self.client.hasher, self.client.storage, self.client.pool, \
+                self.client.nats_loop
             assert hasher is not None and storage is not None and pool is not None and loop is not None
-            assert held["chunk_bytes"] == chunk_bytes
+            self.storage, self.loop = storage, loop
+            assert held["chunk_bytes"] == self.chunk_bytes
             keys = [bytes.fromhex(key) for key in held["keys"]]
-            spans = hasher.spans(chunk_tokens(chunks))
-            if [span.key for span in spans] != keys:
+            self.spans = hasher.spans(chunk_tokens(chunks))
+            if [span.key for span in self.spans] != keys:
                 raise RuntimeError("the serving engine's keys differ from the loading engine's for the same tokens")
             for _ in range(chunks):
                 slot = pool.allocate()
                 if slot is None:
                     raise RuntimeError(f"the loading engine's pool holds fewer than {chunks} chunks")
-                slots.append(slot)
-            buffers = [slot.chunk_buffer(chunk_bytes) for slot in slots]
-            arrays = [slot.tensor.numpy()[:chunk_bytes] for slot in slots]
+                self.slots.append(slot)
+            buffers = [slot.chunk_buffer(self.chunk_bytes) for slot in self.slots]
+            self.arrays = [slot.tensor.numpy()[:self.chunk_bytes] for slot in self.slots]
             peers = storage.lower(PEER)
             assert isinstance(peers, PeerTier)
-            mismatch = client.meta_mismatch  # what a fetch checks before a chunk is scattered into vLLM's cache
-            loader = Loader(peers, PeerWorker(held["instance_id"], held["worker_id"]), keys, buffers,
-                            held["raw_port"], chunk_bytes)
-            loop.submit(loader.connect_raw(FETCH_CONCURRENCY)).result(30)
-            expected = np.empty(chunk_bytes, dtype=np.uint8)
+            self.mismatch = self.client.meta_mismatch  # what a fetch checks before a chunk is scattered into vLLM
+            self.loader = Loader(peers, PeerWorker(held["instance_id"], held["worker_id"]), keys, buffers,
+                                 held["raw_port"], self.chunk_bytes)
+            loop.submit(self.loader.connect_raw(FETCH_CONCURRENCY)).result(30)
+        except BaseException:
+            self.close()
+            raise
 
-            def verify(kind: str, metas: list[ChunkMeta | None] | None = None) -> None:
-                for index, array in enumerate(arrays):
-                    fill_chunk(expected, base, index)
-                    if not np.array_equal(array, expected):
-                        raise RuntimeError(f"{kind}: chunk {index}'s bytes differ from the serving engine's")
-                for span, meta in zip(spans, metas or []):
-                    problem = "missed" if meta is None else mismatch(span, meta)
-                    if problem:
-                        raise RuntimeError(f"{kind}: chunk {span.key.hex()}: {problem}")
+    def verify(self, kind: str, metas: list[ChunkMeta | None] | None = None) -> None:
+        expected = np.empty(self.chunk_bytes, dtype=np.uint8)
+        for index, array in enumerate(self.arrays):
+            fill_chunk(expected, self.base, index)
+            if not np.array_equal(array, expected):
+                raise RuntimeError(f"{kind}: chunk {index}'s bytes differ from the serving engine's")
+        for span, meta in zip(self.spans, metas or []):
+            problem = "missed" if meta is None else self.mismatch(span, meta)
+            if problem:
+                raise RuntimeError(f"{kind}: chunk {span.key.hex()}: {problem}")
 
-            def one(kind: str, concurrency: int) -> float:
-                for array in arrays:  # nothing of an earlier pass can pass the comparison
-                    array.fill(0)
-                if kind == "raw":
-                    seconds = loop.submit(loader.raw_pass(concurrency)).result(600)
-                    verify(f"raw x{concurrency}")
-                else:
-                    seconds, metas = loop.submit(loader.p2p_pass(concurrency)).result(600)
-                    verify(f"P2P x{concurrency}", metas)
-                return seconds
+    def one(self, kind: str, concurrency: int) -> float:
+        assert self.loader is not None
+        for array in self.arrays:  # nothing of an earlier pass can pass the comparison
+            array.fill(0)
+        if kind == "raw":
+            seconds = self.loop.submit(self.loader.raw_pass(concurrency)).result(600)
+            self.verify(f"raw x{concurrency}")
+        else:
+            seconds, metas = self.loop.submit(self.loader.p2p_pass(concurrency)).result(600)
+            self.verify(f"P2P x{concurrency}", metas)
+        return seconds
 
-            order = [("raw", 1), ("p2p", 1), ("raw", FETCH_CONCURRENCY), ("p2p", FETCH_CONCURRENCY)]
+    def finish(self, p2p_passes: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What the loading engine counted and what the serving engine served (checked against `p2p_passes`)."""
+        loader_counters = {k: v for k, v in self.storage.stats.items() if k.startswith("p2p_") and v}
+        assert self.server.stdin is not None
+        self.server.stdin.close()
+        served = read_line(self.server, 60, "served counts")
+        if served["p2p_served_chunks"] != p2p_passes * self.chunks or served["p2p_served_misses"]:
+            raise RuntimeError(f"the serving engine served {served}, expected {p2p_passes * self.chunks} chunks")
+        return loader_counters, served
+
+    def close(self) -> None:
+        if self.loader is not None:
+            self.loader.close_raw()
+        for slot in self.slots:
+            slot.release()
+        if self.client is not None:
+            self.client.close()
+        if self.server.stdin is not None and not self.server.stdin.closed:
+            self.server.stdin.close()
+        try:
+            self.server.wait(30)
+        except subprocess.TimeoutExpired:
+            self.server.kill()
+            self.server.wait()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    layout = synthetic_layout(args.chunk_mib)
+    chunk_bytes = layout.chunk_nbytes(CHUNK_TOKENS)
+    chunks = max(1, int(args.total_gib * GB) // chunk_bytes)
+    total = chunks * chunk_bytes
+    started = time.monotonic()
+    order = [("raw", 1), ("p2p", 1), ("raw", FETCH_CONCURRENCY), ("p2p", FETCH_CONCURRENCY)]
+    names = ["clear", "tls"] if args.tls else ["clear"]
+    times: dict[tuple[str, str, int], list[float]] = {(name, *key): [] for name in names for key in order}
+    with EmbeddedNats() as nats_server, tempfile.TemporaryDirectory(prefix="kvmesh-bench-p2p-") as tmp, \
+            contextlib.ExitStack() as stack:
+        tls_dir = str(Path(tmp) / "tls")
+        if args.tls:
+            TlsMaterial(tls_dir).ensure(["engine"], hosts=["127.0.0.1", "localhost"])
+        pairs: dict[str, Pair] = {}
+        for name in names:
+            pairs[name] = Pair(args, nats_server.url, layout, chunks, tls_dir if name == "tls" else None)
+            stack.callback(pairs[name].close)
+        for name in names:
             for kind, concurrency in order:  # warm-up: connections, tickets, page faults
-                one(kind, concurrency)
-            times: dict[tuple[str, int], list[float]] = {key: [] for key in order}
-            for _ in range(args.rounds):
+                pairs[name].one(kind, concurrency)
+        for round_ in range(args.rounds):
+            for name in names if round_ % 2 == 0 else names[::-1]:  # the machine's speed drifts
                 for kind, concurrency in order:
-                    times[(kind, concurrency)].append(one(kind, concurrency))
-            loader_counters = {k: v for k, v in storage.stats.items() if k.startswith("p2p_") and v}
-            assert server.stdin is not None
-            server.stdin.close()
-            served = read_line(server, 60, "served counts")
-        finally:
-            if loader is not None:
-                loader.close_raw()
-            for slot in slots:
-                slot.release()
-            if client is not None:
-                client.close()
-            if server.stdin is not None and not server.stdin.closed:
-                server.stdin.close()
-            try:
-                server.wait(30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
-
-    p2p_passes = 2 * (args.rounds + 1)
-    if served["p2p_served_chunks"] != p2p_passes * chunks or served["p2p_served_misses"]:
-        raise RuntimeError(f"the serving engine served {served}, expected {p2p_passes * chunks} chunks")
+                    times[(name, kind, concurrency)].append(pairs[name].one(kind, concurrency))
+        p2p_passes = 2 * (args.rounds + 1)
+        finished = {name: pairs[name].finish(p2p_passes) for name in names}
 
     def gbps(seconds: float) -> float:
         return round(total / seconds / 1e9, 3)
 
+    loader_counters, served = finished["clear"]
     result: dict[str, Any] = {
         "benchmark": "p2p", "total_bytes": total, "chunk_bytes": chunk_bytes, "chunk_mib": chunk_bytes / MiB,
         "chunk_tokens": CHUNK_TOKENS, "chunks": chunks, "rounds": args.rounds, "statistic": "median",
         "cpu": cpu_model(), "cpus": os.cpu_count(), "fetch_concurrency": FETCH_CONCURRENCY,
         "goal_ratio": GOAL,
     }
-    for concurrency, suffix in ((FETCH_CONCURRENCY, ""), (1, "_1")):
-        raw, p2p = times[("raw", concurrency)], times[("p2p", concurrency)]
-        result[f"p2p{suffix}_gbps"] = gbps(statistics.median(p2p))
-        result[f"raw_tcp{suffix}_gbps"] = gbps(statistics.median(raw))
-        result[f"ratio{suffix}"] = round(statistics.median(raw) / statistics.median(p2p), 3)
-        result[f"p2p{suffix}_gbps_rounds"] = [gbps(s) for s in p2p]
-        result[f"raw_tcp{suffix}_gbps_rounds"] = [gbps(s) for s in raw]
+    for name in names:
+        prefix = "" if name == "clear" else "tls_"
+        for concurrency, suffix in ((FETCH_CONCURRENCY, ""), (1, "_1")):
+            raw, p2p = times[(name, "raw", concurrency)], times[(name, "p2p", concurrency)]
+            result[f"{prefix}p2p{suffix}_gbps"] = gbps(statistics.median(p2p))
+            result[f"{prefix}raw_tcp{suffix}_gbps"] = gbps(statistics.median(raw))
+            result[f"{prefix}ratio{suffix}"] = round(statistics.median(raw) / statistics.median(p2p), 3)
+            result[f"{prefix}p2p{suffix}_gbps_rounds"] = [gbps(s) for s in p2p]
+            result[f"{prefix}raw_tcp{suffix}_gbps_rounds"] = [gbps(s) for s in raw]
+            if name == "tls":  # the goal of TLS: this share of the same P2P reads in clear
+                result[f"tls_to_clear{suffix}"] = round(
+                    statistics.median(times[("clear", "p2p", concurrency)]) / statistics.median(p2p), 3)
     result.update({"meets_goal": result["ratio"] >= GOAL, "verified_bit_exact": True, "meta_checked": True,
                    "served_chunks": served["p2p_served_chunks"], "loader_p2p_counters": loader_counters,
                    "wall_s": round(time.monotonic() - started, 1)})
+    if args.tls:
+        result["tls_served_chunks"] = finished["tls"][1]["p2p_served_chunks"]
     return result
 
 
@@ -419,9 +477,14 @@ def main() -> None:
                         help="chunk size (256 tokens; a multiple of 0.125 MiB)")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds (each: raw and P2P, x1 and x4)")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
+    parser.add_argument("--tls", action="store_true",
+                        help="also a pair of engines with TLS on their P2P ports, its passes alternating with the "
+                             "clear pair's: tls_* figures and tls_to_clear (TLS throughput / clear)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--nats-url", help=argparse.SUPPRESS)
     parser.add_argument("--chunks", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--instance-suffix", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--tls-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.serve:

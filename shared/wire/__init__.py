@@ -9,7 +9,7 @@ the sealing of what is encrypted at rest. The NATS messages are shared/protocol/
     pool_wire.py      how an engine lends its CPU pool to the disk store of its host
     stream_wire.py    the TCP stream data path's wire format: frames and socket reads/writes for both ends
     stream_server.py  the serving end of that stream (the remote store's and an engine's peer server)
-    tls_socket.py     TLS on that stream's sockets (an SSLObject driven by the event loop's socket calls)
+    tls_socket.py     encryption on that stream's sockets: a TLS handshake, then AES-256-GCM frames keyed inside it
     aead.py           AES-256-GCM sealing of what is encrypted at rest (Redis values, the stores' chunks)
     redis_keys.py     KVMesh's key names in Redis / Valkey and how their values and entries are authenticated
     redis_url.py      the `remote_url` forms that address Redis or Valkey, and the client each needs

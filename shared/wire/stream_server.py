@@ -30,11 +30,12 @@ from kvmesh.shared.protocol import principal_of
 from kvmesh.shared.rate_limited_log import RateLimitedLog
 from kvmesh.shared.tls import describe_tls_error
 from kvmesh.shared.wire.keys import ChunkKey
-from kvmesh.shared.wire.tls_socket import TlsSocket
+from kvmesh.shared.wire.tls_socket import MAX_FRAME_BYTES, ChannelError, ClosedBeforeKeys, TlsSocket
 from kvmesh.shared.wire.stream_wire import (
     OP_GET,
     OP_HELLO,
     OP_PUT,
+    REQUEST_HEAD,
     StreamClosed,
     StreamError,
     recv_message,
@@ -165,7 +166,9 @@ class StreamServer:
                  tls: ssl.SSLContext | None = None) -> None:
         """`tls`: a server context (shared/tls.py `server_context`): every connection starts with a TLS handshake,
         within `hello_timeout`; one that fails (a plaintext client, a client that does not trust the certificate)
-        is closed, counted in `stream_tls_refused` and logged saying why."""
+        is closed, counted in `stream_tls_refused` and logged saying why. After it the bytes travel in AES-GCM
+        frames (shared/wire/tls_socket.py); a frame that fails (its tag, its length, cut short) closes the
+        connection, counted in `stream_frames_refused` and logged."""
         self.source = source
         self.tls = tls
         self.host = host
@@ -181,7 +184,8 @@ class StreamServer:
         self.counters = {"stream_refused_over_cap": 0, "stream_hello_timeouts": 0, "stream_hellos_too_large": 0,
                          "stream_bad_tickets": 0, "stream_idle_closed": 0, "stream_puts_too_large": 0,
                          "stream_pending_closed": 0, "stream_refused_caller_cap": 0, "stream_tickets_spent": 0,
-                         "stream_replies_paced": 0, "stream_tickets_issued": 0, "stream_tls_refused": 0}
+                         "stream_replies_paced": 0, "stream_tickets_issued": 0, "stream_tls_refused": 0,
+                         "stream_frames_refused": 0}
         self._tickets: dict[bytes, tuple[float, str]] = {}  # ticket -> (expiry (monotonic), caller path)
         self._tickets_of: dict[str, dict[bytes, None]] = {}  # principal -> its unused tickets, oldest first
         self._tickets_lock = threading.Lock()  # issue_ticket may run on another thread
@@ -359,7 +363,11 @@ class StreamServer:
                 async with asyncio.timeout(self.hello_timeout):
                     if self.tls is not None:
                         sock = await self._handshake(raw)
+                        # never read (or allocate) a frame longer than a hello can be before a valid ticket
+                        sock.max_frame_bytes = REQUEST_HEAD.size + self.hello_max_bytes
                     client, caller = await self._hello(sock)
+                    if isinstance(sock, TlsSocket):
+                        sock.max_frame_bytes = MAX_FRAME_BYTES
             except TimeoutError:
                 self.counters["stream_hello_timeouts"] += 1
                 raise _Refused(f"no valid hello within {self.hello_timeout:g}s ({self.names.hello_timeout})") \
@@ -398,6 +406,9 @@ class StreamServer:
                     return
         except _Refused as exc:
             self._rlog.warning("refused", "stream connection from %s closed: %s", peer, exc)
+        except ChannelError as exc:
+            self.counters["stream_frames_refused"] += 1
+            self._rlog.warning("refused", "stream connection from %s closed: a bad encrypted frame: %s", peer, exc)
         except StreamError as exc:
             self._rlog.warning("dropped", "stream connection from %s dropped: %s", peer, exc)
         except ProtocolError as exc:
@@ -416,6 +427,8 @@ class StreamServer:
         assert self.tls is not None
         try:
             return await TlsSocket.wrap(raw, self.tls, server_side=True)
+        except ClosedBeforeKeys as exc:  # a client that left after the handshake (e.g. a certificate probe)
+            raise StreamClosed(f"TLS port: {exc.strerror or exc}") from None
         except (ssl.SSLError, ConnectionError) as exc:
             self.counters["stream_tls_refused"] += 1
             raise _Refused(f"TLS port: {describe_tls_error(exc)}") from None

@@ -40,7 +40,7 @@ from kvmesh.shared import protocol
 from kvmesh.shared.errors import StoreError
 from kvmesh.shared.wire.tls_socket import TlsSocket
 
-# A stream connection: a plain socket, or a TLS session on one (shared/wire/tls_socket.py) where the port is TLS.
+# A stream connection: a plain socket, or an encrypted one (shared/wire/tls_socket.py) where the port is TLS.
 Channel = socket.socket | TlsSocket
 
 

@@ -1,7 +1,8 @@
 """The remote store's stream port over TLS (--stream-tls-cert/--stream-tls-key): a client trusting the CA puts and
 gets bit-exact chunks; a plaintext connection, a client without a CA or trusting another CA, and a TLS client of a
 plaintext port are each refused, saying why; a client that ends its session cleanly leaves the port serving; a
-certificate rotated on disk serves new connections."""
+certificate rotated on disk serves new connections; after the handshake, a frame that is not the session's closes
+the connection, counted and logged."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from kvmesh.shared import protocol
 from kvmesh.shared.messaging import bus
 from kvmesh.shared.tls import TlsMaterial, client_context
 from kvmesh.shared.wire.stream_wire import OP_HELLO, StreamError, send_request
+from kvmesh.shared.wire.tls_socket import MAX_FRAME_BYTES, TlsSocket
 
 from support.remote_store import ENGINE, MiB, chunk, nats_url, start_stores  # noqa: F401 (fixtures)
 from support.tls import der, reissue, served_certificate
@@ -152,3 +154,32 @@ async def test_a_client_that_closes_its_tls_session_cleanly_leaves_the_port_serv
         assert got is not None and np.array_equal(out, data)
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize("bound", ["any frame", "a frame before the hello"])
+async def test_a_frame_out_of_bounds_after_the_handshake_is_refused_counted_and_logged(
+        tls_store, material: TlsMaterial, caplog: pytest.LogCaptureFixture, bound: str) -> None:
+    """A client that completes the handshake, then announces a frame longer than the bound (in clear: where the
+    length goes) is closed before the store reads or allocates it. Before a valid hello, the bound is the longest
+    hello (--stream-hello-max-bytes and the request head)."""
+    service, nc = tls_store
+    length = MAX_FRAME_BYTES + 1 if bound == "any frame" else service.stream.hello_max_bytes + 5 + 1
+    given = await offer(nc, service.options.store_id)
+    loop = asyncio.get_running_loop()
+    raw = socket.create_connection((given.host, given.port), timeout=WAIT_S)
+    raw.setblocking(False)
+    try:
+        sock = await TlsSocket.wrap(raw, client_context(material.ca), server_side=False, server_hostname=given.host)
+        await loop.sock_sendall(raw, length.to_bytes(4, "big") + bytes(64))
+        try:
+            answer = await asyncio.wait_for(sock.recv_into(memoryview(bytearray(64))), WAIT_S)
+        except ConnectionResetError:
+            answer = 0
+        assert answer == 0  # closed: no answer
+    finally:
+        raw.close()
+    await wait_until_async(lambda: service.stream.counters["stream_frames_refused"] >= 1,
+                           what="the store counting the refused frame")
+    assert service.stream.counters["stream_tls_refused"] == 0
+    assert any(f"a frame of {length} bytes announced" in record.getMessage()
+               for record in caplog.records)

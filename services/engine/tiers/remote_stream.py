@@ -116,6 +116,11 @@ class StreamConnection:
             return protocol.GetReply(found=False, meta=meta, error=f"chunk {key.hex()} failed its checksum")
         return reply
 
+    @property
+    def worn(self) -> bool:
+        """Whether the connection has carried so much under its TLS frame keys that a new one must replace it."""
+        return isinstance(self.sock, TlsSocket) and self.sock.worn
+
     def close(self) -> None:
         self.sock.close()
 
@@ -150,7 +155,7 @@ class StreamPool:
                     connection.close()
                     self.reset()
                     raise
-            if self._closed:
+            if self._closed or connection.worn:
                 connection.close()
             else:
                 self._idle.append(connection)
