@@ -284,6 +284,8 @@ class WorkerSide:
                 self._stats.set_gauge("lmcache:local_cache_usage", usage.cpu_bytes)
                 self._stats.set_gauge("lmcache:pinned_memory_objs_count", usage.cpu_chunks)
                 self._stats.set_gauge("lmcache:lmcache_is_healthy", float(usage.healthy))
+                self._stats.set_gauge("lmcache:chunk_bytes", usage.chunk_bytes)
+                self._stats.set_gauge("lmcache:state_bytes", usage.state_bytes)
         return self._stats.take()
 
     def get_finished(self, finished_req_ids: set[str], metadata: "KVConnectorMetadata | None"

@@ -324,8 +324,11 @@ class CacheEngine:
 
     def usage(self) -> "EngineUsage":
         """What the connector's metrics report of this engine (adapter/connector_stats.py)."""
+        layout = self.layout
+        state_bytes = layout.chunk_nbytes(layout.state_block, state=True) if layout.has_state else 0
         return EngineUsage(self.storage.stats, self.cpu.used_bytes, len(self.cpu),
-                           self.connected or self.nats_loop is None)
+                           self.connected or self.nats_loop is None,
+                           layout.chunk_nbytes(self.config.chunk_size), state_bytes)
 
     @property
     def nats_url(self) -> str | None:
@@ -382,6 +385,8 @@ class EngineUsage:
     cpu_bytes: int
     cpu_chunks: int
     healthy: bool
+    chunk_bytes: int = 0  # what one full chunk stores (kv_layout.py: its layers' pages only)
+    state_bytes: int = 0  # what one recurrent state stores (0: the model has no state layers)
 
 
 @dataclasses.dataclass

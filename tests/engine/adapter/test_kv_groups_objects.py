@@ -66,6 +66,7 @@ def test_a_plain_models_chunks_keep_their_format_and_bytes() -> None:
                                                                            2 * HEAD_SIZE], "bfloat16",
                                                          layout.chunk_format(), whole)
             assert engine.pool.slot_nbytes == whole
+            assert (engine.usage().chunk_bytes, engine.usage().state_bytes) == (whole, 0)  # lmcache:*_bytes
         finally:
             engine.close()
 
@@ -109,6 +110,7 @@ def test_a_hybrid_chunk_holds_only_its_attention_pages_and_a_state_only_its_stat
         for dst_block, src_block in zip(dst_tables[1], src_tables[1]):
             assert torch.equal(dst_caches[FULL_LAYERS[0]][dst_block], src_caches[FULL_LAYERS[0]][src_block])
         assert engine.storage.stats["cpu_bad_meta"] == 0
+        assert (engine.usage().chunk_bytes, engine.usage().state_bytes) == (2 * PAGE_BYTES, 3 * PAGE_BYTES)
     finally:
         engine.close()
 
