@@ -71,7 +71,7 @@ def build_engine(config: EngineConfig, key_params: KeyParams, layout: KVLayout, 
     worker_id = worker_id_for(config.lmcache_instance_id, world_size, rank, f"{os.getpid()}-{secrets.token_hex(3)}")
     layout.check_chunk_size(config.chunk_size)
     key_params, writes_lower_tiers = _layout_keys(key_params, layout, rank)
-    pool = MemoryPool(config.max_local_cpu_bytes, layout.chunk_nbytes(config.chunk_size), use_shm=use_shm)
+    pool = MemoryPool(config.max_local_cpu_bytes, layout.slot_nbytes(config.chunk_size), use_shm=use_shm)
     cpu = LocalCPUBackend(pool, keep=config.local_cpu, policy=config.cache_policy, clock=clock,
                           retained_share=config.retained_cpu_share)
     copier = PagedCopier(layout, device)
@@ -107,8 +107,10 @@ def build_engine(config: EngineConfig, key_params: KeyParams, layout: KVLayout, 
         mesh = WorkerMesh(engine, connection, nats_loop, domain.name, tier_plan, _sealer(config, domain, tier_plan))
         engine.mesh = mesh
         mesh.connect(auth)
-    log.info("cache engine %s: chunk %d tokens = %.1f MiB (%s), CPU pool %d chunks%s%s", worker_id,
-             config.chunk_size, layout.chunk_nbytes(config.chunk_size) / 2**20, layout.chunk_format(),
+    state = f", state {layout.chunk_nbytes(layout.state_block, state=True) / 2**20:.2f} MiB" \
+        if layout.has_state else ""
+    log.info("cache engine %s: chunk %d tokens = %.2f MiB%s (%s), CPU pool %d chunks%s%s", worker_id,
+             config.chunk_size, layout.chunk_nbytes(config.chunk_size) / 2**20, state, layout.chunk_format(),
              pool.num_slots, " (shared memory)" if pool.segment is not None else "",
              f", mesh {connection.url} ({connection.plan.mode})" if connection is not None else "")
     return engine

@@ -210,6 +210,8 @@ class PrefixLookup:
     prefetch_from: int = 0
     # the request's kv_load_tiers: the only locations looked in (None: all)
     tiers: list[str] | None = None
+    # the keys name recurrent states, not chunks (a model with state groups: its chunks and states differ in bytes)
+    state: bool = False
 
 
 @message("peer_lookup")

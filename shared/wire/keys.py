@@ -35,6 +35,11 @@ EXTRAS_PERSON = b"kvmesh-extras"  # blake2b personalisation of chunks hashed wit
 SHARD_PERSON = b"kvmesh-shard"  # blake2b personalisation of a rank's key derived from the chain key
 STATE_PERSON = b"kvmesh-state"  # blake2b personalisation of a recurrent state's key (state_key)
 STATE_GROUP_TAG = "M"  # a state group's letter in a chunk format's groups tag (".../gM1,M1,F1": kv_groups.py)
+# What a stored object of a model with state groups is, named in its meta's fmt after the chunk format: a chunk (the
+# attention groups' layers) or a state (the state groups' layers). A state and a one-block chunk have the same
+# token count; objects of the layout before this split carry neither and are refused (KVLayout.object_format).
+CHUNK_KIND = ";chunk"
+STATE_KIND = ";state"
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,11 @@ class KeyParams:
         """The chain's root: the model and its KV format (the shard is applied per key, `shard_key`), and the
         sharing domain when it is not the default one (so default keys are the same bytes as before domains)."""
         text = f"kvmesh/1|{self.model}|{self.kv_format}|1|0"
+        if has_state_groups(self.kv_format):
+            # chunks hold the attention layers only, states the state layers only (KVLayout.object_layers): other
+            # keys than the objects stored before, which held every layer (a store keeps the first object put
+            # under a key, so an old one would shadow the new one; and old objects are never asked)
+            text += "|objects=split"
         if self.domain != "default":
             text += f"|domain={self.domain}"
         return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
@@ -124,21 +134,36 @@ def state_key(chain_key: ChunkKey) -> ChunkKey:
     return hashlib.blake2b(chain_key, digest_size=len(chain_key), person=STATE_PERSON).digest()
 
 
+def state_groups(kv_format: str) -> tuple[bool, ...]:
+    """Per KV cache group of `kv_format` (or of its groups tag alone), whether it holds recurrent state; () for a
+    format without groups. The groups tag is the format's last part (KVLayout.chunk_format)."""
+    tag = kv_format.rsplit("/", 1)[-1]
+    if not tag.startswith("g"):
+        return ()
+    return tuple(group.startswith(STATE_GROUP_TAG) for group in tag[1:].split(","))
+
+
 def has_state_groups(kv_format: str) -> bool:
     """Whether chunks of `kv_format` come with recurrent states: a prefix is usable only up to a chunk whose
-    state is held too. The groups tag is the format's last part (KVLayout.chunk_format)."""
-    tag = kv_format.rsplit("/", 1)[-1]
-    return tag.startswith("g") and any(group.startswith(STATE_GROUP_TAG) for group in tag[1:].split(","))
+    state is held too."""
+    return any(state_groups(kv_format))
+
+
+def is_state_object(fmt: str) -> bool:
+    """Whether a stored object whose meta has this fmt is a recurrent state (else a chunk)."""
+    return fmt.endswith(STATE_KIND)
 
 
 @dataclass(frozen=True)
 class ChunkSpan:
-    """Chunk `index` covers tokens [start, end) and is named `key`."""
+    """Chunk `index` covers tokens [start, end) and is named `key`; with `state`, the span is not that chunk but the
+    recurrent state after it (`state_key`, stored on its own: KVLayout.object_layers)."""
 
     index: int
     start: int
     end: int
     key: ChunkKey
+    state: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -236,13 +261,13 @@ class ChunkHasher:
         params = self.params
         if not params.sharded:
             return list(chain_spans)
-        return [ChunkSpan(s.index, s.start, s.end, params.shard_key(s.key)) for s in chain_spans]
+        return [ChunkSpan(s.index, s.start, s.end, params.shard_key(s.key), s.state) for s in chain_spans]
 
     def state_spans(self, chain_spans: Sequence[ChunkSpan], block_size: int) -> list[ChunkSpan]:
         """This shard's spans of the recurrent states after the full chunks of `chain_spans` (a state travels as
         one block's page, copied through the slots of the chunk's last block: KVGroups.state_slots)."""
-        return self.shard([ChunkSpan(s.index, s.end - block_size, s.end, state_key(s.key)) for s in chain_spans
-                           if s.num_tokens == self.chunk_size])
+        return self.shard([ChunkSpan(s.index, s.end - block_size, s.end, state_key(s.key), state=True)
+                           for s in chain_spans if s.num_tokens == self.chunk_size])
 
     def spans_and_states(self, tokens: Sequence[int] | np.ndarray | "object", extras: KeyExtras | None,
                          state_block: int) -> tuple[list[ChunkSpan], list[ChunkSpan]]:

@@ -226,12 +226,23 @@ def gate(server: VLLMServer, ref: VLLMServer, prompts: list[Prompt], cache: Cach
     return expected
 
 
-def check_groups(server: VLLMServer, block_size: int, groups_tag: str) -> None:
+def check_groups(server: VLLMServer, block_size: int, groups_tag: str,
+                 stored: tuple[int, int] | None = None) -> None:
     """The connector cached the model with vLLM's hybrid manager on, in these KV cache groups of blocks of
-    `block_size` tokens (the block the gate's expected hits assume)."""
+    `block_size` tokens (the block the gate's expected hits assume); with `stored`, the bytes one chunk and one
+    state store (lmcache:chunk_bytes, lmcache:state_bytes: only the layers each kind's loads read)."""
     log = server.log_text()
     assert f"block_size {block_size}, KV cache groups {groups_tag}," in log
     assert REFUSED not in log and HMA_OFF not in log
+    if stored is not None:
+        gauges = server.metrics()
+        assert (gauges.get("lmcache:chunk_bytes"), gauges.get("lmcache:state_bytes")) == stored, gauges
+
+
+def page_bytes(block_size: int, itemsize: int) -> int:
+    """One block of one attention layer of the demo models (2 KV heads of 64, K and V; every layer's page in
+    vLLM's hybrid manager is this size, a state layer's too)."""
+    return block_size * 2 * 64 * 2 * itemsize
 
 
 def token_ids(server: VLLMServer, text: str, salt: str) -> list[int]:
@@ -528,7 +539,8 @@ class TestSlidingWindowModels:
         prompts = prompt_set(token_ids(server, long_text[:8_000], "hybrid"),
                              token_ids(server, long_text[8_000:14_000], "other"))
         gate(server, windowed["hybrid-ref"], prompts, CacheModel(TINY_BLOCK))
-        check_groups(server, TINY_BLOCK, "gS2w128+0,F2")
+        check_groups(server, TINY_BLOCK, "gS2w128+0,F2",
+                     stored=(4 * (CHUNK // TINY_BLOCK) * page_bytes(TINY_BLOCK, 4), 0))  # every layer, fp32
 
     def test_gate_every_layer_windowed_with_chunked_prefill(self, windowed: dict[str, VLLMServer],
                                                             long_text: str) -> None:
@@ -576,7 +588,8 @@ class TestGatedDeltaNetModel:
         prompts = prompt_set(token_ids(server, long_text[20_000:28_000], "gdn"),
                              token_ids(server, long_text[28_000:34_000], "other"))
         gate(server, gdn["gdn-ref"], prompts, CacheModel(GDN_BLOCK, states=True))
-        check_groups(server, GDN_BLOCK, "gM1,M1,M1,F1")
+        # bf16: a chunk the full-attention layer's page, a state the three GDN layers' pages
+        check_groups(server, GDN_BLOCK, "gM1,M1,M1,F1", stored=(page_bytes(GDN_BLOCK, 2), 3 * page_bytes(GDN_BLOCK, 2)))
 
     def test_without_prefix_caching_it_starts_and_serves_without_the_cache(self, gdn: dict[str, Any],
                                                                           long_text: str) -> None:
@@ -664,4 +677,5 @@ class TestMamba2Model:
         prompts = prompt_set(token_ids(server, long_text[40_000:48_000], "mamba2"),
                              token_ids(server, long_text[48_000:54_000], "other"))
         gate(server, mamba2["mamba2-ref"], prompts, CacheModel(MAMBA2_BLOCK, states=True))
-        check_groups(server, MAMBA2_BLOCK, "gM1,M1,M1,F1")
+        check_groups(server, MAMBA2_BLOCK, "gM1,M1,M1,F1",  # fp32: one attention page, three Mamba2 pages
+                     stored=(page_bytes(MAMBA2_BLOCK, 4), 3 * page_bytes(MAMBA2_BLOCK, 4)))

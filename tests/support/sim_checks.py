@@ -33,7 +33,7 @@ import torch
 from kvmesh.services.engine.adapter.request_extras import request_extras
 from kvmesh.services.engine.tiers.sealed import SEAL_OVERHEAD, SealRejected
 from kvmesh.shared.wire import chunk_file
-from kvmesh.shared.wire.keys import ChunkHasher, ChunkKey, state_key
+from kvmesh.shared.wire.keys import ChunkHasher, ChunkKey, is_state_object, state_key
 
 from support.engine import BLOCK, CHUNK
 from support.sim_kinds import SLIDING, STATE_ROLES, GroupKind
@@ -196,7 +196,8 @@ class Checks:
                     ref.slot.ref()
             try:
                 for key, ref in entries:
-                    chunk = ref.slot.view(layout.dtype, layout.chunk_shape(ref.meta.num_tokens))
+                    chunk = ref.slot.view(layout.dtype, layout.chunk_shape(ref.meta.num_tokens,
+                                                                            is_state_object(ref.meta.fmt)))
                     self.chunk(f"rank {runner.rank}'s CPU tier", key, chunk, layout)
             finally:
                 for _, ref in entries:
@@ -230,6 +231,11 @@ class Checks:
             chunk = torch.frombuffer(out, dtype=torch.uint8).view(layout.dtype).reshape(list(meta.shape))
             self.chunk(f"disk store file {path.name}", meta.key, chunk, layout)
 
+    def _object_layers(self, state: bool) -> list[str]:
+        """The layers a stored chunk (or state) holds, in its order: the caches' (group order), of its kind only."""
+        kinds = {layer.name: layer.has_state for layer in self.kind.layers}
+        return [name for name in self.runners[0].connector.worker_side.kv_caches if kinds[name] == state]
+
     def chunk(self, where: str, key: ChunkKey, chunk: torch.Tensor, layout: Any) -> None:
         self.checked_chunks += 1
         state = self.keys.states.get(key)
@@ -241,7 +247,7 @@ class Checks:
             raise Violation(2, f"{where}: chunk {key.hex()} has a key no request's tokens make")
         rank, tag, tokens, start, end = info
         expected = self.oracle.expected(tag, tokens)
-        order = list(self.runners[0].connector.worker_side.kv_caches)  # the layers as chunks hold them
+        order = self._object_layers(False)  # the layers as chunks hold them
         for index, layer in enumerate(self.kind.layers):
             if layer.role in STATE_ROLES:
                 continue  # chunks carry no state (kv_groups.py): states are stored under their own keys
@@ -263,7 +269,7 @@ class Checks:
                      tokens: tuple[int, ...]) -> None:
         self.checked_states += 1
         expected = self.oracle.expected(tag, tokens)
-        order = list(self.runners[0].connector.worker_side.kv_caches)
+        order = self._object_layers(True)  # the layers as states hold them
         for index, layer in enumerate(self.kind.layers):
             if not layer.has_state:
                 continue

@@ -78,6 +78,12 @@ METRICS: tuple[Metric, ...] = (
     Metric("lmcache:local_cache_usage", "gauge", "Bytes held by the CPU tier (all ranks)"),
     Metric("lmcache:pinned_memory_objs_count", "gauge", "Chunks held by the CPU tier (all ranks)"),
     Metric("lmcache:lmcache_is_healthy", "gauge", "1 while every rank's engine reaches its mesh (or needs none)"),
+    # per kind of stored object, not per KV cache group: the tiers store whole chunks and states, and a group's
+    # share of one is fixed (its layers' pages: the start-up log names each group's)
+    Metric("lmcache:chunk_bytes", "gauge",
+           "Bytes one full chunk stores (all ranks; with state layers: the attention layers' pages only)"),
+    Metric("lmcache:state_bytes", "gauge",
+           "Bytes one recurrent state stores (all ranks; the state layers' pages only; 0 without state layers)"),
 )
 BY_NAME = {m.name: m for m in METRICS}
 _PARTS = {"counter": "counters", "gauge": "gauges", "histogram": "observations"}

@@ -2,9 +2,9 @@
 
 With the hybrid manager on (the connector implements vLLM's `SupportsHMA`), vLLM splits a model's layers into
 KV cache groups, one per kind of layer, each with its own block table: full attention, sliding window,
-Mamba / linear-attention state... A chunk holds the KV of its tokens for every layer of every cached group,
-layers in group order (`KVGroups.layer_order`), each group copied through its own block table
-(`ReqMeta.slot_mapping` gives one row of slots per group).
+Mamba / linear-attention state... A chunk holds the KV of its tokens for every layer of every cached attention
+group, layers in group order (`KVGroups.layer_order`), each group copied through its own block table
+(`ReqMeta.slot_mapping` gives one row of slots per group); state groups' layers are stored apart, as states.
 
 What each kind needs:
   * full attention (`FullAttentionSpec`, `MLAAttentionSpec`): every token's KV, as without groups.
@@ -25,10 +25,11 @@ What each kind needs:
     and cache-hit alignment, the spec's checkpoint alignment, EAGLE's block drop). A state is stored beside
     the chunk ending at that position, under the chunk's state key (`shared.wire.keys.state_key`), only when one of
     those pages holds it; a page is never taken for the state at its block's end. It is stored as one page per
-    state layer (`page_view`: a state page copies like an attention page of the same size), and a hit ends
-    only at a chunk whose state every rank holds (the scheduler looks the candidates up longest first). The
-    load writes it into the block vLLM allocates for it (block hit / B - 1, where vLLM's forward reads a
-    resumed request's state). Chunks themselves carry no state pages (their state rows are -1). Without
+    state layer, nothing else (`page_view`: a state page copies like an attention page of the same size), and a
+    hit ends only at a chunk whose state every rank holds (the scheduler looks the candidates up longest first).
+    The load writes it into the block vLLM allocates for it (block hit / B - 1, where vLLM's forward reads a
+    resumed request's state). Chunks hold the attention groups' layers only, states the state groups' layers
+    only (core/kv_layout.py: `KVLayout.object_layers`; the meta's fmt names which an object is). Without
     "align" mode there is no state to resume from: the model is served without the cache.
   * anything else (chunked-local attention, cross attention, ...) is not cached: the model is served without
     KVMesh, with one WARNING naming the group (`KVGroups.of`).
@@ -230,23 +231,23 @@ class KVGroups:
         """Every cached layer, in the order chunks hold them (group by group)."""
         return [name for group in self.groups for name in group.layer_names]
 
-    def describe(self, chunk_bytes: int, num_layers: int, chunk_size: int) -> str:
-        """Each group with its share of a chunk's bytes (all layers of a chunk are the same size), for the log.
-        A state group's pages in a chunk are never written or read: its state travels beside the chunk, one page
-        per layer (stored as one block of every layer)."""
-        per_layer = chunk_bytes / max(num_layers, 1)
-        per_page = per_layer * self.block_size / chunk_size
+    def describe(self, chunk_bytes: int, state_bytes: int) -> str:
+        """Each group with the bytes it stores (all layers' pages are the same size): its share of a chunk's
+        `chunk_bytes` (attention groups) or of a state's `state_bytes` (state groups), for the log."""
+        attention = sum(len(group.layer_names) for group in self.groups if group.kind != STATE)
+        states = sum(len(group.layer_names) for group in self.groups if group.kind == STATE)
 
         def one(group: KVGroup) -> str:
             layers = len(group.layer_names)
             if group.kind == STATE:
-                return (f"{group.kind} x{layers} {per_page * layers / 2**20:.2f} MiB per state after each chunk "
-                        f"(stored as {per_page * num_layers / 2**20:.2f} MiB; its {per_layer * layers / 2**20:.2f} "
-                        "MiB in each chunk unused)")
+                return f"{group.kind} x{layers} {state_bytes * layers / states / 2**20:.2f} MiB per state"
             window = f" (window {group.sliding_window})" if group.kind == SLIDING else ""
-            return f"{group.kind} x{layers}{window} {per_layer * layers / 2**20:.2f} MiB"
+            return f"{group.kind} x{layers}{window} {chunk_bytes * layers / attention / 2**20:.2f} MiB per chunk"
 
-        return ", ".join(one(group) for group in self.groups)
+        total = f"chunk {chunk_bytes / 2**20:.2f} MiB"
+        if states:
+            total += f", state after each chunk {state_bytes / 2**20:.2f} MiB"
+        return f"{total}: " + ", ".join(one(group) for group in self.groups)
 
     def layers_per_group(self) -> tuple[int, ...]:
         return tuple(len(group.layer_names) for group in self.groups)

@@ -162,7 +162,7 @@ class LowerLookup:
 
 def _alone(span: ChunkSpan) -> ChunkSpan:
     """`span` as the first chunk of a sequence of its length: how a chunk is looked up by its key alone."""
-    return ChunkSpan(0, 0, span.num_tokens, span.key)
+    return ChunkSpan(0, 0, span.num_tokens, span.key, span.state)
 
 
 class SchedulerLookup:
@@ -244,7 +244,8 @@ class SchedulerLookup:
         """(tokens held on every rank, or None for "ask again"; the lower-tier lookup in flight or done). `peer`:
         the PD producer the request names (adapter/pd.py), whose workers the ranks ask first. The lookup's
         prefetch skips the chunks that end by `prefetch_from` (the tokens vLLM computed: its prefix cache).
-        `tiers`: the only locations counted (a request's kv_load_tiers; None: all)."""
+        `tiers`: the only locations counted (a request's kv_load_tiers; None: all). `chain` is a request's chunks,
+        or one chunk or state looked up alone (`held_one`)."""
         workers = self._workers
         if not workers or not chain:
             return 0, lower
@@ -254,7 +255,7 @@ class SchedulerLookup:
         if cpu_tokens == chain[-1].end or not below or not any(w.has_lower for w in workers):
             return cpu_tokens, lower
         if lower is None:
-            lower = self._ask_lower(keys, num_tokens, peer, prefetch_from, tiers)
+            lower = self._ask_lower(keys, num_tokens, peer, prefetch_from, tiers, chain[0].state)
             if lower is None:  # NATS is down: what the mirror says, at once
                 return cpu_tokens, None
             # answered when vLLM asks again, never in this call: whether the NATS loop answers before the scheduler
@@ -292,7 +293,8 @@ class SchedulerLookup:
         return ids if ids and all(ids) else []
 
     def _ask_lower(self, keys: list[ChunkKey], num_tokens: int, peer: PeerHint | None,
-                   prefetch_from: int, tiers: frozenset[str] | None = None) -> LowerLookup | None:
+                   prefetch_from: int, tiers: frozenset[str] | None = None, state: bool = False
+                   ) -> LowerLookup | None:
         def peer_of(rank: int) -> tuple[str, str]:  # each rank asks the producer's worker of the same rank
             worker = peer.worker_of(rank) if peer is not None else None
             return (peer.instance_id, worker) if peer is not None and worker else ("", "")
@@ -304,7 +306,7 @@ class SchedulerLookup:
             for engine in local:
                 if engine.nats_loop is None or not engine.nats_loop.connected:
                     return None
-                spans = engine.chunk_spans(keys, num_tokens)
+                spans = engine.chunk_spans(keys, num_tokens, state=state)
                 futures.append(engine.nats_loop.submit(engine.lookup_and_prefetch(spans, *peer_of(engine.rank),
                                                                                   prefetch_from, tiers)))
             return LowerLookup(futures, time.monotonic(), timeout)
@@ -313,7 +315,7 @@ class SchedulerLookup:
             return None  # no NATS, or it went down: answer from the CPU tiers at once
         # connected, or still making its first connection (just after the workers were found): ask
         wanted = sorted(tiers) if tiers is not None else None
-        requests = [protocol.PrefixLookup(keys, num_tokens, *peer_of(w.rank), prefetch_from, wanted)
+        requests = [protocol.PrefixLookup(keys, num_tokens, *peer_of(w.rank), prefetch_from, wanted, state)
                     for w in self._workers]
         return LowerLookup([nats.submit(self._ask(nats, w, request, timeout))
                             for w, request in zip(self._workers, requests)], time.monotonic(), timeout)

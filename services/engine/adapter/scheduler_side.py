@@ -215,7 +215,7 @@ class SchedulerSide:
         probe = tracker.probe
         if probe is None or probe.after != hit:
             spans = [ChunkSpan(k - 1, k * self.chunk_size - self.block_size, k * self.chunk_size,
-                               state_key(tracker.chain[k - 1].key)) for k in range(last, 0, -1)]
+                               state_key(tracker.chain[k - 1].key), state=True) for k in range(last, 0, -1)]
             probe = tracker.probe = BlockPrefixProbe(hit, spans, [None] * len(spans))
         answered, span = probe.held(self.lookup, tracker.kv_params.load_tiers)
         if not answered:

@@ -139,8 +139,9 @@ class WorkerSide:
         log.info("registered %d KV cache layers: shape %s, dtype %s, backend %s -> layout %s (chunk format %s)",
                  len(kv_caches), tuple(first.shape), first.dtype, backend, layout.name, layout.chunk_format())
         if self.groups is not None:
+            state_bytes = layout.chunk_nbytes(layout.state_block, state=True) if layout.has_state else 0
             log.info("KV cache groups per %d-token chunk: %s", self.chunk_size,
-                     self.groups.describe(layout.chunk_nbytes(self.chunk_size), layout.num_layers, self.chunk_size))
+                     self.groups.describe(layout.chunk_nbytes(self.chunk_size), state_bytes))
         params = KeyParams(self.model_name, layout.chunk_format(), self.world_size, rank)
         if first.device.type == "cpu":
             side_cpus.enable()  # the engine's threads keep off the cores vLLM bound its compute to
@@ -286,6 +287,8 @@ class WorkerSide:
                 self._stats.set_gauge("lmcache:local_cache_usage", usage.cpu_bytes)
                 self._stats.set_gauge("lmcache:pinned_memory_objs_count", usage.cpu_chunks)
                 self._stats.set_gauge("lmcache:lmcache_is_healthy", float(usage.healthy))
+                self._stats.set_gauge("lmcache:chunk_bytes", usage.chunk_bytes)
+                self._stats.set_gauge("lmcache:state_bytes", usage.state_bytes)
         return self._stats.take()
 
     def get_finished(self, finished_req_ids: set[str], metadata: "KVConnectorMetadata | None"

@@ -41,7 +41,7 @@ class LookupServer:
 
     async def _handle(self, request: protocol.PrefixLookup) -> protocol.CommandReply:
         try:
-            spans = self.engine.chunk_spans(request.keys, request.num_tokens)
+            spans = self.engine.chunk_spans(request.keys, request.num_tokens, state=request.state)
             tiers = frozenset(request.tiers) if request.tiers is not None else None
             held = await self.engine.lookup_and_prefetch(spans, request.peer_instance, request.peer_worker,
                                                          request.prefetch_from, tiers)

@@ -87,9 +87,9 @@ class CacheEngine:
         self.nats_loop = nats_loop  # the engine's NATS thread (None without the mesh)
         self.mesh: MeshPresence | None = None  # set by the assembly once the engine is on the mesh
         self.lora_adapters: dict[str, str] = {}  # LoRA name -> identity, as seen in requests (registration)
-        self._fmt = layout.chunk_format()
         self._dtype_name = str(layout.dtype).removeprefix("torch.")
-        self._expected: dict[int, tuple[tuple[str, object], ...]] = {}  # num_tokens -> (field, value)
+        # (num_tokens, state) -> (field, value)
+        self._expected: dict[tuple[int, bool], tuple[tuple[str, object], ...]] = {}
         self._rlog = RateLimitedLog(log)
         self._closed = False
 
@@ -129,10 +129,15 @@ class CacheEngine:
         return self.layout, self.hasher, self.cpu, self.storage, self.copier
 
     # ---- the connector's path: chunks named by the chain keys the scheduler computed -------------------------
-    def chunk_spans(self, chain_keys: Sequence[ChunkKey], num_tokens: int, first_chunk: int = 0) -> list[ChunkSpan]:
-        """This worker's spans of chunks [first_chunk, len(chain_keys)) of a `num_tokens`-token sequence."""
+    def chunk_spans(self, chain_keys: Sequence[ChunkKey], num_tokens: int, first_chunk: int = 0,
+                    state: bool = False) -> list[ChunkSpan]:
+        """This worker's spans of chunks [first_chunk, len(chain_keys)) of a `num_tokens`-token sequence (`state`:
+        the keys name recurrent states, looked up alone as one-chunk sequences: scheduler_lookup.py)."""
         _, hasher, _, _, _ = self.ready()
-        return hasher.shard(chunk_spans(chain_keys, num_tokens, self.config.chunk_size)[first_chunk:])
+        spans = chunk_spans(chain_keys, num_tokens, self.config.chunk_size)[first_chunk:]
+        if state:
+            spans = [dataclasses.replace(span, state=True) for span in spans]
+        return hasher.shard(spans)
 
     @overload
     def load(self, spans: Sequence[ChunkSpan], slot_mapping: torch.Tensor | None = None, *,
@@ -195,7 +200,8 @@ class CacheEngine:
         """This worker's span of the recurrent state after `end` tokens (adapter/kv_groups.py): its last
         `num_tokens` tokens, stored under `chain_key`'s state key."""
         hasher = self.ready()[1]
-        chain_span = ChunkSpan((end - 1) // self.config.chunk_size, end - num_tokens, end, state_key(chain_key))
+        chain_span = ChunkSpan((end - 1) // self.config.chunk_size, end - num_tokens, end, state_key(chain_key),
+                               state=True)
         return hasher.shard([chain_span])[0]
 
     async def lookup_and_prefetch(self, spans: Sequence[ChunkSpan], peer_instance: str = "",
@@ -250,8 +256,8 @@ class CacheEngine:
                                            spans[-1].end - span.start, span.start)
                         break
                     filled.append((span, slot))
-                    out = slot.view(layout.dtype, layout.chunk_shape(span.num_tokens))
-                    copier.gather(kv_caches, slot_mapping[..., span.start:span.end], out)
+                    out = slot.view(layout.dtype, layout.chunk_shape(span.num_tokens, span.state))
+                    copier.gather(kv_caches, slot_mapping[..., span.start:span.end], out, span.state)
                 event = torch.cuda.Event() if on_side else None
                 if event is not None:
                     event.record()
@@ -296,22 +302,23 @@ class CacheEngine:
 
     # ---- helpers for tests and the connector ----------------------------------------------------------------
     def _chunk_meta(self, span: ChunkSpan) -> ChunkMeta:
-        """The meta of `span`'s chunk in this engine's layout (checksum unset: computed at write-behind)."""
+        """The meta of `span`'s chunk (or state) in this engine's layout (checksum unset: computed at write-behind)."""
         layout = self.layout
         assert layout is not None
-        return ChunkMeta(key=span.key, num_tokens=span.num_tokens, shape=list(layout.chunk_shape(span.num_tokens)),
-                         dtype=self._dtype_name, fmt=self._fmt, nbytes=layout.chunk_nbytes(span.num_tokens))
+        return ChunkMeta(key=span.key, num_tokens=span.num_tokens,
+                         shape=list(layout.chunk_shape(span.num_tokens, span.state)), dtype=self._dtype_name,
+                         fmt=layout.object_format(span.state), nbytes=layout.chunk_nbytes(span.num_tokens, span.state))
 
     def meta_mismatch(self, span: ChunkSpan, meta: ChunkMeta) -> str | None:
         """How a chunk about to be loaded (from any tier, the CPU tier included) differs from what `span`'s key
-        must hold here (None: it matches). A chunk of another key, token count, KV format, dtype, byte size or
-        shape is never scattered into vLLM's blocks. On every loaded chunk: the per-token-count part of the
-        expectation is built once (`_expected_meta`)."""
+        must hold here (None: it matches). A chunk of another key, token count, KV format or kind (a chunk where a
+        state is expected, or the reverse), dtype, byte size or shape is never scattered into vLLM's blocks. On
+        every loaded chunk: the per-token-count part of the expectation is built once (`_expected_meta`)."""
         if meta.key != span.key:
             return f"key {meta.key.hex()!r} where this engine expects {span.key.hex()!r}"
         if meta.num_tokens != span.num_tokens:
             return f"num_tokens {meta.num_tokens!r} where this engine expects {span.num_tokens!r}"
-        expected = self._expected_meta(span.num_tokens)
+        expected = self._expected_meta(span.num_tokens, span.state)
         for name, want in expected:
             got = getattr(meta, name)
             if name == "shape":
@@ -320,19 +327,23 @@ class CacheEngine:
                 return f"{name} {got!r} where this engine expects {want!r}"
         return None
 
-    def _expected_meta(self, num_tokens: int) -> tuple[tuple[str, object], ...]:
-        """(field, value) of what a chunk of `num_tokens` tokens holds in this engine's layout, besides its key."""
-        expected = self._expected.get(num_tokens)
+    def _expected_meta(self, num_tokens: int, state: bool) -> tuple[tuple[str, object], ...]:
+        """(field, value) of what a chunk (or with `state` a state) of `num_tokens` tokens holds in this engine's
+        layout, besides its key."""
+        expected = self._expected.get((num_tokens, state))
         if expected is None:
-            meta = self._chunk_meta(ChunkSpan(0, 0, num_tokens, b""))
-            expected = self._expected[num_tokens] = (("fmt", meta.fmt), ("dtype", meta.dtype),
-                                                     ("nbytes", meta.nbytes), ("shape", tuple(meta.shape)))
+            meta = self._chunk_meta(ChunkSpan(0, 0, num_tokens, b"", state))
+            expected = self._expected[num_tokens, state] = (("fmt", meta.fmt), ("dtype", meta.dtype),
+                                                            ("nbytes", meta.nbytes), ("shape", tuple(meta.shape)))
         return expected
 
     def usage(self) -> "EngineUsage":
         """What the connector's metrics report of this engine (adapter/connector_stats.py)."""
+        layout = self.layout
+        state_bytes = layout.chunk_nbytes(layout.state_block, state=True) if layout.has_state else 0
         return EngineUsage(self.storage.stats, self.cpu.used_bytes, len(self.cpu),
-                           self.connected or self.nats_loop is None, {"retains_refused": self.cpu.retain_refused})
+                           self.connected or self.nats_loop is None, {"retains_refused": self.cpu.retain_refused},
+                           layout.chunk_nbytes(self.config.chunk_size), state_bytes)
 
     @property
     def nats_url(self) -> str | None:
@@ -390,6 +401,8 @@ class EngineUsage:
     cpu_chunks: int
     healthy: bool
     cpu_counters: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    chunk_bytes: int = 0  # what one full chunk stores (kv_layout.py: its layers' pages only)
+    state_bytes: int = 0  # what one recurrent state stores (0: the model has no state layers)
 
 
 @dataclasses.dataclass

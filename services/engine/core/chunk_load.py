@@ -67,7 +67,8 @@ class ChunkLoad:
                 check_slot_count(slot_mapping, spans[-1].end)
             for span, ref in zip(spans, refs):
                 skip = min(max(skip_prefix - span.start, 0), span.num_tokens)
-                self._copier.scatter(self._view(span, ref), caches, slot_mapping[..., span.start:span.end], skip)
+                self._copier.scatter(self._view(span, ref), caches, slot_mapping[..., span.start:span.end], skip,
+                                     span.state)
         finally:  # the slots must not be reused before the copies queued so far have read them
             release_after_copies(caches, refs)
         return len(refs)
@@ -111,7 +112,7 @@ class ChunkLoad:
         return taken
 
     def _view(self, span: ChunkSpan, ref: ChunkRef) -> torch.Tensor:
-        return ref.slot.view(self._layout.dtype, self._layout.chunk_shape(span.num_tokens))
+        return ref.slot.view(self._layout.dtype, self._layout.chunk_shape(span.num_tokens, span.state))
 
 
 def _release_late(future: "concurrent.futures.Future[Any]") -> None:

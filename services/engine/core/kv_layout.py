@@ -61,6 +61,11 @@ Chunk formats
 * per-block (CPU) layout: ``[num_layers, blocks, num_kv_heads, block_size, 2 * head_size]`` raw pages,
   format "bfloat16/LBHNC-128" for the vec/vec16 arrangement, "bfloat16/LBHNC-128-amx" for AMX
   (different bytes: such chunks must never mix).
+* with KV cache groups (adapter/kv_groups.py) the layers are in group order and the groups tag ends the format
+  (".../gM1,M1,M1,F1"). Where some groups hold recurrent state (Mamba / GDN), two kinds of objects are stored,
+  each with only its own layers: a chunk holds the attention (full / sliding) groups' layers, a state (one block:
+  one page per layer) the state groups' layers (`object_layers`); the meta's fmt names the kind
+  (`object_format`).
 """
 
 from __future__ import annotations
@@ -70,7 +75,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvmesh.shared.wire.keys import has_state_groups
+from kvmesh.shared.wire.keys import CHUNK_KIND, STATE_KIND, state_groups
 
 # Layout tags.
 NHD_2X = "NHD-2x"  # [2, nb, bs, H, D] per layer (vLLM 0.10-0.2x flash-attn / Triton)
@@ -108,10 +113,19 @@ class KVLayout:
     groups_tag: str = ""
 
     @property
+    def state_groups(self) -> tuple[bool, ...]:
+        """Per group, whether it holds recurrent state (Mamba / GDN) rather than KV per token; () for one group."""
+        return state_groups(self.groups_tag)
+
+    @property
+    def has_state(self) -> bool:
+        return any(self.state_groups)
+
+    @property
     def state_block(self) -> int:
-        """Tokens a recurrent state's span covers (one block: the state is the page of a chunk's last block) when
-        the groups hold state, else 0."""
-        return self.block_size if has_state_groups(self.groups_tag) else 0
+        """Tokens a recurrent state's span covers (one block: the state is one page per state layer) when the groups
+        hold state, else 0."""
+        return self.block_size if self.has_state else 0
 
     @property
     def itemsize(self) -> int:
@@ -137,22 +151,41 @@ class KVLayout:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def chunk_shape(self, num_tokens: int) -> tuple[int, ...]:
-        """Shape of the contiguous chunk holding `num_tokens` tokens of all layers."""
+    def object_layers(self, state: bool = False) -> int:
+        """Layers one stored object holds: a chunk every layer, except with state groups, where a chunk holds the
+        attention (full / sliding) groups' layers and a state (`state`) the state groups' layers only: nothing is
+        stored that no load reads (a state group has no KV per token, an attention group no state)."""
+        if not self.has_state:
+            if state:
+                raise ValueError(f"no state groups in {self.chunk_format()}: nothing is stored as a state")
+            return self.num_layers
+        return sum(count for count, is_state in zip(self.group_layers, self.state_groups) if is_state == state)
+
+    def chunk_shape(self, num_tokens: int, state: bool = False) -> tuple[int, ...]:
+        """Shape of the contiguous object holding `num_tokens` tokens of its layers (`object_layers`): a chunk's,
+        or with `state` a state's (one block: `state_block` tokens)."""
         if num_tokens <= 0:
             raise ValueError(f"num_tokens must be positive, got {num_tokens}")
+        layers = self.object_layers(state)
         if self.per_block:
             return (
-                self.num_layers,
+                layers,
                 self.num_blocks_for(num_tokens),
                 self.num_kv_heads,
                 self.block_size,
                 2 * self.head_size,
             )
-        return (self.num_layers, self.kv_planes, num_tokens, self.num_kv_heads * self.head_size)
+        return (layers, self.kv_planes, num_tokens, self.num_kv_heads * self.head_size)
 
-    def chunk_nbytes(self, num_tokens: int) -> int:
-        return math.prod(self.chunk_shape(num_tokens)) * self.itemsize
+    def chunk_nbytes(self, num_tokens: int, state: bool = False) -> int:
+        return math.prod(self.chunk_shape(num_tokens, state)) * self.itemsize
+
+    def slot_nbytes(self, chunk_size: int) -> int:
+        """Bytes of a pool slot: the largest object, a whole chunk or (with fewer attention than state layers per
+        chunk) a state."""
+        if not self.has_state:
+            return self.chunk_nbytes(chunk_size)
+        return max(self.chunk_nbytes(chunk_size), self.chunk_nbytes(self.state_block, state=True))
 
     def chunk_format(self) -> str:
         """Tag for chunk keys: chunks with different tags have different bytes and never mix."""
@@ -167,12 +200,25 @@ class KVLayout:
             return f"{dtype}/MLA-{self.head_size}{groups}"
         return f"{dtype}/TOK-{self.num_kv_heads}x{self.head_size}{groups}"
 
-    def group_slices(self) -> list[tuple[slice, "KVLayout"]]:
-        """Each group's layers in a chunk and its layout (the layout of those layers alone)."""
-        slices, start = [], 0
-        for count in self.group_layers:
-            slices.append((slice(start, start + count),
-                           replace(self, num_layers=count, group_layers=(), groups_tag="")))
+    def object_format(self, state: bool = False) -> str:
+        """The fmt of a stored object's meta: the chunk format, and with state groups what the object is (a chunk
+        and a state of one block have the same token count). Objects of the layout before chunks and states held
+        only their own layers named no kind: their fmt differs, so they are refused."""
+        if not self.has_state:
+            return self.chunk_format()
+        return self.chunk_format() + (STATE_KIND if state else CHUNK_KIND)
+
+    def group_slices(self, state: bool = False) -> list[tuple[int, slice, slice, "KVLayout"]]:
+        """The groups an object holds (`object_layers`: all, or with state groups the attention groups' for a
+        chunk, the state groups' for a state), each as (its row of slots, its layers among vLLM's caches in group
+        order, its layers in the object, the layout of those layers alone)."""
+        kinds = self.state_groups or (False,) * len(self.group_layers)
+        slices, start, held = [], 0, 0
+        for row, (count, is_state) in enumerate(zip(self.group_layers, kinds)):
+            if is_state == state:
+                slices.append((row, slice(start, start + count), slice(held, held + count),
+                               replace(self, num_layers=count, group_layers=(), groups_tag="")))
+                held += count
             start += count
         return slices
 

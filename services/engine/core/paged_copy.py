@@ -55,23 +55,25 @@ class PagedCopier:
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         return "cupy" if self._kernels(index) is not None else "torch"
 
-    def gather(self, kv_caches: KVCaches, slot_mapping: torch.Tensor, out: torch.Tensor) -> None:
+    def gather(self, kv_caches: KVCaches, slot_mapping: torch.Tensor, out: torch.Tensor, state: bool = False) -> None:
+        """`state`: the object is a recurrent state (its groups' layers only), else a chunk (kv_layout.py)."""
         caches = as_list(kv_caches)
         kernels = self._kernels_for(caches)
         if kernels is not None:
             self._launcher.launch(kernels, True, caches, slot_mapping, out, 0)
         else:
-            gather(caches, self.layout, slot_mapping, out)
+            gather(caches, self.layout, slot_mapping, out, state)
 
     def scatter(
-        self, chunk: torch.Tensor, kv_caches: KVCaches, slot_mapping: torch.Tensor, skip_prefix: int = 0
+        self, chunk: torch.Tensor, kv_caches: KVCaches, slot_mapping: torch.Tensor, skip_prefix: int = 0,
+        state: bool = False,
     ) -> None:
         caches = as_list(kv_caches)
         kernels = self._kernels_for(caches)
         if kernels is not None:
             self._launcher.launch(kernels, False, caches, slot_mapping, chunk, skip_prefix)
         else:
-            scatter(chunk, caches, self.layout, slot_mapping, skip_prefix)
+            scatter(chunk, caches, self.layout, slot_mapping, skip_prefix, state)
 
     def _kernels_for(self, caches: list[torch.Tensor]) -> CupyKernels | None:
         """The kernels for these caches; None: the torch path. KV cache groups copy group by group on the torch

@@ -39,12 +39,12 @@ def group_rows(slot_mapping: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     return slot_mapping
 
 
-def check_chunk(chunk: torch.Tensor, layout: KVLayout, num_tokens: int, what: str) -> None:
-    expected = layout.chunk_shape(num_tokens)
+def check_chunk(chunk: torch.Tensor, layout: KVLayout, num_tokens: int, what: str, state: bool = False) -> None:
+    expected = layout.chunk_shape(num_tokens, state)
     if tuple(chunk.shape) != expected or chunk.dtype != layout.dtype:
         raise ValueError(
             f"{what} must be {layout.dtype} of shape {expected} for {num_tokens} tokens "
-            f"({layout.chunk_format()}), got {chunk.dtype} {tuple(chunk.shape)}"
+            f"({layout.object_format(state)}), got {chunk.dtype} {tuple(chunk.shape)}"
         )
     if not chunk.is_contiguous():
         raise ValueError(f"{what} must be contiguous")

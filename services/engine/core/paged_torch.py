@@ -195,17 +195,23 @@ def unpack_block_chunk(chunk: torch.Tensor, layout: KVLayout, num_tokens: int) -
 # --------------------------------------------------------------------------------------------------
 
 
-def gather(kv_caches: KVCaches, layout: KVLayout, slot_mapping: torch.Tensor, out: torch.Tensor) -> None:
-    """Copy the chunk's tokens from the paged caches into `out` (preallocated, ``layout.chunk_shape(T)``).
+def gather(kv_caches: KVCaches, layout: KVLayout, slot_mapping: torch.Tensor, out: torch.Tensor,
+           state: bool = False) -> None:
+    """Copy the chunk's tokens from the paged caches into `out` (preallocated, ``layout.chunk_shape(T, state)``).
 
     Rows of tokens with negative slots (per-block layouts: blocks whose slots are all negative) are left as
     they are. `out` may be on another device than the caches (then a temporary on the caches' device is used).
-    With KV cache groups (`layout.group_layers`), `slot_mapping` has one row per group.
+    With KV cache groups (`layout.group_layers`), `slot_mapping` has one row per group, and only the groups of
+    the object's kind are copied (`state`: a recurrent state's, else a chunk's: `KVLayout.object_layers`).
     """
     caches = as_list(kv_caches)
     if layout.group_layers:
-        for row, (layers, group) in zip(group_rows(slot_mapping, layout), layout.group_slices()):
-            gather(caches[layers], group, row, out[layers])
+        rows = group_rows(slot_mapping, layout)
+        if rows.shape[-1] == 0:
+            return
+        check_chunk(out, layout, rows.shape[-1], "out", state)
+        for row, layers, held, group in layout.group_slices(state):
+            gather(caches[layers], group, rows[row], out[held])
         return
     slots = check_slots(slot_mapping)
     num_tokens = slots.numel()
@@ -232,18 +238,23 @@ def scatter(
     layout: KVLayout,
     slot_mapping: torch.Tensor,
     skip_prefix: int = 0,
+    state: bool = False,
 ) -> None:
     """Copy the chunk's tokens into the paged caches, except the first `skip_prefix` tokens and negative slots.
 
     Per-block (CPU) layouts write whole blocks; a block straddling `skip_prefix` or a partial last block is
     written token by token where the in-block arrangement is known (vec/vec16), so no slot outside the
     chunk's tokens ``[skip_prefix, T)`` changes. With KV cache groups (`layout.group_layers`), `slot_mapping`
-    has one row per group.
+    has one row per group, and only the groups of the object's kind are written (`state`, as in `gather`).
     """
     caches = as_list(kv_caches)
     if layout.group_layers:
-        for row, (layers, group) in zip(group_rows(slot_mapping, layout), layout.group_slices()):
-            scatter(chunk[layers], caches[layers], group, row, skip_prefix)
+        rows = group_rows(slot_mapping, layout)
+        if rows.shape[-1] == 0:
+            return
+        check_chunk(chunk, layout, rows.shape[-1], "chunk", state)
+        for row, layers, held, group in layout.group_slices(state):
+            scatter(chunk[held], caches[layers], group, rows[row], skip_prefix)
         return
     slots = check_slots(slot_mapping)
     num_tokens = slots.numel()

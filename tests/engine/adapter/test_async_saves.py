@@ -209,7 +209,7 @@ def stored_page(scenario: Scenario, engine: Any, caches: dict[str, torch.Tensor]
     tokens = scenario.p_tokens
     if scenario.groups.has_state:
         chain = engine.hasher.chain(tokens[:32])
-        span = engine.hasher.shard([ChunkSpan(0, 32 - B, 32, state_key(chain[0].key))])[0]
+        span = engine.hasher.shard([ChunkSpan(0, 32 - B, 32, state_key(chain[0].key), state=True)])[0]
         slots = scenario.groups.state_slots([[-1, scratch], [-1, -1]], 32)
     else:
         span = engine.hasher.spans(tokens[:32])[0]

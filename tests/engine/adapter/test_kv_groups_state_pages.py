@@ -129,7 +129,7 @@ def stored_state(engine: Any, tokens: list[int], end: int, caches: dict[str, tor
     """The position whose state the engine holds under the state key of the chunk ending at `end` (loaded into
     a scratch block and matched against the oracle's states); None when it holds none, -1 for no position's."""
     chain = engine.hasher.chain(tokens[:end])
-    span = engine.hasher.shard([ChunkSpan(chain[-1].index, end - B, end, state_key(chain[-1].key))])[0]
+    span = engine.hasher.shard([ChunkSpan(chain[-1].index, end - B, end, state_key(chain[-1].key), state=True)])[0]
     if span.key not in engine.cpu:
         return None
     scratch = NUM_BLOCKS - 1  # never allocated by the manager here (the prompts need far fewer blocks)
