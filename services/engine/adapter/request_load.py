@@ -216,15 +216,27 @@ class RequestLoad:
     def _load_state(self, fetched: "ChunkLoad | None" = None, first: int = 0) -> bool:
         """Write the state at the load's end (fetched as `fetched`'s span `first`, else from the tiers now);
         whether it was."""
-        assert self.spec.state_key is not None
-        span, slots = self._where.state(self.engine, self.req, self.spec.end, self.spec.state_key)
+        spec = self.spec
+        assert spec.state_key is not None
+        span, slots = self._where.state(self.engine, self.req, spec.end, spec.state_key)
         if fetched is None:
-            loaded = self.engine.load([span], slots, tiers=self.tiers, leased=self.leased).scatter(
-                self._kv_caches, slots) == 1
+            loaded = self._scatter_state(span, slots, keep=spec.state_column is not None)
+            if loaded and spec.state_column is not None:  # where the step's forward reads it (LoadSpec)
+                running = self._where.state(self.engine, self.req, spec.end, spec.state_key, spec.state_column)[1]
+                loaded = self._scatter_state(span, running, keep=False)
         else:
             loaded = fetched.scatter(self._kv_caches, slots, first=first) == 1
         self._stats.count("lmcache:num_retrieved_states", int(loaded))
         return loaded
+
+    def _scatter_state(self, span: ChunkSpan, slots: torch.Tensor, keep: bool) -> bool:
+        """Write the state `span` names into `slots` (from the lease when it holds it; `keep`: its reference stays
+        there for one more write); whether it was."""
+        lease = self.leased
+        if keep and lease and span.key in lease:
+            ref = lease[span.key]
+            lease = {span.key: type(ref)(ref.meta, ref.slot.ref())}
+        return self.engine.load([span], slots, tiers=self.tiers, leased=lease).scatter(self._kv_caches, slots) == 1
 
     def account(self, loaded_upto: int) -> None:
         """Metrics, the log line, and load errors for what the load did not bring (vLLM recomputes those)."""

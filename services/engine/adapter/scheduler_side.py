@@ -323,6 +323,10 @@ class SchedulerSide:
         if not tracker.cacheable or hasher is None:
             return
         load = tracker.take_load(self.chunk_size)
+        if load is not None and load.state_key is not None and not load.asynchronous and step is not None:
+            running = -(-step[1] // self.block_size) - 1  # vLLM's mamba_state_idx for the step
+            if running != load.end // self.block_size - 1:
+                load = dataclasses.replace(load, state_column=running)
         save = None
         if self.can_save and step is not None and tracker.kv_params.stores_anywhere:
             save = tracker.take_save(step[1], self.chunk_size, self.config.save_unfull_chunk,
