@@ -181,7 +181,8 @@ class SchedulerSide:
         local = engines.all()
         tiers = tracker.kv_params.load_tiers
         if self.lookup is None or len(local) != self.lookup.world_size or (tiers is not None and
-                                                                           LOCAL_CPU not in tiers):
+                                                                           LOCAL_CPU not in tiers) \
+                or not self._room_for_in_step(tracker.request.num_tokens):
             leases.release(tracker.req_id)
             return False
         keys = [span.key for span in tracker.chain[:-(-hit // self.chunk_size)]]
@@ -193,6 +194,22 @@ class SchedulerSide:
         if leased:
             self._leased.add(tracker.req_id)
         return leased
+
+    def _room_for_in_step(self, num_tokens: int) -> bool:
+        """Whether vLLM's pool surely holds the blocks of an in-step load of a `num_tokens`-token request. vLLM
+        0.32's admission check leaves out the block an align-mode Mamba group takes for the state an external
+        hit resumes from (MambaManager.get_num_blocks_to_allocate): with the pool one block short,
+        allocate_slots raises instead of declining, and schedule() with it. An asynchronous load is admitted with
+        the in-flight loads' blocks reserved; in-step loads of a state model go ahead only with room for every
+        group's blocks of the whole request twice over (its own and vLLM's prefix-cache blocks it touches) and
+        the state block, which vLLM's real need never exceeds."""
+        assert self.groups is not None
+        if not self.groups.has_state:
+            return True
+        if self._vllm_blocks is None:
+            return False
+        per_group = 2 * -(-num_tokens // self.block_size) + 1
+        return self._vllm_blocks.free_blocks() >= len(self.groups.groups) * per_group
 
     def _report_lookup(self, tracker: RequestTracker, total: int, hit: int, to_load: int, num_computed_tokens: int,
                        need: int, started: float) -> None:
