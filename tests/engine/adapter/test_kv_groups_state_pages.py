@@ -231,6 +231,9 @@ def load_again(cache: VLLMCache, tokens: list[int], pressure: Callable[[Any], Ca
             assert torch.equal(attention[block_ids[1][column]],
                                state_pattern(tokens, (column + 1) * B, attention[0]) * 0.5), column
         assert torch.equal(state[block_ids[0][1]], state_pattern(tokens, 32, state[0])), "the state after 32"
+        # ... also in the block the step ends in, where the forward reads it (vLLM's preprocess_mamba moved the
+        # old page there before the load ran)
+        assert torch.equal(state[block_ids[0][2]], state_pattern(tokens, 32, state[0])), "the forward's state"
         assert not leases.held("again")
 
     return run_prompt(cache, tokens, [44], again)
