@@ -246,6 +246,25 @@ def test_a_hit_all_in_this_process_cpu_tier_loads_in_step_with_groups() -> None:
                       lambda engine: lambda: None) == {32: 32}
 
 
+def test_a_hit_with_a_rank_outside_this_process_stays_asynchronous() -> None:
+    """Nothing can be leased in a worker of another process (the scheduler sees its tier only through the
+    mirror): a scheduler of two ranks, one of them here, loads the same hit between steps."""
+    from kvmesh.services.engine.adapter.cpu_leases import leases
+
+    cache = mamba_hybrid(hash_block_size=16)
+    tokens = random_tokens(44, seed=23).tolist()
+    answers: list[Any] = []
+
+    def ask(sched: Any, work: Any, engine: Any, caches: Any) -> None:
+        mirror_what_is_held(sched, engine)
+        sched.scheduler_side.lookup.world_size = 2  # rank 1 lives in another process
+        answers.append(sched.get_num_new_matched_tokens(request(cache, "again", tokens), 0))
+        answers.append(leases.held("again"))
+
+    assert run_prompt(cache, tokens, [44], ask) == {32: 32}
+    assert answers == [(32, True), False]
+
+
 def test_leased_chunks_survive_a_clear_and_a_full_pool_between_lookup_and_load() -> None:
     """Between the lookup that leased the hit and the step that loads it, the controller clears the CPU tier
     (every entry goes, pinned or not) and saves take every slot the pool can give (evicting whatever is idle):
