@@ -34,8 +34,10 @@ What each kind needs:
   * anything else (chunked-local attention, cross attention, ...) is not cached: the model is served without
     KVMesh, with one WARNING naming the group (`KVGroups.of`).
 
-vLLM refuses block-level load errors from a connector when there are several groups, so with groups every
-load runs asynchronously and a failed one is reported as a failed receive (vLLM recomputes the request).
+vLLM refuses block-level load errors from a connector when there are several groups, so with groups a load
+runs in-step only when it cannot fail: its every chunk and state leased at lookup in the CPU tiers of this
+process's engines (adapter/cpu_leases.py). Any other load runs asynchronously, and a failed one is reported as
+a failed receive (vLLM recomputes the request).
 """
 
 from __future__ import annotations

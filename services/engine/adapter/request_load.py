@@ -26,6 +26,7 @@ from kvmesh.services.engine.core.layerwise_load import ChunkCopy
 from kvmesh.shared.wire.keys import ChunkSpan
 
 if TYPE_CHECKING:
+    from kvmesh.services.engine.adapter.cpu_leases import Lease
     from kvmesh.services.engine.core.cache_engine import CacheEngine
     from kvmesh.services.engine.core.chunk_load import ChunkLoad
     from kvmesh.services.engine.tiers.cpu import ChunkRef
@@ -107,6 +108,7 @@ class RequestLoad:
         self._engine, self._kv_caches = engine, kv_caches
         self._where, self._failures, self._stats = where, failures, stats
         self.started = time.perf_counter()
+        self.leased: "Lease | None" = None  # the chunks the scheduler leased for it (cpu_leases.py)
 
     @property
     def engine(self) -> "CacheEngine":
@@ -137,8 +139,8 @@ class RequestLoad:
         try:
             spans = self.spans()
             slots = self._where.tokens(self.req, spec.end)
-            loaded = self.engine.load(spans, slots, tiers=self.tiers).scatter(self._kv_caches, slots,
-                                                                              spec.skip_prefix)
+            loaded = self.engine.load(spans, slots, tiers=self.tiers, leased=self.leased).scatter(
+                self._kv_caches, slots, spec.skip_prefix)
             if spec.state_key is None or (loaded == len(spans) and self._load_state()):
                 loaded_upto = spans[loaded - 1].end if loaded else spec.mask_start
         except Exception as exc:
@@ -196,7 +198,7 @@ class RequestLoad:
         try:
             spans = self.spans()
             slots = self.req.slot_mapping(spec.end, self._where.block_size)
-            chunks = self.engine.load(spans, slots, tiers=self.tiers)
+            chunks = self.engine.load(spans, slots, tiers=self.tiers, leased=self.leased)
         except Exception as exc:
             log.warning("loading KV for request %s failed (%s: %s); vLLM recomputes it", self.req.req_id,
                         type(exc).__name__, exc)
@@ -214,14 +216,27 @@ class RequestLoad:
     def _load_state(self, fetched: "ChunkLoad | None" = None, first: int = 0) -> bool:
         """Write the state at the load's end (fetched as `fetched`'s span `first`, else from the tiers now);
         whether it was."""
-        assert self.spec.state_key is not None
-        span, slots = self._where.state(self.engine, self.req, self.spec.end, self.spec.state_key)
+        spec = self.spec
+        assert spec.state_key is not None
+        span, slots = self._where.state(self.engine, self.req, spec.end, spec.state_key)
         if fetched is None:
-            loaded = self.engine.load([span], slots, tiers=self.tiers).scatter(self._kv_caches, slots) == 1
+            loaded = self._scatter_state(span, slots, keep=spec.state_column is not None)
+            if loaded and spec.state_column is not None:  # where the step's forward reads it (LoadSpec)
+                running = self._where.state(self.engine, self.req, spec.end, spec.state_key, spec.state_column)[1]
+                loaded = self._scatter_state(span, running, keep=False)
         else:
             loaded = fetched.scatter(self._kv_caches, slots, first=first) == 1
         self._stats.count("lmcache:num_retrieved_states", int(loaded))
         return loaded
+
+    def _scatter_state(self, span: ChunkSpan, slots: torch.Tensor, keep: bool) -> bool:
+        """Write the state `span` names into `slots` (from the lease when it holds it; `keep`: its reference stays
+        there for one more write); whether it was."""
+        lease = self.leased
+        if keep and lease and span.key in lease:
+            ref = lease[span.key]
+            lease = {span.key: type(ref)(ref.meta, ref.slot.ref())}
+        return self.engine.load([span], slots, tiers=self.tiers, leased=lease).scatter(self._kv_caches, slots) == 1
 
     def account(self, loaded_upto: int) -> None:
         """Metrics, the log line, and load errors for what the load did not bring (vLLM recomputes those)."""

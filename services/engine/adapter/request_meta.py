@@ -65,6 +65,9 @@ class LoadSpec:
     last_key: ChunkKey | None = None  # the last span's key when it is a block prefix of its chunk (ends at `end`)
     # models with recurrent state (kv_groups.py): the chain key of the chunk ending at `end`, whose state is loaded
     state_key: ChunkKey | None = None
+    # in-step with a state: the block column the step's forward reads the state from, when not end / B - 1 (vLLM's
+    # preprocess_mamba moved the old page's content there before the load ran: the state is written to both)
+    state_column: int | None = None
 
 
 @dataclass(frozen=True)

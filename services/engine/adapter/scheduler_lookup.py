@@ -8,7 +8,8 @@ sources answer it:
     evictions with each step's output (`CpuTierEvents`, vLLM's worker -> scheduler connector metadata, carried
     by vLLM's own IPC), and the scheduler applies them to one key set per rank. A CPU-tier hit is answered at
     once from it: no NATS round trip, and a dead NATS does not turn the in-process CPU tier into misses. The
-    mirror lags the tier by at most one step; a chunk evicted since is a load error, recomputed by vLLM.
+    mirror lags the tier by at most one step; a chunk evicted since is a load error, recomputed by vLLM (with
+    KV cache groups a load runs in-step only over chunks leased from the tiers themselves: cpu_leases.py).
   * The lower tiers (disk store, remote store): when the mirror's prefix is shorter than the prompt and the
     worker has lower tiers, the scheduler sends each rank one `PrefixLookup` (the request's chain keys) and
     answers vLLM "ask again" (None) while it is in flight, up to `lookup_timeout_secs`. The worker walks its

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from kvmesh.services.engine.adapter.async_loads import loads_asynchronously
 from kvmesh.services.engine.adapter.block_prefix import BlockPrefixProbe
 from kvmesh.services.engine.adapter.connector_stats import KVMeshStats
+from kvmesh.services.engine.adapter.cpu_leases import lease_spans, leases
 from kvmesh.services.engine.adapter.kv_events import KVEventLog, save_descriptions
 from kvmesh.services.engine.adapter.kv_groups import KVGroups
 from kvmesh.services.engine.adapter.pd import peer_hint, producer_params, wants_remote_decode
@@ -27,10 +28,11 @@ from kvmesh.services.engine.adapter.request_meta import (
     RequestTracker,
     SaveSpec,
 )
-from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, SchedulerLookup
+from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, SchedulerLookup, engines
 from kvmesh.services.engine.adapter.vllm_blocks import VllmBlocks
 from kvmesh.services.engine.config.engine_auth import engine_auth
 from kvmesh.services.engine.config.engine_config import EngineConfig
+from kvmesh.shared.protocol import LOCAL_CPU
 from kvmesh.shared.wire.keys import ChunkHasher, ChunkKey, ChunkSpan, state_key
 
 if TYPE_CHECKING:
@@ -65,6 +67,7 @@ class SchedulerSide:
         self._vllm_blocks: VllmBlocks | None = None  # vLLM's KV cache manager (bind_kv_cache_manager)
         self._trackers: dict[str, RequestTracker] = {}
         self._async_starting: list[str] = []  # requests whose async load the next step carries
+        self._leased: set[str] = set()  # requests whose lookup leased CPU-tier chunks since the last step's plan
         self._stats = KVMeshStats()  # what happened since vLLM last asked (get_kv_connector_stats)
 
     @classmethod
@@ -163,13 +166,50 @@ class SchedulerSide:
         tracker.num_to_load = to_load
         # Decided on the CPU tiers before the lower-tier lookup: its prefetch may have filled them since, but a
         # load behind it would still wait for that prefetch, stalling the batch.
-        # with groups every load is asynchronous: vLLM takes a failed one only as a failed receive (kv_groups.py)
-        tracker.load_async = to_load > 0 if self.groups is not None else \
+        # with groups a load that can fail is asynchronous: vLLM takes a failed one only as a failed receive
+        # (kv_groups.py); one whose chunks are leased in this process's CPU tiers cannot fail (cpu_leases.py)
+        tracker.load_async = to_load > 0 and not self._lease(tracker, hit) if self.groups is not None else \
             loads_asynchronously(self.config.enable_async_loading, to_load, need, tracker.cpu_tokens)
         if tracker.reported != (hit, to_load):  # vLLM asks again each step while the request waits
             tracker.reported = (hit, to_load)
             self._report_lookup(tracker, total, hit, to_load, num_computed_tokens, need, started)
         return to_load, tracker.load_async
+
+    def _lease(self, tracker: RequestTracker, hit: int) -> bool:
+        """Lease every chunk (and the state) of the request's `hit` in the CPU tiers of this process's engines,
+        when all its ranks are here (cpu_leases.py); whether they are all leased (its load cannot fail)."""
+        local = engines.all()
+        tiers = tracker.kv_params.load_tiers
+        if self.lookup is None or len(local) != self.lookup.world_size or (tiers is not None and
+                                                                           LOCAL_CPU not in tiers) \
+                or not self._room_for_in_step(tracker.request.num_tokens):
+            leases.release(tracker.req_id)
+            return False
+        keys = [span.key for span in tracker.chain[:-(-hit // self.chunk_size)]]
+        if tracker.hit_key is not None:  # the hit ends with a block prefix (block_prefix.py)
+            keys[-1] = tracker.hit_key
+        state_chain_key = tracker.state_key if self.groups is not None and self.groups.has_state else None
+        leased = leases.lease(tracker.req_id, local,
+                              lambda engine: lease_spans(engine, keys, hit, state_chain_key, self.block_size))
+        if leased:
+            self._leased.add(tracker.req_id)
+        return leased
+
+    def _room_for_in_step(self, num_tokens: int) -> bool:
+        """Whether vLLM's pool surely holds the blocks of an in-step load of a `num_tokens`-token request. vLLM
+        0.32's admission check leaves out the block an align-mode Mamba group takes for the state an external
+        hit resumes from (MambaManager.get_num_blocks_to_allocate): with the pool one block short,
+        allocate_slots raises instead of declining, and schedule() with it. An asynchronous load is admitted with
+        the in-flight loads' blocks reserved; in-step loads of a state model go ahead only with room for every
+        group's blocks of the whole request twice over (its own and vLLM's prefix-cache blocks it touches) and
+        the state block, which vLLM's real need never exceeds."""
+        assert self.groups is not None
+        if not self.groups.has_state:
+            return True
+        if self._vllm_blocks is None:
+            return False
+        per_group = 2 * -(-num_tokens // self.block_size) + 1
+        return self._vllm_blocks.free_blocks() >= len(self.groups.groups) * per_group
 
     def _report_lookup(self, tracker: RequestTracker, total: int, hit: int, to_load: int, num_computed_tokens: int,
                        need: int, started: float) -> None:
@@ -284,6 +324,12 @@ class SchedulerSide:
             self._add_step(meta, tracker, (start, start + num_scheduled.get(req_id, 0)), req_id in drafting)
         for req_id in scheduler_output.finished_req_ids:
             self._trackers.pop(req_id, None)
+        # a lease lives from its lookup to the step that loads it: requests vLLM did not schedule now drop theirs
+        # (their next lookup leases anew); the worker takes the rest in start_load_kv
+        in_step = {req.req_id for req in meta.requests if req.load is not None and not req.load.asynchronous}
+        for req_id in self._leased - in_step:
+            leases.release(req_id)
+        self._leased.clear()
         return meta
 
     def _add_step(self, meta: KVMeshConnectorMetadata, tracker: RequestTracker, step: tuple[int, int] | None,
@@ -294,6 +340,10 @@ class SchedulerSide:
         if not tracker.cacheable or hasher is None:
             return
         load = tracker.take_load(self.chunk_size)
+        if load is not None and load.state_key is not None and not load.asynchronous and step is not None:
+            running = -(-step[1] // self.block_size) - 1  # vLLM's mamba_state_idx for the step
+            if running != load.end // self.block_size - 1:
+                load = dataclasses.replace(load, state_column=running)
         save = None
         if self.can_save and step is not None and tracker.kv_params.stores_anywhere:
             save = tracker.take_save(step[1], self.chunk_size, self.config.save_unfull_chunk,
@@ -413,6 +463,8 @@ class SchedulerSide:
         # A PD producer's request (the proxy asked for do_remote_decode) names this instance's workers to the
         # consumer, which loads the chunks from their CPU tiers (adapter/pd.py).
         tracker = self._trackers.pop(request.request_id, None)
+        leases.release(request.request_id)
+        self._leased.discard(request.request_id)
         held = bool(tracker is not None and tracker.saves_held)
         if not wants_remote_decode(getattr(request, "kv_transfer_params", None)):
             return held, None

@@ -17,6 +17,10 @@ class VllmBlocks:
         self.manager = kv_cache_manager
         self.null = kv_cache_manager.block_pool.null_block.block_id
 
+    def free_blocks(self) -> int:
+        """Blocks vLLM's pool can hand out now (free, or cached and idle)."""
+        return int(self.manager.block_pool.get_num_free_blocks())
+
     def tables(self, req_id: str) -> list[list[int]]:
         """The request's block ids per group, null entries -1."""
         return [[-1 if block == self.null else block for block in group]

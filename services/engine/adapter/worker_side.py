@@ -20,6 +20,7 @@ from kvmesh.services.engine.adapter.async_loads import IDLE_WAIT_SECS, AsyncLoad
 from kvmesh.services.engine.adapter.async_saves import AsyncSaves
 from kvmesh.services.engine.adapter.connector_stats import (CPU_COUNTERS, STORAGE_COUNTERS, GaugeClock, Increments,
                                                             KVMeshStats)
+from kvmesh.services.engine.adapter.cpu_leases import leases, release_lease
 from kvmesh.services.engine.adapter.kv_groups import STATE, KVGroups, page_view
 from kvmesh.services.engine.adapter.load_agreement import CollectiveAgreement, RankAgreement
 from kvmesh.services.engine.adapter.request_load import LoadFailures, RequestLoad, agree_on_loads
@@ -206,6 +207,10 @@ class WorkerSide:
                 load.fail(load.spec.skip_prefix)
             agree_on_loads(in_step, self.agreement)
             return
+        for load in in_step:  # what the scheduler leased for it (cpu_leases.py)
+            load.leased = leases.take(load.req.req_id, self.engine.rank)
+            if load.leased is None and self._where.groups is not None:  # never expected: see cpu_leases.py
+                log.warning("request %s loads in-step with KV cache groups but holds no lease", load.req.req_id)
         layerwise: list[tuple[RequestLoad, list[ChunkCopy], list[Any]]] = []
         for load in loads:
             try:
@@ -214,6 +219,8 @@ class WorkerSide:
                 log.warning("loading KV for request %s failed (%s: %s); vLLM recomputes it", load.req.req_id,
                             type(exc).__name__, exc)
                 load.fail(load.spec.skip_prefix)
+            finally:  # what the load did not read (chunks before its mask, a load not run)
+                release_lease(load.leased)
         if layerwise:
             self._start_layerwise(layerwise)
         agree_on_loads(in_step, self.agreement)

@@ -35,7 +35,7 @@ from kvmesh.services.engine.core.paged_copy import PagedCopier
 from kvmesh.services.engine.core.storage_manager import ALL_LOCATIONS, StorageManager
 from kvmesh.services.engine.mesh.nats_loop import NatsLoop
 from kvmesh.services.engine.tiers.base import NO_RETENTION, Retention
-from kvmesh.services.engine.tiers.cpu import LocalCPUBackend
+from kvmesh.services.engine.tiers.cpu import ChunkRef, LocalCPUBackend
 from kvmesh.services.engine.tiers.memory_pool import MemoryPool, Slot
 from kvmesh.services.engine.tiers.peer import PeerTier, PeerWorker
 from kvmesh.shared import protocol
@@ -141,20 +141,24 @@ class CacheEngine:
 
     @overload
     def load(self, spans: Sequence[ChunkSpan], slot_mapping: torch.Tensor | None = None, *,
-             fetch: Literal[False] = False, tiers: frozenset[str] | None = None) -> ChunkLoad: ...
+             fetch: Literal[False] = False, tiers: frozenset[str] | None = None,
+             leased: dict[ChunkKey, ChunkRef] | None = None) -> ChunkLoad: ...
 
     @overload
     def load(self, spans: Sequence[ChunkSpan], slot_mapping: torch.Tensor | None = None, *,
-             fetch: bool, tiers: frozenset[str] | None = None) -> ChunkLoad | None: ...
+             fetch: bool, tiers: frozenset[str] | None = None,
+             leased: dict[ChunkKey, ChunkRef] | None = None) -> ChunkLoad | None: ...
 
     def load(self, spans: Sequence[ChunkSpan], slot_mapping: torch.Tensor | None = None, *,
-             fetch: bool = False, tiers: frozenset[str] | None = None) -> ChunkLoad | None:
+             fetch: bool = False, tiers: frozenset[str] | None = None,
+             leased: dict[ChunkKey, ChunkRef] | None = None) -> ChunkLoad | None:
         """The held prefix of `spans` on its way into vLLM's paged cache (core/chunk_load.py): acquired at once
         from the CPU tier, then the lower tiers (`slot_mapping`, when given, must have a slot for every span's
         token); with `fetch`, fetched on the NATS loop (the CPU tier, then the lower tiers; chunks a lookup is
         prefetching are waited for, not read twice), and None without a connected lower tier: the caller loads
         at once. `tiers`: the only locations read (a request's kv_load_tiers; None: all); without the CPU tier
-        its copy is never read, the chunks come from the named lower tiers (StorageManager.fetch)."""
+        its copy is never read, the chunks come from the named lower tiers (StorageManager.fetch). `leased`: chunks
+        the scheduler leased for this load (adapter/cpu_leases.py), taken from it by key before any tier is read."""
         layout, _, _, storage, copier = self.ready()
         wanted = ALL_LOCATIONS if tiers is None else tiers
         if fetch:
@@ -167,7 +171,31 @@ class CacheEngine:
             return ChunkLoad.acquired(spans, [], layout, copier)
         if slot_mapping is not None:
             check_slot_count(slot_mapping, spans[-1].end)
-        return ChunkLoad.acquired(spans, storage.acquire_prefix(spans, self.meta_mismatch, wanted), layout, copier)
+        refs: list[ChunkRef] = []
+        for span in spans if leased else ():
+            ref = leased.pop(span.key, None)
+            if ref is None:
+                break
+            refs.append(ref)
+        if len(refs) < len(spans):
+            refs += storage.acquire_prefix(spans[len(refs):], self.meta_mismatch, wanted)
+        return ChunkLoad.acquired(spans, refs, layout, copier)
+
+    def lease_cpu(self, spans: Sequence[ChunkSpan]) -> list[ChunkRef] | None:
+        """References to the CPU tier's chunk of every span, each checked against its span (`meta_mismatch`),
+        for a load that must not fail (adapter/cpu_leases.py); None, holding nothing, unless all are there."""
+        _, _, cpu, storage, _ = self.ready()
+        if cpu.prefix(span.key for span in spans) < len(spans):
+            return None
+        refs: list[ChunkRef] = []
+        for span in spans:
+            ref = storage.checked_cpu(span, cpu.acquire(span.key), self.meta_mismatch)
+            if ref is None:
+                for held in refs:
+                    held.release()
+                return None
+            refs.append(ref)
+        return refs
 
     def save(self, spans: Sequence[ChunkSpan], kv_caches: KVCaches, slot_mapping: torch.Tensor,
              stream: "torch.cuda.Stream | None" = None, retention: Retention = NO_RETENTION,

@@ -263,7 +263,7 @@ class StorageManager:
         """
         refs: list[ChunkRef] = []
         for span in spans if LOCAL_CPU in wanted else ():
-            ref = self._checked(span, self.cpu.acquire(span.key), check)
+            ref = self.checked_cpu(span, self.cpu.acquire(span.key), check)
             if ref is None:
                 break
             refs.append(ref)
@@ -356,9 +356,9 @@ class StorageManager:
         if ref is None and claim is not None and claim[0] is not owner and self.cpu.keep:
             await asyncio.shield(claim[1])
             ref = self.cpu.acquire(key)
-        return self._checked(span, ref, check)
+        return self.checked_cpu(span, ref, check)
 
-    def _checked(self, span: ChunkSpan, ref: ChunkRef | None, check: CheckMeta) -> ChunkRef | None:
+    def checked_cpu(self, span: ChunkSpan, ref: ChunkRef | None, check: CheckMeta) -> ChunkRef | None:
         """`ref`, a CPU-tier chunk, if it is what `span` must hold here; else None (released, counted in
         `stats["cpu_bad_meta"]`, logged once per cause): no pairing of a key with the wrong span is scattered."""
         if ref is None:

@@ -193,15 +193,16 @@ def test_both_halves_store_a_prompt_prefilled_in_steps_and_load_it_into_the_wind
             run_step(sched, work, Step(finished={"a"}))
             assert token_api.lookup(engine, t_a, search_range=["LocalCPUBackend"]) == len(t_a)
 
-            # b: the same prompt, a whole-prompt hit loaded asynchronously; vLLM allocated the window group only
-            # the window before the hit (blocks 4 and 5)
+            # b: the same prompt, a whole-prompt hit all in this process's CPU tier: leased at the lookup and
+            # loaded in the step that schedules it (cpu_leases.py); vLLM allocated the window group only the
+            # window before the hit (blocks 4 and 5)
             b = request("b", t_a)
-            assert sched.get_num_new_matched_tokens(b, 0) == (len(t_a) - 1, True)
+            assert sched.get_num_new_matched_tokens(b, 0) == (len(t_a) - 1, False)
             tables["b"] = [[-1, -1, -1, -1, 20, 21], [40, 41, 42, 43, 44, 45]]
             sched.update_state_after_alloc(b, blocks(tables["b"][0]), len(t_a) - 1)
             before = kv.buffer.clone()
-            result = run_step(sched, work, Step())
-            assert result.finished_recving == {"b"} and result.load_errors == set()
+            result = run_step(sched, work, Step(new=[("b", tables["b"][0], len(t_a) - 1, 1)]))
+            assert result.finished_recving == set() and result.load_errors == set()
             assert worker_side.take_failed_recving() == set()
             names = list(caches)
             for layer, name in enumerate(names):
@@ -212,7 +213,6 @@ def test_both_halves_store_a_prompt_prefilled_in_steps_and_load_it_into_the_wind
             for layer in range(4):
                 for block in set(range(kv.num_blocks)) - written:
                     assert torch.equal(kv.buffer[layer, block], before[layer, block]), (layer, block)
-            run_step(sched, work, Step(new=[("b", [], len(t_a) - 1, 1)], finished=set()))
             run_step(sched, work, Step(finished={"b"}))
 
             # c: vLLM's own prefix cache gave 64 tokens and had freed the window group's first blocks; chunk 0's

@@ -74,10 +74,11 @@ class StateForward:
 
 
 def run_prompt(cache: VLLMCache, tokens: list[int], steps: list[int],
-               then: Callable[[Any, Any], None] | None = None) -> dict[int, int | None]:
+               then: Callable[[Any, Any, Any, dict[str, torch.Tensor]], None] | None = None
+               ) -> dict[int, int | None]:
     """Prefill `tokens` in steps of the given sizes through vLLM's manager and the connector's halves; for each
     chunk end, the position whose state the engine stored under that chunk's state key (None: none stored).
-    `then(scheduler half, engine)` runs after the prefill, before the engine closes."""
+    `then(scheduler half, worker half, engine, caches)` runs after the prefill, before the engine closes."""
     from kvmesh.services.engine.adapter.async_loads import AsyncLoads
     from kvmesh.services.engine.adapter.scheduler_lookup import SchedulerLookup
     from kvmesh.services.engine.adapter.scheduler_side import SchedulerSide
@@ -119,7 +120,7 @@ def run_prompt(cache: VLLMCache, tokens: list[int], steps: list[int],
                 start += size
                 vllm_request.num_computed_tokens = start
             if then is not None:
-                then(sched, engine)
+                then(sched, work, engine, caches)
             return {end: stored_state(engine, tokens, end, caches) for end in range(CHUNK, len(tokens) + 1, CHUNK)}
         finally:
             sched.shutdown()
@@ -169,15 +170,12 @@ def test_a_state_hit_is_looked_up_only_in_the_requests_load_tiers() -> None:
     """kv_load_tiers (adapter/request_retention.py) govern the state a hybrid model's hit resumes from as they
     govern its chunks: the same prompt again resumes from the state after 32 when the request names the CPU tier
     (or no tiers), and from nothing when it names only the disk store, which this engine has not."""
-    from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, StepEventLog
-
     cache = mamba_hybrid(hash_block_size=16)
     tokens = random_tokens(44, seed=12).tolist()
     answers: dict[str, Any] = {}
 
-    def ask(sched: Any, engine: Any) -> None:
-        held = engine.cpu.listen(StepEventLog())  # what the scheduler's mirror would have heard
-        sched.scheduler_side.lookup.update(CpuTierEvents({0: [(True, key) for key in held]}))
+    def ask(sched: Any, work: Any, engine: Any, caches: Any) -> None:
+        mirror_what_is_held(sched, engine)
         for name, tiers in (("every", None), ("cpu", ["LocalCPUBackend"]), ("disk", ["LocalDiskBackend"])):
             again = request(cache, f"again-{name}", tokens)
             again.kv_transfer_params = {"kv_load_tiers": tiers} if tiers is not None else None
@@ -186,7 +184,112 @@ def test_a_state_hit_is_looked_up_only_in_the_requests_load_tiers() -> None:
                 assert sched.scheduler_side.tracker(f"again-{name}").state_key is not None
 
     assert run_prompt(cache, tokens, [44], ask) == {32: 32}
-    assert answers == {"every": (32, True), "cpu": (32, True), "disk": (0, False)}
+    # the CPU tier of this process holds it all: leased, loaded in-step (cpu_leases.py)
+    assert answers == {"every": (32, False), "cpu": (32, False), "disk": (0, False)}
+
+
+def mirror_what_is_held(sched: Any, engine: Any) -> None:
+    """Tell the scheduler's mirror what the engine's CPU tier holds, as the steps' events would have."""
+    from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, StepEventLog
+
+    held = engine.cpu.listen(StepEventLog())
+    sched.scheduler_side.lookup.update(CpuTierEvents({0: [(True, key) for key in held]}))
+
+
+def load_again(cache: VLLMCache, tokens: list[int], pressure: Callable[[Any], Callable[[], None]]
+               ) -> dict[int, int | None]:
+    """Prefill `tokens`, then look the same prompt up again as a new request, allocate its blocks through vLLM's
+    manager, let `pressure(engine)` act on the CPU tier between the lookup and the step that loads (it returns
+    what undoes it once the step is over), run that step and check the loaded KV and state against the
+    oracle's, with the worker's retrieved counts. What the engine holds at the end (`run_prompt`)."""
+    from kvmesh.services.engine.adapter.cpu_leases import leases
+
+    def again(sched: Any, work: Any, engine: Any, caches: dict[str, torch.Tensor]) -> None:
+        mirror_what_is_held(sched, engine)
+        # a lookup that vLLM does not follow with an allocation: its lease ends with the step's plan
+        assert sched.get_num_new_matched_tokens(request(cache, "unscheduled", tokens), 0) == (32, False)
+        assert leases.held("unscheduled")
+        run_step(sched, work, Step())
+        assert not leases.held("unscheduled")
+        work.get_kv_connector_stats()  # counters from here on are this load's
+
+        vllm_request = request(cache, "again", tokens)
+        assert sched.get_num_new_matched_tokens(vllm_request, 0) == (32, False), "in-step: not asynchronous"
+        new = cache.manager.allocate_slots(vllm_request, len(tokens) - 32, num_external_computed_tokens=32)
+        assert new is not None
+        sched.update_state_after_alloc(vllm_request, new, 32)
+        undo = pressure(engine)
+        block_ids = [list(group) for group in cache.manager.get_block_ids("again")]
+        result = run_step(sched, work, Step(new=[("again", block_ids[0], 32, len(tokens) - 32)]))
+        undo()
+        assert result.load_errors == set() and result.finished_recving == set()
+        assert work.worker_side.take_failed_recving() == set()
+        counters = work.get_kv_connector_stats().data["counters"]
+        assert counters["lmcache:num_retrieved_tokens"] == 32 and counters["lmcache:num_retrieved_states"] == 1
+        attention, state = caches[ATTENTION_LAYER], caches[STATE_LAYER]
+        for column in range(2):  # the attention KV of tokens [0, 32), block by block
+            assert torch.equal(attention[block_ids[1][column]],
+                               state_pattern(tokens, (column + 1) * B, attention[0]) * 0.5), column
+        assert torch.equal(state[block_ids[0][1]], state_pattern(tokens, 32, state[0])), "the state after 32"
+        # ... also in the block the step ends in, where the forward reads it (vLLM's preprocess_mamba moved the
+        # old page there before the load ran)
+        assert torch.equal(state[block_ids[0][2]], state_pattern(tokens, 32, state[0])), "the forward's state"
+        assert not leases.held("again")
+
+    return run_prompt(cache, tokens, [44], again)
+
+
+def test_a_hit_all_in_this_process_cpu_tier_loads_in_step_with_groups() -> None:
+    """The hybrid's hit is leased at lookup (cpu_leases.py) and loaded in the step that schedules it: no
+    asynchronous load, no failed receive, the oracle's KV and state in the blocks vLLM's manager allocated."""
+    assert load_again(mamba_hybrid(hash_block_size=16), random_tokens(44, seed=21).tolist(),
+                      lambda engine: lambda: None) == {32: 32}
+
+
+def test_a_hit_with_a_rank_outside_this_process_stays_asynchronous() -> None:
+    """Nothing can be leased in a worker of another process (the scheduler sees its tier only through the
+    mirror): a scheduler of two ranks, one of them here, loads the same hit between steps."""
+    from kvmesh.services.engine.adapter.cpu_leases import leases
+
+    cache = mamba_hybrid(hash_block_size=16)
+    tokens = random_tokens(44, seed=23).tolist()
+    answers: list[Any] = []
+
+    def ask(sched: Any, work: Any, engine: Any, caches: Any) -> None:
+        mirror_what_is_held(sched, engine)
+        sched.scheduler_side.lookup.world_size = 2  # rank 1 lives in another process
+        answers.append(sched.get_num_new_matched_tokens(request(cache, "again", tokens), 0))
+        answers.append(leases.held("again"))
+
+    assert run_prompt(cache, tokens, [44], ask) == {32: 32}
+    assert answers == [(32, True), False]
+
+
+def test_leased_chunks_survive_a_clear_and_a_full_pool_between_lookup_and_load() -> None:
+    """Between the lookup that leased the hit and the step that loads it, the controller clears the CPU tier
+    (every entry goes, pinned or not) and saves take every slot the pool can give (evicting whatever is idle):
+    the leased chunks and state still load, whole and right; once loaded their slots go back to the pool."""
+    held: list[Any] = []
+    returned: list[bool] = []
+
+    def clear_and_fill(engine: Any) -> Callable[[], None]:
+        assert engine.cpu.clear_all() > 0 and len(engine.cpu) == 0
+        while (slot := engine.cpu.allocate()) is not None:
+            held.append(slot)
+        assert engine.pool.num_free == 0
+
+        def undo() -> None:  # after the loading step
+            for slot in held:
+                slot.release()
+            # the step stored its own last chunk in one of them
+            returned.append(engine.pool.num_free + len(engine.cpu) == engine.pool.num_slots)
+        return undo
+
+    # cleared: the engine holds nothing once the lease is gone
+    assert load_again(mamba_hybrid(hash_block_size=16), random_tokens(44, seed=22).tolist(),
+                      clear_and_fill) == {32: None}
+    assert held, "the pool had slots to take"
+    assert returned == [True], "every leased slot went back once loaded"
 
 
 def test_a_step_names_only_its_running_state_and_the_checkpoint_vllm_writes_in_it() -> None:
