@@ -115,6 +115,25 @@ def _block_ids(slots: torch.Tensor, block_size: int) -> list[int]:
     return blocks
 
 
+def _sequence_block_ids(slots: torch.Tensor, block_size: int) -> list[int]:
+    """`_block_ids` of a whole load's slots (tens of thousands): its whole blocks checked with a few tensor ops,
+    which beat Python's per-block lists there; the partial last block, and any block that fails the check (for
+    the error), by `_block_ids`."""
+    full = slots.numel() // block_size
+    rows = slots[: full * block_size].view(full, block_size)
+    first = rows[:, 0]
+    consecutive = (rows == first.unsqueeze(1) + torch.arange(block_size, device=rows.device)).all(1)
+    whole = (first >= 0) & (first % block_size == 0) & consecutive
+    skipped = (rows < 0).all(1)
+    try:
+        if bool((whole | skipped).all()):
+            return torch.where(whole, first // block_size, -1).tolist() + _block_ids(
+                slots[full * block_size :], block_size)
+    except ValueError:
+        pass
+    return _block_ids(slots, block_size)  # raises, naming the first token that breaks the rule
+
+
 def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """(chunk block j, cache block b) pairs -> runs (j0, b0, length) where both advance by one."""
     runs: list[tuple[int, int, int]] = []
@@ -310,7 +329,7 @@ def scatter_chunks(
     slots = check_slots(slot_mapping)
     if slots.numel() < last:
         raise ValueError(f"slot_mapping has {slots.numel()} slots, the chunks need {last}")
-    blocks = _block_ids(slots[first:last], bs)
+    blocks = _sequence_block_ids(slots[first:last], bs)
     device = caches[0].device
     planned = []
     for chunk, start, end, skip in chunks:

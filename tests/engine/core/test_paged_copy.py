@@ -471,6 +471,31 @@ def test_cpu_scatter_chunks_checks_every_slot_before_writing() -> None:
     assert all(torch.equal(c, b) for c, b in zip(dst, before))
 
 
+def test_a_loads_slots_are_checked_as_each_chunks_are() -> None:
+    """The one check of a whole load's slots (tensor ops) answers as the per-chunk check does: the same blocks,
+    or the same refusal naming the same token."""
+    from kvmesh.services.engine.core.paged_torch import _block_ids, _sequence_block_ids
+
+    bs = 16
+    good = block_slots([7, 2, -1, 30, 31, 5], bs, 5 * bs + 9)  # a skipped block, a partial last block
+    cases = [good, good[: 4 * bs], torch.arange(3 * bs) + 5]  # the last: every block starts mid-block
+    for token, slot in [(2 * bs + 3, 40), (bs + 15, 0), (5 * bs + 4, -1), (0, 33)]:
+        bad = good.clone()
+        bad[token] = slot  # a slot in a skipped block, a hole in a block, a hole in the tail, a wrong start
+        cases.append(bad)
+    for slots in cases:
+        try:
+            want: object = _block_ids(slots, bs)
+        except ValueError as exc:
+            want = str(exc)
+        try:
+            got: object = _sequence_block_ids(slots, bs)
+        except ValueError as exc:
+            got = str(exc)
+        assert got == want, slots.tolist()
+    assert _sequence_block_ids(good, bs) == [7, 2, -1, 30, 31, 5]
+
+
 def test_unpack_block_chunk() -> None:
     gen = torch.Generator().manual_seed(15)
     layers, nb, bs, heads, d, dtype = 2, 5, 32, 3, 8, torch.float16
