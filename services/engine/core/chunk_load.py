@@ -65,10 +65,10 @@ class ChunkLoad:
         try:
             if refs:
                 check_slot_count(slot_mapping, spans[-1].end)
-            for span, ref in zip(spans, refs):
-                skip = min(max(skip_prefix - span.start, 0), span.num_tokens)
-                self._copier.scatter(self._view(span, ref), caches, slot_mapping[..., span.start:span.end], skip,
-                                     span.state)
+            self._copier.scatter_chunks([(self._view(span, ref), span.start, span.end,
+                                          min(max(skip_prefix - span.start, 0), span.num_tokens))
+                                         for span, ref in zip(spans, refs)], caches, slot_mapping,
+                                        [span.state for span in spans])
         finally:  # the slots must not be reused before the copies queued so far have read them
             release_after_copies(caches, refs)
         return len(refs)

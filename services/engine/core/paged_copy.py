@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 
 import torch
 
 from .kv_layout import KVLayout
 from .paged_geometry import KVCaches, as_list
 from .paged_kernels import CupyKernels, KernelLauncher
-from .paged_torch import gather, scatter
+from .paged_torch import gather, scatter, scatter_chunks
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,21 @@ class PagedCopier:
             self._launcher.launch(kernels, False, caches, slot_mapping, chunk, skip_prefix)
         else:
             scatter(chunk, caches, self.layout, slot_mapping, skip_prefix, state)
+
+    def scatter_chunks(
+        self, chunks: Sequence[tuple[torch.Tensor, int, int, int]], kv_caches: KVCaches, slot_mapping: torch.Tensor,
+        states: Sequence[bool] | None = None,
+    ) -> None:
+        """`scatter` of several chunks of one sequence: each (chunk, start, end, skip_prefix) holds its tokens
+        [start, end) of `slot_mapping` (the torch path takes them together: paged_torch.scatter_chunks);
+        `states`: which of them are recurrent states (as `scatter`'s `state`; only with KV cache groups)."""
+        caches = as_list(kv_caches)
+        kernels = self._kernels_for(caches)
+        if kernels is None:
+            scatter_chunks(chunks, caches, self.layout, slot_mapping, states)
+            return
+        for chunk, start, end, skip in chunks:
+            self._launcher.launch(kernels, False, caches, slot_mapping[..., start:end], chunk, skip)
 
     def _kernels_for(self, caches: list[torch.Tensor]) -> CupyKernels | None:
         """The kernels for these caches; None: the torch path. KV cache groups copy group by group on the torch

@@ -13,12 +13,14 @@ heads * head_size]``, the CPU (LBHNC) layout gives whole blocks ``[layers, block
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .kv_layout import KVLayout, cpu_token_views
 from .paged_geometry import KVCaches, as_list, check_chunk, check_slots, group_rows, layer_groups
 
-__all__ = ["gather", "scatter", "unpack_block_chunk"]
+__all__ = ["gather", "scatter", "scatter_chunks", "unpack_block_chunk"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -113,6 +115,25 @@ def _block_ids(slots: torch.Tensor, block_size: int) -> list[int]:
     return blocks
 
 
+def _sequence_block_ids(slots: torch.Tensor, block_size: int) -> list[int]:
+    """`_block_ids` of a whole load's slots (tens of thousands): its whole blocks checked with a few tensor ops,
+    which beat Python's per-block lists there; the partial last block, and any block that fails the check (for
+    the error), by `_block_ids`."""
+    full = slots.numel() // block_size
+    rows = slots[: full * block_size].view(full, block_size)
+    first = rows[:, 0]
+    consecutive = (rows == first.unsqueeze(1) + torch.arange(block_size, device=rows.device)).all(1)
+    whole = (first >= 0) & (first % block_size == 0) & consecutive
+    skipped = (rows < 0).all(1)
+    try:
+        if bool((whole | skipped).all()):
+            return torch.where(whole, first // block_size, -1).tolist() + _block_ids(
+                slots[full * block_size :], block_size)
+    except ValueError:
+        pass
+    return _block_ids(slots, block_size)  # raises, naming the first token that breaks the rule
+
+
 def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """(chunk block j, cache block b) pairs -> runs (j0, b0, length) where both advance by one."""
     runs: list[tuple[int, int, int]] = []
@@ -138,12 +159,12 @@ def _gather_blocks(caches: list[torch.Tensor], layout: KVLayout, slots: torch.Te
             dst[:, j : j + n].copy_(pages[:, b : b + n])
 
 
-def _scatter_blocks(
-    chunk: torch.Tensor, caches: list[torch.Tensor], layout: KVLayout, slots: torch.Tensor, skip: int
-) -> None:
-    n_tok = slots.numel()
+def _block_plan(
+    blocks: list[int], n_tok: int, skip: int, layout: KVLayout
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int, int]]]:
+    """What a chunk's scatter writes: runs (chunk block, cache block, length) of blocks written whole, and
+    (chunk block, cache block, first offset, end offset) of blocks written token by token."""
     bs = layout.block_size
-    blocks = _block_ids(slots, bs)
     exact = layout.knows_token_arrangement
     whole: list[tuple[int, int]] = []  # (chunk block, cache block) written whole
     partial: list[tuple[int, int, int, int]] = []  # (chunk block, cache block, first offset, end offset)
@@ -163,20 +184,39 @@ def _scatter_blocks(
                 f"skip_prefix {skip} is not a multiple of block_size {bs}, and the token arrangement inside a "
                 f"block of CPU ISA {layout.cpu_isa!r} is unknown, so part of a block cannot be written"
             )
-    chunk3 = chunk.view(layout.num_layers, len(blocks), layout.page_elems)
-    runs = _runs(whole)
-    groups = layer_groups(caches, layout)
-    for view, sl in zip(*groups):
+    return _runs(whole), partial
+
+
+def _write_blocks(
+    chunks: list[tuple[torch.Tensor, int, list[tuple[int, int, int]], list[tuple[int, int, int, int]]]],
+    caches: list[torch.Tensor],
+    layout: KVLayout,
+) -> None:
+    """Write planned chunks (chunk, its block count, runs, partial blocks; `_block_plan`) into the caches: per
+    layer group the cache's pages are viewed once, then one copy_ per run of each chunk."""
+    for view, sl in zip(*layer_groups(caches, layout)):
         pages = view.flatten(2)
-        src = chunk3[sl]
-        for j, b, n in runs:
-            pages[:, b : b + n].copy_(src[:, j : j + n])
-        if partial:
-            dst_k, dst_v = cpu_token_views(view, layout)  # [L, nb, N, H, D]
-            src_k, src_v = cpu_token_views(chunk[sl], layout)  # [L, blocks, N, H, D]
-            for j, b, lo, hi in partial:
-                dst_k[:, b, lo:hi].copy_(src_k[:, j, lo:hi])
-                dst_v[:, b, lo:hi].copy_(src_v[:, j, lo:hi])
+        token_views = None
+        for chunk, num_blocks, runs, partial in chunks:
+            src = chunk.view(layout.num_layers, num_blocks, layout.page_elems)[sl]
+            for j, b, n in runs:
+                pages[:, b : b + n].copy_(src[:, j : j + n])
+            if partial:
+                if token_views is None:
+                    token_views = cpu_token_views(view, layout)  # [L, nb, N, H, D]
+                dst_k, dst_v = token_views
+                src_k, src_v = cpu_token_views(chunk[sl], layout)  # [L, blocks, N, H, D]
+                for j, b, lo, hi in partial:
+                    dst_k[:, b, lo:hi].copy_(src_k[:, j, lo:hi])
+                    dst_v[:, b, lo:hi].copy_(src_v[:, j, lo:hi])
+
+
+def _scatter_blocks(
+    chunk: torch.Tensor, caches: list[torch.Tensor], layout: KVLayout, slots: torch.Tensor, skip: int
+) -> None:
+    blocks = _block_ids(slots, layout.block_size)
+    runs, partial = _block_plan(blocks, slots.numel(), skip, layout)
+    _write_blocks([(chunk, len(blocks), runs, partial)], caches, layout)
 
 
 def unpack_block_chunk(chunk: torch.Tensor, layout: KVLayout, num_tokens: int) -> torch.Tensor:
@@ -273,3 +313,47 @@ def scatter(
     else:
         _scatter_tokens(chunk, caches, layout, slots, skip_prefix)
 
+
+
+def scatter_chunks(
+    chunks: Sequence[tuple[torch.Tensor, int, int, int]],
+    kv_caches: KVCaches,
+    layout: KVLayout,
+    slot_mapping: torch.Tensor,
+    states: Sequence[bool] | None = None,
+) -> None:
+    """`scatter` of several chunks of one sequence: each (chunk, start, end, skip_prefix) holds the tokens
+    [start, end) of `slot_mapping`, and its first `skip_prefix` tokens are not written; `states` says which are
+    recurrent states (`scatter`'s `state`: objects of models with KV cache groups, which go one by one).
+
+    A load scatters tens of chunks: in the per-block (CPU) layout, chunks that follow each other from a block
+    boundary have their slots checked in one pass and each layer's pages viewed once, so a chunk costs its
+    copies and little Python besides (a 16k-token load is 64 chunks). Their slots are all checked before
+    anything is written. Other layouts, and chunks that do not follow each other, are scattered one by one.
+    """
+    caches = as_list(kv_caches)
+    bs = layout.block_size
+    tiled = all(chunks[i][1] == chunks[i - 1][2] for i in range(1, len(chunks)))
+    if not chunks or not layout.per_block or layout.group_layers or not tiled or chunks[0][1] % bs:
+        for i, (chunk, start, end, skip) in enumerate(chunks):
+            scatter(chunk, caches, layout, slot_mapping[..., start:end], skip, bool(states and states[i]))
+        return
+    first, last = chunks[0][1], chunks[-1][2]
+    slots = check_slots(slot_mapping)
+    if slots.numel() < last:
+        raise ValueError(f"slot_mapping has {slots.numel()} slots, the chunks need {last}")
+    blocks = _sequence_block_ids(slots[first:last], bs)
+    device = caches[0].device
+    planned = []
+    for chunk, start, end, skip in chunks:
+        num_tokens = end - start
+        if not 0 <= skip <= num_tokens:
+            raise ValueError(f"skip_prefix must be in [0, {num_tokens}], got {skip}")
+        if num_tokens == 0 or skip == num_tokens:
+            continue
+        check_chunk(chunk, layout, num_tokens, "chunk")
+        if chunk.device != device:
+            chunk = chunk.to(device)
+        own = blocks[(start - first) // bs : (start - first) // bs + layout.num_blocks_for(num_tokens)]
+        planned.append((chunk, len(own), *_block_plan(own, num_tokens, skip, layout)))
+    _write_blocks(planned, caches, layout)

@@ -50,7 +50,7 @@ class Slot:
         count = 1
         for dim in shape:
             count *= dim
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        nbytes = count * dtype.itemsize
         return self.tensor[:nbytes].view(dtype).view(tuple(shape))
 
     def chunk_buffer(self, nbytes: int | None = None) -> ChunkBuffer:

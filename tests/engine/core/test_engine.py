@@ -354,6 +354,20 @@ def _fail_on_call(monkeypatch: pytest.MonkeyPatch, copier: object, name: str, fa
     monkeypatch.setattr(copier, name, copy)
 
 
+def _fail_after_first_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load's chunks are scattered together (paged_torch.scatter_chunks): the first one's copies are queued,
+    then the copy fails."""
+    from kvmesh.services.engine.core import paged_torch
+
+    write = paged_torch._write_blocks
+
+    def fail(chunks: list, caches: list[torch.Tensor], layout: object) -> None:
+        write(chunks[:1], caches, layout)
+        raise torch.cuda.OutOfMemoryError("injected: out of memory mid-copy")
+
+    monkeypatch.setattr(paged_torch, "_write_blocks", fail)
+
+
 def test_a_store_failing_mid_way_waits_for_its_copies_before_the_slots_go_back(
         kv: PagedKV, monkeypatch: pytest.MonkeyPatch) -> None:
     with make_engine(kv) as engine:
@@ -373,7 +387,7 @@ def test_a_retrieve_failing_mid_way_waits_for_its_copies_before_the_chunks_go_ba
     with make_engine(kv) as engine:
         tokens = random_tokens(4 * CHUNK, seed=61)
         token_api.store(engine, tokens, **kv.kv(kv.slots(4 * CHUNK)))
-        _fail_on_call(monkeypatch, engine.copier, "scatter", failing_call=2)
+        _fail_after_first_chunk(monkeypatch)
         events = _record_waits_and_releases(monkeypatch)
         with pytest.raises(torch.cuda.OutOfMemoryError):
             token_api.retrieve(engine, tokens, **kv.kv(kv.slots(4 * CHUNK)))

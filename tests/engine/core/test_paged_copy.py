@@ -31,7 +31,7 @@ from kvmesh.services.engine.core.kv_layout import (
 )
 from kvmesh.services.engine.core.paged_copy import PagedCopier
 from kvmesh.services.engine.core.paged_kernels import KERNELS_FILE
-from kvmesh.services.engine.core.paged_torch import gather, scatter, unpack_block_chunk
+from kvmesh.services.engine.core.paged_torch import gather, scatter, scatter_chunks, unpack_block_chunk
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 INT_VIEW = {2: torch.int16, 4: torch.int32}
@@ -421,6 +421,79 @@ def test_cpu_blocks_reject_unaligned_slots() -> None:
     bad[40] = -1  # a hole inside a block
     with pytest.raises(ValueError, match="whole blocks"):
         gather(src, layout, bad, out)
+
+
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+@pytest.mark.parametrize("shared", [True, False])
+def test_cpu_scatter_chunks_writes_what_scatter_writes_chunk_by_chunk(isa: str, shared: bool) -> None:
+    """A load's chunks scattered together (one slot check, pages viewed once) leave the caches bit for bit as
+    scattering them one by one does: blocks out of order, a skipped block, a skip_prefix inside a chunk (vec:
+    mid-block; amx: on a block boundary), a partial last chunk, and chunks wholly inside the skip."""
+    gen = torch.Generator().manual_seed(16)
+    layers, nb, bs, heads, d, dtype = 3, 16, 32, 2, 16, torch.bfloat16
+    layout = cpu_layout(layers, bs, heads, d, dtype, isa=isa)
+    chunk_tokens = 2 * bs
+    blocks = [9, 3, 4, -1, 12, 0, 7]  # a sequence of 7 blocks in vLLM's cache, one skipped
+    num_tokens = 6 * bs + 10  # the last chunk is partial: 1 whole block and 10 tokens
+    slots = block_slots(blocks, bs, num_tokens)
+    src = make_caches(LBHNC, layers, nb, bs, heads, d, dtype, gen, shared)
+    spans = [(start, min(start + chunk_tokens, num_tokens)) for start in range(0, num_tokens, chunk_tokens)]
+    chunks = []
+    for start, end in spans:
+        chunk = rand(layout.chunk_shape(end - start), dtype, gen)
+        gather(src, layout, slots[start:end], chunk)  # the skipped block's rows stay random
+        chunks.append(chunk)
+    for skip in ([0, 40, 70, 130] if isa == "vec" else [0, 64, 96]):
+        one_by_one = make_caches(LBHNC, layers, nb, bs, heads, d, dtype, gen, shared)
+        together = [c.clone() for c in one_by_one]
+        parts = [(chunk, start, end, min(max(skip - start, 0), end - start))
+                 for chunk, (start, end) in zip(chunks, spans)]
+        for chunk, start, end, chunk_skip in parts:
+            scatter(chunk, one_by_one, layout, slots[start:end], chunk_skip)
+        scatter_chunks(parts, together, layout, slots)
+        for layer in range(layers):
+            assert torch.equal(bits(together[layer]), bits(one_by_one[layer])), (isa, skip, layer)
+        assert any(not torch.equal(bits(one_by_one[layer]), bits(src[layer])) for layer in range(layers))
+
+
+def test_cpu_scatter_chunks_checks_every_slot_before_writing() -> None:
+    """Slots that do not cover whole blocks in a later chunk: nothing is written, not even the earlier chunks."""
+    gen = torch.Generator().manual_seed(17)
+    layers, nb, bs, heads, d, dtype = 2, 8, 32, 2, 16, torch.float32
+    layout = cpu_layout(layers, bs, heads, d, dtype)
+    slots = block_slots([1, 2, 5, 6], bs, 4 * bs)
+    slots[3 * bs + 7] = 0  # a hole in the second chunk's last block
+    chunks = [(rand(layout.chunk_shape(2 * bs), dtype, gen), start, start + 2 * bs, 0) for start in (0, 2 * bs)]
+    dst = make_caches(LBHNC, layers, nb, bs, heads, d, dtype, gen, True)
+    before = [c.clone() for c in dst]
+    with pytest.raises(ValueError, match="whole blocks"):
+        scatter_chunks(chunks, dst, layout, slots)
+    assert all(torch.equal(c, b) for c, b in zip(dst, before))
+
+
+def test_a_loads_slots_are_checked_as_each_chunks_are() -> None:
+    """The one check of a whole load's slots (tensor ops) answers as the per-chunk check does: the same blocks,
+    or the same refusal naming the same token."""
+    from kvmesh.services.engine.core.paged_torch import _block_ids, _sequence_block_ids
+
+    bs = 16
+    good = block_slots([7, 2, -1, 30, 31, 5], bs, 5 * bs + 9)  # a skipped block, a partial last block
+    cases = [good, good[: 4 * bs], torch.arange(3 * bs) + 5]  # the last: every block starts mid-block
+    for token, slot in [(2 * bs + 3, 40), (bs + 15, 0), (5 * bs + 4, -1), (0, 33)]:
+        bad = good.clone()
+        bad[token] = slot  # a slot in a skipped block, a hole in a block, a hole in the tail, a wrong start
+        cases.append(bad)
+    for slots in cases:
+        try:
+            want: object = _block_ids(slots, bs)
+        except ValueError as exc:
+            want = str(exc)
+        try:
+            got: object = _sequence_block_ids(slots, bs)
+        except ValueError as exc:
+            got = str(exc)
+        assert got == want, slots.tolist()
+    assert _sequence_block_ids(good, bs) == [7, 2, -1, 30, 31, 5]
 
 
 def test_unpack_block_chunk() -> None:
