@@ -111,6 +111,8 @@ def test_version_check(monkeypatch: pytest.MonkeyPatch) -> None:
 class FakeEngine:
     """Loads the chunks of the first `held` tokens (or raises), records stores (first token, end)."""
 
+    rank = 0  # its rank's lease is looked up by it (adapter/cpu_leases.py): none is taken here
+
     def __init__(self, held: int | None) -> None:
         self.held = held
         self.stored: list[tuple[int, int]] = []
@@ -118,7 +120,8 @@ class FakeEngine:
     def chunk_spans(self, chain_keys: list[bytes], num_tokens: int, first_chunk: int = 0) -> list[ChunkSpan]:
         return chunk_spans(chain_keys, num_tokens, C)[first_chunk:]
 
-    def load(self, spans: list[ChunkSpan], slot_mapping: torch.Tensor | None = None, *, tiers: Any = None) -> Any:
+    def load(self, spans: list[ChunkSpan], slot_mapping: torch.Tensor | None = None, *, tiers: Any = None,
+             leased: Any = None) -> Any:
         if self.held is None:
             raise RuntimeError("disk store unreachable")
         held = sum(1 for span in spans if span.end <= self.held)
