@@ -857,7 +857,8 @@ def measure_nats(args: argparse.Namespace) -> dict[str, Any]:
 def scheduler_run(token_counts: list[int], min_seconds: float) -> dict[str, Any]:
     """get_num_new_matched_tokens of new requests (full CPU-tier hits) per prompt length, and its parts."""
     quiet_logs()
-    from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, SchedulerLookup, engines
+    from kvmesh.services.engine.adapter.cpu_mirror import CpuTierEvents
+    from kvmesh.services.engine.adapter.scheduler_lookup import SchedulerLookup, engines
     from kvmesh.services.engine.adapter.scheduler_side import SchedulerSide
     from kvmesh.services.engine.assembly import build_engine
     from support.engine import PagedKV, engine_config

@@ -37,7 +37,7 @@ from kvmesh.services.engine.core.storage_manager import StorageManager
 from kvmesh.services.engine.mesh.domain import engine_credentials_file, engine_domain, key_domain
 from kvmesh.services.engine.mesh.embedded import MeshConnection, MeshPlan
 from kvmesh.services.engine.mesh.nats_loop import NatsLoop
-from kvmesh.services.engine.tiers.cpu import LocalCPUBackend, TierListener
+from kvmesh.services.engine.tiers.cpu import EvictionHolder, LocalCPUBackend, TierListener
 from kvmesh.services.engine.tiers.memory_pool import MemoryPool
 from kvmesh.services.engine.tiers.redis_values import resolve_auth
 from kvmesh.services.engine.tiers.registry import TierPlan, TierSite, configured_locations, lower_tiers
@@ -128,13 +128,16 @@ def engine_for_caches(config: EngineConfig, key_params: KeyParams, kv_caches: KV
 
 class SchedulerLink:
     """What a worker's engine offers its scheduler once vLLM registered its KV caches: the CPU tier's admissions
-    and evictions (to `cpu_events`, sent with every step's output for the scheduler's mirror), the answers to its
+    and evictions (to `cpu_events`, sent with every step's output for the scheduler's mirror; with `holder`, the
+    chunks it evicts held until the scheduler saw them: adapter/cpu_mirror.py), the answers to its
     lower-tier lookups on NATS (agents/lookup_server.py) and the rendezvous file that names both
     (agents/rendezvous.py). `close` takes them back (the lookup subscription closes with the engine's NATS)."""
 
-    def __init__(self, engine: CacheEngine, cpu_events: TierListener) -> None:
-        self._engine, self._cpu_events = engine, cpu_events
+    def __init__(self, engine: CacheEngine, cpu_events: TierListener, holder: EvictionHolder | None = None) -> None:
+        self._engine, self._cpu_events, self._holder = engine, cpu_events, holder
         engine.cpu.listen(cpu_events)
+        if holder is not None:  # evictions held until the scheduler saw them (adapter/cpu_mirror.py)
+            engine.cpu.hold_evictions(holder)
         lookup_id = lookup_id_for(engine.worker_id)
         self._lookups = LookupServer(engine, engine.nats_loop, lookup_id) if engine.nats_loop is not None else None
         self._rendezvous: Path | None = publish_worker(PublishedWorker.of(engine, lookup_id))
@@ -145,6 +148,9 @@ class SchedulerLink:
             self._rendezvous.unlink(missing_ok=True)
             self._rendezvous = None
         self._engine.cpu.unlisten(self._cpu_events)
+        if self._holder is not None:
+            self._engine.cpu.hold_evictions(None)
+            self._holder.seen(None)
 
 
 def _layout_keys(key_params: KeyParams, layout: KVLayout, rank: int) -> tuple[KeyParams, bool]:

@@ -39,7 +39,7 @@ from kvmesh.services.engine.adapter.async_saves import saves_off_forward
 from kvmesh.services.engine.adapter.connector_stats import KVMeshPromMetrics, KVMeshStats
 from kvmesh.services.engine.adapter.kv_groups import KVGroups
 from kvmesh.services.engine.adapter.model_identity import instance_of, model_identity
-from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents
+from kvmesh.services.engine.adapter.cpu_mirror import CpuTierEvents
 from kvmesh.services.engine.adapter.scheduler_side import SchedulerSide
 from kvmesh.services.engine.adapter.worker_side import WorkerSide
 from kvmesh.services.engine.config.engine_config import load_engine_config

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from kvmesh.services.engine.adapter.scheduler_lookup import StepEventLog
+from kvmesh.services.engine.adapter.cpu_mirror import StepEventLog
 from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.core.layerwise_load import LayerwiseLoader

@@ -172,6 +172,7 @@ HIT_LINE = re.compile(r"Reqid: (?P<req>\S+), Total tokens (?P<total>\d+), hit to
                       r"need to load (?P<load>\d+)")
 STORE_LINE = re.compile(r"Storing KV cache for (?P<stored>\d+) out of (?P<total>\d+) tokens for request (?P<req>\S+)")
 # The worker side's proof that a load happened, or did not (adapter/worker_side.py `WorkerSide._load`).
+ASYNC_LOAD_LINE = re.compile(r"Reqid: (?P<req>\S+) loads asynchronously")
 RETRIEVED_LINE = re.compile(r"Retrieved (?P<tokens>\d+) tokens for request (?P<req>\S+) in ")
 LOAD_ERROR_LINE = re.compile(r"(?:request (?P<req>\S+): loaded \d+ of \d+ tokens;|loading KV for request "
                              r"(?P<req2>\S+) failed)")
@@ -282,6 +283,11 @@ class VLLMServer(ManagedProcess):
         """Tokens each worker (rank) loaded for a completion, from its "Retrieved N tokens" lines."""
         prefix = completion["id"]
         return [int(m["tokens"]) for m in RETRIEVED_LINE.finditer(self.log_text()) if m["req"].startswith(prefix)]
+
+    def loaded_asynchronously(self, completion: dict[str, Any]) -> bool:
+        """Whether the scheduler planned a completion's load between steps (its "loads asynchronously" line)."""
+        prefix = completion["id"]
+        return any(m["req"].startswith(prefix) for m in ASYNC_LOAD_LINE.finditer(self.log_text()))
 
     def load_errors(self, completion: dict[str, Any]) -> list[str]:
         prefix = completion["id"]

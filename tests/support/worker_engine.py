@@ -9,7 +9,8 @@ from typing import Iterator
 
 import pytest
 
-from kvmesh.services.engine.adapter.scheduler_lookup import StepEventLog, engines
+from kvmesh.services.engine.adapter.cpu_mirror import StepEventLog
+from kvmesh.services.engine.adapter.scheduler_lookup import engines
 from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.shared.ops.local_mesh import LocalMesh

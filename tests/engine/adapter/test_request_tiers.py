@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvmesh.services.engine.adapter.scheduler_lookup import StepEventLog
+from kvmesh.services.engine.adapter.cpu_mirror import StepEventLog
 from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK

@@ -16,13 +16,8 @@ import torch
 
 from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core import token_api
-from kvmesh.services.engine.adapter.scheduler_lookup import (
-    CpuTierEvents,
-    CpuTierMirror,
-    LowerLookup,
-    SchedulerLookup,
-    StepEventLog,
-)
+from kvmesh.services.engine.adapter.cpu_mirror import CpuTierEvents, CpuTierMirror, StepEventLog
+from kvmesh.services.engine.adapter.scheduler_lookup import LowerLookup, SchedulerLookup
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.shared.ops.local_mesh import LocalMesh
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, REMOTE
