@@ -13,8 +13,8 @@ Retention (a put's kv_priority and lease, ChunkIndex.retain_put) is client input
 as such: a priority above MAX_PRIORITY, a lease end that is not a number, or an owner the list does not name drops
 that retention; a lease end past the 30-day horizon (MAX_LEASE_SECS from now) is clamped to it; each is counted
 (`Records.retention_dropped`). The store re-takes the rest within each owner's share of the capacity as it is now
-(ChunkIndex.restore_retention), so a snapshot never lets a principal keep more than a put could. The bounds are
-ChunkIndex's `bounded_retention`, the same as for a store's retention file (state_file.py). The lease end is
+(shared/store_kit/retention_restore.py), so a snapshot never lets a principal keep more than a put could. The bounds are
+retention_restore.py's `bounded_retention`, the same as for a store's retention file (state_file.py). The lease end is
 wall-clock, so a lease keeps ending on time across the restart. A chunk found without a record is unretained.
 
 Start-up (`scan`) trusts a snapshot only as far as it is checked, every byte of it being untrusted input: a
@@ -58,7 +58,7 @@ import numpy as np
 import xxhash
 
 from kvmesh.services.disk_store.index import Entry
-from kvmesh.shared.store_kit.chunk_index import bounded_retention
+from kvmesh.shared.store_kit.retention_restore import bounded_retention
 from kvmesh.shared.store_kit.state_file import write_bytes_atomically
 from kvmesh.shared.wire import chunk_file
 from kvmesh.shared.wire.keys import KEY_BYTES, ChunkKey

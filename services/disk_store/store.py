@@ -48,6 +48,7 @@ from kvmesh.shared.errors import StoreError
 from kvmesh.shared.eviction import Clock
 from kvmesh.shared.messaging.sharing_domains import DomainMap
 from kvmesh.shared.store_kit.chunk_index import ChunkIndex, ForeignChunk, SpaceRefused
+from kvmesh.shared.store_kit.retention_restore import restore_retention
 from kvmesh.shared.store_kit.state_file import StoreState
 from kvmesh.shared.wire import chunk_file
 from kvmesh.shared.wire.keys import ChunkKey
@@ -131,7 +132,7 @@ class DiskStore:
             chunk_file.unlink_chunk(self.root, key)
         refused = self.index.retains_refused
         share = self.options.bounds.retained_share
-        retained_now = sum(self.index.restore_retention(kept.key, kept.owner, kept.priority, kept.lease_end, share)
+        retained_now = sum(restore_retention(self.index, kept.key, kept.owner, kept.priority, kept.lease_end, share)
                            for kept in retained)  # before the trim: it evicts unretained chunks first
         for key, _ in self.index.trim_to_capacity():  # the cap shrank since the last run (never drops a pin;
             chunk_file.unlink_chunk(self.root, key)  # claims of trimmed chunks are skipped at the next start)

@@ -82,21 +82,6 @@ def _ignore(_: ChunkKey) -> None:
     pass
 
 
-def bounded_retention(priority: object, lease_end: object, now: float) -> tuple[int, float | None, bool] | None:
-    """A persisted retention read back, as untrusted input (the disk store's snapshot, a store's retention file):
-    (priority, wall-clock lease end or None, whether the lease end was clamped to MAX_LEASE_SECS from `now`); None
-    when it is out of bounds: a priority that is no int in 0..MAX_PRIORITY, a lease end that is no finite number
-    >= 0 (0: no lease)."""
-    if type(priority) is not int or not 0 <= priority <= MAX_PRIORITY:
-        return None
-    if lease_end is None:
-        return priority, None, False
-    if type(lease_end) not in (int, float) or not 0 <= lease_end < float("inf"):  # also NaN
-        return None
-    horizon = now + MAX_LEASE_SECS
-    return priority, (min(float(lease_end), horizon) or None), lease_end > horizon
-
-
 class ChunkIndex(Generic[E]):
     """Held chunks under a byte budget, with eviction by the named policy (default LRU) and pins.
 
@@ -341,11 +326,7 @@ class ChunkIndex(Generic[E]):
         if flight.retention is not None:
             owner, priority, lease_end, bound = flight.retention
             lease_secs = lease_end - self._clock() if lease_end is not None else None
-            if self._policy.retain(key, owner, bound, priority,
-                                   lease_secs if lease_secs and lease_secs > 0 else None):
-                self._retention_version += 1
-            else:
-                self.retains_refused += 1
+            self.retain_held(key, owner, bound, priority, lease_secs if lease_secs and lease_secs > 0 else None)
         self.on_admit(key)
         return True
 
@@ -359,16 +340,24 @@ class ChunkIndex(Generic[E]):
             lease_end = self._clock() + lease_secs if lease_secs else None
             flight.retention = (owner, priority, lease_end, max_owner_bytes)
             return
+        self.retain_held(key, owner, max_owner_bytes, priority, lease_secs)
+
+    def retain_held(self, key: ChunkKey, owner: str, max_owner_bytes: int, priority: int,
+                    lease_secs: float | None) -> bool:
+        """`retain` of a key as held now (a put in flight is not looked at); True if taken, else counted in
+        `retains_refused`. Also what re-takes a persisted retention at start (retention_restore.py)."""
         if self._policy.retain(key, owner, max_owner_bytes, priority, lease_secs):
             self._retention_version += 1
-        else:
-            self.retains_refused += 1
+            return True
+        self.retains_refused += 1
+        return False
 
     def retain_put(self, key: ChunkKey, caller: str, priority: int, lease_secs: float, share: float) -> None:
         """A put's retention (`PutRequest.priority` / `lease_secs`: the storing request's kv_priority and lease),
         owned by the caller's principal within `share` of the capacity (`--retained-share`). Client input: a
         priority or lease out of range (MAX_PRIORITY, MAX_LEASE_SECS; NaN, inf) is not taken, counted in
-        `retains_refused`. The disk store persists it in its index snapshot (`retentions`, `restore_retention`)."""
+        `retains_refused`. The disk store persists it in its index snapshot (`retentions`; read back at start:
+        shared/store_kit/retention_restore.py)."""
         if priority == 0 and lease_secs == 0:
             return
         if not (0 <= priority <= MAX_PRIORITY and 0 <= lease_secs <= MAX_LEASE_SECS):
@@ -385,21 +374,6 @@ class ChunkIndex(Generic[E]):
         now = time.time()
         return [(key, owner, priority, None if left is None else now + left)
                 for key, owner, priority, left in self._policy.retentions()]
-
-    def restore_retention(self, key: ChunkKey, owner: str, priority: int, lease_end: float | None,
-                          share: float) -> bool:
-        """Re-take a persisted retention (bounds checked by the reader) on a held key within `owner`'s `share` of
-        the capacity as it is now; True if taken. A lease that ended is gone, a key no longer held is skipped, one
-        past the bound is held unretained and counted in `retains_refused`."""
-        lease_secs = None if lease_end is None else lease_end - time.time()
-        if (priority <= 0 and (lease_secs is None or lease_secs <= 0)) or key not in self._held:
-            return False
-        if self._policy.retain(key, owner, int(share * self.capacity_bytes), priority,
-                               lease_secs if lease_secs is not None and lease_secs > 0 else None):
-            self._retention_version += 1
-            return True
-        self.retains_refused += 1
-        return False
 
     def is_retained(self, key: ChunkKey) -> bool:
         return self._policy.is_retained(key)

@@ -26,7 +26,7 @@ The retention file (`save_retention` / `load_retention`; kept by a store that as
 store: the disk store keeps retention in its index snapshot) is `{key: [owner, priority, lease_end]}`, the
 retained chunks' owning principal, priority and wall-clock lease end (None: no lease), saved as the claims are
 (at most once per CLAIMS_SAVE_INTERVAL: a crash may lose the last second's). Read back as untrusted input
-(ChunkIndex's `bounded_retention`: out-of-range entries dropped, lease ends clamped to 30 days, counted) and
+(shared/store_kit/retention_restore.py: out-of-range entries dropped, lease ends clamped to 30 days, counted) and
 re-taken within each owner's share as the store's `--retained-share` sets it at that start; a chunk it does not
 name is unretained.
 """
@@ -45,8 +45,9 @@ from typing import Any, Callable, Generic, TypeVar
 import msgpack
 
 from kvmesh.shared.store_kit.chunk_claims import ClaimTable
-from kvmesh.shared.store_kit.chunk_index import ChunkIndex, bounded_retention
+from kvmesh.shared.store_kit.chunk_index import ChunkIndex
 from kvmesh.shared.store_kit.chunk_pins import UNOWNED
+from kvmesh.shared.store_kit.retention_restore import bounded_retention, restore_retention
 from kvmesh.shared.wire.chunk_file import fsync_directory
 from kvmesh.shared.wire.keys import ChunkKey
 
@@ -333,7 +334,7 @@ class StoreState:
         (`ChunkIndex.forget_unrecorded`), never kept readable by the default domain; the store frees what
         `Restored.strays` lists. A directory without a claims file (a store from before claims, or a first
         start) keeps every chunk and gets a claims file now. With `keeps_retention`, the retention file's
-        retentions are re-taken within `retained_share` of the capacity per owner (ChunkIndex.restore_retention)."""
+        retentions are re-taken within `retained_share` of the capacity per owner (`restore_retention`)."""
         claims_file = self.root / CLAIMS_NAME
         recorded = claims_file.exists()
         table = load_claims(claims_file)
@@ -344,7 +345,7 @@ class StoreState:
         retained = dropped = 0
         if self._retention is not None:
             records, dropped = load_retention(self.root / RETENTION_NAME)
-            retained = sum(self.index.restore_retention(key, owner, priority, lease_end, retained_share)
+            retained = sum(restore_retention(self.index, key, owner, priority, lease_end, retained_share)
                            for key, owner, priority, lease_end in records)
             if dropped or retained != len(records):  # so that no stale entry retains a chunk put again later
                 save_retention(self.root / RETENTION_NAME, self.index.retentions())

@@ -7,6 +7,7 @@
     write_behind.py      the write-behind to the lower tiers, and the known-held set it leaves
     tier_commands.py     the controller's commands on the tiers: pin / unpin / clear / lookup, move, evict
     recency.py           hits in any tier refresh the chunks' recency in the stores (batched touches)
+    slot_quarantine.py   pool slots a store may still write into, held out of use until it settles them
     kv_layout.py         how vLLM pages its KV cache, and the chunk format it is copied into
     paged_copy.py        gather / scatter between the paged cache and a chunk: `PagedCopier` picks the path
     paged_torch.py       the torch path (any device; the oracle of the kernels)

@@ -10,11 +10,12 @@ tier checked first at every position, then each lower tier in order with one `co
 still to place). A lookup sums the runs; a fetch (`fetch`, used by retrieves and prefetches) then reads the
 lower runs into pool slots without asking the stores again. Beside the walk, each in a module of its own: the
 write-behind and the known-held set (`write_behind`, core/write_behind.py), the controller's commands on these
-tiers (`commands`, core/tier_commands.py), and the recency refresh (`recency`, core/recency.py).
+tiers (`commands`, core/tier_commands.py), the recency refresh (`recency`, core/recency.py), and the slots a store
+may still write into (`quarantine`, core/slot_quarantine.py).
 
 Data path of one chunk back from a store: a lower store's `get_into` fills a fresh slot (the bytes verified
 against their checksum on the way; a get the disk store did not answer in time raises StoreMayWrite, and the
-slot is quarantined, never reused, until the store can no longer write into it: `_quarantine`,
+slot is quarantined, never reused, until the store can no longer write into it: `quarantine`,
 docs/architecture.md "A slot lent to a store") -> the meta checked against what the key must hold (`CheckMeta`:
 key, token count, KV format, dtype, size, shape; else a miss, one rate-limited WARNING naming the difference,
 counted in `stats["fetch_bad_meta"]`, recomputed) -> CPU tier (when `local_cpu`) -> paged scatter into vLLM's
@@ -32,6 +33,7 @@ from typing import Sequence
 
 from kvmesh.services.engine.config.engine_config import EngineConfig
 from kvmesh.services.engine.core.recency import RecencyRefresh
+from kvmesh.services.engine.core.slot_quarantine import SlotQuarantine
 from kvmesh.services.engine.core.tier_commands import CheckMeta, TierCommands
 from kvmesh.services.engine.core.write_behind import WriteBehind
 from kvmesh.services.engine.mesh.nats_loop import NatsLoop
@@ -47,8 +49,6 @@ from kvmesh.shared.wire.keys import ChunkKey, ChunkSpan
 log = logging.getLogger(__name__)
 
 ALL_LOCATIONS = frozenset((*LOCATIONS, PEER))
-# a store holding this many quarantined slots (it may still write into them) is lent no more: misses at once
-MAX_QUARANTINED_SLOTS = 8
 
 
 @dataclass(frozen=True)
@@ -99,9 +99,8 @@ class StorageManager:
         self._prefetching = 0  # chunks the requests' lookups' prefetches are still reading (loop thread)
         self._rlog = RateLimitedLog(log)
         self.stats = collections.Counter[str]()
-        # slots a store may still write into (StoreMayWrite), per location: out of use until settled (loop thread)
-        self._quarantined: collections.Counter[str] = collections.Counter()
-        self._quarantines: set[asyncio.Task[None]] = set()
+        # slots a store may still write into (StoreMayWrite): out of use until settled (loop thread)
+        self.quarantine = SlotQuarantine(self.stats, log)
         # the chunks admitted on their way to the stores, and those every store took
         self.write_behind = WriteBehind(cpu, loop, config, lambda: self._stores, self.lower_ready, self.stats)
         self.commands = TierCommands(self)  # the controller's commands on these tiers
@@ -451,16 +450,12 @@ class StorageManager:
     async def read_into(self, client: StoreTier, span: ChunkSpan, slot: Slot, check: CheckMeta) -> ChunkMeta | None:
         """`span`'s chunk into `slot`; None on a miss. The caller releases its slot reference on None as always:
         when the store may still write into the slot, the quarantine holds a reference of its own."""
-        location = client.location
-        if self._quarantined[location] >= MAX_QUARANTINED_SLOTS:  # a stalled store must not drain the pool
-            self.stats["fetch_store_stalled"] += 1
-            self._rlog.warning("store_stalled", "%s holds %d slots it may still write into: answering misses "
-                               "from it until it settles them", location, self._quarantined[location])
+        if self.quarantine.stalled(client.location):  # a stalled store must not drain the pool
             return None
         try:
             meta = await client.get_into(span.key, slot.chunk_buffer())
         except StoreMayWrite as exc:
-            self._quarantine(location, slot.ref(), exc)
+            self.quarantine.hold(client.location, slot.ref(), exc)
             return None
         if meta is None:
             return None
@@ -473,31 +468,6 @@ class StorageManager:
                 client.distrust(span.key)
             return None
         return meta
-
-    def _quarantine(self, location: str, slot: Slot, exc: StoreMayWrite) -> None:
-        """Hold `slot` (one reference, taken by the caller) until the store that may write into it has settled:
-        then release it. Not a time limit: a store stopped now may resume at any later time."""
-        self._quarantined[location] += 1
-        self.stats["slots_quarantined"] += 1
-        self.stats["slots_quarantined_now"] += 1
-        self._rlog.warning("quarantined", "%s; its pool slot stays out of use until the store can no longer "
-                           "write into it (%d slots so)", exc, self.stats["slots_quarantined_now"])
-
-        async def end() -> None:
-            try:
-                settled = await exc.settled()
-            except Exception:  # a bug: the slot stays held (safe), and we say so
-                log.exception("waiting for %s to settle a get failed; its slot stays out of use", location)
-                return
-            if settled:
-                self._quarantined[location] -= 1
-                self.stats["slots_quarantined_now"] -= 1
-                slot.release()
-            # else: the client closed first (the engine is stopping): the slot stays held for good
-
-        task = asyncio.get_running_loop().create_task(end(), name="kvmesh-slot-quarantine")
-        self._quarantines.add(task)
-        task.add_done_callback(self._quarantines.discard)
 
 
 def _first_chunks(runs: Sequence[Run], count: int) -> list[Run]:

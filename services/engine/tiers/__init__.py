@@ -12,6 +12,7 @@
     redis_values.py   its values: their format, checked on every read, and the key that MACs them (`resolve_auth`)
     redis_scripts.py  its Lua scripts: each changes one chunk's keys atomically on the server
     redis_retention.py  a request's lease or priority as its chunks' TTL (volatile-ttl), within a share per principal
+    redis_policy.py   what the server's eviction settings, checked at start, mean for pins, retention and puts
     peer.py           other instances' CPU tiers, the last tier of the walk (`PeerTier`, enable_p2p)
     registry.py       the lower tiers in walk order, one registry (`LOWER_TIERS`), built from the config
 """

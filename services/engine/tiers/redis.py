@@ -30,7 +30,7 @@ shortest TTL left first, keeps it over the others, within its engine principal's
 `maxmemory` (redis_retention.py: the mapping and its limits). `start` checks `maxmemory-policy` (CONFIG GET,
 where the server allows it) and warns when it is not `volatile-ttl` (leases and priorities are then not
 honoured), and names what else goes wrong: pinned chunks evicted (`allkeys-*`), writes refused once full
-(`noeviction`). A timed pin (`ttl_secs`) holds until unpinned.
+(`noeviction`); redis_policy.py says which. A timed pin (`ttl_secs`) holds until unpinned.
 
 Failures never fail a request: every call is bounded (`redis_timeout_secs`, plus `nbytes /
 remote_min_transfer_mb_per_s` for a chunk's bytes) and answers a miss / False / 0 on any error. Reachability
@@ -54,6 +54,7 @@ from kvmesh.shared import protocol
 
 from kvmesh.services.engine.config.engine_config import EngineConfig
 from kvmesh.services.engine.tiers.base import NO_RETENTION, ChunkBuffer, Retention, StoreLink, byte_view
+from kvmesh.services.engine.tiers.redis_policy import warn_of, warn_unreadable
 from kvmesh.services.engine.tiers.redis_retention import extra_secs, member
 from kvmesh.services.engine.tiers.redis_scripts import CLAIM, CLEAR, FINISH_PUT, PIN, RETAIN, UNPIN
 from kvmesh.services.engine.tiers.redis_values import MAX_HEADER_BYTES, ForeignValue, decode_into
@@ -71,9 +72,6 @@ T = TypeVar("T")
 
 CLEAR_BATCH = 1000  # claims taken back per round trip of a clear
 SEAL_BUFFERS_KEPT = 4  # sealing buffers kept between puts: the puts of one step in flight at once
-EVICTS_PINNED = frozenset({"allkeys-lru", "allkeys-lfu", "allkeys-random"})
-EVICTS_VOLATILE = frozenset({"volatile-lru", "volatile-lfu", "volatile-random", "volatile-ttl"})
-HONOURS_RETENTION = "volatile-ttl"  # the policy that orders evictions by the TTLs retention sets
 
 
 class RedisTier:
@@ -170,29 +168,11 @@ class RedisTier:
         if reply is None:
             return
         if not reply:
-            log.warning("%s: cannot read maxmemory-policy (CONFIG GET refused); unless it is volatile-ttl, chunks' "
-                        "leases and priorities (kv_priority, lease_until / kv_ttl) are not honoured "
-                        "(docs/config.md)", where)
+            warn_unreadable(log, where)
             return
         settings = {_text(k): _text(v) for k, v in reply.items()}
         self.policy = policy = settings.get("maxmemory-policy", "?")
-        unbounded = memory is not None and memory[1] == 0
-        if policy in EVICTS_PINNED:
-            log.warning("%s: maxmemory-policy %s evicts pinned chunks too and honours no lease or priority "
-                        "(kv_priority, lease_until / kv_ttl); set volatile-ttl", where, policy)
-        elif policy == "noeviction" and not unbounded:
-            log.warning("%s: maxmemory-policy noeviction refuses every write once maxmemory is reached (puts "
-                        "are then skipped), and honours no lease or priority; set volatile-ttl", where)
-        elif policy in EVICTS_VOLATILE and policy != HONOURS_RETENTION:
-            log.warning("%s: maxmemory-policy %s: chunks' leases and priorities (kv_priority, lease_until / kv_ttl) "
-                        "are not honoured, Redis evicts regardless of them; set volatile-ttl", where, policy)
-        elif policy not in EVICTS_VOLATILE and policy != "noeviction":
-            log.warning("%s: unknown maxmemory-policy %s: leases and priorities are not honoured; volatile-ttl is "
-                        "expected", where, policy)
-        if unbounded:
-            log.info("%s: no maxmemory set: Redis grows until the host's memory is exhausted, and no chunk is "
-                     "retained over the others (a share of nothing); set maxmemory and maxmemory-policy "
-                     "volatile-ttl", where)
+        warn_of(log, where, policy, unbounded=memory is not None and memory[1] == 0)
 
     async def _memory(self) -> tuple[int, int] | None:
         """(used_memory, maxmemory) from INFO memory, summed over a cluster's nodes; None on a failure."""

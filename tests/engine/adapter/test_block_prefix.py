@@ -15,9 +15,7 @@ from typing import Iterator
 import pytest
 
 from kvmesh.services.engine.adapter.block_prefix import BlockPrefixProbe, probe_ends, saved_prefix_end
-from kvmesh.services.engine.adapter.cpu_mirror import CpuTierEvents, StepEventLog
-from kvmesh.services.engine.adapter.scheduler_lookup import SchedulerLookup
-from kvmesh.services.engine.core import token_api
+from kvmesh.services.engine.adapter.cpu_mirror import StepEventLog
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK
 from kvmesh.shared.wire.keys import ChunkHasher, KeyExtras, KeyParams
@@ -25,8 +23,8 @@ from kvmesh.shared.wire.keys import ChunkHasher, KeyExtras, KeyParams
 from support.engine import BLOCK, CHUNK, PagedKV, random_tokens
 from support.engine_mesh import disk_mesh  # noqa: F401 (a fixture)
 from support.kv_oracle import Forward
-from support.waiting import WAIT_S, wait_until
-from support.worker_engine import engine  # noqa: F401 (a fixture)
+from support.waiting import wait_until
+from support.worker_engine import engine, only_on_disk, scheduler_lookup  # noqa: F401 (engine: a fixture)
 
 pytest.importorskip("kvmesh.services.engine.connector")
 from support.connector_driver import (  # noqa: E402
@@ -148,19 +146,12 @@ def test_a_block_prefix_is_published_to_routers_like_a_partial_last_chunk(paged:
 def test_a_block_prefix_only_on_disk_is_found_by_asking_again(
         engine: tuple[CacheEngine, PagedKV, StepEventLog]) -> None:
     worker, kv, events = engine  # a worker engine with a real NATS and disk store (support/worker_engine.py)
-    lookup = SchedulerLookup(world_size=1, timeout=WAIT_S, nats_name="test-scheduler")
-    hasher = lookup.hasher()
-    assert hasher is not None
+    lookup, hasher = scheduler_lookup()
     tokens = random_tokens(2 * CHUNK, seed=5).tolist()
     chain = hasher.chain(tokens)
     prefix = hasher.prefix_span(tokens, chain, CHUNK + BLOCK)
     worker.save([chain[0], prefix], kv.caches, kv.slots(CHUNK + BLOCK))  # what r1's save leaves
-    assert worker.wait_write_behind(WAIT_S)
-    client = worker.storage.lower(LOCAL_DISK)
-    assert client is not None and worker.nats_loop is not None
-    assert worker.nats_loop.call(client.wait_written(WAIT_S), WAIT_S + 1, default=False)
-    token_api.clear(worker, LOCAL_CPU)
-    lookup.update(CpuTierEvents({0: events.take()}))
+    only_on_disk(worker, events, lookup)
 
     probe = BlockPrefixProbe.of(hasher, tokens, chain, CHUNK, BLOCK, None)
     assert [s.end for s in probe.spans] == [CHUNK + BLOCK]
@@ -179,19 +170,12 @@ def test_a_block_prefix_lookup_asks_only_the_requests_load_tiers(
     the disk store holds is not found and the store is never asked; naming the disk store only, it is found
     there, and nothing is prefetched into the CPU tier (that request's load never reads it)."""
     worker, kv, events = engine
-    lookup = SchedulerLookup(world_size=1, timeout=WAIT_S, nats_name="test-scheduler")
-    hasher = lookup.hasher()
-    assert hasher is not None
+    lookup, hasher = scheduler_lookup()
     tokens = random_tokens(2 * CHUNK, seed=9).tolist()
     chain = hasher.chain(tokens)
     prefix = hasher.prefix_span(tokens, chain, CHUNK + BLOCK)
     worker.save([chain[0], prefix], kv.caches, kv.slots(CHUNK + BLOCK))
-    assert worker.wait_write_behind(WAIT_S)
-    client = worker.storage.lower(LOCAL_DISK)
-    assert client is not None and worker.nats_loop is not None
-    assert worker.nats_loop.call(client.wait_written(WAIT_S), WAIT_S + 1, default=False)
-    token_api.clear(worker, LOCAL_CPU)
-    lookup.update(CpuTierEvents({0: events.take()}))
+    only_on_disk(worker, events, lookup)
 
     cpu_only = BlockPrefixProbe.of(hasher, tokens, chain, CHUNK, BLOCK, None)
     assert cpu_only.held(lookup, frozenset({LOCAL_CPU})) == (True, None), "answered at once: no store asked"

@@ -25,7 +25,8 @@ from kvmesh.shared.wire.keys import KeyParams
 
 from support.engine import CHUNK, PagedKV, engine_config, random_tokens
 from support.engine_mesh import PARAMS, disk_mesh  # noqa: F401 (disk_mesh: a fixture)
-from support.worker_engine import engine  # noqa: F401 (a fixture)
+from support.worker_engine import (  # noqa: F401 (engine: a fixture)
+    engine, only_on_disk, scheduler_lookup, wait_written_to_disk)
 from support.waiting import WAIT_S, wait_until
 
 
@@ -60,16 +61,12 @@ def ask_until_answered(lookup: SchedulerLookup, chain: list, num_tokens: int, lo
 def test_cpu_hits_come_from_the_mirror_and_disk_hits_ask_again_then_prefetch(
         engine: tuple[CacheEngine, PagedKV, StepEventLog], disk_mesh: LocalMesh) -> None:
     worker, kv, events = engine
-    lookup = SchedulerLookup(world_size=1, timeout=WAIT_S, nats_name="test-scheduler")
-    hasher = lookup.hasher()
-    assert hasher is not None and hasher.params == KeyParams("test-model", worker.key_params.kv_format)
+    lookup, hasher = scheduler_lookup()
+    assert hasher.params == KeyParams("test-model", worker.key_params.kv_format)
     tokens = random_tokens(3 * CHUNK, seed=7)
     chain = hasher.chain(tokens.tolist())
     token_api.store(worker, tokens, **kv.kv(kv.slots(len(tokens))))
-    assert worker.wait_write_behind(WAIT_S)
-    client = worker.storage.lower(LOCAL_DISK)
-    assert client is not None and worker.nats_loop is not None
-    assert worker.nats_loop.call(client.wait_written(WAIT_S), WAIT_S + 1, default=False)  # files complete
+    wait_written_to_disk(worker)  # files complete
 
     # the step's events reach the mirror: a CPU hit, answered at once (no lower-tier lookup)
     lookup.update(CpuTierEvents({0: events.take()}))
@@ -103,18 +100,11 @@ def test_the_lookups_prefetch_skips_what_vllms_prefix_cache_computed(
     """A request whose first tokens vLLM's own prefix cache holds loads only the rest: the lookup still answers
     the whole held prefix, but reads from the disk store only the chunks that end after vLLM's computed tokens."""
     worker, kv, events = engine
-    lookup = SchedulerLookup(world_size=1, timeout=WAIT_S, nats_name="test-scheduler")
-    hasher = lookup.hasher()
-    assert hasher is not None
+    lookup, hasher = scheduler_lookup()
     tokens = random_tokens(4 * CHUNK, seed=17)
     chain = hasher.chain(tokens.tolist())
     token_api.store(worker, tokens, **kv.kv(kv.slots(len(tokens))))
-    assert worker.wait_write_behind(WAIT_S)
-    client = worker.storage.lower(LOCAL_DISK)
-    assert client is not None and worker.nats_loop is not None
-    assert worker.nats_loop.call(client.wait_written(WAIT_S), WAIT_S + 1, default=False)
-    token_api.clear(worker, LOCAL_CPU)
-    lookup.update(CpuTierEvents({0: events.take()}))
+    only_on_disk(worker, events, lookup)
 
     computed = 2 * CHUNK + 3  # vLLM computed into chunk 2: chunks 0 and 1 end before it, chunk 2 does not
     assert ask_until_answered(lookup, chain, len(tokens), None, prefetch_from=computed) == len(tokens)
@@ -128,9 +118,7 @@ def test_the_lookups_prefetch_skips_what_vllms_prefix_cache_computed(
 def test_without_nats_the_mirror_still_answers(engine: tuple[CacheEngine, PagedKV, StepEventLog],
                                                disk_mesh: LocalMesh) -> None:
     worker, kv, events = engine
-    lookup = SchedulerLookup(world_size=1, timeout=WAIT_S, nats_name="test-scheduler")
-    hasher = lookup.hasher()
-    assert hasher is not None
+    lookup, hasher = scheduler_lookup()
     cached, unknown = random_tokens(2 * CHUNK, seed=8), random_tokens(2 * CHUNK, seed=9)
     token_api.store(worker, cached, **kv.kv(kv.slots(len(cached))))
     lookup.update(CpuTierEvents({0: events.take()}))
@@ -149,10 +137,8 @@ def test_a_lookup_then_its_load_ask_the_disk_store_once(engine: tuple[CacheEngin
     worker, kv, _ = engine
     tokens = random_tokens(4 * CHUNK, seed=11)
     token_api.store(worker, tokens, **kv.kv(kv.slots(len(tokens))))
-    client = worker.storage.lower(LOCAL_DISK)
-    assert client is not None and worker.nats_loop is not None
-    assert worker.wait_write_behind(WAIT_S)
-    assert worker.nats_loop.call(client.wait_written(WAIT_S), WAIT_S + 1, default=False)
+    client = wait_written_to_disk(worker)
+    assert worker.nats_loop is not None
     token_api.clear(worker, LOCAL_CPU)
     asked: list[int] = []
     contains = client.contains
@@ -180,16 +166,13 @@ def test_the_lookups_prefetch_takes_at_most_its_share_of_the_cpu_tier(disk_mesh:
     try:
         assert worker.wait_connected(WAIT_S)
         wait_until(lambda: worker.storage.lower(LOCAL_DISK), what="the disk store found")
-        client = worker.storage.lower(LOCAL_DISK)
-        assert client is not None and worker.nats_loop is not None
         stored = {}
         for seed in (21, 22):
             tokens = random_tokens(4 * CHUNK, seed=seed)
             slots = kv.slots(len(tokens))
             token_api.store(worker, tokens, **kv.kv(slots))
             stored[seed] = (tokens, kv.token_kv(slots))
-        assert worker.wait_write_behind(WAIT_S)
-        assert worker.nats_loop.call(client.wait_written(WAIT_S), WAIT_S + 1, default=False)
+        wait_written_to_disk(worker)
         token_api.clear(worker, LOCAL_CPU)
         a, b = (worker.chunk_spans([s.key for s in worker.hasher.chain(stored[seed][0].tolist())], 4 * CHUNK)
                 for seed in (21, 22))
@@ -219,16 +202,11 @@ def test_a_requests_load_tiers_are_the_only_ones_counted(engine: tuple[CacheEngi
     """kv_load_tiers (adapter/request_retention.py): the mirror counts only with the CPU tier named, the workers
     walk only the named lower tiers, and a lookup naming no lower tier never asks them."""
     worker, kv, events = engine
-    lookup = SchedulerLookup(world_size=1, timeout=WAIT_S, nats_name="test-scheduler")
-    hasher = lookup.hasher()
-    assert hasher is not None
+    lookup, hasher = scheduler_lookup()
     tokens = random_tokens(3 * CHUNK, seed=9)
     chain = hasher.chain(tokens.tolist())
     token_api.store(worker, tokens, **kv.kv(kv.slots(len(tokens))))
-    assert worker.wait_write_behind(WAIT_S)
-    client = worker.storage.lower(LOCAL_DISK)
-    assert client is not None and worker.nats_loop is not None
-    assert worker.nats_loop.call(client.wait_written(WAIT_S), WAIT_S + 1, default=False)
+    wait_written_to_disk(worker)
     lookup.update(CpuTierEvents({0: events.take()}))
 
     assert lookup.held(chain, len(tokens), None, tiers=frozenset({LOCAL_CPU})) == (len(tokens), None)
