@@ -71,7 +71,9 @@ def build_engine(config: EngineConfig, key_params: KeyParams, layout: KVLayout, 
     worker_id = worker_id_for(config.lmcache_instance_id, world_size, rank, f"{os.getpid()}-{secrets.token_hex(3)}")
     layout.check_chunk_size(config.chunk_size)
     key_params, writes_lower_tiers = _layout_keys(key_params, layout, rank)
-    pool = MemoryPool(config.max_local_cpu_bytes, layout.slot_nbytes(config.chunk_size), use_shm=use_shm)
+    # with state layers, chunks and states each in a slot of their own size (memory_pool.py: size classes)
+    pool = MemoryPool(config.max_local_cpu_bytes, layout.chunk_nbytes(config.chunk_size), use_shm=use_shm,
+                      state_nbytes=layout.chunk_nbytes(layout.state_block, state=True) if layout.has_state else 0)
     cpu = LocalCPUBackend(pool, keep=config.local_cpu, policy=config.cache_policy, clock=clock,
                           retained_share=config.retained_cpu_share)
     copier = PagedCopier(layout, device)
