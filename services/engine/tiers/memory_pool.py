@@ -98,13 +98,19 @@ CHUNK_CLASS, STATE_CLASS = 0, 1
 MAX_SLAB_FACTOR = 8  # a slab is at most this many of the larger object: bounds what a class switch evicts
 
 
-def slab_nbytes(sizes: tuple[int, ...]) -> int:
-    """The slab for slots of `sizes` (page-aligned): the multiple of the largest, up to MAX_SLAB_FACTOR times, that
-    wastes the least when carved for either (their least common multiple wastes nothing), the smallest of
+def slab_nbytes(sizes: tuple[int, ...], capacity_bytes: int) -> int:
+    """The slab for slots of `sizes` (page-aligned) in a pool of `capacity_bytes`: the multiple of the largest, up
+    to MAX_SLAB_FACTOR times, that leaves the fewest bytes of the pool unusable were it carved wholly for either
+    size (their least common multiple, when the pool holds some, leaves none but the pool's tail), the smallest of
     equals. One size: that size."""
     largest = max(sizes)
+
+    def unusable(slab: int) -> int:
+        slabs = capacity_bytes // slab
+        return max(capacity_bytes - slabs * (slab // size) * size for size in sizes)
+
     return min((largest * factor for factor in range(1, MAX_SLAB_FACTOR + 1)),
-               key=lambda slab: (max((slab % size) / slab for size in sizes), slab))
+               key=lambda slab: (unusable(slab), slab))
 
 
 class MemoryPool:
@@ -130,7 +136,7 @@ class MemoryPool:
         state = _round_up(state_nbytes, _SLOT_ALIGN) if state_nbytes else chunk
         self.class_nbytes = (chunk,) if state == chunk else (chunk, state)  # per class, CHUNK_CLASS first
         self.slot_nbytes = max(self.class_nbytes)  # the largest slot
-        self.slab_nbytes = slab_nbytes(self.class_nbytes)
+        self.slab_nbytes = slab_nbytes(self.class_nbytes, capacity_bytes)
         self.parts_per_slab = tuple(self.slab_nbytes // size for size in self.class_nbytes)
         self.num_slabs = max(0, capacity_bytes // self.slab_nbytes)
         size = self.num_slabs * self.slab_nbytes

@@ -122,7 +122,7 @@ def old_layout_meta(layout: KVLayout, key: bytes, num_tokens: int, data: bytes) 
                      chunk_file.checksum(data))
 
 
-# one Mamba2 layer per three attention layers: an old state (every layer's page) outsizes a state's slot (one page)
+# one Mamba2 layer per three attention layers: an old state (every layer's page) outsizes a state's slot
 MAMBA_ONE_IN_FOUR = KVGroups((KVGroup(STATE, (LAYER.format(0),)),
                               KVGroup(FULL, (LAYER.format(1), LAYER.format(2), LAYER.format(3)))), BLOCK)
 
@@ -132,8 +132,8 @@ def test_objects_of_the_old_layout_are_never_asked_and_refused_when_paired(disk_
     """A state model's keys differ from those the layout before the split stored its objects under (every layer,
     no kind), so those are never asked. An old chunk and state paired with this engine's spans anyway: from the CPU
     tier each is a miss counted as bad meta; from the disk store each (larger than its kind's slot now: a state's
-    slot is one page here) a miss the store answers without writing; nothing lands in vLLM's blocks. A state of the new layout
-    only in the disk store is found by the lookup (as a state) and loads."""
+    slot is one page here) a miss the store answers without writing; nothing lands in vLLM's blocks. A state of
+    the new layout only in the disk store is found by the lookup (as a state) and loads."""
     kv = PagedKV(layers=4, seed=3)
     layout, caches = grouped(kv, MAMBA_ONE_IN_FOUR)
     before_split = f"kvmesh/1|{PARAMS.model}|{layout.chunk_format()}|1|0".encode()

@@ -116,11 +116,13 @@ def test_plain_and_sliding_window_layouts_keep_one_slot_per_chunk() -> None:
 
 def test_a_slab_fits_both_classes_with_the_least_waste() -> None:
     """Sizes of 2 and 3 pages share 6-page slabs (3 chunks or 2 states, nothing wasted), 1 and 3 pages 3-page
-    slabs; one size is its own slab."""
+    slabs; one size is its own slab. A pool too small for the common multiple takes the slab that wastes least in
+    it (3 pages, one of either, rather than no slab at all)."""
     page = 4096
-    assert slab_nbytes((2 * page, 3 * page)) == 6 * page
-    assert slab_nbytes((page, 3 * page)) == 3 * page
-    assert slab_nbytes((5 * page,)) == 5 * page
+    assert slab_nbytes((2 * page, 3 * page), 60 * page) == 6 * page
+    assert slab_nbytes((page, 3 * page), 60 * page) == 3 * page
+    assert slab_nbytes((5 * page,), 60 * page) == 5 * page
+    assert slab_nbytes((2 * page, 3 * page), 4 * page) == 3 * page
     pool = MemoryPool(12 * page, 2 * page, use_shm=False, state_nbytes=3 * page)
     assert pool.parts_per_slab == (3, 2) and pool.num_slabs == 2 and pool.num_slots == 6
     states = [pool.allocate(state=True) for _ in range(4)]
