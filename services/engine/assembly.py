@@ -111,9 +111,10 @@ def build_engine(config: EngineConfig, key_params: KeyParams, layout: KVLayout, 
         mesh.connect(auth)
     state = f", state {layout.chunk_nbytes(layout.state_block, state=True) / 2**20:.2f} MiB" \
         if layout.has_state else ""
-    log.info("cache engine %s: chunk %d tokens = %.2f MiB%s (%s), CPU pool %d chunks%s%s", worker_id,
+    states = f" or {pool.num_slabs * pool.parts_per_slab[pool.class_of(state=True)]} states" if layout.has_state else ""
+    log.info("cache engine %s: chunk %d tokens = %.2f MiB%s (%s), CPU pool %d chunks%s%s%s", worker_id,
              config.chunk_size, layout.chunk_nbytes(config.chunk_size) / 2**20, state, layout.chunk_format(),
-             pool.num_slots, " (shared memory)" if pool.segment is not None else "",
+             pool.num_slots, states, " (shared memory)" if pool.segment is not None else "",
              f", mesh {connection.url} ({connection.plan.mode})" if connection is not None else "")
     return engine
 

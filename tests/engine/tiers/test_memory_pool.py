@@ -122,6 +122,7 @@ def test_a_slab_fits_both_classes_with_the_least_waste() -> None:
     assert slab_nbytes((2 * page, 3 * page), 60 * page) == 6 * page
     assert slab_nbytes((page, 3 * page), 60 * page) == 3 * page
     assert slab_nbytes((5 * page,), 60 * page) == 5 * page
+    assert slab_nbytes((256 * KiB, 768 * KiB), 2**30) == 768 * KiB  # the Mamba2-like demo: 3 chunks or a state
     assert slab_nbytes((2 * page, 3 * page), 4 * page) == 3 * page
     pool = MemoryPool(12 * page, 2 * page, use_shm=False, state_nbytes=3 * page)
     assert pool.parts_per_slab == (3, 2) and pool.num_slabs == 2 and pool.num_slots == 6
