@@ -71,7 +71,9 @@ def build_engine(config: EngineConfig, key_params: KeyParams, layout: KVLayout, 
     worker_id = worker_id_for(config.lmcache_instance_id, world_size, rank, f"{os.getpid()}-{secrets.token_hex(3)}")
     layout.check_chunk_size(config.chunk_size)
     key_params, writes_lower_tiers = _layout_keys(key_params, layout, rank)
-    pool = MemoryPool(config.max_local_cpu_bytes, layout.slot_nbytes(config.chunk_size), use_shm=use_shm)
+    # with state layers, chunks and states each in a slot of their own size (memory_pool.py: size classes)
+    pool = MemoryPool(config.max_local_cpu_bytes, layout.chunk_nbytes(config.chunk_size), use_shm=use_shm,
+                      state_nbytes=layout.chunk_nbytes(layout.state_block, state=True) if layout.has_state else 0)
     cpu = LocalCPUBackend(pool, keep=config.local_cpu, policy=config.cache_policy, clock=clock,
                           retained_share=config.retained_cpu_share)
     copier = PagedCopier(layout, device)
@@ -109,9 +111,10 @@ def build_engine(config: EngineConfig, key_params: KeyParams, layout: KVLayout, 
         mesh.connect(auth)
     state = f", state {layout.chunk_nbytes(layout.state_block, state=True) / 2**20:.2f} MiB" \
         if layout.has_state else ""
-    log.info("cache engine %s: chunk %d tokens = %.2f MiB%s (%s), CPU pool %d chunks%s%s", worker_id,
+    states = f" or {pool.num_slabs * pool.parts_per_slab[pool.class_of(state=True)]} states" if layout.has_state else ""
+    log.info("cache engine %s: chunk %d tokens = %.2f MiB%s (%s), CPU pool %d chunks%s%s%s", worker_id,
              config.chunk_size, layout.chunk_nbytes(config.chunk_size) / 2**20, state, layout.chunk_format(),
-             pool.num_slots, " (shared memory)" if pool.segment is not None else "",
+             pool.num_slots, states, " (shared memory)" if pool.segment is not None else "",
              f", mesh {connection.url} ({connection.plan.mode})" if connection is not None else "")
     return engine
 

@@ -277,7 +277,7 @@ class CacheEngine:
                         continue
                     if span.end > first_bad:  # tokens without a cache slot: nothing valid to copy from here on
                         break
-                    slot = cpu.allocate()
+                    slot = cpu.allocate(span.state)
                     if slot is None:
                         self._rlog.warning("store_pool_full", "CPU pool full (%d chunks, all pinned or in use): "
                                            "skipped storing %d tokens from token %d", cpu.pool.num_slots,

@@ -181,8 +181,9 @@ class KVLayout:
         return math.prod(self.chunk_shape(num_tokens, state)) * self.itemsize
 
     def slot_nbytes(self, chunk_size: int) -> int:
-        """Bytes of a pool slot: the largest object, a whole chunk or (with fewer attention than state layers per
-        chunk) a state."""
+        """Bytes of the largest object, a whole chunk or (with fewer attention than state layers per chunk) a
+        state: the CPU pool's largest slot (its slab: chunks and states each take a slot of their own size,
+        services/engine/tiers/memory_pool.py), and the sealed stores' staging slot."""
         if not self.has_state:
             return self.chunk_nbytes(chunk_size)
         return max(self.chunk_nbytes(chunk_size), self.chunk_nbytes(self.state_block, state=True))

@@ -401,7 +401,7 @@ class StorageManager:
             while True:
                 while (not (failed or pool_full) and started < len(spans)
                        and len(window) < self.config.fetch_concurrency):
-                    slot = self.cpu.allocate()
+                    slot = self.cpu.allocate(spans[started].state)
                     if slot is None:
                         pool_full = True
                         self.stats["fetch_no_memory"] += 1

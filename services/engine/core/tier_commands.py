@@ -135,7 +135,7 @@ class TierCommands:
         """One chunk of `location` in a slot the caller owns a reference of; None on a miss."""
         if location == LOCAL_CPU:
             return self.cpu.acquire(span.key)
-        slot = self.cpu.allocate()
+        slot = self.cpu.allocate(span.state)
         if slot is None:
             return None
         store = self.tiers.lower(location)

@@ -1,6 +1,12 @@
 """The CPU tier (`LocalCPUBackend`): chunks resident in the engine's memory pool, evicted by the configured
 `cache_policy` (LRU, LFU, FIFO, MRU: shared/eviction/) under the pool's size.
 
+Each entry costs the policy its slot's own bytes: with a model's two size classes (memory_pool.py: chunks and
+recurrent states), a chunk its chunk-sized slot, a state its state-sized one, so the byte count, /usage and the
+`lmcache:*` gauges are the bytes really held. Making room for one class by evicting an entry of the other needs
+its whole slab free: the policy's first idle victim then goes with the idle entries sharing its slab
+(`_idle_mates`), so one slab is freed rather than the coldest part of many.
+
 Threads: any; one lock guards the index and the eviction policy (taken before the pool's lock, never after).
 vLLM's worker thread reads and writes it on store/retrieve, the NATS loop thread on fetches, write-behind
 completions and controller commands. Nothing here touches NATS: admissions and evictions are handed to the
@@ -73,7 +79,8 @@ class LocalCPUBackend:
     Invariant: a key is in `_entries` iff it is in `_policy`, and each entry owns exactly one reference of its
     slot, dropped when the entry leaves (eviction, removal, clear). Readers take their own reference
     (`acquire`), so an eviction never frees bytes that are being read: the slot returns to the pool only when
-    the last holder releases it. Every chunk costs one slot (`pool.slot_nbytes`) in the policy's byte count.
+    the last holder releases it. Every entry costs its slot's bytes (`Slot.nbytes`) in the policy's byte count;
+`_keys` maps each entry's slot back to its key (to find the entries sharing a slab).
     """
 
     location = LOCAL_CPU
@@ -87,6 +94,7 @@ class LocalCPUBackend:
         self.max_retained_bytes = int(retained_share * pool.capacity_bytes)
         self._policy: EvictionPolicy = make_policy(policy, pool.capacity_bytes, clock)  # pin TTLs run on `clock`
         self._entries: dict[ChunkKey, ChunkRef] = {}
+        self._keys: dict[Slot, ChunkKey] = {}  # each entry's slot -> its key
         self._lock = threading.Lock()
         self._listeners: list[TierListener] = []
         self._holder: EvictionHolder | None = None  # evicted chunks kept readable (hold_evictions)
@@ -206,30 +214,65 @@ class LocalCPUBackend:
             entry.slot.ref()
             return ChunkRef(entry.meta, entry.slot)
 
-    def allocate(self) -> Slot | None:
-        """A free pool slot, evicting idle chunks in the policy's victim order if needed; None if nothing can go.
+    def allocate(self, state: bool = False) -> Slot | None:
+        """A free pool slot for a chunk (or with `state` a recurrent state: `ChunkSpan.state`), evicting idle
+        entries in the policy's victim order if needed; None if nothing can go.
 
-        Chunks whose slot is still held elsewhere (being written behind or read) are passed over: evicting
-        them would not free memory now. Pinned chunks are never victims. Where evicted chunks are held
+        Entries whose slot is still held elsewhere (being written behind or read) are passed over: evicting
+        them would not free memory now. Pinned chunks are never victims. A victim of the other size class
+        (memory_pool.py) frees no slot of this one unless its whole slab comes free: it goes with its slab
+        mates, and is passed over when they cannot all go now. Where evicted entries are held
         (`hold_evictions`), no victim frees a slot until the holder lets it go: evicting stops once the holder is
         full (None: the caller's save or fetch is dropped, as with a full pool).
         """
-        slot = self.pool.allocate()
+        slot = self.pool.allocate(state)
         if slot is not None:
             return slot
+        cls = self.pool.class_of(state)
+        passed: set[ChunkKey] = set()  # victims whose slab cannot come free now
         with self._lock:
-            while True:  # unpinned (expired pins released), first victim first, its slot not held elsewhere
-                key = self._policy.first_victim(lambda k: self._entries[k].slot.refs == 1)
+            while True:  # unpinned (expired pins released), first victim first, freeing room of this class
+                key = self._policy.first_victim(
+                    lambda k: k not in passed and self._victims_of(k, cls, check_policy=False) is not None)
                 if key is None:
                     break
-                self._remove_locked(key)
-                self.evictions += 1
-                slot = self.pool.allocate()
+                victims = self._victims_of(key, cls)  # now with its mates' pins (not while the policy is walked)
+                if victims is None:
+                    passed.add(key)
+                    continue
+                for victim in victims:
+                    self._remove_locked(victim)
+                self.evictions += len(victims)
+                slot = self.pool.allocate(state)
                 if slot is not None:
                     return slot
                 if self._holder is not None and self._holder.full():
                     break
-        return self.pool.allocate()  # a reader may have released one meanwhile
+        return self.pool.allocate(state)  # a reader may have released one meanwhile
+
+    def _victims_of(self, key: ChunkKey, cls: int, check_policy: bool = True) -> list[ChunkKey] | None:
+        """What evicting `key` takes to free a slot of class `cls`: `key` alone when its slot is of that class,
+        else with the entries sharing its slab (that slab then comes free); None when that cannot be done now
+        (its slot or a mate's is held elsewhere, a mate is not in the tier, or with `check_policy` pinned, or
+        retained when `key` is not: a retained key is a victim only once the policy has no unretained one left).
+        Without `check_policy` it asks the policy nothing (its queries may release expired pins: not while the
+        policy walks its order)."""
+        slot = self._entries[key].slot
+        if slot.refs != 1:
+            return None
+        if slot.cls == cls:
+            return [key]
+        retained_ok = check_policy and self._policy.is_retained(key)
+        keys = [key]
+        for mate in self.pool.slab_mates(slot):
+            mate_key = self._keys.get(mate)
+            if mate_key is None or mate.refs != 1:
+                return None
+            if check_policy and (self._policy.is_pinned(mate_key)
+                                 or (self._policy.is_retained(mate_key) and not retained_ok)):
+                return None
+            keys.append(mate_key)
+        return keys
 
     def put(self, meta: ChunkMeta, slot: Slot, prefetched: bool = False,
             retention: Retention = NO_RETENTION) -> bool:
@@ -248,7 +291,7 @@ class LocalCPUBackend:
                 self._retain(key, retention)
                 slot.release()
                 return False
-            victims = self._policy.victims_for(self.pool.slot_nbytes)
+            victims = self._policy.victims_for(slot.nbytes)
             if victims is None:
                 slot.release()
                 return False
@@ -256,7 +299,8 @@ class LocalCPUBackend:
                 self._remove_locked(victim)
             self.evictions += len(victims)
             self._entries[key] = ChunkRef(meta, slot)
-            self._policy.add(key, self.pool.slot_nbytes)
+            self._keys[slot] = key
+            self._policy.add(key, slot.nbytes)
             self._retain(key, retention)
             if prefetched:
                 self._unread.add(key)
@@ -304,6 +348,7 @@ class LocalCPUBackend:
         if entry is None:
             return None
         self._policy.remove(key)
+        self._keys.pop(entry.slot, None)
         self._unread.discard(key)
         if self.keep:
             self._evicted(key)
@@ -369,6 +414,7 @@ class LocalCPUBackend:
             for key in list(self._entries):
                 entry = self._entries.pop(key)
                 self._policy.remove(key)
+                self._keys.pop(entry.slot, None)
                 entry.slot.release()
             holder, self._holder = self._holder, None
         if holder is not None:

@@ -122,7 +122,7 @@ def old_layout_meta(layout: KVLayout, key: bytes, num_tokens: int, data: bytes) 
                      chunk_file.checksum(data))
 
 
-# one Mamba2 layer per three attention layers: an old state (every layer's page) still fits a slot
+# one Mamba2 layer per three attention layers: an old state (every layer's page) outsizes a state's slot
 MAMBA_ONE_IN_FOUR = KVGroups((KVGroup(STATE, (LAYER.format(0),)),
                               KVGroup(FULL, (LAYER.format(1), LAYER.format(2), LAYER.format(3)))), BLOCK)
 
@@ -131,9 +131,9 @@ def test_objects_of_the_old_layout_are_never_asked_and_refused_when_paired(disk_
                                                                           tmp_path: Path) -> None:
     """A state model's keys differ from those the layout before the split stored its objects under (every layer,
     no kind), so those are never asked. An old chunk and state paired with this engine's spans anyway: from the CPU
-    tier each is a miss counted as bad meta; from the disk store the old state too, the old chunk (larger than a
-    slot now) a miss the store answers without writing; nothing lands in vLLM's blocks. A state of the new layout
-    only in the disk store is found by the lookup (as a state) and loads."""
+    tier each is a miss counted as bad meta; from the disk store each (larger than its kind's slot now: a state's
+    slot is one page here) a miss the store answers without writing; nothing lands in vLLM's blocks. A state of
+    the new layout only in the disk store is found by the lookup (as a state) and loads."""
     kv = PagedKV(layers=4, seed=3)
     layout, caches = grouped(kv, MAMBA_ONE_IN_FOUR)
     before_split = f"kvmesh/1|{PARAMS.model}|{layout.chunk_format()}|1|0".encode()
@@ -178,7 +178,7 @@ def test_objects_of_the_old_layout_are_never_asked_and_refused_when_paired(disk_
             fetched = engine.load([span], fetch=True)
             assert fetched is not None
             assert fetched.scatter(caches, slots) == 0
-        assert engine.storage.stats["fetch_bad_meta"] == 1  # the old state; the old chunk never left the store
+        assert engine.storage.stats["fetch_bad_meta"] == 0  # neither left the store: each outsizes its slot
         assert torch.equal(kv.buffer, before), "an old-layout object was written into vLLM's blocks"
         # a state of this layout, only in the disk store: the lookup of it (as a state) finds it, and it loads
         other = engine.hasher.chain(list(range(1, CHUNK + 1)))
@@ -193,7 +193,7 @@ def test_objects_of_the_old_layout_are_never_asked_and_refused_when_paired(disk_
         fetched = engine.load([new_state], fetch=True)
         assert fetched is not None and fetched.scatter(caches, state_slots) == 1
         assert torch.equal(caches[LAYER.format(0)][46], caches[LAYER.format(0)][40])
-        assert engine.storage.stats["fetch_bad_meta"] == 1 and engine.storage.stats["cpu_bad_meta"] == cpu_refusals
+        assert engine.storage.stats["fetch_bad_meta"] == 0 and engine.storage.stats["cpu_bad_meta"] == cpu_refusals
     finally:
         engine.close()
 
