@@ -191,8 +191,13 @@ def run_kvmesh(model: Path, work: Path, sizes: list[int], prompts: Prompts, env:
             return {"disk_warm_s": samples, "disk_warm_median_s": statistics.median(samples),
                     "disk_output_equals_cold": same_output(reference, texts)}
 
-        results = measure(server, prompts, sizes, cold_repeats, warm_repeats, extra_warm=disk_warm,
-                          before_warm=empty_vllms_prefix_cache)
+        log = work / "logs" / "kvmesh.log"
+        results = {}
+        for size in sizes:  # per size: how many CPU-tier hits still waited for vLLM's next step
+            before = cpu_hits_loaded_async(log)
+            results.update(measure(server, prompts, [size], cold_repeats, warm_repeats, extra_warm=disk_warm,
+                                   before_warm=empty_vllms_prefix_cache))
+            results[str(size)]["cpu_hits_loaded_async"] = cpu_hits_loaded_async(log) - before
         cpu = {size: {k: v for k, v in r.items() if not k.startswith("disk")} for size, r in results.items()}
         disk = {size: {"cold_s": r["cold_s"], "cold_median_s": r["cold_median_s"], "warm_s": r["disk_warm_s"],
                        "warm_median_s": r["disk_warm_median_s"],
@@ -202,6 +207,16 @@ def run_kvmesh(model: Path, work: Path, sizes: list[int], prompts: Prompts, env:
         if server is not None:
             server.stop()
         mesh.stop()
+
+
+ASYNC_LOAD = re.compile(r"loads asynchronously: (\d+) of its (\d+) tokens to load were in the CPU tier")
+
+
+def cpu_hits_loaded_async(log: Path) -> int:
+    """KVMesh's loads whose every token was in the CPU tier but that ran between steps (its scheduler's INFO
+    lines): with KV cache groups, hits that could not be promised in-step (adapter/cpu_mirror.py)."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return sum(1 for m in ASYNC_LOAD.finditer(text) if int(m[1]) == int(m[2]) > 0)
 
 
 def prefix_cache_flags(reset: bool) -> list[str]:
