@@ -284,6 +284,8 @@ class Simulation:
         lookup = self.side.connector.scheduler_side.lookup
         assert lookup is not None and not registry.all()
         lookup.adopt([PublishedWorker.of(engine, lookup_id_for(engine.worker_id)) for engine in self.engines])
+        # with a disk store, lower-tier lookups go over NATS to the workers' LookupServers, as in production
+        assert not self.c.disk or lookup._nats is not None, "the scheduler has no NATS to ask the workers on"
 
     # ---- the run ------------------------------------------------------------------------------------------------
     @contextmanager
