@@ -5,12 +5,15 @@
     python tests/engine/fuzz.py --seconds 60 --kind gdn-fine   # only schedules of one kind of KV cache groups
     python tests/engine/fuzz.py --seconds 60 --no-processes    # only schedules without NATS / disk store processes
     python tests/engine/fuzz.py --seed 1234 --no-agreement     # two ranks without the connector's load agreement
+    python tests/engine/fuzz.py --seconds 60 --out-of-process  # every seed's workers as if in other processes
 
 Each seed draws its kind of KV cache groups (sim_kinds.py: full, sliding, mamba2, mamba2-fine, gdn, gdn-fine, eagle,
 mla) with its other knobs, so a run mixes them all. Each failing seed is printed with its kind, invariant and the
 command that replays it; at the end, the schedules run and failed per kind (and how many showed issue 35 finding
 2's interleaving, sim_reuse.py: not a failure on the CPU; and how many stopped where vLLM 0.32 itself served a
-Mamba state keyed by the wrong position, sim_miskey.py: not KVMesh's failure). Exit status 1 if any seed failed.
+Mamba state keyed by the wrong position, sim_miskey.py: not KVMesh's failure; and how many ran their workers as if
+in other processes, with how many in-step loads planned from the scheduler's mirror). Exit status 1 if any seed
+failed.
 """
 
 from __future__ import annotations
@@ -41,18 +44,19 @@ def _quiet() -> None:
     logging.disable(logging.CRITICAL)  # the engines' warnings about injected faults are expected
 
 
-def _run(seed: int, processes: bool, kind: str | None, agreement: bool) -> tuple[str, str]:
+def _run(seed: int, processes: bool, kind: str | None, agreement: bool, out_of_process: bool | None
+         ) -> tuple[str, str, int]:
     """One seed in a worker process: ("ok" | "reuse" (finding 2's interleaving shown) | "vllm" (vLLM's own
-    mis-keyed Mamba state, sim_miskey.py) | "FAIL" | "ERROR", what)."""
+    mis-keyed Mamba state, sim_miskey.py) | "FAIL" | "ERROR", what, in-step loads planned from the mirror)."""
     try:
-        result = run_seed(seed, processes, kind=kind, agreement=agreement)
+        result = run_seed(seed, processes, kind=kind, agreement=agreement, out_of_process=out_of_process)
     except KnownVllmIssue as issue:
-        return "vllm", str(issue).splitlines()[0]
+        return "vllm", str(issue).splitlines()[0], 0
     except SimFailure as failure:
-        return "FAIL", str(failure).splitlines()[0]
+        return "FAIL", str(failure).splitlines()[0], 0
     except Exception as exc:  # the harness itself (a process that never came up...): report, go on
-        return "ERROR", f"{type(exc).__name__}: {exc}"
-    return ("reuse" if result.reuse else "ok"), ""
+        return "ERROR", f"{type(exc).__name__}: {exc}", 0
+    return ("reuse" if result.reuse else "ok"), "", result.mirror_loads
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,14 +69,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-agreement", action="store_true",
                         help="two-rank schedules without the connector's per-step load agreement (shows what it "
                              "prevents: a rank saving KV computed over another rank's failed load)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--out-of-process", dest="out_of_process", action="store_const", const=True,
+                       help="the workers as if in other processes than the scheduler, instead of the seed's draw")
+    where.add_argument("--in-process", dest="out_of_process", action="store_const", const=False,
+                       help="the workers in the scheduler's process, instead of the seed's draw")
     parser.add_argument("--progress", action="store_true", help="print each seed as it starts")
     args = parser.parse_args(argv)
-    processes, agreement = not args.no_processes, not args.no_agreement
+    processes, agreement, out_of_process = not args.no_processes, not args.no_agreement, args.out_of_process
     if args.seed is not None:
         logging.basicConfig(level=logging.WARNING)
-        print(SimConfig.draw(args.seed, processes, args.kind))
+        print(SimConfig.draw(args.seed, processes, args.kind, out_of_process))
         try:
-            result = run_seed(args.seed, processes, log=print, kind=args.kind, agreement=agreement)
+            result = run_seed(args.seed, processes, log=print, kind=args.kind, agreement=agreement,
+                              out_of_process=out_of_process)
         except KnownVllmIssue as issue:  # vLLM's failure, not KVMesh's (sim_miskey.py)
             print(f"STOPPED at a known vLLM issue: {issue}")
             return 0
@@ -87,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     reuse: dict[str, list[int]] = {}  # seeds that showed issue 35 finding 2's interleaving (sim_reuse.py)
     vllm_issue: dict[str, list[int]] = {}  # seeds that stopped where vLLM served a mis-keyed state (sim_miskey.py)
     failed: dict[str, list[int]] = {}
+    outside: Counter[str] = Counter()  # schedules whose workers were as if in other processes
+    mirror_loads: Counter[str] = Counter()  # their in-step loads planned from the mirror (KV cache groups)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stopped run still prints what it ran
     # Seeds run in a worker process replaced every SEEDS_PER_WORKER seeds: one process running hundreds of seeds
     # grew to tens of GiB (each seed's peak memory grew with what ran before it, though no engine, thread or
@@ -96,17 +108,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         while time.monotonic() < deadline:
             seed = chooser.randrange(1 << 31)
-            kind = args.kind or SimConfig.draw(seed, processes).kind
-            replay = replay_command(seed, args.kind, processes, agreement)
+            config = SimConfig.draw(seed, processes, args.kind, out_of_process)
+            kind = config.kind
+            replay = replay_command(seed, args.kind, processes, agreement, out_of_process)
             if args.progress:
-                print(f"seed {seed} ({kind})", flush=True)
+                print(f"seed {seed} ({kind}{', out of process' if config.out_of_process else ''})", flush=True)
             try:
-                outcome, detail = pool.submit(_run, seed, processes, args.kind, agreement).result()
+                outcome, detail, loads = pool.submit(_run, seed, processes, args.kind, agreement,
+                                                     out_of_process).result()
             except BrokenProcessPool as exc:  # the worker died (killed, out of memory): a failure of the seed
-                outcome, detail = "ERROR", f"its worker process died ({exc})"
+                outcome, detail, loads = "ERROR", f"its worker process died ({exc})", 0
                 pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_quiet,
                                            max_tasks_per_child=SEEDS_PER_WORKER)
             runs[kind] += 1
+            outside[kind] += config.out_of_process
+            mirror_loads[kind] += loads
             if outcome == "reuse":
                 reuse.setdefault(kind, []).append(seed)
             elif outcome == "vllm":
@@ -122,12 +138,15 @@ def main(argv: list[str] | None = None) -> int:
         if runs[kind]:
             seeds = failed.get(kind, [])
             print(f"{kind}: {runs[kind]} schedules, {len(seeds)} failed" + (f": seeds {seeds}" if seeds else "")
+                  + f"; {outside[kind]} out of process"
+                  + (f" ({mirror_loads[kind]} in-step loads from the mirror)" if mirror_loads[kind] else "")
                   + (f"; finding 2's interleaving in {len(reuse[kind])} (e.g. seed {reuse[kind][0]})"
                      if kind in reuse else "")
                   + (f"; stopped at vLLM's mis-keyed Mamba state in {len(vllm_issue[kind])} (seeds "
                      f"{vllm_issue[kind][:5]})" if kind in vllm_issue else ""))
     total_failed = sum(len(seeds) for seeds in failed.values())
-    print(f"{sum(runs.values())} schedules run, {total_failed} failed")
+    print(f"{sum(runs.values())} schedules run, {total_failed} failed; {sum(outside.values())} out of process, "
+          f"{sum(mirror_loads.values())} in-step loads planned from the mirror")
     return 1 if total_failed else 0
 
 

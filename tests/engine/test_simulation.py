@@ -3,13 +3,15 @@
 Each seed is a whole schedule run by vLLM's own scheduler and KV cache manager for one kind of KV cache groups
 (sim_kinds.py): requests that share, extend and diverge, chunked prefill, preemption, aborts, decode (with EAGLE,
 drafts accepted and rejected), vLLM's prefix cache reset, chunks evicted between lookup and load, TP ranks that
-diverge and whose KV depends on each other's; some with NATS and a disk store process, paused, killed or cut off.
+diverge and whose KV depends on each other's; some with NATS and a disk store process, paused, killed or cut off;
+about half with the workers as if in other processes than the scheduler (its mirror of their CPU tiers, no leases).
 Every step is checked against the KV oracle (sim_checks.py). A failure names its seed and kind and replays with
 `python tests/engine/fuzz.py --seed N` (`--no-processes` for the CPU-only seeds). `make fuzz` runs new random seeds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Iterator
 
@@ -59,6 +61,10 @@ CROSS_RANK_SEEDS = [195]  # eagle: rank 0 stored tokens [32, 64) of a chunk with
 # and resumes a later request from it (sim_miskey.py). KVMesh loads nothing there and never stores that page under
 # a state key; the schedules stop where vLLM serves it. Strict: once vLLM keys it right they pass, and the marker goes.
 VLLM_MISKEY_SEEDS = [1816168409, 415031018]
+# Seeds of KIND_SEEDS that draw their workers out of the scheduler's process (SimConfig.out_of_process): with KV
+# cache groups their in-step loads are promised from the scheduler's mirror, the workers holding what they evict
+# (adapter/cpu_mirror.py); these plan some, so the path is exercised
+MIRROR_SEEDS = {("sliding", 37), ("mamba2-fine", 49), ("mamba2-fine", 53)}
 
 
 @pytest.fixture(autouse=True)
@@ -75,7 +81,16 @@ def test_every_kind_has_seeds() -> None:
 
 @pytest.mark.parametrize("kind, seed", [(kind, seed) for kind, seeds in KIND_SEEDS.items() for seed in seeds])
 def test_a_seeded_schedule_never_serves_or_stores_wrong_kv(kind: str, seed: int) -> None:
-    run_seed(seed, allow_processes=False, kind=kind)
+    result = run_seed(seed, allow_processes=False, kind=kind)
+    if (kind, seed) in MIRROR_SEEDS:
+        assert result.out_of_process and result.mirror_loads > 0, result
+
+
+def test_whether_the_workers_run_out_of_process_changes_no_other_knob_of_a_seed() -> None:
+    # drawn last (SimConfig.draw): the seeds above keep the schedules they were found with, bar this knob
+    for seed in range(50):
+        outside, inside = SimConfig.draw(seed, out_of_process=True), SimConfig.draw(seed, out_of_process=False)
+        assert outside.out_of_process and dataclasses.replace(outside, out_of_process=False) == inside
 
 
 @pytest.mark.xfail(raises=KnownVllmIssue, strict=True,

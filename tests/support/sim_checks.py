@@ -8,7 +8,7 @@
      vLLM rewound for such a failure computed over it in that step (the request recomputes them; another request
      that took them from vLLM's prefix cache in that same step counts them computed meanwhile, as vLLM's
      `_update_requests_with_invalid_blocks` does);
-  2. every chunk in every CPU tier, and every chunk file of the disk store (opened with the engine's key when it
+  2. every chunk in every CPU tier (and every evicted one a worker still holds: cpu_mirror.py), and every chunk file of the disk store (opened with the engine's key when it
      seals them), holds the oracle's KV for the tokens and extras its key was made from, in every layer a hit on
      it would load (a sliding window's layers: the tokens a hit at the chunk's end keeps in its window; state
      layers: none, states are stored on their own), and has a key some request's tokens make;
@@ -190,17 +190,20 @@ class Checks:
         for runner in self.runners:
             engine = runner.connector.worker_side.engine
             cpu, layout = engine.cpu, engine.layout
+            events = runner.connector.worker_side.cpu_events
             with cpu._lock:  # a peek that does not count as a hit (the eviction order stays the schedule's)
-                entries = list(cpu._entries.items())
-                for _, ref in entries:
+                entries = [(key, ref, "") for key, ref in cpu._entries.items()]
+                with events._lock:  # and the evicted chunks held for loads planned before the scheduler saw them
+                    entries += [(key, ref, " (held after its eviction)") for _, key, ref in events._held]
+                for _, ref, _ in entries:
                     ref.slot.ref()
             try:
-                for key, ref in entries:
+                for key, ref, held in entries:
                     chunk = ref.slot.view(layout.dtype, layout.chunk_shape(ref.meta.num_tokens,
                                                                             is_state_object(ref.meta.fmt)))
-                    self.chunk(f"rank {runner.rank}'s CPU tier", key, chunk, layout)
+                    self.chunk(f"rank {runner.rank}'s CPU tier{held}", key, chunk, layout)
             finally:
-                for _, ref in entries:
+                for _, ref, _ in entries:
                     ref.slot.release()
 
     def disk(self, directory: Path) -> None:

