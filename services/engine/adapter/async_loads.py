@@ -28,8 +28,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # How long a step that runs no forward (every scheduled request is waiting for its load) waits for a fetch to
-# end before it returns: vLLM would otherwise spin through empty steps on the cores the fetch needs.
-IDLE_WAIT_SECS = 0.01
+# end before it returns (it returns as soon as one ends): vLLM would otherwise spin through empty steps on the
+# cores the fetch needs. Each empty step costs the EngineCore and the worker an IPC round trip and Python work
+# (the worker's while holding the GIL its fetch thread needs): at 10 ms a 31-chunk disk-store load of 8,000
+# tokens took 0.8-5 s on a 2-core machine, at 50 ms 58-113 ms (benchmarks/ttft.py, hybrid demo, issue 38). A
+# request that arrives meanwhile waits at most this long to be scheduled, and only while nothing else runs.
+IDLE_WAIT_SECS = 0.05
 
 
 def loads_asynchronously(enabled: bool, to_load: int, need: int, cpu_tokens: int) -> bool:
