@@ -146,6 +146,24 @@ def test_a_load_from_disk_lands_in_its_blocks_and_is_reported_once(engine: tuple
     assert token_api.lookup(worker, tokens, search_range=[LOCAL_CPU]) == 4 * CHUNK
 
 
+def test_a_whole_prompt_one_token_past_a_block_loads_into_the_blocks_vllm_allocated(
+        engine: tuple[CacheEngine, PagedKV]) -> None:
+    """The hit is the whole prompt, its last chunk one token; vLLM computes that token itself and allocated blocks
+    for the others only: the load reads the last chunk and writes no token past those blocks (it was a load error,
+    slot_mapping one slot short, and vLLM recomputed the whole prompt)."""
+    worker, kv = engine
+    tokens = random_tokens(4 * CHUNK + 1, seed=33)
+    src = on_disk_only(worker, kv, tokens)
+    assert token_api.lookup(worker, tokens) == 4 * CHUNK + 1
+    expected = kv.token_kv(src[:4 * CHUNK])
+    blocks = free_blocks(kv, src, 4 * CHUNK // BLOCK)  # exactly the blocks of the tokens it loads
+    req = request(worker, tokens, blocks, need=4 * CHUNK)
+    _, errors = run_until_finished(worker_connector(worker, kv), req)
+    assert errors == set()
+    assert torch.equal(kv.token_kv(req.slot_mapping(4 * CHUNK, BLOCK)), expected)
+    assert worker.storage.stats["fetched_LocalDiskBackend"] == 5
+
+
 def test_what_the_stores_lack_is_reported_as_load_errors_with_the_finish(
         engine: tuple[CacheEngine, PagedKV]) -> None:
     worker, kv = engine
