@@ -12,7 +12,11 @@ longest prompt so every prompt is one prefill step, which ExampleConnector needs
   ExampleConnector   vLLM's built-in debug connector (safetensors files per layer under a tmp dir)
   kvmesh-cpu         KVMeshConnector, warm from the CPU tier (vLLM prefix cache off)
   kvmesh-disk        the same server: the CPU tier cleared through the controller's /clear, warm from the disk
-                     store (the OS page cache is not dropped)
+                     store (the OS page cache is not dropped); a short request after each clear lets vLLM's
+                     scheduler see it before the sample
+KVMesh's warm samples start once the cold samples' chunks reached the disk store (their write-behind would
+otherwise share the 2 cores with the first warm samples); `cpu_hits_loaded_async` counts CPU-tier hits that still
+waited for vLLM's next step (with KV cache groups: none, adapter/cpu_mirror.py).
   LMCache            LMCache 0.5.6 in multiprocess mode (its CPU path): `lmcache.v1.multiprocess.server` (L1 CPU
                      cache, pinned next to the mesh) and vLLM's LMCacheMPConnector; skipped (listed under
                      "not_run") when lmcache is not installed (pip install --no-deps lmcache sortedcontainers
@@ -181,6 +185,10 @@ def run_kvmesh(model: Path, work: Path, sizes: list[int], prompts: Prompts, env:
                     time.sleep(0.2)
                 else:
                     print(f"  disk store did not report the {size}-token prompt: {lookup(prompt)}", flush=True)
+                # one short request, so that vLLM's scheduler sees the clear (its mirror learns of the CPU tier's
+                # evictions from a step's output): a load it promised before that would still read the chunks the
+                # worker holds for it (adapter/cpu_mirror.py), and this sample would not be the disk store's
+                server.stream(prompts.fresh(CHUNK // 2, "flush"), max_tokens=1)
                 empty_vllms_prefix_cache()
                 if sample == warm_repeats:
                     texts.append(server.stream(prompt)[1])
@@ -191,12 +199,25 @@ def run_kvmesh(model: Path, work: Path, sizes: list[int], prompts: Prompts, env:
             return {"disk_warm_s": samples, "disk_warm_median_s": statistics.median(samples),
                     "disk_output_equals_cold": same_output(reference, texts)}
 
+        def disk_chunks() -> int:
+            reply = httpx.get(f"{controller}/usage", params={"location": "LocalDiskBackend"}, timeout=30).json()
+            return sum(int(module.get("num_chunks") or 0) for module in reply["shared_modules"])
+
         log = work / "logs" / "kvmesh.log"
         results = {}
         for size in sizes:  # per size: how many CPU-tier hits still waited for vLLM's next step
-            before = cpu_hits_loaded_async(log)
-            results.update(measure(server, prompts, [size], cold_repeats, warm_repeats, extra_warm=disk_warm,
-                                   before_warm=empty_vllms_prefix_cache))
+            before, on_disk = cpu_hits_loaded_async(log), disk_chunks()
+
+            def written(prompt: list[int], at_least: int = on_disk + cold_repeats * (size // CHUNK)) -> None:
+                # warm samples start once the cold samples' chunks reached the disk store: on 2 cores their
+                # write-behind (sealing, NATS, the store's writes) would otherwise share the first warm samples'
+                # cores (seen: 0.154 s, then 0.124, 0.093, 0.087, 0.055 at 8,000 tokens on the hybrid demo)
+                deadline = time.monotonic() + 120
+                while disk_chunks() < at_least and time.monotonic() < deadline:
+                    time.sleep(0.2)
+
+            results.update(measure(server, prompts, [size], cold_repeats, warm_repeats, after_cold=written,
+                                   extra_warm=disk_warm, before_warm=empty_vllms_prefix_cache))
             results[str(size)]["cpu_hits_loaded_async"] = cpu_hits_loaded_async(log) - before
         cpu = {size: {k: v for k, v in r.items() if not k.startswith("disk")} for size, r in results.items()}
         disk = {size: {"cold_s": r["cold_s"], "cold_median_s": r["cold_median_s"], "warm_s": r["disk_warm_s"],
