@@ -225,11 +225,7 @@ def load_again(cache: VLLMCache, tokens: list[int], pressure: Callable[[Any], Ca
         assert not leases.held("unscheduled")
         work.get_kv_connector_stats()  # counters from here on are this load's
 
-        vllm_request = request(cache, "again", tokens)
-        assert sched.get_num_new_matched_tokens(vllm_request, 0) == (32, False), "in-step: not asynchronous"
-        new = cache.manager.allocate_slots(vllm_request, len(tokens) - 32, num_external_computed_tokens=32)
-        assert new is not None
-        sched.update_state_after_alloc(vllm_request, new, 32)
+        scheduled_in_step(sched, cache, tokens)
         undo = pressure(engine)
         block_ids = [list(group) for group in cache.manager.get_block_ids("again")]
         result = run_step(sched, work, Step(new=[("again", block_ids[0], 32, len(tokens) - 32)]))
@@ -242,6 +238,16 @@ def load_again(cache: VLLMCache, tokens: list[int], pressure: Callable[[Any], Ca
         assert not leases.held("again")
 
     return run_prompt(cache, tokens, [44], again)
+
+
+def scheduled_in_step(sched: Any, cache: VLLMCache, tokens: list[int]) -> None:
+    """Request "again" for `tokens` looked up (a 32-token hit, loaded in-step) and its blocks allocated through
+    vLLM's manager, as vLLM's scheduler does when it schedules it."""
+    vllm_request = request(cache, "again", tokens)
+    assert sched.get_num_new_matched_tokens(vllm_request, 0) == (32, False), "in-step: not asynchronous"
+    new = cache.manager.allocate_slots(vllm_request, len(tokens) - 32, num_external_computed_tokens=32)
+    assert new is not None
+    sched.update_state_after_alloc(vllm_request, new, 32)
 
 
 def check_loaded(caches: dict[str, torch.Tensor], block_ids: list[list[int]], tokens: list[int]) -> None:
@@ -279,11 +285,7 @@ def test_a_hit_in_a_worker_of_another_process_loads_in_step_from_the_mirror() ->
         events = work.worker_side.cpu_events
         assert events.hold_slots > 0 and engine not in engines.all()
         work.get_kv_connector_stats()  # counters from here on are this load's
-        vllm_request = request(cache, "again", tokens)
-        assert sched.get_num_new_matched_tokens(vllm_request, 0) == (32, False), "in-step: not asynchronous"
-        new = cache.manager.allocate_slots(vllm_request, len(tokens) - 32, num_external_computed_tokens=32)
-        assert new is not None
-        sched.update_state_after_alloc(vllm_request, new, 32)
+        scheduled_in_step(sched, cache, tokens)
         assert engine.cpu.clear_all() > 0 and len(engine.cpu) == 0  # the controller's clear, then saves' slots
         while (slot := engine.cpu.allocate()) is not None:
             taken.append(slot)
