@@ -16,6 +16,7 @@
 * `nats_mesh`: a KVMesh-started NATS with its credentials directory and no service processes (tests add their
   own principals and services).
 * every process started through `support.e2e` (vLLM servers, `kvmesh up`) is stopped at the end of the session.
+* on CPython 3.11 before 3.11.8, `ast.parse` runs with garbage collection held off (support/ast_parse_race.py).
 Helpers (free ports, process classes) live in tests/support/e2e.py.
 """
 
@@ -27,8 +28,11 @@ from typing import AsyncIterator, Iterator
 
 import pytest
 
+from support import ast_parse_race
 from support.e2e import make_demo_model, make_lora_adapters, model_cache_dir, stop_all
 from kvmesh.shared.ops.local_mesh import LocalMesh
+
+ast_parse_race.install()
 
 
 @pytest.fixture(scope="session", autouse=True)
