@@ -17,6 +17,7 @@ learns what is cached.
     vllm_blocks.py       vLLM's KV cache manager as the scheduler half reads it (block tables, failed loads)
     async_loads.py       loads that run between vLLM's steps (enable_async_loading)
     cpu_leases.py        CPU-tier chunks leased at lookup, so a hit with KV cache groups loads in-step
+    in_step_loads.py     which hits with KV cache groups load in-step (leased, or promised from the mirror)
     async_saves.py       saves off the forward's critical path, and what preemption and request ends wait for
     load_agreement.py    the ranks of one replica agree on how far each load brought the tokens' KV
     pd.py                prefill/decode disaggregation over P2P: the producer's hand-over, the consumer's hint

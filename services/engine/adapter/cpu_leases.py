@@ -21,8 +21,8 @@ a hit the mirror holds on every rank loads in-step (cpu_mirror.py).
 Two things around it are vLLM's, not the lease's: the step's forward reads a resumed state from the block the
 step ends in, where vLLM's preprocess_mamba copied the hit's block *before* the load ran, so an in-step load
 writes the state to both (`LoadSpec.state_column`); and vLLM 0.32's admission check undercounts a Mamba hit's
-blocks, so a state model loads in-step only while vLLM's pool surely has room
-(`SchedulerSide._room_for_in_step`).
+blocks, so a state model loads in-step only while vLLM's pool surely has room (`InStepLoads.room`,
+in_step_loads.py).
 
 Why no interleaving leaves a leased chunk unloaded: a reference is not an entry. Whatever removes the entry
 between the lookup and the worker's `start_load_kv` — an eviction for a save (`put`, `allocate`), a
@@ -32,8 +32,8 @@ hands it out again only once the last one is released (memory_pool.py). Serving 
 leased reference still holds the bytes and meta that were checked, and the worker scatters exactly those
 (`CacheEngine.load(..., leased=...)`), never looking the keys up again. The references are released after
 the copies read them (the scatter), or when the load is not made: the step that follows the lookup carries
-no in-step load for the request (vLLM did not schedule it: `SchedulerSide.build_connector_meta`), the
-request finishes, or the worker does not run the load.
+no in-step load for the request (vLLM did not schedule it: `InStepLoads.planned`), the request finishes, or
+the worker does not run the load.
 
 An in-step load with groups that holds no lease (one planned from the mirror) reads the CPU tier, where every
 chunk it was promised is still resident or held (cpu_mirror.py).

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 from kvmesh.services.engine.adapter.async_loads import loads_asynchronously
 from kvmesh.services.engine.adapter.block_prefix import BlockPrefixProbe
 from kvmesh.services.engine.adapter.connector_stats import KVMeshStats
-from kvmesh.services.engine.adapter.cpu_leases import lease_spans, leases
 from kvmesh.services.engine.adapter.kv_events import KVEventLog, save_descriptions
 from kvmesh.services.engine.adapter.kv_groups import KVGroups
 from kvmesh.services.engine.adapter.pd import peer_hint, producer_params, wants_remote_decode
@@ -29,11 +28,11 @@ from kvmesh.services.engine.adapter.request_meta import (
     SaveSpec,
 )
 from kvmesh.services.engine.adapter.cpu_mirror import CpuTierEvents
-from kvmesh.services.engine.adapter.scheduler_lookup import SchedulerLookup, engines
+from kvmesh.services.engine.adapter.in_step_loads import InStepLoads
+from kvmesh.services.engine.adapter.scheduler_lookup import SchedulerLookup
 from kvmesh.services.engine.adapter.vllm_blocks import VllmBlocks
 from kvmesh.services.engine.config.engine_auth import engine_auth
 from kvmesh.services.engine.config.engine_config import EngineConfig
-from kvmesh.shared.protocol import LOCAL_CPU
 from kvmesh.shared.wire.keys import ChunkHasher, ChunkKey, ChunkSpan, state_key
 
 if TYPE_CHECKING:
@@ -68,10 +67,8 @@ class SchedulerSide:
         self._vllm_blocks: VllmBlocks | None = None  # vLLM's KV cache manager (bind_kv_cache_manager)
         self._trackers: dict[str, RequestTracker] = {}
         self._async_starting: list[str] = []  # requests whose async load the next step carries
-        self._leased: set[str] = set()  # requests whose lookup leased CPU-tier chunks since the last step's plan
-        # requests whose in-step load was promised from the mirror since the last plan: the events it had applied
-        self._promised: dict[str, dict[int, int]] = {}
-        self._workers_hold = config.evicted_hold_share > 0 and config.local_cpu  # as theirs says (one config)
+        # with groups, which hits load in-step (leased, or promised from the mirror) until their step is planned
+        self.in_step_loads = InStepLoads(config, self.groups, block_size)
         self._stats = KVMeshStats()  # what happened since vLLM last asked (get_kv_connector_stats)
 
     @classmethod
@@ -171,58 +168,14 @@ class SchedulerSide:
         # Decided on the CPU tiers before the lower-tier lookup: its prefetch may have filled them since, but a
         # load behind it would still wait for that prefetch, stalling the batch.
         # with groups a load that can fail is asynchronous: vLLM takes a failed one only as a failed receive
-        # (kv_groups.py); one whose chunks are leased in this process's CPU tiers cannot fail (cpu_leases.py)
-        tracker.load_async = to_load > 0 and not self._lease(tracker, hit) if self.groups is not None else \
+        # (kv_groups.py); one leased or promised from the mirror cannot fail (in_step_loads.py)
+        tracker.load_async = to_load > 0 and not self.in_step_loads.loads_in_step(
+            tracker, hit, self.lookup, self._vllm_blocks) if self.groups is not None else \
             loads_asynchronously(self.config.enable_async_loading, to_load, need, tracker.cpu_tokens)
         if tracker.reported != (hit, to_load):  # vLLM asks again each step while the request waits
             tracker.reported = (hit, to_load)
             self._report_lookup(tracker, total, hit, to_load, num_computed_tokens, need, started)
         return to_load, tracker.load_async
-
-    def _lease(self, tracker: RequestTracker, hit: int) -> bool:
-        """Whether the request's `hit` can load in-step with KV cache groups (its load cannot fail): every chunk
-        (and the state) of it leased in the CPU tiers of this process's engines, when all its ranks are here
-        (cpu_leases.py), or, when none is, held in every rank's CPU tier as the mirror says, the workers holding
-        what they evict until the mirror saw it (cpu_mirror.py)."""
-        local = engines.all()
-        tiers = tracker.kv_params.load_tiers
-        self._promised.pop(tracker.req_id, None)
-        if self.lookup is None or (tiers is not None and LOCAL_CPU not in tiers) \
-                or not self._room_for_in_step(tracker.request.num_tokens):
-            leases.release(tracker.req_id)
-            return False
-        keys = [span.key for span in tracker.chain[:-(-hit // self.chunk_size)]]
-        if tracker.hit_key is not None:  # the hit ends with a block prefix (block_prefix.py)
-            keys[-1] = tracker.hit_key
-        state_chain_key = tracker.state_key if self.groups is not None and self.groups.has_state else None
-        if not local:  # the workers are in other processes: only where they hold what they evict
-            promise = self.lookup.cpu_promise(keys, state_chain_key) if self._workers_hold else None
-            if promise is not None:
-                self._promised[tracker.req_id] = promise
-            return promise is not None
-        if len(local) != self.lookup.world_size:
-            return False
-        leased = leases.lease(tracker.req_id, local,
-                              lambda engine: lease_spans(engine, keys, hit, state_chain_key, self.block_size))
-        if leased:
-            self._leased.add(tracker.req_id)
-        return leased
-
-    def _room_for_in_step(self, num_tokens: int) -> bool:
-        """Whether vLLM's pool surely holds the blocks of an in-step load of a `num_tokens`-token request. vLLM
-        0.32's admission check leaves out the block an align-mode Mamba group takes for the state an external
-        hit resumes from (MambaManager.get_num_blocks_to_allocate): with the pool one block short,
-        allocate_slots raises instead of declining, and schedule() with it. An asynchronous load is admitted with
-        the in-flight loads' blocks reserved; in-step loads of a state model go ahead only with room for every
-        group's blocks of the whole request twice over (its own and vLLM's prefix-cache blocks it touches) and
-        the state block, which vLLM's real need never exceeds."""
-        assert self.groups is not None
-        if not self.groups.has_state:
-            return True
-        if self._vllm_blocks is None:
-            return False
-        per_group = 2 * -(-num_tokens // self.block_size) + 1
-        return self._vllm_blocks.free_blocks() >= len(self.groups.groups) * per_group
 
     def _report_lookup(self, tracker: RequestTracker, total: int, hit: int, to_load: int, num_computed_tokens: int,
                        need: int, started: float) -> None:
@@ -337,16 +290,9 @@ class SchedulerSide:
             self._add_step(meta, tracker, (start, start + num_scheduled.get(req_id, 0)), req_id in drafting)
         for req_id in scheduler_output.finished_req_ids:
             self._trackers.pop(req_id, None)
-        # a lease lives from its lookup to the step that loads it: requests vLLM did not schedule now drop theirs
-        # (their next lookup leases anew); the worker takes the rest in start_load_kv
+        # leases of requests vLLM did not schedule end; what the workers may stop holding (cpu_mirror.py)
         in_step = {req.req_id for req in meta.requests if req.load is not None and not req.load.asynchronous}
-        for req_id in self._leased - in_step:
-            leases.release(req_id)
-        self._leased.clear()
-        if self.groups is not None and self.lookup is not None:  # what the workers may stop holding (cpu_mirror.py)
-            meta.evictions_seen = self.lookup.evictions_seen(
-                [promise for req_id, promise in self._promised.items() if req_id in in_step])
-        self._promised.clear()
+        meta.evictions_seen = self.in_step_loads.planned(in_step, self.lookup)
         return meta
 
     def _add_step(self, meta: KVMeshConnectorMetadata, tracker: RequestTracker, step: tuple[int, int] | None,
@@ -480,9 +426,7 @@ class SchedulerSide:
         # A PD producer's request (the proxy asked for do_remote_decode) names this instance's workers to the
         # consumer, which loads the chunks from their CPU tiers (adapter/pd.py).
         tracker = self._trackers.pop(request.request_id, None)
-        leases.release(request.request_id)
-        self._leased.discard(request.request_id)
-        self._promised.pop(request.request_id, None)
+        self.in_step_loads.forget(request.request_id)
         held = bool(tracker is not None and tracker.saves_held)
         if not wants_remote_decode(getattr(request, "kv_transfer_params", None)):
             return held, None

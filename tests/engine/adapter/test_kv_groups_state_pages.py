@@ -317,7 +317,7 @@ def test_without_held_evictions_a_hit_in_another_process_stays_asynchronous() ->
     answers: list[Any] = []
 
     def ask(sched: Any, work: Any, engine: Any, caches: Any) -> None:
-        sched.scheduler_side._workers_hold = False  # as a config with evicted_hold_share 0 makes it
+        sched.scheduler_side.in_step_loads.workers_hold = False  # as a config with evicted_hold_share 0 makes it
         answers.append(sched.get_num_new_matched_tokens(request(cache, "again", tokens), 0))
 
     assert run_prompt(cache, tokens, [44], ask, out_of_process=True) == {32: 32}
