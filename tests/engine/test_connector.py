@@ -128,7 +128,7 @@ class FakeEngine:
         return SimpleNamespace(scatter=lambda kv_caches, slot_mapping, skip_prefix=0: held)
 
     def save(self, spans: list[ChunkSpan], kv_caches: Any, slot_mapping: torch.Tensor, stream: Any = None,
-             retention: Any = None, store_to: Any = None) -> None:
+             retention: Any = None, store_to: Any = None, first_token: int = 0) -> None:
         if self.held is None:
             raise RuntimeError("pool broken")
         self.stored.append((spans[0].start, spans[-1].end))

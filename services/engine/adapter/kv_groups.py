@@ -200,28 +200,33 @@ class KVGroups:
             found.add((start + offsets[0], columns[0]))
         return found.pop() if len(found) == 1 else None
 
-    def chunk_slots(self, tables: Sequence[Sequence[int]], num_tokens: int) -> torch.Tensor:
-        """A chunk's slots, one row per group (`slot_rows`); state groups get none (-1): their pages travel as
-        the state beside the chunk (`state_slots`)."""
-        rows = slot_rows(tables, num_tokens, self.block_size, -1)
+    def chunk_slots(self, tables: Sequence[Sequence[int]], num_tokens: int, start: int = 0) -> torch.Tensor:
+        """The slots of tokens [start, num_tokens) as chunks hold them, one row per group (`slot_rows`); state
+        groups get none (-1): their pages travel as the state beside the chunk (`state_slots`)."""
+        rows = slot_rows(tables, num_tokens, self.block_size, -1, start)
         for i, group in enumerate(self.groups):
             if group.kind == STATE:
                 rows[i] = -1
         return rows
 
-    def state_slots(self, tables: Sequence[Sequence[int]], end: int, column: int | None = None) -> torch.Tensor:
+    def state_slots(self, tables: Sequence[Sequence[int]], end: int, column: int | None = None,
+                    start: int = 0) -> torch.Tensor:
         """The slots of the state after `end` tokens, which the state groups' block `column` holds (default
         end / B - 1, where vLLM reads the state a request resumes from after a hit of `end` tokens): for tokens
-        [end - B, end), that block's page (one whole page per layer), nothing (-1) for the other groups."""
+        [end - B, end), that block's page (one whole page per layer), nothing (-1) for the other groups; the
+        rows cover tokens [start, end) (`start` at most end - B)."""
         if column is None:
             column = end // self.block_size - 1
-        rows = torch.full((len(self.groups), end), -1, dtype=torch.int64)
+        if not 0 <= start <= end - self.block_size:
+            raise ValueError(f"state slots from token {start}: the state after {end} tokens sits in tokens "
+                             f"[{end - self.block_size}, {end})")
+        rows = torch.full((len(self.groups), end - start), -1, dtype=torch.int64)
         offsets = torch.arange(self.block_size, dtype=torch.int64)
         for i, (group, table) in enumerate(zip(self.groups, tables)):
             if group.kind == STATE:
                 if not 0 <= column < len(table) or table[column] == -1:
                     raise ValueError(f"no state block in column {column} of a state group's table")
-                rows[i, end - self.block_size:] = table[column] * self.block_size + offsets
+                rows[i, end - self.block_size - start:] = table[column] * self.block_size + offsets
         return rows
 
     @property
@@ -326,17 +331,21 @@ def _names(layer_names: Sequence[str]) -> str:
     return ", ".join(layer_names[:3]) + (", ..." if len(layer_names) > 3 else "")
 
 
-def slot_rows(tables: Sequence[Sequence[int]], num_tokens: int, block_size: int, null_block: int) -> torch.Tensor:
-    """Slots of the first `num_tokens` tokens in each group, ``[groups, num_tokens]`` (int64), -1 for tokens in
-    a freed block (the copies skip them)."""
+def slot_rows(tables: Sequence[Sequence[int]], num_tokens: int, block_size: int, null_block: int,
+              start: int = 0) -> torch.Tensor:
+    """Slots of tokens [start, num_tokens) in each group, ``[groups, num_tokens - start]`` (int64), -1 for tokens
+    in a freed block (the copies skip them). A step's save asks for its own chunks only: its cost then does not
+    grow with the tokens before them."""
+    first = start // block_size  # the block of token `start`
     num_blocks = -(-num_tokens // block_size)
+    window = slice(start - first * block_size, num_tokens - first * block_size)
+    offsets = torch.arange(block_size, dtype=torch.int64)
     rows = []
     for table in tables:
-        blocks = torch.as_tensor(list(table[:num_blocks]), dtype=torch.int64)
-        if blocks.numel() < num_blocks:
-            raise ValueError(f"a block table of {blocks.numel()} blocks for {num_tokens} tokens")
-        offsets = torch.arange(block_size, dtype=torch.int64)
-        slots = (blocks.unsqueeze(1) * block_size + offsets).flatten()[:num_tokens]
-        slots[(blocks == null_block).repeat_interleave(block_size)[:num_tokens]] = -1
+        if len(table) < num_blocks:
+            raise ValueError(f"a block table of {len(table)} blocks for {num_tokens} tokens")
+        blocks = torch.as_tensor(list(table[first:num_blocks]), dtype=torch.int64)
+        slots = (blocks.unsqueeze(1) * block_size + offsets).flatten()[window]
+        slots[(blocks == null_block).repeat_interleave(block_size)[window]] = -1
         rows.append(slots)
     return torch.stack(rows)

@@ -107,18 +107,21 @@ class ReqMeta:
     # its kv_transfer_params' retention and tiers (request_retention.py): how the worker's saves keep its chunks
     kv_params: KVRequestParams = DEFAULT_KV_PARAMS
 
-    def slot_mapping(self, num_tokens: int, block_size: int) -> torch.Tensor:
-        """Slot of each of the first `num_tokens` tokens: block_ids[i // B] * B + i % B (int64, CPU), -1 past the
-        blocks vLLM allocated; with groups one row per group, ``[groups, num_tokens]``, -1 in freed blocks.
-        Past the allocated blocks: an asynchronous load of a whole prompt's hit reads its last chunk, whose last
-        token vLLM computes itself and allocated no block for yet (a prompt one token past a block boundary)."""
+    def slot_mapping(self, num_tokens: int, block_size: int, start: int = 0) -> torch.Tensor:
+        """Slot of each of tokens [start, num_tokens): block_ids[i // B] * B + i % B (int64, CPU), -1 past the
+        blocks vLLM allocated; with groups one row per group, ``[groups, num_tokens - start]``, -1 in freed
+        blocks. Past the allocated blocks: an asynchronous load of a whole prompt's hit reads its last chunk, whose
+        last token vLLM computes itself and allocated no block for yet (a prompt one token past a block
+        boundary)."""
         if self.group_block_ids is not None:
-            return slot_rows(self.group_block_ids, num_tokens, block_size, -1)
-        blocks = torch.as_tensor(self.block_ids[: -(-num_tokens // block_size)], dtype=torch.int64)
+            return slot_rows(self.group_block_ids, num_tokens, block_size, -1, start)
+        first = start // block_size  # the block of token `start`
+        blocks = torch.as_tensor(self.block_ids[first: -(-num_tokens // block_size)], dtype=torch.int64)
         offsets = torch.arange(block_size, dtype=torch.int64)
-        slots = (blocks.unsqueeze(1) * block_size + offsets).flatten()[:num_tokens]
-        if len(slots) < num_tokens:
-            slots = torch.cat((slots, torch.full((num_tokens - len(slots),), -1, dtype=torch.int64)))
+        slots = (blocks.unsqueeze(1) * block_size + offsets).flatten()[start - first * block_size:
+                                                                       num_tokens - first * block_size]
+        if len(slots) < num_tokens - start:
+            slots = torch.cat((slots, torch.full((num_tokens - start - len(slots),), -1, dtype=torch.int64)))
         return slots
 
     def keys_upto(self, end: int, chunk_size: int, last_key: ChunkKey | None = None) -> list[ChunkKey]:

@@ -23,18 +23,18 @@ class RequestSlots:
         self.block_size, self.chunk_size = block_size, chunk_size
         self.groups = groups
 
-    def tokens(self, req: ReqMeta, num_tokens: int) -> torch.Tensor:
-        """The slots of the request's first `num_tokens` tokens (with groups one row per group, none for the
+    def tokens(self, req: ReqMeta, num_tokens: int, start: int = 0) -> torch.Tensor:
+        """The slots of the request's tokens [start, num_tokens) (with groups one row per group, none for the
         state groups)."""
         if self.groups is not None and req.group_block_ids is not None:
-            return self.groups.chunk_slots(req.group_block_ids, num_tokens)
-        return req.slot_mapping(num_tokens, self.block_size)
+            return self.groups.chunk_slots(req.group_block_ids, num_tokens, start)
+        return req.slot_mapping(num_tokens, self.block_size, start)
 
-    def state(self, engine: "CacheEngine", req: ReqMeta, end: int, chain_key: ChunkKey, column: int | None = None
-              ) -> tuple[ChunkSpan, torch.Tensor]:
+    def state(self, engine: "CacheEngine", req: ReqMeta, end: int, chain_key: ChunkKey, column: int | None = None,
+              window: bool = False) -> tuple[ChunkSpan, torch.Tensor]:
         """This worker's span of the recurrent state after `end` tokens (stored under `chain_key`'s state key),
         and the slots of the state groups' block `column` that holds it (default: where a load of `end` tokens
-        writes it)."""
+        writes it): from token 0 on, or with `window` (a save's) from the span's first token on."""
         assert self.groups is not None and req.group_block_ids is not None
-        return (engine.state_span(chain_key, end, self.block_size),
-                self.groups.state_slots(req.group_block_ids, end, column))
+        span = engine.state_span(chain_key, end, self.block_size)
+        return span, self.groups.state_slots(req.group_block_ids, end, column, span.start if window else 0)

@@ -54,17 +54,22 @@ class Saves:
                          req.req_id)
                 if save.described:  # before the admissions, which carry them (describe_admissions)
                     engine.describe(save.described)
-                self._store(engine, kv_caches, req, spans, self._where.tokens(req, end), stream, jobs)
+                start = min(span.start for span in spans)  # the step's own chunks: earlier slots are not read
+                self._store(engine, kv_caches, req, spans, self._where.tokens(req, end, start), start, stream,
+                            jobs)
                 self._count_store(end - save.mask_start, time.perf_counter() - started)
             except Exception as exc:
                 log.warning("storing KV for request %s failed (%s: %s); skipped", req.req_id, type(exc).__name__,
                             exc)
 
     def _store(self, engine: "CacheEngine", kv_caches: dict[str, torch.Tensor], req: ReqMeta,
-               spans: list[ChunkSpan], slots: torch.Tensor, stream: Any, jobs: AsyncSaves) -> None:
-        """With the request's retention, to its store tiers (its kv_transfer_params: request_retention.py)."""
+               spans: list[ChunkSpan], slots: torch.Tensor, first_token: int, stream: Any, jobs: AsyncSaves
+               ) -> None:
+        """With the request's retention, to its store tiers (its kv_transfer_params: request_retention.py);
+        `slots` from token `first_token` on."""
         # with a stream: admitted by get_finished once copied
-        job = engine.save(spans, kv_caches, slots, stream, req.kv_params.retention, req.kv_params.store_tiers)
+        job = engine.save(spans, kv_caches, slots, stream, req.kv_params.retention, req.kv_params.store_tiers,
+                          first_token)
         if job is not None:
             jobs.add(req.req_id, job)
 
@@ -77,8 +82,9 @@ class Saves:
         for end, column in save.state_pages:
             if limit is not None and end > limit:
                 continue
-            span, slots = self._where.state(engine, req, end, req.chunk_keys[end // chunk_size - 1], column)
-            self._store(engine, kv_caches, req, [span], slots, stream, jobs)
+            span, slots = self._where.state(engine, req, end, req.chunk_keys[end // chunk_size - 1], column,
+                                             window=True)
+            self._store(engine, kv_caches, req, [span], slots, span.start, stream, jobs)
             self._stats.count("lmcache:num_stored_states")
 
     def _spans(self, engine: "CacheEngine", req: ReqMeta, save: SaveSpec) -> list[ChunkSpan]:

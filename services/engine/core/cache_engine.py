@@ -199,10 +199,11 @@ class CacheEngine:
 
     def save(self, spans: Sequence[ChunkSpan], kv_caches: KVCaches, slot_mapping: torch.Tensor,
              stream: "torch.cuda.Stream | None" = None, retention: Retention = NO_RETENTION,
-             store_to: frozenset[str] | None = None) -> "StoreJob | None":
+             store_to: frozenset[str] | None = None, first_token: int = 0) -> "StoreJob | None":
         """Copy the chunks of `spans` out of vLLM's paged cache into the CPU tier and queue them for the lower
         tiers (write-behind). Chunks already held (CPU tier, or known to be in every lower tier) are not copied
         again; from a token without a slot (negative) or when the pool is full, the rest is skipped.
+        `slot_mapping` starts at token `first_token` (at most the first span's start).
 
         With `stream` the copies are only started, and the job returned (None: nothing to copy) is admitted by
         `StoreJob.admit` once `job.done()`: on CUDA the gather runs on `stream` after everything already queued
@@ -212,7 +213,8 @@ class CacheEngine:
         The storing request's `retention` goes with every chunk (CPU tier, disk store); `store_to` names the only
         locations written (its kv_store_tiers; None: all): without LOCAL_CPU the CPU tier only stages the chunks
         for the lower tiers and keeps none."""
-        job = self._gather_spans(spans, layer_list(kv_caches), slot_mapping, stream, retention, store_to)
+        job = self._gather_spans(spans, layer_list(kv_caches), slot_mapping, first_token, stream, retention,
+                                 store_to)
         if job is None or stream is not None:
             return job
         job.admit()
@@ -251,7 +253,7 @@ class CacheEngine:
         return spans[held - 1].end if held else 0
 
     def _gather_spans(self, spans: Sequence[ChunkSpan], kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
-                      stream: "torch.cuda.Stream | None", retention: Retention = NO_RETENTION,
+                      first_token: int, stream: "torch.cuda.Stream | None", retention: Retention = NO_RETENTION,
                       store_to: frozenset[str] | None = None) -> "StoreJob | None":
         layout, _, cpu, storage, copier = self.ready()
         lower_to = None if store_to is None else store_to - {protocol.LOCAL_CPU}
@@ -259,8 +261,10 @@ class CacheEngine:
         keep_cpu = cpu.keep and (store_to is None or protocol.LOCAL_CPU in store_to)
         if not spans or (not keep_cpu and not write_lower) or self.config.force_skip_save:
             return None
-        check_slot_count(slot_mapping, spans[-1].end)
-        first_bad = _first_negative(slot_mapping, spans[-1].end)
+        if first_token > min(span.start for span in spans):
+            raise ValueError(f"slot_mapping starts at token {first_token}, after the first chunk's")
+        check_slot_count(slot_mapping, spans[-1].end - first_token)
+        first_bad = first_token + _first_negative(slot_mapping, spans[-1].end - first_token)
         on_side = stream is not None and bool(kv_caches) and kv_caches[0].is_cuda
         if on_side:
             assert stream is not None
@@ -285,7 +289,8 @@ class CacheEngine:
                         break
                     filled.append((span, slot))
                     out = slot.view(layout.dtype, layout.chunk_shape(span.num_tokens, span.state))
-                    copier.gather(kv_caches, slot_mapping[..., span.start:span.end], out, span.state)
+                    copier.gather(kv_caches, slot_mapping[..., span.start - first_token:span.end - first_token],
+                                  out, span.state)
                 event = torch.cuda.Event() if on_side else None
                 if event is not None:
                     event.record()

@@ -93,6 +93,46 @@ def test_each_group_is_stored_and_loaded_through_its_own_block_table_and_a_freed
         round_trip(engine, src_seed=1, dst_seed=2)
 
 
+def test_a_save_reads_slots_of_its_own_chunks_only_and_stores_the_same_bytes_as_from_token_0() -> None:
+    """A step's save builds the slots of the tokens it stores (from `start`), not of every token before them: its
+    cost does not grow with the prompt. Every window is the same as the whole mapping's columns."""
+    tables = [[-1, -1, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6]]
+    whole = slot_rows(tables, 90, BLOCK, -1)
+    for start in (0, BLOCK, 40, 89, 90):  # block-aligned, inside a block, in a freed block, the end
+        assert torch.equal(slot_rows(tables, 90, BLOCK, -1, start), whole[:, start:]), start
+    plain = ReqMeta(req_id="r", chunk_keys=[], block_ids=[4, 9, 2], save=None)
+    assert torch.equal(plain.slot_mapping(60, BLOCK, 20), plain.slot_mapping(60, BLOCK)[20:])
+    assert plain.slot_mapping(60, BLOCK, 50).tolist() == [-1] * 10  # past the allocated blocks
+    state_groups = KVGroups((KVGroup(STATE, ("model.layers.0.mixer",)), KVGroup(FULL, FULL_LAYERS)), BLOCK)
+    state_tables = [[-1, 7, -1, 9], [1, 2, 3, 4]]
+    state = state_groups.state_slots(state_tables, 64, start=48)
+    assert torch.equal(state, state_groups.state_slots(state_tables, 64)[:, 48:]) and state.shape == (2, BLOCK)
+    with pytest.raises(ValueError, match="state after 64 tokens"):
+        state_groups.state_slots(state_tables, 64, start=49)
+
+    src, src_caches = grouped_kv(seed=3)
+    tokens = list(range(500, 500 + 3 * CHUNK))
+    num_blocks = len(tokens) // BLOCK
+    src_tables = [list(range(10, 10 + num_blocks)), list(range(30, 30 + num_blocks))]
+    with rank0_engine(src.layout) as whole_engine, rank0_engine(src.layout) as window_engine:
+        spans = whole_engine.hasher.spans(tokens)
+        whole_engine.save(spans[1:], src_caches, slot_rows(src_tables, len(tokens), BLOCK, -1))
+        window_engine.save(spans[1:], src_caches, slot_rows(src_tables, len(tokens), BLOCK, -1, CHUNK),
+                           first_token=CHUNK)
+        with pytest.raises(ValueError, match="starts at token"):
+            window_engine.save(spans[:1], src_caches, slot_rows(src_tables, len(tokens), BLOCK, -1, CHUNK),
+                               first_token=CHUNK)
+        for span in spans[1:]:
+            held = [engine.cpu.acquire(span.key) for engine in (whole_engine, window_engine)]
+            assert held[0] is not None and held[1] is not None
+            shape = src.layout.chunk_shape(span.num_tokens, span.state)
+            chunks = [ref.slot.view(src.layout.dtype, shape) for ref in held]
+            assert torch.equal(chunks[0], chunks[1]) and chunks[0].abs().sum() > 0, span.start
+            for ref in held:
+                ref.release()
+        assert spans[0].key not in window_engine.cpu
+
+
 def test_each_tensor_parallel_rank_stores_and_loads_its_own_shard_of_every_group() -> None:
     layout = grouped_kv(seed=0)[0].layout
     engines = [build_engine(engine_config(), KeyParams("test-model", "", world_size=2, rank=rank), layout)
