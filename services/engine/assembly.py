@@ -37,6 +37,7 @@ from kvmesh.services.engine.core.storage_manager import StorageManager
 from kvmesh.services.engine.mesh.domain import engine_credentials_file, engine_domain, key_domain
 from kvmesh.services.engine.mesh.embedded import MeshConnection, MeshPlan
 from kvmesh.services.engine.mesh.nats_loop import NatsLoop
+from kvmesh.services.engine.mesh.side_cpus import move_to_side_cpus
 from kvmesh.services.engine.tiers.cpu import EvictionHolder, LocalCPUBackend, TierListener
 from kvmesh.services.engine.tiers.memory_pool import MemoryPool
 from kvmesh.services.engine.tiers.redis_values import resolve_auth
@@ -73,7 +74,8 @@ def build_engine(config: EngineConfig, key_params: KeyParams, layout: KVLayout, 
     key_params, writes_lower_tiers = _layout_keys(key_params, layout, rank)
     # with state layers, chunks and states each in a slot of their own size (memory_pool.py: size classes)
     pool = MemoryPool(config.max_local_cpu_bytes, layout.chunk_nbytes(config.chunk_size), use_shm=use_shm,
-                      state_nbytes=layout.chunk_nbytes(layout.state_block, state=True) if layout.has_state else 0)
+                      state_nbytes=layout.chunk_nbytes(layout.state_block, state=True) if layout.has_state else 0,
+                      thread_setup=move_to_side_cpus)  # its page faulting keeps off vLLM's compute cores
     cpu = LocalCPUBackend(pool, keep=config.local_cpu, policy=config.cache_policy, clock=clock,
                           retained_share=config.retained_cpu_share)
     copier = PagedCopier(layout, device)

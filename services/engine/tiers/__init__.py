@@ -3,6 +3,7 @@
     base.py           what every tier answers (`Tier`), and the data part of a store's client (`StoreTier`)
     cpu.py            the engine's own tier: chunks resident in its memory pool (`LocalCPUBackend`)
     memory_pool.py    that pool: the chunk slots every tier copy goes through (shared memory, reference counted)
+    fault_ahead.py    its pages faulted in by a thread of its own ahead of the slabs it carves (not on vLLM's thread)
     disk.py           the disk store of the host (`DiskStoreClient`), over NATS
     pool_lending.py   how the disk client lends the pool to its store (the engine's side; shared/wire/pool_wire.py)
     remote.py         the remote store (`RemoteStoreClient`), over every partition

@@ -33,10 +33,12 @@ import gc
 import logging
 import threading
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from kvmesh.services.engine.tiers.base import ChunkBuffer
+from kvmesh.services.engine.tiers.fault_ahead import AHEAD_BYTES, FaultAhead
 from kvmesh.shared.wire.shm import SharedSegment
 
 log = logging.getLogger(__name__)
@@ -129,7 +131,8 @@ class MemoryPool:
     """
 
     def __init__(self, capacity_bytes: int, slot_nbytes: int, use_shm: bool = True,
-                 pin: bool | None = None, state_nbytes: int = 0) -> None:
+                 pin: bool | None = None, state_nbytes: int = 0, fault_ahead_bytes: int = AHEAD_BYTES,
+                 thread_setup: Callable[[], None] | None = None) -> None:
         if slot_nbytes <= 0 or state_nbytes < 0:
             raise ValueError(f"slot sizes must be positive, got {slot_nbytes} and {state_nbytes}")
         chunk = _round_up(slot_nbytes, _SLOT_ALIGN)
@@ -169,6 +172,9 @@ class MemoryPool:
                 self._base = torch.empty(size, dtype=torch.uint8)
         if size and (pin if pin is not None else torch.cuda.is_available()):
             self._pin()
+        # pinning faulted every page already
+        self.fault_ahead = (FaultAhead(self._base.data_ptr(), size, fault_ahead_bytes, thread_setup)
+                            if size and fault_ahead_bytes > 0 and not self._pinned else None)
         self._slabs = [_Slab(i, i * self.slab_nbytes) for i in range(self.num_slabs)]
         self._free_slabs: list[_Slab] = list(reversed(self._slabs))  # pop() gives slab 0 first
         # per class, an ordered set: popitem() gives the last freed
@@ -224,7 +230,10 @@ class MemoryPool:
                 assert slot.slab is not None
                 slot.slab.free_parts -= 1
             elif self._free_slabs:
-                slot = self._carve(self._free_slabs.pop(), cls)
+                slab = self._free_slabs.pop()
+                slot = self._carve(slab, cls)
+                if self.fault_ahead is not None:
+                    self.fault_ahead.advance(slab.offset + self.slab_nbytes)
             else:
                 return None
             slot.refs = 1
@@ -288,6 +297,8 @@ class MemoryPool:
             self._closed = True
             self._free_slabs.clear()
             self._free_parts.clear()
+        if self.fault_ahead is not None:  # before the buffer goes
+            self.fault_ahead.close()
         if self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self._base.data_ptr())
             self._pinned = False
