@@ -1,10 +1,11 @@
 """The memory pool's pages faulted in ahead of the slabs it carves, by a thread of its own, so a save into a slab
 never used before does not pay a page fault (and the zeroing of the page) per 4 KiB on vLLM's model thread.
 
-Measured before this existed (the Qwen3-Next demo, one 256-token step's chunk and state, 0.5 MiB): the copy into
-the pool took 0.15 ms into pages used before and 0.50 ms into fresh ones, and a fresh server's pool is all fresh
-pages until it fills. The pool carves its slabs front to back (memory_pool.py), so what the next saves will write
-is the bytes just past the furthest slab carved: this keeps `ahead_bytes` past it faulted, `STEP` at a time.
+A fresh server's pool is all such pages until it fills: a 0.5 MiB save (one 256-token step's chunk and state of
+the Qwen3-Next demo) took 2.5x as long into them as into pages used before, and 0.97x with this
+(benchmarks/pool_fault_ahead.py). The pool carves its slabs front to back (memory_pool.py), so what the next
+saves will write is the bytes just past the furthest slab carved: this keeps `ahead_bytes` past it faulted,
+`STEP` at a time.
 
 Faulting is `madvise(MADV_POPULATE_WRITE)` (Linux 5.14): the kernel maps each page as a write would, without
 writing it, so it is safe while another thread writes into a slab carved meanwhile. The call goes through ctypes,
