@@ -34,6 +34,11 @@ def copies_ms(pool: MemoryPool, source: torch.Tensor, objects: int) -> list[floa
     return times
 
 
+def summary(times: list[float]) -> dict[str, float]:
+    """A case's median and p90 copy time."""
+    return {"median_ms": statistics.median(times), "p90_ms": sorted(times)[int(len(times) * 0.9)]}
+
+
 def never_used(object_bytes: int, objects: int, ahead: int) -> dict[str, float]:
     """The copies into slots never used before, the pool faulting `ahead` bytes ahead of them (0: none)."""
     source = torch.randint(0, 256, (object_bytes,), dtype=torch.uint8)
@@ -45,7 +50,7 @@ def never_used(object_bytes: int, objects: int, ahead: int) -> dict[str, float]:
         fresh = copies_ms(pool, source, objects)
     finally:
         pool.close()
-    return {"median_ms": statistics.median(fresh), "p90_ms": sorted(fresh)[int(len(fresh) * 0.9)]}
+    return summary(fresh)
 
 
 def used_before(object_bytes: int, objects: int) -> dict[str, float]:
@@ -61,7 +66,7 @@ def used_before(object_bytes: int, objects: int) -> dict[str, float]:
         times = copies_ms(pool, source, objects)
     finally:
         pool.close()
-    return {"median_ms": statistics.median(times), "p90_ms": sorted(times)[int(len(times) * 0.9)]}
+    return summary(times)
 
 
 def main() -> None:
