@@ -118,7 +118,7 @@ class EmbeddedMesh:
         return self.url
 
     def _run(self) -> None:
-        move_to_side_cpus(beside_one_thread=False)  # NATS and the stores it starts inherit this thread's CPUs
+        move_to_side_cpus()  # NATS and the stores it starts inherit this thread's CPUs
         mesh = LocalMesh(self.services)
         try:
             self.url = mesh.start_nats()
