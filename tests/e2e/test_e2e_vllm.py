@@ -552,6 +552,20 @@ def test_cache_salt_keeps_tenants_apart(servers: dict[str, Any], long_text: str)
     assert output_text(again) == expected
 
 
+def streamed_pieces(server: VLLMServer, prompt: str, **fields: Any) -> Iterator[dict[str, Any]]:
+    """A streamed greedy completion's pieces as they arrive; leaving the loop early closes the stream, which
+    aborts the request in vLLM."""
+    import httpx
+    import json
+
+    body = {"model": server.model, "prompt": prompt, "temperature": 0, "stream": True, **fields}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=180) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[len("data: "):])
+
+
 def test_two_concurrent_requests_sharing_a_long_prefix(servers: dict[str, Any], long_text: str) -> None:
     """The first request is still decoding when the second, with the same long prefix and another question,
     arrives: the second loads the prefix the first stored, and both answers are those of vLLM alone.
@@ -560,8 +574,6 @@ def test_two_concurrent_requests_sharing_a_long_prefix(servers: dict[str, Any], 
     that matters is the second's lookup and load while the first runs, over by the second's first token, so the
     first has a whole context of steps to outlast one prefill (a CI run once saw a second that took until the
     first had filled its context, timed to its last token; the figures in the overlap's message say where)."""
-    import httpx
-    import json
     import threading
 
     a: VLLMServer = servers["a"]
@@ -576,20 +588,15 @@ def test_two_concurrent_requests_sharing_a_long_prefix(servers: dict[str, Any], 
     first_token, stop_first, first_closed = threading.Event(), threading.Event(), threading.Event()
 
     def stream_first() -> None:
-        body = {"model": a.model, "prompt": first_prompt, "temperature": 0, "stream": True, **until_full}
         try:
-            with httpx.stream("POST", f"{a.url}/v1/completions", json=body, timeout=180) as response:
-                response.raise_for_status()
-                for line in response.iter_lines():
-                    if line == "data: [DONE]":
-                        first["finished"] = True
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    first["text"] += json.loads(line[len("data: "):])["choices"][0]["text"]
-                    first["pieces"] += 1
-                    first_token.set()  # the prefill (and its store, done before the step returns) is over
-                    if stop_first.is_set():
-                        break  # closing the stream aborts the request in vLLM
+            for piece in streamed_pieces(a, first_prompt, **until_full):
+                first["text"] += piece["choices"][0]["text"]
+                first["pieces"] += 1
+                first_token.set()  # the prefill (and its store, done before the step returns) is over
+                if stop_first.is_set():
+                    break  # closing the stream aborts the request in vLLM
+            else:
+                first["finished"] = True
         finally:
             first_closed.set()
 
@@ -599,19 +606,13 @@ def test_two_concurrent_requests_sharing_a_long_prefix(servers: dict[str, Any], 
     second: dict[str, Any] = {"id": None, "text": ""}
     overlap: dict[str, Any] = {"first_pieces_at_send": first["pieces"]}
     sent = time.perf_counter()
-    body = {"model": a.model, "prompt": second_prompt, "max_tokens": 16, "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{a.url}/v1/completions", json=body, timeout=180) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            piece = json.loads(line[len("data: "):])
-            if second["id"] is None:  # the second's lookup and load are over: was the first still running?
-                overlap.update(first_finished=first["finished"], first_pieces=first["pieces"],
-                               second_ttft_s=round(time.perf_counter() - sent, 3))
-                stop_first.set()
-            second["id"] = piece["id"]
-            second["text"] += piece["choices"][0]["text"]
+    for piece in streamed_pieces(a, second_prompt, max_tokens=16):
+        if second["id"] is None:  # the second's lookup and load are over: was the first still running?
+            overlap.update(first_finished=first["finished"], first_pieces=first["pieces"],
+                           second_ttft_s=round(time.perf_counter() - sent, 3))
+            stop_first.set()
+        second["id"] = piece["id"]
+        second["text"] += piece["choices"][0]["text"]
     overlap["second_done_s"] = round(time.perf_counter() - sent, 3)
     stop_first.set()
     assert first_closed.wait(180), "the first stream did not close"
