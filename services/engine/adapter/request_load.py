@@ -62,16 +62,28 @@ class LoadFailures:
         return self._failed_from.get(req_id, default)
 
     def cut_sharers(self, requests: Sequence[ReqMeta], block_size: int) -> None:
-        """vLLM's prefix cache may give a block whose load failed in this step to another request of the step,
-        whose forward then reads it: that request's saves stop at the block too. (The block errors are only this
-        step's here: vLLM takes them after every step.)"""
+        """What this step's forward computes over a failed load is wrong too, and vLLM's prefix cache may have
+        given any of it to another request of the step: a block whose load failed, or a later block of a request
+        holding one (allocated this step, cached at once, filled by the forward over the wrong KV). Every such
+        block becomes a block error, so vLLM rewinds each request holding one in its computed prefix (it checks
+        only those), and saves of every request holding one stop at it. To a fixpoint: a sharer's own later
+        blocks are computed over the wrong KV as well. (The block errors are only this step's here: vLLM takes
+        them after every step.)"""
         if not self._block_errors:
             return
-        for req in requests:
-            first = next((i for i, block in enumerate(req.block_ids) if block in self._block_errors), None)
-            if first is not None:
+        changed = True
+        while changed:
+            changed = False
+            for req in requests:
+                first = next((i for i, block in enumerate(req.block_ids) if block in self._block_errors), None)
+                if first is None:
+                    continue
                 start = first * block_size
                 self._failed_from[req.req_id] = min(start, self._failed_from.get(req.req_id, start))
+                later = set(req.block_ids[first:]) - self._block_errors
+                if later:
+                    self._block_errors |= later
+                    changed = True
 
     def save_limit(self, req: ReqMeta) -> int | None:
         """How far the request's saves may reach: None for no bound, else the first token a failed load of this

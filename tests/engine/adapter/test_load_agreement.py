@@ -95,10 +95,10 @@ def run_two_ranks(tmp_path: Path, agree: bool) -> dict[int, tuple[list[int], int
 def test_a_load_that_failed_on_one_rank_is_saved_by_no_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", HELPERS_PATH)
     by_rank = run_two_ranks(tmp_path, agree=True)
-    # tokens 32..64 (blocks 12 and 13) were not loaded on rank 0: both ranks report them, neither stores
-    # chunks 2 and 3, computed over them
-    assert by_rank[0] == ([12, 13], 32)
-    assert by_rank[1] == ([12, 13], 2 * 32)
+    # tokens 32..64 (blocks 12 and 13) were not loaded on rank 0: both ranks report them and the blocks computed
+    # over them (14..17), neither stores chunks 2 and 3
+    assert by_rank[0] == ([12, 13, 14, 15, 16, 17], 32)
+    assert by_rank[1] == ([12, 13, 14, 15, 16, 17], 2 * 32)
 
 
 def test_without_agreement_the_other_rank_stores_kv_computed_over_the_failed_load(
@@ -106,5 +106,5 @@ def test_without_agreement_the_other_rank_stores_kv_computed_over_the_failed_loa
     """What the agreement prevents (the test above would fail without it)."""
     monkeypatch.setenv("PYTHONPATH", HELPERS_PATH)
     by_rank = run_two_ranks(tmp_path, agree=False)
-    assert by_rank[0] == ([12, 13], 32)
+    assert by_rank[0] == ([12, 13, 14, 15, 16, 17], 32)
     assert by_rank[1] == ([], TOKENS), "rank 1 stored its shard of the chunks computed over rank 0's failed load"
