@@ -81,3 +81,34 @@ def test_an_mla_models_latent_pages_load_token_by_token_into_part_of_a_block() -
         loads = [req.load for req in output.kv_connector_metadata.requests if req.req_id == rid and req.load]
         assert loads and loads[0].need == 99 and loads[0].need % 16, loads
         sim.check()
+
+
+def test_a_request_aborted_before_it_recomputed_its_failed_load_leaves_no_sharer_counting_those_blocks() -> None:
+    # r1's load fails in the step that schedules it; r2, new in the same step, took r1's blocks from vLLM's prefix
+    # cache (cached as soon as r1 was scheduled). vLLM rewinds r1 and lets r2 keep counting the blocks computed,
+    # expecting r1 to recompute them first. r1 is aborted before it does: without the connector reporting the
+    # blocks again (KVMeshConnectorMetadata.unrecomputed), r2 computed and stored its tokens over the wrong KV.
+    from vllm.v1.request import RequestStatus
+
+    sim = scripted("full")
+    with sim.started():
+        prefix = tokens(64, 1)
+        sim.add_request(prefix, max_new=1)
+        steps(sim, 3)  # computed, saved, ended
+        assert sim.reset_prefix_cache(preempt_running=False)  # what follows hits KVMesh, not vLLM's cache
+        r1 = sim.add_request(prefix + tokens(20, 2), max_new=4)
+        r2 = sim.add_request(prefix + tokens(20, 3), max_new=4)
+        sim.c.p_evict_hit = 1.0  # a chunk of r1's load leaves the CPU tier between its lookup and its load
+        sim.step_no += 1
+        output = sim.engine_step()
+        sim.c.p_evict_hit = 0.0
+        sim.check()
+        loads = {req.req_id for req in output.kv_connector_metadata.requests if req.load is not None}
+        assert loads == {r1} and sim.result.load_errors == 1
+        # vLLM sends r2 back to its prefix-cache hit, r1's blocks: its step is redone, over them
+        assert sim.scheduler.requests[r2].num_computed_tokens == 64
+        sim.call("finish_requests (abort)", sim.scheduler.finish_requests, [r1], RequestStatus.FINISHED_ABORTED)
+        steps(sim, 1)
+        assert sim.result.load_errors == 2, "r1's unrecomputed blocks were not reported again"
+        assert sim.scheduler.requests[r2].num_computed_tokens < 64, "vLLM did not rewind r2"
+        steps(sim, 3)

@@ -43,6 +43,7 @@ class LoadFailures:
         self._block_errors: set[int] = set()
         self._failed_recving: set[str] = set()
         self._failed_from: dict[str, int] = {}
+        self._cut_now: dict[str, int] = {}  # this step's cuts (cut_sharers): they hold whatever the scheduler knew
 
     def record(self, req: ReqMeta, first_bad: int, block_size: int) -> set[int]:
         """Tokens [first_bad, need) of the request's load are not its KV: their blocks are load errors (vLLM
@@ -57,6 +58,11 @@ class LoadFailures:
             self._block_errors |= bad
         self._failed_from[req.req_id] = min(first_bad, self._failed_from.get(req.req_id, first_bad))
         return bad
+
+    def still_wrong(self, block_ids: set[int]) -> None:
+        """Blocks an earlier failed load left wrong that the scheduler found still held, unrecomputed, by other
+        requests (KVMeshConnectorMetadata.unrecomputed): load errors of this step."""
+        self._block_errors |= block_ids
 
     def first_bad(self, req_id: str, default: int) -> int:
         return self._failed_from.get(req_id, default)
@@ -80,6 +86,7 @@ class LoadFailures:
                     continue
                 start = first * block_size
                 self._failed_from[req.req_id] = min(start, self._failed_from.get(req.req_id, start))
+                self._cut_now[req.req_id] = min(start, self._cut_now.get(req.req_id, start))
                 later = set(req.block_ids[first:]) - self._block_errors
                 if later:
                     self._block_errors |= later
@@ -88,10 +95,11 @@ class LoadFailures:
     def save_limit(self, req: ReqMeta) -> int | None:
         """How far the request's saves may reach: None for no bound, else the first token a failed load of this
         or an earlier step left wrong, until the step metadata says the scheduler knows (it then plans saves
-        from vLLM's recompute)."""
+        from vLLM's recompute); a block of this step's errors in its table bounds them whatever the scheduler
+        knew (it planned them before this step's errors)."""
         if req.load_failed:
             self._failed_from.pop(req.req_id, None)
-            return None
+            return self._cut_now.get(req.req_id)
         return self._failed_from.get(req.req_id)
 
     def forget(self, req_ids: set[str]) -> None:
@@ -100,7 +108,9 @@ class LoadFailures:
             self._failed_from.pop(req_id, None)
 
     def take_block_errors(self) -> set[int]:
+        """This step's load errors (vLLM takes them after the step's saves): the step's cuts end with them."""
         errors, self._block_errors = self._block_errors, set()
+        self._cut_now = {}
         return errors
 
     def take_failed_recving(self) -> set[str]:

@@ -150,6 +150,10 @@ class KVMeshConnectorMetadata(KVConnectorMetadata):
     # may release the chunks it holds for evictions up to it once the loads took theirs (cpu_mirror.py); None:
     # no load is planned from the mirror, nothing need be held (a rank's None: nothing of that rank)
     evictions_seen: dict[int, int | None] | None = None
+    # blocks a failed load left wrong whose request ended (or was preempted) before recomputing them, while other
+    # requests still hold them: vLLM let those count them computed (it expects the failed request to recompute
+    # them), so the workers report them as load errors and vLLM rewinds those requests (one KV cache group)
+    unrecomputed: set[int] = field(default_factory=set)
 
     def __repr__(self) -> str:  # vLLM may log it: never dump token lists
         return (f"KVMeshConnectorMetadata(loads={sum(r.load is not None for r in self.requests)}, "
@@ -192,6 +196,9 @@ class RequestTracker:
     saved_upto: int = 0
     saves_held: bool = False  # a save ran off the forward's path: vLLM keeps its blocks after it ends
     load_failed: bool = False  # a load into its blocks failed (vLLM recomputes): it is offered no more loads
+    # its first block a failed load left wrong (with what the step computed over it): vLLM rewound it there
+    recompute_from: int | None = None
+    computed_upto: int = 0  # the end of the tokens its last step computed (back to the rewind after a failed load)
 
     lookup_tokens: int = 0  # the request's length when `lower`, `probe` and `cpu_tokens` were asked for
     reported: tuple[int, int] | None = None  # (hit, to load) whose counters and INFO line are out: vLLM asks
@@ -223,7 +230,16 @@ class RequestTracker:
             return False
         self.load_failed = True
         self.saved_upto = min(self.saved_upto, floor_to(first * block_size, chunk_size))
+        self.recompute_from = first if self.recompute_from is None else min(first, self.recompute_from)
+        self.computed_upto = min(self.computed_upto, first * block_size)
         return True
+
+    def unrecomputed_blocks(self, block_size: int) -> set[int]:
+        """Its blocks a failed load left wrong that it has not recomputed yet (none when no load failed)."""
+        if self.recompute_from is None:
+            return set()
+        return {block for i, block in enumerate(self.block_ids)
+                if i >= self.recompute_from and (i + 1) * block_size > self.computed_upto}
 
     def chain_keys(self, hasher: ChunkHasher, end: int,
                    on_hashed: "Callable[[list[ChunkSpan], list[int], ChunkKey | None], None] | None" = None

@@ -67,6 +67,7 @@ class SchedulerSide:
         self._vllm_blocks: VllmBlocks | None = None  # vLLM's KV cache manager (bind_kv_cache_manager)
         self._trackers: dict[str, RequestTracker] = {}
         self._async_starting: list[str] = []  # requests whose async load the next step carries
+        self._unrecomputed: set[int] = set()  # for the next step's metadata (KVMeshConnectorMetadata.unrecomputed)
         # with groups, which hits load in-step (leased, or promised from the mirror) until their step is planned
         self.in_step_loads = InStepLoads(config, self.groups, block_size)
         self._stats = KVMeshStats()  # what happened since vLLM last asked (get_kv_connector_stats)
@@ -261,10 +262,13 @@ class SchedulerSide:
         cached = scheduler_output.scheduled_cached_reqs
         resumed = ({new.req_id for new in scheduler_output.scheduled_new_reqs}
                    | set(getattr(cached, "resumed_req_ids", None) or ()) | set(self._async_starting))
-        for req_id in meta.preempted - resumed:
+        for req_id in meta.preempted:
             tracker = self._trackers.get(req_id)
             if tracker is not None:
-                tracker.preempted()
+                self._note_unrecomputed(tracker)  # its blocks are gone, recomputed or not
+                tracker.recompute_from = None
+                if req_id not in resumed:
+                    tracker.preempted()
         # requests that verify draft tokens this step: vLLM counts the drafts as scheduled tokens
         drafting = set(getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or ())
         starting, self._async_starting = self._async_starting, []
@@ -293,12 +297,30 @@ class SchedulerSide:
         # leases of requests vLLM did not schedule end; what the workers may stop holding (cpu_mirror.py)
         in_step = {req.req_id for req in meta.requests if req.load is not None and not req.load.asynchronous}
         meta.evictions_seen = self.in_step_loads.planned(in_step, self.lookup)
+        meta.unrecomputed, self._unrecomputed = self._unrecomputed, set()
         return meta
+
+    def _note_unrecomputed(self, tracker: RequestTracker) -> None:
+        """The request leaves its blocks (it ended, or was preempted) before recomputing all a failed load left
+        wrong: vLLM let other requests that took them from its prefix cache in the failing step count them
+        computed, expecting this one to recompute them first (`_update_requests_with_invalid_blocks`). Those
+        still held by another request go to the workers, which report them as load errors."""
+        wrong = tracker.unrecomputed_blocks(self.block_size)
+        if not wrong:
+            return
+        held = {block for other in self._trackers.values() if other is not tracker for block in other.block_ids}
+        if wrong & held:
+            self._unrecomputed |= wrong & held
+            log.info("Reqid: %s left %d blocks a failed load left wrong to other requests before recomputing "
+                     "them: they are reported as load errors, and vLLM recomputes them", tracker.req_id,
+                     len(wrong & held))
 
     def _add_step(self, meta: KVMeshConnectorMetadata, tracker: RequestTracker, step: tuple[int, int] | None,
                   drafting: bool = False) -> None:
         """The request's load and save in this step, which computes its tokens [start, end) (`step`; None: an
         async load only), verifying draft tokens counted in `end` when `drafting`."""
+        if step is not None:
+            tracker.computed_upto = step[1]
         hasher = self.lookup.hasher() if self.lookup is not None else None
         if not tracker.cacheable or hasher is None:
             return
@@ -406,8 +428,9 @@ class SchedulerSide:
         if invalid:
             if self._vllm_blocks is not None:
                 self._vllm_blocks.uncache_failed(invalid, self._trackers)
-            for tracker in self._trackers.values():
-                if not tracker.load_failed and tracker.load_failed_in(invalid, self.block_size, self.chunk_size):
+            for tracker in self._trackers.values():  # a request may be rewound again (another's failed load)
+                known = tracker.load_failed
+                if tracker.load_failed_in(invalid, self.block_size, self.chunk_size) and not known:
                     log.info("Reqid: %s: its load failed; vLLM recomputes it from token %d, which is saved again, "
                              "and it is offered no more loads", tracker.req_id, tracker.saved_upto)
         events = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -426,6 +449,8 @@ class SchedulerSide:
         # A PD producer's request (the proxy asked for do_remote_decode) names this instance's workers to the
         # consumer, which loads the chunks from their CPU tiers (adapter/pd.py).
         tracker = self._trackers.pop(request.request_id, None)
+        if tracker is not None:
+            self._note_unrecomputed(tracker)
         self.in_step_loads.forget(request.request_id)
         held = bool(tracker is not None and tracker.saves_held)
         if not wants_remote_decode(getattr(request, "kv_transfer_params", None)):

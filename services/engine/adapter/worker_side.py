@@ -197,6 +197,7 @@ class WorkerSide:
         if metadata is None:
             return
         assert isinstance(metadata, KVMeshConnectorMetadata)
+        self._failures.still_wrong(metadata.unrecomputed)
         if self.engine is not None:
             for req in metadata.requests:
                 if req.lora_name and req.lora_id:

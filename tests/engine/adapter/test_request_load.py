@@ -40,3 +40,15 @@ def test_a_step_without_a_failed_load_reports_no_block() -> None:
     failures = LoadFailures()
     failures.cut_sharers([request("r1", [1, 2, 3])], B)
     assert failures.take_block_errors() == set()
+
+
+def test_this_steps_errors_bound_the_saves_of_a_request_the_scheduler_knew_had_failed() -> None:
+    # r2's earlier failure is known to the scheduler (load_failed: it plans r2's saves from vLLM's recompute), but
+    # this step's errors came after that plan: blocks r1's failed load left wrong and r1 never recomputed
+    failures = LoadFailures()
+    r2 = ReqMeta(req_id="r2", chunk_keys=[], block_ids=[1, 2, 6], load_failed=True)
+    failures.still_wrong({6})
+    failures.cut_sharers([r2], B)
+    assert failures.save_limit(r2) == 32
+    assert failures.take_block_errors() == {6}
+    assert failures.save_limit(r2) is None  # the next step's plan knows
