@@ -14,4 +14,5 @@
     paged_kernels.py     the CuPy path on CUDA: paged_copy_kernels.cu compiled per device, and its launches
     paged_geometry.py    what both paths share: slot and chunk checks, the layers' views grouped for one copy
     layerwise_load.py    loads copied layer by layer on a side CUDA stream (use_layerwise)
+    layer_pipeline.py    CPU: loads written layer by layer on a thread beside the forward (cpu_load_pipeline)
 """

@@ -20,7 +20,7 @@ import torch
 from .kv_layout import KVLayout, cpu_token_views
 from .paged_geometry import KVCaches, as_list, check_chunk, check_slots, group_rows, layer_groups
 
-__all__ = ["gather", "scatter", "scatter_chunks", "unpack_block_chunk"]
+__all__ = ["gather", "plan_chunks", "scatter", "scatter_chunks", "unpack_block_chunk", "write_planned"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -187,28 +187,35 @@ def _block_plan(
     return _runs(whole), partial
 
 
-def _write_blocks(
-    chunks: list[tuple[torch.Tensor, int, list[tuple[int, int, int]], list[tuple[int, int, int, int]]]],
-    caches: list[torch.Tensor],
-    layout: KVLayout,
-) -> None:
-    """Write planned chunks (chunk, its block count, runs, partial blocks; `_block_plan`) into the caches: per
-    layer group the cache's pages are viewed once, then one copy_ per run of each chunk."""
+# One chunk's planned writes: (chunk, its block count, runs of whole blocks, partial blocks; `_block_plan`)
+PlannedChunk = tuple[torch.Tensor, int, list[tuple[int, int, int]], list[tuple[int, int, int, int]]]
+
+
+def _write_blocks(chunks: Sequence[PlannedChunk], caches: list[torch.Tensor], layout: KVLayout,
+                  layers: range | None = None) -> None:
+    """Write planned chunks into the caches (`layers`: only those, by index; default all): per layer group the
+    cache's pages are viewed once, then one copy_ per run of each chunk."""
     for view, sl in zip(*layer_groups(caches, layout)):
-        pages = view.flatten(2)
+        lo, hi = sl.start, sl.stop
+        if layers is not None:
+            lo, hi = max(lo, layers.start), min(hi, layers.stop)
+            if lo >= hi:
+                continue
+        own = slice(lo - sl.start, hi - sl.start)  # of this group's view
+        pages = view.flatten(2)[own]
         token_views = None
         for chunk, num_blocks, runs, partial in chunks:
-            src = chunk.view(layout.num_layers, num_blocks, layout.page_elems)[sl]
+            src = chunk.view(layout.num_layers, num_blocks, layout.page_elems)[lo:hi]
             for j, b, n in runs:
                 pages[:, b : b + n].copy_(src[:, j : j + n])
             if partial:
                 if token_views is None:
-                    token_views = cpu_token_views(view, layout)  # [L, nb, N, H, D]
+                    token_views = cpu_token_views(view[own], layout)  # [L, nb, N, H, D]
                 dst_k, dst_v = token_views
-                src_k, src_v = cpu_token_views(chunk[sl], layout)  # [L, blocks, N, H, D]
-                for j, b, lo, hi in partial:
-                    dst_k[:, b, lo:hi].copy_(src_k[:, j, lo:hi])
-                    dst_v[:, b, lo:hi].copy_(src_v[:, j, lo:hi])
+                src_k, src_v = cpu_token_views(chunk[lo:hi], layout)  # [L, blocks, N, H, D]
+                for j, b, p_lo, p_hi in partial:
+                    dst_k[:, b, p_lo:p_hi].copy_(src_k[:, j, p_lo:p_hi])
+                    dst_v[:, b, p_lo:p_hi].copy_(src_v[:, j, p_lo:p_hi])
 
 
 def _scatter_blocks(
@@ -328,23 +335,38 @@ def scatter_chunks(
 
     A load scatters tens of chunks: in the per-block (CPU) layout, chunks that follow each other from a block
     boundary have their slots checked in one pass and each layer's pages viewed once, so a chunk costs its
-    copies and little Python besides (a 16k-token load is 64 chunks). Their slots are all checked before
-    anything is written. Other layouts, and chunks that do not follow each other, are scattered one by one.
+    copies and little Python besides (a 16k-token load is 64 chunks; `plan_chunks`). Their slots are all checked
+    before anything is written. Other layouts, and chunks that do not follow each other, are scattered one by one.
     """
     caches = as_list(kv_caches)
-    bs = layout.block_size
-    tiled = all(chunks[i][1] == chunks[i - 1][2] for i in range(1, len(chunks)))
-    if not chunks or not layout.per_block or layout.group_layers or not tiled or chunks[0][1] % bs:
+    planned = plan_chunks(chunks, caches, layout, slot_mapping)
+    if planned is None:
         for i, (chunk, start, end, skip) in enumerate(chunks):
             scatter(chunk, caches, layout, slot_mapping[..., start:end], skip, bool(states and states[i]))
         return
+    _write_blocks(planned, caches, layout)
+
+
+def plan_chunks(
+    chunks: Sequence[tuple[torch.Tensor, int, int, int]],
+    caches: list[torch.Tensor],
+    layout: KVLayout,
+    slot_mapping: torch.Tensor,
+) -> list[PlannedChunk] | None:
+    """What `scatter_chunks` writes, every slot checked (raises as it does), nothing written: for `write_planned`,
+    which may then write it layer by layer. None where the chunks are not taken together (not the per-block
+    layout, KV cache groups, chunks that do not follow each other from a block boundary)."""
+    bs = layout.block_size
+    tiled = all(chunks[i][1] == chunks[i - 1][2] for i in range(1, len(chunks)))
+    if not chunks or not layout.per_block or layout.group_layers or not tiled or chunks[0][1] % bs:
+        return None
     first, last = chunks[0][1], chunks[-1][2]
     slots = check_slots(slot_mapping)
     if slots.numel() < last:
         raise ValueError(f"slot_mapping has {slots.numel()} slots, the chunks need {last}")
     blocks = _sequence_block_ids(slots[first:last], bs)
     device = caches[0].device
-    planned = []
+    planned: list[PlannedChunk] = []
     for chunk, start, end, skip in chunks:
         num_tokens = end - start
         if not 0 <= skip <= num_tokens:
@@ -356,4 +378,10 @@ def scatter_chunks(
             chunk = chunk.to(device)
         own = blocks[(start - first) // bs : (start - first) // bs + layout.num_blocks_for(num_tokens)]
         planned.append((chunk, len(own), *_block_plan(own, num_tokens, skip, layout)))
-    _write_blocks(planned, caches, layout)
+    return planned
+
+
+def write_planned(planned: Sequence[PlannedChunk], kv_caches: KVCaches, layout: KVLayout,
+                  layers: range | None = None) -> None:
+    """Write what `plan_chunks` planned, into `layers` only (indices into the caches; default all)."""
+    _write_blocks(planned, as_list(kv_caches), layout, layers)

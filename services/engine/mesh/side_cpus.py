@@ -37,18 +37,29 @@ def side_cpus_of(own: set[int], parent: set[int]) -> set[int] | None:
     return (parent - own) or None
 
 
+def free_cpus() -> set[int] | None:
+    """The CPUs beside the calling thread's (vLLM's compute cores, on its model thread) that KVMesh's threads
+    move to; None where there are none, or this is no vLLM CPU worker (`enable`)."""
+    if not _enabled:
+        return None
+    try:
+        # this thread's, as inherited from the thread that started it
+        return side_cpus_of(os.sched_getaffinity(0), os.sched_getaffinity(os.getppid()))
+    except (AttributeError, OSError) as exc:  # no affinity API, or the parent is gone: stay where we are
+        log.debug("KVMesh threads stay on their inherited CPUs: %s", exc)
+        return None
+
+
 def move_to_side_cpus() -> None:
     """Move the calling thread (and the threads and processes it starts later) off vLLM's compute cores."""
     global _logged
-    if not _enabled:
+    cpus = free_cpus()
+    if cpus is None:
         return
     try:
-        own = os.sched_getaffinity(0)  # this thread's, as inherited from the thread that started it
-        cpus = side_cpus_of(own, os.sched_getaffinity(os.getppid()))
-        if cpus is None:
-            return
+        own = os.sched_getaffinity(0)
         os.sched_setaffinity(0, cpus)  # the calling thread only (Linux)
-    except (AttributeError, OSError) as exc:  # no affinity API, or the parent is gone: stay where we are
+    except (AttributeError, OSError) as exc:
         log.debug("KVMesh threads stay on their inherited CPUs: %s", exc)
         return
     if not _logged:

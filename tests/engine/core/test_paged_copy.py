@@ -31,7 +31,8 @@ from kvmesh.services.engine.core.kv_layout import (
 )
 from kvmesh.services.engine.core.paged_copy import PagedCopier
 from kvmesh.services.engine.core.paged_kernels import KERNELS_FILE
-from kvmesh.services.engine.core.paged_torch import gather, scatter, scatter_chunks, unpack_block_chunk
+from kvmesh.services.engine.core.layer_pipeline import LayerPipeline
+from kvmesh.services.engine.core.paged_torch import gather, plan_chunks, scatter, scatter_chunks, unpack_block_chunk
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 INT_VIEW = {2: torch.int16, 4: torch.int32}
@@ -494,6 +495,82 @@ def test_a_loads_slots_are_checked_as_each_chunks_are() -> None:
             got = str(exc)
         assert got == want, slots.tolist()
     assert _sequence_block_ids(good, bs) == [7, 2, -1, 30, 31, 5]
+
+
+class _Ref:
+    """A pool slot's reference as the pipeline sees it: released once."""
+
+    def __init__(self) -> None:
+        self.released = 0
+
+    def release(self) -> None:
+        self.released += 1
+
+
+def _planned_load(gen: torch.Generator, isa: str, skip: int
+                  ) -> tuple[KVLayout, list[torch.Tensor], list[tuple[torch.Tensor, int, int, int]], torch.Tensor]:
+    layers, nb, bs, heads, d, dtype = 4, 16, 32, 2, 16, torch.bfloat16
+    layout = cpu_layout(layers, bs, heads, d, dtype, isa=isa)
+    blocks = [9, 3, 4, -1, 12, 0, 7]
+    num_tokens = 6 * bs + 10  # a partial last chunk
+    slots = block_slots(blocks, bs, num_tokens)
+    caches = make_caches(LBHNC, layers, nb, bs, heads, d, dtype, gen, True)
+    parts = [(rand(layout.chunk_shape(min(start + 2 * bs, num_tokens) - start), dtype, gen), start,
+              min(start + 2 * bs, num_tokens), min(max(skip - start, 0), min(2 * bs, num_tokens - start)))
+             for start in range(0, num_tokens, 2 * bs)]
+    return layout, caches, parts, slots
+
+
+@pytest.mark.parametrize("isa,skip", [("vec", 0), ("vec", 40), ("amx", 64)])
+def test_the_layer_pipeline_writes_each_layer_before_its_wait_returns(isa: str, skip: int) -> None:
+    """core/layer_pipeline.py: planned chunks written layer by layer on the pipeline's thread leave the caches as
+    scatter_chunks does; when `wait(layer)` returns that layer is written (checked at once, while later layers
+    may still be in flight); the slots' references go back only in `finish`, once."""
+    layout, caches, parts, slots = _planned_load(torch.Generator().manual_seed(21), isa, skip)
+    expected = [c.clone() for c in caches]
+    scatter_chunks(parts, expected, layout, slots)
+    names = [f"layer{i}" for i in range(layout.num_layers)]
+    pipeline = LayerPipeline(layout, names)
+    try:
+        for round_ in range(3):  # the thread serves one job per step
+            dst = [c.clone() for c in caches]
+            plan = plan_chunks(parts, dst, layout, slots)
+            assert plan is not None
+            refs = [_Ref() for _ in parts]
+            pipeline.add(plan, refs)
+            pipeline.launch(dst)
+            for layer, name in enumerate(names):
+                pipeline.wait(name)
+                assert torch.equal(bits(dst[layer]), bits(expected[layer])), (round_, layer)
+            assert all(ref.released == 0 for ref in refs)
+            assert pipeline.finish() is None
+            assert all(ref.released == 1 for ref in refs)
+            assert pipeline.finish() is None  # nothing in flight: nothing more
+    finally:
+        pipeline.close()
+
+
+def test_a_failed_layer_pipeline_write_lets_every_wait_return_and_finish_names_it() -> None:
+    """A write that raises on the pipeline's thread: no wait hangs, `finish` returns the error (the worker turns
+    the step's pipelined loads into load errors) and still gives the references back."""
+    layout, caches, parts, slots = _planned_load(torch.Generator().manual_seed(22), "vec", 0)
+    plan = plan_chunks(parts, caches, layout, slots)
+    assert plan is not None
+    _, num_blocks, runs, partial = plan[1]
+    plan[1] = (torch.zeros(3, dtype=layout.dtype), num_blocks, runs, partial)  # no chunk of this shape
+    names = [f"layer{i}" for i in range(layout.num_layers)]
+    pipeline = LayerPipeline(layout, names)
+    refs = [_Ref() for _ in parts]
+    try:
+        pipeline.add(plan, refs)
+        pipeline.launch(caches)
+        for name in names:
+            pipeline.wait(name)
+        error = pipeline.finish()
+        assert isinstance(error, RuntimeError), error
+        assert all(ref.released == 1 for ref in refs)
+    finally:
+        pipeline.close()
 
 
 def test_unpack_block_chunk() -> None:
