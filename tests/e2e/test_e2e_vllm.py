@@ -44,8 +44,9 @@ INSTANCE_B = "instance_b"
 SEED_PROMPT = "Explain the significance of KV cache in language models."
 
 
-def controller_yaml(path: Path, instance_id: str, nats_port: int) -> Path:
-    """The pin/clear quickstarts' YAML (controller_url = the controller's NATS), plus a shared remote store."""
+def controller_yaml(path: Path, instance_id: str, nats_port: int, **more: Any) -> Path:
+    """The pin/clear quickstarts' YAML (controller_url = the controller's NATS), plus a shared remote store and
+    `more` keys."""
     config = {
         "chunk_size": CHUNK,
         "local_cpu": True,
@@ -56,6 +57,7 @@ def controller_yaml(path: Path, instance_id: str, nats_port: int) -> Path:
         "lmcache_worker_port": 8001,
         "distributed_url": "localhost:8002",
         "remote_url": "lm://localhost:65432",
+        **more,
     }
     path.write_text(yaml.safe_dump(config))
     return path
@@ -153,9 +155,11 @@ def servers(tmp_path_factory: pytest.TempPathFactory, demo_model: Path,
     mesh = MeshUp(work / "mesh")
     mesh.start()
     mesh.wait_ready()
+    # a's CPU-tier hits are written layer by layer while vLLM's forward runs (on 2 cores its compute takes both,
+    # so "auto" would not), each attention layer waiting for its own: the outputs below check that ordering
     a = VLLMServer("vllm-a", demo_model, free_port(), work / "vllm-a.log", kv_config=kv_transfer_config(),
-                   env=clean_env(LMCACHE_CONFIG_FILE=str(controller_yaml(work / "a.yaml", INSTANCE_A,
-                                                                         mesh.nats_port))),
+                   env=clean_env(LMCACHE_CONFIG_FILE=str(controller_yaml(work / "a.yaml", INSTANCE_A, mesh.nats_port,
+                                                                         cpu_load_pipeline="always"))),
                    extra_args=lora_args(lora_adapters))
     b = VLLMServer("vllm-b", demo_model, free_port(), work / "vllm-b.log", kv_config=kv_transfer_config(),
                    env=clean_env(LMCACHE_CONFIG_FILE=str(controller_yaml(work / "b.yaml", INSTANCE_B,
@@ -192,6 +196,7 @@ def test_same_prompt_twice_is_served_from_the_cache(servers: dict[str, Any], lon
     assert warm_hit.load == num_tokens - 1  # vLLM computes the last token itself
     assert output_text(cold) == output_text(expected)
     assert output_text(warm) == output_text(expected)
+    assert "in-step loads are written layer by layer during the forward" in a.log_text()  # the hit went that way
     print(f"prompt {num_tokens} tokens: cold {cold_s:.3f}s, warm {warm_s:.3f}s (end-to-end, 16 tokens)")
 
 

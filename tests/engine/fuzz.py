@@ -45,18 +45,19 @@ def _quiet() -> None:
 
 
 def _run(seed: int, processes: bool, kind: str | None, agreement: bool, out_of_process: bool | None
-         ) -> tuple[str, str, int]:
+         ) -> tuple[str, str, int, bool]:
     """One seed in a worker process: ("ok" | "reuse" (finding 2's interleaving shown) | "vllm" (vLLM's own
-    mis-keyed Mamba state, sim_miskey.py) | "FAIL" | "ERROR", what, in-step loads planned from the mirror)."""
+    mis-keyed Mamba state, sim_miskey.py) | "FAIL" | "ERROR", what, in-step loads planned from the mirror,
+    whether the layer pipeline wrote its in-step loads)."""
     try:
         result = run_seed(seed, processes, kind=kind, agreement=agreement, out_of_process=out_of_process)
     except KnownVllmIssue as issue:
-        return "vllm", str(issue).splitlines()[0], 0
+        return "vllm", str(issue).splitlines()[0], 0, False
     except SimFailure as failure:
-        return "FAIL", str(failure).splitlines()[0], 0
+        return "FAIL", str(failure).splitlines()[0], 0, False
     except Exception as exc:  # the harness itself (a process that never came up...): report, go on
-        return "ERROR", f"{type(exc).__name__}: {exc}", 0
-    return ("reuse" if result.reuse else "ok"), "", result.mirror_loads
+        return "ERROR", f"{type(exc).__name__}: {exc}", 0, False
+    return ("reuse" if result.reuse else "ok"), "", result.mirror_loads, result.cpu_pipeline
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     failed: dict[str, list[int]] = {}
     outside: Counter[str] = Counter()  # schedules whose workers were as if in other processes
     mirror_loads: Counter[str] = Counter()  # their in-step loads planned from the mirror (KV cache groups)
+    piped: Counter[str] = Counter()  # schedules whose in-step loads the layer pipeline wrote
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stopped run still prints what it ran
     # Seeds run in a worker process replaced every SEEDS_PER_WORKER seeds: one process running hundreds of seeds
     # grew to tens of GiB (each seed's peak memory grew with what ran before it, though no engine, thread or
@@ -114,15 +116,16 @@ def main(argv: list[str] | None = None) -> int:
             if args.progress:
                 print(f"seed {seed} ({kind}{', out of process' if config.out_of_process else ''})", flush=True)
             try:
-                outcome, detail, loads = pool.submit(_run, seed, processes, args.kind, agreement,
-                                                     out_of_process).result()
+                outcome, detail, loads, pipelined = pool.submit(_run, seed, processes, args.kind, agreement,
+                                                                out_of_process).result()
             except BrokenProcessPool as exc:  # the worker died (killed, out of memory): a failure of the seed
-                outcome, detail, loads = "ERROR", f"its worker process died ({exc})", 0
+                outcome, detail, loads, pipelined = "ERROR", f"its worker process died ({exc})", 0, False
                 pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_quiet,
                                            max_tasks_per_child=SEEDS_PER_WORKER)
             runs[kind] += 1
             outside[kind] += config.out_of_process
             mirror_loads[kind] += loads
+            piped[kind] += pipelined
             if outcome == "reuse":
                 reuse.setdefault(kind, []).append(seed)
             elif outcome == "vllm":
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         if runs[kind]:
             seeds = failed.get(kind, [])
             print(f"{kind}: {runs[kind]} schedules, {len(seeds)} failed" + (f": seeds {seeds}" if seeds else "")
-                  + f"; {outside[kind]} out of process"
+                  + f"; {outside[kind]} out of process, {piped[kind]} with the layer pipeline"
                   + (f" ({mirror_loads[kind]} in-step loads from the mirror)" if mirror_loads[kind] else "")
                   + (f"; finding 2's interleaving in {len(reuse[kind])} (e.g. seed {reuse[kind][0]})"
                      if kind in reuse else "")
@@ -146,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{vllm_issue[kind][:5]})" if kind in vllm_issue else ""))
     total_failed = sum(len(seeds) for seeds in failed.values())
     print(f"{sum(runs.values())} schedules run, {total_failed} failed; {sum(outside.values())} out of process, "
-          f"{sum(mirror_loads.values())} in-step loads planned from the mirror")
+          f"{sum(mirror_loads.values())} in-step loads planned from the mirror, {sum(piped.values())} with the "
+          f"layer pipeline")
     return 1 if total_failed else 0
 
 

@@ -125,7 +125,7 @@ class FakeEngine:
         if self.held is None:
             raise RuntimeError("disk store unreachable")
         held = sum(1 for span in spans if span.end <= self.held)
-        return SimpleNamespace(scatter=lambda kv_caches, slot_mapping, skip_prefix=0: held)
+        return SimpleNamespace(scatter=lambda kv_caches, slot_mapping, skip_prefix=0, pipeline=None: held)
 
     def save(self, spans: list[ChunkSpan], kv_caches: Any, slot_mapping: torch.Tensor, stream: Any = None,
              retention: Any = None, store_to: Any = None, first_token: int = 0) -> None:

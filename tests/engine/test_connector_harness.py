@@ -21,6 +21,7 @@ import torch
 from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
 from kvmesh.services.engine.core.kv_layout import KVLayout, detect_layout
+from kvmesh.services.engine.core.layer_pipeline import LayerPipeline
 from kvmesh.services.engine.core.layerwise_load import LayerwiseLoader
 from kvmesh.services.engine.core.paged_torch import gather
 from kvmesh.shared.protocol import LOCAL_CPU
@@ -91,26 +92,56 @@ def slots_of(block_ids: list[int], num_tokens: int) -> torch.Tensor:
     return torch.as_tensor([b * BLOCK + i for b in block_ids for i in range(BLOCK)])[:num_tokens]
 
 
-@pytest.mark.parametrize("layerwise", [False, True])
+def set_loader(work: object, paged: Paged, loader: str) -> None:
+    """What register_kv_caches sets up: on CUDA with use_layerwise the layer-wise loader; on a CPU with a core
+    beside the forward's (cpu_load_pipeline) the layer pipeline; else neither (loads written before the forward)."""
+    side = work.worker_side  # type: ignore[attr-defined]
+    if loader == "pipeline" and paged.device.type != "cpu":
+        pytest.skip("the layer pipeline writes CPU caches only")
+    if loader == "layerwise":
+        side.layerwise = LayerwiseLoader(paged.layout, paged.device)
+    elif loader == "pipeline":
+        side.pipeline = LayerPipeline(paged.layout, list(paged.caches))
+
+
+def compute_and_save(sched: object, work: object, forward: Forward, tokens: list[int], block_ids: list[int],
+                     off_forward: bool) -> None:
+    """Request "a" of `tokens` (whole blocks) computed into `block_ids` in one step, saved, and finished."""
+    a = request("a", tokens)
+    assert sched.get_num_new_matched_tokens(a, 0) == (0, False)  # type: ignore[attr-defined]
+    sched.update_state_after_alloc(a, blocks(block_ids), 0)  # type: ignore[attr-defined]
+    forward.compute = ("a", block_ids, range(len(tokens) // BLOCK))
+    run_step(sched, work, Step(new=[("a", block_ids, 0, len(tokens))]), forward)
+    assert sched.request_finished(a, block_ids) == (off_forward, None)  # type: ignore[attr-defined]
+    assert run_step(sched, work, Step(finished={"a"})).finished_sending == ({"a"} if off_forward else set())
+
+
+def load_and_compute(sched: object, work: object, forward: Forward, b: object, block_ids: list[int],
+                     hit: int) -> object:
+    """Request b, whose first `hit` tokens are a saved prompt's and whose last chunk is new: a CPU-tier hit
+    loaded into `block_ids` and its chunk computed, in one step (what it returned)."""
+    assert sched.get_num_new_matched_tokens(b, 0) == (hit, False)  # type: ignore[attr-defined]
+    sched.update_state_after_alloc(b, blocks(block_ids), hit)  # type: ignore[attr-defined]
+    loaded = range(hit // BLOCK)
+    forward.compute = ("b", block_ids, range(hit // BLOCK, (hit + CHUNK) // BLOCK))
+    forward.read = (block_ids, loaded)
+    return run_step(sched, work, Step(new=[("b", block_ids, hit, CHUNK)]), forward)
+
+
+@pytest.mark.parametrize("loader", ["before_forward", "layerwise", "pipeline"])
 def test_the_model_runners_call_sequence_loads_and_saves_the_right_kv(
-        paged_engine: tuple[CacheEngine, Paged], layerwise: bool) -> None:
+        paged_engine: tuple[CacheEngine, Paged], loader: str) -> None:
     worker, paged = paged_engine
     off_forward = paged.device.type == "cuda"
     sched = scheduler_half(worker.config, BLOCK, off_forward)
     work = worker_half(worker, paged.caches, BLOCK, off_forward)
-    if layerwise:  # what register_kv_caches sets up on CUDA with use_layerwise
-        work.worker_side.layerwise = LayerwiseLoader(paged.layout, paged.device)
+    set_loader(work, paged, loader)
     forward = Forward(paged)
     try:
         # request a: its 4-chunk prompt is computed and saved
         tokens_a = random_tokens(4 * CHUNK, seed=11).tolist()
-        a, blocks_a = request("a", tokens_a), list(range(2, 10))
-        assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
-        sched.update_state_after_alloc(a, blocks(blocks_a), 0)
-        forward.compute = ("a", blocks_a, range(8))
-        run_step(sched, work, Step(new=[("a", blocks_a, 0, 4 * CHUNK)]), forward)
-        assert sched.request_finished(a, blocks_a) == (off_forward, None)
-        assert run_step(sched, work, Step(finished={"a"})).finished_sending == ({"a"} if off_forward else set())
+        blocks_a = list(range(2, 10))
+        compute_and_save(sched, work, forward, tokens_a, blocks_a, off_forward)
         assert token_api.lookup(worker, tokens_a, search_range=[LOCAL_CPU]) == 4 * CHUNK
 
         # every stored chunk is what the torch path gathers from a's blocks
@@ -128,10 +159,7 @@ def test_the_model_runners_call_sequence_loads_and_saves_the_right_kv(
         # request b shares a's prompt and adds a chunk: the 4 chunks are loaded into new blocks, the 5th computed
         tokens_b = tokens_a + random_tokens(CHUNK, seed=12).tolist()
         b, blocks_b = request("b", tokens_b), list(range(30, 40))
-        assert sched.get_num_new_matched_tokens(b, 0) == (4 * CHUNK, False)
-        sched.update_state_after_alloc(b, blocks(blocks_b), 4 * CHUNK)
-        forward.compute, forward.read = ("b", blocks_b, range(8, 10)), (blocks_b, range(8))
-        result = run_step(sched, work, Step(new=[("b", blocks_b, 4 * CHUNK, CHUNK)]), forward)
+        result = load_and_compute(sched, work, forward, b, blocks_b, len(tokens_a))
         assert result.load_errors == set()
         for layer in range(LAYERS):  # what each layer's attention read after wait_for_layer_load
             want = [forward.pattern("a", j, layer) for j in range(8)]
@@ -143,8 +171,43 @@ def test_the_model_runners_call_sequence_loads_and_saves_the_right_kv(
     finally:
         if work.worker_side.layerwise is not None:
             work.worker_side.layerwise.close()
+        if work.worker_side.pipeline is not None:
+            work.worker_side.pipeline.close()
         work.worker_side.async_saves.drain()
         sched.shutdown()
+
+
+def test_a_load_the_layer_pipeline_failed_to_write_is_a_load_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pipeline's thread fails writing the last layer of a step's load: the forward is not held up, and the step
+    reports the load's blocks and the blocks computed over them as load errors (vLLM recomputes them), and
+    gives the pool slots back."""
+    from kvmesh.services.engine.core import layer_pipeline
+
+    paged = Paged("cpu")
+    with rank0_engine(paged.layout, paged.device) as worker:
+        sched = scheduler_half(worker.config, BLOCK, False)
+        work = worker_half(worker, paged.caches, BLOCK, False)
+        set_loader(work, paged, "pipeline")
+        forward = Forward(paged)
+        try:
+            tokens_a = random_tokens(2 * CHUNK, seed=13).tolist()
+            compute_and_save(sched, work, forward, tokens_a, list(range(2, 6)), False)
+
+            written = layer_pipeline.write_planned
+
+            def fail_at_the_last_layer(plan, caches, layout, layers=None):  # type: ignore[no-untyped-def]
+                if layers is not None and layers.start == LAYERS - 1:
+                    raise RuntimeError("injected: the last layer cannot be written")
+                written(plan, caches, layout, layers)
+
+            monkeypatch.setattr(layer_pipeline, "write_planned", fail_at_the_last_layer)
+            b, blocks_b = request("b", tokens_a + random_tokens(CHUNK, seed=14).tolist()), list(range(30, 36))
+            result = load_and_compute(sched, work, forward, b, blocks_b, len(tokens_a))
+            assert result.load_errors == set(blocks_b)  # loaded, and computed over the failed load
+            assert worker.pool.num_free == worker.pool.num_slots - 2, "the load's references were released"
+        finally:
+            work.worker_side.pipeline.close()
+            sched.shutdown()
 
 
 def test_kv_transfer_params_retain_what_a_request_saves_and_choose_its_tiers(

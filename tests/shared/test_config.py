@@ -121,6 +121,16 @@ def test_cache_policy_takes_the_four_lmcache_names(tmp_path: Path, name: str) ->
     assert EngineConfig.from_file(write(tmp_path, f"cache_policy: {name}\n")).cache_policy == name.upper()
 
 
+def test_cpu_load_pipeline_takes_auto_always_never(tmp_path: Path) -> None:
+    assert EngineConfig().cpu_load_pipeline == "auto"
+    assert EngineConfig.from_env({"LMCACHE_CPU_LOAD_PIPELINE": "Never"}).cpu_load_pipeline == "never"
+    assert EngineConfig.from_file(write(tmp_path, "cpu_load_pipeline: always\n")).cpu_load_pipeline == "always"
+    for wrong in ("sometimes", "off"):  # YAML reads a bare off as false: a string of the three is asked for
+        with pytest.raises(ConfigError) as exc:
+            EngineConfig.from_file(write(tmp_path, f"cpu_load_pipeline: {wrong}\n"))
+        assert_names(exc, "cpu_load_pipeline")
+
+
 def test_from_defaults_converts_and_normalises() -> None:
     config = EngineConfig.from_defaults(
         chunk_size="512", max_local_cpu_size=2, cache_policy="lru", remote_serde="CacheGen"

@@ -116,6 +116,9 @@ class SimConfig:
     # asks their lower tiers over NATS (their LookupServer). False: in the scheduler's process, as vLLM's GPU
     # build with VLLM_ENABLE_V1_MULTIPROCESSING=0
     out_of_process: bool = False
+    # one rank, one group: in-step loads written layer by layer on the layer pipeline's thread while the forward
+    # runs (cpu_load_pipeline "always": core/layer_pipeline.py), each layer's attention waiting for its own
+    cpu_pipeline: bool = False
 
     @classmethod
     def draw(cls, seed: int, allow_processes: bool = True, kind: str | None = None,
@@ -156,6 +159,7 @@ class SimConfig:
         c.out_of_process = r.random() < 0.5
         if out_of_process is not None:
             c.out_of_process = out_of_process
+        c.cpu_pipeline = r.random() < 0.5  # after out_of_process, for the same reason
         return c
 
 
@@ -173,6 +177,7 @@ class SimResult:
     agreements: int = 0  # steps whose ranks agreed on their in-step loads (two ranks)
     out_of_process: bool = False  # the workers as if in other processes (SimConfig.out_of_process)
     mirror_loads: int = 0  # out of process, with KV cache groups: in-step loads promised from the mirror
+    cpu_pipeline: bool = False  # in-step loads written by the layer pipeline (SimConfig.cpu_pipeline, where it applies)
     faults: list[str] = field(default_factory=list)
     reuse: list[str] = field(default_factory=list)  # issue 35 finding 2's interleaving (sim_reuse.py)
 
@@ -217,7 +222,8 @@ class Simulation:
             "model_name": "sim-model",  # keys named alike in every process (the model's directory is a temp dir)
             "chunk_size": CHUNK, "max_local_cpu_size": (c.cpu_chunks * (-(-chunk_bytes // 4096) * 4096) + 100) / 2**30,
             "request_timeout_secs": WAIT_S / 3, "blocking_timeout_secs": WAIT_S, "heartbeat_interval_secs": 0.5,
-            "save_decode_cache": c.save_decode_cache, "enable_async_loading": c.async_loading}
+            "save_decode_cache": c.save_decode_cache, "enable_async_loading": c.async_loading,
+            "cpu_load_pipeline": "always" if c.cpu_pipeline else "never"}
         if c.disk:
             settings.update(nats_url=self.mesh.nats_url, local_disk=str(self.disk_dir), max_local_disk_size=0.05)
             if c.pause_at is not None or c.kill_at is not None or c.nats_down_at is not None:
@@ -251,6 +257,8 @@ class Simulation:
                                            lambda w=work: self._wait_async_loads(w)))
         for runner in self.runners:
             runner.all_pages = [other.pages for other in self.runners]
+        self.result.cpu_pipeline = all(r.connector.worker_side.pipeline is not None
+                                       and r.connector.worker_side.layerwise is None for r in self.runners)
         self.engines = [runner.connector.worker_side.engine for runner in self.runners]
         if c.disk:
             for engine in self.engines:

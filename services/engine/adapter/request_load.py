@@ -2,9 +2,10 @@
 
 The worker half makes a `RequestLoad` for each request whose step metadata carries a load (worker_side.py
 `start_load_kv`): its spans on this worker, the slots it writes, the recurrent state at its end (kv_groups.py)
-and how far it got. It runs one of three ways: at once, before the forward (`run`); fetched on the NATS loop and
-scattered between steps (`fetch`, then `finish`: async_loads.py); or copied layer by layer on CUDA (`for_layers`:
-core/layerwise_load.py). What it did not bring is a failure (`fail`): vLLM recomputes those blocks, and until the
+and how far it got. It runs one of three ways: at once, before the forward (`run`; on a CPU with a core beside the
+forward's, planned there and written layer by layer during the forward: core/layer_pipeline.py); fetched on the
+NATS loop and scattered between steps (`fetch`, then `finish`: async_loads.py); or copied layer by layer on CUDA
+(`for_layers`: core/layerwise_load.py). What it did not bring is a failure (`fail`): vLLM recomputes those blocks, and until the
 scheduler has heard of it no save of the request reaches past the first wrong token (`LoadFailures.save_limit`,
 saves.py). With several ranks, a step's in-step loads first agree on that token (`agree_on_loads`,
 load_agreement.py).
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from kvmesh.services.engine.adapter.cpu_leases import Lease
     from kvmesh.services.engine.core.cache_engine import CacheEngine
     from kvmesh.services.engine.core.chunk_load import ChunkLoad
+    from kvmesh.services.engine.core.layer_pipeline import LayerPipeline
     from kvmesh.services.engine.tiers.cpu import ChunkRef
 
 log = logging.getLogger("kvmesh.connector")
@@ -131,6 +133,8 @@ class RequestLoad:
         self._where, self._failures, self._stats = where, failures, stats
         self.started = time.perf_counter()
         self.leased: "Lease | None" = None  # the chunks the scheduler leased for it (cpu_leases.py)
+        # CPU, in-step: what writes its chunks layer by layer during the forward (core/layer_pipeline.py)
+        self.pipeline: "LayerPipeline | None" = None
 
     @property
     def engine(self) -> "CacheEngine":
@@ -161,8 +165,9 @@ class RequestLoad:
         try:
             spans = self.spans()
             slots = self._where.tokens(self.req, spec.end)
+            pipeline = self.pipeline if spec.state_key is None else None  # a state is written after its chunks
             loaded = self.engine.load(spans, slots, tiers=self.tiers, leased=self.leased).scatter(
-                self._kv_caches, slots, spec.skip_prefix)
+                self._kv_caches, slots, spec.skip_prefix, pipeline=pipeline)
             if spec.state_key is None or (loaded == len(spans) and self._load_state()):
                 loaded_upto = spans[loaded - 1].end if loaded else spec.mask_start
         except Exception as exc:

@@ -30,6 +30,7 @@ from kvmesh.services.engine.adapter.saves import Saves
 from kvmesh.services.engine.adapter.cpu_mirror import CpuTierEvents, StepEventLog, evicted_hold_slots
 from kvmesh.services.engine.adapter.scheduler_lookup import engines
 from kvmesh.services.engine.config.engine_config import EngineConfig
+from kvmesh.services.engine.core.layer_pipeline import LayerPipeline
 from kvmesh.services.engine.core.layerwise_load import ChunkCopy, LayerwiseLoader
 from kvmesh.services.engine.mesh import side_cpus
 from kvmesh.shared.wire.keys import KeyParams
@@ -38,12 +39,11 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
     from kvmesh.services.engine.assembly import SchedulerLink
+    from kvmesh.services.engine.core.kv_layout import KVLayout
 
 LAYERWISE_NOTE = (
-    "use_layerwise is set, but on a CPU vLLM loads are not pipelined layer by layer: the copy into the paged "
-    "cache is a memcpy done by the same cores that run the forward, so there is nothing to overlap it with, "
-    "and one scatter over all layers costs less than one per layer (see docs/connector.md). Loading all "
-    "layers before the forward."
+    "use_layerwise is set, but on a CPU vLLM it does not apply: in-step loads are written layer by layer beside "
+    "the forward where a core is free beside vLLM's compute cores (cpu_load_pipeline, see docs/connector.md)."
 )
 
 log = logging.getLogger("kvmesh.connector")
@@ -94,6 +94,9 @@ class WorkerSide:
         self.engine: Any = None  # CacheEngine, created in register_kv_caches
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layerwise: LayerwiseLoader | None = None  # CUDA with use_layerwise: per-layer loads
+        self.pipeline: LayerPipeline | None = None  # CPU: in-step loads written beside the forward
+        self._piped: list[RequestLoad] = []  # this step's in-step loads given the pipeline
+        self._step_requests: list[ReqMeta] = []  # this step's requests (for load errors found after the forward)
         self.agreement: RankAgreement | None = None  # several ranks: how far every rank's loads got
         self._link: SchedulerLink | None = None  # what the engine offers the scheduler (assembly.py)
         self._where = RequestSlots(block_size, self.chunk_size, self.groups)
@@ -161,7 +164,32 @@ class WorkerSide:
                 log.info("use_layerwise: loads are copied layer by layer on a side CUDA stream")
             else:
                 log.info(LAYERWISE_NOTE)
+        self.pipeline = self._cpu_pipeline(layout, first)
         engines.add(rank, self.engine)
+
+    def _cpu_pipeline(self, layout: "KVLayout", first: torch.Tensor) -> LayerPipeline | None:
+        """The CPU's layer pipeline (core/layer_pipeline.py), where `cpu_load_pipeline` and the model allow it:
+        one KV cache group (a state is written after its chunks), one rank (ranks agree on their loads before
+        the forward), a known token arrangement in a block (else a partial block is written whole, over the
+        tokens vLLM writes into it before the attention waits), and for "auto" a core beside vLLM's compute
+        cores."""
+        mode = self.config.cpu_load_pipeline
+        if mode == "never" or first.device.type != "cpu" or not layout.per_block:
+            return None
+        why_not = ("KV cache groups" if self.groups is not None else "several ranks" if self.world_size > 1
+                   else f"CPU ISA {layout.cpu_isa!r} arranges a block's tokens in a way KVMesh does not know"
+                   if not layout.knows_token_arrangement else None)
+        if why_not is not None:
+            log.info("cpu_load_pipeline: in-step loads are written before the forward (%s)", why_not)
+            return None
+        cpus = side_cpus.free_cpus()
+        if mode == "auto" and cpus is None:
+            log.info("cpu_load_pipeline: no core is free beside vLLM's compute cores; in-step loads are written "
+                     "before the forward")
+            return None
+        log.info("cpu_load_pipeline: in-step loads are written layer by layer during the forward, on CPUs %s",
+                 sorted(cpus) if cpus is not None else "shared with the forward")
+        return LayerPipeline(layout, list(self.kv_caches))
 
     def _in_chunk_order(self, kv_caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The layers as chunks hold them: vLLM's order, or group by group (kv_groups.py)."""
@@ -214,6 +242,9 @@ class WorkerSide:
             return
         for load in in_step:  # what the scheduler leased for it in this process (cpu_leases.py), if it did
             load.leased = leases.take(load.req.req_id, self.engine.rank)
+            load.pipeline = self.pipeline
+        self._step_requests = list(metadata.requests)
+        self._piped = in_step if self.pipeline is not None else []
         layerwise: list[tuple[RequestLoad, list[ChunkCopy], list[Any]]] = []
         for load in loads:
             try:
@@ -226,6 +257,8 @@ class WorkerSide:
                 release_lease(load.leased)
         if layerwise:
             self._start_layerwise(layerwise)
+        if self.pipeline is not None:
+            self.pipeline.launch(list(self.kv_caches.values()))
         # the step's loads took their references: evictions the scheduler saw before planning them may go
         seen = metadata.evictions_seen
         self.cpu_events.seen(seen.get(self.engine.rank) if seen is not None else None)
@@ -272,10 +305,29 @@ class WorkerSide:
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.layerwise is not None:  # CUDA with use_layerwise: this layer's copies, on the forward's stream
             self.layerwise.wait(layer_name)
-        # otherwise all layers were loaded in start_load_kv (LAYERWISE_NOTE)
+        elif self.pipeline is not None:  # CPU: this layer's writes, on the pipeline's thread
+            self.pipeline.wait(layer_name)
+        # otherwise all layers were loaded in start_load_kv
+
+    def _end_pipeline(self) -> None:
+        """After the forward: the pipeline's writes done; if they failed, the step's pipelined loads are load
+        errors (and what other requests of the step computed over them: `LoadFailures.cut_sharers`)."""
+        if self.pipeline is None:
+            return
+        error = self.pipeline.finish()
+        piped, self._piped = self._piped, []
+        if error is None or not piped:
+            return
+        for load in piped:
+            bad = load.fail(load.spec.skip_prefix)
+            self._stats.count("lmcache:num_failed_retrieve_blocks", len(bad))
+        log.warning("%d requests' loads are recomputed: writing them during the forward failed (%s: %s)",
+                    len(piped), type(error).__name__, error)
+        self._failures.cut_sharers(self._step_requests, self.block_size)
 
     def wait_for_save(self, metadata: "KVConnectorMetadata | None") -> None:
         """After the forward, with the step's metadata (None: vLLM bound none)."""
+        self._end_pipeline()
         if not isinstance(metadata, KVMeshConnectorMetadata):
             return
         if self.layerwise is not None:
@@ -309,6 +361,7 @@ class WorkerSide:
         """(the ended requests whose blocks vLLM held for their saves' copies, now done; the async loads done
         this step, scattered here between forwards). Called after start_load_kv and wait_for_save in every
         step, forward or not."""
+        self._end_pipeline()  # also where vLLM defers wait_for_save past this call (a drafter's forward)
         sending = self.async_saves.finished_sending(finished_req_ids) or None
         if self.layerwise is not None:
             self.layerwise.release_done()
@@ -349,6 +402,8 @@ class WorkerSide:
         self.async_saves.drain()
         if self.layerwise is not None:
             self.layerwise.close()
+        if self.pipeline is not None:
+            self.pipeline.close()
         engine, self.engine = self.engine, None
         if engine is not None:
             engines.remove(engine)

@@ -38,6 +38,7 @@ CONFIG_FILE_VAR = "LMCACHE_CONFIG_FILE"
 # LMCACHE_ variables that users set for other things than the config; anything else unknown is a typo.
 IGNORED_ENV_VARS = frozenset({CONFIG_FILE_VAR, "LMCACHE_LOG_LEVEL", "LMCACHE_TRACK_USAGE"})
 REMOTE_SERDES = frozenset({"naive", "kivi", "cachegen"})
+CPU_LOAD_PIPELINE = frozenset({"auto", "always", "never"})
 CACHE_POLICIES = frozenset(POLICY_NAMES)  # LRU, LFU, FIFO, MRU: one class each in shared/eviction/
 
 
@@ -84,6 +85,9 @@ class EngineConfig:
     blend_recompute_ratio: float = 0.15
     blend_min_tokens: int = 256
     use_layerwise: bool = False  # CUDA: scatter loads layer by layer on a side stream (docs/connector.md)
+    # CPU: in-step loads written layer by layer on a thread beside the forward ("auto": where a core is free
+    # beside vLLM's compute cores; "always", "never"); core/layer_pipeline.py
+    cpu_load_pipeline: str = "auto"
     enable_async_loading: bool = True  # True here: a disk hit measured 2x faster loaded between steps (docs/connector.md)
     internal_api_server_enabled: bool = False
     min_retrieve_tokens: int = 0
@@ -358,6 +362,7 @@ _EXPLAINED: dict[str, Callable[[Any], str | None]] = {
 _CHOICES: dict[str, tuple[frozenset[str], Callable[[str], str]]] = {
     "remote_serde": (REMOTE_SERDES, str.lower),
     "cache_policy": (CACHE_POLICIES, str.upper),
+    "cpu_load_pipeline": (CPU_LOAD_PIPELINE, str.lower),
 }
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -22,6 +22,9 @@ from kvmesh.services.engine.core.layerwise_load import ChunkCopy
 from kvmesh.services.engine.core.paged_copy import PagedCopier
 from kvmesh.services.engine.tiers.cpu import ChunkRef
 from kvmesh.shared.wire.keys import ChunkKey, ChunkSpan
+
+if TYPE_CHECKING:
+    from kvmesh.services.engine.core.layer_pipeline import LayerPipeline
 
 log = logging.getLogger(__name__)
 
@@ -53,24 +56,33 @@ class ChunkLoad:
         return self.future.done()
 
     def scatter(self, kv_caches: KVCaches, slot_mapping: torch.Tensor, skip_prefix: int = 0, *, first: int = 0,
-                count: int | None = None) -> int:
+                count: int | None = None, pipeline: "LayerPipeline | None" = None) -> int:
         """Copy the held chunks of spans[first:first + count] (to the end by default) into vLLM's paged cache,
         writing none of the first `skip_prefix` tokens, and give them back; how many were copied. Raises what a
-        broken fetch raised."""
+        broken fetch raised. With `pipeline` (CPU, core/layer_pipeline.py), chunks whose writes can be planned
+        together are checked here and handed to it with their references, to be written during the forward."""
         refs = self._take(first, count)
         spans = self.spans[first:first + len(refs)]
         if self._note_hits is not None and refs:
             self._note_hits([ref.meta.key for ref in refs])
         caches = layer_list(kv_caches)
+        handed = False
         try:
             if refs:
                 check_slot_count(slot_mapping, spans[-1].end)
-            self._copier.scatter_chunks([(self._view(span, ref), span.start, span.end,
-                                          min(max(skip_prefix - span.start, 0), span.num_tokens))
-                                         for span, ref in zip(spans, refs)], caches, slot_mapping,
-                                        [span.state for span in spans])
+            chunks = [(self._view(span, ref), span.start, span.end, min(max(skip_prefix - span.start, 0),
+                                                                       span.num_tokens))
+                      for span, ref in zip(spans, refs)]
+            plan = self._copier.plan_chunks(chunks, caches, slot_mapping) if pipeline is not None else None
+            if plan is not None:
+                assert pipeline is not None
+                pipeline.add(plan, refs)
+                handed = True
+            else:
+                self._copier.scatter_chunks(chunks, caches, slot_mapping, [span.state for span in spans])
         finally:  # the slots must not be reused before the copies queued so far have read them
-            release_after_copies(caches, refs)
+            if not handed:
+                release_after_copies(caches, refs)
         return len(refs)
 
     def layer_copies(self, slot_mapping: torch.Tensor, skip_prefix: int = 0
