@@ -68,7 +68,7 @@ HERE = Path(__file__).resolve().parent
 from vllm_peers import (CHUNK, KVMESH, Server, cpu_name, free_port, lmcache_connector, lmcache_env,  # noqa: E402
                         pin_to, start_lmcache_server, start_mesh)
 from make_demo_model import ensure_model, long_text  # noqa: E402
-from kvmesh.services.engine.config.engine_config import EngineConfig  # noqa: E402
+from kvmesh.services.engine.config.engine_config import CPU_LOAD_PIPELINE, EngineConfig  # noqa: E402
 
 PEERS = ["no-connector", "vllm-prefix-cache", "ExampleConnector", "LMCache", "kvmesh"]
 
@@ -145,7 +145,8 @@ def warm_up(server: Server, prompts: Prompts, max_len: int) -> None:
 
 def run_kvmesh(model: Path, work: Path, sizes: list[int], prompts: Prompts, env: dict[str, str], max_len: int,
                cold_repeats: int, warm_repeats: int, async_loading: bool, batched_tokens: int,
-               reset_prefix_cache: bool, encrypt_stores: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+               reset_prefix_cache: bool, encrypt_stores: bool = True,
+               cpu_load_pipeline: str = "auto") -> tuple[dict[str, Any], dict[str, Any]]:
     """KVMesh: CPU-tier warm, then disk warm after clearing the CPU tier through the controller. With
     `reset_prefix_cache` vLLM's own prefix cache stays on (a model with recurrent state needs it) and is emptied
     before every warm sample, so each warm figure is a load by KVMesh."""
@@ -155,7 +156,8 @@ def run_kvmesh(model: Path, work: Path, sizes: list[int], prompts: Prompts, env:
     controller = mesh.controller
     instance = "bench"
     config = mesh.engine_yaml(work / "kvmesh.yaml", instance, cpu_gb=2, disk_gb=8, async_loading=async_loading)
-    config.write_text(config.read_text() + f"encrypt_stores: {str(encrypt_stores).lower()}\n")
+    config.write_text(config.read_text() + f"encrypt_stores: {str(encrypt_stores).lower()}\n"
+                      f"cpu_load_pipeline: {cpu_load_pipeline}\n")
     server = None
     try:
         server = Server("kvmesh", model, free_port(), work / "logs", max_len,
@@ -343,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kvmesh-encrypt-stores", choices=["true", "false"],
                         default=str(EngineConfig().encrypt_stores).lower(),
                         help="KVMesh's encrypt_stores: the disk store's chunks sealed (default: KVMesh's default)")
+    parser.add_argument("--kvmesh-cpu-load-pipeline", choices=sorted(CPU_LOAD_PIPELINE),
+                        default=EngineConfig().cpu_load_pipeline,
+                        help="KVMesh's cpu_load_pipeline: in-step loads written layer by layer beside the forward "
+                             "(default: KVMesh's default)")
     parser.add_argument("--max-num-batched-tokens", type=int,
                         help="vLLM's, for every peer (default: the longest prompt + 64, each prompt one prefill step)")
     parser.add_argument("--reset-prefix-cache", action="store_true",
@@ -411,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                args.cold_repeats, args.warm_repeats,
                                                                args.kvmesh_async_loading == "true", batched_tokens,
                                                                args.reset_prefix_cache,
-                                                               args.kvmesh_encrypt_stores == "true")
+                                                               args.kvmesh_encrypt_stores == "true",
+                                                               args.kvmesh_cpu_load_pipeline)
 
     ratios: dict[str, Any] = {}
     for size in map(str, args.sizes):
@@ -443,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                   "cold_repeats": args.cold_repeats, "warm_repeats": args.warm_repeats,
                   "kvmesh_async_loading": args.kvmesh_async_loading,
                   "kvmesh_encrypt_stores": args.kvmesh_encrypt_stores,
+                  "kvmesh_cpu_load_pipeline": args.kvmesh_cpu_load_pipeline,
                   "statistic": "median", "disk_warm_page_cache": "not dropped"},
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()},
         "command": " ".join([sys.executable, *sys.argv]), "wall_s": round(time.time() - started, 1),
