@@ -5,10 +5,10 @@ The worker half makes a `RequestLoad` for each request whose step metadata carri
 and how far it got. It runs one of three ways: at once, before the forward (`run`; on a CPU with a core beside the
 forward's, planned there and written layer by layer during the forward: core/layer_pipeline.py); fetched on the
 NATS loop and scattered between steps (`fetch`, then `finish`: async_loads.py); or copied layer by layer on CUDA
-(`for_layers`: core/layerwise_load.py). What it did not bring is a failure (`fail`): vLLM recomputes those blocks, and until the
-scheduler has heard of it no save of the request reaches past the first wrong token (`LoadFailures.save_limit`,
-saves.py). With several ranks, a step's in-step loads first agree on that token (`agree_on_loads`,
-load_agreement.py).
+(`for_layers`: core/layerwise_load.py). What it did not bring is a failure (`fail`): vLLM recomputes those
+blocks, and until the scheduler has heard of it no save of the request reaches past the first wrong token
+(`LoadFailures.save_limit`, saves.py). With several ranks, a step's in-step loads first agree on that token
+(`agree_on_loads`, load_agreement.py).
 """
 
 from __future__ import annotations
