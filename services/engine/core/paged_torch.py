@@ -20,7 +20,7 @@ import torch
 from .kv_layout import KVLayout, cpu_token_views
 from .paged_geometry import KVCaches, as_list, check_chunk, check_slots, group_rows, layer_groups
 
-__all__ = ["gather", "plan_chunks", "scatter", "scatter_chunks", "unpack_block_chunk", "write_planned"]
+__all__ = ["LoadPlan", "gather", "plan_chunks", "scatter", "scatter_chunks", "unpack_block_chunk", "write_planned"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -334,17 +334,23 @@ def scatter_chunks(
     recurrent states (`scatter`'s `state`: objects of models with KV cache groups, which go one by one).
 
     A load scatters tens of chunks: in the per-block (CPU) layout, chunks that follow each other from a block
-    boundary have their slots checked in one pass and each layer's pages viewed once, so a chunk costs its
-    copies and little Python besides (a 16k-token load is 64 chunks; `plan_chunks`). Their slots are all checked
-    before anything is written. Other layouts, and chunks that do not follow each other, are scattered one by one.
+    boundary have their slots checked in one pass per group and each layer's pages viewed once, so a chunk costs
+    its copies and little Python besides (a 16k-token load is 64 chunks; `plan_chunks`). Their slots are all
+    checked before anything is written. Other layouts, states, and chunks that do not follow each other, are
+    scattered one by one.
     """
     caches = as_list(kv_caches)
-    planned = plan_chunks(chunks, caches, layout, slot_mapping)
-    if planned is None:
+    plan = plan_chunks(chunks, caches, layout, slot_mapping, states)
+    if plan is None:
         for i, (chunk, start, end, skip) in enumerate(chunks):
             scatter(chunk, caches, layout, slot_mapping[..., start:end], skip, bool(states and states[i]))
         return
-    _write_blocks(planned, caches, layout)
+    write_planned(plan, caches)
+
+
+# One load's planned writes, per group of layers (the whole model without KV cache groups): the group's layers
+# among the caches, their layout, and each chunk's planned writes.
+LoadPlan = list[tuple[slice, KVLayout, list[PlannedChunk]]]
 
 
 def plan_chunks(
@@ -352,20 +358,36 @@ def plan_chunks(
     caches: list[torch.Tensor],
     layout: KVLayout,
     slot_mapping: torch.Tensor,
-) -> list[PlannedChunk] | None:
+    states: Sequence[bool] | None = None,
+) -> LoadPlan | None:
     """What `scatter_chunks` writes, every slot checked (raises as it does), nothing written: for `write_planned`,
-    which may then write it layer by layer. None where the chunks are not taken together (not the per-block
-    layout, KV cache groups, chunks that do not follow each other from a block boundary)."""
-    bs = layout.block_size
+    which may then write it layer by layer. With KV cache groups each attention group is planned through its own
+    row of slots (`scatter`'s rule). None where the chunks are not taken together (not the per-block layout,
+    recurrent states among them, chunks that do not follow each other from a block boundary)."""
     tiled = all(chunks[i][1] == chunks[i - 1][2] for i in range(1, len(chunks)))
-    if not chunks or not layout.per_block or layout.group_layers or not tiled or chunks[0][1] % bs:
+    if (not chunks or not layout.per_block or (states is not None and any(states)) or not tiled
+            or chunks[0][1] % layout.block_size):
         return None
+    device = caches[0].device
+    if not layout.group_layers:
+        return [(slice(0, len(caches)), layout, _plan_sequence(chunks, layout, check_slots(slot_mapping), device))]
+    rows = group_rows(slot_mapping, layout)
+    for chunk, start, end, _ in chunks:
+        if end > start:
+            check_chunk(chunk, layout, end - start, "chunk")
+    return [(layers, group, _plan_sequence([(chunk[held], start, end, skip) for chunk, start, end, skip in chunks],
+                                           group, check_slots(rows[row]), device))
+            for row, layers, held, group in layout.group_slices()]
+
+
+def _plan_sequence(chunks: Sequence[tuple[torch.Tensor, int, int, int]], layout: KVLayout, slots: torch.Tensor,
+                   device: torch.device) -> list[PlannedChunk]:
+    """`plan_chunks` for layers without groups, through one row of slots."""
+    bs = layout.block_size
     first, last = chunks[0][1], chunks[-1][2]
-    slots = check_slots(slot_mapping)
     if slots.numel() < last:
         raise ValueError(f"slot_mapping has {slots.numel()} slots, the chunks need {last}")
     blocks = _sequence_block_ids(slots[first:last], bs)
-    device = caches[0].device
     planned: list[PlannedChunk] = []
     for chunk, start, end, skip in chunks:
         num_tokens = end - start
@@ -381,7 +403,13 @@ def plan_chunks(
     return planned
 
 
-def write_planned(planned: Sequence[PlannedChunk], kv_caches: KVCaches, layout: KVLayout,
-                  layers: range | None = None) -> None:
+def write_planned(plan: LoadPlan, kv_caches: KVCaches, layers: range | None = None) -> None:
     """Write what `plan_chunks` planned, into `layers` only (indices into the caches; default all)."""
-    _write_blocks(planned, as_list(kv_caches), layout, layers)
+    caches = as_list(kv_caches)
+    for held, layout, planned in plan:
+        own = None
+        if layers is not None:
+            own = range(max(layers.start, held.start) - held.start, min(layers.stop, held.stop) - held.start)
+            if not own:
+                continue
+        _write_blocks(planned, caches[held], layout, own)

@@ -530,7 +530,7 @@ def test_the_layer_pipeline_writes_each_layer_before_its_wait_returns(isa: str, 
     expected = [c.clone() for c in caches]
     scatter_chunks(parts, expected, layout, slots)
     names = [f"layer{i}" for i in range(layout.num_layers)]
-    pipeline = LayerPipeline(layout, names)
+    pipeline = LayerPipeline(names)
     try:
         for round_ in range(3):  # the thread serves one job per step
             dst = [c.clone() for c in caches]
@@ -556,10 +556,11 @@ def test_a_failed_layer_pipeline_write_lets_every_wait_return_and_finish_names_i
     layout, caches, parts, slots = _planned_load(torch.Generator().manual_seed(22), "vec", 0)
     plan = plan_chunks(parts, caches, layout, slots)
     assert plan is not None
-    _, num_blocks, runs, partial = plan[1]
-    plan[1] = (torch.zeros(3, dtype=layout.dtype), num_blocks, runs, partial)  # no chunk of this shape
+    layers, group_layout, planned = plan[0]
+    _, num_blocks, runs, partial = planned[1]
+    planned[1] = (torch.zeros(3, dtype=layout.dtype), num_blocks, runs, partial)  # no chunk of this shape
     names = [f"layer{i}" for i in range(layout.num_layers)]
-    pipeline = LayerPipeline(layout, names)
+    pipeline = LayerPipeline(names)
     refs = [_Ref() for _ in parts]
     try:
         pipeline.add(plan, refs)
@@ -571,6 +572,56 @@ def test_a_failed_layer_pipeline_write_lets_every_wait_return_and_finish_names_i
         assert all(ref.released == 1 for ref in refs)
     finally:
         pipeline.close()
+
+
+def test_grouped_chunks_planned_together_write_what_scatter_writes_group_by_group() -> None:
+    """With KV cache groups (a sliding-window group whose early blocks vLLM freed: slots -1, and a full group,
+    each through its own row of slots), a load's chunks planned together and written by the layer pipeline,
+    layer by layer in the forward's order (registration is group by group), leave every cache as `scatter` of
+    each chunk does; recurrent states are not planned (they go one by one)."""
+    import dataclasses
+
+    from kvmesh.services.engine.core.layer_pipeline import forward_order
+
+    gen = torch.Generator().manual_seed(23)
+    layers, nb, bs, heads, d, dtype = 4, 16, 32, 2, 16, torch.bfloat16
+    layout = dataclasses.replace(cpu_layout(layers, bs, heads, d, dtype, isa="vec"), group_layers=(2, 2),
+                                 groups_tag="gS2w64+0,F2")
+    num_tokens = 6 * bs + 10
+    sliding = block_slots([-1, -1, -1, -1, 12, 0, 7], bs, num_tokens)  # the window's blocks only
+    full = block_slots([9, 3, 4, 5, 13, 1, 8], bs, num_tokens)
+    slots = torch.stack([sliding, full])
+    caches = make_caches(LBHNC, layers, nb, bs, heads, d, dtype, gen, True)
+    # registered group by group (sliding: model layers 0 and 2, full: 1 and 3), as vLLM's hybrid runner does
+    names = ["model.layers.0.attn", "model.layers.2.attn", "model.layers.1.attn", "model.layers.3.attn"]
+    assert forward_order(names) == [names[0], names[2], names[1], names[3]]
+    for skip in (0, 40, 5 * bs + 3):
+        parts = [(rand(layout.chunk_shape(min(start + 2 * bs, num_tokens) - start), dtype, gen), start,
+                  min(start + 2 * bs, num_tokens), min(max(skip - start, 0), min(2 * bs, num_tokens - start)))
+                 for start in range(0, num_tokens, 2 * bs)]
+        expected = [c.clone() for c in caches]
+        for chunk, start, end, chunk_skip in parts:
+            scatter(chunk, expected, layout, slots[:, start:end], chunk_skip)
+        together = [c.clone() for c in caches]
+        scatter_chunks(parts, together, layout, slots)
+        piped = [c.clone() for c in caches]
+        plan = plan_chunks(parts, piped, layout, slots)
+        assert plan is not None and [part[0] for part in plan] == [slice(0, 2), slice(2, 4)]
+        pipeline = LayerPipeline(names)
+        try:
+            pipeline.add(plan, [])
+            pipeline.launch(piped)
+            for name in forward_order(names):
+                pipeline.wait(name)
+                layer = names.index(name)
+                assert torch.equal(bits(piped[layer]), bits(expected[layer])), (skip, name)
+            assert pipeline.finish() is None
+        finally:
+            pipeline.close()
+        for layer in range(layers):
+            assert torch.equal(bits(together[layer]), bits(expected[layer])), (skip, layer)
+        assert any(not torch.equal(bits(expected[layer]), bits(caches[layer])) for layer in range(layers))
+    assert plan_chunks(parts, caches, layout, slots, [False, True, False, False]) is None
 
 
 def test_unpack_block_chunk() -> None:
