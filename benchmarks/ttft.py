@@ -47,6 +47,14 @@ prefix cache on (emptied before each warm sample), LMCache's too, and every peer
 
     python benchmarks/ttft.py --model ~/.cache/kvmesh-tests/models/qwen3next --sizes 2048 8000 --name ttft-gdn \
         --max-num-batched-tokens 256 --reset-prefix-cache
+
+Where a warm sample's time goes (`warm_breakdown_ms` per peer and size, and `breakdown`: KVMesh's CPU-tier hit
+against vLLM's own warm hit, part by part): each server's Prometheus histograms read around every warm sample
+(PARTS): the client's TTFT = api (HTTP, streaming, the API server) + the server's TTFT; the server's = queue (in
+the engine core until scheduled) + prefill (scheduled -> first token: KVMesh's lookup, its start_load_kv, the
+forward) + engine_other; and KVMesh's own lookup and load (`lmcache:time_to_lookup`, `lmcache:time_to_retrieve`).
+With aligned sizes (a multiple of the block size + 1: 8193, 16385) vLLM's warm hit computes one token from its
+prefix cache with no copy, the in-memory limit; at 2048 or 8000 it computes the prompt's last block again.
 """
 
 from __future__ import annotations
@@ -96,6 +104,49 @@ class Prompts:
 
 WARM_TOKENS = 1  # a warm sample's completion: its first token is its last (see the docstring)
 
+# Where a warm sample's time goes, from the server's own histograms: each part's sum over its count, per sample.
+# The client's TTFT = api (HTTP, streaming, the API server) + the server's TTFT; the server's TTFT = queue + prefill
+# + engine_other (the request's way into the engine core, the output's way back).
+PARTS = {
+    "server_ttft_ms": "vllm:time_to_first_token_seconds",
+    "queue_ms": "vllm:request_queue_time_seconds",  # in the engine until scheduled (KVMesh's lookup runs there)
+    "prefill_ms": "vllm:request_prefill_time_seconds",  # scheduled -> first token (start_load_kv, the forward)
+    "kvmesh_lookup_ms": "lmcache:time_to_lookup",  # KVMesh's scheduler lookup of the request
+    "kvmesh_load_ms": "lmcache:time_to_retrieve",  # its start_load_kv (with the layer pipeline: the planning)
+}
+RECORDED_BY = "vllm:request_prefill_time_seconds"  # recorded when the request ends: the sample's parts are in
+
+
+def sample_parts(server: Server, before: dict[str, tuple[float, float]], ttft_s: float) -> dict[str, float]:
+    """The sample's parts in ms (PARTS), once the server recorded the request (a generous deadline)."""
+    # KVMesh's server: its load is recorded too (the worker's stats come with a later step's output)
+    waited = [RECORDED_BY, *(["lmcache:time_to_retrieve"] if "lmcache:time_to_retrieve" in before else [])]
+
+    def counts(snapshot: dict[str, tuple[float, float]]) -> list[float]:
+        return [snapshot.get(name, (0.0, 0.0))[1] for name in waited]
+
+    deadline = time.monotonic() + 30
+    after = server.histograms(("vllm:", "lmcache:"))
+    while time.monotonic() < deadline and any(a <= b for a, b in zip(counts(after), counts(before))):
+        time.sleep(0.05)
+        after = server.histograms(("vllm:", "lmcache:"))
+    parts: dict[str, float] = {}
+    for part, name in PARTS.items():
+        total, count = after.get(name, (0.0, 0.0))
+        total_before, count_before = before.get(name, (0.0, 0.0))
+        if count > count_before:
+            parts[part] = (total - total_before) / (count - count_before) * 1e3
+    if "server_ttft_ms" in parts:
+        parts["api_ms"] = ttft_s * 1e3 - parts["server_ttft_ms"]
+        if "queue_ms" in parts and "prefill_ms" in parts:
+            parts["engine_other_ms"] = parts["server_ttft_ms"] - parts["queue_ms"] - parts["prefill_ms"]
+    return parts
+
+
+def median_parts(samples: list[dict[str, float]]) -> dict[str, float]:
+    names = {name for sample in samples for name in sample}
+    return {name: round(statistics.median(s[name] for s in samples if name in s), 3) for name in sorted(names)}
+
 
 def measure(server: Server, prompts: Prompts, sizes: list[int], cold_repeats: int, warm_repeats: int,
             warm_equals_cold: bool = False, after_cold: Callable[[list[int]], None] | None = None,
@@ -103,7 +154,7 @@ def measure(server: Server, prompts: Prompts, sizes: list[int], cold_repeats: in
             before_warm: Callable[[], None] = lambda: None) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for size in sizes:
-        cold, warm, cold_texts, warm_texts = [], [], [], []
+        cold, warm, cold_texts, warm_texts, parts = [], [], [], [], []
         prompt: list[int] = []
         for _ in range(cold_repeats):
             prompt = prompts.fresh(size, server.name)
@@ -116,14 +167,18 @@ def measure(server: Server, prompts: Prompts, sizes: list[int], cold_repeats: in
         if not warm_equals_cold:
             for _ in range(warm_repeats):
                 before_warm()
+                recorded = server.histograms(("vllm:", "lmcache:"))
                 seconds, text = server.stream(prompt, max_tokens=WARM_TOKENS)
                 warm.append(seconds)
                 warm_texts.append(text)
+                parts.append(sample_parts(server, recorded, seconds))
             before_warm()
             warm_texts.append(server.stream(prompt)[1])  # the untimed check of a whole warm completion
         entry = {"cold_s": cold, "warm_s": warm or cold, "cold_median_s": statistics.median(cold),
                  "warm_median_s": statistics.median(warm or cold),
                  "warm_output_equals_cold": same_output(reference, warm_texts)}
+        if parts:
+            entry["warm_breakdown_ms"] = median_parts(parts)
         if extra_warm is not None:
             entry.update(extra_warm(prompt, size, reference))
         results[str(size)] = entry
@@ -330,6 +385,21 @@ def _last_error(log: str) -> str:
     return (causes or errors or lines[-1:] or ["no output"])[0][:400]
 
 
+def overhead_breakdown(peers: dict[str, Any], sizes: list[int]) -> dict[str, Any]:
+    """Per size, where KVMesh's warm CPU-tier hit spends its time beyond vLLM's own warm hit (the prefix cache
+    peer; with aligned sizes the in-memory limit): each part's median ms for both, and KVMesh's minus vLLM's."""
+    out: dict[str, Any] = {}
+    for size in map(str, sizes):
+        ours = peers.get("kvmesh-cpu", {}).get(size, {}).get("warm_breakdown_ms")
+        limit = peers.get("vllm-prefix-cache", {}).get(size, {}).get("warm_breakdown_ms")
+        if not ours or not limit:
+            continue
+        out[size] = {"kvmesh-cpu": ours, "vllm-prefix-cache": limit,
+                     "kvmesh_minus_vllm_ms": {part: round(ours[part] - limit[part], 3) for part in ours
+                                              if part in limit}}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[2048, 8192, 16384])
@@ -436,11 +506,12 @@ def main(argv: list[str] | None = None) -> int:
             if not name.startswith("kvmesh") and ours:
                 row[f"kvmesh_cpu_warm_over_{name}_warm"] = ours["warm_median_s"] / result[size]["warm_median_s"]
         ratios[size] = row
+    breakdown = overhead_breakdown(peers, args.sizes)
     import torch
     import vllm
 
     summary = {
-        "benchmark": "ttft", "sizes": args.sizes, "peers": peers, "ratios": ratios,
+        "benchmark": "ttft", "sizes": args.sizes, "peers": peers, "ratios": ratios, "breakdown": breakdown,
         "not_run": not_run,
         "model": {"name": model_description(model), "path": str(model)},
         "setup": {"vllm": vllm.__version__, "torch": torch.__version__, "lmcache": lmcache_version, "max_model_len": max_len,
@@ -459,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / f"{args.name}.json").write_text(json.dumps(summary, indent=2) + "\n")
     if plot(summary, args.out / f"{args.name}.png"):
         print(f"plot: {args.out / (args.name + '.png')}")
-    print(json.dumps({"ratios": ratios, "medians": {p: {s: (r[s]["cold_median_s"], r[s]["warm_median_s"])
+    print(json.dumps({"ratios": ratios, "breakdown": breakdown, "medians": {p: {s: (r[s]["cold_median_s"], r[s]["warm_median_s"])
                                                         for s in r} for p, r in peers.items()}}, indent=2))
     return 0
 

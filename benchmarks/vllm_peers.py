@@ -78,12 +78,22 @@ class Server:
 
     def counters(self, prefixes: tuple[str, ...]) -> dict[str, float]:
         """vLLM's Prometheus counters (`*_total`) whose names start with one of `prefixes`, summed over labels."""
+        return self._summed(prefixes, ("_total",))
+
+    def histograms(self, prefixes: tuple[str, ...]) -> dict[str, tuple[float, float]]:
+        """vLLM's Prometheus histograms whose names start with one of `prefixes`: {name: (sum, count)}, summed over
+        labels (e.g. vllm:request_queue_time_seconds, and the connector's lmcache:time_to_lookup)."""
+        summed = self._summed(prefixes, ("_sum", "_count"))
+        names = {name.rsplit("_", 1)[0] for name in summed}
+        return {name: (summed.get(f"{name}_sum", 0.0), summed.get(f"{name}_count", 0.0)) for name in names}
+
+    def _summed(self, prefixes: tuple[str, ...], suffixes: tuple[str, ...]) -> dict[str, float]:
         import httpx
 
         totals: dict[str, float] = {}
         for line in httpx.get(f"{self.url}/metrics", timeout=60).text.splitlines():
             name = line.split("{", 1)[0].split(" ", 1)[0]
-            if line.startswith("#") or not name.endswith("_total") or not name.startswith(prefixes):
+            if line.startswith("#") or not name.endswith(suffixes) or not name.startswith(prefixes):
                 continue
             totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
         return totals
