@@ -406,10 +406,10 @@ def _plan_sequence(chunks: Sequence[tuple[torch.Tensor, int, int, int]], layout:
 def write_planned(plan: LoadPlan, kv_caches: KVCaches, layers: range | None = None) -> None:
     """Write what `plan_chunks` planned, into `layers` only (indices into the caches; default all)."""
     caches = as_list(kv_caches)
-    for held, layout, planned in plan:
+    for among, layout, planned in plan:  # `among`: the group's layers among the caches
         own = None
         if layers is not None:
-            own = range(max(layers.start, held.start) - held.start, min(layers.stop, held.stop) - held.start)
+            own = range(max(layers.start, among.start) - among.start, min(layers.stop, among.stop) - among.start)
             if not own:
                 continue
-        _write_blocks(planned, caches[held], layout, own)
+        _write_blocks(planned, caches[among], layout, own)
