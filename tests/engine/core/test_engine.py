@@ -361,8 +361,8 @@ def _fail_after_first_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
 
     write = paged_torch._write_blocks
 
-    def fail(chunks: list, caches: list[torch.Tensor], layout: object) -> None:
-        write(chunks[:1], caches, layout)
+    def fail(chunks: list, caches: list[torch.Tensor], layout: object, layers: range | None = None) -> None:
+        write(chunks[:1], caches, layout, layers)
         raise torch.cuda.OutOfMemoryError("injected: out of memory mid-copy")
 
     monkeypatch.setattr(paged_torch, "_write_blocks", fail)
