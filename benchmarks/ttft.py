@@ -109,8 +109,9 @@ WARM_TOKENS = 1  # a warm sample's completion: its first token is its last (see 
 # + engine_other (the request's way into the engine core, the output's way back).
 PARTS = {
     "server_ttft_ms": "vllm:time_to_first_token_seconds",
-    "queue_ms": "vllm:request_queue_time_seconds",  # in the engine until scheduled (KVMesh's lookup runs there)
-    "prefill_ms": "vllm:request_prefill_time_seconds",  # scheduled -> first token (start_load_kv, the forward)
+    "queue_ms": "vllm:request_queue_time_seconds",  # in the engine until vLLM stamps it scheduled
+    # scheduled -> first token: KVMesh's lookup (it runs after that stamp), start_load_kv, the forward
+    "prefill_ms": "vllm:request_prefill_time_seconds",
     "kvmesh_lookup_ms": "lmcache:time_to_lookup",  # KVMesh's scheduler lookup of the request
     "kvmesh_load_ms": "lmcache:time_to_retrieve",  # its start_load_kv (with the layer pipeline: the planning)
 }
@@ -530,8 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / f"{args.name}.json").write_text(json.dumps(summary, indent=2) + "\n")
     if plot(summary, args.out / f"{args.name}.png"):
         print(f"plot: {args.out / (args.name + '.png')}")
-    print(json.dumps({"ratios": ratios, "breakdown": breakdown, "medians": {p: {s: (r[s]["cold_median_s"], r[s]["warm_median_s"])
-                                                        for s in r} for p, r in peers.items()}}, indent=2))
+    medians = {p: {s: (r[s]["cold_median_s"], r[s]["warm_median_s"]) for s in r} for p, r in peers.items()}
+    print(json.dumps({"ratios": ratios, "breakdown": breakdown, "medians": medians}, indent=2))
     return 0
 
 
