@@ -46,6 +46,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from kvmesh.shared.wire.keys import STATE_GROUP_TAG
@@ -220,14 +221,13 @@ class KVGroups:
         if not 0 <= start <= end - self.block_size:
             raise ValueError(f"state slots from token {start}: the state after {end} tokens sits in tokens "
                              f"[{end - self.block_size}, {end})")
-        rows = torch.full((len(self.groups), end - start), -1, dtype=torch.int64)
-        offsets = torch.arange(self.block_size, dtype=torch.int64)
+        rows = np.full((len(self.groups), end - start), -1, dtype=np.int64)  # numpy, as slot_rows says why
         for i, (group, table) in enumerate(zip(self.groups, tables)):
             if group.kind == STATE:
                 if not 0 <= column < len(table) or table[column] == -1:
                     raise ValueError(f"no state block in column {column} of a state group's table")
-                rows[i, end - self.block_size - start:] = table[column] * self.block_size + offsets
-        return rows
+                rows[i, end - self.block_size - start:] = table[column] * self.block_size + _offsets(self.block_size)
+        return torch.from_numpy(rows)
 
     @property
     def grouped(self) -> bool:
@@ -335,17 +335,25 @@ def slot_rows(tables: Sequence[Sequence[int]], num_tokens: int, block_size: int,
               start: int = 0) -> torch.Tensor:
     """Slots of tokens [start, num_tokens) in each group, ``[groups, num_tokens - start]`` (int64), -1 for tokens
     in a freed block (the copies skip them). A step's save asks for its own chunks only: its cost then does not
-    grow with the tokens before them."""
+    grow with the tokens before them. Built in numpy and handed to torch once: called on vLLM's model thread every
+    step, where each small torch op would release the GIL and wait to take it back from KVMesh's other threads."""
     first = start // block_size  # the block of token `start`
     num_blocks = -(-num_tokens // block_size)
     window = slice(start - first * block_size, num_tokens - first * block_size)
-    offsets = torch.arange(block_size, dtype=torch.int64)
-    rows = []
-    for table in tables:
+    rows = np.empty((len(tables), num_tokens - start), dtype=np.int64)
+    for row, table in zip(rows, tables):
         if len(table) < num_blocks:
             raise ValueError(f"a block table of {len(table)} blocks for {num_tokens} tokens")
-        blocks = torch.as_tensor(list(table[first:num_blocks]), dtype=torch.int64)
-        slots = (blocks.unsqueeze(1) * block_size + offsets).flatten()[window]
-        slots[(blocks == null_block).repeat_interleave(block_size)[window]] = -1
-        rows.append(slots)
-    return torch.stack(rows)
+        blocks = np.asarray(table[first:num_blocks], dtype=np.int64)
+        slots = blocks[:, None] * block_size + _offsets(block_size)
+        slots[blocks == null_block] = -1
+        row[:] = slots.reshape(-1)[window]
+    return torch.from_numpy(rows)
+
+
+@functools.cache
+def _offsets(block_size: int) -> np.ndarray:
+    """0 .. block_size - 1 (int64, read-only: shared by every call)."""
+    offsets = np.arange(block_size, dtype=np.int64)
+    offsets.flags.writeable = False
+    return offsets

@@ -8,6 +8,7 @@ such as Gemma 2/3: sliding-window layers (0, 2) and full-attention layers (1, 3)
 from __future__ import annotations
 
 import dataclasses
+import random
 from types import SimpleNamespace
 from typing import Any
 
@@ -54,6 +55,25 @@ def test_a_freed_block_has_no_slots_and_a_chunk_is_stored_only_while_a_hit_would
     assert not full_only.grouped and GROUPS.grouped
     assert GROUPS.tag == "gS2w32+0,F2" and "gS2w32+0,F2" in dataclasses.replace(
         PagedKV().layout, group_layers=(2, 2), groups_tag=GROUPS.tag).chunk_format()
+
+
+def test_slot_rows_are_each_tokens_block_slot_from_any_start_and_minus_one_in_freed_blocks() -> None:
+    """The definition token by token (block_ids[i // B] * B + i % B), against slot_rows' vectorised build."""
+    generator = random.Random(7)
+    for _ in range(200):
+        num_blocks = generator.randint(1, 9)
+        width = num_blocks + generator.randint(0, 2)  # a table may hold blocks past the tokens asked for
+        tables = [[generator.choice([-1, generator.randint(0, 99)]) for _ in range(width)]
+                  for _ in range(generator.randint(1, 4))]
+        num_tokens = generator.randint((num_blocks - 1) * BLOCK + 1, num_blocks * BLOCK)
+        start = generator.randint(0, num_tokens)
+        rows = slot_rows(tables, num_tokens, BLOCK, -1, start)
+        assert rows.dtype == torch.int64 and rows.shape == (len(tables), num_tokens - start)
+        expected = [[-1 if table[i // BLOCK] == -1 else table[i // BLOCK] * BLOCK + i % BLOCK
+                     for i in range(start, num_tokens)] for table in tables]
+        assert rows.tolist() == expected
+    with pytest.raises(ValueError, match="block table of 1 blocks for 40 tokens"):
+        slot_rows([[1]], 40, BLOCK, -1)
 
 
 def round_trip(engine: CacheEngine, src_seed: int, dst_seed: int) -> None:
