@@ -115,9 +115,14 @@ class ReqMeta:
         boundary)."""
         if self.group_block_ids is not None:
             return slot_rows(self.group_block_ids, num_tokens, block_size, -1, start)
-        missing = -(-num_tokens // block_size) - len(self.block_ids)
-        table = self.block_ids if missing <= 0 else [*self.block_ids, *[-1] * missing]
-        return slot_rows([table], num_tokens, block_size, -1, start)[0]
+        first = start // block_size  # the block of token `start`
+        blocks = torch.as_tensor(self.block_ids[first: -(-num_tokens // block_size)], dtype=torch.int64)
+        offsets = torch.arange(block_size, dtype=torch.int64)
+        slots = (blocks.unsqueeze(1) * block_size + offsets).flatten()[start - first * block_size:
+                                                                       num_tokens - first * block_size]
+        if len(slots) < num_tokens - start:
+            slots = torch.cat((slots, torch.full((num_tokens - start - len(slots),), -1, dtype=torch.int64)))
+        return slots
 
     def keys_upto(self, end: int, chunk_size: int, last_key: ChunkKey | None = None) -> list[ChunkKey]:
         """The chain keys of tokens [0, end), never of chunks past it (`chunk_keys` may cover more: the same
