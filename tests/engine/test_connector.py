@@ -133,6 +133,12 @@ class FakeEngine:
             raise RuntimeError("pool broken")
         self.stored.append((spans[0].start, spans[-1].end))
 
+    def forward_started(self) -> None:  # no write-behind here
+        pass
+
+    def forward_ended(self) -> None:
+        pass
+
 
 def worker(engine: FakeEngine) -> Any:
     side = worker_side.WorkerSide(EngineConfig(chunk_size=C), B)

@@ -224,6 +224,8 @@ class WorkerSide:
 
     def start_load_kv(self, metadata: "KVConnectorMetadata | None") -> None:
         """Before the forward, with the step's metadata (None: vLLM bound none)."""
+        if self.engine is not None:  # the write-behind waits for the forward's end (core/write_behind.py)
+            self.engine.forward_started()
         if metadata is None:
             return
         assert isinstance(metadata, KVMeshConnectorMetadata)
@@ -364,6 +366,8 @@ class WorkerSide:
         this step, scattered here between forwards). Called after start_load_kv and wait_for_save in every
         step, forward or not."""
         self._end_pipeline()  # also where vLLM defers wait_for_save past this call (a drafter's forward)
+        if self.engine is not None:
+            self.engine.forward_ended()
         sending = self.async_saves.finished_sending(finished_req_ids) or None
         if self.layerwise is not None:
             self.layerwise.release_done()

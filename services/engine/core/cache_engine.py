@@ -398,6 +398,14 @@ class CacheEngine:
             time.sleep(0.01)
         return False
 
+    def forward_started(self) -> None:
+        """vLLM's model thread: a forward runs; the write-behind holds its jobs back (core/write_behind.py)."""
+        self.storage.write_behind.forward_started()
+
+    def forward_ended(self) -> None:
+        """vLLM's model thread: the forward has ended; the write-behind may start its jobs."""
+        self.storage.write_behind.forward_ended()
+
     def wait_write_behind(self, timeout: float = 10.0) -> bool:
         """Block until every queued write-behind finished (tests, benchmarks)."""
         if self.nats_loop is None:

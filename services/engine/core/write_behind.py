@@ -7,6 +7,16 @@ chunk, logged rate-limited); the workers (`write_behind_workers` of them) run on
 store put carries one and the stores refuse bytes that do not match it) -> each store's `put` (the disk store reads
 the slot in place through shared memory).
 
+Yielding to vLLM's forward: the writers run on the NATS loop thread of vLLM's worker process, and every
+Python step they take while a forward runs makes vLLM's model thread wait for the GIL when its next torch op
+returns (measured: the save's own Python on that thread 3-5x slower, a cold Qwen3-Next prompt 1.24x vLLM's with
+the sealed disk store; benchmarks/cold_path.py). So a job starts only between forwards (`forward_started` /
+`forward_ended`, called by the worker connector on vLLM's model thread), unless it has waited
+`write_behind_defer_secs` already, or the queue presses (half of `store_queue_size`, or a quarter of the CPU
+pool's slots: queued chunks cannot be evicted). So deferring never makes the queue skip a chunk nor the pool
+refuse a save, and under steady load every chunk is still written, at most that much later. A job that started
+runs to its end.
+
 Known-held: the chunks every store took (`known_held`), so a store does not gather and send them again; the walk
 forgets those a store says it dropped (`forget`). Bounded by `known_held_keys`, oldest first.
 """
@@ -40,6 +50,7 @@ log = logging.getLogger(__name__)
 class _WriteJob:
     meta: ChunkMeta
     slot: Slot  # holds one reference for the job
+    queued_at: float  # time.monotonic() of its enqueue
     retention: Retention = NO_RETENTION  # the storing request's, carried with each put
     store_to: frozenset[str] | None = None  # the only locations written (its kv_store_tiers; None: all)
 
@@ -67,11 +78,42 @@ class WriteBehind:
         self._known_held: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()
         self._known_lock = threading.Lock()
         self._rlog = RateLimitedLog(log)
+        self._in_forward = False  # written by vLLM's model thread, read by the writers (a plain bool: no lock)
+        self.held_back = 0  # writers waiting for the forward's end (loop thread counts, model thread reads)
+        self._go: asyncio.Event | None = None  # set when a held-back job may start
+
+    # ---- between vLLM's forwards (vLLM's model thread) ----------------------------------------------------------
+    def forward_started(self) -> None:
+        self._in_forward = True
+
+    def forward_ended(self) -> None:
+        self._in_forward = False
+        if self.loop is not None and (self.held_back or self.queue_depth):  # one wake-up of the loop
+            self.loop.call_soon(self._poke)
+
+    async def _until_between_forwards(self, job: _WriteJob) -> None:
+        """Loop thread: until no forward runs, the job has waited write_behind_defer_secs, or the queue presses
+        (module docstring)."""
+        assert self._go is not None
+        while self._in_forward:
+            left = job.queued_at + self.config.write_behind_defer_secs - time.monotonic()
+            if left <= 0 or self._pressing(self.queue_depth):
+                return
+            self._go.clear()
+            self.held_back += 1
+            try:
+                if self._in_forward:  # (else it ended before forward_ended could see this writer waiting)
+                    await asyncio.wait_for(self._go.wait(), left)
+            except asyncio.TimeoutError:
+                return
+            finally:
+                self.held_back -= 1
 
     # ---- the workers (loop thread) ---------------------------------------------------------------------------
     def start(self) -> list[asyncio.Task[None]]:
         """Start the workers on the running loop."""
         self._wake = asyncio.Event()
+        self._go = asyncio.Event()
         self._tasks = [asyncio.create_task(self._writer(), name=f"kvmesh-write-behind-{i}")
                        for i in range(self.config.write_behind_workers)]
         return self._tasks
@@ -121,8 +163,9 @@ class WriteBehind:
         with self._queue_lock:
             full = len(self._queue) >= self.config.store_queue_size
             if not full:
-                self._queue.append(_WriteJob(meta, slot, retention, store_to))
+                self._queue.append(_WriteJob(meta, slot, time.monotonic(), retention, store_to))
                 self._pending[meta.key] += 1
+                depth = len(self._queue)
         if full:
             slot.release()
             self.stats["write_behind_skipped_full"] += 1
@@ -131,12 +174,22 @@ class WriteBehind:
                                self.config.store_queue_size)
             return False
         assert self.loop is not None
-        self.loop.call_soon(self._poke)
+        # During a forward the loop is woken for the first job only (a writer takes it and waits out its time)
+        # and once the queue presses: each wake-up is GIL time the model thread waits for; forward_ended wakes it.
+        if depth == 1 or not self._in_forward or self._pressing(depth):
+            self.loop.call_soon(self._poke)
         return True
 
+    def _pressing(self, depth: int) -> bool:
+        """Whether a queue of `depth` jobs starts them during a forward too (module docstring)."""
+        return depth * 2 >= self.config.store_queue_size or depth * 4 >= self.cpu.pool.num_slots
+
     def _poke(self) -> None:
+        """Loop thread: the idle writers take queued jobs, the held-back ones look again whether to start."""
         if self._wake is not None:
             self._wake.set()
+        if self._go is not None:
+            self._go.set()
 
     def pending(self, key: ChunkKey) -> bool:
         """Whether a job for the chunk is queued or being written."""
@@ -165,6 +218,7 @@ class WriteBehind:
                 continue
             self._writing += 1
             try:
+                await self._until_between_forwards(job)
                 await self._write(job)
             except asyncio.CancelledError:
                 raise

@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 import pytest
 import torch
 
+from kvmesh.services.engine.adapter.request_meta import KVMeshConnectorMetadata
 from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core import token_api
 from kvmesh.services.engine.core.cache_engine import CacheEngine
@@ -22,7 +23,7 @@ from kvmesh.shared.messaging.embedded_nats import EmbeddedNats
 from kvmesh.shared.protocol import LOCAL_CPU, LOCAL_DISK, REMOTE, ChunkMeta, StatsReply
 from kvmesh.shared.wire.keys import ChunkKey, KeyParams
 
-from support.engine import CHUNK, PagedKV, engine_config, random_tokens
+from support.engine import BLOCK, CHUNK, PagedKV, engine_config, random_tokens
 from support.waiting import WAIT_S, finishes, wait_until
 
 PARAMS = KeyParams(model="test-model", kv_format="")
@@ -293,5 +294,69 @@ def test_store_tiers_and_retention_reach_the_stores(nats_url: str) -> None:
         engine.save(hasher.spans(above), **kv.kv(kv.slots(64)), store_to=frozenset({LOCAL_CPU, REMOTE}))
         assert engine.wait_write_behind(WAIT_S)
         assert fake.puts == 2 and token_api.lookup(engine, above, [LOCAL_CPU]) == 64
+    finally:
+        engine.close()
+
+
+# ---- the write-behind yields to vLLM's forward (core/write_behind.py) -------------------------------------------
+def test_chunks_saved_during_a_forward_are_written_once_it_ends(nats_url: str) -> None:
+    """Driven as vLLM's model runner drives the worker connector: the writers hold their jobs back from the
+    forward's start_load_kv to its get_finished, then write every chunk."""
+    connector = pytest.importorskip("kvmesh.services.engine.connector")
+    worker_side = pytest.importorskip("kvmesh.services.engine.adapter.worker_side")
+    kv = PagedKV(num_blocks=256)
+    engine, fake = engine_with_fake(nats_url, kv, write_behind_defer_secs=3600.0)
+    try:
+        side = worker_side.WorkerSide(engine.config, BLOCK)
+        side.engine, side.kv_caches = engine, kv.caches
+        conn = connector.KVMeshConnector.from_sides(worker_side=side)
+        conn.bind_connector_metadata(KVMeshConnectorMetadata())
+        conn.start_load_kv(None)  # the forward runs from here
+        tokens = random_tokens(4 * CHUNK, seed=80)
+        token_api.store(engine, tokens, **kv.kv(kv.slots(4 * CHUNK)))
+        write_behind = engine.storage.write_behind
+        wait_until(lambda: write_behind.held_back == engine.config.write_behind_workers,
+                   what="both writers holding their job back")
+        assert fake.puts == 0 and write_behind.queue_depth == 2
+        conn.wait_for_save()
+        conn.get_finished(set())  # the forward has ended
+        conn.clear_connector_metadata()
+        assert engine.wait_write_behind(WAIT_S) and fake.puts == 4
+        assert write_behind.held_back == 0
+        assert token_api.lookup(engine, tokens, search_range=[LOCAL_DISK]) == 4 * CHUNK
+    finally:
+        engine.close()
+
+
+def test_a_chunk_waits_for_the_forward_no_longer_than_write_behind_defer_secs(nats_url: str) -> None:
+    kv = PagedKV(num_blocks=256)
+    engine, fake = engine_with_fake(nats_url, kv, write_behind_defer_secs=0.2)
+    try:
+        engine.storage.write_behind.forward_started()  # and it never ends
+        token_api.store(engine, random_tokens(6 * CHUNK, seed=81), **kv.kv(kv.slots(6 * CHUNK)))
+        assert engine.wait_write_behind(WAIT_S) and fake.puts == 6
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("overrides, pressing_depth", [
+    ({"store_queue_size": 6}, 3),  # half the queue
+    ({"cpu_chunks": 8}, 2),  # a quarter of the pool's slots: queued chunks cannot be evicted
+], ids=["queue-half-full", "pool-quarter-held"])
+def test_a_pressing_queue_is_written_during_the_forward(nats_url: str, overrides: dict[str, object],
+                                                       pressing_depth: int) -> None:
+    """Deferring never makes the queue skip a chunk nor the pool refuse a save: from `pressing_depth` queued
+    chunks on, the writers start during the forward; what is left below it waits for the forward's end."""
+    kv = PagedKV(num_blocks=256)
+    engine, fake = engine_with_fake(nats_url, kv, write_behind_defer_secs=3600.0, **overrides)
+    try:
+        write_behind = engine.storage.write_behind
+        write_behind.forward_started()
+        token_api.store(engine, random_tokens(6 * CHUNK, seed=82), **kv.kv(kv.slots(6 * CHUNK)))
+        workers = engine.config.write_behind_workers
+        wait_until(lambda: fake.puts >= 6 - (pressing_depth - 1) - workers, what="the pressing part written")
+        assert engine.storage.stats["write_behind_skipped_full"] == 0
+        write_behind.forward_ended()
+        assert engine.wait_write_behind(WAIT_S) and fake.puts == 6
     finally:
         engine.close()
