@@ -118,10 +118,13 @@ PARTS = {
 RECORDED_BY = "vllm:request_prefill_time_seconds"  # recorded when the request ends: the sample's parts are in
 
 
-def sample_parts(server: Server, before: dict[str, tuple[float, float]], ttft_s: float) -> dict[str, float]:
-    """The sample's parts in ms (PARTS), once the server recorded the request (a generous deadline)."""
+def sample_parts(server: Server, before: dict[str, tuple[float, float]], ttft_s: float,
+                 loaded: bool = True) -> dict[str, float]:
+    """The sample's parts in ms (PARTS), once the server recorded the request (a generous deadline). `loaded`:
+    the request loaded KV (a warm sample), whose record is waited for too."""
     # KVMesh's server: its load is recorded too (the worker's stats come with a later step's output)
-    waited = [RECORDED_BY, *(["lmcache:time_to_retrieve"] if "lmcache:time_to_retrieve" in before else [])]
+    waited = [RECORDED_BY, *(["lmcache:time_to_retrieve"] if loaded and "lmcache:time_to_retrieve" in before
+                             else [])]
 
     def counts(snapshot: dict[str, tuple[float, float]]) -> list[float]:
         return [snapshot.get(name, (0.0, 0.0))[1] for name in waited]
