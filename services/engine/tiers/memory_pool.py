@@ -28,12 +28,13 @@ process memory.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -43,7 +44,12 @@ from kvmesh.shared.wire.shm import SharedSegment
 
 log = logging.getLogger(__name__)
 
+CLOSE_WAIT_SECS = 10.0  # how long `close` waits for threads `in_use` (a seal or an open: milliseconds)
 _SLOT_ALIGN = 4096  # slots start page-aligned: aligned reads into them, and no page shared by two slots
+
+
+class MemoryPoolClosed(RuntimeError):
+    """A thread was to work in a pool that is closed (its engine is stopping)."""
 
 
 @dataclass(eq=False)
@@ -144,6 +150,8 @@ class MemoryPool:
         self.num_slabs = max(0, capacity_bytes // self.slab_nbytes)
         size = self.num_slabs * self.slab_nbytes
         self._lock = threading.Lock()
+        self._threads_in = 0  # threads working in the pool's memory outside any slot reference (`in_use`)
+        self._threads_out = threading.Condition(self._lock)
         self.segment: SharedSegment | None = None  # the shared memory, None when the pool is process memory
         self._pinned = False
         if size == 0:
@@ -289,14 +297,34 @@ class MemoryPool:
             slab.cls, slab.free_parts = None, 0
             self._free_slabs.append(slab)
 
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[None]:
+        """The calling thread works in the pool's memory (a worker thread its asyncio caller cannot cancel): `close`
+        waits for it before unmapping. MemoryPoolClosed once the pool is closed."""
+        with self._lock:
+            if self._closed:
+                raise MemoryPoolClosed("the memory pool is closed")
+            self._threads_in += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._threads_in -= 1
+                self._threads_out.notify_all()
+
     def close(self) -> None:
-        """Unregister pinned memory, unmap the segment. Slots must not be used afterwards."""
+        """Unregister pinned memory, unmap the segment (once no thread is `in_use`, at most CLOSE_WAIT_SECS: else
+        the mapping is left to the process's end). Slots must not be used afterwards."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._free_slabs.clear()
             self._free_parts.clear()
+            if not self._threads_out.wait_for(lambda: self._threads_in == 0, CLOSE_WAIT_SECS):
+                log.warning("memory pool closed while %d threads still work in it: its memory stays mapped",
+                            self._threads_in)
+                return
         if self.fault_ahead is not None:  # before the buffer goes
             self.fault_ahead.close()
         if self._pinned:

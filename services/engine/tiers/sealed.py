@@ -33,7 +33,7 @@ import contextlib
 import dataclasses
 import logging
 import struct
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 import msgpack
 
@@ -47,6 +47,8 @@ from kvmesh.services.engine.tiers.base import NO_RETENTION, ChunkBuffer, Retenti
 from kvmesh.services.engine.tiers.memory_pool import MemoryPool, Slot
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 SEALED_MAGIC = b"KVMSC\x01\x00\x00"  # a sealed chunk, version 1
 _PREFIX = struct.Struct(f"<{len(SEALED_MAGIC)}s{KEY_ID_BYTES}s{NONCE_BYTES}sQ")  # magic, key id, nonce, checksum
@@ -183,7 +185,7 @@ class SealedTier:
         the meta the store is to hold and the sealed bytes."""
         slot, staged = self._stage(meta.nbytes + SEAL_OVERHEAD)
         try:
-            stored = await asyncio.to_thread(self.sealer.seal_into, meta, buffer.view, staged.view)
+            stored = await self._in_thread(self.sealer.seal_into, meta, buffer.view, staged.view)
         except Exception:
             if slot is not None:
                 slot.release()
@@ -204,7 +206,7 @@ class SealedTier:
             if stored is None:
                 return None
             try:
-                return await asyncio.to_thread(self.sealer.open_into, key, stored, staged.view, buffer.view)
+                return await self._in_thread(self.sealer.open_into, key, stored, staged.view, buffer.view)
             except SealRejected as exc:
                 self.counts[f"sealed_miss_{exc.why}"] += 1
                 self._rlog.warning(exc.why, "%s: %s: treated as a miss", self.location, exc)
@@ -212,6 +214,15 @@ class SealedTier:
         finally:
             if release is not None:
                 release.release()
+
+    async def _in_thread(self, call: Callable[..., _T], *args: Any) -> _T:
+        """`call(*args)` on a worker thread, which reads or writes the staging pool: a cancelled caller does not stop
+        it, and the pool is not unmapped under it (`MemoryPool.in_use`; a stopping engine closes the pool)."""
+        def in_staging() -> _T:
+            with self.staging.in_use():
+                return call(*args)
+
+        return await asyncio.to_thread(in_staging)
 
     def _stage(self, nbytes: int) -> tuple[Slot | None, ChunkBuffer]:
         """A staging slot (None: process memory) and its buffer, at least `nbytes` long."""

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvmesh.services.engine.adapter.kv_groups import FULL, SLIDING, STATE, KVGroup, KVGroups
 from kvmesh.services.engine.assembly import build_engine
 from kvmesh.services.engine.core.kv_layout import KVLayout
 from kvmesh.services.engine.tiers.cpu import LocalCPUBackend
-from kvmesh.services.engine.tiers.memory_pool import MemoryPool, Slot, slab_nbytes
+from kvmesh.services.engine.tiers.memory_pool import MemoryPool, MemoryPoolClosed, Slot, slab_nbytes
 from kvmesh.shared.ops.local_mesh import LocalMesh
 from kvmesh.shared.protocol import LOCAL_DISK, ChunkMeta
 from kvmesh.shared.wire.keys import KeyParams
@@ -220,3 +222,33 @@ def test_slots_of_both_classes_are_lent_to_the_disk_store_and_read_back_in_place
         del kv
     finally:
         engine.close()
+
+
+def test_a_pool_is_unmapped_only_once_the_threads_working_in_it_are_done() -> None:
+    """A seal or an open runs on a worker thread that cancelling its caller does not stop (tiers/sealed.py): a
+    stopping engine's close waits for it before the shared memory goes, instead of pulling it from under the
+    thread (a segfault)."""
+    pool = MemoryPool(4 * 4096, 4096, use_shm=True)
+    assert pool.segment is not None
+    inside, leave = threading.Event(), threading.Event()
+
+    def sealing() -> None:
+        with pool.in_use():
+            inside.set()
+            leave.wait(WAIT_S)
+
+    worker = threading.Thread(target=sealing)
+    worker.start()
+    assert inside.wait(WAIT_S)
+    closer = threading.Thread(target=pool.close)
+    closer.start()
+    wait_until(lambda: pool._closed, what="close to begin")
+    closer.join(0.5)  # time for an unwaiting close to unmap: it waits instead (this can only pass by waiting)
+    assert closer.is_alive() and pool.segment is not None, "still mapped while the thread works in it"
+    leave.set()
+    worker.join(WAIT_S)
+    closer.join(WAIT_S)
+    assert not closer.is_alive() and pool.segment is None
+    with pytest.raises(MemoryPoolClosed):
+        with pool.in_use():
+            pass
