@@ -79,8 +79,9 @@ def test_defaults() -> None:
     assert config.cache_policy == "LRU"
     assert config.nats_url is None
     assert config.remote_partitions == 1
-    assert config.store_queue_size == 128
+    assert config.store_queue_size == 256
     assert config.write_behind_defer_secs == 2.0
+    assert config.write_behind_idle_secs == 0.1
     assert config.max_local_cpu_bytes == 5 * GB == 5 * 1024**3
     assert config.max_local_disk_bytes == 0
     assert config.remote_size_bytes == 4 * 1024**3
@@ -445,6 +446,7 @@ def test_error_message_format_matches_contract() -> None:
         ("remote_partitions", 0, ">= 1"),
         ("store_queue_size", 0, ">= 1"),
         ("write_behind_defer_secs", -0.5, ">= 0"),
+        ("write_behind_idle_secs", 0, "> 0"),
         ("blocking_timeout_secs", 0, "> 0"),
         ("request_timeout_secs", -1, "> 0"),
         ("heartbeat_interval_secs", 0, "> 0"),

@@ -107,14 +107,15 @@ class EngineConfig:
     remote_size: float = 4.0  # GB, memory cap of the remote store when the engine embeds one
     remote_prefault_size: float = 1.0  # GB of each embedded remote store faulted in at start (<= remote_size)
     remote_partitions: int = 1  # remote-store replicas that keys are partitioned over
-    store_queue_size: int = 128  # write-behind queue depth (chunks) to the disk/remote stores
+    store_queue_size: int = 256  # write-behind queue depth (chunks) to the disk/remote stores
     request_timeout_secs: float = 2.0  # NATS request timeout for control messages
     heartbeat_interval_secs: float = 2.0
     # engine tunables (docs/config.md says what each is for)
     lookup_timeout_secs: float = 2.0  # how long vLLM's scheduler is told "ask again" while the lower tiers answer
     pd_hint_wait_secs: float = 5.0  # a PD consumer's lookup waits this long more for its producer's admissions
     write_behind_workers: int = 2  # concurrent write-behind jobs to the lower tiers
-    write_behind_defer_secs: float = 2.0  # how long a queued chunk may wait for vLLM's forward to end
+    write_behind_defer_secs: float = 2.0  # how long a queued chunk may wait for vLLM to be idle
+    write_behind_idle_secs: float = 0.1  # vLLM is idle once it has run no forward for this long
     fetch_concurrency: int = 4  # concurrent chunk reads from one store during a fetch
     prefetch_cpu_share: float = 0.5  # of the CPU tier, what lookups' prefetched chunks not yet loaded may fill
     # of the CPU tier, what requests' kv_priority / leases may keep over the rest (adapter/request_retention.py)
@@ -333,6 +334,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "pd_hint_wait_secs": _POSITIVE,
     "write_behind_workers": _AT_LEAST_ONE,
     "write_behind_defer_secs": _NON_NEGATIVE,
+    "write_behind_idle_secs": _POSITIVE,
     "fetch_concurrency": _AT_LEAST_ONE,
     "prefetch_cpu_share": (lambda v: 0 <= v <= 1, "must be between 0 and 1"),
     "retained_cpu_share": (lambda v: 0 <= v <= 1, "must be between 0 and 1"),

@@ -7,15 +7,17 @@ chunk, logged rate-limited); the workers (`write_behind_workers` of them) run on
 store put carries one and the stores refuse bytes that do not match it) -> each store's `put` (the disk store reads
 the slot in place through shared memory).
 
-Yielding to vLLM's forward: the writers run on the NATS loop thread of vLLM's worker process, and every
-Python step they take while a forward runs makes vLLM's model thread wait for the GIL when its next torch op
-returns (measured: the save's own Python on that thread 3-5x slower, a cold Qwen3-Next prompt 1.24x vLLM's with
-the sealed disk store; benchmarks/cold_path.py). So a job starts only between forwards (`forward_started` /
-`forward_ended`, called by the worker connector on vLLM's model thread), unless it has waited
-`write_behind_defer_secs` already, or the queue presses (half of `store_queue_size`, or a quarter of the CPU
-pool's slots: queued chunks cannot be evicted). So deferring never makes the queue skip a chunk nor the pool
-refuse a save, and under steady load every chunk is still written, at most that much later. A job that started
-runs to its end.
+Yielding to vLLM: the writers run on the NATS loop thread of vLLM's worker process, and every Python step they
+take while a forward runs makes vLLM's model thread wait for the GIL when its next torch op returns (measured:
+the save's own Python on that thread 3-5x slower, a cold Qwen3-Next prompt 1.24-1.31x vLLM's with the sealed disk
+store; benchmarks/cold_path.py). Starting jobs only between forwards was not enough: a job started in the few
+milliseconds between two steps of a chunked prefill runs on through the next forward (still 1.31x; 1.06x with
+every job held past the prefill). So a job starts once vLLM has run no forward for `write_behind_idle_secs`
+(`forward_started` / `forward_ended`, called by the worker connector on vLLM's model thread; an engine no vLLM
+drives is idle), unless it has waited `write_behind_defer_secs` already, or the queue presses (half of
+`store_queue_size`, or a quarter of the CPU pool's slots: queued chunks cannot be evicted). So deferring never
+makes the queue skip a chunk nor the pool refuse a save, and under steady load every chunk is still written, at
+most that much later. A job that started runs to its end.
 
 Known-held: the chunks every store took (`known_held`), so a store does not gather and send them again; the walk
 forgets those a store says it dropped (`forget`). Bounded by `known_held_keys`, oldest first.
@@ -78,34 +80,38 @@ class WriteBehind:
         self._known_held: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()
         self._known_lock = threading.Lock()
         self._rlog = RateLimitedLog(log)
-        self._in_forward = False  # written by vLLM's model thread, read by the writers (a plain bool: no lock)
-        self.held_back = 0  # writers waiting for the forward's end (loop thread counts, model thread reads)
-        self._go: asyncio.Event | None = None  # set when a held-back job may start
+        self._in_forward = False  # written by vLLM's model thread, read by the writers (plain values: no lock)
+        self._forward_ended_at = float("-inf")  # time.monotonic() of the last forward's end (none yet: idle)
+        self.held_back = 0  # writers waiting for vLLM to be idle (loop thread counts, others read)
+        self._go: asyncio.Event | None = None  # set when a job is queued: held-back writers look again
 
-    # ---- between vLLM's forwards (vLLM's model thread) ----------------------------------------------------------
+    # ---- vLLM's forwards (vLLM's model thread) ----------------------------------------------------------------
     def forward_started(self) -> None:
         self._in_forward = True
 
     def forward_ended(self) -> None:
+        self._forward_ended_at = time.monotonic()
         self._in_forward = False
-        if self.loop is not None and (self.held_back or self.queue_depth):  # one wake-up of the loop
-            self.loop.call_soon(self._poke)
 
-    async def _until_between_forwards(self, job: _WriteJob) -> None:
-        """Loop thread: until no forward runs, the job has waited write_behind_defer_secs, or the queue presses
-        (module docstring)."""
+    async def _until_vllm_idle(self, job: _WriteJob) -> None:
+        """Loop thread: until vLLM has run no forward for write_behind_idle_secs, the job has waited
+        write_behind_defer_secs, or the queue presses (module docstring). Polled every write_behind_idle_secs:
+        no wake-up from vLLM's threads."""
         assert self._go is not None
-        while self._in_forward:
-            left = job.queued_at + self.config.write_behind_defer_secs - time.monotonic()
-            if left <= 0 or self._pressing(self.queue_depth):
+        idle_secs = self.config.write_behind_idle_secs
+        while True:
+            now = time.monotonic()
+            idle_for = -1.0 if self._in_forward else now - self._forward_ended_at
+            left = job.queued_at + self.config.write_behind_defer_secs - now
+            if idle_for >= idle_secs or left <= 0 or self._pressing(self.queue_depth):
                 return
-            self._go.clear()
+            idle_for = max(idle_for, 0.0)
+            self._go.clear()  # set when the queue presses
             self.held_back += 1
             try:
-                if self._in_forward:  # (else it ended before forward_ended could see this writer waiting)
-                    await asyncio.wait_for(self._go.wait(), left)
+                await asyncio.wait_for(self._go.wait(), min(left, idle_secs - idle_for))
             except asyncio.TimeoutError:
-                return
+                pass
             finally:
                 self.held_back -= 1
 
@@ -175,7 +181,7 @@ class WriteBehind:
             return False
         assert self.loop is not None
         # During a forward the loop is woken for the first job only (a writer takes it and waits out its time)
-        # and once the queue presses: each wake-up is GIL time the model thread waits for; forward_ended wakes it.
+        # and once the queue presses: each wake-up is GIL time the model thread waits for.
         if depth == 1 or not self._in_forward or self._pressing(depth):
             self.loop.call_soon(self._poke)
         return True
@@ -218,7 +224,7 @@ class WriteBehind:
                 continue
             self._writing += 1
             try:
-                await self._until_between_forwards(job)
+                await self._until_vllm_idle(job)
                 await self._write(job)
             except asyncio.CancelledError:
                 raise

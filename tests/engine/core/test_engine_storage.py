@@ -328,6 +328,28 @@ def test_chunks_saved_during_a_forward_are_written_once_it_ends(nats_url: str) -
         engine.close()
 
 
+def test_chunks_wait_while_forwards_follow_each_other_and_are_written_once_vllm_is_idle(nats_url: str) -> None:
+    """A chunked prefill's forwards follow each other a few milliseconds apart, and a job started in such a gap
+    would run on through the next forward: none starts until vLLM has run no forward for write_behind_idle_secs."""
+    kv = PagedKV(num_blocks=256)
+    engine, fake = engine_with_fake(nats_url, kv, write_behind_defer_secs=3600.0, write_behind_idle_secs=3.0)
+    try:
+        write_behind = engine.storage.write_behind
+        write_behind.forward_started()
+        token_api.store(engine, random_tokens(4 * CHUNK, seed=83), **kv.kv(kv.slots(4 * CHUNK)))
+        wait_until(lambda: write_behind.held_back == engine.config.write_behind_workers,
+                   what="both writers holding their job back")
+        steps_until = time.monotonic() + 0.5  # drives vLLM's steps for a while; nothing is timed
+        while time.monotonic() < steps_until:
+            write_behind.forward_ended()
+            write_behind.forward_started()
+        assert fake.puts == 0 and write_behind.queue_depth == 2
+        write_behind.forward_ended()  # the last forward: vLLM is idle from here
+        assert engine.wait_write_behind(WAIT_S) and fake.puts == 4
+    finally:
+        engine.close()
+
+
 def test_a_chunk_waits_for_the_forward_no_longer_than_write_behind_defer_secs(nats_url: str) -> None:
     kv = PagedKV(num_blocks=256)
     engine, fake = engine_with_fake(nats_url, kv, write_behind_defer_secs=0.2)
