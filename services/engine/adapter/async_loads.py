@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 # (the worker's while holding the GIL its fetch thread needs): at 10 ms a 31-chunk disk-store load of 8,000
 # tokens took 0.8-5 s on a 2-core machine, at 50 ms 58-113 ms (benchmarks/ttft.py, hybrid demo, issue 38). A
 # request that arrives meanwhile waits at most this long to be scheduled, and only while nothing else runs.
+# The scheduler's empty steps wait as long for a lower-tier lookup in flight (`SchedulerLookup.wait_answer`).
 IDLE_WAIT_SECS = 0.05
 
 

@@ -117,6 +117,8 @@ class SchedulerLookup:
         self._hasher: ChunkHasher | None = None
         self._last_search = 0.0
         self._warned = False
+        self._asking: set[concurrent.futures.Future[int]] = set()  # lower-tier lookups in flight, any request
+        self._asking_lock = threading.Lock()  # the NATS loop's done-callbacks remove from it
 
     # ---- workers ------------------------------------------------------------------------------------------------
     def hasher(self) -> ChunkHasher | None:
@@ -279,7 +281,7 @@ class SchedulerLookup:
                 spans = engine.chunk_spans(keys, num_tokens, state=state)
                 futures.append(engine.nats_loop.submit(engine.lookup_and_prefetch(spans, *peer_of(engine.rank),
                                                                                   prefetch_from, tiers)))
-            return LowerLookup(futures, time.monotonic(), timeout)
+            return self._asked(LowerLookup(futures, time.monotonic(), timeout))
         nats = self._nats
         if nats is None or (nats.nc is not None and not nats.connected):
             return None  # no NATS, or it went down: answer from the CPU tiers at once
@@ -287,8 +289,31 @@ class SchedulerLookup:
         wanted = sorted(tiers) if tiers is not None else None
         requests = [protocol.PrefixLookup(keys, num_tokens, *peer_of(w.rank), prefetch_from, wanted, state)
                     for w in self._workers]
-        return LowerLookup([nats.submit(self._ask(nats, w, request, timeout))
-                            for w, request in zip(self._workers, requests)], time.monotonic(), timeout)
+        return self._asked(LowerLookup([nats.submit(self._ask(nats, w, request, timeout))
+                                        for w, request in zip(self._workers, requests)], time.monotonic(), timeout))
+
+    def _asked(self, lower: LowerLookup) -> LowerLookup:
+        """`lower`'s futures, counted in flight until each is done (`wait_answer`)."""
+        with self._asking_lock:
+            self._asking.update(lower.futures)
+        for future in lower.futures:
+            future.add_done_callback(self._answered)
+        return lower
+
+    def _answered(self, future: concurrent.futures.Future[int]) -> None:
+        with self._asking_lock:
+            self._asking.discard(future)
+
+    def wait_answer(self, timeout: float) -> None:
+        """Wait until one lower-tier lookup in flight is answered, at most `timeout` seconds (none: at once).
+
+        For a step that runs nothing: its requests wait for their lookups, vLLM asks again only next step, and
+        the empty steps between (EngineCore and the workers passing them back and forth) take the cores and the
+        GIL the lookup's NATS round trips need (a cold Qwen3-Next prompt waited 8 ms to be scheduled)."""
+        with self._asking_lock:
+            asking = list(self._asking)
+        if asking:
+            concurrent.futures.wait(asking, timeout, concurrent.futures.FIRST_COMPLETED)
 
     async def _ask(self, nats: "NatsLoop", worker: PublishedWorker, request: protocol.PrefixLookup,
                    timeout: float) -> int:

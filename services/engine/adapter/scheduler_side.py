@@ -13,7 +13,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvmesh.services.engine.adapter.async_loads import loads_asynchronously
+from kvmesh.services.engine.adapter.async_loads import IDLE_WAIT_SECS, loads_asynchronously
 from kvmesh.services.engine.adapter.block_prefix import BlockPrefixProbe
 from kvmesh.services.engine.adapter.connector_stats import KVMeshStats
 from kvmesh.services.engine.adapter.kv_events import KVEventLog, save_descriptions
@@ -252,6 +252,8 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVMeshConnectorMetadata:
         meta = KVMeshConnectorMetadata(idle=scheduler_output.total_num_scheduled_tokens == 0)
+        if meta.idle and self.lookup is not None:
+            self.lookup.wait_answer(IDLE_WAIT_SECS)  # nothing runs: do not spin through empty steps meanwhile
         num_scheduled = scheduler_output.num_scheduled_tokens
         # Preempted requests lost their blocks (this step may reuse them): the workers' handle_preemptions
         # orders the saves still reading them before the forward, and nothing is loaded into them any more.

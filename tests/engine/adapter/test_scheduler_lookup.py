@@ -220,3 +220,26 @@ def test_a_requests_load_tiers_are_the_only_ones_counted(engine: tuple[CacheEngi
     assert worker.storage.stats[f"fetched_{LOCAL_DISK}"] == 0  # and nothing was prefetched for it
     assert ask_until_answered(lookup, chain, len(tokens), None, tiers=frozenset({LOCAL_DISK})) == len(tokens)
     lookup.close()
+
+
+def test_a_step_that_schedules_nothing_waits_for_the_lookup_in_flight(
+        engine: tuple[CacheEngine, PagedKV, StepEventLog]) -> None:
+    """While a request waits for its lower-tier lookup, vLLM's steps schedule nothing: such a step's metadata is
+    built only once a lookup in flight is answered (or IDLE_WAIT_SECS passed), so the request asks again and is
+    answered in the next step, not after empty steps passed back and forth."""
+    from support.connector_driver import Step, request, scheduler_half
+
+    worker, kv, events = engine
+    sched = scheduler_half(worker.config, kv.layout.block_size, saves_off_forward=False)
+    side = sched.scheduler_side
+    assert side is not None and side.lookup is not None
+    try:
+        tokens = random_tokens(3 * CHUNK, seed=23)
+        token_api.store(worker, tokens, **kv.kv(kv.slots(len(tokens))))
+        only_on_disk(worker, events, side.lookup)
+        waiting = request("r1", tokens.tolist())
+        assert sched.get_num_new_matched_tokens(waiting, 0) == (None, False)  # asked below: ask again
+        assert sched.build_connector_meta(Step().output()).idle  # nothing scheduled: waits for the answer
+        assert sched.get_num_new_matched_tokens(waiting, 0)[0] == len(tokens) - 1
+    finally:
+        sched.shutdown()
