@@ -21,6 +21,7 @@ forward. A request with no extras keeps exactly the plain keys.
 from __future__ import annotations
 
 import array
+import functools
 import hashlib
 import sys
 from dataclasses import dataclass, field
@@ -134,6 +135,7 @@ def state_key(chain_key: ChunkKey) -> ChunkKey:
     return hashlib.blake2b(chain_key, digest_size=len(chain_key), person=STATE_PERSON).digest()
 
 
+@functools.lru_cache(maxsize=256)  # asked several times per chunk saved or loaded, of one engine's few formats
 def state_groups(kv_format: str) -> tuple[bool, ...]:
     """Per KV cache group of `kv_format` (or of its groups tag alone), whether it holds recurrent state; () for a
     format without groups. The groups tag is the format's last part (KVLayout.chunk_format)."""
@@ -206,10 +208,11 @@ def num_masked_prefix(mask: Sequence[bool] | np.ndarray | "object" | None, num_t
     return num_false
 
 
-def chunk_spans(chain_keys: Sequence[ChunkKey], num_tokens: int, chunk_size: int) -> list[ChunkSpan]:
-    """Spans of a sequence of `num_tokens` tokens whose chunks have these keys (chunk i = tokens [i*C, ...))."""
-    return [ChunkSpan(i, i * chunk_size, min((i + 1) * chunk_size, num_tokens), key)
-            for i, key in enumerate(chain_keys)]
+def chunk_spans(chain_keys: Sequence[ChunkKey], num_tokens: int, chunk_size: int, first: int = 0) -> list[ChunkSpan]:
+    """Spans of a sequence of `num_tokens` tokens whose chunks have these keys (chunk i = tokens [i*C, ...)), from
+    chunk `first` on (a step's save: its cost does not grow with the chunks before it)."""
+    return [ChunkSpan(i, i * chunk_size, min((i + 1) * chunk_size, num_tokens), chain_keys[i])
+            for i in range(first, len(chain_keys))]
 
 
 class ChunkHasher:

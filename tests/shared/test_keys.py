@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvmesh.shared.wire.keys import KEY_BYTES, ChunkHasher, KeyExtras, KeyParams, num_masked_prefix
+from kvmesh.shared.wire.keys import KEY_BYTES, ChunkHasher, KeyExtras, KeyParams, chunk_spans, num_masked_prefix
 
 PARAMS = KeyParams(model="meta-llama/Llama-3.1-8B-Instruct", kv_format="bfloat16/LBHNC-128")
 
@@ -200,3 +200,11 @@ def test_a_sharing_domain_other_than_the_default_changes_every_key() -> None:
     assert default.root() == hashlib.blake2b(b"kvmesh/1|m|f|1|0", digest_size=KEY_BYTES).digest()
     roots = {KeyParams(model="m", kv_format="f", domain=name).root() for name in ("default", "tenant-a", "tenant-b")}
     assert len(roots) == 3
+
+
+def test_chunk_spans_from_a_later_chunk_are_the_tail_of_the_whole_sequences() -> None:
+    keys = [bytes([i]) * 16 for i in range(5)]
+    whole = chunk_spans(keys, 4 * 256 + 10, 256)
+    assert [span.end for span in whole] == [256, 512, 768, 1024, 1034]
+    for first in range(6):
+        assert chunk_spans(keys, 4 * 256 + 10, 256, first) == whole[first:]

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from kvmesh.services.engine.mesh.nats_loop import NatsLoop
 
 log = logging.getLogger(__name__)
+SEARCH_INTERVAL_SECS = 1.0  # how often workers of other processes are looked for, and checked alive once found
 
 
 # ---- the process's engines (one process: scheduler and workers together) --------------------------------------
@@ -116,6 +117,7 @@ class SchedulerLookup:
         self._workers: list[PublishedWorker] = []
         self._hasher: ChunkHasher | None = None
         self._last_search = 0.0
+        self._alive_at = float("-inf")  # when the workers' processes were last seen alive
         self._warned = False
         self._asking: set[concurrent.futures.Future[int]] = set()  # lower-tier lookups in flight, any request
         self._asking_lock = threading.Lock()  # the NATS loop's done-callbacks remove from it
@@ -132,10 +134,14 @@ class SchedulerLookup:
             if len(self._workers) != len(local):
                 self._use([PublishedWorker.of(engine, "") for engine in local])
             return
-        if len(self._workers) == self.world_size and all(pid_alive(w.pid) for w in self._workers):
-            return
         now = time.monotonic()
-        if now - self._last_search < 1.0:
+        if len(self._workers) == self.world_size:
+            if now - self._alive_at < SEARCH_INTERVAL_SECS:  # asked per request per step: a syscall per worker
+                return
+            if all(pid_alive(w.pid) for w in self._workers):
+                self._alive_at = now
+                return
+        if now - self._last_search < SEARCH_INTERVAL_SECS:
             return
         self._last_search = now
         workers = find_workers(self.world_size)

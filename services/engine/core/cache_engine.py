@@ -134,7 +134,7 @@ class CacheEngine:
         """This worker's spans of chunks [first_chunk, len(chain_keys)) of a `num_tokens`-token sequence (`state`:
         the keys name recurrent states, looked up alone as one-chunk sequences: scheduler_lookup.py)."""
         _, hasher, _, _, _ = self.ready()
-        spans = chunk_spans(chain_keys, num_tokens, self.config.chunk_size)[first_chunk:]
+        spans = chunk_spans(chain_keys, num_tokens, self.config.chunk_size, first_chunk)
         if state:
             spans = [dataclasses.replace(span, state=True) for span in spans]
         return hasher.shard(spans)

@@ -70,6 +70,7 @@ Chunk formats
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -209,19 +210,11 @@ class KVLayout:
             return self.chunk_format()
         return self.chunk_format() + (STATE_KIND if state else CHUNK_KIND)
 
-    def group_slices(self, state: bool = False) -> list[tuple[int, slice, slice, "KVLayout"]]:
+    def group_slices(self, state: bool = False) -> tuple[tuple[int, slice, slice, "KVLayout"], ...]:
         """The groups an object holds (`object_layers`: all, or with state groups the attention groups' for a
         chunk, the state groups' for a state), each as (its row of slots, its layers among vLLM's caches in group
         order, its layers in the object, the layout of those layers alone)."""
-        kinds = self.state_groups or (False,) * len(self.group_layers)
-        slices, start, held = [], 0, 0
-        for row, (count, is_state) in enumerate(zip(self.group_layers, kinds)):
-            if is_state == state:
-                slices.append((row, slice(start, start + count), slice(held, held + count),
-                               replace(self, num_layers=count, group_layers=(), groups_tag="")))
-                held += count
-            start += count
-        return slices
+        return _group_slices(self, state)
 
     @property
     def replicated_across_ranks(self) -> bool:
@@ -379,3 +372,16 @@ def detect_layout(
     if len(shape) == 3:
         return per_token(MLA_3D, shape[1], 1, shape[2], planes=1)
     raise ValueError(f"unknown KV cache shape {shape} for backend {backend_name!r}")
+
+
+@functools.lru_cache(maxsize=64)  # per save and load of every chunk and state, of one engine's few layouts
+def _group_slices(layout: KVLayout, state: bool) -> tuple[tuple[int, slice, slice, KVLayout], ...]:
+    kinds = layout.state_groups or (False,) * len(layout.group_layers)
+    slices, start, held = [], 0, 0
+    for row, (count, is_state) in enumerate(zip(layout.group_layers, kinds)):
+        if is_state == state:
+            slices.append((row, slice(start, start + count), slice(held, held + count),
+                           replace(layout, num_layers=count, group_layers=(), groups_tag="")))
+            held += count
+        start += count
+    return tuple(slices)

@@ -180,9 +180,10 @@ class WriteBehind:
                                self.config.store_queue_size)
             return False
         assert self.loop is not None
-        # During a forward the loop is woken for the first job only (a writer takes it and waits out its time)
-        # and once the queue presses: each wake-up is GIL time the model thread waits for.
-        if depth == 1 or not self._in_forward or self._pressing(depth):
+        # The loop is woken for the first job only (a writer takes it and waits out its time, looking at vLLM's
+        # idleness itself) and once the queue presses: each wake-up is GIL time vLLM's model thread waits for, and
+        # this runs after every forward of a prefill.
+        if depth == 1 or self._pressing(depth):
             self.loop.call_soon(self._poke)
         return True
 

@@ -68,14 +68,23 @@ class Slot:
     refs: int = 0
     slab: "_Slab | None" = field(default=None, repr=False)  # the slab it is carved from
     cls: int = 0  # its size class (CHUNK_CLASS, STATE_CLASS)
+    # the last `view` asked, as (dtype, shape, view): a slot holds objects of one shape again and again, and each
+    # torch op on vLLM's model thread lets KVMesh's other threads take the GIL
+    _last_view: tuple[torch.dtype, tuple[int, ...], torch.Tensor] | None = field(default=None, repr=False)
 
     def view(self, dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
         """The slot's leading bytes as a tensor of `dtype` and `shape` (no copy)."""
+        shape = tuple(shape)
+        last = self._last_view
+        if last is not None and last[0] == dtype and last[1] == shape:
+            return last[2]
         count = 1
         for dim in shape:
             count *= dim
         nbytes = count * dtype.itemsize
-        return self.tensor[:nbytes].view(dtype).view(tuple(shape))
+        view = self.tensor[:nbytes].view(dtype).view(shape)
+        self._last_view = (dtype, shape, view)
+        return view
 
     def chunk_buffer(self, nbytes: int | None = None) -> ChunkBuffer:
         """Where a store on this host finds the slot's bytes: a byte view plus the shared segment and offset."""

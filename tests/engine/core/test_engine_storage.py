@@ -350,6 +350,30 @@ def test_chunks_wait_while_forwards_follow_each_other_and_are_written_once_vllm_
         engine.close()
 
 
+def test_chunks_queued_after_each_forward_wake_the_writers_only_for_the_first(nats_url: str,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill's save queues chunks after every forward, while the writers hold theirs back until vLLM is idle:
+    a wake-up of the loop for each would only take the GIL from vLLM's model thread. Only a job queued into an
+    empty queue wakes them (once per writer that takes one, and once more); all are written once vLLM is idle."""
+    kv = PagedKV(num_blocks=256)
+    engine, fake = engine_with_fake(nats_url, kv, write_behind_defer_secs=3600.0, write_behind_idle_secs=3.0)
+    try:
+        write_behind = engine.storage.write_behind
+        pokes: list[None] = []
+        poke = write_behind._poke
+        monkeypatch.setattr(write_behind, "_poke", lambda: (pokes.append(None), poke()))
+        tokens = random_tokens(8 * CHUNK, seed=87)
+        for step in range(1, 9):  # one chunk per step, saved after its forward
+            write_behind.forward_started()
+            write_behind.forward_ended()
+            token_api.store(engine, tokens[:step * CHUNK], **kv.kv(kv.slots(step * CHUNK)))
+        on_loop(engine, lambda: None)  # every wake-up queued before this has run
+        assert len(pokes) <= engine.config.write_behind_workers + 1
+        assert engine.wait_write_behind(WAIT_S) and fake.puts == 8
+    finally:
+        engine.close()
+
+
 def test_a_chunk_waits_for_the_forward_no_longer_than_write_behind_defer_secs(nats_url: str) -> None:
     kv = PagedKV(num_blocks=256)
     engine, fake = engine_with_fake(nats_url, kv, write_behind_defer_secs=0.2)

@@ -252,3 +252,23 @@ def test_a_pool_is_unmapped_only_once_the_threads_working_in_it_are_done() -> No
     with pytest.raises(MemoryPoolClosed):
         with pool.in_use():
             pass
+
+
+def test_a_slot_viewed_again_in_the_same_shape_gives_its_bytes_without_new_views() -> None:
+    """A slot holds objects of one shape again and again (each step's save): its view is made once, and a view of
+    another dtype or shape is of the same leading bytes."""
+    pool = MemoryPool(4 * 4096, 4096, use_shm=False)
+    try:
+        slot = pool.allocate()
+        assert slot is not None
+        first = slot.view(torch.float32, [4, 8])
+        first.copy_(torch.arange(32, dtype=torch.float32).view(4, 8))
+        assert slot.view(torch.float32, (4, 8)) is first
+        other = slot.view(torch.int32, (2, 16))
+        assert other.shape == (2, 16) and other.dtype == torch.int32
+        assert torch.equal(other.view(torch.float32).view(-1), torch.arange(32, dtype=torch.float32))
+        half = slot.view(torch.float32, (16,))
+        assert torch.equal(half, torch.arange(16, dtype=torch.float32))
+        assert slot.view(torch.float32, (4, 8)).data_ptr() == slot.tensor.data_ptr()
+    finally:
+        pool.close()
